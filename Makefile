@@ -1,0 +1,37 @@
+# The two commands a new user needs: `make demo` (the main job on an embedded
+# default, on this machine's CPU) and `make test` (the CPU test suite).
+# Everything runs from .venv, created by `make setup` on first use.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup test demo lint bench test-slurm clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt requirements-test.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --disable-pip-version-check -r requirements.txt -r requirements-test.txt
+	touch $(STAMP)
+
+test: setup
+	$(PY) tests/run.py
+
+demo: setup
+	$(PY) demo.py
+
+lint: setup
+	$(PY) -m compileall -q *.py tests bench
+	$(VENV)/bin/shellcheck -x env.sh central.sh sites/*.sh jobs/*.sh
+
+bench: setup
+	@set -e; for b in bench/*.py; do echo "== $$b"; $(PY) $$b; done
+
+# Runs every job script under a real single-node Slurm on this machine (needs root).
+test-slurm: setup
+	$(PY) tests/run.py slurm_jobs
+
+clean:
+	rm -rf runs/demo
