@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# jobs/task_wrapper.sh - the per-rank entry of every job: site-agnostic, one per srun task.
+#
+#   srun --cpu-bind="$(pww_cpu_bind)" jobs/task_wrapper.sh python train.py ARGS...
+#
+# Runs on: compute nodes, once per task (= per GPU). Needs the environment exported by
+# env.sh in the batch script (srun passes it on). In order, it:
+#   1. sets RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE from SLURM_* (kept if set),
+#   2. pins this rank to one GPU through the site's $PWW_PIN_VAR: the LOCAL_RANK-th entry
+#      of the list Slurm handed the job (or LOCAL_RANK itself when there is no list), so
+#      each process sees exactly one GPU, as device 0,
+#   3. gives each rank its own MIOpen cache when the site asks for one (LUMI: the default
+#      one in $HOME is not multi-process safe; concurrent ranks die on SQLite errors),
+#   4. prints one line per rank (host, GPU, CPU affinity), then execs CMD inside the
+#      site's container or venv (pww_run).
+set -euo pipefail
+
+die() { echo "task_wrapper: $*" >&2; exit 2; }
+[ $# -gt 0 ] || die "usage: task_wrapper.sh CMD [ARGS...]"
+
+export RANK=${RANK:-${SLURM_PROCID:?task_wrapper.sh runs under srun (SLURM_PROCID unset)}}
+export LOCAL_RANK=${LOCAL_RANK:-${SLURM_LOCALID:-0}}
+export WORLD_SIZE=${WORLD_SIZE:-${SLURM_NTASKS:-1}}
+tasks_here=${SLURM_NTASKS_PER_NODE:-${SLURM_STEP_TASKS_PER_NODE:-1}}
+export LOCAL_WORLD_SIZE=${LOCAL_WORLD_SIZE:-${tasks_here%%[!0-9]*}}
+
+PWW_ROOT=${PWW_ROOT:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}
+# shellcheck source=env.sh
+source "$PWW_ROOT/env.sh"
+
+gpu="-"
+if [ -n "${PWW_PIN_VAR:-}" ]; then
+    visible=${!PWW_PIN_VAR:-}
+    if [ -n "$visible" ]; then
+        IFS=, read -r -a devices <<< "$visible"
+        [ "$LOCAL_RANK" -lt "${#devices[@]}" ] || die "local rank $LOCAL_RANK but $PWW_PIN_VAR=$visible lists only ${#devices[@]} GPUs; ask for one GPU per task (--gpus-per-node = --ntasks-per-node)"
+        gpu=${devices[$LOCAL_RANK]}
+    else
+        gpu=$LOCAL_RANK
+    fi
+    export "$PWW_PIN_VAR=$gpu"
+fi
+
+if [ -n "${PWW_MIOPEN_CACHE_TEMPLATE:-}" ]; then
+    cache=${PWW_MIOPEN_CACHE_TEMPLATE//\{job\}/${SLURM_JOB_ID:-nojob}}
+    cache=${cache//\{rank\}/$LOCAL_RANK}
+    mkdir -p "$cache"
+    export MIOPEN_USER_DB_PATH=$cache MIOPEN_CUSTOM_CACHE_DIR=$cache
+fi
+
+affinity=$(taskset -cp $$ 2>/dev/null | sed 's/.*: //' || echo "?")
+echo "task_wrapper: rank $RANK/$WORLD_SIZE local $LOCAL_RANK on $(hostname -s) site $PWW_SITE ${PWW_PIN_VAR:-gpu}=$gpu cpus $affinity"
+
+pww_runtime_cmd "$@"
+exec "${PWW_CMD[@]}"

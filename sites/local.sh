@@ -1,0 +1,23 @@
+# shellcheck shell=bash
+# sites/local.sh - this kind of machine: a CPU-only box (a laptop, a CI runner, a VM with a
+# single-node Slurm for testing the job scripts). Sourced by env.sh; only exports.
+# The device is forced to cpu (gloo) whatever GPU GRES the local Slurm pretends to have.
+
+export PWW_ACCEL=cpu
+export PWW_PIN_VAR=                         # nothing to pin: fake GRES has no GPU behind it
+export PWW_DEVICE=cpu
+_pww_nproc=$(nproc 2>/dev/null || echo 2)
+export PWW_RANKS_PER_NODE=${PWW_RANKS_PER_NODE:-$(( _pww_nproc < 2 ? 1 : 2 ))}
+export PWW_CORES_PER_RANK=${PWW_CORES_PER_RANK:-1}
+unset _pww_nproc
+export PWW_PARTITIONS="debug"
+export PWW_SCRATCH=${PWW_SCRATCH:-$PWW_ROOT}
+export PWW_RUNNER=${PWW_RUNNER:-venv}
+export PWW_VENV=${PWW_VENV:-$PWW_ROOT/.venv}
+# Oversubscribed ranks (8 on 2 cores) each spinning 2+ OpenMP threads slow each other
+# down by an order of magnitude; one thread per rank keeps a tiny job fast.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+pww_cpu_bind() {
+    echo none
+}
