@@ -53,9 +53,13 @@ class Response:
     """A non-JSON reply: `body` bytes, or `path` + `offset` + `length` streamed from a file."""
 
     def __init__(self, status=200, headers=None, body=b"", path=None, offset=0, length=None,
-                 content_type="application/octet-stream"):
+                 content_type="application/octet-stream", file=None):
         self.status, self.headers, self.body = status, dict(headers or {}), body
         self.path, self.offset, self.length, self.content_type = path, offset, length, content_type
+        # `file`: an already open binary file to stream instead of opening `path` (closed after
+        # sending). A route that opens the file itself keeps serving it even if the name is
+        # replaced or unlinked before the reply goes out.
+        self.file = file
 
 
 class Request:
@@ -234,6 +238,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(data)
 
     def _send_response(self, r):
+        if r.file is not None:
+            try:
+                self._send_file_response(r)
+            finally:
+                r.file.close()
+            return
         length = len(r.body) if r.path is None else r.length
         self.send_response(r.status)
         self.send_header("Content-Type", r.content_type)
@@ -249,6 +259,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.flush()
         with open(r.path, "rb") as f:
             _sendfile(self.connection, f, r.offset, length)
+
+    def _send_file_response(self, r):
+        length = r.length if r.length is not None else os.fstat(r.file.fileno()).st_size - r.offset
+        self.send_response(r.status)
+        self.send_header("Content-Type", r.content_type)
+        self.send_header("Content-Length", str(length))
+        for k, v in r.headers.items():
+            self.send_header(k, str(v))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.flush()
+            _sendfile(self.connection, r.file, r.offset, length)
 
     def log_message(self, fmt, *args):
         if not self.quiet:
