@@ -1,0 +1,403 @@
+"""diloco.py - DiLoCo inside one allocation: k model replicas, an outer step every H inner steps.
+
+Runs on: compute nodes, imported by train.py (and smoke.py, bench/outer_overhead.py).
+Not started on its own. No port, no state directory of its own: its state
+(theta, outer momentum, counters) travels inside train.py's checkpoints
+(checkpoint.py), and one "diloco" row per outer step goes to runs/<run>/metrics.jsonl.
+
+The allocation's W ranks are cut into k contiguous blocks of n = W / k ranks:
+
+    k=2 on one 8-GPU node:  replica 0 = ranks 0-3    replica 1 = ranks 4-7
+                            inner group: DDP/FSDP every step, inside the block
+                            outer groups {0,4} {1,5} {2,6} {3,7}: every H steps
+
+Contiguous because Slurm numbers ranks node by node: a replica spans as few nodes
+as possible, so the per-step inner all-reduce stays on the fast local links.
+Every rank does the outer step itself, with the ranks holding the same position
+in the other replicas. Under DDP those ranks hold identical replicas, so n
+parallel k-way exchanges leave every rank with theta and no broadcast is needed
+afterwards; under FSDP rank j holds shard j and exchanges it with the ranks
+holding shard j elsewhere - the same code, on local shards.
+
+The outer step (DiLoCo, Douillard et al. 2023):
+    delta_i = theta - theta_i          this replica's drift over the phase
+    g       = mean_i delta_i           the pseudo-gradient
+    theta  <- OuterOpt(theta, g)       torch.optim.SGD(lr, momentum, nesterov=True)
+Defaults: Nesterov, lr 0.7, momentum 0.9. `sgd` with lr 1.0 and momentum 0 makes
+theta = mean_i theta_i exactly, i.e. FederatedAveraging (the control arm).
+
+Who moves the bytes is one small interface, OuterCarrier: AllReduceCarrier
+averages the deltas over the outer group; a cross-site carrier (HTTP to
+fedmom_server.py) can send this site's delta and receive the new theta instead,
+without changing the counting, the metrics or the copy-back here.
+
+In train.py:
+    layout = diloco.ReplicaLayout.build(dist.world_size, dist.rank, args.diloco_replicas)
+    model = DDP(model, process_group=layout.inner_group)      # or fully_shard(mesh=layout.mesh["shard"])
+    outer = diloco.DiLoCo(model, layout, diloco.DiLoCoConfig.from_args(args))
+    for step in ...:
+        loss.backward(); opt.step()
+        row = outer.after_inner_step()        # collective every H steps: ALL ranks must call it
+        if row: log(row)
+    outer.finish()                            # flush the trailing partial phase, then eval
+    with outer.global_weights(): evaluate(model); checkpoint.save(...)
+
+Every rank must reach the outer step the same number of times (it is a
+collective triggered by a per-rank counter): a ragged last batch or a rank-local
+`continue` in the inner loop hangs the job in the all-reduce instead of failing.
+"""
+import contextlib
+import dataclasses
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+OUTER_OPTIMIZERS = ("nesterov", "sgd")
+OUTER_DEVICES = ("same", "cpu")
+
+
+# ----------------------------------------------------------------------------- layout
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclasses.dataclass
+class ReplicaLayout:
+    """Where this rank sits: replica r of k, position j of n inside it.
+
+    inner_ranks = [r*n, (r+1)*n)        my replica (DDP / FSDP group)
+    outer_ranks = [j, j+n, j+2n, ...]   the same position in every replica
+    mesh: the 2-D DeviceMesh ("replica", "shard") of shape (k, n); mesh["shard"]
+    is the inner group (give it to fully_shard), mesh["replica"] the outer one.
+    """
+    world_size: int
+    rank: int
+    replicas: int
+    replica_size: int
+    replica: int
+    local_index: int
+    inner_ranks: list
+    outer_ranks: list
+    mesh: object = None
+    inner_group: object = None
+    outer_group: object = None
+
+    @staticmethod
+    def check(world_size, replicas):
+        """Raise ValueError naming the flag when k does not cut the world into equal blocks."""
+        if replicas < 1 or world_size % replicas:
+            ok = ", ".join(map(str, _divisors(world_size)))
+            ok = ok.rsplit(", ", 1)
+            ok = " or ".join(ok)
+            raise ValueError(f"--diloco-replicas {replicas} does not divide {world_size} ranks; use {ok}")
+
+    @classmethod
+    def plan(cls, world_size, rank, replicas):
+        """The rank arithmetic only, no process groups (usable without torch.distributed)."""
+        cls.check(world_size, replicas)
+        n = world_size // replicas
+        r, j = divmod(rank, n)
+        return cls(world_size=world_size, rank=rank, replicas=replicas, replica_size=n,
+                   replica=r, local_index=j,
+                   inner_ranks=list(range(r * n, (r + 1) * n)),
+                   outer_ranks=list(range(j, world_size, n)))
+
+    @classmethod
+    def build(cls, world_size, rank, replicas, device_type=None):
+        """Plan the layout and create its process groups (collective: call on every rank).
+
+        The groups come from init_device_mesh(device_type, (k, n)), which creates
+        every row and column group on every rank in the same order, as
+        dist.new_group requires. device_type defaults from the backend
+        ("cuda" for nccl, which is also ROCm's device type; "cpu" for gloo).
+        """
+        layout = cls.plan(world_size, rank, replicas)
+        if not dist.is_initialized() or dist.get_world_size() != world_size:
+            raise RuntimeError("ReplicaLayout.build needs torch.distributed initialised over "
+                               f"{world_size} ranks (train.init_distributed())")
+        if device_type is None:
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        from torch.distributed.device_mesh import init_device_mesh
+        layout.mesh = init_device_mesh(device_type, (replicas, layout.replica_size),
+                                       mesh_dim_names=("replica", "shard"))
+        layout.inner_group = layout.mesh.get_group("shard")
+        layout.outer_group = layout.mesh.get_group("replica")
+        return layout
+
+
+# ----------------------------------------------------------------------------- config
+
+@dataclasses.dataclass
+class DiLoCoConfig:
+    inner_steps: int = 100              # H: inner steps between outer steps
+    outer_optimizer: str = "nesterov"   # "nesterov" | "sgd"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_device: str = "same"          # where theta and the outer momentum live: "same" | "cpu"
+
+    def __post_init__(self):
+        if self.inner_steps < 1:
+            raise ValueError(f"--diloco-inner-steps {self.inner_steps}: must be >= 1")
+        if self.outer_optimizer not in OUTER_OPTIMIZERS:
+            raise ValueError(f"--diloco-outer-optimizer {self.outer_optimizer!r}: use one of {OUTER_OPTIMIZERS}")
+        if not self.outer_lr > 0:
+            raise ValueError(f"--diloco-outer-lr {self.outer_lr}: must be > 0 (1.0 with sgd/0 is FedAvg)")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"--diloco-outer-momentum {self.outer_momentum}: must be in [0, 1)")
+        if self.outer_optimizer == "nesterov" and self.outer_momentum == 0:
+            raise ValueError("--diloco-outer-momentum 0 with nesterov: Nesterov needs momentum > 0; "
+                             "use --diloco-outer-optimizer sgd for plain averaging")
+        if self.outer_device not in OUTER_DEVICES:
+            raise ValueError(f"--diloco-outer-device {self.outer_device!r}: use one of {OUTER_DEVICES}")
+
+    @classmethod
+    def fedavg(cls, inner_steps):
+        """sgd, lr 1.0, momentum 0: theta becomes the plain mean of the replicas."""
+        return cls(inner_steps=inner_steps, outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0)
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(inner_steps=args.diloco_inner_steps, outer_optimizer=args.diloco_outer_optimizer,
+                   outer_lr=args.diloco_outer_lr, outer_momentum=args.diloco_outer_momentum,
+                   outer_device=args.diloco_outer_device)
+
+
+def add_diloco_args(parser):
+    """The --diloco-* flags, shared by train.py, smoke.py and the benches."""
+    d = DiLoCoConfig()
+    g = parser.add_argument_group("DiLoCo (k replicas inside this allocation)")
+    g.add_argument("--diloco-replicas", type=int, default=1,
+                   help="k: model replicas, contiguous equal rank blocks; must divide the rank count "
+                        "(default 1 = plain data parallel, no outer step)")
+    g.add_argument("--diloco-inner-steps", type=int, default=d.inner_steps,
+                   help=f"H: inner steps between outer steps (default {d.inner_steps})")
+    g.add_argument("--diloco-outer-optimizer", choices=OUTER_OPTIMIZERS, default=d.outer_optimizer,
+                   help=f"outer optimizer (default {d.outer_optimizer}; sgd + lr 1.0 + momentum 0 = FedAvg)")
+    g.add_argument("--diloco-outer-lr", type=float, default=d.outer_lr,
+                   help=f"outer learning rate (default {d.outer_lr})")
+    g.add_argument("--diloco-outer-momentum", type=float, default=d.outer_momentum,
+                   help=f"outer momentum (default {d.outer_momentum})")
+    g.add_argument("--diloco-outer-device", choices=OUTER_DEVICES, default=d.outer_device,
+                   help="where theta and the outer momentum live: 'same' as the model, or 'cpu' "
+                        "(saves two fp32 parameter copies of device memory for two host<->device "
+                        f"copies per outer step; default {d.outer_device})")
+    return g
+
+
+# ----------------------------------------------------------------------------- carriers
+
+@dataclasses.dataclass
+class OuterExchange:
+    """What a carrier gets for one outer step. Tensors are this rank's local
+    shards (whole tensors under DDP), fp32, in `names` order."""
+    names: list
+    params: list                 # the model's parameters (DTensor under FSDP), read-only here
+    deltas: list                 # theta - theta_i of this replica, views into `flat`
+    flat: torch.Tensor           # the deltas as one fp32 buffer on the model's device
+    theta: list                  # the carrier leaves the new global theta in these, in place
+    outer_opt: torch.optim.Optimizer   # SGD over `theta`; a carrier that gets theta from a server ignores it
+    inner_steps: int             # length of the phase just finished (short for the trailing flush)
+
+
+class OuterCarrier:
+    """Moves one outer step's data. Implement outer_step(); the rest has defaults."""
+
+    def outer_step(self, ex: OuterExchange) -> dict:
+        """Leave the new theta in ex.theta. Return metrics known here, e.g.
+        {"avg_delta_sq": squared norm of the mean delta on this rank's shard}."""
+        raise NotImplementedError
+
+    def broadcast_initial(self, tensors):
+        """Make these local tensors equal across replicas before training (theta(0))."""
+        raise NotImplementedError
+
+    def sync_buffers(self, buffers):
+        """Floating-point buffers (BatchNorm running statistics): keep as is by default."""
+
+
+class AllReduceCarrier(OuterCarrier):
+    """The in-allocation carrier: one all-reduce of the flat delta buffer over the
+    outer group, then OuterOpt with grad = mean delta, on every rank redundantly."""
+
+    def __init__(self, layout):
+        self.group = layout.outer_group
+        self.k = layout.replicas
+        self.src = layout.outer_ranks[0]      # the rank of replica 0 at my position
+
+    def outer_step(self, ex):
+        if self.k > 1:
+            dist.all_reduce(ex.flat, op=dist.ReduceOp.SUM, group=self.group)
+        ex.flat.div_(self.k)
+        for t, d in zip(ex.theta, ex.deltas):
+            t.grad = d.to(t.device, non_blocking=True) if d.device != t.device else d
+        ex.outer_opt.step()
+        for t in ex.theta:
+            t.grad = None
+        return {"avg_delta_sq": float(ex.flat.double().pow(2).sum())}
+
+    def broadcast_initial(self, tensors):
+        if self.k > 1:
+            for t in tensors:
+                dist.broadcast(t, src=self.src, group=self.group)
+
+    def sync_buffers(self, buffers):
+        """Average float buffers over the replicas so that every replica evaluates
+        theta with the same normalisation statistics."""
+        if self.k > 1:
+            for b in buffers:
+                if b.is_floating_point():
+                    dist.all_reduce(b, op=dist.ReduceOp.SUM, group=self.group)
+                    b.div_(self.k)
+
+
+# ----------------------------------------------------------------------------- DiLoCo
+
+def _local(t):
+    """The tensor this rank stores: the local shard of a DTensor, the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _unwrap(model):
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+class DiLoCo:
+    """Counts inner steps, runs the outer step every H, keeps theta and the outer momentum.
+
+    Construction broadcasts theta(0) from replica 0 (collective, every rank):
+    ranks seed differently, and averaging deltas of models that never were one
+    model trains to nothing while every metric looks healthy.
+    """
+
+    def __init__(self, model, layout, config: DiLoCoConfig, carrier: OuterCarrier | None = None):
+        self.model, self.layout, self.config = _unwrap(model), layout, config
+        self.carrier = carrier if carrier is not None else AllReduceCarrier(layout)
+        named = [(n, p) for n, p in self.model.named_parameters()]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.sharded = any(hasattr(p, "to_local") for p in self.params)
+        self.device = _local(self.params[0]).device if self.params else torch.device("cpu")
+        self.outer_device = torch.device("cpu") if config.outer_device == "cpu" else self.device
+        with torch.no_grad():
+            self.carrier.broadcast_initial([_local(p) for p in self.params]
+                                           + [b for b in self.model.buffers()])
+            self.theta = [_local(p).detach().to(self.outer_device, torch.float32, copy=True)
+                          for p in self.params]
+        self.outer_opt = torch.optim.SGD(self.theta, lr=config.outer_lr, momentum=config.outer_momentum,
+                                         nesterov=config.outer_optimizer == "nesterov")
+        if config.outer_momentum > 0:
+            # Zero buffers behave exactly like torch's lazy first step (buf = 0*m + g = g)
+            # and give the checkpoint a fixed shape from step 0 on.
+            for t in self.theta:
+                self.outer_opt.state[t]["momentum_buffer"] = torch.zeros_like(t)
+        numel = sum(t.numel() for t in self.theta)
+        self.flat = torch.empty(numel, dtype=torch.float32, device=self.device)
+        self.inner_step = 0          # inner steps since construction (or restore)
+        self.phase_steps = 0         # inner steps since the last outer step
+        self.outer_step = 0
+
+    # -- the loop
+    def after_inner_step(self):
+        """Call after every optimizer step on every rank; returns a metrics row at outer steps."""
+        self.inner_step += 1
+        self.phase_steps += 1
+        if self.phase_steps >= self.config.inner_steps:
+            return self._outer_step()
+        return None
+
+    def finish(self):
+        """Flush a trailing partial phase (collective). With momentum this last step is
+        mis-scaled: the buffer holds full-H momentum while the delta covers fewer steps."""
+        return self._outer_step() if self.phase_steps else None
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def _outer_step(self):
+        self._sync()
+        t0 = time.perf_counter()
+        deltas, off = [], 0
+        for t, p in zip(self.theta, self.params):
+            d = self.flat[off:off + t.numel()].view(t.shape)
+            off += t.numel()
+            d.copy_(t, non_blocking=True)
+            d.sub_(_local(p))
+            deltas.append(d)
+        delta_sq = float(self.flat.double().pow(2).sum())
+        ex = OuterExchange(names=self.names, params=self.params, deltas=deltas, flat=self.flat,
+                           theta=self.theta, outer_opt=self.outer_opt, inner_steps=self.phase_steps)
+        got = self.carrier.outer_step(ex) or {}
+        for t, p in zip(self.theta, self.params):
+            _local(p).copy_(t, non_blocking=True)
+        self.carrier.sync_buffers(list(self.model.buffers()))
+        sq = [delta_sq, got.get("avg_delta_sq", float("nan"))]
+        if self.sharded and self.layout.replica_size > 1:
+            sq_t = torch.tensor(sq, dtype=torch.float64, device=self.device)
+            dist.all_reduce(sq_t, group=self.layout.inner_group)
+            sq = sq_t.tolist()
+        self._sync()
+        self.outer_step += 1
+        row = {"split": "diloco", "outer_step": self.outer_step, "inner_step": self.inner_step,
+               "phase_steps": self.phase_steps, "delta_norm": math.sqrt(sq[0]),
+               "avg_delta_norm": math.sqrt(sq[1]) if sq[1] == sq[1] else None,
+               "outer_ms": (time.perf_counter() - t0) * 1e3}
+        row["agreement"] = (row["avg_delta_norm"] / row["delta_norm"]
+                            if row["avg_delta_norm"] is not None and row["delta_norm"] > 0 else None)
+        self.phase_steps = 0
+        return row
+
+    # -- theta for eval and checkpoints
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def global_weights(self):
+        """Inside: the model holds theta (identical on every rank). After: the replica's
+        own weights are back. Free right after an outer step (they are equal then)."""
+        if self.phase_steps == 0:
+            yield self.model
+            return
+        saved = [_local(p).detach().to(self.outer_device, copy=True) for p in self.params]
+        try:
+            for t, p in zip(self.theta, self.params):
+                _local(p).copy_(t)
+            yield self.model
+        finally:
+            for s, p in zip(saved, self.params):
+                _local(p).copy_(s)
+
+    # -- state
+    def counters(self):
+        return {"inner_step": self.inner_step, "phase_steps": self.phase_steps,
+                "outer_step": self.outer_step, "config": dataclasses.asdict(self.config)}
+
+    def momentum(self):
+        """Local momentum buffers in parameter order (empty list when momentum is 0)."""
+        st = self.outer_opt.state
+        return [st[t]["momentum_buffer"] for t in self.theta if "momentum_buffer" in st.get(t, {})]
+
+    def state_dict(self, include_theta=True):
+        """theta, outer momentum (local shards, by parameter name) and counters."""
+        sd = {"counters": self.counters(),
+              "momentum": {n: m.clone() for n, m in zip(self.names, self.momentum())}}
+        if include_theta:
+            sd["theta"] = {n: t.clone() for n, t in zip(self.names, self.theta)}
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, sd):
+        """Restore counters, momentum and theta; the replicas restart from theta (their
+        mid-phase drift is not saved). Without "theta", theta is taken from the model's
+        current parameters (a checkpoint stores theta as the model weights)."""
+        c = sd["counters"]
+        self.inner_step, self.phase_steps, self.outer_step = c["inner_step"], c["phase_steps"], c["outer_step"]
+        theta = sd.get("theta")
+        for n, t, p in zip(self.names, self.theta, self.params):
+            t.copy_(theta[n] if theta is not None else _local(p))
+        for n, m in zip(self.names, self.momentum()):
+            m.copy_(sd["momentum"][n])
+        for t, p in zip(self.theta, self.params):     # every replica restarts from theta
+            _local(p).copy_(t)
