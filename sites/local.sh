@@ -4,7 +4,9 @@
 # The device is forced to cpu (gloo) whatever GPU GRES the local Slurm pretends to have.
 
 export PWW_ACCEL=cpu
-export PWW_PIN_VAR=                         # nothing to pin: fake GRES has no GPU behind it
+# A local Slurm with fake GPU GRES hands each job CUDA_VISIBLE_DEVICES like a real one;
+# pinning it exercises task_wrapper.sh's per-rank selection. torch on the CPU ignores it.
+export PWW_PIN_VAR=CUDA_VISIBLE_DEVICES
 export PWW_DEVICE=cpu
 _pww_nproc=$(nproc 2>/dev/null || echo 2)
 export PWW_RANKS_PER_NODE=${PWW_RANKS_PER_NODE:-$(( _pww_nproc < 2 ? 1 : 2 ))}

@@ -1,0 +1,198 @@
+#!/usr/bin/env bash
+# central.sh - start, stop and watch the three central daemons on the central VM.
+#
+#   ./central.sh start  [--state-dir DIR]   # start DARL :29510, FedMom :29511, blob store :29512
+#   ./central.sh status [--state-dir DIR]   # pid, /health and each server's own status report
+#   ./central.sh url    [--state-dir DIR]   # the lines to give the sites (their central.env)
+#   ./central.sh stop   [--state-dir DIR]   # SIGTERM (then SIGKILL after 30 s) each daemon
+#
+# Runs on: the central VM (no GPU, bare Python 3 + numpy; .venv/bin/python when present,
+# else python3; override with PYTHON). Nothing else is installed.
+# State (default runs/central, or --state-dir / PWW_CENTRAL_STATE):
+#   token          the shared bearer token, made on first start (mode 600): copy it to
+#                  each site and point PWW_TOKEN_FILE at the copy
+#   <name>.pid     one per daemon (darl, fedmom, blob); <name>.log their output
+#   darl/ fedmom/ blobs/   each server's durable state (survives kill -9 and restart)
+# First start needs the corpus size for DARL and the initial model for FedMom:
+#   MANIFEST=/tmp/manifest.json INIT=runs/init/qwen3_0.6B.safetensors ./central.sh start
+#   NUM_SAMPLES=1000000 BLOCK_SIZE=10000 INIT=... ./central.sh start
+# Later starts (restarts) resume from the state dir and need neither.
+# Network: binds PWW_CENTRAL_HOST (default 127.0.0.1; 0.0.0.0 to serve the sites, always
+# with the token); ports DARL_PORT / FEDMOM_PORT / BLOB_PORT; PWW_PUBLIC_HOST is the
+# address printed for the sites (default: this host's FQDN when bound beyond loopback).
+# Extra flags per daemon: DARL_ARGS, FEDMOM_ARGS, BLOB_ARGS (word-split).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+usage() { sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+
+[ $# -ge 1 ] || usage
+CMD=$1; shift
+STATE=${PWW_CENTRAL_STATE:-$ROOT/runs/central}
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --state-dir) [ $# -ge 2 ] || usage; STATE=$2; shift 2 ;;
+        --state-dir=*) STATE=${1#*=}; shift ;;
+        *) echo "central.sh: unknown argument '$1'" >&2; usage ;;
+    esac
+done
+mkdir -p "$STATE"
+STATE=$(cd "$STATE" && pwd)
+
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python3; fi
+fi
+HOST=${PWW_CENTRAL_HOST:-127.0.0.1}
+DARL_PORT=${DARL_PORT:-29510}
+FEDMOM_PORT=${FEDMOM_PORT:-29511}
+BLOB_PORT=${BLOB_PORT:-29512}
+TOKEN=$STATE/token
+DAEMONS="darl fedmom blob"
+
+script_of() { case "$1" in darl) echo darl_server.py ;; fedmom) echo fedmom_server.py ;; blob) echo blobstore.py ;; esac; }
+port_of() { case "$1" in darl) echo "$DARL_PORT" ;; fedmom) echo "$FEDMOM_PORT" ;; blob) echo "$BLOB_PORT" ;; esac; }
+local_url() { echo "http://127.0.0.1:$(port_of "$1")"; }
+public_url() {
+    local host=${PWW_PUBLIC_HOST:-}
+    if [ -z "$host" ]; then
+        case "$HOST" in 127.*|localhost) host=$HOST ;; 0.0.0.0) host=$(hostname -f) ;; *) host=$HOST ;; esac
+    fi
+    echo "http://$host:$(port_of "$1")"
+}
+
+# pid_of NAME: the daemon's pid if its pid file names a live process running its script.
+pid_of() {
+    local f=$STATE/$1.pid pid
+    [ -s "$f" ] || return 0
+    pid=$(tr -dc '0-9' < "$f")
+    [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 0
+    tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -qF "$(script_of "$1")" && echo "$pid"
+    return 0
+}
+
+# health NAME [TIMEOUT_S]: wait until GET /health answers 200 (python: no curl needed).
+health() {
+    "$PYTHON" - "$(local_url "$1")" "${2:-0}" <<'PY'
+import sys, time, urllib.request
+url, timeout = sys.argv[1] + "/health", float(sys.argv[2])
+deadline = time.monotonic() + timeout
+while True:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            print(r.read().decode().strip()); sys.exit(0)
+    except OSError as e:
+        if time.monotonic() >= deadline:
+            print(f"no answer from {url}: {e}"); sys.exit(1)
+        time.sleep(0.1)
+PY
+}
+
+ensure_token() {
+    [ -s "$TOKEN" ] && return 0
+    (umask 077 && "$PYTHON" -c 'import secrets; print(secrets.token_hex(32))' > "$TOKEN")
+    echo "created token $TOKEN (mode 600): copy it to each site"
+}
+
+daemon_args() {
+    local name=$1 extra
+    ARGS=("$ROOT/$(script_of "$name")" --host "$HOST" --port "$(port_of "$name")"
+          --token-file "$TOKEN" --state-dir "$STATE")
+    case "$name" in
+        darl)
+            if [ -n "${MANIFEST:-}" ]; then ARGS+=(--manifest "$MANIFEST")
+            elif [ -n "${NUM_SAMPLES:-}" ]; then ARGS+=(--num-samples "$NUM_SAMPLES")
+            elif [ ! -d "$STATE/darl" ]; then
+                echo "central.sh: first start of DARL needs MANIFEST=<prep/tokenize.sh's manifest.json> or NUM_SAMPLES=<windows>" >&2
+                return 1
+            fi
+            [ -n "${BLOCK_SIZE:-}" ] && ARGS+=(--block-size "$BLOCK_SIZE")
+            [ -n "${SEED:-}" ] && ARGS+=(--seed "$SEED")
+            extra=${DARL_ARGS:-} ;;
+        fedmom)
+            if [ -n "${INIT:-}" ]; then ARGS+=(--init "$INIT")
+            elif [ ! -d "$STATE/fedmom" ]; then
+                echo "central.sh: first start of FedMom needs INIT=<initial model .safetensors> (see RUNBOOK.md)" >&2
+                return 1
+            fi
+            ARGS+=(--darl-url "$(local_url darl)" --blob-url "$(local_url blob)")
+            extra=${FEDMOM_ARGS:-} ;;
+        blob) extra=${BLOB_ARGS:-} ;;
+    esac
+    local words
+    read -r -a words <<< "$extra"
+    ARGS+=("${words[@]}")
+}
+
+start_one() {
+    local name=$1 pid log=$STATE/$1.log
+    pid=$(pid_of "$name")
+    if [ -n "$pid" ]; then echo "$name already running (pid $pid)"; return 0; fi
+    daemon_args "$name" || return 1
+    echo "$(date -Is) starting: $PYTHON ${ARGS[*]}" >> "$log"
+    nohup "$PYTHON" "${ARGS[@]}" >> "$log" 2>&1 < /dev/null &
+    echo $! > "$STATE/$name.pid"
+    if ! health "$name" "${PWW_START_TIMEOUT_S:-60}" > /dev/null; then
+        echo "central.sh: $name did not become healthy; last lines of $log:" >&2
+        tail -n 15 "$log" >&2
+        return 1
+    fi
+    STARTED+=("$name")
+    echo "$name started (pid $(pid_of "$name")), $(public_url "$name"), log $log"
+}
+
+stop_one() {
+    local name=$1 pid
+    pid=$(pid_of "$name")
+    if [ -z "$pid" ]; then echo "$name not running"; rm -f "$STATE/$name.pid"; return 0; fi
+    kill -TERM "$pid"
+    for _ in $(seq 1 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    if kill -0 "$pid" 2>/dev/null; then
+        echo "$name (pid $pid) ignored SIGTERM for 30 s; sending SIGKILL (state is durable)"
+        kill -KILL "$pid"
+    fi
+    rm -f "$STATE/$name.pid"
+    echo "$name stopped (pid $pid)"
+}
+
+status_one() {
+    local name=$1 pid
+    pid=$(pid_of "$name")
+    if [ -z "$pid" ]; then echo "$name: NOT RUNNING (log $STATE/$name.log)"; return 1; fi
+    echo "$name: pid $pid, $(local_url "$name") health: $(health "$name" 0)"
+    if [ "$name" != blob ]; then
+        "$PYTHON" "$ROOT/$(script_of "$name")" status --url "$(local_url "$name")" --token-file "$TOKEN" 2>&1 | sed 's/^/    /' || true
+    fi
+}
+
+print_urls() {
+    echo "# central services: write these lines to central.env in each site's checkout"
+    echo "# (jobs/*_titan.sh sources it), after copying $TOKEN to the site (chmod 600)"
+    echo "export PWW_DARL_URL=$(public_url darl)"
+    echo "export PWW_FEDMOM_URL=$(public_url fedmom)"
+    echo "export PWW_BLOB_URL=$(public_url blob)"
+    # shellcheck disable=SC2016  # $HOME is meant to expand at the site
+    echo "export PWW_TOKEN_FILE=${PWW_SITE_TOKEN_FILE:-'$HOME/.pww/central.token'}"
+}
+
+case "$CMD" in
+    start)
+        ensure_token
+        STARTED=()
+        # DARL and the blob store first: FedMom commits into DARL and reads blobs.
+        for name in darl blob fedmom; do
+            if ! start_one "$name"; then
+                echo "central.sh: start failed; stopping what this call started" >&2
+                for n in "$name" "${STARTED[@]}"; do stop_one "$n" > /dev/null; done
+                exit 1
+            fi
+        done
+        print_urls ;;
+    stop)
+        for name in fedmom darl blob; do stop_one "$name"; done ;;
+    status)
+        rc=0
+        for name in $DAEMONS; do status_one "$name" || rc=1; done
+        exit $rc ;;
+    url) print_urls ;;
+    *) usage ;;
+esac
