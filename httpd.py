@@ -91,6 +91,7 @@ class Request:
         n = self.content_length()
         if n > limit:
             raise HTTPError(413, f"body of {n} bytes exceeds the limit of {limit} bytes")
+        self.handler.send_continue()
         data = self.rfile.read(n)
         if len(data) != n:
             raise HTTPError(400, f"body ended after {len(data)} of {n} bytes")
@@ -101,6 +102,7 @@ class Request:
         """Yield the body in chunks of at most `chunk_bytes`, never holding it whole.
         Raises ConnectionError if the peer stops before Content-Length bytes."""
         left = self.content_length() if length is None else length
+        self.handler.send_continue()
         self.handler.body_consumed = True
         while left > 0:
             chunk = self.rfile.read(min(chunk_bytes, left))
@@ -157,6 +159,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
         super().setup()
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
+    def handle_expect_100(self):
+        # `Expect: 100-continue` (a client about to send GBs): answer 100 only when the
+        # route starts reading the body, so a refusal (401, 409, 413...) arrives before
+        # the client has sent a byte of it. Sent by Request.body()/stream().
+        return True
+
+    def send_continue(self):
+        if self.expect_continue:
+            self.expect_continue = False
+            self.send_response_only(100)
+            self.end_headers()
+
     def do_GET(self):
         self._dispatch("GET")
 
@@ -181,6 +195,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def _dispatch(self, method):
         self.body_consumed = False
+        self.expect_continue = (self.headers.get("Expect", "").lower() == "100-continue"
+                                and self.request_version >= "HTTP/1.1")
         url = urllib.parse.urlsplit(self.path)
         query = dict(urllib.parse.parse_qsl(url.query))
         try:
@@ -213,6 +229,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if self.body_consumed:
             return
         self.body_consumed = True
+        if self.expect_continue:     # the client still holds the body back: do not wait for it
+            self.close_connection = True
+            return
         try:
             n = int(self.headers.get("Content-Length", "0"))
         except ValueError:
