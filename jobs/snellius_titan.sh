@@ -34,7 +34,7 @@ PWW_CENTRAL_ENV=${PWW_CENTRAL_ENV:-$PWW_ROOT/central.env}
 : "${PWW_BLOB_URL:?set PWW_BLOB_URL (see central.sh url)}"
 : "${PWW_TOKEN_FILE:?set PWW_TOKEN_FILE to the copy of the central token (mode 600)}"
 CONFIG=${CONFIG:-configs/qwen3_0.6B.yaml}
-DATA=${DATA:-$PWW_DATA/c4/manifest.json}
+DATA=${DATA:-$PWW_DATA/c4-tokens/manifest.json}
 # the logical stream: stable across requeues; a second job here needs REPLICA=b
 CLUSTER=${CLUSTER:-snellius}
 replica_args=()
