@@ -1,0 +1,1501 @@
+"""fedmom_server.py - the central FedMom aggregator: one global model, merged from the sites' deltas.
+
+Runs on: the central VM (CPU only). Python standard library + numpy + tensorio.py;
+never imports torch, so copying httpd.py, tensorio.py and this file onto a bare
+Python 3 with numpy is the whole install (blobstore.py too for the blob transport).
+
+    # first start: the initial model (any float dtype; theta_global is kept in fp32)
+    python fedmom_server.py --state-dir state/fedmom --init init.safetensors
+    # every later start resumes from the state dir (--init is then optional)
+    python fedmom_server.py --state-dir state/fedmom [--outer-lr 0.7 --outer-momentum 0.9
+        --round-deadline-s 1800 --member-timeout-s 300 --blob-url http://127.0.0.1:29512
+        --darl http://127.0.0.1:29510 --token-file FILE]
+    # what is it doing?
+    python fedmom_server.py status --url http://127.0.0.1:29511 [--token-file FILE]
+
+Port 29511, bound to 127.0.0.1 unless --host says otherwise (a non-loopback bind
+needs a token or --insecure). Callers: the sites' outer step (diloco.py's HTTP
+carrier, through FedMomClient below) and operators (`status`, a browser on GET /).
+Every endpoint needs `Authorization: Bearer <token>` when a token is set, except
+GET /health and GET / : the page is read-only, shows round numbers, cluster ids and
+metrics only (no token, no path, nothing a caller could write with), and a browser
+cannot send a bearer header. --private-page puts GET / behind the token as well.
+
+The outer step (DESIGN.md): deltas arrive as d_i = theta_i - theta_global with the
+tokens each site trained on; p_i = tokens_i / sum(tokens); the pseudo-gradient is
+g = theta_global - sum_i p_i theta_i = -sum_i p_i d_i, and theta_global takes one
+step of torch.optim.SGD(lr, momentum=mu, nesterov=True, dampening=0) with grad = g:
+    buf = g (first step) or mu * buf + g;   theta -= lr * (g + mu * buf)
+lr 1 / momentum 0 is exact FedAvg. The merge streams one tensor at a time from the
+delta files into tensorio writers for the new theta and momentum, so its memory is
+a few times the largest tensor, not the model.
+
+Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."}):
+    POST /join       {cluster, incarnation}          -> {round, heartbeat_s, ...}; 409 if
+                     another incarnation of that cluster is live (second job: --replica)
+    POST /heartbeat  {cluster, incarnation, metrics?, wait_round_after?, wait_s?}
+                     -> {round, ...}; with wait_round_after it long-polls until the round
+                     passes it (or wait_s). 409 {"code": "not_member"}: join again.
+    POST /leave      {cluster, incarnation}
+    POST /delta_check  the delta's metadata alone: the same 4xx a real upload would get
+    PUT  /delta      body = the delta file; metadata in the X-Delta-Meta header (JSON):
+                     {cluster, incarnation, base_round, tokens, leases: [...], metrics: {...}}
+    POST /delta_blob {...the same metadata..., blob, sha256}: the delta sits in blobstore
+    GET  /theta      the current theta_global file (X-Round header names its round)
+    GET  /theta_blob publishes it to the blob store once per round -> {blob, sha256, round}
+    GET  /round, GET /status (JSON), GET / (HTML page), GET /health
+A delta whose base_round is not the current round gets 409 {"error", "round": current}.
+A round closes when every live member has sent its delta, or --round-deadline-s after
+its first delta; it merges what arrived. A member silent for --member-timeout-s is
+dropped (it may join again). No live member, or a round with no delta, is normal:
+nothing is merged and the round number stays.
+
+State dir (everything replaced atomically: temp file, fsync, rename, fsync the dir):
+    theta-<r>.safetensors     theta_global after r merges, fp32
+    momentum-<r>.safetensors  the Nesterov buffer (absent before the first merge
+                              and when --outer-momentum is 0)
+    state.json                names the round and its files, membership, recent
+                              events, the DARL commits still to send; written LAST,
+                              so a SIGKILL at any instant leaves round r or r+1
+    rounds.jsonl              one JSON line per merge (loss, perplexity, drift, ...)
+    spool/                    deltas accepted for the current round: r<round>-<cluster>
+                              .safetensors + .json (the .json, written last, is the
+                              acceptance). They survive a restart and are merged then.
+After a merge is durable the server commits the merged deltas' DARL leases on the
+clusters' behalf (--darl), idempotently, re-sending after a restart until DARL
+acknowledges; until then it heartbeats those leases so they do not expire.
+"""
+import collections
+import dataclasses
+import hashlib
+import html
+import http.client
+import json
+import math
+import os
+import queue
+import re
+import secrets
+import sys
+import threading
+import time
+import urllib.parse
+
+import numpy as np
+
+import httpd
+import tensorio
+
+DEFAULT_PORT = 29511
+STATE_FORMAT = "pww-fedmom-state/1"
+RECORD_VERSION = 1
+DELTA_DTYPES = ("F16", "BF16", "F32")
+CHUNK = 1 << 18               # elements per arithmetic step: 1 MiB of f32 stays in cache
+EVENTS_KEPT = 500             # membership events kept in state.json (for the page and status)
+RECORDS_KEPT = 200            # round records kept in memory (the file keeps all)
+ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MERGE_PAUSE_ENV = "PWW_FEDMOM_MERGE_PAUSE_S"   # tests: sleep after each merged tensor
+METRIC_KEYS = ("loss", "tokens_per_s", "mfu", "tflops_per_rank", "peak_mem_gb", "inner_s")
+
+
+def log(msg):
+    print(time.strftime("%Y-%m-%d %H:%M:%S ") + msg, flush=True)
+
+
+# ---------------------------------------------------------------- config
+
+@dataclasses.dataclass
+class ServerConfig:
+    state_dir: str
+    init: str | None = None
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    round_deadline_s: float = 1800.0
+    member_timeout_s: float = 300.0
+    blob_url: str | None = None
+    darl: str | None = None
+    darl_heartbeat_s: float = 30.0
+    fsync: bool = True
+
+    def validate(self):
+        if not self.state_dir:
+            raise SystemExit("--state-dir is required")
+        if not (self.outer_lr > 0 and math.isfinite(self.outer_lr)):
+            raise SystemExit(f"--outer-lr {self.outer_lr} must be a positive number (0.7 for DiLoCo, 1.0 for FedAvg)")
+        if not 0 <= self.outer_momentum < 1:
+            raise SystemExit(f"--outer-momentum {self.outer_momentum} must be in [0, 1) (0.9 for DiLoCo, 0 for FedAvg)")
+        if not self.round_deadline_s > 0:
+            raise SystemExit(f"--round-deadline-s {self.round_deadline_s} must be > 0 seconds")
+        if not self.member_timeout_s > 0:
+            raise SystemExit(f"--member-timeout-s {self.member_timeout_s} must be > 0 seconds")
+        if not self.darl_heartbeat_s > 0:
+            raise SystemExit(f"--darl-heartbeat-s {self.darl_heartbeat_s} must be > 0 seconds")
+        if self.init is not None and not os.path.isfile(self.init):
+            raise SystemExit(f"--init {self.init}: no such file")
+        return self
+
+
+# ---------------------------------------------------------------- the merge arithmetic
+
+def widen(chunk, dtype, out):
+    """A delta chunk (F16, raw BF16 bits or F32) into the float32 buffer `out`, no allocation."""
+    if dtype == "BF16":
+        bits = out.view(np.uint32)
+        np.copyto(bits, chunk)
+        bits <<= np.uint32(16)          # bfloat16 is the top half of a float32
+    else:
+        np.copyto(out, chunk)
+
+
+def nesterov_chunk(theta, buf, g, tmp, lr, mu, first):
+    """One chunk of torch.optim.SGD(momentum=mu, nesterov=True, dampening=0), grad = g,
+    all in place: buf = g | mu*buf + g;  theta -= lr * (g + mu*buf). `g` is clobbered."""
+    if first:
+        np.copyto(buf, g)
+    else:
+        buf *= np.float32(mu)
+        buf += g
+    np.multiply(buf, np.float32(mu), out=tmp)
+    g += tmp
+    g *= np.float32(lr)
+    theta -= g
+
+
+def merge_tensor(theta, buf, deltas, weights, lr, mu, first, sums):
+    """Merge one flat fp32 tensor in place, chunk by chunk. deltas: [(flat array, dtype)].
+    sums["theta"] and sums["delta"][i] accumulate squared norms (for drift)."""
+    n = theta.size
+    g = np.empty(min(CHUNK, n), np.float32)
+    t = np.empty_like(g)
+    for lo in range(0, n, CHUNK):
+        hi = min(lo + CHUNK, n)
+        gc, tc, th = g[:hi - lo], t[:hi - lo], theta[lo:hi]
+        sums["theta"] += float(np.dot(th, th))
+        for i, ((d, dtype), p) in enumerate(zip(deltas, weights)):
+            widen(d[lo:hi], dtype, tc if i else gc)
+            x = tc if i else gc
+            sums["delta"][i] += float(np.dot(x, x))
+            if i:
+                tc *= np.float32(-p)
+                gc += tc
+            else:
+                gc *= np.float32(-p)             # g = theta - sum p_i theta_i = -sum p_i d_i
+        nesterov_chunk(th, buf[lo:hi], gc, tc, lr, mu, first)
+
+
+class WriteBehind:
+    """Writes finished tensors on a background thread while the next one is computed.
+    At most `cap` bytes wait in the queue (a tensor larger than the rest waits for an
+    empty queue), so memory stays bounded by the cap plus the tensor being merged."""
+
+    def __init__(self, cap):
+        self.cap, self.inflight, self.error = cap, 0, None
+        self.cond = threading.Condition()
+        self.q = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="merge-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            writer, name, array = item
+            try:
+                if self.error is None:
+                    writer.write(name, array)
+            except BaseException as e:   # surfaced on the next put()/finish()
+                self.error = e
+            with self.cond:
+                self.inflight -= array.nbytes
+                self.cond.notify_all()
+
+    def reserve(self, nbytes):
+        """Block until `nbytes` more may be held without passing the cap."""
+        with self.cond:
+            while self.inflight and self.inflight + nbytes > self.cap and self.error is None:
+                self.cond.wait()
+        self._raise()
+
+    def put(self, writer, name, array):
+        with self.cond:
+            self.inflight += array.nbytes
+        self.q.put((writer, name, array))
+
+    def finish(self):
+        self.q.put(None)
+        self.thread.join()
+        self._raise()
+
+    def _raise(self):
+        if self.error is not None:
+            raise self.error
+
+
+def merge_files(theta_path, momentum_path, deltas, out_theta, out_momentum, lr, mu,
+                metadata=None, fsync=True, pause_s=0.0):
+    """One durable FedMom step from files. deltas: [(path, weight)], weights summing to 1.
+    momentum_path None = first step (buf = g); out_momentum None = do not keep a buffer
+    (momentum 0). Returns {"theta_norm", "delta_norms", "bytes_read", "bytes_written"}."""
+    readers, writers = [], []
+    try:
+        tr = tensorio.TensorReader(theta_path)
+        readers.append(tr)
+        mr = tensorio.TensorReader(momentum_path) if momentum_path else None
+        readers += [mr] if mr else []
+        drs = [tensorio.TensorReader(p) for p, _ in deltas]
+        readers += drs
+        specs = [(name, "F32", tr.specs[name][1]) for name in tr.names]
+        meta = {k: str(v) for k, v in (metadata or {}).items()}
+        tw = tensorio.TensorWriter(out_theta, specs, meta, fsync=fsync)
+        writers.append(tw)
+        mw = tensorio.TensorWriter(out_momentum, specs, meta, fsync=fsync) if out_momentum else None
+        writers += [mw] if mw else []
+        largest = max((tr.nbytes(n) for n in tr.names), default=0)
+        wb = WriteBehind(cap=2 * largest)
+        sums = {"theta": 0.0, "delta": [0.0] * len(deltas)}
+        nread = 0
+        try:
+            for name in tr.names:
+                wb.reserve(2 * tr.nbytes(name))
+                theta = tr.read(name).reshape(-1)
+                buf = mr.read(name).reshape(-1) if mr else np.empty_like(theta)
+                ds = [(r.read(name).reshape(-1), r.specs[name][0]) for r in drs]
+                nread += theta.nbytes + (buf.nbytes if mr else 0) + sum(d.nbytes for d, _ in ds)
+                merge_tensor(theta, buf, ds, [w for _, w in deltas], lr, mu, mr is None, sums)
+                del ds
+                wb.put(tw, name, theta)
+                if mw:
+                    wb.put(mw, name, buf)
+                if pause_s:
+                    time.sleep(pause_s)
+        finally:
+            wb.finish()
+        for w in writers:
+            w.close()
+        nwritten = sum(os.path.getsize(w.path) for w in writers)
+        return {"theta_norm": math.sqrt(sums["theta"]), "delta_norms": [math.sqrt(s) for s in sums["delta"]],
+                "bytes_read": nread, "bytes_written": nwritten}
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    finally:
+        for r in readers:
+            r.close()
+
+
+# ---------------------------------------------------------------- delta checks
+
+class DeltaRejected(Exception):
+    """A delta that must not be merged; `status` is the HTTP code, the message says why."""
+
+    def __init__(self, status, reason):
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+def check_delta_file(path, specs):
+    """Header checks, then a tensor-by-tensor finiteness scan; raises DeltaRejected.
+    specs: {name: shape} of theta_global. Nothing is read twice into memory."""
+    try:
+        r = tensorio.TensorReader(path)
+    except tensorio.FormatError as e:
+        raise DeltaRejected(400, f"not a tensor file: {str(e).replace(path, 'the delta')}")
+    with r:
+        missing, extra = sorted(set(specs) - set(r.names)), sorted(set(r.names) - set(specs))
+        if missing or extra:
+            raise DeltaRejected(400, f"delta names differ from theta_global: missing {missing[:5]}, "
+                                     f"unexpected {extra[:5]}")
+        for name in r.names:
+            dtype, shape = r.specs[name]
+            if dtype not in DELTA_DTYPES:
+                raise DeltaRejected(400, f"tensor {name!r} is {dtype}; deltas must be F16, BF16 or F32")
+            if shape != specs[name]:
+                raise DeltaRejected(400, f"tensor {name!r} has shape {list(shape)}, "
+                                         f"theta_global has {list(specs[name])}")
+        for name in r.names:
+            if not _all_finite(r.read(name).reshape(-1), r.specs[name][0]):
+                raise DeltaRejected(422, f"tensor {name!r} holds NaN or Inf")
+
+
+def _all_finite(a, dtype):
+    for lo in range(0, a.size, 1 << 22):
+        c = a[lo:lo + (1 << 22)]
+        if dtype == "BF16":      # exponent bits all ones = Inf or NaN
+            if np.any((c & np.uint16(0x7F80)) == np.uint16(0x7F80)):
+                return False
+        elif not np.isfinite(c).all():
+            return False
+    return True
+
+
+# ---------------------------------------------------------------- durable files
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path, obj, fsync=True):
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if fsync:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def append_line(path, obj, fsync=True):
+    with open(path, "a") as f:
+        f.write(json.dumps(obj, sort_keys=True) + "\n")
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def read_records(path):
+    """Every complete line of rounds.jsonl (a torn last line, from a crash mid-append, is skipped)."""
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def file_sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def init_theta(init_path, out_path, fsync=True):
+    """theta-0 from the init file, every tensor as fp32."""
+    with tensorio.TensorReader(init_path) as r:
+        bad = [n for n in r.names if r.specs[n][0] not in tensorio.FLOAT_DTYPES]
+        if bad:
+            raise SystemExit(f"--init {init_path}: tensors {bad[:5]} are not floating point; "
+                             "only float tensors can be merged (save the parameters alone)")
+        specs = [(n, "F32", r.specs[n][1]) for n in r.names]
+        with tensorio.TensorWriter(out_path, specs, {"round": "0"}, fsync=fsync) as w:
+            for n in r.names:
+                w.write(n, r.read(n, as_float32=True).astype(np.float32, copy=False))
+
+
+def structure_digest(specs):
+    return hashlib.sha256(json.dumps(sorted((n, list(s)) for n, s in specs.items())).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- DARL, on the clusters' behalf
+
+class DarlLink:
+    """The two DARL calls the aggregator makes for a cluster (darl_server.py's protocol):
+    heartbeat the leases of accepted-but-unmerged deltas, and commit them after the merge."""
+
+    def __init__(self, url, token=None, timeout=30.0):
+        self.url, self.token, self.timeout = url, token, timeout
+
+    def heartbeat(self, cluster, incarnation, lease_ids):
+        body = {"cluster": cluster, "incarnation": incarnation, "leases": [{"lease": i} for i in lease_ids]}
+        return httpd.call(self.url, "POST", "/heartbeat", body, token=self.token, timeout=self.timeout)
+
+    def commit(self, cluster, incarnation, lease_id, end=None):
+        body = {"cluster": cluster, "incarnation": incarnation, "lease": lease_id}
+        if end is not None:
+            body["end"] = end
+        return httpd.call(self.url, "POST", "/commit", body, token=self.token, timeout=self.timeout)
+
+
+# ---------------------------------------------------------------- the state (no HTTP in here)
+
+@dataclasses.dataclass
+class Member:
+    incarnation: str
+    joined: float          # wall time
+    last_seen: float       # clock() time
+    metrics: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Pending:
+    cluster: str
+    incarnation: str
+    base_round: int
+    tokens: int
+    leases: list
+    metrics: dict
+    path: str
+    meta_path: str
+    received: float        # wall time
+
+
+class Refused(Exception):
+    """A request the state refuses: HTTP status, one-line reason, extra reply fields."""
+
+    def __init__(self, status, reason, **extra):
+        super().__init__(reason)
+        self.status, self.reason, self.extra = status, reason, extra
+
+
+def _check_id(value, what):
+    if not isinstance(value, str) or not ID_RE.fullmatch(value):
+        raise Refused(400, f"{what} must match [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}, got {value!r}")
+    return value
+
+
+def parse_delta_meta(meta):
+    """Check the metadata that comes with a delta; returns a clean dict or raises Refused(400)."""
+    if not isinstance(meta, dict):
+        raise Refused(400, "delta metadata must be a JSON object")
+    out = {"cluster": _check_id(meta.get("cluster"), "cluster"),
+           "incarnation": _check_id(meta.get("incarnation"), "incarnation")}
+    for key in ("base_round", "tokens"):
+        v = meta.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise Refused(400, f"{key} must be a non-negative integer, got {v!r}")
+        out[key] = v
+    if out["tokens"] == 0:
+        raise Refused(400, "tokens is 0: a delta that trained on nothing has no weight; do not send it")
+    leases = meta.get("leases", [])
+    if not isinstance(leases, list) or not all(isinstance(x, dict) and "id" in x for x in leases):
+        raise Refused(400, "leases must be a list of lease objects, each with an 'id'")
+    out["leases"] = [{"id": x["id"], "end": x.get("end")} for x in leases]
+    metrics = meta.get("metrics", {}) or {}
+    if not isinstance(metrics, dict):
+        raise Refused(400, "metrics must be a JSON object")
+    clean = {}
+    for k in METRIC_KEYS:
+        v = metrics.get(k)
+        if v is None:
+            continue
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            raise Refused(400, f"metrics.{k} must be a finite number, got {v!r}")
+        clean[k] = float(v)
+    out["metrics"] = clean
+    return out
+
+
+class FedMomState:
+    """theta_global, momentum, round, membership, pending deltas and DARL commits.
+    Plain methods, no HTTP; `clock` (monotonic seconds) and `wall` are injectable."""
+
+    def __init__(self, cfg, clock=time.monotonic, wall=time.time, darl=None):
+        self.cfg, self.clock, self.wall, self.darl = cfg, clock, wall, darl
+        self.dir = os.path.abspath(cfg.state_dir)
+        self.spool = os.path.join(self.dir, "spool")
+        self.state_path = os.path.join(self.dir, "state.json")
+        self.rounds_path = os.path.join(self.dir, "rounds.jsonl")
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.members, self.pending = {}, {}
+        self.events = collections.deque(maxlen=EVENTS_KEPT)
+        self.excluded, self.dropped = [], []
+        self.first_delta_at, self.merging, self.retry_merge_at = None, False, 0.0
+        self.pending_commits, self.last_record = [], None
+        self.published = {}           # round -> {"blob", "sha256", "round"}
+        self.publish_lock = threading.Lock()
+        self.last_darl_heartbeat = -math.inf
+        self.merge_pause_s = float(os.environ.get(MERGE_PAUSE_ENV, "0") or 0)
+        os.makedirs(self.spool, exist_ok=True)
+        if os.path.exists(self.state_path):
+            self._load()
+        else:
+            self._create()
+        self._clean_dir()
+        self.records = collections.deque(read_records(self.rounds_path), maxlen=RECORDS_KEPT)
+        self._repair_rounds_log()
+        self.round_opened_at = self.clock()
+
+    # ---- start-up
+
+    def _create(self):
+        if not self.cfg.init:
+            raise SystemExit(f"{self.dir} holds no state yet: pass --init MODEL.safetensors for the first start")
+        theta = "theta-0.safetensors"
+        init_theta(self.cfg.init, os.path.join(self.dir, theta), self.cfg.fsync)
+        self.round, self.theta_file, self.momentum_file = 0, theta, None
+        with tensorio.TensorReader(os.path.join(self.dir, theta)) as r:
+            self.specs = {n: r.specs[n][1] for n in r.names}
+        st = os.stat(self.cfg.init)
+        self.init_id = {"sha256": file_sha256(self.cfg.init), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                        "structure": structure_digest(self.specs)}
+        self.event("init", "-", "-", f"theta-0 from {os.path.basename(self.cfg.init)}")
+        self._save()
+        log(f"fedmom: new state in {self.dir}: {len(self.specs)} tensors, "
+            f"{sum(int(np.prod(s)) for s in self.specs.values()):,} parameters, round 0")
+
+    def _load(self):
+        try:
+            with open(self.state_path) as f:
+                st = json.load(f)
+        except ValueError as e:
+            raise SystemExit(f"{self.state_path} is not valid JSON ({e}); restore it from a backup")
+        if st.get("format") != STATE_FORMAT:
+            raise SystemExit(f"{self.state_path}: format {st.get('format')!r}, this server reads "
+                             f"{STATE_FORMAT!r}; use the fedmom_server.py that wrote it")
+        self.round, self.theta_file, self.momentum_file = st["round"], st["theta"], st["momentum"]
+        with tensorio.TensorReader(os.path.join(self.dir, self.theta_file)) as r:
+            self.specs = {n: r.specs[n][1] for n in r.names}
+        self.init_id = st["init"]
+        now = self.clock()
+        self.members = {c: Member(m["incarnation"], m["joined"], now) for c, m in st["members"].items()}
+        self.events.extend(st.get("events", []))
+        self.pending_commits = st.get("pending_commits", [])
+        self.last_record = st.get("last_record")
+        if self.cfg.init:
+            self._check_init_matches()
+        self._restore_spool()
+        log(f"fedmom: resumed {self.dir} at round {self.round}: {len(self.members)} member(s) "
+            f"{sorted(self.members)}, {len(self.pending)} spooled delta(s), "
+            f"{len(self.pending_commits)} DARL commit(s) to send")
+
+    def _check_init_matches(self):
+        with tensorio.TensorReader(self.cfg.init) as r:
+            specs = {n: r.specs[n][1] for n in r.names}
+        st = os.stat(self.cfg.init)
+        same = structure_digest(specs) == self.init_id["structure"] and (
+            (st.st_size, st.st_mtime_ns) == (self.init_id["size"], self.init_id["mtime_ns"])
+            or file_sha256(self.cfg.init) == self.init_id["sha256"])
+        if not same:
+            raise SystemExit(f"--init {self.cfg.init} is not the model {self.dir} was started from "
+                             f"(sha256 {self.init_id['sha256'][:12]}...): drop --init to resume this run, "
+                             "or use a new --state-dir for a new one")
+        log(f"fedmom: --init matches the model this state started from; ignored (resuming round {self.round})")
+
+    def _restore_spool(self):
+        """Accepted deltas of the current round come back; anything else in spool/ goes."""
+        now = self.wall()
+        for fn in sorted(os.listdir(self.spool)):
+            if not fn.endswith(".json"):
+                continue
+            try:
+                with open(os.path.join(self.spool, fn)) as f:
+                    m = json.load(f)
+                p = Pending(**m)
+            except (ValueError, TypeError):
+                continue
+            if p.base_round == self.round and os.path.exists(p.path):   # accepted: merge it, live or not
+                self.pending[(p.cluster, p.incarnation)] = p
+        if self.pending:
+            self.first_delta_at = self.clock()
+            log(f"fedmom: {len(self.pending)} delta(s) for round {self.round} restored from spool at "
+                f"{time.strftime('%H:%M:%S', time.localtime(now))}: {sorted(c for c, _ in self.pending)}")
+
+    def _clean_dir(self):
+        """Remove what a crash left behind: temp files, files of other rounds, stale spool entries."""
+        keep = {self.theta_file, self.momentum_file, "state.json", "rounds.jsonl", "spool"}
+        for fn in os.listdir(self.dir):
+            if fn not in keep and (fn.startswith(("theta-", "momentum-")) or ".tmp-" in fn):
+                os.unlink(os.path.join(self.dir, fn))
+        live = {p.path for p in self.pending.values()} | {p.meta_path for p in self.pending.values()}
+        for fn in os.listdir(self.spool):
+            path = os.path.join(self.spool, fn)
+            if path not in live:
+                os.unlink(path)
+
+    def _repair_rounds_log(self):
+        """state.json lands before rounds.jsonl: a crash between them loses the line; put it back."""
+        rec = self.last_record
+        if rec and (not self.records or self.records[-1].get("round", -1) < rec["round"]):
+            append_line(self.rounds_path, rec, self.cfg.fsync)
+            self.records.append(rec)
+
+    def _save(self):
+        """state.json, atomically; the caller holds the lock (or is the constructor)."""
+        st = {"format": STATE_FORMAT, "round": self.round, "theta": self.theta_file,
+              "momentum": self.momentum_file, "init": self.init_id,
+              "members": {c: {"incarnation": m.incarnation, "joined": m.joined} for c, m in self.members.items()},
+              "events": list(self.events), "pending_commits": self.pending_commits,
+              "last_record": self.last_record,
+              "outer_lr": self.cfg.outer_lr, "outer_momentum": self.cfg.outer_momentum}
+        write_json_atomic(self.state_path, st, self.cfg.fsync)
+
+    def event(self, kind, cluster, incarnation, why=""):
+        self.events.append({"t": round(self.wall(), 3), "event": kind, "cluster": cluster,
+                            "incarnation": incarnation, "why": why, "round": self.round})
+
+    # ---- membership
+
+    def join(self, cluster, incarnation):
+        _check_id(cluster, "cluster"), _check_id(incarnation, "incarnation")
+        with self.lock:
+            self._drop_silent()
+            m = self.members.get(cluster)
+            if m and m.incarnation != incarnation:
+                ago = self.clock() - m.last_seen
+                raise Refused(409, f"cluster {cluster!r} is live as incarnation {m.incarnation} (heard "
+                                   f"{ago:.0f} s ago): a second job at a site needs its own --replica; "
+                                   f"a requeued job may join once the old one times out",
+                              code="incarnation_conflict",
+                              retry_after_s=round(max(0.0, self.cfg.member_timeout_s - ago), 1))
+            if m is None:
+                self.members[cluster] = Member(incarnation, self.wall(), self.clock())
+                self.event("join", cluster, incarnation)
+                self._save()
+                log(f"fedmom: {cluster} ({incarnation}) joined at round {self.round}; "
+                    f"{len(self.members)} live: {sorted(self.members)}")
+            else:
+                m.last_seen = self.clock()
+            return self._member_reply(cluster)
+
+    def heartbeat(self, cluster, incarnation, metrics=None, wait_round_after=None, wait_s=0.0):
+        deadline = self.clock() + min(max(0.0, wait_s), self.cfg.member_timeout_s / 3)
+        with self.lock:
+            m = self._member(cluster, incarnation)
+            m.last_seen = self.clock()
+            if isinstance(metrics, dict):
+                m.metrics = {k: v for k, v in metrics.items() if k in METRIC_KEYS and isinstance(v, (int, float))}
+            while wait_round_after is not None and self.round <= wait_round_after:
+                left = deadline - self.clock()
+                if left <= 0 or self.members.get(cluster) is not m:
+                    break
+                self.cond.wait(timeout=min(left, 1.0))
+            if self.members.get(cluster) is m:
+                m.last_seen = self.clock()
+            return self._member_reply(cluster)
+
+    def leave(self, cluster, incarnation):
+        with self.lock:
+            self._member(cluster, incarnation)
+            del self.members[cluster]
+            self.event("leave", cluster, incarnation)
+            self._save()
+            self.cond.notify_all()
+            log(f"fedmom: {cluster} ({incarnation}) left; {len(self.members)} live: {sorted(self.members)}")
+            return {"round": self.round, "left": True}
+
+    def _member(self, cluster, incarnation):
+        """The live member (cluster, incarnation) or a 409 saying what to do."""
+        m = self.members.get(cluster)
+        if m is None:
+            raise Refused(409, f"{cluster!r} is not a member (never joined, left, or dropped after "
+                               f"{self.cfg.member_timeout_s:.0f} s without a heartbeat): join again",
+                          code="not_member", round=self.round)
+        if m.incarnation != incarnation:
+            raise Refused(409, f"{cluster!r} is live as incarnation {m.incarnation}, not {incarnation}: "
+                               "this process was replaced; stop it", code="stale_incarnation", round=self.round)
+        return m
+
+    def _member_reply(self, cluster):
+        return {"round": self.round, "merging": self.merging, "members": sorted(self.members),
+                "sent": self._responded(cluster), "heartbeat_s": round(self.cfg.member_timeout_s / 4, 3)}
+
+    def _drop_silent(self):
+        """Members silent for --member-timeout-s leave the round (their sent delta stays)."""
+        now, changed = self.clock(), False
+        for c, m in list(self.members.items()):
+            if now - m.last_seen > self.cfg.member_timeout_s:
+                why = f"no heartbeat for {now - m.last_seen:.0f} s (--member-timeout-s {self.cfg.member_timeout_s:g})"
+                del self.members[c]
+                self.event("drop", c, m.incarnation, why)
+                self.dropped.append({"cluster": c, "incarnation": m.incarnation, "why": why})
+                log(f"fedmom: dropped {c} ({m.incarnation}): {why}")
+                changed = True
+        if changed:
+            self._save()
+            self.cond.notify_all()
+
+    # ---- deltas
+
+    def check_delta_meta(self, meta):
+        """Everything about a delta that can be checked before its bytes arrive."""
+        meta = parse_delta_meta(meta)
+        with self.lock:
+            self._check_current(meta)
+        return meta
+
+    def _check_current(self, meta):
+        m = self._member(meta["cluster"], meta["incarnation"])
+        m.last_seen = self.clock()
+        if meta["base_round"] != self.round:
+            raise Refused(409, f"stale delta: based on round {meta['base_round']}, the current round is "
+                               f"{self.round}; load theta_global of round {self.round} and train again",
+                          code="stale_round", round=self.round)
+        if self.merging:
+            raise Refused(409, f"round {self.round} is closed and being merged; wait for round "
+                               f"{self.round + 1}", code="stale_round", round=self.round)
+
+    def accept_delta(self, meta, part_path):
+        """The delta file is fully spooled at `part_path`: check it, then make it pending.
+        On any refusal the file is removed and nothing stored changes."""
+        try:
+            with self.lock:
+                self._check_current(meta)
+                if (meta["cluster"], meta["incarnation"]) in self.pending:   # a retry whose reply was lost
+                    return {"accepted": True, "duplicate": True, "round": self.round}
+            try:
+                check_delta_file(part_path, self.specs)
+            except DeltaRejected as e:
+                with self.lock:
+                    self._exclude(meta, e.reason)
+                raise Refused(e.status, e.reason, code="bad_delta", round=self.round)
+            with self.lock:
+                self._check_current(meta)       # the round may have closed while we read the file
+                if (meta["cluster"], meta["incarnation"]) in self.pending:
+                    return {"accepted": True, "duplicate": True, "round": self.round}
+                p = self._spool(meta, part_path)
+                part_path = None
+                self.pending[(p.cluster, p.incarnation)] = p
+                if self.first_delta_at is None:
+                    self.first_delta_at = self.clock()
+                self.cond.notify_all()
+                waiting = sorted(c for c in self.members if not self._responded(c))
+                log(f"fedmom: delta from {p.cluster} for round {self.round}: {p.tokens:,} tokens, "
+                    f"{len(p.leases)} lease(s); waiting for {waiting or 'nobody'}")
+                return {"accepted": True, "round": self.round, "waiting_for": waiting}
+        finally:
+            if part_path and os.path.exists(part_path):
+                os.unlink(part_path)
+
+    def _responded(self, cluster):
+        """Has the live incarnation of `cluster` sent this round's delta (or had it excluded)?"""
+        inc = self.members[cluster].incarnation
+        return (cluster, inc) in self.pending or any(
+            e["cluster"] == cluster and e["incarnation"] == inc for e in self.excluded)
+
+    def _exclude(self, meta, why):
+        self.excluded.append({"cluster": meta["cluster"], "incarnation": meta["incarnation"], "why": why})
+        self.event("excluded", meta["cluster"], meta["incarnation"], why)
+        log(f"fedmom: EXCLUDED delta from {meta['cluster']} ({meta['incarnation']}) for round {self.round}: {why}")
+
+    def _spool(self, meta, part_path):
+        base = os.path.join(self.spool, f"r{self.round}-{meta['cluster']}-{meta['incarnation']}")
+        p = Pending(meta["cluster"], meta["incarnation"], meta["base_round"], meta["tokens"], meta["leases"],
+                    meta["metrics"], base + ".safetensors", base + ".json", self.wall())
+        os.replace(part_path, p.path)
+        write_json_atomic(p.meta_path, dataclasses.asdict(p), self.cfg.fsync)   # the acceptance
+        return p
+
+    def new_part_path(self):
+        return os.path.join(self.spool, f".part-{secrets.token_hex(8)}")
+
+    # ---- rounds
+
+    def tick(self):
+        """Drop silent members; close and merge the round if it is ready. Returns the new
+        round record after a merge, else None. Called by one thread at a time."""
+        with self.lock:
+            self._drop_silent()
+            ready = self._ready()
+            if not ready:
+                return None
+            batch, self.merging = list(self.pending.values()), True
+            late = sorted(c for c in self.members if not self._responded(c))
+            closed_at = self.clock()
+        try:
+            result = self._merge(batch)
+        except Exception as e:
+            with self.lock:
+                self.merging, self.retry_merge_at = False, self.clock() + 30.0
+                self.cond.notify_all()
+            log(f"fedmom: merge of round {self.round} FAILED ({type(e).__name__}: {e}); "
+                "state unchanged, retrying in 30 s")
+            return None
+        with self.lock:
+            return self._finish(batch, result, ready, late, closed_at)
+
+    def _ready(self):
+        if self.merging or not self.pending or self.clock() < self.retry_merge_at:
+            return None
+        waiting = [c for c in self.members if not self._responded(c)]
+        if not waiting:
+            return "every live member sent its delta"
+        if self.clock() - self.first_delta_at >= self.cfg.round_deadline_s:
+            return f"deadline of {self.cfg.round_deadline_s:g} s passed without {sorted(waiting)}"
+        return None
+
+    def _merge(self, batch):
+        total = sum(p.tokens for p in batch)
+        weights = [p.tokens / total for p in batch]
+        new = self.round + 1
+        mu = self.cfg.outer_momentum
+        t0 = self.clock()
+        stats = merge_files(os.path.join(self.dir, self.theta_file),
+                            os.path.join(self.dir, self.momentum_file) if self.momentum_file else None,
+                            [(p.path, w) for p, w in zip(batch, weights)],
+                            os.path.join(self.dir, f"theta-{new}.safetensors"),
+                            os.path.join(self.dir, f"momentum-{new}.safetensors") if mu > 0 else None,
+                            self.cfg.outer_lr, mu, {"round": str(new)}, self.cfg.fsync, self.merge_pause_s)
+        stats["merge_s"] = self.clock() - t0
+        stats["weights"] = weights
+        return stats
+
+    def _finish(self, batch, stats, reason, late, closed_at):
+        new, old_files, old_commits = self.round + 1, (self.theta_file, self.momentum_file), list(self.pending_commits)
+        rec = self._record(batch, stats, reason, late, closed_at, new)
+        self.theta_file = f"theta-{new}.safetensors"
+        self.momentum_file = f"momentum-{new}.safetensors" if self.cfg.outer_momentum > 0 else None
+        self.pending_commits += [{"round": new, "cluster": p.cluster, "incarnation": p.incarnation,
+                                  "lease": l["id"], "end": l.get("end")} for p in batch for l in p.leases]
+        self.round, old_record, self.last_record = new, self.last_record, rec
+        try:
+            self._save()                                   # the round becomes durable here
+        except BaseException:
+            self.round, self.last_record, self.merging = new - 1, old_record, False
+            self.theta_file, self.momentum_file = old_files
+            self.pending_commits = old_commits
+            raise
+        append_line(self.rounds_path, rec, self.cfg.fsync)
+        self.records.append(rec)
+        log(format_record(rec))
+        for fn in old_files:
+            if fn and fn not in (self.theta_file, self.momentum_file):
+                _unlink(os.path.join(self.dir, fn))
+        for p in batch:
+            _unlink(p.path), _unlink(p.meta_path)
+        self.pending, self.excluded, self.dropped = {}, [], []
+        self.first_delta_at, self.merging = None, False
+        self.round_opened_at = self.clock()
+        self.published = {}
+        self.cond.notify_all()
+        return rec
+
+    def _record(self, batch, stats, reason, late, closed_at, new):
+        total = sum(p.tokens for p in batch)
+        clusters = {}
+        for p, w, dn in zip(batch, stats["weights"], stats["delta_norms"]):
+            drift = dn / stats["theta_norm"] if stats["theta_norm"] > 0 else None
+            key = p.cluster if p.cluster not in clusters else f"{p.cluster}@{p.incarnation}"
+            clusters[key] = {"incarnation": p.incarnation, "tokens": p.tokens, "weight": round(w, 6),
+                                   "drift": drift, **p.metrics}
+        losses = [(p.tokens, p.metrics["loss"]) for p in batch if "loss" in p.metrics]
+        ltok = sum(t for t, _ in losses)
+        loss = sum(t * l for t, l in losses) / ltok if ltok else None
+        drifts = [c["drift"] for c in clusters.values() if c["drift"] is not None]
+        tps = [p.metrics["tokens_per_s"] for p in batch if "tokens_per_s" in p.metrics]
+        return {"v": RECORD_VERSION, "round": new, "base_round": new - 1, "time": round(self.wall(), 3),
+                "reason": reason, "tokens": total, "clusters": clusters,
+                "loss": loss, "perplexity": _safe_exp(loss),
+                "drift_mean": sum(drifts) / len(drifts) if drifts else None,
+                "drift_max": max(drifts) if drifts else None,
+                "tokens_per_s": sum(tps) if tps else None,
+                "wall_s": round(closed_at - self.round_opened_at, 3), "merge_s": round(stats["merge_s"], 3),
+                "excluded": list(self.excluded), "dropped": list(self.dropped), "late": late,
+                "members": sorted(self.members), "outer_lr": self.cfg.outer_lr,
+                "outer_momentum": self.cfg.outer_momentum,
+                "bytes_read": stats["bytes_read"], "bytes_written": stats["bytes_written"]}
+
+    # ---- DARL
+
+    def darl_tick(self, force=False):
+        """Send the DARL commits still owed (oldest first), and heartbeat the leases of
+        accepted deltas so they survive until their round is durable."""
+        if self.darl is None:
+            return
+        with self.lock:
+            todo = list(self.pending_commits)
+            hb_due = force or self.clock() - self.last_darl_heartbeat >= self.cfg.darl_heartbeat_s
+            held = {}
+            if hb_due:
+                self.last_darl_heartbeat = self.clock()
+                for p in self.pending.values():
+                    held.setdefault((p.cluster, p.incarnation), []).extend(l["id"] for l in p.leases)
+                for c in todo:
+                    held.setdefault((c["cluster"], c["incarnation"]), []).append(c["lease"])
+        done = []
+        for c in todo:
+            try:
+                self.darl.commit(c["cluster"], c["incarnation"], c["lease"], c.get("end"))
+                done.append(c)
+            except httpd.CallError as e:
+                if 400 <= e.status < 500 and e.status not in (408, 429):
+                    log(f"fedmom: DARL refused commit of lease {c['lease']} for {c['cluster']} "
+                        f"(round {c['round']}): {e}; not retried")
+                    done.append(c)
+                else:
+                    break
+            except (OSError, http.client.HTTPException) as e:
+                log(f"fedmom: DARL unreachable ({e}); {len(todo) - len(done)} commit(s) kept for later")
+                break
+        for (cluster, inc), ids in held.items():
+            if ids:
+                try:
+                    self.darl.heartbeat(cluster, inc, ids)
+                except (httpd.CallError, OSError, http.client.HTTPException) as e:
+                    log(f"fedmom: DARL heartbeat for {cluster}'s leases failed: {e}")
+        if done:
+            with self.lock:
+                self.pending_commits = [c for c in self.pending_commits if c not in done]
+                self._save()
+
+    # ---- reading
+
+    def open_theta(self):
+        """(open file, round) of the current theta_global; the file stays readable after a merge."""
+        with self.lock:
+            return open(os.path.join(self.dir, self.theta_file), "rb"), self.round
+
+    def status(self):
+        with self.lock:
+            now = self.clock()
+            members = [{"cluster": c, "incarnation": m.incarnation, "heard_s_ago": round(now - m.last_seen, 1),
+                        "sent": self._responded(c), "metrics": m.metrics} for c, m in sorted(self.members.items())]
+            deadline = (None if self.first_delta_at is None
+                        else round(self.first_delta_at + self.cfg.round_deadline_s - now, 1))
+            return {"round": self.round, "merging": self.merging, "members": members,
+                    "pending": sorted(c for c, _ in self.pending), "deadline_in_s": deadline,
+                    "excluded": list(self.excluded), "dropped": list(self.dropped),
+                    "pending_commits": len(self.pending_commits),
+                    "parameters": sum(int(np.prod(s)) for s in self.specs.values()),
+                    "tensors": len(self.specs),
+                    "config": {"outer_lr": self.cfg.outer_lr, "outer_momentum": self.cfg.outer_momentum,
+                               "round_deadline_s": self.cfg.round_deadline_s,
+                               "member_timeout_s": self.cfg.member_timeout_s,
+                               "blob": bool(self.cfg.blob_url), "darl": bool(self.cfg.darl)},
+                    "recent": list(self.records)[-RECORDS_KEPT:], "events": list(self.events)[-100:]}
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _unlink_prefix(path):
+    """`path` and the temp files a download made beside it (path.part-...)."""
+    d, base = os.path.split(path)
+    for fn in os.listdir(d):
+        if fn == base or fn.startswith(base + "."):
+            _unlink(os.path.join(d, fn))
+
+
+def _safe_exp(x):
+    if x is None:
+        return None
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def format_record(rec):
+    """The one readable log line per merge."""
+    per = "; ".join(
+        f"{c}: {d['tokens']:,} tok, loss {_fmt(d.get('loss'), '.4f')}, drift {_fmt(d.get('drift'), '.4f')}, "
+        f"{_fmt(d.get('tokens_per_s'), ',.0f')} tok/s, MFU {_fmt(d.get('mfu'), '.3f')}, "
+        f"{_fmt(d.get('tflops_per_rank'), '.1f')} TFLOP/s/rank, peak {_fmt(d.get('peak_mem_gb'), '.1f')} GB"
+        for c, d in sorted(rec["clusters"].items()))
+    out = [f"fedmom: merge round {rec['round']}: loss {_fmt(rec['loss'], '.4f')} "
+           f"ppl {_fmt(rec['perplexity'], '.2f')} tokens {rec['tokens']:,} "
+           f"drift mean {_fmt(rec['drift_mean'], '.4f')} max {_fmt(rec['drift_max'], '.4f')} "
+           f"tok/s {_fmt(rec['tokens_per_s'], ',.0f')} wall {rec['wall_s']:.1f} s merge {rec['merge_s']:.1f} s "
+           f"({rec['reason']}) | {per}"]
+    for d in rec["excluded"]:
+        out.append(f"excluded {d['cluster']}: {d['why']}")
+    for d in rec["dropped"]:
+        out.append(f"dropped {d['cluster']}: {d['why']}")
+    if rec["late"]:
+        out.append(f"late (not merged) {', '.join(rec['late'])}")
+    return " | ".join(out)
+
+
+# ---------------------------------------------------------------- HTTP
+
+def _refusal(fn):
+    """Route wrapper: Refused from the state becomes the HTTP error it names."""
+    def wrapped(req):
+        try:
+            return fn(req)
+        except Refused as e:
+            raise httpd.HTTPError(e.status, e.reason, **e.extra)
+    wrapped.__name__ = fn.__name__
+    return wrapped
+
+
+def make_routes(state, blob_token=None):
+    cfg = state.cfg
+
+    def ident(body):
+        return httpd.field(body, "cluster", str), httpd.field(body, "incarnation", str)
+
+    def join(req):
+        return state.join(*ident(req.json()))
+
+    def heartbeat(req):
+        b = req.json()
+        after = httpd.field(b, "wait_round_after", int, required=False)
+        wait = httpd.field(b, "wait_s", (int, float), required=False, default=0.0)
+        return state.heartbeat(*ident(b), b.get("metrics"), after, float(wait))
+
+    def leave(req):
+        return state.leave(*ident(req.json()))
+
+    def delta_check(req):
+        meta = state.check_delta_meta(req.json())
+        return {"ok": True, "round": state.round, "cluster": meta["cluster"]}
+
+    def put_delta(req):
+        raw = req.headers.get("X-Delta-Meta")
+        if not raw:
+            raise httpd.HTTPError(400, "missing X-Delta-Meta header (JSON: cluster, incarnation, base_round, "
+                                       "tokens, leases, metrics)")
+        try:
+            meta = json.loads(raw)
+        except ValueError as e:
+            raise httpd.HTTPError(400, f"X-Delta-Meta is not JSON: {e}")
+        meta = state.check_delta_meta(meta)
+        req.content_length()
+        part = state.new_part_path()
+        try:
+            with open(part, "wb") as f:
+                for chunk in req.stream():
+                    f.write(chunk)
+                f.flush()
+                if cfg.fsync:
+                    os.fsync(f.fileno())
+        except BaseException:
+            _unlink(part)
+            raise
+        return state.accept_delta(meta, part)
+
+    def delta_blob(req):
+        b = req.json()
+        if not cfg.blob_url:
+            raise httpd.HTTPError(400, "this server has no blob store: start it with --blob-url, or send inline")
+        blob, sha = httpd.field(b, "blob", str), httpd.field(b, "sha256", str)
+        meta = state.check_delta_meta(b)
+        import blobstore
+        part = state.new_part_path()
+        try:
+            got = blobstore.get_file(cfg.blob_url, blob, part, token=blob_token)
+        except (httpd.CallError, ValueError) as e:
+            _unlink_prefix(part)
+            status = 400 if isinstance(e, ValueError) or e.status == 404 else 502
+            raise httpd.HTTPError(status, f"blob {blob!r}: {e}")
+        except BaseException:
+            _unlink_prefix(part)
+            raise
+        if got != sha:
+            _unlink(part)
+            raise httpd.HTTPError(400, f"blob {blob!r} has sha256 {got[:16]}..., the request says {sha[:16]}...")
+        reply = state.accept_delta(meta, part)
+        try:
+            httpd.call(cfg.blob_url, "DELETE", f"/blobs/{blob}", token=blob_token)
+        except (httpd.CallError, OSError, http.client.HTTPException):
+            pass
+        return reply
+
+    def theta(req):
+        f, rnd = state.open_theta()
+        return httpd.Response(file=f, headers={"X-Round": str(rnd)})
+
+    def theta_blob(req):
+        if not cfg.blob_url:
+            raise httpd.HTTPError(400, "this server has no blob store: start it with --blob-url, or use GET /theta")
+        import blobstore
+        with state.publish_lock:
+            f, rnd = state.open_theta()
+            with f:
+                if rnd in state.published:
+                    return state.published[rnd]
+                blob = f"theta-{rnd}"
+                # put_file reads by path; /proc/self/fd keeps it on the file we opened under the lock
+                info = blobstore.put_file(cfg.blob_url, blob, f"/proc/self/fd/{f.fileno()}", token=blob_token)
+            out = {"blob": blob, "sha256": info["sha256"], "round": rnd}
+            with state.lock:
+                if state.round == rnd:
+                    state.published[rnd] = out
+            return out
+
+    def round_(req):
+        with state.lock:
+            return {"round": state.round, "merging": state.merging}
+
+    def page(req):
+        return httpd.Response(body=render_page(state.status()).encode(), content_type="text/html; charset=utf-8")
+
+    routes = {("GET", "/health"): lambda req: {"ok": True, "round": state.round},
+              ("GET", "/"): page, ("GET", "/status"): lambda req: state.status(), ("GET", "/round"): round_,
+              ("POST", "/join"): join, ("POST", "/heartbeat"): heartbeat, ("POST", "/leave"): leave,
+              ("POST", "/delta_check"): delta_check, ("PUT", "/delta"): put_delta,
+              ("POST", "/delta_blob"): delta_blob, ("GET", "/theta"): theta, ("GET", "/theta_blob"): theta_blob}
+    return {k: _refusal(v) for k, v in routes.items()}
+
+
+def round_loop(state, stop, interval_s=0.5):
+    """The background thread: drop silent members, close rounds, talk to DARL."""
+    while not stop.is_set():
+        try:
+            state.tick()
+            state.darl_tick()
+        except Exception as e:       # keep the loop alive; the log says what went wrong
+            log(f"fedmom: round loop error: {type(e).__name__}: {e}")
+        with state.lock:
+            state.cond.wait(timeout=interval_s)
+
+
+# ---------------------------------------------------------------- the status page
+
+def _svg_lines(series, width=560, height=160, title=""):
+    """Inline SVG: one polyline per (label, color, [(x, y)]); nothing but the stdlib."""
+    pts = [p for _, _, ps in series for p in ps if p[1] is not None]
+    head = f'<svg width="{width}" height="{height + 30}" xmlns="http://www.w3.org/2000/svg">'
+    head += f'<text x="4" y="14" font-size="13">{html.escape(title)}</text>'
+    if not pts:
+        return head + '<text x="4" y="40" font-size="12">no merges yet</text></svg>'
+    x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
+    y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
+    sx = (width - 70) / ((x1 - x0) or 1)
+    sy = (height - 20) / ((y1 - y0) or 1)
+    xy = lambda x, y: (60 + (x - x0) * sx, 20 + height - 20 - (y - y0) * sy)
+    body = [f'<text x="2" y="{24}" font-size="11">{y1:.4g}</text>',
+            f'<text x="2" y="{height}" font-size="11">{y0:.4g}</text>',
+            f'<text x="60" y="{height + 16}" font-size="11">round {x0:g}</text>',
+            f'<text x="{width - 80}" y="{height + 16}" font-size="11">round {x1:g}</text>']
+    for i, (label, color, ps) in enumerate(series):
+        coords = " ".join("%.1f,%.1f" % xy(x, y) for x, y in ps if y is not None)
+        body.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{coords}"/>')
+        body.append(f'<text x="{width - 150 + 75 * i}" y="14" font-size="11" fill="{color}">{html.escape(label)}</text>')
+    return head + "".join(body) + "</svg>"
+
+
+def _svg_membership(events, now, width=560, row=18):
+    """One lane per cluster: a bar for each stretch it was a live member."""
+    spans, open_ = {}, {}
+    for e in events:
+        c = e["cluster"]
+        if e["event"] == "join":
+            open_[c] = e["t"]
+        elif e["event"] in ("leave", "drop") and c in open_:
+            spans.setdefault(c, []).append((open_.pop(c), e["t"]))
+    for c, t in open_.items():
+        spans.setdefault(c, []).append((t, now))
+    if not spans:
+        return '<p>no membership events yet</p>'
+    t0 = min(a for s in spans.values() for a, _ in s)
+    sx = (width - 110) / ((now - t0) or 1)
+    h = row * len(spans) + 24
+    out = [f'<svg width="{width}" height="{h}" xmlns="http://www.w3.org/2000/svg">']
+    for i, (c, s) in enumerate(sorted(spans.items())):
+        y = 4 + i * row
+        out.append(f'<text x="2" y="{y + 12}" font-size="11">{html.escape(c)}</text>')
+        for a, b in s:
+            out.append(f'<rect x="{100 + (a - t0) * sx:.1f}" y="{y}" width="{max(1.0, (b - a) * sx):.1f}" '
+                       f'height="{row - 4}" fill="#4a8"/>')
+    out.append(f'<text x="100" y="{h - 4}" font-size="11">{time.strftime("%m-%d %H:%M", time.localtime(t0))}</text>')
+    out.append(f'<text x="{width - 80}" y="{h - 4}" font-size="11">now</text></svg>')
+    return "".join(out)
+
+
+def render_page(st):
+    recs = st["recent"]
+    loss = _svg_lines([("loss", "#c33", [(r["round"], r.get("loss")) for r in recs])], title="token-weighted loss")
+    drift = _svg_lines([("mean", "#36c", [(r["round"], r.get("drift_mean")) for r in recs]),
+                        ("max", "#c63", [(r["round"], r.get("drift_max")) for r in recs])], title="drift")
+    esc = html.escape
+    members = "".join(f"<tr><td>{esc(m['cluster'])}</td><td>{esc(m['incarnation'])}</td>"
+                      f"<td>{m['heard_s_ago']}</td><td>{'yes' if m['sent'] else 'no'}</td></tr>"
+                      for m in st["members"]) or '<tr><td colspan="4">none (waiting for a site)</td></tr>'
+    rows = "".join(f"<tr><td>{r['round']}</td><td>{r['tokens']:,}</td><td>{_fmt(r.get('loss'), '.4f')}</td>"
+                   f"<td>{_fmt(r.get('perplexity'), '.2f')}</td><td>{_fmt(r.get('drift_mean'), '.4f')}</td>"
+                   f"<td>{_fmt(r.get('drift_max'), '.4f')}</td><td>{r['wall_s']:.0f}</td>"
+                   f"<td>{esc(', '.join(sorted(r['clusters'])))}</td>"
+                   f"<td>{esc('; '.join(d['cluster'] + ': ' + d['why'] for d in r['excluded'] + r['dropped']))}</td></tr>"
+                   for r in reversed(recs[-20:]))
+    return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="10">
+<title>fedmom round {st['round']}</title><style>body{{font-family:sans-serif;margin:1em}}
+td,th{{padding:2px 8px;text-align:left}} table{{border-collapse:collapse}} tr:nth-child(even){{background:#f4f4f4}}</style>
+</head><body><h2>FedMom aggregator: round {st['round']}{' (merging)' if st['merging'] else ''}</h2>
+<p>{st['parameters']:,} parameters in {st['tensors']} tensors; outer lr {st['config']['outer_lr']},
+momentum {st['config']['outer_momentum']}; deltas waiting: {esc(', '.join(st['pending']) or 'none')};
+DARL commits owed: {st['pending_commits']}</p>
+<h3>members</h3><table><tr><th>cluster</th><th>incarnation</th><th>heard (s ago)</th><th>sent</th></tr>{members}</table>
+<div>{loss}</div><div>{drift}</div><h3>membership over time</h3>{_svg_membership(st['events'], time.time())}
+<h3>last merges</h3><table><tr><th>round</th><th>tokens</th><th>loss</th><th>ppl</th><th>drift mean</th>
+<th>drift max</th><th>wall s</th><th>clusters</th><th>excluded / dropped</th></tr>{rows}</table>
+</body></html>"""
+
+
+def print_status(url, token=None, last=10):
+    st = httpd.call(url, "GET", "/status", token=token)
+    print(f"round {st['round']}{' (merging)' if st['merging'] else ''}; {st['parameters']:,} parameters; "
+          f"outer lr {st['config']['outer_lr']} momentum {st['config']['outer_momentum']}; "
+          f"DARL commits owed {st['pending_commits']}")
+    print(f"members ({len(st['members'])}):" + ("" if st["members"] else " none"))
+    for m in st["members"]:
+        print(f"  {m['cluster']:<16} {m['incarnation']:<20} heard {m['heard_s_ago']:>6.1f} s ago  "
+              f"{'sent' if m['sent'] else 'training'}")
+    if st["deadline_in_s"] is not None:
+        print(f"round closes by deadline in {st['deadline_in_s']:.0f} s")
+    print("last merges:")
+    for r in st["recent"][-last:]:
+        print("  " + format_record(r).removeprefix("fedmom: "))
+
+
+# ---------------------------------------------------------------- the client (sites)
+
+class StaleRound(Exception):
+    """The server is on another round than the delta's base: reload theta and train again."""
+
+    def __init__(self, current_round, reason=""):
+        super().__init__(reason or f"the server is at round {current_round}")
+        self.current_round = current_round
+
+
+AUTO_BLOB_BYTES = 256 << 20     # "auto" sends larger deltas through the blob store (resumable)
+
+
+class FedMomClient:
+    """The site side of the protocol (stdlib + numpy; no torch)."""
+
+    def __init__(self, url, cluster, incarnation, token=None, blob_url=None, timeout=60.0, retries=3):
+        self.url, self.cluster, self.incarnation = url, cluster, incarnation
+        self.token, self.blob_url, self.timeout, self.retries = token, blob_url, timeout, retries
+        self.heartbeat_s = 30.0
+
+    def _call(self, method, path, body=None, timeout=None):
+        return httpd.call(self.url, method, path, body, token=self.token, timeout=timeout or self.timeout)
+
+    def _ident(self, **extra):
+        return {"cluster": self.cluster, "incarnation": self.incarnation, **extra}
+
+    def join(self, wait_s=0.0):
+        """Join; with wait_s, keep trying while an older incarnation of this cluster times out."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                reply = self._call("POST", "/join", self._ident())
+                self.heartbeat_s = reply.get("heartbeat_s", self.heartbeat_s)
+                return reply
+            except httpd.CallError as e:
+                if e.reply.get("code") != "incarnation_conflict" or time.monotonic() >= deadline:
+                    raise
+                time.sleep(min(max(1.0, e.reply.get("retry_after_s", 1.0)), max(0.0, deadline - time.monotonic())))
+
+    def heartbeat(self, metrics=None, wait_round_after=None, wait_s=0.0):
+        body = self._ident(metrics=metrics or {})
+        if wait_round_after is not None:
+            body.update(wait_round_after=wait_round_after, wait_s=wait_s)
+        try:
+            return self._call("POST", "/heartbeat", body, timeout=self.timeout + wait_s)
+        except httpd.CallError as e:
+            if e.reply.get("code") != "not_member":
+                raise
+            self.join()                   # dropped (e.g. a network outage): come back
+            return self._call("POST", "/heartbeat", body, timeout=self.timeout + wait_s)
+
+    def leave(self):
+        return self._call("POST", "/leave", self._ident())
+
+    def current_round(self):
+        return self._call("GET", "/round")["round"]
+
+    def wait_round_after(self, base_round, timeout_s):
+        """Block until the server's round passes base_round (that merge is durable); heartbeats meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            reply = self.heartbeat(wait_round_after=base_round, wait_s=max(0.0, min(left, self.heartbeat_s)))
+            if reply["round"] > base_round:
+                return reply["round"]
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"round still {reply['round']} after {timeout_s:.0f} s (waiting for > {base_round})")
+
+    def keepalive(self, interval_s=None):
+        """A background heartbeat thread for the inner phase: `with client.keepalive(): train()`."""
+        return _KeepAlive(self, interval_s or self.heartbeat_s)
+
+    # ---- theta
+
+    def download_theta(self, path, transport="inline"):
+        """Write the current theta_global to `path` (atomically); returns its round."""
+        if transport == "blob":
+            import blobstore
+            info = self._call("GET", "/theta_blob", timeout=3600)
+            sha = blobstore.get_file(self._blob_url(), info["blob"], path, token=self.token)
+            if sha != info["sha256"]:
+                raise IOError(f"theta blob {info['blob']}: sha256 {sha} != {info['sha256']}")
+            return info["round"]
+        if transport != "inline":
+            raise ValueError(f"transport {transport!r}: use 'inline' or 'blob'")
+        conn = httpd.connect(self.url, timeout=max(self.timeout, 600))
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            conn.request("GET", httpd.split_url(self.url)[3] + "/theta", headers=httpd.auth_headers(self.token))
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise httpd.CallError(resp.status, _json_or_text(resp.read()))
+            want, got = int(resp.getheader("Content-Length")), 0
+            with open(tmp, "wb") as f:
+                while chunk := resp.read(1 << 20):
+                    f.write(chunk)
+                    got += len(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            if got != want:
+                raise ConnectionError(f"theta download ended after {got} of {want} bytes")
+            os.replace(tmp, path)
+            return int(resp.getheader("X-Round"))
+        finally:
+            conn.close()
+            _unlink(tmp)
+
+    # ---- deltas
+
+    def send_delta(self, path, base_round, tokens, leases, metrics, transport="auto"):
+        """Send one delta file (theta_i - theta_global). Raises StaleRound if the server has
+        moved past base_round; CallError for any other refusal (the reply says why)."""
+        meta = self._ident(base_round=base_round, tokens=tokens, leases=list(leases), metrics=dict(metrics or {}))
+        if transport == "auto":
+            big = os.path.getsize(path) >= AUTO_BLOB_BYTES
+            transport = "blob" if (self.blob_url and big) else "inline"
+        if transport not in ("inline", "blob"):
+            raise ValueError(f"transport {transport!r}: use 'inline', 'blob' or 'auto'")
+        for attempt in range(self.retries + 1):
+            self._stale_guard(lambda: self._call("POST", "/delta_check", meta))
+            try:
+                if transport == "blob":
+                    return self._stale_guard(lambda: self._send_blob(path, meta))
+                return self._stale_guard(lambda: self._send_inline(path, meta))
+            except (OSError, http.client.HTTPException) as e:
+                if attempt == self.retries:
+                    raise
+                log(f"fedmom client: delta upload failed ({e}); retrying")
+                time.sleep(min(30.0, 2.0 ** attempt))
+
+    def _stale_guard(self, fn):
+        try:
+            return fn()
+        except httpd.CallError as e:
+            if e.status == 409 and e.reply.get("code") == "stale_round":
+                raise StaleRound(e.reply["round"], e.reply.get("error", "")) from None
+            raise
+
+    def _send_inline(self, path, meta):
+        _, host, port, prefix = httpd.split_url(self.url)
+        conn = http.client.HTTPConnection(host, port, timeout=max(self.timeout, 600), blocksize=1 << 20)
+        try:
+            headers = {"Content-Length": str(os.path.getsize(path)), "X-Delta-Meta": json.dumps(meta),
+                       "Content-Type": "application/octet-stream", **httpd.auth_headers(self.token)}
+            with open(path, "rb") as f:
+                conn.request("PUT", prefix + "/delta", body=f, headers=headers)
+            resp = conn.getresponse()
+            reply = _json_or_text(resp.read())
+            if resp.status >= 400:
+                raise httpd.CallError(resp.status, reply)
+            return reply
+        finally:
+            conn.close()
+
+    def _send_blob(self, path, meta):
+        import blobstore
+        blob = f"delta-{self.cluster}-{self.incarnation}-r{meta['base_round']}"
+        info = blobstore.put_file(self._blob_url(), blob, path, token=self.token)
+        return self._call("POST", "/delta_blob", {**meta, "blob": blob, "sha256": info["sha256"]}, timeout=3600)
+
+    def _blob_url(self):
+        if not self.blob_url:
+            raise ValueError("the blob transport needs FedMomClient(blob_url=...)")
+        return self.blob_url
+
+
+def _json_or_text(raw):
+    try:
+        out = json.loads(raw) if raw else {}
+        return out if isinstance(out, dict) else {"reply": out}
+    except ValueError:
+        return {"error": raw[:200].decode("utf-8", "replace")}
+
+
+class _KeepAlive:
+    def __init__(self, client, interval_s):
+        self.client, self.interval_s, self.stop = client, interval_s, threading.Event()
+        self.thread = threading.Thread(target=self._run, name="fedmom-heartbeat", daemon=True)
+
+    def _run(self):
+        while not self.stop.wait(self.interval_s):
+            try:
+                self.client.heartbeat()
+            except (httpd.CallError, OSError, http.client.HTTPException) as e:
+                log(f"fedmom client: heartbeat failed: {e}")
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        return False
+
+
+# ---------------------------------------------------------------- main
+
+def serve(cfg, host, port, token, insecure, verbose, private_page, max_body):
+    darl = DarlLink(cfg.darl, token) if cfg.darl else None
+    state = FedMomState(cfg, darl=darl)
+    public = ("/health",) if private_page else ("/health", "/")
+    server = httpd.make_server(make_routes(state, blob_token=token), host, port, token, insecure,
+                               public=public, max_body=max_body, quiet=not verbose)
+    stop = threading.Event()
+    loop = threading.Thread(target=round_loop, args=(state, stop), name="fedmom-rounds", daemon=True)
+    loop.start()
+    try:
+        httpd.serve_forever(server, f"fedmom round {state.round}")
+    finally:
+        stop.set()
+
+
+def _server_parser():
+    p = httpd.base_parser(__doc__)
+    p.add_argument("--state-dir", required=True, help="where theta, momentum, state.json, rounds.jsonl live")
+    p.add_argument("--init", help="initial model (.safetensors, any float dtype); needed on the first start only")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="outer learning rate (default 0.7; 1.0 = FedAvg)")
+    p.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="Nesterov momentum (default 0.9; 0 = FedAvg)")
+    p.add_argument("--round-deadline-s", type=float, default=1800.0,
+                   help="seconds after a round's first delta before it merges without the rest (default 1800)")
+    p.add_argument("--member-timeout-s", type=float, default=300.0,
+                   help="seconds without a heartbeat before a member is dropped (default 300)")
+    p.add_argument("--blob-url", help="blob store URL (blobstore.py, :29512) for the blob transport (default: none)")
+    p.add_argument("--darl", help="DARL coordinator URL (:29510): commit merged leases there (default: none)")
+    p.add_argument("--darl-heartbeat-s", type=float, default=30.0,
+                   help="seconds between DARL heartbeats for leases of unmerged deltas (default 30)")
+    p.add_argument("--private-page", action="store_true", help="require the token for GET / too (default: public)")
+    httpd.add_server_args(p, DEFAULT_PORT)
+    return p
+
+
+def main(argv):
+    if argv[:1] == ["status"]:
+        p = httpd.base_parser(__doc__)
+        p.add_argument("status")
+        p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}",
+                       help=f"aggregator URL (default http://127.0.0.1:{DEFAULT_PORT})")
+        p.add_argument("--token-file", default=os.environ.get("PWW_TOKEN_FILE"),
+                       help="file holding the bearer token (default: $PWW_TOKEN_FILE, or $PWW_TOKEN)")
+        p.add_argument("--last", type=int, default=10, help="how many recent merges to print (default 10)")
+        a = p.parse_args(argv)
+        try:
+            return print_status(a.url, httpd.load_token(a.token_file), a.last)
+        except (httpd.CallError, OSError) as e:
+            raise SystemExit(f"status: {a.url}: {e}")
+    a = _server_parser().parse_args(argv)
+    cfg = ServerConfig(a.state_dir, a.init, a.outer_lr, a.outer_momentum, a.round_deadline_s,
+                       a.member_timeout_s, a.blob_url, a.darl, a.darl_heartbeat_s).validate()
+    serve(cfg, a.host, a.port, httpd.load_token(a.token_file), a.insecure, a.verbose, a.private_page,
+          int(a.max_body_mb * 2**20))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
