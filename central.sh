@@ -95,10 +95,10 @@ ensure_token() {
 
 daemon_args() {
     local name=$1 extra
-    ARGS=("$ROOT/$(script_of "$name")" --host "$HOST" --port "$(port_of "$name")"
-          --token-file "$TOKEN" --state-dir "$STATE")
+    ARGS=("$ROOT/$(script_of "$name")" --host "$HOST" --port "$(port_of "$name")" --token-file "$TOKEN")
     case "$name" in
         darl)
+            ARGS+=(--state-dir "$STATE")                       # -> $STATE/darl/
             if [ -n "${MANIFEST:-}" ]; then ARGS+=(--manifest "$MANIFEST")
             elif [ -n "${NUM_SAMPLES:-}" ]; then ARGS+=(--num-samples "$NUM_SAMPLES")
             elif [ ! -d "$STATE/darl" ]; then
@@ -109,14 +109,18 @@ daemon_args() {
             [ -n "${SEED:-}" ] && ARGS+=(--seed "$SEED")
             extra=${DARL_ARGS:-} ;;
         fedmom)
+            ARGS+=(--state-dir "$STATE/fedmom")
             if [ -n "${INIT:-}" ]; then ARGS+=(--init "$INIT")
             elif [ ! -d "$STATE/fedmom" ]; then
                 echo "central.sh: first start of FedMom needs INIT=<initial model .safetensors> (see RUNBOOK.md)" >&2
                 return 1
             fi
-            ARGS+=(--darl-url "$(local_url darl)" --blob-url "$(local_url blob)")
+            # FedMom commits merged leases into DARL and serves big models via the blob store
+            ARGS+=(--darl "$(local_url darl)" --blob-url "$(local_url blob)")
             extra=${FEDMOM_ARGS:-} ;;
-        blob) extra=${BLOB_ARGS:-} ;;
+        blob)
+            ARGS+=(--root "$STATE")                            # -> $STATE/blobs/
+            extra=${BLOB_ARGS:-} ;;
     esac
     local words
     read -r -a words <<< "$extra"
@@ -170,8 +174,10 @@ print_urls() {
     echo "export PWW_DARL_URL=$(public_url darl)"
     echo "export PWW_FEDMOM_URL=$(public_url fedmom)"
     echo "export PWW_BLOB_URL=$(public_url blob)"
-    # shellcheck disable=SC2016  # $HOME is meant to expand at the site
-    echo "export PWW_TOKEN_FILE=${PWW_SITE_TOKEN_FILE:-'$HOME/.pww/central.token'}"
+    local token_file=${PWW_SITE_TOKEN_FILE:-}
+    # shellcheck disable=SC2016  # $HOME is meant to expand at the site, not here
+    [ -n "$token_file" ] || token_file='$HOME/.pww/central.token'
+    echo "export PWW_TOKEN_FILE=$token_file"
 }
 
 case "$CMD" in
