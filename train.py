@@ -27,15 +27,30 @@ metrics.jsonl (rows {"split": "train"|"eval"|"diloco", "step", ...}) and checkpo
 Who may run it: anyone with the venv (or the site container); it only writes under --runs-dir.
 """
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import hashlib
+import json
+import math
 import os
+import platform
 import re
+import resource
+import socket
 import subprocess
 import sys
+import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+
+import checkpoint
+import data
+import diloco
+import models
 
 # ---------------------------------------------------------------------------
 # Stage 1: setup - device, backend, rank and world, chosen once from the environment
@@ -187,3 +202,673 @@ def init_distributed(device="auto", timeout_s=1800):
                                     world_size=world_size, timeout=timeout)
     return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=dev,
                 backend=backend, accel=accel)
+
+
+# ---------------------------------------------------------------------------
+# Stage 2: config - one dataclass; YAML supplies defaults, flags override
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Config:
+    config: str | None = None
+    model: str = "resnet18"
+    data: str | None = None
+    parallel: str = "ddp"
+    device: str = "auto"
+    dtype: str = "auto"
+    batch_size: int | None = None
+    grad_accum: int = 1
+    steps: int = 0
+    epochs: int = 1
+    lr: float | None = None
+    min_lr: float | None = None
+    warmup_steps: int | None = None
+    weight_decay: float | None = None
+    grad_clip: float | None = None
+    seq_len: int | None = None
+    seed: int = 0
+    eval_every: int = 0
+    eval_windows: int = 64
+    ckpt_every: int = 0
+    keep_checkpoints: int = 2
+    sharded_checkpoint: bool = False
+    activation_checkpointing: bool = False
+    run_name: str | None = None
+    runs_dir: str = "runs"
+    resume: str = "none"
+    log_every: int = 10
+    diloco_replicas: int = 1
+    diloco_inner_steps: int = 100
+    diloco_outer_optimizer: str = "nesterov"
+    diloco_outer_lr: float = 0.7
+    diloco_outer_momentum: float = 0.9
+    diloco_outer_device: str = "same"
+
+    @property
+    def llm(self):
+        return models.is_llm(self.model)
+
+    def resolve(self, accel):
+        """Fill the model-dependent defaults (None above); returns self."""
+        llm, gpu = self.llm, accel != "cpu"
+        pick = lambda v, for_llm, for_cifar: v if v is not None else (for_llm if llm else for_cifar)
+        self.data = pick(self.data, "data/tokens/manifest.json", "data/cifar-10-batches-py")
+        self.batch_size = pick(self.batch_size, 8, 128)
+        self.lr = pick(self.lr, 3e-4, 0.1)
+        self.min_lr = pick(self.min_lr, self.lr / 10, 0.0)
+        self.weight_decay = pick(self.weight_decay, 0.1, 5e-4)
+        self.grad_clip = pick(self.grad_clip, 1.0, 0.0)
+        # bf16 on GPUs (MI250X and H100 do it natively, with fp32's range: no loss scaler);
+        # fp32 on CPUs, where bf16 autocast is emulated and several times slower.
+        if self.dtype == "auto":
+            self.dtype = "bf16" if gpu else "fp32"
+        return self
+
+    def validate(self):
+        """Checks that need no process group. Errors name the flag to change."""
+        if self.dtype == "fp16" and self.parallel == "fsdp":
+            raise ConfigError("--dtype fp16 needs a GradScaler, and FSDP2's mixed precision has "
+                              "none (gradients would silently underflow); use --dtype bf16, or "
+                              "--parallel ddp for fp16 with a scaler")
+        for flag, v, lo in (("--batch-size", self.batch_size, 1), ("--grad-accum", self.grad_accum, 1),
+                            ("--steps", self.steps, 0), ("--epochs", self.epochs, 1),
+                            ("--log-every", self.log_every, 1), ("--eval-every", self.eval_every, 0),
+                            ("--ckpt-every", self.ckpt_every, 0), ("--keep-checkpoints", self.keep_checkpoints, 1),
+                            ("--warmup-steps", self.warmup_steps, 0), ("--eval-windows", self.eval_windows, 0),
+                            ("--diloco-replicas", self.diloco_replicas, 1)):
+            if v is not None and v < lo:
+                raise ConfigError(f"{flag} {v}: must be >= {lo}")
+        if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"--lr {self.lr} / --min-lr {self.min_lr}: need 0 <= min-lr <= lr and lr > 0")
+        if self.llm and not self.data.endswith(".json"):
+            raise ConfigError(f"--data {self.data}: --model {self.model} reads a tokenized corpus; "
+                              f"give its manifest.json (python tokenize_corpus.py --out DIR)")
+        if not self.llm and self.activation_checkpointing:
+            raise ConfigError("--activation-checkpointing is for the Qwen3 models: recomputing a "
+                              "ResNet stage would update its BatchNorm statistics twice")
+        if self.resume not in ("none", "auto") and not os.path.exists(self.resume):
+            raise ConfigError(f"--resume {self.resume}: no such checkpoint; use none, auto or a path "
+                              f"under runs/<run>/checkpoints/")
+        if self.diloco_replicas > 1:
+            diloco.DiLoCoConfig.from_args(self)          # raises naming the --diloco-* flag
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description="Train ResNet/CIFAR-10 or Qwen3 on ROCm, CUDA or CPU "
+                                "(DDP/FSDP2, DiLoCo inside the allocation).",
+                                epilog="Model-dependent defaults are given as LLM / CIFAR.")
+    a = p.add_argument
+    a("--config", help="YAML file of defaults for these flags (keys as flag names, - or _); flags win")
+    a("--model", choices=models.MODEL_NAMES, default=Config.model, help="default resnet18")
+    a("--data", help="CIFAR-10 python-pickle directory, or a tokenize_corpus.py manifest.json "
+      "(default data/tokens/manifest.json / data/cifar-10-batches-py)")
+    a("--parallel", choices=("ddp", "fsdp"), default=Config.parallel,
+      help="DDP, or FSDP2 sharded per block then at the root (default ddp)")
+    a("--device", choices=("auto", "cpu", "cuda", "rocm"), default=Config.device,
+      help="auto: ROCm or CUDA when a GPU is visible, else CPU with gloo (default auto)")
+    a("--dtype", choices=("auto", "bf16", "fp32", "fp16"), default=Config.dtype,
+      help="compute dtype; auto = bf16 on GPUs, fp32 on CPUs; fp16 only with --parallel ddp "
+           "(GradScaler) (default auto)")
+    a("--batch-size", type=int, help="micro-batch per rank, sequences or images (default 8 / 128)")
+    a("--grad-accum", type=int, default=Config.grad_accum, help="micro-batches per optimizer step (default 1)")
+    a("--steps", type=int, default=Config.steps,
+      help="optimizer steps; 0 = one epoch of windows / --epochs of CIFAR (default 0)")
+    a("--epochs", type=int, default=Config.epochs, help="CIFAR epochs when --steps is 0 (default 1)")
+    a("--lr", type=float, help="peak LR: AdamW for Qwen3; SGD for CIFAR per 128 images of replica "
+      "batch, scaled linearly (0.1 -> 0.8 at 1024) (default 3e-4 / 0.1)")
+    a("--min-lr", type=float, help="LR at the end of the cosine (default lr/10 / 0)")
+    a("--warmup-steps", type=int, help="linear warmup steps (default 5%% of the run)")
+    a("--weight-decay", type=float, help="decoupled (AdamW) / L2 (SGD) weight decay (default 0.1 / 5e-4)")
+    a("--grad-clip", type=float, help="max global gradient norm, 0 = off (default 1.0 / 0)")
+    a("--seq-len", type=int, help="tokens per sequence; must match the corpus manifest (default: the manifest's)")
+    a("--seed", type=int, default=Config.seed, help="model init seed; data and augmentation add the rank (default 0)")
+    a("--eval-every", type=int, default=Config.eval_every,
+      help="evaluate every N optimizer steps; 0 = each CIFAR epoch and the end (default 0)")
+    a("--eval-windows", type=int, default=Config.eval_windows,
+      help="held-out windows scored per Qwen3 eval, a fixed set whatever the rank count (default 64)")
+    a("--ckpt-every", type=int, default=Config.ckpt_every, help="checkpoint every N steps; 0 = at the end only (default 0)")
+    a("--keep-checkpoints", type=int, default=Config.keep_checkpoints, help="newest checkpoints kept (default 2)")
+    a("--sharded-checkpoint", action="store_true", help="torch.distributed.checkpoint shards instead of one file")
+    a("--activation-checkpointing", action="store_true", help="recompute each transformer block in backward")
+    a("--run-name", help="runs/<run-name>/ (default <model>-<SLURM_JOB_ID>, else <model>-<date-time>)")
+    a("--runs-dir", default=Config.runs_dir, help="parent of run directories (default runs)")
+    a("--resume", default=Config.resume, help="none | auto (newest checkpoint of this run) | PATH (default none)")
+    a("--log-every", type=int, default=Config.log_every, help="optimizer steps per train row (default 10)")
+    diloco.add_diloco_args(p)
+    # --- federation flags (--federation, --darl-url, --replica, --site, ...) go here ---
+    return p
+
+
+def _yaml_defaults(path, parser):
+    """{dest: value} from a YAML file, each key checked against the flags and typed like them."""
+    import yaml
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+    out = {}
+    for key, value in raw.items():
+        dest = str(key).replace("-", "_")
+        if dest == "provenance":                 # a run's config.yaml can be passed back as --config
+            continue
+        if dest not in actions:
+            import difflib
+            near = difflib.get_close_matches(dest, actions, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(f"--config {path}: unknown key {key!r}{hint}")
+        act, flag = actions[dest], actions[dest].option_strings[0]
+        if isinstance(act, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                raise ConfigError(f"--config {path}: {key}: {value!r} is not true/false ({flag})")
+        elif value is not None and act.type is not None:
+            try:
+                value = act.type(value)     # YAML reads 3e-4 as a string; int("8") etc.
+            except (TypeError, ValueError):
+                raise ConfigError(f"--config {path}: {key}: {value!r} is not a valid {flag} value")
+        if act.choices is not None and value not in act.choices:
+            raise ConfigError(f"--config {path}: {key}: {value!r} is not one of "
+                              f"{', '.join(map(str, act.choices))} ({flag})")
+        out[dest] = value
+    return out
+
+
+def parse_config(argv=None):
+    """argv -> Config: --config's YAML as defaults, then the flags. Not yet resolve()d."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    parser = build_parser()
+    if known.config:
+        if not os.path.isfile(known.config):
+            raise ConfigError(f"--config {known.config}: no such file (see configs/)")
+        parser.set_defaults(**_yaml_defaults(known.config, parser))
+    return Config(**vars(parser.parse_args(argv)))
+
+
+def provenance(d, root=None):
+    """What produced this run: code version, library versions, devices, world size."""
+    root = root or os.path.dirname(os.path.abspath(__file__))
+    prov = {"python": platform.python_version(), "torch": str(torch.__version__),
+            "hip": torch.version.hip, "cuda": torch.version.cuda,
+            "host": socket.gethostname(), "world_size": d.world_size, "accel": d.accel,
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    try:
+        from importlib.metadata import version
+        prov["torchtitan"] = version("torchtitan")
+    except Exception:                            # not installed: the CIFAR path does not need it
+        prov["torchtitan"] = None
+    prov["devices"] = device_names(d)
+    try:
+        git = lambda *a: subprocess.run(["git", "-C", root, *a], capture_output=True, text=True,
+                                        timeout=10, check=True).stdout.strip()
+        prov["git"] = git("rev-parse", "HEAD")
+        prov["git_dirty"] = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        # an air-gapped copy without .git: identify the code by its bytes
+        prov["sha256"] = {f: hashlib.sha256(open(os.path.join(root, f), "rb").read()).hexdigest()
+                          for f in sorted(os.listdir(root)) if f.endswith(".py")}
+    return prov
+
+
+def device_names(d):
+    """Every rank's device name, gathered (collective)."""
+    if d.accel == "cpu":
+        name = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                name = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+    else:
+        name = torch.cuda.get_device_name(d.device)
+    names = [None] * d.world_size
+    dist.all_gather_object(names, f"{socket.gethostname()}:{name}")
+    return names
+
+
+def write_config_yaml(path, cfg, prov):
+    import yaml
+    body = dataclasses.asdict(cfg)
+    body["provenance"] = prov
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("# resolved config of this run (flags over --config over defaults); "
+                "usable as --config\n")
+        yaml.safe_dump(body, f, sort_keys=False)
+    os.replace(tmp, path)
+
+
+def default_run_name(cfg, d):
+    """<model>-<SLURM_JOB_ID> (stable across a requeue), else <model>-<rank 0's date-time>."""
+    job = os.environ.get("SLURM_JOB_ID")
+    name = [f"{cfg.model}-{job}" if job else f"{cfg.model}-{time.strftime('%Y%m%d-%H%M%S')}"]
+    dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+# ---------------------------------------------------------------------------
+# Logging and metrics
+# ---------------------------------------------------------------------------
+
+# Peak dense bf16 FLOP/s per device (one rank), for MFU. An MI250X package is two GCDs,
+# each its own rank: 383 TFLOP/s per package = 191.5 per GCD.
+PEAK_BF16_FLOPS = (("MI250X", 191.5e12), ("MI250", 181.0e12), ("H200", 989e12),
+                   ("H100", 989e12), ("A100", 312e12))
+
+
+def peak_flops(d):
+    """This rank's device peak bf16 FLOP/s, or None (CPUs and unknown GPUs: MFU not reported)."""
+    if d.accel == "cpu":
+        return None
+    name = torch.cuda.get_device_name(d.device)
+    return next((v for k, v in PEAK_BF16_FLOPS if k in name), None)
+
+
+def peak_memory_gib(d):
+    if d.accel == "cpu":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB on Linux
+    return torch.cuda.max_memory_allocated(d.device) / 2**30
+
+
+class RunLog:
+    """Rank 0 prints and appends to train.log and metrics.jsonl; other ranks stay quiet."""
+
+    def __init__(self, run_dir, is_main):
+        self.is_main = is_main
+        self.log_f = open(os.path.join(run_dir, "train.log"), "a") if is_main else None
+        self.metrics_f = open(os.path.join(run_dir, "metrics.jsonl"), "a") if is_main else None
+
+    def log(self, msg):
+        if self.is_main:
+            line = f"{time.strftime('%H:%M:%S')} {msg}"
+            print(line, flush=True)
+            self.log_f.write(line + "\n")
+            self.log_f.flush()
+
+    def metric(self, row):
+        if self.is_main:
+            row = dict(row, time=round(time.time(), 3))
+            self.metrics_f.write(json.dumps(row) + "\n")
+            self.metrics_f.flush()
+
+    def close(self):
+        for f in (self.log_f, self.metrics_f):
+            if f:
+                f.close()
+
+
+def fmt_row(row):
+    return " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                    for k, v in row.items() if v is not None and k != "split")
+
+
+# ---------------------------------------------------------------------------
+# Stage 3: model - built on meta, sharded or wrapped, then initialised
+# ---------------------------------------------------------------------------
+
+def make_model(cfg, d, vocab_size, group=None, mesh=None):
+    """(model to train, unwrapped module, FLOPs per token or image)."""
+    torch.manual_seed(cfg.seed)       # the same on every rank: FSDP shards draw one init
+    meta = models.build_model(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len)
+    n_params = models.count_params(meta)
+    if cfg.llm:
+        flops = models.llm_flops_per_token(meta.model_args, n_params)
+    else:
+        flops = models.resnet_flops_per_image(cfg.model)
+    param_dtype = torch.bfloat16 if (cfg.parallel == "fsdp" and cfg.dtype == "bf16") else None
+    model = models.parallelize(meta, cfg.parallel, d.device, group=group, mesh=mesh,
+                               param_dtype=param_dtype,
+                               activation_checkpointing=cfg.activation_checkpointing)
+    return model, models.unwrap(model), n_params, flops
+
+
+def autocast_ctx(cfg, d):
+    """DDP computes under autocast; FSDP2 casts through its MixedPrecisionPolicy instead."""
+    if cfg.parallel == "fsdp" or cfg.dtype == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float16
+    return torch.autocast(device_type=d.device.type, dtype=dtype)
+
+
+def make_optimizer(cfg, model, replica_ranks):
+    """AdamW for Qwen3; SGD + Nesterov for CIFAR with the LR scaled to the replica batch."""
+    if cfg.llm:
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                                 weight_decay=cfg.weight_decay), cfg.lr
+    replica_batch = cfg.batch_size * cfg.grad_accum * replica_ranks
+    lr = cfg.lr * replica_batch / 128
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True,
+                           weight_decay=cfg.weight_decay), lr
+
+
+def lr_lambda(total, warmup, floor):
+    """Linear warmup to 1, then cosine down to floor (= min_lr / lr) at step `total`."""
+    def f(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        t = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
+    return f
+
+
+# ---------------------------------------------------------------------------
+# Stage 4: data - index lists per rank, batches on the device
+# ---------------------------------------------------------------------------
+
+class CifarSource:
+    """CIFAR-10 on the device; DistributedSampler(drop_last=True) over all ranks, so each
+    DiLoCo replica trains on its own shard; crop + flip on the device."""
+
+    def __init__(self, cfg, d):
+        tx, ty, vx, vy = data.load_cifar10(cfg.data)
+        self.x, self.y = torch.from_numpy(tx).to(d.device), torch.from_numpy(ty).to(d.device)
+        self.vx, self.vy = torch.from_numpy(vx).to(d.device), torch.from_numpy(vy).to(d.device)
+        from torch.utils.data.distributed import DistributedSampler
+        # drop_last: a ragged last batch desynchronises the DiLoCo outer step (a collective
+        # counted per rank) and hangs the all-reduce instead of failing.
+        self.sampler = DistributedSampler(range(len(tx)), num_replicas=d.world_size, rank=d.rank,
+                                          shuffle=True, seed=cfg.seed, drop_last=True)
+        self.batch, self.gen = cfg.batch_size, torch.Generator(device=d.device)
+        self.gen.manual_seed(cfg.seed * 1000 + d.rank)
+        self.micro_per_epoch = len(self.sampler) // self.batch
+        self.samples_per_micro = self.batch
+
+    def micro_batches(self, epoch, skip=0):
+        self.sampler.set_epoch(epoch)
+        idx = torch.tensor(list(self.sampler), device=self.x.device)
+        for b in range(skip, self.micro_per_epoch):
+            i = idx[b * self.batch:(b + 1) * self.batch]
+            yield data.cifar_augment(self.x[i], self.gen), self.y[i]
+
+
+class WindowSource:
+    """Token windows from the manifest; every rank reads a disjoint slice of one
+    seeded permutation per epoch (equal whole batches: drop_last by construction)."""
+
+    def __init__(self, cfg, d, windows):
+        self.w, self.d, self.cfg = windows, d, cfg
+        self.micro_per_epoch = windows.train_windows // (d.world_size * cfg.batch_size)
+        self.samples_per_micro = cfg.batch_size * windows.seq_len      # tokens
+
+    def micro_batches(self, epoch, skip=0):
+        order = data.epoch_order(self.w.train_windows, epoch, self.cfg.seed)
+        batches = data.shard_for_rank(order, self.d.rank, self.d.world_size, self.cfg.batch_size)
+        for idx in batches[skip:]:
+            t = torch.from_numpy(self.w.batch(idx)).to(self.d.device, non_blocking=True)
+            yield t[:, :-1], t[:, 1:]
+
+
+def forward_loss(model, cfg, batch):
+    x, y = batch
+    out = model(x)
+    if cfg.llm:
+        return F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
+    return F.cross_entropy(out.float(), y)
+
+
+def _padded_share(n, d):
+    """Indices of a fixed set of n items for this rank, every rank the same count:
+    FSDP's forward is a collective, so a rank with one batch fewer would hang the rest."""
+    per = -(-n // d.world_size)
+    idx = [r * d.world_size + d.rank for r in range(per)]
+    return [min(i, n - 1) for i in idx], [i < n for i in idx]
+
+
+@torch.no_grad()
+def evaluate(model, cfg, d, source, windows):
+    """Held-out loss (+ perplexity) for Qwen3, test accuracy for CIFAR; pooled over ranks."""
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=d.device)     # loss*count, correct, count
+    if cfg.llm:
+        idx, keep = _padded_share(min(cfg.eval_windows, windows.heldout_windows), d)
+        base = windows.train_windows
+        for i in range(0, len(idx), cfg.batch_size):
+            t = torch.from_numpy(windows.batch([base + j for j in idx[i:i + cfg.batch_size]])).to(d.device)
+            k = torch.tensor(keep[i:i + cfg.batch_size], device=d.device)
+            with autocast_ctx(cfg, d):
+                logits = model(t[:, :-1])
+            nll = F.cross_entropy(logits.flatten(0, 1).float(), t[:, 1:].flatten(), reduction="none")
+            nll = nll.view(len(k), -1)[k]
+            sums += torch.stack([nll.sum().double(), torch.zeros((), device=d.device, dtype=torch.float64),
+                                 torch.tensor(float(nll.numel()), device=d.device, dtype=torch.float64)])
+    else:
+        idx, keep = _padded_share(len(source.vx), d)
+        for i in range(0, len(idx), cfg.batch_size):
+            j = torch.tensor(idx[i:i + cfg.batch_size], device=d.device)
+            k = torch.tensor(keep[i:i + cfg.batch_size], device=d.device)
+            with autocast_ctx(cfg, d):
+                logits = model(data.cifar_augment(source.vx[j], train=False)).float()
+            y = source.vy[j]
+            nll = F.cross_entropy(logits, y, reduction="none")[k]
+            sums += torch.stack([nll.sum().double(), (logits.argmax(1) == y)[k].sum().double(),
+                                 k.sum().double()])
+    dist.all_reduce(sums)
+    model.train()
+    loss = (sums[0] / sums[2]).item()
+    if cfg.llm:   # perplexity from the pooled loss (averaging perplexities overstates them)
+        return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "windows": int(sums[2].item()) // windows.seq_len}
+    return {"loss": loss, "acc": (sums[1] / sums[2]).item(), "images": int(sums[2].item())}
+
+
+# ---------------------------------------------------------------------------
+# Stage 5: the loop
+# ---------------------------------------------------------------------------
+
+def grad_sync(model, cfg, last):
+    """Gradient accumulation: reduce only on the last micro-batch of an optimizer step."""
+    if cfg.grad_accum == 1 or last:
+        if cfg.parallel == "fsdp" and cfg.grad_accum > 1:
+            model.set_requires_gradient_sync(True)
+        return contextlib.nullcontext()
+    if cfg.parallel == "fsdp":
+        model.set_requires_gradient_sync(False)
+        return contextlib.nullcontext()
+    return model.no_sync()
+
+
+def _as_float(t):
+    if t is None:
+        return None
+    return float(t.full_tensor() if hasattr(t, "full_tensor") else t)
+
+
+def train(cfg: Config):
+    """Run one training job from a parsed Config (every rank calls this)."""
+    # -- setup -------------------------------------------------------------
+    d = init_distributed(cfg.device)
+    cfg.resolve(d.accel)
+    cfg.validate()
+    if d.accel != "cpu":
+        torch.set_float32_matmul_precision("high")        # TF32 where fp32 matmuls remain
+    try:
+        diloco.ReplicaLayout.check(d.world_size, cfg.diloco_replicas)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    windows = data.TokenWindows(cfg.data) if cfg.llm else None
+    if windows is not None:
+        if cfg.seq_len is None:
+            cfg.seq_len = windows.seq_len
+        elif cfg.seq_len != windows.seq_len:
+            raise ConfigError(f"--seq-len {cfg.seq_len}: {cfg.data} holds windows of "
+                              f"{windows.seq_len}+1 tokens; drop --seq-len or re-run "
+                              f"tokenize_corpus.py --seq-len {cfg.seq_len}")
+        if cfg.eval_windows > windows.heldout_windows:
+            raise ConfigError(f"--eval-windows {cfg.eval_windows}: the corpus holds out only "
+                              f"{windows.heldout_windows}; lower it")
+    cfg.run_name = cfg.run_name or default_run_name(cfg, d)
+    run_dir = os.path.join(cfg.runs_dir, cfg.run_name)
+    if d.is_main:
+        os.makedirs(run_dir, exist_ok=True)
+    dist.barrier()
+    if cfg.resume == "none" and checkpoint.latest(run_dir):
+        raise ConfigError(f"{run_dir} already has checkpoints and --resume is none: "
+                          f"use --resume auto to continue it, or another --run-name")
+    log = RunLog(run_dir, d.is_main)
+    prov = provenance(d)
+    log.log(f"run {cfg.run_name}: {d.world_size} ranks, {d.accel} ({d.backend}), "
+            f"{prov['devices'][0]}, torch {prov['torch']}, torchtitan {prov['torchtitan']}, "
+            f"code {prov.get('git', 'sha256 of *.py')[:12]}")
+    log.log("config " + json.dumps(dataclasses.asdict(cfg)))
+
+    # -- model -------------------------------------------------------------
+    k = cfg.diloco_replicas
+    layout = diloco.ReplicaLayout.build(d.world_size, d.rank, k) if k > 1 else None
+    model, core, n_params, flops = make_model(
+        cfg, d, windows.vocab_size if windows else None,
+        group=layout.inner_group if layout else None, mesh=layout.mesh["shard"] if layout else None)
+    torch.manual_seed(cfg.seed * 1000 + d.rank)      # per-rank streams from here on
+    opt, peak_lr = make_optimizer(cfg, model, d.world_size // k)
+    scaler = torch.amp.GradScaler(d.device.type) if cfg.dtype == "fp16" else None
+    unit = "tokens" if cfg.llm else "img"
+    log.log(f"model {cfg.model}: {n_params:,} parameters, {flops / 1e9:.3g} GFLOP per "
+            f"{'token' if cfg.llm else 'image'} (train), {cfg.parallel}, dtype {cfg.dtype}, "
+            f"peak lr {peak_lr:.4g}" + (f", DiLoCo k={k} H={cfg.diloco_inner_steps}" if k > 1 else ""))
+
+    # -- data and the outer-step carrier -----------------------------------
+    source = WindowSource(cfg, d, windows) if cfg.llm else CifarSource(cfg, d)
+    carrier = None        # None: diloco.AllReduceCarrier over this allocation's replicas
+    # === federation slot ====================================================
+    # With --federation, `source` becomes a DARL lease source (same micro_batches()
+    # interface, windows from leased block spans) and `carrier` an HTTP carrier to
+    # fedmom_server.py (a diloco.OuterCarrier). Nothing below this line changes.
+    # ========================================================================
+    steps_per_epoch = source.micro_per_epoch // cfg.grad_accum
+    if steps_per_epoch < 1:
+        raise ConfigError(f"{cfg.data} gives each of {d.world_size} ranks {source.micro_per_epoch} "
+                          f"micro-batches per epoch, fewer than --grad-accum {cfg.grad_accum}: lower "
+                          f"--batch-size or --grad-accum, or use more data")
+    total = cfg.steps or steps_per_epoch * (1 if cfg.llm else cfg.epochs)
+    warmup = cfg.warmup_steps = cfg.warmup_steps if cfg.warmup_steps is not None else total // 20
+    if d.is_main:      # every default resolved now: the config a rerun would need
+        write_config_yaml(os.path.join(run_dir, "config.yaml"), cfg, prov)
+    schedule = lr_lambda(total, warmup, cfg.min_lr / cfg.lr)
+    outer = None
+    if k > 1 or carrier is not None:
+        outer = diloco.DiLoCo(model, layout or diloco.ReplicaLayout.plan(d.world_size, d.rank, 1),
+                              diloco.DiLoCoConfig.from_args(cfg), carrier)
+    log.log(f"data {cfg.data}: {steps_per_epoch} steps per epoch of {cfg.grad_accum} x "
+            f"{cfg.batch_size} per rank; {total} steps, warmup {warmup}")
+
+    # -- resume ------------------------------------------------------------
+    start = 0
+    if cfg.resume != "none":
+        extra = (checkpoint.load_latest(run_dir, model, opt, diloco=outer) if cfg.resume == "auto"
+                 else checkpoint.load(cfg.resume, model, opt, diloco=outer))
+        if extra is not None:
+            if windows is not None and extra.get("digest") not in (None, windows.digest):
+                raise ConfigError(f"--data {cfg.data}: corpus digest {windows.digest[:12]} differs "
+                                  f"from the checkpoint's {extra['digest'][:12]}; resume on the same corpus")
+            start = extra["step"]
+            log.log(f"resumed at step {start} from {cfg.resume} ({run_dir})")
+        else:
+            log.log(f"--resume auto: no checkpoint in {run_dir}; starting at step 0")
+
+    def save(step, epoch):
+        checkpoint.save(run_dir, step, model, opt, diloco=outer, sharded=cfg.sharded_checkpoint,
+                        keep=cfg.keep_checkpoints,
+                        extra={"epoch": epoch, "digest": windows.digest if windows else None})
+
+    def run_eval(step, epoch):
+        with outer.global_weights() if outer else contextlib.nullcontext():
+            row = dict(split="eval", step=step, epoch=epoch, **evaluate(model, cfg, d, source, windows))
+        log.metric(row)
+        log.log("eval  " + fmt_row(row))
+
+    # -- loop --------------------------------------------------------------
+    model.train()
+    step, (epoch, skip) = start, divmod(start, steps_per_epoch)
+    loss_sum = torch.zeros((), device=d.device)
+    t_mark, step_mark, paused, gnorm = time.perf_counter(), step, 0.0, None
+    peak = peak_flops(d)
+    while step < total:
+        micro = source.micro_batches(epoch, skip * cfg.grad_accum)
+        skip = 0
+        for _ in range(steps_per_epoch - (step % steps_per_epoch)):
+            if step >= total:
+                break
+            lr = peak_lr * schedule(step)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            for i in range(cfg.grad_accum):
+                batch = next(micro)
+                with grad_sync(model, cfg, i == cfg.grad_accum - 1), autocast_ctx(cfg, d):
+                    loss = forward_loss(model, cfg, batch) / cfg.grad_accum
+                (scaler.scale(loss) if scaler else loss).backward()
+                loss_sum += loss.detach()
+            if scaler:
+                scaler.unscale_(opt)
+            if cfg.grad_clip > 0:
+                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            row = outer.after_inner_step() if outer else None     # collective every H steps
+            if row:
+                log.metric(dict(row, step=step))
+                log.log("outer " + fmt_row(row))
+
+            if step % cfg.log_every == 0 or step == total:
+                dist.all_reduce(loss_sum)
+                n = step - step_mark
+                dt = time.perf_counter() - t_mark - paused
+                per_rank = n * cfg.grad_accum * source.samples_per_micro / dt
+                row = {"split": "train", "step": step, "epoch": epoch,
+                       "loss": loss_sum.item() / (n * d.world_size), "lr": lr,
+                       "grad_norm": _as_float(gnorm), "step_ms": 1e3 * dt / n,
+                       f"{unit}_per_s": per_rank * d.world_size,
+                       "mfu": flops * per_rank / peak if peak else None,
+                       "peak_mem_gib": peak_memory_gib(d)}
+                log.metric(row)
+                log.log("train " + fmt_row(row))
+                loss_sum.zero_()
+                t_mark, step_mark, paused = time.perf_counter(), step, 0.0
+            t0 = time.perf_counter()
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
+                run_eval(step, epoch)
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < total:
+                save(step, epoch)
+            paused += time.perf_counter() - t0
+        epoch += 1
+        if not cfg.llm and cfg.eval_every == 0 and step < total:
+            t0 = time.perf_counter()
+            run_eval(step, epoch)                # CIFAR: one eval row per epoch
+            paused += time.perf_counter() - t0
+
+    # -- finish ------------------------------------------------------------
+    if outer is not None:
+        row = outer.finish()                     # a trailing partial phase, before the last eval
+        if row:
+            log.metric(dict(row, step=step))
+            log.log("outer " + fmt_row(row))
+    run_eval(step, epoch)
+    if start < step or cfg.resume == "none":
+        save(step, epoch)
+    log.log(f"done: {step} steps, run directory {run_dir}")
+    log.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return run_dir
+
+
+def main(argv=None):
+    try:
+        cfg = parse_config(argv)
+        return train(cfg)
+    except ConfigError as e:
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+            print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""data.py - the two data sources of train.py: CIFAR-10 images and tokenized text windows.
+
+Runs on: compute nodes and CPUs (imported by train.py, tests, bench). No network:
+datasets are downloaded on a login node beforehand (compute nodes reach the
+internet only through a slow proxy, if at all).
+
+CIFAR-10: the standard python-pickle batches (data_batch_1..5, test_batch; dict
+keys b"data" (N x 3072 uint8, channel-major) and b"labels"). The whole training
+set (150 MB as uint8) is moved to the device once; random crop + flip and the
+normalisation run there on whole batches, so no dataloader workers are needed.
+    python data.py fake-cifar data/fake-cifar --train 512 --test 256   # a small fixture
+
+Token windows: the memmap shards and manifest.json written by tokenize_corpus.py;
+each window holds seq_len+1 token ids (inputs are [:-1], targets [1:]). The last
+`heldout_windows` windows are the held-out split, never trained on.
+"""
+import argparse
+import json
+import os
+import pickle
+
+import numpy as np
+
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+CIFAR_TRAIN_FILES = [f"data_batch_{i}" for i in range(1, 6)]
+CIFAR_TEST_FILE = "test_batch"
+CIFAR_CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
+                 "dog", "frog", "horse", "ship", "truck")
+
+
+# ---------------------------------------------------------------------------
+# CIFAR-10 reader and fixture writer
+# ---------------------------------------------------------------------------
+
+class _ArrayOnlyUnpickler(pickle.Unpickler):
+    """The CIFAR batches are pickles; this loads the numpy arrays in them and nothing else.
+
+    A pickle can name any callable; allowing only numpy's array reconstructors
+    means a tampered file fails here instead of running code.
+    """
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype"),
+               ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+               ("_codecs", "encode")}     # how protocol 2 spells a bytes object written by Python 3
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refusing {module}.{name}: a CIFAR batch holds only arrays")
+        return super().find_class(module, name)
+
+
+def _read_batch(path):
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing: --data must be the cifar-10-batches-py "
+                                f"directory (data_batch_1..5, test_batch), or make a fixture with "
+                                f"`python data.py fake-cifar DIR`")
+    with open(path, "rb") as f:
+        d = _ArrayOnlyUnpickler(f, encoding="bytes").load()
+    x = np.asarray(d[b"data"], dtype=np.uint8)
+    y = np.asarray(d[b"labels"], dtype=np.int64)
+    if x.ndim != 2 or x.shape[1] != 3072 or len(x) != len(y):
+        raise ValueError(f"{path}: expected data N x 3072 and N labels, got {x.shape} and {y.shape}")
+    return x.reshape(-1, 3, 32, 32), y
+
+
+def load_cifar10(root):
+    """-> (train_x, train_y, test_x, test_y): uint8 N x 3 x 32 x 32 images, int64 labels."""
+    parts = [_read_batch(os.path.join(root, name)) for name in CIFAR_TRAIN_FILES]
+    train_x = np.concatenate([p[0] for p in parts])
+    train_y = np.concatenate([p[1] for p in parts])
+    test_x, test_y = _read_batch(os.path.join(root, CIFAR_TEST_FILE))
+    return train_x, train_y, test_x, test_y
+
+
+def write_fake_cifar(root, n_train=500, n_test=100, seed=0):
+    """Write a small CIFAR-10 fixture in the standard python-pickle format.
+
+    Images are not noise: each class is a distinct colour/stripe pattern plus noise,
+    so a few hundred steps of ResNet visibly learn it (tests can assert accuracy > chance).
+    n_train is spread over the five training batches.
+    """
+    os.makedirs(root, exist_ok=True)
+    rng = np.random.default_rng(seed)
+
+    def make(n):
+        y = rng.integers(0, 10, size=n)
+        xx = np.arange(32)[None, None, :]
+        base = np.zeros((n, 3, 32, 32), np.float32)
+        for c in range(10):
+            m = y == c
+            stripes = ((xx + (np.arange(32)[:, None] * (c % 3))) // (2 + c % 4)) % 2
+            colour = np.array([(c * 37) % 256, (c * 91) % 256, (c * 53) % 256], np.float32)
+            base[m] = colour[:, None, None] * (0.5 + 0.5 * stripes)
+        x = np.clip(base + rng.normal(0, 20, size=base.shape), 0, 255).astype(np.uint8)
+        return x.reshape(n, 3072), [int(v) for v in y]
+
+    splits = np.array_split(np.arange(n_train), len(CIFAR_TRAIN_FILES))
+    names = CIFAR_TRAIN_FILES + [CIFAR_TEST_FILE]
+    for name, n in zip(names, [len(s) for s in splits] + [n_test]):
+        x, y = make(n)
+        d = {b"batch_label": name.encode(), b"labels": y, b"data": x,
+             b"filenames": [f"{name}_{i}.png".encode() for i in range(n)]}
+        with open(os.path.join(root, name), "wb") as f:
+            pickle.dump(d, f, protocol=2)
+    with open(os.path.join(root, "batches.meta"), "wb") as f:
+        pickle.dump({b"label_names": [c.encode() for c in CIFAR_CLASSES],
+                     b"num_cases_per_batch": len(splits[0]), b"num_vis": 3072}, f, protocol=2)
+    return root
+
+
+def cifar_augment(x_uint8, generator=None, train=True):
+    """uint8 N x 3 x 32 x 32 on the device -> normalised float32; random crop (pad 4) + flip if train.
+
+    One gather builds every crop at once: per image a row offset, a column offset
+    and a flip, folded into one index grid over the zero-padded batch.
+    """
+    import torch
+    x = x_uint8.float().div_(255.0)
+    if train:
+        n, dev = x.shape[0], x.device
+        padded = torch.nn.functional.pad(x, (4, 4, 4, 4))
+        oy = torch.randint(0, 9, (n,), device=dev, generator=generator)
+        ox = torch.randint(0, 9, (n,), device=dev, generator=generator)
+        flip = torch.rand(n, device=dev, generator=generator) < 0.5
+        ar = torch.arange(32, device=dev)
+        rows = oy[:, None] + ar
+        cols = ox[:, None] + torch.where(flip[:, None], 31 - ar, ar)
+        x = padded[torch.arange(n, device=dev)[:, None, None, None],
+                   torch.arange(3, device=dev)[None, :, None, None],
+                   rows[:, None, :, None], cols[:, None, None, :]]
+    mean = torch.tensor(CIFAR_MEAN, device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor(CIFAR_STD, device=x.device).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+# ---------------------------------------------------------------------------
+# Token windows (tokenize_corpus.py's output)
+# ---------------------------------------------------------------------------
+
+MANIFEST_FORMAT = "pww-windows/1"
+
+
+class TokenWindows:
+    """Read-only view of a tokenized corpus: window index -> seq_len+1 token ids.
+
+    Windows are numbered across shards in manifest order. train_windows are
+    [0, num_windows - heldout_windows); the held-out split is the rest.
+    """
+
+    def __init__(self, manifest_path):
+        with open(manifest_path) as f:
+            m = json.load(f)
+        if m.get("format") != MANIFEST_FORMAT:
+            raise ValueError(f"{manifest_path}: format {m.get('format')!r}, expected "
+                             f"{MANIFEST_FORMAT!r}; re-run tokenize_corpus.py")
+        self.manifest, self.path = m, manifest_path
+        self.seq_len, self.vocab_size = int(m["seq_len"]), int(m["vocab_size"])
+        self.num_windows, self.heldout_windows = int(m["num_windows"]), int(m["heldout_windows"])
+        self.digest = m["digest"]
+        base = os.path.dirname(os.path.abspath(manifest_path))
+        self._shards, self._starts, start = [], [], 0
+        for s in m["shards"]:
+            arr = np.memmap(os.path.join(base, s["file"]), dtype=np.dtype(m["dtype"]), mode="r",
+                            shape=(int(s["windows"]), self.seq_len + 1))
+            self._shards.append(arr)
+            self._starts.append(start)
+            start += int(s["windows"])
+        if start != self.num_windows:
+            raise ValueError(f"{manifest_path}: shards hold {start} windows, manifest says "
+                             f"{self.num_windows}; re-run tokenize_corpus.py")
+
+    @property
+    def train_windows(self):
+        return self.num_windows - self.heldout_windows
+
+    def heldout_indices(self, limit=None):
+        lo = self.train_windows
+        hi = self.num_windows if limit is None else min(self.num_windows, lo + limit)
+        return range(lo, hi)
+
+    def window(self, i):
+        s = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return self._shards[s][i - self._starts[s]]
+
+    def batch(self, indices):
+        """Window indices -> int64 array (len(indices), seq_len+1)."""
+        return np.stack([np.asarray(self.window(int(i)), dtype=np.int64) for i in indices])
+
+
+def epoch_order(n, epoch, seed):
+    """A permutation of range(n) that every rank computes identically for (epoch, seed)."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def shard_for_rank(order, rank, world, batch):
+    """This rank's slice of an epoch order: equal-length, whole batches only.
+
+    drop_last by construction: every rank gets exactly len(order) // (world * batch)
+    batches, so every rank reaches each DiLoCo outer step (a collective) the same
+    number of times; one rank with an extra ragged batch hangs the all-reduce.
+    """
+    per_rank = (len(order) // (world * batch)) * batch
+    mine = order[rank::world][:per_rank]
+    return [mine[i:i + batch] for i in range(0, per_rank, batch)]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("fake-cifar", help="write a small CIFAR-10 fixture in the standard format")
+    f.add_argument("dir")
+    f.add_argument("--train", type=int, default=500, help="training images (default 500)")
+    f.add_argument("--test", type=int, default=100, help="test images (default 100)")
+    f.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
+    a = p.parse_args()
+    print(write_fake_cifar(a.dir, a.train, a.test, a.seed))
+
+
+if __name__ == "__main__":
+    main()
