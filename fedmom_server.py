@@ -458,6 +458,11 @@ def _check_id(value, what):
     return value
 
 
+def _lease_id(lease):
+    v = lease.get("id", lease.get("lease"))
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 def parse_delta_meta(meta):
     """Check the metadata that comes with a delta; returns a clean dict or raises Refused(400)."""
     if not isinstance(meta, dict):
@@ -472,9 +477,9 @@ def parse_delta_meta(meta):
     if out["tokens"] == 0:
         raise Refused(400, "tokens is 0: a delta that trained on nothing has no weight; do not send it")
     leases = meta.get("leases", [])
-    if not isinstance(leases, list) or not all(isinstance(x, dict) and "id" in x for x in leases):
-        raise Refused(400, "leases must be a list of lease objects, each with an 'id'")
-    out["leases"] = [{"id": x["id"], "end": x.get("end")} for x in leases]
+    if not isinstance(leases, list) or not all(isinstance(x, dict) and _lease_id(x) is not None for x in leases):
+        raise Refused(400, "leases must be a list of DARL lease objects, each with an integer 'id' (or 'lease')")
+    out["leases"] = [{"id": _lease_id(x), "end": x.get("end")} for x in leases]
     metrics = meta.get("metrics", {}) or {}
     if not isinstance(metrics, dict):
         raise Refused(400, "metrics must be a JSON object")

@@ -1,0 +1,487 @@
+"""fedmom_server.py: the merge against torch's SGD and a naive numpy step, the round
+protocol with an injected clock, a live server with both transports, real DARL and
+blob store on 127.0.0.1, a SIGKILL mid-merge, and an import with torch absent."""
+import http.client
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+import numpy as np
+
+import blobstore
+import darl_server
+import fedmom_server as fm
+import httpd
+import tensorio
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# one tensor bigger than fm.CHUNK, so the chunk loop runs more than once
+SHAPES = {"embed": (300, 1000), "layer.w": (64, 48), "layer.b": (48,), "norm": (7,)}
+
+
+def naive_fedmom(theta, buf, deltas, tokens, lr, mu):
+    """The outer step in ten lines of float64 numpy: the reference the streaming merge must match."""
+    p = np.asarray(tokens, np.float64) / sum(tokens)
+    new_theta, new_buf = {}, {}
+    for k in theta:
+        g = theta[k] - sum(pi * (theta[k] + d[k]) for pi, d in zip(p, deltas))
+        b = g if buf is None else mu * buf[k] + g
+        new_theta[k], new_buf[k] = theta[k] - lr * (g + mu * b), b
+    return new_theta, new_buf
+
+
+def widened(arrays, dtype):
+    """What the server sees of a delta written in `dtype`, as float64."""
+    out = {}
+    for k, a in arrays.items():
+        if dtype == "BF16":
+            out[k] = tensorio.bf16_to_f32(tensorio.f32_to_bf16(a)).astype(np.float64)
+        else:
+            out[k] = a.astype(tensorio.DTYPES[dtype]).astype(np.float64)
+    return out
+
+
+def write_tensors(path, arrays, dtype):
+    with tensorio.TensorWriter(path, [(k, dtype, a.shape) for k, a in arrays.items()], fsync=False) as w:
+        for k, a in arrays.items():
+            w.write(k, a)
+
+
+def read_all(path):
+    with tensorio.TensorReader(path) as r:
+        return {k: r.read(k, as_float32=True).astype(np.float64) for k in r.names}
+
+
+def rel_err(a, b):
+    return max(float(np.abs(a[k] - b[k]).max() / (np.abs(b[k]).max() + 1e-30)) for k in b)
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+class Fixture(unittest.TestCase):
+    """A temp dir with an init model; helpers to run a state through rounds."""
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="fedmom-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.rng = np.random.default_rng(1)
+        self.theta0 = {k: self.rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+        self.init = os.path.join(self.dir, "init.safetensors")
+        write_tensors(self.init, self.theta0, "BF16")       # init in bf16: theta_global is still fp32
+        self.theta0 = widened(self.theta0, "BF16")
+        self.clock = FakeClock()
+
+    def state(self, **kw):
+        cfg = fm.ServerConfig(os.path.join(self.dir, "st"), init=kw.pop("init", self.init), **kw)
+        return fm.FedMomState(cfg.validate(), clock=self.clock, darl=kw.get("darl"))
+
+    def delta(self, dtype="F16", scale=0.01, names=None, shapes=None):
+        shapes = shapes or SHAPES
+        arrays = {k: (scale * self.rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()
+                  if names is None or k in names}
+        path = os.path.join(self.dir, f"delta-{self.rng.integers(1 << 40)}.safetensors")
+        write_tensors(path, arrays, dtype)
+        return path, widened(arrays, dtype)
+
+    def send(self, st, cluster, path, tokens, base_round=None, **meta):
+        m = st.check_delta_meta({"cluster": cluster, "incarnation": f"{cluster}-inc", "tokens": tokens,
+                                 "base_round": st.round if base_round is None else base_round, **meta})
+        part = st.new_part_path()                              # as PUT /delta: metadata first, then the body
+        shutil.copyfile(path, part)
+        return st.accept_delta(m, part)
+
+    def theta(self, st):
+        return read_all(os.path.join(st.dir, st.theta_file))
+
+    def snapshot(self, st):
+        """Every file under the state dir with its bytes: 'nothing on disk changed' is this, equal."""
+        out = {}
+        for base, _, files in os.walk(st.dir):
+            for fn in files:
+                with open(os.path.join(base, fn), "rb") as f:
+                    out[os.path.relpath(os.path.join(base, fn), st.dir)] = f.read()
+        return out
+
+
+class MergeMathTest(Fixture):
+    def test_nesterov_matches_torch_sgd_and_the_naive_reference_over_rounds(self):
+        import torch
+        st = self.state(outer_lr=0.7, outer_momentum=0.9)
+        for c in ("lumi", "snellius"):
+            st.join(c, f"{c}-inc")
+        params = {k: torch.tensor(v, dtype=torch.float64) for k, v in self.theta0.items()}
+        opt = torch.optim.SGD(list(params.values()), lr=0.7, momentum=0.9, nesterov=True)
+        heavy = {k: torch.tensor(v, dtype=torch.float64) for k, v in self.theta0.items()}
+        hopt = torch.optim.SGD(list(heavy.values()), lr=0.7, momentum=0.9, nesterov=False)
+        theta, buf = dict(self.theta0), None
+        for rnd in range(4):                                   # round 0 is torch's first step (buf = g)
+            (pa, da), (pb, db) = self.delta("F16"), self.delta("BF16")
+            tokens = [3000 + rnd, 5000]
+            self.send(st, "lumi", pa, tokens[0])
+            self.send(st, "snellius", pb, tokens[1])
+            rec = st.tick()
+            self.assertEqual((rec["round"], st.round), (rnd + 1, rnd + 1))
+            theta, buf = naive_fedmom(theta, buf, [da, db], tokens, 0.7, 0.9)
+            p = np.asarray(tokens, np.float64) / sum(tokens)
+            for P, O in ((params, opt), (heavy, hopt)):
+                for k, t in P.items():
+                    g = t.detach().numpy() - (p[0] * (t.detach().numpy() + da[k]) + p[1] * (t.detach().numpy() + db[k]))
+                    t.grad = torch.tensor(g)
+                O.step()
+            got = self.theta(st)
+            self.assertLess(rel_err(got, {k: v.detach().numpy() for k, v in params.items()}), 1e-6)
+            self.assertLess(rel_err(got, theta), 1e-6)
+            mom = read_all(os.path.join(st.dir, st.momentum_file))
+            self.assertLess(rel_err(mom, buf), 1e-5)
+        # the control: heavy-ball momentum lands measurably elsewhere
+        self.assertGreater(rel_err(got, {k: v.detach().numpy() for k, v in heavy.items()}), 1e-4)
+
+    def test_lr1_momentum0_is_the_exact_token_weighted_mean(self):
+        st = self.state(outer_lr=1.0, outer_momentum=0.0)
+        deltas, tokens = [], [100, 300, 600]
+        for i, t in enumerate(tokens):
+            st.join(f"c{i}", f"c{i}-inc")
+        for i, t in enumerate(tokens):
+            path, d = self.delta(["F16", "BF16", "F32"][i])
+            deltas.append(d)
+            self.send(st, f"c{i}", path, t)
+        st.tick()
+        p = np.asarray(tokens, np.float64) / sum(tokens)
+        mean = {k: sum(pi * (self.theta0[k] + d[k]) for pi, d in zip(p, deltas)) for k in SHAPES}
+        self.assertLess(rel_err(self.theta(st), mean), 1e-6)
+        self.assertIsNone(st.momentum_file)                    # FedAvg keeps no buffer
+
+    def test_equal_tokens_weigh_one_over_k(self):
+        st = self.state(outer_lr=1.0, outer_momentum=0.0)
+        deltas = []
+        for i in range(4):
+            st.join(f"c{i}", f"c{i}-inc")
+        for i in range(4):
+            path, d = self.delta("F32")
+            deltas.append(d)
+            self.send(st, f"c{i}", path, 777)
+        rec = st.tick()
+        self.assertEqual({c["weight"] for c in rec["clusters"].values()}, {0.25})
+        mean = {k: self.theta0[k] + sum(d[k] for d in deltas) / 4 for k in SHAPES}
+        self.assertLess(rel_err(self.theta(st), mean), 1e-6)
+
+
+class ProtocolTest(Fixture):
+    def test_stale_base_round_is_rejected_with_the_current_round(self):
+        st = self.state()
+        st.join("lumi", "lumi-inc")
+        self.send(st, "lumi", self.delta()[0], 10)
+        st.tick()
+        with self.assertRaises(fm.Refused) as cm:
+            self.send(st, "lumi", self.delta()[0], 10, base_round=0)
+        self.assertEqual((cm.exception.status, cm.exception.extra["round"]), (409, 1))
+        self.assertIn("stale", cm.exception.reason)
+
+    def test_a_nan_delta_is_excluded_named_and_the_others_merge(self):
+        st = self.state(outer_lr=1.0, outer_momentum=0.0)
+        for c in ("good", "bad"):
+            st.join(c, f"{c}-inc")
+        gpath, g = self.delta("F32")
+        arrays = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+        arrays["layer.w"][3, 4] = np.nan
+        bpath = os.path.join(self.dir, "nan.safetensors")
+        write_tensors(bpath, arrays, "F16")
+        self.send(st, "good", gpath, 10)
+        with self.assertRaises(fm.Refused) as cm:
+            self.send(st, "bad", bpath, 10)
+        self.assertEqual(cm.exception.status, 422)
+        self.assertIn("layer.w", cm.exception.reason)
+        rec = st.tick()                                        # the excluded member does not stall the round
+        self.assertEqual(sorted(rec["clusters"]), ["good"])
+        self.assertEqual([(e["cluster"], "layer.w" in e["why"]) for e in rec["excluded"]], [("bad", True)])
+        self.assertLess(rel_err(self.theta(st), {k: self.theta0[k] + g[k] for k in SHAPES}), 1e-6)
+        self.assertIn("excluded bad", fm.format_record(rec))
+
+    def test_bad_input_is_refused_and_nothing_on_disk_changes(self):
+        st = self.state()
+        st.join("lumi", "lumi-inc")
+        before = self.snapshot(st)
+        wrong_names = self.delta(names=["embed", "norm"])[0]
+        wrong_shape = self.delta(shapes={**SHAPES, "norm": (8,)})[0]
+        wrong_dtype = os.path.join(self.dir, "f64.safetensors")
+        write_tensors(wrong_dtype, {k: np.zeros(s) for k, s in SHAPES.items()}, "F64")
+        garbage = os.path.join(self.dir, "garbage")
+        with open(garbage, "wb") as f:
+            f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+        good = self.delta()[0]
+        cases = [("names", lambda: self.send(st, "lumi", wrong_names, 5), 400),
+                 ("shape", lambda: self.send(st, "lumi", wrong_shape, 5), 400),
+                 ("F16, BF16 or F32", lambda: self.send(st, "lumi", wrong_dtype, 5), 400),
+                 ("not a tensor file", lambda: self.send(st, "lumi", garbage, 5), 400),
+                 ("tokens is 0", lambda: self.send(st, "lumi", good, 0), 400),
+                 ("non-negative", lambda: self.send(st, "lumi", good, -3), 400),
+                 ("cluster must match", lambda: self.send(st, "../etc", good, 5), 400),
+                 ("not a member", lambda: self.send(st, "stranger", good, 5), 409),
+                 ("stale", lambda: self.send(st, "lumi", good, 5, base_round=7), 409),
+                 ("leases", lambda: self.send(st, "lumi", good, 5, leases=[{"x": 1}]), 400),
+                 ("metrics.loss", lambda: self.send(st, "lumi", good, 5, metrics={"loss": "high"}), 400)]
+        for what, fn, status in cases:
+            with self.subTest(what), self.assertRaises(fm.Refused) as cm:
+                fn()
+            self.assertEqual(cm.exception.status, status, cm.exception.reason)
+            self.assertIn(what, cm.exception.reason)
+            self.assertNotIn("\n", cm.exception.reason)
+        m = fm.parse_delta_meta({"cluster": "lumi", "incarnation": "other", "base_round": 0, "tokens": 5})
+        with self.assertRaises(fm.Refused) as cm:
+            st.accept_delta(m, st.new_part_path())
+        self.assertEqual(cm.exception.extra["code"], "stale_incarnation")
+        with self.assertRaises(fm.Refused) as cm:
+            st.join("lumi", "second-job")
+        self.assertEqual((cm.exception.status, cm.exception.extra["code"]), (409, "incarnation_conflict"))
+        self.assertIn("--replica", cm.exception.reason)
+        self.assertEqual(self.snapshot(st), before)
+        self.assertIsNone(st.tick())                           # nothing pending: nothing merged
+
+    def test_silent_members_are_dropped_and_the_deadline_closes_a_round(self):
+        st = self.state(member_timeout_s=60, round_deadline_s=100)
+        for c in ("a", "b", "c"):
+            st.join(c, f"{c}-inc")
+        self.send(st, "a", self.delta()[0], 10)
+        self.clock.t += 50
+        st.heartbeat("a", "a-inc")
+        st.heartbeat("b", "b-inc")
+        self.assertIsNone(st.tick())                           # b and c still owe a delta
+        self.clock.t += 20                                     # c silent for 70 s > 60: dropped
+        self.assertIsNone(st.tick())
+        self.assertEqual(sorted(st.members), ["a", "b"])
+        self.clock.t += 35                                     # 105 s after a's delta: deadline
+        st.heartbeat("b", "b-inc")
+        rec = st.tick()
+        self.assertEqual((rec["round"], sorted(rec["clusters"]), rec["late"]), (1, ["a"], ["b"]))
+        self.assertEqual([d["cluster"] for d in rec["dropped"]], ["c"])
+        self.assertIn("deadline", rec["reason"])
+        with self.assertRaises(fm.Refused) as cm:              # c may come back: told to join again
+            st.heartbeat("c", "c-inc")
+        self.assertEqual(cm.exception.extra["code"], "not_member")
+        st.join("c", "c-inc")
+        self.assertIn("c", st.members)
+
+    def test_no_members_and_empty_rounds_consume_nothing(self):
+        st = self.state()
+        for _ in range(3):
+            self.clock.t += 10_000
+            self.assertIsNone(st.tick())
+        self.assertEqual((st.round, st.theta_file, list(st.records)), (0, "theta-0.safetensors", []))
+        st.join("solo", "solo-inc")                            # one member merges alone
+        self.send(st, "solo", self.delta()[0], 10)
+        self.assertEqual(st.tick()["round"], 1)
+
+    def test_restart_between_rounds_and_with_a_spooled_delta_loses_nothing(self):
+        st = self.state()
+        for c in ("a", "b"):
+            st.join(c, f"{c}-inc")
+        pa, pb = self.delta()[0], self.delta()[0]
+        self.send(st, "a", pa, 10)
+        self.send(st, "b", pb, 20, leases=[{"id": 4, "end": 9}])
+        st.tick()
+        theta1, mom1 = self.theta(st), read_all(os.path.join(st.dir, st.momentum_file))
+        self.send(st, "a", self.delta()[0], 10)                # accepted, not merged yet
+        del st
+        st = self.state(init=None)
+        self.assertEqual((st.round, sorted(st.members), [c for c, _ in st.pending]), (1, ["a", "b"], ["a"]))
+        self.assertEqual(rel_err(self.theta(st), theta1), 0)
+        self.assertEqual(rel_err(read_all(os.path.join(st.dir, st.momentum_file)), mom1), 0)
+        self.assertEqual([r["round"] for r in st.records], [1])
+        self.assertEqual([(c["lease"], c["end"]) for c in st.pending_commits], [(4, 9)])
+        self.send(st, "b", self.delta()[0], 20)
+        self.assertEqual(st.tick()["round"], 2)
+        st2 = self.state()                                     # --init of the same model: a note, no change
+        self.assertEqual(st2.round, 2)
+        self.assertEqual(sorted(os.listdir(st2.dir)), ["momentum-2.safetensors", "rounds.jsonl", "spool",
+                                                       "state.json", "theta-2.safetensors"])
+
+    def test_a_different_init_model_is_refused(self):
+        self.state()
+        other = os.path.join(self.dir, "other.safetensors")
+        write_tensors(other, {"x": np.zeros(3, np.float32)}, "F32")
+        with self.assertRaises(SystemExit) as cm:
+            self.state(init=other)
+        self.assertIn("not the model", str(cm.exception))
+        with self.assertRaises(SystemExit) as cm:
+            fm.FedMomState(fm.ServerConfig(os.path.join(self.dir, "empty")))
+        self.assertIn("--init", str(cm.exception))
+
+
+class LiveServerTest(Fixture):
+    """Threads serving fedmom, a real blob store and a real DARL coordinator on 127.0.0.1."""
+    TOKEN = "t0ken"
+
+    def serve(self, routes, **kw):
+        server = httpd.make_server(routes, token=self.TOKEN, **kw)
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        self.addCleanup(server.server_close)
+        self.addCleanup(server.shutdown)
+        return server.url
+
+    def test_membership_0_1_2_1_with_both_transports_and_darl_commits(self):
+        coord = darl_server.Coordinator(darl_server.BlockSpace(1000, 1, 0))
+        darl_url = self.serve(darl_server.make_routes(coord))
+        store = blobstore.BlobStore(os.path.join(self.dir, "blobs"), 1 << 34, 1 << 32)
+        blob_url = self.serve(blobstore.make_routes(store))
+        cfg = fm.ServerConfig(os.path.join(self.dir, "st"), self.init, 0.7, 0.9, 600, 600, blob_url, darl_url,
+                              darl_heartbeat_s=0.1)
+        st = fm.FedMomState(cfg.validate(), darl=fm.DarlLink(darl_url, self.TOKEN))
+        url = self.serve(fm.make_routes(st, blob_token=self.TOKEN), public=("/health", "/"))
+        stop = threading.Event()
+        loop = threading.Thread(target=fm.round_loop, args=(st, stop, 0.05), daemon=True)
+        loop.start()
+        self.addCleanup(loop.join)
+        self.addCleanup(stop.set)
+
+        def lease(cluster, inc):
+            httpd.call(darl_url, "POST", "/register", {"cluster": cluster, "incarnation": inc,
+                                                       "digest": coord.digest}, token=self.TOKEN)
+            return httpd.call(darl_url, "POST", "/acquire", {"cluster": cluster, "incarnation": inc, "blocks": 5},
+                              token=self.TOKEN)["lease"]
+
+        a = fm.FedMomClient(url, "lumi", "inc-a", token=self.TOKEN, blob_url=blob_url)
+        b = fm.FedMomClient(url, "snellius", "inc-b", token=self.TOKEN, blob_url=blob_url)
+        self.assertEqual(httpd.call(url, "GET", "/status", token=self.TOKEN)["members"], [])   # 0 members
+        self.assertEqual(a.join()["members"], ["lumi"])                                        # 1
+        theta_path = os.path.join(self.dir, "theta-a.safetensors")
+        self.assertEqual(a.download_theta(theta_path), 0)
+        self.assertEqual(rel_err(read_all(theta_path), self.theta0), 0)
+        reply = a.send_delta(self.delta()[0], 0, 100, [lease("lumi", "inc-a")], {"loss": 2.0, "mfu": 0.4})
+        self.assertTrue(reply["accepted"])
+        self.assertEqual(a.wait_round_after(0, timeout_s=60), 1)                               # merged alone
+        self.assertEqual(b.join()["members"], ["lumi", "snellius"])                            # 2
+        self.assertEqual(b.download_theta(os.path.join(self.dir, "theta-b.safetensors"), "blob"), 1)
+        self.assertEqual(rel_err(read_all(os.path.join(self.dir, "theta-b.safetensors")), self.theta(st)), 0)
+        a.send_delta(self.delta()[0], 1, 100, [lease("lumi", "inc-a")], {"loss": 2.0}, transport="inline")
+        self.assertEqual(a.heartbeat()["round"], 1)                                            # waits for b
+        b.send_delta(self.delta("BF16")[0], 1, 300, [lease("snellius", "inc-b")], {"loss": 4.0}, transport="blob")
+        self.assertEqual(b.wait_round_after(1, timeout_s=60), 2)
+        rec = st.records[-1]
+        self.assertAlmostEqual(rec["loss"], (100 * 2.0 + 300 * 4.0) / 400)                     # pooled by tokens
+        self.assertAlmostEqual(rec["perplexity"], np.exp(rec["loss"]))
+        self.assertEqual(rec["drift_max"], max(c["drift"] for c in rec["clusters"].values()))
+        with self.assertRaises(fm.StaleRound) as cm:                                           # an old base
+            a.send_delta(self.delta()[0], 0, 5, [], {})
+        self.assertEqual(cm.exception.current_round, 2)
+        b.leave()                                                                              # 1
+        a.send_delta(self.delta()[0], 2, 50, [], {}, transport="auto")
+        self.assertEqual(a.wait_round_after(2, timeout_s=60), 3)
+        self.assertEqual([r["members"] for r in st.records], [["lumi"], ["lumi", "snellius"], ["lumi"]])
+        deadline = time.monotonic() + 60
+        while st.pending_commits and time.monotonic() < deadline:                              # DARL catches up
+            time.sleep(0.05)
+        self.assertEqual(st.pending_commits, [])
+        self.assertEqual(coord.status()["committed"], 15)
+        self._check_http_edges(url, st)
+
+    def _check_http_edges(self, url, st):
+        page = urllib_get(url + "/")                           # public, no token
+        self.assertIn("<svg", page)
+        self.assertIn("round 3", page)
+        with self.assertRaises(httpd.CallError) as cm:
+            httpd.call(url, "GET", "/status", token="wrong")
+        self.assertEqual(cm.exception.status, 401)
+        before = self.snapshot(st)
+        for headers, body, want in (({}, b"x" * 10, "X-Delta-Meta"),
+                                    ({"X-Delta-Meta": "{nope"}, b"x", "not JSON"),
+                                    ({"X-Delta-Meta": json.dumps({"cluster": "lumi", "incarnation": "inc-a",
+                                                                  "base_round": 3, "tokens": 5})},
+                                     b"\x00" * 100, "not a tensor file")):
+            conn = httpd.connect(url)
+            conn.request("PUT", "/delta", body=body, headers={**headers, **httpd.auth_headers(self.TOKEN)})
+            resp = conn.getresponse()
+            reply = json.loads(resp.read())
+            conn.close()
+            self.assertEqual(resp.status, 400, reply)
+            self.assertIn(want, reply["error"])
+        self.assertEqual(self.snapshot(st), before)
+        out = subprocess.run([sys.executable, "fedmom_server.py", "status", "--url", url],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PWW_TOKEN": self.TOKEN})
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("round 3", out.stdout)
+        self.assertIn("merge round 3", out.stdout)
+
+
+def urllib_get(url):
+    conn = httpd.connect(url)
+    try:
+        conn.request("GET", "/")
+        resp = conn.getresponse()
+        return resp.read().decode()
+    finally:
+        conn.close()
+
+
+class CrashTest(Fixture):
+    def start(self, state_dir, *extra, pause="0"):
+        proc = subprocess.Popen([sys.executable, "fedmom_server.py", "--state-dir", state_dir, "--port", "0",
+                                 *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, fm.MERGE_PAUSE_ENV: pause})
+        self.addCleanup(lambda: proc.poll() is None and proc.kill())
+        for line in proc.stdout:                               # "... listening on http://127.0.0.1:PORT"
+            if "listening on" in line:
+                threading.Thread(target=proc.stdout.read, daemon=True).start()
+                return proc, line.split("listening on")[1].strip()
+        self.fail(f"server did not start (exit {proc.wait()})")
+
+    def test_sigkill_during_a_merge_leaves_a_consistent_round(self):
+        sd = os.path.join(self.dir, "st")
+        proc, url = self.start(sd, "--init", self.init, pause="0.5")      # 4 tensors: a 2 s merge
+        deltas = []
+        for c, tok in (("a", 10), ("b", 30)):
+            fm.FedMomClient(url, c, f"{c}-inc").join()
+        for c, tok in (("a", 10), ("b", 30)):
+            path, d = self.delta("F16")
+            deltas.append(d)
+            fm.FedMomClient(url, c, f"{c}-inc").send_delta(path, 0, tok, [], {})
+        deadline = time.monotonic() + 60                       # wait until the merge is writing its files
+        while not any(".tmp-" in f for f in os.listdir(sd)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertTrue(any(".tmp-" in f for f in os.listdir(sd)), os.listdir(sd))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        with open(os.path.join(sd, "state.json")) as f:        # the old round, intact
+            self.assertEqual(json.load(f)["round"], 0)
+        self.assertEqual(rel_err(read_all(os.path.join(sd, "theta-0.safetensors")), self.theta0), 0)
+        proc, url = self.start(sd)                             # restart: the spooled deltas merge now
+        client = fm.FedMomClient(url, "a", "a-inc")
+        self.assertEqual(client.wait_round_after(0, timeout_s=60), 1)
+        want, _ = naive_fedmom(self.theta0, None, deltas, [10, 30], 0.7, 0.9)
+        self.assertLess(rel_err(read_all(os.path.join(sd, "theta-1.safetensors")), want), 1e-6)
+        self.assertFalse([f for f in os.listdir(sd) if ".tmp-" in f or f.endswith("-0.safetensors")])
+        self.assertEqual([r["round"] for r in fm.read_records(os.path.join(sd, "rounds.jsonl"))], [1])
+        proc.send_signal(signal.SIGKILL)                       # and right after a merge: still round 1
+        proc.wait()
+        proc, url = self.start(sd)
+        self.assertEqual(httpd.call(url, "GET", "/round")["round"], 1)
+        proc.kill()
+        proc.wait()
+
+
+class ImportTest(unittest.TestCase):
+    def test_the_server_module_imports_with_torch_absent(self):
+        code = ("import sys; sys.modules['torch'] = None\n"
+                "import fedmom_server, tensorio\n"
+                "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+                "print('ok', fedmom_server.DEFAULT_PORT)")
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(out.stdout.strip(), "ok 29511")
+
+
+if __name__ == "__main__":
+    unittest.main()
