@@ -1,0 +1,658 @@
+"""blobstore.py - a streaming, resumable, checksummed blob store for multi-GB weight files.
+
+Runs on: the central VM, beside darl_server.py and fedmom_server.py. Standard library only.
+Start it:
+
+    python blobstore.py --root /srv/pww/state/blobs                      # 127.0.0.1:29512
+    python blobstore.py --root DIR --host 0.0.0.0 --token-file ~/.pww_token \\
+                        --quota-gb 500 --max-blob-gb 128
+
+Callers: sites (through fedmom_server.FedMomClient) and fedmom_server.py itself, with
+the shared bearer token. Only GET /health is public. Clients use put_file() and
+get_file() below; they resume after a dropped connection and print progress.
+
+Why it exists: a 1.7B model's delta is 3.6 GiB in fp16, a 32B one 60 GiB; that is
+too big for one JSON request and too slow to restart from zero at 90 %. Bodies go
+to disk in fixed chunks (never held whole), an upload resumes where the last byte
+landed, and a blob becomes visible only complete and with the checksum it was
+declared with.
+
+HTTP (ids: [A-Za-z0-9._-]{1,200}, not starting with "."):
+    PUT    /blobs/<id>    body = the bytes. X-Content-Sha256: <64 hex> is required.
+                          Content-Range: bytes START-END/TOTAL continues an upload at START,
+                          which must equal the offset HEAD reports (else 416).
+                          -> 201 {"id","size","sha256"} when complete; 202 {"offset"} while not.
+                          A second PUT to an id already uploading gets 409, never interleaves.
+    HEAD   /blobs/<id>    complete: 200, Content-Length, X-Content-Sha256.
+                          unfinished: 200, X-Upload-Offset: <bytes received>, X-Upload-Complete: 0,
+                          X-Upload-Total, X-Content-Sha256 (the declared one). absent: 404.
+    GET    /blobs/<id>    the bytes (os.sendfile); honours Range: bytes=A-B, A-, -N (206).
+    DELETE /blobs/<id>    the blob and/or its unfinished upload.
+    GET    /blobs         {"blobs": [...], "uploads": [...], "used_bytes", "quota_bytes"}
+    GET    /health        public liveness probe.
+Every refusal is a 4xx with a one-line JSON {"error": ...}.
+
+State directory (--root):
+    partial/<id>          bytes of an unfinished upload, in order; its size IS the resume offset
+    partial/.<id>.json    {"total", "sha256"} declared when the upload began
+    blobs/<id>            finished blobs, each renamed in after fsync and checksum check
+    blobs/.<id>.json      {"size", "sha256", "created"}; written before the rename
+Ids never start with ".", so sidecars and temporary files cannot collide with a blob.
+
+Resuming and the checksum: hashlib cannot save a sha256 state to disk, so a PUT that
+continues an upload re-hashes the prefix already on disk (a sequential read, about
+1.7 GB/s here: ~2 s per 3.6 GiB delta, once per resume). Within one server process
+the hash state of the last PUT is kept in memory, so a resume after a dropped
+connection costs nothing. The prefix is not fsynced chunk by chunk: after a power
+loss it could hold garbage, which the final checksum catches (the upload is then
+discarded with a 400 and the client starts again from byte 0).
+"""
+import dataclasses
+import hashlib
+import http.client
+import json
+import os
+import re
+import sys
+import threading
+import time
+
+import httpd
+
+DEFAULT_PORT = 29512
+CHUNK = 4 << 20                       # bytes per read/write/hash step; 4 MiB keeps a PUT near disk speed
+ID_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
+SHA_RE = re.compile(r"[0-9a-f]{64}")
+RANGE_RE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+GB = 10 ** 9
+
+
+@dataclasses.dataclass
+class Config:
+    root: str
+    quota_gb: float = 500.0          # all blobs plus unfinished uploads (their declared totals)
+    max_blob_gb: float = 128.0       # one blob; a 32B model's fp16 delta is 65 GB
+    chunk_mb: float = 4.0
+
+    def validate(self):
+        if not self.root:
+            raise SystemExit("--root is required: the directory that holds the blobs")
+        if self.quota_gb <= 0 or self.max_blob_gb <= 0:
+            raise SystemExit("--quota-gb and --max-blob-gb must be positive")
+        if self.max_blob_gb > self.quota_gb:
+            raise SystemExit(f"--max-blob-gb {self.max_blob_gb} exceeds --quota-gb {self.quota_gb}; "
+                             "lower it or raise the quota")
+        if not 0.0625 <= self.chunk_mb <= 64:
+            raise SystemExit(f"--chunk-mb {self.chunk_mb} is out of range; use 0.0625..64 (default 4)")
+        return self
+
+
+def check_id(blob_id):
+    if not ID_RE.fullmatch(blob_id or "") or blob_id.startswith("."):
+        raise httpd.HTTPError(400, f"bad blob id {blob_id[:80]!r}: use [A-Za-z0-9._-], 1-200 chars, "
+                                   "not starting with '.'")
+    return blob_id
+
+
+def sha256_file(path, start=0, end=None, hasher=None):
+    """sha256 hex of a file (or of bytes [start, end) fed into `hasher`), read in chunks."""
+    h = hasher or hashlib.sha256()
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        left = (os.fstat(f.fileno()).st_size if end is None else end) - start
+        while left > 0:
+            n = f.readinto(view[:min(left, CHUNK)])
+            if not n:
+                raise OSError(f"{path} ended {left} bytes early")
+            h.update(view[:n])
+            left -= n
+    return h.hexdigest() if hasher is None else h
+
+
+def _write_json(path, obj):
+    """Small sidecar, atomically: temp + fsync + rename."""
+    tmp = os.path.join(os.path.dirname(path), ".tmp-" + os.path.basename(path).lstrip("."))
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return None            # a torn sidecar counts as absent: the upload starts again
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class BlobStore:
+    """The store on disk, without HTTP. One upload per id at a time (409 otherwise)."""
+
+    def __init__(self, root, quota_bytes, max_blob_bytes, chunk=CHUNK):
+        self.root, self.quota, self.max_blob, self.chunk = root, int(quota_bytes), int(max_blob_bytes), chunk
+        self.blobs, self.partial = os.path.join(root, "blobs"), os.path.join(root, "partial")
+        for d in (self.blobs, self.partial):
+            os.makedirs(d, exist_ok=True)
+            for name in os.listdir(d):
+                if name.startswith(".tmp-"):           # a sidecar torn by a crash
+                    _unlink(os.path.join(d, name))
+        self.lock = threading.Lock()
+        self.uploading = set()                          # ids with a PUT in progress
+        self.hash_cache = {}                            # id -> (offset, sha256 state) of the last PUT
+
+    # ---- paths and state
+    def _blob(self, i):
+        return os.path.join(self.blobs, i), os.path.join(self.blobs, f".{i}.json")
+
+    def _part(self, i):
+        return os.path.join(self.partial, i), os.path.join(self.partial, f".{i}.json")
+
+    def complete(self, blob_id):
+        """{"size", "sha256"} of a finished blob, or None."""
+        data, side = self._blob(blob_id)
+        meta = _read_json(side)
+        if meta is None or not os.path.exists(data):
+            return None
+        return meta
+
+    def unfinished(self, blob_id):
+        """{"offset", "total", "sha256"} of an unfinished upload, or None."""
+        data, side = self._part(blob_id)
+        meta = _read_json(side)
+        if meta is None or not os.path.exists(data):
+            return None
+        return {**meta, "offset": os.path.getsize(data)}
+
+    def used_bytes(self, except_id=None):
+        used = 0
+        for d, key in ((self.blobs, "size"), (self.partial, "total")):
+            for name in os.listdir(d):
+                if name.startswith(".") and not name.startswith(".tmp-") and name.endswith(".json") \
+                        and name[1:-5] != except_id:
+                    used += (_read_json(os.path.join(d, name)) or {}).get(key, 0)
+        return used
+
+    def listing(self):
+        blobs, uploads = [], []
+        for name in sorted(os.listdir(self.blobs)):
+            if not name.startswith("."):
+                meta = self.complete(name)
+                if meta:
+                    blobs.append({"id": name, "size": meta["size"], "sha256": meta["sha256"]})
+        for name in sorted(os.listdir(self.partial)):
+            if not name.startswith("."):
+                meta = self.unfinished(name)
+                if meta:
+                    uploads.append({"id": name, "offset": meta["offset"], "total": meta["total"],
+                                    "uploading": name in self.uploading})
+        return {"blobs": blobs, "uploads": uploads, "used_bytes": self.used_bytes(), "quota_bytes": self.quota}
+
+    # ---- upload
+    def claim(self, blob_id):
+        with self.lock:
+            if blob_id in self.uploading:
+                raise httpd.HTTPError(409, f"blob {blob_id!r} is being uploaded by another request; "
+                                           "retry when it ends", retry=True)
+            self.uploading.add(blob_id)
+
+    def release(self, blob_id):
+        with self.lock:
+            self.uploading.discard(blob_id)
+
+    def prepare(self, blob_id, start, total, sha):
+        """Check a PUT against what is on disk; returns an existing blob (nothing to do) or None."""
+        if total > self.max_blob:
+            raise httpd.HTTPError(413, f"blob of {total} bytes exceeds the per-blob limit of {self.max_blob} "
+                                       "bytes (--max-blob-gb)")
+        done = self.complete(blob_id)
+        if done is not None:
+            if done["sha256"] == sha and done["size"] == total:
+                return done
+            raise httpd.HTTPError(409, f"blob {blob_id!r} already exists with another checksum; DELETE it first")
+        part = self.unfinished(blob_id)
+        if start > 0:
+            if part is None or part["total"] != total or part["sha256"] != sha:
+                raise httpd.HTTPError(416, f"no unfinished upload of {blob_id!r} with that size and checksum "
+                                           "to continue; start again at byte 0", offset=0)
+            if part["offset"] != start:
+                raise httpd.HTTPError(416, f"upload of {blob_id!r} continues at byte {part['offset']}, "
+                                           f"not {start}; HEAD it for X-Upload-Offset", offset=part["offset"])
+            return None
+        with self.lock:                                 # quota: a new upload reserves its declared total
+            used = self.used_bytes(except_id=blob_id)
+            if used + total > self.quota:
+                raise httpd.HTTPError(413, f"blob of {total} bytes would exceed the store quota "
+                                           f"({used} of {self.quota} bytes used; --quota-gb)")
+        data, side = self._part(blob_id)
+        self.hash_cache.pop(blob_id, None)
+        _write_json(side, {"total": total, "sha256": sha, "started": time.time()})
+        open(data, "wb").close()
+        return None
+
+    def receive(self, blob_id, start, total, chunks):
+        """Append `chunks` at `start`, hashing as they land; finish the blob if it is complete.
+        A dropped connection leaves the bytes received so far for the next PUT."""
+        data, side = self._part(blob_id)
+        h = self._hash_prefix(blob_id, data, start)
+        offset = start
+        try:
+            with open(data, "r+b", buffering=0) as f:
+                f.seek(start)
+                for chunk in chunks:
+                    f.write(chunk)
+                    h.update(chunk)
+                    offset += len(chunk)
+                if offset == total:
+                    os.fsync(f.fileno())
+        finally:
+            self.hash_cache[blob_id] = (offset, h)
+        if offset < total:
+            return None
+        return self._finish(blob_id, total, h.hexdigest())
+
+    def _hash_prefix(self, blob_id, data, start):
+        cached = self.hash_cache.pop(blob_id, None)
+        if cached is not None and cached[0] == start:
+            return cached[1]
+        return sha256_file(data, 0, start, hashlib.sha256())
+
+    def _finish(self, blob_id, total, got):
+        data, side = self._part(blob_id)
+        meta = _read_json(side)
+        self.hash_cache.pop(blob_id, None)
+        if got != meta["sha256"]:
+            _unlink(data)
+            _unlink(side)
+            raise httpd.HTTPError(400, f"checksum mismatch for {blob_id!r}: declared {meta['sha256']}, "
+                                       f"received {got}; the upload was discarded, PUT it again from byte 0")
+        final, final_side = self._blob(blob_id)
+        _write_json(final_side, {"size": total, "sha256": got, "created": time.time()})
+        os.replace(data, final)                         # the blob appears whole, or not at all
+        _fsync_dir(self.blobs)
+        _unlink(side)
+        return {"id": blob_id, "size": total, "sha256": got}
+
+    def delete(self, blob_id):
+        with self.lock:
+            if blob_id in self.uploading:
+                raise httpd.HTTPError(409, f"blob {blob_id!r} is being uploaded; DELETE it when the PUT ends")
+            found = False
+            for data, side in (self._blob(blob_id), self._part(blob_id)):
+                found |= os.path.exists(data) or os.path.exists(side)
+                _unlink(data)                           # data first: a sidecar alone is not a blob
+                _unlink(side)
+            self.hash_cache.pop(blob_id, None)
+        if not found:
+            raise httpd.HTTPError(404, f"no blob {blob_id!r}")
+        return {"id": blob_id, "deleted": True}
+
+
+# ---------------------------------------------------------------- HTTP routes
+
+def parse_put_headers(req):
+    """(start, total, sha) from Content-Length, Content-Range and X-Content-Sha256."""
+    sha = (req.headers.get("X-Content-Sha256") or "").strip().lower()
+    if not SHA_RE.fullmatch(sha):
+        raise httpd.HTTPError(400, "X-Content-Sha256 header must be the 64-hex-digit sha256 of the whole blob")
+    length = req.content_length()
+    raw = req.headers.get("Content-Range")
+    if raw is None:
+        return 0, length, sha
+    m = RANGE_RE.fullmatch(raw.strip())
+    if not m:
+        raise httpd.HTTPError(400, f"Content-Range {raw[:80]!r} is not 'bytes START-END/TOTAL'")
+    start, end, total = map(int, m.groups())
+    if not start <= end < total or end - start + 1 != length:
+        raise httpd.HTTPError(400, f"Content-Range {raw!r} does not match Content-Length {length} "
+                                   "(END is inclusive and below TOTAL)")
+    return start, total, sha
+
+
+def parse_range(raw, size):
+    """Range header -> (offset, length) or None for the whole blob; 416 when unsatisfiable."""
+    m = re.fullmatch(r"bytes=(\d*)-(\d*)", (raw or "").strip())
+    if not m or m.groups() == ("", ""):
+        raise httpd.HTTPError(416, f"Range {raw[:80]!r} is not one 'bytes=A-B', 'bytes=A-' or 'bytes=-N'")
+    a, b = m.groups()
+    if a == "":
+        n = min(int(b), size)
+        start, end = size - n, size - 1
+    else:
+        start, end = int(a), min(int(b), size - 1) if b else size - 1
+    if start >= size or end < start:
+        raise httpd.HTTPError(416, f"Range {raw!r} is outside the {size}-byte blob")
+    return start, end - start + 1
+
+
+def make_routes(store):
+    def put(req):
+        blob_id = check_id(req.tail)
+        start, total, sha = parse_put_headers(req)
+        store.claim(blob_id)
+        try:
+            done = store.prepare(blob_id, start, total, sha)
+            if done is not None:
+                return 200, {"id": blob_id, "size": done["size"], "sha256": done["sha256"], "existing": True}
+            length = req.content_length()
+            out = store.receive(blob_id, start, total, req.stream(store.chunk, length))
+        finally:
+            store.release(blob_id)
+        if out is None:
+            return 202, {"id": blob_id, "offset": start + length, "total": total, "complete": False}
+        return 201, out
+
+    def head_or_get(req):
+        blob_id = check_id(req.tail)
+        meta = store.complete(blob_id)
+        if meta is None:
+            part = store.unfinished(blob_id)
+            if part is None:
+                raise httpd.HTTPError(404, f"no blob {blob_id!r}")
+            if req.method == "GET":
+                raise httpd.HTTPError(404, f"blob {blob_id!r} is still uploading ({part['offset']} of "
+                                           f"{part['total']} bytes)")
+            return httpd.Response(200, {"X-Upload-Offset": part["offset"], "X-Upload-Complete": "0",
+                                        "X-Upload-Total": part["total"], "X-Content-Sha256": part["sha256"]})
+        size = meta["size"]
+        headers = {"X-Content-Sha256": meta["sha256"], "Accept-Ranges": "bytes", "X-Upload-Complete": "1"}
+        raw = req.headers.get("Range")
+        status, offset, length = 200, 0, size
+        if raw is not None and req.method == "GET":
+            offset, length = parse_range(raw, size)
+            headers["Content-Range"] = f"bytes {offset}-{offset + length - 1}/{size}"
+            status = 206
+        try:                    # opened here: a DELETE before the reply goes out cannot cut it short
+            f = open(store._blob(blob_id)[0], "rb")
+        except FileNotFoundError:
+            raise httpd.HTTPError(404, f"no blob {blob_id!r}")
+        return httpd.Response(status, headers, file=f, offset=offset, length=length)
+
+    return {
+        ("GET", "/health"): lambda req: {"ok": True, "service": "blobstore"},
+        ("GET", "/blobs"): lambda req: store.listing(),
+        ("PUT", "/blobs/*"): put,
+        ("HEAD", "/blobs/*"): head_or_get,
+        ("GET", "/blobs/*"): head_or_get,
+        ("DELETE", "/blobs/*"): lambda req: store.delete(check_id(req.tail)),
+    }
+
+
+def serve(cfg, net):
+    cfg.validate()
+    store = BlobStore(cfg.root, cfg.quota_gb * GB, cfg.max_blob_gb * GB, int(cfg.chunk_mb * 2**20))
+    server = httpd.make_server(make_routes(store), net.host, net.port, httpd.load_token(net.token_file),
+                               net.insecure, max_body=int(net.max_body_mb * 2**20), quiet=not net.verbose)
+    httpd.serve_forever(server, f"blobstore (root {cfg.root})")
+
+
+# ---------------------------------------------------------------- client side
+
+class Progress:
+    """Bytes done, MB/s and ETA on stderr, at most once a second. progress=None: only
+    once the transfer has run for more than `after_s` seconds; True: always; False: never."""
+
+    def __init__(self, label, total, enabled=None, after_s=2.0, clock=time.monotonic, out=None):
+        self.label, self.total, self.enabled, self.after_s, self.clock = label, total, enabled, after_s, clock
+        self.out = out or sys.stderr
+        self.t0 = self.last = clock()
+        self.base = None
+        self.printed = False
+
+    def update(self, done, final=False):
+        if self.base is None:
+            self.base = done                           # bytes already there when we (re)started
+        now = self.clock()
+        if self.enabled is False or (self.enabled is None and now - self.t0 < self.after_s):
+            return
+        if not final and now - self.last < 1.0 and self.printed:
+            return
+        self.last, self.printed = now, True
+        rate = (done - self.base) / max(now - self.t0, 1e-9)
+        eta = (self.total - done) / rate if rate > 0 else float("inf")
+        self.out.write(f"{self.label}: {done / 2**20:.1f}/{self.total / 2**20:.1f} MiB "
+                       f"{rate / 1e6:.0f} MB/s ETA {eta:.0f} s\n")
+        self.out.flush()
+
+    def close(self, done):
+        if self.printed:
+            self.update(done, final=True)
+
+
+def _retryable(e):
+    if isinstance(e, httpd.CallError):
+        return e.status in (409, 416) or e.status >= 500
+    return isinstance(e, (OSError, http.client.HTTPException))
+
+
+def _with_retries(what, attempt, retries, backoff_s=0.5, max_backoff_s=30.0):
+    """Run attempt() until it returns; back off exponentially between failures. The
+    count resets whenever an attempt made progress (it returns None to mean 'again')."""
+    failures, delay = 0, backoff_s
+    while True:
+        try:
+            out = attempt()
+            if out is not None:
+                return out
+            failures, delay = 0, backoff_s
+            continue
+        except Exception as e:
+            if not _retryable(e) or failures >= retries:
+                raise
+            failures += 1
+            sys.stderr.write(f"{what}: {type(e).__name__}: {e}; retry {failures}/{retries} in {delay:.1f} s\n")
+        time.sleep(delay)
+        delay = min(delay * 2, max_backoff_s)
+
+
+def _reply(resp):
+    return _decode(resp.status, resp.read())
+
+
+def _decode(status, raw):
+    try:
+        body = json.loads(raw) if raw else {}
+    except ValueError:
+        body = {"error": raw[:200].decode("utf-8", "replace")}
+    if status >= 400:
+        raise httpd.CallError(status, body)
+    return body
+
+
+def head(url, blob_id, token=None, timeout=30.0):
+    """The HEAD answer as a dict: {"complete": bool, "size"/"offset", "total", "sha256"} or None if absent."""
+    conn = httpd.connect(url, timeout)
+    try:
+        conn.request("HEAD", f"{httpd.split_url(url)[3]}/blobs/{blob_id}", headers=httpd.auth_headers(token))
+        resp = conn.getresponse()
+        resp.read()
+        if resp.status == 404:
+            return None
+        if resp.status >= 400:
+            raise httpd.CallError(resp.status, {"error": f"HEAD /blobs/{blob_id} answered {resp.status}"})
+        sha = resp.getheader("X-Content-Sha256")
+        if resp.getheader("X-Upload-Complete") == "0":
+            return {"complete": False, "offset": int(resp.getheader("X-Upload-Offset")),
+                    "total": int(resp.getheader("X-Upload-Total")), "sha256": sha}
+        size = int(resp.getheader("Content-Length"))
+        return {"complete": True, "size": size, "total": size, "sha256": sha}
+    finally:
+        conn.close()
+
+
+def put_file(url, blob_id, path, token=None, progress=None, retries=8, sha256=None, timeout=120.0):
+    """Upload `path` as blob `blob_id`; resumes after a dropped connection.
+    Returns {"id", "size", "sha256", "sent"} (sent: body bytes put on the wire, all attempts).
+    Pass sha256= if already known (saves a read of the file)."""
+    size = os.path.getsize(path)
+    sha = sha256 or sha256_file(path)
+    bar = Progress(f"put {blob_id}", size, progress)
+    state = {"done": 0, "sent": 0}
+
+    def attempt():
+        info = head(url, blob_id, token, timeout)
+        if info and info["complete"] and info["sha256"] == sha and info["size"] == size:
+            return {"id": blob_id, "size": size, "sha256": sha}
+        start = info["offset"] if info and not info["complete"] and info["total"] == size \
+            and info["sha256"] == sha else 0
+        if start == size and size > 0:
+            start = 0                                  # every byte arrived but no finish: resend the last ones
+        state["done"] = start
+        return _put_from(url, blob_id, path, start, size, sha, token, timeout, bar, state)
+
+    def tracked():
+        before = state["done"]
+        try:
+            return attempt()
+        except Exception as e:
+            if state["done"] > before and _retryable(e):   # progress was made: not a failure
+                return None
+            raise
+    out = _with_retries(f"put {blob_id}", tracked, retries)
+    bar.close(size)
+    return {"id": out["id"], "size": out["size"], "sha256": out["sha256"], "sent": state["sent"]}
+
+
+def _put_from(url, blob_id, path, start, size, sha, token, timeout, bar, state):
+    conn = httpd.connect(url, timeout)
+    try:
+        conn.putrequest("PUT", f"{httpd.split_url(url)[3]}/blobs/{blob_id}", skip_accept_encoding=True)
+        headers = {"Content-Length": str(size - start), "X-Content-Sha256": sha, "Expect": "100-continue",
+                   "Content-Type": "application/octet-stream", **httpd.auth_headers(token)}
+        if start > 0:
+            headers["Content-Range"] = f"bytes {start}-{size - 1}/{size}"
+        for k, v in headers.items():
+            conn.putheader(k, v)
+        conn.endheaders()
+        refusal = _await_continue(conn)
+        if refusal is not None:                        # answered before we sent a byte of the body
+            return _decode(*refusal)
+        with open(path, "rb") as f:
+            pos = start
+            while pos < size:                          # zero-copy file -> socket, 8 MiB per step
+                n = conn.sock.sendfile(f, pos, min(8 << 20, size - pos))
+                if n == 0:
+                    raise OSError(f"{path} shrank during the upload")
+                pos += n
+                state["done"], state["sent"] = pos, state["sent"] + n
+                bar.update(pos)
+        return _reply(conn.getresponse())
+    finally:
+        conn.close()
+
+
+def _await_continue(conn):
+    """After `Expect: 100-continue`: None once the server says 100, else (status, raw body)
+    of its final answer. The server sends nothing after a 100 until it has the body, so
+    this buffered reader cannot swallow bytes that belong to the final response."""
+    fp = conn.sock.makefile("rb")
+    try:
+        parts = fp.readline(65537).decode("latin-1").split(None, 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
+            raise http.client.BadStatusLine(" ".join(parts))
+        headers = http.client.parse_headers(fp)
+        if int(parts[1]) == 100:
+            return None
+        return int(parts[1]), fp.read(int(headers.get("Content-Length") or 0))
+    finally:
+        fp.close()
+
+
+def get_file(url, blob_id, path, token=None, progress=None, retries=8, timeout=120.0):
+    """Download blob `blob_id` to `path` atomically (temp + fsync + rename); resumes with
+    Range after a dropped connection, and across calls (the temp file names the checksum).
+    Returns the sha256, checked against the store's."""
+    info = _with_retries(f"head {blob_id}", lambda: head(url, blob_id, token, timeout) or {}, retries)
+    if not info.get("complete"):
+        raise httpd.CallError(404, {"error": f"no complete blob {blob_id!r} at {url}"})
+    size, sha = info["size"], info["sha256"]
+    tmp = f"{path}.part-{sha[:16]}"
+    bar = Progress(f"get {blob_id}", size, progress)
+    state = {"h": None, "done": 0}
+
+    def attempt():
+        have = os.path.getsize(tmp) if os.path.exists(tmp) else 0
+        if have > size:
+            os.unlink(tmp)
+            have = 0
+        if state["h"] is None or state["done"] != have:
+            state["h"] = sha256_file(tmp, 0, have, hashlib.sha256()) if have else hashlib.sha256()
+        state["done"] = have
+        before = have
+        try:
+            _get_from(url, blob_id, tmp, have, size, sha, token, timeout, bar, state)
+        except Exception as e:
+            if state["done"] > before and _retryable(e):
+                return None
+            raise
+        return True
+    _with_retries(f"get {blob_id}", attempt, retries)
+    got = state["h"].hexdigest()
+    if got != sha:
+        os.unlink(tmp)
+        raise ValueError(f"downloaded {blob_id!r} has sha256 {got}, the store says {sha}; removed {tmp}")
+    with open(tmp, "ab") as f:                          # "ab": also creates an empty blob's file
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    bar.close(size)
+    return got
+
+
+def _get_from(url, blob_id, tmp, have, size, sha, token, timeout, bar, state):
+    if have == size:
+        return
+    conn = httpd.connect(url, timeout)
+    try:
+        headers = {**httpd.auth_headers(token), "Range": f"bytes={have}-"}
+        conn.request("GET", f"{httpd.split_url(url)[3]}/blobs/{blob_id}", headers=headers)
+        resp = conn.getresponse()
+        if resp.status != 206:
+            _reply(resp)
+            raise httpd.CallError(502, {"error": f"expected 206 for a Range GET, got {resp.status}"})
+        if resp.getheader("X-Content-Sha256") != sha:
+            raise ValueError(f"blob {blob_id!r} changed during the download; start again")
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        with open(tmp, "ab", buffering=0) as f:
+            while state["done"] < size:
+                n = resp.readinto(view)
+                if not n:
+                    raise ConnectionError(f"connection closed at byte {state['done']} of {size}")
+                f.write(view[:n])
+                state["h"].update(view[:n])
+                state["done"] += n
+                bar.update(state["done"])
+    finally:
+        conn.close()
+
+
+if __name__ == "__main__":
+    p = httpd.base_parser(__doc__)
+    p.add_argument("--root", required=True, help="state directory holding blobs/ and partial/")
+    p.add_argument("--quota-gb", type=float, default=500.0,
+                   help="total size of all blobs and unfinished uploads, GB = 1e9 bytes (default 500)")
+    p.add_argument("--max-blob-gb", type=float, default=128.0, help="largest single blob, GB (default 128)")
+    p.add_argument("--chunk-mb", type=float, default=4.0, help="PUT read/write/hash step, MiB (default 4)")
+    httpd.add_server_args(p, DEFAULT_PORT)
+    a = p.parse_args()
+    serve(Config(a.root, a.quota_gb, a.max_blob_gb, a.chunk_mb), a)

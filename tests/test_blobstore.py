@@ -1,0 +1,418 @@
+"""blobstore: a real server on 127.0.0.1, real files, a proxy that cuts connections,
+and a 1 GiB upload whose server is SIGKILLed half-way and restarted."""
+import hashlib
+import http.client
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+import blobstore
+import httpd
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKEN = "blob-token"
+MB = 10 ** 6
+
+
+def wait_for(cond, what, timeout=60.0):
+    """Poll `cond` until it returns a true value; fail after a generous deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = cond()
+        if out:
+            return out
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def make_file(path, size, seed=0):
+    """`size` pseudo-random bytes written in 1 MiB pieces (never held whole); returns the sha256."""
+    base = hashlib.sha256(str(seed).encode()).digest() * (2**20 // 32)
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        for i in range(0, size, 2**20):
+            piece = (i.to_bytes(8, "little") + base[8:])[:size - i]
+            f.write(piece)
+            h.update(piece)
+    return h.hexdigest()
+
+
+class CuttingProxy:
+    """TCP proxy to `upstream` that drops the first connection to carry more than
+    `cut_after` bytes in direction `direction` ("up": client->server, "down")."""
+
+    def __init__(self, upstream_url, cut_after, direction):
+        _, self.host, self.port_up, _ = httpd.split_url(upstream_url)
+        self.cut_after, self.direction, self.cuts = cut_after, direction, 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self.closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection((self.host, self.port_up))
+            state = {"sent": 0}
+            for src, dst, d in ((client, server, "up"), (server, client, "down")):
+                threading.Thread(target=self._pump, args=(src, dst, d, state, (client, server)),
+                                 daemon=True).start()
+
+    def _pump(self, src, dst, direction, state, pair):
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                dst.sendall(data)
+                if direction == self.direction:
+                    state["sent"] += len(data)
+                    if self.cuts == 0 and state["sent"] > self.cut_after:
+                        self.cuts += 1
+                        break
+        except OSError:
+            pass
+        for s in pair:                  # hang up both sides: the peer sees a dropped connection
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self):
+        self.closed = True
+        self.listener.close()
+
+
+class LiveStoreTest(unittest.TestCase):
+    QUOTA, MAX_BLOB = 60 * MB, 30 * MB
+
+    def setUp(self):
+        self._tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self._tmp.cleanup)
+        self.dir = self._tmp.name
+        self.root = os.path.join(self.dir, "root")
+        self.store = blobstore.BlobStore(self.root, self.QUOTA, self.MAX_BLOB, chunk=1 << 20)
+        self.server = httpd.make_server(blobstore.make_routes(self.store), token=TOKEN)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.addCleanup(self.server.server_close)
+        self.addCleanup(self.server.shutdown)
+        self.url = self.server.url
+
+    def p(self, name):
+        return os.path.join(self.dir, name)
+
+    def raw(self, method, path, headers=None, body=b"", auth=True):
+        """One request with exactly these headers; returns (status, headers, body bytes)."""
+        conn = httpd.connect(self.url)
+        try:
+            conn.putrequest(method, path, skip_accept_encoding=True)
+            for k, v in {**(httpd.auth_headers(TOKEN) if auth else {}), **(headers or {})}.items():
+                conn.putheader(k, v)
+            conn.endheaders()
+            if body:
+                conn.send(body)
+            resp = conn.getresponse()
+            return resp.status, resp, resp.read()
+        finally:
+            conn.close()
+
+    def assert_refused(self, status, reply, want, reason):
+        self.assertEqual(status, want, reply)
+        self.assertEqual(reply.count(b"\n"), 1)
+        self.assertRegex(json.loads(reply)["error"], reason)
+
+    def put_raw(self, blob_id, body, sha=None, extra=None):
+        h = {"Content-Length": str(len(body)), "X-Content-Sha256": sha or hashlib.sha256(body).hexdigest()}
+        return self.raw("PUT", f"/blobs/{blob_id}", {**h, **(extra or {})}, body)
+
+    def expect_put(self, blob_id, length, sha):
+        """PUT headers with `Expect: 100-continue` and no body: the server's first answer."""
+        sock = socket.create_connection(("127.0.0.1", self.server.server_address[1]))
+        self.addCleanup(sock.close)
+        sock.sendall(f"PUT /blobs/{blob_id} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                     f"Content-Length: {length}\r\nX-Content-Sha256: {sha}\r\n"
+                     "Expect: 100-continue\r\n\r\n".encode())
+        sock.settimeout(60)
+        return sock, sock.recv(65536)
+
+    def visible_files(self):
+        out = []
+        for d in ("blobs", "partial"):
+            out += [f"{d}/{n}" for n in sorted(os.listdir(os.path.join(self.root, d)))]
+        return out
+
+    # ---------------------------------------------------------------- happy paths
+    def test_put_head_get_list_delete(self):
+        sha = make_file(self.p("src"), 5 * MB + 123)
+        out = blobstore.put_file(self.url, "delta-lumi.r7", self.p("src"), token=TOKEN)
+        self.assertEqual((out["id"], out["size"], out["sha256"]), ("delta-lumi.r7", 5 * MB + 123, sha))
+        self.assertEqual(blobstore.head(self.url, "delta-lumi.r7", TOKEN),
+                         {"complete": True, "size": 5 * MB + 123, "total": 5 * MB + 123, "sha256": sha})
+        self.assertEqual(blobstore.get_file(self.url, "delta-lumi.r7", self.p("dst"), token=TOKEN), sha)
+        self.assertEqual(blobstore.sha256_file(self.p("dst")), sha)
+        listing = httpd.call(self.url, "GET", "/blobs", token=TOKEN)
+        self.assertEqual(listing["blobs"], [{"id": "delta-lumi.r7", "size": 5 * MB + 123, "sha256": sha}])
+        self.assertEqual(listing["used_bytes"], 5 * MB + 123)
+        again = blobstore.put_file(self.url, "delta-lumi.r7", self.p("src"), token=TOKEN, sha256=sha)
+        self.assertEqual(again["sha256"], sha)                      # already there: nothing resent
+        self.assertEqual(httpd.call(self.url, "DELETE", "/blobs/delta-lumi.r7", token=TOKEN)["deleted"], True)
+        self.assertIsNone(blobstore.head(self.url, "delta-lumi.r7", TOKEN))
+        self.assertEqual(self.visible_files(), [])
+        self.assertEqual(sorted(os.listdir(self.dir)), ["dst", "root", "src"])
+
+    def test_range_requests(self):
+        body = bytes(range(256)) * 40
+        self.assertEqual(self.put_raw("r", body)[0], 201)
+        for rng, want in (("bytes=10-19", body[10:20]), ("bytes=10000-", body[10000:]),
+                          ("bytes=-5", body[-5:]), ("bytes=10235-99999", body[10235:])):
+            status, resp, got = self.raw("GET", "/blobs/r", {"Range": rng})
+            self.assertEqual((status, got), (206, want), rng)
+            self.assertTrue(resp.getheader("Content-Range").endswith(f"/{len(body)}"))
+        for rng in ("bytes=10240-", "bytes=5-2", "bytes=0-1,4-5", "lines=1-2", "bytes=-0"):
+            status, _, reply = self.raw("GET", "/blobs/r", {"Range": rng})
+            self.assert_refused(status, reply, 416, "Range")
+        status, resp, got = self.raw("GET", "/blobs/r")
+        self.assertEqual((status, got, resp.getheader("X-Content-Sha256")),
+                         (200, body, hashlib.sha256(body).hexdigest()))
+
+    def test_a_cut_upload_resumes_from_the_offset_head_reports(self):
+        body = os.urandom(3 * MB)
+        sha = hashlib.sha256(body).hexdigest()
+        sock = socket.create_connection(("127.0.0.1", self.server.server_address[1]))
+        sock.sendall(f"PUT /blobs/cut HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                     f"Content-Length: {len(body)}\r\nX-Content-Sha256: {sha}\r\n\r\n".encode() + body[:MB + 17])
+        wait_for(lambda: "cut" in self.store.uploading, "the upload to start")
+        sock.close()
+        wait_for(lambda: "cut" not in self.store.uploading, "the server to notice the dropped connection")
+        info = blobstore.head(self.url, "cut", TOKEN)
+        self.assertEqual(info, {"complete": False, "offset": MB + 17, "total": 3 * MB, "sha256": sha})
+        status, _, reply = self.raw("GET", "/blobs/cut")
+        self.assert_refused(status, reply, 404, "still uploading")
+        self.assertEqual(httpd.call(self.url, "GET", "/blobs", token=TOKEN)["uploads"],
+                         [{"id": "cut", "offset": MB + 17, "total": 3 * MB, "uploading": False}])
+        wrong = self.put_raw("cut", body[MB:], sha, {"Content-Range": f"bytes {MB}-{3 * MB - 1}/{3 * MB}"})
+        self.assert_refused(wrong[0], wrong[2], 416, f"continues at byte {MB + 17}")
+        self.assertEqual(json.loads(wrong[2])["offset"], MB + 17)
+        self.store.hash_cache.clear()          # as after a restart: the prefix is hashed from disk
+        status, _, reply = self.put_raw("cut", body[MB + 17:2 * MB], sha,
+                                        {"Content-Range": f"bytes {MB + 17}-{2 * MB - 1}/{3 * MB}"})
+        self.assertEqual((status, json.loads(reply)["offset"]), (202, 2 * MB))
+        status, _, reply = self.put_raw("cut", body[2 * MB:], sha,
+                                        {"Content-Range": f"bytes {2 * MB}-{3 * MB - 1}/{3 * MB}"})
+        self.assertEqual((status, json.loads(reply)["sha256"]), (201, sha))
+        self.assertEqual(self.raw("GET", "/blobs/cut")[2], body)
+        self.assertEqual(self.visible_files(), ["blobs/.cut.json", "blobs/cut"])
+
+    def test_put_file_and_get_file_survive_a_dropped_connection(self):
+        sha = make_file(self.p("src"), 8 * MB, seed=1)
+        up = CuttingProxy(self.url, 3 * MB, "up")
+        self.addCleanup(up.close)
+        out = blobstore.put_file(up.url, "via-proxy", self.p("src"), token=TOKEN, progress=False)
+        self.assertEqual((out["sha256"], up.cuts), (sha, 1))
+        self.assertLess(out["sent"], 8 * MB + 3 * MB)                   # resumed, not restarted
+        down = CuttingProxy(self.url, 5 * MB, "down")
+        self.addCleanup(down.close)
+        self.assertEqual(blobstore.get_file(down.url, "via-proxy", self.p("dst"), token=TOKEN), sha)
+        self.assertEqual((down.cuts, blobstore.sha256_file(self.p("dst"))), (1, sha))
+        self.assertEqual(sorted(os.listdir(self.dir)), ["dst", "root", "src"])
+
+    def test_concurrent_uploads_of_different_blobs(self):
+        shas = {f"c{i}": make_file(self.p(f"c{i}"), 3 * MB + i, seed=i) for i in range(6)}
+        results, errors = {}, []
+
+        def upload(i):
+            try:
+                results[i] = blobstore.put_file(self.url, i, self.p(i), token=TOKEN)["sha256"]
+            except Exception as e:            # pragma: no cover - reported below
+                errors.append(e)
+        threads = [threading.Thread(target=upload, args=(i,)) for i in shas]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        self.assertEqual((errors, results), ([], shas))
+        for i, sha in shas.items():
+            self.assertEqual(blobstore.get_file(self.url, i, self.p(i + ".back"), token=TOKEN), sha)
+
+    def test_a_second_upload_to_the_same_id_is_refused_not_interleaved(self):
+        body = os.urandom(2 * MB)
+        sha = hashlib.sha256(body).hexdigest()
+        sock = socket.create_connection(("127.0.0.1", self.server.server_address[1]))
+        self.addCleanup(sock.close)
+        sock.sendall(f"PUT /blobs/same HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                     f"Content-Length: {len(body)}\r\nX-Content-Sha256: {sha}\r\n\r\n".encode() + body[:MB])
+        wait_for(lambda: "same" in self.store.uploading, "the first upload to start")
+        other = os.urandom(2 * MB)
+        status, _, reply = self.put_raw("same", other)
+        self.assert_refused(status, reply, 409, "being uploaded")
+        status, _, reply = self.raw("DELETE", "/blobs/same")
+        self.assert_refused(status, reply, 409, "being uploaded")
+        sock.sendall(body[MB:])
+        resp = http.client.HTTPResponse(sock, method="PUT")
+        resp.begin()
+        self.assertEqual((resp.status, json.loads(resp.read())["sha256"]), (201, sha))
+        self.assertEqual(self.raw("GET", "/blobs/same")[2], body)
+
+    # ---------------------------------------------------------------- refusals
+    def test_bad_ids_headers_and_auth(self):
+        body = b"x" * 1000
+        sha = hashlib.sha256(body).hexdigest()
+        for bad in ("../x", "..%2fx", ".hidden", "a/b", "a b", "x" * 201, ""):
+            status, _, reply = self.put_raw(bad.replace(" ", "%20"), body)
+            self.assertIn(status, (400, 404), bad)
+            self.assertEqual(reply.count(b"\n"), 1)
+        self.assert_refused(*self.put_raw("../x", body)[::2], 400, "bad blob id")
+        self.assert_refused(*self.raw("GET", "/blobs/.hidden")[::2], 400, "bad blob id")
+        status, _, reply = self.raw("PUT", "/blobs/ok", {"X-Content-Sha256": sha})
+        self.assert_refused(status, reply, 411, "Content-Length")
+        self.assert_refused(*self.put_raw("ok", body, sha="abc")[::2], 400, "X-Content-Sha256")
+        self.assert_refused(*self.raw("PUT", "/blobs/ok", {"Content-Length": "1000"}, body)[::2],
+                            400, "X-Content-Sha256")
+        for rng in ("bytes 0-999", "bytes 0-998/1000", "bytes 5-1004/1000", "0-999/1000", "bytes 0-999/*"):
+            self.assert_refused(*self.put_raw("ok", body, sha, {"Content-Range": rng})[::2], 400, "Content-Range")
+        self.assert_refused(*self.put_raw("ok", body, sha, {"Content-Range": "bytes 10-1009/2000"})[::2],
+                            416, "no unfinished upload")
+        self.assert_refused(*self.raw("PUT", "/blobs/ok", {"Content-Length": "1000", "X-Content-Sha256": sha},
+                                      body, auth=False)[::2], 401, "token")
+        self.assert_refused(*self.raw("GET", "/blobs", auth=False)[::2], 401, "token")
+        self.assertEqual(self.raw("GET", "/health", auth=False)[0], 200)
+        self.assert_refused(*self.raw("DELETE", "/blobs/nothing")[::2], 404, "no blob")
+        self.assertEqual(self.visible_files(), [])
+
+    def test_a_wrong_checksum_discards_the_upload(self):
+        body = os.urandom(2 * MB)
+        status, _, reply = self.put_raw("bad", body, sha="0" * 64)
+        self.assert_refused(status, reply, 400, "checksum mismatch.*discarded")
+        self.assertIsNone(blobstore.head(self.url, "bad", TOKEN))
+        self.assertEqual(self.visible_files(), [])
+        self.assertEqual(self.put_raw("bad", body)[0], 201)
+        self.assert_refused(*self.put_raw("bad", body[:10])[::2], 409, "already exists")
+        self.assertEqual(self.put_raw("bad", body)[0], 200)         # same bytes again: idempotent
+
+    def test_quota_and_size_limits_answer_before_the_body_is_sent(self):
+        # Expect: 100-continue: the refusal comes back although no byte of the body was sent.
+        _, first = self.expect_put("big", self.MAX_BLOB + 1, "1" * 64)
+        head, _, reply = first.partition(b"\r\n\r\n")
+        self.assertTrue(head.startswith(b"HTTP/1.1 413 "), first)
+        self.assertIn(b"Connection: close", head)
+        self.assertRegex(json.loads(reply)["error"], "per-blob limit")
+        for i in range(2):
+            self.assertEqual(self.put_raw(f"fill{i}", b"y" * (25 * MB))[0], 201)
+        _, first = self.expect_put("over", 20 * MB, "1" * 64)
+        self.assertTrue(first.startswith(b"HTTP/1.1 413 "), first)
+        self.assertIn(b"quota", first)
+        sock, first = self.expect_put("fits", 5 * MB, hashlib.sha256(b"z" * 5 * MB).hexdigest())
+        self.assertEqual(first, b"HTTP/1.1 100 Continue\r\n\r\n")
+        sock.sendall(b"z" * 5 * MB)
+        resp = http.client.HTTPResponse(sock, method="PUT")
+        resp.begin()
+        self.assertEqual(resp.status, 201)
+        src = self.p("src")
+        make_file(src, 20 * MB)
+        with self.assertRaises(httpd.CallError) as cm:
+            blobstore.put_file(self.url, "over", src, token=TOKEN)
+        self.assertEqual(cm.exception.status, 413)
+        httpd.call(self.url, "DELETE", "/blobs/fill0", token=TOKEN)
+        httpd.call(self.url, "DELETE", "/blobs/fits", token=TOKEN)
+        self.assertEqual(blobstore.put_file(self.url, "over", src, token=TOKEN)["size"], 20 * MB)
+
+    def test_get_file_refuses_a_missing_blob_and_leaves_nothing(self):
+        with self.assertRaises(httpd.CallError) as cm:
+            blobstore.get_file(self.url, "absent", self.p("dst"), token=TOKEN, retries=0)
+        self.assertEqual(cm.exception.status, 404)
+        self.assertEqual(sorted(os.listdir(self.dir)), ["root"])
+
+
+class ProgressTest(unittest.TestCase):
+    def test_quiet_for_short_transfers_then_bytes_rate_and_eta(self):
+        now = [0.0]
+        out = io.StringIO()
+        bar = blobstore.Progress("put d", 100 * 2**20, None, clock=lambda: now[0], out=out)
+        bar.update(0)
+        now[0] = 1.5
+        bar.update(30 * 2**20)
+        self.assertEqual(out.getvalue(), "")                          # under 2 s: silent
+        now[0] = 2.5
+        bar.update(50 * 2**20)
+        self.assertEqual(out.getvalue(), "put d: 50.0/100.0 MiB 21 MB/s ETA 2 s\n")
+        now[0] = 2.9
+        bar.update(60 * 2**20)
+        self.assertEqual(out.getvalue().count("\n"), 1)                # at most once a second
+        bar.close(100 * 2**20)
+        self.assertTrue(out.getvalue().endswith("100.0/100.0 MiB 36 MB/s ETA 0 s\n"))
+        quiet = io.StringIO()
+        off = blobstore.Progress("x", 10, False, clock=lambda: now[0], out=quiet)
+        off.update(0)
+        now[0] = 100.0
+        off.update(5)
+        off.close(10)
+        self.assertEqual(quiet.getvalue(), "")
+
+
+class CrashResumeTest(unittest.TestCase):
+    """1 GiB upload; the server process is SIGKILLed with a third on disk, restarted on the
+    same root and port, and put_file finishes the upload from where the bytes stopped."""
+    SIZE = 2**30
+
+    def start_server(self, port=0):
+        env = {**os.environ, "PWW_TOKEN": TOKEN}
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "blobstore.py"), "--root", self.root,
+                                 "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                env=env, text=True)
+        self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait()))
+        line = proc.stdout.readline()
+        m = re.search(r"listening on (http://\S+)", line)
+        self.assertIsNotNone(m, f"server did not start: {line!r}")
+        return proc, m.group(1)
+
+    def test_server_killed_mid_upload_then_resumed_to_the_right_checksum(self):
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        self.root, src = os.path.join(tmp.name, "root"), os.path.join(tmp.name, "src")
+        sha = make_file(src, self.SIZE, seed=7)
+        proc, url = self.start_server()
+        result = {}
+
+        def upload():
+            try:
+                result["out"] = blobstore.put_file(url, "big", src, token=TOKEN, sha256=sha, retries=12)
+            except Exception as e:
+                result["error"] = e
+        t = threading.Thread(target=upload)
+        t.start()
+        partial = os.path.join(self.root, "partial", "big")
+        wait_for(lambda: os.path.exists(partial) and os.path.getsize(partial) >= self.SIZE // 3,
+                 "a third of the upload on disk", timeout=180)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        on_disk = os.path.getsize(partial)
+        self.assertLess(on_disk, self.SIZE)
+        proc, url2 = self.start_server(port=int(url.rsplit(":", 1)[1]))
+        self.assertEqual(url2, url)
+        t.join(300)
+        self.assertFalse(t.is_alive(), "put_file did not finish")
+        self.assertNotIn("error", result)
+        out = result["out"]
+        self.assertEqual((out["size"], out["sha256"]), (self.SIZE, sha))
+        self.assertLess(out["sent"], self.SIZE + on_disk // 2)        # resumed, not started over
+        self.assertFalse(os.path.exists(partial))
+        os.unlink(src)
+        self.assertEqual(blobstore.get_file(url, "big", os.path.join(tmp.name, "back"), token=TOKEN), sha)
+
+
+if __name__ == "__main__":
+    unittest.main()
