@@ -200,7 +200,7 @@ def parallelize(model, mode, device, group=None, mesh=None, param_dtype=None, ac
     MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 compute and
     all-gathers, fp32 gradient reduction and fp32 master weights.
     mode "ddp": materialize first (DDP broadcasts rank 0's values at construction),
-    then DistributedDataParallel over `group`.
+    then DistributedDataParallel over `group` (left unwrapped when the group has one rank).
     """
     if activation_checkpointing:
         from torch.distributed._composable import checkpoint
@@ -220,6 +220,8 @@ def parallelize(model, mode, device, group=None, mesh=None, param_dtype=None, ac
         return model
     if mode == "ddp":
         materialize(model, device)
+        if torch.distributed.get_world_size(group) == 1:
+            return model          # nothing to synchronise: DDP would only add a 1-rank all-reduce
         ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=group)
     raise ValueError(f"--parallel {mode!r}: use ddp or fsdp")

@@ -669,7 +669,7 @@ def grad_sync(model, cfg, last):
     if cfg.parallel == "fsdp":
         model.set_requires_gradient_sync(False)
         return contextlib.nullcontext()
-    return model.no_sync()
+    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
 
 
 def _as_float(t):
@@ -714,7 +714,6 @@ def train(cfg: Config):
     log.log(f"run {cfg.run_name}: {d.world_size} ranks, {d.accel} ({d.backend}), "
             f"{prov['devices'][0]}, torch {prov['torch']}, torchtitan {prov['torchtitan']}, "
             f"code {prov.get('git', 'sha256 of *.py')[:12]}")
-    log.log("config " + json.dumps(dataclasses.asdict(cfg)))
 
     # -- model -------------------------------------------------------------
     k = cfg.diloco_replicas
@@ -747,6 +746,7 @@ def train(cfg: Config):
     warmup = cfg.warmup_steps = cfg.warmup_steps if cfg.warmup_steps is not None else total // 20
     if d.is_main:      # every default resolved now: the config a rerun would need
         write_config_yaml(os.path.join(run_dir, "config.yaml"), cfg, prov)
+    log.log("config " + json.dumps(dataclasses.asdict(cfg)))
     schedule = lr_lambda(total, warmup, cfg.min_lr / cfg.lr)
     outer = None
     if k > 1 or carrier is not None:
@@ -769,14 +769,15 @@ def train(cfg: Config):
         else:
             log.log(f"--resume auto: no checkpoint in {run_dir}; starting at step 0")
 
-    def save(step, epoch):
+    def save(step):
         checkpoint.save(run_dir, step, model, opt, diloco=outer, sharded=cfg.sharded_checkpoint,
-                        keep=cfg.keep_checkpoints,
-                        extra={"epoch": epoch, "digest": windows.digest if windows else None})
+                        keep=cfg.keep_checkpoints, extra={"epoch": step // steps_per_epoch,
+                        "digest": windows.digest if windows else None})
 
-    def run_eval(step, epoch):
+    def run_eval(step):
         with outer.global_weights() if outer else contextlib.nullcontext():
-            row = dict(split="eval", step=step, epoch=epoch, **evaluate(model, cfg, d, source, windows))
+            row = dict(split="eval", step=step, epoch=round(step / steps_per_epoch, 4),
+                       **evaluate(model, cfg, d, source, windows))
         log.metric(row)
         log.log("eval  " + fmt_row(row))
 
@@ -822,7 +823,7 @@ def train(cfg: Config):
                 n = step - step_mark
                 dt = time.perf_counter() - t_mark - paused
                 per_rank = n * cfg.grad_accum * source.samples_per_micro / dt
-                row = {"split": "train", "step": step, "epoch": epoch,
+                row = {"split": "train", "step": step, "epoch": round(step / steps_per_epoch, 4),
                        "loss": loss_sum.item() / (n * d.world_size), "lr": lr,
                        "grad_norm": _as_float(gnorm), "step_ms": 1e3 * dt / n,
                        f"{unit}_per_s": per_rank * d.world_size,
@@ -834,14 +835,14 @@ def train(cfg: Config):
                 t_mark, step_mark, paused = time.perf_counter(), step, 0.0
             t0 = time.perf_counter()
             if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
-                run_eval(step, epoch)
+                run_eval(step)
             if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < total:
-                save(step, epoch)
+                save(step)
             paused += time.perf_counter() - t0
         epoch += 1
         if not cfg.llm and cfg.eval_every == 0 and step < total:
             t0 = time.perf_counter()
-            run_eval(step, epoch)                # CIFAR: one eval row per epoch
+            run_eval(step)                # CIFAR: one eval row per epoch
             paused += time.perf_counter() - t0
 
     # -- finish ------------------------------------------------------------
@@ -850,9 +851,9 @@ def train(cfg: Config):
         if row:
             log.metric(dict(row, step=step))
             log.log("outer " + fmt_row(row))
-    run_eval(step, epoch)
+    run_eval(step)
     if start < step or cfg.resume == "none":
-        save(step, epoch)
+        save(step)
     log.log(f"done: {step} steps, run directory {run_dir}")
     log.close()
     dist.barrier()
