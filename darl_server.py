@@ -440,8 +440,9 @@ class LeaseTable:
         want = self._grant_size(c, blocks)
         lease = None
         if self.free.total:
-            live = sum(1 for x in self.clusters.values() if self._live(x, now))
-            share = -(-self.free.total // max(1, live))      # leave some for everyone who is up
+            idle = sum(1 for x in self.clusters.values()
+                       if x is not c and not self.held[x.name] and self._live(x, now))
+            share = -(-self.free.total // (1 + idle))          # leave some for every idle cluster that is up
             start, end, attempts = self.free.pop_front(min(want, share))
             lease = self._new_lease(c, start, end, attempts, now, ttl)
         else:

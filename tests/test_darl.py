@@ -1,0 +1,630 @@
+"""DARL: block space, lease state machine (injected clock), write-ahead log and
+snapshots, the HTTP coordinator on a loopback socket, sessions in threads, the
+coordinator SIGKILLed under load, and the end-to-end `simulate` audit."""
+import collections
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+import darl_client
+import darl_server
+import httpd
+from darl_server import BlockSpace, Coordinator, InvariantError, LeaseError, LeaseTable, LogError, TableConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Clock:
+    def __init__(self, t=1000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+    def advance(self, dt):
+        self.t += dt
+
+
+def table(m=100, clock=None, **cfg):
+    cfg = {"min_ttl": 1.0, "default_ttl": 10.0, "max_ttl": 100.0, "initial_grant": 10, **cfg}
+    return LeaseTable(m, TableConfig(**cfg), clock or Clock())
+
+
+def wait_for(cond, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+class BlockSpaceTest(unittest.TestCase):
+    def test_permutation_is_a_bijection_with_an_inverse(self):
+        for m in (1, 2, 3, 7, 1000, 1025):
+            space = BlockSpace(m, 1, seed=5)
+            order = [space.block_at(p) for p in range(m)]
+            self.assertEqual(sorted(order), list(range(m)), m)
+            self.assertTrue(all(space.position_of(b) == p for p, b in enumerate(order)))
+        self.assertNotEqual([BlockSpace(1000, 1, 1).block_at(p) for p in range(20)], list(range(20)))
+
+    def test_order_is_pinned(self):
+        # Sites must agree without talking: if this changes, PERMUTATION_VERSION must change too.
+        self.assertEqual([BlockSpace(1000, 1, 0).block_at(p) for p in range(6)], [43, 519, 831, 640, 131, 786])
+        self.assertEqual(darl_server.PERMUTATION_VERSION, "feistel-splitmix64/1")
+
+    def test_blocks_samples_and_digest(self):
+        space = BlockSpace(1003, 10, seed=0)
+        self.assertEqual(space.num_blocks, 101)
+        self.assertEqual(space.samples_of(100), range(1000, 1003))
+        self.assertEqual(space.samples_of(3), range(30, 40))
+        base = space.digest()
+        for other in (BlockSpace(1004, 10, 0), BlockSpace(1003, 11, 0), BlockSpace(1003, 10, 1),
+                      BlockSpace(1003, 10, 0, manifest_digest="abc")):
+            self.assertNotEqual(other.digest(), base)
+        self.assertEqual(BlockSpace(1003, 10, 0).digest(), base)
+        with self.assertRaises(IndexError):
+            space.block_at(101)
+
+    def test_million_blocks_need_no_table(self):
+        space = BlockSpace(10**6, 1, seed=3)
+        picks = [space.block_at(p) for p in range(0, 10**6, 9973)]
+        self.assertEqual(len(set(picks)), len(picks))
+        self.assertLess(max(len(k.__dict__) for k in [space]), 20)   # no per-block state was built
+
+    def test_manifest(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "manifest.json")
+            with open(path, "w") as f:
+                json.dump({"num_windows": 50, "digest": "tok-v1", "seq_len": 8}, f)
+            space = BlockSpace.from_manifest(path, 4, 0)
+            self.assertEqual((space.num_samples, space.num_blocks), (50, 13))
+            self.assertNotEqual(space.digest(), BlockSpace(50, 4, 0).digest())
+            with open(path, "w") as f:
+                json.dump({"windows": 50}, f)
+            with self.assertRaisesRegex(ValueError, "--manifest"):
+                BlockSpace.from_manifest(path, 4, 0)
+
+
+class LeaseTableTest(unittest.TestCase):
+    def setUp(self):
+        self.clock = Clock()
+
+    def test_expiry_returns_the_uncommitted_part(self):
+        t = table(100, self.clock)
+        t.register("a", "i1")
+        lease = t.acquire("a", "i1", blocks=30, ttl=10)["lease"]
+        t.heartbeat("a", "i1", [{"lease": lease["id"], "cursor": 20}], ttl=10)
+        t.commit("a", "i1", lease["id"], end=10)
+        self.clock.advance(9)
+        self.assertTrue(t.heartbeat("a", "i1", [lease["id"]], ttl=10)["leases"][0]["valid"])   # extended
+        self.clock.advance(9.5)
+        self.assertEqual(t.verify()["leased"], 20)
+        self.clock.advance(1)
+        reply = t.heartbeat("a", "i1", [lease["id"]], ttl=10)["leases"][0]
+        self.assertFalse(reply["valid"])
+        books = t.verify()
+        self.assertEqual((books["committed"], books["leased"], books["free"]), (10, 0, 90))
+        self.assertEqual(t.clusters["a"].lost, 20)
+        self.assertIn((10, 20, 1), list(t.free))     # started blocks carry one attempt, untouched ones none
+        with self.assertRaisesRegex(LeaseError, "expired"):
+            t.commit("a", "i1", lease["id"], end=20)
+        self.assertEqual(t.commit("a", "i1", lease["id"], end=10)["committed"], 0)   # the old part still stands
+
+    def test_stealing_takes_the_unstarted_tail_of_the_slowest(self):
+        t = table(100, self.clock, initial_grant=50)
+        t.register("fast", "x")
+        t.register("slow", "x")
+        t.heartbeat("slow", "x", throughput=1.0)
+        t.heartbeat("fast", "x", throughput=4.0)
+        a = t.acquire("fast", "x", blocks=80)["lease"]     # fair share: half, 'slow' is idle and up
+        self.assertEqual(a["end"], 50)
+        b = t.acquire("slow", "x", blocks=80)["lease"]
+        t.register("idle", "y")
+        t.heartbeat("idle", "y", throughput=3.0)
+        t.heartbeat("slow", "x", [{"lease": b["id"], "cursor": 60}])
+        self.assertEqual(t.free.total, 0)
+        stolen = t.acquire("idle", "y", blocks=100)["lease"]
+        # the slow lease ends last; its unstarted 40 split 3:1 by rate -> 30 to the thief
+        self.assertEqual((stolen["start"], stolen["end"]), (70, 100))
+        beat = t.heartbeat("slow", "x", [b["id"]])["leases"][0]
+        self.assertEqual((beat["valid"], beat["end"]), (True, 70))
+        with self.assertRaisesRegex(LeaseError, "stolen"):
+            t.commit("slow", "x", b["id"], end=80)
+        t.commit("slow", "x", b["id"])
+        self.assertEqual(t.clusters["slow"].committed, 20)
+        t.verify()
+        self.assertEqual(a["end"], 50)
+
+    def test_claimed_positions_are_never_stolen(self):
+        t = table(10, self.clock)
+        t.register("a", "x")
+        lease = t.acquire("a", "x", blocks=10)["lease"]
+        t.register("b", "x")
+        t.heartbeat("a", "x", [{"lease": lease["id"], "cursor": 10}])
+        self.assertEqual(t.acquire("b", "x")["status"], "wait")
+        t.commit("a", "x", lease["id"])
+        self.assertEqual(t.acquire("b", "x")["status"], "done")
+
+    def test_quarantine_after_max_attempts_and_never_with_zero(self):
+        for max_attempts, want_q in ((2, 5), (0, 0)):
+            clock = Clock()
+            t = table(10, clock, max_attempts=max_attempts)
+            for round_ in range(3):
+                t.register("a", f"i{round_}")
+                got = t.acquire("a", f"i{round_}", blocks=5, ttl=1)
+                if got["status"] != "ok":
+                    break
+                t.heartbeat("a", f"i{round_}", [{"lease": got["lease"]["id"], "cursor": got["lease"]["end"]}], ttl=1)
+                clock.advance(2)
+                t.expire(clock())
+            self.assertEqual(t.quarantined.total, want_q)
+            t.register("b", "z")
+            while (got := t.acquire("b", "z", blocks=10))["status"] == "ok":
+                t.commit("b", "z", got["lease"]["id"])
+            self.assertEqual(got["status"], "done")
+            self.assertEqual(got["quarantined"], want_q)
+            if want_q:
+                self.assertIn("QUARANTINED", got["warning"])
+            books = t.verify()
+            self.assertEqual(books["committed"] + books["quarantined"], 10)
+
+    def test_grant_size_follows_throughput(self):
+        t = table(10000, self.clock, grant_seconds=10, initial_grant=3)
+        for c in ("fast", "slow", "new"):
+            t.register(c, "x")
+        t.heartbeat("fast", "x", throughput=8.0)
+        t.heartbeat("slow", "x", throughput=1.0)
+        size = lambda c: (lambda L: L["end"] - L["start"])(t.acquire(c, "x")["lease"])
+        self.assertEqual((size("fast"), size("slow"), size("new")), (80, 10, 3))
+        t.heartbeat("slow", "x", throughput=2.0)       # it measured itself faster: bigger grants
+        self.assertEqual(size("slow"), 20)
+
+    def test_commit_rate_sizes_grants_without_reports(self):
+        t = table(10000, self.clock, grant_seconds=10, initial_grant=4)
+        t.register("a", "x")
+        lease = t.acquire("a", "x")["lease"]
+        self.clock.advance(2)
+        t.commit("a", "x", lease["id"])
+        self.assertEqual(t.clusters["a"].rate, 2.0)
+        lease = t.acquire("a", "x")["lease"]
+        self.assertEqual(lease["end"] - lease["start"], 20)
+
+    def test_fair_share_and_never_a_made_up_minimum(self):
+        t = table(10, self.clock, initial_grant=100)
+        t.register("a", "x")
+        t.register("b", "x")
+        la = t.acquire("a", "x")["lease"]
+        self.assertEqual(la["end"] - la["start"], 5)        # half the pool: b is up too
+        lb = t.acquire("b", "x")["lease"]
+        self.assertEqual(lb["end"] - lb["start"], 5)        # the rest: nobody else is idle
+        t.heartbeat("a", "x", [{"lease": la["id"], "cursor": 5}])
+        t.heartbeat("b", "x", [{"lease": lb["id"], "cursor": 10}])
+        wait = t.acquire("a", "x")
+        self.assertEqual(wait["status"], "wait")
+        self.assertGreater(wait["retry_after"], 0)
+        t.commit("a", "x", la["id"])
+        t.commit("b", "x", lb["id"])
+        self.assertEqual(t.acquire("a", "x"), {"status": "done", "committed": 10, "quarantined": 0})
+        self.assertTrue(t.verify()["complete"])
+
+    def test_commit_is_idempotent_partial_and_checked(self):
+        t = table(100, self.clock)
+        t.register("a", "i1")
+        lease = t.acquire("a", "i1", blocks=10)["lease"]
+        self.assertEqual(t.commit("a", "i1", lease["id"], end=4)["committed"], 4)
+        self.assertEqual(t.commit("a", "i1", lease["id"], end=4)["committed"], 0)     # same commit twice = one
+        self.assertEqual(t.commit("a", "i1", lease["id"], end=3)["committed"], 0)
+        with self.assertRaisesRegex(LeaseError, "never in it"):
+            t.commit("a", "i1", lease["id"], end=11)
+        with self.assertRaisesRegex(LeaseError, "not held"):
+            t.commit("a", "other", lease["id"])
+        with self.assertRaisesRegex(LeaseError, "unknown lease"):
+            t.commit("a", "i1", 99)
+        self.assertEqual(t.commit("a", "i1", lease["id"])["committed"], 6)
+        self.assertEqual(t.commit("a", "i1", lease["id"])["committed"], 0)           # a closed lease repeats fine
+        self.assertEqual((t.committed.total, t.clusters["a"].committed), (10, 10))
+        t.verify()
+
+    def test_retried_acquire_returns_the_same_lease(self):
+        t = table(100, self.clock)
+        t.register("a", "x")
+        one = t.acquire("a", "x", request_id="r1")["lease"]
+        again = t.acquire("a", "x", request_id="r1")
+        self.assertTrue(again["repeat"])
+        self.assertEqual(again["lease"]["id"], one["id"])
+        self.assertEqual(t.verify()["leased"], one["end"] - one["start"])
+        self.assertNotEqual(t.acquire("a", "x", request_id="r2")["lease"]["id"], one["id"])
+
+    def test_incarnation_guard(self):
+        t = table(100, self.clock)
+        t.register("lumi", "old")
+        lease = t.acquire("lumi", "old", ttl=5)["lease"]
+        with self.assertRaisesRegex(LeaseError, "--replica") as cm:
+            t.register("lumi", "new")
+        self.assertEqual(cm.exception.status, 409)
+        t.register("lumi-b", "new")                        # its own stream is fine
+        self.clock.advance(6)                              # the old process was SIGKILLed: leases expire
+        t.register("lumi", "new")
+        for call in (lambda: t.acquire("lumi", "old"), lambda: t.heartbeat("lumi", "old", [lease["id"]]),
+                     lambda: t.release("lumi", "old", [])):
+            with self.assertRaisesRegex(LeaseError, "stale incarnation"):
+                call()
+        self.assertEqual(t.acquire("lumi", "new")["status"], "ok")
+
+    def test_release_and_leave(self):
+        t = table(100, self.clock)
+        t.register("a", "i1")
+        lease = t.acquire("a", "i1", blocks=10)["lease"]
+        t.commit("a", "i1", lease["id"], end=3)
+        self.assertEqual(t.release("a", "i1", [lease["id"]])["released"], 7)
+        self.assertEqual(t.verify()["free"], 97)
+        self.assertEqual(list(t.free)[0][2], 0)            # a release is not a failed attempt
+        t.acquire("a", "i1", blocks=5)
+        with self.assertRaisesRegex(LeaseError, "--replica"):
+            t.register("a", "i2")
+        t.release("a", "i1", [], leave=True)
+        t.register("a", "i2")                              # a clean exit frees the stream at once
+        self.assertEqual(t.verify()["leased"], 0)
+
+    def test_verify_catches_broken_books(self):
+        t = table(20, self.clock)
+        t.register("a", "x")
+        lease = t.acquire("a", "x", blocks=10)["lease"]
+        t.commit("a", "x", lease["id"], end=5)
+        t.verify()
+        t.clusters["a"].committed += 1
+        with self.assertRaisesRegex(InvariantError, "duplication"):
+            t.verify()
+        t.clusters["a"].committed -= 1
+        t.leases[lease["id"]].start = 3                    # the lease now overlaps committed blocks
+        with self.assertRaisesRegex(InvariantError, "disjointness"):
+            t.verify()
+        t.leases[lease["id"]].start = 5
+        t.free.pop_front(1)
+        with self.assertRaisesRegex(InvariantError, "completeness"):
+            t.verify()
+
+    def test_bad_arguments_change_nothing(self):
+        t = table(100, self.clock)
+        t.register("a", "x")
+        t.acquire("a", "x", blocks=10)
+        before = json.dumps(t.to_dict())
+        bad = [lambda: t.register("a b", "x"), lambda: t.acquire("a", "x", blocks=0),
+               lambda: t.acquire("a", "x", ttl=-1), lambda: t.heartbeat("a", "x", ["one"]),
+               lambda: t.heartbeat("a", "x", throughput=float("nan")), lambda: t.commit("a", "x", "1"),
+               lambda: t.commit("zz", "x", 1), lambda: t.release("a", "x", [42]),
+               lambda: t.acquire("nobody", "x")]
+        for call in bad:
+            with self.assertRaises(LeaseError):
+                call()
+        self.assertEqual(json.dumps(t.to_dict()), before)
+
+
+class DurabilityTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="darl-test-")
+        self.clock = Clock()
+        self.space = BlockSpace(200, 1, 0)
+        self.cfg = TableConfig(min_ttl=1, default_ttl=10, initial_grant=7, grant_seconds=1)
+
+    def coord(self, snapshot_every=1000, grace=30.0):
+        return Coordinator(self.space, self.cfg, self.dir, snapshot_every, grace, clock=self.clock)
+
+    def drive(self, c, n=12):
+        c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
+        c.call("register", {"cluster": "b", "incarnation": "y", "digest": self.space.digest()})
+        for i in range(n):
+            who, inc = ("a", "x") if i % 2 else ("b", "y")
+            lease = c.call("acquire", {"cluster": who, "incarnation": inc})["lease"]
+            self.clock.advance(0.5)
+            c.call("heartbeat", {"cluster": who, "incarnation": inc, "leases": [{"lease": lease["id"], "cursor": lease["end"]}]})
+            if i % 3:
+                c.call("commit", {"cluster": who, "incarnation": inc, "lease": lease["id"], "end": lease["end"] - 1})
+        return c
+
+    def books(self, c):
+        d = json.loads(json.dumps(c.table.to_dict()))
+        for row in d["leases"]:
+            row[8] = None           # expiry: the restart extends it on purpose
+        return json.dumps(d)
+
+    def test_replay_and_snapshot_rebuild_the_same_table(self):
+        for every in (1000, 5):     # log only; snapshots plus a log tail
+            self.dir = tempfile.mkdtemp(prefix="darl-test-")
+            first = self.drive(self.coord(every))
+            want = self.books(first)
+            first.wal.close()       # the process dies: no clean snapshot
+            again = self.coord(every)
+            self.assertEqual(self.books(again), want)
+            again.table.verify()
+            if every == 5:
+                self.assertTrue(os.path.exists(os.path.join(self.dir, "darl", "snapshot.json")))
+
+    def test_torn_last_line_is_dropped_and_a_corrupt_middle_is_refused(self):
+        first = self.drive(self.coord())
+        want = self.books(first)
+        first.wal.close()
+        wal = os.path.join(self.dir, "darl", "wal.jsonl")
+        with open(wal, "ab") as f:
+            f.write(b'{"v":1,"seq":999,"op":"acq')          # the crash hit mid-write
+        again = self.coord()
+        self.assertEqual(self.books(again), want)
+        again.call("heartbeat", {"cluster": "a", "incarnation": "x"})   # appends cleanly after the cut
+        again.wal.close()
+        self.coord().wal.close()
+        with open(wal, "rb") as f:
+            lines = f.read().split(b"\n")
+        lines[2] = b'{"v":1,"seq":3,"op":"acquire","args":{'
+        with open(wal, "wb") as f:
+            f.write(b"\n".join(lines))
+        with self.assertRaisesRegex(LogError, "line 3 is corrupt"):
+            self.coord()
+        lines[2] = b'{"v":2,"seq":3}'
+        with open(wal, "wb") as f:
+            f.write(b"\n".join(lines))
+        with self.assertRaisesRegex(LogError, "version 2"):
+            self.coord()
+
+    def test_every_line_is_versioned_and_fsynced_before_the_reply(self):
+        c = self.drive(self.coord(), n=2)
+        with open(os.path.join(self.dir, "darl", "wal.jsonl")) as f:
+            recs = [json.loads(line) for line in f]
+        self.assertTrue(all(r["v"] == 1 for r in recs))
+        self.assertEqual([r["seq"] for r in recs], list(range(1, len(recs) + 1)))
+        self.assertEqual(c.wal.durable, c.seq)
+
+    def test_restore_grace(self):
+        c = self.coord(grace=30.0)
+        c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
+        lease = c.call("acquire", {"cluster": "a", "incarnation": "x", "ttl": 2})["lease"]
+        c.wal.close()
+        self.clock.advance(5)         # the coordinator was down longer than the TTL
+        again = self.coord(grace=30.0)
+        self.assertEqual(again.table.leases[lease["id"]].expires, self.clock() + 30)
+        self.clock.advance(29)
+        beat = again.call("heartbeat", {"cluster": "a", "incarnation": "x", "leases": [lease["id"]]})
+        self.assertTrue(beat["leases"][0]["valid"])
+        again.wal.close()
+        self.clock.advance(1)
+        self.assertIn(lease["id"], self.coord(grace=30.0).table.leases)   # the restore itself was logged
+
+    def test_digest_checks(self):
+        c = self.coord()
+        with self.assertRaisesRegex(LeaseError, "digest mismatch"):
+            c.call("register", {"cluster": "a", "incarnation": "x", "digest": BlockSpace(201, 1, 0).digest()})
+        self.assertEqual(c.seq, 0)
+        c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
+        c.close()
+        self.space = BlockSpace(300, 1, 0)
+        with self.assertRaisesRegex(LogError, "another block space"):
+            self.coord()
+
+
+class LiveServer:
+    """A Coordinator behind the real HTTP server on 127.0.0.1, in this process."""
+
+    def __init__(self, num_blocks, state_dir=None, token=None, **cfg):
+        self.space = BlockSpace(num_blocks, 1, 0)
+        cfg = {"min_ttl": 1.0, "default_ttl": 10.0, "grant_seconds": 0.5, "initial_grant": 8, **cfg}
+        self.coord = Coordinator(self.space, TableConfig(**cfg), state_dir)
+        self.server = httpd.make_server(darl_server.make_routes(self.coord), token=token, max_body=4096)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = self.server.url
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class HTTPTest(unittest.TestCase):
+    def setUp(self):
+        self.live = LiveServer(100, tempfile.mkdtemp(prefix="darl-test-"), token="tok")
+        self.addCleanup(self.live.close)
+        self.client = darl_client.LeaseClient(self.live.url, token="tok", retries=0)
+
+    def raw(self, path, body, token="tok"):
+        conn = httpd.connect(self.live.url)
+        try:
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            conn.request("POST", path, body=data, headers=httpd.auth_headers(token))
+            resp = conn.getresponse()
+            return resp.status, json.loads(resp.read())
+        finally:
+            conn.close()
+
+    def test_every_bad_input_is_a_4xx_that_changes_nothing(self):
+        d = self.live.space.digest()
+        self.client.register("a", "x", d)
+        lease = self.client.acquire("a", "x", blocks=5)["lease"]
+        before, seq = json.dumps(self.live.coord.table.to_dict()), self.live.coord.seq
+        ident = {"cluster": "a", "incarnation": "x"}
+        cases = [("/register", b"{not json", 400), ("/register", b"[1, 2]", 400),
+                 ("/register", {"cluster": "a", "incarnation": "y", "digest": "wrong"}, 409),
+                 ("/acquire", {"cluster": "ghost", "incarnation": "x"}, 404),
+                 ("/acquire", {**ident, "blocks": "many"}, 400),
+                 ("/acquire", {"cluster": "a"}, 400),
+                 ("/heartbeat", {**ident, "leases": "all"}, 400),
+                 ("/commit", {**ident, "lease": 12345}, 404),
+                 ("/commit", {**ident, "lease": lease["id"], "end": 50}, 409),   # blocks not held
+                 ("/commit", {"cluster": "a", "incarnation": "other", "lease": lease["id"]}, 409),
+                 ("/acquire", {"cluster": "a", "incarnation": "other"}, 409),    # wrong incarnation
+                 ("/release", {**ident, "leases": [777]}, 404),
+                 ("/acquire", {**ident, "pad": "x" * 5000}, 413),
+                 ("/nowhere", {}, 404)]
+        for path, body, status in cases:
+            got, reply = self.raw(path, body)
+            self.assertEqual(got, status, (path, body if len(str(body)) < 100 else "big", reply))
+            self.assertIsInstance(reply["error"], str)
+            self.assertNotIn("\n", reply["error"])
+        self.assertEqual(self.raw("/acquire", {**ident}, token="bad")[0], 401)
+        self.assertEqual(json.dumps(self.live.coord.table.to_dict()), before)
+        self.assertEqual(self.live.coord.seq, seq)
+        self.assertEqual(self.client.commit("a", "x", lease["id"])["committed"], 5)   # still serving
+        self.assertEqual(httpd.call(self.live.url, "GET", "/health")["service"], "darl")
+
+    def test_status_shows_clusters_and_quarantine_loudly(self):
+        d = self.live.space.digest()
+        self.client.register("a", "x", d)
+        lease = self.client.acquire("a", "x", blocks=4)["lease"]
+        self.client.commit("a", "x", lease["id"])
+        st = self.client.status()
+        self.assertEqual((st["committed"], st["clusters"][0]["committed"]), (4, 4))
+        st["quarantined"], st["quarantined_runs"] = 3, [[10, 13]]
+        text = darl_server.format_status(st)
+        self.assertIn("4/100 blocks committed", text)
+        self.assertIn("3 BLOCKS QUARANTINED", text)
+        out = subprocess.run([sys.executable, "darl_server.py", "status", "--url", self.live.url],
+                             cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PWW_TOKEN": "tok"})
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("a ", out.stdout)
+
+    def test_session_ttl_follows_phase_time_and_rtt(self):
+        s = darl_client.LeaseSession(self.client, "a", self.live.space.digest(), phase_s=2.0)
+        self.client.rtt_s = 0.1
+        self.assertAlmostEqual(s.ttl_s, 2.5 * 2.0 + 10 * 0.1)
+        s.end_phase(8.0, blocks=16)          # slowed down: asks for a longer lease at once
+        self.assertAlmostEqual(s.ttl_s, 2.5 * 8.0 + 1.0)
+        self.assertEqual(s.throughput, 2.0)
+        s.end_phase(1.0)
+        self.assertAlmostEqual(s.phase_s, 4.5)
+
+    def test_sessions_heartbeat_reply_shrinks_the_span_they_hand_out(self):
+        d = self.live.space.digest()
+        mk = lambda c, **kw: darl_client.LeaseSession(self.client, c, d, span_blocks=2, log=lambda m: None, **kw)
+        got_a, got_b = [], []
+
+        def drain(session, got):
+            while (span := session.next_span(timeout=60)) is not None:
+                got.append(span)
+                session.commit(span)
+        with mk("a", lease_blocks=100) as a:
+            first = a.next_span(timeout=30)
+            wait_for(lambda: a._ready, what="a's prefetch")
+            with mk("b") as b:            # registers after a took the whole pool: it must steal
+                stolen = b.next_span(timeout=30)
+                got_b.append(stolen)
+                b.commit(stolen)
+                threads = [threading.Thread(target=drain, args=(b, got_b))]
+                threads.append(threading.Thread(target=drain, args=(a, got_a)))
+                a.commit(first)
+                got_a.append(first)
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(timeout=60)
+        pos_a = [p for s in got_a for p in s.positions()]
+        pos_b = [p for s in got_b for p in s.positions()]
+        self.assertGreaterEqual(stolen.start, 4)          # a's tail, past what a had claimed
+        self.assertEqual(sorted(pos_a + pos_b), list(range(100)))
+        self.assertTrue(self.client.status()["complete"])
+
+
+class ConcurrencyTest(unittest.TestCase):
+    def run_sessions(self, url, digest, space, n, per_block_s, reports, clients_kw=None):
+        def worker(i):
+            client = darl_client.LeaseClient(url, **(clients_kw or {}))
+            with darl_client.LeaseSession(client, f"c{i}", digest, span_blocks=2, phase_s=1.0,
+                                          log=lambda m: None) as s:
+                while (span := s.next_span(timeout=90)) is not None:
+                    time.sleep(per_block_s * len(span) * (i + 1))
+                    try:
+                        s.commit(span)
+                    except darl_client.LeaseLost:
+                        reports[i].append(("lost", span))
+                        continue
+                    reports[i].append(("commit", [space.block_at(p) for p in span.positions()]))
+        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
+        for t in threads:
+            t.start()
+        return threads
+
+    def audit(self, reports, m):
+        seen = collections.Counter(b for r in reports for kind, blocks in r if kind == "commit" for b in blocks)
+        dup = [b for b, k in seen.items() if k > 1]
+        self.assertEqual(dup, [])
+        self.assertEqual(sorted(seen), list(range(m)))
+
+    def test_four_threads_400_blocks_no_duplicates(self):
+        live = LiveServer(400, tempfile.mkdtemp(prefix="darl-test-"))
+        self.addCleanup(live.close)
+        reports = [[] for _ in range(4)]
+        for t in self.run_sessions(live.url, live.space.digest(), live.space, 4, 0.001, reports):
+            t.join(timeout=120)
+            self.assertFalse(t.is_alive())
+        self.audit(reports, 400)
+        st = darl_client.LeaseClient(live.url).status()
+        self.assertTrue(st["complete"])
+        self.assertEqual(sum(c["committed"] for c in st["clusters"]), 400)
+
+    def test_coordinator_sigkilled_under_load_restarts_exactly_once(self):
+        state = tempfile.mkdtemp(prefix="darl-test-")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        m = 400
+        args = ["--min-ttl", "2", "--default-ttl", "5", "--grant-seconds", "0.3", "--initial-grant", "6",
+                "--snapshot-every", "60", "--restore-grace", "30", "--port", str(port)]
+
+        def start():
+            proc = subprocess.Popen([sys.executable, "darl_server.py", "--num-samples", str(m), "--seed", "0",
+                                     "--state-dir", state, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            self.addCleanup(lambda: proc.poll() is None and proc.kill())
+            line = ""
+            while not line.startswith("darl_server listening"):
+                line = proc.stdout.readline()
+                self.assertTrue(line, "the coordinator exited before listening")
+            threading.Thread(target=proc.stdout.read, daemon=True).start()   # keep draining
+            return proc, line.split()[-1]
+
+        proc, url = start()
+        space = BlockSpace(m, 1, 0)
+        reports = [[] for _ in range(4)]
+        threads = self.run_sessions(url, space.digest(), space, 4, 0.004, reports,
+                                    {"retries": 10, "max_backoff_s": 1.0})
+        committed = lambda: sum(len(b) for r in reports for kind, b in r if kind == "commit")
+        wait_for(lambda: committed() >= 100, what="100 commits before the crash")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        self.assertLess(committed(), m)                  # mid-epoch
+        proc, url2 = start()
+        self.assertEqual(url2, url)
+        for t in threads:
+            t.join(timeout=120)
+            self.assertFalse(t.is_alive())
+        self.audit(reports, m)
+        st = darl_client.LeaseClient(url).status()
+        self.assertTrue(st["complete"])
+        self.assertIsNone(st["invariant_error"])
+        proc.send_signal(signal.SIGTERM)                  # clean stop: flush, snapshot, exit 0
+        self.assertEqual(proc.wait(timeout=30), 0)
+        self.assertTrue(os.path.exists(os.path.join(state, "darl", "snapshot.json")))
+
+
+class SimulateTest(unittest.TestCase):
+    def test_simulate_prints_pass(self):
+        out = subprocess.run([sys.executable, "darl_client.py", "simulate", "--clusters", "3", "--kill", "1",
+                              "--late", "1", "--blocks", "150", "--fastest", "80", "--delay", "0.5"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertIn("PASS: coverage is exactly once", out.stdout)
+        self.assertIn("SIGKILLed", out.stdout)
+
+    def test_audit_reports_duplicates_and_missing(self):
+        reports = {"x": [{"event": "commit", "t": 1.0, "lease": 1, "start": 0, "end": 2, "blocks": [0, 1]}],
+                   "y": [{"event": "span", "t": 1.0, "lease": 2, "start": 2, "end": 4},
+                         {"event": "commit", "t": 2.0, "lease": 2, "start": 2, "end": 4, "blocks": [1, 3]}]}
+        rows, dup, missing = darl_client.audit(5, reports)
+        self.assertEqual((dup, missing), ([1], [2, 4]))
+        self.assertEqual([r["committed"] for r in rows], [2, 2])
+
+
+if __name__ == "__main__":
+    unittest.main()
