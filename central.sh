@@ -65,22 +65,25 @@ pid_of() {
     local f=$STATE/$1.pid pid
     [ -s "$f" ] || return 0
     pid=$(tr -dc '0-9' < "$f")
-    [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 0
+    [ -n "$pid" ] && alive "$pid" || return 0
     tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -qF "$(script_of "$1")" && echo "$pid"
     return 0
 }
 
-# health NAME [TIMEOUT_S]: wait until GET /health answers 200 (python: no curl needed).
+# health NAME [TIMEOUT_S [PID]]: wait until GET /health answers 200 (python: no curl
+# needed); gives up at once if PID exits.
 health() {
-    "$PYTHON" - "$(local_url "$1")" "${2:-0}" <<'PY'
-import sys, time, urllib.request
-url, timeout = sys.argv[1] + "/health", float(sys.argv[2])
+    "$PYTHON" - "$(local_url "$1")" "${2:-0}" "${3:-}" <<'PY'
+import os, sys, time, urllib.request
+url, timeout, pid = sys.argv[1] + "/health", float(sys.argv[2]), sys.argv[3]
 deadline = time.monotonic() + timeout
 while True:
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
             print(r.read().decode().strip()); sys.exit(0)
     except OSError as e:
+        if pid and not os.path.exists(f"/proc/{pid}"):
+            print(f"process {pid} exited"); sys.exit(1)
         if time.monotonic() >= deadline:
             print(f"no answer from {url}: {e}"); sys.exit(1)
         time.sleep(0.1)
@@ -93,20 +96,46 @@ ensure_token() {
     echo "created token $TOKEN (mode 600): copy it to each site"
 }
 
+# darl_space: the block-space flags. The first start takes them from MANIFEST (copied into
+# the state dir, so a restart does not depend on /tmp) or NUM_SAMPLES, plus BLOCK_SIZE and
+# SEED, and records them in $STATE/darl.space; restarts replay that record, because the
+# space (and so its digest) must never change under a running corpus.
+darl_space() {
+    local record=$STATE/darl.space
+    if [ -n "${MANIFEST:-}" ] || [ -n "${NUM_SAMPLES:-}" ]; then
+        SPACE=()
+        if [ -n "${MANIFEST:-}" ]; then
+            if [ -s "$STATE/manifest.json" ] && ! cmp -s "$MANIFEST" "$STATE/manifest.json"; then
+                echo "central.sh: $MANIFEST differs from the corpus this state dir serves ($STATE/manifest.json); use a new --state-dir for a new corpus" >&2
+                return 1
+            fi
+            cp "$MANIFEST" "$STATE/manifest.json"
+            SPACE+=(--manifest "$STATE/manifest.json")
+        else
+            SPACE+=(--num-samples "$NUM_SAMPLES")
+        fi
+        SPACE+=(--block-size "${BLOCK_SIZE:-1}" --seed "${SEED:-0}")
+        if [ -s "$record" ] && [ "$(printf '%s\n' "${SPACE[@]}")" != "$(cat "$record")" ]; then
+            echo "central.sh: the block space is already fixed in $record ($(tr '\n' ' ' < "$record")); use a new --state-dir for a new corpus" >&2
+            return 1
+        fi
+        printf '%s\n' "${SPACE[@]}" > "$record"
+    elif [ -s "$record" ]; then
+        mapfile -t SPACE < "$record"
+    else
+        echo "central.sh: first start of DARL needs MANIFEST=<prep/tokenize.sh's manifest.json> or NUM_SAMPLES=<windows>" >&2
+        return 1
+    fi
+}
+
 daemon_args() {
     local name=$1 extra
     ARGS=("$ROOT/$(script_of "$name")" --host "$HOST" --port "$(port_of "$name")" --token-file "$TOKEN")
     case "$name" in
         darl)
             ARGS+=(--state-dir "$STATE")                       # -> $STATE/darl/
-            if [ -n "${MANIFEST:-}" ]; then ARGS+=(--manifest "$MANIFEST")
-            elif [ -n "${NUM_SAMPLES:-}" ]; then ARGS+=(--num-samples "$NUM_SAMPLES")
-            elif [ ! -d "$STATE/darl" ]; then
-                echo "central.sh: first start of DARL needs MANIFEST=<prep/tokenize.sh's manifest.json> or NUM_SAMPLES=<windows>" >&2
-                return 1
-            fi
-            [ -n "${BLOCK_SIZE:-}" ] && ARGS+=(--block-size "$BLOCK_SIZE")
-            [ -n "${SEED:-}" ] && ARGS+=(--seed "$SEED")
+            darl_space || return 1
+            ARGS+=("${SPACE[@]}")
             extra=${DARL_ARGS:-} ;;
         fedmom)
             ARGS+=(--state-dir "$STATE/fedmom")
@@ -134,8 +163,9 @@ start_one() {
     daemon_args "$name" || return 1
     echo "$(date -Is) starting: $PYTHON ${ARGS[*]}" >> "$log"
     nohup "$PYTHON" "${ARGS[@]}" >> "$log" 2>&1 < /dev/null &
-    echo $! > "$STATE/$name.pid"
-    if ! health "$name" "${PWW_START_TIMEOUT_S:-60}" > /dev/null; then
+    pid=$!
+    echo "$pid" > "$STATE/$name.pid"
+    if ! health "$name" "${PWW_START_TIMEOUT_S:-60}" "$pid" > /dev/null; then
         echo "central.sh: $name did not become healthy; last lines of $log:" >&2
         tail -n 15 "$log" >&2
         return 1
@@ -144,13 +174,21 @@ start_one() {
     echo "$name started (pid $(pid_of "$name")), $(public_url "$name"), log $log"
 }
 
+# alive PID: the process exists and is not a zombie (a container without an init that
+# reaps orphans keeps exited daemons as zombies, which kill -0 still finds).
+alive() {
+    local state
+    state=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null) || return 1
+    [ -n "$state" ] && [ "$state" != Z ]
+}
+
 stop_one() {
     local name=$1 pid
     pid=$(pid_of "$name")
     if [ -z "$pid" ]; then echo "$name not running"; rm -f "$STATE/$name.pid"; return 0; fi
     kill -TERM "$pid"
-    for _ in $(seq 1 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    if kill -0 "$pid" 2>/dev/null; then
+    for _ in $(seq 1 300); do alive "$pid" || break; sleep 0.1; done
+    if alive "$pid"; then
         echo "$name (pid $pid) ignored SIGTERM for 30 s; sending SIGKILL (state is durable)"
         kill -KILL "$pid"
     fi
