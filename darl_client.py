@@ -31,6 +31,7 @@ import json
 import os
 import random
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -519,7 +520,12 @@ def simulate(cfg):
         coord.wait(timeout=30)
     elapsed = time.monotonic() - t0
     rows, duplicates, missing = audit(cfg.blocks, read_reports(reports))
-    return print_audit(cfg, rows, rates, killed, late, books, duplicates, missing, elapsed)
+    rc = print_audit(cfg, rows, rates, killed, late, books, duplicates, missing, elapsed)
+    if rc == 0:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"reports and the coordinator's log and state are kept in {work}")
+    return rc
 
 
 def print_audit(cfg, rows, rates, killed, late, books, duplicates, missing, elapsed):

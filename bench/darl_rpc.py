@@ -16,6 +16,7 @@ here, each with its own keep-alive connection. The log goes to runs/bench/
 """
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -186,6 +187,7 @@ def main(argv):
         for proc in procs:
             proc.terminate()
             proc.wait(timeout=30)
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
