@@ -34,13 +34,13 @@ PWW_CENTRAL_ENV=${PWW_CENTRAL_ENV:-$PWW_ROOT/central.env}
 : "${PWW_FEDMOM_URL:?set PWW_FEDMOM_URL (see central.sh url)}"
 : "${PWW_BLOB_URL:?set PWW_BLOB_URL (see central.sh url)}"
 : "${PWW_TOKEN_FILE:?set PWW_TOKEN_FILE to the copy of the central token (mode 600)}"
-CONFIG=${CONFIG:-configs/qwen3_0.6B.yaml}
+CONFIG=${CONFIG:-${PWW_TITAN_CONFIG:-configs/qwen3_0.6B.yaml}}
 DATA=${DATA:-$PWW_DATA/c4-tokens/manifest.json}
 # the logical stream: stable across requeues; a second job here needs REPLICA=b
 CLUSTER=${CLUSTER:-lumi}
 replica_args=()
 [ -n "${REPLICA:-}" ] && replica_args=(--replica "$REPLICA")
 read -r -a site_args <<< "${PWW_TITAN_ARGS:-}"    # sites/local.sh: the tiny CPU config
-srun --cpu-bind="$(pww_cpu_bind)" jobs/task_wrapper.sh python train.py --device "$PWW_DEVICE" --config "$CONFIG" --data "$DATA" \
+srun --cpu-bind="$(pww_cpu_bind)" jobs/task_wrapper.sh python train.py --device "$PWW_DEVICE" --config "$CONFIG" --data "$DATA" --runs-dir "$PWW_RUNS" \
     --federation "$PWW_FEDMOM_URL" --darl-url "$PWW_DARL_URL" --blob-url "$PWW_BLOB_URL" \
     --token-file "$PWW_TOKEN_FILE" --site "$CLUSTER" "${replica_args[@]}" "${site_args[@]}" "$@"

@@ -28,4 +28,4 @@ CONFIG=${CONFIG:-configs/cifar10_resnet18.yaml}
 DATA=${DATA:-$PWW_DATA/cifar-10-batches-py}
 read -r -a site_args <<< "${PWW_CIFAR_ARGS:-}"    # sites/local.sh: the tiny CPU config
 srun --cpu-bind="$(pww_cpu_bind)" --distribution=block:block jobs/task_wrapper.sh python train.py --device "$PWW_DEVICE" --config "$CONFIG" --data "$DATA" \
-    "${site_args[@]}" "$@"
+    --runs-dir "$PWW_RUNS" "${site_args[@]}" "$@"

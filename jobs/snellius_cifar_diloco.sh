@@ -29,5 +29,5 @@ DATA=${DATA:-$PWW_DATA/cifar-10-batches-py}
 read -r -a site_args <<< "${PWW_CIFAR_ARGS:-}"    # sites/local.sh: the tiny CPU config
 REPLICAS=${REPLICAS:-2}
 INNER_STEPS=${INNER_STEPS:-100}
-srun --cpu-bind="$(pww_cpu_bind)" --distribution=block:block jobs/task_wrapper.sh python train.py --device "$PWW_DEVICE" --config "$CONFIG" --data "$DATA" --diloco-replicas "$REPLICAS" --diloco-inner-steps "$INNER_STEPS" \
-    "${site_args[@]}" "$@"
+srun --cpu-bind="$(pww_cpu_bind)" --distribution=block:block jobs/task_wrapper.sh python train.py --device "$PWW_DEVICE" --config "$CONFIG" --data "$DATA" \
+    --runs-dir "$PWW_RUNS" --diloco-replicas "$REPLICAS" --diloco-inner-steps "$INNER_STEPS" "${site_args[@]}" "$@"

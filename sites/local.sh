@@ -20,6 +20,12 @@ export PWW_VENV=${PWW_VENV:-$PWW_ROOT/.venv}
 # down by an order of magnitude; one thread per rank keeps a tiny job fast.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
+# The jobs' real configs are hours of GPU work; here they shrink to a few CPU steps.
+# Flags after the script name still win (sbatch jobs/lumi_cifar_debug.sh --steps 5).
+export PWW_CIFAR_ARGS=${PWW_CIFAR_ARGS-"--batch-size 8 --steps 2"}
+export PWW_TITAN_CONFIG=${PWW_TITAN_CONFIG:-configs/qwen3_tiny.yaml}
+export PWW_TITAN_ARGS=${PWW_TITAN_ARGS-"--steps 8 --diloco-inner-steps 4 --eval-every 0"}
+
 pww_cpu_bind() {
     echo none
 }
