@@ -470,12 +470,13 @@ class LeaseTable:
     def heartbeat(self, cluster, incarnation, leases=(), ttl=None, throughput=None, now=None):
         now = self.clock() if now is None else now
         items = _lease_items(list(leases))
-        ttl = self._ttl(ttl)
+        ttl = None if ttl is None else self._ttl(ttl)
         if throughput is not None and (isinstance(throughput, bool) or not isinstance(throughput, (int, float))
                                        or not math.isfinite(throughput) or throughput < 0):
             raise LeaseError(400, f"throughput must be a finite number >= 0 (blocks/s), got {throughput!r}")
         self.expire(now)
         c = self._member(cluster, incarnation)
+        ttl = ttl or c.ttl          # the aggregator heartbeats for a site without naming its TTL
         c.last_seen, c.ttl = now, ttl
         if throughput:
             c.rate, c.reported = float(throughput), True
@@ -483,7 +484,7 @@ class LeaseTable:
         for lid, cursor in items:
             L = self.leases.get(lid)
             if L is not None and L.cluster == cluster and L.incarnation == incarnation:
-                L.expires = now + ttl
+                L.expires = max(L.expires, now + ttl)      # a heartbeat never shortens a lease
                 if cursor is not None:
                     L.claimed = max(L.claimed, min(cursor, L.end))
                 out.append(L.wire(now))

@@ -124,6 +124,16 @@ class LeaseTableTest(unittest.TestCase):
             t.commit("a", "i1", lease["id"], end=20)
         self.assertEqual(t.commit("a", "i1", lease["id"], end=10)["committed"], 0)   # the old part still stands
 
+    def test_a_heartbeat_without_ttl_keeps_the_sites_ttl_and_never_shortens(self):
+        t = table(100, self.clock)
+        t.register("a", "i1")
+        lease = t.acquire("a", "i1", ttl=50)["lease"]
+        self.clock.advance(10)
+        t.heartbeat("a", "i1", [lease["id"]])              # e.g. the aggregator, on the site's behalf
+        self.assertEqual(t.leases[lease["id"]].expires, self.clock() + 50)
+        t.heartbeat("a", "i1", [lease["id"]], ttl=5)
+        self.assertEqual(t.leases[lease["id"]].expires, self.clock() + 50)
+
     def test_stealing_takes_the_unstarted_tail_of_the_slowest(self):
         t = table(100, self.clock, initial_grant=50)
         t.register("fast", "x")
