@@ -1004,9 +1004,11 @@ def serve(a):
         space = cfg.space()
     except ValueError as e:
         raise SystemExit(f"darl_server: {e}")
-    coord = Coordinator(space, cfg.table, cfg.state_dir, cfg.snapshot_every, cfg.restore_grace)
-    server = httpd.make_server(make_routes(coord), a.host, a.port, httpd.load_token(a.token_file), a.insecure,
+    # bind first: a refused bind (public address, no token) must not create or replay state
+    server = httpd.make_server({}, a.host, a.port, httpd.load_token(a.token_file), a.insecure,
                                max_body=int(a.max_body_mb * 2**20), quiet=not a.verbose)
+    coord = Coordinator(space, cfg.table, cfg.state_dir, cfg.snapshot_every, cfg.restore_grace)
+    server.RequestHandlerClass.routes.update(make_routes(coord))
 
     def on_term(signum, frame):      # SIGTERM: stop serving, then flush and snapshot below
         raise KeyboardInterrupt
