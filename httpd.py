@@ -30,9 +30,11 @@ import http.server
 import ipaddress
 import json
 import os
+import signal
 import socket
 import socketserver
 import sys
+import threading
 import time
 import traceback
 import urllib.parse
@@ -449,7 +451,13 @@ def wait_healthy(url, timeout=30.0):
 
 
 def serve_forever(server, name):
-    """Serve until SIGTERM/SIGINT; print the one line that says where."""
+    """Serve until SIGTERM/SIGINT; print the one line that says where.
+    Both signals end the loop the same way, so the caller's `finally` runs
+    (flush, snapshot) and the process exits 0 under `kill` or systemd stop."""
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_term)
     print(f"{name} listening on {server.url}", flush=True)
     try:
         server.serve_forever(poll_interval=0.2)
