@@ -52,6 +52,7 @@ import hashlib
 import http.client
 import json
 import os
+import queue
 import re
 import sys
 import threading
@@ -144,6 +145,48 @@ def _unlink(path):
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+class _ChunkWriter:
+    """Writes chunks at increasing offsets on one background thread, at most `depth`
+    chunks behind the caller; the first write error is raised by the next put()/drain()."""
+
+    def __init__(self, fd, offset, depth=2):
+        self.fd, self.offset, self.queued, self.error = fd, offset, 0, None
+        self.q = queue.Queue(maxsize=depth)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while True:
+            chunk = self.q.get()
+            try:
+                if chunk is None:
+                    return
+                if self.error is None:
+                    view = memoryview(chunk)
+                    while view:
+                        n = os.pwrite(self.fd, view, self.offset)
+                        view, self.offset = view[n:], self.offset + n
+            except OSError as e:
+                self.error = e
+            finally:
+                self.q.task_done()
+
+    def put(self, chunk):
+        if self.error is not None:
+            raise self.error
+        self.queued += len(chunk)
+        self.q.put(chunk)
+
+    def drain(self):
+        self.q.join()
+        if self.error is not None:
+            raise self.error
+
+    def close(self):
+        self.q.put(None)
+        self.thread.join()
 
 
 class BlobStore:
@@ -252,22 +295,27 @@ class BlobStore:
 
     def receive(self, blob_id, start, total, chunks):
         """Append `chunks` at `start`, hashing as they land; finish the blob if it is complete.
-        A dropped connection leaves the bytes received so far for the next PUT."""
+        A dropped connection leaves the bytes received so far for the next PUT.
+
+        The socket read and the sha256 run in this thread while a second thread writes
+        the previous chunk: done in series, a PUT ran at ~0.6 of the disk's speed."""
         data, side = self._part(blob_id)
         h = self._hash_prefix(blob_id, data, start)
-        offset = start
+        fd = os.open(data, os.O_WRONLY)
+        writer = _ChunkWriter(fd, start)
         try:
-            with open(data, "r+b", buffering=0) as f:
-                f.seek(start)
-                for chunk in chunks:
-                    f.write(chunk)
-                    h.update(chunk)
-                    offset += len(chunk)
-                if offset == total:
-                    os.fsync(f.fileno())
+            for chunk in chunks:
+                h.update(chunk)
+                writer.put(chunk)
+            writer.drain()
+            if writer.offset == total:
+                os.fsync(fd)
         finally:
-            self.hash_cache[blob_id] = (offset, h)
-        if offset < total:
+            writer.close()
+            os.close(fd)
+            if writer.offset == start + writer.queued:      # every chunk hashed is on disk
+                self.hash_cache[blob_id] = (writer.offset, h)
+        if writer.offset < total:
             return None
         return self._finish(blob_id, total, h.hexdigest())
 
