@@ -94,6 +94,7 @@ CHUNK = 1 << 18               # elements per arithmetic step: 1 MiB of f32 stays
 EVENTS_KEPT = 500             # membership events kept in state.json (for the page and status)
 RECORDS_KEPT = 200            # round records kept in memory (the file keeps all)
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+BLOB_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
 MERGE_PAUSE_ENV = "PWW_FEDMOM_MERGE_PAUSE_S"   # tests: sleep after each merged tensor
 METRIC_KEYS = ("loss", "tokens_per_s", "mfu", "tflops_per_rank", "peak_mem_gb", "inner_s")
 
@@ -172,14 +173,15 @@ def merge_tensor(theta, buf, deltas, weights, lr, mu, first, sums):
         gc, tc, th = g[:hi - lo], t[:hi - lo], theta[lo:hi]
         sums["theta"] += float(np.dot(th, th))
         for i, ((d, dtype), p) in enumerate(zip(deltas, weights)):
-            widen(d[lo:hi], dtype, tc if i else gc)
-            x = tc if i else gc
-            sums["delta"][i] += float(np.dot(x, x))
+            x = tc if i else gc                  # g = theta - sum p_i theta_i = -sum p_i d_i
+            if dtype == "BF16":
+                widen(d[lo:hi], dtype, x)
+                x *= np.float32(-p)
+            else:                                # widen and scale in one pass
+                np.multiply(d[lo:hi], np.float32(-p), out=x, dtype=np.float32)
+            sums["delta"][i] += float(np.dot(x, x)) / (p * p)
             if i:
-                tc *= np.float32(-p)
                 gc += tc
-            else:
-                gc *= np.float32(-p)             # g = theta - sum p_i theta_i = -sum p_i d_i
         nesterov_chunk(th, buf[lo:hi], gc, tc, lr, mu, first)
 
 
@@ -899,9 +901,9 @@ class FedMomState:
 
     def darl_tick(self, force=False):
         """Send the DARL commits still owed (oldest first), and heartbeat the leases of
-        accepted deltas so they survive until their round is durable."""
+        accepted deltas so they survive until their round is durable. False if DARL failed."""
         if self.darl is None:
-            return
+            return True
         with self.lock:
             todo = list(self.pending_commits)
             hb_due = force or self.clock() - self.last_darl_heartbeat >= self.cfg.darl_heartbeat_s
@@ -912,7 +914,7 @@ class FedMomState:
                     held.setdefault((p.cluster, p.incarnation), []).extend(l["id"] for l in p.leases)
                 for c in todo:
                     held.setdefault((c["cluster"], c["incarnation"]), []).append(c["lease"])
-        done = []
+        done, ok = [], True
         for c in todo:
             try:
                 self.darl.commit(c["cluster"], c["incarnation"], c["lease"], c.get("end"))
@@ -923,9 +925,11 @@ class FedMomState:
                         f"(round {c['round']}): {e}; not retried")
                     done.append(c)
                 else:
+                    ok = False
                     break
             except (OSError, http.client.HTTPException) as e:
                 log(f"fedmom: DARL unreachable ({e}); {len(todo) - len(done)} commit(s) kept for later")
+                ok = False
                 break
         for (cluster, inc), ids in held.items():
             if ids:
@@ -937,6 +941,7 @@ class FedMomState:
             with self.lock:
                 self.pending_commits = [c for c in self.pending_commits if c not in done]
                 self._save()
+        return ok
 
     # ---- reading
 
@@ -1078,6 +1083,8 @@ def make_routes(state, blob_token=None):
         if not cfg.blob_url:
             raise httpd.HTTPError(400, "this server has no blob store: start it with --blob-url, or send inline")
         blob, sha = httpd.field(b, "blob", str), httpd.field(b, "sha256", str)
+        if not BLOB_ID_RE.fullmatch(blob):
+            raise httpd.HTTPError(400, f"blob id {blob!r} must match [A-Za-z0-9_-][A-Za-z0-9._-]{{0,199}}")
         meta = state.check_delta_meta(b)
         import blobstore
         part = state.new_part_path()
@@ -1138,15 +1145,27 @@ def make_routes(state, blob_token=None):
 
 
 def round_loop(state, stop, interval_s=0.5):
-    """The background thread: drop silent members, close rounds, talk to DARL."""
+    """Background thread 1: drop silent members, close and merge rounds."""
     while not stop.is_set():
         try:
             state.tick()
-            state.darl_tick()
         except Exception as e:       # keep the loop alive; the log says what went wrong
             log(f"fedmom: round loop error: {type(e).__name__}: {e}")
         with state.lock:
             state.cond.wait(timeout=interval_s)
+
+
+def darl_loop(state, stop, interval_s=1.0, backoff_s=10.0):
+    """Background thread 2: DARL commits and lease heartbeats. Apart from the round loop,
+    so an unreachable coordinator (30 s timeouts) never delays a merge."""
+    while not stop.is_set():
+        ok = True
+        try:
+            ok = state.darl_tick()
+        except Exception as e:
+            log(f"fedmom: DARL loop error: {type(e).__name__}: {e}")
+            ok = False
+        stop.wait(interval_s if ok else backoff_s)
 
 
 # ---------------------------------------------------------------- the status page
@@ -1453,8 +1472,8 @@ def serve(cfg, host, port, token, insecure, verbose, private_page, max_body):
     server = httpd.make_server(make_routes(state, blob_token=token), host, port, token, insecure,
                                public=public, max_body=max_body, quiet=not verbose)
     stop = threading.Event()
-    loop = threading.Thread(target=round_loop, args=(state, stop), name="fedmom-rounds", daemon=True)
-    loop.start()
+    threading.Thread(target=round_loop, args=(state, stop), name="fedmom-rounds", daemon=True).start()
+    threading.Thread(target=darl_loop, args=(state, stop), name="fedmom-darl", daemon=True).start()
     try:
         httpd.serve_forever(server, f"fedmom round {state.round}")
     finally:

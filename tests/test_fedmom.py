@@ -341,9 +341,10 @@ class LiveServerTest(Fixture):
         st = fm.FedMomState(cfg.validate(), darl=fm.DarlLink(darl_url, self.TOKEN))
         url = self.serve(fm.make_routes(st, blob_token=self.TOKEN), public=("/health", "/"))
         stop = threading.Event()
-        loop = threading.Thread(target=fm.round_loop, args=(st, stop, 0.05), daemon=True)
-        loop.start()
-        self.addCleanup(loop.join)
+        for fn in (fm.round_loop, fm.darl_loop):
+            loop = threading.Thread(target=fn, args=(st, stop, 0.05), daemon=True)
+            loop.start()
+            self.addCleanup(loop.join)
         self.addCleanup(stop.set)
 
         def lease(cluster, inc):
