@@ -1,0 +1,212 @@
+"""smoke.py - infrastructure self-test: run it before spending GPU hours on a layout.
+
+Runs on: compute nodes (one process per GPU), or this machine's CPU for tests.
+    torchrun --nproc-per-node 4 smoke.py --device cpu --diloco-replicas 2 4
+    sbatch jobs/lumi_smoke.sh --diloco-replicas 2          (srun ... python smoke.py)
+No port of its own (the rendezvous is train.init_distributed's), no state directory.
+
+Checks, each reduced over all ranks, printed by rank 0 as a pass/fail table:
+  distinct devices      every rank drives its own GPU (host + device uuid, else PCI id);
+                        two ranks on one GPU is the classic pinning mistake and only
+                        shows up later as half the throughput. On CPU: reported, passes.
+  all-reduce exact      a sum of rank ids, integer-valued floats: exact or broken.
+  all-reduce bandwidth  --allreduce-mb of fp32, algbw = bytes / time and
+                        busbw = algbw * 2(W-1)/W (the nccl-tests convention);
+                        fails below --min-busbw-gbs. Single-digit GB/s between GPU
+                        nodes means the collective fell back to TCP.
+  diloco k=K groups     for each --diloco-replicas K: inner and outer group members
+  diloco k=K outer step replica r holds the value r, theta(0) = 0, FedAvg outer step:
+                        theta must be exactly (K-1)/2 everywhere, 0.5000 for K=2,
+                        1.5000 for K=4. Also times the outer step on --diloco-mb.
+Exit status 0 when everything passed, 1 when a check failed, 2 for a bad flag.
+"""
+import argparse
+import dataclasses
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import diloco
+import train
+
+
+@dataclasses.dataclass
+class SmokeConfig:
+    device: str = "auto"
+    diloco_replicas: tuple = ()
+    allreduce_mb: float | None = None     # None: 256 on GPU, 16 on CPU
+    diloco_mb: float | None = None        # None: 45 on GPU (ResNet-18's fp32 size), 4 on CPU
+    iters: int = 5
+    min_busbw_gbs: float | None = None    # None: 10 on GPU, 0 on CPU
+
+    def __post_init__(self):
+        if self.iters < 1:
+            raise ValueError(f"--iters {self.iters}: must be >= 1")
+        for name in ("allreduce_mb", "diloco_mb"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"--{name.replace('_', '-')} {v}: must be > 0")
+
+    def resolved(self, on_gpu):
+        pick = lambda v, gpu, cpu: v if v is not None else (gpu if on_gpu else cpu)
+        return dataclasses.replace(self, allreduce_mb=pick(self.allreduce_mb, 256, 16),
+                                   diloco_mb=pick(self.diloco_mb, 45, 4),
+                                   min_busbw_gbs=pick(self.min_busbw_gbs, 10.0, 0.0))
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def device_identity(d):
+    """(host, device id, device name) of this rank."""
+    host = socket.gethostname()
+    if d.device.type != "cuda":
+        return host, "cpu", "cpu"
+    p = torch.cuda.get_device_properties(d.device)
+    uid = str(getattr(p, "uuid", "") or "")
+    pci = f"{getattr(p, 'pci_domain_id', 0):04x}:{getattr(p, 'pci_bus_id', 0):02x}:{getattr(p, 'pci_device_id', 0):02x}"
+    return host, uid or pci, f"{p.name} pci {pci}"
+
+
+def check_devices(d, world):
+    ids = [None] * world
+    dist.all_gather_object(ids, device_identity(d))
+    if d.device.type != "cuda":
+        return True, f"{world} ranks on cpu (hosts: {len({h for h, _, _ in ids})}); not a GPU run"
+    keys = [(h, u) for h, u, _ in ids]
+    dup = sorted({k for k in keys if keys.count(k) > 1})
+    if dup:
+        return False, f"ranks share a device: {dup}; check the pinning variable and --gpus-per-task"
+    return True, f"{world} distinct devices: " + ", ".join(f"{h}/{n}" for h, _, n in ids[:4]) + (
+        " ..." if world > 4 else "")
+
+
+def check_exact(d, world):
+    t = torch.full((1 << 20,), float(d.rank + 1), device=d.device)
+    dist.all_reduce(t)
+    want = world * (world + 1) / 2
+    bad = int((t != want).sum())
+    return bad == 0, f"sum of 1..{world} = {want:g} on {t.numel()} elements" + (f"; {bad} wrong" if bad else "")
+
+
+def check_bandwidth(d, world, cfg):
+    n = int(cfg.allreduce_mb * (1 << 20)) // 4
+    t = torch.ones(n, device=d.device)
+    for _ in range(2):                                    # warm-up: connections, buffers
+        dist.all_reduce(t)
+    _sync(d.device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(cfg.iters):
+        dist.all_reduce(t)
+    _sync(d.device)
+    dt = (time.perf_counter() - t0) / cfg.iters
+    algbw = n * 4 / dt / 1e9
+    busbw = algbw * 2 * (world - 1) / world
+    ok = world == 1 or busbw >= cfg.min_busbw_gbs
+    return ok, (f"{cfg.allreduce_mb:g} MiB x{cfg.iters}: {dt * 1e3:.2f} ms, algbw {algbw:.2f} GB/s, "
+                f"busbw {busbw:.2f} GB/s (min {cfg.min_busbw_gbs:g})"), busbw
+
+
+class Prepared(torch.nn.Module):
+    def __init__(self, numel, value, device):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((numel,), float(value), device=device))
+
+
+def check_diloco(d, world, k, cfg):
+    """Group membership and the exact FedAvg outer step for k replicas."""
+    lay = diloco.ReplicaLayout.build(world, d.rank, k)
+    inner = dist.get_process_group_ranks(lay.inner_group)
+    outer = dist.get_process_group_ranks(lay.outer_group)
+    groups_ok = inner == lay.inner_ranks and outer == lay.outer_ranks
+    groups = (groups_ok, f"replica {lay.replica}: inner {inner}, outer {outer}")
+    numel = int(cfg.diloco_mb * (1 << 20)) // 4
+    model = Prepared(numel, 0.0 if lay.replica == 0 else 7.0, d.device)  # theta(0) must come from replica 0
+    outer_loop = diloco.DiLoCo(model, lay, diloco.DiLoCoConfig.fedavg(inner_steps=1))
+    start_ok = bool((model.w == 0).all())
+    with torch.no_grad():
+        model.w.fill_(float(lay.replica))              # "training": replica r drifted to r
+    row = outer_loop.after_inner_step()
+    want = (k - 1) / 2
+    got = model.w.detach()
+    exact = start_ok and bool((got == want).all())
+    detail = (f"exactly {got[0].item():.4f} (expected {want:.4f}) on {cfg.diloco_mb:g} MiB, "
+              f"outer step {row['outer_ms']:.1f} ms" if exact else
+              f"theta(0) aligned: {start_ok}; got min {got.min().item():.6f} max {got.max().item():.6f}, "
+              f"expected {want:.4f}")
+    return groups, (exact, detail)
+
+
+def run(cfg: SmokeConfig):
+    d = train.init_distributed(cfg.device)
+    world = d.world_size
+    for k in cfg.diloco_replicas:
+        try:
+            diloco.ReplicaLayout.check(world, k)
+        except ValueError as e:
+            train.print0(f"smoke.py: {e}")
+            return 2
+    cfg = cfg.resolved(d.device.type == "cuda")
+    train.print0(f"smoke: {world} ranks, backend {d.backend}, accel {d.accel}, torch {torch.__version__}")
+    rows = [("distinct devices",) + check_devices(d, world),
+            ("all-reduce exact",) + check_exact(d, world),
+            ("all-reduce bandwidth",) + check_bandwidth(d, world, cfg)[:2]]
+    for k in cfg.diloco_replicas:
+        groups, step = check_diloco(d, world, k, cfg)
+        rows += [(f"diloco k={k} groups",) + groups, (f"diloco k={k} outer step",) + step]
+    return report(d, world, rows)
+
+
+def report(d, world, rows):
+    """Gather every rank's rows; a check passes only if it passed on every rank."""
+    every = [None] * world
+    dist.all_gather_object(every, rows)
+    failed = 0
+    if d.rank == 0:
+        print(f"{'check':<26} {'result':<6} detail (rank 0; failing ranks listed)")
+    for i, (name, _, detail) in enumerate(rows):
+        bad = [r for r in range(world) if not every[r][i][1]]
+        failed += bool(bad)
+        if d.rank == 0:
+            extra = "".join(f"\n{'':<34}rank {r}: {every[r][i][2]}" for r in bad[:8])
+            print(f"{name:<26} {'FAIL' if bad else 'PASS':<6} {detail}{extra}", flush=True)
+    train.print0("SMOKE TEST FAILED" if failed else "SMOKE TEST PASSED")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Infrastructure self-test: devices, all-reduce, DiLoCo groups.")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "rocm"),
+                   help="accelerator (default auto: ROCm or CUDA when visible, else CPU with gloo)")
+    p.add_argument("--diloco-replicas", type=int, nargs="*", default=[],
+                   help="also check the DiLoCo layout and outer step for each K given, e.g. 2 4 "
+                        "(each must divide the rank count; default: none)")
+    p.add_argument("--allreduce-mb", type=float, default=None,
+                   help="size of the bandwidth all-reduce in MiB (default 256 on GPU, 16 on CPU)")
+    p.add_argument("--diloco-mb", type=float, default=None,
+                   help="size of the prepared DiLoCo tensor in MiB (default 45 on GPU, about "
+                        "ResNet-18 in fp32; 4 on CPU)")
+    p.add_argument("--iters", type=int, default=5, help="timed all-reduce iterations (default 5)")
+    p.add_argument("--min-busbw-gbs", type=float, default=None,
+                   help="fail below this bus bandwidth in GB/s (default 10 on GPU, 0 on CPU)")
+    a = p.parse_args(argv)
+    try:
+        cfg = SmokeConfig(device=a.device, diloco_replicas=tuple(a.diloco_replicas),
+                          allreduce_mb=a.allreduce_mb, diloco_mb=a.diloco_mb, iters=a.iters,
+                          min_busbw_gbs=a.min_busbw_gbs)
+    except ValueError as e:
+        p.error(str(e))
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
