@@ -352,6 +352,31 @@ class PrepTest(unittest.TestCase):
         self.assertEqual(sorted(os.listdir(out)), ["tokenizer.json", "tokenizer_config.json"])
         self.assertIn("sha256", r.stdout)
 
+    def test_download_cifar_checks_the_md5_before_unpacking(self):
+        if shutil.which("curl") is None:
+            self.skipTest("curl not installed")
+        import hashlib
+        import tarfile
+        src = os.path.join(self.tmp, "mirror")
+        os.makedirs(os.path.join(src, "cifar-10-batches-py"))
+        for name in ("data_batch_1", "test_batch"):
+            with open(os.path.join(src, "cifar-10-batches-py", name), "wb") as f:
+                f.write(b"fixture")
+        archive = os.path.join(src, "cifar-10-python.tar.gz")
+        with tarfile.open(archive, "w:gz") as t:
+            t.add(os.path.join(src, "cifar-10-batches-py"), arcname="cifar-10-batches-py")
+        md5 = hashlib.md5(open(archive, "rb").read()).hexdigest()
+        env = {"PWW_SITE": "local", "CIFAR_URL": self.serve(src) + "/cifar-10-python.tar.gz"}
+        bad = os.path.join(self.tmp, "bad")
+        r = bash("prep/download_cifar.sh", {**env, "OUT": bad, "CIFAR_MD5": "0" * 32}, check=False)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("MD5", r.stderr)
+        self.assertEqual(os.listdir(bad), [])
+        good = os.path.join(self.tmp, "good")
+        bash("prep/download_cifar.sh", {**env, "OUT": good, "CIFAR_MD5": md5})
+        self.assertEqual(sorted(os.listdir(os.path.join(good, "cifar-10-batches-py"))), ["data_batch_1", "test_batch"])
+        self.assertIn("have", bash("prep/download_cifar.sh", {**env, "OUT": good, "CIFAR_MD5": md5}).stdout)
+
     def test_tokenize_prints_the_window_count_of_the_manifest(self):
         text = os.path.join(self.tmp, "text")
         os.makedirs(text)
