@@ -337,13 +337,25 @@ class TensorReader:
         except KeyError:
             raise KeyError(f"{self.path} has no tensor {name!r}") from None
 
-    def read(self, name, as_float32=False):
-        """The tensor as a new numpy array (BF16: raw uint16, or float32 if as_float32)."""
+    def read(self, name, as_float32=False, out=None):
+        """The tensor as a new numpy array (BF16: raw uint16, or float32 if as_float32).
+
+        out: a C-contiguous array of the file's dtype (uint16 for BF16) with at least as
+        many elements, reused across calls; the tensor is read into its front and a view
+        of that part is returned. A fresh array costs a page fault per 4 KiB on first
+        touch (0.8 s per GiB measured on a loaded 2-core VM), a reused one does not."""
         if self._fd is None:
             raise ValueError(f"{self.path}: reader is closed")
         begin, end = self._span(name)
         dtype, shape = self.specs[name]
-        out = np.empty(shape, dtype=DTYPES[dtype])
+        if out is None:
+            out = np.empty(shape, dtype=DTYPES[dtype])
+        else:
+            n = _numel(shape)
+            if out.dtype != DTYPES[dtype] or out.size < n or not out.flags.c_contiguous:
+                raise ValueError(f"out= for {name!r} must be a C-contiguous {DTYPES[dtype]} array of at least "
+                                 f"{n} elements, got {out.dtype} with {out.size}")
+            out = out.reshape(-1)[:n].reshape(shape)
         buf, pos, done = memoryview(out.reshape(-1)).cast("B"), self.data_start + begin, 0
         while done < end - begin:                          # preadv may return short (2 GiB per call)
             got = os.preadv(self._fd, [buf[done:]], pos + done)

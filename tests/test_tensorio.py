@@ -274,6 +274,18 @@ class DamagedFileTest(TmpDirTest):
         with self.assertRaisesRegex(KeyError, "no tensor 'c'"):
             r.read("c")
 
+    def test_read_into_a_reused_buffer(self):
+        buf = np.full(32, -1.0, dtype=np.float32)
+        with tensorio.TensorReader(self.p("good")) as r:
+            got = r.read("a", out=buf)
+            np.testing.assert_array_equal(got, self.arrays["a"])
+            self.assertTrue(np.shares_memory(got, buf))
+            self.assertEqual(buf[10], -1.0)                         # only the front is written
+            with self.assertRaisesRegex(ValueError, "out= for 'b'"):
+                r.read("b", out=buf)
+            with self.assertRaisesRegex(ValueError, "at least 10"):
+                r.read("a", out=np.zeros(9, np.float32))
+
     def test_cli_prints_the_header_and_fails_with_one_line(self):
         ok = subprocess.run([sys.executable, os.path.join(ROOT, "tensorio.py"), self.p("good"), "--check"],
                             capture_output=True, text=True, timeout=60)
