@@ -9,15 +9,16 @@ export PWW_ACCEL=cpu
 export PWW_PIN_VAR=CUDA_VISIBLE_DEVICES
 export PWW_DEVICE=cpu
 _pww_nproc=$(nproc 2>/dev/null || echo 2)
-export PWW_RANKS_PER_NODE=${PWW_RANKS_PER_NODE:-$(( _pww_nproc < 2 ? 1 : 2 ))}
+export PWW_RANKS_PER_NODE=${PWW_RANKS_PER_NODE:-$(( _pww_nproc < 4 ? _pww_nproc : 4 ))}
 export PWW_CORES_PER_RANK=${PWW_CORES_PER_RANK:-1}
 unset _pww_nproc
 export PWW_PARTITIONS="debug"
 export PWW_SCRATCH=${PWW_SCRATCH:-$PWW_ROOT}
 export PWW_RUNNER=${PWW_RUNNER:-venv}
 export PWW_VENV=${PWW_VENV:-$PWW_ROOT/.venv}
-# Oversubscribed ranks (8 on 2 cores) each spinning 2+ OpenMP threads slow each other
-# down by an order of magnitude; one thread per rank keeps a tiny job fast.
+# A LUMI-shaped job puts 8 ranks on this machine's few cores; with torch's default of
+# one OpenMP thread per core each, the ranks' threads oversubscribe the cores many
+# times over. One thread per rank keeps the tiny jobs from fighting for them.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 # The jobs' real configs are hours of GPU work; here they shrink to a few CPU steps.
