@@ -79,8 +79,11 @@ def save_worker(rank, world, tmp, parallel):
     for _ in range(2 * H + 1):                      # two outer steps, then one step into a phase
         train_step(model, opt, outer, gen)
     replica_before = snapshot(net, outer, opt)
+    probe = torch.randn(4, 6, generator=torch.Generator().manual_seed(99))
     with outer.global_weights():
         theta = snapshot(net, outer, opt)
+        with torch.no_grad():
+            theta["forward"] = model(probe)          # FSDP gathers what the swap wrote
     extra = {"epoch": 3, "leases": ["a", "b"]}
     checkpoint.save(os.path.join(tmp, f"c-{parallel}"), 2 * H + 1, model, opt, extra, diloco=outer)
     checkpoint.save(os.path.join(tmp, f"s-{parallel}"), 2 * H + 1, model, opt, extra, diloco=outer,
@@ -136,6 +139,11 @@ class ResumeOtherWorldSize:
             self.assertTensorsEqual(s[r]["theta"]["params"], s[0]["theta"]["params"], f"theta rank {r}")
             self.assertTensorsEqual(s[r]["after"]["params"], s[r]["replica"]["params"], f"replica rank {r}")
         self.assertGreater(float(s[0]["theta"]["momentum"]["l1.weight"].abs().sum()), 0)
+        plain = Net()
+        plain.load_state_dict(s[0]["theta"]["params"])
+        probe = torch.randn(4, 6, generator=torch.Generator().manual_seed(99))
+        for r in range(4):
+            torch.testing.assert_close(s[r]["theta"]["forward"], plain(probe).detach())
 
     def _check_resume(self, world, fmt):
         want = self.saved[0]["theta"]                       # replica 0's inner state, theta weights
