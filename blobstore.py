@@ -282,15 +282,15 @@ class BlobStore:
                 raise httpd.HTTPError(416, f"upload of {blob_id!r} continues at byte {part['offset']}, "
                                            f"not {start}; HEAD it for X-Upload-Offset", offset=part["offset"])
             return None
-        with self.lock:                                 # quota: a new upload reserves its declared total
+        data, side = self._part(blob_id)
+        with self.lock:                 # quota: a new upload reserves its declared total, atomically
             used = self.used_bytes(except_id=blob_id)
             if used + total > self.quota:
                 raise httpd.HTTPError(413, f"blob of {total} bytes would exceed the store quota "
                                            f"({used} of {self.quota} bytes used; --quota-gb)")
-        data, side = self._part(blob_id)
-        self.hash_cache.pop(blob_id, None)
-        _write_json(side, {"total": total, "sha256": sha, "started": time.time()})
-        open(data, "wb").close()
+            self.hash_cache.pop(blob_id, None)
+            _write_json(side, {"total": total, "sha256": sha, "started": time.time()})
+            open(data, "wb").close()
         return None
 
     def receive(self, blob_id, start, total, chunks):
@@ -488,8 +488,8 @@ class Progress:
 
 
 def _retryable(e):
-    if isinstance(e, httpd.CallError):
-        return e.status in (409, 416) or e.status >= 500
+    if isinstance(e, httpd.CallError):     # 409 only while another PUT holds the id; 416: re-HEAD
+        return (e.status == 409 and e.reply.get("retry")) or e.status == 416 or e.status >= 500
     return isinstance(e, (OSError, http.client.HTTPException))
 
 

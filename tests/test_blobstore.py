@@ -326,6 +326,11 @@ class LiveStoreTest(unittest.TestCase):
         self.assertEqual(self.put_raw("bad", body)[0], 201)
         self.assert_refused(*self.put_raw("bad", body[:10])[::2], 409, "already exists")
         self.assertEqual(self.put_raw("bad", body)[0], 200)         # same bytes again: idempotent
+        with open(self.p("other"), "wb") as f:
+            f.write(body[:-1])
+        with self.assertRaises(httpd.CallError) as cm:              # refused at once, not retried
+            blobstore.put_file(self.url, "bad", self.p("other"), token=TOKEN)
+        self.assertEqual(cm.exception.status, 409)
 
     def test_quota_and_size_limits_answer_before_the_body_is_sent(self):
         # Expect: 100-continue: the refusal comes back although no byte of the body was sent.
