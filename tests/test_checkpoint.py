@@ -15,6 +15,7 @@ import diloco
 from test_diloco import spawn
 
 H = 2
+ROWS = []                  # diloco rows of this process
 
 
 class Net(torch.nn.Module):
@@ -69,7 +70,9 @@ def train_step(model, opt, outer, gen):
     opt.zero_grad()
     loss.backward()
     opt.step()
-    outer.after_inner_step()
+    row = outer.after_inner_step()
+    if row is not None:
+        ROWS.append(row)
     return loss.item()
 
 
@@ -89,7 +92,7 @@ def save_worker(rank, world, tmp, parallel):
     checkpoint.save(os.path.join(tmp, f"s-{parallel}"), 2 * H + 1, model, opt, extra, diloco=outer,
                     sharded=True)
     after = snapshot(net, outer, opt)
-    torch.save({"replica": replica_before, "theta": theta, "after": after},
+    torch.save({"replica": replica_before, "theta": theta, "after": after, "rows": list(ROWS)},
                os.path.join(tmp, f"save-{parallel}-rank{rank}.pt"))
 
 
@@ -144,6 +147,17 @@ class ResumeOtherWorldSize:
         probe = torch.randn(4, 6, generator=torch.Generator().manual_seed(99))
         for r in range(4):
             torch.testing.assert_close(s[r]["theta"]["forward"], plain(probe).detach())
+
+    def test_metrics_are_whole_model_norms(self):
+        """Under FSDP each rank holds a shard: the norms must be reduced over the replica."""
+        rows = [self.saved[r]["rows"] for r in range(4)]
+        self.assertEqual(len(rows[0]), 2)
+        for i in range(2):
+            self.assertEqual(rows[0][i]["delta_norm"], rows[1][i]["delta_norm"])
+            self.assertEqual(rows[2][i]["delta_norm"], rows[3][i]["delta_norm"])
+            self.assertNotEqual(rows[0][i]["delta_norm"], rows[2][i]["delta_norm"])
+            for r in range(4):
+                self.assertAlmostEqual(rows[r][i]["avg_delta_norm"], rows[0][i]["avg_delta_norm"], places=6)
 
     def _check_resume(self, world, fmt):
         want = self.saved[0]["theta"]                       # replica 0's inner state, theta weights
