@@ -232,7 +232,8 @@ class AllReduceCarrier(OuterCarrier):
             dist.all_reduce(ex.flat, op=dist.ReduceOp.SUM, group=self.group)
         ex.flat.div_(self.k)
         for t, d in zip(ex.theta, ex.deltas):
-            t.grad = d.to(t.device, non_blocking=True) if d.device != t.device else d
+            # blocking on purpose: an async device->host copy could be read before it lands
+            t.grad = d.to(t.device) if d.device != t.device else d
         ex.outer_opt.step()
         for t in ex.theta:
             t.grad = None
@@ -325,7 +326,7 @@ class DiLoCo:
         for t, p in zip(self.theta, self.params):
             d = self.flat[off:off + t.numel()].view(t.shape)
             off += t.numel()
-            d.copy_(t, non_blocking=True)
+            d.copy_(t)
             d.sub_(_local(p))
             deltas.append(d)
         delta_sq = float(self.flat.double().pow(2).sum())
@@ -333,7 +334,7 @@ class DiLoCo:
                            theta=self.theta, outer_opt=self.outer_opt, inner_steps=self.phase_steps)
         got = self.carrier.outer_step(ex) or {}
         for t, p in zip(self.theta, self.params):
-            _local(p).copy_(t, non_blocking=True)
+            _local(p).copy_(t)
         self.carrier.sync_buffers(list(self.model.buffers()))
         sq = [delta_sq, got.get("avg_delta_sq", float("nan"))]
         if self.sharded and self.layout.replica_size > 1:
