@@ -435,7 +435,7 @@ def device_names(d):
 def write_config_yaml(path, cfg, prov):
     import yaml
     body = dataclasses.asdict(cfg)
-    body["provenance"] = prov
+    body["provenance"] = dict(prov, config_file=body.pop("config"))
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.write("# resolved config of this run (flags over --config over defaults); "
