@@ -184,8 +184,16 @@ class TokenWindows:
         return self._shards[s][i - self._starts[s]]
 
     def batch(self, indices):
-        """Window indices -> int64 array (len(indices), seq_len+1)."""
-        return np.stack([np.asarray(self.window(int(i)), dtype=np.int64) for i in indices])
+        """Window indices -> int64 array (len(indices), seq_len+1): one gather per shard."""
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.num_windows):
+            raise IndexError(f"window index out of range 0..{self.num_windows - 1}")
+        out = np.empty((len(idx), self.seq_len + 1), dtype=np.int64)
+        shard = np.searchsorted(self._starts, idx, side="right") - 1
+        for s in np.unique(shard):
+            m = shard == s
+            out[m] = self._shards[s][idx[m] - self._starts[s]]
+        return out
 
 
 def epoch_order(n, epoch, seed):

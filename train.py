@@ -799,7 +799,9 @@ def train(cfg: Config):
             for i in range(cfg.grad_accum):
                 batch = next(micro)
                 with grad_sync(model, cfg, i == cfg.grad_accum - 1), autocast_ctx(cfg, d):
-                    loss = forward_loss(model, cfg, batch) / cfg.grad_accum
+                    loss = forward_loss(model, cfg, batch)
+                if cfg.grad_accum > 1:
+                    loss = loss / cfg.grad_accum
                 (scaler.scale(loss) if scaler else loss).backward()
                 loss_sum += loss.detach()
             if scaler:
