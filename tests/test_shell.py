@@ -300,6 +300,86 @@ class JobHeaderTest(unittest.TestCase):
             self.assertGreaterEqual(int(self.job(site, "cifar_multinode")[1]["nodes"]), 2)
 
 
+class JobCommandTest(unittest.TestCase):
+    """Each job script run by bash outside Slurm, with a stand-in `srun` that records its
+    argv: what the job would launch, with which binding, flags and rendezvous."""
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.tmp)
+        with open(os.path.join(self.tmp, "srun"), "w") as f:
+            f.write('#!/bin/bash\nprintf "%s\\n" "$@" > "$SRUN_ARGV"\n'
+                    'echo "$MASTER_ADDR:$MASTER_PORT" > "$SRUN_ARGV.rdzv"\n')
+        os.chmod(os.path.join(self.tmp, "srun"), 0o755)
+
+    def launch(self, site, job, args=(), ntasks_per_node=None, env=None, check=True):
+        n = ntasks_per_node or (1 if job == "cifar_debug" else {"lumi": 8, "snellius": 4}[site])
+        argv_file = os.path.join(self.tmp, "argv")
+        if os.path.exists(argv_file):
+            os.remove(argv_file)
+        base = {"PATH": self.tmp + ":" + os.environ["PATH"], "PWW_SITE": site, "SRUN_ARGV": argv_file,
+                "SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "nodeA", "SLURM_NTASKS": str(n),
+                "SLURM_NTASKS_PER_NODE": str(n), "SLURM_SUBMIT_DIR": ROOT, "MASTER_ADDR": "nodeA",
+                "PWW_RUNS": os.path.join(self.tmp, "runs")}
+        r = bash(f"jobs/{site}_{job}.sh " + " ".join(args), {**base, **(env or {})}, check=check)
+        if not check:
+            return r
+        return open(argv_file).read().splitlines(), open(argv_file + ".rdzv").read().strip()
+
+    def test_every_job_launches_one_wrapper_per_rank_with_the_callers_flags_last(self):
+        central = {"PWW_DARL_URL": "http://c:1", "PWW_FEDMOM_URL": "http://c:2",
+                   "PWW_BLOB_URL": "http://c:3", "PWW_TOKEN_FILE": "/t"}
+        for site in SITES:
+            for job in JOBS:
+                argv, rdzv = self.launch(site, job, ["--lr", "0.05"], env=central)
+                where = f"{site}_{job}: {argv}"
+                self.assertEqual(rdzv, "nodeA:" + str(20000 + 123456 % 9000), where)
+                self.assertEqual(argv[-2:], ["--lr", "0.05"], where)
+                i = argv.index("jobs/task_wrapper.sh")
+                self.assertEqual(argv[i + 1:i + 3], ["python", "smoke.py" if job == "smoke" else "train.py"], where)
+                self.assertEqual(argv[argv.index("--device") + 1], "auto", where)
+                if job != "smoke":
+                    self.assertEqual(argv[argv.index("--runs-dir") + 1], os.path.join(self.tmp, "runs"), where)
+                bind = next(a for a in argv[:i] if a.startswith("--cpu-bind="))
+                if site == "lumi" and job != "cifar_debug":
+                    self.assertTrue(bind.startswith("--cpu-bind=mask_cpu:0xfe"), where)
+                else:
+                    self.assertEqual(bind, "--cpu-bind=cores", where)
+
+    def test_local_site_forces_cpu_and_the_tiny_configs(self):
+        argv, _ = self.launch("lumi", "cifar_debug", env={"PWW_SITE": "local"})
+        self.assertEqual(argv[argv.index("--device") + 1], "cpu")
+        self.assertEqual(argv[argv.index("--steps") + 1], "2")
+        central = {"PWW_DARL_URL": "http://c:1", "PWW_FEDMOM_URL": "http://c:2",
+                   "PWW_BLOB_URL": "http://c:3", "PWW_TOKEN_FILE": "/t", "PWW_SITE": "local"}
+        argv, _ = self.launch("snellius", "titan", env=central)
+        self.assertEqual(argv[argv.index("--config") + 1], "configs/qwen3_tiny.yaml")
+        self.assertEqual(argv[argv.index("--device") + 1], "cpu")
+
+    def test_diloco_job_passes_replicas_and_h(self):
+        argv, _ = self.launch("lumi", "cifar_diloco", env={"REPLICAS": "4", "INNER_STEPS": "25"})
+        self.assertEqual(argv[argv.index("--diloco-replicas") + 1], "4")
+        self.assertEqual(argv[argv.index("--diloco-inner-steps") + 1], "25")
+
+    def test_titan_needs_the_central_services_and_names_them(self):
+        r = self.launch("lumi", "titan", env={"PWW_CENTRAL_ENV": "/nonexistent"}, check=False)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("PWW_DARL_URL", r.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.tmp, "argv")))      # never launched
+        central_env = os.path.join(self.tmp, "central.env")
+        with open(central_env, "w") as f:
+            f.write("export PWW_DARL_URL=http://c:29510\nexport PWW_FEDMOM_URL=http://c:29511\n"
+                    "export PWW_BLOB_URL=http://c:29512\nexport PWW_TOKEN_FILE=/home/u/.pww/central.token\n")
+        argv, _ = self.launch("lumi", "titan", env={"PWW_CENTRAL_ENV": central_env, "REPLICA": "b"})
+        flags = dict(zip(argv, argv[1:]))
+        self.assertEqual((flags["--federation"], flags["--darl-url"], flags["--blob-url"], flags["--token-file"]),
+                         ("http://c:29511", "http://c:29510", "http://c:29512", "/home/u/.pww/central.token"))
+        self.assertEqual((flags["--site"], flags["--replica"]), ("lumi", "b"))
+        argv, _ = self.launch("snellius", "titan", env={"PWW_CENTRAL_ENV": central_env})
+        self.assertEqual(argv[argv.index("--site") + 1], "snellius")
+        self.assertNotIn("--replica", argv)
+
+
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args):
         pass
