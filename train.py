@@ -22,8 +22,26 @@ Rank/world: RANK/LOCAL_RANK/WORLD_SIZE (torchrun), else SLURM_PROCID/SLURM_LOCAL
 SLURM_NTASKS (srun), else one process (world 1). Under srun MASTER_ADDR is the
 job's first node and MASTER_PORT is derived from SLURM_JOB_ID unless set.
 
-Outputs: runs/<run>/ holds config.yaml (resolved config + provenance), train.log,
-metrics.jsonl (rows {"split": "train"|"eval"|"diloco", "step", ...}) and checkpoints.
+Config: flags > --config YAML (keys are flag names) > defaults; model-dependent
+defaults read "LLM / CIFAR" in --help. --dtype auto = bf16 on GPUs (native on MI250X
+and H100, fp32's range, no loss scaler) and fp32 on CPUs: CPU runs are tests and
+demos, where fp32 gives the same numbers on every machine, and CPU bf16 speed depends
+on the instruction set (pass --dtype bf16 to use it). fp16 only with DDP, where a
+GradScaler exists.
+Seeds: the model is initialised with --seed on every rank (FSDP shards draw one
+init; DDP and DiLoCo broadcast anyway); augmentation and dropout streams then use
+seed*1000 + rank. Data order is a function of (--seed, epoch) only, so a resume
+continues exactly where the checkpoint stopped.
+
+Outputs: runs/<run>/ holds
+    config.yaml     the resolved config (usable as --config) + provenance: git hash (or
+                    sha256 of every *.py), torch/torchtitan/python versions, every rank's device
+    train.log       what rank 0 printed
+    metrics.jsonl   one JSON row per line, "split" = "train" (loss, lr, grad_norm, step_ms,
+                    tokens_per_s or img_per_s summed over ranks, mfu per rank against the
+                    device's bf16 peak (None on CPU), peak_mem_gib), "eval" (loss + ppl, or
+                    acc), "diloco" (outer_step, delta_norm, avg_delta_norm, agreement)
+    checkpoints/    checkpoint.py's files; --resume auto continues from the newest
 Who may run it: anyone with the venv (or the site container); it only writes under --runs-dir.
 """
 import argparse
@@ -191,15 +209,16 @@ def init_distributed(device="auto", timeout_s=1800):
         dev = torch.device("cuda", _pick_gpu(accel, local_rank))
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s)
+        # device_id binds NCCL to this rank's GPU at once (no guessing in the first barrier)
+        kw = dict(timeout=datetime.timedelta(seconds=timeout_s),
+                  device_id=dev if backend == "nccl" else None)
         if world_size == 1 and "MASTER_ADDR" not in os.environ:
             # alone: an in-process store, no port to pick or collide on
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
         else:
             _rendezvous_env(os.environ, world_size)
             dist.init_process_group(backend, init_method="env://", rank=rank,
-                                    world_size=world_size, timeout=timeout)
+                                    world_size=world_size, **kw)
     return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=dev,
                 backend=backend, accel=accel)
 
@@ -259,7 +278,8 @@ class Config:
         self.weight_decay = pick(self.weight_decay, 0.1, 5e-4)
         self.grad_clip = pick(self.grad_clip, 1.0, 0.0)
         # bf16 on GPUs (MI250X and H100 do it natively, with fp32's range: no loss scaler);
-        # fp32 on CPUs, where bf16 autocast is emulated and several times slower.
+        # fp32 on CPUs, where runs are tests and demos and fp32 gives the same numbers on
+        # every machine (CPU bf16 speed varies with the instruction set: AMX, AVX512-BF16).
         if self.dtype == "auto":
             self.dtype = "bf16" if gpu else "fp32"
         return self
