@@ -533,7 +533,7 @@ def fmt_row(row):
 # ---------------------------------------------------------------------------
 
 def make_model(cfg, d, vocab_size, group=None, mesh=None):
-    """(model to train, unwrapped module, FLOPs per token or image)."""
+    """(model to train, parameter count, training FLOPs per token or per image)."""
     torch.manual_seed(cfg.seed)       # the same on every rank: FSDP shards draw one init
     meta = models.build_model(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len)
     n_params = models.count_params(meta)
@@ -545,7 +545,7 @@ def make_model(cfg, d, vocab_size, group=None, mesh=None):
     model = models.parallelize(meta, cfg.parallel, d.device, group=group, mesh=mesh,
                                param_dtype=param_dtype,
                                activation_checkpointing=cfg.activation_checkpointing)
-    return model, models.unwrap(model), n_params, flops
+    return model, n_params, flops
 
 
 def autocast_ctx(cfg, d):
@@ -738,7 +738,7 @@ def train(cfg: Config):
     # -- model -------------------------------------------------------------
     k = cfg.diloco_replicas
     layout = diloco.ReplicaLayout.build(d.world_size, d.rank, k) if k > 1 else None
-    model, core, n_params, flops = make_model(
+    model, n_params, flops = make_model(
         cfg, d, windows.vocab_size if windows else None,
         group=layout.inner_group if layout else None, mesh=layout.mesh["shard"] if layout else None)
     torch.manual_seed(cfg.seed * 1000 + d.rank)      # per-rank streams from here on
