@@ -24,7 +24,7 @@ demo: setup
 
 lint: setup
 	$(PY) -m compileall -q *.py tests bench
-	$(VENV)/bin/shellcheck -x env.sh central.sh sites/*.sh jobs/*.sh
+	$(VENV)/bin/shellcheck -x env.sh central.sh sites/*.sh jobs/*.sh prep/*.sh
 
 bench: setup
 	@set -e; for b in bench/*.py; do echo "== $$b"; $(PY) $$b; done
