@@ -17,6 +17,7 @@ import numpy as np
 
 import blobstore
 import darl_server
+import fedmom_client
 import fedmom_server as fm
 import httpd
 import tensorio
@@ -353,8 +354,8 @@ class LiveServerTest(Fixture):
             return httpd.call(darl_url, "POST", "/acquire", {"cluster": cluster, "incarnation": inc, "blocks": 5},
                               token=self.TOKEN)["lease"]
 
-        a = fm.FedMomClient(url, "lumi", "inc-a", token=self.TOKEN, blob_url=blob_url)
-        b = fm.FedMomClient(url, "snellius", "inc-b", token=self.TOKEN, blob_url=blob_url)
+        a = fedmom_client.FedMomClient(url, "lumi", "inc-a", token=self.TOKEN, blob_url=blob_url)
+        b = fedmom_client.FedMomClient(url, "snellius", "inc-b", token=self.TOKEN, blob_url=blob_url)
         self.assertEqual(httpd.call(url, "GET", "/status", token=self.TOKEN)["members"], [])   # 0 members
         self.assertEqual(a.join()["members"], ["lumi"])                                        # 1
         theta_path = os.path.join(self.dir, "theta-a.safetensors")
@@ -374,7 +375,7 @@ class LiveServerTest(Fixture):
         self.assertAlmostEqual(rec["loss"], (100 * 2.0 + 300 * 4.0) / 400)                     # pooled by tokens
         self.assertAlmostEqual(rec["perplexity"], np.exp(rec["loss"]))
         self.assertEqual(rec["drift_max"], max(c["drift"] for c in rec["clusters"].values()))
-        with self.assertRaises(fm.StaleRound) as cm:                                           # an old base
+        with self.assertRaises(fedmom_client.StaleRound) as cm:                                           # an old base
             a.send_delta(self.delta()[0], 0, 5, [], {})
         self.assertEqual(cm.exception.current_round, 2)
         b.leave()                                                                              # 1
@@ -444,11 +445,11 @@ class CrashTest(Fixture):
         proc, url = self.start(sd, "--init", self.init, pause="0.5")      # 4 tensors: a 2 s merge
         deltas = []
         for c, tok in (("a", 10), ("b", 30)):
-            fm.FedMomClient(url, c, f"{c}-inc").join()
+            fedmom_client.FedMomClient(url, c, f"{c}-inc").join()
         for c, tok in (("a", 10), ("b", 30)):
             path, d = self.delta("F16")
             deltas.append(d)
-            fm.FedMomClient(url, c, f"{c}-inc").send_delta(path, 0, tok, [], {})
+            fedmom_client.FedMomClient(url, c, f"{c}-inc").send_delta(path, 0, tok, [], {})
         deadline = time.monotonic() + 60                       # wait until the merge is writing its files
         while not any(".tmp-" in f for f in os.listdir(sd)) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -459,7 +460,7 @@ class CrashTest(Fixture):
             self.assertEqual(json.load(f)["round"], 0)
         self.assertEqual(rel_err(read_all(os.path.join(sd, "theta-0.safetensors")), self.theta0), 0)
         proc, url = self.start(sd)                             # restart: the spooled deltas merge now
-        client = fm.FedMomClient(url, "a", "a-inc")
+        client = fedmom_client.FedMomClient(url, "a", "a-inc")
         self.assertEqual(client.wait_round_after(0, timeout_s=60), 1)
         want, _ = naive_fedmom(self.theta0, None, deltas, [10, 30], 0.7, 0.9)
         self.assertLess(rel_err(read_all(os.path.join(sd, "theta-1.safetensors")), want), 1e-6)
@@ -476,7 +477,7 @@ class CrashTest(Fixture):
 class ImportTest(unittest.TestCase):
     def test_the_server_module_imports_with_torch_absent(self):
         code = ("import sys; sys.modules['torch'] = None\n"
-                "import fedmom_server, tensorio\n"
+                "import fedmom_server, fedmom_client, tensorio\n"
                 "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
                 "print('ok', fedmom_server.DEFAULT_PORT)")
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -1,0 +1,254 @@
+"""fedmom_client.py - the site side of the FedMom round protocol (fedmom_server.py).
+
+Runs on: the sites, in rank 0 of a training job (diloco.py's HTTP carrier, through
+FedMomClient), or on any box that can reach the aggregator. Python standard library
+only (blobstore.py for the blob transport, imported when used); never torch, so it
+also runs in a plain Python 3 for tests and drills.
+
+One outer round, as a site runs it:
+
+    import fedmom_client
+    c = fedmom_client.FedMomClient("http://central:29511", cluster="lumi",
+                                   incarnation=secrets.token_hex(8), token=TOKEN,
+                                   blob_url="http://central:29512")   # blob_url: optional
+    c.join(wait_s=600)                  # waits out an older incarnation of "lumi" timing out
+    rnd = c.download_theta("theta.safetensors")         # atomic; returns theta's round
+    with c.keepalive():                 # background heartbeats while the inner steps run
+        train(H)                        # ... then write delta = theta_local - theta_global
+    try:
+        c.send_delta("delta.safetensors", base_round=rnd, tokens=n, leases=[{"id": 7, "end": 120}],
+                     metrics={"loss": 2.31, "tokens_per_s": 9.1e5})
+        rnd = c.wait_round_after(rnd, timeout_s=3600)   # the merge of that round is durable
+    except fedmom_client.StaleRound as e:
+        rnd = e.current_round            # another round went by: reload theta, train again
+    c.leave()                           # at the end of the allocation
+
+Transports: "inline" streams the file as the PUT body; "blob" uploads it to the blob
+store (resumable) and names it; "auto" (default) uses the blob store for files of
+AUTO_BLOB_BYTES or more when blob_url is set. Retries: send_delta re-sends after a
+network error (the server treats a repeat of an accepted delta as a duplicate, not a
+second delta); every other call raises httpd.CallError (4xx/5xx, the server's reason
+in .reply) or OSError, and the caller decides.
+
+Whether a delta was merged: the aggregator's round records (GET /status "recent", and
+the "outcome" in a heartbeat reply; fedmom_server.py's docstring lists the fields)
+say, per cluster, merged or excluded (with the reason) and the DARL leases the delta
+carried. The aggregator commits merged leases in DARL itself; for an excluded delta
+the site releases its leases in DARL so the blocks are trained again.
+
+Who may call: anyone holding the aggregator's bearer token (token=..., or none on a
+loopback test server).
+"""
+import http.client
+import json
+import os
+import threading
+import time
+
+import httpd
+
+
+def log(msg):
+    print(time.strftime("%Y-%m-%d %H:%M:%S ") + msg, flush=True)
+
+
+class StaleRound(Exception):
+    """The server is on another round than the delta's base: reload theta and train again."""
+
+    def __init__(self, current_round, reason=""):
+        super().__init__(reason or f"the server is at round {current_round}")
+        self.current_round = current_round
+
+
+AUTO_BLOB_BYTES = 256 << 20     # "auto" sends larger deltas through the blob store (resumable)
+
+
+class FedMomClient:
+    """The site side of the protocol (stdlib + numpy; no torch)."""
+
+    def __init__(self, url, cluster, incarnation, token=None, blob_url=None, timeout=60.0, retries=3):
+        self.url, self.cluster, self.incarnation = url, cluster, incarnation
+        self.token, self.blob_url, self.timeout, self.retries = token, blob_url, timeout, retries
+        self.heartbeat_s = 30.0
+
+    def _call(self, method, path, body=None, timeout=None):
+        return httpd.call(self.url, method, path, body, token=self.token, timeout=timeout or self.timeout)
+
+    def _ident(self, **extra):
+        return {"cluster": self.cluster, "incarnation": self.incarnation, **extra}
+
+    def join(self, wait_s=0.0):
+        """Join; with wait_s, keep trying while an older incarnation of this cluster times out."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                reply = self._call("POST", "/join", self._ident())
+                self.heartbeat_s = reply.get("heartbeat_s", self.heartbeat_s)
+                return reply
+            except httpd.CallError as e:
+                if e.reply.get("code") != "incarnation_conflict" or time.monotonic() >= deadline:
+                    raise
+                time.sleep(min(max(1.0, e.reply.get("retry_after_s", 1.0)), max(0.0, deadline - time.monotonic())))
+
+    def heartbeat(self, metrics=None, wait_round_after=None, wait_s=0.0):
+        body = self._ident(metrics=metrics or {})
+        if wait_round_after is not None:
+            body.update(wait_round_after=wait_round_after, wait_s=wait_s)
+        try:
+            return self._call("POST", "/heartbeat", body, timeout=self.timeout + wait_s)
+        except httpd.CallError as e:
+            if e.reply.get("code") != "not_member":
+                raise
+            self.join()                   # dropped (e.g. a network outage): come back
+            return self._call("POST", "/heartbeat", body, timeout=self.timeout + wait_s)
+
+    def leave(self):
+        return self._call("POST", "/leave", self._ident())
+
+    def current_round(self):
+        return self._call("GET", "/round")["round"]
+
+    def wait_round_after(self, base_round, timeout_s):
+        """Block until the server's round passes base_round (that merge is durable); heartbeats meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            reply = self.heartbeat(wait_round_after=base_round, wait_s=max(0.0, min(left, self.heartbeat_s)))
+            if reply["round"] > base_round:
+                return reply["round"]
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"round still {reply['round']} after {timeout_s:.0f} s (waiting for > {base_round})")
+
+    def keepalive(self, interval_s=None):
+        """A background heartbeat thread for the inner phase: `with client.keepalive(): train()`."""
+        return _KeepAlive(self, interval_s or self.heartbeat_s)
+
+    # ---- theta
+
+    def download_theta(self, path, transport="inline"):
+        """Write the current theta_global to `path` (atomically); returns its round."""
+        if transport == "blob":
+            import blobstore
+            info = self._call("GET", "/theta_blob", timeout=3600)
+            sha = blobstore.get_file(self._blob_url(), info["blob"], path, token=self.token)
+            if sha != info["sha256"]:
+                raise IOError(f"theta blob {info['blob']}: sha256 {sha} != {info['sha256']}")
+            return info["round"]
+        if transport != "inline":
+            raise ValueError(f"transport {transport!r}: use 'inline' or 'blob'")
+        conn = httpd.connect(self.url, timeout=max(self.timeout, 600))
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            conn.request("GET", httpd.split_url(self.url)[3] + "/theta", headers=httpd.auth_headers(self.token))
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise httpd.CallError(resp.status, _json_or_text(resp.read()))
+            want, got = int(resp.getheader("Content-Length")), 0
+            with open(tmp, "wb") as f:
+                while chunk := resp.read(1 << 20):
+                    f.write(chunk)
+                    got += len(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            if got != want:
+                raise ConnectionError(f"theta download ended after {got} of {want} bytes")
+            os.replace(tmp, path)
+            return int(resp.getheader("X-Round"))
+        finally:
+            conn.close()
+            _unlink(tmp)
+
+    # ---- deltas
+
+    def send_delta(self, path, base_round, tokens, leases, metrics, transport="auto"):
+        """Send one delta file (theta_i - theta_global). Raises StaleRound if the server has
+        moved past base_round; CallError for any other refusal (the reply says why)."""
+        meta = self._ident(base_round=base_round, tokens=tokens, leases=list(leases), metrics=dict(metrics or {}))
+        if transport == "auto":
+            big = os.path.getsize(path) >= AUTO_BLOB_BYTES
+            transport = "blob" if (self.blob_url and big) else "inline"
+        if transport not in ("inline", "blob"):
+            raise ValueError(f"transport {transport!r}: use 'inline', 'blob' or 'auto'")
+        for attempt in range(self.retries + 1):
+            self._stale_guard(lambda: self._call("POST", "/delta_check", meta))
+            try:
+                if transport == "blob":
+                    return self._stale_guard(lambda: self._send_blob(path, meta))
+                return self._stale_guard(lambda: self._send_inline(path, meta))
+            except (OSError, http.client.HTTPException) as e:
+                if attempt == self.retries:
+                    raise
+                log(f"fedmom client: delta upload failed ({e}); retrying")
+                time.sleep(min(30.0, 2.0 ** attempt))
+
+    def _stale_guard(self, fn):
+        try:
+            return fn()
+        except httpd.CallError as e:
+            if e.status == 409 and e.reply.get("code") == "stale_round":
+                raise StaleRound(e.reply["round"], e.reply.get("error", "")) from None
+            raise
+
+    def _send_inline(self, path, meta):
+        _, host, port, prefix = httpd.split_url(self.url)
+        conn = http.client.HTTPConnection(host, port, timeout=max(self.timeout, 600), blocksize=1 << 20)
+        try:
+            headers = {"Content-Length": str(os.path.getsize(path)), "X-Delta-Meta": json.dumps(meta),
+                       "Content-Type": "application/octet-stream", **httpd.auth_headers(self.token)}
+            with open(path, "rb") as f:
+                conn.request("PUT", prefix + "/delta", body=f, headers=headers)
+            resp = conn.getresponse()
+            reply = _json_or_text(resp.read())
+            if resp.status >= 400:
+                raise httpd.CallError(resp.status, reply)
+            return reply
+        finally:
+            conn.close()
+
+    def _send_blob(self, path, meta):
+        import blobstore
+        blob = f"delta-{self.cluster}-{self.incarnation}-r{meta['base_round']}"
+        info = blobstore.put_file(self._blob_url(), blob, path, token=self.token)
+        return self._call("POST", "/delta_blob", {**meta, "blob": blob, "sha256": info["sha256"]}, timeout=3600)
+
+    def _blob_url(self):
+        if not self.blob_url:
+            raise ValueError("the blob transport needs FedMomClient(blob_url=...)")
+        return self.blob_url
+
+
+def _json_or_text(raw):
+    try:
+        out = json.loads(raw) if raw else {}
+        return out if isinstance(out, dict) else {"reply": out}
+    except ValueError:
+        return {"error": raw[:200].decode("utf-8", "replace")}
+
+
+class _KeepAlive:
+    def __init__(self, client, interval_s):
+        self.client, self.interval_s, self.stop = client, interval_s, threading.Event()
+        self.thread = threading.Thread(target=self._run, name="fedmom-heartbeat", daemon=True)
+
+    def _run(self):
+        while not self.stop.wait(self.interval_s):
+            try:
+                self.client.heartbeat()
+            except (httpd.CallError, OSError, http.client.HTTPException) as e:
+                log(f"fedmom client: heartbeat failed: {e}")
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        return False
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
