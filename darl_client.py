@@ -39,10 +39,10 @@ import tempfile
 import threading
 import time
 
-import darl_server
+import darl_table
 import httpd
 
-BlockSpace = darl_server.BlockSpace
+BlockSpace = darl_table.BlockSpace
 TTL_PHASE_FACTOR, TTL_RTT_FACTOR = 2.5, 10.0   # TTL = 2.5 x phase time + 10 x RTT
 
 

@@ -29,6 +29,7 @@ sys.path.insert(0, ROOT)      # run as `python bench/darl_rpc.py`: the siblings 
 
 import darl_client  # noqa: E402
 import darl_server  # noqa: E402
+import darl_table  # noqa: E402
 import httpd  # noqa: E402
 
 
@@ -107,7 +108,7 @@ def table_latency(num_blocks, n):
     """The bare state machine, fragmented the way a long run leaves it: every
     other lease expired and back in the pool, so the free list has n/2 runs."""
     clock = [0.0]
-    t = darl_server.LeaseTable(num_blocks, darl_server.TableConfig(min_ttl=1, default_ttl=1), lambda: clock[0])
+    t = darl_table.LeaseTable(num_blocks, darl_table.TableConfig(min_ttl=1, default_ttl=1), lambda: clock[0])
     t.register("x", "i")
     for i in range(n):
         lease = t.acquire("x", "i", blocks=1, ttl=1 if i % 2 else 100)["lease"]
@@ -159,7 +160,7 @@ def main(argv):
     work = tempfile.mkdtemp(prefix="darl-", dir=os.path.join(ROOT, "runs", "bench"))
     procs = []
     try:
-        big = darl_server.BlockSpace(10**6, 1, 0)
+        big = darl_table.BlockSpace(10**6, 1, 0)
         noop, noop_url = start([sys.executable, os.path.abspath(__file__), "--serve-noop"])
         darl, darl_url = start(darl_cmd(10**6, os.path.join(work, "rate")))
         procs += [noop, darl]
@@ -176,7 +177,7 @@ def main(argv):
         for m in (10**3, 10**6):
             proc, url = start(darl_cmd(m, os.path.join(work, f"lat{m}")))
             procs.append(proc)
-            http_med, http_p90 = us(acquire_latency(url, a.cycles, darl_server.BlockSpace(m, 1, 0).digest()))
+            http_med, http_p90 = us(acquire_latency(url, a.cycles, darl_table.BlockSpace(m, 1, 0).digest()))
             (tab_med, tab_p90), runs = (lambda r: (us(r[0]), r[1]))(table_latency(m, a.cycles))
             rows[m] = (http_med, tab_med)
             print(f"  M = {m:>9,}  HTTP+fsync {http_med:8.0f} / {http_p90:8.0f}   "

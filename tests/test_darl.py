@@ -16,8 +16,10 @@ import unittest
 
 import darl_client
 import darl_server
+import darl_table
 import httpd
-from darl_server import BlockSpace, Coordinator, InvariantError, LeaseError, LeaseTable, LogError, TableConfig
+from darl_server import Coordinator, LogError
+from darl_table import BlockSpace, InvariantError, LeaseError, LeaseTable, TableConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,7 +66,7 @@ class BlockSpaceTest(unittest.TestCase):
     def test_order_is_pinned(self):
         # Sites must agree without talking: if this changes, PERMUTATION_VERSION must change too.
         self.assertEqual([BlockSpace(1000, 1, 0).block_at(p) for p in range(6)], [43, 519, 831, 640, 131, 786])
-        self.assertEqual(darl_server.PERMUTATION_VERSION, "feistel-splitmix64/1")
+        self.assertEqual(darl_table.PERMUTATION_VERSION, "feistel-splitmix64/1")
 
     def test_blocks_samples_and_digest(self):
         space = BlockSpace(1003, 10, seed=0)
@@ -88,15 +90,21 @@ class BlockSpaceTest(unittest.TestCase):
     def test_manifest(self):
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "manifest.json")
-            with open(path, "w") as f:
-                json.dump({"num_windows": 50, "digest": "tok-v1", "seq_len": 8}, f)
+            with open(path, "w") as f:        # 58 windows, the last 8 held out: 50 to train on
+                json.dump({"num_windows": 58, "heldout_windows": 8, "digest": "tok-v1", "seq_len": 8}, f)
             space = BlockSpace.from_manifest(path, 4, 0)
             self.assertEqual((space.num_samples, space.num_blocks), (50, 13))
             self.assertNotEqual(space.digest(), BlockSpace(50, 4, 0).digest())
-            with open(path, "w") as f:
-                json.dump({"windows": 50}, f)
-            with self.assertRaisesRegex(ValueError, "--manifest"):
-                BlockSpace.from_manifest(path, 4, 0)
+            samples = sorted(i for p in range(space.num_blocks) for i in space.samples_of(space.block_at(p)))
+            self.assertEqual(samples, list(range(50)))      # every training window once, no held-out one
+            self.assertEqual(space.describe()["manifest_digest"], "tok-v1")
+            for bad, why in (({"windows": 50}, "--manifest"),
+                             ({"num_windows": 50, "digest": "d"}, "heldout_windows"),
+                             ({"num_windows": 8, "heldout_windows": 8, "digest": "d"}, "no training windows")):
+                with open(path, "w") as f:
+                    json.dump(bad, f)
+                with self.assertRaisesRegex(ValueError, why):
+                    BlockSpace.from_manifest(path, 4, 0)
 
 
 class LeaseTableTest(unittest.TestCase):
@@ -501,6 +509,19 @@ class HTTPTest(unittest.TestCase):
                              cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PWW_TOKEN": "tok"})
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertIn("a ", out.stdout)
+
+    def test_register_and_status_describe_the_space_a_site_can_rebuild(self):
+        d = self.live.space.digest()
+        for reply in (self.client.register("a", "x", d), self.client.status()):
+            self.assertEqual(reply["digest"], d)
+            sp = reply["space"]
+            self.assertEqual((sp["num_samples"], sp["block_size"], sp["seed"], sp["algorithm"]),
+                             (100, 1, 0, darl_table.PERMUTATION_VERSION))
+            self.assertIn("manifest_digest", sp)
+            rebuilt = BlockSpace(sp["num_samples"], sp["block_size"], sp["seed"], sp["manifest_digest"])
+            self.assertEqual(rebuilt.digest(), d)
+        status, reply = self.raw("/register", {"cluster": "b", "incarnation": "y", "digest": "wrong"})
+        self.assertEqual((status, reply["digest"], reply["space"]["num_blocks"]), (409, d, 100))
 
     def test_session_ttl_follows_phase_time_and_rtt(self):
         s = darl_client.LeaseSession(self.client, "a", self.live.space.digest(), phase_s=2.0)

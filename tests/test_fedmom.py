@@ -17,6 +17,7 @@ import numpy as np
 
 import blobstore
 import darl_server
+import darl_table
 import fedmom_client
 import fedmom_server as fm
 import httpd
@@ -333,7 +334,7 @@ class LiveServerTest(Fixture):
         return server.url
 
     def test_membership_0_1_2_1_with_both_transports_and_darl_commits(self):
-        coord = darl_server.Coordinator(darl_server.BlockSpace(1000, 1, 0))
+        coord = darl_server.Coordinator(darl_table.BlockSpace(1000, 1, 0))
         darl_url = self.serve(darl_server.make_routes(coord))
         store = blobstore.BlobStore(os.path.join(self.dir, "blobs"), 1 << 34, 1 << 32)
         blob_url = self.serve(blobstore.make_routes(store))
