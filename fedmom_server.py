@@ -1,8 +1,9 @@
 """fedmom_server.py - the central FedMom aggregator: one global model, merged from the sites' deltas.
 
-Runs on: the central VM (CPU only). Python standard library + numpy + tensorio.py;
-never imports torch, so copying httpd.py, tensorio.py and this file onto a bare
-Python 3 with numpy is the whole install (blobstore.py too for the blob transport).
+Runs on: the central VM (CPU only). Python standard library + numpy; never imports
+torch, so copying httpd.py, tensorio.py, fedmom_merge.py (the merge arithmetic and the
+delta checks) and this file onto a bare Python 3 with numpy is the whole install
+(blobstore.py too for the blob transport).
 
     # first start: the initial model (any float dtype; theta_global is kept in fp32)
     python fedmom_server.py --state-dir state/fedmom --init init.safetensors
@@ -26,9 +27,9 @@ tokens each site trained on; p_i = tokens_i / sum(tokens); the pseudo-gradient i
 g = theta_global - sum_i p_i theta_i = -sum_i p_i d_i, and theta_global takes one
 step of torch.optim.SGD(lr, momentum=mu, nesterov=True, dampening=0) with grad = g:
     buf = g (first step) or mu * buf + g;   theta -= lr * (g + mu * buf)
-lr 1 / momentum 0 is exact FedAvg. The merge streams one tensor at a time from the
-delta files into tensorio writers for the new theta and momentum, so its memory is
-a few times the largest tensor, not the model.
+lr 1 / momentum 0 is exact FedAvg. The merge (fedmom_merge.py) streams one tensor at
+a time from the delta files into tensorio writers for the new theta and momentum, so
+its memory is a few times the largest tensor, not the model.
 
 Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."}):
     POST /join       {cluster, incarnation}          -> {round, heartbeat_s, ...}; 409 if
@@ -73,7 +74,6 @@ import http.client
 import json
 import math
 import os
-import queue
 import re
 import secrets
 import sys
@@ -83,13 +83,12 @@ import time
 import numpy as np
 
 import httpd
+import fedmom_merge
 import tensorio
 
 DEFAULT_PORT = 29511
 STATE_FORMAT = "pww-fedmom-state/1"
 RECORD_VERSION = 1
-DELTA_DTYPES = ("F16", "BF16", "F32")
-CHUNK = 1 << 18               # elements per arithmetic step: 1 MiB of f32 stays in cache
 EVENTS_KEPT = 500             # membership events kept in state.json (for the page and status)
 RECORDS_KEPT = 200            # round records kept in memory (the file keeps all)
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -133,202 +132,6 @@ class ServerConfig:
         if self.init is not None and not os.path.isfile(self.init):
             raise SystemExit(f"--init {self.init}: no such file")
         return self
-
-
-# ---------------------------------------------------------------- the merge arithmetic
-
-def widen(chunk, dtype, out):
-    """A delta chunk (F16, raw BF16 bits or F32) into the float32 buffer `out`, no allocation."""
-    if dtype == "BF16":
-        bits = out.view(np.uint32)
-        np.copyto(bits, chunk)
-        bits <<= np.uint32(16)          # bfloat16 is the top half of a float32
-    else:
-        np.copyto(out, chunk)
-
-
-def nesterov_chunk(theta, buf, g, tmp, lr, mu, first):
-    """One chunk of torch.optim.SGD(momentum=mu, nesterov=True, dampening=0), grad = g,
-    all in place: buf = g | mu*buf + g;  theta -= lr * (g + mu*buf). `g` is clobbered."""
-    if first:
-        np.copyto(buf, g)
-    else:
-        buf *= np.float32(mu)
-        buf += g
-    np.multiply(buf, np.float32(mu), out=tmp)
-    g += tmp
-    g *= np.float32(lr)
-    theta -= g
-
-
-def merge_tensor(theta, buf, deltas, weights, lr, mu, first, sums):
-    """Merge one flat fp32 tensor in place, chunk by chunk. deltas: [(flat array, dtype)].
-    sums["theta"] and sums["delta"][i] accumulate squared norms (for drift)."""
-    n = theta.size
-    g = np.empty(min(CHUNK, n), np.float32)
-    t = np.empty_like(g)
-    for lo in range(0, n, CHUNK):
-        hi = min(lo + CHUNK, n)
-        gc, tc, th = g[:hi - lo], t[:hi - lo], theta[lo:hi]
-        sums["theta"] += float(np.dot(th, th))
-        for i, ((d, dtype), p) in enumerate(zip(deltas, weights)):
-            x = tc if i else gc                  # g = theta - sum p_i theta_i = -sum p_i d_i
-            if dtype == "BF16":
-                widen(d[lo:hi], dtype, x)
-                x *= np.float32(-p)
-            else:                                # widen and scale in one pass
-                np.multiply(d[lo:hi], np.float32(-p), out=x, dtype=np.float32)
-            sums["delta"][i] += float(np.dot(x, x)) / (p * p)
-            if i:
-                gc += tc
-        nesterov_chunk(th, buf[lo:hi], gc, tc, lr, mu, first)
-
-
-class WriteBehind:
-    """Writes finished tensors on a background thread while the next one is computed.
-    At most `cap` bytes wait in the queue (a tensor larger than the rest waits for an
-    empty queue), so memory stays bounded by the cap plus the tensor being merged."""
-
-    def __init__(self, cap):
-        self.cap, self.inflight, self.error = cap, 0, None
-        self.cond = threading.Condition()
-        self.q = queue.Queue()
-        self.thread = threading.Thread(target=self._run, name="merge-writer", daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        while True:
-            item = self.q.get()
-            if item is None:
-                return
-            writer, name, array = item
-            try:
-                if self.error is None:
-                    writer.write(name, array)
-            except BaseException as e:   # surfaced on the next put()/finish()
-                self.error = e
-            with self.cond:
-                self.inflight -= array.nbytes
-                self.cond.notify_all()
-
-    def reserve(self, nbytes):
-        """Block until `nbytes` more may be held without passing the cap."""
-        with self.cond:
-            while self.inflight and self.inflight + nbytes > self.cap and self.error is None:
-                self.cond.wait()
-        self._raise()
-
-    def put(self, writer, name, array):
-        with self.cond:
-            self.inflight += array.nbytes
-        self.q.put((writer, name, array))
-
-    def finish(self):
-        self.q.put(None)
-        self.thread.join()
-        self._raise()
-
-    def _raise(self):
-        if self.error is not None:
-            raise self.error
-
-
-def merge_files(theta_path, momentum_path, deltas, out_theta, out_momentum, lr, mu,
-                metadata=None, fsync=True, pause_s=0.0):
-    """One durable FedMom step from files. deltas: [(path, weight)], weights summing to 1.
-    momentum_path None = first step (buf = g); out_momentum None = do not keep a buffer
-    (momentum 0). Returns {"theta_norm", "delta_norms", "bytes_read", "bytes_written"}."""
-    readers, writers = [], []
-    try:
-        tr = tensorio.TensorReader(theta_path)
-        readers.append(tr)
-        mr = tensorio.TensorReader(momentum_path) if momentum_path else None
-        readers += [mr] if mr else []
-        drs = [tensorio.TensorReader(p) for p, _ in deltas]
-        readers += drs
-        specs = [(name, "F32", tr.specs[name][1]) for name in tr.names]
-        meta = {k: str(v) for k, v in (metadata or {}).items()}
-        tw = tensorio.TensorWriter(out_theta, specs, meta, fsync=fsync)
-        writers.append(tw)
-        mw = tensorio.TensorWriter(out_momentum, specs, meta, fsync=fsync) if out_momentum else None
-        writers += [mw] if mw else []
-        largest = max((tr.nbytes(n) for n in tr.names), default=0)
-        wb = WriteBehind(cap=2 * largest)
-        sums = {"theta": 0.0, "delta": [0.0] * len(deltas)}
-        nread = 0
-        try:
-            for name in tr.names:
-                wb.reserve(2 * tr.nbytes(name))
-                theta = tr.read(name).reshape(-1)
-                buf = mr.read(name).reshape(-1) if mr else np.empty_like(theta)
-                ds = [(r.read(name).reshape(-1), r.specs[name][0]) for r in drs]
-                nread += theta.nbytes + (buf.nbytes if mr else 0) + sum(d.nbytes for d, _ in ds)
-                merge_tensor(theta, buf, ds, [w for _, w in deltas], lr, mu, mr is None, sums)
-                del ds
-                wb.put(tw, name, theta)
-                if mw:
-                    wb.put(mw, name, buf)
-                if pause_s:
-                    time.sleep(pause_s)
-        finally:
-            wb.finish()
-        for w in writers:
-            w.close()
-        nwritten = sum(os.path.getsize(w.path) for w in writers)
-        return {"theta_norm": math.sqrt(sums["theta"]), "delta_norms": [math.sqrt(s) for s in sums["delta"]],
-                "bytes_read": nread, "bytes_written": nwritten}
-    except BaseException:
-        for w in writers:
-            w.abort()
-        raise
-    finally:
-        for r in readers:
-            r.close()
-
-
-# ---------------------------------------------------------------- delta checks
-
-class DeltaRejected(Exception):
-    """A delta that must not be merged; `status` is the HTTP code, the message says why."""
-
-    def __init__(self, status, reason):
-        super().__init__(reason)
-        self.status, self.reason = status, reason
-
-
-def check_delta_file(path, specs):
-    """Header checks, then a tensor-by-tensor finiteness scan; raises DeltaRejected.
-    specs: {name: shape} of theta_global. Nothing is read twice into memory."""
-    try:
-        r = tensorio.TensorReader(path)
-    except tensorio.FormatError as e:
-        raise DeltaRejected(400, f"not a tensor file: {str(e).replace(path, 'the delta')}")
-    with r:
-        missing, extra = sorted(set(specs) - set(r.names)), sorted(set(r.names) - set(specs))
-        if missing or extra:
-            raise DeltaRejected(400, f"delta names differ from theta_global: missing {missing[:5]}, "
-                                     f"unexpected {extra[:5]}")
-        for name in r.names:
-            dtype, shape = r.specs[name]
-            if dtype not in DELTA_DTYPES:
-                raise DeltaRejected(400, f"tensor {name!r} is {dtype}; deltas must be F16, BF16 or F32")
-            if shape != specs[name]:
-                raise DeltaRejected(400, f"tensor {name!r} has shape {list(shape)}, "
-                                         f"theta_global has {list(specs[name])}")
-        for name in r.names:
-            if not _all_finite(r.read(name).reshape(-1), r.specs[name][0]):
-                raise DeltaRejected(422, f"tensor {name!r} holds NaN or Inf")
-
-
-def _all_finite(a, dtype):
-    for lo in range(0, a.size, 1 << 22):
-        c = a[lo:lo + (1 << 22)]
-        if dtype == "BF16":      # exponent bits all ones = Inf or NaN
-            if np.any((c & np.uint16(0x7F80)) == np.uint16(0x7F80)):
-                return False
-        elif not np.isfinite(c).all():
-            return False
-    return True
 
 
 # ---------------------------------------------------------------- durable files
@@ -745,8 +548,8 @@ class FedMomState:
                 if (meta["cluster"], meta["incarnation"]) in self.pending:   # a retry whose reply was lost
                     return {"accepted": True, "duplicate": True, "round": self.round}
             try:
-                check_delta_file(part_path, self.specs)
-            except DeltaRejected as e:
+                fedmom_merge.check_delta_file(part_path, self.specs)
+            except fedmom_merge.DeltaRejected as e:
                 with self.lock:
                     self._exclude(meta, e.reason)
                 raise Refused(e.status, e.reason, code="bad_delta", round=self.round)
@@ -831,12 +634,13 @@ class FedMomState:
         new = self.round + 1
         mu = self.cfg.outer_momentum
         t0 = self.clock()
-        stats = merge_files(os.path.join(self.dir, self.theta_file),
-                            os.path.join(self.dir, self.momentum_file) if self.momentum_file else None,
-                            [(p.path, w) for p, w in zip(batch, weights)],
-                            os.path.join(self.dir, f"theta-{new}.safetensors"),
-                            os.path.join(self.dir, f"momentum-{new}.safetensors") if mu > 0 else None,
-                            self.cfg.outer_lr, mu, {"round": str(new)}, self.cfg.fsync, self.merge_pause_s)
+        stats = fedmom_merge.merge_files(
+            os.path.join(self.dir, self.theta_file),
+            os.path.join(self.dir, self.momentum_file) if self.momentum_file else None,
+            [(p.path, w) for p, w in zip(batch, weights)],
+            os.path.join(self.dir, f"theta-{new}.safetensors"),
+            os.path.join(self.dir, f"momentum-{new}.safetensors") if mu > 0 else None,
+            self.cfg.outer_lr, mu, {"round": str(new)}, self.cfg.fsync, self.merge_pause_s)
         stats["merge_s"] = self.clock() - t0
         stats["weights"] = weights
         return stats

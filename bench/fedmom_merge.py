@@ -1,6 +1,6 @@
 """bench/fedmom_merge.py - how fast is one durable FedMom merge of a Qwen3-0.6B-shaped model?
 
-Runs on: the central VM (or any CPU box): stdlib + numpy + tensorio + fedmom_server.
+Runs on: the central VM (or any CPU box): stdlib + numpy + tensorio + fedmom_merge.
     python bench/fedmom_merge.py [--dir /tmp/fedmom-bench] [--deltas 2] [--repeats 2] [--keep]
 Needs ~15 GB free in --dir (theta + momentum fp32, two fp16 deltas, the new theta and
 momentum). Prints the merge's seconds, GB/s and peak RSS beside a baseline measured in
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import numpy as np  # noqa: E402
 
-import fedmom_server  # noqa: E402
+import fedmom_merge  # noqa: E402
 import tensorio  # noqa: E402
 
 VOCAB, DIM, LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 131_328, 1024, 28, 16, 8, 128, 3072
@@ -56,6 +56,15 @@ def peak_rss_bytes():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def fsync_dir(path):
+    """The rename/creation of a file is durable only once its directory is fsync'd (as the merge does)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def make_files(d, ndeltas):
@@ -94,7 +103,7 @@ def baseline(d, ndeltas):
                 left -= n
                 nwritten += n
             os.fsync(f.fileno())
-        fedmom_server.fsync_dir(d)
+        fsync_dir(d)
     dt = time.perf_counter() - t0
     for fn in ("base-theta.out", "base-momentum.out"):
         os.unlink(os.path.join(d, fn))
@@ -106,9 +115,9 @@ def merge(d, ndeltas):
     deltas = [(os.path.join(d, f"delta{i}.safetensors"), w) for i, w in
               enumerate(np.full(ndeltas, 1.0 / ndeltas))]
     t0 = time.perf_counter()
-    st = fedmom_server.merge_files(os.path.join(d, "theta.safetensors"), os.path.join(d, "momentum.safetensors"),
-                                   deltas, os.path.join(d, "theta-new.safetensors"),
-                                   os.path.join(d, "momentum-new.safetensors"), 0.7, 0.9, {"round": "1"})
+    st = fedmom_merge.merge_files(os.path.join(d, "theta.safetensors"), os.path.join(d, "momentum.safetensors"),
+                                  deltas, os.path.join(d, "theta-new.safetensors"),
+                                  os.path.join(d, "momentum-new.safetensors"), 0.7, 0.9, {"round": "1"})
     dt = time.perf_counter() - t0
     for fn in ("theta-new.safetensors", "momentum-new.safetensors"):
         os.unlink(os.path.join(d, fn))

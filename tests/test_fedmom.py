@@ -24,7 +24,7 @@ import httpd
 import tensorio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# one tensor bigger than fm.CHUNK, so the chunk loop runs more than once
+# one tensor bigger than fedmom_merge.CHUNK, so the chunk loop runs more than once
 SHAPES = {"embed": (300, 1000), "layer.w": (64, 48), "layer.b": (48,), "norm": (7,)}
 
 
