@@ -1,0 +1,924 @@
+"""demo.py - `make demo`: two sites train ONE model through the central services, on this CPU.
+
+What it shows, in the order it happens (about 5-7 minutes on 2 CPU cores):
+  1. tokenizes the embedded corpus (this Python's own standard-library sources, capped
+     at --corpus-mb) into fixed windows, and writes the initial model with
+     `train.py --export-init`;
+  2. starts the three central services on 127.0.0.1 with a fresh shared token:
+     darl_server.py (which blocks of the corpus each site may train), fedmom_server.py
+     (the global model, merged from the sites' deltas with Nesterov momentum) and
+     blobstore.py (large files);
+  3. launches two sites as separate `torchrun --standalone --nproc-per-node 2 train.py
+     --federation ...` jobs on the CPU: "alpha" shards the model with FSDP2, "beta"
+     replicates it with DDP and is made slower on purpose (--throttle-ms);
+  4. SIGKILLs one site's whole process group in the middle of an inner phase (a node
+     lost, a job hitting its walltime) and restarts it at once with --resume auto. The
+     new process has to wait until DARL and FedMom let the dead incarnation's leases
+     and membership expire (a short TTL here, minutes on a real run), then resumes
+     from its checkpoint; the blocks the dead process was training go back to the pool;
+  5. runs until DARL has no block left, then prints the summary and exits non-zero if
+     any check fails.
+
+How to read the output:
+  "round N merged ..."   one line per merge of the global model: the token-weighted
+                         training loss of the deltas in it, which sites contributed, and
+                         how much of the corpus DARL has seen committed.
+  "live: ..."            which sites are members of the federation right now.
+  the summary            merged rounds, a table and sparkline of the loss per round,
+                         the held-out loss of the initial and the final global model,
+                         the DARL coverage audit, where the logs and the saved status
+                         page are, and PASS/FAIL per check.
+
+Run:
+    make demo                          # = .venv/bin/python demo.py (after make setup)
+    .venv/bin/python demo.py --help    # sizes, timings, which site is killed
+    .venv/bin/python demo.py --kill-site none --corpus-mb 0.5    # a shorter run without the kill
+
+Where: everything goes under --out (default runs/demo/), which the demo wipes first
+(it holds only what an earlier demo wrote):
+    data/          the tokenized corpus (manifest.json + token shards) and init.safetensors
+    central/       the services' durable state: darl/ (WAL, snapshot), fedmom/ (theta,
+                   momentum, state.json, rounds.jsonl), blobs/
+    sites/<site>/  each site's train.log, metrics.jsonl, checkpoints/
+    logs/          stdout+stderr of every process the demo started
+    status.html    FedMom's status page, saved before the servers stop
+    summary.txt    the summary printed at the end
+Ports: 29510 (DARL), 29511 (FedMom), 29512 (blobs) when free, else free ports the
+kernel picks; all bound to 127.0.0.1, every call but /health (and FedMom's page)
+needs the random token in <out>/token. The demo stops every process it started,
+also on Ctrl-C or an error.
+
+bench/convergence.py imports the orchestration helpers below (Launcher,
+start_services, launch_site, export_init, heldout_loss, ...).
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import httpd
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_PORTS = {"darl": 29510, "fedmom": 29511, "blob": 29512}
+SCRIPTS = {"darl": "darl_server.py", "fedmom": "fedmom_server.py", "blob": "blobstore.py"}
+LISTENING = re.compile(r"listening on (http://\S+)\s*$")
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def say(msg=""):
+    print(msg, flush=True)
+
+
+def stamp(t0):
+    s = int(time.monotonic() - t0)
+    return f"[{s // 60:2d}:{s % 60:02d}]"
+
+
+# ---------------------------------------------------------------------------
+# Processes: every child in its own session, so one SIGKILL reaches a whole
+# torchrun job (launcher + ranks) and Ctrl-C in the terminal reaches only us.
+# ---------------------------------------------------------------------------
+
+class Proc:
+    """One started command: its own process group, output appended to `log_path`."""
+
+    def __init__(self, name, cmd, log_path, env=None):
+        self.name, self.cmd, self.log_path = name, [str(c) for c in cmd], log_path
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        with open(log_path, "ab") as out:
+            self.popen = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
+                                          start_new_session=True)
+        self.pid = self.popen.pid
+
+    def poll(self):
+        return self.popen.poll()
+
+    def alive(self):
+        return self.popen.poll() is None
+
+    def signal_group(self, sig):
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def group_gone(self):
+        self.popen.poll()               # reap our child, or the group looks alive as a zombie
+        try:
+            os.killpg(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def stop(self, grace_s=20.0):
+        """SIGTERM the group, SIGKILL it after grace_s; returns the leader's exit code."""
+        if not self.group_gone():
+            self.signal_group(signal.SIGTERM)
+            if not wait_for(self.group_gone, grace_s, 0.1):
+                self.signal_group(signal.SIGKILL)
+                wait_for(self.group_gone, 30.0, 0.1)
+        try:
+            return self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def tail(self, n=15):
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - 16384))
+                return f.read().decode(errors="replace").splitlines()[-n:]
+        except OSError:
+            return []
+
+
+class Launcher:
+    """Starts processes and guarantees they all stop: `with Launcher() as L: ...`.
+    Sites are stopped before the services (a site's last calls need them)."""
+
+    def __init__(self):
+        self.procs = []
+
+    def start(self, name, cmd, log_path, env=None):
+        p = Proc(name, cmd, log_path, env)
+        self.procs.append(p)
+        return p
+
+    def stop_all(self, grace_s=20.0):
+        for p in reversed(self.procs):
+            p.stop(grace_s)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_all()
+        return False
+
+
+def wait_for(cond, timeout_s, interval_s=0.2):
+    """Poll cond() until truthy (returns its value) or timeout_s passes (returns None)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(interval_s)
+
+
+def _sigterm_as_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+# ---------------------------------------------------------------------------
+# Corpus, initial model, held-out loss
+# ---------------------------------------------------------------------------
+
+def tokenize(out_dir, corpus_bytes, seq_len, heldout_windows):
+    """The stdlib corpus, capped at corpus_bytes, as windows of seq_len+1 bytes -> manifest dict."""
+    import tokenize_corpus
+    cfg = tokenize_corpus.TokenizeConfig(inputs=[], out=out_dir, seq_len=seq_len,
+                                         heldout_windows=heldout_windows, max_bytes=int(corpus_bytes),
+                                         progress=False)
+    m = tokenize_corpus.tokenize(cfg)
+    m["path"] = os.path.join(out_dir, "manifest.json")
+    return m
+
+
+def export_init(launcher, path, manifest, model, seed, log_path):
+    """`train.py --export-init`: the initial global model (fp32 tensor file) FedMom starts from."""
+    p = launcher.start("export-init", [sys.executable, "train.py", "--export-init", path, "--model", model,
+                                       "--data", manifest, "--seed", seed, "--device", "cpu"],
+                       log_path, env=site_env())
+    rc = p.popen.wait()
+    if rc != 0 or not os.path.exists(path):
+        raise RuntimeError(f"train.py --export-init failed (exit {rc}); see {log_path}:\n  "
+                           + "\n  ".join(p.tail()))
+    return path
+
+
+def heldout_loss(theta_path, manifest, model="qwen3-tiny", windows=None, batch=16):
+    """Mean next-token loss (nats) of the weights in a tensorio file on the held-out windows.
+
+    Built unsharded on the CPU; parameters are matched by name (the names of
+    named_parameters(), which list a tied weight once, as --export-init and FedMom do).
+    Imports torch here, not at module level: the rest of this file needs none.
+    """
+    import torch
+    import torch.nn.functional as F
+    import data
+    import models
+    import tensorio
+    w = data.TokenWindows(manifest)
+    net = models.materialize(models.build_model(model, w.vocab_size, w.seq_len), torch.device("cpu"))
+    with tensorio.TensorReader(theta_path) as r:
+        with torch.no_grad():
+            for name, p in net.named_parameters():
+                if name not in r.specs:
+                    raise KeyError(f"{theta_path} has no tensor {name!r}: not a {model} model file")
+                p.copy_(torch.from_numpy(r.read(name, as_float32=True)).view(p.shape))
+    net.eval()
+    idx = list(w.heldout_indices(windows))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(idx), batch):
+            t = torch.from_numpy(w.batch(idx[i:i + batch]))
+            logits = net(t[:, :-1])
+            total += F.cross_entropy(logits.flatten(0, 1).float(), t[:, 1:].flatten(), reduction="sum").item()
+            count += t[:, 1:].numel()
+    return total / count
+
+
+# ---------------------------------------------------------------------------
+# Central services
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Services:
+    darl: str
+    fedmom: str
+    blob: str
+    state_dir: str
+    token_file: str
+    procs: dict
+
+    @property
+    def token(self):
+        return httpd.load_token(self.token_file)
+
+
+def make_token(path):
+    """A fresh random bearer token in `path` (mode 600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    return path
+
+
+def port_is_free(port):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def wait_listening(proc, timeout_s=60.0):
+    """The URL a server printed ("... listening on http://...") once it is serving."""
+    def url():
+        for line in proc.tail(50):
+            m = LISTENING.search(line)
+            if m:
+                return m.group(1)
+        return None
+    found = wait_for(lambda: url() or (proc.poll() is not None and "exited"), timeout_s, 0.05)
+    if found in (None, "exited"):
+        raise RuntimeError(f"{proc.name} did not start (exit {proc.poll()}); see {proc.log_path}:\n  "
+                           + "\n  ".join(proc.tail()))
+    return found
+
+
+def start_server(launcher, kind, args, log_dir, default_ports=True):
+    """One central server on 127.0.0.1: its default port if free, else a free one."""
+    ports = [DEFAULT_PORTS[kind]] if default_ports and port_is_free(DEFAULT_PORTS[kind]) else []
+    for port in ports + [0]:
+        proc = launcher.start(kind, [sys.executable, SCRIPTS[kind], *args, "--port", port],
+                              os.path.join(log_dir, f"{kind}.log"))
+        try:
+            url = wait_listening(proc)
+            httpd.wait_healthy(url, 30)
+            return proc, url
+        except RuntimeError:
+            if port == 0:
+                raise
+            proc.stop(5)             # the default port was taken in between: take any
+    raise AssertionError("unreachable")
+
+
+def start_services(launcher, out_dir, manifest, init, *, block_size, seed=0, darl_args=(), fedmom_args=(),
+                   default_ports=True):
+    """DARL, the blob store and FedMom (in that order: FedMom is given the other two's URLs),
+    with state under out_dir/central/, logs under out_dir/logs/, a new token in out_dir/token."""
+    state, logs = os.path.join(out_dir, "central"), os.path.join(out_dir, "logs")
+    os.makedirs(state, exist_ok=True)
+    token = make_token(os.path.join(out_dir, "token"))
+    common = ["--token-file", token]
+    procs = {}
+    procs["darl"], darl = start_server(launcher, "darl", ["--manifest", manifest, "--block-size", block_size,
+                                                          "--seed", seed, "--state-dir", state, *common,
+                                                          *darl_args], logs, default_ports)
+    procs["blob"], blob = start_server(launcher, "blob", ["--root", os.path.join(state, "blobs"), *common],
+                                       logs, default_ports)
+    procs["fedmom"], fedmom = start_server(launcher, "fedmom", ["--state-dir", os.path.join(state, "fedmom"),
+                                                                "--init", init, "--darl", darl, "--blob-url", blob,
+                                                                *common, *fedmom_args], logs, default_ports)
+    return Services(darl, fedmom, blob, state, token, procs)
+
+
+def fetch_page(url, path, token=None):
+    """Save GET / (the FedMom status page) to `path`; returns path."""
+    req = urllib.request.Request(url.rstrip("/") + "/", headers=httpd.auth_headers(token))
+    with urllib.request.urlopen(req, timeout=30) as r, open(path, "wb") as f:
+        f.write(r.read())
+    return path
+
+
+# ---------------------------------------------------------------------------
+# Sites
+# ---------------------------------------------------------------------------
+
+def site_env():
+    """One OpenMP thread per rank: 4 ranks on 2 cores oversubscribe anyway, and more
+    threads per rank only add contention."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("PWW_TOKEN", None)
+    return env
+
+
+def site_command(name, services, manifest, *, nproc, parallel, runs_dir, train_args=(), resume=False,
+                 throttle_ms=0, transport="auto", replica=None):
+    """The torchrun command line of one federated site (a pure function: tested)."""
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", nproc,
+           "train.py", "--device", "cpu", "--data", manifest, "--parallel", parallel,
+           "--federation", services.fedmom, "--darl-url", services.darl, "--blob-url", services.blob,
+           "--token-file", services.token_file, "--site", name, "--transport", transport,
+           "--runs-dir", runs_dir, "--run-name", name if replica is None else f"{name}-{replica}",
+           *train_args]
+    if replica is not None:
+        cmd += ["--replica", replica]
+    if throttle_ms:
+        cmd += ["--throttle-ms", throttle_ms]
+    if resume:
+        cmd += ["--resume", "auto"]
+    return [str(c) for c in cmd]
+
+
+def launch_site(launcher, name, services, manifest, *, log_dir, nproc=2, parallel="fsdp", runs_dir,
+                train_args=(), resume=False, throttle_ms=0, transport="auto", replica=None, log_name=None):
+    cmd = site_command(name, services, manifest, nproc=nproc, parallel=parallel, runs_dir=runs_dir,
+                       train_args=train_args, resume=resume, throttle_ms=throttle_ms, transport=transport,
+                       replica=replica)
+    return launcher.start(name, cmd, os.path.join(log_dir, f"{log_name or name}.log"), env=site_env())
+
+
+def read_jsonl(path):
+    """Rows of a JSON-lines file; a torn last line (a writer killed mid-line) is skipped."""
+    rows = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    pass
+    except FileNotFoundError:
+        pass
+    return rows
+
+
+def get_json(url, path, token, timeout=10.0):
+    """GET url+path -> dict, or None when the server does not answer."""
+    try:
+        return httpd.call(url, "GET", path, token=token, timeout=timeout)
+    except (OSError, httpd.CallError, ValueError):
+        return None
+    except Exception:            # http.client.HTTPException and friends: treat as "no answer"
+        return None
+
+
+# ---------------------------------------------------------------------------
+# Summary and audits: plain functions of records (tests/test_demo.py feeds them)
+# ---------------------------------------------------------------------------
+
+def sparkline(values):
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return ""
+    lo, hi = min(vals), max(vals)
+    span = (hi - lo) or 1.0
+    return "".join(" " if v is None or not math.isfinite(v) else SPARK[min(7, int((v - lo) / span * 8))]
+                   for v in values)
+
+
+def round_table(records):
+    """Lines of a table: one row per merged round of rounds.jsonl."""
+    lines = [f"  {'round':>5} {'loss':>7} {'tokens':>8}  sites"]
+    for r in records:
+        loss = "-" if r.get("loss") is None else f"{r['loss']:.3f}"
+        sites = ", ".join(sorted(r.get("clusters", {})))
+        lines.append(f"  {r['round']:>5} {loss:>7} {r.get('tokens', 0):>8}  {sites}")
+    return lines
+
+
+def loss_trend(records, k=3):
+    """(first, last, ok): mean training loss of the first k and the last k merged rounds;
+    ok when the last are lower. With fewer than 2 rounds nothing can be said: not ok."""
+    losses = [r["loss"] for r in records if r.get("loss") is not None]
+    if len(losses) < 2:
+        return None, None, False
+    k = max(1, min(k, len(losses) // 2))
+    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    return first, last, last < first
+
+
+def audit_darl_status(st):
+    """DARL's own books (GET /status): (ok, lines). Exactly once = every block committed,
+    none leased, free or quarantined, the per-cluster counts summing to the total, and
+    the coordinator's invariant check clean."""
+    n, committed = st.get("num_blocks", 0), st.get("committed", 0)
+    per = {c["cluster"]: c["committed"] for c in st.get("clusters", [])}
+    problems = []
+    if committed != n:
+        problems.append(f"{n - committed} of {n} blocks not committed")
+    for key in ("free", "leased", "quarantined"):
+        if st.get(key):
+            problems.append(f"{st[key]} blocks {key}")
+    if sum(per.values()) != committed:
+        problems.append(f"per-site commits sum to {sum(per.values())}, the committed set holds {committed}")
+    if st.get("invariant_error"):
+        problems.append(f"invariant violated: {st['invariant_error']}")
+    line = (f"DARL books: {committed}/{n} blocks committed, " +
+            ", ".join(f"{c} {k}" for c, k in sorted(per.items())) +
+            f" (sum {sum(per.values())}); free {st.get('free', 0)}, leased {st.get('leased', 0)}, "
+            f"quarantined {st.get('quarantined', 0)}")
+    return not problems, [line] + [f"  !! {p}" for p in problems]
+
+
+def committed_runs(table):
+    """From a DARL snapshot's table: [(start, end, cluster, incarnation, lease)] of every
+    committed position run, rebuilt lease by lease ([first, start) of each lease, all of
+    it once done), i.e. not from the coordinator's own `committed` set."""
+    runs = []
+    for row in list(table.get("leases", [])) + list(table.get("closed", [])):
+        lid, cluster, inc, first, start = row[0], row[1], row[2], row[3], row[4]
+        if start > first:
+            runs.append((first, start, cluster, inc, lid))
+    return sorted(runs)
+
+
+def audit_lease_runs(runs, num_blocks):
+    """(ok, lines, per_cluster): the lease-by-lease runs cover [0, num_blocks) exactly once."""
+    problems, pos, per = [], 0, {}
+    for s, e, cluster, _inc, lid in runs:
+        if s < pos:
+            problems.append(f"positions [{s}, {min(e, pos)}) committed twice (lease {lid} of {cluster})")
+        elif s > pos:
+            problems.append(f"positions [{pos}, {s}) committed by no lease")
+        pos = max(pos, e)
+        per[cluster] = per.get(cluster, 0) + (e - s)
+    if pos < num_blocks:
+        problems.append(f"positions [{pos}, {num_blocks}) committed by no lease")
+    line = (f"lease by lease (DARL snapshot): {len(runs)} leases committed "
+            f"{sum(e - s for s, e, *_ in runs)} positions, " + ", ".join(f"{c} {k}" for c, k in sorted(per.items())))
+    return not problems, [line] + [f"  !! {p}" for p in problems[:10]], per
+
+
+def audit_tokens(records, train_windows, seq_len):
+    """FedMom's books against the corpus: the merged deltas' token counts (rounds.jsonl)
+    sum to the training windows x seq_len exactly when every training window went into
+    the global model once (a window merged twice or never shows as a difference)."""
+    merged = sum(int(r.get("tokens", 0)) for r in records)
+    want = train_windows * seq_len
+    ok = merged == want
+    line = (f"FedMom books: merged deltas carry {merged:,} tokens; the corpus has {train_windows:,} "
+            f"training windows x {seq_len} = {want:,}" + ("" if ok else f"  !! differs by {merged - want:+,}"))
+    return ok, [line]
+
+
+def audit_site_leases(site_rows, runs):
+    """Cross-check, when the sites' federation rows name their leases: the leases of the
+    deltas FedMom merged are exactly the leases DARL shows committed. None if not recorded."""
+    named = {}
+    for site, rows in site_rows.items():
+        for r in rows:
+            if r.get("split") == "federation" and r.get("merged") and r.get("leases"):
+                for lease in r["leases"]:
+                    lid = lease.get("lease", lease.get("id")) if isinstance(lease, dict) else lease
+                    named[lid] = site
+    if not named:
+        return None, ["sites' federation rows name no leases: lease-level cross-check with FedMom not possible"]
+    committed = {lid: cluster for *_r, cluster, _inc, lid in runs}
+    missing = sorted(set(committed) - set(named))
+    extra = sorted(set(named) - set(committed))
+    ok = not missing and not extra
+    line = (f"merged deltas (sites' federation rows) name {len(named)} leases; DARL shows "
+            f"{len(committed)} leases with committed blocks" + ("; the same set" if ok else ""))
+    lines = [line]
+    if missing:
+        lines.append(f"  !! committed but in no merged delta: leases {missing[:10]}")
+    if extra:
+        lines.append(f"  !! in a merged delta but never committed: leases {extra[:10]}")
+    return ok, lines
+
+
+def format_checks(checks):
+    """[(name, ok, detail)] -> lines with PASS/FAIL; ok None = not checked (INFO)."""
+    out = []
+    for name, ok, detail in checks:
+        tag = "INFO" if ok is None else ("PASS" if ok else "FAIL")
+        out.append(f"  {tag}  {name}" + (f": {detail}" if detail else ""))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The demo
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class DemoConfig:
+    out: str = "runs/demo"
+    corpus_mb: float = 1.2
+    seq_len: int = 128
+    heldout_windows: int = 64
+    block_size: int = 16
+    model: str = "qwen3-tiny"
+    batch_size: int = 8
+    inner_steps: int = 20
+    lr: float = 3e-3
+    ranks: int = 2
+    throttle_ms: int = 40
+    kill_site: str = "alpha"
+    kill_after_round: int = 3
+    lease_ttl_s: float = 15.0
+    member_timeout_s: float = 15.0
+    round_deadline_s: float = 90.0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    timeout_min: float = 9.0
+    seed: int = 0
+
+    def validate(self):
+        checks = [(self.corpus_mb > 0, "--corpus-mb must be > 0"),
+                  (self.seq_len >= 8, "--seq-len must be >= 8"),
+                  (self.block_size >= 1, "--block-size must be >= 1 window"),
+                  (self.inner_steps >= 1, "--inner-steps must be >= 1"),
+                  (self.ranks >= 1, "--ranks must be >= 1"),
+                  (self.kill_site in ("alpha", "beta", "none"), "--kill-site must be alpha, beta or none"),
+                  (self.kill_after_round >= 1, "--kill-after-round must be >= 1"),
+                  (self.lease_ttl_s >= 5, "--lease-ttl-s must be >= 5 s (heartbeats come every TTL/3)"),
+                  (self.member_timeout_s >= 5, "--member-timeout-s must be >= 5 s"),
+                  (self.round_deadline_s > 0, "--round-deadline-s must be > 0"),
+                  (self.timeout_min > 0, "--timeout-min must be > 0")]
+        for ok, msg in checks:
+            if not ok:
+                raise SystemExit(f"demo.py: {msg}")
+        return self
+
+
+SITES = {"alpha": "fsdp", "beta": "ddp"}
+
+
+class Demo:
+    def __init__(self, cfg: DemoConfig):
+        self.cfg, self.t0 = cfg, time.monotonic()
+        self.out = os.path.abspath(cfg.out)
+        self.logs = os.path.join(self.out, "logs")
+        self.sites_dir = os.path.join(self.out, "sites")
+        self.checks, self.notes = [], []
+        self.sites, self.exit_codes, self.seen_round = {}, {}, 0
+        self.killed = None          # {"site", "incarnation", "round"} once the kill happened
+        self.restarted_at = None
+        self.live_line = ""
+
+    def log(self, msg):
+        say(f"{stamp(self.t0)} {msg}")
+
+    # -- stages ------------------------------------------------------------
+
+    def header(self):
+        c = self.cfg
+        kill = ("no site is killed (--kill-site none)" if c.kill_site == "none" else
+                f"after round {c.kill_after_round}, site {c.kill_site} is SIGKILLed mid-phase and restarted "
+                f"with --resume auto")
+        say("=" * 78)
+        say("pww demo: two sites train ONE model through the central services, on this CPU")
+        say("=" * 78)
+        say(f"  corpus    this Python's standard library, first {c.corpus_mb:g} MB, byte tokens, "
+            f"windows of {c.seq_len}")
+        say(f"  model     {c.model}, the same initial weights for everyone (train.py --export-init)")
+        say(f"  central   DARL (data leases, {c.block_size} windows per block), FedMom (Nesterov "
+            f"{c.outer_lr}/{c.outer_momentum}), blob store, on 127.0.0.1")
+        say(f"  sites     alpha: torchrun {c.ranks} ranks FSDP2;  beta: torchrun {c.ranks} ranks DDP, "
+            f"{c.throttle_ms} ms slower per step")
+        say(f"            each round: {c.inner_steps} inner steps on leased blocks, then the delta "
+            f"goes to FedMom")
+        say(f"  fault     {kill}")
+        say(f"  ends      when DARL has no block left; then the summary and PASS/FAIL per check")
+        say(f"  files     {self.out}/  (wiped first)")
+        say("-" * 78)
+
+    def prepare(self, launcher):
+        c = self.cfg
+        if os.path.isdir(self.out):
+            shutil.rmtree(self.out)
+        os.makedirs(self.logs)
+        data_dir = os.path.join(self.out, "data")
+        m = tokenize(data_dir, c.corpus_mb * 1e6, c.seq_len, c.heldout_windows)
+        self.manifest, self.m = m["path"], m
+        self.train_windows = m["num_windows"] - m["heldout_windows"]
+        self.num_blocks = -(-self.train_windows // c.block_size)
+        self.log(f"corpus: {m['files']} files, {m['tokens_total']:,} tokens -> {self.train_windows:,} "
+                 f"training + {m['heldout_windows']} held-out windows; DARL: {self.num_blocks} blocks")
+        self.init = export_init(launcher, os.path.join(data_dir, "init.safetensors"), self.manifest,
+                                c.model, c.seed, os.path.join(self.logs, "export-init.log"))
+        self.log(f"initial model: {self.init}")
+
+    def services(self, launcher):
+        c = self.cfg
+        ttl = c.lease_ttl_s
+        self.svc = start_services(
+            launcher, self.out, self.manifest, self.init, block_size=c.block_size, seed=c.seed,
+            darl_args=["--min-ttl", 5, "--default-ttl", ttl, "--max-ttl", ttl, "--restore-grace", ttl],
+            fedmom_args=["--outer-lr", c.outer_lr, "--outer-momentum", c.outer_momentum,
+                         "--round-deadline-s", c.round_deadline_s, "--member-timeout-s", c.member_timeout_s,
+                         "--darl-heartbeat-s", max(1.0, ttl / 5)])
+        self.token = self.svc.token
+        self.log(f"services: DARL {self.svc.darl}  FedMom {self.svc.fedmom}  blobs {self.svc.blob}")
+        self.log(f"status page (while the demo runs): {self.svc.fedmom}/")
+
+    def train_args(self):
+        c = self.cfg
+        return ["--model", c.model, "--batch-size", c.batch_size, "--lr", c.lr, "--seed", c.seed,
+                "--diloco-inner-steps", c.inner_steps, "--log-every", 5,
+                "--eval-windows", c.heldout_windows]
+
+    def launch(self, launcher, name, resume=False):
+        c = self.cfg
+        tag = f"{name}-restart" if resume else name
+        self.sites[name] = launch_site(launcher, name, self.svc, self.manifest, log_dir=self.logs, nproc=c.ranks,
+                                       parallel=SITES[name], runs_dir=self.sites_dir, train_args=self.train_args(),
+                                       resume=resume, throttle_ms=c.throttle_ms if name == "beta" else 0,
+                                       log_name=tag)
+        self.log(f"site {name} started: torchrun --nproc-per-node {c.ranks} train.py --parallel {SITES[name]}"
+                 + (" --throttle-ms %d" % c.throttle_ms if name == "beta" else "")
+                 + (" --resume auto" if resume else "") + f"  (log {os.path.relpath(self.sites[name].log_path)})")
+
+    # -- the watch loop ----------------------------------------------------
+
+    def train_rows(self, name):
+        return [r for r in read_jsonl(os.path.join(self.sites_dir, name, "metrics.jsonl"))
+                if r.get("split") == "train"]
+
+    def report_rounds(self, fed, darl):
+        for rec in fed.get("recent", []):
+            if rec["round"] <= self.seen_round:
+                continue
+            self.seen_round = rec["round"]
+            loss = "-" if rec.get("loss") is None else f"{rec['loss']:.3f}"
+            done = f"{darl.get('committed', '?')}/{darl.get('num_blocks', '?')}" if darl else "?"
+            self.log(f"round {rec['round']:>3} merged: loss {loss}  tokens {rec.get('tokens', 0):>6}  "
+                     f"from {', '.join(sorted(rec.get('clusters', {}))) or '-'}  "
+                     f"[DARL {done} blocks committed]")
+
+    def report_live(self, fed):
+        members = {m["cluster"]: m for m in fed.get("members", [])}
+        parts = []
+        for name in SITES:
+            p = self.sites.get(name)
+            proc = "running" if p and p.alive() else ("exited" if p else "-")
+            parts.append(f"{name} {'member' if name in members else 'not a member'} ({proc})")
+        line = "live: " + ";  ".join(parts)
+        if line != self.live_line:
+            self.live_line = line
+            self.log(line)
+
+    def maybe_kill(self, launcher, fed, kill_state):
+        c = self.cfg
+        if c.kill_site == "none" or self.killed is not None:
+            return
+        victim = c.kill_site
+        if kill_state.get("rows") is None:
+            if fed.get("round", 0) >= c.kill_after_round:
+                kill_state["rows"] = len(self.train_rows(victim))      # wait for a train row of the new phase
+            return
+        if len(self.train_rows(victim)) <= kill_state["rows"]:
+            return
+        inc = next((m["incarnation"] for m in fed.get("members", []) if m["cluster"] == victim), None)
+        self.sites[victim].signal_group(signal.SIGKILL)
+        wait_for(self.sites[victim].group_gone, 30, 0.05)
+        self.killed = {"site": victim, "incarnation": inc, "round": fed.get("round")}
+        self.exit_codes[f"{victim} (killed)"] = self.sites[victim].poll()
+        self.log(f"*** SIGKILL site {victim} (torchrun and its {c.ranks} ranks) in the middle of its inner "
+                 f"phase on round {fed.get('round')}")
+        self.launch(launcher, victim, resume=True)
+        self.restarted_at = time.monotonic()
+        self.log(f"    {victim} must now wait until DARL and FedMom give up on the dead incarnation "
+                 f"(lease TTL {c.lease_ttl_s:g} s, member timeout {c.member_timeout_s:g} s)")
+
+    def watch(self, launcher):
+        deadline = self.t0 + self.cfg.timeout_min * 60
+        kill_state = {}
+        while True:
+            fed = get_json(self.svc.fedmom, "/status", self.token) or {}
+            darl = get_json(self.svc.darl, "/status", self.token) or {}
+            self.report_rounds(fed, darl)
+            self.report_live(fed)
+            self.maybe_kill(launcher, fed, kill_state)
+            finished = {n: p.poll() for n, p in self.sites.items() if not p.alive()}
+            failed = {n: rc for n, rc in finished.items() if rc != 0}
+            if failed:
+                for n, rc in failed.items():
+                    self.log(f"site {n} FAILED (exit {rc}); last lines of {self.sites[n].log_path}:")
+                    for line in self.sites[n].tail():
+                        say(f"      {line}")
+                return False
+            if len(finished) == len(SITES):
+                self.log("both sites finished: DARL has no block left")
+                return True
+            if time.monotonic() > deadline:
+                self.log(f"TIMEOUT: still training after {self.cfg.timeout_min:g} min (--timeout-min)")
+                return False
+            time.sleep(1.0)
+
+    # -- the end -----------------------------------------------------------
+
+    def finish(self, launcher, trained):
+        svc = self.svc
+        for n, p in self.sites.items():
+            self.exit_codes[n] = p.stop(10)
+        wait_for(lambda: (get_json(svc.fedmom, "/status", self.token) or {}).get("pending_commits") == 0, 60, 0.5)
+        fed = get_json(svc.fedmom, "/status", self.token) or {}
+        darl = get_json(svc.darl, "/status", self.token) or {}
+        with open(os.path.join(self.out, "darl_status.json"), "w") as f:
+            json.dump(darl, f, indent=1)
+        with open(os.path.join(self.out, "fedmom_status.json"), "w") as f:
+            json.dump(fed, f, indent=1)
+        try:
+            self.page = fetch_page(svc.fedmom, os.path.join(self.out, "status.html"), self.token)
+        except OSError as e:
+            self.page = f"(not saved: {e})"
+        for p in svc.procs.values():          # SIGTERM: DARL writes its snapshot on the way out
+            p.stop(20)
+        return fed, darl
+
+    def audit(self, trained, fed, darl):
+        c, out = self.cfg, []
+        state_fed = os.path.join(self.svc.state_dir, "fedmom")
+        records = read_jsonl(os.path.join(state_fed, "rounds.jsonl"))
+        checks = self.checks
+
+        # sites
+        bad = {n: rc for n, rc in self.exit_codes.items() if "killed" not in n and rc != 0}
+        checks.append(("sites finished cleanly", trained and not bad,
+                       ", ".join(f"{n} exit {rc}" for n, rc in self.exit_codes.items())))
+        if self.killed:
+            back = [r["round"] for r in records if r["round"] > (self.killed["round"] or 0)
+                    and self.killed["site"] in r.get("clusters", {})
+                    and r["clusters"][self.killed["site"]].get("incarnation") != self.killed["incarnation"]]
+            checks.append((f"killed site {self.killed['site']} came back", bool(back),
+                           f"its new incarnation is in {len(back)} merged rounds (first: {back[0]})" if back
+                           else "its new incarnation is in no merged round"))
+
+        # rounds and loss
+        checks.append(("merged rounds", len(records) > 0, f"{len(records)}"))
+        out.append(f"Merged rounds: {len(records)}  (fedmom round {fed.get('round', '?')})")
+        out += round_table(records)
+        losses = [r.get("loss") for r in records]
+        out.append(f"  training loss per round: {sparkline(losses)}")
+        first, last, trend_ok = loss_trend(records)
+        try:
+            theta = os.path.join(state_fed, json.load(open(os.path.join(state_fed, "state.json")))["theta"])
+        except (OSError, ValueError, KeyError):
+            theta = max((os.path.join(state_fed, f) for f in os.listdir(state_fed) if f.startswith("theta-")),
+                        key=lambda p: int(re.findall(r"\d+", os.path.basename(p))[0]), default=None)
+        before = heldout_loss(self.init, self.manifest, c.model)
+        after = heldout_loss(theta, self.manifest, c.model) if theta else None
+        out.append(f"Held-out loss ({self.m['heldout_windows']} windows never trained on): "
+                   f"before {before:.4f}  after {after if after is None else format(after, '.4f')}  "
+                   f"(final global model {os.path.relpath(theta) if theta else '-'})")
+        checks.append(("training loss falls round by round", trend_ok,
+                       f"first rounds {first:.3f} -> last rounds {last:.3f}" if first is not None else "too few rounds"))
+        checks.append(("held-out loss falls", after is not None and after < before,
+                       f"{before:.4f} -> {after:.4f}" if after is not None else "no final model"))
+
+        # coverage
+        out.append("DARL coverage audit (every block committed exactly once):")
+        ok_books, lines = audit_darl_status(darl) if darl else (False, ["DARL status unavailable"])
+        out += ["  " + l for l in lines]
+        runs, ok_runs = [], False
+        snap_path = os.path.join(self.svc.state_dir, "darl", "snapshot.json")
+        try:
+            with open(snap_path) as f:
+                table = json.load(f)["table"]
+            runs = committed_runs(table)
+            ok_runs, lines, _ = audit_lease_runs(runs, table["num_blocks"])
+        except (OSError, ValueError, KeyError) as e:
+            lines = [f"no DARL snapshot to rebuild from ({snap_path}: {e})"]
+        out += ["  " + l for l in lines]
+        ok_tok, lines = audit_tokens(records, self.train_windows, c.seq_len)
+        out += ["  " + l for l in lines]
+        site_rows = {n: read_jsonl(os.path.join(self.sites_dir, n, "metrics.jsonl")) for n in SITES}
+        ok_leases, lines = audit_site_leases(site_rows, runs)
+        out += ["  " + l for l in lines]
+        out.append("  (rounds.jsonl records tokens and sites per merge, not lease ids; the lease-level check "
+                   "uses the sites' own rows)")
+        checks.append(("coverage exactly once (DARL books)", ok_books, ""))
+        checks.append(("coverage exactly once (lease by lease)", ok_runs, ""))
+        checks.append(("merged tokens = corpus tokens (FedMom vs DARL)", ok_tok, ""))
+        checks.append(("merged deltas' leases = committed leases", ok_leases, "" if ok_leases is not None
+                       else "not recorded by the sites"))
+        rejected = [r for rows in site_rows.values() for r in rows
+                    if r.get("split") == "federation" and r.get("merged") is False]
+        if self.killed or rejected:
+            out.append(f"Deltas not merged (stale base_round or excluded): {len(rejected)}")
+        return out
+
+    def summary(self, body):
+        failed = [n for n, ok, _ in self.checks if ok is False]
+        wall = time.monotonic() - self.t0
+        lines = ["", "=" * 78, "SUMMARY", "=" * 78, *body, "",
+                 "Where things are:",
+                 f"  status page (saved copy; the servers are stopped): {self.page}",
+                 f"  FedMom rounds: {os.path.relpath(os.path.join(self.svc.state_dir, 'fedmom', 'rounds.jsonl'))}",
+                 f"  site logs: {os.path.relpath(self.sites_dir)}/<site>/train.log, metrics.jsonl",
+                 f"  process output: {os.path.relpath(self.logs)}/",
+                 "", "Checks:", *format_checks(self.checks), "",
+                 f"{'FAIL: ' + ', '.join(failed) if failed else 'PASS: all checks'}  (wall time {wall / 60:.1f} min)"]
+        text = "\n".join(lines)
+        say(text)
+        with open(os.path.join(self.out, "summary.txt"), "w") as f:
+            f.write(text + "\n")
+        return 1 if failed else 0
+
+
+def run_demo(cfg: DemoConfig):
+    demo = Demo(cfg.validate())
+    demo.header()
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    with Launcher() as launcher:
+        try:
+            demo.prepare(launcher)
+            demo.services(launcher)
+            for name in SITES:
+                demo.launch(launcher, name)
+            trained = demo.watch(launcher)
+            fed, darl = demo.finish(launcher, trained)
+            body = demo.audit(trained, fed, darl)
+        except KeyboardInterrupt:
+            say(f"\n{stamp(demo.t0)} interrupted: stopping every process the demo started")
+            return 130
+        except Exception as e:
+            say(f"\n{stamp(demo.t0)} demo.py: {type(e).__name__}: {e}")
+            say("stopping every process the demo started")
+            return 1
+    return demo.summary(body)
+
+
+def build_parser():
+    d = DemoConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--out", default=d.out, help=f"working directory, wiped first (default {d.out})")
+    a("--corpus-mb", type=float, default=d.corpus_mb, help=f"stdlib source bytes to tokenize, MB (default {d.corpus_mb})")
+    a("--seq-len", type=int, default=d.seq_len, help=f"tokens per training window (default {d.seq_len})")
+    a("--heldout-windows", type=int, default=d.heldout_windows,
+      help=f"windows kept out of training for the held-out loss (default {d.heldout_windows})")
+    a("--block-size", type=int, default=d.block_size, help=f"windows per DARL block (default {d.block_size})")
+    a("--model", default=d.model, help=f"model (default {d.model})")
+    a("--batch-size", type=int, default=d.batch_size, help=f"windows per rank per step (default {d.batch_size})")
+    a("--inner-steps", type=int, default=d.inner_steps, help=f"H, inner steps per round (default {d.inner_steps})")
+    a("--lr", type=float, default=d.lr, help=f"inner AdamW peak learning rate (default {d.lr})")
+    a("--ranks", type=int, default=d.ranks, help=f"ranks per site (default {d.ranks})")
+    a("--throttle-ms", type=int, default=d.throttle_ms, help=f"extra ms per step of site beta (default {d.throttle_ms})")
+    a("--kill-site", default=d.kill_site, choices=("alpha", "beta", "none"),
+      help=f"site SIGKILLed mid-phase and restarted (default {d.kill_site})")
+    a("--kill-after-round", type=int, default=d.kill_after_round,
+      help=f"kill during the phase after this merged round (default {d.kill_after_round})")
+    a("--lease-ttl-s", type=float, default=d.lease_ttl_s,
+      help=f"DARL's longest lease TTL, s: how long a killed site's leases outlive it (default {d.lease_ttl_s:g})")
+    a("--member-timeout-s", type=float, default=d.member_timeout_s,
+      help=f"FedMom drops a silent member after this many s (default {d.member_timeout_s:g})")
+    a("--round-deadline-s", type=float, default=d.round_deadline_s,
+      help=f"FedMom merges without a late site this many s after the first delta (default {d.round_deadline_s:g})")
+    a("--outer-lr", type=float, default=d.outer_lr, help=f"FedMom outer learning rate (default {d.outer_lr})")
+    a("--outer-momentum", type=float, default=d.outer_momentum,
+      help=f"FedMom Nesterov momentum (default {d.outer_momentum})")
+    a("--timeout-min", type=float, default=d.timeout_min,
+      help=f"give up (FAIL) if training has not ended after this many minutes (default {d.timeout_min:g})")
+    a("--seed", type=int, default=d.seed, help=f"model init and DARL permutation seed (default {d.seed})")
+    return p
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
+    return run_demo(DemoConfig(**vars(a)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

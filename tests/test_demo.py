@@ -1,0 +1,245 @@
+"""demo.py's own logic, without training: the summary and audit functions on prepared
+records (and on a real DARL snapshot), the site command line, process-group kills,
+the three services started and stopped for real, and --help. The end-to-end
+federation runs live in tests/test_federation.py."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import numpy as np
+
+import darl_client
+import demo
+import httpd
+import tensorio
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tmpdir(test):
+    path = tempfile.mkdtemp(prefix="demo-test-")
+    test.addCleanup(shutil.rmtree, path, True)
+    return path
+
+
+def record(rnd, loss, tokens=1000, clusters=("alpha", "beta")):
+    return {"round": rnd, "loss": loss, "tokens": tokens,
+            "clusters": {c: {"incarnation": f"{c}-1", "tokens": tokens // len(clusters)} for c in clusters}}
+
+
+def lease_row(lid, cluster, first, start, end, state="done", inc="i1"):
+    """A DARL snapshot lease row (dataclasses.astuple of darl_table.Lease)."""
+    return [lid, cluster, inc, first, start, start, end, end, 0.0, 0, 0.0, 0.0, state]
+
+
+class SummaryTest(unittest.TestCase):
+    def test_sparkline_spans_low_to_high(self):
+        s = demo.sparkline([5.0, 4.0, 3.0, 2.0, 1.0])
+        self.assertEqual(len(s), 5)
+        self.assertEqual(s[0], demo.SPARK[-1])
+        self.assertEqual(s[-1], demo.SPARK[0])
+        self.assertEqual(demo.sparkline([]), "")
+        self.assertEqual(demo.sparkline([None, 2.0])[0], " ")
+
+    def test_loss_trend(self):
+        falling = [record(i, 5.0 - 0.3 * i) for i in range(1, 9)]
+        first, last, ok = demo.loss_trend(falling)
+        self.assertTrue(ok)
+        self.assertAlmostEqual(first, 5.0 - 0.3 * 2)
+        self.assertLess(last, first)
+        rising = [record(i, 2.0 + 0.3 * i) for i in range(1, 9)]
+        self.assertFalse(demo.loss_trend(rising)[2])
+        self.assertFalse(demo.loss_trend([record(1, 3.0)])[2], "one round proves nothing")
+        self.assertFalse(demo.loss_trend([])[2])
+
+    def test_round_table_lists_every_round_and_site(self):
+        lines = demo.round_table([record(1, 4.5), record(2, None, clusters=("alpha",))])
+        self.assertEqual(len(lines), 3)
+        self.assertIn("alpha, beta", lines[1])
+        self.assertIn("4.500", lines[1])
+        self.assertIn(" - ", lines[2])
+
+    def test_format_checks(self):
+        lines = demo.format_checks([("a", True, ""), ("b", False, "why"), ("c", None, "n/a")])
+        self.assertTrue(lines[0].strip().startswith("PASS  a"))
+        self.assertIn("FAIL  b: why", lines[1])
+        self.assertIn("INFO  c", lines[2])
+
+
+class AuditTest(unittest.TestCase):
+    def status(self, **kw):
+        st = {"num_blocks": 10, "committed": 10, "free": 0, "leased": 0, "quarantined": 0,
+              "invariant_error": None, "clusters": [{"cluster": "alpha", "committed": 6},
+                                                    {"cluster": "beta", "committed": 4}]}
+        st.update(kw)
+        return st
+
+    def test_darl_books_exactly_once(self):
+        ok, lines = demo.audit_darl_status(self.status())
+        self.assertTrue(ok, lines)
+        self.assertIn("10/10", lines[0])
+
+    def test_darl_books_each_failure_is_named(self):
+        for kw, word in (({"committed": 9, "free": 1}, "not committed"), ({"quarantined": 2}, "quarantined"),
+                         ({"leased": 1}, "leased"), ({"invariant_error": "disjointness"}, "invariant"),
+                         ({"clusters": [{"cluster": "alpha", "committed": 7},
+                                        {"cluster": "beta", "committed": 4}]}, "sum to 11")):
+            ok, lines = demo.audit_darl_status(self.status(**kw))
+            self.assertFalse(ok, kw)
+            self.assertIn(word, "\n".join(lines))
+
+    def test_lease_runs_rebuilt_from_a_snapshot_table(self):
+        table = {"num_blocks": 10,
+                 "leases": [lease_row(4, "beta", 8, 9, 10, state="live")],
+                 "closed": [lease_row(1, "alpha", 0, 5, 5), lease_row(2, "beta", 5, 8, 8),
+                            lease_row(3, "alpha", 9, 9, 10, state="expired")]}   # nothing committed
+        runs = demo.committed_runs(table)
+        self.assertEqual([r[:3] for r in runs], [(0, 5, "alpha"), (5, 8, "beta"), (8, 9, "beta")])
+        ok, lines, per = demo.audit_lease_runs(runs, 10)
+        self.assertFalse(ok, "position 9 is committed by no lease")
+        self.assertIn("[9, 10)", "\n".join(lines))
+        runs.append((9, 10, "alpha", "i2", 5))
+        ok, lines, per = demo.audit_lease_runs(sorted(runs), 10)
+        self.assertTrue(ok, lines)
+        self.assertEqual(per, {"alpha": 6, "beta": 4})
+
+    def test_lease_runs_catch_a_double_commit(self):
+        runs = [(0, 6, "alpha", "i1", 1), (4, 10, "beta", "i1", 2)]
+        ok, lines, _ = demo.audit_lease_runs(runs, 10)
+        self.assertFalse(ok)
+        self.assertIn("committed twice", "\n".join(lines))
+
+    def test_tokens_against_the_corpus(self):
+        recs = [record(1, 4.0, tokens=128 * 30), record(2, 3.0, tokens=128 * 20)]
+        self.assertTrue(demo.audit_tokens(recs, 50, 128)[0])
+        ok, lines = demo.audit_tokens(recs, 51, 128)
+        self.assertFalse(ok)
+        self.assertIn("-128", lines[0])
+
+    def test_site_leases_cross_check(self):
+        runs = [(0, 5, "alpha", "i1", 1), (5, 10, "beta", "i1", 2)]
+        rows = {"alpha": [{"split": "federation", "merged": True, "leases": [{"lease": 1, "end": 5}]},
+                          {"split": "federation", "merged": False, "leases": [{"lease": 7}]}],
+                "beta": [{"split": "federation", "merged": True, "leases": [{"lease": 2}]}]}
+        ok, lines = demo.audit_site_leases(rows, runs)
+        self.assertTrue(ok, lines)
+        rows["beta"][0]["leases"] = [{"lease": 3}]
+        ok, lines = demo.audit_site_leases(rows, runs)
+        self.assertFalse(ok)
+        self.assertIn("never committed", "\n".join(lines))
+        self.assertIn("in no merged delta", "\n".join(lines))
+        self.assertIsNone(demo.audit_site_leases({"alpha": [{"split": "train"}]}, runs)[0])
+
+
+class CommandTest(unittest.TestCase):
+    def test_site_command(self):
+        svc = demo.Services("http://d", "http://f", "http://b", "/s", "/s/token", {})
+        cmd = demo.site_command("beta", svc, "m.json", nproc=2, parallel="ddp", runs_dir="runs/x",
+                                train_args=["--model", "qwen3-tiny"], throttle_ms=40)
+        self.assertTrue(cmd[0].endswith("torchrun"))
+        self.assertEqual(cmd[1:4], ["--standalone", "--nproc-per-node", "2"])
+        for flag, value in (("--federation", "http://f"), ("--darl-url", "http://d"), ("--blob-url", "http://b"),
+                            ("--token-file", "/s/token"), ("--site", "beta"), ("--parallel", "ddp"),
+                            ("--throttle-ms", "40"), ("--run-name", "beta"), ("--model", "qwen3-tiny")):
+            self.assertEqual(cmd[cmd.index(flag) + 1], value, flag)
+        self.assertNotIn("--resume", cmd)
+        again = demo.site_command("beta", svc, "m.json", nproc=1, parallel="ddp", runs_dir="r", resume=True,
+                                  replica="b")
+        self.assertEqual(again[again.index("--resume") + 1], "auto")
+        self.assertEqual(again[again.index("--replica") + 1], "b")
+        self.assertEqual(again[again.index("--run-name") + 1], "beta-b")
+        self.assertNotIn("--throttle-ms", again)
+
+    def test_config_errors_name_the_flag(self):
+        with self.assertRaisesRegex(SystemExit, "--lease-ttl-s"):
+            demo.DemoConfig(lease_ttl_s=1).validate()
+        with self.assertRaisesRegex(SystemExit, "--kill-site"):
+            demo.DemoConfig(kill_site="gamma").validate()
+
+    def test_help(self):
+        out = subprocess.run([sys.executable, "demo.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        for word in ("--kill-site", "--corpus-mb", "runs/demo", "status.html", "How to read the output"):
+            self.assertIn(word, out.stdout)
+
+
+class ProcessTest(unittest.TestCase):
+    def test_sigkill_reaches_the_whole_group(self):
+        d = tmpdir(self)
+        with demo.Launcher() as launcher:
+            # a launcher with a child of its own, like torchrun and its ranks
+            p = launcher.start("pair", ["sh", "-c", "sleep 300 & echo child $!; wait"], os.path.join(d, "pair.log"))
+            child = int(demo.wait_for(lambda: next((l.split()[1] for l in p.tail() if l.startswith("child")), None),
+                                      30))
+            p.signal_group(signal.SIGKILL)
+            self.assertTrue(demo.wait_for(p.group_gone, 30), "the group outlived SIGKILL")
+            self.assertFalse(os.path.exists(f"/proc/{child}") and open(f"/proc/{child}/stat").read().split()[2] != "Z")
+            self.assertEqual(p.poll(), -signal.SIGKILL)
+
+    def test_launcher_stops_everything_on_an_exception(self):
+        d = tmpdir(self)
+        procs = []
+        with self.assertRaises(RuntimeError):
+            with demo.Launcher() as launcher:
+                for i in range(2):
+                    procs.append(launcher.start(f"s{i}", ["sleep", "300"], os.path.join(d, f"s{i}.log")))
+                raise RuntimeError("boom")
+        for p in procs:
+            self.assertTrue(p.group_gone())
+            self.assertEqual(p.poll(), -signal.SIGTERM)
+
+
+class ServicesTest(unittest.TestCase):
+    """The three real servers on free ports: start, a lease committed, the page saved,
+    SIGTERM, and the committed run read back from DARL's snapshot."""
+
+    def test_start_audit_stop(self):
+        d = tmpdir(self)
+        corpus = os.path.join(d, "corpus")
+        os.makedirs(corpus)
+        with open(os.path.join(corpus, "a.txt"), "w") as f:
+            f.write("def f(x):\n    return x + 1\n" * 400)
+        import tokenize_corpus
+        m = tokenize_corpus.tokenize(tokenize_corpus.TokenizeConfig(inputs=[corpus], out=os.path.join(d, "data"),
+                                                                    seq_len=32, heldout_windows=8, progress=False))
+        manifest = os.path.join(d, "data", "manifest.json")
+        init = os.path.join(d, "init.safetensors")
+        with tensorio.TensorWriter(init, [("w", "F32", (4, 3))]) as w:
+            w.write("w", np.arange(12, dtype=np.float32).reshape(4, 3))
+        with demo.Launcher() as launcher:
+            svc = demo.start_services(launcher, d, manifest, init, block_size=4, default_ports=False)
+            self.assertEqual(oct(os.stat(svc.token_file).st_mode & 0o777), "0o600")
+            for url in (svc.darl, svc.fedmom, svc.blob):
+                self.assertTrue(url.startswith("http://127.0.0.1:"), url)
+                httpd.wait_healthy(url, 30)
+            with self.assertRaises(httpd.CallError):          # the token is enforced
+                httpd.call(svc.darl, "GET", "/status", token=None)
+            client = darl_client.LeaseClient(svc.darl, token=svc.token)
+            st = client.status()
+            num_blocks = st["num_blocks"]
+            self.assertEqual(num_blocks, -(-(m["num_windows"] - 8) // 4))
+            client.register("alpha", "inc1", st["digest"])
+            lease = client.acquire("alpha", "inc1", blocks=2)["lease"]
+            client.commit("alpha", "inc1", lease["id"], lease["end"])
+            page = demo.fetch_page(svc.fedmom, os.path.join(d, "status.html"), svc.token)
+            self.assertIn("<html", open(page).read().lower())
+            for p in svc.procs.values():
+                self.assertEqual(p.stop(20), 0, p.tail())
+        with open(os.path.join(d, "central", "darl", "snapshot.json")) as f:
+            table = json.load(f)["table"]
+        runs = demo.committed_runs(table)
+        self.assertEqual([(s, e, c, lid) for s, e, c, _i, lid in runs], [(0, 2, "alpha", lease["id"])])
+        ok, lines, per = demo.audit_lease_runs(runs, num_blocks)
+        self.assertFalse(ok)                     # 2 of num_blocks committed: not complete
+        self.assertEqual(per, {"alpha": 2})
+
+
+if __name__ == "__main__":
+    unittest.main()
