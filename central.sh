@@ -7,7 +7,9 @@
 #   ./central.sh stop   [--state-dir DIR]   # SIGTERM (then SIGKILL after 30 s) each daemon
 #
 # Runs on: the central VM (no GPU, bare Python 3 + numpy; .venv/bin/python when present,
-# else python3; override with PYTHON). Nothing else is installed.
+# else python3; override with PYTHON). Nothing else is installed: copy this script and
+#   httpd.py tensorio.py blobstore.py darl_table.py darl_server.py fedmom_merge.py fedmom_server.py
+# into one directory (start refuses, naming them, if any is missing).
 # State (default runs/central, or --state-dir / PWW_CENTRAL_STATE):
 #   token          the shared bearer token, made on first start (mode 600): copy it to
 #                  each site and point PWW_TOKEN_FILE at the copy
@@ -48,6 +50,7 @@ FEDMOM_PORT=${FEDMOM_PORT:-29511}
 BLOB_PORT=${BLOB_PORT:-29512}
 TOKEN=$STATE/token
 DAEMONS="darl fedmom blob"
+CENTRAL_FILES="httpd.py tensorio.py blobstore.py darl_table.py darl_server.py fedmom_merge.py fedmom_server.py"
 
 script_of() { case "$1" in darl) echo darl_server.py ;; fedmom) echo fedmom_server.py ;; blob) echo blobstore.py ;; esac; }
 port_of() { case "$1" in darl) echo "$DARL_PORT" ;; fedmom) echo "$FEDMOM_PORT" ;; blob) echo "$BLOB_PORT" ;; esac; }
@@ -174,6 +177,16 @@ start_one() {
     echo "$name started (pid $(pid_of "$name")), $(public_url "$name"), log $log"
 }
 
+# check_files: every module the daemons import sits beside this script (a partial copy
+# onto the VM would otherwise fail later, one ImportError at a time, in a daemon's log).
+check_files() {
+    local f missing=()
+    for f in $CENTRAL_FILES; do [ -f "$ROOT/$f" ] || missing+=("$f"); done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    echo "central.sh: missing beside $0: ${missing[*]} (the central VM needs $CENTRAL_FILES)" >&2
+    return 1
+}
+
 # alive PID: the process exists and is not a zombie (a container without an init that
 # reaps orphans keeps exited daemons as zombies, which kill -0 still finds).
 alive() {
@@ -220,6 +233,7 @@ print_urls() {
 
 case "$CMD" in
     start)
+        check_files || exit 1
         ensure_token
         STARTED=()
         # DARL and the blob store first: FedMom commits into DARL and reads blobs.

@@ -30,11 +30,13 @@ network error (the server treats a repeat of an accepted delta as a duplicate, n
 second delta); every other call raises httpd.CallError (4xx/5xx, the server's reason
 in .reply) or OSError, and the caller decides.
 
-Whether a delta was merged: the aggregator's round records (GET /status "recent", and
-the "outcome" in a heartbeat reply; fedmom_server.py's docstring lists the fields)
-say, per cluster, merged or excluded (with the reason) and the DARL leases the delta
-carried. The aggregator commits merged leases in DARL itself; for an excluded delta
-the site releases its leases in DARL so the blocks are trained again.
+Whether a delta was merged: every join/heartbeat reply (so also the one that ends
+wait_round_after) carries "deltas", this cluster's outcome objects: merged (with
+merged_into, the round), excluded (with why) or pending, each with the DARL leases the
+delta carried; GET /status "recent" has the same per round ("outcomes").
+fedmom_server.py's docstring lists the fields. The aggregator commits merged leases in
+DARL itself; for an excluded delta the site releases its leases in DARL, so the blocks
+are trained again.
 
 Who may call: anyone holding the aggregator's bearer token (token=..., or none on a
 loopback test server).

@@ -35,7 +35,7 @@ Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."
     POST /join       {cluster, incarnation}          -> {round, heartbeat_s, ...}; 409 if
                      another incarnation of that cluster is live (second job: --replica)
     POST /heartbeat  {cluster, incarnation, metrics?, wait_round_after?, wait_s?}
-                     -> {round, ...}; with wait_round_after it long-polls until the round
+                     -> {round, deltas, ...}; with wait_round_after it long-polls until the round
                      passes it (or wait_s). 409 {"code": "not_member"}: join again.
     POST /leave      {cluster, incarnation}
     POST /delta_check  the delta's metadata alone: the same 4xx a real upload would get
@@ -51,6 +51,25 @@ its first delta; it merges what arrived. A member silent for --member-timeout-s 
 dropped (it may join again). No live member, or a round with no delta, is normal:
 nothing is merged and the round number stays.
 
+What became of a delta (so a site knows whether to release its leases, and an audit
+can check that every DARL block was committed through exactly one merged round):
+each delta is one outcome object
+    {"cluster", "incarnation", "base_round", "tokens", "leases": [{"id", "end"}],
+     "outcome": "merged" | "excluded" | "pending", "merged_into": <round> | null,
+     "why": "<reason>" (excluded only)}
+  - rounds.jsonl, one record per merge (v 2): "outcomes" lists every delta of that
+    round, merged ones with merged_into = the record's round, and those excluded
+    (NaN/Inf, wrong names, shapes or dtypes) with why; "excluded" keeps its v1 shape
+    plus base_round, tokens and leases. Records of v 1 have no "outcomes".
+  - POST /join and /heartbeat replies: "deltas" = this cluster's outcomes in the last
+    merged round that had one, then the current round's (pending or excluded). After
+    wait_round_after(base_round) returns, the entry with that base_round says merged
+    (the server commits its leases in DARL) or excluded (the site releases its leases
+    in DARL, so the blocks are trained again).
+  - GET /status: "outcomes" of the current round, and "recent" round records.
+An excluded delta is also refused at upload (400 or 422, code "bad_delta"); that reply
+is the first word, since an exclusion not yet in a record lives in memory only.
+
 State dir (everything replaced atomically: temp file, fsync, rename, fsync the dir):
     theta-<r>.safetensors     theta_global after r merges, fp32
     momentum-<r>.safetensors  the Nesterov buffer (absent before the first merge
@@ -58,7 +77,7 @@ State dir (everything replaced atomically: temp file, fsync, rename, fsync the d
     state.json                names the round and its files, membership, recent
                               events, the DARL commits still to send; written LAST,
                               so a SIGKILL at any instant leaves round r or r+1
-    rounds.jsonl              one JSON line per merge (loss, perplexity, drift, ...)
+    rounds.jsonl              one JSON line per merge (loss, perplexity, drift, outcomes, ...)
     spool/                    deltas accepted for the current round: r<round>-<cluster>
                               .safetensors + .json (the .json, written last, is the
                               acceptance). They survive a restart and are merged then.
@@ -88,7 +107,7 @@ import tensorio
 
 DEFAULT_PORT = 29511
 STATE_FORMAT = "pww-fedmom-state/1"
-RECORD_VERSION = 1
+RECORD_VERSION = 2             # 2: per-delta "outcomes" with their leases
 EVENTS_KEPT = 500             # membership events kept in state.json (for the page and status)
 RECORDS_KEPT = 200            # round records kept in memory (the file keeps all)
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -502,7 +521,25 @@ class FedMomState:
 
     def _member_reply(self, cluster):
         return {"round": self.round, "merging": self.merging, "members": sorted(self.members),
-                "sent": self._responded(cluster), "heartbeat_s": round(self.cfg.member_timeout_s / 4, 3)}
+                "sent": self._responded(cluster), "heartbeat_s": round(self.cfg.member_timeout_s / 4, 3),
+                "deltas": self._outcomes_of(cluster)}
+
+    def _open_outcomes(self):
+        """The current round's deltas so far: accepted ("pending") or "excluded"."""
+        out = [_outcome(p.cluster, p.incarnation, p.base_round, p.tokens, p.leases, "pending")
+               for p in self.pending.values()]
+        return out + [_outcome(e["cluster"], e["incarnation"], e["base_round"], e["tokens"], e["leases"],
+                               "excluded", why=e["why"]) for e in self.excluded]
+
+    def _outcomes_of(self, cluster):
+        """What became of `cluster`'s deltas: those of the last merged round that had one
+        (from the round records), then those of the current round."""
+        out = [o for o in self._open_outcomes() if o["cluster"] == cluster]
+        for rec in reversed(self.records):
+            mine = [o for o in rec.get("outcomes", ()) if o["cluster"] == cluster]
+            if mine:
+                return mine + out
+        return out
 
     def _drop_silent(self):
         """Members silent for --member-timeout-s leave the round (their sent delta stays)."""
@@ -578,7 +615,9 @@ class FedMomState:
             e["cluster"] == cluster and e["incarnation"] == inc for e in self.excluded)
 
     def _exclude(self, meta, why):
-        self.excluded.append({"cluster": meta["cluster"], "incarnation": meta["incarnation"], "why": why})
+        self.excluded.append({"cluster": meta["cluster"], "incarnation": meta["incarnation"], "why": why,
+                              "base_round": meta["base_round"], "tokens": meta["tokens"],
+                              "leases": meta["leases"]})
         self.event("excluded", meta["cluster"], meta["incarnation"], why)
         log(f"fedmom: EXCLUDED delta from {meta['cluster']} ({meta['incarnation']}) for round {self.round}: {why}")
 
@@ -688,6 +727,9 @@ class FedMomState:
         loss = sum(t * l for t, l in losses) / ltok if ltok else None
         drifts = [c["drift"] for c in clusters.values() if c["drift"] is not None]
         tps = [p.metrics["tokens_per_s"] for p in batch if "tokens_per_s" in p.metrics]
+        outcomes = [_outcome(p.cluster, p.incarnation, p.base_round, p.tokens, p.leases, "merged", merged_into=new)
+                    for p in batch]
+        outcomes += [o for o in self._open_outcomes() if o["outcome"] == "excluded"]
         return {"v": RECORD_VERSION, "round": new, "base_round": new - 1, "time": round(self.wall(), 3),
                 "reason": reason, "tokens": total, "clusters": clusters,
                 "loss": loss, "perplexity": _safe_exp(loss),
@@ -695,6 +737,7 @@ class FedMomState:
                 "drift_max": max(drifts) if drifts else None,
                 "tokens_per_s": sum(tps) if tps else None,
                 "wall_s": round(closed_at - self.round_opened_at, 3), "merge_s": round(stats["merge_s"], 3),
+                "outcomes": outcomes,
                 "excluded": list(self.excluded), "dropped": list(self.dropped), "late": late,
                 "members": sorted(self.members), "outer_lr": self.cfg.outer_lr,
                 "outer_momentum": self.cfg.outer_momentum,
@@ -762,6 +805,7 @@ class FedMomState:
                         else round(self.first_delta_at + self.cfg.round_deadline_s - now, 1))
             return {"round": self.round, "merging": self.merging, "members": members,
                     "pending": sorted(c for c, _ in self.pending), "deadline_in_s": deadline,
+                    "outcomes": self._open_outcomes(),
                     "excluded": list(self.excluded), "dropped": list(self.dropped),
                     "pending_commits": len(self.pending_commits),
                     "parameters": sum(int(np.prod(s)) for s in self.specs.values()),
@@ -771,6 +815,16 @@ class FedMomState:
                                "member_timeout_s": self.cfg.member_timeout_s,
                                "blob": bool(self.cfg.blob_url), "darl": bool(self.cfg.darl)},
                     "recent": list(self.records)[-RECORDS_KEPT:], "events": list(self.events)[-100:]}
+
+
+def _outcome(cluster, incarnation, base_round, tokens, leases, outcome, merged_into=None, why=None):
+    """One delta's fate, as round records, GET /status and heartbeat replies carry it."""
+    out = {"cluster": cluster, "incarnation": incarnation, "base_round": base_round, "tokens": tokens,
+           "leases": [{"id": l["id"], "end": l.get("end")} for l in leases], "outcome": outcome,
+           "merged_into": merged_into}
+    if why is not None:
+        out["why"] = why
+    return out
 
 
 def _unlink(path):

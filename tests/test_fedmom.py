@@ -201,16 +201,28 @@ class ProtocolTest(Fixture):
         arrays["layer.w"][3, 4] = np.nan
         bpath = os.path.join(self.dir, "nan.safetensors")
         write_tensors(bpath, arrays, "F16")
-        self.send(st, "good", gpath, 10)
+        self.send(st, "good", gpath, 10, leases=[{"id": 7, "end": 20}])
         with self.assertRaises(fm.Refused) as cm:
-            self.send(st, "bad", bpath, 10)
+            self.send(st, "bad", bpath, 10, leases=[{"id": 8, "end": 30}])
         self.assertEqual(cm.exception.status, 422)
         self.assertIn("layer.w", cm.exception.reason)
+        self.assertEqual(sorted((o["cluster"], o["outcome"]) for o in st.status()["outcomes"]),
+                         [("bad", "excluded"), ("good", "pending")])
         rec = st.tick()                                        # the excluded member does not stall the round
         self.assertEqual(sorted(rec["clusters"]), ["good"])
         self.assertEqual([(e["cluster"], "layer.w" in e["why"]) for e in rec["excluded"]], [("bad", True)])
         self.assertLess(rel_err(self.theta(st), {k: self.theta0[k] + g[k] for k in SHAPES}), 1e-6)
         self.assertIn("excluded bad", fm.format_record(rec))
+        # each delta's fate, with the leases it carried: in the record, on disk, and told to each site
+        fates = {o["cluster"]: (o["outcome"], o["merged_into"], o["base_round"], o["leases"]) for o in rec["outcomes"]}
+        self.assertEqual(fates, {"good": ("merged", 1, 0, [{"id": 7, "end": 20}]),
+                                 "bad": ("excluded", None, 0, [{"id": 8, "end": 30}])})
+        self.assertIn("layer.w", [o for o in rec["outcomes"] if o["cluster"] == "bad"][0]["why"])
+        self.assertEqual(fm.read_records(st.rounds_path)[-1]["outcomes"], rec["outcomes"])
+        for c in ("good", "bad"):
+            told = st.heartbeat(c, f"{c}-inc")["deltas"]
+            self.assertEqual([(o["outcome"], o["merged_into"], o["base_round"], o["leases"]) for o in told], [fates[c]])
+        self.assertEqual(st.status()["outcomes"], [])
 
     def test_bad_input_is_refused_and_nothing_on_disk_changes(self):
         st = self.state()
@@ -388,6 +400,10 @@ class LiveServerTest(Fixture):
             time.sleep(0.05)
         self.assertEqual(st.pending_commits, [])
         self.assertEqual(coord.status()["committed"], 15)
+        merged = [l["id"] for r in st.records for o in r["outcomes"] if o["outcome"] == "merged" for l in o["leases"]]
+        self.assertEqual(len(merged), 3)                        # 3 leases x 5 blocks, each in one merged round
+        self.assertEqual(len(set(merged)), 3)
+        self.assertEqual([(o["outcome"], o["merged_into"]) for o in a.heartbeat()["deltas"]], [("merged", 3)])
         self._check_http_edges(url, st)
 
     def _check_http_edges(self, url, st):
