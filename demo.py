@@ -211,26 +211,37 @@ def export_init(launcher, path, manifest, model, seed, log_path):
     return path
 
 
-def heldout_loss(theta_path, manifest, model="qwen3-tiny", windows=None, batch=16):
-    """Mean next-token loss (nats) of the weights in a tensorio file on the held-out windows.
+def load_weights(path):
+    """{name: fp32 torch tensor} from a tensorio file (FedMom's theta, --export-init) or a
+    consolidated train.py checkpoint (.pt: its "model" entry; under DiLoCo that is theta)."""
+    import torch
+    import tensorio
+    if path.endswith(".pt"):
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        return {k.removeprefix("module."): v.float() for k, v in blob["model"].items()}
+    return {k: v.float() for k, v in tensorio.load_torch(path).items()}
+
+
+def heldout_loss(weights_path, manifest, model="qwen3-tiny", windows=None, batch=16):
+    """Mean next-token loss (nats) of a model file's weights on the held-out windows.
 
     Built unsharded on the CPU; parameters are matched by name (the names of
     named_parameters(), which list a tied weight once, as --export-init and FedMom do).
-    Imports torch here, not at module level: the rest of this file needs none.
+    The same function scores every arm of bench/convergence.py. Imports torch here,
+    not at module level: the rest of this file needs none.
     """
     import torch
     import torch.nn.functional as F
     import data
     import models
-    import tensorio
     w = data.TokenWindows(manifest)
     net = models.materialize(models.build_model(model, w.vocab_size, w.seq_len), torch.device("cpu"))
-    with tensorio.TensorReader(theta_path) as r:
-        with torch.no_grad():
-            for name, p in net.named_parameters():
-                if name not in r.specs:
-                    raise KeyError(f"{theta_path} has no tensor {name!r}: not a {model} model file")
-                p.copy_(torch.from_numpy(r.read(name, as_float32=True)).view(p.shape))
+    weights = load_weights(weights_path)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if name not in weights:
+                raise KeyError(f"{weights_path} has no tensor {name!r}: not a {model} model file")
+            p.copy_(weights[name].view(p.shape))
     net.eval()
     idx = list(w.heldout_indices(windows))
     total, count = 0.0, 0
@@ -500,29 +511,44 @@ def audit_tokens(records, train_windows, seq_len):
     return ok, [line]
 
 
-def audit_site_leases(site_rows, runs):
-    """Cross-check, when the sites' federation rows name their leases: the leases of the
-    deltas FedMom merged are exactly the leases DARL shows committed. None if not recorded."""
+def merged_leases(records):
+    """{lease id: (cluster, incarnation, end)} of every delta FedMom merged, from the
+    per-delta "outcomes" of rounds.jsonl (records v2); None when the records carry none."""
+    if not any("outcomes" in r for r in records):
+        return None
     named = {}
-    for site, rows in site_rows.items():
-        for r in rows:
-            if r.get("split") == "federation" and r.get("merged") and r.get("leases"):
-                for lease in r["leases"]:
-                    lid = lease.get("lease", lease.get("id")) if isinstance(lease, dict) else lease
-                    named[lid] = site
-    if not named:
-        return None, ["sites' federation rows name no leases: lease-level cross-check with FedMom not possible"]
-    committed = {lid: cluster for *_r, cluster, _inc, lid in runs}
+    for r in records:
+        for o in r.get("outcomes", ()):
+            if o.get("outcome") == "merged":
+                for lease in o.get("leases", ()):
+                    prev = named.get(lease["id"])
+                    end = lease.get("end")
+                    if prev is not None and prev[2] is not None and end is not None:
+                        end = max(end, prev[2])
+                    named[lease["id"]] = (o["cluster"], o["incarnation"], end)
+    return named
+
+
+def audit_merged_leases(named, runs):
+    """FedMom's merged deltas against DARL's lease-by-lease commits: the same leases, the
+    same holder, committed up to the end the merged delta trained to. (ok|None, lines)."""
+    if named is None:
+        return None, ["rounds.jsonl names no leases (records before v2): lease-level cross-check skipped"]
+    committed = {lid: (cluster, inc, e) for _s, e, cluster, inc, lid in runs}
     missing = sorted(set(committed) - set(named))
     extra = sorted(set(named) - set(committed))
-    ok = not missing and not extra
-    line = (f"merged deltas (sites' federation rows) name {len(named)} leases; DARL shows "
-            f"{len(committed)} leases with committed blocks" + ("; the same set" if ok else ""))
-    lines = [line]
+    wrong = sorted(lid for lid in set(named) & set(committed)
+                   if named[lid][:2] != committed[lid][:2]
+                   or (named[lid][2] is not None and named[lid][2] != committed[lid][2]))
+    ok = not (missing or extra or wrong)
+    lines = [f"FedMom's merged deltas (rounds.jsonl outcomes) name {len(named)} leases; DARL shows "
+             f"{len(committed)} leases with committed blocks" + ("; the same leases, holders and ends" if ok else "")]
     if missing:
-        lines.append(f"  !! committed but in no merged delta: leases {missing[:10]}")
+        lines.append(f"  !! committed in DARL but in no merged delta: leases {missing[:10]}")
     if extra:
-        lines.append(f"  !! in a merged delta but never committed: leases {extra[:10]}")
+        lines.append(f"  !! in a merged delta but not committed in DARL: leases {extra[:10]}")
+    if wrong:
+        lines.append(f"  !! holder or end differ between FedMom and DARL: leases {wrong[:10]}")
     return ok, lines
 
 
@@ -822,20 +848,20 @@ class Demo:
         out += ["  " + l for l in lines]
         ok_tok, lines = audit_tokens(records, self.train_windows, c.seq_len)
         out += ["  " + l for l in lines]
-        site_rows = {n: read_jsonl(os.path.join(self.sites_dir, n, "metrics.jsonl")) for n in SITES}
-        ok_leases, lines = audit_site_leases(site_rows, runs)
+        ok_leases, lines = audit_merged_leases(merged_leases(records), runs)
         out += ["  " + l for l in lines]
-        out.append("  (rounds.jsonl records tokens and sites per merge, not lease ids; the lease-level check "
-                   "uses the sites' own rows)")
         checks.append(("coverage exactly once (DARL books)", ok_books, ""))
         checks.append(("coverage exactly once (lease by lease)", ok_runs, ""))
         checks.append(("merged tokens = corpus tokens (FedMom vs DARL)", ok_tok, ""))
-        checks.append(("merged deltas' leases = committed leases", ok_leases, "" if ok_leases is not None
-                       else "not recorded by the sites"))
-        rejected = [r for rows in site_rows.values() for r in rows
+        checks.append(("merged deltas' leases = committed leases (FedMom vs DARL)", ok_leases,
+                       "" if ok_leases is not None else "not recorded"))
+        excluded = [o for r in records for o in r.get("outcomes", ()) if o.get("outcome") == "excluded"]
+        site_rows = {n: read_jsonl(os.path.join(self.sites_dir, n, "metrics.jsonl")) for n in SITES}
+        unmerged = [r for rows in site_rows.values() for r in rows
                     if r.get("split") == "federation" and r.get("merged") is False]
-        if self.killed or rejected:
-            out.append(f"Deltas not merged (stale base_round or excluded): {len(rejected)}")
+        out.append(f"Deltas not merged: {len(excluded)} excluded by FedMom, {len(unmerged)} reported unmerged by "
+                   f"the sites (a stale base_round after the restart is refused with 409; its blocks are "
+                   f"trained again)")
         return out
 
     def summary(self, body):

@@ -122,19 +122,28 @@ class AuditTest(unittest.TestCase):
         self.assertFalse(ok)
         self.assertIn("-128", lines[0])
 
-    def test_site_leases_cross_check(self):
+    def test_merged_leases_against_darl(self):
         runs = [(0, 5, "alpha", "i1", 1), (5, 10, "beta", "i1", 2)]
-        rows = {"alpha": [{"split": "federation", "merged": True, "leases": [{"lease": 1, "end": 5}]},
-                          {"split": "federation", "merged": False, "leases": [{"lease": 7}]}],
-                "beta": [{"split": "federation", "merged": True, "leases": [{"lease": 2}]}]}
-        ok, lines = demo.audit_site_leases(rows, runs)
+
+        def rec(rnd, *outcomes):
+            return {"round": rnd, "outcomes": [{"cluster": c, "incarnation": "i1", "outcome": o,
+                                                "leases": [{"id": lid, "end": end}]} for c, lid, end, o in outcomes]}
+        records = [rec(1, ("alpha", 1, 3, "merged"), ("beta", 9, 7, "excluded")),
+                   rec(2, ("alpha", 1, 5, "merged"), ("beta", 2, 10, "merged"))]
+        named = demo.merged_leases(records)
+        self.assertEqual(named, {1: ("alpha", "i1", 5), 2: ("beta", "i1", 10)})
+        ok, lines = demo.audit_merged_leases(named, runs)
         self.assertTrue(ok, lines)
-        rows["beta"][0]["leases"] = [{"lease": 3}]
-        ok, lines = demo.audit_site_leases(rows, runs)
+        ok, lines = demo.audit_merged_leases({1: ("alpha", "i1", 4), 2: ("beta", "i1", 10)}, runs)
+        self.assertFalse(ok, "merged up to 4, committed up to 5")
+        self.assertIn("differ", "\n".join(lines))
+        ok, lines = demo.audit_merged_leases({1: ("alpha", "i1", 5), 3: ("beta", "i1", 10)}, runs)
         self.assertFalse(ok)
-        self.assertIn("never committed", "\n".join(lines))
-        self.assertIn("in no merged delta", "\n".join(lines))
-        self.assertIsNone(demo.audit_site_leases({"alpha": [{"split": "train"}]}, runs)[0])
+        self.assertIn("in no merged delta: leases [2]", "\n".join(lines))
+        self.assertIn("not committed in DARL: leases [3]", "\n".join(lines))
+        self.assertFalse(demo.audit_merged_leases({1: ("beta", "i1", 5), 2: ("beta", "i1", 10)}, runs)[0])
+        self.assertIsNone(demo.merged_leases([{"round": 1, "tokens": 5}]))
+        self.assertIsNone(demo.audit_merged_leases(None, runs)[0])
 
 
 class CommandTest(unittest.TestCase):
