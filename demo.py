@@ -802,6 +802,10 @@ class Demo:
         bad = {n: rc for n, rc in self.exit_codes.items() if "killed" not in n and rc != 0}
         checks.append(("sites finished cleanly", trained and not bad,
                        ", ".join(f"{n} exit {rc}" for n, rc in self.exit_codes.items())))
+        if self.cfg.kill_site != "none" and not self.killed:
+            checks.append((f"site {self.cfg.kill_site} SIGKILLed mid-phase", False,
+                           f"training ended before round {self.cfg.kill_after_round}: use a larger --corpus-mb "
+                           f"or a smaller --kill-after-round"))
         if self.killed:
             back = [r["round"] for r in records if r["round"] > (self.killed["round"] or 0)
                     and self.killed["site"] in r.get("clusters", {})

@@ -49,7 +49,7 @@ LABEL = {"ddp": "(a) DDP, 2 ranks, global batch",
          "diloco-nesterov": "(b) DiLoCo k=2 in one job, Nesterov 0.7/0.9",
          "fed-fedavg": "(c) 2 federated sites, FedAvg",
          "fed-nesterov": "(c) 2 federated sites, Nesterov 0.7/0.9"}
-TOKENS_PER_S = 15000.0          # 2 CPU ranks of qwen3-tiny here (train.py, seq 128): for the estimate only
+TOKENS_PER_S = 25000.0          # 2 CPU ranks of qwen3-tiny here (train.py, seq 128): for the estimate only
 
 
 @dataclasses.dataclass
