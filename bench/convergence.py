@@ -179,6 +179,11 @@ def report(cfg, ctx, results):
             both = sum(1 for x in recs if len(x.get("clusters", {})) == 2)
             lines.append(f"  {arm}: {len(recs)} merged rounds, {both} with both sites; coverage exactly once: "
                          f"{'yes' if r.get('coverage') else 'NO'}")
+    for arm in ("fed-fedavg", "fed-nesterov"):
+        b, c = results.get(arm.replace("fed-", "diloco-"), {}).get("heldout"), results.get(arm, {}).get("heldout")
+        if b and c:
+            gap = 100 * (c / b - 1)
+            lines.append(f"  target (c) within 1% of (b), {arm}: {gap:+.2f}% -> {'met' if abs(gap) <= 1 else 'NOT met'}")
     lines += ["  (c)'s windows come from DARL's dynamic leases, (b)'s from static per-replica slices of one",
               "  permutation: the same windows, another order and grouping. Calibration quoted for a 0.8M-param",
               "  byte Qwen3 over 4.1M tokens: (b) at H=50 4.5% (FedAvg) and 8.8% (Nesterov) above (a)."]
