@@ -7,7 +7,7 @@ Start it:
     python blobstore.py --root DIR --host 0.0.0.0 --token-file ~/.pww_token \\
                         --quota-gb 500 --max-blob-gb 128
 
-Callers: sites (through fedmom_server.FedMomClient) and fedmom_server.py itself, with
+Callers: sites (through fedmom_client.FedMomClient) and fedmom_server.py itself, with
 the shared bearer token. Only GET /health is public. Clients use put_file() and
 get_file() below; they resume after a dropped connection and print progress.
 
