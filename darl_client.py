@@ -186,14 +186,18 @@ class LeaseSession:
         self._cond = threading.Condition()
         self._rpc_lock = threading.Lock()      # heartbeat replies are applied in the order they were asked
         self._waiting = 0
+        self.starved = False       # the coordinator said "wait": every block is leased elsewhere
         self._done = self._stop = False
         self._error = None
         self._thread = None
 
     # ---- lifecycle
 
-    def start(self):
-        self.client.register(self.cluster, self.incarnation, self.digest)
+    def start(self, register=True):
+        """Register (unless the caller already did, e.g. while waiting out an older
+        incarnation) and start the background heartbeat/prefetch thread."""
+        if register:
+            self.client.register(self.cluster, self.incarnation, self.digest)
         self._thread = threading.Thread(target=self._run, name=f"darl-{self.cluster}", daemon=True)
         self._thread.start()
         return self
@@ -278,6 +282,38 @@ class LeaseSession:
                     del self._held[span.lease]
         return reply
 
+    def release(self, span):
+        """Give back what is uncommitted of the span's lease (a delta that was not merged:
+        its blocks return to the pool and are trained again). Stop heartbeating it."""
+        with self._cond:
+            held = self._held.pop(span.lease, None)
+            self._handed_at.pop(span, None)
+        if held is None:
+            return {"released": 0}
+        try:
+            return self.client.release(self.cluster, self.incarnation, [span.lease])
+        except httpd.CallError as e:
+            if e.status in (404, 409):     # already expired or closed: nothing of ours left to give back
+                return {"released": 0, "error": e.reply.get("error")}
+            raise
+
+    def forget(self, span):
+        """Stop heartbeating the span's lease without telling the coordinator: for a lease
+        another party (the aggregator) may still commit; if nobody does, it expires."""
+        with self._cond:
+            self._held.pop(span.lease, None)
+            self._handed_at.pop(span, None)
+
+    def held(self):
+        """Ids of the leases this session still heartbeats (not yet committed, expired or released)."""
+        with self._cond:
+            return set(self._held)
+
+    def refresh(self):
+        """One heartbeat now (applied like the background ones): a lease the aggregator
+        committed meanwhile leaves held()."""
+        self._heartbeat()
+
     # ---- the background thread
 
     def _run(self):
@@ -329,7 +365,8 @@ class LeaseSession:
                         h.start, h.claimed, h.end = r["start"], r["claimed"], r["end"]
                         h.handed = min(h.handed, h.end)     # never hand out past a stolen boundary
                     else:
-                        self.log(f"lease {r['lease']} is no longer ours: {r.get('reason')}")
+                        if r.get("state") != "done":      # done = committed (by us or the aggregator): normal
+                            self.log(f"lease {r['lease']} is no longer ours: {r.get('reason')}")
                         del self._held[r["lease"]]
                         self._ready = collections.deque(s for s in self._ready if s.lease != r["lease"])
 
@@ -348,10 +385,12 @@ class LeaseSession:
                 return
             if reply["status"] == "wait":
                 with self._cond:
+                    self.starved = True
                     self._cond.wait(reply["retry_after"])
                 return
             L = reply["lease"]
             with self._cond:
+                self.starved = False
                 self._held.setdefault(L["id"], _Held(L["start"], L["claimed"], L["end"], L["start"]))
             return
         lid, h = todo[0]

@@ -213,6 +213,67 @@ def shard_for_rank(order, rank, world, batch):
     return [mine[i:i + batch] for i in range(0, per_rank, batch)]
 
 
+# ---------------------------------------------------------------------------
+# Leased windows: one DARL span per outer phase (train.py --federation)
+# ---------------------------------------------------------------------------
+
+def span_windows(space, start, end, seed, lease):
+    """Training-window indices of block positions [start, end) of `space` (a
+    darl_table.BlockSpace over the training windows), shuffled with a seed derived
+    from (seed, lease, start): every rank computes the same list with no traffic."""
+    idx = [w for pos in range(start, end) for w in space.samples_of(space.block_at(pos))]
+    return np.random.default_rng([seed, lease, start]).permutation(np.asarray(idx, dtype=np.int64))
+
+
+def step_shares(n, world, batch):
+    """How `n` windows of one optimizer step split into micro-batches per rank.
+
+    Rank r takes windows r, r+world, ... of the step; every rank runs the same number
+    of micro-batches (FSDP's forward and DDP's backward are collectives): enough for
+    the largest share, so a ragged last step leaves some ranks short or empty, never
+    with fewer calls. Returns (micro-batches per rank, this rank's share sizes per
+    rank as a list) - sizes[r] windows for rank r.
+    """
+    sizes = [len(range(r, n, world)) for r in range(world)]
+    micro = max(1, -(-max(sizes) // batch))
+    return micro, sizes
+
+
+class LeasedPhase:
+    """One outer phase: the windows of one DARL span, cut into optimizer steps of
+    `per_step` = batch x world x grad_accum windows; the last step may be short.
+    Every leased window is trained exactly once (no drop_last here: a dropped
+    window would be committed in DARL without ever being trained)."""
+
+    def __init__(self, lease, start, end, windows, per_step, world, rank, batch):
+        self.lease, self.start, self.end = lease, start, end
+        self.windows = windows
+        self.per_step, self.world, self.rank, self.batch = per_step, world, rank, batch
+        self.steps = -(-len(windows) // per_step)
+
+    def __len__(self):
+        return len(self.windows)
+
+    def step_windows(self, step):
+        """The windows of optimizer step `step` over all ranks (global order)."""
+        return self.windows[step * self.per_step:(step + 1) * self.per_step]
+
+    def micro_batches(self, step):
+        """This rank's micro-batches of `step`: a list of window-index arrays, the same
+        count on every rank; an array may be short or empty on a ragged last step."""
+        w = self.step_windows(step)
+        micro, _ = step_shares(len(w), self.world, self.batch)
+        mine = w[self.rank::self.world]
+        return [mine[i * self.batch:(i + 1) * self.batch] for i in range(micro)]
+
+
+def blocks_per_phase(inner_steps, per_step, block_size):
+    """Blocks that feed `inner_steps` optimizer steps of `per_step` windows: the
+    ceiling, so a phase is H full steps plus at most one short step of the remainder
+    (none when block_size divides inner_steps x per_step)."""
+    return -(-inner_steps * per_step // block_size)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -49,6 +49,7 @@ collective triggered by a per-rank counter): a ragged last batch or a rank-local
 import contextlib
 import dataclasses
 import math
+import os
 import time
 
 import torch
@@ -254,6 +255,185 @@ class AllReduceCarrier(OuterCarrier):
                     b.div_(self.k)
 
 
+# ----------------------------------------------------------------------------- the cross-site carrier
+
+class RankZeroFailed(RuntimeError):
+    """Raised on the other ranks when rank 0's work in on_rank0 failed (rank 0 raises the original)."""
+
+
+def on_rank0(work, group=None):
+    """Run `work()` on rank 0 while the other ranks wait; every rank returns its value.
+
+    `work` may be a plain function, or a generator function that yields (anything)
+    whenever it is still busy - a long wait for a round, a server restart - and
+    returns its value at the end. Each yield is one small broadcast, so the other
+    ranks never sit in a single collective long enough to hit the process group's
+    timeout. An exception on rank 0 is raised on every rank: nobody hangs."""
+    import inspect
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    gen = None
+    while True:
+        msg = [None]
+        if rank == 0:
+            try:
+                if gen is None:
+                    gen = work()
+                    if not inspect.isgenerator(gen):
+                        raise StopIteration(gen)
+                next(gen)
+                msg[0] = ("wait", None)
+            except StopIteration as e:
+                msg[0] = ("done", e.value)
+            except Exception as e:
+                if world == 1:
+                    raise
+                failure = e
+                msg[0] = ("error", f"{type(e).__name__}: {e}")
+        if world > 1:
+            dist.broadcast_object_list(msg, src=0, group=group)
+        kind, value = msg[0]
+        if kind == "done":
+            return value
+        if kind == "error":
+            if rank == 0:
+                raise failure
+            raise RankZeroFailed(value)
+
+
+class FedMomCarrier(OuterCarrier):
+    """The outer step across sites: this site's delta goes to fedmom_server.py, the
+    new theta_global comes back (DESIGN.md, round protocol). Only rank 0 talks HTTP.
+
+    outer_step(ex), on every rank of the site:
+      1. gather each delta tensor in turn (a DTensor's full_tensor() under FSDP; DDP
+         ranks hold it whole) and rank 0 streams theta_i - theta_global into one
+         tensorio file (ex.deltas hold theta - theta_i: the sign flips here);
+      2. before_send() (train.py: the local checkpoint, BEFORE the delta leaves);
+      3. rank 0 sends the delta with its base_round, tokens and lease records, waits
+         for that round to pass, learns whether the delta was merged, and downloads
+         the current theta_global (whatever round it is: a stale delta still ends in
+         the newest theta);
+      4. theta_global is scattered one tensor at a time into ex.theta.
+    No rank ever holds more than its shard plus one full tensor. `exchange` is the
+    rank-0 object that speaks to the aggregator (train.FedSite: send, wait, fetch);
+    None on the other ranks. The result of the last outer step is in `self.last`.
+    """
+
+    def __init__(self, exchange, workdir, delta_dtype="F32", group=None):
+        if delta_dtype not in ("F32", "BF16"):
+            raise ValueError(f"--delta-dtype {delta_dtype!r}: use f32 or bf16")
+        self.exchange, self.workdir, self.delta_dtype, self.group = exchange, workdir, delta_dtype, group
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.round = None            # the round of the theta_global the model was loaded with
+        self.send = None             # set before each outer step: {"tokens", "leases", "metrics"}
+        self.before_send = None      # called on every rank once the delta file is written
+        self.last = None             # {"base_round", "round", "merged", "reason", ...} of the last outer step
+        self.delta_path = os.path.join(workdir, "delta.safetensors")
+        self.theta_path = os.path.join(workdir, "theta.safetensors")
+
+    def broadcast_initial(self, tensors):
+        """Nothing here: the site loads theta_global (load_global) before its first phase."""
+
+    # -- per-tensor movement
+    def _full(self, local, p):
+        """The whole tensor of a (possibly sharded) parameter's local part: collective under FSDP."""
+        if hasattr(p, "to_local"):
+            from torch.distributed.tensor import DTensor
+            return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
+                                      stride=p.stride()).full_tensor()
+        return local
+
+    def _scatter(self, full, p):
+        """This rank's part of a whole tensor that rank 0 holds (`full` is an empty buffer elsewhere)."""
+        if hasattr(p, "to_local"):
+            from torch.distributed.tensor import distribute_tensor
+            return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=0).to_local()
+        if self.world > 1:
+            dist.broadcast(full, src=0, group=self.group)
+        return full
+
+    @torch.no_grad()
+    def write_delta(self, names, params, deltas):
+        """Rank 0 writes theta_i - theta_global (= -deltas) tensor by tensor."""
+        import tensorio
+        writer = None
+        if self.rank == 0:
+            specs = [(n, self.delta_dtype, tuple(p.shape)) for n, p in zip(names, params)]
+            writer = tensorio.TensorWriter(self.delta_path, specs, {"base_round": str(self.round)})
+        try:
+            for n, p, d in zip(names, params, deltas):
+                full = self._full(d, p)
+                if writer is not None:
+                    writer.write(n, full.detach().neg().float().cpu().numpy())
+                del full
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        if writer is not None:
+            writer.close()
+
+    @torch.no_grad()
+    def read_theta(self, names, params, theta):
+        """theta_global from rank 0's file into `theta` (local parts), one tensor at a time."""
+        import tensorio
+        reader = tensorio.TensorReader(self.theta_path) if self.rank == 0 else None
+        try:
+            def check():
+                want = {n: tuple(p.shape) for n, p in zip(names, params)}
+                have = {n: reader.specs[n][1] for n in reader.names}
+                if want != have:
+                    miss = sorted(set(want) - set(have))[:5]
+                    extra = sorted(set(have) - set(want))[:5]
+                    diff = sorted(n for n in set(want) & set(have) if want[n] != have[n])[:5]
+                    raise ValueError(f"theta_global does not fit this model: missing {miss}, extra {extra}, "
+                                     f"other shapes {diff}; start fedmom_server.py with --init from this "
+                                     "train.py's --export-init (same --model and corpus)")
+            on_rank0(check, self.group)
+            for n, p, t in zip(names, params, theta):
+                dev = _local(p).device
+                if reader is not None:
+                    full = torch.from_numpy(reader.read(n, as_float32=True)).view(p.shape).to(dev)
+                else:
+                    full = torch.empty(p.shape, dtype=torch.float32, device=dev)
+                t.copy_(self._scatter(full, p))
+                del full
+        finally:
+            if reader is not None:
+                reader.close()
+
+    # -- the round
+    @torch.no_grad()
+    def load_global(self, outer):
+        """Make the model and outer.theta equal theta_global of the aggregator's CURRENT
+        round (collective). Returns that round."""
+        self.round = on_rank0(lambda: self.exchange.fetch_theta(self.theta_path), self.group)
+        self.read_theta(outer.names, outer.params, outer.theta)
+        for t, p in zip(outer.theta, outer.params):
+            _local(p).copy_(t)
+        return self.round
+
+    def current(self):
+        """The aggregator's round now (collective: rank 0 asks, every rank learns it)."""
+        return on_rank0(lambda: self.exchange.current_round(), self.group)
+
+    def outer_step(self, ex):
+        if self.send is None:
+            raise RuntimeError("FedMomCarrier.outer_step: set .send (tokens, leases, metrics) first")
+        base, send, self.send = self.round, self.send, None
+        self.write_delta(ex.names, ex.params, ex.deltas)
+        if self.before_send is not None:
+            self.before_send()
+        out = on_rank0(lambda: self.exchange.round_trip(self.delta_path, base, send, self.theta_path),
+                       self.group)
+        self.read_theta(ex.names, ex.params, ex.theta)
+        self.round = out["round"]
+        self.last = out
+        return {}
+
+
 # ----------------------------------------------------------------------------- DiLoCo
 
 def _local(t):
@@ -301,11 +481,13 @@ class DiLoCo:
         self.outer_step = 0
 
     # -- the loop
-    def after_inner_step(self):
-        """Call after every optimizer step on every rank; returns a metrics row at outer steps."""
+    def after_inner_step(self, end_phase=None):
+        """Call after every optimizer step on every rank; returns a metrics row at outer steps.
+        end_phase None: the outer step comes every H inner steps. True/False: the caller
+        says where phases end (federation: a phase is one DARL span, not always H steps)."""
         self.inner_step += 1
         self.phase_steps += 1
-        if self.phase_steps >= self.config.inner_steps:
+        if end_phase if end_phase is not None else self.phase_steps >= self.config.inner_steps:
             return self._outer_step()
         return None
 

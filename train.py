@@ -49,12 +49,14 @@ import contextlib
 import dataclasses
 import datetime
 import hashlib
+import http.client
 import json
 import math
 import os
 import platform
 import re
 import resource
+import secrets
 import socket
 import subprocess
 import sys
@@ -66,8 +68,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import checkpoint
+import darl_client
+import darl_table
 import data
 import diloco
+import fedmom_client
+import httpd
 import models
 
 # ---------------------------------------------------------------------------
@@ -262,6 +268,24 @@ class Config:
     diloco_outer_lr: float = 0.7
     diloco_outer_momentum: float = 0.9
     diloco_outer_device: str = "same"
+    federation: str | None = None
+    darl_url: str | None = None
+    blob_url: str | None = None
+    token_file: str | None = None
+    site: str | None = None
+    replica: str | None = None
+    transport: str = "auto"
+    delta_dtype: str = "f32"
+    throttle_ms: int = 0
+    export_init: str | None = None
+    register_wait_s: float = 600.0
+
+    @property
+    def cluster(self):
+        """The stream's id at DARL and FedMom: --site (or $PWW_SITE, else the short host
+        name), plus -<replica> with --replica. Stable across requeues by construction."""
+        site = self.site or os.environ.get("PWW_SITE") or socket.gethostname().split(".")[0]
+        return site if not self.replica else f"{site}-{self.replica}"
 
     @property
     def llm(self):
@@ -303,6 +327,8 @@ class Config:
         if self.llm and not self.data.endswith(".json"):
             raise ConfigError(f"--data {self.data}: --model {self.model} reads a tokenized corpus; "
                               f"give its manifest.json (python tokenize_corpus.py --out DIR)")
+        if self.federation is not None:
+            self.validate_federation()
         if not self.llm and self.activation_checkpointing:
             raise ConfigError("--activation-checkpointing is for the Qwen3 models: recomputing a "
                               "ResNet stage would update its BatchNorm statistics twice")
@@ -311,6 +337,27 @@ class Config:
                               f"under runs/<run>/checkpoints/")
         if self.diloco_replicas > 1:
             diloco.DiLoCoConfig.from_args(self)          # raises naming the --diloco-* flag
+
+    def validate_federation(self):
+        if not self.llm:
+            raise ConfigError(f"--federation trains a Qwen3 model on DARL-leased token windows; "
+                              f"--model {self.model} reads no tokenized corpus (use qwen3-*)")
+        if self.diloco_replicas != 1:
+            raise ConfigError(f"--federation with --diloco-replicas {self.diloco_replicas}: a federated "
+                              "site is ONE stream; run one job per stream with --replica a, --replica b "
+                              "(cluster ids <site>-a, <site>-b) instead")
+        if not self.darl_url:
+            raise ConfigError("--federation needs --darl-url (the DARL coordinator, :29510): the site "
+                              "trains only on windows it leased there")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", self.cluster):
+            raise ConfigError(f"cluster id {self.cluster!r} (from --site/$PWW_SITE/the host name and "
+                              f"--replica) must match [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}; set --site")
+        if self.transport == "blob" and not self.blob_url:
+            raise ConfigError("--transport blob needs --blob-url (the blob store, :29512)")
+        if self.diloco_inner_steps < 1:
+            raise ConfigError(f"--diloco-inner-steps {self.diloco_inner_steps}: H must be >= 1")
+        if self.throttle_ms < 0 or self.register_wait_s < 0:
+            raise ConfigError("--throttle-ms and --register-wait-s must be >= 0")
 
 
 class ConfigError(ValueError):
@@ -359,7 +406,33 @@ def build_parser():
     a("--resume", default=Config.resume, help="none | auto (newest checkpoint of this run) | PATH (default none)")
     a("--log-every", type=int, default=Config.log_every, help="optimizer steps per train row (default 10)")
     diloco.add_diloco_args(p)
-    # --- federation flags (--federation, --darl-url, --replica, --site, ...) go here ---
+    f = p.add_argument_group("federation (one model trained across sites through the central VM)")
+    f.add_argument("--federation", metavar="FEDMOM_URL",
+                   help="train as one site of a federated run: the aggregator fedmom_server.py "
+                        "(http://central:29511); H = --diloco-inner-steps (default: off)")
+    f.add_argument("--darl-url", help="the DARL coordinator darl_server.py (http://central:29510); "
+                                      "required with --federation")
+    f.add_argument("--blob-url", help="the blob store blobstore.py (http://central:29512) for the blob "
+                                      "transport (default: none, everything inline)")
+    f.add_argument("--token-file", help="file holding the central services' bearer token "
+                                        "(default: $PWW_TOKEN, else no token)")
+    f.add_argument("--site", help="site name in the cluster id (default $PWW_SITE, else the short host name)")
+    f.add_argument("--replica", help="a second stream at the same site: cluster id <site>-<replica> "
+                                     "(default: none, cluster id = site)")
+    f.add_argument("--transport", choices=("inline", "blob", "auto"), default=Config.transport,
+                   help="how deltas and theta move: inline HTTP, the blob store, or auto = blob above "
+                        "256 MiB when --blob-url is set (default auto)")
+    f.add_argument("--delta-dtype", choices=("f32", "bf16"), default=Config.delta_dtype,
+                   help="dtype of the delta sent each round (default f32; bf16 halves the bytes)")
+    f.add_argument("--throttle-ms", type=int, default=Config.throttle_ms,
+                   help="sleep this many ms after every inner step: for demos and tests only, to make "
+                        "one site slower (default 0)")
+    f.add_argument("--register-wait-s", type=float, default=Config.register_wait_s,
+                   help="how long to wait for a previous incarnation of this cluster id (a killed, "
+                        "requeued job) to expire at DARL and FedMom, s (default 600)")
+    f.add_argument("--export-init", metavar="PATH",
+                   help="write the model built from --seed as an fp32 tensor file (fedmom_server.py "
+                        "--init) and exit; needs --model and, for Qwen3, --data")
     return p
 
 
@@ -465,9 +538,12 @@ def write_config_yaml(path, cfg, prov):
 
 
 def default_run_name(cfg, d):
-    """<model>-<SLURM_JOB_ID> (stable across a requeue), else <model>-<rank 0's date-time>."""
+    """<model>-<SLURM_JOB_ID> (stable across a requeue), else <model>-<rank 0's date-time>;
+    with --federation <model>-<cluster id>, stable across resubmissions too."""
     job = os.environ.get("SLURM_JOB_ID")
     name = [f"{cfg.model}-{job}" if job else f"{cfg.model}-{time.strftime('%Y%m%d-%H%M%S')}"]
+    if cfg.federation:         # the stream's name: a requeued job (new job id) finds its checkpoints
+        name = [f"{cfg.model}-{cfg.cluster}"]
     dist.broadcast_object_list(name, src=0)
     return name[0]
 
@@ -677,6 +753,297 @@ def evaluate(model, cfg, d, source, windows):
 
 
 # ---------------------------------------------------------------------------
+# Stage 4b: federation - rank 0 speaks to DARL and FedMom; every rank derives its data
+# ---------------------------------------------------------------------------
+
+RETRY_S = 900.0             # how long the aggregator may stay unreachable (a restart) before we give up
+POLL_S = 5.0                # rank 0 reports "still waiting" to the other ranks this often
+TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
+
+
+class FedSite:
+    """Rank 0's side of a federated site: one DARL LeaseSession (this stream's leases),
+    FedMom membership, and the round trip of each delta. Torch-free; every method that
+    can wait is a generator that yields while it waits (diloco.on_rank0 turns each yield
+    into a small broadcast, so the other ranks never time out in a collective).
+
+    Lease lifecycle (DESIGN.md, round protocol): a span is trained, its delta sent with
+    the lease record; the site never commits in DARL itself. Merged: fedmom_server.py
+    commits the lease once the round is durable, and until DARL reports it committed
+    the session keeps heartbeating it. Not merged (stale or excluded): the site
+    releases it, so its blocks go back to the pool and are trained again. Unknown
+    (the aggregator's reply was lost and its books no longer show the round): the site
+    stops heartbeating it and lets the aggregator decide - it heartbeats and commits
+    the leases of what it merged, and anything else expires back to the pool.
+    """
+
+    def __init__(self, cfg, windows, model_bytes, log):
+        self.cfg, self.windows, self.log = cfg, windows, log
+        self.cluster, self.incarnation = cfg.cluster, secrets.token_hex(6)
+        token = httpd.load_token(cfg.token_file)
+        self.darl = darl_client.LeaseClient(cfg.darl_url, token=token)
+        self.fed = fedmom_client.FedMomClient(cfg.federation, self.cluster, self.incarnation, token=token,
+                                              blob_url=cfg.blob_url)
+        self.theta_transport = "blob" if cfg.transport == "blob" or (
+            cfg.transport == "auto" and cfg.blob_url and model_bytes >= fedmom_client.AUTO_BLOB_BYTES) else "inline"
+        self.session, self.span, self.keepalive, self.member = None, None, None, False
+        self._said = 0.0
+
+    def say(self, msg, every_s=0.0):
+        """Log, at most once per every_s seconds for repeated waiting messages."""
+        if time.monotonic() - self._said >= every_s:
+            self._said = time.monotonic()
+            self.log(msg)
+
+    def _retry(self, what, fn):
+        """fn() until it answers: transport errors and 5xx (a server restarting) are retried
+        for RETRY_S, a 409 not_member (dropped meanwhile) joins again; other 4xx raise."""
+        deadline, delay = time.monotonic() + RETRY_S, 1.0
+        while True:
+            try:
+                return fn()
+            except httpd.CallError as e:
+                if e.status == 409 and e.reply.get("code") == "not_member":
+                    self.log(f"{what}: the aggregator no longer counts us as a member ({e.reply.get('error')}); joining again")
+                    self.member = False
+                    yield from self.join()
+                    continue
+                if e.status < 500:
+                    raise
+                err = e
+            except TRANSPORT_ERRORS as e:
+                err = e
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what}: no answer for {RETRY_S:.0f} s ({err})")
+            self.say(f"{what}: {err}; retrying", every_s=10.0)
+            t_end = time.monotonic() + delay
+            yield
+            time.sleep(max(0.0, t_end - time.monotonic()))
+            delay = min(2 * delay, 10.0)
+
+    # -- start: the block space, DARL registration, FedMom membership
+    def connect(self, per_step):
+        """-> (block size, seed, blocks per phase) of the coordinator's space, checked
+        against our own manifest; registered at DARL, a member at FedMom."""
+        st = yield from self._retry("DARL status", self.darl.status)
+        sp = st["space"]
+        space = darl_table.BlockSpace(self.windows.train_windows, sp["block_size"], sp["seed"],
+                                      manifest_digest=self.windows.digest)
+        if space.digest() != st["digest"]:
+            raise ConfigError(f"--data {self.cfg.data}: this corpus gives block space {space.describe()}, "
+                              f"the coordinator has {sp}; start darl_server.py --manifest with the same "
+                              "manifest.json (both sides tokenized alike: same digest)")
+        blocks = data.blocks_per_phase(self.cfg.diloco_inner_steps, per_step, sp["block_size"])
+        self.session = darl_client.LeaseSession(
+            self.darl, self.cluster, space.digest(), incarnation=self.incarnation, span_blocks=blocks,
+            lease_blocks=blocks, prefetch=False, log=lambda m: self.log(f"darl: {m}"))
+        deadline = time.monotonic() + self.cfg.register_wait_s
+        while True:
+            try:
+                self.darl.register(self.cluster, self.incarnation, space.digest())
+                break
+            except httpd.CallError as e:
+                left = deadline - time.monotonic()
+                if e.status != 409 or "live incarnation" not in str(e.reply.get("error")) or left <= 0:
+                    raise
+                self.say(f"DARL: {self.cluster!r} is still held by the previous incarnation; waiting for the "
+                         f"previous incarnation's leases to expire ({left:.0f} s left)", every_s=10.0)
+                yield
+                time.sleep(1.0)
+        self.session.start(register=False)
+        yield from self.join()
+        self.log(f"site {self.cluster} (incarnation {self.incarnation}): DARL {space.num_blocks} blocks of "
+                 f"{sp['block_size']} windows, {blocks} per phase; FedMom round {self.fed_round}")
+        return sp["block_size"], sp["seed"], blocks
+
+    def join(self):
+        deadline = time.monotonic() + self.cfg.register_wait_s
+        while True:
+            try:
+                reply = self.fed.join()
+                break
+            except httpd.CallError as e:
+                left = deadline - time.monotonic()
+                if e.reply.get("code") != "incarnation_conflict" or left <= 0:
+                    raise
+                self.say(f"FedMom: {self.cluster!r} is still live as the previous incarnation; waiting for "
+                         f"it to time out ({left:.0f} s left)", every_s=10.0)
+            except TRANSPORT_ERRORS as e:
+                if time.monotonic() > deadline:
+                    raise
+                self.say(f"FedMom join: {e}; retrying", every_s=10.0)
+            yield
+            time.sleep(1.0)
+        self.fed_round, self.member = reply["round"], True
+        if self.keepalive is None:
+            self.keepalive = self.fed.keepalive()
+            self.keepalive.__enter__()
+        return reply
+
+    def leave(self):
+        if self.keepalive is not None:
+            self.keepalive.__exit__(None, None, None)
+            self.keepalive = None
+        if self.member:
+            self.member = False
+            try:
+                self.fed.leave()
+            except (httpd.CallError, *TRANSPORT_ERRORS) as e:
+                self.log(f"FedMom leave: {e} (the aggregator drops silent members on its own)")
+
+    # -- per phase
+    def next_span(self):
+        """-> (lease, start, end) of the next span, or None when DARL has no blocks left.
+        While every block is leased elsewhere, the site leaves FedMom's rounds so that
+        the others do not wait for a delta that cannot come; it joins again with work."""
+        while True:
+            try:
+                span = self.session.next_span(timeout=POLL_S)
+                break
+            except TimeoutError:
+                if self.session.starved and self.member:
+                    self.log("DARL: every remaining block is leased by others; leaving FedMom's rounds "
+                             "until blocks come back (or the epoch ends)")
+                    self.leave()
+                yield
+        self.span = span
+        if span is None:
+            return None
+        if not self.member:
+            yield from self.join()
+        return span.as_ints()
+
+    def current_round(self):
+        return (yield from self._retry("FedMom round", self.fed.current_round))
+
+    def fetch_theta(self, path):
+        return (yield from self._retry("download theta_global",
+                                       lambda: self.fed.download_theta(path, transport=self.theta_transport)))
+
+    def _outcome(self, reply, base):
+        """Our delta of `base_round` in a join/heartbeat reply's "deltas": merged |
+        excluded | pending, or None (the aggregator never accepted it)."""
+        for o in reply.get("deltas") or ():
+            if o.get("incarnation") == self.incarnation and o.get("base_round") == base:
+                return o
+        return None
+
+    def round_trip(self, delta_path, base, send, theta_path):
+        """Send the delta, wait for its round to pass, settle its lease, download theta_global."""
+        span, out = self.span, {"base_round": base, "merged": False, "reason": None}
+        self.session.end_phase(send["metrics"].get("inner_s", 0.0), len(span))
+        t0 = time.monotonic()
+        sent = False
+        try:
+            yield from self._retry("send delta", lambda: self.fed.send_delta(
+                delta_path, base, send["tokens"], [self.session.commit_record(span)],
+                {k: v for k, v in send["metrics"].items() if v is not None}, transport=self.cfg.transport))
+            sent = True
+        except fedmom_client.StaleRound as e:
+            out["reason"] = f"stale: {e}"
+        except httpd.CallError as e:                  # refused (a bad delta): never merged
+            out["reason"] = f"refused: {e.reply.get('error', e)}"
+        out["send_s"] = round(time.monotonic() - t0, 3)
+        while True:          # until the round passed and the aggregator's books say what became of it
+            reply = yield from self._retry("wait for the round", lambda: self.fed.heartbeat(
+                wait_round_after=base, wait_s=min(POLL_S * 4, self.fed.heartbeat_s)))
+            got = self._outcome(reply, base)
+            state = got and got.get("outcome")
+            if state == "pending" or (sent and got is None and reply["round"] <= base):
+                self.say(f"round {base}: waiting for the other sites' deltas (members {reply.get('members')})",
+                         every_s=30.0)
+                yield
+                continue
+            break
+        out["wait_s"] = round(time.monotonic() - t0 - out["send_s"], 3)
+        if state == "merged":
+            out["merged"], out["merged_into"] = True, got.get("merged_into")
+        elif state == "excluded" or not sent:
+            out["reason"] = out["reason"] or f"excluded: {got.get('why')}"
+            self.session.release(span)               # its blocks go back to the pool
+        else:                                        # accepted, then no record: the aggregator decides
+            out["reason"] = "outcome unknown: lease left to the aggregator (commit if merged, else expiry)"
+            self.session.forget(span)
+        out["round"] = yield from self.fetch_theta(theta_path)
+        out.update(lease=span.lease, start=span.start, end=span.end)
+        return out
+
+    # -- end
+    def finish(self):
+        """DARL is done: wait until every lease handed to the aggregator is committed (a
+        lease released now would put merged blocks back in the pool), then leave."""
+        deadline = time.monotonic() + RETRY_S
+        while self.session.held() and time.monotonic() < deadline:
+            try:
+                self.session.refresh()
+            except (httpd.CallError, *TRANSPORT_ERRORS) as e:
+                self.say(f"DARL heartbeat: {e}", every_s=10.0)
+            if self.session.held():
+                self.say(f"waiting for the aggregator to commit leases {sorted(self.session.held())} in DARL",
+                         every_s=10.0)
+                yield
+                time.sleep(1.0)
+        unsettled = self.session.held()
+        self.session.close(release=not unsettled)    # never release what the aggregator may still commit
+        self.leave()
+        if unsettled:
+            self.log(f"leases {sorted(unsettled)} were still uncommitted after {RETRY_S:.0f} s; left to expire")
+        return True
+
+    def abort(self):
+        """On an error: stop talking, release nothing (the aggregator may still commit)."""
+        try:
+            if self.session is not None:
+                self.session.close(release=False)
+        finally:
+            if self.keepalive is not None:
+                self.keepalive.__exit__(None, None, None)
+                self.keepalive = None
+
+
+class LeasedSource:
+    """The training windows of one DARL span per outer phase, the same on every rank:
+    rank 0 asks the coordinator, every rank receives (lease, start, end) and derives
+    the windows (positions -> blocks -> window indices, shuffled from --seed and the
+    lease) and its own slice of each step (data.LeasedPhase)."""
+
+    def __init__(self, cfg, d, windows, site, block_size, seed):
+        self.cfg, self.d, self.windows, self.site = cfg, d, windows, site
+        self.space = darl_table.BlockSpace(windows.train_windows, block_size, seed,
+                                           manifest_digest=windows.digest)
+        self.per_step = cfg.batch_size * d.world_size * cfg.grad_accum
+
+    def next_phase(self):
+        """The next phase (collective), or None once DARL has no blocks left."""
+        got = diloco.on_rank0(lambda: self.site.next_span())
+        if got is None:
+            return None
+        lease, start, end = got
+        w = data.span_windows(self.space, start, end, self.cfg.seed, lease)
+        return data.LeasedPhase(lease, start, end, w, self.per_step, self.d.world_size, self.d.rank,
+                                self.cfg.batch_size)
+
+
+def export_init(cfg):
+    """--export-init: the model from --seed, unsharded on the CPU, as an fp32 tensor file
+    named like named_parameters() of the unwrapped model (a tied weight appears once)."""
+    import tensorio
+    windows = data.TokenWindows(cfg.data) if cfg.llm else None
+    torch.manual_seed(cfg.seed)
+    model = models.build_model(cfg.model, vocab_size=windows.vocab_size if windows else None,
+                               seq_len=windows.seq_len if windows else None)
+    models.materialize(model, torch.device("cpu"))
+    named = list(model.named_parameters())
+    tensorio.save_torch(((n, p.detach().float()) for n, p in named), cfg.export_init,
+                        metadata={"model": cfg.model, "seed": str(cfg.seed),
+                                  "corpus_digest": windows.digest if windows else ""},
+                        specs=[(n, "F32", tuple(p.shape)) for n, p in named])
+    n = sum(p.numel() for _, p in named)
+    print(f"wrote {cfg.export_init}: {cfg.model}, {len(named)} tensors, {n:,} parameters (fp32, seed {cfg.seed})")
+    return cfg.export_init
+
+
+# ---------------------------------------------------------------------------
 # Stage 5: the loop
 # ---------------------------------------------------------------------------
 
@@ -696,6 +1063,98 @@ def _as_float(t):
     if t is None:
         return None
     return float(t.full_tensor() if hasattr(t, "full_tensor") else t)
+
+
+def federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, schedule, peak_lr, flops,
+                   save, run_eval):
+    """Outer phases until DARL has no blocks left: one span, its inner steps, the round
+    trip. Every rank runs this; returns the step count at the end."""
+    step, phases, seq = start, 0, source.windows.seq_len
+    peak, gnorm, lr = peak_flops(d), None, None
+    since_row = torch.zeros(2, dtype=torch.float64, device=d.device)   # nll sum, tokens (this rank)
+    t_mark, step_mark = time.perf_counter(), step
+    model.train()
+    while (phase := source.next_phase()) is not None:
+        # round start: theta_global of the aggregator's CURRENT round, unconditionally
+        if carrier.current() != carrier.round:
+            carrier.load_global(outer)
+            log.log(f"loaded theta_global of round {carrier.round}")
+        in_phase = torch.zeros(2, dtype=torch.float64, device=d.device)
+        t_phase = time.perf_counter()
+        for s in range(phase.steps):
+            lr = peak_lr * schedule(step)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            micros = phase.micro_batches(s)
+            # the loss is normalised by the GLOBAL token count of the step: DDP and FSDP
+            # average gradients over ranks, so each rank scales its token sum by
+            # world/tokens, and a short (or empty) share of a ragged last step weighs right
+            scale = d.world_size / (len(phase.step_windows(s)) * seq)
+            for i, idx in enumerate(micros):
+                real = len(idx) > 0
+                t = torch.from_numpy(source.windows.batch(idx if real else phase.windows[:1])).to(d.device)
+                with grad_sync(model, cfg, i == len(micros) - 1), autocast_ctx(cfg, d):
+                    logits = model(t[:, :-1])
+                    nll = F.cross_entropy(logits.flatten(0, 1).float(), t[:, 1:].flatten(), reduction="sum")
+                # an empty share still runs forward and backward (times 0): every rank makes
+                # the same collective calls, or FSDP/DDP wait forever for the missing one
+                (nll * (scale if real else 0.0)).backward()
+                if real:
+                    got = torch.stack([nll.detach().double(), torch.tensor(float(idx.size * seq),
+                                       dtype=torch.float64, device=d.device)])
+                    in_phase += got
+                    since_row += got
+            if cfg.grad_clip > 0:
+                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            if cfg.throttle_ms:
+                time.sleep(cfg.throttle_ms / 1000)      # demo/test only: a slower site
+            last = s == phase.steps - 1
+            if step % cfg.log_every == 0 or last:
+                dist.all_reduce(since_row)
+                dt = time.perf_counter() - t_mark
+                tps = since_row[1].item() / dt
+                row = {"split": "train", "step": step, "round": carrier.round,
+                       "loss": since_row[0].item() / since_row[1].item(), "lr": lr,
+                       "grad_norm": _as_float(gnorm), "step_ms": 1e3 * dt / (step - step_mark),
+                       "tokens_per_s": tps, "mfu": flops * tps / d.world_size / peak if peak else None,
+                       "peak_mem_gib": peak_memory_gib(d)}
+                log.metric(row)
+                log.log("train " + fmt_row(row))
+                since_row.zero_()
+                t_mark, step_mark = time.perf_counter(), step
+            if last:            # what the delta carries; the outer step checkpoints, sends, waits, loads
+                inner_s = time.perf_counter() - t_phase
+                dist.all_reduce(in_phase)
+                tokens, tps = len(phase) * seq, len(phase) * seq / inner_s
+                carrier.send = {"tokens": tokens, "metrics": {
+                    "loss": in_phase[0].item() / in_phase[1].item(), "tokens_per_s": tps,
+                    "mfu": flops * tps / d.world_size / peak if peak else None,
+                    "tflops_per_rank": flops * tps / d.world_size / 1e12,
+                    "peak_mem_gb": peak_memory_gib(d), "inner_s": inner_s, "steps": phase.steps}}
+                carrier.before_send = lambda: save(step, carrier.round)    # BEFORE the delta leaves
+            out = outer.after_inner_step(end_phase=last)
+            if out:
+                phases += 1
+                r = carrier.last
+                row = {"split": "federation", "step": step, "round": r["round"], "base_round": r["base_round"],
+                       "tokens": tokens, "loss": in_phase[0].item() / in_phase[1].item(), "merged": r["merged"],
+                       "merged_into": r.get("merged_into"), "reason": r.get("reason"), "lease": phase.lease,
+                       "positions": [phase.start, phase.end], "windows": len(phase), "steps": phase.steps,
+                       "inner_s": round(inner_s, 3), "tokens_per_s": tps, "send_s": r.get("send_s"),
+                       "wait_s": r.get("wait_s"), "delta_norm": out["delta_norm"], "outer_ms": out["outer_ms"]}
+                log.metric(row)
+                log.log(f"round {r['base_round']} -> {r['round']}: "
+                        + ("merged" if r["merged"] else f"NOT merged ({r.get('reason')})")
+                        + f"; lease {phase.lease} [{phase.start}, {phase.end}) = {len(phase)} windows in "
+                        f"{phase.steps} steps, loss {row['loss']:.4f}, {tps:.4g} tokens/s, "
+                        f"outer step {out['outer_ms'] / 1e3:.1f} s")
+                if cfg.eval_every and phases % cfg.eval_every == 0:
+                    run_eval(step, carrier.round)
+                t_mark, step_mark = time.perf_counter(), step
+    return step
 
 
 def train(cfg: Config):
@@ -750,14 +1209,22 @@ def train(cfg: Config):
             f"peak lr {peak_lr:.4g}" + (f", DiLoCo k={k} H={cfg.diloco_inner_steps}" if k > 1 else ""))
 
     # -- data and the outer-step carrier -----------------------------------
-    source = WindowSource(cfg, d, windows) if cfg.llm else CifarSource(cfg, d)
-    carrier = None        # None: diloco.AllReduceCarrier over this allocation's replicas
-    # === federation slot ====================================================
-    # With --federation, `source` becomes a DARL lease source (same micro_batches()
-    # interface, windows from leased block spans) and `carrier` an HTTP carrier to
-    # fedmom_server.py (a diloco.OuterCarrier). Nothing below this line changes.
-    # ========================================================================
-    steps_per_epoch = source.micro_per_epoch // cfg.grad_accum
+    carrier = site = None      # carrier None: diloco.AllReduceCarrier over this allocation's replicas
+    if cfg.federation:
+        # one site = one stream: windows from DARL spans (one per outer phase), the
+        # outer step through fedmom_server.py; only rank 0 talks to the central VM
+        per_step = cfg.batch_size * d.world_size * cfg.grad_accum
+        site = FedSite(cfg, windows, 4 * n_params, log.log) if d.is_main else None
+        block_size, darl_seed, _ = diloco.on_rank0(lambda: site.connect(per_step))
+        source = LeasedSource(cfg, d, windows, site, block_size, darl_seed)
+        workdir = os.path.join(run_dir, "federation")
+        if d.is_main:
+            os.makedirs(workdir, exist_ok=True)
+        carrier = diloco.FedMomCarrier(site, workdir, delta_dtype=cfg.delta_dtype.upper())
+        steps_per_epoch = -(-windows.train_windows // per_step)   # the whole corpus at this site's step
+    else:
+        source = WindowSource(cfg, d, windows) if cfg.llm else CifarSource(cfg, d)
+        steps_per_epoch = source.micro_per_epoch // cfg.grad_accum
     if steps_per_epoch < 1:
         raise ConfigError(f"{cfg.data} gives each of {d.world_size} ranks {source.micro_per_epoch} "
                           f"micro-batches per epoch, fewer than --grad-accum {cfg.grad_accum}: lower "
@@ -770,8 +1237,11 @@ def train(cfg: Config):
     schedule = lr_lambda(total, warmup, cfg.min_lr / cfg.lr)
     outer = None
     if k > 1 or carrier is not None:
-        outer = diloco.DiLoCo(model, layout or diloco.ReplicaLayout.plan(d.world_size, d.rank, 1),
-                              diloco.DiLoCoConfig.from_args(cfg), carrier)
+        # federation: the local outer step is plain replacement (sgd, lr 1, momentum 0: no
+        # local momentum buffers); the aggregator owns the Nesterov momentum
+        dcfg = diloco.DiLoCoConfig.fedavg(cfg.diloco_inner_steps) if cfg.federation \
+            else diloco.DiLoCoConfig.from_args(cfg)
+        outer = diloco.DiLoCo(model, layout or diloco.ReplicaLayout.plan(d.world_size, d.rank, 1), dcfg, carrier)
     log.log(f"data {cfg.data}: {steps_per_epoch} steps per epoch of {cfg.grad_accum} x "
             f"{cfg.batch_size} per rank; {total} steps, warmup {warmup}")
 
@@ -789,17 +1259,38 @@ def train(cfg: Config):
         else:
             log.log(f"--resume auto: no checkpoint in {run_dir}; starting at step 0")
 
-    def save(step):
+    def save(step, fed_round=None):
+        fed = {"cluster": cfg.cluster, "round": fed_round} if cfg.federation else None
         checkpoint.save(run_dir, step, model, opt, diloco=outer, sharded=cfg.sharded_checkpoint,
                         keep=cfg.keep_checkpoints, extra={"epoch": step // steps_per_epoch,
-                        "digest": windows.digest if windows else None})
+                        "digest": windows.digest if windows else None, "federation": fed})
 
-    def run_eval(step):
+    def run_eval(step, fed_round=None, **extra):
         with outer.global_weights() if outer else contextlib.nullcontext():
             row = dict(split="eval", step=step, epoch=round(step / steps_per_epoch, 4),
+                       **({"round": fed_round} if cfg.federation else {}), **extra,
                        **evaluate(model, cfg, d, source, windows))
         log.metric(row)
         log.log("eval  " + fmt_row(row))
+
+    if cfg.federation:
+        try:
+            if start:
+                outer.phase_steps = 0            # a resumed site starts a fresh phase
+            carrier.load_global(outer)           # theta_global of the CURRENT round, also after a resume
+            log.log(f"federation: cluster {cfg.cluster}, theta_global of round {carrier.round}; "
+                    f"LR schedule over {total} steps (--steps; default: the whole corpus at this site)")
+            step = federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, schedule, peak_lr,
+                                  flops, save, run_eval)
+            diloco.on_rank0(lambda: site.finish())    # every merged lease committed, then leave
+            carrier.load_global(outer)           # the final global model
+        except BaseException:
+            if site is not None:
+                site.abort()
+            raise
+        run_eval(step, carrier.round, final=True)
+        save(step, carrier.round)
+        return _finish(log, run_dir, step)
 
     # -- loop --------------------------------------------------------------
     model.train()
@@ -876,6 +1367,10 @@ def train(cfg: Config):
     run_eval(step)
     if start < step or cfg.resume == "none":
         save(step)
+    return _finish(log, run_dir, step)
+
+
+def _finish(log, run_dir, step):
     log.log(f"done: {step} steps, run directory {run_dir}")
     log.close()
     dist.barrier()
@@ -886,11 +1381,16 @@ def train(cfg: Config):
 def main(argv=None):
     try:
         cfg = parse_config(argv)
+        if cfg.export_init:
+            return export_init(cfg.resolve("cpu"))
         return train(cfg)
     except ConfigError as e:
         if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
             print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except diloco.RankZeroFailed as e:          # rank 0 prints the real error and traceback
+        print(f"train.py: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
