@@ -1,6 +1,6 @@
 """demo.py - `make demo`: two sites train ONE model through the central services, on this CPU.
 
-What it shows, in the order it happens (about 5-7 minutes on 2 CPU cores):
+What it shows, in the order it happens (about 4 minutes on 2 idle CPU cores):
   1. tokenizes the embedded corpus (this Python's own standard-library sources, capped
      at --corpus-mb) into fixed windows, and writes the initial model with
      `train.py --export-init`;
@@ -22,7 +22,10 @@ What it shows, in the order it happens (about 5-7 minutes on 2 CPU cores):
 How to read the output:
   "round N merged ..."   one line per merge of the global model: the token-weighted
                          training loss of the deltas in it, which sites contributed, and
-                         how much of the corpus DARL has seen committed.
+                         how much of the corpus DARL has committed (this trails the merges:
+                         FedMom commits a round's leases once the round is durable).
+  "    alpha: ..."       lines from a site's own log: waiting out its dead incarnation,
+                         resuming from its checkpoint, a delta that was not merged.
   "live: ..."            which sites are members of the federation right now.
   the summary            merged rounds, a table and sparkline of the loss per round,
                          the held-out loss of the initial and the final global model,
@@ -75,6 +78,12 @@ LISTENING = re.compile(r"listening on (http://\S+)\s*$")
 SPARK = "▁▂▃▄▅▆▇█"
 
 
+def rel(path):
+    """A path as a new user would type it: relative to here when below here."""
+    r = os.path.relpath(path)
+    return path if r.startswith("..") else r
+
+
 def say(msg=""):
     print(msg, flush=True)
 
@@ -85,12 +94,52 @@ def stamp(t0):
 
 
 # ---------------------------------------------------------------------------
-# Processes: every child in its own session, so one SIGKILL reaches a whole
-# torchrun job (launcher + ranks) and Ctrl-C in the terminal reaches only us.
+# Processes. Every child starts in its own session, so Ctrl-C in the terminal reaches
+# only this script, which then stops them in order. A torchrun job is a tree, not one
+# process group: torchrun starts each rank in a session of its own (torch's elastic
+# subprocess handler, start_new_session=True), so a signal to torchrun's group misses
+# the ranks, which then train on as orphans. Signals therefore go to every process
+# group of the tree, read from /proc before the first signal.
 # ---------------------------------------------------------------------------
 
+def _ppids():
+    """{pid: parent pid} of every live process (Linux /proc), zombies excluded."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                out[int(entry)] = int(fields[1])
+    return out
+
+
+def process_tree(pid):
+    """pid and all its live descendants."""
+    parents = _ppids()
+    tree, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p in parents and p not in tree:
+            tree.add(p)
+            todo += [c for c, pp in parents.items() if pp == p]
+    return tree
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 class Proc:
-    """One started command: its own process group, output appended to `log_path`."""
+    """One started command (a server, or a torchrun job and its ranks); output appended
+    to `log_path`."""
 
     def __init__(self, name, cmd, log_path, env=None):
         self.name, self.cmd, self.log_path = name, [str(c) for c in cmd], log_path
@@ -100,6 +149,7 @@ class Proc:
                                           stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
                                           start_new_session=True)
         self.pid = self.popen.pid
+        self.family = {self.pid}       # every pid of the tree seen so far
 
     def poll(self):
         return self.popen.poll()
@@ -107,29 +157,38 @@ class Proc:
     def alive(self):
         return self.popen.poll() is None
 
-    def signal_group(self, sig):
-        try:
-            os.killpg(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+    def signal_tree(self, sig):
+        """`sig` to every process group of the tree (the leader's and each rank's)."""
+        if self.popen.poll() is None:
+            self.family |= process_tree(self.pid)
+        groups, singles = set(), set()
+        for pid in self.family:
+            try:
+                pg = os.getpgid(pid)
+            except ProcessLookupError:
+                continue
+            (groups.add(pg) if pg in self.family else singles.add(pid))
+        # one signal per process: a server whose SIGTERM handler is flushing its state
+        # must not be hit twice
+        for kill, targets in ((os.killpg, groups), (os.kill, singles)):
+            for target in sorted(targets):
+                try:
+                    kill(target, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
-    def group_gone(self):
-        self.popen.poll()               # reap our child, or the group looks alive as a zombie
-        try:
-            os.killpg(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
+    def gone(self):
+        """True once no process of the tree is left (the leader reaped, no rank orphaned)."""
+        self.popen.poll()
+        return not any(_alive(p) for p in self.family)
 
     def stop(self, grace_s=20.0):
-        """SIGTERM the group, SIGKILL it after grace_s; returns the leader's exit code."""
-        if not self.group_gone():
-            self.signal_group(signal.SIGTERM)
-            if not wait_for(self.group_gone, grace_s, 0.1):
-                self.signal_group(signal.SIGKILL)
-                wait_for(self.group_gone, 30.0, 0.1)
+        """SIGTERM the tree, SIGKILL what is left after grace_s; returns the leader's exit code."""
+        if not self.gone():
+            self.signal_tree(signal.SIGTERM)
+            if not wait_for(self.gone, grace_s, 0.1):
+                self.signal_tree(signal.SIGKILL)
+                wait_for(self.gone, 30.0, 0.1)
         try:
             return self.popen.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -568,13 +627,13 @@ def format_checks(checks):
 @dataclasses.dataclass
 class DemoConfig:
     out: str = "runs/demo"
-    corpus_mb: float = 1.2
+    corpus_mb: float = 4.0
     seq_len: int = 128
     heldout_windows: int = 64
     block_size: int = 16
     model: str = "qwen3-tiny"
     batch_size: int = 8
-    inner_steps: int = 20
+    inner_steps: int = 30
     lr: float = 3e-3
     ranks: int = 2
     throttle_ms: int = 40
@@ -607,6 +666,8 @@ class DemoConfig:
 
 
 SITES = {"alpha": "fsdp", "beta": "ddp"}
+SITE_LOG_KEYS = ("waiting for the previous incarnation", "still live as the previous incarnation",
+                 "resumed at step", "NOT merged")
 
 
 class Demo:
@@ -620,6 +681,7 @@ class Demo:
         self.killed = None          # {"site", "incarnation", "round"} once the kill happened
         self.restarted_at = None
         self.live_line = ""
+        self.log_offsets = {}
 
     def log(self, msg):
         say(f"{stamp(self.t0)} {msg}")
@@ -679,8 +741,11 @@ class Demo:
 
     def train_args(self):
         c = self.cfg
+        # the cosine LR schedule spans this site's share of the corpus (each site trains about
+        # half of it); train.py's default would span the whole corpus at one site's step
+        steps = -(-self.train_windows // (len(SITES) * c.ranks * c.batch_size))
         return ["--model", c.model, "--batch-size", c.batch_size, "--lr", c.lr, "--seed", c.seed,
-                "--diloco-inner-steps", c.inner_steps, "--log-every", 5,
+                "--steps", steps, "--diloco-inner-steps", c.inner_steps, "--log-every", 5,
                 "--eval-windows", c.heldout_windows]
 
     def launch(self, launcher, name, resume=False):
@@ -692,7 +757,7 @@ class Demo:
                                        log_name=tag)
         self.log(f"site {name} started: torchrun --nproc-per-node {c.ranks} train.py --parallel {SITES[name]}"
                  + (" --throttle-ms %d" % c.throttle_ms if name == "beta" else "")
-                 + (" --resume auto" if resume else "") + f"  (log {os.path.relpath(self.sites[name].log_path)})")
+                 + (" --resume auto" if resume else "") + f"  (log {rel(self.sites[name].log_path)})")
 
     # -- the watch loop ----------------------------------------------------
 
@@ -709,7 +774,23 @@ class Demo:
             done = f"{darl.get('committed', '?')}/{darl.get('num_blocks', '?')}" if darl else "?"
             self.log(f"round {rec['round']:>3} merged: loss {loss}  tokens {rec.get('tokens', 0):>6}  "
                      f"from {', '.join(sorted(rec.get('clusters', {}))) or '-'}  "
-                     f"[DARL {done} blocks committed]")
+                     f"[DARL: {done} blocks committed]")
+
+    def report_site_lines(self):
+        """Echo the lines of the sites' own logs that tell the story of the restart."""
+        for name in SITES:
+            path = os.path.join(self.sites_dir, name, "train.log")
+            try:
+                with open(path) as f:
+                    f.seek(self.log_offsets.get(name, 0))
+                    text = f.read()
+            except OSError:
+                continue
+            done = text.rfind("\n") + 1            # whole lines only
+            self.log_offsets[name] = self.log_offsets.get(name, 0) + len(text[:done].encode())
+            for line in text[:done].splitlines():
+                if any(k in line for k in SITE_LOG_KEYS):
+                    self.log(f"    {name}: {line.split(' ', 1)[-1]}")
 
     def report_live(self, fed):
         members = {m["cluster"]: m for m in fed.get("members", [])}
@@ -723,20 +804,19 @@ class Demo:
             self.live_line = line
             self.log(line)
 
-    def maybe_kill(self, launcher, fed, kill_state):
+    def maybe_kill(self, launcher, fed):
+        """Kill the victim once a train row shows it mid-phase (not on a phase's last step)
+        on a theta_global of round >= --kill-after-round: it holds a lease, its delta unsent."""
         c = self.cfg
-        if c.kill_site == "none" or self.killed is not None:
+        if c.kill_site == "none" or self.killed is not None or fed.get("round", 0) < c.kill_after_round:
             return
         victim = c.kill_site
-        if kill_state.get("rows") is None:
-            if fed.get("round", 0) >= c.kill_after_round:
-                kill_state["rows"] = len(self.train_rows(victim))      # wait for a train row of the new phase
-            return
-        if len(self.train_rows(victim)) <= kill_state["rows"]:
+        if not any((r.get("round") or 0) >= c.kill_after_round and r["step"] % c.inner_steps
+                   for r in self.train_rows(victim)):
             return
         inc = next((m["incarnation"] for m in fed.get("members", []) if m["cluster"] == victim), None)
-        self.sites[victim].signal_group(signal.SIGKILL)
-        wait_for(self.sites[victim].group_gone, 30, 0.05)
+        self.sites[victim].signal_tree(signal.SIGKILL)
+        wait_for(self.sites[victim].gone, 30, 0.05)
         self.killed = {"site": victim, "incarnation": inc, "round": fed.get("round")}
         self.exit_codes[f"{victim} (killed)"] = self.sites[victim].poll()
         self.log(f"*** SIGKILL site {victim} (torchrun and its {c.ranks} ranks) in the middle of its inner "
@@ -748,13 +828,13 @@ class Demo:
 
     def watch(self, launcher):
         deadline = self.t0 + self.cfg.timeout_min * 60
-        kill_state = {}
         while True:
             fed = get_json(self.svc.fedmom, "/status", self.token) or {}
             darl = get_json(self.svc.darl, "/status", self.token) or {}
             self.report_rounds(fed, darl)
             self.report_live(fed)
-            self.maybe_kill(launcher, fed, kill_state)
+            self.report_site_lines()
+            self.maybe_kill(launcher, fed)
             finished = {n: p.poll() for n, p in self.sites.items() if not p.alive()}
             failed = {n: rc for n, rc in finished.items() if rc != 0}
             if failed:
@@ -769,7 +849,7 @@ class Demo:
             if time.monotonic() > deadline:
                 self.log(f"TIMEOUT: still training after {self.cfg.timeout_min:g} min (--timeout-min)")
                 return False
-            time.sleep(1.0)
+            time.sleep(0.5)
 
     # -- the end -----------------------------------------------------------
 
@@ -830,7 +910,7 @@ class Demo:
         after = heldout_loss(theta, self.manifest, c.model) if theta else None
         out.append(f"Held-out loss ({self.m['heldout_windows']} windows never trained on): "
                    f"before {before:.4f}  after {after if after is None else format(after, '.4f')}  "
-                   f"(final global model {os.path.relpath(theta) if theta else '-'})")
+                   f"(final global model {rel(theta) if theta else '-'})")
         checks.append(("training loss falls round by round", trend_ok,
                        f"first rounds {first:.3f} -> last rounds {last:.3f}" if first is not None else "too few rounds"))
         checks.append(("held-out loss falls", after is not None and after < before,
@@ -864,8 +944,12 @@ class Demo:
         unmerged = [r for rows in site_rows.values() for r in rows
                     if r.get("split") == "federation" and r.get("merged") is False]
         out.append(f"Deltas not merged: {len(excluded)} excluded by FedMom, {len(unmerged)} reported unmerged by "
-                   f"the sites (a stale base_round after the restart is refused with 409; its blocks are "
-                   f"trained again)")
+                   f"the sites" + (" (their blocks went back to the pool and were trained again)"
+                                   if excluded or unmerged else ""))
+        lost = {c["cluster"]: c.get("lost", 0) for c in darl.get("clusters", []) if c.get("lost")}
+        if lost:
+            out.append("Blocks reclaimed from dead leases (trained again by a live incarnation): "
+                       + ", ".join(f"{c} {n}" for c, n in sorted(lost.items())))
         return out
 
     def summary(self, body):
@@ -874,9 +958,9 @@ class Demo:
         lines = ["", "=" * 78, "SUMMARY", "=" * 78, *body, "",
                  "Where things are:",
                  f"  status page (saved copy; the servers are stopped): {self.page}",
-                 f"  FedMom rounds: {os.path.relpath(os.path.join(self.svc.state_dir, 'fedmom', 'rounds.jsonl'))}",
-                 f"  site logs: {os.path.relpath(self.sites_dir)}/<site>/train.log, metrics.jsonl",
-                 f"  process output: {os.path.relpath(self.logs)}/",
+                 f"  FedMom rounds: {rel(os.path.join(self.svc.state_dir, 'fedmom', 'rounds.jsonl'))}",
+                 f"  site logs: {rel(self.sites_dir)}/<site>/train.log, metrics.jsonl",
+                 f"  process output: {rel(self.logs)}/",
                  "", "Checks:", *format_checks(self.checks), "",
                  f"{'FAIL: ' + ', '.join(failed) if failed else 'PASS: all checks'}  (wall time {wall / 60:.1f} min)"]
         text = "\n".join(lines)

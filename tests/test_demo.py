@@ -180,16 +180,26 @@ class CommandTest(unittest.TestCase):
 
 
 class ProcessTest(unittest.TestCase):
-    def test_sigkill_reaches_the_whole_group(self):
+    def test_sigkill_reaches_the_whole_tree(self):
+        """Like torchrun: a leader whose children run in sessions of their own (torch's
+        elastic agent starts each rank with start_new_session=True), plus one child in
+        the leader's own group. One signal_tree(SIGKILL) leaves none of them."""
         d = tmpdir(self)
+        script = ("import subprocess, sys, time\n"
+                  "kids = [subprocess.Popen(['sleep', '300'], start_new_session=True) for _ in range(2)]\n"
+                  "kids.append(subprocess.Popen(['sleep', '300']))\n"
+                  "print('kids', *[k.pid for k in kids], flush=True)\n"
+                  "time.sleep(300)\n")
         with demo.Launcher() as launcher:
-            # a launcher with a child of its own, like torchrun and its ranks
-            p = launcher.start("pair", ["sh", "-c", "sleep 300 & echo child $!; wait"], os.path.join(d, "pair.log"))
-            child = int(demo.wait_for(lambda: next((l.split()[1] for l in p.tail() if l.startswith("child")), None),
-                                      30))
-            p.signal_group(signal.SIGKILL)
-            self.assertTrue(demo.wait_for(p.group_gone, 30), "the group outlived SIGKILL")
-            self.assertFalse(os.path.exists(f"/proc/{child}") and open(f"/proc/{child}/stat").read().split()[2] != "Z")
+            p = launcher.start("tree", [sys.executable, "-c", script], os.path.join(d, "tree.log"))
+            kids = demo.wait_for(lambda: next((list(map(int, l.split()[1:])) for l in p.tail()
+                                               if l.startswith("kids")), None), 60)
+            self.assertEqual(len(kids), 3)
+            self.assertEqual(demo.process_tree(p.pid), {p.pid, *kids})
+            p.signal_tree(signal.SIGKILL)
+            self.assertTrue(demo.wait_for(p.gone, 30), "part of the tree outlived SIGKILL")
+            for k in kids:
+                self.assertFalse(demo._alive(k), f"rank-like child {k} survived")
             self.assertEqual(p.poll(), -signal.SIGKILL)
 
     def test_launcher_stops_everything_on_an_exception(self):
@@ -201,7 +211,7 @@ class ProcessTest(unittest.TestCase):
                     procs.append(launcher.start(f"s{i}", ["sleep", "300"], os.path.join(d, f"s{i}.log")))
                 raise RuntimeError("boom")
         for p in procs:
-            self.assertTrue(p.group_gone())
+            self.assertTrue(p.gone())
             self.assertEqual(p.poll(), -signal.SIGTERM)
 
 
