@@ -787,12 +787,14 @@ class FedSite:
         self.theta_transport = "blob" if cfg.transport == "blob" or (
             cfg.transport == "auto" and cfg.blob_url and model_bytes >= fedmom_client.AUTO_BLOB_BYTES) else "inline"
         self.session, self.span, self.keepalive, self.member = None, None, None, False
-        self._said = 0.0
+        self._said = {}
 
     def say(self, msg, every_s=0.0):
-        """Log, at most once per every_s seconds for repeated waiting messages."""
-        if time.monotonic() - self._said >= every_s:
-            self._said = time.monotonic()
+        """Log a repeated waiting message at most once per every_s seconds (per message kind:
+        the text before its first "(" or digit)."""
+        kind = re.split(r"[(0-9]", msg, maxsplit=1)[0]
+        if time.monotonic() - self._said.get(kind, -math.inf) >= every_s:
+            self._said[kind] = time.monotonic()
             self.log(msg)
 
     def _retry(self, what, fn):
@@ -934,6 +936,18 @@ class FedSite:
         self.session.end_phase(send["metrics"].get("inner_s", 0.0), len(span))
         t0 = time.monotonic()
         sent = False
+        try:
+            self.session.refresh()                   # the coordinator's word on the lease, now
+        except (httpd.CallError, *TRANSPORT_ERRORS) as e:
+            self.log(f"DARL heartbeat before sending: {e}")
+        if span.lease not in self.session.held():
+            # reclaimed (expired) while we trained: its blocks are back in the pool and may be
+            # someone else's already, so merging this delta would train them twice
+            out["reason"] = "lease lost at DARL before the send: delta dropped, its blocks are trained again"
+            self.log(out["reason"])
+            out["round"] = yield from self.fetch_theta(theta_path)
+            out.update(lease=span.lease, start=span.start, end=span.end, send_s=0.0, wait_s=0.0)
+            return out
         try:
             yield from self._retry("send delta", lambda: self.fed.send_delta(
                 delta_path, base, send["tokens"], [self.session.commit_record(span)],

@@ -1,0 +1,616 @@
+"""tests/test_federation.py - train.py --federation: sites training one model through
+the central services, for real (CPU, gloo, 127.0.0.1).
+
+What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
+  - FederationRunTest: darl_server.py, fedmom_server.py (--darl) and blobstore.py as
+    subprocesses on free loopback ports; the initial model from `train.py --export-init`;
+    two sites as separate torchrun jobs: "alpha" (FSDP2, 2 ranks, inline transport) and
+    "beta" (DDP, 1 rank, blob transport, bf16 deltas, --throttle-ms: the slow one).
+    The scenario, each step waiting on a condition (never on a fixed sleep):
+      both merge -> alpha SIGKILLed, beta merges alone (membership 2 -> 1) -> alpha
+      restarted with --resume auto (its leases and membership expire first) and merges
+      with beta again (1 -> 2) -> fedmom_server SIGKILLed and restarted on the same
+      port and state dir, the sites carry on -> DARL runs out of blocks, both exit 0.
+    Then the books: every DARL block committed, per-cluster sums = total, nothing
+    quarantined; the merged deltas carry exactly the corpus' training tokens and each
+    lease once (no window merged twice or never); the loss falls.
+  - CarrierTest: one torchrun job of 2 ranks (this file's `worker` mode): FSDP2's
+    per-tensor gather (the delta file) and scatter (theta_global) against the unsharded
+    state, including unevenly sharded tensors; and a stale delta - the site's base round
+    is overtaken before it sends - is refused (409), not merged, its lease released in
+    DARL, and the site ends on the current theta_global.
+  - cheap checks in-process: the ragged-step arithmetic, identity and flag errors, and
+    --export-init's names.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import numpy as np
+
+import darl_table
+import data
+import httpd
+import tokenize_corpus as tc
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEADLINE_S = 240          # per condition: generous, the machine is shared and slow
+KEEP = os.environ.get("PWW_TEST_KEEP")      # set: keep the temp dirs (logs, state) for a post-mortem
+
+
+def env():
+    e = {k: v for k, v in os.environ.items()
+         if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "PWW_"))}
+    e.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
+    return e
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path, n=40):
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def descendants(pid):
+    """Pids of every process below `pid` (from /proc), children first."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        kids = [c for c, p in parent.items() if p == todo[0]]
+        todo = todo[1:] + kids
+        out += kids
+    return out
+
+
+class Proc:
+    """A subprocess in its own process group (torchrun and its ranks die together), logging to a file."""
+
+    def __init__(self, name, cmd, log_path):
+        self.name, self.log_path = name, log_path
+        with open(log_path, "ab") as out:
+            self.p = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=out, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+
+    def alive(self):
+        return self.p.poll() is None
+
+    def kill(self):
+        """SIGKILL the process and every descendant, by pid: torchrun starts its ranks in
+        sessions of their own, so killing its process group would leave them running."""
+        for pid in [self.p.pid, *descendants(self.p.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.p.wait()
+
+    def wait(self, timeout):
+        return self.p.wait(timeout=timeout)
+
+
+def wait_for(cond, what, procs=(), timeout=DEADLINE_S):
+    """Poll cond() until true; fail early, with the log, if a process it needs has died."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        for p in procs:
+            if not p.alive():
+                raise AssertionError(f"waiting for {what}: {p.name} exited with {p.p.returncode}:\n"
+                                     f"{tail(p.log_path)}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout} s; logs: "
+                                 + "; ".join(f"{p.name}:\n{tail(p.log_path, 15)}" for p in procs))
+        time.sleep(0.2)
+
+
+def start_service(tmp, name, script, args, port=None):
+    """One central service on 127.0.0.1 (a fixed port when restarting); returns (Proc, url)."""
+    log = os.path.join(tmp, f"{name}.log")
+    start = os.path.getsize(log) if os.path.exists(log) else 0
+    proc = Proc(name, [sys.executable, script, "--port", str(port or 0), *map(str, args)], log)
+
+    def url():
+        with open(log, errors="replace") as f:
+            f.seek(start)
+            for line in f:
+                if " listening on " in line:
+                    return line.split()[-1]
+        return None
+    return proc, wait_for(url, f"{name} to listen", [proc], timeout=60)
+
+
+def read_jsonl(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def make_corpus(tmp, max_bytes):
+    out = os.path.join(tmp, "tok")
+    tc.tokenize(tc.TokenizeConfig(inputs=[], out=out, seq_len=64, max_files=40, max_bytes=max_bytes,
+                                  heldout_windows=32, progress=False))
+    return os.path.join(out, "manifest.json")
+
+
+def torchrun(nproc, *args):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
+
+
+# ---------------------------------------------------------------------------
+# in-process: arithmetic, flags, identity, --export-init
+# ---------------------------------------------------------------------------
+
+class LeasedPhaseTest(unittest.TestCase):
+    def test_every_window_once_and_the_same_call_count_on_every_rank(self):
+        for n, world, batch, accum in ((32, 2, 4, 1), (25, 2, 4, 1), (1, 2, 4, 1), (41, 3, 2, 2), (7, 4, 4, 2)):
+            windows = np.arange(100, 100 + n)
+            per_step = batch * world * accum
+            phases = [data.LeasedPhase(1, 0, 4, windows, per_step, world, r, batch) for r in range(world)]
+            seen = []
+            for s in range(phases[0].steps):
+                counts = {len(p.micro_batches(s)) for p in phases}
+                self.assertEqual(len(counts), 1, f"ranks disagree on micro-batches: n={n} step {s}")
+                self.assertLessEqual(counts.pop(), accum)
+                for p in phases:
+                    for mb in p.micro_batches(s):
+                        self.assertLessEqual(len(mb), batch)
+                        seen.extend(mb.tolist())
+            self.assertEqual(sorted(seen), windows.tolist(), f"n={n}: every leased window exactly once")
+            self.assertEqual(phases[0].steps, -(-n // per_step))
+
+    def test_span_windows_are_the_blocks_samples_shuffled_alike(self):
+        space = darl_table.BlockSpace(100, 8, seed=3)
+        a = data.span_windows(space, 2, 5, seed=0, lease=7)
+        want = sorted(w for p in range(2, 5) for w in space.samples_of(space.block_at(p)))
+        self.assertEqual(sorted(a.tolist()), want)
+        self.assertEqual(a.tolist(), data.span_windows(space, 2, 5, seed=0, lease=7).tolist())
+        self.assertNotEqual(a.tolist(), data.span_windows(space, 2, 5, seed=0, lease=8).tolist())
+        self.assertEqual(data.blocks_per_phase(4, 8, 8), 4)
+        self.assertEqual(data.blocks_per_phase(4, 6, 8), 3)    # 24 windows -> 3 blocks, no step dropped
+
+
+class FlagsTest(unittest.TestCase):
+    def cfg(self, *extra):
+        return train.parse_config(["--model", "qwen3-tiny", "--data", "x/manifest.json",
+                                   "--federation", "http://127.0.0.1:1", "--darl-url", "http://127.0.0.1:2",
+                                   *extra]).resolve("cpu")
+
+    def test_identity_and_refusals_name_the_flag(self):
+        self.assertEqual(self.cfg("--site", "lumi").cluster, "lumi")
+        self.assertEqual(self.cfg("--site", "lumi", "--replica", "b").cluster, "lumi-b")
+        os.environ["PWW_SITE"] = "snellius"
+        try:
+            self.assertEqual(self.cfg().cluster, "snellius")
+        finally:
+            del os.environ["PWW_SITE"]
+        self.cfg("--site", "lumi").validate()
+        for extra, flag in ((["--diloco-replicas", "2"], "--replica"), (["--site", "a b"], "--site"),
+                            (["--transport", "blob"], "--blob-url"), (["--model", "resnet18"], "qwen3")):
+            with self.subTest(extra=extra), self.assertRaises(train.ConfigError) as e:
+                self.cfg("--site", "lumi", *extra).validate()
+            self.assertIn(flag, str(e.exception))
+        with self.assertRaisesRegex(train.ConfigError, "--darl-url"):
+            train.parse_config(["--model", "qwen3-tiny", "--data", "x/manifest.json", "--federation",
+                                "http://h:1", "--site", "s"]).resolve("cpu").validate()
+
+
+# ---------------------------------------------------------------------------
+# the carrier on 2 FSDP ranks (torchrun runs this file's worker mode)
+# ---------------------------------------------------------------------------
+
+def worker(manifest, darl_url, fedmom_url, out_dir):
+    """Under torchrun, 2 ranks: per-tensor gather/scatter under FSDP2, then a stale delta."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    import diloco
+    import fedmom_client
+    import models
+    import tensorio
+    d = train.init_distributed("cpu")
+    report = {}
+
+    # 1. gather and scatter, one tensor at a time, against the unsharded state
+    class Odd(torch.nn.Module):            # 5 rows over 2 ranks: an uneven Shard(0)
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(3, 5)})
+            self.head = torch.nn.Linear(5, 7, bias=False)
+
+        def init_weights(self, buffer_device=None):
+            for p in self.parameters():
+                torch.nn.init.normal_(p)
+    for label, model in (("qwen3-tiny", models.parallelize(models.build_model("qwen3-tiny", 258, 64), "fsdp",
+                                                            d.device)),
+                         ("odd", models.parallelize(Odd().to("meta"), "fsdp", d.device))):
+        names = [n for n, _ in model.named_parameters()]
+        params = [p for _, p in model.named_parameters()]
+        carrier = diloco.FedMomCarrier(None, out_dir, "F32")
+        carrier.delta_path = os.path.join(out_dir, f"delta-{label}.safetensors")
+        carrier.theta_path = os.path.join(out_dir, f"theta-{label}.safetensors")
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        # gather: deltas hold theta - theta_i; the file must hold theta_i - theta = -delta, whole
+        deltas = [-p.to_local().detach().clone() for p in params]
+        carrier.write_delta(names, params, deltas)
+        # scatter: rank 0 writes a known theta; every rank must end with its slice of it
+        g = torch.Generator().manual_seed(5)
+        known = {n: torch.randn(tuple(p.shape), generator=g) for n, p in zip(names, params)}
+        if d.rank == 0:
+            tensorio.save_torch(known, carrier.theta_path)
+        dist.barrier()
+        theta = [torch.empty_like(p.to_local()) for p in params]
+        carrier.read_theta(names, params, theta)
+        with torch.no_grad():
+            for p, t in zip(params, theta):
+                p.to_local().copy_(t)
+        after = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        if d.rank == 0:
+            with tensorio.TensorReader(carrier.delta_path) as r:
+                report[f"{label}_gather_names"] = r.names == names
+                report[f"{label}_gather_max_err"] = max(
+                    float((torch.from_numpy(r.read(n, as_float32=True)) - full[n]).abs().max()) for n in names)
+            report[f"{label}_scatter_max_err"] = max(float((after[n] - known[n]).abs().max()) for n in names)
+            report[f"{label}_uneven"] = any(p.shape[0] % 2 for p in params)
+
+    # 2. a stale delta: the round moves on between our download and our send
+    cfg = train.parse_config(["--model", "qwen3-tiny", "--data", manifest, "--federation", fedmom_url,
+                              "--darl-url", darl_url, "--site", "stale", "--batch-size", "4", "--parallel", "fsdp",
+                              "--diloco-inner-steps", "2"]).resolve("cpu")
+    windows = data.TokenWindows(manifest)
+    cfg.seq_len = windows.seq_len
+    model, _, _ = train.make_model(cfg, d, windows.vocab_size)
+    site = train.FedSite(cfg, windows, 0, print) if d.rank == 0 else None
+    block_size, seed, _ = diloco.on_rank0(lambda: site.connect(cfg.batch_size * d.world_size))
+    source = train.LeasedSource(cfg, d, windows, site, block_size, seed)
+    carrier = diloco.FedMomCarrier(site, out_dir, "F32")
+    outer = diloco.DiLoCo(model, diloco.ReplicaLayout.plan(d.world_size, d.rank, 1),
+                          diloco.DiLoCoConfig.fedavg(2), carrier)
+    base = carrier.load_global(outer)
+    phase = source.next_phase()
+    if d.rank == 0:                  # another site merges round base+1 while we train
+        site.leave()
+        other = fedmom_client.FedMomClient(fedmom_url, "other", "inc-other")
+        other.join()
+        other.download_theta(os.path.join(out_dir, "other-theta.safetensors"))
+        with tensorio.TensorReader(os.path.join(out_dir, "other-theta.safetensors")) as r:
+            zero = {n: np.full(r.specs[n][1], 0.01, np.float32) for n in r.names}
+        tensorio.save_torch({n: torch.from_numpy(a) for n, a in zero.items()},
+                            os.path.join(out_dir, "other-delta.safetensors"))
+        other.send_delta(os.path.join(out_dir, "other-delta.safetensors"), base, 100, [], {})
+        report["other_round"] = other.wait_round_after(base, timeout_s=120)
+        other.leave()
+        diloco.on_rank0(lambda: site.join())
+        report["held_before"] = sorted(site.session.held())
+    else:
+        diloco.on_rank0(lambda: None)
+    with torch.no_grad():                    # some training: the delta is not zero
+        for p in model.parameters():
+            p.to_local().add_(0.001)
+    checkpointed = []
+    carrier.send = {"tokens": len(phase) * windows.seq_len, "metrics": {"loss": 1.0}}
+    carrier.before_send = lambda: checkpointed.append(True)
+    outer.after_inner_step(end_phase=True)
+    if d.rank == 0:
+        report.update(last=carrier.last, checkpointed=checkpointed, lease=phase.lease,
+                      held_after=sorted(site.session.held()), base=base)
+        with tensorio.TensorReader(os.path.join(out_dir, "theta.safetensors")) as r:
+            report["theta_round_file"] = r.metadata.get("round")
+    # every rank: the model now holds the CURRENT theta_global (round base+1)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if d.rank == 0:
+        with tensorio.TensorReader(os.path.join(out_dir, "theta.safetensors")) as r:
+            report["model_is_current_theta"] = max(
+                float((torch.from_numpy(r.read(n, as_float32=True)) - full[n]).abs().max()) for n in r.names)
+        diloco.on_rank0(lambda: site.finish())
+        with open(os.path.join(out_dir, "report.json"), "w") as f:
+            json.dump(report, f)
+    else:
+        diloco.on_rank0(lambda: None)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class CarrierTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory(prefix="fed-carrier-")
+        t = cls.tmp.name
+        cls.manifest = make_corpus(t, 12000)
+        cls.procs = []
+        init = os.path.join(t, "init.safetensors")
+        subprocess.run([sys.executable, "train.py", "--export-init", init, "--model", "qwen3-tiny",
+                        "--data", cls.manifest], cwd=ROOT, env=env(), check=True, capture_output=True)
+        darl, cls.darl = start_service(t, "darl", "darl_server.py", ["--manifest", cls.manifest, "--block-size", 4,
+                                                                      "--state-dir", t, "--default-ttl", 30, "--max-ttl", 30])
+        fed, cls.fedmom = start_service(t, "fedmom", "fedmom_server.py", [
+            "--state-dir", os.path.join(t, "fedmom"), "--init", init, "--darl", cls.darl,
+            "--darl-heartbeat-s", 1, "--member-timeout-s", 60])
+        cls.procs = [darl, fed]
+        out = os.path.join(t, "worker")
+        os.makedirs(out)
+        log = os.path.join(t, "worker.log")
+        w = Proc("worker", torchrun(2, os.path.join(ROOT, "tests", "test_federation.py"), "worker",
+                                    cls.manifest, cls.darl, cls.fedmom, out), log)
+        rc = w.wait(timeout=600)
+        if rc != 0:
+            raise AssertionError(f"worker exited {rc}:\n{tail(log, 60)}")
+        with open(os.path.join(out, "report.json")) as f:
+            cls.report = json.load(f)
+        cls.darl_status = httpd.call(cls.darl, "GET", "/status")
+        cls.rounds = read_jsonl(os.path.join(t, "fedmom", "rounds.jsonl"))
+
+    @classmethod
+    def tearDownClass(cls):
+        for p in cls.procs:
+            p.kill()
+        cls.tmp.cleanup()
+
+    def test_a_requeued_site_waits_out_its_previous_incarnation(self):
+        """What a SIGKILLed and requeued job meets: the old incarnation still holds a
+        lease at DARL and membership at FedMom; the new one waits, then takes over."""
+        import darl_client
+        import fedmom_client
+        windows = data.TokenWindows(self.manifest)
+        digest = darl_table.BlockSpace(windows.train_windows, 4, 0, manifest_digest=windows.digest).digest()
+        old = darl_client.LeaseClient(self.darl)
+        old.register("twin", "old-inc", digest)
+        self.assertEqual(old.acquire("twin", "old-inc", blocks=1)["status"], "ok")
+        old_fed = fedmom_client.FedMomClient(self.fedmom, "twin", "old-inc")
+        old_fed.join()
+        cfg = train.parse_config(["--model", "qwen3-tiny", "--data", self.manifest, "--federation", self.fedmom,
+                                  "--darl-url", self.darl, "--site", "twin"]).resolve("cpu")
+        said = []
+        site = train.FedSite(cfg, windows, 0, said.append)
+        gen = site.connect(8)
+
+        def drive(until):
+            for _ in range(600):
+                try:
+                    next(gen)
+                except StopIteration as e:
+                    return e.value
+                if until():
+                    return None
+            self.fail(f"the site never got there: {said}")
+        drive(lambda: any("previous incarnation's leases to expire" in m for m in said))
+        old.release("twin", "old-inc", leave=True)             # the old job's leases are gone
+        drive(lambda: any("still live as the previous incarnation" in m for m in said))
+        old_fed.leave()                                          # ... and its membership
+        self.assertEqual(drive(lambda: False), (4, 0, 200))     # K=4, seed 0, H=100 x 8 windows / 4
+        self.assertTrue(site.member)
+        st = httpd.call(self.darl, "GET", "/status")
+        self.assertEqual([c["incarnation"] for c in st["clusters"] if c["cluster"] == "twin"], [site.incarnation])
+        for _ in site.finish():
+            pass
+
+    def test_fsdp_gather_and_scatter_equal_the_unsharded_state(self):
+        r = self.report
+        self.assertTrue(r["odd_uneven"], "the odd model must shard unevenly")
+        for label in ("qwen3-tiny", "odd"):
+            self.assertTrue(r[f"{label}_gather_names"], f"{label}: the delta file's names, in parameter order")
+            self.assertEqual(r[f"{label}_gather_max_err"], 0.0, label)
+            self.assertEqual(r[f"{label}_scatter_max_err"], 0.0, label)
+
+    def test_a_stale_delta_is_refused_not_merged_and_its_lease_released(self):
+        r = self.report
+        self.assertEqual(r["other_round"], r["base"] + 1)
+        self.assertEqual(r["checkpointed"], [True], "the checkpoint comes before the send")
+        self.assertIn(r["lease"], r["held_before"])
+        last = r["last"]
+        self.assertFalse(last["merged"])
+        self.assertIn("stale", last["reason"])
+        self.assertEqual((last["base_round"], last["round"]), (r["base"], r["base"] + 1))
+        self.assertEqual(r["held_after"], [], "the stale span's lease is no longer held")
+        self.assertEqual(r["model_is_current_theta"], 0.0, "the site ends on the current theta_global")
+        # the aggregator merged one round, without us; DARL has our blocks back in the pool
+        self.assertEqual([sorted(c.split("@")[0] for c in rec["clusters"]) for rec in self.rounds], [["other"]])
+        st = self.darl_status
+        self.assertEqual((st["committed"], st["leased"], st["free"]), (0, 0, st["num_blocks"]))
+        self.assertIsNone(st["invariant_error"])
+
+
+# ---------------------------------------------------------------------------
+# two sites end to end, with a kill + resume and an aggregator restart
+# ---------------------------------------------------------------------------
+
+class FederationRunTest(unittest.TestCase):
+    H = 4
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory(prefix="fed-run-")
+        t = cls.tmp.name
+        cls.procs, cls.events = [], {}
+        try:
+            cls.run_scenario(t)
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        for p in cls.procs:
+            p.kill()
+        if KEEP:
+            kept = cls.tmp.name + "-kept"
+            os.rename(cls.tmp.name, kept)
+            print(f"kept {kept}")
+        cls.tmp.cleanup()
+
+    @classmethod
+    def site(cls, name, parallel, nproc, *extra):
+        t = cls.tmp.name
+        args = ["train.py", "--device", "cpu", "--model", "qwen3-tiny", "--data", cls.manifest,
+                "--parallel", parallel, "--batch-size", "4", "--lr", "3e-3", "--diloco-inner-steps", str(cls.H),
+                "--federation", cls.fedmom, "--darl-url", cls.darl, "--blob-url", cls.blob,
+                "--token-file", cls.token, "--site", name, "--runs-dir", os.path.join(t, "runs"),
+                "--run-name", name, "--eval-windows", "16", "--eval-every", "4", "--log-every", "4",
+                "--register-wait-s", "120", *extra]
+        p = Proc(name, torchrun(nproc, *args), os.path.join(t, f"{name}.log"))
+        cls.procs.append(p)
+        return p
+
+    @classmethod
+    def records(cls):
+        return read_jsonl(os.path.join(cls.tmp.name, "central", "fedmom", "rounds.jsonl"))
+
+    @classmethod
+    def merged_by(cls, rec):
+        """{cluster: incarnation} of the deltas merged in a round record."""
+        return {o["cluster"]: o["incarnation"] for o in rec.get("outcomes", []) if o["outcome"] == "merged"}
+
+    @classmethod
+    def incarnation(cls, name, after=0):
+        """The incarnation a site's log announced (the newest one after byte `after`)."""
+        with open(os.path.join(cls.tmp.name, f"{name}.log"), errors="replace") as f:
+            f.seek(after)
+            got = [line.split("(incarnation ")[1].split(")")[0] for line in f if "(incarnation " in line]
+        return got[-1] if got else None
+
+    @classmethod
+    def run_scenario(cls, t):
+        cls.manifest = make_corpus(t, 30000)
+        cls.windows = data.TokenWindows(cls.manifest)
+        cls.token = os.path.join(t, "token")
+        with open(cls.token, "w") as f:
+            f.write("test-token-0123456789\n")
+        init = os.path.join(t, "init.safetensors")
+        subprocess.run([sys.executable, "train.py", "--export-init", init, "--model", "qwen3-tiny",
+                        "--data", cls.manifest], cwd=ROOT, env=env(), check=True, capture_output=True)
+        central = os.path.join(t, "central")
+        common = ["--token-file", cls.token]
+        darl, cls.darl = start_service(t, "darl", "darl_server.py", [
+            "--manifest", cls.manifest, "--block-size", 8, "--state-dir", central, "--min-ttl", 1,
+            "--default-ttl", 8, "--max-ttl", 8, "--max-attempts", 0, *common])
+        blob, cls.blob = start_service(t, "blob", "blobstore.py", ["--root", os.path.join(central, "blobs"), *common])
+        fed_args = ["--state-dir", os.path.join(central, "fedmom"), "--init", init, "--darl", cls.darl,
+                    "--blob-url", cls.blob, "--darl-heartbeat-s", 1, "--member-timeout-s", 6,
+                    "--round-deadline-s", 120, *common]
+        fed, cls.fedmom = start_service(t, "fedmom", "fedmom_server.py", fed_args)
+        cls.procs += [darl, blob, fed]
+        services = [darl, blob]
+
+        # 1. both sites merge together
+        alpha = cls.site("alpha", "fsdp", 2, "--transport", "inline")
+        beta = cls.site("beta", "ddp", 1, "--transport", "blob", "--delta-dtype", "bf16", "--throttle-ms", "600")
+        wait_for(lambda: any(len(cls.merged_by(r)) == 2 for r in cls.records()), "a round merged from both sites",
+                 [alpha, beta, fed, *services])
+        # 2. alpha dies (SIGKILL: a node failure); beta merges alone
+        alpha.kill()
+        cls.events["killed_after_round"] = cls.records()[-1]["round"]
+        wait_for(lambda: any(set(cls.merged_by(r)) == {"beta"} and r["round"] > cls.events["killed_after_round"]
+                             for r in cls.records()), "a round merged by beta alone", [beta, fed, *services])
+        # 3. alpha comes back (same cluster id, new incarnation, --resume auto) and merges with beta
+        mark = os.path.getsize(alpha.log_path)
+        alpha2 = cls.site("alpha", "fsdp", 2, "--transport", "inline", "--resume", "auto")
+        cls.events["alpha2_log_from"] = mark
+        new_inc = wait_for(lambda: cls.incarnation("alpha", mark), "alpha's new incarnation", [alpha2])
+        cls.events["alpha2_incarnation"] = new_inc
+        wait_for(lambda: any(cls.merged_by(r).get("alpha") == new_inc and "beta" in cls.merged_by(r)
+                             for r in cls.records()), "a round merged from the restarted alpha and beta",
+                 [alpha2, beta, fed, *services])
+        # 4. the aggregator dies mid-run and comes back on the same port and state
+        fed.kill()
+        cls.events["fedmom_killed_at_round"] = cls.records()[-1]["round"]
+        fed, _ = start_service(t, "fedmom", "fedmom_server.py", fed_args,
+                               port=httpd.split_url(cls.fedmom)[2])
+        cls.procs.append(fed)
+        wait_for(lambda: len(cls.merged_by(cls.records()[-1])) > 0 and
+                 cls.records()[-1]["round"] > cls.events["fedmom_killed_at_round"] + 1,
+                 "merged rounds after the aggregator's restart", [alpha2, beta, fed, *services])
+        # 5. DARL runs out of blocks: both sites finish by themselves
+        for p in (alpha2, beta):
+            wait_for(lambda: not p.alive(), f"{p.name} to finish", [fed, *services])
+            if p.p.returncode != 0:
+                raise AssertionError(f"{p.name} exited {p.p.returncode}:\n{tail(p.log_path)}")
+        cls.darl_status = httpd.call(cls.darl, "GET", "/status", token="test-token-0123456789")
+        cls.fed_status = httpd.call(cls.fedmom, "GET", "/status", token="test-token-0123456789")
+        cls.rows = {n: read_jsonl(os.path.join(t, "runs", n, "metrics.jsonl")) for n in ("alpha", "beta")}
+
+    def test_every_block_committed_exactly_once(self):
+        st = self.darl_status
+        self.assertIsNone(st["invariant_error"])
+        self.assertEqual((st["committed"], st["free"], st["leased"], st["quarantined"]),
+                         (st["num_blocks"], 0, 0, 0))
+        self.assertTrue(st["complete"])
+        self.assertEqual(sum(c["committed"] for c in st["clusters"]), st["num_blocks"])
+        self.assertEqual(st["space"]["num_samples"], self.windows.train_windows, "DARL leases training windows only")
+
+    def test_the_global_model_saw_every_training_window_once(self):
+        recs = self.records()
+        self.assertEqual([r["round"] for r in recs], list(range(1, len(recs) + 1)), "no round lost or repeated")
+        merged = [o for r in recs for o in r["outcomes"] if o["outcome"] == "merged"]
+        self.assertEqual(sum(o["tokens"] for o in merged), self.windows.train_windows * self.windows.seq_len)
+        leases = [l["id"] for o in merged for l in o["leases"]]
+        self.assertEqual(len(leases), len(set(leases)), "a lease merged twice")
+        keys = [(o["cluster"], o["incarnation"], o["base_round"]) for o in merged]
+        self.assertEqual(len(keys), len(set(keys)), "a delta merged twice")
+        self.assertEqual(self.fed_status["pending_commits"], 0)
+
+    def test_membership_two_one_two(self):
+        recs = self.records()
+        k = self.events["killed_after_round"]
+        first_alpha = {self.merged_by(r).get("alpha") for r in recs if r["round"] <= k} - {None}
+        self.assertTrue(any(len(self.merged_by(r)) == 2 for r in recs if r["round"] <= k))
+        self.assertTrue(any(set(self.merged_by(r)) == {"beta"} for r in recs if r["round"] > k))
+        back = [r for r in recs if self.merged_by(r).get("alpha") == self.events["alpha2_incarnation"]]
+        self.assertTrue(back and all(r["round"] > k for r in back))
+        self.assertNotIn(self.events["alpha2_incarnation"], first_alpha, "a requeue is a new incarnation")
+        with open(os.path.join(self.tmp.name, "alpha.log"), errors="replace") as f:
+            f.seek(self.events["alpha2_log_from"])
+            log = f.read()
+        self.assertRegex(log, r"resumed at step \d+")
+
+    def test_sites_carry_on_through_an_aggregator_restart(self):
+        recs = self.records()
+        k = self.events["fedmom_killed_at_round"]
+        self.assertTrue([r for r in recs if r["round"] > k + 1 and self.merged_by(r)])
+        for name in ("alpha", "beta"):
+            fed = [r for r in self.rows[name] if r["split"] == "federation"]
+            self.assertTrue(any(r["base_round"] > k for r in fed), f"{name} merged nothing after the restart")
+
+    def test_loss_falls_and_rows_are_written(self):
+        recs = [r for r in self.records() if r.get("loss") is not None]
+        first = sum(r["loss"] for r in recs[:2]) / 2
+        last = sum(r["loss"] for r in recs[-2:]) / 2
+        self.assertLess(last, first - 1.0, f"merged-round losses {[round(r['loss'], 3) for r in recs]}")
+        for name in ("alpha", "beta"):
+            fed = [r for r in self.rows[name] if r["split"] == "federation"]
+            self.assertTrue(fed and all({"round", "base_round", "tokens", "loss", "merged"} <= set(r) for r in fed))
+            final = [r for r in self.rows[name] if r["split"] == "eval" and r.get("final")]
+            self.assertEqual(len(final), 1, f"{name}: one final eval of theta_global")
+            self.assertEqual(final[0]["round"], recs[-1]["round"], "the final eval is of the last round")
+        self.assertTrue(any(r["split"] == "eval" and not r.get("final") for r in self.rows["alpha"]))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["worker"]:
+        worker(*sys.argv[2:6])
+    else:
+        unittest.main()
