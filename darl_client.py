@@ -14,6 +14,11 @@ Use from code:
             ... train on space.samples_of(space.block_at(p)) for p in span.positions()
             ... make the update durable (checkpoint, or merge at the aggregator)
             session.commit(span)          # or hand session.commit_record(span) to the aggregator
+    # federated (train.py --federation): the aggregator commits a merged delta's lease; the
+    # session heartbeats it until DARL reports it committed (then drops it quietly);
+    # session.release(span) gives back a span whose delta was not merged, session.forget(span)
+    # leaves one to the aggregator; session.held() / refresh() show what is still held;
+    # session.starved is True while every remaining block is leased by someone else
 
 Run the end-to-end check (a real coordinator and one process per cluster):
     python darl_client.py simulate --clusters 4 --kill 1 --late 1 [--blocks 1000]

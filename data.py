@@ -13,6 +13,14 @@ normalisation run there on whole batches, so no dataloader workers are needed.
 Token windows: the memmap shards and manifest.json written by tokenize_corpus.py;
 each window holds seq_len+1 token ids (inputs are [:-1], targets [1:]). The last
 `heldout_windows` windows are the held-out split, never trained on.
+
+Leased windows (train.py --federation): DARL leases positions of a BlockSpace over the
+training windows; span_windows() turns a span into window indices (positions ->
+blocks -> windows, shuffled from the seed and the lease: every rank computes the
+same list without any traffic) and LeasedPhase cuts them into optimizer steps and
+per-rank micro-batches. Unlike the epoch order below, nothing is dropped: a short
+last step is split across ranks, every rank keeps the same number of micro-batches
+(some short or empty), and every leased window is trained exactly once.
 """
 import argparse
 import json

@@ -27,9 +27,11 @@ Defaults: Nesterov, lr 0.7, momentum 0.9. `sgd` with lr 1.0 and momentum 0 makes
 theta = mean_i theta_i exactly, i.e. FederatedAveraging (the control arm).
 
 Who moves the bytes is one small interface, OuterCarrier: AllReduceCarrier
-averages the deltas over the outer group; a cross-site carrier (HTTP to
-fedmom_server.py) can send this site's delta and receive the new theta instead,
-without changing the counting, the metrics or the copy-back here.
+averages the deltas over the outer group; FedMomCarrier (train.py --federation)
+sends this site's delta to fedmom_server.py and receives the new theta_global
+instead, tensor by tensor, without changing the counting, the metrics or the
+copy-back here. Under federation the phase ends where the DARL span ends
+(after_inner_step(end_phase=...)), not always after H steps.
 
 In train.py:
     layout = diloco.ReplicaLayout.build(dist.world_size, dist.rank, args.diloco_replicas)
