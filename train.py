@@ -404,6 +404,9 @@ class Config:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", self.cluster):
             raise ConfigError(f"cluster id {self.cluster!r} (from --site/$PWW_SITE/the host name and "
                               f"--replica) must match [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}; set --site")
+        if self.dtype == "fp16":
+            raise ConfigError("--dtype fp16 with --federation: the federated loop has no GradScaler; "
+                              "use --dtype bf16 (or fp32)")
         if self.transport == "blob" and not self.blob_url:
             raise ConfigError("--transport blob needs --blob-url (the blob store, :29512)")
         if self.diloco_inner_steps < 1:
