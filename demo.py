@@ -865,7 +865,7 @@ class Demo:
         with open(os.path.join(self.out, "fedmom_status.json"), "w") as f:
             json.dump(fed, f, indent=1)
         try:
-            self.page = fetch_page(svc.fedmom, os.path.join(self.out, "status.html"), self.token)
+            self.page = rel(fetch_page(svc.fedmom, os.path.join(self.out, "status.html"), self.token))
         except OSError as e:
             self.page = f"(not saved: {e})"
         for p in svc.procs.values():          # SIGTERM: DARL writes its snapshot on the way out
