@@ -26,12 +26,18 @@ lint: setup
 	$(PY) -m compileall -q *.py tests bench
 	$(VENV)/bin/shellcheck -x env.sh central.sh sites/*.sh jobs/*.sh prep/*.sh
 
+# Every figure of bench/, each against a baseline measured in the same run.
+# convergence.py runs its --quick size here (~4 min); the full size (~20 min) is
+# `$(PY) bench/convergence.py`.
 bench: setup
-	@set -e; for b in bench/*.py; do echo "== $$b"; $(PY) $$b; done
+	@set -e; for b in bench/*.py; do \
+	  echo "== $$b"; \
+	  if [ "$$b" = bench/convergence.py ]; then $(PY) $$b --quick; else $(PY) $$b; fi; \
+	done
 
 # Runs every job script under a real single-node Slurm on this machine (needs root).
 test-slurm: setup
 	$(PY) tests/run.py slurm_jobs
 
 clean:
-	rm -rf runs/demo
+	rm -rf runs/demo runs/bench-convergence
