@@ -329,7 +329,7 @@ class FedMomCarrier(OuterCarrier):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.round = None            # the round of the theta_global the model was loaded with
-        self.send = None             # set before each outer step: {"tokens", "leases", "metrics"}
+        self.send = None             # set before each outer step: {"tokens", "metrics"} (the lease is rank 0's)
         self.before_send = None      # called on every rank once the delta file is written
         self.last = None             # {"base_round", "round", "merged", "reason", ...} of the last outer step
         self.delta_path = os.path.join(workdir, "delta.safetensors")
@@ -368,7 +368,10 @@ class FedMomCarrier(OuterCarrier):
             for n, p, d in zip(names, params, deltas):
                 full = self._full(d, p)
                 if writer is not None:
-                    writer.write(n, full.detach().neg().float().cpu().numpy())
+                    # a gathered tensor is ours to negate in place; a DDP delta is a view into
+                    # DiLoCo's buffer, negated into one new tensor
+                    full = full.neg_() if full is not d else full.neg()
+                    writer.write(n, full.float().cpu().numpy())
                 del full
         except BaseException:
             if writer is not None:
@@ -423,7 +426,7 @@ class FedMomCarrier(OuterCarrier):
 
     def outer_step(self, ex):
         if self.send is None:
-            raise RuntimeError("FedMomCarrier.outer_step: set .send (tokens, leases, metrics) first")
+            raise RuntimeError("FedMomCarrier.outer_step: set .send ({tokens, metrics}) first")
         base, send, self.send = self.round, self.send, None
         self.write_delta(ex.names, ex.params, ex.deltas)
         if self.before_send is not None:
