@@ -287,6 +287,14 @@ class LeaseSession:
                     del self._held[span.lease]
         return reply
 
+    def span_done(self, span):
+        """Feed the TTL estimate with the time the span has been out (handed out until now),
+        for a span that is not committed here: under federation its lease must outlive the
+        inner phase AND the round trip to the aggregator, not the inner phase alone."""
+        t0 = self._handed_at.pop(span, None)
+        if t0 is not None:
+            self.end_phase(time.monotonic() - t0, len(span))
+
     def release(self, span):
         """Give back what is uncommitted of the span's lease (a delta that was not merged:
         its blocks return to the pool and are trained again). Stop heartbeating it."""

@@ -989,7 +989,6 @@ class FedSite:
     def round_trip(self, delta_path, base, send, theta_path):
         """Send the delta, wait for its round to pass, settle its lease, download theta_global."""
         span, out = self.span, {"base_round": base, "merged": False, "reason": None}
-        self.session.end_phase(send["metrics"].get("inner_s", 0.0), len(span))
         t0 = time.monotonic()
         sent = False
         try:
@@ -1001,6 +1000,7 @@ class FedSite:
             # someone else's already, so merging this delta would train them twice
             out["reason"] = "lease lost at DARL before the send: delta dropped, its blocks are trained again"
             self.log(out["reason"])
+            self.session.span_done(span)
             out["round"] = yield from self.fetch_theta(theta_path)
             out.update(lease=span.lease, start=span.start, end=span.end, send_s=0.0, wait_s=0.0)
             return out
@@ -1026,6 +1026,8 @@ class FedSite:
                 continue
             break
         out["wait_s"] = round(time.monotonic() - t0 - out["send_s"], 3)
+        # the lease TTL we ask for follows this whole time (phase + round trip), not the phase
+        self.session.span_done(span)
         if state == "merged":
             out["merged"], out["merged_into"] = True, got.get("merged_into")
         elif state == "excluded" or not sent:

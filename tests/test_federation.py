@@ -506,7 +506,7 @@ class FederationRunTest(unittest.TestCase):
         central = os.path.join(t, "central")
         common = ["--token-file", cls.token]
         darl, cls.darl = start_service(t, "darl", "darl_server.py", [
-            "--manifest", cls.manifest, "--block-size", 8, "--state-dir", central, "--min-ttl", 1,
+            "--manifest", cls.manifest, "--block-size", 8, "--state-dir", central, "--min-ttl", 4,
             "--default-ttl", 8, "--max-ttl", 8, "--max-attempts", 0, *common])
         blob, cls.blob = start_service(t, "blob", "blobstore.py", ["--root", os.path.join(central, "blobs"), *common])
         fed_args = ["--state-dir", os.path.join(central, "fedmom"), "--init", init, "--darl", cls.darl,
