@@ -140,7 +140,11 @@ def start_service(tmp, name, script, args, port=None):
                 if " listening on " in line:
                     return line.split()[-1]
         return None
-    return proc, wait_for(url, f"{name} to listen", [proc], timeout=60)
+    try:
+        return proc, wait_for(url, f"{name} to listen", [proc], timeout=60)
+    except BaseException:
+        proc.kill()
+        raise
 
 
 def read_jsonl(path):
@@ -340,23 +344,32 @@ class CarrierTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory(prefix="fed-carrier-")
-        t = cls.tmp.name
-        cls.manifest = make_corpus(t, 12000)
         cls.procs = []
+        try:
+            cls.start(cls.tmp.name)
+        except BaseException:
+            cls.tearDownClass()           # unittest skips tearDownClass after a failed setUpClass
+            raise
+
+    @classmethod
+    def start(cls, t):
+        cls.manifest = make_corpus(t, 12000)
         init = os.path.join(t, "init.safetensors")
         subprocess.run([sys.executable, "train.py", "--export-init", init, "--model", "qwen3-tiny",
                         "--data", cls.manifest], cwd=ROOT, env=env(), check=True, capture_output=True)
         darl, cls.darl = start_service(t, "darl", "darl_server.py", ["--manifest", cls.manifest, "--block-size", 4,
                                                                       "--state-dir", t, "--default-ttl", 30, "--max-ttl", 30])
+        cls.procs.append(darl)
         fed, cls.fedmom = start_service(t, "fedmom", "fedmom_server.py", [
             "--state-dir", os.path.join(t, "fedmom"), "--init", init, "--darl", cls.darl,
             "--darl-heartbeat-s", 1, "--member-timeout-s", 60])
-        cls.procs = [darl, fed]
+        cls.procs.append(fed)
         out = os.path.join(t, "worker")
         os.makedirs(out)
         log = os.path.join(t, "worker.log")
         w = Proc("worker", torchrun(2, os.path.join(ROOT, "tests", "test_federation.py"), "worker",
                                     cls.manifest, cls.darl, cls.fedmom, out), log)
+        cls.procs.append(w)
         rc = w.wait(timeout=600)
         if rc != 0:
             raise AssertionError(f"worker exited {rc}:\n{tail(log, 60)}")
@@ -508,12 +521,14 @@ class FederationRunTest(unittest.TestCase):
         darl, cls.darl = start_service(t, "darl", "darl_server.py", [
             "--manifest", cls.manifest, "--block-size", 8, "--state-dir", central, "--min-ttl", 4,
             "--default-ttl", 8, "--max-ttl", 8, "--max-attempts", 0, *common])
+        cls.procs.append(darl)
         blob, cls.blob = start_service(t, "blob", "blobstore.py", ["--root", os.path.join(central, "blobs"), *common])
+        cls.procs.append(blob)
         fed_args = ["--state-dir", os.path.join(central, "fedmom"), "--init", init, "--darl", cls.darl,
                     "--blob-url", cls.blob, "--darl-heartbeat-s", 1, "--member-timeout-s", 6,
                     "--round-deadline-s", 120, *common]
         fed, cls.fedmom = start_service(t, "fedmom", "fedmom_server.py", fed_args)
-        cls.procs += [darl, blob, fed]
+        cls.procs.append(fed)
         services = [darl, blob]
 
         # 1. both sites merge together
