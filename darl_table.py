@@ -181,6 +181,31 @@ class Intervals:
         self.starts.insert(i, start)
         self.items.insert(i, (start, end, tag))
 
+    def covers(self, start, end):
+        """True when every position of [start, end) is in the set."""
+        i = bisect.bisect_right(self.starts, start) - 1
+        while start < end:
+            if i < 0 or i >= len(self.items) or not self.items[i][0] <= start < self.items[i][1]:
+                return False
+            start, i = self.items[i][1], i + 1
+        return True
+
+    def take(self, start, end):
+        """Remove [start, end), which covers() must hold for; the runs cut keep their tags."""
+        if not self.covers(start, end):
+            raise InvariantError(f"run [{start}, {end}) is not wholly in the set")
+        while start < end:
+            i = bisect.bisect_right(self.starts, start) - 1
+            s, e, tag = self.items[i]
+            del self.starts[i], self.items[i]
+            for a, b in ((s, start), (min(e, end), e)):
+                if a < b:
+                    j = bisect.bisect_left(self.starts, a)
+                    self.starts.insert(j, a)
+                    self.items.insert(j, (a, b, tag))
+            self.total -= min(e, end) - start
+            start = min(e, end)
+
     def pop_front(self, n):
         """Take up to n positions from the lowest run: (start, end, tag) or None."""
         if not self.items:
@@ -490,12 +515,17 @@ class LeaseTable:
         end = L.end if end is None else end
         if end <= L.start:                        # already committed: a repeat is a no-op
             return {"lease": lease, "committed": 0, "repeat": True, "start": L.start, "end": L.end}
-        if L.state != "live":
-            raise LeaseError(409, f"lease {lease} was {L.state} before [{L.start}, {end}) was committed; those "
-                                  "blocks went back to the pool: discard the work done on them")
         if end > L.end:
             why = "were stolen (the heartbeat reply shrank this lease)" if end <= L.granted_end else "were never in it"
             raise LeaseError(409, f"cannot commit lease {lease} up to {end}: positions [{L.end}, {end}) {why}")
+        pieces = [] if L.state == "live" else self._unclaimed(L.start, end) if L.state == "expired" else None
+        if pieces is None:
+            why = ("went back to the pool and were leased or committed again since"
+                   if L.state == "expired" else "went back to the pool")
+            raise LeaseError(409, f"lease {lease} was {L.state} before [{L.start}, {end}) was committed; those "
+                                  f"blocks {why}: discard the work done on them")
+        for pool, a, b in pieces:       # a late commit takes them back from the free pool (or quarantine)
+            pool.take(a, b)
         n = end - L.start
         self.committed.add(L.start, end)
         c = self.clusters[cluster]
@@ -505,9 +535,30 @@ class LeaseTable:
             sample = n / max(now - L.progress_at, 1e-3)
             c.rate = sample if c.rate is None else 0.5 * c.rate + 0.5 * sample
         L.start, L.claimed, L.progress_at = end, max(L.claimed, end), now
-        if L.start == L.end:
+        if L.state != "live":
+            L.claimed = end             # the rest of an expired lease is in the pool, not claimed by it
+            if L.start == L.end:
+                L.state = "done"
+        elif L.start == L.end:
             self._close(L, "done")
         return {"lease": lease, "committed": n, "start": L.start, "end": L.end}
+
+    def _unclaimed(self, start, end):
+        """[(pool, a, b)] covering [start, end) when every position is in the free pool
+        or quarantine (nobody leased or committed it since), else None. An expired
+        lease's work may still be committed then: nobody else trained those blocks."""
+        pieces = []
+        while start < end:
+            for pool in (self.free, self.quarantined):
+                i = bisect.bisect_right(pool.starts, start) - 1
+                if i >= 0 and start < pool.items[i][1]:
+                    b = min(end, pool.items[i][1])
+                    pieces.append((pool, start, b))
+                    start = b
+                    break
+            else:
+                return None
+        return pieces
 
     def release(self, cluster, incarnation, leases=(), leave=False, now=None):
         """Give back the uncommitted part of leases (no attempt counted); leave=True

@@ -128,9 +128,52 @@ class LeaseTableTest(unittest.TestCase):
         self.assertEqual((books["committed"], books["leased"], books["free"]), (10, 0, 90))
         self.assertEqual(t.clusters["a"].lost, 20)
         self.assertIn((10, 20, 1), list(t.free))     # started blocks carry one attempt, untouched ones none
-        with self.assertRaisesRegex(LeaseError, "expired"):
-            t.commit("a", "i1", lease["id"], end=20)
         self.assertEqual(t.commit("a", "i1", lease["id"], end=10)["committed"], 0)   # the old part still stands
+
+    def test_a_late_commit_stands_while_nobody_has_the_blocks_again(self):
+        """The aggregator may commit a lease that expired before the merge was durable:
+        if every position is still in the pool, nobody else trained them."""
+        t = table(100, self.clock, max_attempts=2)
+        t.register("a", "i1")
+        t.register("b", "j1")
+        one = t.acquire("a", "i1", blocks=10, ttl=10)["lease"]          # [0, 10)
+        two = t.acquire("a", "i1", blocks=10, ttl=10)["lease"]          # [10, 20)
+        t.heartbeat("a", "i1", [{"lease": one["id"], "cursor": 6}, {"lease": two["id"], "cursor": 20}])
+        self.clock.advance(11)                                          # both expire, nobody re-leased yet
+        self.assertFalse(t.heartbeat("a", "i1", [one["id"]])["leases"][0]["valid"])
+        self.assertEqual(t.verify()["free"], 100)
+        r = t.commit("a", "i1", one["id"], end=4)                       # a partial late commit
+        self.assertEqual((r["committed"], r["start"]), (4, 4))
+        self.assertEqual(t.commit("a", "i1", one["id"], end=4)["committed"], 0)   # still idempotent
+        self.assertEqual(t.commit("a", "i1", one["id"])["committed"], 6)          # crosses the attempt tags
+        books = t.verify()
+        self.assertEqual((books["committed"], books["free"], t.clusters["a"].committed), (10, 90, 10))
+        self.assertEqual(t.closed[one["id"]].state, "done")
+        self.assertEqual(t.commit("a", "i1", one["id"])["committed"], 0)
+        # someone else leased part of the other lease's run: refused, with the reason, books unchanged
+        t.acquire("b", "j1", blocks=2, ttl=10)                          # the pool hands out [10, 12)
+        with self.assertRaisesRegex(LeaseError, "leased or committed again") as cm:
+            t.commit("a", "i1", two["id"])
+        self.assertEqual(cm.exception.status, 409)
+        self.assertEqual(t.verify()["committed"], 10)
+        # a released lease stays refused: its holder gave the blocks back on purpose
+        three = t.acquire("a", "i1", blocks=3, ttl=10)["lease"]
+        t.release("a", "i1", [three["id"]])
+        with self.assertRaisesRegex(LeaseError, "released"):
+            t.commit("a", "i1", three["id"])
+        t.verify()
+
+    def test_a_late_commit_takes_quarantined_blocks_too(self):
+        t = table(20, self.clock, max_attempts=1)
+        t.register("a", "i1")
+        lease = t.acquire("a", "i1", blocks=10, ttl=10)["lease"]
+        t.heartbeat("a", "i1", [{"lease": lease["id"], "cursor": 5}])
+        self.clock.advance(11)
+        t.expire(self.clock())
+        self.assertEqual(t.verify()["quarantined"], 5)                  # [0, 5) quarantined, [5, 10) free
+        self.assertEqual(t.commit("a", "i1", lease["id"])["committed"], 10)
+        books = t.verify()
+        self.assertEqual((books["committed"], books["quarantined"], books["free"]), (10, 0, 10))
 
     def test_a_heartbeat_without_ttl_keeps_the_sites_ttl_and_never_shortens(self):
         t = table(100, self.clock)
@@ -352,6 +395,9 @@ class DurabilityTest(unittest.TestCase):
             c.call("heartbeat", {"cluster": who, "incarnation": inc, "leases": [{"lease": lease["id"], "cursor": lease["end"]}]})
             if i % 3:
                 c.call("commit", {"cluster": who, "incarnation": inc, "lease": lease["id"], "end": lease["end"] - 1})
+        late = c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 3, "ttl": 1})["lease"]
+        self.clock.advance(60)          # every lease expires; then a late commit takes `late` back from the pool
+        c.call("commit", {"cluster": "a", "incarnation": "x", "lease": late["id"]})
         return c
 
     def books(self, c):
