@@ -46,6 +46,12 @@ Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."
     GET  /theta_blob publishes it to the blob store once per round -> {blob, sha256, round}
     GET  /round, GET /status (JSON), GET / (HTML page), GET /health
 A delta whose base_round is not the current round gets 409 {"error", "round": current}.
+With --darl, an arriving delta's leases are heartbeated in DARL before it is spooled:
+a lease DARL no longer holds for that incarnation (it expired and its blocks are back
+in the pool) is a 409 {"error", "code": "lease_lost", "leases": [...]} and nothing is
+stored; the site discards that work. DARL unreachable at that moment: the delta is
+accepted (the commit after the merge is retried, and DARL takes a late commit while
+nobody has leased those blocks again).
 A round closes when every live member has sent its delta, or --round-deadline-s after
 its first delta; it merges what arrived. A member silent for --member-timeout-s is
 dropped (it may join again). No live member, or a round with no delta, is normal:
@@ -83,7 +89,9 @@ State dir (everything replaced atomically: temp file, fsync, rename, fsync the d
                               acceptance). They survive a restart and are merged then.
 After a merge is durable the server commits the merged deltas' DARL leases on the
 clusters' behalf (--darl), idempotently, re-sending after a restart until DARL
-acknowledges; until then it heartbeats those leases so they do not expire.
+acknowledges; until then it heartbeats those leases so they do not expire: every
+--darl-heartbeat-s at most, and every third of the shortest TTL left that DARL's
+heartbeat reply names ("ttl_left"), since a site may ask for DARL's 10 s minimum.
 """
 import collections
 import dataclasses
@@ -337,7 +345,7 @@ class FedMomState:
         self.pending_commits, self.last_record = [], None
         self.published = {}           # round -> {"blob", "sha256", "round"}
         self.publish_lock = threading.Lock()
-        self.last_darl_heartbeat = -math.inf
+        self.darl_heartbeat_at = -math.inf   # clock() time the next DARL heartbeat is due
         self.merge_pause_s = float(os.environ.get(MERGE_PAUSE_ENV, "0") or 0)
         os.makedirs(self.spool, exist_ok=True)
         if os.path.exists(self.state_path):
@@ -590,6 +598,7 @@ class FedMomState:
                 with self.lock:
                     self._exclude(meta, e.reason)
                 raise Refused(e.status, e.reason, code="bad_delta", round=self.round)
+            self.darl_hold(meta)                # a lease reclaimed meanwhile: 409 lease_lost, nothing spooled
             with self.lock:
                 self._check_current(meta)       # the round may have closed while we read the file
                 if (meta["cluster"], meta["incarnation"]) in self.pending:
@@ -752,10 +761,10 @@ class FedMomState:
             return True
         with self.lock:
             todo = list(self.pending_commits)
-            hb_due = force or self.clock() - self.last_darl_heartbeat >= self.cfg.darl_heartbeat_s
+            hb_due = force or self.clock() >= self.darl_heartbeat_at
             held = {}
             if hb_due:
-                self.last_darl_heartbeat = self.clock()
+                self.darl_heartbeat_at = self.clock() + self.cfg.darl_heartbeat_s
                 for p in self.pending.values():
                     held.setdefault((p.cluster, p.incarnation), []).extend(l["id"] for l in p.leases)
                 for c in todo:
@@ -780,14 +789,66 @@ class FedMomState:
         for (cluster, inc), ids in held.items():
             if ids:
                 try:
-                    self.darl.heartbeat(cluster, inc, ids)
+                    reply = self.darl.heartbeat(cluster, inc, ids)
                 except (httpd.CallError, OSError, http.client.HTTPException) as e:
                     log(f"fedmom: DARL heartbeat for {cluster}'s leases failed: {e}")
+                    continue
+                self._darl_heartbeat_due(reply)
+                lost = [x.get("lease") for x in reply.get("leases", ()) if not x.get("valid")]
+                if lost:
+                    log(f"fedmom: DARL says {cluster}'s lease(s) {lost} are no longer held; their commit "
+                        "still stands if nobody has leased the blocks since")
         if done:
             with self.lock:
                 self.pending_commits = [c for c in self.pending_commits if c not in done]
                 self._save()
         return ok
+
+    def _darl_heartbeat_due(self, reply):
+        """Bring the next heartbeat forward to a third of the shortest TTL left in a
+        DARL heartbeat reply, so a lease the aggregator holds never expires (a site may
+        ask for DARL's 10 s minimum while --darl-heartbeat-s is 30 s)."""
+        left = [x["ttl_left"] for x in reply.get("leases", ()) if x.get("valid") and "ttl_left" in x]
+        if not left and reply.get("ttl"):
+            left = [reply["ttl"]]
+        if left:
+            with self.lock:
+                self.darl_heartbeat_at = min(self.darl_heartbeat_at, self.clock() + max(min(left), 0.0) / 3)
+
+    def darl_heartbeat_in(self):
+        """Seconds until the next DARL heartbeat is due (0 if overdue)."""
+        with self.lock:
+            return max(0.0, self.darl_heartbeat_at - self.clock())
+
+    def darl_hold(self, meta):
+        """Heartbeat an arriving delta's leases in DARL before it is accepted. A lease DARL
+        no longer holds for the cluster (expired and reclaimed) is a 409 "lease_lost": its
+        blocks are back in the pool, so merging the delta could train them twice; the site
+        drops the work. If DARL cannot be reached the delta is accepted all the same: the
+        commit after the merge is retried until DARL answers, and a late commit still
+        stands while nobody has leased those blocks again (darl_table.LeaseTable.commit)."""
+        ids = [l["id"] for l in meta["leases"]]
+        if self.darl is None or not ids:
+            return
+        try:
+            reply = self.darl.heartbeat(meta["cluster"], meta["incarnation"], ids)
+        except httpd.CallError as e:
+            if e.status == 409:         # a stale or departed incarnation: none of its leases stand
+                raise Refused(409, f"DARL no longer holds leases {ids} for {meta['cluster']}: {e.reply.get('error', e)}; "
+                                   "discard this delta, its blocks are trained again", code="lease_lost",
+                              leases=ids) from None
+            log(f"fedmom: DARL heartbeat for {meta['cluster']}'s new delta failed ({e}); accepted anyway")
+            return
+        except (OSError, http.client.HTTPException) as e:
+            log(f"fedmom: DARL unreachable for {meta['cluster']}'s new delta ({e}); accepted anyway")
+            return
+        lost = [x for x in reply.get("leases", ()) if not x.get("valid")]
+        if lost:
+            why = "; ".join(f"lease {x.get('lease')}: {x.get('reason') or x.get('state')}" for x in lost)
+            raise Refused(409, f"DARL no longer holds this delta's leases ({why}): their blocks went back to "
+                               "the pool; discard this delta, they are trained again", code="lease_lost",
+                          leases=[x.get("lease") for x in lost])
+        self._darl_heartbeat_due(reply)
 
     # ---- reading
 
@@ -1022,7 +1083,8 @@ def darl_loop(state, stop, interval_s=1.0, backoff_s=10.0):
         except Exception as e:
             log(f"fedmom: DARL loop error: {type(e).__name__}: {e}")
             ok = False
-        stop.wait(interval_s if ok else backoff_s)
+        # a backoff never skips a heartbeat that is due: leases may have a 10 s TTL
+        stop.wait(interval_s if ok else max(interval_s, min(backoff_s, state.darl_heartbeat_in())))
 
 
 # ---------------------------------------------------------------- the status page
@@ -1154,7 +1216,8 @@ def _server_parser():
     p.add_argument("--blob-url", help="blob store URL (blobstore.py, :29512) for the blob transport (default: none)")
     p.add_argument("--darl", help="DARL coordinator URL (:29510): commit merged leases there (default: none)")
     p.add_argument("--darl-heartbeat-s", type=float, default=30.0,
-                   help="seconds between DARL heartbeats for leases of unmerged deltas (default 30)")
+                   help="longest gap between DARL heartbeats for leases of unmerged deltas, s; a lease "
+                        "with a shorter TTL is heartbeated every third of the TTL it has left (default 30)")
     p.add_argument("--private-page", action="store_true", help="require the token for GET / too (default: public)")
     httpd.add_server_args(p, DEFAULT_PORT)
     return p

@@ -435,6 +435,81 @@ class LiveServerTest(Fixture):
         self.assertIn("merge round 3", out.stdout)
 
 
+class DarlHoldTest(Fixture):
+    """The aggregator keeps the leases of the deltas it holds alive in a real DARL
+    (injected clocks on both sides), and refuses a delta whose lease DARL reclaimed."""
+    TOKEN = LiveServerTest.TOKEN
+    serve = LiveServerTest.serve
+
+    def darl(self):
+        space = darl_table.BlockSpace(100, 1, 0)
+        coord = darl_server.Coordinator(space, darl_table.TableConfig(min_ttl=10.0), clock=self.clock)
+        return coord, self.serve(darl_server.make_routes(coord))
+
+    def lease(self, url, coord, cluster, ttl):
+        inc = f"{cluster}-inc"
+        httpd.call(url, "POST", "/register", {"cluster": cluster, "incarnation": inc, "digest": coord.digest},
+                   token=self.TOKEN)
+        return httpd.call(url, "POST", "/acquire", {"cluster": cluster, "incarnation": inc, "blocks": 5,
+                                                    "ttl": ttl}, token=self.TOKEN)["lease"]
+
+    def test_a_short_ttl_lease_never_expires_while_the_aggregator_holds_it(self):
+        coord, url = self.darl()
+        st = self.state(darl=fm.DarlLink(url, self.TOKEN), darl_heartbeat_s=30.0)
+        st.join("lumi", "lumi-inc")
+        st.join("snellius", "snellius-inc")
+        lease = self.lease(url, coord, "lumi", ttl=10)              # DARL's shortest TTL, 30 s heartbeats
+        self.assertTrue(self.send(st, "lumi", self.delta()[0], 100, leases=[lease])["accepted"])
+        for _ in range(20):                 # 60 s in 3 s steps while the round waits for snellius
+            self.clock.t += 3.0
+            st.darl_tick()
+            self.assertIn(lease["id"], coord.table.leases, f"lease expired at t={self.clock.t}")
+            self.assertLessEqual(st.darl_heartbeat_in(), 10.0 / 3 + 1e-6)
+        other = self.lease(url, coord, "snellius", ttl=600)
+        self.send(st, "snellius", self.delta()[0], 100, leases=[other])
+        self.assertIsNotNone(st.tick())                              # merged
+        self.assertTrue(st.darl_tick())
+        self.assertEqual(st.pending_commits, [])
+        self.assertEqual(coord.status()["committed"], 10)
+        # with only a long lease held, the gap is --darl-heartbeat-s again, not a third of 600 s
+        third = self.lease(url, coord, "snellius", ttl=600)
+        self.send(st, "snellius", self.delta()[0], 100, leases=[third])
+        self.clock.t += 31.0
+        st.darl_tick()
+        self.assertAlmostEqual(st.darl_heartbeat_in(), 30.0, delta=1e-6)
+
+    def test_a_delta_whose_lease_was_reclaimed_is_refused_and_nothing_is_spooled(self):
+        coord, url = self.darl()
+        st = self.state(darl=fm.DarlLink(url, self.TOKEN))
+        furl = self.serve(fm.make_routes(st))
+        site = fedmom_client.FedMomClient(furl, "lumi", "lumi-inc", token=self.TOKEN)
+        site.join()
+        lease = self.lease(url, coord, "lumi", ttl=10)
+        self.clock.t += 11.0                                         # the site died, the lease expired
+        before = self.snapshot(st)
+        with self.assertRaises(httpd.CallError) as cm:
+            site.send_delta(self.delta()[0], 0, 100, [lease], {}, transport="inline")
+        self.assertEqual((cm.exception.status, cm.exception.reply.get("code")), (409, "lease_lost"), cm.exception)
+        self.assertEqual(cm.exception.reply["leases"], [lease["id"]])
+        self.assertEqual(self.snapshot(st), before)
+        self.assertEqual(st.pending, {})
+        fresh = self.lease(url, coord, "lumi", ttl=10)               # a live lease is accepted and extended
+        self.clock.t += 5.0
+        self.assertTrue(site.send_delta(self.delta()[0], 0, 100, [fresh], {}, transport="inline")["accepted"])
+        self.assertEqual(coord.table.leases[fresh["id"]].expires, self.clock.t + 10.0)
+
+    def test_an_unreachable_darl_does_not_refuse_a_delta(self):
+        import socket
+        with socket.socket() as s:                                   # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        st = self.state(darl=fm.DarlLink(f"http://127.0.0.1:{port}", self.TOKEN, timeout=5))
+        st.join("lumi", "lumi-inc")
+        reply = self.send(st, "lumi", self.delta()[0], 100, leases=[{"id": 7, "end": 9}])
+        self.assertTrue(reply["accepted"])
+        self.assertIn(("lumi", "lumi-inc"), st.pending)
+
+
 def urllib_get(url):
     conn = httpd.connect(url)
     try:
