@@ -372,7 +372,8 @@ class LeaseTable:
             raise LeaseError(409, f"cluster id {cluster!r} is held by live incarnation {c.incarnation!r} "
                                   f"({len(self.held.get(cluster, ()))} leases); a second job on the same stream "
                                   f"would train the same data twice: start it with --replica (its own stream, "
-                                  f"e.g. --replica b -> {cluster}-b), or wait {wait:.0f} s for the old leases to expire")
+                                  f"e.g. --replica b -> {cluster}-b), or wait {wait:.0f} s for the old leases to expire",
+                             code="incarnation_conflict", retry_after_s=round(max(wait, 0.0), 3))
         if c is None:
             c = self.clusters[cluster] = Cluster(cluster, incarnation, now, self.config.default_ttl)
             self.held[cluster] = set()

@@ -902,7 +902,7 @@ class FedSite:
                 break
             except httpd.CallError as e:
                 left = deadline - time.monotonic()
-                if e.status != 409 or "live incarnation" not in str(e.reply.get("error")) or left <= 0:
+                if e.status != 409 or e.reply.get("code") != "incarnation_conflict" or left <= 0:
                     raise
                 self.say(f"DARL: {self.cluster!r} is still held by the previous incarnation; waiting for the "
                          f"previous incarnation's leases to expire ({left:.0f} s left)", every_s=10.0)

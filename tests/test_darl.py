@@ -317,6 +317,7 @@ class LeaseTableTest(unittest.TestCase):
         with self.assertRaisesRegex(LeaseError, "--replica") as cm:
             t.register("lumi", "new")
         self.assertEqual(cm.exception.status, 409)
+        self.assertEqual(cm.exception.extra, {"code": "incarnation_conflict", "retry_after_s": 5.0})
         t.register("lumi-b", "new")                        # its own stream is fine
         self.clock.advance(6)                              # the old process was SIGKILLed: leases expire
         t.register("lumi", "new")
@@ -568,6 +569,10 @@ class HTTPTest(unittest.TestCase):
             self.assertEqual(rebuilt.digest(), d)
         status, reply = self.raw("/register", {"cluster": "b", "incarnation": "y", "digest": "wrong"})
         self.assertEqual((status, reply["digest"], reply["space"]["num_blocks"]), (409, d, 100))
+        self.client.acquire("a", "x", ttl=50)
+        status, reply = self.raw("/register", {"cluster": "a", "incarnation": "x2", "digest": d})
+        self.assertEqual((status, reply["code"]), (409, "incarnation_conflict"), reply)
+        self.assertTrue(45 < reply["retry_after_s"] <= 50, reply)       # until the old lease expires
 
     def test_session_ttl_follows_phase_time_and_rtt(self):
         s = darl_client.LeaseSession(self.client, "a", self.live.space.digest(), phase_s=2.0)
