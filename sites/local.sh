@@ -25,7 +25,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Flags after the script name still win (sbatch jobs/lumi_cifar_debug.sh --steps 5).
 export PWW_CIFAR_ARGS=${PWW_CIFAR_ARGS-"--batch-size 8 --steps 2"}
 export PWW_TITAN_CONFIG=${PWW_TITAN_CONFIG:-configs/qwen3_tiny.yaml}
-export PWW_TITAN_ARGS=${PWW_TITAN_ARGS-"--steps 8 --diloco-inner-steps 4 --eval-every 0"}
+export PWW_TITAN_ARGS=${PWW_TITAN_ARGS-"--steps 8 --diloco-inner-steps 4 --eval-every 0 --eval-windows 8"}
 
 pww_cpu_bind() {
     echo none
