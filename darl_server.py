@@ -38,17 +38,25 @@ Protocol (POST, JSON bodies; replies are JSON; errors are 4xx with
 {"error": "one line"} and change nothing):
     /register  {cluster, incarnation, digest}
                -> {cluster, incarnation, num_blocks, digest, space}; a wrong digest
-                  is a 409 whose reply also carries the coordinator's digest and space
+                  is a 409 whose reply also carries the coordinator's digest and space;
+                  a cluster held by another live incarnation is a 409 with
+                  "code": "incarnation_conflict" and "retry_after_s" (until its leases expire)
     /acquire   {cluster, incarnation, blocks?, ttl?, request_id?}
                -> {"status": "ok", "lease": {...}} | {"status": "wait", "retry_after"}
                   | {"status": "done"}  (nothing left to lease, ever)
     /heartbeat {cluster, incarnation, leases: [{"lease", "cursor"?}], ttl?, throughput?}
-               -> {"leases": [{"lease", "valid", "start", "claimed", "end"}]}
+               -> {"leases": [{"lease", "valid", "start", "claimed", "end", "ttl_left"}], "ttl"}
                The reply is an instruction: `end` may have shrunk (stolen tail)
                and valid=false means the lease was reclaimed: stop using it.
                `cursor` claims [start, cursor): the coordinator never steals
                a claimed position, and a client must not touch an unclaimed one.
-    /commit    {cluster, incarnation, lease, end?}   commits [lease.start, end)
+               ttl_left (live leases only) is what remains after this heartbeat;
+               the aggregator heartbeats again within a third of it.
+    /commit    {cluster, incarnation, lease, end?}   commits [lease.start, end); a lease
+               that EXPIRED still commits while every position of that range sits
+               unleased in the pool (or quarantine): nobody else trained them, so they
+               are taken back; if any was leased or committed again it is a 409 (a
+               released lease is always a 409: its holder gave the blocks back)
     /release   {cluster, incarnation, leases: [...], leave?}
     GET /status  progress, per-cluster books, and the space: {"digest", "space":
                  {num_samples, block_size, seed, num_blocks, algorithm, manifest_digest}}
