@@ -1,4 +1,4 @@
-"""fedmom_server.py: the merge against torch's SGD and a naive numpy step, the round
+"""fedmom_server.py + fedmom_state.py: the merge against torch's SGD and a naive numpy step, the round
 protocol with an injected clock, a live server with both transports, real DARL and
 blob store on 127.0.0.1, a SIGKILL mid-merge, and an import with torch absent."""
 import http.client
@@ -20,6 +20,7 @@ import darl_server
 import darl_table
 import fedmom_client
 import fedmom_server as fm
+import fedmom_state as fs
 import httpd
 import tensorio
 
@@ -87,8 +88,8 @@ class Fixture(unittest.TestCase):
         self.clock = FakeClock()
 
     def state(self, **kw):
-        cfg = fm.ServerConfig(os.path.join(self.dir, "st"), init=kw.pop("init", self.init), **kw)
-        return fm.FedMomState(cfg.validate(), clock=self.clock, darl=kw.get("darl"))
+        cfg = fs.ServerConfig(os.path.join(self.dir, "st"), init=kw.pop("init", self.init), **kw)
+        return fs.FedMomState(cfg.validate(), clock=self.clock, darl=kw.get("darl"))
 
     def delta(self, dtype="F16", scale=0.01, names=None, shapes=None):
         shapes = shapes or SHAPES
@@ -187,7 +188,7 @@ class ProtocolTest(Fixture):
         st.join("lumi", "lumi-inc")
         self.send(st, "lumi", self.delta()[0], 10)
         st.tick()
-        with self.assertRaises(fm.Refused) as cm:
+        with self.assertRaises(fs.Refused) as cm:
             self.send(st, "lumi", self.delta()[0], 10, base_round=0)
         self.assertEqual((cm.exception.status, cm.exception.extra["round"]), (409, 1))
         self.assertIn("stale", cm.exception.reason)
@@ -202,7 +203,7 @@ class ProtocolTest(Fixture):
         bpath = os.path.join(self.dir, "nan.safetensors")
         write_tensors(bpath, arrays, "F16")
         self.send(st, "good", gpath, 10, leases=[{"id": 7, "end": 20}])
-        with self.assertRaises(fm.Refused) as cm:
+        with self.assertRaises(fs.Refused) as cm:
             self.send(st, "bad", bpath, 10, leases=[{"id": 8, "end": 30}])
         self.assertEqual(cm.exception.status, 422)
         self.assertIn("layer.w", cm.exception.reason)
@@ -212,13 +213,13 @@ class ProtocolTest(Fixture):
         self.assertEqual(sorted(rec["clusters"]), ["good"])
         self.assertEqual([(e["cluster"], "layer.w" in e["why"]) for e in rec["excluded"]], [("bad", True)])
         self.assertLess(rel_err(self.theta(st), {k: self.theta0[k] + g[k] for k in SHAPES}), 1e-6)
-        self.assertIn("excluded bad", fm.format_record(rec))
+        self.assertIn("excluded bad", fs.format_record(rec))
         # each delta's fate, with the leases it carried: in the record, on disk, and told to each site
         fates = {o["cluster"]: (o["outcome"], o["merged_into"], o["base_round"], o["leases"]) for o in rec["outcomes"]}
         self.assertEqual(fates, {"good": ("merged", 1, 0, [{"id": 7, "end": 20}]),
                                  "bad": ("excluded", None, 0, [{"id": 8, "end": 30}])})
         self.assertIn("layer.w", [o for o in rec["outcomes"] if o["cluster"] == "bad"][0]["why"])
-        self.assertEqual(fm.read_records(st.rounds_path)[-1]["outcomes"], rec["outcomes"])
+        self.assertEqual(fs.read_records(st.rounds_path)[-1]["outcomes"], rec["outcomes"])
         for c in ("good", "bad"):
             told = st.heartbeat(c, f"{c}-inc")["deltas"]
             self.assertEqual([(o["outcome"], o["merged_into"], o["base_round"], o["leases"]) for o in told], [fates[c]])
@@ -248,16 +249,16 @@ class ProtocolTest(Fixture):
                  ("leases", lambda: self.send(st, "lumi", good, 5, leases=[{"x": 1}]), 400),
                  ("metrics.loss", lambda: self.send(st, "lumi", good, 5, metrics={"loss": "high"}), 400)]
         for what, fn, status in cases:
-            with self.subTest(what), self.assertRaises(fm.Refused) as cm:
+            with self.subTest(what), self.assertRaises(fs.Refused) as cm:
                 fn()
             self.assertEqual(cm.exception.status, status, cm.exception.reason)
             self.assertIn(what, cm.exception.reason)
             self.assertNotIn("\n", cm.exception.reason)
-        m = fm.parse_delta_meta({"cluster": "lumi", "incarnation": "other", "base_round": 0, "tokens": 5})
-        with self.assertRaises(fm.Refused) as cm:
+        m = fs.parse_delta_meta({"cluster": "lumi", "incarnation": "other", "base_round": 0, "tokens": 5})
+        with self.assertRaises(fs.Refused) as cm:
             st.accept_delta(m, st.new_part_path())
         self.assertEqual(cm.exception.extra["code"], "stale_incarnation")
-        with self.assertRaises(fm.Refused) as cm:
+        with self.assertRaises(fs.Refused) as cm:
             st.join("lumi", "second-job")
         self.assertEqual((cm.exception.status, cm.exception.extra["code"]), (409, "incarnation_conflict"))
         self.assertIn("--replica", cm.exception.reason)
@@ -282,7 +283,7 @@ class ProtocolTest(Fixture):
         self.assertEqual((rec["round"], sorted(rec["clusters"]), rec["late"]), (1, ["a"], ["b"]))
         self.assertEqual([d["cluster"] for d in rec["dropped"]], ["c"])
         self.assertIn("deadline", rec["reason"])
-        with self.assertRaises(fm.Refused) as cm:              # c may come back: told to join again
+        with self.assertRaises(fs.Refused) as cm:              # c may come back: told to join again
             st.heartbeat("c", "c-inc")
         self.assertEqual(cm.exception.extra["code"], "not_member")
         st.join("c", "c-inc")
@@ -330,7 +331,7 @@ class ProtocolTest(Fixture):
             self.state(init=other)
         self.assertIn("not the model", str(cm.exception))
         with self.assertRaises(SystemExit) as cm:
-            fm.FedMomState(fm.ServerConfig(os.path.join(self.dir, "empty")))
+            fs.FedMomState(fs.ServerConfig(os.path.join(self.dir, "empty")))
         self.assertIn("--init", str(cm.exception))
 
 
@@ -350,9 +351,9 @@ class LiveServerTest(Fixture):
         darl_url = self.serve(darl_server.make_routes(coord))
         store = blobstore.BlobStore(os.path.join(self.dir, "blobs"), 1 << 34, 1 << 32)
         blob_url = self.serve(blobstore.make_routes(store))
-        cfg = fm.ServerConfig(os.path.join(self.dir, "st"), self.init, 0.7, 0.9, 600, 600, blob_url, darl_url,
+        cfg = fs.ServerConfig(os.path.join(self.dir, "st"), self.init, 0.7, 0.9, 600, 600, blob_url, darl_url,
                               darl_heartbeat_s=0.1)
-        st = fm.FedMomState(cfg.validate(), darl=fm.DarlLink(darl_url, self.TOKEN))
+        st = fs.FedMomState(cfg.validate(), darl=fs.DarlLink(darl_url, self.TOKEN))
         url = self.serve(fm.make_routes(st, blob_token=self.TOKEN), public=("/health", "/"))
         stop = threading.Event()
         for fn in (fm.round_loop, fm.darl_loop):
@@ -455,7 +456,7 @@ class DarlHoldTest(Fixture):
 
     def test_a_short_ttl_lease_never_expires_while_the_aggregator_holds_it(self):
         coord, url = self.darl()
-        st = self.state(darl=fm.DarlLink(url, self.TOKEN), darl_heartbeat_s=30.0)
+        st = self.state(darl=fs.DarlLink(url, self.TOKEN), darl_heartbeat_s=30.0)
         st.join("lumi", "lumi-inc")
         st.join("snellius", "snellius-inc")
         lease = self.lease(url, coord, "lumi", ttl=10)              # DARL's shortest TTL, 30 s heartbeats
@@ -480,7 +481,7 @@ class DarlHoldTest(Fixture):
 
     def test_a_delta_whose_lease_was_reclaimed_is_refused_and_nothing_is_spooled(self):
         coord, url = self.darl()
-        st = self.state(darl=fm.DarlLink(url, self.TOKEN))
+        st = self.state(darl=fs.DarlLink(url, self.TOKEN))
         furl = self.serve(fm.make_routes(st))
         site = fedmom_client.FedMomClient(furl, "lumi", "lumi-inc", token=self.TOKEN)
         site.join()
@@ -503,7 +504,7 @@ class DarlHoldTest(Fixture):
         with socket.socket() as s:                                   # a port nobody listens on
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        st = self.state(darl=fm.DarlLink(f"http://127.0.0.1:{port}", self.TOKEN, timeout=5))
+        st = self.state(darl=fs.DarlLink(f"http://127.0.0.1:{port}", self.TOKEN, timeout=5))
         st.join("lumi", "lumi-inc")
         reply = self.send(st, "lumi", self.delta()[0], 100, leases=[{"id": 7, "end": 9}])
         self.assertTrue(reply["accepted"])
@@ -524,7 +525,7 @@ class CrashTest(Fixture):
     def start(self, state_dir, *extra, pause="0"):
         proc = subprocess.Popen([sys.executable, "fedmom_server.py", "--state-dir", state_dir, "--port", "0",
                                  *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, fm.MERGE_PAUSE_ENV: pause})
+                                env={**os.environ, fs.MERGE_PAUSE_ENV: pause})
         self.addCleanup(lambda: proc.poll() is None and proc.kill())
         for line in proc.stdout:                               # "... listening on http://127.0.0.1:PORT"
             if "listening on" in line:
@@ -557,7 +558,7 @@ class CrashTest(Fixture):
         want, _ = naive_fedmom(self.theta0, None, deltas, [10, 30], 0.7, 0.9)
         self.assertLess(rel_err(read_all(os.path.join(sd, "theta-1.safetensors")), want), 1e-6)
         self.assertFalse([f for f in os.listdir(sd) if ".tmp-" in f or f.endswith("-0.safetensors")])
-        self.assertEqual([r["round"] for r in fm.read_records(os.path.join(sd, "rounds.jsonl"))], [1])
+        self.assertEqual([r["round"] for r in fs.read_records(os.path.join(sd, "rounds.jsonl"))], [1])
         proc.send_signal(signal.SIGKILL)                       # and right after a merge: still round 1
         proc.wait()
         proc, url = self.start(sd)
@@ -569,7 +570,7 @@ class CrashTest(Fixture):
 class ImportTest(unittest.TestCase):
     def test_the_server_module_imports_with_torch_absent(self):
         code = ("import sys; sys.modules['torch'] = None\n"
-                "import fedmom_server, fedmom_client, tensorio\n"
+                "import fedmom_server, fedmom_state, fedmom_client, tensorio\n"
                 "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
                 "print('ok', fedmom_server.DEFAULT_PORT)")
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

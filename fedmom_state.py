@@ -1,0 +1,871 @@
+"""fedmom_state.py - the aggregator's durable state and round protocol, with no HTTP server in it.
+
+Runs on: the central VM, imported by fedmom_server.py (which owns the routes, the round
+and DARL loops, the status page and the command line; its docstring says how to start
+it and what each endpoint does). Python standard library + numpy + tensorio.py +
+fedmom_merge.py, and httpd.py's client call for the two DARL calls; never imports torch.
+
+FedMomState holds theta_global, momentum, the round number, membership, the deltas
+spooled for the open round and the DARL commits still owed. Its methods (join,
+heartbeat, leave, check_delta_meta, accept_delta, tick, darl_tick, status, ...) take and
+return plain values and raise Refused(status, reason, **extra) for a request they refuse;
+fedmom_server.py turns that into the HTTP reply. ServerConfig is the aggregator's one
+config, validated once; errors name the flag to change.
+
+
+State dir (everything replaced atomically: temp file, fsync, rename, fsync the dir):
+    theta-<r>.safetensors     theta_global after r merges, fp32
+    momentum-<r>.safetensors  the Nesterov buffer (absent before the first merge
+                              and when --outer-momentum is 0)
+    state.json                names the round and its files, membership, recent
+                              events, the DARL commits still to send; written LAST,
+                              so a SIGKILL at any instant leaves round r or r+1
+    rounds.jsonl              one JSON line per merge (loss, perplexity, drift, outcomes, ...)
+    spool/                    deltas accepted for the current round: r<round>-<cluster>
+                              .safetensors + .json (the .json, written last, is the
+                              acceptance). They survive a restart and are merged then.
+After a merge is durable the server commits the merged deltas' DARL leases on the
+clusters' behalf (--darl), idempotently, re-sending after a restart until DARL
+acknowledges; until then it heartbeats those leases so they do not expire: every
+--darl-heartbeat-s at most, and every third of the shortest TTL left that DARL's
+heartbeat reply names ("ttl_left"), since a site may ask for DARL's 10 s minimum.
+"""
+import collections
+import dataclasses
+import hashlib
+import http.client
+import json
+import math
+import os
+import re
+import secrets
+import threading
+import time
+
+import numpy as np
+
+import httpd
+import fedmom_merge
+import tensorio
+
+STATE_FORMAT = "pww-fedmom-state/1"
+RECORD_VERSION = 2             # 2: per-delta "outcomes" with their leases
+EVENTS_KEPT = 500             # membership events kept in state.json (for the page and status)
+RECORDS_KEPT = 200            # round records kept in memory (the file keeps all)
+ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MERGE_PAUSE_ENV = "PWW_FEDMOM_MERGE_PAUSE_S"   # tests: sleep after each merged tensor
+METRIC_KEYS = ("loss", "tokens_per_s", "mfu", "tflops_per_rank", "peak_mem_gb", "inner_s")
+
+
+def log(msg):
+    print(time.strftime("%Y-%m-%d %H:%M:%S ") + msg, flush=True)
+
+
+
+# ---------------------------------------------------------------- config
+
+@dataclasses.dataclass
+class ServerConfig:
+    state_dir: str
+    init: str | None = None
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    round_deadline_s: float = 1800.0
+    member_timeout_s: float = 300.0
+    blob_url: str | None = None
+    darl: str | None = None
+    darl_heartbeat_s: float = 30.0
+    fsync: bool = True
+
+    def validate(self):
+        if not self.state_dir:
+            raise SystemExit("--state-dir is required")
+        if not (self.outer_lr > 0 and math.isfinite(self.outer_lr)):
+            raise SystemExit(f"--outer-lr {self.outer_lr} must be a positive number (0.7 for DiLoCo, 1.0 for FedAvg)")
+        if not 0 <= self.outer_momentum < 1:
+            raise SystemExit(f"--outer-momentum {self.outer_momentum} must be in [0, 1) (0.9 for DiLoCo, 0 for FedAvg)")
+        if not self.round_deadline_s > 0:
+            raise SystemExit(f"--round-deadline-s {self.round_deadline_s} must be > 0 seconds")
+        if not self.member_timeout_s > 0:
+            raise SystemExit(f"--member-timeout-s {self.member_timeout_s} must be > 0 seconds")
+        if not self.darl_heartbeat_s > 0:
+            raise SystemExit(f"--darl-heartbeat-s {self.darl_heartbeat_s} must be > 0 seconds")
+        if self.init is not None and not os.path.isfile(self.init):
+            raise SystemExit(f"--init {self.init}: no such file")
+        return self
+
+
+# ---------------------------------------------------------------- durable files
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path, obj, fsync=True):
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if fsync:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def append_line(path, obj, fsync=True):
+    with open(path, "a") as f:
+        f.write(json.dumps(obj, sort_keys=True) + "\n")
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def read_records(path):
+    """Every complete line of rounds.jsonl (a torn last line, from a crash mid-append, is skipped)."""
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def file_sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def init_theta(init_path, out_path, fsync=True):
+    """theta-0 from the init file, every tensor as fp32."""
+    with tensorio.TensorReader(init_path) as r:
+        bad = [n for n in r.names if r.specs[n][0] not in tensorio.FLOAT_DTYPES]
+        if bad:
+            raise SystemExit(f"--init {init_path}: tensors {bad[:5]} are not floating point; "
+                             "only float tensors can be merged (save the parameters alone)")
+        specs = [(n, "F32", r.specs[n][1]) for n in r.names]
+        with tensorio.TensorWriter(out_path, specs, {"round": "0"}, fsync=fsync) as w:
+            for n in r.names:
+                w.write(n, r.read(n, as_float32=True).astype(np.float32, copy=False))
+
+
+def structure_digest(specs):
+    return hashlib.sha256(json.dumps(sorted((n, list(s)) for n, s in specs.items())).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- DARL, on the clusters' behalf
+
+class DarlLink:
+    """The two DARL calls the aggregator makes for a cluster (darl_server.py's protocol):
+    heartbeat the leases of accepted-but-unmerged deltas, and commit them after the merge."""
+
+    def __init__(self, url, token=None, timeout=30.0):
+        self.url, self.token, self.timeout = url, token, timeout
+
+    def heartbeat(self, cluster, incarnation, lease_ids):
+        body = {"cluster": cluster, "incarnation": incarnation, "leases": [{"lease": i} for i in lease_ids]}
+        return httpd.call(self.url, "POST", "/heartbeat", body, token=self.token, timeout=self.timeout)
+
+    def commit(self, cluster, incarnation, lease_id, end=None):
+        body = {"cluster": cluster, "incarnation": incarnation, "lease": lease_id}
+        if end is not None:
+            body["end"] = end
+        return httpd.call(self.url, "POST", "/commit", body, token=self.token, timeout=self.timeout)
+
+
+# ---------------------------------------------------------------- the state (no HTTP in here)
+
+@dataclasses.dataclass
+class Member:
+    incarnation: str
+    joined: float          # wall time
+    last_seen: float       # clock() time
+    metrics: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Pending:
+    cluster: str
+    incarnation: str
+    base_round: int
+    tokens: int
+    leases: list
+    metrics: dict
+    path: str
+    meta_path: str
+    received: float        # wall time
+
+
+class Refused(Exception):
+    """A request the state refuses: HTTP status, one-line reason, extra reply fields."""
+
+    def __init__(self, status, reason, **extra):
+        super().__init__(reason)
+        self.status, self.reason, self.extra = status, reason, extra
+
+
+def _check_id(value, what):
+    if not isinstance(value, str) or not ID_RE.fullmatch(value):
+        raise Refused(400, f"{what} must match [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}, got {value!r}")
+    return value
+
+
+def _lease_id(lease):
+    v = lease.get("id", lease.get("lease"))
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def parse_delta_meta(meta):
+    """Check the metadata that comes with a delta; returns a clean dict or raises Refused(400)."""
+    if not isinstance(meta, dict):
+        raise Refused(400, "delta metadata must be a JSON object")
+    out = {"cluster": _check_id(meta.get("cluster"), "cluster"),
+           "incarnation": _check_id(meta.get("incarnation"), "incarnation")}
+    for key in ("base_round", "tokens"):
+        v = meta.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise Refused(400, f"{key} must be a non-negative integer, got {v!r}")
+        out[key] = v
+    if out["tokens"] == 0:
+        raise Refused(400, "tokens is 0: a delta that trained on nothing has no weight; do not send it")
+    leases = meta.get("leases", [])
+    if not isinstance(leases, list) or not all(isinstance(x, dict) and _lease_id(x) is not None for x in leases):
+        raise Refused(400, "leases must be a list of DARL lease objects, each with an integer 'id' (or 'lease')")
+    out["leases"] = [{"id": _lease_id(x), "end": x.get("end")} for x in leases]
+    metrics = meta.get("metrics", {}) or {}
+    if not isinstance(metrics, dict):
+        raise Refused(400, "metrics must be a JSON object")
+    clean = {}
+    for k in METRIC_KEYS:
+        v = metrics.get(k)
+        if v is None:
+            continue
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            raise Refused(400, f"metrics.{k} must be a finite number, got {v!r}")
+        clean[k] = float(v)
+    out["metrics"] = clean
+    return out
+
+
+class FedMomState:
+    """theta_global, momentum, round, membership, pending deltas and DARL commits.
+    Plain methods, no HTTP; `clock` (monotonic seconds) and `wall` are injectable."""
+
+    def __init__(self, cfg, clock=time.monotonic, wall=time.time, darl=None):
+        self.cfg, self.clock, self.wall, self.darl = cfg, clock, wall, darl
+        self.dir = os.path.abspath(cfg.state_dir)
+        self.spool = os.path.join(self.dir, "spool")
+        self.state_path = os.path.join(self.dir, "state.json")
+        self.rounds_path = os.path.join(self.dir, "rounds.jsonl")
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.members, self.pending = {}, {}
+        self.events = collections.deque(maxlen=EVENTS_KEPT)
+        self.excluded, self.dropped = [], []
+        self.first_delta_at, self.merging, self.retry_merge_at = None, False, 0.0
+        self.pending_commits, self.last_record = [], None
+        self.published = {}           # round -> {"blob", "sha256", "round"}
+        self.publish_lock = threading.Lock()
+        self.darl_heartbeat_at = -math.inf   # clock() time the next DARL heartbeat is due
+        self.merge_pause_s = float(os.environ.get(MERGE_PAUSE_ENV, "0") or 0)
+        os.makedirs(self.spool, exist_ok=True)
+        if os.path.exists(self.state_path):
+            self._load()
+        else:
+            self._create()
+        self._clean_dir()
+        self.records = collections.deque(read_records(self.rounds_path), maxlen=RECORDS_KEPT)
+        self._repair_rounds_log()
+        self.round_opened_at = self.clock()
+
+    # ---- start-up
+
+    def _create(self):
+        if not self.cfg.init:
+            raise SystemExit(f"{self.dir} holds no state yet: pass --init MODEL.safetensors for the first start")
+        theta = "theta-0.safetensors"
+        init_theta(self.cfg.init, os.path.join(self.dir, theta), self.cfg.fsync)
+        self.round, self.theta_file, self.momentum_file = 0, theta, None
+        with tensorio.TensorReader(os.path.join(self.dir, theta)) as r:
+            self.specs = {n: r.specs[n][1] for n in r.names}
+        st = os.stat(self.cfg.init)
+        self.init_id = {"sha256": file_sha256(self.cfg.init), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                        "structure": structure_digest(self.specs)}
+        self.event("init", "-", "-", f"theta-0 from {os.path.basename(self.cfg.init)}")
+        self._save()
+        log(f"fedmom: new state in {self.dir}: {len(self.specs)} tensors, "
+            f"{sum(int(np.prod(s)) for s in self.specs.values()):,} parameters, round 0")
+
+    def _load(self):
+        try:
+            with open(self.state_path) as f:
+                st = json.load(f)
+        except ValueError as e:
+            raise SystemExit(f"{self.state_path} is not valid JSON ({e}); restore it from a backup")
+        if st.get("format") != STATE_FORMAT:
+            raise SystemExit(f"{self.state_path}: format {st.get('format')!r}, this server reads "
+                             f"{STATE_FORMAT!r}; use the fedmom_server.py that wrote it")
+        self.round, self.theta_file, self.momentum_file = st["round"], st["theta"], st["momentum"]
+        with tensorio.TensorReader(os.path.join(self.dir, self.theta_file)) as r:
+            self.specs = {n: r.specs[n][1] for n in r.names}
+        self.init_id = st["init"]
+        now = self.clock()
+        self.members = {c: Member(m["incarnation"], m["joined"], now) for c, m in st["members"].items()}
+        self.events.extend(st.get("events", []))
+        self.pending_commits = st.get("pending_commits", [])
+        self.last_record = st.get("last_record")
+        if self.cfg.init:
+            self._check_init_matches()
+        self._restore_spool()
+        log(f"fedmom: resumed {self.dir} at round {self.round}: {len(self.members)} member(s) "
+            f"{sorted(self.members)}, {len(self.pending)} spooled delta(s), "
+            f"{len(self.pending_commits)} DARL commit(s) to send")
+
+    def _check_init_matches(self):
+        with tensorio.TensorReader(self.cfg.init) as r:
+            specs = {n: r.specs[n][1] for n in r.names}
+        st = os.stat(self.cfg.init)
+        same = structure_digest(specs) == self.init_id["structure"] and (
+            (st.st_size, st.st_mtime_ns) == (self.init_id["size"], self.init_id["mtime_ns"])
+            or file_sha256(self.cfg.init) == self.init_id["sha256"])
+        if not same:
+            raise SystemExit(f"--init {self.cfg.init} is not the model {self.dir} was started from "
+                             f"(sha256 {self.init_id['sha256'][:12]}...): drop --init to resume this run, "
+                             "or use a new --state-dir for a new one")
+        log(f"fedmom: --init matches the model this state started from; ignored (resuming round {self.round})")
+
+    def _restore_spool(self):
+        """Accepted deltas of the current round come back; anything else in spool/ goes."""
+        now = self.wall()
+        for fn in sorted(os.listdir(self.spool)):
+            if not fn.endswith(".json"):
+                continue
+            try:
+                with open(os.path.join(self.spool, fn)) as f:
+                    m = json.load(f)
+                p = Pending(**m)
+            except (ValueError, TypeError):
+                continue
+            if p.base_round == self.round and os.path.exists(p.path):   # accepted: merge it, live or not
+                self.pending[(p.cluster, p.incarnation)] = p
+        if self.pending:
+            self.first_delta_at = self.clock()
+            log(f"fedmom: {len(self.pending)} delta(s) for round {self.round} restored from spool at "
+                f"{time.strftime('%H:%M:%S', time.localtime(now))}: {sorted(c for c, _ in self.pending)}")
+
+    def _clean_dir(self):
+        """Remove what a crash left behind: temp files, files of other rounds, stale spool entries."""
+        keep = {self.theta_file, self.momentum_file, "state.json", "rounds.jsonl", "spool"}
+        for fn in os.listdir(self.dir):
+            if fn not in keep and (fn.startswith(("theta-", "momentum-")) or ".tmp-" in fn):
+                os.unlink(os.path.join(self.dir, fn))
+        live = {p.path for p in self.pending.values()} | {p.meta_path for p in self.pending.values()}
+        for fn in os.listdir(self.spool):
+            path = os.path.join(self.spool, fn)
+            if path not in live:
+                os.unlink(path)
+
+    def _repair_rounds_log(self):
+        """state.json lands before rounds.jsonl: a crash between them loses the line; put it back."""
+        rec = self.last_record
+        if rec and (not self.records or self.records[-1].get("round", -1) < rec["round"]):
+            append_line(self.rounds_path, rec, self.cfg.fsync)
+            self.records.append(rec)
+
+    def _save(self):
+        """state.json, atomically; the caller holds the lock (or is the constructor)."""
+        st = {"format": STATE_FORMAT, "round": self.round, "theta": self.theta_file,
+              "momentum": self.momentum_file, "init": self.init_id,
+              "members": {c: {"incarnation": m.incarnation, "joined": m.joined} for c, m in self.members.items()},
+              "events": list(self.events), "pending_commits": self.pending_commits,
+              "last_record": self.last_record,
+              "outer_lr": self.cfg.outer_lr, "outer_momentum": self.cfg.outer_momentum}
+        write_json_atomic(self.state_path, st, self.cfg.fsync)
+
+    def event(self, kind, cluster, incarnation, why=""):
+        self.events.append({"t": round(self.wall(), 3), "event": kind, "cluster": cluster,
+                            "incarnation": incarnation, "why": why, "round": self.round})
+
+    # ---- membership
+
+    def join(self, cluster, incarnation):
+        _check_id(cluster, "cluster"), _check_id(incarnation, "incarnation")
+        with self.lock:
+            self._drop_silent()
+            m = self.members.get(cluster)
+            if m and m.incarnation != incarnation:
+                ago = self.clock() - m.last_seen
+                raise Refused(409, f"cluster {cluster!r} is live as incarnation {m.incarnation} (heard "
+                                   f"{ago:.0f} s ago): a second job at a site needs its own --replica; "
+                                   f"a requeued job may join once the old one times out",
+                              code="incarnation_conflict",
+                              retry_after_s=round(max(0.0, self.cfg.member_timeout_s - ago), 1))
+            if m is None:
+                self.members[cluster] = Member(incarnation, self.wall(), self.clock())
+                self.event("join", cluster, incarnation)
+                self._save()
+                log(f"fedmom: {cluster} ({incarnation}) joined at round {self.round}; "
+                    f"{len(self.members)} live: {sorted(self.members)}")
+            else:
+                m.last_seen = self.clock()
+            return self._member_reply(cluster)
+
+    def heartbeat(self, cluster, incarnation, metrics=None, wait_round_after=None, wait_s=0.0):
+        deadline = self.clock() + min(max(0.0, wait_s), self.cfg.member_timeout_s / 3)
+        with self.lock:
+            m = self._member(cluster, incarnation)
+            m.last_seen = self.clock()
+            if isinstance(metrics, dict):
+                m.metrics = {k: v for k, v in metrics.items() if k in METRIC_KEYS and isinstance(v, (int, float))}
+            while wait_round_after is not None and self.round <= wait_round_after:
+                left = deadline - self.clock()
+                if left <= 0 or self.members.get(cluster) is not m:
+                    break
+                self.cond.wait(timeout=min(left, 1.0))
+            if self.members.get(cluster) is m:
+                m.last_seen = self.clock()
+            return self._member_reply(cluster)
+
+    def leave(self, cluster, incarnation):
+        with self.lock:
+            self._member(cluster, incarnation)
+            del self.members[cluster]
+            self.event("leave", cluster, incarnation)
+            self._save()
+            self.cond.notify_all()
+            log(f"fedmom: {cluster} ({incarnation}) left; {len(self.members)} live: {sorted(self.members)}")
+            return {"round": self.round, "left": True}
+
+    def _member(self, cluster, incarnation):
+        """The live member (cluster, incarnation) or a 409 saying what to do."""
+        m = self.members.get(cluster)
+        if m is None:
+            raise Refused(409, f"{cluster!r} is not a member (never joined, left, or dropped after "
+                               f"{self.cfg.member_timeout_s:.0f} s without a heartbeat): join again",
+                          code="not_member", round=self.round)
+        if m.incarnation != incarnation:
+            raise Refused(409, f"{cluster!r} is live as incarnation {m.incarnation}, not {incarnation}: "
+                               "this process was replaced; stop it", code="stale_incarnation", round=self.round)
+        return m
+
+    def _member_reply(self, cluster):
+        return {"round": self.round, "merging": self.merging, "members": sorted(self.members),
+                "sent": self._responded(cluster), "heartbeat_s": round(self.cfg.member_timeout_s / 4, 3),
+                "deltas": self._outcomes_of(cluster)}
+
+    def _open_outcomes(self):
+        """The current round's deltas so far: accepted ("pending") or "excluded"."""
+        out = [_outcome(p.cluster, p.incarnation, p.base_round, p.tokens, p.leases, "pending")
+               for p in self.pending.values()]
+        return out + [_outcome(e["cluster"], e["incarnation"], e["base_round"], e["tokens"], e["leases"],
+                               "excluded", why=e["why"]) for e in self.excluded]
+
+    def _outcomes_of(self, cluster):
+        """What became of `cluster`'s deltas: those of the last merged round that had one
+        (from the round records), then those of the current round."""
+        out = [o for o in self._open_outcomes() if o["cluster"] == cluster]
+        for rec in reversed(self.records):
+            mine = [o for o in rec.get("outcomes", ()) if o["cluster"] == cluster]
+            if mine:
+                return mine + out
+        return out
+
+    def _drop_silent(self):
+        """Members silent for --member-timeout-s leave the round (their sent delta stays)."""
+        now, changed = self.clock(), False
+        for c, m in list(self.members.items()):
+            if now - m.last_seen > self.cfg.member_timeout_s:
+                why = f"no heartbeat for {now - m.last_seen:.0f} s (--member-timeout-s {self.cfg.member_timeout_s:g})"
+                del self.members[c]
+                self.event("drop", c, m.incarnation, why)
+                self.dropped.append({"cluster": c, "incarnation": m.incarnation, "why": why})
+                log(f"fedmom: dropped {c} ({m.incarnation}): {why}")
+                changed = True
+        if changed:
+            self._save()
+            self.cond.notify_all()
+
+    # ---- deltas
+
+    def check_delta_meta(self, meta):
+        """Everything about a delta that can be checked before its bytes arrive."""
+        meta = parse_delta_meta(meta)
+        with self.lock:
+            self._check_current(meta)
+        return meta
+
+    def _check_current(self, meta):
+        m = self._member(meta["cluster"], meta["incarnation"])
+        m.last_seen = self.clock()
+        if meta["base_round"] != self.round:
+            raise Refused(409, f"stale delta: based on round {meta['base_round']}, the current round is "
+                               f"{self.round}; load theta_global of round {self.round} and train again",
+                          code="stale_round", round=self.round)
+        if self.merging:
+            raise Refused(409, f"round {self.round} is closed and being merged; wait for round "
+                               f"{self.round + 1}", code="stale_round", round=self.round)
+
+    def accept_delta(self, meta, part_path):
+        """The delta file is fully spooled at `part_path`: check it, then make it pending.
+        On any refusal the file is removed and nothing stored changes."""
+        try:
+            with self.lock:
+                self._check_current(meta)
+                if (meta["cluster"], meta["incarnation"]) in self.pending:   # a retry whose reply was lost
+                    return {"accepted": True, "duplicate": True, "round": self.round}
+            try:
+                fedmom_merge.check_delta_file(part_path, self.specs)
+            except fedmom_merge.DeltaRejected as e:
+                with self.lock:
+                    self._exclude(meta, e.reason)
+                raise Refused(e.status, e.reason, code="bad_delta", round=self.round)
+            self.darl_hold(meta)                # a lease reclaimed meanwhile: 409 lease_lost, nothing spooled
+            with self.lock:
+                self._check_current(meta)       # the round may have closed while we read the file
+                if (meta["cluster"], meta["incarnation"]) in self.pending:
+                    return {"accepted": True, "duplicate": True, "round": self.round}
+                p = self._spool(meta, part_path)
+                part_path = None
+                self.pending[(p.cluster, p.incarnation)] = p
+                if self.first_delta_at is None:
+                    self.first_delta_at = self.clock()
+                self.cond.notify_all()
+                waiting = sorted(c for c in self.members if not self._responded(c))
+                log(f"fedmom: delta from {p.cluster} for round {self.round}: {p.tokens:,} tokens, "
+                    f"{len(p.leases)} lease(s); waiting for {waiting or 'nobody'}")
+                return {"accepted": True, "round": self.round, "waiting_for": waiting}
+        finally:
+            if part_path and os.path.exists(part_path):
+                os.unlink(part_path)
+
+    def _responded(self, cluster):
+        """Has the live incarnation of `cluster` sent this round's delta (or had it excluded)?"""
+        inc = self.members[cluster].incarnation
+        return (cluster, inc) in self.pending or any(
+            e["cluster"] == cluster and e["incarnation"] == inc for e in self.excluded)
+
+    def _exclude(self, meta, why):
+        self.excluded.append({"cluster": meta["cluster"], "incarnation": meta["incarnation"], "why": why,
+                              "base_round": meta["base_round"], "tokens": meta["tokens"],
+                              "leases": meta["leases"]})
+        self.event("excluded", meta["cluster"], meta["incarnation"], why)
+        log(f"fedmom: EXCLUDED delta from {meta['cluster']} ({meta['incarnation']}) for round {self.round}: {why}")
+
+    def _spool(self, meta, part_path):
+        base = os.path.join(self.spool, f"r{self.round}-{meta['cluster']}-{meta['incarnation']}")
+        p = Pending(meta["cluster"], meta["incarnation"], meta["base_round"], meta["tokens"], meta["leases"],
+                    meta["metrics"], base + ".safetensors", base + ".json", self.wall())
+        os.replace(part_path, p.path)
+        write_json_atomic(p.meta_path, dataclasses.asdict(p), self.cfg.fsync)   # the acceptance
+        return p
+
+    def new_part_path(self):
+        return os.path.join(self.spool, f".part-{secrets.token_hex(8)}")
+
+    # ---- rounds
+
+    def tick(self):
+        """Drop silent members; close and merge the round if it is ready. Returns the new
+        round record after a merge, else None. Called by one thread at a time."""
+        with self.lock:
+            self._drop_silent()
+            ready = self._ready()
+            if not ready:
+                return None
+            batch, self.merging = list(self.pending.values()), True
+            late = sorted(c for c in self.members if not self._responded(c))
+            closed_at = self.clock()
+        try:
+            result = self._merge(batch)
+        except Exception as e:
+            with self.lock:
+                self.merging, self.retry_merge_at = False, self.clock() + 30.0
+                self.cond.notify_all()
+            log(f"fedmom: merge of round {self.round} FAILED ({type(e).__name__}: {e}); "
+                "state unchanged, retrying in 30 s")
+            return None
+        with self.lock:
+            return self._finish(batch, result, ready, late, closed_at)
+
+    def _ready(self):
+        if self.merging or not self.pending or self.clock() < self.retry_merge_at:
+            return None
+        waiting = [c for c in self.members if not self._responded(c)]
+        if not waiting:
+            return "every live member sent its delta"
+        if self.clock() - self.first_delta_at >= self.cfg.round_deadline_s:
+            return f"deadline of {self.cfg.round_deadline_s:g} s passed without {sorted(waiting)}"
+        return None
+
+    def _merge(self, batch):
+        total = sum(p.tokens for p in batch)
+        weights = [p.tokens / total for p in batch]
+        new = self.round + 1
+        mu = self.cfg.outer_momentum
+        t0 = self.clock()
+        stats = fedmom_merge.merge_files(
+            os.path.join(self.dir, self.theta_file),
+            os.path.join(self.dir, self.momentum_file) if self.momentum_file else None,
+            [(p.path, w) for p, w in zip(batch, weights)],
+            os.path.join(self.dir, f"theta-{new}.safetensors"),
+            os.path.join(self.dir, f"momentum-{new}.safetensors") if mu > 0 else None,
+            self.cfg.outer_lr, mu, {"round": str(new)}, self.cfg.fsync, self.merge_pause_s)
+        stats["merge_s"] = self.clock() - t0
+        stats["weights"] = weights
+        return stats
+
+    def _finish(self, batch, stats, reason, late, closed_at):
+        new, old_files, old_commits = self.round + 1, (self.theta_file, self.momentum_file), list(self.pending_commits)
+        rec = self._record(batch, stats, reason, late, closed_at, new)
+        self.theta_file = f"theta-{new}.safetensors"
+        self.momentum_file = f"momentum-{new}.safetensors" if self.cfg.outer_momentum > 0 else None
+        self.pending_commits += [{"round": new, "cluster": p.cluster, "incarnation": p.incarnation,
+                                  "lease": l["id"], "end": l.get("end")} for p in batch for l in p.leases]
+        self.round, old_record, self.last_record = new, self.last_record, rec
+        try:
+            self._save()                                   # the round becomes durable here
+        except BaseException:
+            self.round, self.last_record, self.merging = new - 1, old_record, False
+            self.theta_file, self.momentum_file = old_files
+            self.pending_commits = old_commits
+            raise
+        append_line(self.rounds_path, rec, self.cfg.fsync)
+        self.records.append(rec)
+        log(format_record(rec))
+        for fn in old_files:
+            if fn and fn not in (self.theta_file, self.momentum_file):
+                _unlink(os.path.join(self.dir, fn))
+        for p in batch:
+            _unlink(p.path), _unlink(p.meta_path)
+        self.pending, self.excluded, self.dropped = {}, [], []
+        self.first_delta_at, self.merging = None, False
+        self.round_opened_at = self.clock()
+        self.published = {}
+        self.cond.notify_all()
+        return rec
+
+    def _record(self, batch, stats, reason, late, closed_at, new):
+        total = sum(p.tokens for p in batch)
+        clusters = {}
+        for p, w, dn in zip(batch, stats["weights"], stats["delta_norms"]):
+            drift = dn / stats["theta_norm"] if stats["theta_norm"] > 0 else None
+            key = p.cluster if p.cluster not in clusters else f"{p.cluster}@{p.incarnation}"
+            clusters[key] = {"incarnation": p.incarnation, "tokens": p.tokens, "weight": round(w, 6),
+                                   "drift": drift, **p.metrics}
+        losses = [(p.tokens, p.metrics["loss"]) for p in batch if "loss" in p.metrics]
+        ltok = sum(t for t, _ in losses)
+        loss = sum(t * l for t, l in losses) / ltok if ltok else None
+        drifts = [c["drift"] for c in clusters.values() if c["drift"] is not None]
+        tps = [p.metrics["tokens_per_s"] for p in batch if "tokens_per_s" in p.metrics]
+        outcomes = [_outcome(p.cluster, p.incarnation, p.base_round, p.tokens, p.leases, "merged", merged_into=new)
+                    for p in batch]
+        outcomes += [o for o in self._open_outcomes() if o["outcome"] == "excluded"]
+        return {"v": RECORD_VERSION, "round": new, "base_round": new - 1, "time": round(self.wall(), 3),
+                "reason": reason, "tokens": total, "clusters": clusters,
+                "loss": loss, "perplexity": _safe_exp(loss),
+                "drift_mean": sum(drifts) / len(drifts) if drifts else None,
+                "drift_max": max(drifts) if drifts else None,
+                "tokens_per_s": sum(tps) if tps else None,
+                "wall_s": round(closed_at - self.round_opened_at, 3), "merge_s": round(stats["merge_s"], 3),
+                "outcomes": outcomes,
+                "excluded": list(self.excluded), "dropped": list(self.dropped), "late": late,
+                "members": sorted(self.members), "outer_lr": self.cfg.outer_lr,
+                "outer_momentum": self.cfg.outer_momentum,
+                "bytes_read": stats["bytes_read"], "bytes_written": stats["bytes_written"]}
+
+    # ---- DARL
+
+    def darl_tick(self, force=False):
+        """Send the DARL commits still owed (oldest first), and heartbeat the leases of
+        accepted deltas so they survive until their round is durable. False if DARL failed."""
+        if self.darl is None:
+            return True
+        with self.lock:
+            todo = list(self.pending_commits)
+            hb_due = force or self.clock() >= self.darl_heartbeat_at
+            held = {}
+            if hb_due:
+                self.darl_heartbeat_at = self.clock() + self.cfg.darl_heartbeat_s
+                for p in self.pending.values():
+                    held.setdefault((p.cluster, p.incarnation), []).extend(l["id"] for l in p.leases)
+                for c in todo:
+                    held.setdefault((c["cluster"], c["incarnation"]), []).append(c["lease"])
+        done, ok = [], True
+        for c in todo:
+            try:
+                self.darl.commit(c["cluster"], c["incarnation"], c["lease"], c.get("end"))
+                done.append(c)
+            except httpd.CallError as e:
+                if 400 <= e.status < 500 and e.status not in (408, 429):
+                    log(f"fedmom: DARL refused commit of lease {c['lease']} for {c['cluster']} "
+                        f"(round {c['round']}): {e}; not retried")
+                    done.append(c)
+                else:
+                    ok = False
+                    break
+            except (OSError, http.client.HTTPException) as e:
+                log(f"fedmom: DARL unreachable ({e}); {len(todo) - len(done)} commit(s) kept for later")
+                ok = False
+                break
+        for (cluster, inc), ids in held.items():
+            if ids:
+                try:
+                    reply = self.darl.heartbeat(cluster, inc, ids)
+                except (httpd.CallError, OSError, http.client.HTTPException) as e:
+                    log(f"fedmom: DARL heartbeat for {cluster}'s leases failed: {e}")
+                    continue
+                self._darl_heartbeat_due(reply)
+                lost = [x.get("lease") for x in reply.get("leases", ()) if not x.get("valid")]
+                if lost:
+                    log(f"fedmom: DARL says {cluster}'s lease(s) {lost} are no longer held; their commit "
+                        "still stands if nobody has leased the blocks since")
+        if done:
+            with self.lock:
+                self.pending_commits = [c for c in self.pending_commits if c not in done]
+                self._save()
+        return ok
+
+    def _darl_heartbeat_due(self, reply):
+        """Bring the next heartbeat forward to a third of the shortest TTL left in a
+        DARL heartbeat reply, so a lease the aggregator holds never expires (a site may
+        ask for DARL's 10 s minimum while --darl-heartbeat-s is 30 s)."""
+        left = [x["ttl_left"] for x in reply.get("leases", ()) if x.get("valid") and "ttl_left" in x]
+        if not left and reply.get("ttl"):
+            left = [reply["ttl"]]
+        if left:
+            with self.lock:
+                self.darl_heartbeat_at = min(self.darl_heartbeat_at, self.clock() + max(min(left), 0.0) / 3)
+
+    def darl_heartbeat_in(self):
+        """Seconds until the next DARL heartbeat is due (0 if overdue)."""
+        with self.lock:
+            return max(0.0, self.darl_heartbeat_at - self.clock())
+
+    def darl_hold(self, meta):
+        """Heartbeat an arriving delta's leases in DARL before it is accepted. A lease DARL
+        no longer holds for the cluster (expired and reclaimed) is a 409 "lease_lost": its
+        blocks are back in the pool, so merging the delta could train them twice; the site
+        drops the work. If DARL cannot be reached the delta is accepted all the same: the
+        commit after the merge is retried until DARL answers, and a late commit still
+        stands while nobody has leased those blocks again (darl_table.LeaseTable.commit)."""
+        ids = [l["id"] for l in meta["leases"]]
+        if self.darl is None or not ids:
+            return
+        try:
+            reply = self.darl.heartbeat(meta["cluster"], meta["incarnation"], ids)
+        except httpd.CallError as e:
+            if e.status == 409:         # a stale or departed incarnation: none of its leases stand
+                raise Refused(409, f"DARL no longer holds leases {ids} for {meta['cluster']}: {e.reply.get('error', e)}; "
+                                   "discard this delta, its blocks are trained again", code="lease_lost",
+                              leases=ids) from None
+            log(f"fedmom: DARL heartbeat for {meta['cluster']}'s new delta failed ({e}); accepted anyway")
+            return
+        except (OSError, http.client.HTTPException) as e:
+            log(f"fedmom: DARL unreachable for {meta['cluster']}'s new delta ({e}); accepted anyway")
+            return
+        lost = [x for x in reply.get("leases", ()) if not x.get("valid")]
+        if lost:
+            why = "; ".join(f"lease {x.get('lease')}: {x.get('reason') or x.get('state')}" for x in lost)
+            raise Refused(409, f"DARL no longer holds this delta's leases ({why}): their blocks went back to "
+                               "the pool; discard this delta, they are trained again", code="lease_lost",
+                          leases=[x.get("lease") for x in lost])
+        self._darl_heartbeat_due(reply)
+
+    # ---- reading
+
+    def open_theta(self):
+        """(open file, round) of the current theta_global; the file stays readable after a merge."""
+        with self.lock:
+            return open(os.path.join(self.dir, self.theta_file), "rb"), self.round
+
+    def status(self):
+        with self.lock:
+            now = self.clock()
+            members = [{"cluster": c, "incarnation": m.incarnation, "heard_s_ago": round(now - m.last_seen, 1),
+                        "sent": self._responded(c), "metrics": m.metrics} for c, m in sorted(self.members.items())]
+            deadline = (None if self.first_delta_at is None
+                        else round(self.first_delta_at + self.cfg.round_deadline_s - now, 1))
+            return {"round": self.round, "merging": self.merging, "members": members,
+                    "pending": sorted(c for c, _ in self.pending), "deadline_in_s": deadline,
+                    "outcomes": self._open_outcomes(),
+                    "excluded": list(self.excluded), "dropped": list(self.dropped),
+                    "pending_commits": len(self.pending_commits),
+                    "parameters": sum(int(np.prod(s)) for s in self.specs.values()),
+                    "tensors": len(self.specs),
+                    "config": {"outer_lr": self.cfg.outer_lr, "outer_momentum": self.cfg.outer_momentum,
+                               "round_deadline_s": self.cfg.round_deadline_s,
+                               "member_timeout_s": self.cfg.member_timeout_s,
+                               "blob": bool(self.cfg.blob_url), "darl": bool(self.cfg.darl)},
+                    "recent": list(self.records)[-RECORDS_KEPT:], "events": list(self.events)[-100:]}
+
+
+def _outcome(cluster, incarnation, base_round, tokens, leases, outcome, merged_into=None, why=None):
+    """One delta's fate, as round records, GET /status and heartbeat replies carry it."""
+    out = {"cluster": cluster, "incarnation": incarnation, "base_round": base_round, "tokens": tokens,
+           "leases": [{"id": l["id"], "end": l.get("end")} for l in leases], "outcome": outcome,
+           "merged_into": merged_into}
+    if why is not None:
+        out["why"] = why
+    return out
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _unlink_prefix(path):
+    """`path` and the temp files a download made beside it (path.part-...)."""
+    d, base = os.path.split(path)
+    for fn in os.listdir(d):
+        if fn == base or fn.startswith(base + "."):
+            _unlink(os.path.join(d, fn))
+
+
+def _safe_exp(x):
+    if x is None:
+        return None
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def format_record(rec):
+    """The one readable log line per merge."""
+    per = "; ".join(
+        f"{c}: {d['tokens']:,} tok, loss {_fmt(d.get('loss'), '.4f')}, drift {_fmt(d.get('drift'), '.4f')}, "
+        f"{_fmt(d.get('tokens_per_s'), ',.0f')} tok/s, MFU {_fmt(d.get('mfu'), '.3f')}, "
+        f"{_fmt(d.get('tflops_per_rank'), '.1f')} TFLOP/s/rank, peak {_fmt(d.get('peak_mem_gb'), '.1f')} GB"
+        for c, d in sorted(rec["clusters"].items()))
+    out = [f"fedmom: merge round {rec['round']}: loss {_fmt(rec['loss'], '.4f')} "
+           f"ppl {_fmt(rec['perplexity'], '.2f')} tokens {rec['tokens']:,} "
+           f"drift mean {_fmt(rec['drift_mean'], '.4f')} max {_fmt(rec['drift_max'], '.4f')} "
+           f"tok/s {_fmt(rec['tokens_per_s'], ',.0f')} wall {rec['wall_s']:.1f} s merge {rec['merge_s']:.1f} s "
+           f"({rec['reason']}) | {per}"]
+    for d in rec["excluded"]:
+        out.append(f"excluded {d['cluster']}: {d['why']}")
+    for d in rec["dropped"]:
+        out.append(f"dropped {d['cluster']}: {d['why']}")
+    if rec["late"]:
+        out.append(f"late (not merged) {', '.join(rec['late'])}")
+    return " | ".join(out)
