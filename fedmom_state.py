@@ -223,9 +223,13 @@ def _check_id(value, what):
     return value
 
 
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _lease_id(lease):
     v = lease.get("id", lease.get("lease"))
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
+    return v if _is_int(v) else None
 
 
 def parse_delta_meta(meta):
@@ -242,8 +246,10 @@ def parse_delta_meta(meta):
     if out["tokens"] == 0:
         raise Refused(400, "tokens is 0: a delta that trained on nothing has no weight; do not send it")
     leases = meta.get("leases", [])
-    if not isinstance(leases, list) or not all(isinstance(x, dict) and _lease_id(x) is not None for x in leases):
-        raise Refused(400, "leases must be a list of DARL lease objects, each with an integer 'id' (or 'lease')")
+    if not isinstance(leases, list) or not all(isinstance(x, dict) and _lease_id(x) is not None
+                                               and (x.get("end") is None or _is_int(x["end"])) for x in leases):
+        raise Refused(400, "leases must be a list of DARL lease objects, each with an integer 'id' (or 'lease') "
+                           "and an optional integer 'end'")
     out["leases"] = [{"id": _lease_id(x), "end": x.get("end")} for x in leases]
     metrics = meta.get("metrics", {}) or {}
     if not isinstance(metrics, dict):
@@ -565,7 +571,8 @@ class FedMomState:
         log(f"fedmom: EXCLUDED delta from {meta['cluster']} ({meta['incarnation']}) for round {self.round}: {why}")
 
     def _spool(self, meta, part_path):
-        base = os.path.join(self.spool, f"r{self.round}-{meta['cluster']}-{meta['incarnation']}")
+        # "_" is in no id (ID_RE), so no two (cluster, incarnation) pairs share a name
+        base = os.path.join(self.spool, f"r{self.round}_{meta['cluster']}_{meta['incarnation']}")
         p = Pending(meta["cluster"], meta["incarnation"], meta["base_round"], meta["tokens"], meta["leases"],
                     meta["metrics"], base + ".safetensors", base + ".json", self.wall())
         os.replace(part_path, p.path)

@@ -247,6 +247,8 @@ class ProtocolTest(Fixture):
                  ("not a member", lambda: self.send(st, "stranger", good, 5), 409),
                  ("stale", lambda: self.send(st, "lumi", good, 5, base_round=7), 409),
                  ("leases", lambda: self.send(st, "lumi", good, 5, leases=[{"x": 1}]), 400),
+                 ("integer 'end'", lambda: self.send(st, "lumi", good, 5, leases=[{"id": 1, "end": "20"}]), 400),
+                 ("integer 'end'", lambda: self.send(st, "lumi", good, 5, leases=[{"id": 1, "end": 2.5}]), 400),
                  ("metrics.loss", lambda: self.send(st, "lumi", good, 5, metrics={"loss": "high"}), 400)]
         for what, fn, status in cases:
             with self.subTest(what), self.assertRaises(fs.Refused) as cm:
@@ -264,6 +266,21 @@ class ProtocolTest(Fixture):
         self.assertIn("--replica", cm.exception.reason)
         self.assertEqual(self.snapshot(st), before)
         self.assertIsNone(st.tick())                           # nothing pending: nothing merged
+
+    def test_ids_that_join_to_the_same_text_keep_their_own_spooled_deltas(self):
+        st = self.state(outer_lr=1.0, outer_momentum=0.0)
+        sent = []
+        for cluster, inc in (("lumi", "b-x"), ("lumi-b", "x")):    # "lumi" + "b-x" and "lumi-b" + "x"
+            st.join(cluster, inc)
+            path, arrays = self.delta("F32")
+            m = st.check_delta_meta({"cluster": cluster, "incarnation": inc, "tokens": 10, "base_round": 0})
+            part = st.new_part_path()
+            shutil.copyfile(path, part)
+            st.accept_delta(m, part)
+            sent.append(arrays)
+        st.tick()
+        want = {k: self.theta0[k] + 0.5 * (sent[0][k] + sent[1][k]) for k in SHAPES}
+        self.assertLess(rel_err(self.theta(st), want), 1e-6)
 
     def test_silent_members_are_dropped_and_the_deadline_closes_a_round(self):
         st = self.state(member_timeout_s=60, round_deadline_s=100)
