@@ -784,6 +784,14 @@ class FedMomState:
             log(f"fedmom: DARL unreachable for {meta['cluster']}'s new delta ({e}); accepted anyway")
             return
         lost = [x for x in reply.get("leases", ()) if not x.get("valid")]
+        ends = {l["id"]: l.get("end") for l in meta["leases"]}
+        for x in reply.get("leases", ()):
+            # trained past the lease's authoritative end: that tail was stolen, so DARL would
+            # refuse the commit while the thief trains those blocks too
+            want = ends.get(x.get("lease"))
+            if x.get("valid") and want is not None and isinstance(x.get("end"), int) and want > x["end"]:
+                lost.append({**x, "valid": False, "reason": f"trained up to {want}, past the lease's end "
+                                                            f"{x['end']} (a stolen tail)"})
         if lost:
             why = "; ".join(f"lease {x.get('lease')}: {x.get('reason') or x.get('state')}" for x in lost)
             raise Refused(409, f"DARL no longer holds this delta's leases ({why}): their blocks went back to "

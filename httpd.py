@@ -118,8 +118,8 @@ class Request:
         data = self.body(max_bytes)
         try:
             obj = json.loads(data or b"{}")
-        except (ValueError, UnicodeDecodeError) as e:
-            raise HTTPError(400, f"malformed JSON body: {e}")
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:   # RecursionError: absurd nesting
+            raise HTTPError(400, f"malformed JSON body: {type(e).__name__}: {e}".splitlines()[0])
         if not isinstance(obj, dict):
             raise HTTPError(400, "JSON body must be an object")
         return obj

@@ -516,6 +516,20 @@ class DarlHoldTest(Fixture):
         self.assertTrue(site.send_delta(self.delta()[0], 0, 100, [fresh], {}, transport="inline")["accepted"])
         self.assertEqual(coord.table.leases[fresh["id"]].expires, self.clock.t + 10.0)
 
+    def test_a_delta_trained_past_its_leases_end_is_refused(self):
+        coord, url = self.darl()
+        st = self.state(darl=fs.DarlLink(url, self.TOKEN))
+        st.join("lumi", "lumi-inc")
+        lease = self.lease(url, coord, "lumi", ttl=60)
+        beyond = {**lease, "end": lease["end"] + 3}                  # positions never in (or stolen from) it
+        before = self.snapshot(st)
+        with self.assertRaises(fs.Refused) as cm:
+            self.send(st, "lumi", self.delta()[0], 100, leases=[beyond])
+        self.assertEqual(cm.exception.extra.get("code"), "lease_lost")
+        self.assertIn("past the lease's end", str(cm.exception))
+        self.assertEqual(self.snapshot(st), before)
+        self.assertTrue(self.send(st, "lumi", self.delta()[0], 100, leases=[lease])["accepted"])
+
     def test_an_unreachable_darl_does_not_refuse_a_delta(self):
         import socket
         with socket.socket() as s:                                   # a port nobody listens on

@@ -78,6 +78,21 @@ class HTTPPlumbingTest(unittest.TestCase):
         self.assertIn("malformed JSON", json.loads(resp.read())["error"])
         conn.close()
 
+    def test_absurdly_nested_json_is_a_400_not_a_500(self):
+        server = httpd.make_server(ROUTES, token="s3cret", max_body=1 << 20)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        self.addCleanup(server.server_close)
+        self.addCleanup(server.shutdown)
+        deep = {"x": None}
+        body = "[" * 200000 + "]" * 200000              # json.loads raises RecursionError here
+        conn = httpd.connect(server.url)
+        conn.request("POST", "/echo", body=body.encode(), headers={"Authorization": "Bearer s3cret"})
+        resp = conn.getresponse()
+        self.assertEqual(resp.status, 400)
+        self.assertIn("malformed JSON", json.loads(resp.read())["error"])
+        conn.close()
+        self.assertEqual(httpd.call(server.url, "POST", "/echo", deep, token="s3cret"), {"got": deep})
+
     def test_keep_alive_and_wildcard_routes(self):
         conn = httpd.connect(self.live.url)
         for i in range(20):
