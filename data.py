@@ -276,9 +276,10 @@ class LeasedPhase:
 
 
 def blocks_per_phase(inner_steps, per_step, block_size):
-    """Blocks that feed `inner_steps` optimizer steps of `per_step` windows: the
-    ceiling, so a phase is H full steps plus at most one short step of the remainder
-    (none when block_size divides inner_steps x per_step)."""
+    """Blocks that feed `inner_steps` optimizer steps of `per_step` windows, rounded
+    up to whole blocks: the phase trains every window of them, so it runs H steps
+    plus the round-up's ceil(extra / per_step) (several when block_size > per_step;
+    none when block_size divides inner_steps x per_step), the last one short."""
     return -(-inner_steps * per_step // block_size)
 
 

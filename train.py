@@ -1297,6 +1297,9 @@ def train(cfg: Config):
     else:
         source = WindowSource(cfg, d, windows) if cfg.llm else CifarSource(cfg, d)
         steps_per_epoch = source.micro_per_epoch // cfg.grad_accum
+    if steps_per_epoch < 1 and cfg.federation:
+        raise ConfigError(f"{cfg.data} has no training windows (all are held out): tokenize more "
+                          "text, or fewer --heldout-windows in tokenize_corpus.py")
     if steps_per_epoch < 1:
         raise ConfigError(f"{cfg.data} gives each of {d.world_size} ranks {source.micro_per_epoch} "
                           f"micro-batches per epoch, fewer than --grad-accum {cfg.grad_accum}: lower "
