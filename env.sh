@@ -102,6 +102,19 @@ pww_rendezvous() {
     export MASTER_ADDR MASTER_PORT
 }
 
+# pww_central_env: for a federation site job. The central URLs and token: `central.sh url`
+# on the central VM prints the lines for $PWW_CENTRAL_ENV (default: central.env in the
+# checkout); variables already exported win. Stops the job, naming what is missing.
+pww_central_env() {
+    PWW_CENTRAL_ENV=${PWW_CENTRAL_ENV:-$PWW_ROOT/central.env}
+    # shellcheck source=/dev/null
+    [ -f "$PWW_CENTRAL_ENV" ] && source "$PWW_CENTRAL_ENV"
+    : "${PWW_DARL_URL:?set PWW_DARL_URL (see central.sh url)}"
+    : "${PWW_FEDMOM_URL:?set PWW_FEDMOM_URL (see central.sh url)}"
+    : "${PWW_BLOB_URL:?set PWW_BLOB_URL (see central.sh url)}"
+    : "${PWW_TOKEN_FILE:?set PWW_TOKEN_FILE to the copy of the central token (mode 600)}"
+}
+
 # pww_setup_dirs: first-time setup at a site. Creates scratch dirs and links them into the
 # checkout as data/ and runs/ (code stays in $HOME, bulk data on scratch); makes logs/,
 # which must exist before sbatch opens logs/%x-%j.out.

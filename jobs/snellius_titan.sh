@@ -24,15 +24,7 @@ source "$PWW_ROOT/env.sh"
 cd "$PWW_ROOT"
 pww_rendezvous
 echo "$(date -Is) job $SLURM_JOB_ID on $SLURM_JOB_NODELIST: site $PWW_SITE, $SLURM_NTASKS ranks, rendezvous $MASTER_ADDR:$MASTER_PORT"
-# The central URLs and token: `central.sh url` on the central VM prints the lines for
-# $PWW_CENTRAL_ENV (default: central.env in the checkout); exported variables win.
-PWW_CENTRAL_ENV=${PWW_CENTRAL_ENV:-$PWW_ROOT/central.env}
-# shellcheck source=/dev/null
-[ -f "$PWW_CENTRAL_ENV" ] && source "$PWW_CENTRAL_ENV"
-: "${PWW_DARL_URL:?set PWW_DARL_URL (see central.sh url)}"
-: "${PWW_FEDMOM_URL:?set PWW_FEDMOM_URL (see central.sh url)}"
-: "${PWW_BLOB_URL:?set PWW_BLOB_URL (see central.sh url)}"
-: "${PWW_TOKEN_FILE:?set PWW_TOKEN_FILE to the copy of the central token (mode 600)}"
+pww_central_env      # the central VM's URLs and token (central.env), or a clear stop
 CONFIG=${CONFIG:-${PWW_TITAN_CONFIG:-configs/qwen3_0.6B.yaml}}
 DATA=${DATA:-$PWW_DATA/c4-tokens/manifest.json}
 # the logical stream: stable across requeues; a second job here needs REPLICA=b
