@@ -7,6 +7,9 @@ No server, no port, no state directory. Inspect a file from the shell:
 
     python tensorio.py FILE            # header: format, metadata, one line per tensor
     python tensorio.py FILE --check    # also read every tensor once (finds a truncated file)
+    python tensorio.py export-hf THETA OUT_DIR --model qwen3-0.6B --data manifest.json ...
+                                       # a Hugging Face checkpoint directory (hf_export.py; needs
+                                       # torch + torchtitan, imported by that command alone)
 
 Layout (the safetensors one, so `safetensors` and every tool that reads it opens
 our files, and we open theirs):
@@ -128,9 +131,12 @@ class TensorWriter:
     the declared shape (or be a flat array of the same size). The data goes to
     `path.tmp-<pid>`; close() fsyncs and renames it to `path`; abort(), or leaving
     the `with` block by an exception, removes it.
+
+    file_format: the metadata "format" entry; "pt" makes a file Hugging Face
+    transformers loads (4.x refuses a model.safetensors whose format is anything else).
     """
 
-    def __init__(self, path, specs, metadata=None, fsync=True):
+    def __init__(self, path, specs, metadata=None, fsync=True, file_format=FORMAT):
         self.path, self.fsync = os.fspath(path), fsync
         self.specs = [_check_spec(*s) for s in specs]
         names = [s[0] for s in self.specs]
@@ -141,7 +147,7 @@ class TensorWriter:
         bad = [k for k, v in meta.items() if not isinstance(k, str) or not isinstance(v, str)]
         if bad:
             raise ValueError(f"metadata values must be strings (safetensors rule); convert {bad}")
-        meta["format"] = FORMAT
+        meta["format"] = file_format
         meta.setdefault("producer", "tensorio")
         header = _header_bytes(self.specs, meta)
         self.tmp = f"{self.path}.tmp-{os.getpid()}"
@@ -474,7 +480,18 @@ def describe(path, check=False):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    if sys.argv[1:2] == ["export-hf"]:
+        try:
+            import hf_export               # torch + torchtitan: only this command needs them
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] not in ("torch", "torchtitan", "tokenizers"):
+                raise
+            sys.exit(f"export-hf: error: no module {e.name!r}: the export needs torch and torchtitan, "
+                     f"a site's environment (the central VM has numpy only); run it at a site")
+        sys.exit(hf_export.main(sys.argv[2:]))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="python tensorio.py export-hf --help: the model as a Hugging Face "
+                                       "checkpoint directory (needs torch + torchtitan)")
     p.add_argument("file", help="tensor file (.safetensors layout)")
     p.add_argument("--check", action="store_true", help="also read every tensor once (default: header only)")
     a = p.parse_args()
