@@ -56,14 +56,10 @@ pww_runtime_cmd() {
                 return 1
             fi
             local binds="$PWW_ROOT,$PWW_CONTAINER_BINDS"
-            local ldpath=""
-            if [ -n "${PWW_RCCL_PLUGIN_DIR:-}" ]; then
-                binds+=",$PWW_RCCL_PLUGIN_DIR"
-                ldpath="$PWW_RCCL_PLUGIN_DIR:$PWW_CRAY_LIBFABRIC"
-            fi
-            PWW_CMD=("$PWW_SINGULARITY" exec --bind "$binds" --pwd "$PWD")
-            [ -n "$ldpath" ] && PWW_CMD+=(--env "LD_LIBRARY_PATH=$ldpath")
-            PWW_CMD+=("$PWW_CONTAINER" "$@")
+            # the image sets its own library path at start (containers/lumi-env.sh), from
+            # PWW_RCCL_PLUGIN_DIR and PWW_CRAY_LIBFABRIC, which reach it with the environment
+            [ -n "${PWW_RCCL_PLUGIN_DIR:-}" ] && binds+=",$PWW_RCCL_PLUGIN_DIR"
+            PWW_CMD=("$PWW_SINGULARITY" exec --bind "$binds" --pwd "$PWD" "$PWW_CONTAINER" "$@")
             ;;
         venv)
             if [ ! -x "$PWW_VENV/bin/python" ]; then

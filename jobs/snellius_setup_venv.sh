@@ -8,8 +8,11 @@
 # (2.1.2, 2023 tree) predates device_mesh, DCP's state_dict API and FSDP2. The pip wheels
 # bundle their own CUDA runtime, so nothing depends on the EasyBuild CUDA version.
 # Where: $HOME, not /scratch-shared (purged after ~14 days on file age).
-# Every version is pinned, to the same torch as the LUMI container (containers/lumi-titan.def):
-# the two sites running different torch generations would make their results incomparable.
+# Every version is pinned: torch, torchtitan and triton to the versions the CPU test
+# suite runs with (requirements.txt; tests/test_pins.py keeps them equal), so CI's
+# import of torchtitan is the import this venv will do. LUMI runs an older torch (the
+# newest ROCm build its GPU driver supports, containers/lumi-titan.def): the tensors the
+# two sites exchange are plain fp32/bf16 arrays, the same under either version.
 # Re-running with an existing venv only re-checks and reinstalls the pins.
 set -euo pipefail
 
@@ -27,14 +30,24 @@ PYTHON=${PYTHON:-python3}
 [ -x "$PWW_VENV/bin/python" ] || "$PYTHON" -m venv "$PWW_VENV"
 PIP=("$PWW_VENV/bin/pip" install --no-cache-dir --disable-pip-version-check)
 "${PIP[@]}" pip==25.2 setuptools==80.9.0 wheel==0.45.1
-# torch 2.9.1 on PyPI is the CUDA 12.8 build for Linux x86_64 (H100 and A100); it pins
-# its nvidia-* runtime wheels exactly, and triton 3.5.1 is the Triton it was built with.
-"${PIP[@]}" torch==2.9.1 triton==3.5.1
+# torch 2.13.0, CUDA 12.6 build, from PyTorch's own index. Why cu126 and not the cu130
+# build: CUDA 12.x wheels run on every NVIDIA driver from R525 on (CUDA minor-version
+# compatibility), CUDA 13.0 wheels need R580 or newer; both carry native kernels for
+# A100 (sm_80) and H100 (sm_90), so cu126 runs on gpu_a100 and gpu_h100 whatever driver
+# their nodes have. triton 3.7.1 is the Triton torch 2.13.0 requires (it would refuse
+# another); the index also serves the nvidia-* runtime wheels torch pins exactly.
+"${PIP[@]}" --index-url https://download.pytorch.org/whl/cu126 torch==2.13.0+cu126 triton==3.7.1
 # torchtitan and what it imports, at the versions the CPU test suite runs with
 "${PIP[@]}" torchtitan==0.2.2 torchdata==0.11.0 datasets==5.2.0 tokenizers==0.23.3 \
     tomli==2.5.0 fsspec==2026.9.0 tyro==1.0.17 tensorboard==2.21.0 einops==0.8.2 \
     pillow==13.0.0 numpy==2.4.6 pyyaml==6.0.4 safetensors==0.8.0
 "$PWW_VENV/bin/pip" freeze > "$PWW_VENV/pww-freeze.txt"
-"$PWW_VENV/bin/python" -c "import torch, torchtitan; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'torchtitan ok')"
+"$PWW_VENV/bin/python" -c "import torch, torchtitan, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'torchtitan ok')"
+if command -v nvidia-smi >/dev/null 2>&1; then     # a GPU node: the driver must run CUDA 12.6
+    driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -n 1)
+    major=${driver%%.*}
+    [ "${major:-0}" -ge 525 ] || { echo "snellius_setup_venv: NVIDIA driver $driver is older than R525; the cu126 build needs >= 525.60.13" >&2; exit 1; }
+    echo "driver $driver: runs the CUDA 12.6 build"
+fi
 echo "venv ready: $PWW_VENV (frozen list in $PWW_VENV/pww-freeze.txt)"
 echo "next: source env.sh && pww_setup_dirs && sbatch jobs/snellius_smoke.sh"

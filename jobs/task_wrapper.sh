@@ -9,8 +9,10 @@
 #   2. pins this rank to one GPU through the site's $PWW_PIN_VAR: the LOCAL_RANK-th entry
 #      of the list Slurm handed the job (or LOCAL_RANK itself when there is no list), so
 #      each process sees exactly one GPU, as device 0,
-#   3. gives each rank its own MIOpen cache when the site asks for one (LUMI: the default
-#      one in $HOME is not multi-process safe; concurrent ranks die on SQLite errors),
+#   3. gives each rank its own MIOpen cache when the site asks for one (LUMI: MIOpen's
+#      SQLite files are not multi-process safe; concurrent ranks die on SQLite errors):
+#      a persistent per-user directory, PWW_MIOPEN_CACHE_ROOT/rank<r>/slot<n>, locked
+#      while the rank runs (the next job starts warm), or PWW_MIOPEN_CACHE_TEMPLATE,
 #   4. prints one line per rank (host, GPU, CPU affinity), then execs CMD inside the
 #      site's container or venv (pww_run).
 set -euo pipefail
@@ -41,9 +43,38 @@ if [ -n "${PWW_PIN_VAR:-}" ]; then
     export "$PWW_PIN_VAR=$gpu"
 fi
 
-if [ -n "${PWW_MIOPEN_CACHE_TEMPLATE:-}" ]; then
+# miopen_slot ROOT: sets cache to the first ROOT/rank<local rank>/slot<n> whose lock no
+# live process holds. The lock stays on file descriptor 9 through the exec below, so it
+# is held exactly as long as this rank runs (hence no $(...) subshell around the call).
+# Returns 1 when all 64 slots are busy or the file system refuses locks.
+miopen_slot() {
+    local base="$1/rank$LOCAL_RANK" slot rc
+    for slot in $(seq 0 63); do
+        mkdir -p "$base/slot$slot" 2>/dev/null || return 1
+        exec 9>"$base/slot$slot/.lock" || return 1
+        rc=0
+        flock -n -E 75 9 || rc=$?
+        if [ "$rc" = 0 ]; then
+            cache="$base/slot$slot"
+            return 0
+        fi
+        exec 9>&-
+        [ "$rc" = 75 ] || return 1      # not "held by another rank": locking is unsupported
+    done
+    return 1
+}
+
+cache=""
+if [ -n "${PWW_MIOPEN_CACHE_TEMPLATE:-}" ]; then             # an explicit directory per job and rank
     cache=${PWW_MIOPEN_CACHE_TEMPLATE//\{job\}/${SLURM_JOB_ID:-nojob}}
     cache=${cache//\{rank\}/$LOCAL_RANK}
+elif [ -n "${PWW_MIOPEN_CACHE_ROOT:-}" ]; then                # persistent, one free slot per rank
+    if ! miopen_slot "$PWW_MIOPEN_CACHE_ROOT"; then
+        cache="/tmp/${USER:-$(id -un)}-miopen-${SLURM_JOB_ID:-nojob}-$LOCAL_RANK"
+        echo "task_wrapper: no lockable slot under $PWW_MIOPEN_CACHE_ROOT (no free slot, or file locks unsupported there); MIOpen cache in $cache for this job only" >&2
+    fi
+fi
+if [ -n "$cache" ]; then
     mkdir -p "$cache"
     export MIOPEN_USER_DB_PATH=$cache MIOPEN_CUSTOM_CACHE_DIR=$cache
 fi

@@ -22,27 +22,36 @@ export PWW_PROJECT=${PWW_PROJECT:-project_462000226}
 export PWW_SCRATCH=${PWW_SCRATCH:-/scratch/$PWW_PROJECT/${USER:-$(id -un)}}
 export PWW_PROJECT_DIR=${PWW_PROJECT_DIR:-/project/$PWW_PROJECT}
 
-# The runtime: our own image (containers/lumi-titan.def). LUMI's maintained PyTorch image
-# carries torch 2.7.1, too old for torchtitan 0.2.2.
+# The runtime: our own image (containers/lumi-titan.def: ROCm 7.0, torch 2.10, torchtitan
+# 0.2.2, the RCCL network plugin built in). LUMI's maintained PyTorch images carry a torch
+# too old for torchtitan 0.2.2.
 export PWW_RUNNER=${PWW_RUNNER:-container}
 export PWW_CONTAINER=${PWW_CONTAINER:-$PWW_PROJECT_DIR/containers/lumi-titan.sif}
 # What the singularity-AI-bindings module would bind, inlined so that login shells, batch
 # scripts and containers all behave the same without `module load`: the Slurm spool, Cray's
-# libfabric (CXI provider for Slingshot) and the two host libraries it links against.
+# libfabric (CXI provider for Slingshot) under /opt/cray, the host's libcxi it links
+# against (and libjansson), and the file systems. The image is Ubuntu, which does not
+# search /usr/lib64: containers/lumi-env.sh puts /usr/lib64 and the newest
+# /opt/cray/libfabric/<version>/lib64 on the library path inside the container.
 export PWW_CONTAINER_BINDS=${PWW_CONTAINER_BINDS:-/var/spool/slurmd,/opt/cray,/usr/lib64/libcxi.so.1,/usr/lib64/libjansson.so.4,/pfs,/scratch,/projappl,/project,/flash,/appl}
-# RCCL reaches Slingshot through the aws-ofi-rccl plugin (librccl-net.so). Point this at a
-# directory holding it (e.g. the lib/ of LUMI's aws-ofi-rccl module) to put it on the
-# container's library path. Without it RCCL falls back to TCP sockets over hsn*: it works,
-# but the smoke test's cross-node all-reduce drops to single-digit GB/s (vs 88 GB/s).
+# The RCCL network plugin (aws-ofi-nccl, librccl-net.so) is in the image. Set this to a
+# host directory holding another build of it to use that one instead (bound and put first
+# on the library path). Check which one ran: RUNBOOK.md, section 2 (NCCL_DEBUG=INFO lines).
 export PWW_RCCL_PLUGIN_DIR=${PWW_RCCL_PLUGIN_DIR:-}
-export PWW_CRAY_LIBFABRIC=${PWW_CRAY_LIBFABRIC:-/opt/cray/libfabric/1.15.2.0/lib64}
+# Cray's libfabric directory; empty = the newest /opt/cray/libfabric/*/lib64 (the version
+# changes with system updates: 1.15.2.0 before January 2026, 1.22.0 after).
+export PWW_CRAY_LIBFABRIC=${PWW_CRAY_LIBFABRIC:-}
 
 # RCCL / libfabric on Slingshot-11.
 # hsn0..3 are the four Slingshot NICs (one per MI250X); without this RCCL's bootstrap may
 # pick the management Ethernet and crawl.
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-hsn0,hsn1,hsn2,hsn3}
-# allow GPU-direct RDMA when GPU and NIC share a PCIe host bridge (PHB), the LUMI-G layout.
-export NCCL_NET_GDR_LEVEL=${NCCL_NET_GDR_LEVEL:-PHB}
+# NCCL_NET_GDR_LEVEL is left to RCCL's own topology detection: with the ROCm 7.0 stack,
+# forcing PHB (the old LUMI advice) makes multi-node communicator setup hang (LUMI AI
+# Factory containers, 2026). Set it per job to experiment: NCCL_NET_GDR_LEVEL=PHB sbatch ...
+# libfabric's memory-registration cache watches unmapped memory through userfaultfd;
+# the default monitor has hung RCCL jobs in the LUMI AI Factory's images.
+export FI_MR_CACHE_MONITOR=${FI_MR_CACHE_MONITOR:-userfaultfd}
 # dataloader workers fork after libfabric registered memory: without the fork-safe flags
 # the children corrupt the parent's registrations.
 export CXI_FORK_SAFE=${CXI_FORK_SAFE:-1}
@@ -50,10 +59,14 @@ export CXI_FORK_SAFE_HP=${CXI_FORK_SAFE_HP:-1}
 export FI_CXI_DISABLE_CQ_HUGETLB=${FI_CXI_DISABLE_CQ_HUGETLB:-1}
 # large all-reduces overflow the default completion queue ("Cassini Event Queue overflow").
 export FI_CXI_DEFAULT_CQ_SIZE=${FI_CXI_DEFAULT_CQ_SIZE:-131072}
-# MIOpen keeps its kernel database in $HOME by default and it is not multi-process safe:
-# concurrent ranks corrupt the SQLite file and die. task_wrapper.sh fills in {job} and {rank};
-# node-local /tmp, so the first steps of a new shape are slow (autotuning) in every job.
-export PWW_MIOPEN_CACHE_TEMPLATE=${PWW_MIOPEN_CACHE_TEMPLATE:-"/tmp/${USER:-$(id -un)}-miopen-{job}-{rank}"}
+# MIOpen keeps its kernel cache and tuning database in SQLite files that are not safe for
+# two processes at once: concurrent ranks corrupt them and die. task_wrapper.sh gives each
+# rank its own directory under this persistent per-user root, rank<local rank>/slot<n>,
+# the first slot no live process holds (a lock on <slot>/.lock, held for the rank's
+# lifetime), so the next job reuses what the last one compiled and tuned: a cold cache
+# makes the first epoch of a new shape ~25x slower. A shared file system without file
+# locks falls back to a node-local /tmp directory per job (with a warning).
+export PWW_MIOPEN_CACHE_ROOT=${PWW_MIOPEN_CACHE_ROOT:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/pww/miopen}
 
 # pww_cpu_bind [TASKS_PER_NODE]: the srun --cpu-bind value for this node shape.
 # With 8 tasks per node, local rank i is bound to the 7 cores of the CCD nearest GCD i.
