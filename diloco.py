@@ -59,6 +59,19 @@ import torch.distributed as dist
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 OUTER_DEVICES = ("same", "cpu")
+# sq_norm's chunk: 4 Mi elements, so its fp64 temporary is 32 MiB whatever the model size
+NORM_CHUNK = 1 << 22
+
+
+def sq_norm(flat):
+    """Sum of squares of a 1-D fp32 tensor, accumulated in fp64: chunk by chunk, each
+    chunk squared in fp64 (exact) and summed into an fp64 scalar on the same device. The
+    largest temporary is one chunk, where flat.double() would copy the whole delta (8
+    bytes per parameter, twice per outer step); one host sync, at the end."""
+    acc = torch.zeros((), dtype=torch.float64, device=flat.device)
+    for chunk in flat.split(NORM_CHUNK):
+        acc += chunk.double().square_().sum()
+    return float(acc)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -203,6 +216,7 @@ class OuterExchange:
     theta: list                  # the carrier leaves the new global theta in these, in place
     outer_opt: torch.optim.Optimizer   # SGD over `theta`; a carrier that gets theta from a server ignores it
     inner_steps: int             # length of the phase just finished (short for the trailing flush)
+    deltas_on_theta_device: object = None   # () -> `deltas` as they stand, on theta's device
 
 
 class OuterCarrier:
@@ -234,13 +248,12 @@ class AllReduceCarrier(OuterCarrier):
         if self.k > 1:
             dist.all_reduce(ex.flat, op=dist.ReduceOp.SUM, group=self.group)
         ex.flat.div_(self.k)
-        for t, d in zip(ex.theta, ex.deltas):
-            # blocking on purpose: an async device->host copy could be read before it lands
-            t.grad = d.to(t.device) if d.device != t.device else d
+        for t, d in zip(ex.theta, ex.deltas_on_theta_device()):
+            t.grad = d
         ex.outer_opt.step()
         for t in ex.theta:
             t.grad = None
-        return {"avg_delta_sq": float(ex.flat.double().pow(2).sum())}
+        return {"avg_delta_sq": sq_norm(ex.flat)}
 
     def broadcast_initial(self, tensors):
         if self.k > 1:
@@ -467,11 +480,23 @@ class DiLoCo:
         self.sharded = any(hasattr(p, "to_local") for p in self.params)
         self.device = _local(self.params[0]).device if self.params else torch.device("cpu")
         self.outer_device = torch.device("cpu") if config.outer_device == "cpu" else self.device
+        # theta on the host of a GPU run lives in pinned memory, as does the staging buffer
+        # the averaged delta comes back through: both copies per outer step then run at
+        # full bus speed (pageable memory is copied through a bounce buffer, and blocks)
+        self.pinned = self.outer_device.type == "cpu" and self.device.type == "cuda"
+        numel = sum(_local(p).numel() for p in self.params)
         with torch.no_grad():
             self.carrier.broadcast_initial([_local(p) for p in self.params]
                                            + [b for b in self.model.buffers()])
-            self.theta = [_local(p).detach().to(self.outer_device, torch.float32, copy=True)
-                          for p in self.params]
+            if self.pinned:
+                self.theta = self._host_views(torch.empty(numel, dtype=torch.float32, pin_memory=True))
+                for t, p in zip(self.theta, self.params):
+                    t.copy_(_local(p), non_blocking=True)
+                self._sync()
+            else:
+                self.theta = [_local(p).detach().to(self.outer_device, torch.float32, copy=True)
+                              for p in self.params]
+        self.host_flat = torch.empty(numel, dtype=torch.float32, pin_memory=True) if self.pinned else None
         self.outer_opt = torch.optim.SGD(self.theta, lr=config.outer_lr, momentum=config.outer_momentum,
                                          nesterov=config.outer_optimizer == "nesterov")
         if config.outer_momentum > 0:
@@ -479,7 +504,6 @@ class DiLoCo:
             # and give the checkpoint a fixed shape from step 0 on.
             for t in self.theta:
                 self.outer_opt.state[t]["momentum_buffer"] = torch.zeros_like(t)
-        numel = sum(t.numel() for t in self.theta)
         self.flat = torch.empty(numel, dtype=torch.float32, device=self.device)
         self.inner_step = 0          # inner steps since construction (or restore)
         self.phase_steps = 0         # inner steps since the last outer step
@@ -505,6 +529,24 @@ class DiLoCo:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _host_views(self, buf):
+        """buf cut into one view per parameter (local shapes), in parameter order."""
+        out, off = [], 0
+        for p in self.params:
+            n = _local(p).numel()
+            out.append(buf[off:off + n].view(_local(p).shape))
+            off += n
+        return out
+
+    def _deltas_on_theta_device(self, deltas):
+        """The deltas where theta lives: themselves, or (theta on the host of a GPU run)
+        copied into the pinned staging buffer, waited for before the outer optimizer reads."""
+        if not self.pinned:
+            return deltas if self.outer_device == self.device else [d.to(self.outer_device) for d in deltas]
+        self.host_flat.copy_(self.flat, non_blocking=True)
+        self._sync()
+        return self._host_views(self.host_flat)
+
     @torch.no_grad()
     def _outer_step(self):
         self._sync()
@@ -513,15 +555,16 @@ class DiLoCo:
         for t, p in zip(self.theta, self.params):
             d = self.flat[off:off + t.numel()].view(t.shape)
             off += t.numel()
-            d.copy_(t)
+            d.copy_(t, non_blocking=True)
             d.sub_(_local(p))
             deltas.append(d)
-        delta_sq = float(self.flat.double().pow(2).sum())
+        delta_sq = sq_norm(self.flat)
         ex = OuterExchange(names=self.names, params=self.params, deltas=deltas, flat=self.flat,
-                           theta=self.theta, outer_opt=self.outer_opt, inner_steps=self.phase_steps)
+                           theta=self.theta, outer_opt=self.outer_opt, inner_steps=self.phase_steps,
+                           deltas_on_theta_device=lambda: self._deltas_on_theta_device(deltas))
         got = self.carrier.outer_step(ex) or {}
         for t, p in zip(self.theta, self.params):
-            _local(p).copy_(t)
+            _local(p).copy_(t, non_blocking=True)
         self.carrier.sync_buffers(list(self.model.buffers()))
         sq = [delta_sq, got.get("avg_delta_sq", float("nan"))]
         if self.sharded and self.layout.replica_size > 1:

@@ -12,7 +12,13 @@ Names (train.py --model):
     qwen3-tiny                          2 layers, dim 64, byte vocabulary: tests and the local demo
     qwen3-debugmodel qwen3-0.6B qwen3-1.7B qwen3-8B qwen3-14B qwen3-32B   torchtitan's flavors
 The Qwen3 vocabulary comes from the tokenizer (the corpus manifest), padded up to a
-multiple of 64 rows; attention is SDPA (runs on CPU, flash/cuDNN kernels on GPUs).
+multiple of 64 rows. Attention is SDPA through our own GQAAttention: configure_attention()
+asks torch's dispatcher, on the real device with the real shapes, which kernel a
+grouped-query call gets, and when the answer is the S x S math kernel (an efficient
+kernel that does not take GQA on that build, e.g. ROCm's) it expands K/V to full heads,
+which flash/cuDNN/memory-efficient kernels all take: memory O(S), not O(S^2).
+parallelize(compile=True) compiles each block's forward (torch.compile, fullgraph), as
+torchtitan does, without renaming any parameter.
 Parameter names are those of the unwrapped module: activation checkpointing uses
 the composable API, which does not insert wrapper modules, so checkpoints and the
 deltas sent across sites carry the same names with or without it.
@@ -24,6 +30,7 @@ import warnings
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 VOCAB_MULTIPLE = 64
 
@@ -176,8 +183,113 @@ def build_model(name, vocab_size=None, seq_len=None, num_classes=10):
                 raise ValueError(f"--model {name} needs the vocabulary and --seq-len from a "
                                  f"tokenized corpus: pass --data <manifest.json>")
             from torchtitan.models.qwen3 import Qwen3Model
-            return Qwen3Model(qwen3_args(name, vocab_size, seq_len))
+            model = Qwen3Model(qwen3_args(name, vocab_size, seq_len))
+            for block in blocks_of(model):
+                block.attention.inner_attention = GQAAttention()
+            return model
     raise ValueError(f"--model {name!r}: use one of {', '.join(MODEL_NAMES)}")
+
+
+# ---------------------------------------------------------------------------
+# Attention: an efficient SDPA kernel for grouped-query attention on both vendors
+# ---------------------------------------------------------------------------
+
+# Kernel preference, best first. torchtitan's SDPA wrapper offers cuDNN -> flash -> math
+# only; the memory-efficient kernel is added before math here, and math stays last so
+# that no shape ever fails, it only gets slow (and loud: configure_attention names it).
+SDPA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+              SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+SDPA_NAMES = {SDPBackend.CUDNN_ATTENTION: "cudnn", SDPBackend.FLASH_ATTENTION: "flash",
+              SDPBackend.EFFICIENT_ATTENTION: "efficient", SDPBackend.MATH: "math"}
+
+
+class GQAAttention(nn.Module):
+    """torchtitan's inner SDPA call (same arguments), with the kernel plan of
+    configure_attention: the SDPA_ORDER priority and, where the build's efficient kernels
+    reject grouped-query shapes, K/V repeated to the query's head count. Expanding costs
+    n_heads / n_kv_heads times the K/V activations (O(S)); the math kernel it avoids holds
+    an S x S score matrix per head (O(S^2): 2048^2 x 16 heads x 4 bytes = 256 MiB per
+    sequence for qwen3-0.6B, before its backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.expand_kv = False
+
+    def forward(self, q, k, v, *, scale=None, enable_gqa=False, is_causal=True):
+        if self.expand_kv and enable_gqa:
+            rep = q.shape[1] // k.shape[1]
+            # repeat along heads in the (batch, seq, heads, dim) memory order torchtitan's
+            # transposed views have, so cuDNN's layout check still passes
+            k = k.transpose(1, 2).repeat_interleave(rep, dim=2).transpose(1, 2)
+            v = v.transpose(1, 2).repeat_interleave(rep, dim=2).transpose(1, 2)
+            enable_gqa = False
+        with sdpa_kernel(SDPA_ORDER, set_priority=True):
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=is_causal,
+                                                  enable_gqa=enable_gqa)
+
+
+def sdpa_choice(device, dtype, n_heads, kv_heads, head_dim, seq_len):
+    """The kernel torch's dispatcher picks, under SDPA_ORDER, for a causal training call
+    of these shapes (batch 1; torchtitan's transposed layout): asks, runs nothing."""
+    def qkv(heads):
+        return torch.empty(1, seq_len, heads, head_dim, device=device, dtype=dtype,
+                           requires_grad=True).transpose(1, 2)
+    q, k, v = qkv(n_heads), qkv(kv_heads), qkv(kv_heads)
+    with sdpa_kernel(SDPA_ORDER, set_priority=True):
+        return SDPBackend(torch._fused_sdp_choice(q, k, v, is_causal=True, scale=head_dim ** -0.5,
+                                                  enable_gqa=kv_heads != n_heads))
+
+
+def attention_plan(device, dtype, n_heads, n_kv_heads, head_dim, seq_len, choose=sdpa_choice):
+    """(kernel, expand_kv): grouped-query natively when an efficient kernel takes it,
+    else K/V expanded when that gets an efficient kernel, else math. `choose` is the
+    dispatcher's answer for given shapes (sdpa_choice; a test passes a rule instead)."""
+    native = choose(device, dtype, n_heads, n_kv_heads, head_dim, seq_len)
+    if native != SDPBackend.MATH or n_heads == n_kv_heads:
+        return native, False
+    expanded = choose(device, dtype, n_heads, n_heads, head_dim, seq_len)
+    if expanded != SDPBackend.MATH:
+        return expanded, True
+    return SDPBackend.MATH, False
+
+
+def describe_plan(kernel, expand_kv, n_heads, n_kv_heads):
+    how = (f"K/V expanded {n_heads // n_kv_heads}x for GQA" if expand_kv else
+           "GQA native" if n_heads != n_kv_heads else "MHA")
+    return f"{SDPA_NAMES[kernel]} ({how})"
+
+
+# aten ops of each SDPA kernel, as the profiler names them (the CPU build's flash kernel
+# has its own op)
+SDPA_OPS = {"aten::_scaled_dot_product_flash_attention": "flash",
+            "aten::_scaled_dot_product_flash_attention_for_cpu": "flash",
+            "aten::_scaled_dot_product_efficient_attention": "efficient",
+            "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+            "aten::_scaled_dot_product_attention_math": "math",
+            "aten::_scaled_dot_product_fused_attention_overrideable": "fused"}
+
+
+def sdpa_kernels_ran(fn):
+    """Run fn() under the profiler; returns the sorted names of the SDPA kernels it ran
+    (what did run, not what the dispatcher was expected to pick)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sorted({SDPA_OPS[e.name] for e in prof.events() if e.name in SDPA_OPS})
+
+
+def configure_attention(model, device, dtype):
+    """Give every GQAAttention of a Qwen3 model the plan for this device and compute dtype;
+    returns its description ("flash (GQA native)"), or None for models without one."""
+    mods = [m for m in unwrap(model).modules() if isinstance(m, GQAAttention)]
+    if not mods:
+        return None
+    a = unwrap(model).model_args
+    kernel, expand = attention_plan(device, dtype, a.n_heads, a.n_kv_heads or a.n_heads,
+                                    a.head_dim, a.max_seq_len)
+    for m in mods:
+        m.expand_kv = expand
+    return describe_plan(kernel, expand, a.n_heads, a.n_kv_heads or a.n_heads)
 
 
 def blocks_of(model):
@@ -192,17 +304,30 @@ def blocks_of(model):
 # Parallelism: FSDP2 or DDP over a process group (the replica's inner group under DiLoCo)
 # ---------------------------------------------------------------------------
 
-def parallelize(model, mode, device, group=None, mesh=None, param_dtype=None, activation_checkpointing=False):
+def parallelize(model, mode, device, group=None, mesh=None, param_dtype=None, activation_checkpointing=False,
+                compile=False):
     """Wrap or shard a meta-device model; returns the module to train.
 
     mode "fsdp": fully_shard every block, then the root (embeddings, final norm and
     the tied output head share the root's group). param_dtype=torch.bfloat16 gives
     MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 compute and
-    all-gathers, fp32 gradient reduction and fp32 master weights.
+    all-gathers, fp32 gradient reduction and fp32 master weights. A ResNet's BatchNorm
+    layers are sharded on their own and stay in fp32 (fp32 weights and statistics over
+    bf16 inputs: the mixed form cuDNN, MIOpen and the native kernels all take; MIOpen's
+    BN refuses bf16 weights beside fp32 running statistics), as FSDP1's mixed
+    precision did by default.
     mode "ddp": materialize first (DDP broadcasts rank 0's values at construction),
     then DistributedDataParallel over `group` (left unwrapped when the group has one rank).
+    compile: torch.compile(fullgraph=True) each block's forward, after activation
+    checkpointing and before sharding, as torchtitan orders them. The compiled function
+    replaces block.forward, so FSDP2's hooks stay outside it and no parameter is renamed
+    (torch.compile(module) would insert "_orig_mod." into every name a checkpoint or a
+    delta carries); with activation checkpointing the recomputation runs inside the
+    compiled function (torch.utils.checkpoint), where the compiler supports it.
     """
-    if activation_checkpointing:
+    if compile:
+        compile_blocks(model, activation_checkpointing)
+    elif activation_checkpointing:
         from torch.distributed._composable import checkpoint
         for block in blocks_of(model):
             checkpoint(block)
@@ -213,6 +338,12 @@ def parallelize(model, mode, device, group=None, mesh=None, param_dtype=None, ac
             mesh = DeviceMesh.from_group(group or torch.distributed.group.WORLD, device.type)
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
             if param_dtype is not None else MixedPrecisionPolicy()
+        if param_dtype is not None and isinstance(model, ResNet):
+            fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                        cast_forward_inputs=False)
+            for m in model.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    fully_shard(m, mesh=mesh, mp_policy=fp32)
         for block in blocks_of(model):
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -225,6 +356,17 @@ def parallelize(model, mode, device, group=None, mesh=None, param_dtype=None, ac
         ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=group)
     raise ValueError(f"--parallel {mode!r}: use ddp or fsdp")
+
+
+def compile_blocks(model, activation_checkpointing=False):
+    """torch.compile each block's forward in place (see parallelize)."""
+    from torch.utils.checkpoint import checkpoint
+    for block in blocks_of(model):
+        forward = block.forward
+        if activation_checkpointing:
+            def forward(*args, _inner=forward, **kwargs):
+                return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+        block.forward = torch.compile(forward, fullgraph=True)
 
 
 @torch.no_grad()

@@ -14,6 +14,17 @@ Checks, each reduced over all ranks, printed by rank 0 as a pass/fail table:
                         busbw = algbw * 2(W-1)/W (the nccl-tests convention);
                         fails below --min-busbw-gbs. Single-digit GB/s between GPU
                         nodes means the collective fell back to TCP.
+  network               which transport the collectives use: on GPUs, NCCL_DEBUG=INFO goes
+                        to a file per rank (unless you set NCCL_DEBUG yourself) and the
+                        "Using network ..." / "NET/OFI Selected provider is ..." lines are
+                        read back: Libfabric over cxi on LUMI, IB on Snellius. A multi-node
+                        run on Socket (or libfabric's tcp provider) FAILS: RCCL/NCCL fell
+                        back to TCP, correct but an order of magnitude slower.
+  attention kernel      which SDPA kernel a qwen3-0.6B-shaped grouped-query attention
+                        (16 query / 8 K/V heads, head_dim 128, seq 2048, bf16; seq 128 fp32
+                        on CPU) actually runs, forward and backward, read from the
+                        profiler, with models.py's kernel plan. The math kernel FAILS on a
+                        GPU (S x S memory per head).
   diloco k=K groups     for each --diloco-replicas K: inner and outer group members
   diloco k=K outer step replica r holds the value r, theta(0) = 0, FedAvg outer step:
                         theta must be exactly (K-1)/2 everywhere, 0.5000 for K=2,
@@ -22,15 +33,19 @@ Exit status 0 when everything passed, 1 when a check failed, 2 for a bad flag.
 """
 import argparse
 import dataclasses
+import glob
 import os
+import re
 import socket
 import sys
+import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
 import diloco
+import models
 import train
 
 
@@ -74,9 +89,7 @@ def device_identity(d):
     return host, uid or pci, f"{p.name} pci {pci}"
 
 
-def check_devices(d, world):
-    ids = [None] * world
-    dist.all_gather_object(ids, device_identity(d))
+def check_devices(d, world, ids):
     if d.device.type != "cuda":
         return True, f"{world} ranks on cpu (hosts: {len({h for h, _, _ in ids})}); not a GPU run"
     keys = [(h, u) for h, u, _ in ids]
@@ -114,6 +127,72 @@ def check_bandwidth(d, world, cfg):
                 f"busbw {busbw:.2f} GB/s (min {cfg.min_busbw_gbs:g})"), busbw
 
 
+def nccl_debug_to_file():
+    """On a GPU run, send NCCL's INFO log (INIT and NET) to a file of this process, before
+    the process group exists; returns its glob pattern, or None when the caller set
+    NCCL_DEBUG (their choice wins; the network row then says it did not look)."""
+    if "NCCL_DEBUG" in os.environ:
+        return None
+    tmp = tempfile.mkdtemp(prefix="pww-smoke-nccl-")
+    os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET",
+                      NCCL_DEBUG_FILE=os.path.join(tmp, "nccl.%h.%p.log"))
+    return os.path.join(tmp, f"nccl.*.{os.getpid()}.log")
+
+
+def network_summary(text):
+    """What NCCL/RCCL's INFO lines say about the transport: {"network", "plugin",
+    "libfabric", "provider"} (None where no line said)."""
+    def last(pattern):
+        found = re.findall(pattern, text, flags=re.MULTILINE)
+        return found[-1].strip() if found else None
+    return {"network": last(r"Using network (.+)$"),
+            "plugin": last(r"NET/OFI Initializing (.+)$"),
+            "libfabric": last(r"NET/OFI Using Libfabric version (\S+)"),
+            "provider": last(r"NET/OFI Selected [Pp]rovider is ([^,\s]+)")}
+
+
+def check_network(d, hosts, log_glob):
+    """(ok, detail) for the transport; fails a multi-node GPU run that fell back to TCP."""
+    if d.device.type != "cuda":
+        return True, "gloo (TCP); not a GPU run"
+    if log_glob is None:
+        return True, "not checked: NCCL_DEBUG was set by the caller (its log has the lines)"
+    text = "".join(open(f, errors="replace").read() for f in glob.glob(log_glob))
+    n = network_summary(text)
+    if n["network"] is None:
+        return True, f"not checked: no 'Using network' line in {log_glob}"
+    detail = f"{n['network']}" + (f" via {n['plugin']}" if n["plugin"] else "") + (
+        f", libfabric {n['libfabric']}" if n["libfabric"] else "") + (
+        f", provider {n['provider']}" if n["provider"] else "") + f"; {hosts} node(s)"
+    tcp = n["network"] == "Socket" or (n["provider"] or "").split(";")[0] in ("tcp", "sockets")
+    if hosts > 1 and tcp:
+        return False, detail + ": the collectives run over TCP; see RUNBOOK.md section 2"
+    return True, detail
+
+
+def check_attention(d):
+    """(ok, detail): the SDPA kernel a qwen3-0.6B-shaped GQA call runs here."""
+    gpu = d.device.type == "cuda"
+    heads, kv, hd, seq = 16, 8, 128, (2048 if gpu else 128)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    kernel, expand = models.attention_plan(d.device, dtype, heads, kv, hd, seq)
+    attn = models.GQAAttention()
+    attn.expand_kv = expand
+
+    def qkv(h):
+        return torch.randn(1, seq, h, hd, device=d.device, dtype=dtype, requires_grad=True).transpose(1, 2)
+    q, k, v = qkv(heads), qkv(kv), qkv(kv)
+
+    def step():
+        attn(q, k, v, scale=hd ** -0.5, enable_gqa=True).float().sum().backward()
+        _sync(d.device)
+    ran = models.sdpa_kernels_ran(step)
+    plan = models.describe_plan(kernel, expand, heads, kv)
+    ok = bool(ran) and not (gpu and "math" in ran)
+    return ok, (f"{'+'.join(ran) or 'none'} ran; plan {plan}; GQA {heads}/{kv} heads, head_dim {hd}, "
+                f"seq {seq}, {str(dtype).removeprefix('torch.')}")
+
+
 class Prepared(torch.nn.Module):
     def __init__(self, numel, value, device):
         super().__init__()
@@ -145,6 +224,7 @@ def check_diloco(d, world, k, cfg):
 
 
 def run(cfg: SmokeConfig):
+    log_glob = nccl_debug_to_file() if train.detect_accel(cfg.device) != "cpu" else None
     d = train.init_distributed(cfg.device)
     world = d.world_size
     for k in cfg.diloco_replicas:
@@ -155,9 +235,14 @@ def run(cfg: SmokeConfig):
             return 2
     cfg = cfg.resolved(d.device.type == "cuda")
     train.print0(f"smoke: {world} ranks, backend {d.backend}, accel {d.accel}, torch {torch.__version__}")
-    rows = [("distinct devices",) + check_devices(d, world),
+    ids = [None] * world
+    dist.all_gather_object(ids, device_identity(d))
+    hosts = len({h for h, _, _ in ids})
+    rows = [("distinct devices",) + check_devices(d, world, ids),
             ("all-reduce exact",) + check_exact(d, world),
-            ("all-reduce bandwidth",) + check_bandwidth(d, world, cfg)[:2]]
+            ("all-reduce bandwidth",) + check_bandwidth(d, world, cfg)[:2],
+            ("network",) + check_network(d, hosts, log_glob),
+            ("attention kernel",) + check_attention(d)]
     for k in cfg.diloco_replicas:
         groups, step = check_diloco(d, world, k, cfg)
         rows += [(f"diloco k={k} groups",) + groups, (f"diloco k={k} outer step",) + step]

@@ -310,6 +310,8 @@ class Config:
     keep_checkpoints: int = 2
     sharded_checkpoint: bool = False
     activation_checkpointing: bool = False
+    compile: bool = False
+    fsdp_defer_grad_sync: bool = False
     run_name: str | None = None
     runs_dir: str = "runs"
     resume: str = "none"
@@ -381,6 +383,9 @@ class Config:
                               f"give its manifest.json (python tokenize_corpus.py --out DIR)")
         if self.federation is not None:
             self.validate_federation()
+        if self.fsdp_defer_grad_sync and self.parallel != "fsdp":
+            raise ConfigError(f"--fsdp-defer-grad-sync is for --parallel fsdp (DDP always defers the "
+                              f"all-reduce to the last micro-batch); drop it with --parallel {self.parallel}")
         if not self.llm and self.activation_checkpointing:
             raise ConfigError("--activation-checkpointing is for the Qwen3 models: recomputing a "
                               "ResNet stage would update its BatchNorm statistics twice")
@@ -457,6 +462,14 @@ def build_parser():
     a("--keep-checkpoints", type=int, default=Config.keep_checkpoints, help="newest checkpoints kept (default 2)")
     a("--sharded-checkpoint", action="store_true", help="torch.distributed.checkpoint shards instead of one file")
     a("--activation-checkpointing", action="store_true", help="recompute each transformer block in backward")
+    a("--compile", action="store_true",
+      help="torch.compile each block (transformer block / ResNet stage), fullgraph, as torchtitan "
+           "does: faster steps after a one-off compile per shape (default off)")
+    a("--fsdp-defer-grad-sync", action="store_true",
+      help="with --grad-accum > 1 under FSDP: reduce-scatter gradients only on the last micro-batch. "
+           "Fewer collectives, but every rank then holds a full unsharded fp32 gradient between "
+           "micro-batches (4 bytes x parameters: ~32 GB per GPU for qwen3-8B). Default off: "
+           "reduce-scatter every micro-batch into sharded gradients, as torchtitan does")
     a("--run-name", help="runs/<run-name>/ (default <model>-<SLURM_JOB_ID>, else <model>-<date-time>)")
     a("--runs-dir", default=Config.runs_dir, help="parent of run directories (default runs)")
     a("--resume", default=Config.resume, help="none | auto (newest checkpoint of this run) | PATH (default none)")
@@ -608,10 +621,32 @@ def default_run_name(cfg, d):
 # Logging and metrics
 # ---------------------------------------------------------------------------
 
-# Peak dense bf16 FLOP/s per device (one rank), for MFU. An MI250X package is two GCDs,
-# each its own rank: 383 TFLOP/s per package = 191.5 per GCD.
-PEAK_BF16_FLOPS = (("MI250X", 191.5e12), ("MI250", 181.0e12), ("H200", 989e12),
-                   ("H100", 989e12), ("A100", 312e12))
+# Peak dense (no sparsity) bf16 FLOP/s per device, i.e. per rank, for MFU, from the
+# vendors' datasheets. Matched against the whole device name (torch.cuda.get_device_name,
+# "NVIDIA " dropped), because the form factors differ by up to 30 %: an H100 PCIe card
+# peaks at 756 TFLOP/s, an SXM one at 989, and a substring match on "H100" credited every
+# card with the SXM figure. An MI250X package is two GCDs, each its own rank: 383 TFLOP/s
+# per package = 191.5 per GCD (MI250: 362.1 = 181.0). A name not listed gets no MFU.
+PEAK_BF16_FLOPS = (
+    (r"H100 PCIe", 756e12),
+    (r"H100 NVL", 835e12),
+    (r"H100( SXM5?)?( \d+GB)?( HBM3)?", 989e12),      # "NVIDIA H100 80GB HBM3" = SXM5
+    (r"H200 NVL", 835e12),
+    (r"H200( SXM)?( \d+GB)?( HBM3e)?", 989e12),       # "NVIDIA H200" = SXM
+    (r"A100[- ](SXM4|PCIE)-\d+GB|A100 \d+GB PCIe|A100", 312e12),   # same peak in both forms
+    (r"AMD Instinct MI250X", 191.5e12),
+    (r"AMD Instinct MI250", 181.0e12),
+)
+
+
+def peak_flops_for(name, compute_units=None):
+    """Peak bf16 FLOP/s for a device name (the table above), or None. ROCm may name both
+    MI250 variants "AMD Instinct MI250X/MI250"; the compute units per GCD tell them apart
+    (MI250X: 110, MI250: 104)."""
+    bare = name.removeprefix("NVIDIA ").strip()
+    if bare == "AMD Instinct MI250X/MI250" and compute_units:
+        bare = "AMD Instinct MI250X" if compute_units >= 110 else "AMD Instinct MI250"
+    return next((v for pat, v in PEAK_BF16_FLOPS if re.fullmatch(pat, bare)), None)
 
 
 def peak_flops(d):
@@ -619,7 +654,10 @@ def peak_flops(d):
     if d.accel == "cpu":
         return None
     name = torch.cuda.get_device_name(d.device)
-    return next((v for k, v in PEAK_BF16_FLOPS if k in name), None)
+    peak = peak_flops_for(name, torch.cuda.get_device_properties(d.device).multi_processor_count)
+    if peak is None:
+        print0(f"MFU not reported: no bf16 peak for device {name!r} in train.PEAK_BF16_FLOPS")
+    return peak
 
 
 def peak_memory_gib(d):
@@ -676,8 +714,12 @@ def make_model(cfg, d, vocab_size, group=None, mesh=None):
     param_dtype = torch.bfloat16 if (cfg.parallel == "fsdp" and cfg.dtype == "bf16") else None
     model = models.parallelize(meta, cfg.parallel, d.device, group=group, mesh=mesh,
                                param_dtype=param_dtype,
-                               activation_checkpointing=cfg.activation_checkpointing)
+                               activation_checkpointing=cfg.activation_checkpointing,
+                               compile=cfg.compile)
     return model, n_params, flops
+
+
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def autocast_ctx(cfg, d):
@@ -688,11 +730,17 @@ def autocast_ctx(cfg, d):
     return torch.autocast(device_type=d.device.type, dtype=dtype)
 
 
-def make_optimizer(cfg, model, replica_ranks):
-    """AdamW for Qwen3; SGD + Nesterov for CIFAR with the LR scaled to the replica batch."""
+def make_optimizer(cfg, model, replica_ranks, device_type="cpu"):
+    """AdamW for Qwen3; SGD + Nesterov for CIFAR with the LR scaled to the replica batch.
+
+    AdamW on a GPU is the fused implementation (one kernel per parameter group for the
+    whole update; torchtitan's default) instead of the foreach default, which launches a
+    chain of multi-tensor kernels per step. CPU runs keep foreach: the numbers the tests
+    compare against stay those of the default implementation."""
     if cfg.llm:
         return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                 weight_decay=cfg.weight_decay), cfg.lr
+                                 weight_decay=cfg.weight_decay,
+                                 fused=True if device_type == "cuda" else None), cfg.lr
     replica_batch = cfg.batch_size * cfg.grad_accum * replica_ranks
     lr = cfg.lr * replica_batch / 128
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True,
@@ -739,6 +787,36 @@ class CifarSource:
             yield data.cifar_augment(self.x[i], self.gen), self.y[i]
 
 
+class HostToDevice:
+    """Token batches (numpy) to the device without stalling the host: each batch is copied
+    into one of two pinned host buffers and sent with non_blocking=True, so the copy
+    overlaps the GPU's work. A copy from pageable numpy memory would block (the driver
+    stages it through a pinned bounce buffer) whatever non_blocking says. A buffer is
+    refilled only once the event recorded after its last copy has passed, so an in-flight
+    copy never sees new data. On the CPU the array is used as it is."""
+
+    def __init__(self, device, slots=2):
+        self.device, self.gpu = device, device.type == "cuda"
+        self.bufs, self.events, self.next = [None] * slots, [None] * slots, 0
+
+    def __call__(self, arr):
+        t = torch.from_numpy(arr)
+        if not self.gpu:
+            return t
+        i, self.next = self.next, (self.next + 1) % len(self.bufs)
+        if self.events[i] is not None:
+            self.events[i].synchronize()      # the copy of two batches ago: long done
+        buf = self.bufs[i]
+        if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
+            buf = self.bufs[i] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
+        staged = buf[:t.numel()].view(t.shape)
+        staged.copy_(t)
+        out = staged.to(self.device, non_blocking=True)
+        self.events[i] = torch.cuda.Event()
+        self.events[i].record()
+        return out
+
+
 class WindowSource:
     """Token windows from the manifest; every rank reads a disjoint slice of one
     seeded permutation per epoch (equal whole batches: drop_last by construction)."""
@@ -747,12 +825,13 @@ class WindowSource:
         self.w, self.d, self.cfg = windows, d, cfg
         self.micro_per_epoch = windows.train_windows // (d.world_size * cfg.batch_size)
         self.samples_per_micro = cfg.batch_size * windows.seq_len      # tokens
+        self.to_device = HostToDevice(d.device)
 
     def micro_batches(self, epoch, skip=0):
         order = data.epoch_order(self.w.train_windows, epoch, self.cfg.seed)
         batches = data.shard_for_rank(order, self.d.rank, self.d.world_size, self.cfg.batch_size)
         for idx in batches[skip:]:
-            t = torch.from_numpy(self.w.batch(idx)).to(self.d.device, non_blocking=True)
+            t = self.to_device(self.w.batch(idx))
             yield t[:, :-1], t[:, 1:]
 
 
@@ -1120,15 +1199,30 @@ def export_init(cfg):
 # ---------------------------------------------------------------------------
 
 def grad_sync(model, cfg, last):
-    """Gradient accumulation: reduce only on the last micro-batch of an optimizer step."""
-    if cfg.grad_accum == 1 or last:
-        if cfg.parallel == "fsdp" and cfg.grad_accum > 1:
-            model.set_requires_gradient_sync(True)
+    """Gradient accumulation. DDP: all-reduce only on the last micro-batch (no_sync before;
+    DDP's gradients are whole either way). FSDP: by default reduce-scatter after every
+    micro-batch, so each rank only ever accumulates its gradient shard; with
+    --fsdp-defer-grad-sync only after the last one, holding the unsharded fp32 gradient in
+    between (bench/fsdp_grad_accum_memory.py measures both)."""
+    if cfg.grad_accum == 1:
         return contextlib.nullcontext()
     if cfg.parallel == "fsdp":
-        model.set_requires_gradient_sync(False)
+        if cfg.fsdp_defer_grad_sync:
+            model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
-    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+    if last or not hasattr(model, "no_sync"):
+        return contextlib.nullcontext()
+    return model.no_sync()
+
+
+def _pooled_nll(nll, tokens, d):
+    """(nll sum, token count) summed over all ranks: one small all-reduce. nll is this
+    rank's device-side sum, tokens its host-side count (counted on the host, so that no
+    micro-batch pays a host-to-device copy for it)."""
+    t = torch.stack([nll.reshape(()), torch.tensor(float(tokens), dtype=torch.float64).to(d.device)])
+    dist.all_reduce(t)
+    total, count = t.tolist()
+    return total, count
 
 
 def _as_float(t):
@@ -1143,7 +1237,8 @@ def federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, sched
     trip. Every rank runs this; returns the step count at the end."""
     step, phases, seq = start, 0, source.windows.seq_len
     peak, gnorm, lr = peak_flops(d), None, None
-    since_row = torch.zeros(2, dtype=torch.float64, device=d.device)   # nll sum, tokens (this rank)
+    since_nll, since_tok = torch.zeros((), dtype=torch.float64, device=d.device), 0   # this rank
+    to_device = HostToDevice(d.device)
     t_mark, step_mark = time.perf_counter(), step
     model.train()
     while (phase := source.next_phase()) is not None:
@@ -1151,7 +1246,7 @@ def federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, sched
         if carrier.current() != carrier.round:
             carrier.load_global(outer)
             log.log(f"loaded theta_global of round {carrier.round}")
-        in_phase = torch.zeros(2, dtype=torch.float64, device=d.device)
+        in_nll, in_tok = torch.zeros((), dtype=torch.float64, device=d.device), 0
         t_phase = time.perf_counter()
         for s in range(phase.steps):
             lr = peak_lr * schedule(step)
@@ -1164,7 +1259,7 @@ def federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, sched
             scale = d.world_size / (len(phase.step_windows(s)) * seq)
             for i, idx in enumerate(micros):
                 real = len(idx) > 0
-                t = torch.from_numpy(source.windows.batch(idx if real else phase.windows[:1])).to(d.device)
+                t = to_device(source.windows.batch(idx if real else phase.windows[:1]))
                 with grad_sync(model, cfg, i == len(micros) - 1), autocast_ctx(cfg, d):
                     logits = model(t[:, :-1])
                     nll = F.cross_entropy(logits.flatten(0, 1).float(), t[:, 1:].flatten(), reduction="sum")
@@ -1172,10 +1267,10 @@ def federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, sched
                 # the same collective calls, or FSDP/DDP wait forever for the missing one
                 (nll * (scale if real else 0.0)).backward()
                 if real:
-                    got = torch.stack([nll.detach().double(), torch.tensor(float(idx.size * seq),
-                                       dtype=torch.float64, device=d.device)])
-                    in_phase += got
-                    since_row += got
+                    in_nll += nll.detach()
+                    since_nll += nll.detach()
+                    in_tok += idx.size * seq
+                    since_tok += idx.size * seq
             if cfg.grad_clip > 0:
                 gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
@@ -1185,24 +1280,26 @@ def federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, sched
                 time.sleep(cfg.throttle_ms / 1000)      # demo/test only: a slower site
             last = s == phase.steps - 1
             if step % cfg.log_every == 0 or last:
-                dist.all_reduce(since_row)
+                row_nll, row_tok = _pooled_nll(since_nll, since_tok, d)
                 dt = time.perf_counter() - t_mark
-                tps = since_row[1].item() / dt
+                tps = row_tok / dt
                 row = {"split": "train", "step": step, "round": carrier.round,
-                       "loss": since_row[0].item() / since_row[1].item(), "lr": lr,
+                       "loss": row_nll / row_tok, "lr": lr,
                        "grad_norm": _as_float(gnorm), "step_ms": 1e3 * dt / (step - step_mark),
                        "tokens_per_s": tps, "mfu": flops * tps / d.world_size / peak if peak else None,
                        "peak_mem_gib": peak_memory_gib(d)}
                 log.metric(row)
                 log.log("train " + fmt_row(row))
-                since_row.zero_()
+                since_nll.zero_()
+                since_tok = 0
                 t_mark, step_mark = time.perf_counter(), step
             if last:            # what the delta carries; the outer step checkpoints, sends, waits, loads
                 inner_s = time.perf_counter() - t_phase
-                dist.all_reduce(in_phase)
+                phase_nll, phase_tok = _pooled_nll(in_nll, in_tok, d)
+                phase_loss = phase_nll / phase_tok
                 tokens, tps = len(phase) * seq, len(phase) * seq / inner_s
                 carrier.send = {"tokens": tokens, "metrics": {
-                    "loss": in_phase[0].item() / in_phase[1].item(), "tokens_per_s": tps,
+                    "loss": phase_loss, "tokens_per_s": tps,
                     "mfu": flops * tps / d.world_size / peak if peak else None,
                     "tflops_per_rank": flops * tps / d.world_size / 1e12,
                     "peak_mem_gb": peak_memory_gib(d), "inner_s": inner_s, "steps": phase.steps}}
@@ -1212,7 +1309,7 @@ def federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, sched
                 phases += 1
                 r = carrier.last
                 row = {"split": "federation", "step": step, "round": r["round"], "base_round": r["base_round"],
-                       "tokens": tokens, "loss": in_phase[0].item() / in_phase[1].item(), "merged": r["merged"],
+                       "tokens": tokens, "loss": phase_loss, "merged": r["merged"],
                        "merged_into": r.get("merged_into"), "reason": r.get("reason"), "lease": phase.lease,
                        "positions": [phase.start, phase.end], "windows": len(phase), "steps": phase.steps,
                        "inner_s": round(inner_s, 3), "tokens_per_s": tps, "send_s": r.get("send_s"),
@@ -1273,12 +1370,17 @@ def train(cfg: Config):
         cfg, d, windows.vocab_size if windows else None,
         group=layout.inner_group if layout else None, mesh=layout.mesh["shard"] if layout else None)
     torch.manual_seed(cfg.seed * 1000 + d.rank)      # per-rank streams from here on
-    opt, peak_lr = make_optimizer(cfg, model, d.world_size // k)
+    opt, peak_lr = make_optimizer(cfg, model, d.world_size // k, d.device.type)
+    attention = models.configure_attention(model, d.device, COMPUTE_DTYPES[cfg.dtype])
     scaler = torch.amp.GradScaler(d.device.type) if cfg.dtype == "fp16" else None
     unit = "tokens" if cfg.llm else "img"
     log.log(f"model {cfg.model}: {n_params:,} parameters, {flops / 1e9:.3g} GFLOP per "
             f"{'token' if cfg.llm else 'image'} (train), {cfg.parallel}, dtype {cfg.dtype}, "
-            f"peak lr {peak_lr:.4g}" + (f", DiLoCo k={k} H={cfg.diloco_inner_steps}" if k > 1 else ""))
+            f"peak lr {peak_lr:.4g}" + (f", DiLoCo k={k} H={cfg.diloco_inner_steps}" if k > 1 else "")
+            + (f", attention {attention}" if attention else "") + (", compiled per block" if cfg.compile else ""))
+    if attention and attention.startswith("math") and d.accel != "cpu":
+        log.log(f"WARNING: attention falls back to the math kernel on {prov['devices'][0]}: an S x S "
+                f"score matrix per head (memory O(seq_len^2)); check the torch build (smoke.py)")
 
     # -- data and the outer-step carrier -----------------------------------
     carrier = site = None      # carrier None: diloco.AllReduceCarrier over this allocation's replicas

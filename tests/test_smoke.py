@@ -1,8 +1,15 @@
-"""smoke.py as its users run it: torchrun subprocesses on CPU ranks over loopback."""
+"""smoke.py as its users run it: torchrun subprocesses on CPU ranks over loopback; and its
+network row on NCCL's own log lines (the formats NCCL/RCCL and aws-ofi-nccl print)."""
 import os
 import subprocess
 import sys
+import tempfile
 import unittest
+
+import torch
+
+import smoke
+import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -35,6 +42,8 @@ class SmokeTest(unittest.TestCase):
         self.assertRegex(out, r"diloco k=4 outer step\s+PASS\s+exactly 1\.5000")
         self.assertIn("inner [0, 1], outer [0, 2]", out)
         self.assertRegex(out, r"busbw \d+\.\d+ GB/s")
+        self.assertRegex(out, r"network\s+PASS\s+gloo")
+        self.assertRegex(out, r"attention kernel\s+PASS\s+flash ran; plan flash \(GQA native\)")
 
     def test_a_failed_check_exits_1(self):
         rc, out = run_smoke(2, "--min-busbw-gbs", "1e9", "--allreduce-mb", "1")
@@ -47,6 +56,52 @@ class SmokeTest(unittest.TestCase):
         rc, out = run_smoke(0, "--diloco-replicas", "3")
         self.assertEqual(rc, 2, out)
         self.assertIn("--diloco-replicas 3 does not divide 1 ranks; use 1", out)
+
+
+# NCCL_DEBUG=INFO lines as NCCL 2.2x / RCCL and aws-ofi-nccl 1.18 print them
+LUMI_LOG = """nid005001:1234:1234 [0] NCCL INFO NET/OFI Initializing aws-ofi-nccl 1.18.0
+nid005001:1234:1234 [0] NCCL INFO NET/OFI Using Libfabric version 1.22
+nid005001:1234:1234 [0] NCCL INFO NET/OFI Selected provider is cxi, fabric is cxi (found 4 nics)
+nid005001:1234:1234 [0] NCCL INFO Using network Libfabric
+"""
+SOCKET_LOG = """nid005001:1234:1234 [0] NCCL INFO NET/Plugin: Could not find: librccl-net.so.
+nid005001:1234:1234 [0] NCCL INFO NET/Socket : Using [0]hsn0:10.253.1.2<0>
+nid005001:1234:1234 [0] NCCL INFO Using network Socket
+"""
+
+
+class NetworkRowTest(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self.tmp.cleanup)
+        self.gpu = train.Dist(rank=0, local_rank=0, world_size=16, device=torch.device("cuda", 0),
+                              backend="nccl", accel="rocm")
+
+    def check(self, text, hosts):
+        with open(os.path.join(self.tmp.name, f"nccl.nid005001.{os.getpid()}.log"), "w") as f:
+            f.write(text)
+        return smoke.check_network(self.gpu, hosts, os.path.join(self.tmp.name, f"nccl.*.{os.getpid()}.log"))
+
+    def test_the_plugin_lines_are_read(self):
+        self.assertEqual(smoke.network_summary(LUMI_LOG), {"network": "Libfabric", "plugin": "aws-ofi-nccl 1.18.0",
+                                                           "libfabric": "1.22", "provider": "cxi"})
+        ok, detail = self.check(LUMI_LOG, hosts=2)
+        self.assertTrue(ok, detail)
+        self.assertIn("Libfabric via aws-ofi-nccl 1.18.0, libfabric 1.22, provider cxi; 2 node(s)", detail)
+
+    def test_tcp_across_nodes_fails_and_within_a_node_passes(self):
+        ok, detail = self.check(SOCKET_LOG, hosts=2)
+        self.assertFalse(ok)
+        self.assertIn("run over TCP", detail)
+        self.assertTrue(self.check(SOCKET_LOG, hosts=1)[0], "one node: the network is not used")
+        tcp_provider = LUMI_LOG.replace("provider is cxi, fabric is cxi", "provider is tcp;ofi_rxm, fabric is TCP-IP")
+        self.assertFalse(self.check(tcp_provider, hosts=4)[0])
+
+    def test_unreadable_or_callers_log_is_reported_not_guessed(self):
+        self.assertIn("NCCL_DEBUG was set by the caller", smoke.check_network(self.gpu, 2, None)[1])
+        ok, detail = self.check("nothing here\n", hosts=2)
+        self.assertTrue(ok)
+        self.assertIn("not checked", detail)
 
 
 if __name__ == "__main__":
