@@ -14,7 +14,8 @@
 #      a persistent per-user directory, PWW_MIOPEN_CACHE_ROOT/rank<r>/slot<n>, locked
 #      while the rank runs (the next job starts warm), or PWW_MIOPEN_CACHE_TEMPLATE,
 #   4. prints one line per rank (host, GPU, CPU affinity), then execs CMD inside the
-#      site's container or venv (pww_run).
+#      site's container or venv (pww_run); while it holds a MIOpen slot's lock it runs
+#      CMD as its child instead and exits with CMD's status.
 set -euo pipefail
 
 die() { echo "task_wrapper: $*" >&2; exit 2; }
@@ -44,9 +45,9 @@ if [ -n "${PWW_PIN_VAR:-}" ]; then
 fi
 
 # miopen_slot ROOT: sets cache to the first ROOT/rank<local rank>/slot<n> whose lock no
-# live process holds. The lock stays on file descriptor 9 through the exec below, so it
-# is held exactly as long as this rank runs (hence no $(...) subshell around the call).
-# Returns 1 when all 64 slots are busy or the file system refuses locks.
+# live process holds, the lock on file descriptor 9 of this shell (hence no $(...)
+# subshell around the call). Returns 1 when all 64 slots are busy or the file system
+# refuses locks.
 miopen_slot() {
     local base="$1/rank$LOCAL_RANK" slot rc
     for slot in $(seq 0 63); do
@@ -64,12 +65,14 @@ miopen_slot() {
     return 1
 }
 
-cache=""
+cache="" holds_lock=0
 if [ -n "${PWW_MIOPEN_CACHE_TEMPLATE:-}" ]; then             # an explicit directory per job and rank
     cache=${PWW_MIOPEN_CACHE_TEMPLATE//\{job\}/${SLURM_JOB_ID:-nojob}}
     cache=${cache//\{rank\}/$LOCAL_RANK}
 elif [ -n "${PWW_MIOPEN_CACHE_ROOT:-}" ]; then                # persistent, one free slot per rank
-    if ! miopen_slot "$PWW_MIOPEN_CACHE_ROOT"; then
+    if miopen_slot "$PWW_MIOPEN_CACHE_ROOT"; then
+        holds_lock=1
+    else
         cache="/tmp/${USER:-$(id -un)}-miopen-${SLURM_JOB_ID:-nojob}-$LOCAL_RANK"
         echo "task_wrapper: no lockable slot under $PWW_MIOPEN_CACHE_ROOT (no free slot, or file locks unsupported there); MIOpen cache in $cache for this job only" >&2
     fi
@@ -83,4 +86,10 @@ affinity=$(taskset -cp $$ 2>/dev/null | sed 's/.*: //' || echo "?")
 echo "task_wrapper: rank $RANK/$WORLD_SIZE local $LOCAL_RANK on $(hostname -s) site $PWW_SITE ${PWW_PIN_VAR:-gpu}=$gpu cpus $affinity"
 
 pww_runtime_cmd "$@"
+if [ "$holds_lock" = 1 ]; then
+    # this shell keeps the slot's lock for exactly the command's lifetime: an exec'd
+    # container runtime may close inherited descriptors, and with them the lock
+    "${PWW_CMD[@]}" 9>&-
+    exit 0                  # set -e: a failing command has already exited with its status
+fi
 exec "${PWW_CMD[@]}"

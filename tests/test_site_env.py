@@ -9,8 +9,9 @@ Real shells, real files, real processes; no container runtime is needed:
   - env.sh's container command binds a host plugin directory when one is given and leaves
     the library path to the image;
   - jobs/task_wrapper.sh gives concurrent ranks with the same local rank different
-    persistent MIOpen slots (a lock held for the rank's lifetime, released at exit), and
-    falls back to a per-job directory, with a warning, where it cannot lock.
+    persistent MIOpen slots (a lock held for the rank's lifetime, released at exit, the
+    rank's exit status passed on), and falls back to a per-job directory, with a
+    warning, where it cannot lock.
 Run: .venv/bin/python tests/run.py test_site_env
 """
 import json
@@ -156,6 +157,13 @@ class MIOpenSlotTest(unittest.TestCase):
         self.assertEqual(got_d["MIOPEN_USER_DB_PATH"], slot0, "a later job starts from the kept cache")
         for p in (b, c, d):
             self.release(p)
+
+    def test_the_rank_exit_status_comes_through_the_lock_holder(self):
+        r = subprocess.run(["jobs/task_wrapper.sh", sys.executable, "-c", "import sys; sys.exit(3)"], cwd=ROOT,
+                           env=self.env(1), capture_output=True, text=True, timeout=120)
+        self.assertEqual(r.returncode, 3, r.stderr)
+        _, got = self.start(1)                        # and the slot was released on the way out
+        self.assertEqual(got["MIOPEN_USER_DB_PATH"], os.path.join(self.root, "rank1", "slot0"))
 
     def test_no_lockable_root_falls_back_to_a_job_directory_loudly(self):
         blocker = os.path.join(self.tmp, "a-file")
