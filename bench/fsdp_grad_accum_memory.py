@@ -1,7 +1,7 @@
 """bench/fsdp_grad_accum_memory.py - peak memory of FSDP2 gradient accumulation, both ways.
 
-Runs on: this machine's CPU (2 gloo ranks), or one node with `--device cuda` (then one
-rank per GPU; launch with torchrun). Usage:
+Runs on: this machine's CPU (2 gloo ranks), or a node with 2 GPUs and `--device cuda`
+(2 NCCL ranks, one GPU each). Usage:
     .venv/bin/python bench/fsdp_grad_accum_memory.py [--dim 768] [--layers 6] [--grad-accum 4]
 
 The two ways train.py can accumulate gradients over --grad-accum micro-batches under FSDP2,
@@ -59,7 +59,7 @@ def build(a, device):
 def worker(rank, tmp, a, defer, out_path):
     sys.path.insert(0, ROOT)
     import train
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ.update(GLOO_SOCKET_IFNAME="lo", LOCAL_RANK=str(rank))   # LOCAL_RANK: GPU `rank`
     torch.set_num_threads(1)
     dist.init_process_group("gloo" if a.device == "cpu" else "nccl",
                             init_method=f"file://{tmp}/store-{defer}", rank=rank, world_size=WORLD)

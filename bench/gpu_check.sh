@@ -26,7 +26,9 @@
 #   qwen-resume   the same run continued from that checkpoint with --resume auto
 #   qwen-compile  Qwen3-0.6B with --compile (torch.compile per block)
 #   qwen-accum    grad-accum 4: reduce-scatter every micro-batch (default) ...
-#   qwen-defer    ... and --fsdp-defer-grad-sync: peak memory of both, side by side
+#   qwen-defer    ... and --fsdp-defer-grad-sync: both paths run, peak memory side by side
+#                 (on one GPU a shard is the whole gradient, so the two peaks match; the
+#                 saving appears from 2 ranks on: bench/fsdp_grad_accum_memory.py)
 # Per run it prints steps, step time (after the first logged interval), tokens/s or
 # images/s, MFU against the device's bf16 peak (train.PEAK_BF16_FLOPS), and peak memory;
 # then GPU CHECK PASSED.
