@@ -100,11 +100,22 @@ pww_rendezvous() {
 
 # pww_central_env: for a federation site job. The central URLs and token: `central.sh url`
 # on the central VM prints the lines for $PWW_CENTRAL_ENV (default: central.env in the
-# checkout); variables already exported win. Stops the job, naming what is missing.
+# checkout); a variable already set before the call wins over the file's line for it
+# (PWW_DARL_URL=... sbatch jobs/lumi_titan.sh points one job elsewhere). Stops the job,
+# naming what is missing.
 pww_central_env() {
     PWW_CENTRAL_ENV=${PWW_CENTRAL_ENV:-$PWW_ROOT/central.env}
-    # shellcheck source=/dev/null
-    [ -f "$PWW_CENTRAL_ENV" ] && source "$PWW_CENTRAL_ENV"
+    local var kept=()
+    for var in PWW_DARL_URL PWW_FEDMOM_URL PWW_BLOB_URL PWW_TOKEN_FILE; do
+        [ -n "${!var:-}" ] && kept+=("$var=${!var}")
+    done
+    if [ -f "$PWW_CENTRAL_ENV" ]; then
+        # shellcheck source=/dev/null
+        source "$PWW_CENTRAL_ENV"
+    fi
+    for var in "${kept[@]}"; do                 # the values set before the file win
+        export "${var%%=*}=${var#*=}"
+    done
     : "${PWW_DARL_URL:?set PWW_DARL_URL (see central.sh url)}"
     : "${PWW_FEDMOM_URL:?set PWW_FEDMOM_URL (see central.sh url)}"
     : "${PWW_BLOB_URL:?set PWW_BLOB_URL (see central.sh url)}"
