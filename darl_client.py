@@ -459,8 +459,13 @@ def sim_worker(a):
                            log=lambda m: None)
     with session:
         note("start", incarnation=session.incarnation)
+        commits = 0
         while (span := session.next_span(timeout=120)) is not None:
             note("span", span)
+            if a.hold_after is not None and commits >= a.hold_after:
+                note("hold", span)                        # mid-lease: wait here for the SIGKILL
+                while True:
+                    time.sleep(3600)
             time.sleep(len(span) / a.rate)                # "training"
             try:
                 session.commit(span)
@@ -468,6 +473,7 @@ def sim_worker(a):
                 note("lost", span, reason=str(e))
                 continue
             note("commit", span, blocks=[space.block_at(p) for p in span.positions()])
+            commits += 1
     note("exit")
     return 0
 
@@ -551,17 +557,20 @@ def simulate(cfg):
             cmd = [sys.executable, os.path.abspath(__file__), "simulate-worker", "--url", url, "--cluster", n,
                    "--rate", str(rate), "--blocks", str(cfg.blocks), "--seed", str(cfg.seed),
                    "--span", str(cfg.span), "--report", reports[n], "--delay", str(cfg.delay if n in late else 0)]
+            if n in killed:       # after 2 commits it takes its next span and waits there for the kill
+                cmd += ["--hold-after", "2"]
             procs[n] = subprocess.Popen(cmd)
         pending_kill = set(killed)
         while any(p.poll() is None for p in procs.values()):
             if time.monotonic() - t0 > cfg.timeout:
                 raise TimeoutError(f"simulation did not finish within {cfg.timeout:.0f} s (--timeout)")
-            for n in list(pending_kill):      # SIGKILL mid-lease: after 2 commits, as a new span starts
+            for n in list(pending_kill):      # SIGKILL mid-lease: holding a claimed span it never commits
                 ev = read_reports({n: reports[n]})[n]
-                if sum(e["event"] == "commit" for e in ev) >= 2 and ev[-1]["event"] == "span":
+                if ev and ev[-1]["event"] == "hold":
                     procs[n].send_signal(signal.SIGKILL)
                     pending_kill.discard(n)
             time.sleep(0.01)
+        killed = [n for n in killed if procs[n].returncode == -signal.SIGKILL]
         books = LeaseClient(url).status()
     finally:
         for p in procs.values():
@@ -573,6 +582,10 @@ def simulate(cfg):
     elapsed = time.monotonic() - t0
     rows, duplicates, missing = audit(cfg.blocks, read_reports(reports))
     rc = print_audit(cfg, rows, rates, killed, late, books, duplicates, missing, elapsed)
+    if len(killed) != cfg.kill:
+        print(f"FAIL: --kill {cfg.kill} asked for {cfg.kill} cluster(s) SIGKILLed mid-lease, {len(killed)} were "
+              "(a cluster ran out of blocks before its third span: use more --blocks)")
+        rc = 1
     if rc == 0:
         shutil.rmtree(work, ignore_errors=True)
     else:
@@ -624,6 +637,8 @@ def main(argv):
     w.add_argument("--span", type=int, default=4)
     w.add_argument("--delay", type=float, default=0.0, help="s before starting")
     w.add_argument("--report", required=True, help="JSON-lines file of spans and commits")
+    w.add_argument("--hold-after", type=int, help="after this many commits, take the next span and wait "
+                   "(for simulate's SIGKILL) instead of training it")
     a = p.parse_args(argv)
     if a.cmd == "simulate-worker":
         return sim_worker(a)

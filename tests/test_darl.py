@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import unittest
 
 import darl_client
@@ -20,6 +21,7 @@ import darl_table
 import httpd
 from darl_server import Coordinator, LogError
 from darl_table import BlockSpace, InvariantError, LeaseError, LeaseTable, TableConfig
+from helpers import listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -445,12 +447,32 @@ class DurabilityTest(unittest.TestCase):
             self.coord()
 
     def test_every_line_is_versioned_and_fsynced_before_the_reply(self):
-        c = self.drive(self.coord(), n=2)
-        with open(os.path.join(self.dir, "darl", "wal.jsonl")) as f:
+        synced = []                  # the log's size at each flush to disk: what that flush made durable
+        real = darl_server._datasync
+
+        def spy(fd):
+            real(fd)
+            synced.append(os.fstat(fd).st_size)
+        darl_server._datasync = spy
+        self.addCleanup(setattr, darl_server, "_datasync", real)
+        c = self.coord()
+        wal = os.path.join(self.dir, "darl", "wal.jsonl")
+        call, replies = c.call, []
+
+        def checked(op, args):       # at each reply, the line it logged is already flushed
+            reply = call(op, args)
+            self.assertTrue(synced, f"{op} replied before any flush")
+            self.assertEqual(synced[-1], os.path.getsize(wal), f"{op} replied before its line was flushed")
+            replies.append(op)
+            return reply
+        c.call = checked
+        self.drive(c, n=2)
+        self.assertGreaterEqual(len(replies), 6)
+        with open(wal) as f:
             recs = [json.loads(line) for line in f]
         self.assertTrue(all(r["v"] == 1 for r in recs))
         self.assertEqual([r["seq"] for r in recs], list(range(1, len(recs) + 1)))
-        self.assertEqual(c.wal.durable, c.seq)
+        self.assertEqual(len(recs), len(replies))
 
     def test_restore_grace(self):
         c = self.coord(grace=30.0)
@@ -482,10 +504,10 @@ class DurabilityTest(unittest.TestCase):
 class LiveServer:
     """A Coordinator behind the real HTTP server on 127.0.0.1, in this process."""
 
-    def __init__(self, num_blocks, state_dir=None, token=None, **cfg):
+    def __init__(self, num_blocks, state_dir=None, token=None, clock=time.time, **cfg):
         self.space = BlockSpace(num_blocks, 1, 0)
         cfg = {"min_ttl": 1.0, "default_ttl": 10.0, "grant_seconds": 0.5, "initial_grant": 8, **cfg}
-        self.coord = Coordinator(self.space, TableConfig(**cfg), state_dir)
+        self.coord = Coordinator(self.space, TableConfig(**cfg), state_dir, clock=clock)
         self.server = httpd.make_server(darl_server.make_routes(self.coord), token=token, max_body=4096)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = self.server.url
@@ -558,6 +580,10 @@ class HTTPTest(unittest.TestCase):
         self.assertIn("a ", out.stdout)
 
     def test_register_and_status_describe_the_space_a_site_can_rebuild(self):
+        clock = Clock()
+        self.live = LiveServer(100, tmpdir(self), token="tok", clock=clock)
+        self.addCleanup(self.live.close)
+        self.client = darl_client.LeaseClient(self.live.url, token="tok", retries=0)
         d = self.live.space.digest()
         for reply in (self.client.register("a", "x", d), self.client.status()):
             self.assertEqual(reply["digest"], d)
@@ -570,9 +596,10 @@ class HTTPTest(unittest.TestCase):
         status, reply = self.raw("/register", {"cluster": "b", "incarnation": "y", "digest": "wrong"})
         self.assertEqual((status, reply["digest"], reply["space"]["num_blocks"]), (409, d, 100))
         self.client.acquire("a", "x", ttl=50)
+        clock.advance(12)
         status, reply = self.raw("/register", {"cluster": "a", "incarnation": "x2", "digest": d})
         self.assertEqual((status, reply["code"]), (409, "incarnation_conflict"), reply)
-        self.assertTrue(45 < reply["retry_after_s"] <= 50, reply)       # until the old lease expires
+        self.assertEqual(reply["retry_after_s"], 38.0, reply)            # until the old lease expires
 
     def test_session_ttl_follows_phase_time_and_rtt(self):
         s = darl_client.LeaseSession(self.client, "a", self.live.space.digest(), phase_s=2.0)
@@ -616,25 +643,34 @@ class HTTPTest(unittest.TestCase):
 
 
 class ConcurrencyTest(unittest.TestCase):
-    def run_sessions(self, url, digest, space, n, per_block_s, reports, clients_kw=None):
+    def run_sessions(self, url, digest, space, n, per_block_s, reports, clients_kw=None, before_commit=None):
+        """n sessions in threads; each reports ("commit", blocks) or ("lost", span), and
+        ("error", traceback) if anything else ends it."""
         def worker(i):
-            client = darl_client.LeaseClient(url, **(clients_kw or {}))
-            with darl_client.LeaseSession(client, f"c{i}", digest, span_blocks=2, phase_s=1.0,
-                                          log=lambda m: None) as s:
-                while (span := s.next_span(timeout=90)) is not None:
-                    time.sleep(per_block_s * len(span) * (i + 1))
-                    try:
-                        s.commit(span)
-                    except darl_client.LeaseLost:
-                        reports[i].append(("lost", span))
-                        continue
-                    reports[i].append(("commit", [space.block_at(p) for p in span.positions()]))
+            try:
+                client = darl_client.LeaseClient(url, **(clients_kw or {}))
+                with darl_client.LeaseSession(client, f"c{i}", digest, span_blocks=2, phase_s=1.0,
+                                              log=lambda m: None) as s:
+                    while (span := s.next_span(timeout=300)) is not None:
+                        time.sleep(per_block_s * len(span) * (i + 1))
+                        if before_commit is not None:
+                            before_commit()
+                        try:
+                            s.commit(span)
+                        except darl_client.LeaseLost:
+                            reports[i].append(("lost", span))
+                            continue
+                        reports[i].append(("commit", [space.block_at(p) for p in span.positions()]))
+            except BaseException:
+                reports[i].append(("error", traceback.format_exc()))
+                raise
         threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
         for t in threads:
             t.start()
         return threads
 
     def audit(self, reports, m):
+        self.assertEqual([e for r in reports for kind, e in r if kind == "error"], [])
         seen = collections.Counter(b for r in reports for kind, blocks in r if kind == "commit" for b in blocks)
         dup = [b for b, k in seen.items() if k > 1]
         self.assertEqual(dup, [])
@@ -665,28 +701,31 @@ class ConcurrencyTest(unittest.TestCase):
             proc = subprocess.Popen([sys.executable, "darl_server.py", "--num-samples", str(m), "--seed", "0",
                                      "--state-dir", state, *args], cwd=ROOT, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True)
-            self.addCleanup(lambda: proc.poll() is None and proc.kill())
-            line = ""
-            while not line.startswith("darl_server listening"):
-                line = proc.stdout.readline()
-                self.assertTrue(line, "the coordinator exited before listening")
-            threading.Thread(target=proc.stdout.read, daemon=True).start()   # keep draining
-            return proc, line.split()[-1]
+            self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
+            return proc, listening_url(proc, timeout=120)[0]
 
         proc, url = start()
         space = BlockSpace(m, 1, 0)
         reports = [[] for _ in range(4)]
-        threads = self.run_sessions(url, space.digest(), space, 4, 0.004, reports,
-                                    {"retries": 10, "max_backoff_s": 1.0})
+        crashed = threading.Event()
         committed = lambda: sum(len(b) for r in reports for kind, b in r if kind == "commit")
+
+        def hold_at_half():          # nobody commits past half the epoch before the crash
+            if committed() >= m // 2:
+                self.assertTrue(crashed.wait(timeout=300), "the coordinator was never killed")
+        # a retry budget (>= 0.5 s x 400 = 200 s) beyond any restart of the coordinator below
+        threads = self.run_sessions(url, space.digest(), space, 4, 0.004, reports,
+                                    {"retries": 400, "max_backoff_s": 1.0}, before_commit=hold_at_half)
         wait_for(lambda: committed() >= 100, what="100 commits before the crash")
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        self.assertLess(committed(), m)                  # mid-epoch
+        proc.wait(timeout=30)
+        at_crash = committed()
+        crashed.set()
+        self.assertLess(at_crash, m)                     # mid-epoch: at most half plus the spans in flight
         proc, url2 = start()
         self.assertEqual(url2, url)
         for t in threads:
-            t.join(timeout=120)
+            t.join(timeout=300)
             self.assertFalse(t.is_alive())
         self.audit(reports, m)
         st = darl_client.LeaseClient(url).status()
@@ -698,13 +737,18 @@ class ConcurrencyTest(unittest.TestCase):
 
 
 class SimulateTest(unittest.TestCase):
-    def test_simulate_prints_pass(self):
+    def test_simulate_kills_a_cluster_mid_lease_and_prints_pass(self):
         out = subprocess.run([sys.executable, "darl_client.py", "simulate", "--clusters", "3", "--kill", "1",
                               "--late", "1", "--blocks", "150", "--fastest", "80", "--delay", "0.5"],
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         self.assertIn("PASS: coverage is exactly once", out.stdout)
-        self.assertIn("SIGKILLed", out.stdout)
+        rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.startswith("sim-")}
+        self.assertEqual(sorted(rows), ["sim-0", "sim-1", "sim-2"], out.stdout)
+        self.assertIn("SIGKILLed", rows["sim-1"])            # printed only for a worker that died by SIGKILL
+        self.assertEqual([n for n, r in rows.items() if "SIGKILLed" in r], ["sim-1"])
+        self.assertGreater(int(rows["sim-1"][3]), 0, "the killed cluster lost the span it held")
+        self.assertGreaterEqual(int(rows["sim-1"][1]), 2 * 4, "it committed two spans before the kill")
 
     def test_audit_reports_duplicates_and_missing(self):
         reports = {"x": [{"event": "commit", "t": 1.0, "lease": 1, "start": 0, "end": 2, "blocks": [0, 1]}],
