@@ -17,6 +17,7 @@ import unittest
 
 import blobstore
 import httpd
+from helpers import listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "blob-token"
@@ -190,7 +191,7 @@ class LiveStoreTest(unittest.TestCase):
         self.assertEqual(listing["blobs"], [{"id": "delta-lumi.r7", "size": 5 * MB + 123, "sha256": sha}])
         self.assertEqual(listing["used_bytes"], 5 * MB + 123)
         again = blobstore.put_file(self.url, "delta-lumi.r7", self.p("src"), token=TOKEN, sha256=sha)
-        self.assertEqual(again["sha256"], sha)                      # already there: nothing resent
+        self.assertEqual(again["sent"], 0)                          # already there: nothing resent
         self.assertEqual(httpd.call(self.url, "DELETE", "/blobs/delta-lumi.r7", token=TOKEN)["deleted"], True)
         self.assertIsNone(blobstore.head(self.url, "delta-lumi.r7", TOKEN))
         self.assertEqual(self.visible_files(), [])
@@ -400,13 +401,10 @@ class CrashResumeTest(unittest.TestCase):
     def start_server(self, port=0):
         env = {**os.environ, "PWW_TOKEN": TOKEN}
         proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "blobstore.py"), "--root", self.root,
-                                 "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                 "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env=env, text=True)
-        self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait()))
-        line = proc.stdout.readline()
-        m = re.search(r"listening on (http://\S+)", line)
-        self.assertIsNotNone(m, f"server did not start: {line!r}")
-        return proc, m.group(1)
+        self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
+        return proc, listening_url(proc, timeout=120)[0]
 
     def test_server_killed_mid_upload_then_resumed_to_the_right_checksum(self):
         tmp = tempfile.TemporaryDirectory()
@@ -427,7 +425,7 @@ class CrashResumeTest(unittest.TestCase):
         wait_for(lambda: os.path.exists(partial) and os.path.getsize(partial) >= self.SIZE // 3,
                  "a third of the upload on disk", timeout=180)
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc.wait(timeout=30)
         on_disk = os.path.getsize(partial)
         self.assertLess(on_disk, self.SIZE)
         proc, url2 = self.start_server(port=int(url.rsplit(":", 1)[1]))

@@ -1,11 +1,20 @@
 """The shared HTTP plumbing, through a real socket on 127.0.0.1."""
+import argparse
 import http.client
 import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import unittest
 
 import httpd
+from helpers import listening_url
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def echo(req):
@@ -94,11 +103,25 @@ class HTTPPlumbingTest(unittest.TestCase):
         self.assertEqual(httpd.call(server.url, "POST", "/echo", deep, token="s3cret"), {"got": deep})
 
     def test_keep_alive_and_wildcard_routes(self):
+        # http.client opens a new connection by itself when the server closed the last one:
+        # count the connections the server accepted, not the client's.
+        accepted = []
+        handler = self.live.server.RequestHandlerClass           # this server's own class
+        setup = handler.setup
+
+        def counting(h):
+            setup(h)
+            accepted.append(h.client_address)
+        handler.setup = counting
         conn = httpd.connect(self.live.url)
         for i in range(20):
             reply = httpd.call(self.live.url, "PUT", f"/things/t{i}", {}, token="s3cret", conn=conn)
             self.assertEqual(reply, {"tail": f"t{i}"})
+        with self.assertRaises(httpd.CallError):                   # an error reply keeps it open too
+            httpd.call(self.live.url, "GET", "/teapot", token="s3cret", conn=conn)
+        self.assertEqual(httpd.call(self.live.url, "GET", "/health", conn=conn), {"ok": True})
         conn.close()
+        self.assertEqual(len(accepted), 1, accepted)
 
     def test_nodelay_is_set_on_server_sockets(self):
         seen = []
@@ -113,6 +136,68 @@ class HTTPPlumbingTest(unittest.TestCase):
         finally:
             httpd.Handler.setup = orig
         self.assertEqual(seen, [1])
+
+
+class TokenTest(unittest.TestCase):
+    """load_token and the --token-file default every server and status command shares."""
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.dir)
+        saved = {k: os.environ.pop(k) for k in ("PWW_TOKEN", "PWW_TOKEN_FILE") if k in os.environ}
+        self.addCleanup(os.environ.update, saved)
+        for k in ("PWW_TOKEN", "PWW_TOKEN_FILE"):
+            self.addCleanup(os.environ.pop, k, None)
+
+    def file(self, name, text):
+        path = os.path.join(self.dir, name)
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+
+    def test_a_file_gives_its_first_line(self):
+        self.assertEqual(httpd.load_token(self.file("t", "  s3cret \nsecond line\n")), "s3cret")
+
+    def test_an_empty_or_unreadable_file_stops_naming_it(self):
+        for path, why in ((self.file("empty", ""), "is empty"), (self.file("blank", "\n  \n"), "is empty"),
+                          (os.path.join(self.dir, "absent"), "cannot read token file"),
+                          (self.dir, "cannot read token file")):          # a directory: unreadable as a file
+            with self.subTest(path=path), self.assertRaises(SystemExit) as cm:
+                httpd.load_token(path)
+            self.assertIn(path, str(cm.exception))
+            self.assertIn(why, str(cm.exception))
+            self.assertNotIn("\n", str(cm.exception))
+
+    def test_token_file_then_environment_file_then_environment_token(self):
+        flag, env_file = self.file("flag", "from-flag\n"), self.file("env", "from-env-file\n")
+        os.environ.update(PWW_TOKEN="from-env", PWW_TOKEN_FILE=env_file)
+
+        def token(*argv):             # what a server gets: its parser reads $PWW_TOKEN_FILE when built
+            parser = argparse.ArgumentParser()
+            httpd.add_server_args(parser, 1)
+            return httpd.load_token(parser.parse_args(list(argv)).token_file)
+        self.assertEqual(token("--token-file", flag), "from-flag")
+        self.assertEqual(token(), "from-env-file")
+        del os.environ["PWW_TOKEN_FILE"]
+        self.assertEqual(token(), "from-env")
+        del os.environ["PWW_TOKEN"]
+        self.assertIsNone(token())
+        os.environ["PWW_TOKEN"] = ""
+        self.assertIsNone(token(), "an empty $PWW_TOKEN is no token, not the empty string")
+
+    def test_a_server_process_takes_the_flag_over_the_environment(self):
+        flag = self.file("flag", "from-flag\n")
+        env = {**os.environ, "PWW_TOKEN": "from-env", "PWW_TOKEN_FILE": self.file("env", "from-env-file\n")}
+        proc = subprocess.Popen([sys.executable, "darl_server.py", "--num-samples", "10", "--state-dir", self.dir,
+                                 "--port", "0", "--token-file", flag], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
+        url, _ = listening_url(proc, timeout=120)
+        self.assertIn("num_blocks", httpd.call(url, "GET", "/status", token="from-flag"))
+        for wrong in ("from-env-file", "from-env", None):
+            with self.assertRaises(httpd.CallError) as cm:
+                httpd.call(url, "GET", "/status", token=wrong)
+            self.assertEqual(cm.exception.status, 401, wrong)
 
 
 class BindPolicyTest(unittest.TestCase):
