@@ -126,14 +126,33 @@ class RoundTripTest(TmpDirTest):
         self.addCleanup(setattr, tensorio, "CONVERT_CHUNK", old)
         x = np.random.default_rng(4).standard_normal(2500).astype(np.float32)
         specs = [("bf", "BF16", (50, 50)), ("h", "F16", (2500,)), ("f", "F32", (2500,))]
+        writes = {}
         with tensorio.TensorWriter(self.p("c"), specs) as w:
-            w.write("bf", x.reshape(50, 50))
-            w.write("h", x.astype(np.float64))
-            w.write("f", x)
+            w._f = _RecordingFile(w._f)                 # the header is written: record the data writes
+            for name, a in (("bf", x.reshape(50, 50)), ("h", x.astype(np.float64)), ("f", x)):
+                w._f.sizes = []
+                w.write(name, a)
+                writes[name] = w._f.sizes
+        # a narrowing write goes out 1,000 converted values at a time; an unconverted one at once
+        self.assertEqual(writes, {"bf": [2000, 2000, 1000], "h": [2000, 2000, 1000], "f": [10000]})
         with tensorio.TensorReader(self.p("c")) as r:
             np.testing.assert_array_equal(r.read("bf").reshape(-1), tensorio.f32_to_bf16(x))
             np.testing.assert_array_equal(r.read("h"), x.astype(np.float16))
             np.testing.assert_array_equal(r.read("f"), x)
+
+
+class _RecordingFile:
+    """A file object that records the byte count of each write() and passes everything on."""
+
+    def __init__(self, f):
+        self.f, self.sizes = f, []
+
+    def write(self, data):
+        self.sizes.append(memoryview(data).nbytes)
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
 
 
 class BFloat16Test(unittest.TestCase):
@@ -324,22 +343,41 @@ class TorchBridgeTest(TmpDirTest):
         with self.assertRaisesRegex(ValueError, "dtype='I8'"):
             tensorio.save_torch(sd, self.p("x"), dtype="I8")
 
-    def test_a_generator_with_specs_streams_and_iter_torch_yields_in_order(self):
+    def test_a_generator_with_specs_streams_and_iter_torch_reads_one_tensor_at_a_time(self):
         sd = self.state()
+        g = torch.Generator().manual_seed(1)
+        sd.update(big1=torch.randn(128, 256, generator=g), big2=torch.randn(128, 256, generator=g))   # 128 KiB each
         specs = [(n, "F32" if t.is_floating_point() else tensorio._torch_dtypes()[t.dtype], tuple(t.shape))
                  for n, t in sd.items()]
-        seen = []
+        sizes = [4 * t.numel() if t.is_floating_point() else t.element_size() * t.numel() for t in sd.values()]
+        tmp = self.p("g") + f".tmp-{os.getpid()}"
+        on_disk = []
 
-        def gen():
+        def gen():                   # before each tensor is handed over, how much of the file is written?
             for n, t in sd.items():
-                seen.append(n)
+                if n == "big2":
+                    on_disk.append(os.path.getsize(tmp))
                 yield n, t
         tensorio.save_torch(gen(), self.p("g"), specs=specs)
-        self.assertEqual(seen, list(sd))
+        data_before_big2 = sum(sizes[:-1])
+        self.assertEqual(len(on_disk), 1)
+        # big1 (larger than any write buffer) is on disk before big2 is even asked for; big2 is not
+        self.assertGreaterEqual(on_disk[0], 128 * 256 * 4)
+        self.assertLess(on_disk[0], data_before_big2 + 8 + 4096)
+        self.assertFalse(os.path.exists(tmp))
         names = [n for n, _ in tensorio.iter_torch(self.p("g"))]
         self.assertEqual(names, list(sd))
         for n, t in tensorio.iter_torch(self.p("g")):
             self.assertTrue(torch.equal(t, sd[n].float() if sd[n].is_floating_point() else sd[n]), n)
+        # lazily: the first tensors come out of a file whose last one is cut off after the header was read
+        it = tensorio.iter_torch(self.p("g"))
+        self.assertEqual(next(it)[0], "w")
+        os.truncate(self.p("g"), os.path.getsize(self.p("g")) - 8)
+        got = []
+        with self.assertRaisesRegex(tensorio.FormatError, "ends early"):
+            for n, _ in it:
+                got.append(n)
+        self.assertEqual(got, list(sd)[1:-1])
         with self.assertRaisesRegex(ValueError, "more tensors"):
             tensorio.save_torch(list(sd.items()) + [("extra", torch.zeros(1))], self.p("h"), specs=specs)
         self.assertFalse(os.path.exists(self.p("h")))
