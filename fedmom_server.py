@@ -94,6 +94,7 @@ from fedmom_state import (ServerConfig, FedMomState, DarlLink, Refused, log, for
 
 DEFAULT_PORT = 29511
 BLOB_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
+BLOB_FETCH_RETRIES = 3        # POST /delta_blob's download from the store: ~3.5 s of backoff, then 502
 
 
 # ---------------------------------------------------------------- HTTP
@@ -166,11 +167,16 @@ def make_routes(state, blob_token=None):
         import blobstore
         part = state.new_part_path()
         try:
-            got = blobstore.get_file(cfg.blob_url, blob, part, token=blob_token)
+            # few retries: the site holds this request open and retries a 502 itself
+            got = blobstore.get_file(cfg.blob_url, blob, part, token=blob_token, retries=BLOB_FETCH_RETRIES)
         except (httpd.CallError, ValueError) as e:
             _unlink_prefix(part)
             status = 400 if isinstance(e, ValueError) or e.status == 404 else 502
             raise httpd.HTTPError(status, f"blob {blob!r}: {e}")
+        except (OSError, http.client.HTTPException) as e:
+            _unlink_prefix(part)
+            raise httpd.HTTPError(502, f"blob store {cfg.blob_url} unreachable fetching {blob!r} "
+                                       f"({type(e).__name__}: {e}); nothing was stored, send it again")
         except BaseException:
             _unlink_prefix(part)
             raise

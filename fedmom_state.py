@@ -251,7 +251,8 @@ def parse_delta_meta(meta):
         raise Refused(400, "leases must be a list of DARL lease objects, each with an integer 'id' (or 'lease') "
                            "and an optional integer 'end'")
     out["leases"] = [{"id": _lease_id(x), "end": x.get("end")} for x in leases]
-    metrics = meta.get("metrics", {}) or {}
+    metrics = meta.get("metrics")
+    metrics = {} if metrics is None else metrics     # absent or null; [] or "" is refused below
     if not isinstance(metrics, dict):
         raise Refused(400, "metrics must be a JSON object")
     clean = {}

@@ -23,6 +23,7 @@ import fedmom_server as fm
 import fedmom_state as fs
 import httpd
 import tensorio
+from helpers import listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # one tensor bigger than fedmom_merge.CHUNK, so the chunk loop runs more than once
@@ -542,6 +543,139 @@ class DarlHoldTest(Fixture):
         self.assertIn(("lumi", "lumi-inc"), st.pending)
 
 
+class BlobRouteTest(Fixture):
+    """POST /delta_blob over HTTP: every refusal is a one-line JSON error and stores nothing;
+    then the same delta with the right id and checksum is accepted."""
+    TOKEN = LiveServerTest.TOKEN
+    serve = LiveServerTest.serve
+
+    def setUp(self):
+        super().setUp()
+        self.store = blobstore.BlobStore(os.path.join(self.dir, "blobs"), 1 << 30, 1 << 28)
+        self.blob_url = self.serve(blobstore.make_routes(self.store))
+
+    def aggregator(self, name, blob_url):
+        cfg = fs.ServerConfig(os.path.join(self.dir, name), self.init, blob_url=blob_url)
+        st = fs.FedMomState(cfg.validate(), clock=self.clock)
+        st.join("lumi", "lumi-inc")
+        return st, self.serve(fm.make_routes(st, blob_token=self.TOKEN))
+
+    def post(self, url, body):
+        """(status, reply) of one POST /delta_blob."""
+        try:
+            return 200, httpd.call(url, "POST", "/delta_blob", body, token=self.TOKEN, timeout=120)
+        except httpd.CallError as e:
+            return e.status, e.reply
+
+    def test_every_refusal_names_the_cause_and_stores_nothing(self):
+        st, url = self.aggregator("st", self.blob_url)
+        path = self.delta()[0]
+        sha = blobstore.put_file(self.blob_url, "delta-lumi-r0", path, token=self.TOKEN)["sha256"]
+        meta = {"cluster": "lumi", "incarnation": "lumi-inc", "base_round": 0, "tokens": 100}
+        before = self.snapshot(st)
+        cases = [({**meta, "blob": "../delta-lumi-r0", "sha256": sha}, 400, "must match"),
+                 ({**meta, "blob": "delta-lumi-r0", "sha256": "0" * 64}, 400, "has sha256"),
+                 ({**meta, "blob": "absent", "sha256": sha}, 400, "no complete blob 'absent'"),
+                 ({**meta, "blob": "delta-lumi-r0"}, 400, "missing field 'sha256'"),
+                 ({**meta, "blob": "delta-lumi-r0", "sha256": sha, "tokens": 0}, 400, "tokens is 0")]
+        for body, status, why in cases:
+            with self.subTest(why=why):
+                got, reply = self.post(url, body)
+                self.assertEqual(got, status, reply)
+                self.assertIn(why, reply["error"])
+                self.assertNotIn("\n", reply["error"])
+                self.assertEqual(self.snapshot(st), before)
+        self.assertIsNotNone(self.store.complete("delta-lumi-r0"), "a refused request leaves the blob in place")
+        # no blob store configured, and a store that is down: nothing stored either
+        plain, plain_url = self.aggregator("plain", None)
+        got, reply = self.post(plain_url, {**meta, "blob": "delta-lumi-r0", "sha256": sha})
+        self.assertEqual(got, 400, reply)
+        self.assertIn("--blob-url", reply["error"])
+        import socket
+        with socket.socket() as s:                      # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+        down, down_url = self.aggregator("down", dead)
+        down_before = self.snapshot(down)
+        t0 = time.monotonic()
+        got, reply = self.post(down_url, {**meta, "blob": "delta-lumi-r0", "sha256": sha})
+        self.assertEqual(got, 502, reply)
+        self.assertIn("unreachable", reply["error"])
+        self.assertLess(time.monotonic() - t0, 60, "a few retries, then the site is told")
+        self.assertEqual(self.snapshot(down), down_before)
+        self.assertEqual((down.pending, plain.pending), ({}, {}))
+        # the right id and checksum: accepted, spooled, and the blob is removed from the store
+        got, reply = self.post(url, {**meta, "blob": "delta-lumi-r0", "sha256": sha})
+        self.assertEqual(got, 200, reply)
+        self.assertTrue(reply["accepted"])
+        self.assertIn(("lumi", "lumi-inc"), st.pending)
+        self.assertIsNone(self.store.complete("delta-lumi-r0"))
+
+
+class JsonRouteTest(Fixture):
+    """Every JSON route of the aggregator (its own route table's POSTs), over HTTP, fed
+    bodies no client should send: each a 4xx with a one-line error, nothing on disk changes,
+    and the server goes on serving."""
+    TOKEN = LiveServerTest.TOKEN
+    serve = LiveServerTest.serve
+
+    def raw(self, url, path, body, headers=None):
+        conn = httpd.connect(url)
+        try:
+            conn.putrequest("POST", path)
+            hdrs = {**httpd.auth_headers(self.TOKEN), **(headers or {})}
+            if "Content-Length" not in hdrs and body is not None:
+                hdrs["Content-Length"] = str(len(body))
+            for k, v in hdrs.items():
+                conn.putheader(k, v)
+            conn.endheaders(body)
+            resp = conn.getresponse()
+            return resp.status, json.loads(resp.read())
+        finally:
+            conn.close()
+
+    def test_bad_bodies_on_every_json_route(self):
+        cfg = fs.ServerConfig(os.path.join(self.dir, "st"), self.init, blob_url="http://127.0.0.1:9")
+        st = fs.FedMomState(cfg.validate(), clock=self.clock)
+        st.join("lumi", "lumi-inc")
+        routes = fm.make_routes(st, blob_token=self.TOKEN)
+        url = self.serve(routes, max_body=4096)
+        posts = sorted(path for method, path in routes if method == "POST")
+        self.assertEqual(posts, ["/delta_blob", "/delta_check", "/heartbeat", "/join", "/leave"])
+        me = {"cluster": "lumi", "incarnation": "lumi-inc"}
+        bodies = [(b"{not json", 400, "malformed JSON"), (b"[1, 2]", 400, "must be an object"),
+                  (b'"text"', 400, "must be an object"), (b"\xff\xfe", 400, "malformed JSON"),
+                  (b"[" * 100000 + b"]" * 100000, 413, "exceeds"), (b"{" + b" " * 5000 + b"}", 413, "exceeds"),
+                  (b"", 400, "cluster|blob"), (b"{}", 400, "cluster|blob"),
+                  (json.dumps({"cluster": 7, "incarnation": ["x"]}).encode(), 400, "cluster|blob"),
+                  (json.dumps({"cluster": None, "incarnation": "lumi-inc"}).encode(), 400, "cluster|blob"),
+                  # a well-formed id nobody joined with: 409 where membership is asked, 400 on a bad id
+                  (json.dumps({"cluster": "../etc", "incarnation": "x"}).encode(), (400, 409), "cluster|member|blob")]
+        per_route = {"/heartbeat": [({**me, "wait_round_after": "soon"}, "wait_round_after"),
+                                    ({**me, "wait_s": [1]}, "wait_s")],
+                     "/delta_check": [({**me, "base_round": -1, "tokens": 5}, "base_round"),
+                                      ({**me, "base_round": 0, "tokens": True}, "tokens"),
+                                      ({**me, "base_round": 0, "tokens": 5, "leases": [{"id": "7"}]}, "leases"),
+                                      ({**me, "base_round": 0, "tokens": 5, "metrics": []}, "metrics")],
+                     "/delta_blob": [({**me, "base_round": 0, "tokens": 5, "blob": 7, "sha256": "x"}, "blob"),
+                                     ({**me, "base_round": 0, "tokens": 5, "blob": "b", "sha256": None}, "sha256")]}
+        before = self.snapshot(st)
+        for path in posts:
+            cases = bodies + [(json.dumps(b).encode(), 400, why) for b, why in per_route.get(path, [])]
+            for body, status, why in cases:
+                with self.subTest(path=path, body=body[:40]):
+                    got, reply = self.raw(url, path, body)
+                    self.assertIn(got, status if isinstance(status, tuple) else (status,), reply)
+                    self.assertRegex(reply["error"], why)
+                    self.assertNotIn("\n", reply["error"])
+            with self.subTest(path=path, body="no Content-Length"):
+                got, reply = self.raw(url, path, None)
+                self.assertEqual((got, "Content-Length" in reply["error"]), (411, True), reply)
+        self.assertEqual(self.snapshot(st), before)
+        self.assertEqual(st.pending, {})
+        self.assertEqual(httpd.call(url, "POST", "/heartbeat", me, token=self.TOKEN)["round"], 0)   # still serving
+
+
 def urllib_get(url):
     conn = httpd.connect(url)
     try:
@@ -557,16 +691,13 @@ class CrashTest(Fixture):
         proc = subprocess.Popen([sys.executable, "fedmom_server.py", "--state-dir", state_dir, "--port", "0",
                                  *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, fs.MERGE_PAUSE_ENV: pause})
-        self.addCleanup(lambda: proc.poll() is None and proc.kill())
-        for line in proc.stdout:                               # "... listening on http://127.0.0.1:PORT"
-            if "listening on" in line:
-                threading.Thread(target=proc.stdout.read, daemon=True).start()
-                return proc, line.split("listening on")[1].strip()
-        self.fail(f"server did not start (exit {proc.wait()})")
+        self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
+        return proc, listening_url(proc, timeout=120)[0]
 
     def test_sigkill_during_a_merge_leaves_a_consistent_round(self):
         sd = os.path.join(self.dir, "st")
-        proc, url = self.start(sd, "--init", self.init, pause="0.5")      # 4 tensors: a 2 s merge
+        # 600 s after each of the 4 tensors: the merge stays mid-file until the kill, however slow the machine
+        proc, url = self.start(sd, "--init", self.init, pause="600")
         deltas = []
         for c, tok in (("a", 10), ("b", 30)):
             fedmom_client.FedMomClient(url, c, f"{c}-inc").join()
@@ -574,12 +705,14 @@ class CrashTest(Fixture):
             path, d = self.delta("F16")
             deltas.append(d)
             fedmom_client.FedMomClient(url, c, f"{c}-inc").send_delta(path, 0, tok, [], {})
-        deadline = time.monotonic() + 60                       # wait until the merge is writing its files
-        while not any(".tmp-" in f for f in os.listdir(sd)) and time.monotonic() < deadline:
+        merging = f"theta-1.safetensors.tmp-{proc.pid}"       # the merge's own output, being written
+        deadline = time.monotonic() + 120
+        while merging not in os.listdir(sd) and time.monotonic() < deadline:
             time.sleep(0.01)
-        self.assertTrue(any(".tmp-" in f for f in os.listdir(sd)), os.listdir(sd))
+        self.assertIn(merging, os.listdir(sd))
+        self.assertTrue(httpd.call(url, "GET", "/round")["merging"])
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc.wait(timeout=30)
         with open(os.path.join(sd, "state.json")) as f:        # the old round, intact
             self.assertEqual(json.load(f)["round"], 0)
         self.assertEqual(rel_err(read_all(os.path.join(sd, "theta-0.safetensors")), self.theta0), 0)
@@ -591,11 +724,11 @@ class CrashTest(Fixture):
         self.assertFalse([f for f in os.listdir(sd) if ".tmp-" in f or f.endswith("-0.safetensors")])
         self.assertEqual([r["round"] for r in fs.read_records(os.path.join(sd, "rounds.jsonl"))], [1])
         proc.send_signal(signal.SIGKILL)                       # and right after a merge: still round 1
-        proc.wait()
+        proc.wait(timeout=30)
         proc, url = self.start(sd)
         self.assertEqual(httpd.call(url, "GET", "/round")["round"], 1)
         proc.kill()
-        proc.wait()
+        proc.wait(timeout=30)
 
 
 class ImportTest(unittest.TestCase):
