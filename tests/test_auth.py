@@ -1,0 +1,139 @@
+"""The bearer token, swept over every route of every central server: darl_server.py,
+fedmom_server.py (with and without --private-page) and blobstore.py run as real
+processes with --token-file; the routes come from each server's own route table, so
+a route added later is swept too. Without the token, or with a wrong one, every route
+but the public ones is a 401 that reveals nothing; the public ones answer without it."""
+import http.client
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import numpy as np
+
+import blobstore
+import darl_server
+import darl_table
+import fedmom_server
+import fedmom_state
+import httpd
+import tensorio
+from helpers import listening_url
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKEN = "sweep-token-0123456789abcdef"
+WRONG = (None, "wrong", TOKEN[:-1], TOKEN + "x", TOKEN.upper())
+
+
+def request(url, method, path, token):
+    """(status, reply bytes) of one request, with a small body on PUT/POST."""
+    _, host, port, _ = httpd.split_url(url)
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    try:
+        body = b"{}" if method in ("POST", "PUT") else None
+        headers = httpd.auth_headers(token)
+        if body is not None:
+            headers.update({"Content-Length": str(len(body)), "Content-Type": "application/json",
+                            "X-Content-Sha256": "0" * 64, "X-Delta-Meta": "{}"})
+        conn.request(method, path, body=body, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+class AuthSweepTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.mkdtemp(prefix="auth-sweep-")
+        cls.procs = []
+        try:
+            cls.token_file = os.path.join(cls.dir, "token")
+            with open(cls.token_file, "w") as f:
+                f.write(TOKEN + "\n")
+            cls.init = os.path.join(cls.dir, "init.safetensors")
+            with tensorio.TensorWriter(cls.init, [("w", "F32", (2, 3))]) as w:
+                w.write("w", np.zeros((2, 3), np.float32))
+            cls.routes = cls.route_tables()
+            common = ["--port", "0", "--token-file", cls.token_file]
+            cls.urls = {
+                "darl": cls.start("darl_server.py", "--num-samples", "10", "--state-dir", cls.path("darl"), *common),
+                "fedmom": cls.start("fedmom_server.py", "--state-dir", cls.path("fedmom"), "--init", cls.init,
+                                    *common),
+                "fedmom-private": cls.start("fedmom_server.py", "--state-dir", cls.path("fedmom-private"),
+                                            "--init", cls.init, "--private-page", *common),
+                "blob": cls.start("blobstore.py", "--root", cls.path("blob"), *common)}
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        for p in cls.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+        shutil.rmtree(cls.dir, ignore_errors=True)
+
+    @classmethod
+    def path(cls, name):
+        return os.path.join(cls.dir, name)
+
+    @classmethod
+    def start(cls, script, *args):
+        env = {k: v for k, v in os.environ.items() if k not in ("PWW_TOKEN", "PWW_TOKEN_FILE")}
+        proc = subprocess.Popen([sys.executable, script, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        cls.procs.append(proc)
+        return listening_url(proc, timeout=120)[0]
+
+    @classmethod
+    def route_tables(cls):
+        """{server: [(method, path)]} from each server's make_routes on a throwaway state."""
+        coord = darl_server.Coordinator(darl_table.BlockSpace(10, 1, 0))
+        fed = fedmom_state.FedMomState(fedmom_state.ServerConfig(cls.path("tables-fedmom"), cls.init).validate())
+        store = blobstore.BlobStore(cls.path("tables-blob"), 1 << 20, 1 << 20)
+        tables = {"darl": darl_server.make_routes(coord), "fedmom": fedmom_server.make_routes(fed),
+                  "blob": blobstore.make_routes(store)}
+        tables["fedmom-private"] = tables["fedmom"]
+        return {name: sorted((m, p.replace("/*", "/some-id")) for m, p in t) for name, t in tables.items()}
+
+    PUBLIC = {"darl": {"/health"}, "fedmom": {"/health", "/"}, "fedmom-private": {"/health"}, "blob": {"/health"}}
+
+    def test_every_route_needs_the_token_but_the_public_ones(self):
+        swept = 0
+        for server, routes in self.routes.items():
+            url = self.urls[server]
+            self.assertGreaterEqual(len(routes), 6, server)
+            for method, path in routes + [("GET", "/no-such-route"), ("POST", "/no-such-route")]:
+                public = path in self.PUBLIC[server]
+                for token in WRONG:
+                    with self.subTest(server=server, route=f"{method} {path}", token=token):
+                        status, body = request(url, method, path, token)
+                        if public:
+                            self.assertNotEqual(status, 401, body)
+                            continue
+                        self.assertEqual(status, 401, body)
+                        if method != "HEAD":
+                            self.assertEqual(set(json.loads(body)), {"error"})     # nothing else leaks
+                            self.assertIn("bearer token", json.loads(body)["error"])
+                        swept += 1
+                with self.subTest(server=server, route=f"{method} {path}", token="right"):
+                    self.assertNotEqual(request(url, method, path, TOKEN)[0], 401)
+        self.assertGreater(swept, 100)
+
+    def test_the_public_routes_are_only_what_each_server_promises(self):
+        self.assertIn(b"<html", request(self.urls["fedmom"], "GET", "/", None)[1])
+        self.assertEqual(request(self.urls["fedmom-private"], "GET", "/", None)[0], 401)
+        for server, url in self.urls.items():
+            status, body = request(url, "GET", "/health", None)
+            self.assertEqual(status, 200, server)
+            self.assertTrue(json.loads(body)["ok"], server)
+            self.assertNotIn(TOKEN.encode(), body)
+
+
+if __name__ == "__main__":
+    sys.exit("run with: .venv/bin/python tests/run.py test_auth")
