@@ -1387,6 +1387,9 @@ def train(cfg: Config):
     if cfg.federation:
         # one site = one stream: windows from DARL spans (one per outer phase), the
         # outer step through fedmom_server.py; only rank 0 talks to the central VM
+        if windows.train_windows < 1:      # said before any call to the central VM
+            raise ConfigError(f"{cfg.data} has no training windows (all are held out): tokenize more "
+                              "text, or fewer --heldout-windows in tokenize_corpus.py")
         per_step = cfg.batch_size * d.world_size * cfg.grad_accum
         site = FedSite(cfg, windows, 4 * n_params, log.log) if d.is_main else None
         block_size, darl_seed, _ = diloco.on_rank0(lambda: site.connect(per_step))
@@ -1399,9 +1402,6 @@ def train(cfg: Config):
     else:
         source = WindowSource(cfg, d, windows) if cfg.llm else CifarSource(cfg, d)
         steps_per_epoch = source.micro_per_epoch // cfg.grad_accum
-    if steps_per_epoch < 1 and cfg.federation:
-        raise ConfigError(f"{cfg.data} has no training windows (all are held out): tokenize more "
-                          "text, or fewer --heldout-windows in tokenize_corpus.py")
     if steps_per_epoch < 1:
         raise ConfigError(f"{cfg.data} gives each of {d.world_size} ranks {source.micro_per_epoch} "
                           f"micro-batches per epoch, fewer than --grad-accum {cfg.grad_accum}: lower "

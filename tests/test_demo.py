@@ -238,8 +238,11 @@ class ServicesTest(unittest.TestCase):
             for url in (svc.darl, svc.fedmom, svc.blob):
                 self.assertTrue(url.startswith("http://127.0.0.1:"), url)
                 httpd.wait_healthy(url, 30)
-            with self.assertRaises(httpd.CallError):          # the token is enforced
-                httpd.call(svc.darl, "GET", "/status", token=None)
+            for url in (svc.darl, svc.fedmom, svc.blob):       # the token is enforced
+                for token in (None, "not-" + svc.token):
+                    with self.assertRaises(httpd.CallError) as cm:
+                        httpd.call(url, "GET", "/status" if url != svc.blob else "/blobs", token=token)
+                    self.assertEqual(cm.exception.status, 401, (url, cm.exception.reply))
             client = darl_client.LeaseClient(svc.darl, token=svc.token)
             st = client.status()
             num_blocks = st["num_blocks"]

@@ -251,6 +251,33 @@ class TrainRunTest(unittest.TestCase):
         self.assertEqual(rows[-2]["split"], "diloco", "the trailing phase is flushed before the eval")
 
 
+class FederationCorpusTest(unittest.TestCase):
+    def test_a_corpus_with_no_training_windows_stops_before_any_call(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            tok = os.path.join(tmp, "tok")
+            m = tc.tokenize(tc.TokenizeConfig(inputs=[], out=tok, seq_len=32, max_files=2, max_bytes=4000,
+                                              heldout_windows=8, progress=False))
+            manifest = os.path.join(tok, "manifest.json")
+            with open(manifest) as f:
+                meta = json.load(f)
+            meta["heldout_windows"] = m["num_windows"]          # every window held out
+            with open(manifest, "w") as f:
+                json.dump(meta, f)
+            self.assertEqual(data.TokenWindows(manifest).train_windows, 0)
+            # nothing listens on these ports: a run that got as far as a call would retry for 900 s
+            p = subprocess.run([sys.executable, "train.py", "--device", "cpu", "--model", "qwen3-tiny",
+                                "--data", manifest, "--federation", "http://127.0.0.1:9",
+                                "--darl-url", "http://127.0.0.1:9", "--site", "lumi",
+                                "--runs-dir", os.path.join(tmp, "runs")],
+                               cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        errors = [line for line in p.stderr.splitlines() if line.startswith("train.py: error:")]
+        self.assertEqual(len(errors), 1, p.stderr)
+        self.assertIn("no training windows", errors[0])
+        self.assertIn("--heldout-windows", errors[0])
+        self.assertNotIn("retrying", p.stdout + p.stderr)
+
+
 class ModelTest(unittest.TestCase):
     def test_sizes_and_flops(self):
         # torchtitan's 8B flavor with a 128k tokenizer padded to 131,328 rows (untied head)
