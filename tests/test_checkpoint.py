@@ -202,6 +202,77 @@ class ResumeFSDPTest(ResumeOtherWorldSize, unittest.TestCase):
     parallel = "fsdp"
 
 
+def grow_worker(rank, world, tmp, load_from, parallel, k, save_to):
+    """On `world` ranks (`parallel` inside k replicas): resume from the checkpoints of a
+    smaller run (both formats) if `load_from`, train, then save both formats to `save_to`."""
+    inner = parallel if world > 1 else "none"
+    out = {"loaded": {}}
+    net, model, outer, opt = build(rank, world, k, inner, seed=1000 + rank)
+    if load_from:
+        for fmt in ("c", "s"):
+            net, model, outer, opt = build(rank, world, k, inner, seed=1000 + rank)
+            extra = checkpoint.load_latest(os.path.join(tmp, f"{load_from}-{fmt}"), model, opt, diloco=outer)
+            out["loaded"][fmt] = {"extra": extra, "snap": snapshot(net, outer, opt)}
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2 * H + 1):                      # two outer steps, then one step into a phase
+        train_step(model, opt, outer, gen)
+    with outer.global_weights():
+        out["theta"] = snapshot(net, outer, opt)
+    step = outer.counters()["inner_step"]
+    for fmt in ("c", "s"):
+        checkpoint.save(os.path.join(tmp, f"{save_to}-{fmt}"), step, model, opt, {"world": world},
+                        diloco=outer, sharded=fmt == "s")
+    torch.save(out, os.path.join(tmp, f"grow-{save_to}-rank{rank}.pt"))
+
+
+class ResumeOnMoreRanksTest(unittest.TestCase):
+    """A checkpoint of 1 plain process resumed on 2 FSDP ranks, and one of those 2 ranks
+    resumed on 4 (DDP inside 2 DiLoCo replicas): the job got more nodes."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="ckpt-grow-")
+        spawn(grow_worker, 1, cls.tmp, None, "none", 1, "w1")
+        spawn(grow_worker, 2, cls.tmp, "w1", "fsdp", 1, "w2")
+        spawn(grow_worker, 4, cls.tmp, "w2", "ddp", 2, "w4")
+        ld = lambda name: torch.load(os.path.join(cls.tmp, name), weights_only=False)
+        cls.runs = {w: [ld(f"grow-w{w}-rank{r}.pt") for r in range(w)] for w in (1, 2, 4)}
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    assertTensorsEqual = ResumeOtherWorldSize.assertTensorsEqual
+
+    def _check_grow(self, src, dst):
+        want = self.runs[src][0]["theta"]                 # what the smaller run saved (theta, its inner state)
+        for fmt in ("c", "s"):
+            for r in range(dst):
+                got = self.runs[dst][r]["loaded"][fmt]
+                what = f"{fmt} {src}->{dst} rank {r}"
+                self.assertEqual(got["extra"], {"world": src, "step": want["counters"]["inner_step"]}, what)
+                self.assertTensorsEqual(got["snap"]["params"], want["params"], what + " params")
+                self.assertTensorsEqual(got["snap"]["momentum"], want["momentum"], what + " momentum")
+                self.assertTensorsEqual(got["snap"]["opt"], want["opt"], what + " adamw")
+                self.assertEqual(got["snap"]["counters"], want["counters"], what)
+        self.assertEqual(self.runs[1][0]["theta"]["counters"], {"inner_step": 5, "phase_steps": 1, "outer_step": 2})
+        self.assertEqual(self.runs[2][0]["theta"]["counters"], {"inner_step": 10, "phase_steps": 0, "outer_step": 5})
+        self.assertGreater(float(want["momentum"]["l1.weight"].abs().sum()), 0, "a real outer momentum")
+
+    def test_one_rank_to_two(self):
+        self._check_grow(1, 2)
+
+    def test_two_ranks_to_four(self):
+        self._check_grow(2, 4)
+
+    def test_the_bigger_runs_trained_on(self):
+        for w in (2, 4):
+            theta = [self.runs[w][r]["theta"]["params"] for r in range(w)]
+            for r in range(1, w):
+                self.assertTensorsEqual(theta[r], theta[0], f"theta on {w} ranks, rank {r}")
+            self.assertFalse(torch.equal(theta[0]["l1.weight"], self.runs[w // 2][0]["theta"]["params"]["l1.weight"]))
+
+
 class SingleProcessTest(unittest.TestCase):
     """No process group at all: the plain-module path, pointer, pruning, crash leftovers."""
 
