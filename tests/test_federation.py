@@ -104,7 +104,7 @@ class Proc:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self.p.wait()
+        self.p.wait(timeout=60)
 
     def wait(self, timeout):
         return self.p.wait(timeout=timeout)
@@ -356,7 +356,7 @@ class CarrierTest(unittest.TestCase):
         cls.manifest = make_corpus(t, 12000)
         init = os.path.join(t, "init.safetensors")
         subprocess.run([sys.executable, "train.py", "--export-init", init, "--model", "qwen3-tiny",
-                        "--data", cls.manifest], cwd=ROOT, env=env(), check=True, capture_output=True)
+                        "--data", cls.manifest], cwd=ROOT, env=env(), check=True, capture_output=True, timeout=300)
         darl, cls.darl = start_service(t, "darl", "darl_server.py", ["--manifest", cls.manifest, "--block-size", 4,
                                                                       "--state-dir", t, "--default-ttl", 30, "--max-ttl", 30])
         cls.procs.append(darl)
@@ -508,24 +508,30 @@ class FederationRunTest(unittest.TestCase):
 
     @classmethod
     def run_scenario(cls, t):
-        cls.manifest = make_corpus(t, 30000)
+        # Margins for a loaded 2-core machine. Leases live 15-20 s (heartbeats every third:
+        # a site may stall ~13 s) and members 20 s (heartbeats every 5 s); the restarted
+        # alpha waits those out, and meanwhile only the round stalled on the dead alpha
+        # keeps beta from eating the corpus. 40 kB = 800 training windows: a joint round
+        # takes 48, beta alone 16 per >= 2.4 s (--throttle-ms 600 x H=4), so alpha's
+        # restart may take ~2 minutes before the corpus runs short of the rounds after it.
+        cls.manifest = make_corpus(t, 40000)
         cls.windows = data.TokenWindows(cls.manifest)
         cls.token = os.path.join(t, "token")
         with open(cls.token, "w") as f:
             f.write("test-token-0123456789\n")
         init = os.path.join(t, "init.safetensors")
         subprocess.run([sys.executable, "train.py", "--export-init", init, "--model", "qwen3-tiny",
-                        "--data", cls.manifest], cwd=ROOT, env=env(), check=True, capture_output=True)
+                        "--data", cls.manifest], cwd=ROOT, env=env(), check=True, capture_output=True, timeout=300)
         central = os.path.join(t, "central")
         common = ["--token-file", cls.token]
         darl, cls.darl = start_service(t, "darl", "darl_server.py", [
-            "--manifest", cls.manifest, "--block-size", 8, "--state-dir", central, "--min-ttl", 4,
-            "--default-ttl", 8, "--max-ttl", 8, "--max-attempts", 0, *common])
+            "--manifest", cls.manifest, "--block-size", 8, "--state-dir", central, "--min-ttl", 15,
+            "--default-ttl", 20, "--max-ttl", 20, "--max-attempts", 0, *common])
         cls.procs.append(darl)
         blob, cls.blob = start_service(t, "blob", "blobstore.py", ["--root", os.path.join(central, "blobs"), *common])
         cls.procs.append(blob)
         fed_args = ["--state-dir", os.path.join(central, "fedmom"), "--init", init, "--darl", cls.darl,
-                    "--blob-url", cls.blob, "--darl-heartbeat-s", 1, "--member-timeout-s", 6,
+                    "--blob-url", cls.blob, "--darl-heartbeat-s", 1, "--member-timeout-s", 20,
                     "--round-deadline-s", 120, *common]
         fed, cls.fedmom = start_service(t, "fedmom", "fedmom_server.py", fed_args)
         cls.procs.append(fed)
