@@ -25,6 +25,7 @@ class Output:
             with self.cond:
                 self.lines.append(line)
                 self.cond.notify_all()
+        self.proc.stdout.close()
         with self.cond:
             self.closed = True
             self.cond.notify_all()

@@ -305,6 +305,9 @@ def main(argv):
         result.stopTestRun()
         result.watchdog.disarm()
     result.printErrors()
+    # the summary stays the last line: a pipe or socket a test left open would otherwise
+    # print its ResourceWarning after it, when the interpreter collects it at exit
+    warnings.simplefilter("ignore", ResourceWarning)
     passed, failed, skipped = summary(result, t0, args, expected)
     return 1 if failed or passed + skipped == 0 else 0
 
