@@ -49,34 +49,21 @@ class AuthSweepTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.dir = tempfile.mkdtemp(prefix="auth-sweep-")
-        cls.procs = []
-        try:
-            cls.token_file = os.path.join(cls.dir, "token")
-            with open(cls.token_file, "w") as f:
-                f.write(TOKEN + "\n")
-            cls.init = os.path.join(cls.dir, "init.safetensors")
-            with tensorio.TensorWriter(cls.init, [("w", "F32", (2, 3))]) as w:
-                w.write("w", np.zeros((2, 3), np.float32))
-            cls.routes = cls.route_tables()
-            common = ["--port", "0", "--token-file", cls.token_file]
-            cls.urls = {
-                "darl": cls.start("darl_server.py", "--num-samples", "10", "--state-dir", cls.path("darl"), *common),
-                "fedmom": cls.start("fedmom_server.py", "--state-dir", cls.path("fedmom"), "--init", cls.init,
-                                    *common),
-                "fedmom-private": cls.start("fedmom_server.py", "--state-dir", cls.path("fedmom-private"),
-                                            "--init", cls.init, "--private-page", *common),
-                "blob": cls.start("blobstore.py", "--root", cls.path("blob"), *common)}
-        except BaseException:
-            cls.tearDownClass()
-            raise
-
-    @classmethod
-    def tearDownClass(cls):
-        for p in cls.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(30)
-        shutil.rmtree(cls.dir, ignore_errors=True)
+        cls.addClassCleanup(shutil.rmtree, cls.dir, True)    # class cleanups run even if this fails
+        cls.token_file = os.path.join(cls.dir, "token")
+        with open(cls.token_file, "w") as f:
+            f.write(TOKEN + "\n")
+        cls.init = os.path.join(cls.dir, "init.safetensors")
+        with tensorio.TensorWriter(cls.init, [("w", "F32", (2, 3))]) as w:
+            w.write("w", np.zeros((2, 3), np.float32))
+        cls.routes = cls.route_tables()
+        common = ["--port", "0", "--token-file", cls.token_file]
+        cls.urls = {
+            "darl": cls.start("darl_server.py", "--num-samples", "10", "--state-dir", cls.path("darl"), *common),
+            "fedmom": cls.start("fedmom_server.py", "--state-dir", cls.path("fedmom"), "--init", cls.init, *common),
+            "fedmom-private": cls.start("fedmom_server.py", "--state-dir", cls.path("fedmom-private"),
+                                        "--init", cls.init, "--private-page", *common),
+            "blob": cls.start("blobstore.py", "--root", cls.path("blob"), *common)}
 
     @classmethod
     def path(cls, name):
@@ -87,7 +74,7 @@ class AuthSweepTest(unittest.TestCase):
         env = {k: v for k, v in os.environ.items() if k not in ("PWW_TOKEN", "PWW_TOKEN_FILE")}
         proc = subprocess.Popen([sys.executable, script, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
-        cls.procs.append(proc)
+        cls.addClassCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
         return listening_url(proc, timeout=120)[0]
 
     @classmethod
