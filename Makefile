@@ -18,7 +18,9 @@ $(STAMP): requirements.txt requirements-test.txt
 	$(VENV)/bin/pip install --disable-pip-version-check -r requirements.txt -r requirements-test.txt
 	touch $(STAMP)
 
-# TEST_FLAGS=--fail-on-skip (CI): a skip that README.md's "Expected skips" does not list fails.
+# A skip that README.md's "Expected skips" does not list fails the run (--fail-on-skip);
+# `make test TEST_FLAGS=` runs without that rule.
+TEST_FLAGS ?= --fail-on-skip
 test: setup
 	$(PY) tests/run.py $(TEST_FLAGS)
 

@@ -4,7 +4,7 @@ Runs on: any machine with the venv (CPU only). Usage:
     python tests/run.py                   # every tests/test_*.py
     python tests/run.py test_darl         # one module (or several)
     python tests/run.py test_darl.LeaseTableTest.test_expiry
-    python tests/run.py --fail-on-skip    # CI (.ci/run): a skip README.md does not list fails
+    python tests/run.py --fail-on-skip    # what make test (and CI) runs: a skip README.md does not list fails
     python tests/run.py --timeout 900     # the watchdog's budget, s (default 600)
 The last line is the summary CI reads; the exit status is 1 if anything failed or
 nothing ran.
