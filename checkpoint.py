@@ -259,8 +259,18 @@ def load_latest(run_dir, model, optimizer, diloco=None):
     return None if path is None else load(path, model, optimizer, diloco)
 
 
+# How an optimizer computes, not what it learned: Optimizer.load_state_dict replaces every
+# param group with the saved one, these flags included, so a checkpoint written on a CPU
+# (foreach) would resume on a GPU without the fused AdamW kernel, and a GPU's (fused=True)
+# on a CPU or another device type with a kernel chosen for the machine that wrote it.
+# load() keeps the flags the optimizer was built with.
+IMPL_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+
+
 def load(path, model, optimizer, diloco=None):
-    """Load one checkpoint (a .pt file or a DCP directory) at this run's world size."""
+    """Load one checkpoint (a .pt file or a DCP directory) at this run's world size.
+    The optimizer keeps its own implementation flags (IMPL_FLAGS), whatever the writer's were."""
+    impl = [{k: g[k] for k in IMPL_FLAGS if k in g} for g in optimizer.param_groups] if optimizer else []
     if os.path.isdir(path):
         meta = _load_sharded(path, model, optimizer, diloco)
     elif os.path.isfile(path):
@@ -268,6 +278,8 @@ def load(path, model, optimizer, diloco=None):
     else:
         raise FileNotFoundError(f"{path}: no such checkpoint; see {os.path.dirname(path)}/latest "
                                 "or use --resume auto")
+    for group, flags in zip(optimizer.param_groups if optimizer else [], impl):
+        group.update(flags)
     return dict(meta["extra"], step=meta["step"])
 
 

@@ -386,6 +386,13 @@ class Config:
         if self.fsdp_defer_grad_sync and self.parallel != "fsdp":
             raise ConfigError(f"--fsdp-defer-grad-sync is for --parallel fsdp (DDP always defers the "
                               f"all-reduce to the last micro-batch); drop it with --parallel {self.parallel}")
+        if not self.llm and self.compile and self.parallel == "fsdp":
+            # measured with torch 2.13 on CPU: bf16 stops in Dynamo ("Attempted to call function
+            # marked as skipped": the FSDP2 hooks of the BatchNorm layers sharded on their own,
+            # inside the fullgraph stage), fp32 in Inductor ("Cannot convert expression to float")
+            raise ConfigError(f"--compile with --parallel fsdp is for the Qwen3 models: a compiled "
+                              f"ResNet stage under FSDP2 does not build; use --parallel ddp for "
+                              f"--model {self.model} --compile (ResNets fit on one GPU), or drop --compile")
         if not self.llm and self.activation_checkpointing:
             raise ConfigError("--activation-checkpointing is for the Qwen3 models: recomputing a "
                               "ResNet stage would update its BatchNorm statistics twice")
@@ -464,7 +471,8 @@ def build_parser():
     a("--activation-checkpointing", action="store_true", help="recompute each transformer block in backward")
     a("--compile", action="store_true",
       help="torch.compile each block (transformer block / ResNet stage), fullgraph, as torchtitan "
-           "does: faster steps after a one-off compile per shape (default off)")
+           "does: faster steps after a one-off compile per shape (default off; a ResNet only "
+           "with --parallel ddp)")
     a("--fsdp-defer-grad-sync", action="store_true",
       help="with --grad-accum > 1 under FSDP: reduce-scatter gradients only on the last micro-batch. "
            "Fewer collectives, but every rank then holds a full unsharded fp32 gradient between "

@@ -314,6 +314,26 @@ class SingleProcessTest(unittest.TestCase):
         checkpoint.save(self.run_dir, 3, self.net, self.opt)
         self.assertNotIn("step_000000002.pt.tmp", os.listdir(cdir))
 
+    def test_the_optimizer_keeps_its_own_kernel_choice_across_a_resume(self):
+        # a GPU run's checkpoint (fused AdamW) resumed where the run builds foreach, and back
+        fused = torch.optim.AdamW(self.net.parameters(), lr=0.1, fused=True)
+        fused.zero_grad()
+        self.net(torch.randn(4, 6)).square().mean().backward()
+        fused.step()
+        self.net.zero_grad(set_to_none=True)       # as in a fresh run: no gradients before the load
+        for sharded in (False, True):
+            path = checkpoint.save(self.run_dir, 5 + sharded, self.net, fused, sharded=sharded)
+            plain = torch.optim.AdamW(self.net.parameters(), lr=0.1)
+            checkpoint.load(path, self.net, plain)
+            self.assertEqual([(g["fused"], g["foreach"]) for g in plain.param_groups], [(None, None)],
+                             "the loaded state, not the writer's kernel choice")
+            self.assertEqual(plain.state_dict()["state"][0]["step"].item(), 1.0, "the state itself was loaded")
+            again = torch.optim.AdamW(self.net.parameters(), lr=0.1, fused=True)
+            checkpoint.save(self.run_dir, 7 + sharded, self.net, plain, sharded=sharded)
+            checkpoint.load(checkpoint.latest(self.run_dir), self.net, again)
+            self.assertEqual([g["fused"] for g in again.param_groups], [True])
+            self.net.zero_grad(set_to_none=True)
+
     def test_refuses_other_format_and_non_json_extra(self):
         path = checkpoint.save(self.run_dir, 1, self.net, self.opt)
         blob = torch.load(path, weights_only=True)
