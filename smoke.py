@@ -14,12 +14,14 @@ Checks, each reduced over all ranks, printed by rank 0 as a pass/fail table:
                         busbw = algbw * 2(W-1)/W (the nccl-tests convention);
                         fails below --min-busbw-gbs. Single-digit GB/s between GPU
                         nodes means the collective fell back to TCP.
-  network               which transport the collectives use: on GPUs, NCCL_DEBUG=INFO goes
-                        to a file per rank (unless you set NCCL_DEBUG yourself) and the
-                        "Using network ..." / "NET/OFI Selected provider is ..." lines are
-                        read back: Libfabric over cxi on LUMI, IB on Snellius. A multi-node
-                        run on Socket (or libfabric's tcp provider) FAILS: RCCL/NCCL fell
-                        back to TCP, correct but an order of magnitude slower.
+  network               which transport the collectives use: on GPUs, NCCL's INFO lines of
+                        INIT and NET go to a file per rank (NCCL_DEBUG_FILE: yours when set,
+                        else a temporary one; NCCL_DEBUG raised to INFO where it is lower)
+                        and the "Using network ..." / "NET/OFI Selected provider is ..."
+                        lines are read back and printed under the table: Libfabric over cxi
+                        on LUMI, IB on Snellius. A multi-node run on Socket (or libfabric's
+                        tcp provider) FAILS: RCCL/NCCL fell back to TCP, correct but an order
+                        of magnitude slower; so does a multi-node run whose log says nothing.
   attention kernel      which SDPA kernel a qwen3-0.6B-shaped grouped-query attention
                         (16 query / 8 K/V heads, head_dim 128, seq 2048, bf16; seq 128 fp32
                         on CPU) actually runs, forward and backward, read from the
@@ -128,15 +130,26 @@ def check_bandwidth(d, world, cfg):
 
 
 def nccl_debug_to_file():
-    """On a GPU run, send NCCL's INFO log (INIT and NET) to a file of this process, before
-    the process group exists; returns its glob pattern, or None when the caller set
-    NCCL_DEBUG (their choice wins; the network row then says it did not look)."""
-    if "NCCL_DEBUG" in os.environ:
-        return None
-    tmp = tempfile.mkdtemp(prefix="pww-smoke-nccl-")
-    os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET",
-                      NCCL_DEBUG_FILE=os.path.join(tmp, "nccl.%h.%p.log"))
-    return os.path.join(tmp, f"nccl.*.{os.getpid()}.log")
+    """On a GPU run, before the process group exists: have NCCL/RCCL write its INFO lines of
+    INIT and NET to a file this process can read back, and return that file's glob pattern.
+    The caller's settings are kept where the check still works: NCCL_DEBUG stays when it is
+    INFO or TRACE (anything less is raised to INFO: the check needs those lines), INIT,NET
+    are added to the caller's NCCL_DEBUG_SUBSYS, and the caller's NCCL_DEBUG_FILE is used
+    as it is (its %h and %p expanded to find it), else a file in a fresh temporary
+    directory. The lines then go to that file, not to the job's log: the network row and
+    the lines printed under the table say what they were."""
+    env = os.environ
+    if env.get("NCCL_DEBUG", "").upper() not in ("INFO", "TRACE"):
+        env["NCCL_DEBUG"] = "INFO"
+    subsys = [s for s in env.get("NCCL_DEBUG_SUBSYS", "").split(",") if s]
+    if subsys and "ALL" not in (s.upper() for s in subsys):
+        env["NCCL_DEBUG_SUBSYS"] = ",".join(subsys + [s for s in ("INIT", "NET") if s not in subsys])
+    elif not subsys:
+        env["NCCL_DEBUG_SUBSYS"] = "INIT,NET"
+    if not env.get("NCCL_DEBUG_FILE"):
+        env["NCCL_DEBUG_FILE"] = os.path.join(tempfile.mkdtemp(prefix="pww-smoke-nccl-"), "nccl.%h.%p.log")
+    # NCCL writes %h as the host name up to its first dot: a wildcard finds it either way
+    return env["NCCL_DEBUG_FILE"].replace("%h", "*").replace("%p", str(os.getpid()))
 
 
 def network_summary(text):
@@ -151,23 +164,34 @@ def network_summary(text):
             "provider": last(r"NET/OFI Selected [Pp]rovider is ([^,\s]+)")}
 
 
+NET_LINE = re.compile(r"Using network |NET/OFI (Initializing|Using Libfabric|Selected [Pp]rovider)|"
+                      r"NET/Plugin|NET/IB : Using|NET/Socket : Using")
+
+
 def check_network(d, hosts, log_glob):
-    """(ok, detail) for the transport; fails a multi-node GPU run that fell back to TCP."""
+    """(ok, detail, lines) for the transport: NCCL's own lines about it, from this rank's
+    log file. A multi-node GPU run fails on TCP, and fails when no line says what it used
+    (the file missing or unreadable, or NCCL_DEBUG_SUBSYS without INIT/NET): a blind pass
+    is how a TCP fallback went unnoticed."""
     if d.device.type != "cuda":
-        return True, "gloo (TCP); not a GPU run"
-    if log_glob is None:
-        return True, "not checked: NCCL_DEBUG was set by the caller (its log has the lines)"
-    text = "".join(open(f, errors="replace").read() for f in glob.glob(log_glob))
+        return True, "gloo (TCP); not a GPU run", []
+    files = sorted(glob.glob(log_glob))
+    text = "".join(open(f, errors="replace").read() for f in files)
+    lines = [line.strip() for line in text.splitlines() if NET_LINE.search(line)]
     n = network_summary(text)
     if n["network"] is None:
-        return True, f"not checked: no 'Using network' line in {log_glob}"
+        detail = (f"no 'Using network' line in {log_glob}" if files else
+                  f"no NCCL log at {log_glob} (NCCL_DEBUG_FILE's directory must be writable)")
+        if hosts > 1:
+            return False, detail + f": cannot tell which transport {hosts} nodes use; see RUNBOOK.md section 2", lines
+        return True, detail + "; one node: the network carries nothing", lines
     detail = f"{n['network']}" + (f" via {n['plugin']}" if n["plugin"] else "") + (
         f", libfabric {n['libfabric']}" if n["libfabric"] else "") + (
         f", provider {n['provider']}" if n["provider"] else "") + f"; {hosts} node(s)"
     tcp = n["network"] == "Socket" or (n["provider"] or "").split(";")[0] in ("tcp", "sockets")
     if hosts > 1 and tcp:
-        return False, detail + ": the collectives run over TCP; see RUNBOOK.md section 2"
-    return True, detail
+        return False, detail + ": the collectives run over TCP; see RUNBOOK.md section 2", lines
+    return True, detail, lines
 
 
 def check_attention(d):
@@ -238,19 +262,22 @@ def run(cfg: SmokeConfig):
     ids = [None] * world
     dist.all_gather_object(ids, device_identity(d))
     hosts = len({h for h, _, _ in ids})
+    net_ok, net_detail, net_lines = check_network(d, hosts, log_glob)
     rows = [("distinct devices",) + check_devices(d, world, ids),
             ("all-reduce exact",) + check_exact(d, world),
             ("all-reduce bandwidth",) + check_bandwidth(d, world, cfg)[:2],
-            ("network",) + check_network(d, hosts, log_glob),
+            ("network", net_ok, net_detail),
             ("attention kernel",) + check_attention(d)]
     for k in cfg.diloco_replicas:
         groups, step = check_diloco(d, world, k, cfg)
         rows += [(f"diloco k={k} groups",) + groups, (f"diloco k={k} outer step",) + step]
-    return report(d, world, rows)
+    return report(d, world, rows, notes=[f"NCCL, rank 0 ({log_glob}):"] + [f"  {l}" for l in net_lines[:12]]
+                  if net_lines else [])
 
 
-def report(d, world, rows):
-    """Gather every rank's rows; a check passes only if it passed on every rank."""
+def report(d, world, rows, notes=()):
+    """Gather every rank's rows; a check passes only if it passed on every rank. Rank 0
+    prints its notes (NCCL's transport lines) under the table."""
     every = [None] * world
     dist.all_gather_object(every, rows)
     failed = 0
@@ -262,6 +289,8 @@ def report(d, world, rows):
         if d.rank == 0:
             extra = "".join(f"\n{'':<34}rank {r}: {every[r][i][2]}" for r in bad[:8])
             print(f"{name:<26} {'FAIL' if bad else 'PASS':<6} {detail}{extra}", flush=True)
+    for line in notes:
+        train.print0(line)
     train.print0("SMOKE TEST FAILED" if failed else "SMOKE TEST PASSED")
     dist.barrier()
     dist.destroy_process_group()

@@ -46,9 +46,10 @@ export PWW_CRAY_LIBFABRIC=${PWW_CRAY_LIBFABRIC:-}
 # hsn0..3 are the four Slingshot NICs (one per MI250X); without this RCCL's bootstrap may
 # pick the management Ethernet and crawl.
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-hsn0,hsn1,hsn2,hsn3}
-# NCCL_NET_GDR_LEVEL is left to RCCL's own topology detection: with the ROCm 7.0 stack,
-# forcing PHB (the old LUMI advice) makes multi-node communicator setup hang (LUMI AI
-# Factory containers, 2026). Set it per job to experiment: NCCL_NET_GDR_LEVEL=PHB sbatch ...
+# NCCL_NET_GDR_LEVEL: leave it unset, to RCCL's own topology detection. Forcing PHB or SYS
+# (the old LUMI advice) hangs multi-node jobs with the ROCm 7.0 stack: LUMI AI Factory,
+# github.com/lumi-ai-factory/laifs-container-recipes issue #30 (April 2026), where removing
+# it fixed the LUMI AI Guide's multi-node examples. RUNBOOK.md section 2 says the same.
 # libfabric's memory-registration cache watches unmapped memory through userfaultfd;
 # the default monitor has hung RCCL jobs in the LUMI AI Factory's images.
 export FI_MR_CACHE_MONITOR=${FI_MR_CACHE_MONITOR:-userfaultfd}

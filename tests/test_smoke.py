@@ -1,10 +1,13 @@
-"""smoke.py as its users run it: torchrun subprocesses on CPU ranks over loopback; and its
-network row on NCCL's own log lines (the formats NCCL/RCCL and aws-ofi-nccl print)."""
+"""smoke.py as its users run it: torchrun subprocesses on CPU ranks over loopback; its
+network row on NCCL's own log lines (the formats NCCL/RCCL and aws-ofi-nccl print), which
+must be read even when the user set NCCL_DEBUG, and must fail a multi-node run when they
+say nothing."""
 import os
 import subprocess
 import sys
 import tempfile
 import unittest
+import unittest.mock
 
 import torch
 
@@ -78,6 +81,7 @@ class NetworkRowTest(unittest.TestCase):
                               backend="nccl", accel="rocm")
 
     def check(self, text, hosts):
+        """(ok, detail, lines) of the network row for a rank whose NCCL log holds `text`."""
         with open(os.path.join(self.tmp.name, f"nccl.nid005001.{os.getpid()}.log"), "w") as f:
             f.write(text)
         return smoke.check_network(self.gpu, hosts, os.path.join(self.tmp.name, f"nccl.*.{os.getpid()}.log"))
@@ -85,23 +89,63 @@ class NetworkRowTest(unittest.TestCase):
     def test_the_plugin_lines_are_read(self):
         self.assertEqual(smoke.network_summary(LUMI_LOG), {"network": "Libfabric", "plugin": "aws-ofi-nccl 1.18.0",
                                                            "libfabric": "1.22", "provider": "cxi"})
-        ok, detail = self.check(LUMI_LOG, hosts=2)
+        ok, detail, _ = self.check(LUMI_LOG, hosts=2)
         self.assertTrue(ok, detail)
         self.assertIn("Libfabric via aws-ofi-nccl 1.18.0, libfabric 1.22, provider cxi; 2 node(s)", detail)
 
     def test_tcp_across_nodes_fails_and_within_a_node_passes(self):
-        ok, detail = self.check(SOCKET_LOG, hosts=2)
+        ok, detail, _ = self.check(SOCKET_LOG, hosts=2)
         self.assertFalse(ok)
         self.assertIn("run over TCP", detail)
         self.assertTrue(self.check(SOCKET_LOG, hosts=1)[0], "one node: the network is not used")
         tcp_provider = LUMI_LOG.replace("provider is cxi, fabric is cxi", "provider is tcp;ofi_rxm, fabric is TCP-IP")
         self.assertFalse(self.check(tcp_provider, hosts=4)[0])
 
-    def test_unreadable_or_callers_log_is_reported_not_guessed(self):
-        self.assertIn("NCCL_DEBUG was set by the caller", smoke.check_network(self.gpu, 2, None)[1])
-        ok, detail = self.check("nothing here\n", hosts=2)
-        self.assertTrue(ok)
-        self.assertIn("not checked", detail)
+    def test_a_log_without_the_network_line_fails_across_nodes(self):
+        ok, detail, _ = self.check("nothing here\n", hosts=2)
+        self.assertFalse(ok, "a multi-node run whose transport nobody saw must not pass")
+        self.assertIn("cannot tell which transport 2 nodes use", detail)
+        ok, detail, _ = smoke.check_network(self.gpu, 2, os.path.join(self.tmp.name, "absent", "nccl.*.1.log"))
+        self.assertFalse(ok)
+        self.assertIn("no NCCL log at", detail)
+        ok, detail, _ = self.check("nothing here\n", hosts=1)
+        self.assertTrue(ok, detail)
+        self.assertIn("one node", detail)
+
+    def test_the_lines_are_handed_back_for_the_report(self):
+        _, _, lines = self.check(LUMI_LOG, hosts=2)
+        self.assertEqual(len(lines), 4)
+        self.assertTrue(lines[-1].endswith("Using network Libfabric"))
+
+
+class DebugFileTest(unittest.TestCase):
+    """nccl_debug_to_file() with what a user may have set (RUNBOOK's checklist sets NCCL_DEBUG)."""
+
+    def env_after(self, **given):
+        keys = ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE")
+        with unittest.mock.patch.dict(os.environ, {k: v for k, v in given.items()}, clear=False):
+            for k in keys:
+                if k not in given:
+                    os.environ.pop(k, None)
+            pattern = smoke.nccl_debug_to_file()
+            return pattern, {k: os.environ.get(k) for k in keys}
+
+    def test_the_callers_nccl_debug_still_gets_a_file_read_back(self):
+        pattern, env = self.env_after(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET")
+        self.assertEqual((env["NCCL_DEBUG"], env["NCCL_DEBUG_SUBSYS"]), ("INFO", "INIT,NET"))
+        self.assertTrue(env["NCCL_DEBUG_FILE"].endswith("nccl.%h.%p.log"), env)
+        self.assertEqual(pattern, env["NCCL_DEBUG_FILE"].replace("%h", "*").replace("%p", str(os.getpid())))
+
+    def test_too_little_is_raised_and_the_callers_file_is_used(self):
+        pattern, env = self.env_after(NCCL_DEBUG="WARN", NCCL_DEBUG_SUBSYS="COLL",
+                                      NCCL_DEBUG_FILE="/scratch/me/nccl-%h-%p.txt")
+        self.assertEqual(env, {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "COLL,INIT,NET",
+                               "NCCL_DEBUG_FILE": "/scratch/me/nccl-%h-%p.txt"})
+        self.assertEqual(pattern, f"/scratch/me/nccl-*-{os.getpid()}.txt")
+        _, env = self.env_after()
+        self.assertEqual((env["NCCL_DEBUG"], env["NCCL_DEBUG_SUBSYS"]), ("INFO", "INIT,NET"))
+        _, env = self.env_after(NCCL_DEBUG="TRACE", NCCL_DEBUG_SUBSYS="ALL")
+        self.assertEqual((env["NCCL_DEBUG"], env["NCCL_DEBUG_SUBSYS"]), ("TRACE", "ALL"))
 
 
 if __name__ == "__main__":
