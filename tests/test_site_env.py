@@ -1,4 +1,4 @@
-"""tests/test_site_env.py - the LUMI image's library path and the ranks' MIOpen caches.
+"""tests/test_site_env.py - the LUMI image's library path, the Snellius venv script, the ranks' MIOpen caches.
 
 Real shells, real files, real processes; no container runtime is needed:
   - containers/lumi-env.sh (what the image runs at every start, under dash) against a
@@ -8,6 +8,8 @@ Real shells, real files, real processes; no container runtime is needed:
     it points at;
   - env.sh's container command binds a host plugin directory when one is given and leaves
     the library path to the image;
+  - jobs/snellius_setup_venv.sh runs to its end on a login node whose nvidia-smi fails
+    (with a note), and checks the driver where one answers;
   - jobs/task_wrapper.sh gives concurrent ranks with the same local rank different
     persistent MIOpen slots (a lock held for the rank's lifetime, released at exit, the
     rank's exit status passed on), and falls back to a per-job directory, with a
@@ -173,6 +175,54 @@ class MIOpenSlotTest(unittest.TestCase):
         self.addCleanup(shutil.rmtree, fallback, True)
         self.assertEqual(got["MIOPEN_USER_DB_PATH"], fallback)
         self.assertIn("no lockable slot", self.release(p))
+
+
+class SnelliusSetupTest(unittest.TestCase):
+    """jobs/snellius_setup_venv.sh to its end, pip and the venv's python stood in by scripts
+    (the install itself is pip's), the NVIDIA driver as a login or GPU node answers."""
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.tmp)
+        self.venv, self.bin = os.path.join(self.tmp, "venv"), os.path.join(self.tmp, "bin")
+        os.makedirs(os.path.join(self.venv, "bin"))
+        os.makedirs(self.bin)
+        self.stub(os.path.join(self.venv, "bin", "pip"), 'echo "pip $*" >> "$(dirname "$0")/../pip.log"\n'
+                  '[ "$1" = freeze ] && echo torch==2.13.0+cu126\nexit 0')
+        self.stub(os.path.join(self.venv, "bin", "python"), "echo torch 2.13.0+cu126 cuda 12.6 torchtitan ok")
+
+    def stub(self, path, body):
+        with open(path, "w") as f:
+            f.write("#!/bin/sh\n" + body + "\n")
+        os.chmod(path, 0o755)
+
+    def setup_venv(self, nvidia_smi=None):
+        if nvidia_smi is not None:
+            self.stub(os.path.join(self.bin, "nvidia-smi"), nvidia_smi)
+        env = {"PATH": f"{self.bin}:/usr/bin:/bin", "HOME": self.tmp, "USER": "tester", "LANG": "C.UTF-8",
+               "PWW_VENV": self.venv, "PYTHON": sys.executable}
+        return subprocess.run(["bash", "jobs/snellius_setup_venv.sh"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    def test_a_login_node_whose_nvidia_smi_fails_finishes_with_a_note(self):
+        r = self.setup_venv('echo "NVIDIA-SMI has failed because it could not communicate with the '
+                            'NVIDIA driver" >&2; exit 9')
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("driver: not checked here", r.stdout)
+        self.assertIn("venv ready:", r.stdout)
+        with open(os.path.join(self.venv, "pip.log")) as f:
+            self.assertIn("torch==2.13.0+cu126", f.read())
+        r = self.setup_venv()                               # no nvidia-smi at all
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("driver: not checked here", r.stdout)
+
+    def test_a_gpu_node_checks_the_driver(self):
+        r = self.setup_venv("echo 550.54.15")
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("driver 550.54.15: runs the CUDA 12.6 build", r.stdout)
+        r = self.setup_venv("echo 470.57.02")
+        self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
+        self.assertIn("NVIDIA driver 470.57.02 is older than R525", r.stderr)
 
 
 if __name__ == "__main__":
