@@ -62,11 +62,11 @@ export FI_CXI_DISABLE_CQ_HUGETLB=${FI_CXI_DISABLE_CQ_HUGETLB:-1}
 export FI_CXI_DEFAULT_CQ_SIZE=${FI_CXI_DEFAULT_CQ_SIZE:-131072}
 # MIOpen keeps its kernel cache and tuning database in SQLite files that are not safe for
 # two processes at once: concurrent ranks corrupt them and die. task_wrapper.sh gives each
-# rank its own directory under this persistent per-user root, rank<local rank>/slot<n>,
-# the first slot no live process holds (a lock on <slot>/.lock, held for the rank's
-# lifetime), so the next job reuses what the last one compiled and tuned: a cold cache
-# makes the first epoch of a new shape ~25x slower. A shared file system without file
-# locks falls back to a node-local /tmp directory per job (with a warning).
+# rank a private node-local copy of the persistent per-user cache under this root, and
+# rank 0 publishes its copy back as a new generation when the job ends, so the next job
+# reuses what the last one compiled and tuned (a cold cache makes the first epoch of a new
+# shape ~25x slower). No file locks (they may not span nodes on Lustre), at most three
+# generations of one rank's cache kept (LUMI's $HOME is 20 GB): task_wrapper.sh, "MIOpen's cache".
 export PWW_MIOPEN_CACHE_ROOT=${PWW_MIOPEN_CACHE_ROOT:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/pww/miopen}
 
 # pww_cpu_bind [TASKS_PER_NODE]: the srun --cpu-bind value for this node shape.

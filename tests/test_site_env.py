@@ -10,16 +10,17 @@ Real shells, real files, real processes; no container runtime is needed:
     the library path to the image;
   - jobs/snellius_setup_venv.sh runs to its end on a login node whose nvidia-smi fails
     (with a note), and checks the driver where one answers;
-  - jobs/task_wrapper.sh gives concurrent ranks with the same local rank different
-    persistent MIOpen slots (a lock held for the rank's lifetime, released at exit, the
-    rank's exit status passed on), and falls back to a per-job directory, with a
-    warning, where it cannot lock.
+  - jobs/task_wrapper.sh gives every live rank its own node-local copy of the persistent
+    MIOpen cache, rank 0 publishes its copy when the job ends (also on SIGTERM), the root
+    keeps two generations, a SIGKILLed wrapper leaves its rank on a private copy, and an
+    unwritable root warns; the rank's exit status is passed on.
 Run: .venv/bin/python tests/run.py test_site_env
 """
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -83,7 +84,9 @@ class ImageLibraryPathTest(unittest.TestCase):
         self.assertIn("containers/lumi-env.sh /opt/pww/lumi-env.sh", section("files"))
         self.assertIn(". /opt/pww/lumi-env.sh", section("environment"))
         self.assertIn("--with-rocm=/opt/rocm", section("post"))
-        self.assertIn("dpkg --purge libfabric-dev libfabric1", section("post"), "no TCP-only libfabric left")
+        self.assertIn("apt-get purge -y -qq --auto-remove libfabric-dev libfabric1", section("post"),
+                      "no TCP-only libfabric left, and no abort when a package depends on it")
+        self.assertIn("ldconfig -p | grep -q 'libfabric\\.so'", section("test"))
         self.assertIn("test -f /opt/aws-ofi-nccl/lib/librccl-net.so", section("test"))
         binds = sh('. sites/lumi.sh; echo "$PWW_CONTAINER_BINDS"', {"PWW_ROOT": ROOT}, shell="bash").strip().split(",")
         for b in ("/opt/cray", "/usr/lib64/libcxi.so.1", "/var/spool/slurmd"):
@@ -102,29 +105,34 @@ class ImageLibraryPathTest(unittest.TestCase):
         self.assertTrue(withp[withp.index("--bind") + 1].endswith(",/appl/plugin"), withp)
 
 
-class MIOpenSlotTest(unittest.TestCase):
+class MIOpenCacheTest(unittest.TestCase):
     """task_wrapper.sh on LUMI: each rank's MIOpen cache, persistent and never shared live."""
-    PROBE = ("import os, sys, json; print(json.dumps({k: os.environ.get(k) for k in "
-             "['MIOPEN_USER_DB_PATH', 'MIOPEN_CUSTOM_CACHE_DIR']}), flush=True); sys.stdin.readline()")
+    PROBE = ("import os, sys, json; d = os.environ['MIOPEN_USER_DB_PATH']; "
+             "open(os.path.join(d, 'tuned-by-job-' + os.environ['SLURM_JOB_ID']), 'w').write('x'); "
+             "print(json.dumps({'db': d, 'kernels': os.environ.get('MIOPEN_CUSTOM_CACHE_DIR'), "
+             "'files': sorted(os.listdir(d)), 'pid': os.getpid()}), flush=True); "
+             "sys.exit(int(sys.stdin.readline() or 0))")
 
     def setUp(self):
         self.tmp = tempfile.mkdtemp()
         self.addCleanup(shutil.rmtree, self.tmp)
         self.root = os.path.join(self.tmp, "miopen")
+        self.node_tmp = os.path.join(self.tmp, "node-tmp")
+        os.makedirs(self.node_tmp)
         self.live = []
         self.addCleanup(self.release_all)
 
-    def env(self, local_rank, root=None):
+    def env(self, rank, job, root=None):
         return {"PATH": os.environ["PATH"], "HOME": self.tmp, "USER": "tester", "LANG": "C.UTF-8",
-                "PWW_SITE": "lumi", "PWW_RUNNER": "venv", "PWW_VENV": os.path.join(ROOT, ".venv"),
-                "PWW_MIOPEN_CACHE_ROOT": root or self.root, "SLURM_PROCID": str(local_rank),
-                "SLURM_LOCALID": str(local_rank), "SLURM_NTASKS": "16", "SLURM_NTASKS_PER_NODE": "8",
-                "SLURM_JOB_ID": "777"}
+                "TMPDIR": self.node_tmp, "PWW_SITE": "lumi", "PWW_RUNNER": "venv",
+                "PWW_VENV": os.path.join(ROOT, ".venv"), "PWW_MIOPEN_CACHE_ROOT": root or self.root,
+                "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % 8), "SLURM_NTASKS": "16",
+                "SLURM_NTASKS_PER_NODE": "8", "SLURM_JOB_ID": str(job)}
 
-    def start(self, local_rank, root=None):
-        """A rank that reports its cache and keeps running (holding its slot) until released."""
+    def start(self, rank, job, root=None):
+        """A rank that reports its cache and runs until released (with the exit status given)."""
         p = subprocess.Popen(["jobs/task_wrapper.sh", sys.executable, "-c", self.PROBE], cwd=ROOT,
-                             env=self.env(local_rank, root), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             env=self.env(rank, job, root), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
         self.live.append(p)
         for line in p.stdout:
@@ -132,49 +140,78 @@ class MIOpenSlotTest(unittest.TestCase):
                 return p, json.loads(line)
         raise AssertionError(f"rank exited without reporting: {p.wait()} {p.stderr.read()}")
 
-    def release(self, p):
-        """End a rank; returns what it wrote to stderr."""
+    def release(self, p, status=0):
+        """End a rank; returns (exit status, what it wrote to stderr)."""
+        p.stdin.write(f"{status}\n")
         p.stdin.close()
         rc, err = p.wait(timeout=120), p.stderr.read()
         self.live.remove(p)
-        self.assertEqual(rc, 0, err)
-        return err
+        return rc, err
 
     def release_all(self):
         for p in list(self.live):
             p.stdin.close()
             p.wait(timeout=120)
 
-    def test_concurrent_ranks_get_separate_slots_and_the_next_job_reuses_them(self):
-        a, got_a = self.start(0)
-        slot0 = os.path.join(self.root, "rank0", "slot0")
-        self.assertEqual(got_a["MIOPEN_USER_DB_PATH"], slot0)
-        self.assertEqual(got_a["MIOPEN_CUSTOM_CACHE_DIR"], slot0)
-        b, got_b = self.start(0)                      # another job's local rank 0, meanwhile
-        self.assertEqual(got_b["MIOPEN_USER_DB_PATH"], os.path.join(self.root, "rank0", "slot1"))
-        c, got_c = self.start(3)
-        self.assertEqual(got_c["MIOPEN_USER_DB_PATH"], os.path.join(self.root, "rank3", "slot0"))
-        self.release(a)                               # the first job ends: its slot is free again
-        d, got_d = self.start(0)
-        self.assertEqual(got_d["MIOPEN_USER_DB_PATH"], slot0, "a later job starts from the kept cache")
-        for p in (b, c, d):
-            self.release(p)
+    def generations(self):
+        return sorted(n for n in os.listdir(self.root) if n.startswith("gen."))
 
-    def test_the_rank_exit_status_comes_through_the_lock_holder(self):
-        r = subprocess.run(["jobs/task_wrapper.sh", sys.executable, "-c", "import sys; sys.exit(3)"], cwd=ROOT,
-                           env=self.env(1), capture_output=True, text=True, timeout=120)
-        self.assertEqual(r.returncode, 3, r.stderr)
-        _, got = self.start(1)                        # and the slot was released on the way out
-        self.assertEqual(got["MIOPEN_USER_DB_PATH"], os.path.join(self.root, "rank1", "slot0"))
+    def test_ranks_work_on_private_copies_and_rank_0_publishes_the_next_jobs_start(self):
+        a0, got_a0 = self.start(0, 101)
+        a3, got_a3 = self.start(3, 101)
+        b0, got_b0 = self.start(0, 102)                    # another job's rank 0, meanwhile
+        dirs = {got_a0["db"], got_a3["db"], got_b0["db"]}
+        self.assertEqual(len(dirs), 3, "no two live ranks share a cache")
+        self.assertTrue(all(d.startswith(self.node_tmp) for d in dirs), dirs)
+        self.assertEqual(got_a0["kernels"], got_a0["db"])
+        self.assertEqual(self.release(a3), (0, ""))
+        self.assertFalse(os.path.exists(os.path.join(self.root, "current")), "only rank 0 publishes")
+        self.assertEqual(self.release(a0)[0], 0)
+        self.assertFalse(os.path.exists(got_a0["db"]), "the private copy is removed")
+        current = os.path.join(self.root, "current")
+        self.assertEqual(os.listdir(current), ["tuned-by-job-101"])
+        c5, got_c5 = self.start(5, 103)                    # a later job starts from it
+        self.assertEqual(got_c5["files"], ["tuned-by-job-101", "tuned-by-job-103"])
+        self.release(c5)
+        self.assertEqual(self.release(b0, status=3)[0], 3, "the rank's exit status comes through")
+        self.assertEqual(os.listdir(current), ["tuned-by-job-102"], "the last publisher wins")
 
-    def test_no_lockable_root_falls_back_to_a_job_directory_loudly(self):
+    def test_the_root_keeps_two_generations_whatever_ran(self):
+        for job in range(1, 6):
+            self.release(self.start(0, job)[0])
+        gens = self.generations()
+        self.assertEqual(len(gens), 2, gens)
+        self.assertEqual(os.readlink(os.path.join(self.root, "current")), gens[-1])
+        self.assertEqual(sorted(os.listdir(os.path.join(self.root, "current"))),
+                         [f"tuned-by-job-{j}" for j in range(1, 6)], "each job started from the last")
+
+    def test_a_time_limit_sigterm_still_publishes(self):
+        p, got = self.start(0, 7)
+        p.send_signal(signal.SIGTERM)                      # to the wrapper only; it forwards
+        rc = p.wait(timeout=120)
+        self.live.remove(p)
+        self.assertEqual(rc, 128 + signal.SIGTERM, p.stderr.read())
+        self.assertEqual(os.listdir(os.path.join(self.root, "current")), ["tuned-by-job-7"])
+
+    def test_a_killed_wrapper_leaves_its_rank_on_a_private_copy(self):
+        p, got = self.start(0, 8)
+        p.kill()                                           # SIGKILL: no publish, no cleanup
+        p.wait(timeout=120)
+        os.kill(got["pid"], 0)                             # the rank itself still runs ...
+        q, got_q = self.start(0, 9)
+        self.assertNotEqual(got_q["db"], got["db"], "... on a cache no other rank is given")
+        self.release(q)
+        p.stdin.close()                                    # now end the orphan
+        self.live.remove(p)
+
+    def test_a_root_that_cannot_be_written_leaves_a_cold_private_cache_loudly(self):
         blocker = os.path.join(self.tmp, "a-file")
         open(blocker, "w").close()
-        p, got = self.start(2, root=os.path.join(blocker, "miopen"))
-        fallback = "/tmp/tester-miopen-777-2"
-        self.addCleanup(shutil.rmtree, fallback, True)
-        self.assertEqual(got["MIOPEN_USER_DB_PATH"], fallback)
-        self.assertIn("no lockable slot", self.release(p))
+        p, got = self.start(0, 10, root=os.path.join(blocker, "miopen"))
+        self.assertTrue(got["db"].startswith(self.node_tmp))
+        rc, err = self.release(p)
+        self.assertEqual(rc, 0)
+        self.assertIn("could not publish the MIOpen cache", err)
 
 
 class SnelliusSetupTest(unittest.TestCase):
