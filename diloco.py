@@ -480,9 +480,14 @@ class DiLoCo:
         self.sharded = any(hasattr(p, "to_local") for p in self.params)
         self.device = _local(self.params[0]).device if self.params else torch.device("cpu")
         self.outer_device = torch.device("cpu") if config.outer_device == "cpu" else self.device
-        # theta on the host of a GPU run lives in pinned memory, as does the staging buffer
-        # the averaged delta comes back through: both copies per outer step then run at
-        # full bus speed (pageable memory is copied through a bounce buffer, and blocks)
+        # theta on the host of a GPU run lives in pinned memory: it is copied to the device
+        # twice per outer step (into the delta, then into the parameters), at full bus speed
+        # and without blocking (pageable memory goes through a bounce buffer, and blocks).
+        # The averaged delta comes back through ordinary memory instead: that one copy per
+        # outer step is waited for at once anyway (the outer optimizer reads it next), and
+        # pinning it too would double the page-locked memory per rank (theta's 4 bytes per
+        # local parameter again: 4 GB per rank for qwen3-8B over 8 GCDs), which the driver
+        # takes from the node's RAM for good.
         self.pinned = self.outer_device.type == "cpu" and self.device.type == "cuda"
         numel = sum(_local(p).numel() for p in self.params)
         with torch.no_grad():
@@ -496,7 +501,7 @@ class DiLoCo:
             else:
                 self.theta = [_local(p).detach().to(self.outer_device, torch.float32, copy=True)
                               for p in self.params]
-        self.host_flat = torch.empty(numel, dtype=torch.float32, pin_memory=True) if self.pinned else None
+        self.host_flat = torch.empty(numel, dtype=torch.float32) if self.pinned else None
         self.outer_opt = torch.optim.SGD(self.theta, lr=config.outer_lr, momentum=config.outer_momentum,
                                          nesterov=config.outer_optimizer == "nesterov")
         if config.outer_momentum > 0:
@@ -540,11 +545,11 @@ class DiLoCo:
 
     def _deltas_on_theta_device(self, deltas):
         """The deltas where theta lives: themselves, or (theta on the host of a GPU run)
-        copied into the pinned staging buffer, waited for before the outer optimizer reads."""
+        copied into the host staging buffer, a blocking copy finished before the outer
+        optimizer reads."""
         if not self.pinned:
             return deltas if self.outer_device == self.device else [d.to(self.outer_device) for d in deltas]
-        self.host_flat.copy_(self.flat, non_blocking=True)
-        self._sync()
+        self.host_flat.copy_(self.flat)
         return self._host_views(self.host_flat)
 
     @torch.no_grad()

@@ -22,6 +22,9 @@ Checks, each reduced over all ranks, printed by rank 0 as a pass/fail table:
                         on LUMI, IB on Snellius. A multi-node run on Socket (or libfabric's
                         tcp provider) FAILS: RCCL/NCCL fell back to TCP, correct but an order
                         of magnitude slower; so does a multi-node run whose log says nothing.
+  hip runtime           on ROCm, after RCCL loaded its network plugin: exactly one HIP
+                        runtime (libamdhip64) mapped in the process, torch's; the plugin
+                        linked against the image's /opt/rocm must not bring a second one.
   attention kernel      which SDPA kernel a qwen3-0.6B-shaped grouped-query attention
                         (16 query / 8 K/V heads, head_dim 128, seq 2048, bf16; seq 128 fp32
                         on CPU) actually runs, forward and backward, read from the
@@ -194,6 +197,32 @@ def check_network(d, hosts, log_glob):
     return True, detail, lines
 
 
+def hip_runtimes(maps):
+    """The distinct HIP runtime files (libamdhip64.so*) in a /proc/<pid>/maps text."""
+    found = set()
+    for line in maps.splitlines():
+        fields = line.split(None, 5)
+        if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith("libamdhip64.so"):
+            found.add(fields[5].strip())
+    return sorted(found)
+
+
+def check_hip_runtime(d, maps_path="/proc/self/maps"):
+    """(ok, detail): one HIP runtime in this process after RCCL loaded its network plugin.
+    torch's ROCm wheel brings its own libamdhip64; the image's plugin was linked against
+    /opt/rocm's. The same soname makes the loader reuse torch's; two mapped files mean two
+    runtimes, whose device pointers the other does not know (registration for RDMA fails
+    or worse)."""
+    if d.accel != "rocm":
+        return True, "not a ROCm run"
+    with open(maps_path) as f:
+        found = hip_runtimes(f.read())
+    if len(found) > 1:
+        return False, (f"{len(found)} HIP runtimes in one process: {', '.join(found)}; the RCCL plugin "
+                       f"must use torch's (containers/lumi-titan.def, 'Two HIP runtimes')")
+    return True, f"one: {found[0]}" if found else "none mapped"
+
+
 def check_attention(d):
     """(ok, detail): the SDPA kernel a qwen3-0.6B-shaped GQA call runs here."""
     gpu = d.device.type == "cuda"
@@ -267,6 +296,7 @@ def run(cfg: SmokeConfig):
             ("all-reduce exact",) + check_exact(d, world),
             ("all-reduce bandwidth",) + check_bandwidth(d, world, cfg)[:2],
             ("network", net_ok, net_detail),
+            ("hip runtime",) + check_hip_runtime(d),
             ("attention kernel",) + check_attention(d)]
     for k in cfg.diloco_replicas:
         groups, step = check_diloco(d, world, k, cfg)

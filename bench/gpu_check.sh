@@ -18,6 +18,7 @@
 #   smoke         smoke.py: device, exact all-reduce, network, the SDPA kernel of Qwen3's GQA
 #   staging       pinned host->device copies (train.HostToDevice) equal plain copies, 16 batches
 #   diloco-cpu    DiLoCo's outer step with theta in pinned host memory equals the on-device one
+#                 (within 8 ulp: FMA contraction may differ between the CPU's and GPU's kernels)
 #   resnet-bf16   ResNet-18, DDP path, bf16 autocast, a generated CIFAR-10
 #   resnet-fp16   the same in fp16 with a GradScaler
 #   resnet-fsdp   ResNet-18 under FSDP2, bf16 parameters (BatchNorm kept in fp32)
@@ -161,10 +162,15 @@ def outer_run(where):
     return o, [t.detach().cpu().clone() for t in o.theta]
 pinned, a = outer_run("cpu")
 _, b = outer_run("same")
-assert all(torch.equal(x, y) for x, y in zip(a, b)), "theta differs between host and device outer steps"
+# not bit for bit: the CPU's and the GPU's SGD kernels may contract multiply-adds (FMA)
+# differently; 3 Nesterov steps of a few roundings each stay within a few ulp of theta
+ulps = max(float(((x - y).abs() / torch.finfo(torch.float32).eps / y.abs().clamp_min(1e-30)).max())
+           for x, y in zip(a, b))
+assert ulps <= 8, f"theta differs between host and device outer steps by {ulps:.1f} ulp"
 on_gpu = d.device.type == "cuda"
 assert pinned.pinned == on_gpu and (not on_gpu or pinned.theta[0].is_pinned()), "theta is not in pinned memory"
-print(f"3 outer steps, theta on the host ({'pinned' if on_gpu else 'cpu run'}) == theta on the device")
+print(f"3 outer steps, theta on the host ({'pinned' if on_gpu else 'cpu run'}) == theta on the device "
+      f"within {ulps:.1f} ulp")
 EOF
 sed 's/^/   /' "$OUT/diloco-cpu.log"
 

@@ -12,7 +12,12 @@
 # plugin then loads libfabric.so.1 the same way. So, in this order:
 #   1. $PWW_RCCL_PLUGIN_DIR, when set: a host-built plugin that replaces the image's own;
 #   2. Cray's libfabric: $PWW_CRAY_LIBFABRIC, else the newest version directory under
-#      $PWW_CRAY_LIBFABRIC_ROOT (default /opt/cray/libfabric) that holds libfabric.so.1;
+#      $PWW_CRAY_LIBFABRIC_ROOT (default /opt/cray/libfabric) that holds libfabric.so.1.
+#      Newest, not "the system default": the default is a module setting of the host's
+#      login environment, invisible inside the image, while the newest is what each LUMI
+#      system update brings (1.15.2.0 before January 2026, 1.22.0 after). Where another
+#      must win, PWW_CRAY_LIBFABRIC names it; the smoke job prints the version RCCL loaded
+#      ("NET/OFI Using Libfabric version"), to compare with `module show libfabric`;
 #   3. /opt/aws-ofi-nccl/lib, the image's plugin;
 #   4. /usr/lib64, for the bound libcxi.so.1 (nothing of Ubuntu's lives there to shadow);
 #   5. whatever LD_LIBRARY_PATH held already.

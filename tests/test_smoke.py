@@ -118,6 +118,33 @@ class NetworkRowTest(unittest.TestCase):
         self.assertTrue(lines[-1].endswith("Using network Libfabric"))
 
 
+MAPS = """7f0000000000-7f0000100000 r-xp 00000000 00:2a 1234  /opt/venv/lib/python3.12/site-packages/torch/lib/libamdhip64.so
+7f0000100000-7f0000200000 r--p 00100000 00:2a 1234  /opt/venv/lib/python3.12/site-packages/torch/lib/libamdhip64.so
+7f0000300000-7f0000400000 r-xp 00000000 00:2a 99    /opt/aws-ofi-nccl/lib/librccl-net.so
+7f0000500000-7f0000600000 rw-p 00000000 00:00 0
+"""
+
+
+class HipRuntimeRowTest(unittest.TestCase):
+    def test_one_runtime_passes_two_fail(self):
+        rocm = train.Dist(rank=0, local_rank=0, world_size=8, device=torch.device("cuda", 0), backend="nccl",
+                          accel="rocm")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "maps")
+            with open(path, "w") as f:
+                f.write(MAPS)
+            ok, detail = smoke.check_hip_runtime(rocm, path)
+            self.assertTrue(ok, detail)
+            self.assertIn("torch/lib/libamdhip64.so", detail)
+            with open(path, "a") as f:
+                f.write("7f0000700000-7f0000800000 r-xp 00000000 00:2a 77  /opt/rocm-7.0.2/lib/libamdhip64.so.7.0.70002\n")
+            ok, detail = smoke.check_hip_runtime(rocm, path)
+            self.assertFalse(ok)
+            self.assertIn("2 HIP runtimes", detail)
+        cpu = train.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo", accel="cpu")
+        self.assertEqual(smoke.check_hip_runtime(cpu), (True, "not a ROCm run"))
+
+
 class DebugFileTest(unittest.TestCase):
     """nccl_debug_to_file() with what a user may have set (RUNBOOK's checklist sets NCCL_DEBUG)."""
 
