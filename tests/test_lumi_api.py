@@ -10,7 +10,8 @@ and each test here runs a part of this suite under that interpreter, in a subpro
   stack        torch 2.10.0, triton 3.6.0 and torchtitan 0.2.2 installed and imported
                (test_pins.InstalledStackTest against requirements-lumi-api.txt); the SDPA
                kernel plan and the profiler's kernel names (private torch APIs that move
-               between releases); fp64 DiLoCo norms; tensor files against safetensors
+               between releases); fp64 DiLoCo norms; tensor files against safetensors;
+               checkpoints of one process (both formats; the optimizer keeps its kernel choice)
   fsdp_dcp     qwen3-tiny, FSDP2 on 2 gloo ranks under torchrun, a sharded DCP checkpoint,
                then --resume auto on 1 rank (test_train)
   distributed  smoke.py on 4 ranks with DiLoCo k=2 and k=4; FSDP2 gradient accumulation with
@@ -24,6 +25,7 @@ Run: make lumi-api && .venv/bin/python tests/run.py test_lumi_api
 """
 import os
 import re
+import signal
 import subprocess
 import unittest
 
@@ -39,7 +41,7 @@ DEADLINE_S = 540           # a part of the suite, whole: under the outer watchdo
 
 PARTS = {
     "stack": ["test_pins.InstalledStackTest", "test_gpu_path.AttentionPlanTest",
-              "test_gpu_path.DiLoCoNormTest", "test_tensorio"],
+              "test_gpu_path.DiLoCoNormTest", "test_tensorio", "test_checkpoint.SingleProcessTest"],
     "fsdp_dcp": ["test_train.TrainRunTest.test_fsdp_qwen3_tiny_loss_falls_then_resumes_on_one_rank"],
     "distributed": ["test_smoke.SmokeTest.test_passes_on_4_cpu_ranks_with_k2_and_k4",
                     "test_gpu_path.SpawnedTest.test_fsdp_grad_accumulation_same_update_with_and_without_deferred_sync",
@@ -78,8 +80,15 @@ class LumiTorchTest(unittest.TestCase):
                if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "VIRTUAL_ENV"))}
         env.update(PWW_STACK_REQUIREMENTS=test_pins.LUMI_API, PYTHONUNBUFFERED="1")
         cmd = [PYTHON, "tests/run.py", "--timeout", str(INNER_TIMEOUT_S), *PARTS[name]]
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
-        out = p.stdout + p.stderr
+        # a session of its own: torchrun and spawned ranks go with it if the deadline passes
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+        try:
+            out = p.communicate(timeout=DEADLINE_S)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out = p.communicate()[0]
+            self.fail(f"{' '.join(cmd)} still running after {DEADLINE_S} s:\n{out[-6000:]}")
         found = SUMMARY.findall(out)
         self.assertTrue(found, f"no summary line from {' '.join(cmd)}:\n{out[-6000:]}")
         passed, failed, skipped = map(int, found[-1])
