@@ -197,23 +197,39 @@ def admits(specs, version):
 
 
 class Context:
-    """The facts every rule reads: the pins, CI's versions, the floor, LUMI's torch."""
+    """The facts every rule reads: the pins, CI's versions, the floor, LUMI's torch.
+    image_torch is the image's torch pin when it passes its own rules, else the one it
+    should be: a wrong pin is reported once, at the pin, and the rules about what follows
+    from it (the LUMI venv, the image's Triton, index, base ROCm, labels) check against
+    the right version instead of repeating the wrong one as a fix."""
 
     def __init__(self, pins):
         self.pins = pins
         req = {p.name: p for p in pins if p.file == REQUIREMENTS and p.exact}
-        self.req = req
         self.tt = req["torchtitan"].version
         self.ci_torch = req["torch"].version.partition("+")[0]
         self.floor, self.why = TORCHTITAN_TORCH_FLOOR[self.tt]
         self.lumi = lumi_torch(self.floor)
-        self.lumi_fix = (f"torch=={fmt(self.lumi[0])}.0+rocm{fmt(self.lumi[1])}" if self.lumi else "none exists")
+        self.lumi_pin = f"{fmt(self.lumi[0])}.0+rocm{fmt(self.lumi[1])}" if self.lumi else None
+        self.lumi_fix = f"torch=={self.lumi_pin}" if self.lumi else "none exists"
+        self.image_torch = self.lumi_pin
         image = [p for p in pins if p.file == LUMI and p.name == "torch" and p.exact and rocm_of(p.version)]
-        self.image_torch = image[0].version if image else None
+        if image and not torch_pin_problems(image[0], self):
+            self.image_torch = image[0].version
+        self.valid = [p for p in pins if p.name == "torch" and p.exact and not torch_pin_problems(p, self)]
 
     def runs(self):
         """The torch versions the project runs (CI's, and the image's)."""
         return [self.ci_torch] + ([self.image_torch.partition("+")[0]] if self.image_torch else [])
+
+    def torch_for(self, file, rocm):
+        """The torch a file's Triton belongs to: its own valid pin, else the one it should pin."""
+        own = [q.version for q in self.valid if q.file == file and bool(rocm_of(q.version)) == rocm]
+        if own:
+            return own[0]
+        if rocm:
+            return self.image_torch
+        return self.image_torch.partition("+")[0] if file == LUMI_API and self.image_torch else self.ci_torch
 
 
 def problems(files):
@@ -235,17 +251,17 @@ def problems(files):
         elif p.name == "torch":
             out += torch_pin_problems(p, ctx) if p.exact else torch_range_problems(p, ctx)
         elif p.name in ("triton", "triton-rocm", "pytorch-triton-rocm", "pytorch-triton"):
-            out += triton_pin_problems(p, pins, ctx)
+            out += triton_pin_problems(p, ctx)
         elif p.name.startswith("label:"):
             out += label_problems(p, pins, ctx)
         elif p.name == "index":
-            out += index_problems(p, pins)
+            out += index_problems(p, pins, ctx)
         elif p.name in ("from", "hip"):
             out += image_rocm_problems(p, ctx)
     rocm_pins = [p for p in pins if p.name == "torch" and p.exact and rocm_of(p.version)]
     if len({p.version for p in rocm_pins}) > 1:
         out.append(f"ROCm torch pins differ: {', '.join(f'{p.where} {p.version}' for p in rocm_pins)}; "
-                   f"fix: the same torch=={rocm_pins[0].version} everywhere ({LUMI} is the one installed)")
+                   f"fix: the same torch=={ctx.image_torch} everywhere ({LUMI} is the one installed)")
     out += missing_pins(pins)
     return out
 
@@ -307,18 +323,18 @@ def torch_range_problems(p, ctx):
     return []
 
 
-def triton_pin_problems(p, pins, ctx):
+def triton_pin_problems(p, ctx):
     if not p.exact:
         return [f"{p.where}: {p.text}: a torch build requires one exact Triton; fix: pin it with == "
                 f"(the table TORCH_TRITON in {SELF})"]
-    same_file = [q for q in pins if q.file == p.file and q.name == "torch" and q.exact]
-    if p.name in ("triton", "pytorch-triton"):
-        torch_v = next((q.version for q in same_file if not rocm_of(q.version)), ctx.ci_torch)
-    else:
-        torch_v = next((q.version for q in same_file if rocm_of(q.version)), None)
-        if torch_v is None:
-            return [f"{p.where}: {p.name}=={p.version} without a ROCm torch beside it; fix: pin the "
-                    f"ROCm torch it belongs to in the same file"]
+    rocm_triton = p.name not in ("triton", "pytorch-triton")
+    if rocm_triton and not any(q.file == p.file and q.name == "torch" and q.exact and rocm_of(q.version)
+                               for q in ctx.pins):
+        return [f"{p.where}: {p.name}=={p.version} without a ROCm torch beside it; fix: pin the "
+                f"ROCm torch it belongs to in the same file"]
+    torch_v = ctx.torch_for(p.file, rocm_triton)
+    if torch_v is None:
+        return []                        # no ROCm torch runs on LUMI at all: said at the pin
     want = TORCH_TRITON.get(minor(torch_v))
     if want is None:
         return [f"{p.where}: no Triton known for torch {torch_v}; fix: add its version (torch's "
@@ -344,17 +360,21 @@ def label_problems(p, pins, ctx):
             return [f"{p.where}: label org.pww.rocm {p.version} but the image is built From: ROCm {base[0]}; "
                     f"fix: label {base[0]}"]
         return []
-    installed = [q.version for q in pins if q.file == p.file and q.name == name and q.exact]
+    if name == "torch":
+        installed = [ctx.image_torch] if ctx.image_torch else []
+    else:
+        installed = [q.version for q in pins if q.file == p.file and q.name == name and q.exact]
     if installed and p.version not in installed:
         return [f"{p.where}: label org.pww.{name} {p.version} but the image installs {name}=={installed[0]}; "
                 f"fix: label {installed[0]}"]
     return []
 
 
-def index_problems(p, pins):
+def index_problems(p, pins, ctx):
     """PyTorch's wheel index serves one build per URL: it must be the build the torch pin in
-    the same file names (+cu126 from whl/cu126; an untagged or +cpu pin from whl/cpu)."""
-    tagged = [q for q in pins if q.file == p.file and q.name == "torch" and q.exact]
+    the same file names (+cu126 from whl/cu126; an untagged or +cpu pin from whl/cpu). A
+    pin that breaks its own rules is reported there, not measured against."""
+    tagged = [q for q in ctx.valid if q.file == p.file]
     if not tagged:
         return []
     ok = [q for q in tagged if local_tag(q.version) == p.version
