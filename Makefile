@@ -52,11 +52,16 @@ lint: setup
 
 # Every figure of bench/, each against a baseline measured in the same run.
 # convergence.py runs its --quick size here (~4 min); the full size (~20 min) is
-# `$(PY) bench/convergence.py`.
+# `$(PY) bench/convergence.py`. fault_schedule.py runs 40 schedules here (~7 min);
+# the full proof (500 schedules, ~1.5 h on 2 cores) is `$(PY) bench/fault_schedule.py --jobs 2`.
 bench: setup
 	@set -e; for b in bench/*.py; do \
 	  echo "== $$b"; \
-	  if [ "$$b" = bench/convergence.py ]; then $(PY) $$b --quick; else $(PY) $$b; fi; \
+	  case "$$b" in \
+	    bench/convergence.py) $(PY) $$b --quick ;; \
+	    bench/fault_schedule.py) $(PY) $$b --schedules 40 --jobs 2 ;; \
+	    *) $(PY) $$b ;; \
+	  esac; \
 	done
 
 # Runs every job script under a real single-node Slurm on this machine (needs root).
@@ -64,4 +69,4 @@ test-slurm: setup
 	$(PY) tests/run.py slurm_jobs
 
 clean:
-	rm -rf runs/demo runs/bench-convergence
+	rm -rf runs/demo runs/bench-convergence runs/fault_schedule

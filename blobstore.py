@@ -314,6 +314,7 @@ class BlobStore:
             for chunk in chunks:
                 h.update(chunk)
                 writer.put(chunk)
+                httpd.fault_point("blob.chunk")      # test hook (httpd.py): killed mid-upload
             writer.drain()
             if writer.offset == total:
                 os.fsync(fd)

@@ -5,11 +5,15 @@
 #   ./central.sh status [--state-dir DIR]   # pid, /health and each server's own status report
 #   ./central.sh url    [--state-dir DIR]   # the lines to give the sites (their central.env)
 #   ./central.sh stop   [--state-dir DIR]   # SIGTERM (then SIGKILL after 30 s) each daemon
+#   ./central.sh audit  [--state-dir DIR] [--partial] [--blocks]   # audit.py: every block in one merged delta?
+#
+# status exits 1 when a daemon is down or a server's status says something is wrong
+# (a violation counter above 0, quarantined blocks); audit exits 1 unless PASS.
 #
 # Runs on: the central VM (no GPU, bare Python 3 + numpy; .venv/bin/python when present,
 # else python3; override with PYTHON). Nothing else is installed: copy this script and
 #   httpd.py tensorio.py blobstore.py darl_table.py darl_server.py fedmom_merge.py fedmom_state.py
-#   fedmom_server.py
+#   fedmom_server.py audit.py
 # into one directory (start refuses, naming them, if any is missing).
 # State (default runs/central, or --state-dir / PWW_CENTRAL_STATE):
 #   token          the shared bearer token, made on first start (mode 600): copy it to
@@ -27,15 +31,17 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-usage() { sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 [ $# -ge 1 ] || usage
 CMD=$1; shift
 STATE=${PWW_CENTRAL_STATE:-$ROOT/runs/central}
+AUDIT_ARGS=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --state-dir) [ $# -ge 2 ] || usage; STATE=$2; shift 2 ;;
         --state-dir=*) STATE=${1#*=}; shift ;;
+        --partial|--blocks) [ "$CMD" = audit ] || usage; AUDIT_ARGS+=("$1"); shift ;;
         *) echo "central.sh: unknown argument '$1'" >&2; usage ;;
     esac
 done
@@ -51,7 +57,7 @@ FEDMOM_PORT=${FEDMOM_PORT:-29511}
 BLOB_PORT=${BLOB_PORT:-29512}
 TOKEN=$STATE/token
 DAEMONS="darl fedmom blob"
-CENTRAL_FILES="httpd.py tensorio.py blobstore.py darl_table.py darl_server.py fedmom_merge.py fedmom_state.py fedmom_server.py"
+CENTRAL_FILES="httpd.py tensorio.py blobstore.py darl_table.py darl_server.py fedmom_merge.py fedmom_state.py fedmom_server.py audit.py"
 
 script_of() { case "$1" in darl) echo darl_server.py ;; fedmom) echo fedmom_server.py ;; blob) echo blobstore.py ;; esac; }
 port_of() { case "$1" in darl) echo "$DARL_PORT" ;; fedmom) echo "$FEDMOM_PORT" ;; blob) echo "$BLOB_PORT" ;; esac; }
@@ -216,7 +222,9 @@ status_one() {
     if [ -z "$pid" ]; then echo "$name: NOT RUNNING (log $STATE/$name.log)"; return 1; fi
     echo "$name: pid $pid, $(local_url "$name") health: $(health "$name" 0)"
     if [ "$name" != blob ]; then
-        "$PYTHON" "$ROOT/$(script_of "$name")" status --url "$(local_url "$name")" --token-file "$TOKEN" 2>&1 | sed 's/^/    /' || true
+        local rc=0
+        "$PYTHON" "$ROOT/$(script_of "$name")" status --url "$(local_url "$name")" --token-file "$TOKEN" 2>&1 | sed 's/^/    /' || rc=${PIPESTATUS[0]}
+        if [ "$rc" -ne 0 ]; then echo "    !!! $name status exit $rc: see the lines above"; return 1; fi
     fi
 }
 
@@ -253,5 +261,6 @@ case "$CMD" in
         for name in $DAEMONS; do status_one "$name" || rc=1; done
         exit $rc ;;
     url) print_urls ;;
+    audit) exec "$PYTHON" "$ROOT/audit.py" --state-dir "$STATE" "${AUDIT_ARGS[@]}" ;;
     *) usage ;;
 esac

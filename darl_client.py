@@ -14,8 +14,9 @@ Use from code:
             ... train on space.samples_of(space.block_at(p)) for p in span.positions()
             ... make the update durable (checkpoint, or merge at the aggregator)
             session.commit(span)          # or hand session.commit_record(span) to the aggregator
-    # federated (train.py --federation): the aggregator commits a merged delta's lease; the
-    # session heartbeats it until DARL reports it committed (then drops it quietly);
+    # federated (train.py --federation): the aggregator takes an accepted delta's span into
+    # custody at DARL and commits it once merged; the session heartbeats the lease until
+    # DARL reports it "done" (in custody or committed, then drops it quietly);
     # session.release(span) gives back a span whose delta was not merged, session.forget(span)
     # leaves one to the aggregator; session.held() / refresh() show what is still held;
     # session.starved is True while every remaining block is leased by someone else
@@ -265,8 +266,9 @@ class LeaseSession:
             self.throughput = rate if self.throughput is None else 0.5 * self.throughput + 0.5 * rate
 
     def commit_record(self, span):
-        """What the aggregator needs to commit this span on our behalf."""
-        return {"cluster": self.cluster, "incarnation": self.incarnation, "lease": span.lease, "end": span.end}
+        """What the aggregator needs to take this span into custody and commit it on our behalf."""
+        return {"cluster": self.cluster, "incarnation": self.incarnation, "lease": span.lease,
+                "start": span.start, "end": span.end}
 
     def commit(self, span):
         """Commit [lease start, span.end); raises LeaseLost if the lease was reclaimed."""

@@ -17,25 +17,39 @@ Run:
     python darl_server.py --manifest /tmp/manifest.json --block-size 64 --seed 0
         # N = the manifest's TRAINING windows (num_windows - heldout_windows):
         # the held-out tail is never leased (darl_table.py says how positions map)
-    python darl_server.py status --url http://127.0.0.1:29510
+    python darl_server.py status --url http://127.0.0.1:29510      # exit 1 while anything is wrong
+    python darl_server.py abort-custody --aggregator ID --reason "state dir lost" [--yes]
 
 Bind/port: 127.0.0.1:29510 by default. A non-loopback --host needs a token
 (--token-file or $PWW_TOKEN) or --insecure. Every endpoint but /health needs
 `Authorization: Bearer <token>` when a token is set.
 
-State: <state-dir>/darl/wal.jsonl (one JSON line per state change, each with
-"v": 1, fsync'd before the reply) and <state-dir>/darl/snapshot.json (every
---snapshot-every changes; LeaseTable.verify() runs before each one is
-written). A restart loads the snapshot, replays the log (a torn last line,
-i.e. a crash mid-write, is dropped) and gives every lease alive at the crash
---restore-grace seconds, so sites training through the outage lose nothing.
+State: <state-dir>/darl/wal.jsonl and <state-dir>/darl/snapshot.json.
+  - The log: one line per state change, `<JSON><TAB><crc32 of the JSON>`, fsync'd
+    before the reply. Its first line is a header naming the snapshot it continues,
+    the block space and the leasing flags (TableConfig) in force; every record holds
+    its call, its time and `out`, a digest of what the call decided.
+  - The snapshot (every --snapshot-every changes, and at SIGTERM): the table, the
+    flags and a checksum, written atomically after LeaseTable.verify(); the log
+    then starts afresh with a new header.
+  - A restart loads the snapshot and replays the log under the flags it recorded;
+    a replayed call that decides otherwise than `out` stops the start. The last
+    lines of a crash mid-write (damaged, nothing intact after them) are dropped;
+    any other damaged line stops the start with the file, the byte offset and what
+    to do. Leases alive at the crash get --restore-grace more seconds.
+  - Leasing flags that differ from the recorded ones stop the start, naming each
+    flag and both values; --accept-config-change logs the change instead, and it
+    applies from then on.
+Clock: leases live on DARL's own clock (TableClock): the wall clock at start,
+then monotonic time, so a wall-clock step of +-1 h neither expires nor extends a
+lease; across a restart it never runs below the last logged change.
 
 Callers: darl_client.py (one LeaseSession per stream, i.e. per replica) and
-fedmom_server.py, which commits blocks on a cluster's behalf once the update
-trained on them is merged into a durable round.
+fedmom_server.py, which takes the leases of every delta it accepts into custody
+and commits them once the update trained on them is merged into a durable round.
 
 Protocol (POST, JSON bodies; replies are JSON; errors are 4xx with
-{"error": "one line"} and change nothing):
+{"error": "one line"} and change nothing, apart from the violation counters):
     /register  {cluster, incarnation, digest}
                -> {cluster, incarnation, num_blocks, digest, space}; a wrong digest
                   is a 409 whose reply also carries the coordinator's digest and space;
@@ -43,25 +57,52 @@ Protocol (POST, JSON bodies; replies are JSON; errors are 4xx with
                   "code": "incarnation_conflict" and "retry_after_s" (until its leases expire)
     /acquire   {cluster, incarnation, blocks?, ttl?, request_id?}
                -> {"status": "ok", "lease": {...}} | {"status": "wait", "retry_after"}
-                  | {"status": "done"}  (nothing left to lease, ever)
+                  | {"status": "done"}  (nothing left to lease, ever: nothing free,
+                  leased or in custody)
     /heartbeat {cluster, incarnation, leases: [{"lease", "cursor"?}], ttl?, throughput?}
                -> {"leases": [{"lease", "valid", "start", "claimed", "end", "ttl_left"}], "ttl"}
                The reply is an instruction: `end` may have shrunk (stolen tail)
-               and valid=false means the lease was reclaimed: stop using it.
-               `cursor` claims [start, cursor): the coordinator never steals
-               a claimed position, and a client must not touch an unclaimed one.
-               ttl_left (live leases only) is what remains after this heartbeat;
-               the aggregator heartbeats again within a third of it.
-    /commit    {cluster, incarnation, lease, end?}   commits [lease.start, end); a lease
-               that EXPIRED still commits while every position of that range sits
-               unleased in the pool (or quarantine): nobody else trained them, so they
-               are taken back; if any was leased or committed again it is a 409 (a
-               released lease is always a 409: its holder gave the blocks back)
-    /release   {cluster, incarnation, leases: [...], leave?}
-    GET /status  progress, per-cluster books, and the space: {"digest", "space":
-                 {num_samples, block_size, seed, num_blocks, algorithm, manifest_digest}}
-                 so a site can build the same BlockSpace from its own manifest
+               and valid=false means the lease is no longer the site's: "done"
+               (committed, or in the aggregator's custody: normal) or reclaimed
+               (stop using it). `cursor` claims [start, cursor): the coordinator
+               never steals a claimed position, and a client must not touch an
+               unclaimed one.
+    /commit    {cluster, incarnation, lease, end?}   a site's own commit of [lease.start,
+               end) (no aggregator); an EXPIRED lease still commits while every position
+               of that range sits unleased in the pool (or quarantine)
+    /release   {cluster, incarnation, leases: [...], leave?}   gives back the live part of
+               leases; positions in custody are not the site's to give
+  Custody, the aggregator's two-phase commit (fedmom_state.py is the coordinator):
+    /fence     {aggregator, epoch}   a (re)started aggregator announces its epoch; any
+               call naming an older epoch of that aggregator is a 409 "fenced" from now on
+    /custody   {aggregator, epoch, delta, cluster, incarnation, leases: [{lease, start?, end?}]}
+               -> {"state": "held", "pieces": [[lease, start, end]], "blocks"}: the
+               positions [start, end) of every lease leave it, all or nothing, for a
+               custody record that no TTL, steal, release or new incarnation touches.
+               409 "lease_lost" (+ leases) when a lease is not (cluster, incarnation)'s
+               to give: expired and re-leased, stolen, or unknown. A repeat gets the
+               same answer; a delta whose custody was aborted gets 409 "custody_aborted"
+    /custody/commit  {aggregator, epoch, delta}   the round holding that delta is
+               durable: its positions are COMMITTED. 409 "custody_aborted" or
+               "unknown_custody" is counted (refused_commits, blocks_trained_twice)
+    /custody/abort   {aggregator, epoch, delta, why?}   the delta will never be merged:
+               its positions go back to the pool (counted: aborted_custody). Of a delta
+               DARL never held it leaves a tombstone, so a late custody request fails
+    /custody/abort_orphaned {aggregator, reason}   the operator's command (the
+               abort-custody CLI): every custody of that aggregator goes back to the
+               pool and the identity is retired ("fenced" from then on)
+  Only a definitive answer settles a custody call for the aggregator: a 2xx, or a
+  409 with one of the codes above. 401/403/404/5xx/timeouts are not DARL's word.
+    GET /custody?aggregator=&state=   the custody records (oldest first) and aggregators
+    GET /status  progress, per-cluster books, custody, aggregators and their epochs,
+                 "violations" {refused_commits, aborted_custody, blocks_trained_twice},
+                 the leasing flags, and the space: {"digest", "space": {num_samples,
+                 block_size, seed, num_blocks, algorithm, manifest_digest}} so a site
+                 can build the same BlockSpace from its own manifest
     GET /health
+Test hooks (httpd.py): fault points darl.append (decided, not written), darl.torn
+(half a line written) and darl.synced (durable, not answered); the wall clock read
+at start through httpd.wall_time().
 """
 import dataclasses
 import json
@@ -70,12 +111,14 @@ import signal
 import sys
 import threading
 import time
+import urllib.parse
+import zlib
 
 import darl_table
 import httpd
 
 DEFAULT_PORT = 29510
-WAL_VERSION = 1
+WAL_VERSION = 2                # 2: checksummed lines, a config header, recorded outcomes, custody
 # fdatasync flushes the appended bytes and the new file size, skipping the
 # mtime update; measured here 0.25 ms against 0.2-16 ms for fsync on a busy disk.
 _datasync = getattr(os, "fdatasync", os.fsync)
@@ -84,56 +127,127 @@ _datasync = getattr(os, "fdatasync", os.fsync)
 # ------------------------------------------------------------------ durability
 
 class LogError(SystemExit):
-    """The state directory cannot be read back: names the file and the fix."""
+    """The state directory cannot be read back: names the file, the byte offset and the fix."""
+
+
+class ConfigChanged(SystemExit):
+    """The flags that decide leases differ from the ones the state was written with."""
+
+
+def _crc(payload):
+    return format(zlib.crc32(payload), "08x")
+
+
+def _line(rec):
+    payload = json.dumps(rec, separators=(",", ":")).encode()
+    return payload + b"\t" + _crc(payload).encode() + b"\n"
+
+
+def _parse_line(raw, path, offset):
+    """One log line -> its record. ValueError = damaged (checksum, JSON); LogError = a line
+    that is intact but not ours to read (another version)."""
+    payload, tab, crc = raw.rpartition(b"\t")
+    if not tab:
+        try:
+            old = json.loads(raw)
+        except ValueError:
+            old = None
+        if isinstance(old, dict) and old.get("v") == 1:
+            raise LogError(f"{path}: written by an older darl_server.py (log v1, no checksums); finish that run "
+                           "with the darl_server.py that wrote it, or start this one on a new --state-dir")
+        raise ValueError("no checksum")
+    if _crc(payload).encode() != crc:
+        raise ValueError("checksum mismatch")
+    rec = json.loads(payload)
+    if not isinstance(rec, dict):
+        raise ValueError("not a JSON object")
+    if rec.get("v") != WAL_VERSION:
+        raise LogError(f"{path}: byte {offset} has log version {rec.get('v')!r}; this darl_server reads "
+                       f"v={WAL_VERSION}: run the darl_server.py that wrote it")
+    return rec
+
+
+def outcome_digest(reply=None, refused=None):
+    """What a logged call decided, in 8 hex digits: replay must decide the same."""
+    obj = {"refused": refused.status, "code": refused.extra.get("code")} if refused is not None else reply
+    return _crc(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
+
+
+@dataclasses.dataclass
+class LogContents:
+    header: dict | None
+    records: list          # every record after the header, each with "_at" = its byte offset
+    good_bytes: int        # the log up to the end of its last intact line
+    torn_bytes: int        # bytes after it: a crash mid-write, never acknowledged
 
 
 class WriteAheadLog:
-    """JSON lines, one per state change, each {"v": 1, "seq", "t", "op", "args"}.
+    """Lines of `<JSON record><TAB><crc32 of the JSON, 8 hex>`, one per state change.
 
-    Group commit: a record is written under the coordinator's lock, then the
-    caller waits in sync() until an fsync covers it; one fsync serves every
-    record written before it, so concurrent clients share the disk flush.
+    The first line is a header: {"v", "op": "header", "seq" (the snapshot the log
+    continues), "t", "digest", "space", "config"}; every other line is
+    {"v", "seq", "t", "op", "args", "out"}, `out` being outcome_digest() of what the
+    call decided. Group commit: a record is written under the coordinator's lock, then
+    the caller waits in sync() until an fsync covers it; one fsync serves every record
+    written before it, so concurrent clients share the disk flush.
     """
 
-    def __init__(self, path, fsync=True):
+    def __init__(self, path, fsync=True, keep=None, header=None):
         self.path, self.fsync = path, fsync
+        if keep is not None and os.path.exists(path) and os.path.getsize(path) > keep:
+            with open(path, "r+b") as f:        # drop the torn tail before appending after it
+                f.truncate(keep)
+                f.flush()
+                os.fsync(f.fileno())
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.sync_lock = threading.Lock()
         self.written = self.durable = 0
+        if header is not None and os.fstat(self.fd).st_size == 0:
+            os.write(self.fd, _line(header))
+            if fsync:
+                os.fsync(self.fd)
 
     @staticmethod
     def read(path):
-        """Records in order; a torn last line (crash mid-write) is cut off the file."""
+        """The header and records, changing nothing. A torn tail (the damaged or unfinished
+        last lines of a crash mid-write: no intact line after them) is left out and
+        measured; a damaged line with an intact one after it is a LogError."""
         if not os.path.exists(path):
-            return []
+            return LogContents(None, [], 0, 0)
         with open(path, "rb") as f:
             data = f.read()
-        records, offset = [], 0
-        *complete, tail = data.split(b"\n")     # tail: bytes after the last newline (a torn write)
-        for i, line in enumerate(complete):
+        lines = data.split(b"\n")
+        lines.pop()                             # after the last newline: b"" or an unfinished line
+        records, offset, good_end, bad = [], 0, 0, None
+        for i, raw in enumerate(lines):
             try:
-                rec = json.loads(line)
-            except ValueError:
-                if i < len(complete) - 1 or tail:
-                    raise LogError(f"{path}: line {i + 1} is corrupt and is not the last line, so the log "
-                                   "cannot be replayed past it; keep a copy of the state directory and ask "
-                                   "whether losing the changes after that line is acceptable")
-                tail = line
-                break
-            if not isinstance(rec, dict) or rec.get("v") != WAL_VERSION:
-                got = rec.get("v") if isinstance(rec, dict) else None
-                raise LogError(f"{path}: line {i + 1} has version {got!r}; this darl_server reads "
-                               f"v={WAL_VERSION}: run the darl_server.py that wrote it")
-            records.append(rec)
-            offset += len(line) + 1
-        if tail:
-            sys.stderr.write(f"darl_server: dropping the torn last line of {path} ({len(tail)} bytes)\n")
-            with open(path, "r+b") as f:
-                f.truncate(offset)
-        return records
+                rec = _parse_line(raw, path, offset)
+            except ValueError as e:
+                bad = bad or (i + 1, offset, str(e))
+            else:
+                if bad is not None:
+                    line, at, what = bad
+                    raise LogError(
+                        f"{path}: byte {at} (line {line}): {what}, and intact lines follow it, so this is damage, "
+                        f"not a crash mid-write. Keep a copy of {os.path.dirname(path)}, then restore it from a "
+                        f"backup, or cut the log there (truncate -s {at} {path}) and restart: the changes logged "
+                        "after that byte are lost, and sites may hold leases DARL no longer knows (restart them)")
+                rec["_at"] = offset
+                records.append(rec)
+                good_end = offset + len(raw) + 1
+            offset += len(raw) + 1
+        header = records.pop(0) if records and records[0].get("op") == "header" else None
+        if records and header is None:
+            raise LogError(f"{path}: byte 0: the log has no header line (the config and space it was written "
+                           "under); it was not written by this darl_server.py: use a new --state-dir")
+        return LogContents(header, records, good_end, len(data) - good_end)
 
     def append(self, record):
-        os.write(self.fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+        line = _line(record)
+        # darl.torn: half the line reaches the file, then the process is killed (a torn write);
+        # the test that arms it always kills there, never lets the thread go on
+        httpd.fault_point("darl.torn", on_stop=lambda: os.write(self.fd, line[:len(line) // 2]))
+        os.write(self.fd, line)
         self.written = record["seq"]
 
     def sync(self, seq):
@@ -146,18 +260,36 @@ class WriteAheadLog:
             _datasync(self.fd)
             self.durable = target
 
-    def truncate(self, seq):
-        """Everything up to `seq` is in a durable snapshot: start the log afresh."""
+    def restart(self, header):
+        """Everything up to header["seq"] is in a durable snapshot: a log of the header alone
+        replaces this one atomically (a crash leaves the old log, whose records the snapshot
+        already holds, or the new one)."""
         with self.sync_lock:
-            os.ftruncate(self.fd, 0)
+            tmp = self.path + ".tmp"
+            with open(tmp, "wb") as f:
+                f.write(_line(header))
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, self.path)
             if self.fsync:
-                os.fsync(self.fd)
-            self.durable = max(self.durable, seq)
+                _fsync_dir(os.path.dirname(self.path))
+            os.close(self.fd)
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            self.durable = max(self.durable, header["seq"])
 
     def close(self):
         if self.fsync:
             os.fsync(self.fd)
         os.close(self.fd)
+
+
+def _fsync_dir(path):
+    dfd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def _write_atomic(path, obj):
@@ -167,87 +299,195 @@ def _write_atomic(path, obj):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _snapshot_crc(snap):
+    return _crc(json.dumps({k: v for k, v in snap.items() if k != "crc"}, sort_keys=True,
+                           separators=(",", ":")).encode())
+
+
+def _read_snapshot(path):
+    if not os.path.exists(path):
+        return None
     try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+        with open(path) as f:
+            snap = json.load(f)
+    except ValueError as e:
+        raise LogError(f"{path}: unreadable snapshot ({e}); snapshots are written atomically, so this is disk "
+                       "damage: restore the file from a backup")
+    if not isinstance(snap, dict) or snap.get("v") != WAL_VERSION:
+        got = snap.get("v") if isinstance(snap, dict) else None
+        raise LogError(f"{path}: snapshot version {got!r}, this darl_server reads v={WAL_VERSION}: run the "
+                       "darl_server.py that wrote it, or start on a new --state-dir")
+    if snap.get("crc") != _snapshot_crc(snap):
+        raise LogError(f"{path}: the snapshot's checksum does not match its contents (disk damage): restore the "
+                       "file from a backup")
+    return snap
+
+
+@dataclasses.dataclass
+class Loaded:
+    """DARL's durable state as load_state() rebuilt it."""
+    table: darl_table.LeaseTable
+    seq: int
+    t: float               # the time of the last change: the table clock never goes below it
+    digest: str
+    space: dict
+    torn_bytes: int
+    good_bytes: int
+
+
+def load_state(state_dir):
+    """Rebuild the table from <state_dir>/darl/ (snapshot, then the log after it), each
+    record under the config logged before it; changes no file. None for a fresh dir.
+    Raises LogError naming the file, the byte offset and what to do."""
+    d = os.path.join(state_dir, "darl")
+    wal_path, snap_path = os.path.join(d, "wal.jsonl"), os.path.join(d, "snapshot.json")
+    snap = _read_snapshot(snap_path)
+    log = WriteAheadLog.read(wal_path)
+    base = snap or log.header
+    if base is None:
+        return None
+    try:
+        config = darl_table.TableConfig.from_dict(base["config"])
+        if snap:
+            table = darl_table.LeaseTable.from_dict(snap["table"], config)
+        else:
+            table = darl_table.LeaseTable(base["space"]["num_blocks"], config)
+        seq, t, digest, space = base["seq"], base["t"], base["digest"], base["space"]
+    except (KeyError, TypeError, ValueError) as e:
+        where = snap_path if snap else f"{wal_path}: byte 0"
+        raise LogError(f"{where}: cannot read it back ({type(e).__name__}: {e}); restore the state directory "
+                       "from a backup, or start on a new --state-dir")
+    if log.header is not None:
+        if log.header.get("digest") != digest:
+            raise LogError(f"{wal_path}: byte 0: the log belongs to block space {log.header.get('digest')}, the "
+                           f"snapshot to {digest}; the two files are from different runs")
+        if log.header.get("seq", 0) > seq:
+            raise LogError(f"{wal_path}: byte 0: the log continues change {log.header.get('seq')}, the snapshot "
+                           f"holds changes up to {seq}; the changes between are lost: restore the state directory "
+                           "from a backup")
+    for rec in log.records:
+        if rec.get("seq", 0) <= seq:
+            continue                       # already inside the snapshot
+        seq, t = _replay(table, rec, seq, wal_path), rec["t"]
+    return Loaded(table, seq, t, digest, space, log.torn_bytes, log.good_bytes)
+
+
+def _replay(table, rec, seq, path):
+    where = f"{path}: byte {rec['_at']} (change {rec.get('seq')}, {rec.get('op')!r})"
+    if rec.get("seq") != seq + 1 or rec.get("op") not in Coordinator.OPS:
+        raise LogError(f"{where} does not follow change {seq}; the log is not this state's continuation: "
+                       "restore the state directory from a backup")
+    try:
+        reply = getattr(table, rec["op"])(**rec["args"], now=rec["t"])
+        got = outcome_digest(reply)
+    except darl_table.LeaseError as e:
+        got = outcome_digest(refused=e)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise LogError(f"{where} cannot be replayed ({type(e).__name__}: {e}); the log was damaged or written by "
+                       "another darl_server.py: restore the state directory from a backup")
+    if got != rec.get("out"):
+        raise LogError(f"{where} replays to another outcome than the one it recorded; this log was written by "
+                       "another darl_server.py version: run that version, or start on a new --state-dir")
+    return rec["seq"]
+
+
+class TableClock:
+    """DARL's time: wall-clock seconds at the start, then only what the monotonic clock
+    adds, so a step of the wall clock (NTP, an operator, a VM resume) neither expires
+    nor extends a lease. It starts at the wall clock or the last logged change,
+    whichever is later, so it never runs backwards across restarts; a forward step
+    while DARL was down is absorbed by --restore-grace (leases alive at the crash get
+    that long from the restart)."""
+
+    def __init__(self, floor=0.0, wall=httpd.wall_time, monotonic=time.monotonic):
+        self.monotonic = monotonic
+        self.base, self.mono0 = max(wall(), floor), monotonic()
+
+    def __call__(self):
+        return self.base + (self.monotonic() - self.mono0)
 
 
 class Coordinator:
     """The LeaseTable (darl_table.py) behind one lock, with every change logged before the reply.
 
     call(op, args) applies a LeaseTable method at the current time, appends
-    {op, args, t} to the log and waits for the fsync; replaying the same
-    records at the same times rebuilds the same table, because the table is a
-    pure function of its calls and their times.
+    {op, args, t, out} to the log and waits for the fsync; replaying the same
+    records at the same times under the same logged config rebuilds the same
+    table, because the table is a pure function of its calls, their times and
+    its config, and `out` proves it record by record.
     """
-    OPS = ("register", "acquire", "heartbeat", "commit", "release", "restore")
+    OPS = ("register", "acquire", "heartbeat", "commit", "release", "restore", "set_config", "fence",
+           "take_custody", "commit_custody", "abort_custody", "abort_orphaned")
 
     def __init__(self, space, config=None, state_dir=None, snapshot_every=1000, restore_grace=120.0,
-                 fsync=True, clock=time.time):
-        self.space, self.digest, self.clock = space, space.digest(), clock
-        self.config = config or darl_table.TableConfig()
+                 fsync=True, clock=None, wall=httpd.wall_time, monotonic=time.monotonic,
+                 accept_config_change=False):
+        self.space, self.digest = space, space.digest()
+        self.config = (config or darl_table.TableConfig()).validate()
         self.snapshot_every, self.lock = snapshot_every, threading.Lock()
-        self.invariant_error = None
-        self.table, self.seq = darl_table.LeaseTable(space.num_blocks, self.config, clock), 0
+        self.invariant_error, self.torn_bytes = None, 0
+        self.table, self.seq, last_t, changes = darl_table.LeaseTable(space.num_blocks, self.config), 0, 0.0, []
         self.dir = self.wal = None
+        loaded = None
         if state_dir:
             self.dir = os.path.join(state_dir, "darl")
             os.makedirs(self.dir, exist_ok=True)
-            self._load()
-            self.wal = WriteAheadLog(os.path.join(self.dir, "wal.jsonl"), fsync)
+            loaded = load_state(state_dir)
+        if loaded is not None:
+            if loaded.digest != self.digest:
+                raise LogError(f"{self.dir} belongs to another block space (digest {loaded.digest}, space "
+                               f"{loaded.space}); this server has {space.describe()}. Use the same "
+                               "--num-samples/--manifest, --block-size and --seed, or a new --state-dir")
+            self.table, self.seq, last_t, self.torn_bytes = loaded.table, loaded.seq, loaded.t, loaded.torn_bytes
+            changes = self.table.config.changes(self.config)
+            if changes and not accept_config_change:
+                raise ConfigChanged(config_refusal(self.dir, changes))
+        self.clock = clock or TableClock(last_t, wall, monotonic)
+        self.table.clock = self.clock
+        if self.dir:
+            if self.torn_bytes:
+                sys.stderr.write(f"darl_server: dropping the torn tail of {self.dir}/wal.jsonl "
+                                 f"({self.torn_bytes} bytes: a crash mid-write, never acknowledged)\n")
+            self.wal = WriteAheadLog(os.path.join(self.dir, "wal.jsonl"), fsync,
+                                     keep=loaded.good_bytes if loaded else 0, header=self._header())
             self.wal.written = self.wal.durable = self.seq
+        if changes:
+            self.call("set_config", {"config": self.config.to_dict()})
+            sys.stderr.write("darl_server: --accept-config-change: logged " + ", ".join(
+                f"{flag} {old} -> {new}" for flag, old, new in changes) + "; it applies from now on\n")
         if self.table.leases:
             self.call("restore", {"grace": restore_grace})
 
-    def _load(self):
-        snap_path = os.path.join(self.dir, "snapshot.json")
-        if os.path.exists(snap_path):
-            try:
-                with open(snap_path) as f:
-                    snap = json.load(f)
-            except ValueError as e:
-                raise LogError(f"{snap_path}: unreadable snapshot ({e}); snapshots are written atomically, so "
-                               "this is disk damage: restore the file from a backup")
-            if snap.get("v") != WAL_VERSION:
-                raise LogError(f"{snap_path}: version {snap.get('v')!r}, this darl_server reads v={WAL_VERSION}")
-            if snap["digest"] != self.digest:
-                raise LogError(f"{self.dir} belongs to another block space (digest {snap['digest']}, "
-                               f"space {snap.get('space')}); this server has {self.space.describe()}. "
-                               "Use the same --num-samples/--manifest, --block-size and --seed, or a new --state-dir")
-            self.table = darl_table.LeaseTable.from_dict(snap["table"], self.config, self.clock)
-            self.seq = snap["seq"]
-        for rec in WriteAheadLog.read(os.path.join(self.dir, "wal.jsonl")):
-            if rec["seq"] <= self.seq:
-                continue                       # already inside the snapshot
-            if rec["seq"] != self.seq + 1 or rec["op"] not in self.OPS:
-                raise LogError(f"{self.dir}/wal.jsonl: record {rec['seq']} ({rec['op']!r}) does not follow "
-                               f"{self.seq}; the log is not this snapshot's continuation")
-            if rec["op"] == "register" and rec.get("digest", self.digest) != self.digest:
-                raise LogError(f"{self.dir} belongs to another block space: use a new --state-dir")
-            try:
-                getattr(self.table, rec["op"])(**rec["args"], now=rec["t"])
-            except darl_table.LeaseError as e:
-                raise LogError(f"{self.dir}/wal.jsonl: record {rec['seq']} no longer applies ({e.reason})")
-            self.seq = rec["seq"]
+    def _header(self):
+        return {"v": WAL_VERSION, "op": "header", "seq": self.seq, "t": self.clock(), "digest": self.digest,
+                "space": self.space.describe(), "config": self.table.config.to_dict()}
 
     def call(self, op, args):
-        """Apply one change; return its reply once it is durable. LeaseError = refused, nothing logged."""
+        """Apply one change; return its reply once it is durable. LeaseError = refused, nothing
+        logged, except a counted refusal (a commit that cannot stand), which is logged too."""
         if op == "register" and args.get("digest") != self.digest:
             raise darl_table.LeaseError(409, f"block-space digest mismatch: client {args.get('digest')!r}, "
                                              f"coordinator {self.digest!r} ({self.space.describe()}); both sides "
                                              "must use the same --num-samples/--manifest, --block-size and --seed",
                                         digest=self.digest, space=self.space.describe())
+        refused = None
         with self.lock:
             now = self.clock()
             table_args = {k: v for k, v in args.items() if k != "digest"}
-            reply = getattr(self.table, op)(**table_args, now=now)
+            try:
+                reply = getattr(self.table, op)(**table_args, now=now)
+            except darl_table.LeaseError as e:
+                if not e.counted:
+                    raise
+                refused, reply = e, None
             self.seq += 1
             if self.wal is not None:
-                rec = {"v": WAL_VERSION, "seq": self.seq, "t": now, "op": op, "args": table_args}
-                if op == "register":
-                    rec["digest"] = self.digest
+                rec = {"v": WAL_VERSION, "seq": self.seq, "t": now, "op": op, "args": table_args,
+                       "out": outcome_digest(reply, refused)}
+                httpd.fault_point("darl.append")       # decided, nothing written: as if it never happened
                 try:
                     self.wal.append(rec)
                 except OSError as e:        # memory and disk now disagree: stop rather than serve
@@ -259,6 +499,9 @@ class Coordinator:
             seq = self.seq
         if self.wal is not None:
             self.wal.sync(seq)
+            httpd.fault_point("darl.synced")           # durable, the reply not sent: the client retries
+        if refused is not None:
+            raise refused
         if op == "register":        # what a site needs to build the same BlockSpace and check it
             reply = {**reply, "digest": self.digest, "space": self.space.describe()}
         return reply
@@ -271,10 +514,12 @@ class Coordinator:
             self.invariant_error = str(e)
             sys.stderr.write(f"darl_server: INVARIANT VIOLATED, snapshot skipped: {e}\n")
             return False
-        _write_atomic(os.path.join(self.dir, "snapshot.json"),
-                      {"v": WAL_VERSION, "seq": self.seq, "t": self.clock(), "digest": self.digest,
-                       "space": self.space.describe(), "table": self.table.to_dict()})
-        self.wal.truncate(self.seq)
+        snap = {"v": WAL_VERSION, "seq": self.seq, "t": self.clock(), "digest": self.digest,
+                "space": self.space.describe(), "config": self.table.config.to_dict(),
+                "table": self.table.to_dict()}
+        snap["crc"] = _snapshot_crc(snap)
+        _write_atomic(os.path.join(self.dir, "snapshot.json"), snap)
+        self.wal.restart(self._header())
         return True
 
     def status(self):
@@ -283,9 +528,15 @@ class Coordinator:
                 out = self.table.status(self.clock())
             except darl_table.InvariantError as e:
                 self.invariant_error = str(e)
-                out = {}
+                out = {"violations": dict(self.table.counters)}
             return {**out, "digest": self.digest, "space": self.space.describe(), "seq": self.seq,
+                    "config": self.table.config.to_dict(), "torn_bytes_dropped": self.torn_bytes,
                     "invariant_error": self.invariant_error}
+
+    def custody(self, aggregator=None, state=None):
+        with self.lock:
+            return {"custody": self.table.custody_records(aggregator, state),
+                    "aggregators": self.table.status(self.clock())["aggregators"]}
 
     def close(self):
         with self.lock:
@@ -293,6 +544,16 @@ class Coordinator:
                 self.snapshot()
                 self.wal.close()
                 self.wal = None
+
+
+def config_refusal(state_dir, changes):
+    """The one message for a restart under other decision flags: each flag, both values, both ways out."""
+    diff = "; ".join(f"{flag} was {old}, this start has {new}" for flag, old, new in changes)
+    keep = " ".join(f"{flag} {old}" for flag, old, _ in changes)
+    return (f"darl_server: {state_dir} was written under other leasing flags ({diff}). Its log replays and goes "
+            f"on under the flags it recorded, so a silent change would re-decide what is already decided. Restart "
+            f"with {keep}, or add --accept-config-change to log the change: it applies from now on, never to what "
+            "is already logged")
 
 
 # ------------------------------------------------------------------ HTTP
@@ -304,34 +565,49 @@ def _fields(body, spec):
 
 
 ID = {"cluster": (str, True), "incarnation": (str, True)}
+AGG = {"aggregator": (str, True), "epoch": (int, True)}
 NUM = (int, float)
-REQUESTS = {
-    "register": {**ID, "digest": (str, True)},
-    "acquire": {**ID, "blocks": (int, False), "ttl": (NUM, False), "request_id": (str, False)},
-    "heartbeat": {**ID, "leases": (list, False), "ttl": (NUM, False), "throughput": (NUM, False)},
-    "commit": {**ID, "lease": (int, True), "end": (int, False)},
-    "release": {**ID, "leases": (list, False), "leave": (bool, False)},
+REQUESTS = {            # op -> (path, {field: (type, required)})
+    "register": ("/register", {**ID, "digest": (str, True)}),
+    "acquire": ("/acquire", {**ID, "blocks": (int, False), "ttl": (NUM, False), "request_id": (str, False)}),
+    "heartbeat": ("/heartbeat", {**ID, "leases": (list, False), "ttl": (NUM, False), "throughput": (NUM, False)}),
+    "commit": ("/commit", {**ID, "lease": (int, True), "end": (int, False)}),
+    "release": ("/release", {**ID, "leases": (list, False), "leave": (bool, False)}),
+    "fence": ("/fence", AGG),
+    "take_custody": ("/custody", {**AGG, "delta": (str, True), **ID, "leases": (list, True)}),
+    "commit_custody": ("/custody/commit", {**AGG, "delta": (str, True)}),
+    "abort_custody": ("/custody/abort", {**AGG, "delta": (str, True), "why": (str, False)}),
+    "abort_orphaned": ("/custody/abort_orphaned", {"aggregator": (str, True), "reason": (str, True)}),
 }
 
 
 def make_routes(coord):
-    def rpc(op):
+    def rpc(op, spec):
         def route(req):
-            args = _fields(req.json(), REQUESTS[op])
+            args = _fields(req.json(), spec)
             try:
                 return coord.call(op, args)
             except darl_table.LeaseError as e:
                 raise httpd.HTTPError(e.status, e.reason, **e.extra)
         return route
 
-    routes = {("POST", "/" + op): rpc(op) for op in REQUESTS}
+    routes = {("POST", path): rpc(op, spec) for op, (path, spec) in REQUESTS.items()}
     routes[("GET", "/status")] = lambda req: coord.status()
+    routes[("GET", "/custody")] = lambda req: coord.custody(req.query.get("aggregator"), req.query.get("state"))
     routes[("GET", "/health")] = lambda req: {"ok": True, "service": "darl", "digest": coord.digest,
                                               "num_blocks": coord.space.num_blocks}
     return routes
 
 
-# ------------------------------------------------------------------ status CLI
+# ------------------------------------------------------------------ status and operator CLIs
+
+def violations_line(v):
+    """The loud line for non-zero violation counters (also the aggregator's), or None."""
+    if not v or not any(v.values()):
+        return None
+    return ("!!! EXACTLY-ONCE VIOLATED: " + ", ".join(f"{k} {n}" for k, n in v.items())
+            + " (FEDERATION_GUIDE.md section 7 says what each means; `python audit.py` names the blocks)")
+
 
 def format_status(st):
     lines = []
@@ -339,26 +615,41 @@ def format_status(st):
     pct = 100.0 * st.get("committed", 0) / n if n else 0.0
     lines.append(f"space: {st['space']}  digest {st['digest']}")
     lines.append(f"progress: {st.get('committed', 0)}/{n} blocks committed ({pct:.1f}%), "
-                 f"{st.get('leased', 0)} leased, {st.get('free', 0)} unassigned"
-                 + ("  -- EPOCH DONE" if st.get("done") else ""))
+                 f"{st.get('leased', 0)} leased, {st.get('in_custody', 0)} in custody, "
+                 f"{st.get('free', 0)} unassigned" + ("  -- EPOCH DONE" if st.get("done") else ""))
     lines.append(f"{'cluster':<16} {'live':>5} {'committed':>10} {'leased':>8} {'lost':>6} {'blocks/s':>9}")
     for c in st.get("clusters", []):
         bps = "-" if c["blocks_per_s"] is None else f"{c['blocks_per_s']:.3f}"
         lines.append(f"{c['cluster']:<16} {'yes' if c['live'] else 'no':>5} {c['committed']:>10} "
                      f"{c['leased']:>8} {c['lost']:>6} {bps:>9}")
+    cu = st.get("custody") or {}
+    lines.append(f"custody: {cu.get('held', 0)} held, {cu.get('committed', 0)} committed, "
+                 f"{cu.get('aborted', 0)} aborted")
+    for a in st.get("aggregators", []):
+        lines.append(f"  aggregator {a['aggregator']} epoch {a['epoch']}: {a['held']} held ({a['held_blocks']} "
+                     "blocks)" + (f"  RETIRED by the operator: {a['retired']}" if a.get("retired") else ""))
     if st.get("quarantined"):
         lines.append(f"!!! {st['quarantined']} BLOCKS QUARANTINED: dropped from this epoch after repeated "
                      f"failures; position runs {st['quarantined_runs']}")
+    loud = violations_line(st.get("violations"))
+    if loud:
+        lines.append(loud)
     if st.get("invariant_error"):
         lines.append(f"!!! INVARIANT VIOLATED: {st['invariant_error']}")
     return "\n".join(lines)
 
 
-def status_main(argv):
-    p = httpd.base_parser("darl_server.py status - print a running coordinator's progress.")
+def _cli_parser(doc):
+    p = httpd.base_parser(doc)
     p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="coordinator URL")
     p.add_argument("--token-file", default=os.environ.get("PWW_TOKEN_FILE"),
                    help="bearer token file (default $PWW_TOKEN_FILE or $PWW_TOKEN)")
+    return p
+
+
+def status_main(argv):
+    p = _cli_parser("darl_server.py status - print a running coordinator's progress; exit 1 while blocks are "
+                    "quarantined, a violation counter is non-zero or the books are inconsistent.")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     a = p.parse_args(argv)
     try:
@@ -366,7 +657,44 @@ def status_main(argv):
     except (OSError, httpd.CallError) as e:
         raise SystemExit(f"cannot read {a.url}/status: {e}")
     print(json.dumps(st, indent=1) if a.json else format_status(st))
-    return 1 if st.get("quarantined") or st.get("invariant_error") else 0
+    bad = st.get("quarantined") or st.get("invariant_error") or any((st.get("violations") or {}).values())
+    return 1 if bad else 0
+
+
+def abort_custody_main(argv):
+    p = _cli_parser("""darl_server.py abort-custody - return to the pool the custody of an aggregator that will
+never resolve it (its state directory is lost), and retire that aggregator's identity.
+
+Without --yes it only lists what it would return. With --yes every block that aggregator
+holds in custody goes back to the pool, to be trained again, and DARL refuses anything
+that identity sends from then on. If the aggregator did merge one of these deltas, its
+blocks are then trained twice: DARL counts the aborts (aborted_custody) and
+`darl_server.py status` exits 1 from then on. Find the identity in `status` ("aggregator
+... epoch ...") or on the aggregator's own status page.""")
+    p.add_argument("--aggregator", required=True, help="the aggregator identity whose custody to abort")
+    p.add_argument("--reason", required=True, help="why no aggregator will resolve it (logged with the abort)")
+    p.add_argument("--yes", action="store_true", help="do it (default: only list what would be returned)")
+    a = p.parse_args(argv)
+    token = httpd.load_token(a.token_file)
+    query = urllib.parse.urlencode({"aggregator": a.aggregator, "state": "held"})
+    try:
+        held = httpd.call(a.url, "GET", f"/custody?{query}", token=token, timeout=30)["custody"]
+        if not a.yes:
+            blocks = sum(c["blocks"] for c in held)
+            print(f"aggregator {a.aggregator} holds {len(held)} custody record(s), {blocks} blocks:")
+            for c in held:
+                print(f"  delta {c['delta']} of {c['cluster']} ({c['incarnation']}): positions {c['pieces']}")
+            print("dry run: nothing changed; add --yes to return these blocks to the pool and retire the identity")
+            return 2
+        reply = httpd.call(a.url, "POST", "/custody/abort_orphaned", {"aggregator": a.aggregator,
+                                                                      "reason": a.reason}, token=token, timeout=30)
+    except (OSError, httpd.CallError) as e:
+        raise SystemExit(f"abort-custody: {a.url}: {e}")
+    print(f"!!! ABORTED {len(reply['aborted'])} custody record(s) of aggregator {a.aggregator}: "
+          f"{reply['returned']} blocks went back to the pool and will be trained again; that identity is retired")
+    for c in reply["aborted"]:
+        print(f"!!!   delta {c['delta']} of {c['cluster']} ({c['incarnation']}): positions {c['pieces']}")
+    return 0
 
 
 # ------------------------------------------------------------------ serve
@@ -424,6 +752,9 @@ def serve_parser():
     st.add_argument("--snapshot-every", type=int, default=1000, help="changes between snapshots (default 1000)")
     st.add_argument("--restore-grace", type=float, default=120.0,
                     help="after a restart, leases alive at the crash live at least this long, s (default 120)")
+    st.add_argument("--accept-config-change", action="store_true",
+                    help="the leasing flags differ from those the state was written with: log the change (it "
+                         "applies from now on) instead of refusing to start")
     httpd.add_server_args(p, DEFAULT_PORT)
     return p
 
@@ -440,7 +771,8 @@ def serve(a):
     # bind first: a refused bind (public address, no token) must not create or replay state
     server = httpd.make_server({}, a.host, a.port, httpd.load_token(a.token_file), a.insecure,
                                max_body=int(a.max_body_mb * 2**20), quiet=not a.verbose)
-    coord = Coordinator(space, cfg.table, cfg.state_dir, cfg.snapshot_every, cfg.restore_grace)
+    coord = Coordinator(space, cfg.table, cfg.state_dir, cfg.snapshot_every, cfg.restore_grace,
+                        accept_config_change=a.accept_config_change)
     server.RequestHandlerClass.routes.update(make_routes(coord))
 
     def on_term(signum, frame):      # SIGTERM: stop serving, then flush and snapshot below
@@ -457,6 +789,8 @@ def serve(a):
 def main(argv):
     if argv[:1] == ["status"]:
         return status_main(argv[1:])
+    if argv[:1] == ["abort-custody"]:
+        return abort_custody_main(argv[1:])
     return serve(serve_parser().parse_args(argv))
 
 

@@ -3,10 +3,23 @@
 What: BlockSpace says which samples a lease position means (the seeded block
 order every site computes on its own); LeaseTable is the state machine over
 those positions (UNASSIGNED -> LEASED -> COMMITTED, or QUARANTINED after
-repeated expiries), with verify() checking the books. Neither touches a file,
-a socket or a thread, and time comes in as an argument (or an injected clock):
-the coordinator (darl_server.py) replays its write-ahead log through the same
-methods at the logged times and gets the same table back.
+repeated expiries; a leased run the aggregator accepted a delta for goes
+LEASED -> IN CUSTODY -> COMMITTED, or back to UNASSIGNED on an abort), with
+verify() checking the books. Neither touches a file, a socket or a thread, and
+time comes in as an argument (or an injected clock): the coordinator
+(darl_server.py) replays its write-ahead log through the same methods, at the
+logged times and under the logged TableConfig, and gets the same table back.
+
+Custody (the aggregator's two-phase commit; darl_server.py's docstring has the
+calls): custody() moves the positions a delta trained on out of their lease
+into a record owned by one aggregator. Nothing but that aggregator's
+custody_commit() or custody_abort() (or an operator's abort_orphaned()) ends
+it: no TTL, no steal, no release, no new incarnation touches it. Every call
+names the aggregator's epoch; fence() records a new one, and any older epoch
+is refused from then on (code "fenced"). A commit that cannot stand (its
+custody was aborted, or never taken) is refused and COUNTED: `counters` are
+the loud books of what went wrong (refused_commits, aborted_custody,
+blocks_trained_twice), kept in the snapshot and rebuilt by the log replay.
 
 Where: imported by darl_server.py on the central VM, and by darl_client.py on
 the sites (a site builds the same BlockSpace to turn positions into samples).
@@ -32,6 +45,7 @@ manifest_digest) and the digest, so a site can check that its own manifest
 gives the same space.
 """
 import bisect
+import collections
 import dataclasses
 import hashlib
 import json
@@ -143,11 +157,12 @@ class BlockSpace:
 # ------------------------------------------------------------------ lease table
 
 class LeaseError(Exception):
-    """A refused request: HTTP status + one-line reason. The table is unchanged."""
+    """A refused request: HTTP status + one-line reason. The table is unchanged, except for
+    a `counted` refusal (a commit that cannot stand), which the violation counters record."""
 
-    def __init__(self, status, reason, **extra):
+    def __init__(self, status, reason, counted=False, **extra):
         super().__init__(reason)
-        self.status, self.reason, self.extra = status, reason, extra
+        self.status, self.reason, self.extra, self.counted = status, reason, extra, counted
 
 
 class InvariantError(AssertionError):
@@ -189,6 +204,28 @@ class Intervals:
                 return False
             start, i = self.items[i][1], i + 1
         return True
+
+    def count(self, start, end):
+        """How many positions of [start, end) are in the set."""
+        i, n = max(0, bisect.bisect_right(self.starts, start) - 1), 0
+        while i < len(self.items) and self.items[i][0] < end:
+            n += max(0, min(end, self.items[i][1]) - max(start, self.items[i][0]))
+            i += 1
+        return n
+
+    def union(self, start, end, tag=0):
+        """Add the positions of [start, end) not in the set yet; returns how many already were."""
+        i, pos, gaps = max(0, bisect.bisect_right(self.starts, start) - 1), start, []
+        while i < len(self.items) and self.items[i][0] < end:
+            s, e, _ = self.items[i]
+            if s > pos:
+                gaps.append((pos, s))
+            pos, i = max(pos, e), i + 1
+        if pos < end:
+            gaps.append((pos, end))
+        for a, b in gaps:
+            self.add(a, b, tag)
+        return (end - start) - sum(b - a for a, b in gaps)
 
     def take(self, start, end):
         """Remove [start, end), which covers() must hold for; the runs cut keep their tags."""
@@ -271,6 +308,35 @@ class Cluster:
 
 
 @dataclasses.dataclass
+class Custody:
+    """Positions an aggregator holds for one accepted delta, until it commits or aborts them."""
+    aggregator: str
+    delta: str
+    epoch: int
+    cluster: str
+    incarnation: str
+    pieces: list          # [[lease, start, end, tag, pool]]: where an abort returns [start, end)
+    state: str            # held | committed | aborted
+    t: float
+    why: str | None = None
+
+    @property
+    def blocks(self):
+        return sum(p[2] - p[1] for p in self.pieces)
+
+    def wire(self):
+        out = {"aggregator": self.aggregator, "delta": self.delta, "epoch": self.epoch, "cluster": self.cluster,
+               "incarnation": self.incarnation, "state": self.state,
+               "pieces": [[p[0], p[1], p[2]] for p in self.pieces], "blocks": self.blocks}
+        if self.why:
+            out["why"] = self.why
+        return out
+
+
+VIOLATIONS = ("refused_commits", "aborted_custody", "blocks_trained_twice")
+
+
+@dataclasses.dataclass
 class TableConfig:
     max_attempts: int = 3           # --max-attempts: reclaims before a run is quarantined; 0 = never
     min_ttl: float = 10.0           # --min-ttl s
@@ -292,6 +358,21 @@ class TableConfig:
                 raise ValueError(msg)
         return self
 
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d):
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(d, dict) or set(d) != names:
+            raise ValueError(f"a table config needs exactly the keys {sorted(names)}, got {d!r}")
+        return cls(**d).validate()
+
+    def changes(self, other):
+        """[(flag, value here, value in other)] for every field that differs."""
+        return [("--" + f.name.replace("_", "-"), getattr(self, f.name), getattr(other, f.name))
+                for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
 
 def _check_name(kind, value):
     ok = isinstance(value, str) and 0 < len(value) <= 64 and all(ch.isalnum() or ch in "._-" for ch in value)
@@ -301,6 +382,28 @@ def _check_name(kind, value):
 
 def _is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _custody_items(leases):
+    """[{"lease": id, "start"?: pos, "end"?: pos}] -> [(id, start|None, end|None)], or a 400."""
+    if not isinstance(leases, list) or not leases:
+        raise LeaseError(400, "field 'leases' must be a non-empty list of {lease, start?, end?} objects")
+    out = []
+    for item in leases:
+        if not isinstance(item, dict) or not _is_int(item.get("lease")) or not all(
+                item.get(k) is None or _is_int(item[k]) for k in ("start", "end")):
+            raise LeaseError(400, f"bad lease entry {item!r}: want an integer 'lease' and optional integer "
+                                  "'start' and 'end'")
+        out.append((item["lease"], item.get("start"), item.get("end")))
+    if len({lid for lid, _, _ in out}) != len(out):
+        raise LeaseError(400, "a lease is named twice in one custody request")
+    return out
+
+
+def _epoch(epoch):
+    if not _is_int(epoch) or epoch < 0:
+        raise LeaseError(400, f"epoch must be an integer >= 0, got {epoch!r}")
+    return epoch
 
 
 def _lease_items(leases):
@@ -336,6 +439,10 @@ class LeaseTable:
         self.quarantined = Intervals()
         self.leases, self.closed, self.clusters, self.held = {}, {}, {}, {}
         self.next_id = 1
+        self.custody = {}             # (aggregator, delta) -> Custody
+        self.custody_held = set()     # keys of custody still held
+        self.aggregators = {}         # aggregator -> {"epoch": newest seen, "retired": None | why}
+        self.counters = {k: 0 for k in VIOLATIONS}
 
     # ---- identity
 
@@ -455,8 +562,8 @@ class LeaseTable:
         else:
             lease = self._steal(c, want, now, ttl)
         if lease is None:
-            if self.leases:
-                soonest = min(L.expires for L in self.leases.values())
+            if self.leases or self.custody_held:      # an expiry or a custody abort may return blocks
+                soonest = min((L.expires for L in self.leases.values()), default=now + 1.0)
                 return {"status": "wait", "retry_after": round(min(5.0, max(0.1, soonest - now)), 3)}
             return self._done_reply()
         c.last_request, c.last_lease = request_id, lease.id
@@ -525,7 +632,7 @@ class LeaseTable:
                    if L.state == "expired" else "went back to the pool")
             raise LeaseError(409, f"lease {lease} was {L.state} before [{L.start}, {end}) was committed; those "
                                   f"blocks {why}: discard the work done on them")
-        for pool, a, b in pieces:       # a late commit takes them back from the free pool (or quarantine)
+        for pool, a, b, _ in pieces:    # a late commit takes them back from the free pool (or quarantine)
             pool.take(a, b)
         n = end - L.start
         self.committed.add(L.start, end)
@@ -545,16 +652,16 @@ class LeaseTable:
         return {"lease": lease, "committed": n, "start": L.start, "end": L.end}
 
     def _unclaimed(self, start, end):
-        """[(pool, a, b)] covering [start, end) when every position is in the free pool
-        or quarantine (nobody leased or committed it since), else None. An expired
-        lease's work may still be committed then: nobody else trained those blocks."""
+        """[(pool, a, b, tag)] covering [start, end) when every position is in the free pool
+        or quarantine (nobody leased, committed or took it into custody since), else None.
+        An expired lease's work may still be committed then: nobody else trained those blocks."""
         pieces = []
         while start < end:
             for pool in (self.free, self.quarantined):
                 i = bisect.bisect_right(pool.starts, start) - 1
                 if i >= 0 and start < pool.items[i][1]:
                     b = min(end, pool.items[i][1])
-                    pieces.append((pool, start, b))
+                    pieces.append((pool, start, b, pool.items[i][2]))
                     start = b
                     break
             else:
@@ -591,6 +698,209 @@ class LeaseTable:
         L.state = state
         self.closed[L.id] = L
 
+    # ---- custody: the aggregator's two-phase commit of an accepted delta
+
+    def fence(self, aggregator, epoch, now=None):
+        """An aggregator process announces its epoch: older epochs are refused from now on."""
+        _check_name("aggregator", aggregator)
+        epoch = _epoch(epoch)
+        self._check_fence(aggregator, epoch)
+        self._saw(aggregator, epoch)
+        held = [self.custody[k] for k in self.custody_held if k[0] == aggregator]
+        return {"aggregator": aggregator, "epoch": self.aggregators[aggregator]["epoch"],
+                "held": len(held), "held_blocks": sum(C.blocks for C in held)}
+
+    def take_custody(self, aggregator, epoch, delta, cluster, incarnation, leases, now=None):
+        """Move [lease start, end) of every named lease into one custody record, all or
+        nothing. A live lease of (cluster, incarnation) gives its positions; an expired or
+        released one only while every position still sits unleased in the pool (nobody else
+        holds or trained them). A repeat (same aggregator and delta) gets the same answer."""
+        now = self.clock() if now is None else now
+        for kind, value in (("aggregator", aggregator), ("delta", delta), ("cluster", cluster),
+                            ("incarnation", incarnation)):
+            _check_name(kind, value)
+        epoch, items = _epoch(epoch), _custody_items(leases)
+        self.expire(now)
+        self._check_fence(aggregator, epoch)
+        C = self.custody.get((aggregator, delta))
+        if C is not None:
+            if C.state == "aborted":
+                raise LeaseError(409, f"custody of delta {delta!r} was aborted ({C.why}); its blocks went back "
+                                      "to the pool: discard the delta", code="custody_aborted")
+            return {**C.wire(), "repeat": True}
+        plan, lost = [], []
+        for lid, start, end in items:
+            try:
+                plan.append(self._custody_plan(lid, start, end, cluster, incarnation))
+            except LeaseError as e:
+                lost.append((lid, e.reason))
+        runs = sorted((a, b) for _, _, src in plan for _, a, b, _ in src)
+        if any(b > a2 for (_, b), (a2, _) in zip(runs, runs[1:])):
+            lost.append((items[0][0], "the named leases cover the same positions"))
+        if lost:
+            raise LeaseError(409, "DARL cannot take this delta's leases into custody ("
+                             + "; ".join(f"lease {lid}: {why}" for lid, why in lost)
+                             + "): those blocks are not this delta's to merge; discard it",
+                             code="lease_lost", leases=[lid for lid, _ in lost])
+        pieces = []
+        for L, end, src in plan:
+            for pool, a, b, tag in src:
+                if pool is not None:
+                    pool.take(a, b)
+                pieces.append([L.id, a, b, tag, "quarantined" if pool is self.quarantined else "free"])
+            self._advance(L, end, now)
+        C = self.custody[(aggregator, delta)] = Custody(aggregator, delta, epoch, cluster, incarnation, pieces,
+                                                        "held", now)
+        self.custody_held.add((aggregator, delta))
+        self._saw(aggregator, epoch)
+        return C.wire()
+
+    def _custody_plan(self, lid, start, end, cluster, incarnation):
+        """(lease, end, [(pool or None, a, b, tag)]) for one lease of a custody request, or LeaseError."""
+        L = self.leases.get(lid) or self.closed.get(lid)
+        if L is None:
+            raise LeaseError(409, "unknown lease")
+        if (L.cluster, L.incarnation) != (cluster, incarnation):
+            raise LeaseError(409, f"held by {L.cluster!r} incarnation {L.incarnation!r}")
+        end = L.end if end is None else end
+        if start is not None and start != L.start:
+            why = (f"[{start}, {L.start}) is committed or in custody already" if start < L.start else
+                   f"[{L.start}, {start}) comes first and is in no custody yet")
+            raise LeaseError(409, f"the delta starts at {start}, the lease's uncommitted part at {L.start}: {why}")
+        if end <= L.start:
+            raise LeaseError(409, f"nothing of it is left to take: [{L.first}, {L.start}) is committed or in custody")
+        if end > L.end:
+            why = "were stolen (the heartbeat reply shrank this lease)" if end <= L.granted_end else "were never in it"
+            raise LeaseError(409, f"positions [{L.end}, {end}) {why}")
+        if L.state == "live":
+            return L, end, [(None, L.start, end, L.attempts)]
+        src = self._unclaimed(L.start, end) if L.state in ("expired", "released") else None
+        if src is None:
+            raise LeaseError(409, f"the lease is {L.state} and positions of [{L.start}, {end}) were leased, "
+                                  "committed or taken into custody again since")
+        return L, end, src
+
+    def _advance(self, L, end, now):
+        """[L.start, end) left the lease for a custody record: the lease goes on after it."""
+        c = self.clusters[L.cluster]
+        if not c.reported:              # the commit-rate clock: the site finished these blocks now
+            sample = (end - L.start) / max(now - L.progress_at, 1e-3)
+            c.rate = sample if c.rate is None else 0.5 * c.rate + 0.5 * sample
+        L.start, L.progress_at = end, now
+        L.claimed = max(L.claimed, end) if L.state == "live" else end
+        if L.start == L.end:
+            if L.state == "live":
+                self._close(L, "done")
+            else:
+                L.state = "done"
+
+    def commit_custody(self, aggregator, epoch, delta, now=None):
+        """The aggregator's round with this delta is durable: its positions are COMMITTED.
+        A commit of custody that was aborted, or never taken, is refused and counted."""
+        now = self.clock() if now is None else now
+        _check_name("aggregator", aggregator)
+        _check_name("delta", delta)
+        epoch = _epoch(epoch)
+        self.expire(now)
+        self._check_fence(aggregator, epoch)
+        C = self.custody.get((aggregator, delta))
+        if C is None or C.state == "aborted":
+            self.counters["refused_commits"] += 1
+            if C is None:
+                raise LeaseError(409, f"no custody of delta {delta!r} by aggregator {aggregator!r}: DARL never "
+                                      "reserved its blocks for it, so they may be in other deltas too",
+                                 counted=True, code="unknown_custody", blocks=0)
+            self.counters["blocks_trained_twice"] += C.blocks
+            raise LeaseError(409, f"custody of delta {delta!r} was aborted ({C.why}): its {C.blocks} blocks went "
+                                  "back to the pool, so a merged delta holds blocks that are trained again",
+                             counted=True, code="custody_aborted", blocks=C.blocks)
+        if C.state == "committed":
+            return {**C.wire(), "repeat": True}
+        for _, a, b, _, _ in C.pieces:
+            self.committed.add(a, b)
+        c = self.clusters[C.cluster]
+        c.committed += C.blocks
+        c.last_commit = now
+        C.state = "committed"
+        self.custody_held.discard((aggregator, delta))
+        self._saw(aggregator, epoch)
+        return C.wire()
+
+    def abort_custody(self, aggregator, epoch, delta, why=None, now=None):
+        """The aggregator will never merge this delta: its positions go back to the pool.
+        An abort of custody never taken leaves a tombstone, so a late custody request for
+        that delta (still in flight) is refused rather than held forever."""
+        now = self.clock() if now is None else now
+        _check_name("aggregator", aggregator)
+        _check_name("delta", delta)
+        epoch = _epoch(epoch)
+        why = why or "aborted by the aggregator"
+        self.expire(now)
+        self._check_fence(aggregator, epoch)
+        C = self.custody.get((aggregator, delta))
+        if C is not None and C.state == "committed":
+            raise LeaseError(409, f"custody of delta {delta!r} is committed: its blocks are counted and an abort "
+                                  "cannot take them back", code="custody_committed")
+        if C is None:
+            C = self.custody[(aggregator, delta)] = Custody(aggregator, delta, epoch, "-", "-", [], "aborted", now,
+                                                            why)
+            self._saw(aggregator, epoch)
+            return {**C.wire(), "returned": 0}
+        if C.state == "aborted":
+            return {**C.wire(), "returned": 0, "repeat": True}
+        self._return(C, why)
+        self._saw(aggregator, epoch)
+        return {**C.wire(), "returned": C.blocks}
+
+    def abort_orphaned(self, aggregator, reason, now=None):
+        """Operator: no aggregator will ever resolve `aggregator`'s custody (its state dir
+        is lost). Every custody it holds goes back to the pool, and the identity is retired:
+        whatever it sends from now on is refused (code "fenced")."""
+        now = self.clock() if now is None else now
+        _check_name("aggregator", aggregator)
+        if not isinstance(reason, str) or not reason.strip():
+            raise LeaseError(400, "reason must say why no aggregator will resolve this custody")
+        if aggregator not in self.aggregators:
+            raise LeaseError(404, f"no aggregator {aggregator!r} ever took custody here; known: "
+                                  f"{sorted(self.aggregators)}")
+        held = sorted((self.custody[k] for k in self.custody_held if k[0] == aggregator), key=lambda C: C.t)
+        for C in held:
+            self._return(C, f"aborted by the operator: {reason}")
+        self.aggregators[aggregator]["retired"] = reason
+        return {"aggregator": aggregator, "retired": reason, "aborted": [C.wire() for C in held],
+                "returned": sum(C.blocks for C in held)}
+
+    def _return(self, C, why):
+        for _, a, b, tag, pool in C.pieces:
+            getattr(self, pool).add(a, b, tag)
+        C.state, C.why = "aborted", why
+        self.custody_held.discard((C.aggregator, C.delta))
+        self.counters["aborted_custody"] += 1
+
+    def _check_fence(self, aggregator, epoch):
+        a = self.aggregators.get(aggregator)
+        if a is None:
+            return
+        if a["retired"]:
+            raise LeaseError(409, f"aggregator {aggregator!r} was retired by the operator ({a['retired']}) and "
+                                  "its custody aborted: this aggregator must stop", code="fenced")
+        if epoch < a["epoch"]:
+            raise LeaseError(409, f"aggregator {aggregator!r} epoch {epoch} is older than epoch {a['epoch']} "
+                                  "DARL has seen: a newer process of this aggregator runs; this one must stop",
+                             code="fenced")
+
+    def _saw(self, aggregator, epoch):
+        a = self.aggregators.setdefault(aggregator, {"epoch": epoch, "retired": None})
+        a["epoch"] = max(a["epoch"], epoch)
+
+    def set_config(self, config, now=None):
+        """A logged change of the decision flags (darl_server.py --accept-config-change)."""
+        try:
+            self.config = TableConfig.from_dict(config)
+        except (TypeError, ValueError) as e:
+            raise LeaseError(400, f"bad table config: {e}")
+        return {"config": self.config.to_dict()}
+
     def expire(self, now):
         """Reclaim every lease whose TTL ran out: its uncommitted part returns to
         the pool, the started part with one more attempt (or to quarantine)."""
@@ -624,6 +934,11 @@ class LeaseTable:
             if not L.first <= L.start <= L.claimed <= L.end <= L.granted_end or L.start == L.end:
                 raise InvariantError(f"lease {L.id} has inconsistent bounds {L.wire()}")
             runs.append((L.start, L.end, f"lease {L.id} ({L.cluster})"))
+        for key in self.custody_held:
+            C = self.custody[key]
+            if C.state != "held":
+                raise InvariantError(f"custody of delta {C.delta!r} is {C.state} but counted as held")
+            runs += [(a, b, f"custody of delta {C.delta!r} ({C.aggregator})") for _, a, b, _, _ in C.pieces]
         runs.sort()
         pos, prev = 0, "the start"
         for s, e, owner in runs:
@@ -638,10 +953,11 @@ class LeaseTable:
         if per_cluster != self.committed.total:
             raise InvariantError(f"duplication: clusters committed {per_cluster} blocks in all, "
                                  f"the committed set holds {self.committed.total}")
-        done = not self.free.total and not self.leases
+        done = not self.free.total and not self.leases and not self.custody_held
         return {"num_blocks": self.num_blocks, "committed": self.committed.total,
                 "quarantined": self.quarantined.total, "free": self.free.total,
                 "leased": sum(L.end - L.start for L in self.leases.values()),
+                "in_custody": sum(self.custody[k].blocks for k in self.custody_held),
                 "done": done, "complete": self.committed.total == self.num_blocks}
 
     def status(self, now=None):
@@ -656,8 +972,23 @@ class LeaseTable:
                          "leased": sum(self.leases[i].end - self.leases[i].start for i in self.held[c.name]),
                          "blocks_per_s": round(c.committed / span, 3) if span > 0 else None,
                          "rate": c.rate, "last_seen_s": round(now - c.last_seen, 1)})
+        aggs = []
+        for name, a in sorted(self.aggregators.items()):
+            held = [self.custody[k] for k in self.custody_held if k[0] == name]
+            aggs.append({"aggregator": name, "epoch": a["epoch"], "retired": a["retired"], "held": len(held),
+                         "held_blocks": sum(C.blocks for C in held)})
+        states = collections.Counter(C.state for C in self.custody.values())
         return {**books, "clusters": rows, "quarantined_runs": [[s, e] for s, e, _ in self.quarantined][:50],
-                "leases": [L.wire(now) for L in list(self.leases.values())[:200]]}
+                "leases": [L.wire(now) for L in list(self.leases.values())[:200]],
+                "violations": dict(self.counters), "aggregators": aggs,
+                "custody": {"held": len(self.custody_held), "committed": states["committed"],
+                            "aborted": states["aborted"]},
+                "custody_held": [self.custody[k].wire() for k in sorted(self.custody_held)][:200]}
+
+    def custody_records(self, aggregator=None, state=None):
+        """Custody records (GET /custody), oldest first, optionally of one aggregator and state."""
+        return [C.wire() for C in sorted(self.custody.values(), key=lambda C: C.t)
+                if (aggregator is None or C.aggregator == aggregator) and (state is None or C.state == state)]
 
     # ---- snapshot form
 
@@ -667,7 +998,9 @@ class LeaseTable:
                 "quarantined": [list(x) for x in self.quarantined],
                 "leases": [dataclasses.astuple(L) for L in self.leases.values()],
                 "closed": [dataclasses.astuple(L) for L in self.closed.values()],
-                "clusters": [dataclasses.asdict(c) for c in self.clusters.values()]}
+                "clusters": [dataclasses.asdict(c) for c in self.clusters.values()],
+                "custody": [dataclasses.astuple(C) for C in self.custody.values()],
+                "aggregators": self.aggregators, "counters": self.counters}
 
     @classmethod
     def from_dict(cls, d, config=None, clock=time.time):
@@ -680,4 +1013,8 @@ class LeaseTable:
         t.closed = {row[0]: Lease(*row) for row in d["closed"]}
         for L in t.leases.values():
             t.held[L.cluster].add(L.id)
+        t.custody = {(row[0], row[1]): Custody(*row) for row in d.get("custody", [])}
+        t.custody_held = {k for k, C in t.custody.items() if C.state == "held"}
+        t.aggregators = {k: dict(v) for k, v in d.get("aggregators", {}).items()}
+        t.counters = {k: int(d.get("counters", {}).get(k, 0)) for k in VIOLATIONS}
         return t

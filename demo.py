@@ -23,14 +23,15 @@ How to read the output:
   "round N merged ..."   one line per merge of the global model: the token-weighted
                          training loss of the deltas in it, which sites contributed, and
                          how much of the corpus DARL has committed (this trails the merges:
-                         FedMom commits a round's leases once the round is durable).
+                         FedMom commits a round's custody once the round is durable).
   "    alpha: ..."       lines from a site's own log: waiting out its dead incarnation,
                          resuming from its checkpoint, a delta that was not merged.
   "live: ..."            which sites are members of the federation right now.
   the summary            merged rounds, a table and sparkline of the loss per round,
                          the held-out loss of the initial and the final global model,
-                         the DARL coverage audit, where the logs and the saved status
-                         page are, and PASS/FAIL per check.
+                         the run audit (audit.py: every block inside exactly one merged
+                         delta, from DARL's and FedMom's durable state), where the logs
+                         and the saved status page are, and PASS/FAIL per check.
 
 Run:
     make demo                          # = .venv/bin/python demo.py (after make setup)
@@ -69,6 +70,7 @@ import sys
 import time
 import urllib.request
 
+import audit
 import httpd
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -472,7 +474,7 @@ def get_json(url, path, token, timeout=10.0):
 
 
 # ---------------------------------------------------------------------------
-# Summary and audits: plain functions of records (tests/test_demo.py feeds them)
+# Summary: plain functions of records (tests/test_demo.py feeds them); the coverage audit is audit.py
 # ---------------------------------------------------------------------------
 
 def sparkline(values):
@@ -504,111 +506,6 @@ def loss_trend(records, k=3):
     k = max(1, min(k, len(losses) // 2))
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
     return first, last, last < first
-
-
-def audit_darl_status(st):
-    """DARL's own books (GET /status): (ok, lines). Exactly once = every block committed,
-    none leased, free or quarantined, the per-cluster counts summing to the total, and
-    the coordinator's invariant check clean."""
-    n, committed = st.get("num_blocks", 0), st.get("committed", 0)
-    per = {c["cluster"]: c["committed"] for c in st.get("clusters", [])}
-    problems = []
-    if committed != n:
-        problems.append(f"{n - committed} of {n} blocks not committed")
-    for key in ("free", "leased", "quarantined"):
-        if st.get(key):
-            problems.append(f"{st[key]} blocks {key}")
-    if sum(per.values()) != committed:
-        problems.append(f"per-site commits sum to {sum(per.values())}, the committed set holds {committed}")
-    if st.get("invariant_error"):
-        problems.append(f"invariant violated: {st['invariant_error']}")
-    line = (f"DARL books: {committed}/{n} blocks committed, " +
-            ", ".join(f"{c} {k}" for c, k in sorted(per.items())) +
-            f" (sum {sum(per.values())}); free {st.get('free', 0)}, leased {st.get('leased', 0)}, "
-            f"quarantined {st.get('quarantined', 0)}")
-    return not problems, [line] + [f"  !! {p}" for p in problems]
-
-
-def committed_runs(table):
-    """From a DARL snapshot's table: [(start, end, cluster, incarnation, lease)] of every
-    committed position run, rebuilt lease by lease ([first, start) of each lease, all of
-    it once done), i.e. not from the coordinator's own `committed` set."""
-    runs = []
-    for row in list(table.get("leases", [])) + list(table.get("closed", [])):
-        lid, cluster, inc, first, start = row[0], row[1], row[2], row[3], row[4]
-        if start > first:
-            runs.append((first, start, cluster, inc, lid))
-    return sorted(runs)
-
-
-def audit_lease_runs(runs, num_blocks):
-    """(ok, lines, per_cluster): the lease-by-lease runs cover [0, num_blocks) exactly once."""
-    problems, pos, per = [], 0, {}
-    for s, e, cluster, _inc, lid in runs:
-        if s < pos:
-            problems.append(f"positions [{s}, {min(e, pos)}) committed twice (lease {lid} of {cluster})")
-        elif s > pos:
-            problems.append(f"positions [{pos}, {s}) committed by no lease")
-        pos = max(pos, e)
-        per[cluster] = per.get(cluster, 0) + (e - s)
-    if pos < num_blocks:
-        problems.append(f"positions [{pos}, {num_blocks}) committed by no lease")
-    line = (f"lease by lease (DARL snapshot): {len(runs)} leases committed "
-            f"{sum(e - s for s, e, *_ in runs)} positions, " + ", ".join(f"{c} {k}" for c, k in sorted(per.items())))
-    return not problems, [line] + [f"  !! {p}" for p in problems[:10]], per
-
-
-def audit_tokens(records, train_windows, seq_len):
-    """FedMom's books against the corpus: the merged deltas' token counts (rounds.jsonl)
-    sum to the training windows x seq_len exactly when every training window went into
-    the global model once (a window merged twice or never shows as a difference)."""
-    merged = sum(int(r.get("tokens", 0)) for r in records)
-    want = train_windows * seq_len
-    ok = merged == want
-    line = (f"FedMom books: merged deltas carry {merged:,} tokens; the corpus has {train_windows:,} "
-            f"training windows x {seq_len} = {want:,}" + ("" if ok else f"  !! differs by {merged - want:+,}"))
-    return ok, [line]
-
-
-def merged_leases(records):
-    """{lease id: (cluster, incarnation, end)} of every delta FedMom merged, from the
-    per-delta "outcomes" of rounds.jsonl (records v2); None when the records carry none."""
-    if not any("outcomes" in r for r in records):
-        return None
-    named = {}
-    for r in records:
-        for o in r.get("outcomes", ()):
-            if o.get("outcome") == "merged":
-                for lease in o.get("leases", ()):
-                    prev = named.get(lease["id"])
-                    end = lease.get("end")
-                    if prev is not None and prev[2] is not None and end is not None:
-                        end = max(end, prev[2])
-                    named[lease["id"]] = (o["cluster"], o["incarnation"], end)
-    return named
-
-
-def audit_merged_leases(named, runs):
-    """FedMom's merged deltas against DARL's lease-by-lease commits: the same leases, the
-    same holder, committed up to the end the merged delta trained to. (ok|None, lines)."""
-    if named is None:
-        return None, ["rounds.jsonl names no leases (records before v2): lease-level cross-check skipped"]
-    committed = {lid: (cluster, inc, e) for _s, e, cluster, inc, lid in runs}
-    missing = sorted(set(committed) - set(named))
-    extra = sorted(set(named) - set(committed))
-    wrong = sorted(lid for lid in set(named) & set(committed)
-                   if named[lid][:2] != committed[lid][:2]
-                   or (named[lid][2] is not None and named[lid][2] != committed[lid][2]))
-    ok = not (missing or extra or wrong)
-    lines = [f"FedMom's merged deltas (rounds.jsonl outcomes) name {len(named)} leases; DARL shows "
-             f"{len(committed)} leases with committed blocks" + ("; the same leases, holders and ends" if ok else "")]
-    if missing:
-        lines.append(f"  !! committed in DARL but in no merged delta: leases {missing[:10]}")
-    if extra:
-        lines.append(f"  !! in a merged delta but not committed in DARL: leases {extra[:10]}")
-    if wrong:
-        lines.append(f"  !! holder or end differ between FedMom and DARL: leases {wrong[:10]}")
-    return ok, lines
 
 
 def format_checks(checks):
@@ -734,7 +631,7 @@ class Demo:
             darl_args=["--min-ttl", 5, "--default-ttl", ttl, "--max-ttl", ttl, "--restore-grace", ttl],
             fedmom_args=["--outer-lr", c.outer_lr, "--outer-momentum", c.outer_momentum,
                          "--round-deadline-s", c.round_deadline_s, "--member-timeout-s", c.member_timeout_s,
-                         "--darl-heartbeat-s", max(1.0, ttl / 5)])
+                         "--darl-retry-s", 2])
         self.token = self.svc.token
         self.log(f"services: DARL {self.svc.darl}  FedMom {self.svc.fedmom}  blobs {self.svc.blob}")
         self.log(f"status page (while the demo runs): {self.svc.fedmom}/")
@@ -916,29 +813,12 @@ class Demo:
         checks.append(("held-out loss falls", after is not None and after < before,
                        f"{before:.4f} -> {after:.4f}" if after is not None else "no final model"))
 
-        # coverage
-        out.append("DARL coverage audit (every block committed exactly once):")
-        ok_books, lines = audit_darl_status(darl) if darl else (False, ["DARL status unavailable"])
-        out += ["  " + l for l in lines]
-        runs, ok_runs = [], False
-        snap_path = os.path.join(self.svc.state_dir, "darl", "snapshot.json")
-        try:
-            with open(snap_path) as f:
-                table = json.load(f)["table"]
-            runs = committed_runs(table)
-            ok_runs, lines, _ = audit_lease_runs(runs, table["num_blocks"])
-        except (OSError, ValueError, KeyError) as e:
-            lines = [f"no DARL snapshot to rebuild from ({snap_path}: {e})"]
-        out += ["  " + l for l in lines]
-        ok_tok, lines = audit_tokens(records, self.train_windows, c.seq_len)
-        out += ["  " + l for l in lines]
-        ok_leases, lines = audit_merged_leases(merged_leases(records), runs)
-        out += ["  " + l for l in lines]
-        checks.append(("coverage exactly once (DARL books)", ok_books, ""))
-        checks.append(("coverage exactly once (lease by lease)", ok_runs, ""))
-        checks.append(("merged tokens = corpus tokens (FedMom vs DARL)", ok_tok, ""))
-        checks.append(("merged deltas' leases = committed leases (FedMom vs DARL)", ok_leases,
-                       "" if ok_leases is not None else "not recorded"))
+        # coverage: the run audit (audit.py) over both servers' durable state
+        out.append("Coverage audit (python audit.py --state-dir "
+                   f"{rel(self.svc.state_dir)}: every block inside exactly one merged delta):")
+        report = audit.audit(self.svc.state_dir, manifest=self.manifest)
+        out += ["  " + l for l in report.lines]
+        checks.append(("every block inside exactly one merged delta (audit.py)", report.ok, ""))
         excluded = [o for r in records for o in r.get("outcomes", ()) if o.get("outcome") == "excluded"]
         site_rows = {n: read_jsonl(os.path.join(self.sites_dir, n, "metrics.jsonl")) for n in SITES}
         unmerged = [r for rows in site_rows.values() for r in rows

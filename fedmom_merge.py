@@ -210,10 +210,11 @@ def _check_inputs(inputs):
 
 
 def merge_files(theta_path, momentum_path, deltas, out_theta, out_momentum, lr, mu,
-                metadata=None, fsync=True, pause_s=0.0):
+                metadata=None, fsync=True, pause_s=0.0, after_tensor=None):
     """One durable FedMom step from files. deltas: [(path, weight)], weights summing to 1.
     momentum_path None = first step (buf = g); out_momentum None = do not keep a buffer
-    (momentum 0). Returns {"theta_norm", "delta_norms", "bytes_read", "bytes_written"}."""
+    (momentum 0). after_tensor(name): called after each merged tensor (the aggregator's
+    fault point). Returns {"theta_norm", "delta_norms", "bytes_read", "bytes_written"}."""
     writers, inputs = [], None
     try:
         inputs = Inputs(theta_path, momentum_path, [p for p, _ in deltas])
@@ -239,6 +240,8 @@ def merge_files(theta_path, momentum_path, deltas, out_theta, out_momentum, lr, 
                 wb.put((th_all, buf_all), [(tw, name, theta)] + ([(mw, name, buf)] if mw else []))
                 if pause_s:
                     time.sleep(pause_s)
+                if after_tensor is not None:
+                    after_tensor(name)
         finally:
             wb.finish()
         for w in writers:

@@ -46,14 +46,15 @@ Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."
     GET  /theta_blob publishes it to the blob store once per round -> {blob, sha256, round}
     GET  /round, GET /status (JSON), GET / (HTML page), GET /health
 A delta whose base_round is not the current round gets 409 {"error", "round": current}.
-With --darl, an arriving delta's leases are heartbeated in DARL before it is spooled:
-a lease DARL no longer holds for that incarnation (it expired and its blocks are back
-in the pool) is a 409 {"error", "code": "lease_lost", "leases": [...]} and nothing is
-stored; the site discards that work. DARL unreachable at that moment: the delta is
-accepted (the commit after the merge is retried, and DARL takes a late commit while
-nobody has leased those blocks again).
+With --darl, an accepted delta's leases go into DARL custody for this aggregator
+(fedmom_state.py's docstring has the two-phase commit): a lease DARL will not hold for
+that incarnation (it expired and its blocks were leased again, or it was stolen) is a
+409 {"error", "code": "lease_lost", "leases": [...]} and nothing is stored; the site
+discards that work. While DARL gives no definitive answer the delta stays spooled but
+unconfirmed, and its round waits: it never merges a delta whose blocks DARL has not
+reserved for it. Under --darl a delta must name its leases (400 otherwise).
 A round closes when every live member has sent its delta, or --round-deadline-s after
-its first delta; it merges what arrived. A member silent for --member-timeout-s is
+its first delta, and every delta in it is in confirmed custody; it merges what arrived. A member silent for --member-timeout-s is
 dropped (it may join again). No live member, or a round with no delta, is normal:
 nothing is merged and the round number stays.
 
@@ -63,22 +64,31 @@ each delta is one outcome object
     {"cluster", "incarnation", "base_round", "tokens", "leases": [{"id", "end"}],
      "outcome": "merged" | "excluded" | "pending", "merged_into": <round> | null,
      "why": "<reason>" (excluded only)}
-  - rounds.jsonl, one record per merge (v 2): "outcomes" lists every delta of that
-    round, merged ones with merged_into = the record's round, and those excluded
-    (NaN/Inf, wrong names, shapes or dtypes) with why; "excluded" keeps its v1 shape
-    plus base_round, tokens and leases. Records of v 1 have no "outcomes".
+  - rounds.jsonl, one record per merge (v 3): "outcomes" lists every delta of that
+    round, merged ones with merged_into = the record's round, their custody "delta" id
+    and the DARL positions "pieces" [[lease, start, end]] they were trained on, and those
+    excluded (NaN/Inf, wrong names, shapes or dtypes, custody refused or lost) with why;
+    "excluded" keeps its v1 shape plus base_round, tokens and leases. Records of v 1 have
+    no "outcomes", of v 2 no "delta"/"pieces".
   - POST /join and /heartbeat replies: "deltas" = this cluster's outcomes in the last
     merged round that had one, then the current round's (pending or excluded). After
     wait_round_after(base_round) returns, the entry with that base_round says merged
-    (the server commits its leases in DARL) or excluded (the site releases its leases
-    in DARL, so the blocks are trained again).
+    (the server commits its custody in DARL) or excluded (the site releases what is
+    left of its leases in DARL, so the blocks are trained again).
   - GET /status: "outcomes" of the current round, and "recent" round records.
 An excluded delta is also refused at upload (400 or 422, code "bad_delta"); that reply
 is the first word, since an exclusion not yet in a record lives in memory only.
 
 State dir (--state-dir): theta and momentum per round, state.json, rounds.jsonl and
-spool/, and the DARL commits owed after a merge; fedmom_state.py's docstring has the layout.
+spool/, and the DARL commits and aborts owed; fedmom_state.py's docstring has the layout.
+
+    python fedmom_server.py status --url URL   # exit 1 while a violation counter is non-zero
+Violations (refused_commits, aborted_custody, blocks_trained_twice), DARL's silence and
+fencing are shown on /status, the page and the status CLI. Test hooks (httpd.py): fault
+points fedmom.received, fedmom.spooled, fedmom.custody_held, fedmom.merge,
+fedmom.round_durable and fedmom.committed; the wall clock through httpd.wall_time().
 """
+import argparse
 import html
 import http.client
 import json
@@ -148,6 +158,7 @@ def make_routes(state, blob_token=None):
             with open(part, "wb") as f:
                 for chunk in req.stream():
                     f.write(chunk)
+                    httpd.fault_point("fedmom.received")    # mid-upload: part of the body on disk
                 f.flush()
                 if cfg.fsync:
                     os.fsync(f.fileno())
@@ -238,18 +249,30 @@ def round_loop(state, stop, interval_s=0.5):
             state.cond.wait(timeout=interval_s)
 
 
-def darl_loop(state, stop, interval_s=1.0, backoff_s=10.0):
-    """Background thread 2: DARL commits and lease heartbeats. Apart from the round loop,
-    so an unreachable coordinator (30 s timeouts) never delays a merge."""
+def darl_loop(state, stop, interval_s=1.0, on_fenced=None):
+    """Background thread 2: custody of deltas accepted while DARL gave no answer, and the
+    commits and aborts owed, re-sent until DARL answers definitively (at most every
+    --darl-retry-s after a failure). Apart from the round loop, so an unreachable
+    coordinator (30 s timeouts) never holds the round lock. DARL fencing this epoch ends
+    the loop and calls on_fenced (the server exits: another process owns the state)."""
+    backoff = interval_s
     while not stop.is_set():
-        ok = True
+        ok = False
         try:
             ok = state.darl_tick()
         except Exception as e:
             log(f"fedmom: DARL loop error: {type(e).__name__}: {e}")
-            ok = False
-        # a backoff never skips a heartbeat that is due: leases may have a 10 s TTL
-        stop.wait(interval_s if ok else max(interval_s, min(backoff_s, state.darl_heartbeat_in())))
+        if state.fenced:
+            if on_fenced is not None:
+                on_fenced()
+            return
+        if ok:
+            backoff = interval_s
+            with state.lock:             # all answered: a new delta or round wakes the loop at once
+                state.cond.wait(timeout=interval_s)
+        else:                            # DARL owes an answer: back off (an upload still asks at once)
+            backoff = min(max(2 * backoff, interval_s), state.cfg.darl_retry_s)
+            stop.wait(backoff)
 
 
 # ---------------------------------------------------------------- the status page
@@ -324,9 +347,10 @@ def render_page(st):
 <title>fedmom round {st['round']}</title><style>body{{font-family:sans-serif;margin:1em}}
 td,th{{padding:2px 8px;text-align:left}} table{{border-collapse:collapse}} tr:nth-child(even){{background:#f4f4f4}}</style>
 </head><body><h2>FedMom aggregator: round {st['round']}{' (merging)' if st['merging'] else ''}</h2>
-<p>{st['parameters']:,} parameters in {st['tensors']} tensors; outer lr {st['config']['outer_lr']},
+{alarms_html(st)}<p>{st['parameters']:,} parameters in {st['tensors']} tensors; outer lr {st['config']['outer_lr']},
 momentum {st['config']['outer_momentum']}; deltas waiting: {esc(', '.join(st['pending']) or 'none')};
-DARL commits owed: {st['pending_commits']}</p>
+DARL commits owed: {st['pending_commits']}, aborts owed: {st['pending_aborts']}; aggregator
+{esc(st['aggregator'])} epoch {st['epoch']}</p>
 <h3>members</h3><table><tr><th>cluster</th><th>incarnation</th><th>heard (s ago)</th><th>sent</th></tr>{members}</table>
 <div>{loss}</div><div>{drift}</div><h3>membership over time</h3>{_svg_membership(st['events'], time.time())}
 <h3>last merges</h3><table><tr><th>round</th><th>tokens</th><th>loss</th><th>ppl</th><th>drift mean</th>
@@ -334,11 +358,39 @@ DARL commits owed: {st['pending_commits']}</p>
 </body></html>"""
 
 
+def alarm_lines(st):
+    """The loud lines of a status: violation counters, DARL's silence, fencing."""
+    out = []
+    v = st.get("violations") or {}
+    if any(v.values()):
+        out.append("!!! EXACTLY-ONCE VIOLATED: " + ", ".join(f"{k} {n}" for k, n in v.items())
+                   + " (FEDERATION_GUIDE.md section 7; `python audit.py` names the blocks)")
+    d = st.get("darl") or {}
+    if d.get("fenced"):
+        out.append(f"!!! FENCED by DARL, this process is stopping: {d['fenced']}")
+    if d.get("alarm"):
+        a = d["alarm"]
+        out.append(f"!!! DARL gives no definitive answer since {time.strftime('%H:%M:%S', time.localtime(a['since']))} "
+                   f"({a['calls']} calls): {a.get('error')}; owed calls are kept and re-sent")
+    if d.get("custody_waiting"):
+        out.append(f"round waits for DARL to confirm custody of the deltas of {d['custody_waiting']}")
+    return out
+
+
+def alarms_html(st):
+    lines = alarm_lines(st)
+    return "".join(f'<p style="color:#c00;font-weight:bold">{html.escape(l)}</p>' for l in lines)
+
+
 def print_status(url, token=None, last=10):
+    """Print the aggregator's status; 1 while a violation counter is non-zero or it is fenced."""
     st = httpd.call(url, "GET", "/status", token=token)
     print(f"round {st['round']}{' (merging)' if st['merging'] else ''}; {st['parameters']:,} parameters; "
           f"outer lr {st['config']['outer_lr']} momentum {st['config']['outer_momentum']}; "
-          f"DARL commits owed {st['pending_commits']}")
+          f"aggregator {st['aggregator']} epoch {st['epoch']}; DARL commits owed {st['pending_commits']}, "
+          f"aborts owed {st['pending_aborts']}")
+    for line in alarm_lines(st):
+        print(line)
     print(f"members ({len(st['members'])}):" + ("" if st["members"] else " none"))
     for m in st["members"]:
         print(f"  {m['cluster']:<16} {m['incarnation']:<20} heard {m['heard_s_ago']:>6.1f} s ago  "
@@ -348,6 +400,7 @@ def print_status(url, token=None, last=10):
     print("last merges:")
     for r in st["recent"][-last:]:
         print("  " + format_record(r).removeprefix("fedmom: "))
+    return 1 if any((st.get("violations") or {}).values()) or (st.get("darl") or {}).get("fenced") else 0
 
 
 # ---------------------------------------------------------------- main
@@ -359,8 +412,13 @@ def serve(cfg, host, port, token, insecure, verbose, private_page, max_body):
     server = httpd.make_server(make_routes(state, blob_token=token), host, port, token, insecure,
                                public=public, max_body=max_body, quiet=not verbose)
     stop = threading.Event()
+
+    def on_fenced():                 # another process of this aggregator is newer: never serve beside it
+        log("fedmom: exiting (fenced)")
+        os._exit(3)
     threading.Thread(target=round_loop, args=(state, stop), name="fedmom-rounds", daemon=True).start()
-    threading.Thread(target=darl_loop, args=(state, stop), name="fedmom-darl", daemon=True).start()
+    threading.Thread(target=darl_loop, args=(state, stop), kwargs={"on_fenced": on_fenced}, name="fedmom-darl",
+                     daemon=True).start()
     try:
         httpd.serve_forever(server, f"fedmom round {state.round}")
     finally:
@@ -379,10 +437,12 @@ def _server_parser():
     p.add_argument("--member-timeout-s", type=float, default=300.0,
                    help="seconds without a heartbeat before a member is dropped (default 300)")
     p.add_argument("--blob-url", help="blob store URL (blobstore.py, :29512) for the blob transport (default: none)")
-    p.add_argument("--darl", help="DARL coordinator URL (:29510): commit merged leases there (default: none)")
-    p.add_argument("--darl-heartbeat-s", type=float, default=30.0,
-                   help="longest gap between DARL heartbeats for leases of unmerged deltas, s; a lease "
-                        "with a shorter TTL is heartbeated every third of the TTL it has left (default 30)")
+    p.add_argument("--darl", help="DARL coordinator URL (:29510): every accepted delta's leases go into custody "
+                                  "there, and are committed once merged (default: none, no accounting)")
+    p.add_argument("--darl-retry-s", type=float, default=10.0,
+                   help="longest wait between re-sends of a custody request, commit or abort DARL has not "
+                        "answered definitively, s (default 10)")
+    p.add_argument("--darl-heartbeat-s", type=float, help=argparse.SUPPRESS)
     p.add_argument("--private-page", action="store_true", help="require the token for GET / too (default: public)")
     httpd.add_server_args(p, DEFAULT_PORT)
     return p
@@ -403,11 +463,14 @@ def main(argv):
         except (httpd.CallError, OSError) as e:
             raise SystemExit(f"status: {a.url}: {e}")
     a = _server_parser().parse_args(argv)
+    if a.darl_heartbeat_s is not None:
+        raise SystemExit("fedmom_server: --darl-heartbeat-s is gone: the leases of accepted deltas are in DARL "
+                         "custody, which never expires; drop the flag (--darl-retry-s paces re-sends to DARL)")
     cfg = ServerConfig(a.state_dir, a.init, a.outer_lr, a.outer_momentum, a.round_deadline_s,
-                       a.member_timeout_s, a.blob_url, a.darl, a.darl_heartbeat_s).validate()
+                       a.member_timeout_s, a.blob_url, a.darl, a.darl_retry_s).validate()
     serve(cfg, a.host, a.port, httpd.load_token(a.token_file), a.insecure, a.verbose, a.private_page,
           int(a.max_body_mb * 2**20))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

@@ -17,18 +17,41 @@ State dir (everything replaced atomically: temp file, fsync, rename, fsync the d
     theta-<r>.safetensors     theta_global after r merges, fp32
     momentum-<r>.safetensors  the Nesterov buffer (absent before the first merge
                               and when --outer-momentum is 0)
-    state.json                names the round and its files, membership, recent
-                              events, the DARL commits still to send; written LAST,
+    state.json                names the round and its files, the aggregator's identity
+                              and epoch, membership, recent events, the DARL commits and
+                              aborts still owed and the violation counters; written LAST,
                               so a SIGKILL at any instant leaves round r or r+1
     rounds.jsonl              one JSON line per merge (loss, perplexity, drift, outcomes, ...)
-    spool/                    deltas accepted for the current round: r<round>-<cluster>
+    spool/                    deltas accepted for the current round: r<round>_<cluster>_<inc>
                               .safetensors + .json (the .json, written last, is the
-                              acceptance). They survive a restart and are merged then.
-After a merge is durable the server commits the merged deltas' DARL leases on the
-clusters' behalf (--darl), idempotently, re-sending after a restart until DARL
-acknowledges; until then it heartbeats those leases so they do not expire: every
---darl-heartbeat-s at most, and every third of the shortest TTL left that DARL's
-heartbeat reply names ("ttl_left"), since a site may ask for DARL's 10 s minimum.
+                              acceptance; it records the delta's custody state). They
+                              survive a restart and are merged then.
+
+Custody (with --darl; the aggregator is the coordinator of a two-phase commit, DARL the
+participant, darl_server.py's docstring the calls). The aggregator has an identity
+(made with the state dir) and an epoch (one more at every start, durable before it
+serves); every DARL call names both, and DARL refuses an older epoch ("fenced": this
+process then stops). A delta accepted for the round is spooled with custody
+"unconfirmed", then DARL is asked to take the leases it names into custody for it:
+  - held: custody "confirmed"; those blocks are the aggregator's until it commits or
+    aborts them; no TTL, steal or site release can touch them.
+  - refused (409 lease_lost, custody_aborted): the delta is never merged: refused at
+    upload (nothing stored), or excluded and named if the answer comes later.
+  - no definitive answer (DARL down, 401/403/404/5xx, a timeout): the delta stays
+    unconfirmed and the request is re-sent every --darl-retry-s at most. The round
+    rule: a round merges only when every delta in it is confirmed; while one is not,
+    the round WAITS for DARL (it never merges around it, and never guesses), and the
+    status shows the alarm. Liveness therefore needs DARL back; safety never bends.
+A merge makes the round durable together with a commit owed for every merged delta;
+an excluded delta whose custody may be held owes an abort. Both are kept in
+state.json and re-sent, oldest first, until DARL answers definitively. A commit DARL
+refuses (its custody was aborted, or never taken) is counted (refused_commits,
+blocks_trained_twice) and shown on /status, the page and the status CLI (exit 1);
+an abort DARL performs is counted (aborted_custody). Independently of DARL, a merged
+delta whose positions overlap an earlier merged delta's is counted as
+blocks_trained_twice from the aggregator's own records. After a restart the
+aggregator fences its new epoch, then aborts any custody DARL holds for it that its
+state no longer names (a spool entry lost with the disk).
 """
 import collections
 import dataclasses
@@ -41,15 +64,18 @@ import re
 import secrets
 import threading
 import time
+import urllib.parse
 
 import numpy as np
 
+import darl_table
 import httpd
 import fedmom_merge
 import tensorio
 
-STATE_FORMAT = "pww-fedmom-state/1"
-RECORD_VERSION = 2             # 2: per-delta "outcomes" with their leases
+STATE_FORMAT = "pww-fedmom-state/2"   # 2: identity, epoch, custody commits/aborts owed, violations
+RECORD_VERSION = 3             # 2: per-delta "outcomes" with their leases; 3: + "delta" and DARL "pieces"
+VIOLATIONS = darl_table.VIOLATIONS
 EVENTS_KEPT = 500             # membership events kept in state.json (for the page and status)
 RECORDS_KEPT = 200            # round records kept in memory (the file keeps all)
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -59,8 +85,6 @@ METRIC_KEYS = ("loss", "tokens_per_s", "mfu", "tflops_per_rank", "peak_mem_gb", 
 
 def log(msg):
     print(time.strftime("%Y-%m-%d %H:%M:%S ") + msg, flush=True)
-
-
 
 # ---------------------------------------------------------------- config
 
@@ -74,7 +98,7 @@ class ServerConfig:
     member_timeout_s: float = 300.0
     blob_url: str | None = None
     darl: str | None = None
-    darl_heartbeat_s: float = 30.0
+    darl_retry_s: float = 10.0
     fsync: bool = True
 
     def validate(self):
@@ -88,8 +112,8 @@ class ServerConfig:
             raise SystemExit(f"--round-deadline-s {self.round_deadline_s} must be > 0 seconds")
         if not self.member_timeout_s > 0:
             raise SystemExit(f"--member-timeout-s {self.member_timeout_s} must be > 0 seconds")
-        if not self.darl_heartbeat_s > 0:
-            raise SystemExit(f"--darl-heartbeat-s {self.darl_heartbeat_s} must be > 0 seconds")
+        if not self.darl_retry_s > 0:
+            raise SystemExit(f"--darl-retry-s {self.darl_retry_s} must be > 0 seconds")
         if self.init is not None and not os.path.isfile(self.init):
             raise SystemExit(f"--init {self.init}: no such file")
         return self
@@ -166,24 +190,75 @@ def structure_digest(specs):
     return hashlib.sha256(json.dumps(sorted((n, list(s)) for n, s in specs.items())).encode()).hexdigest()
 
 
-# ---------------------------------------------------------------- DARL, on the clusters' behalf
+# ---------------------------------------------------------------- DARL, the custody participant
+
+DEFINITIVE = frozenset({"lease_lost", "custody_aborted", "unknown_custody", "custody_committed", "fenced"})
+
+
+@dataclasses.dataclass
+class Answer:
+    """DARL's answer to one custody call: "ok" (the reply), "refused" (a 409 whose code DARL
+    gives only for a decided lease state) or "unknown" (anything else: DARL down, a
+    rotated token, a proxy's 404 or 5xx, a timeout) - never a decision."""
+    kind: str
+    reply: dict
+    error: str = ""
+
+    @property
+    def code(self):
+        return self.reply.get("code")
+
 
 class DarlLink:
-    """The two DARL calls the aggregator makes for a cluster (darl_server.py's protocol):
-    heartbeat the leases of accepted-but-unmerged deltas, and commit them after the merge."""
+    """The custody calls the aggregator makes (darl_server.py's protocol), each answered
+    with an Answer; nothing here retries: the aggregator re-sends what it still owes."""
 
     def __init__(self, url, token=None, timeout=30.0):
         self.url, self.token, self.timeout = url, token, timeout
 
-    def heartbeat(self, cluster, incarnation, lease_ids):
-        body = {"cluster": cluster, "incarnation": incarnation, "leases": [{"lease": i} for i in lease_ids]}
-        return httpd.call(self.url, "POST", "/heartbeat", body, token=self.token, timeout=self.timeout)
+    def _ask(self, method, path, body, key, want):
+        try:
+            reply = httpd.call(self.url, method, path, body, token=self.token, timeout=self.timeout)
+        except httpd.CallError as e:
+            if e.status == 409 and e.reply.get("code") in DEFINITIVE:
+                return Answer("refused", e.reply, str(e))
+            return Answer("unknown", e.reply, f"HTTP {e.status}: {e.reply.get('error', e.reply)}")
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            return Answer("unknown", {}, f"{type(e).__name__}: {e}")
+        if not isinstance(reply, dict) or reply.get(key) != want:
+            return Answer("unknown", {}, f"{path}: the reply is not DARL's ({str(reply)[:120]})")
+        return Answer("ok", reply)
 
-    def commit(self, cluster, incarnation, lease_id, end=None):
-        body = {"cluster": cluster, "incarnation": incarnation, "lease": lease_id}
-        if end is not None:
-            body["end"] = end
-        return httpd.call(self.url, "POST", "/commit", body, token=self.token, timeout=self.timeout)
+    def fence(self, aggregator, epoch):
+        return self._ask("POST", "/fence", {"aggregator": aggregator, "epoch": epoch}, "aggregator", aggregator)
+
+    def custody(self, aggregator, epoch, delta, cluster, incarnation, leases):
+        body = {"aggregator": aggregator, "epoch": epoch, "delta": delta, "cluster": cluster,
+                "incarnation": incarnation,
+                "leases": [{k: v for k, v in (("lease", l["id"]), ("start", l.get("start")), ("end", l.get("end")))
+                            if v is not None} for l in leases]}
+        return self._ask("POST", "/custody", body, "state", "held")
+
+    def commit(self, aggregator, epoch, delta):
+        return self._ask("POST", "/custody/commit", {"aggregator": aggregator, "epoch": epoch, "delta": delta},
+                         "state", "committed")
+
+    def abort(self, aggregator, epoch, delta, why):
+        return self._ask("POST", "/custody/abort", {"aggregator": aggregator, "epoch": epoch, "delta": delta,
+                                                    "why": why[:200]}, "state", "aborted")
+
+    def held(self, aggregator):
+        """The custody DARL holds for `aggregator`: an Answer whose reply has "custody"."""
+        query = urllib.parse.urlencode({"aggregator": aggregator, "state": "held"})
+        try:
+            reply = httpd.call(self.url, "GET", f"/custody?{query}", token=self.token, timeout=self.timeout)
+        except httpd.CallError as e:
+            return Answer("unknown", e.reply, f"HTTP {e.status}: {e.reply.get('error', e.reply)}")
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            return Answer("unknown", {}, f"{type(e).__name__}: {e}")
+        if not isinstance(reply, dict) or not isinstance(reply.get("custody"), list):
+            return Answer("unknown", {}, "GET /custody: the reply is not DARL's")
+        return Answer("ok", reply)
 
 
 # ---------------------------------------------------------------- the state (no HTTP in here)
@@ -207,6 +282,10 @@ class Pending:
     path: str
     meta_path: str
     received: float        # wall time
+    delta_id: str = ""     # the custody key at DARL: r<round>.<random>
+    custody: str = "none"  # none (no --darl) | unconfirmed | confirmed
+    pieces: list = dataclasses.field(default_factory=list)   # DARL's [[lease, start, end]] once confirmed
+    size: int = -1         # bytes of the spooled file, checked at a restart
 
 
 class Refused(Exception):
@@ -247,10 +326,14 @@ def parse_delta_meta(meta):
         raise Refused(400, "tokens is 0: a delta that trained on nothing has no weight; do not send it")
     leases = meta.get("leases", [])
     if not isinstance(leases, list) or not all(isinstance(x, dict) and _lease_id(x) is not None
-                                               and (x.get("end") is None or _is_int(x["end"])) for x in leases):
-        raise Refused(400, "leases must be a list of DARL lease objects, each with an integer 'id' (or 'lease') "
-                           "and an optional integer 'end'")
-    out["leases"] = [{"id": _lease_id(x), "end": x.get("end")} for x in leases]
+                                               and all(x.get(k) is None or _is_int(x[k]) for k in ("start", "end"))
+                                               for x in leases):
+        raise Refused(400, "leases must be a list of DARL lease objects, each with an integer 'id' (or 'lease'), "
+                           "an optional integer 'start' and an optional integer 'end'")
+    out["leases"] = [{"id": _lease_id(x), "end": x.get("end"), **({"start": x["start"]} if _is_int(x.get("start"))
+                                                                   else {})} for x in leases]
+    if len({l["id"] for l in out["leases"]}) != len(out["leases"]):
+        raise Refused(400, "a lease is named twice in one delta's leases")
     metrics = meta.get("metrics")
     metrics = {} if metrics is None else metrics     # absent or null; [] or "" is refused below
     if not isinstance(metrics, dict):
@@ -271,7 +354,7 @@ class FedMomState:
     """theta_global, momentum, round, membership, pending deltas and DARL commits.
     Plain methods, no HTTP; `clock` (monotonic seconds) and `wall` are injectable."""
 
-    def __init__(self, cfg, clock=time.monotonic, wall=time.time, darl=None):
+    def __init__(self, cfg, clock=time.monotonic, wall=httpd.wall_time, darl=None):
         self.cfg, self.clock, self.wall, self.darl = cfg, clock, wall, darl
         self.dir = os.path.abspath(cfg.state_dir)
         self.spool = os.path.join(self.dir, "spool")
@@ -283,10 +366,14 @@ class FedMomState:
         self.events = collections.deque(maxlen=EVENTS_KEPT)
         self.excluded, self.dropped = [], []
         self.first_delta_at, self.merging, self.retry_merge_at = None, False, 0.0
-        self.pending_commits, self.last_record = [], None
+        self.pending_commits, self.pending_aborts, self.last_record = [], [], None
+        self.violations = {k: 0 for k in VIOLATIONS}
+        self.requesting = set()       # delta ids whose custody an upload thread is asking for now
+        self.darl_alarm = None        # {"since", "error", "calls"} while DARL gives no definitive answer
+        self.fenced = None            # DARL's reason, once it refused this epoch: the process stops
+        self.fenced_epoch = self.reconciled = False
         self.published = {}           # round -> {"blob", "sha256", "round"}
         self.publish_lock = threading.Lock()
-        self.darl_heartbeat_at = -math.inf   # clock() time the next DARL heartbeat is due
         self.merge_pause_s = float(os.environ.get(MERGE_PAUSE_ENV, "0") or 0)
         os.makedirs(self.spool, exist_ok=True)
         if os.path.exists(self.state_path):
@@ -294,9 +381,14 @@ class FedMomState:
         else:
             self._create()
         self._clean_dir()
-        self.records = collections.deque(read_records(self.rounds_path), maxlen=RECORDS_KEPT)
+        records = read_records(self.rounds_path)
+        self.merged_positions = darl_table.Intervals()      # every DARL position inside a merged delta
+        for rec in records:
+            self._add_merged(rec)
+        self.records = collections.deque(records, maxlen=RECORDS_KEPT)
         self._repair_rounds_log()
         self.round_opened_at = self.clock()
+        self._save()          # the new epoch is durable before any DARL call names it
 
     # ---- start-up
 
@@ -306,6 +398,7 @@ class FedMomState:
         theta = "theta-0.safetensors"
         init_theta(self.cfg.init, os.path.join(self.dir, theta), self.cfg.fsync)
         self.round, self.theta_file, self.momentum_file = 0, theta, None
+        self.aggregator_id, self.epoch = f"fedmom-{secrets.token_hex(6)}", 1
         with tensorio.TensorReader(os.path.join(self.dir, theta)) as r:
             self.specs = {n: r.specs[n][1] for n in r.names}
         st = os.stat(self.cfg.init)
@@ -326,6 +419,7 @@ class FedMomState:
             raise SystemExit(f"{self.state_path}: format {st.get('format')!r}, this server reads "
                              f"{STATE_FORMAT!r}; use the fedmom_server.py that wrote it")
         self.round, self.theta_file, self.momentum_file = st["round"], st["theta"], st["momentum"]
+        self.aggregator_id, self.epoch = st["aggregator"], st["epoch"] + 1
         with tensorio.TensorReader(os.path.join(self.dir, self.theta_file)) as r:
             self.specs = {n: r.specs[n][1] for n in r.names}
         self.init_id = st["init"]
@@ -333,13 +427,15 @@ class FedMomState:
         self.members = {c: Member(m["incarnation"], m["joined"], now) for c, m in st["members"].items()}
         self.events.extend(st.get("events", []))
         self.pending_commits = st.get("pending_commits", [])
+        self.pending_aborts = st.get("pending_aborts", [])
+        self.violations = {k: int(st.get("violations", {}).get(k, 0)) for k in VIOLATIONS}
         self.last_record = st.get("last_record")
         if self.cfg.init:
             self._check_init_matches()
         self._restore_spool()
-        log(f"fedmom: resumed {self.dir} at round {self.round}: {len(self.members)} member(s) "
-            f"{sorted(self.members)}, {len(self.pending)} spooled delta(s), "
-            f"{len(self.pending_commits)} DARL commit(s) to send")
+        log(f"fedmom: resumed {self.dir} at round {self.round} as aggregator {self.aggregator_id} epoch "
+            f"{self.epoch}: {len(self.members)} member(s) {sorted(self.members)}, {len(self.pending)} spooled "
+            f"delta(s), {len(self.pending_commits)} DARL commit(s) and {len(self.pending_aborts)} abort(s) to send")
 
     def _check_init_matches(self):
         with tensorio.TensorReader(self.cfg.init) as r:
@@ -355,7 +451,9 @@ class FedMomState:
         log(f"fedmom: --init matches the model this state started from; ignored (resuming round {self.round})")
 
     def _restore_spool(self):
-        """Accepted deltas of the current round come back; anything else in spool/ goes."""
+        """Accepted deltas of the current round come back; anything else in spool/ goes. An
+        accepted delta whose file is gone or cut short is excluded, and the custody its
+        leases may be in is aborted (owed to DARL)."""
         now = self.wall()
         for fn in sorted(os.listdir(self.spool)):
             if not fn.endswith(".json"):
@@ -366,8 +464,18 @@ class FedMomState:
                 p = Pending(**m)
             except (ValueError, TypeError):
                 continue
-            if p.base_round == self.round and os.path.exists(p.path):   # accepted: merge it, live or not
+            if p.base_round != self.round:
+                continue
+            size = os.path.getsize(p.path) if os.path.exists(p.path) else -2
+            if p.size < 0 or size == p.size:            # accepted: merge it, live or not
                 self.pending[(p.cluster, p.incarnation)] = p
+                continue
+            why = f"its spooled file {p.path} is missing or damaged ({size} bytes, accepted with {p.size})"
+            self._exclude({"cluster": p.cluster, "incarnation": p.incarnation, "base_round": p.base_round,
+                           "tokens": p.tokens, "leases": p.leases}, why)
+            if p.custody != "none":
+                self.pending_aborts.append({"delta": p.delta_id, "cluster": p.cluster, "incarnation": p.incarnation,
+                                            "why": why, "since": round(now, 3)})
         if self.pending:
             self.first_delta_at = self.clock()
             log(f"fedmom: {len(self.pending)} delta(s) for round {self.round} restored from spool at "
@@ -396,8 +504,10 @@ class FedMomState:
         """state.json, atomically; the caller holds the lock (or is the constructor)."""
         st = {"format": STATE_FORMAT, "round": self.round, "theta": self.theta_file,
               "momentum": self.momentum_file, "init": self.init_id,
+              "aggregator": self.aggregator_id, "epoch": self.epoch,
               "members": {c: {"incarnation": m.incarnation, "joined": m.joined} for c, m in self.members.items()},
               "events": list(self.events), "pending_commits": self.pending_commits,
+              "pending_aborts": self.pending_aborts, "violations": self.violations,
               "last_record": self.last_record,
               "outer_lr": self.cfg.outer_lr, "outer_momentum": self.cfg.outer_momentum}
         write_json_atomic(self.state_path, st, self.cfg.fsync)
@@ -512,6 +622,9 @@ class FedMomState:
         meta = parse_delta_meta(meta)
         with self.lock:
             self._check_current(meta)
+        if self.darl is not None and not meta["leases"]:
+            raise Refused(400, "leases is empty: with --darl every delta names the DARL leases it trained on "
+                               "(DARL takes them into custody before the delta can be merged)")
         return meta
 
     def _check_current(self, meta):
@@ -524,39 +637,89 @@ class FedMomState:
         if self.merging:
             raise Refused(409, f"round {self.round} is closed and being merged; wait for round "
                                f"{self.round + 1}", code="stale_round", round=self.round)
+        if self.fenced:
+            raise Refused(503, f"this aggregator process was fenced by DARL ({self.fenced}) and is stopping; "
+                               "send to the aggregator that replaced it")
 
     def accept_delta(self, meta, part_path):
-        """The delta file is fully spooled at `part_path`: check it, then make it pending.
-        On any refusal the file is removed and nothing stored changes."""
+        """The delta file is fully spooled at `part_path`: check it, spool it, take its leases
+        into DARL custody. On a refusal the file is removed and nothing stored changes."""
         try:
             with self.lock:
                 self._check_current(meta)
-                if (meta["cluster"], meta["incarnation"]) in self.pending:   # a retry whose reply was lost
-                    return {"accepted": True, "duplicate": True, "round": self.round}
+                dup = self.pending.get((meta["cluster"], meta["incarnation"]))
+                if dup is not None:                     # a retry whose reply was lost
+                    return {"accepted": True, "duplicate": True, "round": self.round, "custody": dup.custody}
             try:
                 fedmom_merge.check_delta_file(part_path, self.specs)
             except fedmom_merge.DeltaRejected as e:
                 with self.lock:
                     self._exclude(meta, e.reason)
                 raise Refused(e.status, e.reason, code="bad_delta", round=self.round)
-            self.darl_hold(meta)                # a lease reclaimed meanwhile: 409 lease_lost, nothing spooled
             with self.lock:
-                self._check_current(meta)       # the round may have closed while we read the file
-                if (meta["cluster"], meta["incarnation"]) in self.pending:
-                    return {"accepted": True, "duplicate": True, "round": self.round}
+                self._check_current(meta)               # the round may have closed while we read the file
+                dup = self.pending.get((meta["cluster"], meta["incarnation"]))
+                if dup is not None:
+                    return {"accepted": True, "duplicate": True, "round": self.round, "custody": dup.custody}
                 p = self._spool(meta, part_path)
                 part_path = None
                 self.pending[(p.cluster, p.incarnation)] = p
+                self.requesting.add(p.delta_id)
                 if self.first_delta_at is None:
                     self.first_delta_at = self.clock()
-                self.cond.notify_all()
+            try:
+                httpd.fault_point("fedmom.spooled")     # accepted on disk, custody not asked yet
+                if p.custody == "unconfirmed":
+                    self._take_custody(p, at_upload=True)
+            finally:
+                with self.lock:
+                    self.requesting.discard(p.delta_id)
+                    self.cond.notify_all()
+            with self.lock:
                 waiting = sorted(c for c in self.members if not self._responded(c))
                 log(f"fedmom: delta from {p.cluster} for round {self.round}: {p.tokens:,} tokens, "
-                    f"{len(p.leases)} lease(s); waiting for {waiting or 'nobody'}")
-                return {"accepted": True, "round": self.round, "waiting_for": waiting}
+                    f"{len(p.leases)} lease(s), custody {p.custody}; waiting for {waiting or 'nobody'}")
+                return {"accepted": True, "round": self.round, "waiting_for": waiting, "custody": p.custody}
         finally:
             if part_path and os.path.exists(part_path):
                 os.unlink(part_path)
+
+    def _take_custody(self, p, at_upload=False):
+        """Ask DARL to hold p's leases for this aggregator; settle p by the answer. At upload a
+        refusal is the upload's 409 (nothing stays stored); later it excludes p, named."""
+        ans = self.darl.custody(self.aggregator_id, self.epoch, p.delta_id, p.cluster, p.incarnation, p.leases)
+        if ans.kind == "ok":
+            httpd.fault_point("fedmom.custody_held")   # DARL holds it, our spool does not say so yet
+            with self.lock:
+                if self.pending.get((p.cluster, p.incarnation)) is p:
+                    p.custody, p.pieces = "confirmed", [x[:3] for x in ans.reply.get("pieces", [])]
+                    write_json_atomic(p.meta_path, dataclasses.asdict(p), self.cfg.fsync)
+                self._darl_answered()
+                self.cond.notify_all()
+            return
+        if ans.kind == "unknown":
+            self._darl_failed(f"custody of {p.cluster}'s delta {p.delta_id}", ans.error)
+            return
+        why = ans.reply.get("error") or ans.error
+        if ans.code == "fenced":
+            self._stop_fenced(why)
+            if not at_upload:
+                return              # the newer process of this aggregator finds the spooled delta
+        with self.lock:
+            self._darl_answered()
+            if self.pending.get((p.cluster, p.incarnation)) is not p:
+                return
+            del self.pending[(p.cluster, p.incarnation)]
+            _unlink(p.path), _unlink(p.meta_path)
+            if not self.pending:
+                self.first_delta_at = None
+            self.cond.notify_all()
+            if not at_upload:
+                self._exclude(dataclasses.asdict(p), why)
+        if at_upload and ans.code == "fenced":      # this process is stopping: the upload never happened
+            raise Refused(503, f"this aggregator process was fenced by DARL ({why}); send again")
+        if at_upload:
+            raise Refused(409, why, code="lease_lost", leases=ans.reply.get("leases", [l["id"] for l in p.leases]))
 
     def _responded(self, cluster):
         """Has the live incarnation of `cluster` sent this round's delta (or had it excluded)?"""
@@ -575,7 +738,9 @@ class FedMomState:
         # "_" is in no id (ID_RE), so no two (cluster, incarnation) pairs share a name
         base = os.path.join(self.spool, f"r{self.round}_{meta['cluster']}_{meta['incarnation']}")
         p = Pending(meta["cluster"], meta["incarnation"], meta["base_round"], meta["tokens"], meta["leases"],
-                    meta["metrics"], base + ".safetensors", base + ".json", self.wall())
+                    meta["metrics"], base + ".safetensors", base + ".json", self.wall(),
+                    delta_id=f"r{self.round}.{secrets.token_hex(8)}",
+                    custody="none" if self.darl is None else "unconfirmed", size=os.path.getsize(part_path))
         os.replace(part_path, p.path)
         write_json_atomic(p.meta_path, dataclasses.asdict(p), self.cfg.fsync)   # the acceptance
         return p
@@ -609,7 +774,11 @@ class FedMomState:
             return self._finish(batch, result, ready, late, closed_at)
 
     def _ready(self):
-        if self.merging or not self.pending or self.clock() < self.retry_merge_at:
+        """Why the round may merge now, or None. Never while a delta's custody is unconfirmed:
+        the round waits for DARL's word on it (see the module docstring)."""
+        if self.merging or not self.pending or self.clock() < self.retry_merge_at or self.fenced:
+            return None
+        if self._custody_waiting():
             return None
         waiting = [c for c in self.members if not self._responded(c)]
         if not waiting:
@@ -617,6 +786,9 @@ class FedMomState:
         if self.clock() - self.first_delta_at >= self.cfg.round_deadline_s:
             return f"deadline of {self.cfg.round_deadline_s:g} s passed without {sorted(waiting)}"
         return None
+
+    def _custody_waiting(self):
+        return sorted(p.cluster for p in self.pending.values() if p.custody == "unconfirmed")
 
     def _merge(self, batch):
         total = sum(p.tokens for p in batch)
@@ -630,7 +802,8 @@ class FedMomState:
             [(p.path, w) for p, w in zip(batch, weights)],
             os.path.join(self.dir, f"theta-{new}.safetensors"),
             os.path.join(self.dir, f"momentum-{new}.safetensors") if mu > 0 else None,
-            self.cfg.outer_lr, mu, {"round": str(new)}, self.cfg.fsync, self.merge_pause_s)
+            self.cfg.outer_lr, mu, {"round": str(new)}, self.cfg.fsync, self.merge_pause_s,
+            after_tensor=lambda name: httpd.fault_point("fedmom.merge"))
         stats["merge_s"] = self.clock() - t0
         stats["weights"] = weights
         return stats
@@ -638,18 +811,26 @@ class FedMomState:
     def _finish(self, batch, stats, reason, late, closed_at):
         new, old_files, old_commits = self.round + 1, (self.theta_file, self.momentum_file), list(self.pending_commits)
         rec = self._record(batch, stats, reason, late, closed_at, new)
+        old_violations = dict(self.violations)
+        twice = self._count_trained_twice(rec)
         self.theta_file = f"theta-{new}.safetensors"
         self.momentum_file = f"momentum-{new}.safetensors" if self.cfg.outer_momentum > 0 else None
-        self.pending_commits += [{"round": new, "cluster": p.cluster, "incarnation": p.incarnation,
-                                  "lease": l["id"], "end": l.get("end")} for p in batch for l in p.leases]
+        self.pending_commits += [{"delta": p.delta_id, "round": new, "cluster": p.cluster,
+                                  "incarnation": p.incarnation, "blocks": sum(x[2] - x[1] for x in p.pieces),
+                                  "since": round(self.wall(), 3)} for p in batch if p.custody == "confirmed"]
         self.round, old_record, self.last_record = new, self.last_record, rec
         try:
             self._save()                                   # the round becomes durable here
         except BaseException:
             self.round, self.last_record, self.merging = new - 1, old_record, False
             self.theta_file, self.momentum_file = old_files
-            self.pending_commits = old_commits
+            self.pending_commits, self.violations = old_commits, old_violations
             raise
+        self._add_merged(rec)
+        if twice:
+            log(f"fedmom: !!! round {new} merged {twice} DARL position(s) that an earlier merged delta already "
+                "holds: those blocks are trained twice (blocks_trained_twice)")
+        httpd.fault_point("fedmom.round_durable")   # durable with its commits owed, none sent yet
         append_line(self.rounds_path, rec, self.cfg.fsync)
         self.records.append(rec)
         log(format_record(rec))
@@ -678,7 +859,8 @@ class FedMomState:
         loss = sum(t * l for t, l in losses) / ltok if ltok else None
         drifts = [c["drift"] for c in clusters.values() if c["drift"] is not None]
         tps = [p.metrics["tokens_per_s"] for p in batch if "tokens_per_s" in p.metrics]
-        outcomes = [_outcome(p.cluster, p.incarnation, p.base_round, p.tokens, p.leases, "merged", merged_into=new)
+        outcomes = [_outcome(p.cluster, p.incarnation, p.base_round, p.tokens, p.leases, "merged", merged_into=new,
+                             delta=p.delta_id, pieces=p.pieces)
                     for p in batch]
         outcomes += [o for o in self._open_outcomes() if o["outcome"] == "excluded"]
         return {"v": RECORD_VERSION, "round": new, "base_round": new - 1, "time": round(self.wall(), 3),
@@ -694,111 +876,150 @@ class FedMomState:
                 "outer_momentum": self.cfg.outer_momentum,
                 "bytes_read": stats["bytes_read"], "bytes_written": stats["bytes_written"]}
 
-    # ---- DARL
+    # ---- DARL: custody, commits, aborts (see the module docstring)
 
-    def darl_tick(self, force=False):
-        """Send the DARL commits still owed (oldest first), and heartbeat the leases of
-        accepted deltas so they survive until their round is durable. False if DARL failed."""
-        if self.darl is None:
+    def darl_tick(self):
+        """One pass over what DARL still owes an answer to, oldest first: this epoch's fence,
+        then (once) the reconciliation of DARL's custody with our books, the custody of
+        unconfirmed deltas, the aborts and the commits owed. True when everything owed was
+        answered definitively; False when DARL must be asked again later."""
+        if self.darl is None or self.fenced:
+            return self.darl is None
+        if not self.fenced_epoch and not self._fence():
+            return False
+        if not self.reconciled and not self._reconcile():
+            return False
+        with self.lock:
+            unconfirmed = [p for p in self.pending.values()
+                           if p.custody == "unconfirmed" and p.delta_id not in self.requesting]
+        for p in unconfirmed:
+            self._take_custody(p)
+            if p.custody == "unconfirmed" and self.pending.get((p.cluster, p.incarnation)) is p:
+                return False
+        return self._send_owed("pending_aborts", self._abort_one) and self._send_owed("pending_commits",
+                                                                                       self._commit_one)
+
+    def _fence(self):
+        ans = self.darl.fence(self.aggregator_id, self.epoch)
+        if ans.kind == "ok":
+            self.fenced_epoch = True
+            log(f"fedmom: DARL knows aggregator {self.aggregator_id} at epoch {self.epoch} "
+                f"({ans.reply.get('held', 0)} custody record(s) held)")
             return True
+        if ans.kind == "refused":
+            self._stop_fenced(ans.reply.get("error", ans.error))
+        else:
+            self._darl_failed("fence", ans.error)
+        return False
+
+    def _reconcile(self):
+        """Custody DARL holds for us that our state no longer names (a spool entry lost with
+        the disk) would be held forever: abort it."""
+        ans = self.darl.held(self.aggregator_id)
+        if ans.kind != "ok":
+            self._darl_failed("list our custody", ans.error)
+            return False
         with self.lock:
-            todo = list(self.pending_commits)
-            hb_due = force or self.clock() >= self.darl_heartbeat_at
-            held = {}
-            if hb_due:
-                self.darl_heartbeat_at = self.clock() + self.cfg.darl_heartbeat_s
-                for p in self.pending.values():
-                    held.setdefault((p.cluster, p.incarnation), []).extend(l["id"] for l in p.leases)
-                for c in todo:
-                    held.setdefault((c["cluster"], c["incarnation"]), []).append(c["lease"])
-        done, ok = [], True
-        for c in todo:
-            try:
-                self.darl.commit(c["cluster"], c["incarnation"], c["lease"], c.get("end"))
-                done.append(c)
-            except httpd.CallError as e:
-                if 400 <= e.status < 500 and e.status not in (408, 429):
-                    log(f"fedmom: DARL refused commit of lease {c['lease']} for {c['cluster']} "
-                        f"(round {c['round']}): {e}; not retried")
-                    done.append(c)
-                else:
-                    ok = False
-                    break
-            except (OSError, http.client.HTTPException) as e:
-                log(f"fedmom: DARL unreachable ({e}); {len(todo) - len(done)} commit(s) kept for later")
-                ok = False
-                break
-        for (cluster, inc), ids in held.items():
-            if ids:
-                try:
-                    reply = self.darl.heartbeat(cluster, inc, ids)
-                except (httpd.CallError, OSError, http.client.HTTPException) as e:
-                    log(f"fedmom: DARL heartbeat for {cluster}'s leases failed: {e}")
-                    continue
-                self._darl_heartbeat_due(reply)
-                lost = [x.get("lease") for x in reply.get("leases", ()) if not x.get("valid")]
-                if lost:
-                    log(f"fedmom: DARL says {cluster}'s lease(s) {lost} are no longer held; their commit "
-                        "still stands if nobody has leased the blocks since")
-        if done:
-            with self.lock:
-                self.pending_commits = [c for c in self.pending_commits if c not in done]
+            known = ({p.delta_id for p in self.pending.values()} | {c["delta"] for c in self.pending_commits}
+                     | {c["delta"] for c in self.pending_aborts})
+            lost = [c for c in ans.reply["custody"] if c["delta"] not in known]
+            for c in lost:
+                why = "the aggregator's state no longer names this delta (its spool entry is gone)"
+                self.pending_aborts.append({"delta": c["delta"], "cluster": c["cluster"],
+                                            "incarnation": c["incarnation"], "why": why,
+                                            "since": round(self.wall(), 3)})
+                log(f"fedmom: !!! DARL holds custody of delta {c['delta']} ({c['cluster']}, {c['blocks']} blocks) "
+                    "that this aggregator has no record of: aborting it, its blocks go back to the pool")
+            if lost:
                 self._save()
-        return ok
+            self.reconciled = True
+        return True
 
-    def _darl_heartbeat_due(self, reply):
-        """Bring the next heartbeat forward to a third of the shortest TTL left in a
-        DARL heartbeat reply, so a lease the aggregator holds never expires (a site may
-        ask for DARL's 10 s minimum while --darl-heartbeat-s is 30 s)."""
-        left = [x["ttl_left"] for x in reply.get("leases", ()) if x.get("valid") and "ttl_left" in x]
-        if not left and reply.get("ttl"):
-            left = [reply["ttl"]]
-        if left:
-            with self.lock:
-                self.darl_heartbeat_at = min(self.darl_heartbeat_at, self.clock() + max(min(left), 0.0) / 3)
-
-    def darl_heartbeat_in(self):
-        """Seconds until the next DARL heartbeat is due (0 if overdue)."""
+    def _send_owed(self, kind, send):
+        """Send the owed entries of self.<kind> in order until one gets no definitive answer."""
         with self.lock:
-            return max(0.0, self.darl_heartbeat_at - self.clock())
+            todo = list(getattr(self, kind))
+        for entry in todo:
+            if not send(entry):
+                return False
+            with self.lock:
+                setattr(self, kind, [c for c in getattr(self, kind) if c["delta"] != entry["delta"]])
+                self._save()
+        return True
 
-    def darl_hold(self, meta):
-        """Heartbeat an arriving delta's leases in DARL before it is accepted. A lease DARL
-        no longer holds for the cluster (expired and reclaimed) is a 409 "lease_lost": its
-        blocks are back in the pool, so merging the delta could train them twice; the site
-        drops the work. If DARL cannot be reached the delta is accepted all the same: the
-        commit after the merge is retried until DARL answers, and a late commit still
-        stands while nobody has leased those blocks again (darl_table.LeaseTable.commit)."""
-        ids = [l["id"] for l in meta["leases"]]
-        if self.darl is None or not ids:
-            return
-        try:
-            reply = self.darl.heartbeat(meta["cluster"], meta["incarnation"], ids)
-        except httpd.CallError as e:
-            if e.status == 409:         # a stale or departed incarnation: none of its leases stand
-                raise Refused(409, f"DARL no longer holds leases {ids} for {meta['cluster']}: {e.reply.get('error', e)}; "
-                                   "discard this delta, its blocks are trained again", code="lease_lost",
-                              leases=ids) from None
-            log(f"fedmom: DARL heartbeat for {meta['cluster']}'s new delta failed ({e}); accepted anyway")
-            return
-        except (OSError, http.client.HTTPException) as e:
-            log(f"fedmom: DARL unreachable for {meta['cluster']}'s new delta ({e}); accepted anyway")
-            return
-        lost = [x for x in reply.get("leases", ()) if not x.get("valid")]
-        ends = {l["id"]: l.get("end") for l in meta["leases"]}
-        for x in reply.get("leases", ()):
-            # trained past the lease's authoritative end: that tail was stolen, so DARL would
-            # refuse the commit while the thief trains those blocks too
-            want = ends.get(x.get("lease"))
-            if x.get("valid") and want is not None and isinstance(x.get("end"), int) and want > x["end"]:
-                lost.append({**x, "valid": False, "reason": f"trained up to {want}, past the lease's end "
-                                                            f"{x['end']} (a stolen tail)"})
-        if lost:
-            why = "; ".join(f"lease {x.get('lease')}: {x.get('reason') or x.get('state')}" for x in lost)
-            raise Refused(409, f"DARL no longer holds this delta's leases ({why}): their blocks went back to "
-                               "the pool; discard this delta, they are trained again", code="lease_lost",
-                          leases=[x.get("lease") for x in lost])
-        self._darl_heartbeat_due(reply)
+    def _commit_one(self, c):
+        ans = self.darl.commit(self.aggregator_id, self.epoch, c["delta"])
+        if ans.kind == "unknown":
+            self._darl_failed(f"commit of {c['cluster']}'s delta {c['delta']} (round {c['round']})", ans.error)
+            return False
+        if ans.code == "fenced":
+            self._stop_fenced(ans.reply.get("error", ans.error))
+            return False
+        httpd.fault_point("fedmom.committed")      # DARL committed it, our state still owes it
+        with self.lock:
+            self._darl_answered()
+            if ans.kind == "refused":
+                self.violations["refused_commits"] += 1
+                self.violations["blocks_trained_twice"] += int(ans.reply.get("blocks") or 0)
+                log(f"fedmom: !!! DARL REFUSED the commit of {c['cluster']}'s delta {c['delta']} merged into round "
+                    f"{c['round']}: {ans.reply.get('error', ans.error)} (refused_commits)")
+        return True
+
+    def _abort_one(self, c):
+        ans = self.darl.abort(self.aggregator_id, self.epoch, c["delta"], c["why"])
+        if ans.kind == "unknown":
+            self._darl_failed(f"abort of {c['cluster']}'s delta {c['delta']}", ans.error)
+            return False
+        if ans.code == "fenced":
+            self._stop_fenced(ans.reply.get("error", ans.error))
+            return False
+        with self.lock:
+            self._darl_answered()
+            if ans.kind == "refused":       # custody_committed: DARL counted blocks no round holds
+                log(f"fedmom: !!! DARL refused to abort delta {c['delta']}: {ans.reply.get('error', ans.error)}")
+            elif ans.reply.get("returned"):
+                self.violations["aborted_custody"] += 1
+                log(f"fedmom: !!! aborted custody of {c['cluster']}'s delta {c['delta']}: {ans.reply['returned']} "
+                    f"blocks went back to the pool ({c['why']}) (aborted_custody)")
+        return True
+
+    def _darl_failed(self, what, error):
+        """No definitive answer from DARL: nothing is decided, the call stays owed, the alarm is up."""
+        with self.lock:
+            if self.darl_alarm is None:
+                self.darl_alarm = {"since": round(self.wall(), 3), "calls": 0}
+                log(f"fedmom: !!! DARL gives no definitive answer to the {what}: {error}; kept, re-sent every "
+                    f"{self.cfg.darl_retry_s:g} s at most; no round with an unconfirmed delta merges meanwhile")
+            self.darl_alarm.update(error=f"{what}: {error}", calls=self.darl_alarm["calls"] + 1)
+
+    def _darl_answered(self):
+        if self.darl_alarm is not None:
+            log(f"fedmom: DARL answers again (after {self.darl_alarm['calls']} unanswered call(s))")
+            self.darl_alarm = None
+
+    def _stop_fenced(self, why):
+        with self.lock:
+            if self.fenced is None:
+                self.fenced = why
+                log(f"fedmom: !!! FENCED by DARL: {why}. This process stops; everything it owes DARL stays in "
+                    f"{self.state_path} for the aggregator that replaced it")
+            self.cond.notify_all()
+
+    def _count_trained_twice(self, rec):
+        """Positions of this record's merged deltas already inside an earlier merged delta,
+        or named twice in it (from our own records, whatever DARL says); counted."""
+        seen, twice = darl_table.Intervals(), 0
+        for o in rec["outcomes"]:
+            for _, a, b in o.get("pieces") or ():
+                twice += self.merged_positions.count(a, b) + seen.union(a, b)
+        self.violations["blocks_trained_twice"] += twice
+        return twice
+
+    def _add_merged(self, rec):
+        for o in rec.get("outcomes", ()):
+            if o.get("outcome") == "merged":
+                for _, a, b in o.get("pieces") or ():
+                    self.merged_positions.union(a, b)
 
     # ---- reading
 
@@ -818,21 +1039,33 @@ class FedMomState:
                     "pending": sorted(c for c, _ in self.pending), "deadline_in_s": deadline,
                     "outcomes": self._open_outcomes(),
                     "excluded": list(self.excluded), "dropped": list(self.dropped),
-                    "pending_commits": len(self.pending_commits),
+                    "pending_commits": len(self.pending_commits), "pending_aborts": len(self.pending_aborts),
+                    "aggregator": self.aggregator_id, "epoch": self.epoch, "violations": dict(self.violations),
+                    "darl": {"alarm": self.darl_alarm, "fenced": self.fenced,
+                             "custody_waiting": self._custody_waiting() if self.darl else [],
+                             "commits_owed": [dict(c) for c in self.pending_commits[:50]],
+                             "aborts_owed": [dict(c) for c in self.pending_aborts[:50]]},
                     "parameters": sum(int(np.prod(s)) for s in self.specs.values()),
                     "tensors": len(self.specs),
                     "config": {"outer_lr": self.cfg.outer_lr, "outer_momentum": self.cfg.outer_momentum,
                                "round_deadline_s": self.cfg.round_deadline_s,
                                "member_timeout_s": self.cfg.member_timeout_s,
-                               "blob": bool(self.cfg.blob_url), "darl": bool(self.cfg.darl)},
+                               "blob": bool(self.cfg.blob_url), "darl": bool(self.cfg.darl),
+                               "darl_retry_s": self.cfg.darl_retry_s},
                     "recent": list(self.records)[-RECORDS_KEPT:], "events": list(self.events)[-100:]}
 
 
-def _outcome(cluster, incarnation, base_round, tokens, leases, outcome, merged_into=None, why=None):
+def _outcome(cluster, incarnation, base_round, tokens, leases, outcome, merged_into=None, why=None,
+             delta=None, pieces=None):
     """One delta's fate, as round records, GET /status and heartbeat replies carry it."""
     out = {"cluster": cluster, "incarnation": incarnation, "base_round": base_round, "tokens": tokens,
-           "leases": [{"id": l["id"], "end": l.get("end")} for l in leases], "outcome": outcome,
-           "merged_into": merged_into}
+           "leases": [{"id": l["id"], "end": l.get("end"), **({"start": l["start"]} if "start" in l else {})}
+                      for l in leases],
+           "outcome": outcome, "merged_into": merged_into}
+    if delta:
+        out["delta"] = delta
+    if pieces is not None:
+        out["pieces"] = [list(x) for x in pieces]
     if why is not None:
         out["why"] = why
     return out

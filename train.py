@@ -910,14 +910,15 @@ class FedSite:
     can wait is a generator that yields while it waits (diloco.on_rank0 turns each yield
     into a small broadcast, so the other ranks never time out in a collective).
 
-    Lease lifecycle (DESIGN.md, round protocol): a span is trained, its delta sent with
-    the lease record; the site never commits in DARL itself. Merged: fedmom_server.py
-    commits the lease once the round is durable, and until DARL reports it committed
-    the session keeps heartbeating it. Not merged (stale or excluded): the site
-    releases it, so its blocks go back to the pool and are trained again. Unknown
-    (the aggregator's reply was lost and its books no longer show the round): the site
-    stops heartbeating it and lets the aggregator decide - it heartbeats and commits
-    the leases of what it merged, and anything else expires back to the pool.
+    Lease lifecycle (FEDERATION_GUIDE.md section 3): a span is trained, its delta sent
+    with the lease record (lease, start, end); the site never commits in DARL itself.
+    Accepted: fedmom_server.py takes the span into custody at DARL, which no TTL, steal
+    or release of ours can touch; the session's heartbeats then see the lease "done" and
+    drop it. Merged: the aggregator commits that custody once the round is durable.
+    Not merged (stale or excluded): the site releases the lease, so whatever of it is
+    still the site's goes back to the pool and is trained again. Unknown (the
+    aggregator's reply was lost and its books no longer show the round): the site stops
+    heartbeating it and lets the aggregator decide.
     """
 
     def __init__(self, cfg, windows, model_bytes, log):
@@ -1129,8 +1130,8 @@ class FedSite:
 
     # -- end
     def finish(self):
-        """DARL is done: wait until every lease handed to the aggregator is committed (a
-        lease released now would put merged blocks back in the pool), then leave."""
+        """DARL is done: wait until every lease handed to the aggregator has left this
+        session (in custody or committed: "done"), then leave."""
         deadline = time.monotonic() + RETRY_S
         while self.session.held() and time.monotonic() < deadline:
             try:
@@ -1138,8 +1139,8 @@ class FedSite:
             except (httpd.CallError, *TRANSPORT_ERRORS) as e:
                 self.say(f"DARL heartbeat: {e}", every_s=10.0)
             if self.session.held():
-                self.say(f"waiting for the aggregator to commit leases {sorted(self.session.held())} in DARL",
-                         every_s=10.0)
+                self.say(f"waiting for the aggregator to take leases {sorted(self.session.held())} into custody "
+                         "in DARL", every_s=10.0)
                 yield
                 time.sleep(1.0)
         unsettled = self.session.held()

@@ -140,14 +140,13 @@ def federated(cfg, arm, ctx, launcher):
             raise RuntimeError(f"{arm}: site {p.name} {'timed out' if done is None else f'failed (exit {p.poll()})'}; "
                                f"see {p.log_path}:\n  " + "\n  ".join(p.tail()))
     demo.wait_for(lambda: (demo.get_json(svc.fedmom, "/status", svc.token) or {}).get("pending_commits") == 0, 60)
-    darl = demo.get_json(svc.darl, "/status", svc.token) or {}
     for p in svc.procs.values():
         p.stop(20)
     state = os.path.join(svc.state_dir, "fedmom")
     with open(os.path.join(state, "state.json")) as f:
         theta = os.path.join(state, json.load(f)["theta"])
     records = demo.read_jsonl(os.path.join(state, "rounds.jsonl"))
-    coverage, _ = demo.audit_darl_status(darl)
+    coverage = audit.audit(svc.state_dir, manifest=ctx["manifest"]).ok
     site_evals = [final_eval(os.path.join(arm_dir, "sites", n)) for n in ("alpha", "beta")]
     return {"weights": theta, "train_eval": site_evals[0], "rounds": records, "coverage": coverage}
 

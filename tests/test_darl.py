@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 import unittest
+import zlib
 
 import darl_client
 import darl_server
@@ -427,26 +428,41 @@ class DurabilityTest(unittest.TestCase):
         first.wal.close()
         wal = os.path.join(self.dir, "darl", "wal.jsonl")
         with open(wal, "ab") as f:
-            f.write(b'{"v":1,"seq":999,"op":"acq')          # the crash hit mid-write
+            f.write(b'{"v":2,"seq":999,"op":"acq')          # the crash hit mid-write
         again = self.coord()
         self.assertEqual(self.books(again), want)
+        self.assertEqual(again.status()["torn_bytes_dropped"], 26)
         again.call("heartbeat", {"cluster": "a", "incarnation": "x"})   # appends cleanly after the cut
         again.wal.close()
         self.coord().wal.close()
         with open(wal, "rb") as f:
-            lines = f.read().split(b"\n")
-        lines[2] = b'{"v":1,"seq":3,"op":"acquire","args":{'
+            good = f.read()
+        lines = good.split(b"\n")
+        with open(wal, "wb") as f:                      # the last complete line damaged: a torn page
+            f.write(b"\n".join(lines[:-2] + [lines[-2].replace(b'"a"', b'"\x00"'), b""]))
+        self.coord().wal.close()
+        with open(wal, "rb") as f:
+            self.assertEqual(f.read(), b"\n".join(lines[:-2] + [b""]), "the torn line was not cut off")
+        lines = lines[:-2] + [b""]
+        at = len(b"\n".join(lines[:3])) + 1
+        for damaged, what in ((lines[3][:-3] + b"fff", "checksum mismatch"),
+                              (b'{"v":2,"seq":3,"op":"acquire","args":{', "no checksum")):
+            with open(wal, "wb") as f:
+                f.write(b"\n".join(lines[:3] + [damaged] + lines[4:]))
+            with self.assertRaises(LogError) as cm:
+                self.coord()
+            self.assertIn(f"byte {at} (line 4): {what}, and intact lines follow it", str(cm.exception))
+            self.assertIn(f"truncate -s {at} {wal}", str(cm.exception))
         with open(wal, "wb") as f:
-            f.write(b"\n".join(lines))
-        with self.assertRaisesRegex(LogError, "line 3 is corrupt"):
+            f.write(b"\n".join(lines[:3] + [darl_server._line({"v": 3, "seq": 3})] + lines[4:]))
+        with self.assertRaisesRegex(LogError, "version 3"):
             self.coord()
-        lines[2] = b'{"v":2,"seq":3}'
-        with open(wal, "wb") as f:
-            f.write(b"\n".join(lines))
-        with self.assertRaisesRegex(LogError, "version 2"):
+        with open(wal, "wb") as f:                      # an intact line of an older darl_server
+            f.write(b'{"v":1,"seq":1,"t":1.0,"op":"register","args":{}}\n')
+        with self.assertRaisesRegex(LogError, "older darl_server.py"):
             self.coord()
 
-    def test_every_line_is_versioned_and_fsynced_before_the_reply(self):
+    def test_every_line_is_versioned_checksummed_and_fsynced_before_the_reply(self):
         synced = []                  # the log's size at each flush to disk: what that flush made durable
         real = darl_server._datasync
 
@@ -468,11 +484,20 @@ class DurabilityTest(unittest.TestCase):
         c.call = checked
         self.drive(c, n=2)
         self.assertGreaterEqual(len(replies), 6)
-        with open(wal) as f:
-            recs = [json.loads(line) for line in f]
-        self.assertTrue(all(r["v"] == 1 for r in recs))
-        self.assertEqual([r["seq"] for r in recs], list(range(1, len(recs) + 1)))
-        self.assertEqual(len(recs), len(replies))
+        with open(wal, "rb") as f:
+            lines = f.read().splitlines()
+        recs = []
+        for line in lines:
+            payload, crc = line.rsplit(b"\t", 1)
+            self.assertEqual(crc, b"%08x" % zlib.crc32(payload))
+            recs.append(json.loads(payload))
+        self.assertTrue(all(r["v"] == 2 for r in recs))
+        self.assertEqual(recs[0]["op"], "header")
+        self.assertEqual(recs[0]["config"], self.cfg.to_dict())
+        self.assertEqual([r["seq"] for r in recs[1:]], list(range(1, len(recs))))
+        self.assertEqual(len(recs) - 1, len(replies))
+        self.assertTrue(all(len(r["out"]) == 8 for r in recs[1:]))
+        self.assertEqual(c.wal.durable, c.seq)
 
     def test_restore_grace(self):
         c = self.coord(grace=30.0)
@@ -499,6 +524,163 @@ class DurabilityTest(unittest.TestCase):
         self.space = BlockSpace(300, 1, 0)
         with self.assertRaisesRegex(LogError, "another block space"):
             self.coord()
+
+
+class LoggedDecisionsTest(unittest.TestCase):
+    """The log replays what was decided: under the flags it recorded, each record checked
+    against the outcome it recorded; damage is refused with the file and the byte offset."""
+
+    def setUp(self):
+        self.dir = tmpdir(self)
+        self.clock = Clock()
+        self.space = BlockSpace(20, 1, 0)
+
+    def coord(self, accept=False, **cfg):
+        cfg = TableConfig(**{"min_ttl": 1, "default_ttl": 10, "initial_grant": 5, **cfg})
+        return Coordinator(self.space, cfg, self.dir, clock=self.clock,
+                           **({"accept_config_change": True} if accept else {}))
+
+    def test_a_restart_under_other_leasing_flags_never_re_decides_the_log(self):
+        c = self.coord(max_attempts=1)
+        c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
+        first = c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5, "ttl": 2})["lease"]
+        c.call("heartbeat", {"cluster": "a", "incarnation": "x", "leases": [{"lease": first["id"], "cursor": 5}]})
+        self.clock.advance(5)                  # expires claimed: quarantined under --max-attempts 1
+        second = c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5, "ttl": 60})["lease"]
+        self.assertEqual((second["start"], second["end"]), (5, 10))
+        c.wal.close()                          # killed: no snapshot, the log alone
+        with self.assertRaises(SystemExit) as cm:                   # the guide's advice: --max-attempts 0
+            self.coord(max_attempts=0)
+        self.assertIn("--max-attempts was 1, this start has 0", str(cm.exception))
+        self.assertIn("--accept-config-change", str(cm.exception))
+        again = self.coord(accept=True, max_attempts=0)
+        L = again.table.leases[second["id"]]
+        self.assertEqual((L.start, L.end), (5, 10), "replay re-decided the lease the client holds")
+        self.assertEqual(again.table.quarantined.total, 5)
+        self.assertEqual(again.table.config.max_attempts, 0)
+        again.wal.close()
+        again = self.coord(max_attempts=0)                          # the change is logged: no refusal now
+        self.assertEqual(again.table.config.max_attempts, 0)
+        with self.assertRaises(SystemExit):                         # and 1 is now the change
+            self.coord(max_attempts=1)
+        for flag, value in (("min_ttl", 2.0), ("max_ttl", 99.0), ("default_ttl", 20.0), ("grant_seconds", 9.0),
+                            ("initial_grant", 3), ("max_grant", 4)):
+            with self.subTest(flag), self.assertRaises(SystemExit) as cm:
+                self.coord(max_attempts=0, **{flag: value})
+            self.assertIn("--" + flag.replace("_", "-"), str(cm.exception))
+
+    def test_a_damaged_record_stops_the_start_at_its_byte_offset(self):
+        c = self.coord()
+        c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
+        for _ in range(3):
+            c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5})
+        c.call("heartbeat", {"cluster": "a", "incarnation": "x"})
+        c.wal.close()
+        wal = os.path.join(self.dir, "darl", "wal.jsonl")
+        with open(wal, "rb") as f:
+            data = f.read()
+        at = data.index(b'"blocks":5')
+        line_start = data.rindex(b"\n", 0, at) + 1
+        for old, new in ((b'"blocks":5', b'"blocks":7'), (b'"op":"acquire"', b'"oq":"acquire"')):
+            with self.subTest(new):
+                i = data.index(old, line_start)
+                with open(wal, "wb") as f:      # valid JSON, other meaning (or a key gone)
+                    f.write(data[:i] + new + data[i + len(old):])
+                with self.assertRaises(LogError) as cm:
+                    self.coord()
+                self.assertIn(f"byte {line_start}", str(cm.exception))
+        with open(wal, "wb") as f:              # intact checksum, unreplayable record (a bug, not damage)
+            lines = data.split(b"\n")
+            lines[2] = darl_server._line({"v": 2, "seq": 2, "t": 1000.0, "op": "acquire", "args": {"nope": 1},
+                                          "out": "00000000"}).rstrip(b"\n")
+            f.write(b"\n".join(lines))
+        with self.assertRaisesRegex(LogError, "cannot be replayed"):
+            self.coord()
+
+    def test_a_replay_that_decides_otherwise_than_recorded_stops(self):
+        c = self.coord()
+        c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
+        c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5})
+        c.call("heartbeat", {"cluster": "a", "incarnation": "x"})
+        c.wal.close()
+        wal = os.path.join(self.dir, "darl", "wal.jsonl")
+        with open(wal, "rb") as f:
+            lines = f.read().split(b"\n")
+        rec = json.loads(lines[2].rsplit(b"\t", 1)[0])
+        rec["out"] = "deadbeef"                 # a log written under other rules
+        lines[2] = darl_server._line(rec).rstrip(b"\n")
+        with open(wal, "wb") as f:
+            f.write(b"\n".join(lines))
+        with self.assertRaisesRegex(LogError, "replays to another outcome than the one it recorded"):
+            self.coord()
+
+    def test_custody_and_its_counters_survive_snapshots_and_replay(self):
+        for every in (1000, 3):
+            with self.subTest(snapshot_every=every):
+                self.dir = tmpdir(self)
+                c = Coordinator(self.space, TableConfig(min_ttl=1, default_ttl=10), self.dir, every,
+                                clock=self.clock)
+                c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
+                L = c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5})["lease"]
+                agg = {"aggregator": "agg", "epoch": 1}
+                c.call("fence", agg)
+                c.call("take_custody", {**agg, "delta": "d1", "cluster": "a", "incarnation": "x",
+                                        "leases": [{"lease": L["id"]}]})
+                c.call("abort_custody", {**agg, "delta": "d1", "why": "test"})
+                with self.assertRaises(LeaseError):
+                    c.call("commit_custody", {**agg, "delta": "d1"})      # refused, counted, logged
+                want = c.status()["violations"]
+                self.assertEqual(want, {"refused_commits": 1, "aborted_custody": 1, "blocks_trained_twice": 5})
+                c.wal.close()
+                again = Coordinator(self.space, TableConfig(min_ttl=1, default_ttl=10), self.dir, every,
+                                    clock=self.clock)
+                self.assertEqual(again.status()["violations"], want)
+                self.assertEqual(again.table.custody[("agg", "d1")].state, "aborted")
+                with self.assertRaises(LeaseError) as cm:                   # the epoch is fenced after replay
+                    again.call("commit_custody", {"aggregator": "agg", "epoch": 0, "delta": "d1"})
+                self.assertEqual(cm.exception.extra["code"], "fenced")
+                again.close()
+
+
+class TableClockTest(unittest.TestCase):
+    """Leases live on DARL's own clock: a wall-clock step of an hour, either way, neither
+    expires nor extends them in a running process, and a restart never goes back in time."""
+
+    def setUp(self):
+        self.dir = tmpdir(self)
+        self.wall, self.mono = Clock(1_000_000.0), Clock(50.0)
+        self.space = BlockSpace(20, 1, 0)
+
+    def coord(self, grace=30.0):
+        return Coordinator(self.space, TableConfig(min_ttl=1, default_ttl=10), self.dir, restore_grace=grace,
+                           wall=self.wall, monotonic=self.mono)
+
+    def test_a_wall_clock_step_of_an_hour_either_way(self):
+        c = self.coord()
+        c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
+        L = c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5, "ttl": 10})["lease"]
+        beat = lambda: c.call("heartbeat", {"cluster": "a", "incarnation": "x", "leases": [L["id"]]})["leases"][0]
+        self.wall.advance(3600)                 # NTP, an operator, a VM resumed: one hour forward
+        self.mono.advance(5)
+        self.assertTrue(beat()["valid"], "a forward step expired the lease")
+        self.wall.advance(-7200)                # and two back
+        self.mono.advance(11)                   # the TTL after the last heartbeat
+        self.assertFalse(beat()["valid"], "a backward step extended the lease")
+
+    def test_restarts_across_a_step_keep_leases_by_restore_grace_and_never_go_back(self):
+        c = self.coord()
+        c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
+        L = c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5, "ttl": 10})["lease"]
+        t_last = c.clock()
+        c.wal.close()
+        self.wall.advance(3600)                 # DARL was down while the wall clock jumped an hour
+        again = self.coord(grace=30.0)
+        self.assertAlmostEqual(again.table.leases[L["id"]].expires, again.clock() + 30.0)
+        again.wal.close()
+        self.wall.advance(-7200)                # down again, and the wall clock now an hour behind
+        third = self.coord(grace=30.0)
+        self.assertGreaterEqual(third.clock(), t_last + 3600, "DARL's clock went back across a restart")
+        self.assertIn(L["id"], third.table.leases)
 
 
 class LiveServer:

@@ -2,7 +2,6 @@
 records (and on a real DARL snapshot), the site command line, process-group kills,
 the three services started and stopped for real, and --help. The end-to-end
 federation runs live in tests/test_federation.py."""
-import json
 import os
 import shutil
 import signal
@@ -14,6 +13,7 @@ import unittest
 
 import numpy as np
 
+import audit
 import darl_client
 import demo
 import httpd
@@ -31,11 +31,6 @@ def tmpdir(test):
 def record(rnd, loss, tokens=1000, clusters=("alpha", "beta")):
     return {"round": rnd, "loss": loss, "tokens": tokens,
             "clusters": {c: {"incarnation": f"{c}-1", "tokens": tokens // len(clusters)} for c in clusters}}
-
-
-def lease_row(lid, cluster, first, start, end, state="done", inc="i1"):
-    """A DARL snapshot lease row (dataclasses.astuple of darl_table.Lease)."""
-    return [lid, cluster, inc, first, start, start, end, end, 0.0, 0, 0.0, 0.0, state]
 
 
 class SummaryTest(unittest.TestCase):
@@ -70,80 +65,6 @@ class SummaryTest(unittest.TestCase):
         self.assertTrue(lines[0].strip().startswith("PASS  a"))
         self.assertIn("FAIL  b: why", lines[1])
         self.assertIn("INFO  c", lines[2])
-
-
-class AuditTest(unittest.TestCase):
-    def status(self, **kw):
-        st = {"num_blocks": 10, "committed": 10, "free": 0, "leased": 0, "quarantined": 0,
-              "invariant_error": None, "clusters": [{"cluster": "alpha", "committed": 6},
-                                                    {"cluster": "beta", "committed": 4}]}
-        st.update(kw)
-        return st
-
-    def test_darl_books_exactly_once(self):
-        ok, lines = demo.audit_darl_status(self.status())
-        self.assertTrue(ok, lines)
-        self.assertIn("10/10", lines[0])
-
-    def test_darl_books_each_failure_is_named(self):
-        for kw, word in (({"committed": 9, "free": 1}, "not committed"), ({"quarantined": 2}, "quarantined"),
-                         ({"leased": 1}, "leased"), ({"invariant_error": "disjointness"}, "invariant"),
-                         ({"clusters": [{"cluster": "alpha", "committed": 7},
-                                        {"cluster": "beta", "committed": 4}]}, "sum to 11")):
-            ok, lines = demo.audit_darl_status(self.status(**kw))
-            self.assertFalse(ok, kw)
-            self.assertIn(word, "\n".join(lines))
-
-    def test_lease_runs_rebuilt_from_a_snapshot_table(self):
-        table = {"num_blocks": 10,
-                 "leases": [lease_row(4, "beta", 8, 9, 10, state="live")],
-                 "closed": [lease_row(1, "alpha", 0, 5, 5), lease_row(2, "beta", 5, 8, 8),
-                            lease_row(3, "alpha", 9, 9, 10, state="expired")]}   # nothing committed
-        runs = demo.committed_runs(table)
-        self.assertEqual([r[:3] for r in runs], [(0, 5, "alpha"), (5, 8, "beta"), (8, 9, "beta")])
-        ok, lines, per = demo.audit_lease_runs(runs, 10)
-        self.assertFalse(ok, "position 9 is committed by no lease")
-        self.assertIn("[9, 10)", "\n".join(lines))
-        runs.append((9, 10, "alpha", "i2", 5))
-        ok, lines, per = demo.audit_lease_runs(sorted(runs), 10)
-        self.assertTrue(ok, lines)
-        self.assertEqual(per, {"alpha": 6, "beta": 4})
-
-    def test_lease_runs_catch_a_double_commit(self):
-        runs = [(0, 6, "alpha", "i1", 1), (4, 10, "beta", "i1", 2)]
-        ok, lines, _ = demo.audit_lease_runs(runs, 10)
-        self.assertFalse(ok)
-        self.assertIn("committed twice", "\n".join(lines))
-
-    def test_tokens_against_the_corpus(self):
-        recs = [record(1, 4.0, tokens=128 * 30), record(2, 3.0, tokens=128 * 20)]
-        self.assertTrue(demo.audit_tokens(recs, 50, 128)[0])
-        ok, lines = demo.audit_tokens(recs, 51, 128)
-        self.assertFalse(ok)
-        self.assertIn("-128", lines[0])
-
-    def test_merged_leases_against_darl(self):
-        runs = [(0, 5, "alpha", "i1", 1), (5, 10, "beta", "i1", 2)]
-
-        def rec(rnd, *outcomes):
-            return {"round": rnd, "outcomes": [{"cluster": c, "incarnation": "i1", "outcome": o,
-                                                "leases": [{"id": lid, "end": end}]} for c, lid, end, o in outcomes]}
-        records = [rec(1, ("alpha", 1, 3, "merged"), ("beta", 9, 7, "excluded")),
-                   rec(2, ("alpha", 1, 5, "merged"), ("beta", 2, 10, "merged"))]
-        named = demo.merged_leases(records)
-        self.assertEqual(named, {1: ("alpha", "i1", 5), 2: ("beta", "i1", 10)})
-        ok, lines = demo.audit_merged_leases(named, runs)
-        self.assertTrue(ok, lines)
-        ok, lines = demo.audit_merged_leases({1: ("alpha", "i1", 4), 2: ("beta", "i1", 10)}, runs)
-        self.assertFalse(ok, "merged up to 4, committed up to 5")
-        self.assertIn("differ", "\n".join(lines))
-        ok, lines = demo.audit_merged_leases({1: ("alpha", "i1", 5), 3: ("beta", "i1", 10)}, runs)
-        self.assertFalse(ok)
-        self.assertIn("in no merged delta: leases [2]", "\n".join(lines))
-        self.assertIn("not committed in DARL: leases [3]", "\n".join(lines))
-        self.assertFalse(demo.audit_merged_leases({1: ("beta", "i1", 5), 2: ("beta", "i1", 10)}, runs)[0])
-        self.assertIsNone(demo.merged_leases([{"round": 1, "tokens": 5}]))
-        self.assertIsNone(demo.audit_merged_leases(None, runs)[0])
 
 
 class CommandTest(unittest.TestCase):
@@ -217,7 +138,7 @@ class ProcessTest(unittest.TestCase):
 
 class ServicesTest(unittest.TestCase):
     """The three real servers on free ports: start, a lease committed, the page saved,
-    SIGTERM, and the committed run read back from DARL's snapshot."""
+    SIGTERM, and the run audit read back from DARL's snapshot and FedMom's state."""
 
     def test_start_audit_stop(self):
         d = tmpdir(self)
@@ -254,13 +175,10 @@ class ServicesTest(unittest.TestCase):
             self.assertIn("<html", open(page).read().lower())
             for p in svc.procs.values():
                 self.assertEqual(p.stop(20), 0, p.tail())
-        with open(os.path.join(d, "central", "darl", "snapshot.json")) as f:
-            table = json.load(f)["table"]
-        runs = demo.committed_runs(table)
-        self.assertEqual([(s, e, c, lid) for s, e, c, _i, lid in runs], [(0, 2, "alpha", lease["id"])])
-        ok, lines, per = demo.audit_lease_runs(runs, num_blocks)
-        self.assertFalse(ok)                     # 2 of num_blocks committed: not complete
-        self.assertEqual(per, {"alpha": 2})
+        report = audit.audit(os.path.join(d, "central"))      # from the snapshot DARL wrote at SIGTERM
+        self.assertFalse(report.ok)
+        self.assertEqual([report.status[p] for p in range(num_blocks)], ["missing"] * 2 + ["open"] * (num_blocks - 2),
+                         "a site's own commit is in no merged delta; the rest was never trained")
 
 
 if __name__ == "__main__":

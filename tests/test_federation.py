@@ -233,6 +233,7 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    import darl_client
     import diloco
     import fedmom_client
     import models
@@ -306,7 +307,12 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
             zero = {n: np.full(r.specs[n][1], 0.01, np.float32) for n in r.names}
         tensorio.save_torch({n: torch.from_numpy(a) for n, a in zero.items()},
                             os.path.join(out_dir, "other-delta.safetensors"))
-        other.send_delta(os.path.join(out_dir, "other-delta.safetensors"), base, 100, [], {})
+        darl_other = darl_client.LeaseClient(darl_url)    # under --darl every delta names its lease
+        darl_other.register("other", "inc-other", darl_other.status()["digest"])
+        lease = darl_other.acquire("other", "inc-other", blocks=1)["lease"]
+        report["other_blocks"] = lease["end"] - lease["start"]
+        other.send_delta(os.path.join(out_dir, "other-delta.safetensors"), base, 100,
+                         [{"id": lease["id"], "start": lease["start"], "end": lease["end"]}], {})
         report["other_round"] = other.wait_round_after(base, timeout_s=120)
         other.leave()
         diloco.on_rank0(lambda: site.join())
@@ -362,7 +368,7 @@ class CarrierTest(unittest.TestCase):
         cls.procs.append(darl)
         fed, cls.fedmom = start_service(t, "fedmom", "fedmom_server.py", [
             "--state-dir", os.path.join(t, "fedmom"), "--init", init, "--darl", cls.darl,
-            "--darl-heartbeat-s", 1, "--member-timeout-s", 60])
+            "--darl-retry-s", 1, "--member-timeout-s", 60])
         cls.procs.append(fed)
         out = os.path.join(t, "worker")
         os.makedirs(out)
@@ -375,6 +381,8 @@ class CarrierTest(unittest.TestCase):
             raise AssertionError(f"worker exited {rc}:\n{tail(log, 60)}")
         with open(os.path.join(out, "report.json")) as f:
             cls.report = json.load(f)
+        wait_for(lambda: httpd.call(cls.fedmom, "GET", "/status")["pending_commits"] == 0, "the aggregator's "
+                 "commits to reach DARL", cls.procs)
         cls.darl_status = httpd.call(cls.darl, "GET", "/status")
         cls.rounds = read_jsonl(os.path.join(t, "fedmom", "rounds.jsonl"))
 
@@ -444,7 +452,8 @@ class CarrierTest(unittest.TestCase):
         # the aggregator merged one round, without us; DARL has our blocks back in the pool
         self.assertEqual([sorted(c.split("@")[0] for c in rec["clusters"]) for rec in self.rounds], [["other"]])
         st = self.darl_status
-        self.assertEqual((st["committed"], st["leased"], st["free"]), (0, 0, st["num_blocks"]))
+        n = r["other_blocks"]                                   # the other site's lease, merged and committed
+        self.assertEqual((st["committed"], st["leased"], st["in_custody"], st["free"]), (n, 0, 0, st["num_blocks"] - n))
         self.assertIsNone(st["invariant_error"])
 
 
@@ -531,7 +540,7 @@ class FederationRunTest(unittest.TestCase):
         blob, cls.blob = start_service(t, "blob", "blobstore.py", ["--root", os.path.join(central, "blobs"), *common])
         cls.procs.append(blob)
         fed_args = ["--state-dir", os.path.join(central, "fedmom"), "--init", init, "--darl", cls.darl,
-                    "--blob-url", cls.blob, "--darl-heartbeat-s", 1, "--member-timeout-s", 20,
+                    "--blob-url", cls.blob, "--darl-retry-s", 1, "--member-timeout-s", 20,
                     "--round-deadline-s", 120, *common]
         fed, cls.fedmom = start_service(t, "fedmom", "fedmom_server.py", fed_args)
         cls.procs.append(fed)

@@ -579,6 +579,11 @@ class CentralTest(unittest.TestCase):
             self.assertIn(f"{name}: pid {pids[name]}", st.stdout)
         self.assertIn("round 0", st.stdout)
         self.assertIn("100 unassigned", st.stdout)      # 1000 samples / 10 per block
+        audit = self.central("audit", check=False)       # nothing trained yet: every block open
+        self.assertEqual(audit.returncode, 1, audit.stdout + audit.stderr)
+        self.assertIn("100 blocks OPEN", audit.stdout)
+        audit = self.central("audit --partial")
+        self.assertIn("PASS", audit.stdout)
         url = self.central("url", {"PWW_SITE_TOKEN_FILE": "/site/token"}).stdout
         self.assertIn("export PWW_TOKEN_FILE=/site/token", url.splitlines())
         # starting again is a no-op for running daemons

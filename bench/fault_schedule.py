@@ -1,0 +1,873 @@
+"""bench/fault_schedule.py - exactly-once under random fault schedules: real servers, fake sites, an oracle.
+
+Runs on: any machine (CPU; Python + numpy, never torch). For each schedule it starts
+real darl_server.py, fedmom_server.py (--darl) and blobstore.py processes on 127.0.0.1
+(their own state dir under --work) and 2-3 fake sites: this file's `site` mode, a
+torch-free loop over the real clients (darl_client.LeaseSession, fedmom_client) that
+trains nothing but sends small seeded random deltas for real leases, and records what
+it sent. A seeded random schedule then injects faults at protocol phases, and an oracle
+judges the outcome.
+
+    python bench/fault_schedule.py                       # the full run: 500 schedules
+    python bench/fault_schedule.py --schedules 40 --first-seed 1000 --jobs 2
+    python bench/fault_schedule.py --replay 1234         # one seed: its schedule, its dir kept
+
+The faults (the servers' fault points are httpd.py's test hooks: a process stops at the
+named phase, and is SIGKILLed there):
+    darl_kill       DARL SIGKILLed at darl.append (decided, not logged), darl.torn (half a
+                    log line written), darl.synced (logged, not answered), after 0-3 hits
+    fedmom_kill     the aggregator SIGKILLed at fedmom.received (mid-upload),
+                    fedmom.spooled, fedmom.custody_held (DARL holds it, the spool does not
+                    say so), fedmom.merge (mid-merge), fedmom.round_durable (between a
+                    durable round and its commits), fedmom.committed; back after 0-2 s
+    fedmom_outage   the aggregator down for 2 x the longest lease TTL, then back
+    blob_kill       the blob store SIGKILLed mid-upload (blob.chunk)
+    site_kill       a site SIGKILLed at site.trained (its delta not sent) or site.sent (its
+                    delta accepted, its outcome unknown); requeued as a new incarnation
+    site_stop       a site SIGSTOPped past its lease TTL at site.trained or at site.checked
+                    (its lease checked, its delta not yet sent: the race a site's own check
+                    cannot close), then SIGCONTed
+Some sites (chosen by the seed) skip the lease check before sending, as a careless or
+older client would: the servers must be safe whatever a site does.
+    darl_flag       DARL restarted with --max-attempts or --max-grant changed: it must
+                    refuse, naming the flag; then restarted with --accept-config-change
+    clock_step      the servers' wall clock stepped by +-1 h (PWW_TEST_CLOCK_OFFSET_FILE),
+                    DARL SIGKILLed and restarted across the step
+    token_rotation  a new token: DARL restarted with it (the aggregator's calls get 401 and
+                    must stay owed; sites exit and are requeued with the new token), then the
+                    aggregator and the blob store
+The oracle, from the sites' records and the final durable state of both servers:
+    - audit.py's judgement (every block inside exactly one merged delta, or quarantined
+      and said; custody committed; rounds consecutive; no violation counter above 0);
+    - every merged delta is one a site sent, its DARL positions the ones it trained;
+      every position inside exactly one of them by the sites' own records;
+    - no acknowledged commit lost (custody DARL reported committed during the run is
+      still committed) and no merge a site was told of lost;
+    - theta_global equals a float64 replay of the recorded merges from the initial model;
+    - the changed-flag restart was refused naming the flag; no site crashed.
+A failing seed prints its schedule and the oracle's findings; its directory is kept.
+The last line is the summary: schedules, faults injected by kind, violations.
+"""
+import argparse
+import collections
+import concurrent.futures
+import dataclasses
+import http.client
+import json
+import os
+import random
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)      # run as `python bench/fault_schedule.py`: the siblings live one level up
+
+import numpy as np  # noqa: E402
+
+import audit  # noqa: E402
+import darl_client  # noqa: E402
+import fedmom_client  # noqa: E402
+import httpd  # noqa: E402
+import tensorio  # noqa: E402
+
+SHAPES = {"w": (48,), "b": (4, 3)}
+TTL = (3.0, 4.0)                  # DARL --min-ttl / --max-ttl: every lease lives 3-4 s unless renewed
+LR, MU = 0.7, 0.9
+SCHEDULE_DEADLINE_S = 300         # a schedule still running after this is a stall (a liveness failure)
+KINDS = ("darl_kill", "fedmom_kill", "fedmom_outage", "blob_kill", "site_kill", "site_stop", "darl_flag",
+         "clock_step", "token_rotation")
+WEIGHTS = (3, 4, 2, 1, 3, 2, 1, 1, 1)
+POINTS = {"darl_kill": ("darl.append", "darl.torn", "darl.synced"),
+          "fedmom_kill": ("fedmom.received", "fedmom.spooled", "fedmom.custody_held", "fedmom.merge",
+                          "fedmom.round_durable", "fedmom.committed"),
+          "blob_kill": ("blob.chunk",), "site_kill": ("site.trained", "site.sent"),
+          "site_stop": ("site.trained", "site.checked")}
+EXIT_TOKEN = 3                    # a fake site's exit status when a server refused its token
+
+
+# ---------------------------------------------------------------- schedules
+
+@dataclasses.dataclass
+class Fault:
+    kind: str
+    after: int                    # inject once the sites have sent this many deltas in all
+    point: str | None = None
+    target: str | None = None     # a site's name (site faults)
+    skip: int = 0                 # hits of the point to let pass first
+    pause: float = 0.0            # seconds down before the restart
+    value: object = None          # darl_flag: (flag, new value); clock_step: +-3600
+
+    def describe(self):
+        bits = [self.kind] + [f"{k}={v}" for k, v in (("point", self.point), ("target", self.target),
+                                                       ("skip", self.skip), ("pause", self.pause),
+                                                       ("value", self.value)) if v not in (None, 0, 0.0)]
+        return f"after {self.after} sends: " + " ".join(bits)
+
+
+@dataclasses.dataclass
+class Schedule:
+    seed: int
+    sites: list                   # [(name, transport)]
+    blocks: int
+    span: int
+    max_attempts: int
+    faults: list
+    careless: list = dataclasses.field(default_factory=list)   # sites that send without checking the lease
+
+    def describe(self):
+        head = (f"seed {self.seed}: sites {self.sites}, {self.blocks} blocks, span {self.span}, "
+                f"--max-attempts {self.max_attempts}" + (f", careless {self.careless}" if self.careless else ""))
+        return "\n".join([head] + [f"  {i + 1}. {f.describe()}" for i, f in enumerate(self.faults)])
+
+
+def make_schedule(seed):
+    rng = random.Random(seed)
+    n_sites = rng.choice((2, 2, 3))
+    sites = [(name, rng.choice(("inline", "inline", "blob"))) for name in ("alpha", "beta", "gamma")[:n_sites]]
+    careless = sorted(name for name, _ in sites if rng.random() < 0.3)
+    blocks, span = rng.randint(14, 28), rng.choice((2, 3))
+    transports = {t for _, t in sites}
+    faults, after = [], 0
+    for _ in range(rng.randint(2, 4)):
+        kind = rng.choices(KINDS, WEIGHTS)[0]
+        if kind == "blob_kill" and "blob" not in transports:
+            kind = "fedmom_kill"
+        after += rng.randint(0, 2)
+        f = Fault(kind, after)
+        if kind in POINTS:
+            points = [x for x in POINTS[kind] if x != "fedmom.received" or "inline" in transports]
+            f.point, f.skip = rng.choice(points), rng.randint(0, 2)
+        if kind in ("site_kill", "site_stop"):
+            f.target = rng.choice(sites)[0]
+        if kind in ("fedmom_kill", "darl_kill", "blob_kill", "site_kill"):
+            f.pause = round(rng.uniform(0.0, 2.0), 2)
+        if kind == "fedmom_outage":
+            f.pause = round(rng.uniform(2.0, 3.0) * TTL[1], 2)
+        if kind == "darl_flag":
+            f.value = rng.choice((("--max-attempts", rng.choice((0, 2, 4))), ("--max-grant", rng.choice((0, 1, 5)))))
+        if kind == "clock_step":
+            f.value = rng.choice((3600, -3600))
+        faults.append(f)
+    return Schedule(seed, sites, blocks, span, rng.choice((0, 3)), faults, careless)
+
+
+# ---------------------------------------------------------------- the fake site
+
+def delta_arrays(seed, incarnation, lease, start, base):
+    rng = np.random.default_rng([seed, int(incarnation, 16), lease, start, base])
+    return {k: (0.01 * rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def write_tensors(path, arrays):
+    with tensorio.TensorWriter(path, [(k, "F32", a.shape) for k, a in arrays.items()], fsync=False) as w:
+        for k, a in arrays.items():
+            w.write(k, a)
+
+
+class TokenRefused(Exception):
+    pass
+
+
+def site_main(a):
+    """One incarnation of a fake site: the protocol of train.py's FedSite, no torch."""
+    token = httpd.load_token(a.token_file)
+    inc = secrets.token_hex(6)
+    records = open(os.path.join(a.records, f"{a.cluster}-{inc}.jsonl"), "a", buffering=1)
+
+    def note(event, **kw):
+        records.write(json.dumps({"event": event, "t": time.time(), "cluster": a.cluster, "incarnation": inc,
+                                  **kw}) + "\n")
+    note("start")
+    try:
+        code = _site_loop(a, token, inc, note)
+    except TokenRefused as e:
+        note("exit", code=EXIT_TOKEN, why=str(e))
+        return EXIT_TOKEN
+    note("exit", code=code)
+    return code
+
+
+def _retry(what, fn, deadline_s=180.0, member=None):
+    """fn() until it answers: transport errors and 5xx are retried, a 409 not_member joins
+    `member` again; a 401 is TokenRefused."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return fn()
+        except httpd.CallError as e:
+            if e.status == 401:
+                raise TokenRefused(f"{what}: {e}")
+            if member is not None and e.status == 409 and e.reply.get("code") == "not_member":
+                member.member = False
+                member.join()
+                continue
+            if e.status < 500:
+                raise
+        except (OSError, http.client.HTTPException):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: no answer for {deadline_s:.0f} s")
+        time.sleep(0.2)
+
+
+def _site_loop(a, token, inc, note):
+    client = darl_client.LeaseClient(a.darl, token=token, timeout=5.0, retries=30, backoff_s=0.1, max_backoff_s=0.5)
+    digest = _retry("DARL status", client.status)["digest"]
+    deadline = time.monotonic() + 180
+    while True:                                   # wait out a previous incarnation's leases
+        try:
+            _retry("register", lambda: client.register(a.cluster, inc, digest))
+            break
+        except httpd.CallError as e:
+            if e.reply.get("code") != "incarnation_conflict" or time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)
+    session = darl_client.LeaseSession(client, a.cluster, digest, incarnation=inc, span_blocks=a.span,
+                                       lease_blocks=a.span, prefetch=False, phase_s=a.phase_s, log=lambda m: None)
+    session.start(register=False)
+    fed = fedmom_client.FedMomClient(a.fedmom, a.cluster, inc, token=token, blob_url=a.blob, timeout=10.0, retries=2)
+    member = Membership(fed)
+    member.join()
+    try:
+        while True:
+            try:
+                span = session.next_span(timeout=1.0)
+            except TimeoutError:
+                if session.starved and member.member:   # every block is someone else's: leave the rounds
+                    member.leave()
+                continue
+            except httpd.CallError as e:
+                if e.status == 401:
+                    raise TokenRefused(f"DARL: {e}")
+                raise
+            if span is None:
+                break
+            if not member.member:
+                member.join()
+            _phase(a, fed, member, session, span, note)
+        session.close()
+        member.leave()
+        return 0
+    finally:
+        member.stop()
+
+
+class Membership:
+    """FedMom membership with its keepalive, as train.py's FedSite keeps it: leaving stops
+    the heartbeats (which would otherwise join again)."""
+
+    def __init__(self, fed):
+        self.fed, self.keepalive, self.member = fed, None, False
+
+    def join(self):
+        _retry("join", lambda: self.fed.join(wait_s=60.0))
+        self.member = True
+        if self.keepalive is None:
+            self.keepalive = self.fed.keepalive(interval_s=0.5)
+            self.keepalive.__enter__()
+
+    def stop(self):
+        if self.keepalive is not None:
+            self.keepalive.__exit__(None, None, None)
+            self.keepalive = None
+
+    def leave(self):
+        self.stop()
+        if self.member:
+            self.member = False
+            try:
+                _retry("leave", self.fed.leave)
+            except httpd.CallError as e:
+                if e.status != 409:          # not a member any more: nothing to leave
+                    raise
+
+
+def _phase(a, fed, member, session, span, note):
+    """Train (sleep), send the delta for `span`, learn what became of it, settle the lease."""
+    base = _retry("round", fed.current_round, member=member)
+    key = dict(lease=span.lease, start=span.start, end=span.end, base_round=base)
+    path = os.path.join(a.records, f"{a.cluster}-{session.incarnation}-l{span.lease}-s{span.start}-r{base}.safetensors")
+    write_tensors(path, delta_arrays(a.seed, session.incarnation, span.lease, span.start, base))
+    tokens = 100 * len(span)
+    note("trained", file=os.path.basename(path), tokens=tokens, **key)
+    time.sleep(a.train_s)
+    httpd.fault_point("site.trained")
+    if not a.careless:                            # FedSite.round_trip's check (a careless site skips it)
+        try:
+            session.refresh()
+        except (httpd.CallError, OSError, http.client.HTTPException):
+            pass
+        if span.lease not in session.held():
+            note("lost", why="lease lost at DARL before the send", **key)
+            session.span_done(span)
+            return
+    httpd.fault_point("site.checked")
+    record = {"id": span.lease, "start": span.start, "end": span.end}
+    try:
+        reply = _retry("send", lambda: fed.send_delta(path, base, tokens, [record], {"loss": 1.0},
+                                                      transport=a.transport), member=member)
+    except fedmom_client.StaleRound as e:
+        note("stale", why=str(e), **key)
+        session.release(span)
+        return
+    except httpd.CallError as e:
+        if e.status == 401:
+            raise TokenRefused(f"send: {e}")
+        note("refused", status=e.status, code=e.reply.get("code"), why=e.reply.get("error"), **key)
+        session.release(span)
+        return
+    note("sent", custody=reply.get("custody"), duplicate=bool(reply.get("duplicate")), **key)
+    httpd.fault_point("site.sent")
+    while True:
+        got = _retry("outcome", lambda: fed.heartbeat(wait_round_after=base, wait_s=1.0))
+        mine = [o for o in got.get("deltas") or () if o.get("incarnation") == session.incarnation
+                and o.get("base_round") == base]
+        state = mine[0]["outcome"] if mine else None
+        if state == "pending" or (state is None and got["round"] <= base):
+            continue
+        break
+    session.span_done(span)
+    if state == "merged":
+        note("merged", merged_into=mine[0]["merged_into"], **key)
+    elif state == "excluded":
+        note("excluded", why=mine[0].get("why"), **key)
+        session.release(span)
+    else:
+        note("unknown", round=got["round"], **key)
+        session.forget(span)
+
+
+# ---------------------------------------------------------------- one schedule's processes
+
+class Proc:
+    """One server or site process, in its own session, with its own fault-point dir."""
+
+    def __init__(self, run, name, cmd):
+        self.run, self.name, self.cmd = run, name, cmd
+        self.faults = os.path.join(run.dir, "faults", name)
+        os.makedirs(self.faults, exist_ok=True)
+        self.log_path = os.path.join(run.dir, "logs", f"{name}.log")
+        self.p = None
+
+    def start(self, cmd=None, wait_url=True):
+        mark = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
+        env = {**os.environ, httpd.FAULT_DIR_ENV: self.faults, httpd.CLOCK_OFFSET_ENV: self.run.clock_file,
+               "PYTHONPATH": ROOT, "PWW_TOKEN": ""}
+        with open(self.log_path, "ab") as log:
+            self.p = subprocess.Popen(cmd or self.cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        if not wait_url:
+            return None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with open(self.log_path, errors="replace") as f:
+                f.seek(mark)
+                for line in f:
+                    if " listening on " in line:
+                        return line.split()[-1]
+            if self.p.poll() is not None:
+                raise RuntimeError(f"{self.name} exited {self.p.returncode} at start; see {self.log_path}")
+            time.sleep(0.02)
+        raise RuntimeError(f"{self.name} did not listen within 60 s; see {self.log_path}")
+
+    def alive(self):
+        return self.p is not None and self.p.poll() is None
+
+    def signal(self, sig):
+        if self.alive():
+            os.kill(self.p.pid, sig)
+
+    def kill(self):
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGKILL)
+        if self.p is not None:
+            self.p.wait()
+
+    def term(self, timeout=30):
+        self.signal(signal.SIGTERM)
+        try:
+            self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def arm(self, point, skip):
+        with open(os.path.join(self.faults, point), "w") as f:
+            f.write(str(skip))
+
+    def hit(self, point):
+        return os.path.exists(os.path.join(self.faults, point + ".hit"))
+
+    def disarm(self, point):
+        for suffix in ("", ".hit"):
+            try:
+                os.unlink(os.path.join(self.faults, point + suffix))
+            except FileNotFoundError:
+                pass
+
+
+class Run:
+    """The servers, the sites and the records of one schedule; apply() injects one fault."""
+
+    def __init__(self, sched, workdir, log=None):
+        self.s, self.dir, self.log = sched, workdir, log or (lambda msg: None)
+        for sub in ("logs", "records", "faults", "central"):
+            os.makedirs(os.path.join(workdir, sub), exist_ok=True)
+        self.central, self.records = os.path.join(workdir, "central"), os.path.join(workdir, "records")
+        self.clock_file = os.path.join(workdir, "clock_offset")
+        open(self.clock_file, "w").close()
+        self.token_file = os.path.join(workdir, "token")
+        self._write_token()
+        self.darl_flags = {"--max-attempts": sched.max_attempts, "--max-grant": 0}
+        self.procs, self.sites, self.requeue = {}, {}, {}
+        self.findings, self.injected = [], collections.Counter()
+        self.committed_seen, self.max_round_seen = set(), 0
+        self.t0 = time.monotonic()
+
+    def _write_token(self):
+        with open(self.token_file + ".tmp", "w") as f:
+            f.write(secrets.token_hex(16) + "\n")
+        os.replace(self.token_file + ".tmp", self.token_file)
+        self.token = open(self.token_file).read().strip()
+
+    # -- processes
+    def darl_cmd(self, port, accept=False):
+        flags = [x for k, v in self.darl_flags.items() for x in (k, str(v))]
+        return [sys.executable, "darl_server.py", "--num-samples", str(self.s.blocks), "--block-size", "1",
+                "--seed", str(self.s.seed % 1000), "--state-dir", self.central, "--port", str(port),
+                "--token-file", self.token_file, "--min-ttl", str(TTL[0]), "--default-ttl", str(TTL[0]),
+                "--max-ttl", str(TTL[1]), "--restore-grace", str(2 * TTL[1]), "--snapshot-every", "25", *flags] + (
+            ["--accept-config-change"] if accept else [])
+
+    def start_servers(self):
+        init = os.path.join(self.dir, "init.safetensors")
+        rng = np.random.default_rng(self.s.seed)
+        write_tensors(init, {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()})
+        self.init = init
+        self.procs["darl"] = Proc(self, "darl", self.darl_cmd(0))
+        self.darl = self.procs["darl"].start()
+        self.darl_port = httpd.split_url(self.darl)[2]
+        self.procs["darl"].cmd = self.darl_cmd(self.darl_port)
+        self.procs["blob"] = Proc(self, "blob", [sys.executable, "blobstore.py", "--root",
+                                                 os.path.join(self.central, "blobs"), "--port", "0",
+                                                 "--token-file", self.token_file])
+        self.blob = self.procs["blob"].start()
+        self.procs["blob"].cmd[self.procs["blob"].cmd.index("--port") + 1] = str(httpd.split_url(self.blob)[2])
+        fed = [sys.executable, "fedmom_server.py", "--state-dir", os.path.join(self.central, "fedmom"),
+               "--init", init, "--darl", self.darl, "--blob-url", self.blob, "--token-file", self.token_file,
+               "--outer-lr", str(LR), "--outer-momentum", str(MU), "--round-deadline-s", "6",
+               "--member-timeout-s", "4", "--darl-retry-s", "0.5", "--port", "0"]
+        self.procs["fedmom"] = Proc(self, "fedmom", fed)
+        self.fedmom = self.procs["fedmom"].start()
+        fed[fed.index("--port") + 1] = str(httpd.split_url(self.fedmom)[2])
+
+    def start_site(self, name):
+        transport = dict(self.s.sites)[name]
+        cmd = [sys.executable, os.path.abspath(__file__), "site", "--cluster", name, "--darl", self.darl,
+               "--fedmom", self.fedmom, "--blob", self.blob, "--token-file", self.token_file,
+               "--records", self.records, "--seed", str(self.s.seed), "--span", str(self.s.span),
+               "--transport", transport, "--train-s", "0.15", "--phase-s", "0.5"] + (
+            ["--careless"] if name in self.s.careless else [])
+        proc = self.sites.get(name) or Proc(self, f"site-{name}", cmd)
+        proc.cmd = cmd
+        proc.start(wait_url=False)
+        self.sites[name] = proc
+        self.requeue.pop(name, None)
+
+    def restart(self, name, cmd=None):
+        url = self.procs[name].start(cmd)
+        if name == "darl":
+            assert url == self.darl, (url, self.darl)
+
+    # -- watching
+    def sends(self):
+        n = 0
+        for fn in os.listdir(self.records):
+            if fn.endswith(".jsonl"):
+                with open(os.path.join(self.records, fn)) as f:
+                    n += sum(1 for line in f if '"event": "sent"' in line)
+        return n
+
+    def supervise(self):
+        """Requeue sites that stopped for a token refusal or a kill; note a site that crashed."""
+        now = time.monotonic()
+        for name, proc in self.sites.items():
+            if name in self.requeue:
+                if now >= self.requeue[name]:
+                    self.start_site(name)
+                continue
+            rc = proc.p.poll()
+            if rc is None or rc == 0:
+                continue
+            if rc == EXIT_TOKEN:
+                self.requeue[name] = now + 0.3
+            elif rc < 0:                 # killed by us: the fault that did it set the requeue time
+                self.requeue.setdefault(name, now)
+            else:
+                self.findings.append(f"site {name} crashed (exit {rc}); see {proc.log_path}")
+                self.requeue[name] = now + 0.5
+        if now - self.t0 > SCHEDULE_DEADLINE_S:
+            raise Stalled(f"still running after {SCHEDULE_DEADLINE_S} s")
+
+    def finished(self):
+        return not self.requeue and all(p.p.poll() == 0 for p in self.sites.values())
+
+    def wait(self, cond, bound_s=None):
+        """Poll cond() while supervising the sites; False when the run finished first (or bound_s passed)."""
+        end = None if bound_s is None else time.monotonic() + bound_s
+        while not cond():
+            self.supervise()
+            self.observe()
+            if self.finished() or (end is not None and time.monotonic() > end):
+                return False
+            time.sleep(0.05)
+        return True
+
+    def observe(self, every_s=1.0):
+        """What DARL acknowledged as committed and the rounds the aggregator announced, now."""
+        if time.monotonic() - getattr(self, "_observed", 0.0) < every_s:
+            return
+        self._observed = time.monotonic()
+        try:
+            got = httpd.call(self.darl, "GET", "/custody?state=committed", token=self.token, timeout=2)
+            self.committed_seen |= {c["delta"] for c in got["custody"]}
+            self.max_round_seen = max(self.max_round_seen,
+                                      httpd.call(self.fedmom, "GET", "/round", token=self.token, timeout=2)["round"])
+        except (OSError, http.client.HTTPException, httpd.CallError, ValueError):
+            pass
+
+    # -- faults
+    def apply(self, f):
+        if not self.wait(lambda: self.sends() >= f.after):
+            return False
+        if f.kind in ("darl_kill", "fedmom_kill", "blob_kill"):
+            return self._kill_at(self.procs[f.kind.split("_")[0]], f)
+        if f.kind == "fedmom_outage":
+            self.procs["fedmom"].kill()
+            self.wait(lambda: False, f.pause)
+            self.restart("fedmom")
+            return True
+        if f.kind == "site_kill":
+            return self._site_kill(f)
+        if f.kind == "site_stop":
+            return self._site_stop(f)
+        if f.kind == "darl_flag":
+            return self._darl_flag(f)
+        if f.kind == "clock_step":
+            with open(self.clock_file) as fh:
+                now = float(fh.read().strip() or 0)
+            with open(self.clock_file, "w") as fh:
+                fh.write(str(now + f.value))
+            self.procs["darl"].kill()
+            self.restart("darl")
+            return True
+        if f.kind == "token_rotation":
+            self._write_token()
+            self.procs["darl"].term()
+            self.restart("darl")
+            self.wait(lambda: False, 2.0)        # the aggregator's calls get 401 meanwhile
+            for name in ("fedmom", "blob"):
+                self.procs[name].term()
+                self.restart(name)
+            return True
+        raise ValueError(f.kind)
+
+    def _kill_at(self, proc, f):
+        proc.arm(f.point, f.skip)
+        reached = self.wait(lambda: proc.hit(f.point) or not proc.alive())
+        if not reached:
+            proc.disarm(f.point)
+            return False
+        proc.kill()
+        proc.disarm(f.point)
+        self.wait(lambda: False, f.pause)
+        self.restart(proc.name)
+        return True
+
+    def _site_kill(self, f):
+        proc = self.sites[f.target]
+        proc.arm(f.point, f.skip)
+        reached = self.wait(lambda: proc.hit(f.point) or f.target in self.requeue)
+        proc.disarm(f.point)
+        if not reached or f.target in self.requeue:
+            return False
+        self.requeue[f.target] = time.monotonic() + f.pause
+        proc.kill()
+        return True
+
+    def _site_stop(self, f):
+        proc = self.sites[f.target]
+        proc.arm(f.point, f.skip)
+        reached = self.wait(lambda: proc.hit(f.point) or f.target in self.requeue)
+        if not reached or f.target in self.requeue:
+            proc.disarm(f.point)
+            return False
+        proc.signal(signal.SIGSTOP)
+        proc.disarm(f.point)                  # it goes on at once when continued
+        self.wait(lambda: False, 1.5 * TTL[1] + 1.0)
+        proc.signal(signal.SIGCONT)
+        return True
+
+    def _darl_flag(self, f):
+        flag, value = f.value
+        if self.darl_flags[flag] == value:
+            value = value + 1
+        self.procs["darl"].term()
+        self.darl_flags[flag] = value
+        refused = subprocess.run(self.darl_cmd(self.darl_port), cwd=ROOT, capture_output=True, text=True,
+                                 timeout=60, env={**os.environ, httpd.CLOCK_OFFSET_ENV: self.clock_file})
+        if refused.returncode == 0 or flag not in refused.stderr + refused.stdout:
+            self.findings.append(f"DARL restarted with {flag} {value} changed: not refused naming the flag "
+                                 f"(exit {refused.returncode}: {(refused.stderr or refused.stdout)[-300:]})")
+        self.restart("darl", self.darl_cmd(self.darl_port, accept=True))
+        self.procs["darl"].cmd = self.darl_cmd(self.darl_port)     # later restarts: the new flags, logged
+        return True
+
+    def wait_end(self):
+        self.wait(lambda: self.finished())
+        ok = self.wait(lambda: self._settled(), bound_s=60)
+        if not ok:
+            self.findings.append("the aggregator never settled: commits or aborts still owed, or a delta pending")
+
+    def _settled(self):
+        self.supervise()
+        try:
+            st = httpd.call(self.fedmom, "GET", "/status", token=self.token, timeout=5)
+            darl = httpd.call(self.darl, "GET", "/status", token=self.token, timeout=5)
+        except (OSError, http.client.HTTPException, httpd.CallError):
+            return False
+        return st["pending_commits"] == 0 and st["pending_aborts"] == 0 and not st["pending"] and darl["done"]
+
+    def stop(self):
+        for p in self.sites.values():
+            p.kill()
+        for name in ("fedmom", "blob", "darl"):
+            if name in self.procs and self.procs[name].alive():
+                self.procs[name].term()
+
+
+class Stalled(Exception):
+    pass
+
+
+# ---------------------------------------------------------------- the oracle
+
+def read_site_records(records_dir):
+    out = []
+    for fn in sorted(os.listdir(records_dir)):
+        if fn.endswith(".jsonl"):
+            out += audit.read_jsonl(os.path.join(records_dir, fn))
+    return out
+
+
+def oracle(run):
+    """Everything the final state must satisfy; a list of findings (empty = no violation)."""
+    out = list(run.findings)
+    report = audit.audit(run.central)
+    if not report.ok:
+        out += [f"audit: {line}" for line in report.lines if line.startswith(("  !!", "FAIL"))]
+    fed_dir = os.path.join(run.central, "fedmom")
+    records = audit.read_jsonl(os.path.join(fed_dir, "rounds.jsonl"))
+    events = read_site_records(run.records)
+    trained = {(e["incarnation"], e["base_round"], e["lease"]): e for e in events if e["event"] == "trained"}
+    positions = collections.Counter()
+    merged = []
+    for r in records:
+        for o in r.get("outcomes", ()):
+            if o["outcome"] != "merged":
+                continue
+            lease = o["leases"][0]
+            site = trained.get((o["incarnation"], o["base_round"], lease["id"]))
+            if site is None:
+                out.append(f"round {r['round']} merged a delta no site sent: {o['cluster']} {o['incarnation']} "
+                           f"base {o['base_round']} lease {lease['id']}")
+                continue
+            darl_pos = sorted(p for _, a, b in o.get("pieces") or () for p in range(a, b))
+            if darl_pos != list(range(site["start"], site["end"])):
+                out.append(f"round {r['round']}: {o['cluster']}'s delta trained positions [{site['start']}, "
+                           f"{site['end']}), DARL's custody holds {darl_pos}")
+            positions.update(range(site["start"], site["end"]))
+            merged.append((r["round"], site, o))
+    doubled = sorted(p for p, k in positions.items() if k > 1)
+    if doubled:
+        out.append(f"by the sites' own records, positions {doubled[:20]} are inside more than one merged delta")
+    quarantined = {p for p, s in report.status.items() if s == "quarantined"}
+    unmerged = sorted(set(range(run.s.blocks)) - set(positions) - quarantined)
+    if report.status and unmerged:
+        out.append(f"by the sites' own records, positions {unmerged[:20]} are inside no merged delta")
+    ids = {(o.get("delta")) for _, _, o in merged}
+    lost = sorted(run.committed_seen - ids)
+    if lost:
+        out.append(f"custody DARL acknowledged as committed is no longer a merged delta's: {lost[:5]}")
+    for e in events:
+        if e["event"] == "merged":
+            rec = next((r for r in records if r["round"] == e["merged_into"]), None)
+            if rec is None or not any(o["incarnation"] == e["incarnation"] and o["base_round"] == e["base_round"]
+                                      and o["outcome"] == "merged" for o in rec["outcomes"]):
+                out.append(f"{e['cluster']} was told its delta merged into round {e['merged_into']}; the round "
+                           "records do not hold it")
+    if records and run.max_round_seen > records[-1]["round"]:
+        out.append(f"the aggregator announced round {run.max_round_seen}, its records end at {records[-1]['round']}")
+    out += _theta_check(run, fed_dir, records, merged)
+    return out
+
+
+def _theta_check(run, fed_dir, records, merged):
+    """theta_global against a float64 replay of the recorded merges from the initial model."""
+    with tensorio.TensorReader(run.init) as r:
+        theta = {k: r.read(k, as_float32=True).astype(np.float64) for k in r.names}
+    buf = None
+    by_round = collections.defaultdict(list)
+    for rnd, site, o in merged:
+        by_round[rnd].append((site, o))
+    for rec in records:
+        batch = by_round.get(rec["round"], [])
+        if not batch:
+            return [f"round {rec['round']} has no merged delta a site sent: cannot replay"]
+        total = sum(o["tokens"] for _, o in batch)
+        g = {k: np.zeros_like(v) for k, v in theta.items()}
+        for site, o in batch:
+            with tensorio.TensorReader(os.path.join(run.records, site["file"])) as r:
+                for k in g:
+                    g[k] -= (o["tokens"] / total) * r.read(k, as_float32=True).astype(np.float64)
+        buf = g if buf is None else {k: MU * buf[k] + g[k] for k in g}
+        theta = {k: theta[k] - LR * (g[k] + MU * buf[k]) for k in theta}
+    try:
+        with open(os.path.join(fed_dir, "state.json")) as f:
+            path = os.path.join(fed_dir, json.load(f)["theta"])
+        with tensorio.TensorReader(path) as r:
+            got = {k: r.read(k, as_float32=True).astype(np.float64) for k in r.names}
+    except (OSError, ValueError, KeyError) as e:
+        return [f"the final theta_global cannot be read: {e}"]
+    err = max(float(np.max(np.abs(got[k] - theta[k]) / (1.0 + np.abs(theta[k])))) for k in theta)
+    return [] if err < 1e-5 else [f"theta_global differs from the replay of {len(records)} recorded merges "
+                                  f"(max relative error {err:.2e})"]
+
+
+# ---------------------------------------------------------------- running schedules
+
+@dataclasses.dataclass
+class Result:
+    seed: int
+    findings: list
+    injected: collections.Counter
+    armed: collections.Counter
+    rounds: int = 0
+    quarantined: int = 0
+    seconds: float = 0.0
+    workdir: str = ""
+    seen: collections.Counter = dataclasses.field(default_factory=collections.Counter)   # site events by kind
+
+
+SITE_EVENTS = ("sent", "merged", "excluded", "refused", "stale", "lost", "unknown")
+
+
+def run_schedule(seed, work_root, keep=False, sched=None):
+    """Run one schedule (make_schedule(seed), or `sched`) under work_root; a Result."""
+    sched = sched or make_schedule(seed)
+    workdir = tempfile.mkdtemp(prefix=f"seed{seed}-", dir=work_root)
+    run = Run(sched, workdir)
+    injected, armed = collections.Counter(), collections.Counter()
+    t0 = time.monotonic()
+    try:
+        run.start_servers()
+        for name, _ in sched.sites:
+            run.start_site(name)
+        for f in sched.faults:
+            armed[f.kind] += 1
+            if run.apply(f):
+                injected[f.kind] += 1
+        run.wait_end()
+    except Stalled as e:
+        run.findings.append(f"STALLED: {e}")
+    except Exception as e:          # the harness itself failed: a finding, with the schedule to replay it
+        run.findings.append(f"harness error: {type(e).__name__}: {e}")
+    finally:
+        run.stop()
+    findings = run.findings if any(f.startswith("harness error") for f in run.findings) else oracle(run)
+    recs = audit.read_jsonl(os.path.join(run.central, "fedmom", "rounds.jsonl"))
+    report_q = 0
+    if not findings:
+        report_q = sum(1 for s in audit.audit(run.central).status.values() if s == "quarantined")
+    seen = collections.Counter(e["event"] for e in read_site_records(run.records) if e["event"] in SITE_EVENTS)
+    seen["incarnations"] = sum(1 for e in read_site_records(run.records) if e["event"] == "start")
+    res = Result(seed, findings, injected, armed, len(recs), report_q, time.monotonic() - t0, workdir, seen)
+    if not findings and not keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return res
+
+
+def describe_failure(res, sched=None):
+    return "\n".join([f"VIOLATION in seed {res.seed} (kept: {res.workdir}); replay with "
+                      f"`python bench/fault_schedule.py --replay {res.seed}`:",
+                      (sched or make_schedule(res.seed)).describe()] + [f"  !! {x}" for x in res.findings])
+
+
+def summary(results, seconds):
+    """The closing lines: schedules, faults injected by kind (of those scheduled), what the
+    sites saw, violations."""
+    injected, armed, seen = collections.Counter(), collections.Counter(), collections.Counter()
+    for r in results:
+        injected.update(r.injected)
+        armed.update(r.armed)
+        seen.update(r.seen)
+    bad = [r for r in results if r.findings]
+    kinds = ", ".join(f"{k} {injected[k]}/{armed[k]}" for k in KINDS if armed[k])
+    sites = ", ".join(f"{k} {seen[k]}" for k in ("incarnations",) + SITE_EVENTS)
+    return "\n".join([
+        f"faults injected by kind (reached/scheduled): {kinds}",
+        f"sites: {sites} (deltas); {sum(r.rounds for r in results)} rounds merged, "
+        f"{sum(r.quarantined for r in results)} blocks quarantined (said)",
+        f"fault schedules: {len(results)} run, {sum(injected.values())} faults injected, violations: {len(bad)}"
+        + (f" (seeds {[r.seed for r in bad]})" if bad else "") + f"; {seconds / 60:.1f} min"])
+
+
+def main(argv):
+    if argv[:1] == ["site"]:
+        p = argparse.ArgumentParser(prog="fault_schedule.py site")
+        for flag in ("--cluster", "--darl", "--fedmom", "--blob", "--token-file", "--records", "--transport"):
+            p.add_argument(flag, required=True)
+        p.add_argument("--seed", type=int, required=True)
+        p.add_argument("--span", type=int, required=True)
+        p.add_argument("--train-s", type=float, default=0.15)
+        p.add_argument("--phase-s", type=float, default=0.5)
+        p.add_argument("--careless", action="store_true", help="send without checking the lease first")
+        return site_main(p.parse_args(argv[1:]))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--schedules", type=int, default=500, help="how many schedules (default 500)")
+    p.add_argument("--first-seed", type=int, default=1, help="seeds first-seed .. first-seed + schedules - 1")
+    p.add_argument("--jobs", type=int, default=1, help="schedules run at once (default 1)")
+    p.add_argument("--replay", type=int, help="run this one seed, print its schedule, keep its directory")
+    p.add_argument("--work", default=os.path.join(ROOT, "runs", "fault_schedule"),
+                   help="where each schedule's state, logs and records go (default runs/fault_schedule)")
+    a = p.parse_args(argv)
+    os.makedirs(a.work, exist_ok=True)
+    seeds = [a.replay] if a.replay is not None else list(range(a.first_seed, a.first_seed + a.schedules))
+    t0, results, lock = time.monotonic(), [], threading.Lock()
+
+    def one(seed):
+        res = run_schedule(seed, a.work, keep=a.replay is not None)
+        with lock:
+            results.append(res)
+            tag = "ok" if not res.findings else "VIOLATION"
+            print(f"[{len(results)}/{len(seeds)}] seed {seed}: {tag}  ({', '.join(sorted(res.injected.elements()))}; "
+                  f"{res.rounds} rounds, {res.seconds:.1f} s)", flush=True)
+            if res.findings:
+                print(describe_failure(res), flush=True)
+        return res
+    if a.replay is not None:
+        print(make_schedule(a.replay).describe(), flush=True)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+        list(pool.map(one, seeds))
+    print(summary(sorted(results, key=lambda r: r.seed), time.monotonic() - t0))
+    return 1 if any(r.findings for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

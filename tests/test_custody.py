@@ -1,0 +1,536 @@
+"""Custody: DARL holds an accepted delta's blocks for the aggregator until the aggregator
+commits or aborts them (a two-phase commit, DARL the participant, fedmom_state.py the
+coordinator), with fencing epochs, durable owed calls and loud violation counters.
+
+What runs:
+  - the LeaseTable's custody calls with an injected clock (no I/O);
+  - the aggregator's state against a real DARL coordinator served on 127.0.0.1 in
+    threads, injected clocks on both sides, and a "front" server that answers what a
+    proxy or a rotated token would (401, 403, 404, 5xx) or never answers;
+  - the faults that broke exactly-once before custody existed, each as it happens:
+    an aggregator outage longer than a lease TTL, non-definitive DARL answers, a delta
+    that names no lease, a site's release(leave=true) after its delta was accepted;
+  - the status CLIs' exit codes and the operator's abort-custody command, as processes;
+  - real darl_server.py and fedmom_server.py processes: the aggregator SIGKILLed at the
+    instant its round is durable and its commits owed, restarted, and delivering them.
+"""
+import collections
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+import darl_server
+import darl_table
+import fedmom_client
+import fedmom_server as fm
+import fedmom_state as fs
+import httpd
+from darl_table import LeaseError, LeaseTable, TableConfig
+from test_fedmom import FakeClock, Fixture
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKEN = "t0ken"
+DEADLINE_S = 120            # bounds a hang only
+
+
+def wait_for(cond, what, timeout=DEADLINE_S):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+# ---------------------------------------------------------------- the table alone
+
+class Clock:
+    def __init__(self, t=1000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+class CustodyTableTest(unittest.TestCase):
+    def setUp(self):
+        self.clock = Clock()
+        self.t = LeaseTable(40, TableConfig(min_ttl=1.0, default_ttl=10.0, initial_grant=5), self.clock)
+        for c in ("a", "b"):
+            self.t.register(c, f"{c}-inc")
+
+    def lease(self, c, n=5, ttl=10):
+        return self.t.acquire(c, f"{c}-inc", blocks=n, ttl=ttl)["lease"]
+
+    def take(self, delta, c, *leases, epoch=1, agg="agg"):
+        return self.t.take_custody(agg, epoch, delta, c, f"{c}-inc",
+                                   [{"lease": L["id"], "start": L["start"], "end": L["end"]} for L in leases])
+
+    def test_custody_outlives_ttl_steal_release_and_a_new_incarnation(self):
+        a = self.lease("a")
+        held = self.take("d1", "a", a)
+        self.assertEqual((held["state"], held["pieces"], held["blocks"]), ("held", [[a["id"], 0, 5]], 5))
+        self.clock.t += 1000                                  # far past the TTL
+        self.t.release("a", "a-inc", leave=True)               # the site leaves, releasing everything
+        self.t.register("a", "a-new")                          # a requeue takes the stream over
+        got = []
+        while (r := self.t.acquire("b", "b-inc", blocks=40))["status"] == "ok":
+            got.append(r["lease"])
+        self.assertEqual(sorted(p for L in got for p in range(L["start"], L["end"])), list(range(5, 40)),
+                         "custody positions were handed out again")
+        self.assertEqual(r["status"], "wait", "an abort could still return blocks")
+        self.assertEqual(self.t.verify()["in_custody"], 5)
+        self.assertEqual(self.t.commit_custody("agg", 1, "d1")["state"], "committed")
+        self.assertEqual(self.t.commit_custody("agg", 1, "d1")["repeat"], True)
+        books = self.t.verify()
+        self.assertEqual((books["committed"], books["in_custody"]), (5, 0))
+        self.assertEqual(self.t.clusters["a"].committed, 5)
+        beat = self.t.heartbeat("a", "a-new", leases=[a["id"]])["leases"][0]
+        self.assertEqual(beat["reason"], "not held by this incarnation")
+
+    def test_all_or_nothing_and_a_repeat_gets_the_same_answer(self):
+        a1, a2, b = self.lease("a"), self.lease("a"), self.lease("b")
+        before = json.dumps(self.t.to_dict())
+        with self.assertRaises(LeaseError) as cm:
+            self.t.take_custody("agg", 1, "d1", "a", "a-inc", [{"lease": a1["id"]}, {"lease": b["id"]}])
+        self.assertEqual((cm.exception.status, cm.exception.extra["code"], cm.exception.extra["leases"]),
+                         (409, "lease_lost", [b["id"]]))
+        self.assertEqual(json.dumps(self.t.to_dict()), before, "a refused custody changed the books")
+        first = self.take("d1", "a", a1, a2)
+        self.assertEqual(self.take("d1", "a", a1, a2), {**first, "repeat": True})
+        for bad, word in (([{"lease": a1["id"], "end": 99}], "never in it"),
+                          ([{"lease": 999}], "unknown lease"), ([{"lease": a1["id"]}], "nothing of it")):
+            with self.subTest(word), self.assertRaises(LeaseError) as cm:
+                self.t.take_custody("agg", 1, "d2", "a", "a-inc", bad)
+            self.assertIn(word, cm.exception.reason)
+        with self.assertRaises(LeaseError) as cm:
+            self.t.take_custody("agg", 1, "d3", "a", "a-inc", [{"lease": b["id"], "start": 0}])
+        self.assertEqual(cm.exception.status, 409)
+
+    def test_an_expired_lease_goes_into_custody_only_while_nobody_has_its_blocks(self):
+        a = self.lease("a", ttl=2)
+        self.clock.t += 5                                       # expired, blocks back in the pool
+        self.assertEqual(self.take("late", "a", a)["pieces"], [[a["id"], 0, 5]])
+        self.t.verify()
+        a2 = self.lease("a", ttl=2)
+        self.clock.t += 5
+        self.lease("b", n=40)                                   # b leases them again
+        with self.assertRaises(LeaseError) as cm:
+            self.take("too-late", "a", a2)
+        self.assertIn("leased, committed or taken into custody again", cm.exception.reason)
+
+    def test_an_abort_returns_the_blocks_and_a_later_commit_is_refused_and_counted(self):
+        a = self.lease("a")
+        self.take("d1", "a", a)
+        out = self.t.abort_custody("agg", 1, "d1", "the spooled delta was lost")
+        self.assertEqual((out["state"], out["returned"]), ("aborted", 5))
+        self.assertEqual(self.lease("b", n=5)["start"], 0, "aborted blocks go back to the pool")
+        with self.assertRaises(LeaseError) as cm:
+            self.t.commit_custody("agg", 1, "d1")
+        self.assertEqual((cm.exception.extra["code"], cm.exception.counted), ("custody_aborted", True))
+        with self.assertRaises(LeaseError) as cm:
+            self.t.commit_custody("agg", 1, "never")
+        self.assertEqual(cm.exception.extra["code"], "unknown_custody")
+        self.assertEqual(self.t.counters, {"refused_commits": 2, "aborted_custody": 1, "blocks_trained_twice": 5})
+        # an abort that overtakes its own custody request leaves a tombstone: the late request fails
+        a2 = self.lease("a")
+        self.assertEqual(self.t.abort_custody("agg", 1, "d9")["returned"], 0)
+        with self.assertRaises(LeaseError) as cm:
+            self.take("d9", "a", a2)
+        self.assertEqual(cm.exception.extra["code"], "custody_aborted")
+        self.take("d10", "a", a2)
+        self.t.commit_custody("agg", 1, "d10")
+        with self.assertRaises(LeaseError) as cm:              # a committed custody cannot be aborted
+            self.t.abort_custody("agg", 1, "d10")
+        self.assertEqual(cm.exception.extra["code"], "custody_committed")
+        self.t.verify()
+
+    def test_older_epochs_are_fenced_and_an_operator_retires_an_orphan(self):
+        a, a2 = self.lease("a"), self.lease("a")
+        self.t.fence("agg", 1)
+        self.take("d1", "a", a)
+        self.assertEqual(self.t.fence("agg", 2)["held"], 1)      # the restarted aggregator
+        for call in (lambda: self.t.commit_custody("agg", 1, "d1"), lambda: self.take("d2", "a", a2, epoch=1),
+                     lambda: self.t.abort_custody("agg", 1, "d1"), lambda: self.t.fence("agg", 1)):
+            with self.assertRaises(LeaseError) as cm:
+                call()
+            self.assertEqual(cm.exception.extra["code"], "fenced")
+        out = self.t.abort_orphaned("agg", "state dir lost with its disk")
+        self.assertEqual((out["returned"], [c["delta"] for c in out["aborted"]]), (5, ["d1"]))
+        with self.assertRaises(LeaseError) as cm:
+            self.t.commit_custody("agg", 99, "d1")
+        self.assertIn("retired", cm.exception.reason)
+        with self.assertRaises(LeaseError):
+            self.t.abort_orphaned("nobody", "x")
+        self.assertEqual(self.t.counters["aborted_custody"], 1)
+        self.t.verify()
+
+
+# ---------------------------------------------------------------- the aggregator against a real DARL
+
+def serve(test, routes, **kw):
+    server = httpd.make_server(routes, **kw)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    test.addCleanup(server.server_close)
+    test.addCleanup(server.shutdown)
+    return server.url
+
+
+def front(test, status):
+    """A server that answers every call with `status`: a proxy, a gateway, an old route table."""
+    def answer(req):
+        raise httpd.HTTPError(status, f"front says {status}")
+    return serve(test, {("GET", "/*"): answer, ("POST", "/*"): answer}, token=TOKEN)
+
+
+def silent(test):
+    """A port that accepts connections and never answers: a hung peer (a timeout)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    test.addCleanup(s.close)
+    return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+class AggregatorFixture(Fixture):
+    def darl(self, blocks=100, clock=None):
+        coord = darl_server.Coordinator(darl_table.BlockSpace(blocks, 1, 0), TableConfig(min_ttl=10.0),
+                                        clock=clock or self.clock)
+        return coord, serve(self, darl_server.make_routes(coord), token=TOKEN)
+
+    def lease(self, url, coord, cluster, ttl=60, n=5):
+        inc = f"{cluster}-inc"
+        httpd.call(url, "POST", "/register", {"cluster": cluster, "incarnation": inc, "digest": coord.digest},
+                   token=TOKEN)
+        return httpd.call(url, "POST", "/acquire", {"cluster": cluster, "incarnation": inc, "blocks": n, "ttl": ttl},
+                          token=TOKEN)["lease"]
+
+    def agg(self, link, name="st", init=True):
+        cfg = fs.ServerConfig(os.path.join(self.dir, name), init=self.init if init else None)
+        return fs.FedMomState(cfg.validate(), clock=self.clock, darl=link)
+
+    def merged(self, st):
+        return [o for r in fs.read_records(st.rounds_path) for o in r["outcomes"] if o["outcome"] == "merged"]
+
+    def assert_each_position_in_one_merged_delta(self, st, coord, leases):
+        """From the acquire replies (what each lease covered) and the round records."""
+        span = {L["id"]: range(L["start"], L["end"]) for L in leases}
+        seen = collections.Counter(p for o in self.merged(st) for l in o["leases"] for p in span[l["id"]])
+        self.assertEqual(sorted(p for p, n in seen.items() if n > 1), [], "positions inside two merged deltas")
+        self.assertEqual(coord.status()["committed"], len(seen), "committed != merged positions")
+        self.assertEqual(st.pending_commits, [])
+
+
+class AggregatorOutageTest(AggregatorFixture):
+    def test_an_aggregator_outage_longer_than_a_ttl_merges_no_block_twice(self):
+        """lumi's delta is accepted; the round waits for snellius; lumi dies and the aggregator
+        is SIGKILLed, so nobody keeps lumi's lease alive; it outlives its TTL. Before custody,
+        DARL gave the same blocks to snellius and the restarted aggregator merged both."""
+        coord, url = self.darl()
+        st = self.agg(fs.DarlLink(url, TOKEN))
+        st.join("lumi", "lumi-inc")
+        st.join("snellius", "snellius-inc")
+        a = self.lease(url, coord, "lumi", ttl=10)
+        self.assertTrue(self.send(st, "lumi", self.delta()[0], 100, leases=[a])["accepted"])
+        del st                                                  # SIGKILL: no process, no heartbeat
+        self.clock.t += 30                                      # 3 TTLs
+        b = self.lease(url, coord, "snellius", ttl=600)
+        st = self.agg(fs.DarlLink(url, TOKEN), init=False)      # the restart
+        self.assertTrue(self.send(st, "snellius", self.delta()[0], 100, leases=[b])["accepted"])
+        rec = st.tick()
+        self.assertIsNotNone(rec)
+        for _ in range(3):
+            st.darl_tick()
+        self.assertEqual(sorted(o["cluster"] for o in rec["outcomes"] if o["outcome"] == "merged"),
+                         ["lumi", "snellius"])
+        self.assert_each_position_in_one_merged_delta(st, coord, [a, b])
+        self.assertIsNone(coord.status()["invariant_error"])
+
+
+class NonDefinitiveAnswerTest(AggregatorFixture):
+    def test_no_definitive_answer_from_darl_decides_nothing(self):
+        """DARL behind a rotated token (401), a proxy (403, 404, 5xx) or hung (a timeout): the
+        delta is neither merged unchecked nor its commit dropped; both wait for DARL's word."""
+        bad = {"401": None, "403": front(self, 403), "404": front(self, 404), "500": front(self, 500),
+               "503": front(self, 503), "timeout": silent(self)}
+        for i, (case, url) in enumerate(bad.items()):
+            with self.subTest(case):
+                coord, good = self.darl()
+                url = url or good
+                link = fs.DarlLink(url, "rotated" if case == "401" else TOKEN, timeout=0.5)
+                st = self.agg(link, name=f"st-{case}")
+                cluster = f"c{i}"
+                st.join(cluster, f"{cluster}-inc")
+                lease = self.lease(good, coord, cluster)
+                self.assertTrue(self.send(st, cluster, self.delta()[0], 10, leases=[lease])["accepted"])
+                for _ in range(2):                              # DARL says nothing definitive
+                    st.tick()
+                    st.darl_tick()
+                if st.round:
+                    self.assertTrue(st.pending_commits, "merged unchecked, then its commit dropped without DARL's word")
+                else:                                           # custody unconfirmed: the round waits
+                    self.assertEqual(st.status()["darl"]["custody_waiting"], [cluster])
+                self.assertIsNotNone(st.status()["darl"]["alarm"], "no alarm while DARL is silent")
+                link.url, link.token = good, TOKEN              # DARL's word: custody, merge ...
+                st.darl_tick()
+                self.assertIsNotNone(st.tick())
+                link.url, link.token = url, ("rotated" if case == "401" else TOKEN)
+                self.assertFalse(st.darl_tick())                # ... and a commit DARL does not answer
+                self.assertEqual(len(st.pending_commits), 1, "a commit without DARL's word was dropped")
+                self.assertEqual(st.violations, {k: 0 for k in fs.VIOLATIONS})
+                link.url, link.token = good, TOKEN
+                self.assertTrue(st.darl_tick())
+                self.assertIsNone(st.status()["darl"]["alarm"])
+                self.assert_each_position_in_one_merged_delta(st, coord, [lease])
+
+
+class SiteMistakesTest(AggregatorFixture):
+    def test_a_delta_naming_no_lease_is_refused_under_darl(self):
+        coord, url = self.darl()
+        st = self.agg(fs.DarlLink(url, TOKEN))
+        st.join("lumi", "lumi-inc")
+        before = self.snapshot(st)
+        with self.assertRaises(fs.Refused) as cm:
+            self.send(st, "lumi", self.delta()[0], 100, leases=[])
+        self.assertEqual(cm.exception.status, 400)
+        self.assertIn("--darl", cm.exception.reason)
+        self.assertEqual(self.snapshot(st), before)
+        self.assertIsNone(st.tick())
+
+    def test_a_release_with_leave_after_acceptance_gives_back_nothing_the_aggregator_holds(self):
+        coord, url = self.darl()
+        st = self.agg(fs.DarlLink(url, TOKEN))
+        st.join("lumi", "lumi-inc")
+        st.join("snellius", "snellius-inc")
+        a = self.lease(url, coord, "lumi")
+        self.assertTrue(self.send(st, "lumi", self.delta()[0], 100, leases=[a])["accepted"])
+        httpd.call(url, "POST", "/release", {"cluster": "lumi", "incarnation": "lumi-inc", "leave": True},
+                   token=TOKEN)                                 # the site finishes (or its job is cancelled)
+        b = self.lease(url, coord, "snellius")
+        self.assertTrue(self.send(st, "snellius", self.delta()[0], 100, leases=[b])["accepted"])
+        self.assertIsNotNone(st.tick())
+        st.darl_tick()
+        self.assert_each_position_in_one_merged_delta(st, coord, [a, b])
+
+
+class RoundRuleTest(AggregatorFixture):
+    def test_the_round_waits_for_custody_and_a_late_refusal_excludes_the_delta_by_name(self):
+        darl_clock = FakeClock()                 # the aggregator's clock runs on alone below
+        coord, good = self.darl(clock=darl_clock)
+        link = fs.DarlLink(front(self, 503), TOKEN)
+        st = self.agg(link)
+        for c in ("lumi", "snellius"):
+            st.join(c, f"{c}-inc")
+        a = self.lease(good, coord, "lumi", ttl=10)
+        b = self.lease(good, coord, "snellius", ttl=600)
+        self.send(st, "lumi", self.delta()[0], 100, leases=[a])       # DARL gives no answer
+        darl_clock.t += 11                                             # lumi's lease expires ...
+        other = self.lease(good, coord, "other", ttl=600)              # ... and its blocks go to "other"
+        self.assertEqual(other["start"], a["start"])
+        link.url = good
+        self.send(st, "snellius", self.delta()[0], 100, leases=[b])   # confirmed at once
+        self.assertEqual(st.status()["darl"]["custody_waiting"], ["lumi"])
+        self.clock.t += 10 * st.cfg.round_deadline_s                   # far past the deadline: still waits
+        link.url = front(self, 503)
+        st.darl_tick()
+        self.assertIsNone(st.tick(), "a round merged a delta whose custody DARL never confirmed")
+        link.url = good
+        self.assertTrue(st.darl_tick())                                # DARL: lumi's blocks are not its own
+        self.assertEqual([(o["cluster"], o["outcome"]) for o in st.status()["outcomes"]],
+                         [("snellius", "pending"), ("lumi", "excluded")])
+        rec = st.tick()
+        self.assertEqual([o["cluster"] for o in rec["outcomes"] if o["outcome"] == "merged"], ["snellius"])
+        excluded = [o for o in rec["outcomes"] if o["outcome"] == "excluded"]
+        self.assertEqual([o["cluster"] for o in excluded], ["lumi"])
+        self.assertIn("cannot take this delta's leases into custody", excluded[0]["why"])
+        told = st.join("lumi", "lumi-inc")["deltas"]           # dropped meanwhile (silent): back, and told
+        self.assertEqual([o["outcome"] for o in told], ["excluded"])
+        st.darl_tick()
+        self.assert_each_position_in_one_merged_delta(st, coord, [a, b])
+
+
+class FencingAndRepairTest(AggregatorFixture):
+    def test_a_newer_epoch_fences_the_older_process(self):
+        coord, url = self.darl()
+        old = self.agg(fs.DarlLink(url, TOKEN))
+        self.assertTrue(old.darl_tick())
+        new = self.agg(fs.DarlLink(url, TOKEN), init=False)    # a second process on the same state
+        self.assertEqual((new.aggregator_id, new.epoch), (old.aggregator_id, old.epoch + 1))
+        self.assertTrue(new.darl_tick())
+        old.join("lumi", "lumi-inc")
+        a = self.lease(url, coord, "lumi")
+        with self.assertRaises(fs.Refused) as cm:
+            self.send(old, "lumi", self.delta()[0], 100, leases=[a])
+        self.assertEqual(cm.exception.status, 503)
+        self.assertIn("a newer process of this aggregator runs", old.status()["darl"]["fenced"])
+        self.assertEqual(coord.status()["in_custody"], 0)
+        with self.assertRaises(fs.Refused):
+            self.send(old, "lumi", self.delta()[0], 100, leases=[a])
+
+    def test_lost_spool_entries_are_aborted_loudly_and_the_status_clis_exit_1(self):
+        coord, url = self.darl()
+        st = self.agg(fs.DarlLink(url, TOKEN))
+        for c in ("lumi", "snellius"):
+            st.join(c, f"{c}-inc")
+        a, b = self.lease(url, coord, "lumi"), self.lease(url, coord, "snellius")
+        self.send(st, "lumi", self.delta()[0], 100, leases=[a])
+        self.send(st, "snellius", self.delta()[0], 100, leases=[b])
+        self.assertEqual(coord.status()["in_custody"], 10)
+        spool = st.spool
+        del st
+        mine = [f for f in os.listdir(spool) if "_lumi_" in f]
+        os.unlink(os.path.join(spool, [f for f in mine if f.endswith(".json")][0]))    # gone with a disk
+        theirs = [f for f in os.listdir(spool) if "_snellius_" in f and f.endswith(".safetensors")][0]
+        with open(os.path.join(spool, theirs), "r+b") as f:                           # cut short
+            f.truncate(100)
+        st = self.agg(fs.DarlLink(url, TOKEN), init=False)
+        self.assertEqual(st.pending, {})
+        self.assertEqual([e["cluster"] for e in st.excluded], ["snellius"])
+        self.assertTrue(st.darl_tick())
+        books = coord.status()
+        self.assertEqual((books["in_custody"], books["free"]), (0, 100))
+        self.assertEqual(books["violations"]["aborted_custody"], 2)
+        self.assertEqual(st.violations["aborted_custody"], 2)
+        furl = serve(self, fm.make_routes(st), token=TOKEN, public=("/health", "/"))
+        env = {**os.environ, "PWW_TOKEN": TOKEN}
+        for script, url_ in (("fedmom_server.py", furl), ("darl_server.py", url)):
+            out = subprocess.run([sys.executable, script, "status", "--url", url_], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=60)
+            self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
+            self.assertIn("EXACTLY-ONCE VIOLATED", out.stdout)
+            self.assertIn("aborted_custody 2", out.stdout)
+        self.assertIn("EXACTLY-ONCE VIOLATED", urllib_page(furl))
+
+    def test_the_operator_returns_an_orphans_custody_and_the_orphan_is_fenced(self):
+        coord, url = self.darl()
+        st = self.agg(fs.DarlLink(url, TOKEN))
+        st.join("lumi", "lumi-inc")
+        a = self.lease(url, coord, "lumi")
+        self.send(st, "lumi", self.delta()[0], 100, leases=[a])
+        env = {**os.environ, "PWW_TOKEN": TOKEN}
+        cmd = [sys.executable, "darl_server.py", "abort-custody", "--url", url, "--aggregator", st.aggregator_id,
+               "--reason", "its state dir was lost"]
+        dry = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        self.assertEqual(dry.returncode, 2, dry.stdout + dry.stderr)
+        self.assertIn("5 blocks", dry.stdout)
+        self.assertEqual(coord.status()["in_custody"], 5)
+        done = subprocess.run(cmd + ["--yes"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+        self.assertIn("!!! ABORTED 1 custody record(s)", done.stdout)
+        books = coord.status()
+        self.assertEqual((books["in_custody"], books["free"], books["violations"]["aborted_custody"]), (0, 100, 1))
+        self.assertIsNotNone(st.tick())                  # the orphan was alive after all: it merges ...
+        self.assertFalse(st.darl_tick())                 # ... and DARL fences its commit
+        self.assertIn("retired", st.fenced)
+        self.assertEqual(coord.status()["committed"], 0)
+
+
+def urllib_page(url):
+    conn = httpd.connect(url)
+    try:
+        conn.request("GET", "/")
+        return conn.getresponse().read().decode()
+    finally:
+        conn.close()
+
+
+# ---------------------------------------------------------------- real processes
+
+class RestartWithCommitsOwedTest(unittest.TestCase):
+    """An aggregator SIGKILLed the instant its round is durable, its DARL commits owed and
+    none sent, is restarted and delivers them to a live DARL until DARL has every block."""
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="custody-procs-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.faults = os.path.join(self.dir, "faults")
+        os.makedirs(self.faults)
+        self.procs = []
+        self.addCleanup(self.stop_all)
+
+    def stop_all(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def start(self, script, *args):
+        path = os.path.join(self.dir, f"{script}.log")
+        mark = os.path.getsize(path) if os.path.exists(path) else 0
+        with open(path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, script, "--port", "0", *map(str, args)], cwd=ROOT,
+                                    env={**os.environ, httpd.FAULT_DIR_ENV: self.faults}, stdout=log,
+                                    stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+
+        def url():
+            if proc.poll() is not None:
+                raise AssertionError(f"{script} exited {proc.returncode}")
+            with open(path, errors="replace") as f:
+                f.seek(mark)
+                lines = [line for line in f if " listening on " in line]
+            return lines and lines[-1].split()[-1]
+        return proc, wait_for(url, f"{script} to listen")
+
+    def test_an_aggregator_restarted_with_commits_owed_delivers_them(self):
+        import numpy as np
+        import tensorio
+        init = os.path.join(self.dir, "init.safetensors")
+        with tensorio.TensorWriter(init, [("w", "F32", (8,))]) as w:
+            w.write("w", np.zeros(8, np.float32))
+        darl, durl = self.start("darl_server.py", "--num-samples", 10, "--state-dir", self.dir)
+        fed_args = ["--state-dir", os.path.join(self.dir, "fedmom"), "--darl", durl, "--darl-retry-s", 0.2]
+        fed, furl = self.start("fedmom_server.py", *fed_args, "--init", init)
+        arm = os.path.join(self.faults, "fedmom.round_durable")
+        open(arm, "w").close()
+        client = darl_server_client(durl)
+        deltas = os.path.join(self.dir, "d.safetensors")
+        with tensorio.TensorWriter(deltas, [("w", "F32", (8,))]) as w:
+            w.write("w", np.full(8, 0.5, np.float32))
+        for cluster, n in (("lumi", 4), ("snellius", 6)):
+            client.register(cluster, f"{cluster}-inc", client.status()["digest"])
+            fedmom_client.FedMomClient(furl, cluster, f"{cluster}-inc").join()
+        leases = {c: client.acquire(c, f"{c}-inc", blocks=n)["lease"] for c, n in (("lumi", 4), ("snellius", 6))}
+        for cluster, lease in leases.items():
+            fedmom_client.FedMomClient(furl, cluster, f"{cluster}-inc").send_delta(
+                deltas, 0, 10 * len(range(lease["start"], lease["end"])),
+                [{"id": lease["id"], "start": lease["start"], "end": lease["end"]}], {})
+        wait_for(lambda: os.path.exists(arm + ".hit"), "the round to become durable")
+        fed.send_signal(signal.SIGKILL)
+        fed.wait()
+        with open(os.path.join(self.dir, "fedmom", "state.json")) as f:
+            st = json.load(f)
+        self.assertEqual((st["round"], len(st["pending_commits"])), (1, 2))
+        books = client.status()
+        self.assertEqual((books["committed"], books["in_custody"]), (0, 10), "commits were sent before the kill")
+        os.unlink(arm)
+        fed, furl = self.start("fedmom_server.py", *fed_args)
+        wait_for(lambda: client.status()["committed"] == 10, "DARL to receive the owed commits")
+        self.assertEqual(httpd.call(furl, "GET", "/status")["pending_commits"], 0)
+        books = client.status()
+        self.assertEqual((books["in_custody"], books["custody"]["committed"], books["done"]), (0, 2, True))
+        self.assertEqual(books["violations"], {k: 0 for k in fs.VIOLATIONS})
+        self.assertEqual(client.acquire("lumi", "lumi-inc")["status"], "done")
+        out = subprocess.run([sys.executable, "audit.py", "--state-dir", self.dir], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertIn("PASS", out.stdout)
+
+
+def darl_server_client(url):
+    import darl_client
+    return darl_client.LeaseClient(url, retries=0)
+
+
+if __name__ == "__main__":
+    unittest.main()

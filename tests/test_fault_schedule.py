@@ -1,0 +1,154 @@
+"""The fast subset of bench/fault_schedule.py: four fixed schedules that between them
+inject every kind of fault (real darl_server.py, fedmom_server.py and blobstore.py
+processes, fake torch-free sites on the real clients), each judged by the oracle; and the
+oracle itself shown to catch a tampered run. The full run (>= 500 random schedules) is
+`python bench/fault_schedule.py`.
+
+Deterministic: the schedules are fixed, and what the oracle requires holds for every
+interleaving the processes may take; a fault waits for its protocol phase (a fault point
+or a count of deltas sent), never for a time. The only clocks are the lease TTLs the
+outages and stops must outlast, and a deadline that bounds a hang.
+"""
+import json
+import os
+import shutil
+import sys
+import tempfile
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import fault_schedule as fsch  # noqa: E402
+from fault_schedule import Fault, Schedule  # noqa: E402
+
+INLINE, BLOB = "inline", "blob"
+SCHEDULES = {
+    "a torn log line, a kill between a durable round and its commits, a site killed after its send":
+        Schedule(101, [("alpha", INLINE), ("beta", INLINE)], 26, 2, 3,
+                 [Fault("darl_kill", 0, point="darl.torn", skip=2, pause=0.5),
+                  Fault("fedmom_kill", 1, point="fedmom.round_durable", pause=1.0),
+                  Fault("site_kill", 3, point="site.sent", target="beta", pause=0.5)], ["alpha"]),
+    "an aggregator outage past the TTL, a site stopped after its lease check, the blob store killed mid-upload":
+        Schedule(102, [("alpha", BLOB), ("beta", INLINE)], 24, 2, 0,
+                 [Fault("fedmom_outage", 1, pause=2.5 * fsch.TTL[1]),
+                  Fault("site_stop", 2, point="site.checked", target="beta"),
+                  Fault("blob_kill", 3, point="blob.chunk", pause=0.5)]),
+    "DARL restarted under a changed flag, a clock step of +1 h, a token rotation, a kill before custody is spooled":
+        Schedule(103, [("alpha", INLINE), ("beta", INLINE), ("gamma", BLOB)], 28, 2, 3,
+                 [Fault("darl_flag", 1, value=("--max-attempts", 0)),
+                  Fault("clock_step", 2, value=3600),
+                  Fault("fedmom_kill", 3, point="fedmom.custody_held", pause=0.3),
+                  Fault("token_rotation", 4)], ["gamma"]),
+    "DARL killed after its fsync, a kill mid-merge, a clock step of -1 h, a site stopped past its TTL":
+        Schedule(104, [("alpha", INLINE), ("beta", BLOB)], 24, 3, 0,
+                 [Fault("darl_kill", 0, point="darl.synced", skip=1, pause=0.3),
+                  Fault("fedmom_kill", 1, point="fedmom.merge", pause=0.3),
+                  Fault("clock_step", 2, value=-3600),
+                  Fault("site_stop", 3, point="site.trained", target="alpha")]),
+}
+
+
+class FaultScheduleTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.work = tempfile.mkdtemp(prefix="fault-schedule-")
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.work, ignore_errors=True)
+
+    def run_one(self, name):
+        sched = SCHEDULES[name]
+        res = fsch.run_schedule(sched.seed, self.work, sched=sched)
+        self.assertEqual(res.findings, [], fsch.describe_failure(res, sched))
+        self.assertEqual(res.injected, res.armed, f"a fault was never reached, so it was not tested:\n"
+                                                  f"{sched.describe()}\ninjected {dict(res.injected)}")
+        self.assertGreater(res.rounds, 0)
+        return res
+
+    def test_torn_write_durable_round_and_site_kill(self):
+        self.run_one(list(SCHEDULES)[0])
+
+    def test_outage_site_stop_and_blob_kill(self):
+        self.run_one(list(SCHEDULES)[1])
+
+    def test_flag_change_clock_step_token_rotation(self):
+        self.run_one(list(SCHEDULES)[2])
+
+    def test_synced_kill_merge_kill_clock_back_and_stop(self):
+        self.run_one(list(SCHEDULES)[3])
+
+    def test_every_fault_kind_is_in_the_fast_subset(self):
+        kinds = {f.kind for s in SCHEDULES.values() for f in s.faults}
+        self.assertEqual(kinds, set(fsch.KINDS))
+
+
+class OracleTest(unittest.TestCase):
+    """The oracle fails a run whose books were tampered with after a clean finish."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.work = tempfile.mkdtemp(prefix="fault-oracle-")
+        sched = Schedule(105, [("alpha", INLINE), ("beta", INLINE)], 12, 2, 0, [])
+        cls.res = fsch.run_schedule(sched.seed, cls.work, keep=True, sched=sched)
+        cls.sched = sched
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.work, ignore_errors=True)
+
+    def tampered(self):
+        d = tempfile.mkdtemp(prefix="tampered-", dir=self.work)
+        shutil.rmtree(d)
+        shutil.copytree(self.res.workdir, d)
+        run = fsch.Run.__new__(fsch.Run)
+        run.s, run.dir, run.findings = self.sched, d, []
+        run.central, run.records = os.path.join(d, "central"), os.path.join(d, "records")
+        run.init, run.committed_seen, run.max_round_seen = os.path.join(d, "init.safetensors"), set(), 0
+        return run
+
+    def test_the_clean_run_passes(self):
+        self.assertEqual(self.res.findings, [])
+        self.assertEqual(fsch.oracle(self.tampered()), [])
+
+    def test_a_round_applied_twice_is_caught(self):
+        run = self.tampered()
+        path = os.path.join(run.central, "fedmom", "rounds.jsonl")
+        with open(path) as f:
+            lines = f.readlines()
+        last = json.loads(lines[-1])
+        with open(path, "a") as f:
+            f.write(json.dumps({**last, "round": last["round"] + 1}) + "\n")
+        found = "\n".join(fsch.oracle(run))
+        self.assertIn("DOUBLED", found)
+        self.assertIn("rounds lost or repeated", found)
+
+    def test_a_wrong_theta_is_caught(self):
+        run = self.tampered()
+        import numpy as np
+        fed = os.path.join(run.central, "fedmom")
+        with open(os.path.join(fed, "state.json")) as f:
+            theta = os.path.join(fed, json.load(f)["theta"])
+        with fsch.tensorio.TensorReader(theta) as r:
+            arrays = {k: r.read(k, as_float32=True) for k in r.names}
+        arrays["w"] = arrays["w"] + np.float32(0.001)
+        fsch.write_tensors(theta, arrays)
+        self.assertIn("theta_global differs from the replay", "\n".join(fsch.oracle(run)))
+
+    def test_a_merged_delta_no_site_sent_is_caught(self):
+        run = self.tampered()
+        for fn in os.listdir(run.records):
+            if fn.startswith("beta-") and fn.endswith(".jsonl"):
+                os.unlink(os.path.join(run.records, fn))
+        found = "\n".join(fsch.oracle(run))
+        self.assertIn("merged a delta no site sent", found)
+
+    def test_an_acknowledged_commit_lost_is_caught(self):
+        run = self.tampered()
+        run.committed_seen = {"r0.not-a-delta-we-merged"}
+        self.assertIn("no longer a merged delta's", "\n".join(fsch.oracle(run)))
+
+
+if __name__ == "__main__":
+    unittest.main()
