@@ -154,7 +154,8 @@ daemon_args() {
                 echo "central.sh: first start of FedMom needs INIT=<initial model .safetensors> (see RUNBOOK.md)" >&2
                 return 1
             fi
-            # FedMom commits merged leases into DARL and serves big models via the blob store
+            # FedMom takes accepted deltas' leases into custody at DARL (and commits them) and
+            # serves big models via the blob store
             ARGS+=(--darl "$(local_url darl)" --blob-url "$(local_url blob)")
             extra=${FEDMOM_ARGS:-} ;;
         blob)

@@ -326,7 +326,7 @@ class LeaseSession:
 
     def refresh(self):
         """One heartbeat now (applied like the background ones): a lease the aggregator
-        committed meanwhile leaves held()."""
+        took into custody or committed meanwhile leaves held()."""
         self._heartbeat()
 
     # ---- the background thread
@@ -380,7 +380,7 @@ class LeaseSession:
                         h.start, h.claimed, h.end = r["start"], r["claimed"], r["end"]
                         h.handed = min(h.handed, h.end)     # never hand out past a stolen boundary
                     else:
-                        if r.get("state") != "done":      # done = committed (by us or the aggregator): normal
+                        if r.get("state") != "done":      # done = committed, or in the aggregator's custody: normal
                             self.log(f"lease {r['lease']} is no longer ours: {r.get('reason')}")
                         del self._held[r["lease"]]
                         self._ready = collections.deque(s for s in self._ready if s.lease != r["lease"])

@@ -601,14 +601,6 @@ def make_routes(coord):
 
 # ------------------------------------------------------------------ status and operator CLIs
 
-def violations_line(v):
-    """The loud line for non-zero violation counters (also the aggregator's), or None."""
-    if not v or not any(v.values()):
-        return None
-    return ("!!! EXACTLY-ONCE VIOLATED: " + ", ".join(f"{k} {n}" for k, n in v.items())
-            + " (FEDERATION_GUIDE.md section 7 says what each means; `python audit.py` names the blocks)")
-
-
 def format_status(st):
     lines = []
     n = st.get("num_blocks", 0)
@@ -631,7 +623,7 @@ def format_status(st):
     if st.get("quarantined"):
         lines.append(f"!!! {st['quarantined']} BLOCKS QUARANTINED: dropped from this epoch after repeated "
                      f"failures; position runs {st['quarantined_runs']}")
-    loud = violations_line(st.get("violations"))
+    loud = darl_table.violations_line(st.get("violations"))
     if loud:
         lines.append(loud)
     if st.get("invariant_error"):

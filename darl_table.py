@@ -336,6 +336,14 @@ class Custody:
 VIOLATIONS = ("refused_commits", "aborted_custody", "blocks_trained_twice")
 
 
+def violations_line(v):
+    """The loud status line for violation counters above 0 (DARL's or the aggregator's), or None."""
+    if not v or not any(v.values()):
+        return None
+    return ("!!! EXACTLY-ONCE VIOLATED: " + ", ".join(f"{k} {n}" for k, n in v.items())
+            + " (FEDERATION_GUIDE.md section 7 says what each means; `python audit.py` names the blocks)")
+
+
 @dataclasses.dataclass
 class TableConfig:
     max_attempts: int = 3           # --max-attempts: reclaims before a run is quarantined; 0 = never
@@ -587,7 +595,7 @@ class LeaseTable:
             raise LeaseError(400, f"throughput must be a finite number >= 0 (blocks/s), got {throughput!r}")
         self.expire(now)
         c = self._member(cluster, incarnation)
-        ttl = ttl or c.ttl          # the aggregator heartbeats for a site without naming its TTL
+        ttl = ttl or c.ttl          # a heartbeat that names no TTL keeps the site's
         c.last_seen, c.ttl = now, ttl
         if throughput:
             c.rate, c.reported = float(throughput), True

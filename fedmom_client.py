@@ -34,9 +34,9 @@ Whether a delta was merged: every join/heartbeat reply (so also the one that end
 wait_round_after) carries "deltas", this cluster's outcome objects: merged (with
 merged_into, the round), excluded (with why) or pending, each with the DARL leases the
 delta carried; GET /status "recent" has the same per round ("outcomes").
-fedmom_server.py's docstring lists the fields. The aggregator commits merged leases in
-DARL itself; for an excluded delta the site releases its leases in DARL, so the blocks
-are trained again.
+fedmom_server.py's docstring lists the fields. The aggregator takes an accepted delta's
+leases into custody at DARL and commits them once merged; for an excluded delta the
+site releases what is left of its leases in DARL, so the blocks are trained again.
 
 Who may call: anyone holding the aggregator's bearer token (token=..., or none on a
 loopback test server).

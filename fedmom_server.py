@@ -98,6 +98,7 @@ import sys
 import threading
 import time
 
+import darl_table
 import httpd
 from fedmom_state import (ServerConfig, FedMomState, DarlLink, Refused, log, format_record, _fmt,
                           _unlink, _unlink_prefix)
@@ -360,11 +361,7 @@ DARL commits owed: {st['pending_commits']}, aborts owed: {st['pending_aborts']};
 
 def alarm_lines(st):
     """The loud lines of a status: violation counters, DARL's silence, fencing."""
-    out = []
-    v = st.get("violations") or {}
-    if any(v.values()):
-        out.append("!!! EXACTLY-ONCE VIOLATED: " + ", ".join(f"{k} {n}" for k, n in v.items())
-                   + " (FEDERATION_GUIDE.md section 7; `python audit.py` names the blocks)")
+    out = [line for line in [darl_table.violations_line(st.get("violations"))] if line]
     d = st.get("darl") or {}
     if d.get("fenced"):
         out.append(f"!!! FENCED by DARL, this process is stopping: {d['fenced']}")
