@@ -1,8 +1,8 @@
 """audit.py - the run audit: is every block of the corpus inside exactly one merged delta?
 
 Runs on: the central VM (or any copy of its state directory), with the servers running or
-stopped. Python standard library only (darl_server.py and darl_table.py beside it); never
-torch. It reads and changes nothing but what it prints:
+stopped. Python + numpy, with darl_server.py, darl_table.py and fedmom_state.py (and what
+they import) beside it, as central.sh has them; never torch. It reads and changes nothing but what it prints:
     <state-dir>/darl/       DARL's snapshot and log, replayed read-only as a restart would
     <state-dir>/fedmom/     the aggregator's state.json and rounds.jsonl
 
@@ -36,6 +36,7 @@ import sys
 
 import darl_server
 import darl_table
+import fedmom_state
 
 MERGED = "once"
 
@@ -60,21 +61,6 @@ class Report:
                     where.setdefault(p, []).append(f"round {rnd} delta {o.get('delta')} of {o['cluster']}")
         return [f"block {bs.block_at(p)} (position {p}): {self.status[p]}"
                 + (f" - {'; '.join(where[p])}" if p in where else "") for p in range(self.num_blocks)]
-
-
-def read_jsonl(path):
-    out = []
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.endswith("\n"):
-                    try:
-                        out.append(json.loads(line))
-                    except ValueError:
-                        pass
-    except FileNotFoundError:
-        pass
-    return out
 
 
 def runs_of(positions):
@@ -114,7 +100,7 @@ def audit(state_dir, partial=False, manifest=None):
             fed = json.load(f)
     except (OSError, ValueError) as e:
         return Report(False, [f"FAIL: no aggregator state in {fed_dir} ({e})"], {}, [])
-    agg, records = fed.get("aggregator"), read_jsonl(os.path.join(fed_dir, "rounds.jsonl"))
+    agg, records = fed.get("aggregator"), fedmom_state.read_records(os.path.join(fed_dir, "rounds.jsonl"))
     owed = {c["delta"] for c in fed.get("pending_commits", [])}
 
     rounds = [r["round"] for r in records]

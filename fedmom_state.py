@@ -947,13 +947,20 @@ class FedMomState:
                 self._save()
         return True
 
-    def _commit_one(self, c):
-        ans = self.darl.commit(self.aggregator_id, self.epoch, c["delta"])
+    def _definitive(self, ans, what):
+        """Does DARL's answer settle the call? Else it stays owed (the alarm goes up), or
+        this process was fenced and stops."""
         if ans.kind == "unknown":
-            self._darl_failed(f"commit of {c['cluster']}'s delta {c['delta']} (round {c['round']})", ans.error)
+            self._darl_failed(what, ans.error)
             return False
         if ans.code == "fenced":
             self._stop_fenced(ans.reply.get("error", ans.error))
+            return False
+        return True
+
+    def _commit_one(self, c):
+        ans = self.darl.commit(self.aggregator_id, self.epoch, c["delta"])
+        if not self._definitive(ans, f"commit of {c['cluster']}'s delta {c['delta']} (round {c['round']})"):
             return False
         httpd.fault_point("fedmom.committed")      # DARL committed it, our state still owes it
         with self.lock:
@@ -967,11 +974,7 @@ class FedMomState:
 
     def _abort_one(self, c):
         ans = self.darl.abort(self.aggregator_id, self.epoch, c["delta"], c["why"])
-        if ans.kind == "unknown":
-            self._darl_failed(f"abort of {c['cluster']}'s delta {c['delta']}", ans.error)
-            return False
-        if ans.code == "fenced":
-            self._stop_fenced(ans.reply.get("error", ans.error))
+        if not self._definitive(ans, f"abort of {c['cluster']}'s delta {c['delta']}"):
             return False
         with self.lock:
             self._darl_answered()

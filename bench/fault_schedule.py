@@ -73,6 +73,7 @@ import numpy as np  # noqa: E402
 import audit  # noqa: E402
 import darl_client  # noqa: E402
 import fedmom_client  # noqa: E402
+import fedmom_state  # noqa: E402
 import httpd  # noqa: E402
 import tensorio  # noqa: E402
 
@@ -661,7 +662,7 @@ def read_site_records(records_dir):
     out = []
     for fn in sorted(os.listdir(records_dir)):
         if fn.endswith(".jsonl"):
-            out += audit.read_jsonl(os.path.join(records_dir, fn))
+            out += fedmom_state.read_records(os.path.join(records_dir, fn))
     return out
 
 
@@ -672,7 +673,7 @@ def oracle(run):
     if not report.ok:
         out += [f"audit: {line}" for line in report.lines if line.startswith(("  !!", "FAIL"))]
     fed_dir = os.path.join(run.central, "fedmom")
-    records = audit.read_jsonl(os.path.join(fed_dir, "rounds.jsonl"))
+    records = fedmom_state.read_records(os.path.join(fed_dir, "rounds.jsonl"))
     events = read_site_records(run.records)
     trained = {(e["incarnation"], e["base_round"], e["lease"]): e for e in events if e["event"] == "trained"}
     positions = collections.Counter()
@@ -790,7 +791,7 @@ def run_schedule(seed, work_root, keep=False, sched=None):
     finally:
         run.stop()
     findings = run.findings if any(f.startswith("harness error") for f in run.findings) else oracle(run)
-    recs = audit.read_jsonl(os.path.join(run.central, "fedmom", "rounds.jsonl"))
+    recs = fedmom_state.read_records(os.path.join(run.central, "fedmom", "rounds.jsonl"))
     report_q = 0
     if not findings:
         report_q = sum(1 for s in audit.audit(run.central).status.values() if s == "quarantined")

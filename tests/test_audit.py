@@ -86,7 +86,7 @@ class AuditTest(Fixture):
 
     def edit_records(self, fn):
         path = os.path.join(self.central, "fedmom", "rounds.jsonl")
-        recs = audit.read_jsonl(path)
+        recs = fs.read_records(path)
         recs = fn(recs)
         with open(path, "w") as f:
             f.write("".join(json.dumps(r) + "\n" for r in recs))
