@@ -3,10 +3,12 @@
 Runs on: the central VM, imported by fedmom_server.py (which owns the routes, the round
 and DARL loops, the status page and the command line; its docstring says how to start
 it and what each endpoint does). Python standard library + numpy + tensorio.py +
-fedmom_merge.py, and httpd.py's client call for the two DARL calls; never imports torch.
+fedmom_merge.py + darl_table.py (its position sets), and httpd.py's client call for the
+DARL custody calls (DarlLink); never imports torch.
 
 FedMomState holds theta_global, momentum, the round number, membership, the deltas
-spooled for the open round and the DARL commits still owed. Its methods (join,
+spooled for the open round, the DARL commits and aborts still owed and the violation
+counters. Its methods (join,
 heartbeat, leave, check_delta_meta, accept_delta, tick, darl_tick, status, ...) take and
 return plain values and raise Refused(status, reason, **extra) for a request they refuse;
 fedmom_server.py turns that into the HTTP reply. ServerConfig is the aggregator's one
