@@ -469,7 +469,7 @@ class FedMomState:
             if p.base_round != self.round:
                 continue
             size = os.path.getsize(p.path) if os.path.exists(p.path) else -2
-            if p.size < 0 or size == p.size:            # accepted: merge it, live or not
+            if size >= 0 and (p.size < 0 or size == p.size):     # accepted: merge it, live or not
                 self.pending[(p.cluster, p.incarnation)] = p
                 continue
             why = f"its spooled file {p.path} is missing or damaged ({size} bytes, accepted with {p.size})"
