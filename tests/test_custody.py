@@ -435,6 +435,15 @@ class FencingAndRepairTest(AggregatorFixture):
         self.assertEqual(coord.status()["committed"], 0)
 
 
+class GoneFlagTest(unittest.TestCase):
+    def test_the_old_heartbeat_flag_is_refused_with_the_reason(self):
+        out = subprocess.run([sys.executable, "fedmom_server.py", "--state-dir", "/nonexistent",
+                              "--darl-heartbeat-s", "30"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("--darl-heartbeat-s is gone", out.stderr)
+        self.assertIn("custody", out.stderr)
+
+
 def urllib_page(url):
     conn = httpd.connect(url)
     try:
