@@ -32,7 +32,8 @@ tests set them; a production start never does):
     protocol phase while DIR/<name> exists. The file holds how many hits to let pass
     first; at the hit that stops, DIR/<name>.hit appears (holding the pid) and the
     thread waits until DIR/<name> is removed. A test SIGKILLs the process there, or
-    removes the file to let it go on: a crash at an exact phase, with no sleep.
+    removes the file to let it go on (the thread removes <name>.hit as it leaves, so
+    the point can be armed again): a crash or a stall at an exact phase, with no sleep.
 """
 import argparse
 import hmac
@@ -443,6 +444,10 @@ def fault_point(name, on_stop=None):
         os.replace(arm + ".hit.tmp", arm + ".hit")
     while os.path.exists(arm):
         time.sleep(0.01)
+    try:                                 # gone on: the test may arm this point again
+        os.unlink(arm + ".hit")
+    except FileNotFoundError:
+        pass
 
 
 # ---------------------------------------------------------------- client side

@@ -90,6 +90,11 @@ POINTS = {"darl_kill": ("darl.append", "darl.torn", "darl.synced"),
           "blob_kill": ("blob.chunk",), "site_kill": ("site.trained", "site.sent"),
           "site_stop": ("site.trained", "site.checked")}
 EXIT_TOKEN = 3                    # a fake site's exit status when a server refused its token
+STOP = threading.Event()          # SIGTERM / Ctrl-C: every running schedule stops its processes and ends
+
+
+class Interrupted(BaseException):
+    """The whole run is being stopped (not a finding)."""
 
 
 # ---------------------------------------------------------------- schedules
@@ -404,6 +409,13 @@ class Proc:
     def hit(self, point):
         return os.path.exists(os.path.join(self.faults, point + ".hit"))
 
+    def release(self, point):
+        """Let a process stopped at `point` go on (it removes the .hit as it leaves)."""
+        try:
+            os.unlink(os.path.join(self.faults, point))
+        except FileNotFoundError:
+            pass
+
     def disarm(self, point):
         for suffix in ("", ".hit"):
             try:
@@ -496,6 +508,8 @@ class Run:
 
     def supervise(self):
         """Requeue sites that stopped for a token refusal or a kill; note a site that crashed."""
+        if STOP.is_set():
+            raise Interrupted()
         now = time.monotonic()
         for name, proc in self.sites.items():
             if name in self.requeue:
@@ -609,9 +623,13 @@ class Run:
             proc.disarm(f.point)
             return False
         proc.signal(signal.SIGSTOP)
-        proc.disarm(f.point)                  # it goes on at once when continued
+        proc.release(f.point)                 # it goes on at once when continued
         self.wait(lambda: False, 1.5 * TTL[1] + 1.0)
         proc.signal(signal.SIGCONT)
+        # it has left the point before the next fault may arm it again (else it stays stopped
+        # there, taking the new arming for the old one)
+        self.wait(lambda: not proc.hit(f.point) or not proc.alive() or f.target in self.requeue)
+        proc.disarm(f.point)
         return True
 
     def _darl_flag(self, f):
@@ -789,7 +807,7 @@ def run_schedule(seed, work_root, keep=False, sched=None):
     except Exception as e:          # the harness itself failed: a finding, with the schedule to replay it
         run.findings.append(f"harness error: {type(e).__name__}: {e}")
     finally:
-        run.stop()
+        run.stop()                  # also on Interrupted, which then goes on up
     findings = run.findings if any(f.startswith("harness error") for f in run.findings) else oracle(run)
     recs = fedmom_state.read_records(os.path.join(run.central, "fedmom", "rounds.jsonl"))
     report_q = 0
@@ -853,7 +871,12 @@ def main(argv):
     t0, results, lock = time.monotonic(), [], threading.Lock()
 
     def one(seed):
-        res = run_schedule(seed, a.work, keep=a.replay is not None)
+        if STOP.is_set():
+            return None
+        try:
+            res = run_schedule(seed, a.work, keep=a.replay is not None)
+        except Interrupted:
+            return None
         with lock:
             results.append(res)
             tag = "ok" if not res.findings else "VIOLATION"
@@ -864,10 +887,20 @@ def main(argv):
         return res
     if a.replay is not None:
         print(make_schedule(a.replay).describe(), flush=True)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_term)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, a.jobs))
+    try:
         list(pool.map(one, seeds))
+    except KeyboardInterrupt:        # each running schedule stops its own processes, then the summary so far
+        STOP.set()
+        print("interrupted: stopping the running schedules", flush=True)
+    finally:
+        pool.shutdown(wait=True)
     print(summary(sorted(results, key=lambda r: r.seed), time.monotonic() - t0))
-    return 1 if any(r.findings for r in results) else 0
+    return 130 if STOP.is_set() else 1 if any(r.findings for r in results) else 0
 
 
 if __name__ == "__main__":
