@@ -26,7 +26,9 @@ named phase, and is SIGKILLed there):
                     delta accepted, its outcome unknown); requeued as a new incarnation
     site_stop       a site SIGSTOPped past its lease TTL at site.trained or at site.checked
                     (its lease checked, its delta not yet sent: the race a site's own check
-                    cannot close), then SIGCONTed
+                    cannot close), then SIGCONTed; with a newcomer, a new site starts once
+                    the stopped site's lease has expired, so it may lease and train those
+                    blocks while the stopped site's delta is still for the open round
 Some sites (chosen by the seed) skip the lease check before sending, as a careless or
 older client would: the servers must be safe whatever a site does.
     darl_flag       DARL restarted with --max-attempts or --max-grant changed: it must
@@ -79,6 +81,9 @@ import tensorio  # noqa: E402
 
 SHAPES = {"w": (48,), "b": (4, 3)}
 TTL = (3.0, 4.0)                  # DARL --min-ttl / --max-ttl: every lease lives 3-4 s unless renewed
+MEMBER_TIMEOUT_S, ROUND_DEADLINE_S = 10, 20   # longer than a stop, so a stopped site's round waits for it
+PORTS = (12000, 28000)            # server ports: below the kernel's ephemeral range, so no other socket takes a
+                                  # killed server's port before it comes back on it
 LR, MU = 0.7, 0.9
 SCHEDULE_DEADLINE_S = 300         # a schedule still running after this is a stall (a liveness failure)
 KINDS = ("darl_kill", "fedmom_kill", "fedmom_outage", "blob_kill", "site_kill", "site_stop", "darl_flag",
@@ -137,14 +142,14 @@ def make_schedule(seed):
     n_sites = rng.choice((2, 2, 3))
     sites = [(name, rng.choice(("inline", "inline", "blob"))) for name in ("alpha", "beta", "gamma")[:n_sites]]
     careless = sorted(name for name, _ in sites if rng.random() < 0.3)
-    blocks, span = rng.randint(14, 28), rng.choice((2, 3))
+    blocks, span = rng.randint(18, 30), rng.choice((2, 3))
     transports = {t for _, t in sites}
     faults, after = [], 0
     for _ in range(rng.randint(2, 4)):
         kind = rng.choices(KINDS, WEIGHTS)[0]
         if kind == "blob_kill" and "blob" not in transports:
             kind = "fedmom_kill"
-        after += rng.randint(0, 2)
+        after += rng.randint(0, 1)
         f = Fault(kind, after)
         if kind in POINTS:
             points = [x for x in POINTS[kind] if x != "fedmom.received" or "inline" in transports]
@@ -159,6 +164,8 @@ def make_schedule(seed):
             f.value = rng.choice((("--max-attempts", rng.choice((0, 2, 4))), ("--max-grant", rng.choice((0, 1, 5)))))
         if kind == "clock_step":
             f.value = rng.choice((3600, -3600))
+        if kind == "site_stop" and f.point == "site.checked" and rng.random() < 0.6:
+            f.value = "newcomer"
         faults.append(f)
     return Schedule(seed, sites, blocks, span, rng.choice((0, 3)), faults, careless)
 
@@ -191,7 +198,12 @@ def site_main(a):
                                   **kw}) + "\n")
     note("start")
     try:
-        code = _site_loop(a, token, inc, note)
+        try:
+            code = _site_loop(a, token, inc, note)
+        except httpd.CallError as e:      # a 401 from any call: the token was rotated
+            if e.status != 401:
+                raise
+            raise TokenRefused(str(e))
     except TokenRefused as e:
         note("exit", code=EXIT_TOKEN, why=str(e))
         return EXIT_TOKEN
@@ -437,7 +449,7 @@ class Run:
         self.token_file = os.path.join(workdir, "token")
         self._write_token()
         self.darl_flags = {"--max-attempts": sched.max_attempts, "--max-grant": 0}
-        self.procs, self.sites, self.requeue = {}, {}, {}
+        self.procs, self.sites, self.requeue, self.transports = {}, {}, {}, dict(sched.sites)
         self.findings, self.injected = [], collections.Counter()
         self.committed_seen, self.max_round_seen = set(), 0
         self.t0 = time.monotonic()
@@ -462,25 +474,22 @@ class Run:
         rng = np.random.default_rng(self.s.seed)
         write_tensors(init, {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()})
         self.init = init
-        self.procs["darl"] = Proc(self, "darl", self.darl_cmd(0))
+        self.darl_port = pick_port()
+        self.procs["darl"] = Proc(self, "darl", self.darl_cmd(self.darl_port))
         self.darl = self.procs["darl"].start()
-        self.darl_port = httpd.split_url(self.darl)[2]
-        self.procs["darl"].cmd = self.darl_cmd(self.darl_port)
         self.procs["blob"] = Proc(self, "blob", [sys.executable, "blobstore.py", "--root",
-                                                 os.path.join(self.central, "blobs"), "--port", "0",
+                                                 os.path.join(self.central, "blobs"), "--port", str(pick_port()),
                                                  "--token-file", self.token_file])
         self.blob = self.procs["blob"].start()
-        self.procs["blob"].cmd[self.procs["blob"].cmd.index("--port") + 1] = str(httpd.split_url(self.blob)[2])
         fed = [sys.executable, "fedmom_server.py", "--state-dir", os.path.join(self.central, "fedmom"),
                "--init", init, "--darl", self.darl, "--blob-url", self.blob, "--token-file", self.token_file,
-               "--outer-lr", str(LR), "--outer-momentum", str(MU), "--round-deadline-s", "6",
-               "--member-timeout-s", "4", "--darl-retry-s", "0.5", "--port", "0"]
+               "--outer-lr", str(LR), "--outer-momentum", str(MU), "--round-deadline-s", str(ROUND_DEADLINE_S),
+               "--member-timeout-s", str(MEMBER_TIMEOUT_S), "--darl-retry-s", "0.5", "--port", str(pick_port())]
         self.procs["fedmom"] = Proc(self, "fedmom", fed)
         self.fedmom = self.procs["fedmom"].start()
-        fed[fed.index("--port") + 1] = str(httpd.split_url(self.fedmom)[2])
 
     def start_site(self, name):
-        transport = dict(self.s.sites)[name]
+        transport = self.transports.setdefault(name, "inline")
         cmd = [sys.executable, os.path.abspath(__file__), "site", "--cluster", name, "--darl", self.darl,
                "--fedmom", self.fedmom, "--blob", self.blob, "--token-file", self.token_file,
                "--records", self.records, "--seed", str(self.s.seed), "--span", str(self.s.span),
@@ -493,9 +502,17 @@ class Run:
         self.requeue.pop(name, None)
 
     def restart(self, name, cmd=None):
-        url = self.procs[name].start(cmd)
-        if name == "darl":
-            assert url == self.darl, (url, self.darl)
+        """Start a server again on its own port (tried a few times: a socket another process
+        closes late may hold the port for a moment)."""
+        for attempt in range(5):
+            try:
+                url = self.procs[name].start(cmd)
+                break
+            except RuntimeError:
+                if attempt == 4:
+                    raise
+                self.wait(lambda: False, 1.0)
+        assert url == getattr(self, name), (url, getattr(self, name))
 
     # -- watching
     def sends(self):
@@ -505,6 +522,15 @@ class Run:
                 with open(os.path.join(self.records, fn)) as f:
                     n += sum(1 for line in f if '"event": "sent"' in line)
         return n
+
+    def trained(self, name):
+        """Has (any incarnation of) site `name` trained a span yet?"""
+        for fn in os.listdir(self.records):
+            if fn.startswith(f"{name}-") and fn.endswith(".jsonl"):
+                with open(os.path.join(self.records, fn)) as f:
+                    if any('"event": "trained"' in line for line in f):
+                        return True
+        return False
 
     def supervise(self):
         """Requeue sites that stopped for a token refusal or a kill; note a site that crashed."""
@@ -624,7 +650,16 @@ class Run:
             return False
         proc.signal(signal.SIGSTOP)
         proc.release(f.point)                 # it goes on at once when continued
-        self.wait(lambda: False, 1.5 * TTL[1] + 1.0)
+        if f.value == "newcomer":             # its lease expires; then someone new leases and trains those blocks
+            t0 = time.monotonic()
+            self.wait(lambda: False, TTL[1] + 0.5)
+            name = f"newcomer{len(self.sites)}"
+            self.start_site(name)
+            # continued once the newcomer trained (the stopped site then meets the refusal), and
+            # before the stopped site's membership times out (its delta would only be stale)
+            self.wait(lambda: self.trained(name), MEMBER_TIMEOUT_S - 1.0 - (time.monotonic() - t0))
+        else:
+            self.wait(lambda: False, 1.5 * TTL[1] + 1.0)
         proc.signal(signal.SIGCONT)
         # it has left the point before the next fault may arm it again (else it stays stopped
         # there, taking the new arming for the old one)
@@ -668,10 +703,35 @@ class Run:
         for name in ("fedmom", "blob", "darl"):
             if name in self.procs and self.procs[name].alive():
                 self.procs[name].term()
+        for proc in self.procs.values():
+            port = httpd.split_url(getattr(self, proc.name, "http://x:0"))[2]
+            with PORT_LOCK:
+                PORTS_TAKEN.discard(port)
 
 
 class Stalled(Exception):
     pass
+
+
+PORTS_TAKEN, PORT_LOCK = set(), threading.Lock()
+
+
+def pick_port():
+    """A free loopback port in PORTS that no running schedule of this process holds."""
+    import socket
+    with PORT_LOCK:
+        for _ in range(1000):
+            port = random.randrange(*PORTS)
+            if port in PORTS_TAKEN:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            PORTS_TAKEN.add(port)
+            return port
+    raise RuntimeError(f"no free port in {PORTS}")
 
 
 # ---------------------------------------------------------------- the oracle

@@ -32,11 +32,12 @@ SCHEDULES = {
                  [Fault("darl_kill", 0, point="darl.torn", skip=2, pause=0.5),
                   Fault("fedmom_kill", 1, point="fedmom.round_durable", pause=1.0),
                   Fault("site_kill", 3, point="site.sent", target="beta", pause=0.5)], ["alpha"]),
-    "the blob store killed mid-upload, an aggregator outage past the TTL, a site stopped after its lease check":
+    "the blob store killed mid-upload, an aggregator outage past the TTL, a site stopped after its lease check "
+    "while a newcomer trains its blocks":
         Schedule(102, [("alpha", BLOB), ("beta", INLINE)], 24, 2, 0,
                  [Fault("blob_kill", 1, point="blob.chunk", pause=0.5),
                   Fault("fedmom_outage", 1, pause=2.5 * fsch.TTL[1]),
-                  Fault("site_stop", 2, point="site.checked", target="beta")]),
+                  Fault("site_stop", 2, point="site.checked", target="beta", value="newcomer")]),
     "DARL restarted under a changed flag, a clock step of +1 h, a token rotation, a kill before custody is spooled":
         Schedule(103, [("alpha", INLINE), ("beta", INLINE), ("gamma", BLOB)], 28, 2, 3,
                  [Fault("darl_flag", 1, value=("--max-attempts", 0)),
