@@ -44,6 +44,7 @@ loopback test server).
 import http.client
 import json
 import os
+import secrets
 import threading
 import time
 
@@ -171,11 +172,14 @@ class FedMomClient:
             transport = "blob" if (self.blob_url and big) else "inline"
         if transport not in ("inline", "blob"):
             raise ValueError(f"transport {transport!r}: use 'inline', 'blob' or 'auto'")
+        # one blob name per send, kept across its retries (so an upload resumes): a second delta
+        # of the same round (after a refusal) must never meet the first one's blob
+        blob = f"delta-{self.cluster}-{self.incarnation}-r{base_round}-{secrets.token_hex(4)}"
         for attempt in range(self.retries + 1):
             self._stale_guard(lambda: self._call("POST", "/delta_check", meta))
             try:
                 if transport == "blob":
-                    return self._stale_guard(lambda: self._send_blob(path, meta))
+                    return self._stale_guard(lambda: self._send_blob(path, meta, blob))
                 return self._stale_guard(lambda: self._send_inline(path, meta))
             except (OSError, http.client.HTTPException) as e:
                 if attempt == self.retries:
@@ -207,9 +211,8 @@ class FedMomClient:
         finally:
             conn.close()
 
-    def _send_blob(self, path, meta):
+    def _send_blob(self, path, meta, blob):
         import blobstore
-        blob = f"delta-{self.cluster}-{self.incarnation}-r{meta['base_round']}"
         info = blobstore.put_file(self._blob_url(), blob, path, token=self.token)
         return self._call("POST", "/delta_blob", {**meta, "blob": blob, "sha256": info["sha256"]}, timeout=3600)
 

@@ -176,6 +176,9 @@ def make_routes(state, blob_token=None):
         if not BLOB_ID_RE.fullmatch(blob):
             raise httpd.HTTPError(400, f"blob id {blob!r} must match [A-Za-z0-9_-][A-Za-z0-9._-]{{0,199}}")
         meta = state.check_delta_meta(b)
+        dup = state.duplicate(meta)         # a retry whose reply was lost: its blob is already gone
+        if dup is not None:
+            return dup
         import blobstore
         part = state.new_part_path()
         try:
@@ -192,15 +195,17 @@ def make_routes(state, blob_token=None):
         except BaseException:
             _unlink_prefix(part)
             raise
-        if got != sha:
-            _unlink(part)
-            raise httpd.HTTPError(400, f"blob {blob!r} has sha256 {got[:16]}..., the request says {sha[:16]}...")
-        reply = state.accept_delta(meta, part)
         try:
-            httpd.call(cfg.blob_url, "DELETE", f"/blobs/{blob}", token=blob_token)
-        except (httpd.CallError, OSError, http.client.HTTPException):
-            pass
-        return reply
+            if got != sha:
+                _unlink(part)
+                raise httpd.HTTPError(400, f"blob {blob!r} has sha256 {got[:16]}..., the request says "
+                                           f"{sha[:16]}...")
+            return state.accept_delta(meta, part)
+        finally:                            # fetched: its bytes are in the spool, or refused for good
+            try:
+                httpd.call(cfg.blob_url, "DELETE", f"/blobs/{blob}", token=blob_token)
+            except (httpd.CallError, OSError, http.client.HTTPException):
+                pass
 
     def theta(req):
         f, rnd = state.open_theta()

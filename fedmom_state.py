@@ -647,11 +647,9 @@ class FedMomState:
         """The delta file is fully spooled at `part_path`: check it, spool it, take its leases
         into DARL custody. On a refusal the file is removed and nothing stored changes."""
         try:
-            with self.lock:
-                self._check_current(meta)
-                dup = self.pending.get((meta["cluster"], meta["incarnation"]))
-                if dup is not None:                     # a retry whose reply was lost
-                    return {"accepted": True, "duplicate": True, "round": self.round, "custody": dup.custody}
+            dup = self.duplicate(meta)
+            if dup is not None:
+                return dup
             try:
                 fedmom_merge.check_delta_file(part_path, self.specs)
             except fedmom_merge.DeltaRejected as e:
@@ -660,9 +658,9 @@ class FedMomState:
                 raise Refused(e.status, e.reason, code="bad_delta", round=self.round)
             with self.lock:
                 self._check_current(meta)               # the round may have closed while we read the file
-                dup = self.pending.get((meta["cluster"], meta["incarnation"]))
+                dup = self._duplicate(meta)
                 if dup is not None:
-                    return {"accepted": True, "duplicate": True, "round": self.round, "custody": dup.custody}
+                    return dup
                 p = self._spool(meta, part_path)
                 part_path = None
                 self.pending[(p.cluster, p.incarnation)] = p
@@ -685,6 +683,18 @@ class FedMomState:
         finally:
             if part_path and os.path.exists(part_path):
                 os.unlink(part_path)
+
+    def duplicate(self, meta):
+        """The reply for a retried delta this round already holds (its first reply was lost), or None."""
+        with self.lock:
+            self._check_current(meta)
+            return self._duplicate(meta)
+
+    def _duplicate(self, meta):
+        dup = self.pending.get((meta["cluster"], meta["incarnation"]))
+        if dup is None:
+            return None
+        return {"accepted": True, "duplicate": True, "round": self.round, "custody": dup.custody}
 
     def _take_custody(self, p, at_upload=False):
         """Ask DARL to hold p's leases for this aggregator; settle p by the answer. At upload a

@@ -435,6 +435,38 @@ class FencingAndRepairTest(AggregatorFixture):
         self.assertEqual(coord.status()["committed"], 0)
 
 
+class BlobTransportTest(AggregatorFixture):
+    def test_a_second_delta_of_one_round_after_a_refused_one_goes_through_the_blob_store(self):
+        """A blob delta refused after its upload (here: its lease was re-leased, so custody
+        is refused) must neither leave its blob behind nor block the site's next delta of the
+        same round: blob names used to be per (cluster, incarnation, round), so the next one
+        met "blob ... already exists with another checksum" phase after phase."""
+        import blobstore
+        darl_clock = FakeClock()
+        coord, url = self.darl(clock=darl_clock)
+        store = blobstore.BlobStore(os.path.join(self.dir, "blobs"), 1 << 30, 1 << 28)
+        blob_url = serve(self, blobstore.make_routes(store), token=TOKEN)
+        cfg = fs.ServerConfig(os.path.join(self.dir, "st"), init=self.init, blob_url=blob_url)
+        st = fs.FedMomState(cfg.validate(), clock=self.clock, darl=fs.DarlLink(url, TOKEN))
+        furl = serve(self, fm.make_routes(st, blob_token=TOKEN), token=TOKEN)
+        site = fedmom_client.FedMomClient(furl, "lumi", "lumi-inc", token=TOKEN, blob_url=blob_url)
+        site.join()
+        a = self.lease(url, coord, "lumi", ttl=10)
+        darl_clock.t += 11                                      # expired, and someone else trains it
+        self.lease(url, coord, "other")
+        with self.assertRaises(httpd.CallError) as cm:
+            site.send_delta(self.delta()[0], 0, 100, [a], {}, transport="blob")
+        self.assertEqual(cm.exception.reply.get("code"), "lease_lost")
+        b = self.lease(url, coord, "lumi", ttl=600)
+        reply = site.send_delta(self.delta()[0], 0, 100, [b], {}, transport="blob")
+        self.assertEqual((reply["accepted"], reply["custody"]), (True, "confirmed"))
+        self.assertEqual(store.listing()["blobs"], [], "the aggregator left blobs behind")
+        # a retried send whose reply was lost: a duplicate, although its blob is gone
+        meta = {"cluster": "lumi", "incarnation": "lumi-inc", "base_round": 0, "tokens": 100,
+                "leases": [b], "blob": "delta-gone", "sha256": "0" * 64}
+        self.assertTrue(httpd.call(furl, "POST", "/delta_blob", meta, token=TOKEN)["duplicate"])
+
+
 class GoneFlagTest(unittest.TestCase):
     def test_the_old_heartbeat_flag_is_refused_with_the_reason(self):
         out = subprocess.run([sys.executable, "fedmom_server.py", "--state-dir", "/nonexistent",

@@ -486,19 +486,21 @@ class BlobRouteTest(Fixture):
         sha = blobstore.put_file(self.blob_url, "delta-lumi-r0", path, token=self.TOKEN)["sha256"]
         meta = {"cluster": "lumi", "incarnation": "lumi-inc", "base_round": 0, "tokens": 100}
         before = self.snapshot(st)
-        cases = [({**meta, "blob": "../delta-lumi-r0", "sha256": sha}, 400, "must match"),
-                 ({**meta, "blob": "delta-lumi-r0", "sha256": "0" * 64}, 400, "has sha256"),
-                 ({**meta, "blob": "absent", "sha256": sha}, 400, "no complete blob 'absent'"),
-                 ({**meta, "blob": "delta-lumi-r0"}, 400, "missing field 'sha256'"),
-                 ({**meta, "blob": "delta-lumi-r0", "sha256": sha, "tokens": 0}, 400, "tokens is 0")]
-        for body, status, why in cases:
+        # refused before the fetch: the blob stays in place; refused after it (a wrong checksum): deleted
+        cases = [({**meta, "blob": "../delta-lumi-r0", "sha256": sha}, 400, "must match", True),
+                 ({**meta, "blob": "absent", "sha256": sha}, 400, "no complete blob 'absent'", True),
+                 ({**meta, "blob": "delta-lumi-r0"}, 400, "missing field 'sha256'", True),
+                 ({**meta, "blob": "delta-lumi-r0", "sha256": sha, "tokens": 0}, 400, "tokens is 0", True),
+                 ({**meta, "blob": "delta-lumi-r0", "sha256": "0" * 64}, 400, "has sha256", False)]
+        for body, status, why, kept in cases:
             with self.subTest(why=why):
                 got, reply = self.post(url, body)
                 self.assertEqual(got, status, reply)
                 self.assertIn(why, reply["error"])
                 self.assertNotIn("\n", reply["error"])
                 self.assertEqual(self.snapshot(st), before)
-        self.assertIsNotNone(self.store.complete("delta-lumi-r0"), "a refused request leaves the blob in place")
+                self.assertEqual(self.store.complete("delta-lumi-r0") is not None, kept, "blob kept")
+        sha = blobstore.put_file(self.blob_url, "delta-lumi-r0", path, token=self.TOKEN)["sha256"]
         # no blob store configured, and a store that is down: nothing stored either
         plain, plain_url = self.aggregator("plain", None)
         got, reply = self.post(plain_url, {**meta, "blob": "delta-lumi-r0", "sha256": sha})
