@@ -614,6 +614,51 @@ class LoggedDecisionsTest(unittest.TestCase):
         with self.assertRaisesRegex(LogError, "replays to another outcome than the one it recorded"):
             self.coord()
 
+    def test_a_damaged_snapshot_stops_the_start_naming_the_file(self):
+        c = self.coord()
+        c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
+        c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5})
+        c.close()                                   # a clean stop: the books are in snapshot.json
+        snap_path = os.path.join(self.dir, "darl", "snapshot.json")
+        with open(snap_path) as f:
+            good = json.load(f)
+        self.assertEqual(self.coord().table.leases.keys(), {1}, "the intact snapshot does not restore")
+        with open(snap_path, "w") as f:             # valid JSON, another meaning, the old checksum
+            json.dump({**good, "table": {**good["table"], "leases": []}}, f)
+        with self.assertRaises(LogError) as cm:
+            self.coord()
+        self.assertIn(snap_path, str(cm.exception))
+        self.assertIn("checksum does not match", str(cm.exception))
+        with open(snap_path, "w") as f:             # cut short
+            f.write(json.dumps(good)[:40])
+        with self.assertRaisesRegex(LogError, "unreadable snapshot"):
+            self.coord()
+
+    def test_the_config_a_snapshot_records_decides_a_restart(self):
+        """A crash between writing snapshot.json and starting the log afresh leaves the old
+        log, whose header names the flags it began under; a change logged after that header
+        is inside the snapshot, so the snapshot's config is the one a restart compares."""
+        c = self.coord(max_attempts=1)
+        c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
+        c.wal.close()
+        c = self.coord(accept=True, max_attempts=0)        # logs set_config after a max_attempts=1 header
+        c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5})
+        wal = os.path.join(self.dir, "darl", "wal.jsonl")
+        with open(wal, "rb") as f:
+            old_log = f.read()
+        with c.lock:
+            self.assertTrue(c.snapshot())
+        c.wal.close()
+        with open(wal, "wb") as f:                           # the crash: the log was never restarted
+            f.write(old_log)
+        again = self.coord(max_attempts=0)
+        self.assertEqual(again.table.config.max_attempts, 0)
+        self.assertEqual(len(again.table.leases), 1)
+        again.wal.close()
+        with self.assertRaises(SystemExit) as cm:
+            self.coord(max_attempts=1)
+        self.assertIn("--max-attempts was 0, this start has 1", str(cm.exception))
+
     def test_custody_and_its_counters_survive_snapshots_and_replay(self):
         for every in (1000, 3):
             with self.subTest(snapshot_every=every):
