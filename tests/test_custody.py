@@ -411,6 +411,34 @@ class FencingAndRepairTest(AggregatorFixture):
             self.assertIn("aborted_custody 2", out.stdout)
         self.assertIn("EXACTLY-ONCE VIOLATED", urllib_page(furl))
 
+    def test_blocks_merged_twice_are_counted_from_the_aggregators_own_records(self):
+        """DARL's state dir is lost and DARL starts afresh: it leases positions again that a
+        merged round already holds, and takes their custody without objection (it has no
+        record of them). The aggregator's own records count them, whatever DARL says."""
+        coord, url = self.darl()
+        st = self.agg(fs.DarlLink(url, TOKEN))
+        st.join("lumi", "lumi-inc")
+        first = self.lease(url, coord, "lumi")
+        self.send(st, "lumi", self.delta()[0], 100, leases=[first])
+        self.assertIsNotNone(st.tick())
+        self.assertTrue(st.darl_tick())
+        self.assertEqual(st.violations["blocks_trained_twice"], 0)
+        fresh, fresh_url = self.darl()                              # the same space, no memory of round 1
+        st = self.agg(fs.DarlLink(fresh_url, TOKEN), init=False)
+        st.join("lumi", "lumi-inc")
+        again = self.lease(fresh_url, fresh, "lumi")
+        self.assertEqual((again["start"], again["end"]), (first["start"], first["end"]))
+        self.assertEqual(self.send(st, "lumi", self.delta()[0], 100, leases=[again])["custody"], "confirmed")
+        self.assertIsNotNone(st.tick())
+        self.assertTrue(st.darl_tick())
+        self.assertEqual(fresh.status()["violations"]["blocks_trained_twice"], 0, "DARL cannot know")
+        self.assertEqual(st.violations["blocks_trained_twice"], 5)
+        furl = serve(self, fm.make_routes(st), token=TOKEN, public=("/health", "/"))
+        out = subprocess.run([sys.executable, "fedmom_server.py", "status", "--url", furl], cwd=ROOT,
+                             env={**os.environ, "PWW_TOKEN": TOKEN}, capture_output=True, text=True, timeout=60)
+        self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
+        self.assertIn("blocks_trained_twice 5", out.stdout)
+
     def test_the_operator_returns_an_orphans_custody_and_the_orphan_is_fenced(self):
         coord, url = self.darl()
         st = self.agg(fs.DarlLink(url, TOKEN))
