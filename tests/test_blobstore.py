@@ -12,28 +12,15 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import unittest
 
 import blobstore
 import httpd
-from helpers import listening_url
+from helpers import listening_url, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "blob-token"
 MB = 10 ** 6
-
-
-def wait_for(cond, what, timeout=60.0):
-    """Poll `cond` until it returns a true value; fail after a generous deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        out = cond()
-        if out:
-            return out
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def make_file(path, size, seed=0):

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import unittest
 
 import darl_server
@@ -34,22 +33,12 @@ import fedmom_server as fm
 import fedmom_state as fs
 import httpd
 from darl_table import LeaseError, LeaseTable, TableConfig
+from helpers import wait_for
 from test_fedmom import FakeClock, Fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "t0ken"
 DEADLINE_S = 120            # bounds a hang only
-
-
-def wait_for(cond, what, timeout=DEADLINE_S):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 # ---------------------------------------------------------------- the table alone
@@ -549,7 +538,7 @@ class RestartWithCommitsOwedTest(unittest.TestCase):
                 f.seek(mark)
                 lines = [line for line in f if " listening on " in line]
             return lines and lines[-1].split()[-1]
-        return proc, wait_for(url, f"{script} to listen")
+        return proc, wait_for(url, f"{script} to listen", DEADLINE_S)
 
     def test_an_aggregator_restarted_with_commits_owed_delivers_them(self):
         import numpy as np
@@ -574,7 +563,7 @@ class RestartWithCommitsOwedTest(unittest.TestCase):
             fedmom_client.FedMomClient(furl, cluster, f"{cluster}-inc").send_delta(
                 deltas, 0, 10 * len(range(lease["start"], lease["end"])),
                 [{"id": lease["id"], "start": lease["start"], "end": lease["end"]}], {})
-        wait_for(lambda: os.path.exists(arm + ".hit"), "the round to become durable")
+        wait_for(lambda: os.path.exists(arm + ".hit"), "the round to become durable", DEADLINE_S)
         fed.send_signal(signal.SIGKILL)
         fed.wait()
         with open(os.path.join(self.dir, "fedmom", "state.json")) as f:
@@ -584,7 +573,7 @@ class RestartWithCommitsOwedTest(unittest.TestCase):
         self.assertEqual((books["committed"], books["in_custody"]), (0, 10), "commits were sent before the kill")
         os.unlink(arm)
         fed, furl = self.start("fedmom_server.py", *fed_args)
-        wait_for(lambda: client.status()["committed"] == 10, "DARL to receive the owed commits")
+        wait_for(lambda: client.status()["committed"] == 10, "DARL to receive the owed commits", DEADLINE_S)
         self.assertEqual(httpd.call(furl, "GET", "/status")["pending_commits"], 0)
         books = client.status()
         self.assertEqual((books["in_custody"], books["custody"]["committed"], books["done"]), (0, 2, True))
