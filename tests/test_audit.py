@@ -31,7 +31,7 @@ class AuditTest(Fixture):
         space = darl_table.BlockSpace(BLOCKS, 1, 0)
         self.coord = darl_server.Coordinator(space, darl_table.TableConfig(min_ttl=1.0, max_attempts=max_attempts),
                                              self.central, clock=self.clock)
-        url = serve(self, darl_server.make_routes(self.coord), token=TOKEN)
+        url = self.darl_url = serve(self, darl_server.make_routes(self.coord), token=TOKEN)
         cfg = fs.ServerConfig(os.path.join(self.central, "fedmom"), init=self.init, outer_lr=1.0, outer_momentum=0.0)
         st = self.st = fs.FedMomState(cfg.validate(), clock=self.clock, darl=fs.DarlLink(url, TOKEN))
         call = lambda path, **body: httpd.call(url, "POST", path, body, token=TOKEN)
@@ -111,6 +111,29 @@ class AuditTest(Fixture):
         self.edit_records(rename)
         self.check(ok=False, says=["DARL holds no custody of it", "that no merged round of this aggregator holds",
                                    "MISSING"])
+
+    def test_a_merged_delta_whose_custody_the_operator_aborted(self):
+        self.run_(blocks_left=3)
+        L = httpd.call(self.darl_url, "POST", "/acquire", {"cluster": "alpha", "incarnation": "alpha-inc",
+                                                           "blocks": 3, "ttl": 60}, token=TOKEN)["lease"]
+        self.send(self.st, "alpha", self.delta()[0], 30, leases=[L])
+        self.st.leave("beta", "beta-inc")
+        self.assertIsNotNone(self.st.tick())                     # merged, its commit owed ...
+        self.coord.call("abort_orphaned", {"aggregator": self.st.aggregator_id, "reason": "wrongly thought lost"})
+        self.assertFalse(self.st.darl_tick())                    # ... and fenced: it never lands
+        self.check(ok=False, says=["is merged, but DARL aborted its custody (aborted by the operator: wrongly "
+                                   "thought lost)", "aborted_custody 1"])
+
+    def test_the_aggregators_positions_must_be_darls(self):
+        self.run_()
+        self.check(ok=True)
+
+        def shift(recs):
+            o = [o for o in recs[0]["outcomes"] if o["outcome"] == "merged"][0]
+            o["pieces"] = [[lid, a + 1, b + 1] for lid, a, b in o["pieces"]]
+            return recs
+        self.edit_records(shift)
+        self.check(ok=False, says=["the aggregator's positions", "differ from DARL's"])
 
     def test_rounds_lost_counters_and_tokens_are_checked(self):
         space = self.run_()

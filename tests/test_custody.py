@@ -106,6 +106,37 @@ class CustodyTableTest(unittest.TestCase):
             self.t.take_custody("agg", 1, "d3", "a", "a-inc", [{"lease": b["id"], "start": 0}])
         self.assertEqual(cm.exception.status, 409)
 
+    def test_a_delta_must_start_where_its_lease_is_uncommitted(self):
+        a = self.lease("a", n=10)
+        before = json.dumps(self.t.to_dict())
+        with self.assertRaises(LeaseError) as cm:
+            self.t.take_custody("agg", 1, "d1", "a", "a-inc", [{"lease": a["id"], "start": 2, "end": a["end"]}])
+        self.assertEqual(cm.exception.extra["code"], "lease_lost")
+        self.assertIn("[0, 2) comes first and is in no custody yet", cm.exception.reason)
+        self.assertEqual(json.dumps(self.t.to_dict()), before, "a refused custody changed the books")
+        self.assertEqual(self.take("d1", "a", {**a, "end": a["start"] + 4})["pieces"], [[a["id"], 0, 4]])
+        with self.assertRaises(LeaseError) as cm:              # a second delta of that lease from its start again
+            self.take("d2", "a", a)
+        self.assertIn("[0, 4) is committed or in custody already", cm.exception.reason)
+        self.assertEqual(self.take("d2", "a", {**a, "start": 4})["pieces"], [[a["id"], 4, 10]])
+        self.t.verify()
+
+    def test_two_expired_leases_over_the_same_positions_are_not_taken_twice(self):
+        first = self.lease("b", ttl=2)
+        self.clock.t += 5                                       # expired: its positions back in the pool
+        second = self.lease("b", ttl=2)                         # the same positions, leased again
+        self.assertEqual((second["start"], second["end"]), (first["start"], first["end"]))
+        self.clock.t += 5                                       # expired too: nobody holds them now
+        self.t.expire(self.clock.t)
+        before = json.dumps(self.t.to_dict())
+        with self.assertRaises(LeaseError) as cm:
+            self.take("d1", "b", first, second)
+        self.assertEqual(cm.exception.extra["code"], "lease_lost")
+        self.assertIn("the named leases cover the same positions", cm.exception.reason)
+        self.assertEqual(json.dumps(self.t.to_dict()), before, "a refused custody changed the books")
+        self.assertEqual(self.take("d1", "b", second)["blocks"], 5)
+        self.t.verify()
+
     def test_an_expired_lease_goes_into_custody_only_while_nobody_has_its_blocks(self):
         a = self.lease("a", ttl=2)
         self.clock.t += 5                                       # expired, blocks back in the pool
