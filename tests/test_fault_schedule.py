@@ -148,6 +148,32 @@ class OracleTest(unittest.TestCase):
         found = "\n".join(fsch.oracle(run))
         self.assertIn("merged a delta no site sent", found)
 
+    def test_a_site_record_that_disagrees_with_darl_is_caught(self):
+        """The sites' own records are a second witness: beta's first delta said to have trained
+        alpha's first positions gives positions in two merged deltas, positions in none, and a
+        custody DARL holds other than the positions trained."""
+        run = self.tampered()
+        trained = {}
+        for fn in sorted(os.listdir(run.records)):
+            if fn.endswith(".jsonl"):
+                for rec in fsch.fedmom_state.read_records(os.path.join(run.records, fn)):
+                    if rec["event"] == "trained":
+                        trained.setdefault(rec["cluster"], (fn, rec))
+        (fn, beta), (_, alpha) = trained["beta"], trained["alpha"]
+        path = os.path.join(run.records, fn)
+        with open(path) as f:
+            lines = f.readlines()
+        with open(path, "w") as f:
+            for line in lines:
+                rec = json.loads(line)
+                if rec == beta:
+                    rec = {**rec, "start": alpha["start"], "end": alpha["end"]}
+                f.write(json.dumps(rec) + "\n")
+        found = "\n".join(fsch.oracle(run))
+        self.assertIn("DARL's custody holds", found)
+        self.assertIn("are inside more than one merged delta", found)
+        self.assertIn("are inside no merged delta", found)
+
     def test_an_acknowledged_commit_lost_is_caught(self):
         run = self.tampered()
         run.committed_seen = {"r0.not-a-delta-we-merged"}
