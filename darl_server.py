@@ -33,10 +33,17 @@ State: <state-dir>/darl/wal.jsonl and <state-dir>/darl/snapshot.json.
     flags and a checksum, written atomically after LeaseTable.verify(); the log
     then starts afresh with a new header.
   - A restart loads the snapshot and replays the log under the flags it recorded;
-    a replayed call that decides otherwise than `out` stops the start. The last
-    lines of a crash mid-write (damaged, nothing intact after them) are dropped;
-    any other damaged line stops the start with the file, the byte offset and what
-    to do. Leases alive at the crash get --restore-grace more seconds.
+    a replayed call that decides otherwise than `out`, or a change that does not
+    follow the one before, stops the start. Only the bytes after the last newline
+    are a crash mid-write (dropped); a complete line that fails its checksum may
+    have been acknowledged, so it stops the start with the file, the byte offset
+    and what to do. The snapshot and the log's header carry the same random log
+    id: a snapshot without its log, or a log that needs a missing snapshot, stops
+    the start (neither is a fresh start). Leases alive at the crash get
+    --restore-grace more seconds.
+  - <state-dir>/darl/lock: an exclusive flock held from before the state is read
+    until the process ends; a second darl_server on the same dir exits naming the
+    holder's pid. A failed fsync ends the process (exit 75) before it answers.
   - Leasing flags that differ from the recorded ones stop the start, naming each
     flag and both values; --accept-config-change logs the change instead, and it
     applies from then on.
@@ -107,6 +114,7 @@ at start through httpd.wall_time().
 import dataclasses
 import json
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -192,8 +200,8 @@ class WriteAheadLog:
     written before it, so concurrent clients share the disk flush.
     """
 
-    def __init__(self, path, fsync=True, keep=None, header=None):
-        self.path, self.fsync = path, fsync
+    def __init__(self, path, fsync=True, keep=None, header=None, lock_fd=None):
+        self.path, self.fsync, self.lock_fd = path, fsync, lock_fd
         if keep is not None and os.path.exists(path) and os.path.getsize(path) > keep:
             with open(path, "r+b") as f:        # drop the torn tail before appending after it
                 f.truncate(keep)
@@ -209,33 +217,32 @@ class WriteAheadLog:
 
     @staticmethod
     def read(path):
-        """The header and records, changing nothing. A torn tail (the damaged or unfinished
-        last lines of a crash mid-write: no intact line after them) is left out and
-        measured; a damaged line with an intact one after it is a LogError."""
+        """The header and records, changing nothing; None when there is no log file. Only
+        the bytes after the last newline can be a torn write (a line is one write(), its
+        newline last, and the reply waits for its fsync): they are left out and measured.
+        A complete line that fails its checksum may have been acknowledged, so it is a
+        LogError naming the file and the byte offset, never dropped."""
         if not os.path.exists(path):
-            return LogContents(None, [], 0, 0)
+            return None
         with open(path, "rb") as f:
             data = f.read()
         lines = data.split(b"\n")
         lines.pop()                             # after the last newline: b"" or an unfinished line
-        records, offset, good_end, bad = [], 0, 0, None
+        records, offset = [], 0
         for i, raw in enumerate(lines):
             try:
                 rec = _parse_line(raw, path, offset)
             except ValueError as e:
-                bad = bad or (i + 1, offset, str(e))
-            else:
-                if bad is not None:
-                    line, at, what = bad
-                    raise LogError(
-                        f"{path}: byte {at} (line {line}): {what}, and intact lines follow it, so this is damage, "
-                        f"not a crash mid-write. Keep a copy of {os.path.dirname(path)}, then restore it from a "
-                        f"backup, or cut the log there (truncate -s {at} {path}) and restart: the changes logged "
-                        "after that byte are lost, and sites may hold leases DARL no longer knows (restart them)")
-                rec["_at"] = offset
-                records.append(rec)
-                good_end = offset + len(raw) + 1
+                raise LogError(
+                    f"{path}: byte {offset} (line {i + 1}): {e} in a complete line, so this is damage, not a crash "
+                    f"mid-write, and the change may have been acknowledged. Keep a copy of {os.path.dirname(path)}, "
+                    f"then restore it from a backup, or cut the log there (truncate -s {offset} {path}) and "
+                    "restart: the changes logged from that byte on are lost, and sites may hold leases DARL no "
+                    "longer knows (restart them)") from None
+            rec["_at"] = offset
+            records.append(rec)
             offset += len(raw) + 1
+        good_end = offset
         header = records.pop(0) if records and records[0].get("op") == "header" else None
         if records and header is None:
             raise LogError(f"{path}: byte 0: the log has no header line (the config and space it was written "
@@ -278,10 +285,23 @@ class WriteAheadLog:
             self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
             self.durable = max(self.durable, header["seq"])
 
+    def sync_or_exit(self, seq):
+        """sync(), or stop the process: after a failed fsync (EIO) the change is in memory and
+        maybe not on disk, so serving on would answer from a state a restart cannot rebuild."""
+        try:
+            self.sync(seq)
+        except OSError as e:
+            sys.stderr.write(f"darl_server: cannot flush the log to disk ({e}); exiting so a restart "
+                             "replays what is durable\n")
+            os._exit(75)
+
     def close(self):
         if self.fsync:
             os.fsync(self.fd)
         os.close(self.fd)
+        if self.lock_fd is not None:        # the state dir is free for the next process
+            os.close(self.lock_fd)
+            self.lock_fd = None
 
 
 def _fsync_dir(path):
@@ -336,43 +356,80 @@ class Loaded:
     space: dict
     torn_bytes: int
     good_bytes: int
+    log_id: str            # the id the log's header must carry (the snapshot names it)
+    stale_log: bool        # the log predates the snapshot (a crash between the two): start it afresh
 
 
 def load_state(state_dir):
     """Rebuild the table from <state_dir>/darl/ (snapshot, then the log after it), each
     record under the config logged before it; changes no file. None for a fresh dir.
-    Raises LogError naming the file, the byte offset and what to do."""
+    Raises LogError naming the file, the byte offset and what to do.
+
+    The snapshot names the log that continues it (a random id in both): a log with
+    another id is the one a crash left between writing the snapshot and starting the
+    log afresh, and must end inside the snapshot; a missing file, or a log that needs a
+    snapshot which is not there, stops the start instead of serving an old table."""
     d = os.path.join(state_dir, "darl")
     wal_path, snap_path = os.path.join(d, "wal.jsonl"), os.path.join(d, "snapshot.json")
     snap = _read_snapshot(snap_path)
     log = WriteAheadLog.read(wal_path)
-    base = snap or log.header
-    if base is None:
+    _check_pair(snap, log, snap_path, wal_path)
+    if snap is None and (log is None or log.header is None):
         return None
+    base = snap or log.header
     try:
         config = darl_table.TableConfig.from_dict(base["config"])
         if snap:
             table = darl_table.LeaseTable.from_dict(snap["table"], config)
         else:
             table = darl_table.LeaseTable(base["space"]["num_blocks"], config)
-        seq, t, digest, space = base["seq"], base["t"], base["digest"], base["space"]
+        seq, t, digest, space, log_id = base["seq"], base["t"], base["digest"], base["space"], base["log"]
     except (KeyError, TypeError, ValueError) as e:
         where = snap_path if snap else f"{wal_path}: byte 0"
         raise LogError(f"{where}: cannot read it back ({type(e).__name__}: {e}); restore the state directory "
                        "from a backup, or start on a new --state-dir")
-    if log.header is not None:
-        if log.header.get("digest") != digest:
-            raise LogError(f"{wal_path}: byte 0: the log belongs to block space {log.header.get('digest')}, the "
-                           f"snapshot to {digest}; the two files are from different runs")
-        if log.header.get("seq", 0) > seq:
-            raise LogError(f"{wal_path}: byte 0: the log continues change {log.header.get('seq')}, the snapshot "
-                           f"holds changes up to {seq}; the changes between are lost: restore the state directory "
-                           "from a backup")
+    stale = snap is not None and log.header.get("log") != log_id
+    if stale:
+        _check_stale_log(log, seq, wal_path)
+    else:
+        for rec in log.records:        # every record follows the one before: seq + 1, no gap, no repeat
+            seq, t = _replay(table, rec, seq, wal_path), rec["t"]
+    return Loaded(table, seq, t, digest, space, log.torn_bytes, log.good_bytes, log_id, stale)
+
+
+def _check_pair(snap, log, snap_path, wal_path):
+    """The snapshot and the log belong together, or the start stops naming what is missing."""
+    restore = "restore the state directory from a backup (both files), or start on a new --state-dir"
+    if snap is None:
+        if log is not None and log.header is not None and log.header.get("seq", 0) > 0:
+            raise LogError(f"{snap_path} is missing, and {wal_path} continues snapshot {log.header['seq']}: the "
+                           f"changes up to it are lost, and starting from an empty table would lease committed "
+                           f"blocks again; {restore}")
+        return
+    if log is None or log.header is None:
+        raise LogError(f"{wal_path} is missing (or empty) beside {snap_path} (change {snap['seq']}): the changes "
+                       f"logged after the snapshot, custody among them, would be lost silently; {restore}")
+    if log.header.get("digest") != snap.get("digest"):
+        raise LogError(f"{wal_path}: byte 0: the log belongs to block space {log.header.get('digest')}, the "
+                       f"snapshot to {snap.get('digest')}; the two files are from different runs: {restore}")
+    if log.header.get("log") == snap.get("log") and log.header.get("seq") != snap.get("seq"):
+        raise LogError(f"{wal_path}: byte 0: the log continues change {log.header.get('seq')}, its snapshot "
+                       f"holds changes up to {snap.get('seq')}; {restore}")
+
+
+def _check_stale_log(log, snap_seq, path):
+    """A log the snapshot does not name: only the previous log, every change of it inside the snapshot."""
+    seq = log.header.get("seq", 0)
+    if seq >= snap_seq:
+        raise LogError(f"{path}: byte 0: the log (id {log.header.get('log')}, from change {seq}) is not the one "
+                       f"the snapshot (change {snap_seq}) names; the changes after the snapshot are lost: restore "
+                       "the state directory from a backup (both files)")
     for rec in log.records:
-        if rec.get("seq", 0) <= seq:
-            continue                       # already inside the snapshot
-        seq, t = _replay(table, rec, seq, wal_path), rec["t"]
-    return Loaded(table, seq, t, digest, space, log.torn_bytes, log.good_bytes)
+        if rec.get("seq") != seq + 1 or rec["seq"] > snap_seq:
+            raise LogError(f"{path}: byte {rec['_at']} (change {rec.get('seq')}) does not follow change {seq} "
+                           f"inside snapshot change {snap_seq}; this log is not the snapshot's predecessor: "
+                           "restore the state directory from a backup (both files)")
+        seq = rec["seq"]
 
 
 def _replay(table, rec, seq, path):
@@ -429,41 +486,57 @@ class Coordinator:
         self.config = (config or darl_table.TableConfig()).validate()
         self.snapshot_every, self.lock = snapshot_every, threading.Lock()
         self.invariant_error, self.torn_bytes = None, 0
-        self.table, self.seq, last_t, changes = darl_table.LeaseTable(space.num_blocks, self.config), 0, 0.0, []
+        self.table, self.seq = darl_table.LeaseTable(space.num_blocks, self.config), 0
         self.dir = self.wal = None
-        loaded = None
+        self.log_id, loaded = secrets.token_hex(8), None
         if state_dir:
             self.dir = os.path.join(state_dir, "darl")
-            os.makedirs(self.dir, exist_ok=True)
-            loaded = load_state(state_dir)
+            lock_fd = httpd.lock_state_dir(self.dir, "darl_server")   # before reading anything
+            try:
+                loaded = self._open(state_dir, fsync, lock_fd, accept_config_change, wall, monotonic, clock)
+            except BaseException:
+                os.close(lock_fd)
+                raise
+        else:
+            self.clock = clock or TableClock(0.0, wall, monotonic)
+            self.table.clock = self.clock
+        if loaded is not None and self.table.leases:
+            self.call("restore", {"grace": restore_grace})
+
+    def _open(self, state_dir, fsync, lock_fd, accept_config_change, wall, monotonic, clock):
+        """Load <state_dir>/darl/ (under the lock), check its flags, open the log for appending."""
+        last_t, changes = 0.0, []
+        loaded = load_state(state_dir)
         if loaded is not None:
             if loaded.digest != self.digest:
                 raise LogError(f"{self.dir} belongs to another block space (digest {loaded.digest}, space "
-                               f"{loaded.space}); this server has {space.describe()}. Use the same "
+                               f"{loaded.space}); this server has {self.space.describe()}. Use the same "
                                "--num-samples/--manifest, --block-size and --seed, or a new --state-dir")
             self.table, self.seq, last_t, self.torn_bytes = loaded.table, loaded.seq, loaded.t, loaded.torn_bytes
+            self.log_id = loaded.log_id
             changes = self.table.config.changes(self.config)
             if changes and not accept_config_change:
                 raise ConfigChanged(config_refusal(self.dir, changes))
         self.clock = clock or TableClock(last_t, wall, monotonic)
         self.table.clock = self.clock
-        if self.dir:
-            if self.torn_bytes:
-                sys.stderr.write(f"darl_server: dropping the torn tail of {self.dir}/wal.jsonl "
-                                 f"({self.torn_bytes} bytes: a crash mid-write, never acknowledged)\n")
-            self.wal = WriteAheadLog(os.path.join(self.dir, "wal.jsonl"), fsync,
-                                     keep=loaded.good_bytes if loaded else 0, header=self._header())
-            self.wal.written = self.wal.durable = self.seq
+        if self.torn_bytes:
+            sys.stderr.write(f"darl_server: dropping the torn tail of {self.dir}/wal.jsonl "
+                             f"({self.torn_bytes} bytes after the last newline: a crash mid-write, never "
+                             "acknowledged)\n")
+        self.wal = WriteAheadLog(os.path.join(self.dir, "wal.jsonl"), fsync, keep=loaded.good_bytes if loaded else 0,
+                                 header=self._header(), lock_fd=lock_fd)
+        self.wal.written = self.wal.durable = self.seq
+        if loaded is not None and loaded.stale_log:     # the crash came between the snapshot and the log's restart
+            self.wal.restart(self._header())
         if changes:
             self.call("set_config", {"config": self.config.to_dict()})
             sys.stderr.write("darl_server: --accept-config-change: logged " + ", ".join(
                 f"{flag} {old} -> {new}" for flag, old, new in changes) + "; it applies from now on\n")
-        if self.table.leases:
-            self.call("restore", {"grace": restore_grace})
+        return loaded
 
     def _header(self):
-        return {"v": WAL_VERSION, "op": "header", "seq": self.seq, "t": self.clock(), "digest": self.digest,
-                "space": self.space.describe(), "config": self.table.config.to_dict()}
+        return {"v": WAL_VERSION, "op": "header", "seq": self.seq, "log": self.log_id, "t": self.clock(),
+                "digest": self.digest, "space": self.space.describe(), "config": self.table.config.to_dict()}
 
     def call(self, op, args):
         """Apply one change; return its reply once it is durable. LeaseError = refused, nothing
@@ -498,7 +571,7 @@ class Coordinator:
                     self.snapshot()
             seq = self.seq
         if self.wal is not None:
-            self.wal.sync(seq)
+            self.wal.sync_or_exit(seq)
             httpd.fault_point("darl.synced")           # durable, the reply not sent: the client retries
         if refused is not None:
             raise refused
@@ -514,7 +587,8 @@ class Coordinator:
             self.invariant_error = str(e)
             sys.stderr.write(f"darl_server: INVARIANT VIOLATED, snapshot skipped: {e}\n")
             return False
-        snap = {"v": WAL_VERSION, "seq": self.seq, "t": self.clock(), "digest": self.digest,
+        self.log_id = secrets.token_hex(8)          # the log that continues this snapshot
+        snap = {"v": WAL_VERSION, "seq": self.seq, "log": self.log_id, "t": self.clock(), "digest": self.digest,
                 "space": self.space.describe(), "config": self.table.config.to_dict(),
                 "table": self.table.to_dict()}
         snap["crc"] = _snapshot_crc(snap)

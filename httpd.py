@@ -36,6 +36,7 @@ tests set them; a production start never does):
     the point can be armed again): a crash or a stall at an exact phase, with no sleep.
 """
 import argparse
+import fcntl
 import hmac
 import http.client
 import http.server
@@ -395,6 +396,28 @@ def load_token(path=None):
             raise SystemExit(f"token file {path} is empty")
         return tok
     return os.environ.get("PWW_TOKEN") or None
+
+
+# ---------------------------------------------------------------- one process per state dir
+
+def lock_state_dir(path, who):
+    """Hold an exclusive flock on <path>/lock for as long as the returned fd stays open (the
+    kernel drops it when the process dies, so a kill -9 never leaves a stale lock). A second
+    server on the same state directory would interleave its writes with the first one's;
+    it stops here instead, before reading or touching anything. SystemExit names the holder."""
+    os.makedirs(path, exist_ok=True)
+    lock = os.path.join(path, "lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise SystemExit(f"{who}: {path} is in use by another {who} (pid {holder}, holding {lock}); stop that "
+                         "process first, or give this one another --state-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 # ---------------------------------------------------------------- test hooks

@@ -170,7 +170,7 @@ class AuditTest(Fixture):
         lines[3] = lines[3].replace(b'"blocks":3', b'"blocks":4')
         with open(wal, "wb") as f:
             f.write(b"\n".join(lines))
-        report = self.check(ok=False, says=["DARL's state cannot be read", wal, "intact lines follow it"])
+        report = self.check(ok=False, says=["DARL's state cannot be read", wal, "in a complete line"])
         self.assertEqual(report.status, {})
         out = subprocess.run([sys.executable, "audit.py", "--state-dir", self.central], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)

@@ -422,7 +422,9 @@ class DurabilityTest(unittest.TestCase):
             if every == 5:
                 self.assertTrue(os.path.exists(os.path.join(self.dir, "darl", "snapshot.json")))
 
-    def test_torn_last_line_is_dropped_and_a_corrupt_middle_is_refused(self):
+    def test_torn_tail_is_dropped_and_a_damaged_complete_line_is_refused(self):
+        """Only the bytes after the last newline are a torn write; a complete line that
+        fails its checksum, the last one included, may have been acknowledged."""
         first = self.drive(self.coord())
         want = self.books(first)
         first.wal.close()
@@ -438,12 +440,14 @@ class DurabilityTest(unittest.TestCase):
         with open(wal, "rb") as f:
             good = f.read()
         lines = good.split(b"\n")
-        with open(wal, "wb") as f:                      # the last complete line damaged: a torn page
+        last = len(b"\n".join(lines[:-2])) + 1
+        with open(wal, "wb") as f:                      # the last complete line damaged, its newline intact
             f.write(b"\n".join(lines[:-2] + [lines[-2].replace(b'"a"', b'"\x00"'), b""]))
-        self.coord().wal.close()
+        with self.assertRaises(LogError) as cm:
+            self.coord()
+        self.assertIn(f"byte {last} (line {len(lines) - 1}): checksum mismatch in a complete line", str(cm.exception))
         with open(wal, "rb") as f:
-            self.assertEqual(f.read(), b"\n".join(lines[:-2] + [b""]), "the torn line was not cut off")
-        lines = lines[:-2] + [b""]
+            self.assertNotEqual(f.read(), good, "the refused start changed the log")
         at = len(b"\n".join(lines[:3])) + 1
         for damaged, what in ((lines[3][:-3] + b"fff", "checksum mismatch"),
                               (b'{"v":2,"seq":3,"op":"acquire","args":{', "no checksum")):
@@ -451,7 +455,7 @@ class DurabilityTest(unittest.TestCase):
                 f.write(b"\n".join(lines[:3] + [damaged] + lines[4:]))
             with self.assertRaises(LogError) as cm:
                 self.coord()
-            self.assertIn(f"byte {at} (line 4): {what}, and intact lines follow it", str(cm.exception))
+            self.assertIn(f"byte {at} (line 4): {what} in a complete line", str(cm.exception))
             self.assertIn(f"truncate -s {at} {wal}", str(cm.exception))
         with open(wal, "wb") as f:
             f.write(b"\n".join(lines[:3] + [darl_server._line({"v": 3, "seq": 3})] + lines[4:]))
@@ -461,6 +465,78 @@ class DurabilityTest(unittest.TestCase):
             f.write(b'{"v":1,"seq":1,"t":1.0,"op":"register","args":{}}\n')
         with self.assertRaisesRegex(LogError, "older darl_server.py"):
             self.coord()
+
+    def test_a_lost_snapshot_or_log_stops_the_start_instead_of_serving_an_old_table(self):
+        """snapshot.json and wal.jsonl name each other (the log id); either one missing, or a
+        log that is not the snapshot's, stops the start: none of them is a fresh start."""
+        c = self.coord(snapshot_every=5)
+        c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
+        for _ in range(2):
+            lease = c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5})["lease"]
+            c.call("commit", {"cluster": "a", "incarnation": "x", "lease": lease["id"]})
+        held = c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5})["lease"]   # change 6, after the snapshot
+        c.wal.close()
+        d = os.path.join(self.dir, "darl")
+        snap, wal = os.path.join(d, "snapshot.json"), os.path.join(d, "wal.jsonl")
+        saved = {p: open(p, "rb").read() for p in (snap, wal)}
+        os.remove(snap)                                   # the log alone, continuing snapshot 5
+        with self.assertRaisesRegex(LogError, r"snapshot.json is missing, and .* continues snapshot 5"):
+            self.coord()
+        with open(snap, "wb") as f:
+            f.write(saved[snap])
+        os.remove(wal)                                    # the snapshot alone: change 6 would vanish
+        with self.assertRaisesRegex(LogError, r"wal.jsonl is missing .*\(change 5\)"):
+            self.coord()
+        header = json.loads(saved[wal].split(b"\n")[0].rsplit(b"\t", 1)[0])
+        with open(wal, "wb") as f:                        # a log of another snapshot
+            f.write(darl_server._line({**header, "log": "0" * 16}) + saved[wal].split(b"\n", 1)[1])
+        with self.assertRaisesRegex(LogError, "is not the one the snapshot .* names"):
+            self.coord()
+        lines = saved[wal].split(b"\n")
+        with open(wal, "wb") as f:                        # a change logged twice (two writers)
+            f.write(b"\n".join(lines[:2] + lines[1:]))
+        with self.assertRaisesRegex(LogError, "change 6, 'acquire'.* does not follow change 6"):
+            self.coord()
+        with open(wal, "wb") as f:
+            f.write(saved[wal])
+        self.assertEqual(os.listdir(d).count("snapshot.json"), 1)
+        again = self.coord(snapshot_every=5)
+        self.assertEqual(again.table.committed.total, 10)
+        self.assertIn(held["id"], again.table.leases)
+        again.wal.close()
+
+    def test_one_process_per_state_dir(self):
+        """A second coordinator on the same state dir (another --port, a stale unit) stops
+        before reading or writing anything: two writers would each lease the same blocks."""
+        c = self.coord()
+        c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
+        wal = os.path.join(self.dir, "darl", "wal.jsonl")
+        before = open(wal, "rb").read()
+        with self.assertRaisesRegex(SystemExit, f"{self.dir}/darl is in use by another darl_server \\(pid {os.getpid()}"):
+            self.coord()
+        out = subprocess.run([sys.executable, "darl_server.py", "--num-samples", "200", "--state-dir", self.dir,
+                              "--port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        self.assertEqual(out.returncode, 1, out.stderr)
+        self.assertIn("is in use by another darl_server", out.stderr)
+        self.assertNotIn("Traceback", out.stderr)
+        self.assertEqual(open(wal, "rb").read(), before, "the refused start touched the log")
+        c.wal.close()                                     # the first one dies: the dir is free again
+        self.coord().wal.close()
+
+    def test_a_failed_fsync_stops_the_process(self):
+        """EIO from fsync leaves the change in memory and maybe not on disk: exit 75, unanswered."""
+        code = ("import os, sys, darl_server, darl_table\n"
+                "def eio(fd): raise OSError(5, 'Input/output error')\n"
+                "darl_server._datasync = eio\n"
+                "s = darl_table.BlockSpace(10, 1, 0)\n"
+                "c = darl_server.Coordinator(s, state_dir=sys.argv[1])\n"
+                "c.call('register', {'cluster': 'a', 'incarnation': 'x', 'digest': s.digest()})\n"
+                "print('answered')\n")
+        out = subprocess.run([sys.executable, "-c", code, self.dir], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120)
+        self.assertEqual(out.returncode, 75, out.stdout + out.stderr)
+        self.assertNotIn("answered", out.stdout)
+        self.assertIn("cannot flush the log to disk", out.stderr)
 
     def test_every_line_is_versioned_checksummed_and_fsynced_before_the_reply(self):
         synced = []                  # the log's size at each flush to disk: what that flush made durable
@@ -561,6 +637,7 @@ class LoggedDecisionsTest(unittest.TestCase):
         again.wal.close()
         again = self.coord(max_attempts=0)                          # the change is logged: no refusal now
         self.assertEqual(again.table.config.max_attempts, 0)
+        again.wal.close()
         with self.assertRaises(SystemExit):                         # and 1 is now the change
             self.coord(max_attempts=1)
         for flag, value in (("min_ttl", 2.0), ("max_ttl", 99.0), ("default_ttl", 20.0), ("grant_seconds", 9.0),
@@ -622,7 +699,9 @@ class LoggedDecisionsTest(unittest.TestCase):
         snap_path = os.path.join(self.dir, "darl", "snapshot.json")
         with open(snap_path) as f:
             good = json.load(f)
-        self.assertEqual(self.coord().table.leases.keys(), {1}, "the intact snapshot does not restore")
+        again = self.coord()
+        self.assertEqual(again.table.leases.keys(), {1}, "the intact snapshot does not restore")
+        again.wal.close()
         with open(snap_path, "w") as f:             # valid JSON, another meaning, the old checksum
             json.dump({**good, "table": {**good["table"], "leases": []}}, f)
         with self.assertRaises(LogError) as cm:
