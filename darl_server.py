@@ -577,6 +577,8 @@ class Coordinator:
             raise refused
         if op == "register":        # what a site needs to build the same BlockSpace and check it
             reply = {**reply, "digest": self.digest, "space": self.space.describe()}
+        elif op == "fence":         # the aggregator records which DARL holds its custody
+            reply = {**reply, "digest": self.digest}
         return reply
 
     def snapshot(self):

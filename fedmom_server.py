@@ -409,10 +409,14 @@ def print_status(url, token=None, last=10):
 
 def serve(cfg, host, port, token, insecure, verbose, private_page, max_body):
     darl = DarlLink(cfg.darl, token) if cfg.darl else None
-    state = FedMomState(cfg, darl=darl)
     public = ("/health",) if private_page else ("/health", "/")
-    server = httpd.make_server(make_routes(state, blob_token=token), host, port, token, insecure,
-                               public=public, max_body=max_body, quiet=not verbose)
+    # bind first, then lock the state dir, then read it: a second start (port taken, or
+    # another port on the same dir) stops before it deletes or rewrites anything
+    server = httpd.make_server({}, host, port, token, insecure, public=public, max_body=max_body,
+                               quiet=not verbose)
+    lock_fd = httpd.lock_state_dir(cfg.state_dir, "fedmom_server")     # held until the process ends
+    state = FedMomState(cfg, darl=darl)
+    server.RequestHandlerClass.routes.update(make_routes(state, blob_token=token))
     stop = threading.Event()
 
     def on_fenced():                 # another process of this aggregator is newer: never serve beside it
@@ -425,6 +429,7 @@ def serve(cfg, host, port, token, insecure, verbose, private_page, max_body):
         httpd.serve_forever(server, f"fedmom round {state.round}")
     finally:
         stop.set()
+        os.close(lock_fd)
 
 
 def _server_parser():
@@ -446,6 +451,9 @@ def _server_parser():
                         "answered definitively, s (default 10)")
     p.add_argument("--darl-heartbeat-s", type=float, help=argparse.SUPPRESS)
     p.add_argument("--private-page", action="store_true", help="require the token for GET / too (default: public)")
+    p.add_argument("--accept-config-change", action="store_true",
+                   help="--outer-lr/--outer-momentum differ from those the state was run with: apply the new "
+                        "values from the current round on instead of refusing to start")
     httpd.add_server_args(p, DEFAULT_PORT)
     return p
 
@@ -469,7 +477,8 @@ def main(argv):
         raise SystemExit("fedmom_server: --darl-heartbeat-s is gone: the leases of accepted deltas are in DARL "
                          "custody, which never expires; drop the flag (--darl-retry-s paces re-sends to DARL)")
     cfg = ServerConfig(a.state_dir, a.init, a.outer_lr, a.outer_momentum, a.round_deadline_s,
-                       a.member_timeout_s, a.blob_url, a.darl, a.darl_retry_s).validate()
+                       a.member_timeout_s, a.blob_url, a.darl, a.darl_retry_s,
+                       accept_config_change=a.accept_config_change).validate()
     serve(cfg, a.host, a.port, httpd.load_token(a.token_file), a.insecure, a.verbose, a.private_page,
           int(a.max_body_mb * 2**20))
 

@@ -22,8 +22,15 @@ State dir (everything replaced atomically: temp file, fsync, rename, fsync the d
     state.json                names the round and its files, the aggregator's identity
                               and epoch, membership, recent events, the DARL commits and
                               aborts still owed and the violation counters; written LAST,
-                              so a SIGKILL at any instant leaves round r or r+1
-    rounds.jsonl              one JSON line per merge (loss, perplexity, drift, outcomes, ...)
+                              so a SIGKILL at any instant leaves round r or r+1. It also
+                              records the outer step (--outer-lr, --outer-momentum: a
+                              restart with others is refused unless --accept-config-change),
+                              whether DARL custody was used (then a start without --darl is
+                              refused) and DARL's block-space digest (another DARL stops it)
+    rounds.jsonl              one JSON line per merge (loss, perplexity, drift, outcomes, ...); a
+                              start cuts an unfinished last line (a crash mid-append) before
+                              state.json's copy of the last record is appended again
+    lock                      flock'd by the running fedmom_server (one process per state dir)
     spool/                    deltas accepted for the current round: r<round>_<cluster>_<inc>
                               .safetensors + .json (the .json, written last, is the
                               acceptance; it records the delta's custody state). They
@@ -102,6 +109,7 @@ class ServerConfig:
     darl: str | None = None
     darl_retry_s: float = 10.0
     fsync: bool = True
+    accept_config_change: bool = False
 
     def validate(self):
         if not self.state_dir:
@@ -150,6 +158,24 @@ def append_line(path, obj, fsync=True):
         f.flush()
         if fsync:
             os.fsync(f.fileno())
+
+
+def cut_torn_line(path):
+    """A crash mid-append leaves a last line without its newline: cut it off before anything
+    is appended, or the next record would be glued to the fragment and lost with it. The
+    number of bytes cut (0 when the file ends in a newline or is absent)."""
+    try:
+        with open(path, "rb+") as f:
+            data = f.read()
+            keep = data.rfind(b"\n") + 1
+            if keep == len(data):
+                return 0
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+    except FileNotFoundError:
+        return 0
+    return len(data) - keep
 
 
 def read_records(path):
@@ -374,6 +400,8 @@ class FedMomState:
         self.darl_alarm = None        # {"since", "error", "calls"} while DARL gives no definitive answer
         self.fenced = None            # DARL's reason, once it refused this epoch: the process stops
         self.fenced_epoch = self.reconciled = False
+        self.custody_used = darl is not None   # sticky in state.json: once DARL held custody, always --darl
+        self.darl_digest = None       # DARL's block-space digest, from its first fence reply
         self.published = {}           # round -> {"blob", "sha256", "round"}
         self.publish_lock = threading.Lock()
         self.merge_pause_s = float(os.environ.get(MERGE_PAUSE_ENV, "0") or 0)
@@ -383,6 +411,10 @@ class FedMomState:
         else:
             self._create()
         self._clean_dir()
+        torn = cut_torn_line(self.rounds_path)
+        if torn:
+            log(f"fedmom: cut the unfinished last line of {self.rounds_path} ({torn} bytes: a crash mid-append; "
+                "state.json, written first, puts that round's record back)")
         records = read_records(self.rounds_path)
         self.merged_positions = darl_table.Intervals()      # every DARL position inside a merged delta
         for rec in records:
@@ -421,6 +453,8 @@ class FedMomState:
             raise SystemExit(f"{self.state_path}: format {st.get('format')!r}, this server reads "
                              f"{STATE_FORMAT!r}; use the fedmom_server.py that wrote it")
         self.round, self.theta_file, self.momentum_file = st["round"], st["theta"], st["momentum"]
+        self._check_custody_mode(st)
+        self._check_outer_step(st)
         self.aggregator_id, self.epoch = st["aggregator"], st["epoch"] + 1
         with tensorio.TensorReader(os.path.join(self.dir, self.theta_file)) as r:
             self.specs = {n: r.specs[n][1] for n in r.names}
@@ -438,6 +472,36 @@ class FedMomState:
         log(f"fedmom: resumed {self.dir} at round {self.round} as aggregator {self.aggregator_id} epoch "
             f"{self.epoch}: {len(self.members)} member(s) {sorted(self.members)}, {len(self.pending)} spooled "
             f"delta(s), {len(self.pending_commits)} DARL commit(s) and {len(self.pending_aborts)} abort(s) to send")
+
+    def _check_custody_mode(self, st):
+        """A state that used DARL custody keeps using it: without --darl its owed commits would
+        never be sent and new deltas would merge with no custody at all."""
+        used = st.get("custody") or st.get("pending_commits") or st.get("pending_aborts")
+        self.custody_used = self.custody_used or bool(used)
+        self.darl_digest = st.get("darl_digest")
+        if used and self.darl is None:
+            raise SystemExit(f"fedmom_server: {self.state_path} was run with --darl (DARL custody; "
+                             f"{len(st.get('pending_commits', []))} commit(s) and {len(st.get('pending_aborts', []))} "
+                             "abort(s) owed): restart with --darl URL of the same DARL coordinator; without it "
+                             "the owed calls are never sent and new deltas merge with no custody")
+
+    def _check_outer_step(self, st):
+        """--outer-lr and --outer-momentum are part of the run: a silent change mid-run would
+        change the outer step; --accept-config-change takes the new values from now on."""
+        changes = [(flag, st.get(key), new) for flag, key, new in (("--outer-lr", "outer_lr", self.cfg.outer_lr),
+                                                                    ("--outer-momentum", "outer_momentum",
+                                                                     self.cfg.outer_momentum))
+                   if st.get(key) is not None and st[key] != new]
+        if not changes:
+            return
+        diff = "; ".join(f"{flag} was {old}, this start has {new}" for flag, old, new in changes)
+        if not self.cfg.accept_config_change:
+            keep = " ".join(f"{flag} {old}" for flag, old, _ in changes)
+            raise SystemExit(f"fedmom_server: {self.state_path} was run with another outer step ({diff}): restart "
+                             f"with {keep}, or add --accept-config-change to apply the new values from round "
+                             f"{self.round} on")
+        self.event("config", "-", "-", f"--accept-config-change: {diff}")
+        log(f"fedmom: --accept-config-change: {diff}; applies from round {self.round} on")
 
     def _check_init_matches(self):
         with tensorio.TensorReader(self.cfg.init) as r:
@@ -464,7 +528,8 @@ class FedMomState:
                 with open(os.path.join(self.spool, fn)) as f:
                     m = json.load(f)
                 p = Pending(**m)
-            except (ValueError, TypeError):
+            except (ValueError, TypeError) as e:
+                self._exclude_unreadable(fn, e)
                 continue
             if p.base_round != self.round:
                 continue
@@ -482,6 +547,19 @@ class FedMomState:
             self.first_delta_at = self.clock()
             log(f"fedmom: {len(self.pending)} delta(s) for round {self.round} restored from spool at "
                 f"{time.strftime('%H:%M:%S', time.localtime(now))}: {sorted(c for c, _ in self.pending)}")
+
+    def _exclude_unreadable(self, fn, error):
+        """A spool acceptance that cannot be read back (written atomically, so disk damage): its
+        delta is excluded and named from the file name, r<round>_<cluster>_<incarnation>.json
+        ("_" is in no id); custody DARL holds for it is aborted by the reconciliation."""
+        parts = fn[:-len(".json")].split("_")
+        rnd = parts[0][1:] if len(parts) == 3 and parts[0].startswith("r") else ""
+        if not rnd.isdigit() or int(rnd) != self.round:
+            log(f"fedmom: !!! unreadable spool entry {fn} of another round removed ({type(error).__name__}: {error})")
+            return
+        self._exclude({"cluster": parts[1], "incarnation": parts[2], "base_round": self.round, "tokens": 0,
+                       "leases": []}, f"its spool entry {fn} cannot be read ({type(error).__name__}: {error}); "
+                                      "any custody DARL holds for it is aborted")
 
     def _clean_dir(self):
         """Remove what a crash left behind: temp files, files of other rounds, stale spool entries."""
@@ -510,7 +588,7 @@ class FedMomState:
               "members": {c: {"incarnation": m.incarnation, "joined": m.joined} for c, m in self.members.items()},
               "events": list(self.events), "pending_commits": self.pending_commits,
               "pending_aborts": self.pending_aborts, "violations": self.violations,
-              "last_record": self.last_record,
+              "last_record": self.last_record, "custody": self.custody_used, "darl_digest": self.darl_digest,
               "outer_lr": self.cfg.outer_lr, "outer_momentum": self.cfg.outer_momentum}
         write_json_atomic(self.state_path, st, self.cfg.fsync)
 
@@ -913,7 +991,16 @@ class FedMomState:
 
     def _fence(self):
         ans = self.darl.fence(self.aggregator_id, self.epoch)
+        digest = ans.reply.get("digest") if ans.kind == "ok" else None
+        if digest and self.darl_digest and digest != self.darl_digest:
+            self._stop_fenced(f"DARL at {self.darl.url} leases block space {digest}, but this state's custody is "
+                              f"with a DARL of block space {self.darl_digest}: restart with --darl URL of that DARL")
+            return False
         if ans.kind == "ok":
+            with self.lock:
+                if digest and self.darl_digest is None:
+                    self.darl_digest = digest
+                    self._save()
             self.fenced_epoch = True
             log(f"fedmom: DARL knows aggregator {self.aggregator_id} at epoch {self.epoch} "
                 f"({ans.reply.get('held', 0)} custody record(s) held)")

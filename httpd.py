@@ -36,6 +36,7 @@ tests set them; a production start never does):
     the point can be armed again): a crash or a stall at an exact phase, with no sleep.
 """
 import argparse
+import errno
 import fcntl
 import hmac
 import http.client
@@ -365,7 +366,13 @@ def make_server(routes, host="127.0.0.1", port=0, token=None, insecure=False,
     attrs = dict(routes=dict(routes), token=token or None, public=frozenset(public),
                  max_body=max_body, quiet=quiet)
     handler = type("BoundHandler", (Handler,), attrs)
-    return Server((host, port), handler)
+    try:
+        return Server((host, port), handler)
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        raise SystemExit(f"cannot listen on {host}:{port}: the address is in use (is this server already "
+                         "running?); stop the other process, or pass another --port") from None
 
 
 def add_server_args(parser, default_port):

@@ -397,6 +397,32 @@ class FencingAndRepairTest(AggregatorFixture):
         with self.assertRaises(fs.Refused):
             self.send(old, "lumi", self.delta()[0], 100, leases=[a])
 
+    def test_a_state_that_used_custody_refuses_a_start_without_darl_or_with_another_darl(self):
+        """Without --darl the owed commits would never be sent and new deltas would merge with
+        no custody (their leases expire and are leased again); another DARL holds none of it."""
+        coord, url = self.darl()
+        st = self.agg(fs.DarlLink(url, TOKEN))
+        st.join("lumi", "lumi-inc")
+        a = self.lease(url, coord, "lumi")
+        self.assertTrue(self.send(st, "lumi", self.delta()[0], 100, leases=[a])["accepted"])
+        self.assertEqual(st.tick()["round"], 1)                  # merged: a commit owed, DARL not told yet
+        self.assertEqual(len(st.pending_commits), 1)
+        for owed in (1, 0):                                         # with nothing owed too, once custody was used
+            with self.assertRaises(SystemExit) as cm:
+                self.agg(None, init=False)
+            self.assertIn("restart with --darl URL", str(cm.exception))
+            st = self.agg(fs.DarlLink(url, TOKEN), init=False)
+            self.assertEqual(len(st.pending_commits), owed)
+            self.assertTrue(st.darl_tick())
+        _, other = self.darl(blocks=50)                               # a DARL of another block space
+        st = self.agg(fs.DarlLink(other, TOKEN), init=False)
+        self.assertFalse(st.darl_tick())
+        self.assertIn("leases block space", st.status()["darl"]["fenced"])
+        plain = fs.FedMomState(fs.ServerConfig(os.path.join(self.dir, "plain"), init=self.init).validate(),
+                               clock=self.clock)
+        del plain
+        fs.FedMomState(fs.ServerConfig(os.path.join(self.dir, "plain")).validate(), clock=self.clock)  # never used
+
     def test_lost_spool_entries_are_aborted_loudly_and_the_status_clis_exit_1(self):
         coord, url = self.darl()
         st = self.agg(fs.DarlLink(url, TOKEN))

@@ -342,6 +342,65 @@ class ProtocolTest(Fixture):
         self.assertEqual(sorted(os.listdir(st2.dir)), ["momentum-2.safetensors", "rounds.jsonl", "spool",
                                                        "state.json", "theta-2.safetensors"])
 
+    def test_a_torn_rounds_line_is_cut_and_its_record_put_back(self):
+        """A crash mid-append of round 2's line (state.json, written first, says round 2): the
+        restart cuts the fragment before it appends, so rounds 1, 2, 3 all stay readable."""
+        st = self.state()
+        st.join("a", "a-inc")
+        for _ in range(2):
+            self.send(st, "a", self.delta()[0], 10)
+            st.tick()
+        path = os.path.join(st.dir, "rounds.jsonl")
+        with open(path, "rb") as f:
+            data = f.read()
+        last = data.rstrip(b"\n").rfind(b"\n") + 1
+        with open(path, "wb") as f:
+            f.write(data[:last + (len(data) - last) // 2])
+        st = self.state(init=None)
+        self.assertEqual([r["round"] for r in st.records], [1, 2])
+        self.send(st, "a", self.delta()[0], 10)
+        self.assertEqual(st.tick()["round"], 3)
+        st = self.state(init=None)
+        self.assertEqual([r["round"] for r in fs.read_records(path)], [1, 2, 3])
+        with open(path, "rb") as f:
+            self.assertTrue(all(json.loads(line) for line in f.read().splitlines()))
+
+    def test_another_outer_step_on_restart_is_refused_unless_accepted(self):
+        st = self.state(outer_lr=0.7, outer_momentum=0.9)
+        st.join("a", "a-inc")
+        self.send(st, "a", self.delta()[0], 10)
+        st.tick()
+        before = self.snapshot(st)
+        with self.assertRaises(SystemExit) as cm:
+            self.state(init=None, outer_lr=0.5, outer_momentum=0.9)
+        self.assertIn("--outer-lr was 0.7, this start has 0.5", str(cm.exception))
+        self.assertIn("restart with --outer-lr 0.7, or add --accept-config-change", str(cm.exception))
+        with self.assertRaises(SystemExit) as cm:
+            self.state(init=None, outer_lr=0.7, outer_momentum=0.0)
+        self.assertIn("--outer-momentum was 0.9", str(cm.exception))
+        self.assertEqual(self.snapshot(st), before, "a refused start changed the state dir")
+        st = self.state(init=None, outer_lr=0.5, accept_config_change=True)
+        self.assertEqual(st.cfg.outer_lr, 0.5)
+        self.assertEqual(self.state(init=None, outer_lr=0.5).round, 1)      # recorded: no refusal now
+
+    def test_an_unreadable_spool_entry_is_excluded_and_named(self):
+        st = self.state()
+        for c in ("a", "b"):
+            st.join(c, f"{c}-inc")
+        p = self.send(st, "a", self.delta()[0], 10)
+        meta = [fn for fn in os.listdir(st.spool) if fn.endswith(".json")]
+        self.assertEqual(meta, ["r0_a_a-inc.json"])
+        with open(os.path.join(st.spool, meta[0]), "w") as f:
+            f.write('{"cluster": "a", "incarn')                 # damaged on disk
+        st = self.state(init=None)
+        self.assertEqual(st.pending, {})
+        self.assertEqual([(e["cluster"], e["incarnation"]) for e in st.excluded], [("a", "a-inc")])
+        self.assertIn("r0_a_a-inc.json cannot be read", st.excluded[0]["why"])
+        self.send(st, "b", self.delta()[0], 10)
+        rec = st.tick()
+        self.assertEqual(rec["round"], 1)
+        self.assertEqual([e["cluster"] for e in rec["excluded"]], ["a"])
+
     def test_a_different_init_model_is_refused(self):
         self.state()
         other = os.path.join(self.dir, "other.safetensors")
@@ -642,6 +701,37 @@ class CrashTest(Fixture):
         proc.wait(timeout=30)
         proc, url = self.start(sd)
         self.assertEqual(httpd.call(url, "GET", "/round")["round"], 1)
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+    def test_a_second_start_on_a_live_state_dir_touches_nothing(self):
+        """Port taken, or another port on the same state dir: the second process stops with
+        one line, before it reads, cleans or rewrites anything of the live one's."""
+        sd = os.path.join(self.dir, "st")
+        proc, url = self.start(sd, "--init", self.init)
+        for c in ("a", "b"):
+            fedmom_client.FedMomClient(url, c, f"{c}-inc").join()
+        fedmom_client.FedMomClient(url, "a", "a-inc").send_delta(self.delta()[0], 0, 10, [], {})  # spooled, b owes
+        with open(os.path.join(sd, "spool", ".part-0123456789abcdef"), "wb") as f:
+            f.write(b"an upload still arriving")           # what a live PUT /delta writes mid-body
+        def files():
+            out = {}
+            for base, _, names in os.walk(sd):
+                for fn in names:
+                    with open(os.path.join(base, fn), "rb") as f:
+                        out[os.path.relpath(os.path.join(base, fn), sd)] = f.read()
+            return out
+        before = files()
+        port = url.rsplit(":", 1)[1]
+        for port_arg, says in ((port, "address is in use"), ("0", "in use by another fedmom_server")):
+            out = subprocess.run([sys.executable, "fedmom_server.py", "--state-dir", sd, "--port", port_arg],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=120)
+            self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
+            self.assertIn(says, out.stderr)
+            self.assertNotIn("Traceback", out.stderr)
+            self.assertEqual(files(), before, f"a refused start on port {port_arg} changed the live state dir")
+        self.assertEqual(httpd.call(url, "GET", "/status")["pending"], ["a"])
         proc.kill()
         proc.wait(timeout=30)
 
