@@ -18,6 +18,10 @@
 # State (default runs/central, or --state-dir / PWW_CENTRAL_STATE):
 #   token          the shared bearer token, made on first start (mode 600): copy it to
 #                  each site and point PWW_TOKEN_FILE at the copy
+#   aggregator.token  the aggregator's and operator's own credential for DARL's custody
+#                  endpoints (fence, custody, commit, abort, abort-custody), made with the
+#                  token (mode 600); it never leaves this VM, so a site cannot fence FedMom
+#                  or abort its custody
 #   <name>.pid     one per daemon (darl, fedmom, blob); <name>.log their output
 #   darl/ fedmom/ blobs/   each server's durable state (survives kill -9 and restart)
 # First start needs the corpus size for DARL and the initial model for FedMom:
@@ -56,6 +60,7 @@ DARL_PORT=${DARL_PORT:-29510}
 FEDMOM_PORT=${FEDMOM_PORT:-29511}
 BLOB_PORT=${BLOB_PORT:-29512}
 TOKEN=$STATE/token
+AGG_TOKEN=$STATE/aggregator.token
 DAEMONS="darl fedmom blob"
 CENTRAL_FILES="httpd.py tensorio.py blobstore.py darl_table.py darl_server.py fedmom_merge.py fedmom_state.py fedmom_server.py audit.py"
 
@@ -101,6 +106,10 @@ PY
 }
 
 ensure_token() {
+    if [ ! -s "$AGG_TOKEN" ]; then
+        (umask 077 && "$PYTHON" -c 'import secrets; print(secrets.token_hex(32))' > "$AGG_TOKEN")
+        echo "created the aggregator's token $AGG_TOKEN (mode 600): it stays on this VM"
+    fi
     [ -s "$TOKEN" ] && return 0
     (umask 077 && "$PYTHON" -c 'import secrets; print(secrets.token_hex(32))' > "$TOKEN")
     echo "created token $TOKEN (mode 600): copy it to each site"
@@ -143,7 +152,7 @@ daemon_args() {
     ARGS=("$ROOT/$(script_of "$name")" --host "$HOST" --port "$(port_of "$name")" --token-file "$TOKEN")
     case "$name" in
         darl)
-            ARGS+=(--state-dir "$STATE")                       # -> $STATE/darl/
+            ARGS+=(--state-dir "$STATE" --aggregator-token-file "$AGG_TOKEN")   # -> $STATE/darl/
             darl_space || return 1
             ARGS+=("${SPACE[@]}")
             extra=${DARL_ARGS:-} ;;
@@ -156,7 +165,7 @@ daemon_args() {
             fi
             # FedMom takes accepted deltas' leases into custody at DARL (and commits them) and
             # serves big models via the blob store
-            ARGS+=(--darl "$(local_url darl)" --blob-url "$(local_url blob)")
+            ARGS+=(--darl "$(local_url darl)" --darl-token-file "$AGG_TOKEN" --blob-url "$(local_url blob)")
             extra=${FEDMOM_ARGS:-} ;;
         blob)
             ARGS+=(--root "$STATE")                            # -> $STATE/blobs/

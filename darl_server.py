@@ -18,11 +18,15 @@ Run:
         # N = the manifest's TRAINING windows (num_windows - heldout_windows):
         # the held-out tail is never leased (darl_table.py says how positions map)
     python darl_server.py status --url http://127.0.0.1:29510      # exit 1 while anything is wrong
-    python darl_server.py abort-custody --aggregator ID --reason "state dir lost" [--yes]
+    python darl_server.py abort-custody --aggregator ID --reason "state dir lost" [--yes --expect LISTING]
 
 Bind/port: 127.0.0.1:29510 by default. A non-loopback --host needs a token
 (--token-file or $PWW_TOKEN) or --insecure. Every endpoint but /health needs
-`Authorization: Bearer <token>` when a token is set.
+`Authorization: Bearer <token>` when a token is set. The custody endpoints
+(/fence, /custody, /custody/commit, /custody/abort, /custody/abort_orphaned) take
+the aggregator's own credential instead when --aggregator-token-file is given
+(central.sh always gives it): the token every site holds then cannot fence the
+aggregator, abort its custody or retire it. Only the central VM has that file.
 
 State: <state-dir>/darl/wal.jsonl and <state-dir>/darl/snapshot.json.
   - The log: one line per state change, `<JSON><TAB><crc32 of the JSON>`, fsync'd
@@ -80,8 +84,13 @@ Protocol (POST, JSON bodies; replies are JSON; errors are 4xx with
     /release   {cluster, incarnation, leases: [...], leave?}   gives back the live part of
                leases; positions in custody are not the site's to give
   Custody, the aggregator's two-phase commit (fedmom_state.py is the coordinator):
-    /fence     {aggregator, epoch}   a (re)started aggregator announces its epoch; any
-               call naming an older epoch of that aggregator is a 409 "fenced" from now on
+    /fence     {aggregator, last_epoch, claim}   a starting aggregator asks for an epoch:
+               -> {aggregator, epoch, held, held_blocks, digest}. DARL issues it (one more
+               than any it issued) only to the state holding the current one (last_epoch;
+               0 for a new identity); the same claim again gets the same epoch (a lost
+               reply) until that epoch acts. Any other last_epoch is a stale copy of the
+               state: 409 "fenced". Every other custody call must name the current epoch
+               (409 "fenced" otherwise; "not_fenced" for an aggregator DARL never fenced)
     /custody   {aggregator, epoch, delta, cluster, incarnation, leases: [{lease, start?, end?}]}
                -> {"state": "held", "pieces": [[lease, start, end]], "blocks"}: the
                positions [start, end) of every lease leave it, all or nothing, for a
@@ -95,9 +104,11 @@ Protocol (POST, JSON bodies; replies are JSON; errors are 4xx with
     /custody/abort   {aggregator, epoch, delta, why?}   the delta will never be merged:
                its positions go back to the pool (counted: aborted_custody). Of a delta
                DARL never held it leaves a tombstone, so a late custody request fails
-    /custody/abort_orphaned {aggregator, reason}   the operator's command (the
+    /custody/abort_orphaned {aggregator, reason, expect?}   the operator's command (the
                abort-custody CLI): every custody of that aggregator goes back to the
-               pool and the identity is retired ("fenced" from then on)
+               pool and the identity is retired ("fenced" from then on); with expect
+               (the delta ids the operator was shown) it is refused, changing nothing,
+               when DARL holds another set (409 "custody_changed")
   Only a definitive answer settles a custody call for the aggregator: a 2xx, or a
   409 with one of the codes above. 401/403/404/5xx/timeouts are not DARL's word.
     GET /custody?aggregator=&state=   the custody records (oldest first) and aggregators
@@ -649,12 +660,16 @@ REQUESTS = {            # op -> (path, {field: (type, required)})
     "heartbeat": ("/heartbeat", {**ID, "leases": (list, False), "ttl": (NUM, False), "throughput": (NUM, False)}),
     "commit": ("/commit", {**ID, "lease": (int, True), "end": (int, False)}),
     "release": ("/release", {**ID, "leases": (list, False), "leave": (bool, False)}),
-    "fence": ("/fence", AGG),
+    "fence": ("/fence", {"aggregator": (str, True), "last_epoch": (int, True), "claim": (str, True)}),
     "take_custody": ("/custody", {**AGG, "delta": (str, True), **ID, "leases": (list, True)}),
     "commit_custody": ("/custody/commit", {**AGG, "delta": (str, True)}),
     "abort_custody": ("/custody/abort", {**AGG, "delta": (str, True), "why": (str, False)}),
-    "abort_orphaned": ("/custody/abort_orphaned", {"aggregator": (str, True), "reason": (str, True)}),
+    "abort_orphaned": ("/custody/abort_orphaned", {"aggregator": (str, True), "reason": (str, True),
+                                                   "expect": (list, False)}),
 }
+
+
+CUSTODY_PATHS = ("/fence", "/custody", "/custody/commit", "/custody/abort", "/custody/abort_orphaned")
 
 
 def make_routes(coord):
@@ -738,24 +753,39 @@ holds in custody goes back to the pool, to be trained again, and DARL refuses an
 that identity sends from then on. If the aggregator did merge one of these deltas, its
 blocks are then trained twice: DARL counts the aborts (aborted_custody) and
 `darl_server.py status` exits 1 from then on. Find the identity in `status` ("aggregator
-... epoch ...") or on the aggregator's own status page.""")
+... epoch ...") or on the aggregator's own status page. --yes needs --expect, the listing id
+the dry run prints: DARL then aborts exactly the records that were listed, or nothing.
+The custody endpoints take the aggregator's credential (--aggregator-token-file, central.sh:
+STATE/aggregator.token) where DARL was started with one.""")
     p.add_argument("--aggregator", required=True, help="the aggregator identity whose custody to abort")
     p.add_argument("--reason", required=True, help="why no aggregator will resolve it (logged with the abort)")
     p.add_argument("--yes", action="store_true", help="do it (default: only list what would be returned)")
+    p.add_argument("--expect", help="with --yes: the listing id the dry run printed (what you saw is what goes)")
+    p.add_argument("--aggregator-token-file", default=os.environ.get("PWW_AGGREGATOR_TOKEN_FILE"),
+                   help="the aggregator's credential (default $PWW_AGGREGATOR_TOKEN_FILE; none: --token-file)")
     a = p.parse_args(argv)
-    token = httpd.load_token(a.token_file)
+    if a.yes and not a.expect:
+        raise SystemExit("abort-custody: --yes needs --expect LISTING: run it without --yes first, check the list, "
+                         "then repeat with the --yes --expect it prints")
+    token = httpd.load_token(a.aggregator_token_file, env=None) or httpd.load_token(a.token_file)
     query = urllib.parse.urlencode({"aggregator": a.aggregator, "state": "held"})
     try:
         held = httpd.call(a.url, "GET", f"/custody?{query}", token=token, timeout=30)["custody"]
+        listing = listing_id(held)
         if not a.yes:
             blocks = sum(c["blocks"] for c in held)
             print(f"aggregator {a.aggregator} holds {len(held)} custody record(s), {blocks} blocks:")
             for c in held:
                 print(f"  delta {c['delta']} of {c['cluster']} ({c['incarnation']}): positions {c['pieces']}")
-            print("dry run: nothing changed; add --yes to return these blocks to the pool and retire the identity")
+            print(f"dry run: nothing changed; add --yes --expect {listing} to return exactly these blocks to the "
+                  "pool and retire the identity")
             return 2
-        reply = httpd.call(a.url, "POST", "/custody/abort_orphaned", {"aggregator": a.aggregator,
-                                                                      "reason": a.reason}, token=token, timeout=30)
+        if a.expect != listing:
+            raise SystemExit(f"abort-custody: aggregator {a.aggregator} holds other custody now (listing {listing}, "
+                             f"you were shown {a.expect}): nothing aborted; run the dry run again")
+        reply = httpd.call(a.url, "POST", "/custody/abort_orphaned",
+                           {"aggregator": a.aggregator, "reason": a.reason, "expect": [c["delta"] for c in held]},
+                           token=token, timeout=30)
     except (OSError, httpd.CallError) as e:
         raise SystemExit(f"abort-custody: {a.url}: {e}")
     print(f"!!! ABORTED {len(reply['aborted'])} custody record(s) of aggregator {a.aggregator}: "
@@ -763,6 +793,11 @@ blocks are then trained twice: DARL counts the aborts (aborted_custody) and
     for c in reply["aborted"]:
         print(f"!!!   delta {c['delta']} of {c['cluster']} ({c['incarnation']}): positions {c['pieces']}")
     return 0
+
+
+def listing_id(held):
+    """8 hex digits naming a set of custody records (their delta ids): the dry run's listing."""
+    return _crc(json.dumps(sorted(c["delta"] for c in held)).encode())
 
 
 # ------------------------------------------------------------------ serve
@@ -824,6 +859,9 @@ def serve_parser():
                     help="the leasing flags differ from those the state was written with: log the change (it "
                          "applies from now on) instead of refusing to start")
     httpd.add_server_args(p, DEFAULT_PORT)
+    p.add_argument("--aggregator-token-file", default=os.environ.get("PWW_AGGREGATOR_TOKEN_FILE"),
+                   help="the aggregator's and operator's own bearer token for /fence and /custody* (default "
+                        "$PWW_AGGREGATOR_TOKEN_FILE; none: those take the sites' token)")
     return p
 
 
@@ -837,8 +875,16 @@ def serve(a):
     except ValueError as e:
         raise SystemExit(f"darl_server: {e}")
     # bind first: a refused bind (public address, no token) must not create or replay state
-    server = httpd.make_server({}, a.host, a.port, httpd.load_token(a.token_file), a.insecure,
-                               max_body=int(a.max_body_mb * 2**20), quiet=not a.verbose)
+    agg_token = httpd.load_token(a.aggregator_token_file, env=None)
+    token = httpd.load_token(a.token_file)
+    if agg_token and agg_token == token:
+        raise SystemExit("darl_server: --aggregator-token-file holds the sites' token; give the aggregator its own "
+                         "(central.sh makes STATE/aggregator.token)")
+    if token and not agg_token:
+        sys.stderr.write("darl_server: no --aggregator-token-file: every holder of the sites' token may fence the "
+                         "aggregator and abort its custody\n")
+    server = httpd.make_server({}, a.host, a.port, token, a.insecure, max_body=int(a.max_body_mb * 2**20),
+                               quiet=not a.verbose, scoped={p: agg_token for p in CUSTODY_PATHS} if agg_token else None)
     coord = Coordinator(space, cfg.table, cfg.state_dir, cfg.snapshot_every, cfg.restore_grace,
                         accept_config_change=a.accept_config_change)
     server.RequestHandlerClass.routes.update(make_routes(coord))

@@ -14,9 +14,12 @@ Custody (the aggregator's two-phase commit; darl_server.py's docstring has the
 calls): custody() moves the positions a delta trained on out of their lease
 into a record owned by one aggregator. Nothing but that aggregator's
 custody_commit() or custody_abort() (or an operator's abort_orphaned()) ends
-it: no TTL, no steal, no release, no new incarnation touches it. Every call
-names the aggregator's epoch; fence() records a new one, and any older epoch
-is refused from then on (code "fenced"). A commit that cannot stand (its
+it: no TTL, no steal, no release, no new incarnation touches it. Epochs are
+DARL's to issue: fence() gives an aggregator process the next one (one more
+than any issued), but only to the state that holds the current one (it names
+it as last_epoch), so a stale copy of that state can never get in however often
+it restarts; every other call must name the current epoch, anything else is
+refused (code "fenced"). A commit that cannot stand (its
 custody was aborted, or never taken) is refused and COUNTED: `counters` are
 the loud books of what went wrong (refused_commits, aborted_custody,
 blocks_trained_twice), kept in the snapshot and rebuilt by the log replay.
@@ -449,7 +452,8 @@ class LeaseTable:
         self.next_id = 1
         self.custody = {}             # (aggregator, delta) -> Custody
         self.custody_held = set()     # keys of custody still held
-        self.aggregators = {}         # aggregator -> {"epoch": newest seen, "retired": None | why}
+        self.aggregators = {}         # aggregator -> {"epoch": the one issued last, "retired": None | why,
+        #                                              "claim": the fence ask it answered, until that epoch acts}
         self.counters = {k: 0 for k in VIOLATIONS}
 
     # ---- identity
@@ -708,15 +712,31 @@ class LeaseTable:
 
     # ---- custody: the aggregator's two-phase commit of an accepted delta
 
-    def fence(self, aggregator, epoch, now=None):
-        """An aggregator process announces its epoch: older epochs are refused from now on."""
+    def fence(self, aggregator, last_epoch, claim, now=None):
+        """A starting aggregator process asks for an epoch. `last_epoch` is the one its state
+        held (0: none yet), `claim` a random string it made durable before asking. Only the
+        state holding the current epoch gets the next one (every older epoch is refused
+        from then on); a repeat of the same claim gets the same epoch until that epoch is
+        used (the answer to the first ask was lost). Anything else is a stale copy: fenced."""
         _check_name("aggregator", aggregator)
-        epoch = _epoch(epoch)
-        self._check_fence(aggregator, epoch)
-        self._saw(aggregator, epoch)
+        last_epoch = _epoch(last_epoch)
+        _check_name("claim", claim)
+        a = self.aggregators.get(aggregator)
+        if a is not None and a["retired"]:
+            self._check_fence(aggregator, a["epoch"])
+        if a is None:                 # first ask (or a DARL that never heard of it): nothing to compare
+            a = self.aggregators[aggregator] = {"epoch": last_epoch, "retired": None, "claim": None}
+        if a.get("claim") == claim and a["epoch"] == last_epoch + 1:
+            pass                      # the same ask again: its answer was lost
+        elif a["epoch"] == last_epoch:
+            a["epoch"], a["claim"] = last_epoch + 1, claim
+        else:
+            raise LeaseError(409, f"aggregator {aggregator!r}: this state last held epoch {last_epoch}, DARL issued "
+                                  f"epoch {a['epoch']} since: a newer copy of this aggregator's state runs (or ran); "
+                                  "this one is stale and must stop", code="fenced")
         held = [self.custody[k] for k in self.custody_held if k[0] == aggregator]
-        return {"aggregator": aggregator, "epoch": self.aggregators[aggregator]["epoch"],
-                "held": len(held), "held_blocks": sum(C.blocks for C in held)}
+        return {"aggregator": aggregator, "epoch": a["epoch"], "held": len(held),
+                "held_blocks": sum(C.blocks for C in held)}
 
     def take_custody(self, aggregator, epoch, delta, cluster, incarnation, leases, now=None):
         """Move [lease start, end) of every named lease into one custody record, all or
@@ -760,7 +780,7 @@ class LeaseTable:
         C = self.custody[(aggregator, delta)] = Custody(aggregator, delta, epoch, cluster, incarnation, pieces,
                                                         "held", now)
         self.custody_held.add((aggregator, delta))
-        self._saw(aggregator, epoch)
+        self._used(aggregator)
         return C.wire()
 
     def _custody_plan(self, lid, start, end, cluster, incarnation):
@@ -831,7 +851,7 @@ class LeaseTable:
         c.last_commit = now
         C.state = "committed"
         self.custody_held.discard((aggregator, delta))
-        self._saw(aggregator, epoch)
+        self._used(aggregator)
         return C.wire()
 
     def abort_custody(self, aggregator, epoch, delta, why=None, now=None):
@@ -852,18 +872,20 @@ class LeaseTable:
         if C is None:
             C = self.custody[(aggregator, delta)] = Custody(aggregator, delta, epoch, "-", "-", [], "aborted", now,
                                                             why)
-            self._saw(aggregator, epoch)
+            self._used(aggregator)
             return {**C.wire(), "returned": 0}
         if C.state == "aborted":
             return {**C.wire(), "returned": 0, "repeat": True}
         self._return(C, why)
-        self._saw(aggregator, epoch)
+        self._used(aggregator)
         return {**C.wire(), "returned": C.blocks}
 
-    def abort_orphaned(self, aggregator, reason, now=None):
+    def abort_orphaned(self, aggregator, reason, expect=None, now=None):
         """Operator: no aggregator will ever resolve `aggregator`'s custody (its state dir
         is lost). Every custody it holds goes back to the pool, and the identity is retired:
-        whatever it sends from now on is refused (code "fenced")."""
+        whatever it sends from now on is refused (code "fenced"). `expect`: the delta ids the
+        operator was shown; if DARL holds another set now, nothing is done (code
+        "custody_changed")."""
         now = self.clock() if now is None else now
         _check_name("aggregator", aggregator)
         if not isinstance(reason, str) or not reason.strip():
@@ -872,6 +894,9 @@ class LeaseTable:
             raise LeaseError(404, f"no aggregator {aggregator!r} ever took custody here; known: "
                                   f"{sorted(self.aggregators)}")
         held = sorted((self.custody[k] for k in self.custody_held if k[0] == aggregator), key=lambda C: C.t)
+        if expect is not None and sorted(expect) != sorted(C.delta for C in held):
+            raise LeaseError(409, f"aggregator {aggregator!r} holds other custody now than the listing shown "
+                                  f"({len(held)} record(s)): nothing aborted; list it again", code="custody_changed")
         for C in held:
             self._return(C, f"aborted by the operator: {reason}")
         self.aggregators[aggregator]["retired"] = reason
@@ -886,20 +911,23 @@ class LeaseTable:
         self.counters["aborted_custody"] += 1
 
     def _check_fence(self, aggregator, epoch):
+        """Only the current epoch DARL issued to `aggregator` may act for it."""
         a = self.aggregators.get(aggregator)
         if a is None:
-            return
+            raise LeaseError(409, f"aggregator {aggregator!r} has no epoch here: POST /fence first (a DARL "
+                                  "restarted on another state dir also answers this)", code="not_fenced")
         if a["retired"]:
             raise LeaseError(409, f"aggregator {aggregator!r} was retired by the operator ({a['retired']}) and "
                                   "its custody aborted: this aggregator must stop", code="fenced")
-        if epoch < a["epoch"]:
-            raise LeaseError(409, f"aggregator {aggregator!r} epoch {epoch} is older than epoch {a['epoch']} "
-                                  "DARL has seen: a newer process of this aggregator runs; this one must stop",
+        if epoch != a["epoch"]:
+            raise LeaseError(409, f"aggregator {aggregator!r} epoch {epoch} is not epoch {a['epoch']}, the one DARL "
+                                  "issued last: a newer process of this aggregator runs; this one must stop",
                              code="fenced")
 
-    def _saw(self, aggregator, epoch):
-        a = self.aggregators.setdefault(aggregator, {"epoch": epoch, "retired": None})
-        a["epoch"] = max(a["epoch"], epoch)
+    def _used(self, aggregator):
+        """The current epoch acted: its claim can no longer be repeated (by a copy of the state
+        taken while the fence was in flight)."""
+        self.aggregators[aggregator]["claim"] = None
 
     def set_config(self, config, now=None):
         """A logged change of the decision flags (darl_server.py --accept-config-change)."""

@@ -10,7 +10,7 @@ delta checks), fedmom_state.py (the durable state and round protocol) and this f
     # every later start resumes from the state dir (--init is then optional)
     python fedmom_server.py --state-dir state/fedmom [--outer-lr 0.7 --outer-momentum 0.9
         --round-deadline-s 1800 --member-timeout-s 300 --blob-url http://127.0.0.1:29512
-        --darl http://127.0.0.1:29510 --token-file FILE]
+        --darl http://127.0.0.1:29510 --token-file FILE --darl-token-file AGGREGATOR_TOKEN_FILE]
     # what is it doing?
     python fedmom_server.py status --url http://127.0.0.1:29511 [--token-file FILE]
 
@@ -407,8 +407,8 @@ def print_status(url, token=None, last=10):
 
 # ---------------------------------------------------------------- main
 
-def serve(cfg, host, port, token, insecure, verbose, private_page, max_body):
-    darl = DarlLink(cfg.darl, token) if cfg.darl else None
+def serve(cfg, host, port, token, insecure, verbose, private_page, max_body, darl_token=None):
+    darl = DarlLink(cfg.darl, darl_token or token) if cfg.darl else None
     public = ("/health",) if private_page else ("/health", "/")
     # bind first, then lock the state dir, then read it: a second start (port taken, or
     # another port on the same dir) stops before it deletes or rewrites anything
@@ -446,6 +446,9 @@ def _server_parser():
     p.add_argument("--blob-url", help="blob store URL (blobstore.py, :29512) for the blob transport (default: none)")
     p.add_argument("--darl", help="DARL coordinator URL (:29510): every accepted delta's leases go into custody "
                                   "there, and are committed once merged (default: none, no accounting)")
+    p.add_argument("--darl-token-file", default=os.environ.get("PWW_AGGREGATOR_TOKEN_FILE"),
+                   help="the aggregator's own credential for DARL's custody endpoints (darl_server.py "
+                        "--aggregator-token-file; default $PWW_AGGREGATOR_TOKEN_FILE, else the --token-file token)")
     p.add_argument("--darl-retry-s", type=float, default=10.0,
                    help="longest wait between re-sends of a custody request, commit or abort DARL has not "
                         "answered definitively, s (default 10)")
@@ -480,7 +483,7 @@ def main(argv):
                        a.member_timeout_s, a.blob_url, a.darl, a.darl_retry_s,
                        accept_config_change=a.accept_config_change).validate()
     serve(cfg, a.host, a.port, httpd.load_token(a.token_file), a.insecure, a.verbose, a.private_page,
-          int(a.max_body_mb * 2**20))
+          int(a.max_body_mb * 2**20), httpd.load_token(a.darl_token_file, env=None))
 
 
 if __name__ == "__main__":

@@ -38,9 +38,12 @@ State dir (everything replaced atomically: temp file, fsync, rename, fsync the d
 
 Custody (with --darl; the aggregator is the coordinator of a two-phase commit, DARL the
 participant, darl_server.py's docstring the calls). The aggregator has an identity
-(made with the state dir) and an epoch (one more at every start, durable before it
-serves); every DARL call names both, and DARL refuses an older epoch ("fenced": this
-process then stops). A delta accepted for the round is spooled with custody
+(made with the state dir) and an epoch that DARL issues: at start the aggregator
+makes a random claim durable, then fences (last epoch held + claim); DARL gives the
+next epoch only to the state holding the current one, so a stale copy of the state is
+refused at every start. The issued epoch is durable before any call names it; every
+DARL call names both, and DARL refuses any other epoch ("fenced": this process then
+stops). A delta accepted for the round is spooled with custody
 "unconfirmed", then DARL is asked to take the leases it names into custody for it:
   - held: custody "confirmed"; those blocks are the aggregator's until it commits or
     aborts them; no TTL, steal or site release can touch them.
@@ -59,7 +62,7 @@ blocks_trained_twice) and shown on /status, the page and the status CLI (exit 1)
 an abort DARL performs is counted (aborted_custody). Independently of DARL, a merged
 delta whose positions overlap an earlier merged delta's is counted as
 blocks_trained_twice from the aggregator's own records. After a restart the
-aggregator fences its new epoch, then aborts any custody DARL holds for it that its
+aggregator is issued its new epoch, then aborts any custody DARL holds for it that its
 state no longer names (a spool entry lost with the disk).
 """
 import collections
@@ -257,8 +260,9 @@ class DarlLink:
             return Answer("unknown", {}, f"{path}: the reply is not DARL's ({str(reply)[:120]})")
         return Answer("ok", reply)
 
-    def fence(self, aggregator, epoch):
-        return self._ask("POST", "/fence", {"aggregator": aggregator, "epoch": epoch}, "aggregator", aggregator)
+    def fence(self, aggregator, last_epoch, claim):
+        return self._ask("POST", "/fence", {"aggregator": aggregator, "last_epoch": last_epoch, "claim": claim},
+                         "aggregator", aggregator)
 
     def custody(self, aggregator, epoch, delta, cluster, incarnation, leases):
         body = {"aggregator": aggregator, "epoch": epoch, "delta": delta, "cluster": cluster,
@@ -401,6 +405,8 @@ class FedMomState:
         self.fenced = None            # DARL's reason, once it refused this epoch: the process stops
         self.fenced_epoch = self.reconciled = False
         self.custody_used = darl is not None   # sticky in state.json: once DARL held custody, always --darl
+        self.fence_claim = None       # the epoch request in flight (durable before it is sent)
+        self.fence_lock = threading.Lock()   # one fence at a time: the upload threads and the DARL loop
         self.darl_digest = None       # DARL's block-space digest, from its first fence reply
         self.published = {}           # round -> {"blob", "sha256", "round"}
         self.publish_lock = threading.Lock()
@@ -422,7 +428,9 @@ class FedMomState:
         self.records = collections.deque(records, maxlen=RECORDS_KEPT)
         self._repair_rounds_log()
         self.round_opened_at = self.clock()
-        self._save()          # the new epoch is durable before any DARL call names it
+        if self.darl is not None and self.fence_claim is None:
+            self.fence_claim = secrets.token_hex(8)
+        self._save()          # the fence claim is durable before DARL is asked for an epoch
 
     # ---- start-up
 
@@ -432,7 +440,7 @@ class FedMomState:
         theta = "theta-0.safetensors"
         init_theta(self.cfg.init, os.path.join(self.dir, theta), self.cfg.fsync)
         self.round, self.theta_file, self.momentum_file = 0, theta, None
-        self.aggregator_id, self.epoch = f"fedmom-{secrets.token_hex(6)}", 1
+        self.aggregator_id, self.epoch = f"fedmom-{secrets.token_hex(6)}", 0    # DARL issues epoch 1
         with tensorio.TensorReader(os.path.join(self.dir, theta)) as r:
             self.specs = {n: r.specs[n][1] for n in r.names}
         st = os.stat(self.cfg.init)
@@ -455,7 +463,8 @@ class FedMomState:
         self.round, self.theta_file, self.momentum_file = st["round"], st["theta"], st["momentum"]
         self._check_custody_mode(st)
         self._check_outer_step(st)
-        self.aggregator_id, self.epoch = st["aggregator"], st["epoch"] + 1
+        self.aggregator_id, self.epoch = st["aggregator"], st["epoch"]
+        self.fence_claim = st.get("fence_claim")      # an ask whose answer may have been lost: repeat it
         with tensorio.TensorReader(os.path.join(self.dir, self.theta_file)) as r:
             self.specs = {n: r.specs[n][1] for n in r.names}
         self.init_id = st["init"]
@@ -584,7 +593,7 @@ class FedMomState:
         """state.json, atomically; the caller holds the lock (or is the constructor)."""
         st = {"format": STATE_FORMAT, "round": self.round, "theta": self.theta_file,
               "momentum": self.momentum_file, "init": self.init_id,
-              "aggregator": self.aggregator_id, "epoch": self.epoch,
+              "aggregator": self.aggregator_id, "epoch": self.epoch, "fence_claim": self.fence_claim,
               "members": {c: {"incarnation": m.incarnation, "joined": m.joined} for c, m in self.members.items()},
               "events": list(self.events), "pending_commits": self.pending_commits,
               "pending_aborts": self.pending_aborts, "violations": self.violations,
@@ -747,7 +756,7 @@ class FedMomState:
                     self.first_delta_at = self.clock()
             try:
                 httpd.fault_point("fedmom.spooled")     # accepted on disk, custody not asked yet
-                if p.custody == "unconfirmed":
+                if p.custody == "unconfirmed" and (self.fenced_epoch or self._fence()):
                     self._take_custody(p, at_upload=True)
             finally:
                 with self.lock:
@@ -788,6 +797,7 @@ class FedMomState:
                 self.cond.notify_all()
             return
         if ans.kind == "unknown":
+            self._not_fenced(ans)
             self._darl_failed(f"custody of {p.cluster}'s delta {p.delta_id}", ans.error)
             return
         why = ans.reply.get("error") or ans.error
@@ -990,7 +1000,18 @@ class FedMomState:
                                                                                        self._commit_one)
 
     def _fence(self):
-        ans = self.darl.fence(self.aggregator_id, self.epoch)
+        """Ask DARL for this process's epoch (DARL issues it; see darl_table.fence)."""
+        with self.fence_lock:
+            return self.fenced_epoch or self._ask_epoch()
+
+    def _ask_epoch(self):
+        if self.fenced:
+            return False
+        with self.lock:
+            if self.fence_claim is None:      # DARL forgot us (not_fenced): a new ask, durable first
+                self.fence_claim = secrets.token_hex(8)
+                self._save()
+        ans = self.darl.fence(self.aggregator_id, self.epoch, self.fence_claim)
         digest = ans.reply.get("digest") if ans.kind == "ok" else None
         if digest and self.darl_digest and digest != self.darl_digest:
             self._stop_fenced(f"DARL at {self.darl.url} leases block space {digest}, but this state's custody is "
@@ -998,9 +1019,9 @@ class FedMomState:
             return False
         if ans.kind == "ok":
             with self.lock:
-                if digest and self.darl_digest is None:
-                    self.darl_digest = digest
-                    self._save()
+                self.epoch, self.fence_claim = ans.reply["epoch"], None
+                self.darl_digest = self.darl_digest or digest
+                self._save()              # the issued epoch is durable before any call names it
             self.fenced_epoch = True
             log(f"fedmom: DARL knows aggregator {self.aggregator_id} at epoch {self.epoch} "
                 f"({ans.reply.get('held', 0)} custody record(s) held)")
@@ -1050,6 +1071,7 @@ class FedMomState:
         """Does DARL's answer settle the call? Else it stays owed (the alarm goes up), or
         this process was fenced and stops."""
         if ans.kind == "unknown":
+            self._not_fenced(ans)
             self._darl_failed(what, ans.error)
             return False
         if ans.code == "fenced":
@@ -1084,6 +1106,11 @@ class FedMomState:
                 log(f"fedmom: !!! aborted custody of {c['cluster']}'s delta {c['delta']}: {ans.reply['returned']} "
                     f"blocks went back to the pool ({c['why']}) (aborted_custody)")
         return True
+
+    def _not_fenced(self, ans):
+        """DARL has no epoch for us (it was restarted on another state dir): ask for one again."""
+        if ans.code == "not_fenced":
+            self.fenced_epoch = False
 
     def _darl_failed(self, what, error):
         """No definitive answer from DARL: nothing is decided, the call stays owed, the alarm is up."""

@@ -169,6 +169,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"   # keep-alive: one TCP connection for a client's whole session
     timeout = SOCKET_TIMEOUT_S
     routes, token, public, max_body, quiet = {}, None, frozenset(), DEFAULT_MAX_BODY, True
+    scoped = {}                     # path -> the one token it takes (a narrower credential than `token`)
     server_version = "pww"
 
     def setup(self):
@@ -203,10 +204,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self._dispatch("DELETE")
 
     def _authorized(self, path):
-        if self.token is None or path in self.public:
+        token = self.scoped.get(path, self.token)
+        if token is None or path in self.public:
             return True
         got = self.headers.get("Authorization", "")
-        want = "Bearer " + self.token
+        want = "Bearer " + token
         return hmac.compare_digest(got.encode("utf-8", "replace"), want.encode("utf-8"))
 
     def _dispatch(self, method):
@@ -358,13 +360,14 @@ def is_loopback(host):
 
 
 def make_server(routes, host="127.0.0.1", port=0, token=None, insecure=False,
-                public=("/health",), max_body=DEFAULT_MAX_BODY, quiet=True):
-    """Bind a threaded server for `routes`. Port 0 picks a free one (tests)."""
+                public=("/health",), max_body=DEFAULT_MAX_BODY, quiet=True, scoped=None):
+    """Bind a threaded server for `routes`. Port 0 picks a free one (tests). `scoped`
+    {path: token}: those paths take that token alone, not `token`."""
     if not is_loopback(host) and not token and not insecure:
         raise SystemExit(f"refusing to listen on {host!r} without a token: pass --token-file FILE "
                          "(or set PWW_TOKEN), or --insecure if the network is private")
     attrs = dict(routes=dict(routes), token=token or None, public=frozenset(public),
-                 max_body=max_body, quiet=quiet)
+                 max_body=max_body, quiet=quiet, scoped=dict(scoped or {}))
     handler = type("BoundHandler", (Handler,), attrs)
     try:
         return Server((host, port), handler)
@@ -391,8 +394,9 @@ def add_server_args(parser, default_port):
     return g
 
 
-def load_token(path=None):
-    """The shared token: from a file (first line), else $PWW_TOKEN, else None."""
+def load_token(path=None, env="PWW_TOKEN"):
+    """The shared token: from a file (first line), else $PWW_TOKEN (`env`; None: no
+    fallback), else None."""
     if path:
         try:
             with open(path) as f:
@@ -402,7 +406,7 @@ def load_token(path=None):
         if not tok:
             raise SystemExit(f"token file {path} is empty")
         return tok
-    return os.environ.get("PWW_TOKEN") or None
+    return (os.environ.get(env) if env else None) or None
 
 
 # ---------------------------------------------------------------- one process per state dir

@@ -35,9 +35,14 @@ older client would: the servers must be safe whatever a site does.
                     refuse, naming the flag; then restarted with --accept-config-change
     clock_step      the servers' wall clock stepped by +-1 h (PWW_TEST_CLOCK_OFFSET_FILE),
                     DARL SIGKILLed and restarted across the step
-    token_rotation  a new token: DARL restarted with it (the aggregator's calls get 401 and
-                    must stay owed; sites exit and are requeued with the new token), then the
-                    aggregator and the blob store
+    token_rotation  new tokens, the sites' and the aggregator's: DARL restarted with them (the
+                    aggregator's calls get 401 and must stay owed), then the aggregator and
+                    the blob store; reached once a site met the 401 and was requeued with the
+                    new token
+    stale_aggregator  the aggregator's state copied while it is stopped (a standby's copy, a
+                    restored backup); the live one restarts and DARL issues it the next epoch;
+                    then the stale copy is started beside it 1-3 times, as a supervisor would:
+                    DARL must fence it at every start (exit 3), the live one going on
 The oracle, from the sites' records and the final durable state of both servers:
     - audit.py's judgement (every block inside exactly one merged delta, or quarantined
       and said; custody committed; rounds consecutive; no violation counter above 0);
@@ -87,8 +92,9 @@ PORTS = (12000, 28000)            # server ports: below the kernel's ephemeral r
 LR, MU = 0.7, 0.9
 SCHEDULE_DEADLINE_S = 300         # a schedule still running after this is a stall (a liveness failure)
 KINDS = ("darl_kill", "fedmom_kill", "fedmom_outage", "blob_kill", "site_kill", "site_stop", "darl_flag",
-         "clock_step", "token_rotation")
-WEIGHTS = (3, 4, 2, 1, 3, 2, 1, 1, 1)
+         "clock_step", "token_rotation", "stale_aggregator")
+WEIGHTS = (3, 4, 2, 1, 3, 2, 1, 1, 1, 1)
+EXIT_FENCED = 3                   # fedmom_server's exit status when DARL fenced it
 POINTS = {"darl_kill": ("darl.append", "darl.torn", "darl.synced"),
           "fedmom_kill": ("fedmom.received", "fedmom.spooled", "fedmom.custody_held", "fedmom.merge",
                           "fedmom.round_durable", "fedmom.committed"),
@@ -164,6 +170,8 @@ def make_schedule(seed):
             f.value = rng.choice((("--max-attempts", rng.choice((0, 2, 4))), ("--max-grant", rng.choice((0, 1, 5)))))
         if kind == "clock_step":
             f.value = rng.choice((3600, -3600))
+        if kind == "stale_aggregator":
+            f.value = rng.randint(1, 3)
         if kind == "site_stop" and f.point == "site.checked" and rng.random() < 0.6:
             f.value = "newcomer"
         faults.append(f)
@@ -447,25 +455,30 @@ class Run:
         self.clock_file = os.path.join(workdir, "clock_offset")
         open(self.clock_file, "w").close()
         self.token_file = os.path.join(workdir, "token")
+        self.agg_token_file = os.path.join(workdir, "aggregator.token")    # the custody endpoints' own credential
         self._write_token()
         self.darl_flags = {"--max-attempts": sched.max_attempts, "--max-grant": 0}
         self.procs, self.sites, self.requeue, self.transports = {}, {}, {}, dict(sched.sites)
         self.findings, self.injected = [], collections.Counter()
         self.committed_seen, self.max_round_seen = set(), 0
+        self.token_exits = 0              # site exits for a refused token (the 401 a rotation promises)
         self.t0 = time.monotonic()
 
     def _write_token(self):
-        with open(self.token_file + ".tmp", "w") as f:
-            f.write(secrets.token_hex(16) + "\n")
-        os.replace(self.token_file + ".tmp", self.token_file)
-        self.token = open(self.token_file).read().strip()
+        """A new sites' token and a new aggregator token (written, not yet read by any server)."""
+        for path in (self.token_file, self.agg_token_file):
+            with open(path + ".tmp", "w") as f:
+                f.write(secrets.token_hex(16) + "\n")
+            os.replace(path + ".tmp", path)
+        self.token, self.agg_token = (httpd.load_token(p) for p in (self.token_file, self.agg_token_file))
 
     # -- processes
     def darl_cmd(self, port, accept=False):
         flags = [x for k, v in self.darl_flags.items() for x in (k, str(v))]
         return [sys.executable, "darl_server.py", "--num-samples", str(self.s.blocks), "--block-size", "1",
                 "--seed", str(self.s.seed % 1000), "--state-dir", self.central, "--port", str(port),
-                "--token-file", self.token_file, "--min-ttl", str(TTL[0]), "--default-ttl", str(TTL[0]),
+                "--token-file", self.token_file, "--aggregator-token-file", self.agg_token_file,
+                "--min-ttl", str(TTL[0]), "--default-ttl", str(TTL[0]),
                 "--max-ttl", str(TTL[1]), "--restore-grace", str(2 * TTL[1]), "--snapshot-every", "25", *flags] + (
             ["--accept-config-change"] if accept else [])
 
@@ -483,6 +496,7 @@ class Run:
         self.blob = self.procs["blob"].start()
         fed = [sys.executable, "fedmom_server.py", "--state-dir", os.path.join(self.central, "fedmom"),
                "--init", init, "--darl", self.darl, "--blob-url", self.blob, "--token-file", self.token_file,
+               "--darl-token-file", self.agg_token_file,
                "--outer-lr", str(LR), "--outer-momentum", str(MU), "--round-deadline-s", str(ROUND_DEADLINE_S),
                "--member-timeout-s", str(MEMBER_TIMEOUT_S), "--darl-retry-s", "0.5", "--port", str(pick_port())]
         self.procs["fedmom"] = Proc(self, "fedmom", fed)
@@ -546,6 +560,7 @@ class Run:
             if rc is None or rc == 0:
                 continue
             if rc == EXIT_TOKEN:
+                self.token_exits += 1
                 self.requeue[name] = now + 0.3
             elif rc < 0:                 # killed by us: the fault that did it set the requeue time
                 self.requeue.setdefault(name, now)
@@ -575,7 +590,7 @@ class Run:
             return
         self._observed = time.monotonic()
         try:
-            got = httpd.call(self.darl, "GET", "/custody?state=committed", token=self.token, timeout=2)
+            got = httpd.call(self.darl, "GET", "/custody?state=committed", token=self.agg_token, timeout=2)
             self.committed_seen |= {c["delta"] for c in got["custody"]}
             self.max_round_seen = max(self.max_round_seen,
                                       httpd.call(self.fedmom, "GET", "/round", token=self.token, timeout=2)["round"])
@@ -609,13 +624,17 @@ class Run:
             return True
         if f.kind == "token_rotation":
             self._write_token()
+            exits = self.token_exits
             self.procs["darl"].term()
             self.restart("darl")
-            self.wait(lambda: False, 2.0)        # the aggregator's calls get 401 meanwhile
+            # the aggregator's calls (and the sites' DARL calls) get 401 meanwhile
+            self.wait(lambda: self.token_exits > exits or "401" in self._fedmom_alarm(), bound_s=5.0)
             for name in ("fedmom", "blob"):
                 self.procs[name].term()
                 self.restart(name)
-            return True
+            return self.wait(lambda: self.token_exits > exits, bound_s=60)    # a site met the 401, requeued
+        if f.kind == "stale_aggregator":
+            return self._stale_aggregator(f)
         raise ValueError(f.kind)
 
     def _kill_at(self, proc, f):
@@ -650,6 +669,7 @@ class Run:
             return False
         proc.signal(signal.SIGSTOP)
         proc.release(f.point)                 # it goes on at once when continued
+        reached = True
         if f.value == "newcomer":             # its lease expires; then someone new leases and trains those blocks
             t0 = time.monotonic()
             self.wait(lambda: False, TTL[1] + 0.5)
@@ -657,7 +677,7 @@ class Run:
             self.start_site(name)
             # continued once the newcomer trained (the stopped site then meets the refusal), and
             # before the stopped site's membership times out (its delta would only be stale)
-            self.wait(lambda: self.trained(name), MEMBER_TIMEOUT_S - 1.0 - (time.monotonic() - t0))
+            reached = self.wait(lambda: self.trained(name), MEMBER_TIMEOUT_S - 1.0 - (time.monotonic() - t0))
         else:
             self.wait(lambda: False, 1.5 * TTL[1] + 1.0)
         proc.signal(signal.SIGCONT)
@@ -665,7 +685,58 @@ class Run:
         # there, taking the new arming for the old one)
         self.wait(lambda: not proc.hit(f.point) or not proc.alive() or f.target in self.requeue)
         proc.disarm(f.point)
+        return reached                        # a newcomer that never trained: its headline case not reached
+
+    def _stale_aggregator(self, f):
+        live = self.procs["fedmom"]
+        live.term()
+        src, copy = os.path.join(self.central, "fedmom"), os.path.join(self.dir, "fedmom-stale")
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(src, copy, ignore=shutil.ignore_patterns("lock"))
+        with open(os.path.join(copy, "state.json")) as fh:
+            copied = json.load(fh)["epoch"]
+        self.restart("fedmom")
+        deadline = time.monotonic() + 60          # the live one is issued its epoch first (sites done or not)
+        while self._fedmom_epoch() <= copied:
+            if time.monotonic() > deadline:
+                self.findings.append(f"the restarted aggregator was not issued an epoch above {copied} in 60 s")
+                return True
+            self.supervise()
+            time.sleep(0.05)
+        port = pick_port()
+        cmd = [copy if x == src else x for x in live.cmd]
+        cmd[cmd.index("--port") + 1] = str(port)
+        stale = Proc(self, "fedmom-stale", cmd)
+        try:
+            for i in range(f.value):
+                stale.start(wait_url=False)
+                try:
+                    rc = stale.p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    rc = None
+                if rc != EXIT_FENCED:
+                    self.findings.append(f"a stale copy of the aggregator's state (epoch {copied}) started beside "
+                                         f"the live one was not fenced at start {i + 1} (exit {rc}); see "
+                                         f"{stale.log_path}")
+                    return True
+        finally:
+            stale.kill()
+            with PORT_LOCK:
+                PORTS_TAKEN.discard(port)
         return True
+
+    def _fedmom_alarm(self):
+        try:
+            alarm = httpd.call(self.fedmom, "GET", "/status", token=self.token, timeout=5)["darl"]["alarm"]
+        except (OSError, http.client.HTTPException, httpd.CallError, KeyError):
+            return ""
+        return (alarm or {}).get("error", "")
+
+    def _fedmom_epoch(self):
+        try:
+            return httpd.call(self.fedmom, "GET", "/status", token=self.token, timeout=5)["epoch"]
+        except (OSError, http.client.HTTPException, httpd.CallError, KeyError):
+            return -1
 
     def _darl_flag(self, f):
         flag, value = f.value

@@ -25,6 +25,7 @@ from helpers import listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "sweep-token-0123456789abcdef"
+AGG_TOKEN = "aggregator-token-fedcba9876543210"
 WRONG = (None, "wrong", TOKEN[:-1], TOKEN + "x", TOKEN.upper())
 
 
@@ -50,9 +51,10 @@ class AuthSweepTest(unittest.TestCase):
     def setUpClass(cls):
         cls.dir = tempfile.mkdtemp(prefix="auth-sweep-")
         cls.addClassCleanup(shutil.rmtree, cls.dir, True)    # class cleanups run even if this fails
-        cls.token_file = os.path.join(cls.dir, "token")
-        with open(cls.token_file, "w") as f:
-            f.write(TOKEN + "\n")
+        cls.token_file, cls.agg_token_file = os.path.join(cls.dir, "token"), os.path.join(cls.dir, "agg-token")
+        for path, tok in ((cls.token_file, TOKEN), (cls.agg_token_file, AGG_TOKEN)):
+            with open(path, "w") as f:
+                f.write(tok + "\n")
         cls.init = os.path.join(cls.dir, "init.safetensors")
         with tensorio.TensorWriter(cls.init, [("w", "F32", (2, 3))]) as w:
             w.write("w", np.zeros((2, 3), np.float32))
@@ -63,7 +65,9 @@ class AuthSweepTest(unittest.TestCase):
             "fedmom": cls.start("fedmom_server.py", "--state-dir", cls.path("fedmom"), "--init", cls.init, *common),
             "fedmom-private": cls.start("fedmom_server.py", "--state-dir", cls.path("fedmom-private"),
                                         "--init", cls.init, "--private-page", *common),
-            "blob": cls.start("blobstore.py", "--root", cls.path("blob"), *common)}
+            "blob": cls.start("blobstore.py", "--root", cls.path("blob"), *common),
+            "darl-agg": cls.start("darl_server.py", "--num-samples", "10", "--state-dir", cls.path("darl-agg"),
+                                  "--aggregator-token-file", cls.agg_token_file, *common)}
 
     @classmethod
     def path(cls, name):
@@ -86,14 +90,44 @@ class AuthSweepTest(unittest.TestCase):
         tables = {"darl": darl_server.make_routes(coord), "fedmom": fedmom_server.make_routes(fed),
                   "blob": blobstore.make_routes(store)}
         tables["fedmom-private"] = tables["fedmom"]
+        tables["darl-agg"] = tables["darl"]
         return {name: sorted((m, p.replace("/*", "/some-id")) for m, p in t) for name, t in tables.items()}
 
-    PUBLIC = {"darl": {"/health"}, "fedmom": {"/health", "/"}, "fedmom-private": {"/health"}, "blob": {"/health"}}
+    PUBLIC = {"darl": {"/health"}, "fedmom": {"/health", "/"}, "fedmom-private": {"/health"}, "blob": {"/health"},
+              "darl-agg": {"/health"}}
+
+    def test_darls_custody_routes_take_the_aggregators_credential_alone(self):
+        """With --aggregator-token-file the sites' token (which every site holds) can neither
+        fence the aggregator nor abort or commit its custody nor retire it; the aggregator's
+        token opens those routes and no other."""
+        url = self.urls["darl-agg"]
+        custody = [(m, p) for m, p in self.routes["darl-agg"] if p.split("?")[0] in darl_server.CUSTODY_PATHS]
+        self.assertEqual({p for _, p in custody}, set(darl_server.CUSTODY_PATHS))
+        for method, path in self.routes["darl-agg"]:
+            if path in self.PUBLIC["darl-agg"]:
+                continue
+            is_custody = (method, path) in custody
+            with self.subTest(route=f"{method} {path}"):
+                site, agg = request(url, method, path, TOKEN)[0], request(url, method, path, AGG_TOKEN)[0]
+                self.assertEqual(site == 401, is_custody, f"sites' token: {site}")
+                self.assertEqual(agg == 401, not is_custody, f"aggregator's token: {agg}")
+        reply = httpd.call(url, "POST", "/fence", {"aggregator": "fedmom-x", "last_epoch": 0, "claim": "c"},
+                           token=AGG_TOKEN)
+        self.assertEqual(reply["epoch"], 1)
+        for body, path in (({"aggregator": "fedmom-x", "last_epoch": 10**18, "claim": "d"}, "/fence"),
+                           ({"aggregator": "fedmom-x", "reason": "hostile"}, "/custody/abort_orphaned"),
+                           ({"aggregator": "fedmom-x", "epoch": 1, "delta": "d1"}, "/custody/abort")):
+            with self.assertRaises(httpd.CallError) as cm:
+                httpd.call(url, "POST", path, body, token=TOKEN)
+            self.assertEqual(cm.exception.status, 401)
+        self.assertEqual(httpd.call(url, "GET", "/status", token=TOKEN)["aggregators"][0]["retired"], None)
 
     def test_every_route_needs_the_token_but_the_public_ones(self):
         swept = 0
         for server, routes in self.routes.items():
             url = self.urls[server]
+            if server == "darl-agg":
+                continue                     # its custody routes take another token: the next test
             self.assertGreaterEqual(len(routes), 6, server)
             for method, path in routes + [("GET", "/no-such-route"), ("POST", "/no-such-route")]:
                 public = path in self.PUBLIC[server]

@@ -57,6 +57,7 @@ class CustodyTableTest(unittest.TestCase):
         self.t = LeaseTable(40, TableConfig(min_ttl=1.0, default_ttl=10.0, initial_grant=5), self.clock)
         for c in ("a", "b"):
             self.t.register(c, f"{c}-inc")
+        self.assertEqual(self.t.fence("agg", 0, "first")["epoch"], 1)
 
     def lease(self, c, n=5, ttl=10):
         return self.t.acquire(c, f"{c}-inc", blocks=n, ttl=ttl)["lease"]
@@ -177,11 +178,12 @@ class CustodyTableTest(unittest.TestCase):
 
     def test_older_epochs_are_fenced_and_an_operator_retires_an_orphan(self):
         a, a2 = self.lease("a"), self.lease("a")
-        self.t.fence("agg", 1)
         self.take("d1", "a", a)
-        self.assertEqual(self.t.fence("agg", 2)["held"], 1)      # the restarted aggregator
+        again = self.t.fence("agg", 1, "second")                 # the restarted aggregator
+        self.assertEqual((again["epoch"], again["held"]), (2, 1))
         for call in (lambda: self.t.commit_custody("agg", 1, "d1"), lambda: self.take("d2", "a", a2, epoch=1),
-                     lambda: self.t.abort_custody("agg", 1, "d1"), lambda: self.t.fence("agg", 1)):
+                     lambda: self.t.abort_custody("agg", 1, "d1"), lambda: self.t.fence("agg", 1, "x"),
+                     lambda: self.take("d2", "a", a2, epoch=3), lambda: self.t.fence("agg", 0, "first")):
             with self.assertRaises(LeaseError) as cm:
                 call()
             self.assertEqual(cm.exception.extra["code"], "fenced")
@@ -385,8 +387,8 @@ class FencingAndRepairTest(AggregatorFixture):
         old = self.agg(fs.DarlLink(url, TOKEN))
         self.assertTrue(old.darl_tick())
         new = self.agg(fs.DarlLink(url, TOKEN), init=False)    # a second process on the same state
-        self.assertEqual((new.aggregator_id, new.epoch), (old.aggregator_id, old.epoch + 1))
         self.assertTrue(new.darl_tick())
+        self.assertEqual((new.aggregator_id, new.epoch), (old.aggregator_id, old.epoch + 1))
         old.join("lumi", "lumi-inc")
         a = self.lease(url, coord, "lumi")
         with self.assertRaises(fs.Refused) as cm:
@@ -396,6 +398,41 @@ class FencingAndRepairTest(AggregatorFixture):
         self.assertEqual(coord.status()["in_custody"], 0)
         with self.assertRaises(fs.Refused):
             self.send(old, "lumi", self.delta()[0], 100, leases=[a])
+
+    def test_a_stale_copy_of_the_state_never_gets_an_epoch_however_often_it_restarts(self):
+        """Failover: the state is copied to a standby B, which restarts (DARL issues 2, 3, 4);
+        the stale copy A, restarted by a supervisor, is fenced every time and never fences
+        B. Before, A climbed one epoch per restart, served beside B at an equal epoch, then
+        fenced the live B."""
+        coord, url = self.darl()
+        a = self.agg(fs.DarlLink(url, TOKEN), name="A")
+        self.assertTrue(a.darl_tick())
+        self.assertEqual(a.epoch, 1)
+        del a
+        shutil.copytree(os.path.join(self.dir, "A"), os.path.join(self.dir, "B"))
+        for want in (2, 3, 4):
+            b = self.agg(fs.DarlLink(url, TOKEN), name="B", init=False)
+            self.assertTrue(b.darl_tick())
+            self.assertEqual(b.epoch, want)
+        for _ in range(3):
+            a = self.agg(fs.DarlLink(url, TOKEN), name="A", init=False)
+            self.assertFalse(a.darl_tick())
+            self.assertIn("this one is stale", a.status()["darl"]["fenced"])
+            self.assertEqual(a.epoch, 1, "a refused fence moved the stale copy's epoch")
+        self.assertEqual(coord.status()["aggregators"][0]["epoch"], 4)
+        b.join("lumi", "lumi-inc")                                  # B still acts
+        self.assertTrue(self.send(b, "lumi", self.delta()[0], 100, leases=[self.lease(url, coord, "lumi")])["accepted"])
+        self.assertIsNone(b.fenced)
+        with open(os.path.join(self.dir, "B", "state.json")) as f:   # B restarts; DARL's answer is lost
+            st = json.load(f)
+        b = self.agg(fs.DarlLink(url, TOKEN), name="B", init=False)
+        claim = json.load(open(os.path.join(self.dir, "B", "state.json")))["fence_claim"]
+        lost = httpd.call(url, "POST", "/fence", {"aggregator": b.aggregator_id, "last_epoch": st["epoch"],
+                                                  "claim": claim}, token=TOKEN)
+        self.assertEqual(lost["epoch"], 5)
+        b = self.agg(fs.DarlLink(url, TOKEN), name="B", init=False)  # the restart repeats the same ask
+        self.assertTrue(b.darl_tick())
+        self.assertEqual(b.epoch, 5)
 
     def test_a_state_that_used_custody_refuses_a_start_without_darl_or_with_another_darl(self):
         """Without --darl the owed commits would never be sent and new deltas would merge with
@@ -494,15 +531,31 @@ class FencingAndRepairTest(AggregatorFixture):
         env = {**os.environ, "PWW_TOKEN": TOKEN}
         cmd = [sys.executable, "darl_server.py", "abort-custody", "--url", url, "--aggregator", st.aggregator_id,
                "--reason", "its state dir was lost"]
-        dry = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-        self.assertEqual(dry.returncode, 2, dry.stdout + dry.stderr)
-        self.assertIn("5 blocks", dry.stdout)
+        def dry_run(blocks):
+            dry = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+            self.assertEqual(dry.returncode, 2, dry.stdout + dry.stderr)
+            self.assertIn(f"{blocks} blocks", dry.stdout)
+            return dry.stdout.split("--yes --expect ")[1].split()[0]
+        listing = dry_run(5)
         self.assertEqual(coord.status()["in_custody"], 5)
-        done = subprocess.run(cmd + ["--yes"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        no = subprocess.run(cmd + ["--yes"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        self.assertIn("--yes needs --expect", no.stderr)
+        st.join("snellius", "snellius-inc")                 # the held set changes after the listing
+        self.send(st, "snellius", self.delta()[0], 100, leases=[self.lease(url, coord, "snellius")])
+        stale = subprocess.run(cmd + ["--yes", "--expect", listing], cwd=ROOT, env=env, capture_output=True,
+                               text=True, timeout=60)
+        self.assertNotEqual(stale.returncode, 0)
+        self.assertIn("holds other custody now", stale.stderr)
+        self.assertEqual(coord.status()["in_custody"], 10, "a refused abort changed the books")
+        with self.assertRaises(LeaseError) as cm:             # DARL itself checks the set, atomically
+            coord.call("abort_orphaned", {"aggregator": st.aggregator_id, "reason": "x", "expect": ["other"]})
+        self.assertEqual(cm.exception.extra["code"], "custody_changed")
+        done = subprocess.run(cmd + ["--yes", "--expect", dry_run(10)], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=60)
         self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
-        self.assertIn("!!! ABORTED 1 custody record(s)", done.stdout)
+        self.assertIn("!!! ABORTED 2 custody record(s)", done.stdout)
         books = coord.status()
-        self.assertEqual((books["in_custody"], books["free"], books["violations"]["aborted_custody"]), (0, 100, 1))
+        self.assertEqual((books["in_custody"], books["free"], books["violations"]["aborted_custody"]), (0, 100, 2))
         self.assertIsNotNone(st.tick())                  # the orphan was alive after all: it merges ...
         self.assertFalse(st.darl_tick())                 # ... and DARL fences its commit
         self.assertIn("retired", st.fenced)
@@ -630,8 +683,9 @@ class RestartWithCommitsOwedTest(unittest.TestCase):
         self.assertEqual((books["committed"], books["in_custody"]), (0, 10), "commits were sent before the kill")
         os.unlink(arm)
         fed, furl = self.start("fedmom_server.py", *fed_args)
-        wait_for(lambda: client.status()["committed"] == 10, "DARL to receive the owed commits", DEADLINE_S)
-        self.assertEqual(httpd.call(furl, "GET", "/status")["pending_commits"], 0)
+        # DARL commits before the aggregator drops the entry from its books: wait for both
+        wait_for(lambda: client.status()["committed"] == 10 and httpd.call(furl, "GET", "/status")["pending_commits"]
+                 == 0, "DARL to receive the owed commits and the aggregator to record it", DEADLINE_S)
         books = client.status()
         self.assertEqual((books["in_custody"], books["custody"]["committed"], books["done"]), (0, 2, True))
         self.assertEqual(books["violations"], {k: 0 for k in fs.VIOLATIONS})

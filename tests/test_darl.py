@@ -747,7 +747,7 @@ class LoggedDecisionsTest(unittest.TestCase):
                 c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
                 L = c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5})["lease"]
                 agg = {"aggregator": "agg", "epoch": 1}
-                c.call("fence", agg)
+                self.assertEqual(c.call("fence", {"aggregator": "agg", "last_epoch": 0, "claim": "c1"})["epoch"], 1)
                 c.call("take_custody", {**agg, "delta": "d1", "cluster": "a", "incarnation": "x",
                                         "leases": [{"lease": L["id"]}]})
                 c.call("abort_custody", {**agg, "delta": "d1", "why": "test"})

@@ -44,12 +44,14 @@ SCHEDULES = {
                   Fault("clock_step", 1, value=3600),
                   Fault("fedmom_kill", 2, point="fedmom.custody_held", pause=0.3),
                   Fault("token_rotation", 2)], ["gamma"]),
-    "DARL killed after its fsync, a kill mid-merge, a clock step of -1 h, a site stopped past its TTL":
+    "DARL killed after its fsync, a kill mid-merge, a clock step of -1 h, a site stopped past its TTL, a stale "
+    "copy of the aggregator started twice":
         Schedule(104, [("alpha", INLINE), ("beta", BLOB)], 24, 3, 0,
                  [Fault("darl_kill", 0, point="darl.synced", skip=1, pause=0.3),
                   Fault("fedmom_kill", 1, point="fedmom.merge", pause=0.3),
                   Fault("clock_step", 1, value=-3600),
-                  Fault("site_stop", 2, point="site.trained", target="alpha")]),
+                  Fault("site_stop", 2, point="site.trained", target="alpha"),
+                  Fault("stale_aggregator", 2, value=2)]),
 }
 
 
@@ -75,12 +77,14 @@ class FaultScheduleTest(unittest.TestCase):
         self.run_one(list(SCHEDULES)[0])
 
     def test_blob_kill_outage_and_site_stop(self):
-        self.run_one(list(SCHEDULES)[1])
+        res = self.run_one(list(SCHEDULES)[1])
+        self.assertGreaterEqual(res.seen["refused"], 1, "the newcomer's blocks never met the stopped site's "
+                                                        "delta: the custody refusal at upload was not reached")
 
     def test_flag_change_clock_step_token_rotation(self):
         self.run_one(list(SCHEDULES)[2])
 
-    def test_synced_kill_merge_kill_clock_back_and_stop(self):
+    def test_synced_kill_merge_kill_clock_back_stale_aggregator_and_stop(self):
         self.run_one(list(SCHEDULES)[3])
 
     def test_every_fault_kind_is_in_the_fast_subset(self):
