@@ -389,16 +389,19 @@ def start_services(launcher, out_dir, manifest, init, *, block_size, seed=0, dar
     state, logs = os.path.join(out_dir, "central"), os.path.join(out_dir, "logs")
     os.makedirs(state, exist_ok=True)
     token = make_token(os.path.join(out_dir, "token"))
+    agg_token = make_token(os.path.join(out_dir, "aggregator.token"))   # DARL's custody endpoints: FedMom alone
     common = ["--token-file", token]
     procs = {}
     procs["darl"], darl = start_server(launcher, "darl", ["--manifest", manifest, "--block-size", block_size,
                                                           "--seed", seed, "--state-dir", state, *common,
-                                                          *darl_args], logs, default_ports)
+                                                          "--aggregator-token-file", agg_token, *darl_args],
+                                       logs, default_ports)
     procs["blob"], blob = start_server(launcher, "blob", ["--root", os.path.join(state, "blobs"), *common],
                                        logs, default_ports)
     procs["fedmom"], fedmom = start_server(launcher, "fedmom", ["--state-dir", os.path.join(state, "fedmom"),
                                                                 "--init", init, "--darl", darl, "--blob-url", blob,
-                                                                *common, *fedmom_args], logs, default_ports)
+                                                                "--darl-token-file", agg_token, *common,
+                                                                *fedmom_args], logs, default_ports)
     return Services(darl, fedmom, blob, state, token, procs)
 
 
