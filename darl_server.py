@@ -103,7 +103,8 @@ Protocol (POST, JSON bodies; replies are JSON; errors are 4xx with
                "unknown_custody" is counted (refused_commits, blocks_trained_twice)
     /custody/abort   {aggregator, epoch, delta, why?}   the delta will never be merged:
                its positions go back to the pool (counted: aborted_custody). Of a delta
-               DARL never held it leaves a tombstone, so a late custody request fails
+               DARL never held it leaves a tombstone, so a late custody request fails;
+               of a committed one it is a 409 "custody_committed", counted (refused_aborts)
     /custody/abort_orphaned {aggregator, reason, expect?}   the operator's command (the
                abort-custody CLI): every custody of that aggregator goes back to the
                pool and the identity is retired ("fenced" from then on); with expect
@@ -113,7 +114,7 @@ Protocol (POST, JSON bodies; replies are JSON; errors are 4xx with
   409 with one of the codes above. 401/403/404/5xx/timeouts are not DARL's word.
     GET /custody?aggregator=&state=   the custody records (oldest first) and aggregators
     GET /status  progress, per-cluster books, custody, aggregators and their epochs,
-                 "violations" {refused_commits, aborted_custody, blocks_trained_twice},
+                 "violations" {refused_commits, aborted_custody, blocks_trained_twice, refused_aborts},
                  the leasing flags, and the space: {"digest", "space": {num_samples,
                  block_size, seed, num_blocks, algorithm, manifest_digest}} so a site
                  can build the same BlockSpace from its own manifest

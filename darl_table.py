@@ -22,7 +22,8 @@ it restarts; every other call must name the current epoch, anything else is
 refused (code "fenced"). A commit that cannot stand (its
 custody was aborted, or never taken) is refused and COUNTED: `counters` are
 the loud books of what went wrong (refused_commits, aborted_custody,
-blocks_trained_twice), kept in the snapshot and rebuilt by the log replay.
+blocks_trained_twice; an abort of committed custody: refused_aborts), kept in
+the snapshot and rebuilt by the log replay.
 
 Where: imported by darl_server.py on the central VM, and by darl_client.py on
 the sites (a site builds the same BlockSpace to turn positions into samples).
@@ -336,7 +337,7 @@ class Custody:
         return out
 
 
-VIOLATIONS = ("refused_commits", "aborted_custody", "blocks_trained_twice")
+VIOLATIONS = ("refused_commits", "aborted_custody", "blocks_trained_twice", "refused_aborts")
 
 
 def violations_line(v):
@@ -867,8 +868,9 @@ class LeaseTable:
         self._check_fence(aggregator, epoch)
         C = self.custody.get((aggregator, delta))
         if C is not None and C.state == "committed":
+            self.counters["refused_aborts"] += 1      # committed blocks the aggregator says no round holds
             raise LeaseError(409, f"custody of delta {delta!r} is committed: its blocks are counted and an abort "
-                                  "cannot take them back", code="custody_committed")
+                                  "cannot take them back", counted=True, code="custody_committed", blocks=C.blocks)
         if C is None:
             C = self.custody[(aggregator, delta)] = Custody(aggregator, delta, epoch, "-", "-", [], "aborted", now,
                                                             why)

@@ -83,7 +83,7 @@ State dir (--state-dir): theta and momentum per round, state.json, rounds.jsonl 
 spool/, and the DARL commits and aborts owed; fedmom_state.py's docstring has the layout.
 
     python fedmom_server.py status --url URL   # exit 1 while a violation counter is non-zero
-Violations (refused_commits, aborted_custody, blocks_trained_twice), DARL's silence and
+Violations (refused_commits, aborted_custody, blocks_trained_twice, refused_aborts), DARL's silence and
 fencing are shown on /status, the page and the status CLI. Test hooks (httpd.py): fault
 points fedmom.received, fedmom.spooled, fedmom.custody_held, fedmom.merge,
 fedmom.round_durable and fedmom.committed; the wall clock through httpd.wall_time().

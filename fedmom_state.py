@@ -59,7 +59,8 @@ an excluded delta whose custody may be held owes an abort. Both are kept in
 state.json and re-sent, oldest first, until DARL answers definitively. A commit DARL
 refuses (its custody was aborted, or never taken) is counted (refused_commits,
 blocks_trained_twice) and shown on /status, the page and the status CLI (exit 1);
-an abort DARL performs is counted (aborted_custody). Independently of DARL, a merged
+an abort DARL performs is counted (aborted_custody), one it refuses because the custody
+is committed too (refused_aborts: blocks committed that no merged delta holds). Independently of DARL, a merged
 delta whose positions overlap an earlier merged delta's is counted as
 blocks_trained_twice from the aggregator's own records. After a restart the
 aggregator is issued its new epoch, then aborts any custody DARL holds for it that its
@@ -1100,7 +1101,9 @@ class FedMomState:
         with self.lock:
             self._darl_answered()
             if ans.kind == "refused":       # custody_committed: DARL counted blocks no round holds
-                log(f"fedmom: !!! DARL refused to abort delta {c['delta']}: {ans.reply.get('error', ans.error)}")
+                self.violations["refused_aborts"] += 1
+                log(f"fedmom: !!! DARL refused to abort delta {c['delta']}: {ans.reply.get('error', ans.error)}; "
+                    "its blocks are committed but inside no merged delta (refused_aborts)")
             elif ans.reply.get("returned"):
                 self.violations["aborted_custody"] += 1
                 log(f"fedmom: !!! aborted custody of {c['cluster']}'s delta {c['delta']}: {ans.reply['returned']} "

@@ -162,7 +162,8 @@ class CustodyTableTest(unittest.TestCase):
         with self.assertRaises(LeaseError) as cm:
             self.t.commit_custody("agg", 1, "never")
         self.assertEqual(cm.exception.extra["code"], "unknown_custody")
-        self.assertEqual(self.t.counters, {"refused_commits": 2, "aborted_custody": 1, "blocks_trained_twice": 5})
+        self.assertEqual(self.t.counters, {"refused_commits": 2, "aborted_custody": 1, "blocks_trained_twice": 5,
+                                           "refused_aborts": 0})
         # an abort that overtakes its own custody request leaves a tombstone: the late request fails
         a2 = self.lease("a")
         self.assertEqual(self.t.abort_custody("agg", 1, "d9")["returned"], 0)
@@ -173,7 +174,8 @@ class CustodyTableTest(unittest.TestCase):
         self.t.commit_custody("agg", 1, "d10")
         with self.assertRaises(LeaseError) as cm:              # a committed custody cannot be aborted
             self.t.abort_custody("agg", 1, "d10")
-        self.assertEqual(cm.exception.extra["code"], "custody_committed")
+        self.assertEqual((cm.exception.extra["code"], cm.exception.counted), ("custody_committed", True))
+        self.assertEqual(self.t.counters["refused_aborts"], 1, "committed blocks no round holds went uncounted")
         self.t.verify()
 
     def test_older_epochs_are_fenced_and_an_operator_retires_an_orphan(self):
@@ -493,6 +495,28 @@ class FencingAndRepairTest(AggregatorFixture):
             self.assertIn("EXACTLY-ONCE VIOLATED", out.stdout)
             self.assertIn("aborted_custody 2", out.stdout)
         self.assertIn("EXACTLY-ONCE VIOLATED", urllib_page(furl))
+
+    def test_an_abort_darl_refuses_as_committed_is_counted(self):
+        """An abort owed for a delta whose custody DARL already committed: those blocks are
+        committed but inside no merged delta; both sides count it and the status CLI exits 1."""
+        coord, url = self.darl()
+        st = self.agg(fs.DarlLink(url, TOKEN))
+        st.join("lumi", "lumi-inc")
+        self.send(st, "lumi", self.delta()[0], 100, leases=[self.lease(url, coord, "lumi")])
+        st.tick()
+        self.assertTrue(st.darl_tick())                          # merged and committed
+        delta = self.merged(st)[0]["delta"]
+        with st.lock:
+            st.pending_aborts.append({"delta": delta, "cluster": "lumi", "incarnation": "lumi-inc",
+                                      "why": "a spool entry lost after all", "since": 0.0})
+        self.assertTrue(st.darl_tick())                          # DARL's word is definitive: not owed any more
+        self.assertEqual(st.pending_aborts, [])
+        self.assertEqual(st.violations["refused_aborts"], 1)
+        self.assertEqual(coord.status()["violations"]["refused_aborts"], 1)
+        out = subprocess.run([sys.executable, "darl_server.py", "status", "--url", url], cwd=ROOT,
+                             env={**os.environ, "PWW_TOKEN": TOKEN}, capture_output=True, text=True, timeout=60)
+        self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
+        self.assertIn("refused_aborts 1", out.stdout)
 
     def test_blocks_merged_twice_are_counted_from_the_aggregators_own_records(self):
         """DARL's state dir is lost and DARL starts afresh: it leases positions again that a

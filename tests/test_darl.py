@@ -754,7 +754,8 @@ class LoggedDecisionsTest(unittest.TestCase):
                 with self.assertRaises(LeaseError):
                     c.call("commit_custody", {**agg, "delta": "d1"})      # refused, counted, logged
                 want = c.status()["violations"]
-                self.assertEqual(want, {"refused_commits": 1, "aborted_custody": 1, "blocks_trained_twice": 5})
+                self.assertEqual(want, {"refused_commits": 1, "aborted_custody": 1, "blocks_trained_twice": 5,
+                                        "refused_aborts": 0})
                 c.wal.close()
                 again = Coordinator(self.space, TableConfig(min_ttl=1, default_ttl=10), self.dir, every,
                                     clock=self.clock)
