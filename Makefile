@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup lumi-api test demo lint bench test-slurm clean
+.PHONY: setup lumi-api browser test demo lint bench test-slurm clean
 
 # curl: the prep/ scripts download with it, and their tests run them for real.
 setup: $(STAMP)
@@ -36,11 +36,24 @@ $(LUMI_STAMP): requirements-lumi-api.txt | $(STAMP)
 	$(LUMI_VENV)/bin/pip install --no-cache-dir --disable-pip-version-check -r requirements-lumi-api.txt
 	touch $(LUMI_STAMP)
 
+# Debian's headless Chromium and its chromedriver, for tests/test_status_page.py's real-browser
+# render of the status page (~300 MB). `make test` installs them once (apt-get, as root, as CI
+# runs); elsewhere it says the one command to run. `make demo` never needs them.
+
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get install -y chromium chromium-driver || { apt-get update && apt-get install -y chromium chromium-driver; }; \
+	  else \
+	    echo "make test: the status page test needs Debian's chromium and chromedriver: sudo apt-get install -y chromium chromium-driver" >&2; exit 1; \
+	  fi; \
+	fi
+
 # A skip that README.md's "Expected skips" does not list fails the run (--fail-on-skip);
 # `make test TEST_FLAGS=` runs without that rule. PWW_LUMI_API_VENV makes a missing LUMI
 # venv a failure of tests/test_lumi_api.py, not a skip.
 TEST_FLAGS ?= --fail-on-skip
-test: setup $(LUMI_STAMP)
+test: setup browser $(LUMI_STAMP)
 	PWW_LUMI_API_VENV=$(LUMI_VENV) $(PY) tests/run.py $(TEST_FLAGS)
 
 demo: setup

@@ -406,8 +406,8 @@ def start_services(launcher, out_dir, manifest, init, *, block_size, seed=0, dar
 
 
 def fetch_page(url, path, token=None):
-    """Save GET / (the FedMom status page) to `path`; returns path."""
-    req = urllib.request.Request(url.rstrip("/") + "/", headers=httpd.auth_headers(token))
+    """Save the status page's keepsake copy (GET /?saved=1: stamped, no auto-refresh) to `path`."""
+    req = urllib.request.Request(url.rstrip("/") + "/?saved=1", headers=httpd.auth_headers(token))
     with urllib.request.urlopen(req, timeout=30) as r, open(path, "wb") as f:
         f.write(r.read())
     return path

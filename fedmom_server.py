@@ -44,7 +44,8 @@ Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."
     POST /delta_blob {...the same metadata..., blob, sha256}: the delta sits in blobstore
     GET  /theta      the current theta_global file (X-Round header names its round)
     GET  /theta_blob publishes it to the blob store once per round -> {blob, sha256, round}
-    GET  /round, GET /status (JSON), GET / (HTML page), GET /health
+    GET  /round, GET /status (JSON), GET / (the status page of the whole central VM: status_page.py;
+         /?saved=1 is the copy to keep, stamped and without the auto-refresh), GET /health
 A delta whose base_round is not the current round gets 409 {"error", "round": current}.
 With --darl, an accepted delta's leases go into DARL custody for this aggregator
 (fedmom_state.py's docstring has the two-phase commit): a lease DARL will not hold for
@@ -89,7 +90,6 @@ points fedmom.received, fedmom.spooled, fedmom.custody_held, fedmom.merge,
 fedmom.round_durable and fedmom.committed; the wall clock through httpd.wall_time().
 """
 import argparse
-import html
 import http.client
 import json
 import os
@@ -100,7 +100,8 @@ import time
 
 import darl_table
 import httpd
-from fedmom_state import (ServerConfig, FedMomState, DarlLink, Refused, log, format_record, _fmt,
+import status_page
+from fedmom_state import (ServerConfig, FedMomState, DarlLink, Refused, log, format_record,
                           _unlink, _unlink_prefix)
 
 DEFAULT_PORT = 29511
@@ -233,8 +234,12 @@ def make_routes(state, blob_token=None):
         with state.lock:
             return {"round": state.round, "merging": state.merging}
 
-    def page(req):
-        return httpd.Response(body=render_page(state.status()).encode(), content_type="text/html; charset=utf-8")
+    status_html = status_page.Page(state.rounds_path, state.dir, cfg.darl, cfg.blob_url, blob_token)
+
+    def page(req):      # GET /?saved=1: the copy to keep (stamped, no auto-refresh)
+        st = state.status()
+        body = status_html.html(st, alarm_lines(st), saved=req.query.get("saved") == "1")
+        return httpd.Response(body=body.encode(), content_type="text/html; charset=utf-8")
 
     routes = {("GET", "/health"): lambda req: {"ok": True, "round": state.round},
               ("GET", "/"): page, ("GET", "/status"): lambda req: state.status(), ("GET", "/round"): round_,
@@ -281,88 +286,7 @@ def darl_loop(state, stop, interval_s=1.0, on_fenced=None):
             stop.wait(backoff)
 
 
-# ---------------------------------------------------------------- the status page
-
-def _svg_lines(series, width=560, height=160, title=""):
-    """Inline SVG: one polyline per (label, color, [(x, y)]); nothing but the stdlib."""
-    pts = [p for _, _, ps in series for p in ps if p[1] is not None]
-    head = f'<svg width="{width}" height="{height + 30}" xmlns="http://www.w3.org/2000/svg">'
-    head += f'<text x="4" y="14" font-size="13">{html.escape(title)}</text>'
-    if not pts:
-        return head + '<text x="4" y="40" font-size="12">no merges yet</text></svg>'
-    x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
-    y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
-    sx = (width - 70) / ((x1 - x0) or 1)
-    sy = (height - 20) / ((y1 - y0) or 1)
-    xy = lambda x, y: (60 + (x - x0) * sx, 20 + height - 20 - (y - y0) * sy)
-    body = [f'<text x="2" y="{24}" font-size="11">{y1:.4g}</text>',
-            f'<text x="2" y="{height}" font-size="11">{y0:.4g}</text>',
-            f'<text x="60" y="{height + 16}" font-size="11">round {x0:g}</text>',
-            f'<text x="{width - 80}" y="{height + 16}" font-size="11">round {x1:g}</text>']
-    for i, (label, color, ps) in enumerate(series):
-        coords = " ".join("%.1f,%.1f" % xy(x, y) for x, y in ps if y is not None)
-        body.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{coords}"/>')
-        body.append(f'<text x="{width - 150 + 75 * i}" y="14" font-size="11" fill="{color}">{html.escape(label)}</text>')
-    return head + "".join(body) + "</svg>"
-
-
-def _svg_membership(events, now, width=560, row=18):
-    """One lane per cluster: a bar for each stretch it was a live member."""
-    spans, open_ = {}, {}
-    for e in events:
-        c = e["cluster"]
-        if e["event"] == "join":
-            open_[c] = e["t"]
-        elif e["event"] in ("leave", "drop") and c in open_:
-            spans.setdefault(c, []).append((open_.pop(c), e["t"]))
-    for c, t in open_.items():
-        spans.setdefault(c, []).append((t, now))
-    if not spans:
-        return '<p>no membership events yet</p>'
-    t0 = min(a for s in spans.values() for a, _ in s)
-    sx = (width - 110) / ((now - t0) or 1)
-    h = row * len(spans) + 24
-    out = [f'<svg width="{width}" height="{h}" xmlns="http://www.w3.org/2000/svg">']
-    for i, (c, s) in enumerate(sorted(spans.items())):
-        y = 4 + i * row
-        out.append(f'<text x="2" y="{y + 12}" font-size="11">{html.escape(c)}</text>')
-        for a, b in s:
-            out.append(f'<rect x="{100 + (a - t0) * sx:.1f}" y="{y}" width="{max(1.0, (b - a) * sx):.1f}" '
-                       f'height="{row - 4}" fill="#4a8"/>')
-    out.append(f'<text x="100" y="{h - 4}" font-size="11">{time.strftime("%m-%d %H:%M", time.localtime(t0))}</text>')
-    out.append(f'<text x="{width - 80}" y="{h - 4}" font-size="11">now</text></svg>')
-    return "".join(out)
-
-
-def render_page(st):
-    recs = st["recent"]
-    loss = _svg_lines([("loss", "#c33", [(r["round"], r.get("loss")) for r in recs])], title="token-weighted loss")
-    drift = _svg_lines([("mean", "#36c", [(r["round"], r.get("drift_mean")) for r in recs]),
-                        ("max", "#c63", [(r["round"], r.get("drift_max")) for r in recs])], title="drift")
-    esc = html.escape
-    members = "".join(f"<tr><td>{esc(m['cluster'])}</td><td>{esc(m['incarnation'])}</td>"
-                      f"<td>{m['heard_s_ago']}</td><td>{'yes' if m['sent'] else 'no'}</td></tr>"
-                      for m in st["members"]) or '<tr><td colspan="4">none (waiting for a site)</td></tr>'
-    rows = "".join(f"<tr><td>{r['round']}</td><td>{r['tokens']:,}</td><td>{_fmt(r.get('loss'), '.4f')}</td>"
-                   f"<td>{_fmt(r.get('perplexity'), '.2f')}</td><td>{_fmt(r.get('drift_mean'), '.4f')}</td>"
-                   f"<td>{_fmt(r.get('drift_max'), '.4f')}</td><td>{r['wall_s']:.0f}</td>"
-                   f"<td>{esc(', '.join(sorted(r['clusters'])))}</td>"
-                   f"<td>{esc('; '.join(d['cluster'] + ': ' + d['why'] for d in r['excluded'] + r['dropped']))}</td></tr>"
-                   for r in reversed(recs[-20:]))
-    return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="10">
-<title>fedmom round {st['round']}</title><style>body{{font-family:sans-serif;margin:1em}}
-td,th{{padding:2px 8px;text-align:left}} table{{border-collapse:collapse}} tr:nth-child(even){{background:#f4f4f4}}</style>
-</head><body><h2>FedMom aggregator: round {st['round']}{' (merging)' if st['merging'] else ''}</h2>
-{alarms_html(st)}<p>{st['parameters']:,} parameters in {st['tensors']} tensors; outer lr {st['config']['outer_lr']},
-momentum {st['config']['outer_momentum']}; deltas waiting: {esc(', '.join(st['pending']) or 'none')};
-DARL commits owed: {st['pending_commits']}, aborts owed: {st['pending_aborts']}; aggregator
-{esc(st['aggregator'])} epoch {st['epoch']}</p>
-<h3>members</h3><table><tr><th>cluster</th><th>incarnation</th><th>heard (s ago)</th><th>sent</th></tr>{members}</table>
-<div>{loss}</div><div>{drift}</div><h3>membership over time</h3>{_svg_membership(st['events'], time.time())}
-<h3>last merges</h3><table><tr><th>round</th><th>tokens</th><th>loss</th><th>ppl</th><th>drift mean</th>
-<th>drift max</th><th>wall s</th><th>clusters</th><th>excluded / dropped</th></tr>{rows}</table>
-</body></html>"""
-
+# ---------------------------------------------------------------- status
 
 def alarm_lines(st):
     """The loud lines of a status: violation counters, DARL's silence, fencing."""
@@ -379,14 +303,13 @@ def alarm_lines(st):
     return out
 
 
-def alarms_html(st):
-    lines = alarm_lines(st)
-    return "".join(f'<p style="color:#c00;font-weight:bold">{html.escape(l)}</p>' for l in lines)
-
-
 def print_status(url, token=None, last=10):
     """Print the aggregator's status; 1 while a violation counter is non-zero or it is fenced."""
     st = httpd.call(url, "GET", "/status", token=token)
+    if not isinstance(st, dict) or "round" not in st or "members" not in st:
+        what = "DARL (darl_server.py status)" if isinstance(st, dict) and "num_blocks" in st else "not the aggregator"
+        raise SystemExit(f"status: {url} answers /status like {what}: point --url at the aggregator "
+                         f"(fedmom_server.py, port {DEFAULT_PORT} by default)")
     print(f"round {st['round']}{' (merging)' if st['merging'] else ''}; {st['parameters']:,} parameters; "
           f"outer lr {st['config']['outer_lr']} momentum {st['config']['outer_momentum']}; "
           f"aggregator {st['aggregator']} epoch {st['epoch']}; DARL commits owed {st['pending_commits']}, "
@@ -472,8 +395,8 @@ def main(argv):
         p.add_argument("--last", type=int, default=10, help="how many recent merges to print (default 10)")
         a = p.parse_args(argv)
         try:
-            return print_status(a.url, httpd.load_token(a.token_file), a.last)
-        except (httpd.CallError, OSError) as e:
+            sys.exit(print_status(a.url, httpd.load_token(a.token_file), a.last))
+        except (httpd.CallError, OSError, http.client.HTTPException, ValueError) as e:
             raise SystemExit(f"status: {a.url}: {e}")
     a = _server_parser().parse_args(argv)
     if a.darl_heartbeat_s is not None:

@@ -1,0 +1,387 @@
+"""status_page.py: ticks, decimation, coverage and alarms as pure functions; the page
+served live by a real aggregator (a process) with a real DARL and blob store (processes)
+and merged rounds behind it; and that page in a real browser (Debian's headless Chromium,
+driven through chromedriver's WebDriver HTTP protocol with urllib) at two widths, with
+no console error, plots with axes, and screenshots saved under runs/test-status-page/."""
+import base64
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+import urllib.request
+
+import numpy as np
+
+import fedmom_client
+import httpd
+import status_page as sp
+import tensorio
+from helpers import Output, listening_url
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHOTS = os.path.join(ROOT, "runs", "test-status-page")
+CHROMEDRIVER, CHROMIUM = "/usr/bin/chromedriver", "/usr/bin/chromium"
+SHAPES = {"w": (16, 8), "b": (8,)}
+
+
+def text_outside_svg(page):
+    """What a text browser shows: the page without its SVG, tags and entities."""
+    import html
+    bare = re.sub(r"<svg.*?</svg>", " ", page, flags=re.S)
+    bare = re.sub(r"<(style|title)>.*?</\1>", " ", bare, flags=re.S)
+    return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", bare)))
+
+
+def record(rnd, t, tokens, loss, sites, excluded=()):
+    return {"v": 2, "round": rnd, "time": t, "tokens": tokens, "loss": loss, "drift_mean": 0.01, "drift_max": 0.02,
+            "wall_s": 10.0, "reason": "all members sent", "clusters": sites, "excluded": list(excluded),
+            "dropped": [], "late": []}
+
+
+def status(rnd, members=(), events=()):
+    return {"round": rnd, "merging": False, "members": list(members), "pending": [], "events": list(events),
+            "excluded": [], "dropped": [], "pending_commits": 0, "parameters": 1000, "tensors": 2,
+            "config": {"outer_lr": 0.7, "outer_momentum": 0.9}}
+
+
+DARL = {"num_blocks": 1000, "committed": 400, "leased": 100, "free": 490, "quarantined": 10, "done": False,
+        "complete": False, "invariant_error": None,
+        "clusters": [{"cluster": "lumi", "live": True, "committed": 300, "lost": 0, "leased": 50, "blocks_per_s": 2.0},
+                     {"cluster": "snellius", "live": True, "committed": 100, "lost": 2, "leased": 50,
+                      "blocks_per_s": 0.5},
+                     {"cluster": "old", "live": False, "committed": 0, "lost": 0, "leased": 0, "blocks_per_s": 9.0}]}
+
+
+def view(rows, st=None, darl=DARL, saved=False, now=2e9, alarms=()):
+    return {"status": st or status(len(rows)), "alarms": list(alarms), "rows": rows, "now": now, "saved": saved,
+            "darl": darl,
+            "darl_error": None, "blob": {"used_bytes": 3 << 30, "quota_bytes": 64 << 30, "blobs": 2, "uploads": 0},
+            "blob_error": None, "disk": {"state_bytes": 5 << 20, "state_free_bytes": 100 << 30}}
+
+
+class PureTest(unittest.TestCase):
+    def test_ticks_are_round_numbers_that_cover_the_range(self):
+        for lo, hi in ((0, 1), (3.7, 9.2), (1e6, 3.3e7), (-5, 5), (2.0, 2.0), (0.0012, 0.0049)):
+            t = sp.nice_ticks(lo, hi)
+            self.assertLessEqual(t[0], lo)
+            self.assertGreaterEqual(t[-1], hi)
+            self.assertTrue(3 <= len(t) <= 9, (lo, hi, t))
+            steps = {round(b - a, 12) for a, b in zip(t, t[1:])}
+            self.assertEqual(len({round(s / min(steps), 6) for s in steps}), 1, t)   # evenly spaced
+            mant = min(steps) / 10 ** math.floor(math.log10(min(steps)))
+            self.assertIn(round(mant, 6), (1, 2, 2.5, 5), t)
+        t = sp.time_ticks(1000, 1000 + 3 * 3600)
+        self.assertEqual(t[1] - t[0], 3600)
+        self.assertEqual(t[0] % 3600, 0)
+
+    def test_decimation_bounds_the_points_and_keeps_a_spike(self):
+        pts = [(i, 1.0 + 0.001 * i) for i in range(100000)]
+        pts[77777] = (77777, 50.0)
+        out = sp.decimate(pts, 250)
+        self.assertLessEqual(len(out), 500)
+        self.assertIn((77777, 50.0), out)
+        self.assertEqual(out[0], pts[0])
+        self.assertEqual([p[0] for p in out], sorted(p[0] for p in out))
+        self.assertEqual(sp.decimate(pts[:10], 250), pts[:10])
+
+    def test_coverage_eta_is_the_blocks_left_at_the_live_sites_measured_rate(self):
+        cov = sp.coverage(DARL, now=1000.0)
+        self.assertEqual(cov["pct"], 40.0)
+        self.assertEqual(cov["rate"], 2.5)                       # the dead cluster's rate does not count
+        self.assertEqual(cov["eta_s"], 600 / 2.5)
+        self.assertEqual(cov["eta_at"], 1240.0)
+        idle = dict(DARL, clusters=[dict(c, live=False) for c in DARL["clusters"]])
+        self.assertIsNone(sp.coverage(idle, 0)["eta_s"])
+        self.assertIsNone(sp.coverage(None, 0))
+
+    def test_the_page_has_every_section_and_a_text_browser_reads_the_numbers(self):
+        rows, cum = [], 0
+        for r in range(1, 301):                                 # more than the aggregator keeps in memory
+            sites = {"lumi": {"incarnation": "a", "tokens": 4096, "loss": 8 - r / 100, "tokens_per_s": 900.0,
+                              "mfu": 0.41, "peak_mem_gb": 30.5, "inner_s": 8.0},
+                     "snellius": {"incarnation": "b", "tokens": 2048, "loss": 8.2 - r / 100, "tokens_per_s": 500.0,
+                                  "peak_mem_gb": 12.0, "inner_s": 5.0}}
+            if r % 50 == 0:
+                sites["lumi"].update(heldout_loss=8.5 - r / 100, heldout_round=r - 1)
+            rows.append(sp.compact(record(r, 1.9e9 + 10 * r, 6144, 8 - r / 100, sites), cum))
+            cum = rows[-1]["cum_tokens"]
+        st = status(300, members=[{"cluster": "lumi", "incarnation": "a", "heard_s_ago": 1.5, "sent": False}],
+                    events=[{"t": 1.9e9, "event": "join", "cluster": "lumi"},
+                            {"t": 1.9e9 + 5, "event": "join", "cluster": "snellius"},
+                            {"t": 1.9e9 + 2000, "event": "drop", "cluster": "snellius"}])
+        page = sp.render(view(rows, st))
+        self.assertEqual(page.count('<svg class="plot"'), 4)
+        self.assertEqual(page.count('<g class="axis x">'), 4)
+        self.assertIn('http-equiv="refresh"', page)
+        self.assertIn("rounds.jsonl", page)                       # 300 rounds: the table says where the rest are
+        self.assertIn(">300<", page)                              # the x axis of the drift plot reaches round 300
+        text = text_outside_svg(page)
+        for want in ("40.0 % of 1,000 blocks committed", "ETA 4 min 00 s", "2.5 blocks/s", "committed 400",
+                     "quarantined 10", "10 block(s) QUARANTINED", "2 lease(s) LOST", "lumi", "snellius",
+                     "41.0%", "30.50 GB", "80% / 80%", "50% / 50%",   # utilisation: 8 s and 5 s of 10 s rounds
+                     "1.84M tokens merged", "first 8.0000 (lumi, theta of round 49), last 5.5000 (lumi, theta of round 299)",
+                     "3.00 GiB", "quota 64.00 GiB", "5.00 MiB", "Live page, rendered 2033-05-18 03:33:20 UTC"):
+            self.assertIn(want, text)
+        self.assertIn("n/a (no bf16 peak: CPU)", text)            # snellius sent no MFU
+
+    def test_a_saved_copy_says_when_and_does_not_refresh(self):
+        page = sp.render(view([], saved=True, now=1.7e9))
+        self.assertNotIn("refresh", page.split("</head>")[0])
+        self.assertIn("Saved copy, captured 2023-11-14 22:13:20 UTC; it does not refresh.", page)
+        self.assertIn("no data yet", page)
+
+    def test_excluded_deltas_violations_and_refused_commits_are_loud(self):
+        import fedmom_server
+        rows = [sp.compact(record(1, 1e9, 10, 2.0, {}, excluded=[{"cluster": "lumi", "why": "NaN in w"}]), 0)]
+        st = dict(status(1), violations={"refused_commits": 1, "aborted_custody": 0, "blocks_trained_twice": 0})
+        darl = dict(DARL, quarantined=0, clusters=[], violations={"refused_commits": 0, "blocks_trained_twice": 3})
+        page = sp.render(view(rows, st, darl=darl, alarms=fedmom_server.alarm_lines(st)))
+        alarms = re.findall(r'<p class="alarm">(.*?)</p>', page)
+        self.assertEqual(len(alarms), 3, alarms)
+        self.assertIn("EXACTLY-ONCE VIOLATED: refused_commits 1", alarms[0])     # the aggregator's counters first
+        self.assertIn("DARL: !!! EXACTLY-ONCE VIOLATED", alarms[1])
+        self.assertIn("blocks_trained_twice 3", alarms[1])
+        self.assertIn("1 delta(s) EXCLUDED", alarms[2])
+        self.assertIn("round 1: lumi: NaN in w", alarms[2])
+        quiet = sp.render(view([], darl=dict(DARL, quarantined=0, clusters=[])))
+        self.assertNotIn('class="alarm"', quiet)
+        self.assertIn("no delta excluded, no DARL commit refused", quiet)
+        down = dict(view([]), darl=None, darl_error="unreachable (ConnectionRefusedError: refused)")
+        self.assertIn("DARL status unavailable: unreachable", sp.render(down))
+
+    def test_the_rounds_log_is_read_incrementally_and_a_torn_line_waits(self):
+        d = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, d)
+        path = os.path.join(d, "rounds.jsonl")
+        tail = sp.RoundsTail(path)
+        self.assertEqual(tail.read(), [])
+        with open(path, "w") as f:
+            f.write(json.dumps(record(1, 1.0, 100, 3.0, {})) + "\n" + json.dumps(record(2, 2.0, 50, 2.0, {}))[:30])
+        self.assertEqual([(r["round"], r["cum_tokens"]) for r in tail.read()], [(1, 100)])
+        with open(path, "w") as f:                                  # the torn line completed (rewritten whole)
+            f.write(json.dumps(record(1, 1.0, 100, 3.0, {})) + "\n" + json.dumps(record(2, 2.0, 50, 2.0, {})) + "\n")
+        self.assertEqual([(r["round"], r["cum_tokens"]) for r in tail.read()], [(1, 100), (2, 150)])
+        with open(path, "w") as f:                                  # replaced by a shorter file: read again
+            f.write(json.dumps(record(1, 1.0, 7, 3.0, {})) + "\n")
+        self.assertEqual([(r["round"], r["cum_tokens"]) for r in tail.read()], [(1, 7)])
+
+
+# ---------------------------------------------------------------- a live run behind the page
+
+def write_tensors(path, arrays):
+    with tensorio.TensorWriter(path, [(k, "F32", a.shape) for k, a in arrays.items()], fsync=False) as w:
+        for k, a in arrays.items():
+            w.write(k, a)
+
+
+class LiveRun:
+    """darl_server.py, blobstore.py and fedmom_server.py as processes on 127.0.0.1 with a
+    token, and four merged rounds from two sites (one NaN delta refused and excluded)."""
+
+    def __init__(self, case, d):
+        self.dir, self.procs, self.rng = d, [], np.random.default_rng(0)
+        self.token = "page-t0ken"
+        tf = os.path.join(d, "token")
+        with open(tf, "w") as f:
+            f.write(self.token + "\n")
+        init = os.path.join(d, "init.safetensors")
+        write_tensors(init, {k: self.rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()})
+        net = ["--port", "0", "--token-file", tf]
+        self.darl = self.start(case, "darl_server.py", "--num-samples", "400", "--block-size", "4",
+                               "--state-dir", os.path.join(d, "darl"), *net)
+        self.blob = self.start(case, "blobstore.py", "--root", os.path.join(d, "blobs"), *net)
+        self.fedmom = self.start(case, "fedmom_server.py", "--state-dir", os.path.join(d, "fedmom"), "--init", init,
+                                 "--darl", self.darl, "--blob-url", self.blob, "--round-deadline-s", "600", *net)
+        self.rounds()
+
+    def start(self, case, script, *args):
+        p = subprocess.Popen([sys.executable, script, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        self.procs.append(p)
+        case.addClassCleanup(lambda: p.poll() is None and (p.kill(), p.wait(30)))
+        return listening_url(p, timeout=120)[0]
+
+    def lease(self, cluster, inc, blocks):
+        call = lambda path, body: httpd.call(self.darl, "POST", path, body, token=self.token)
+        digest = httpd.call(self.darl, "GET", "/status", token=self.token)["digest"]
+        call("/register", {"cluster": cluster, "incarnation": inc, "digest": digest})
+        return call("/acquire", {"cluster": cluster, "incarnation": inc, "blocks": blocks})["lease"]
+
+    def delta(self, nan=False):
+        path = os.path.join(self.dir, f"delta-{self.rng.integers(1 << 40)}.safetensors")
+        arrays = {k: (0.01 * self.rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}
+        if nan:
+            arrays["w"][0, 0] = np.nan
+        write_tensors(path, arrays)
+        return path
+
+    def rounds(self):
+        sites = {"lumi": fedmom_client.FedMomClient(self.fedmom, "lumi", "inc-l", token=self.token, blob_url=self.blob),
+                 "snellius": fedmom_client.FedMomClient(self.fedmom, "snellius", "inc-s", token=self.token,
+                                                        blob_url=self.blob)}
+        for c in sites.values():
+            c.join()
+        for rnd in range(4):
+            for i, (name, c) in enumerate(sites.items()):
+                tokens = (2 - i) * 4 * 64
+                metrics = {"loss": 6.0 - 0.5 * rnd - 0.2 * i, "tokens_per_s": 1000.0 / (i + 1),
+                           "peak_mem_gb": 1.5 + i, "inner_s": 4.0 + i}
+                if rnd == 2 and i == 0:
+                    metrics.update(heldout_loss=5.5, heldout_round=1)
+                if rnd == 1 and i == 1:                       # a NaN delta: refused, and excluded in the record
+                    try:
+                        c.send_delta(self.delta(nan=True), rnd, tokens, [self.lease(name, c.incarnation, 1)], {})
+                        raise AssertionError("a NaN delta was accepted")
+                    except httpd.CallError as e:
+                        assert e.reply.get("code") == "bad_delta", e.reply
+                c.send_delta(self.delta(), rnd, tokens, [self.lease(name, c.incarnation, 2 - i)], metrics,
+                             transport="inline" if i else "blob")
+            for c in sites.values():
+                assert c.wait_round_after(rnd, timeout_s=120) == rnd + 1
+        deadline = time.monotonic() + 120                     # the aggregator commits in DARL after each merge
+        while httpd.call(self.fedmom, "GET", "/status", token=self.token)["pending_commits"]:
+            assert time.monotonic() < deadline, "DARL commits still owed after 120 s"
+            time.sleep(0.05)
+
+
+def get(url):
+    with urllib.request.urlopen(url, timeout=60) as r:
+        return r.read().decode(), r.headers.get("Content-Type")
+
+
+class LivePageTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.mkdtemp(prefix="status-page-")
+        cls.addClassCleanup(shutil.rmtree, cls.dir, True)
+        cls.run_ = LiveRun(cls, cls.dir)
+
+    def test_the_served_page_shows_darl_rounds_sites_and_disk(self):
+        page, ctype = get(self.run_.fedmom + "/")                 # public: no token
+        self.assertEqual(ctype, "text/html; charset=utf-8")
+        text = text_outside_svg(page)
+        for want in ("12.0 % of 100 blocks committed",           # 4 rounds x (2 + 1) blocks of 100
+                     "round 4", "4 merged round(s)", "lumi", "snellius", "blob store", "aggregator state",
+                     "1 delta(s) EXCLUDED", "first 5.5000 (lumi, theta of round 1)"):
+            self.assertIn(want, text)
+        self.assertEqual(page.count('<svg class="plot"'), 4)
+        self.assertNotIn(self.run_.token, page)
+        self.assertNotIn(self.dir, page)                          # no file path on a public page
+        saved, _ = get(self.run_.fedmom + "/?saved=1")
+        self.assertIn("Saved copy, captured", saved)
+        self.assertNotIn("refresh", saved.split("</head>")[0])
+
+
+# ---------------------------------------------------------------- a real browser
+
+class WebDriver:
+    """The few W3C WebDriver commands the test needs, over chromedriver's HTTP API (stdlib)."""
+
+    def __init__(self, case, log_path):
+        self.log = open(log_path, "w")
+        case.addClassCleanup(self.log.close)
+        self.proc = subprocess.Popen([CHROMEDRIVER, "--port=0"], stdout=subprocess.PIPE, stderr=self.log, text=True)
+        case.addClassCleanup(lambda: self.proc.poll() is None and (self.proc.kill(), self.proc.wait(30)))
+        port = Output(self.proc).wait_for(r"started successfully on port (\d+)", 60).group(1)
+        self.url = f"http://127.0.0.1:{port}"
+        caps = {"capabilities": {"alwaysMatch": {
+            "browserName": "chrome", "goog:loggingPrefs": {"browser": "ALL"},
+            "goog:chromeOptions": {"binary": CHROMIUM, "args": [
+                "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--hide-scrollbars", "--no-first-run", "--disable-extensions"]}}}}
+        self.session = self.cmd("POST", "/session", caps)["sessionId"]
+        case.addClassCleanup(self.quit)
+
+    def cmd(self, method, path, body=None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return json.loads(r.read())["value"]
+        except urllib.error.HTTPError as e:
+            raise AssertionError(f"WebDriver {method} {path}: {e.code} {e.read()[:500]!r}") from None
+
+    def s(self, method, path, body=None):
+        return self.cmd(method, f"/session/{self.session}{path}", body)
+
+    def js(self, script, *args):
+        return self.s("POST", "/execute/sync", {"script": script, "args": list(args)})
+
+    def quit(self):
+        try:
+            self.s("DELETE", "")
+        except (AssertionError, OSError):
+            pass
+
+
+@unittest.skipUnless(os.access(CHROMEDRIVER, os.X_OK) and os.access(CHROMIUM, os.X_OK),
+                     "no Debian chromium + chromium-driver (make test installs them: apt-get install -y chromium "
+                     "chromium-driver)")
+class BrowserTest(unittest.TestCase):
+    WIDTHS = (1400, 480)
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.mkdtemp(prefix="status-browser-")
+        cls.addClassCleanup(shutil.rmtree, cls.dir, True)
+        cls.run_ = LiveRun(cls, cls.dir)
+        os.makedirs(SHOTS, exist_ok=True)
+        cls.wd = WebDriver(cls, os.path.join(SHOTS, "chromedriver.log"))
+
+    def render(self, width):
+        wd = self.wd
+        wd.s("POST", "/window/rect", {"width": width, "height": 900})
+        wd.s("POST", "/url", {"url": self.run_.fedmom + "/"})
+        self.assertTrue(wd.s("GET", "/title").startswith("pww round 4"))
+        inner = wd.js("return window.innerWidth")
+        height = wd.js("return document.documentElement.scrollHeight")
+        wd.s("POST", "/window/rect", {"width": width, "height": min(height + 200, 8000)})  # the whole page
+        shot = os.path.join(SHOTS, f"status-{width}px.png")
+        with open(shot, "wb") as f:
+            f.write(base64.b64decode(wd.s("GET", "/screenshot")))
+        facts = wd.js("""
+            const plots = [...document.querySelectorAll('svg.plot')];
+            return {inner: window.innerWidth, scrollW: document.documentElement.scrollWidth,
+                    plots: plots.map(p => ({w: p.getBoundingClientRect().width, h: p.getBoundingClientRect().height,
+                        x: p.querySelectorAll('g.axis.x line.tick').length,
+                        y: p.querySelectorAll('g.axis.y line.tick, g.axis.y text.tick-label').length,
+                        labels: [...p.querySelectorAll('.axis-label')].map(t => t.textContent),
+                        data: p.querySelectorAll('polyline.series, g.series circle, rect[fill="#7bc28f"]').length,
+                        legend: p.querySelector('g.legend') ? p.querySelector('g.legend').getBBox().y +
+                            p.querySelector('g.legend').getBBox().height : null,
+                        top: p.querySelector('rect[stroke="#999"]').getBBox().y}))};""")
+        logs = wd.s("POST", "/se/log", {"type": "browser"})
+        return inner, facts, logs, shot
+
+    def test_the_page_renders_at_two_widths_with_plots_axes_and_no_console_error(self):
+        widths = {}
+        for width in self.WIDTHS:
+            with self.subTest(width=width):
+                inner, facts, logs, shot = self.render(width)
+                errors = [e for e in logs if e.get("level") in ("SEVERE", "ERROR")]
+                self.assertEqual(errors, [], f"console errors at {width} px")
+                self.assertEqual(len(facts["plots"]), 4, facts)
+                for p in facts["plots"]:
+                    self.assertGreaterEqual(p["x"], 2, p)             # ticks on both axes
+                    self.assertGreaterEqual(p["y"], 2, p)
+                    self.assertTrue(p["labels"] and all(p["labels"]), p)
+                    self.assertGreater(p["data"], 0, p)               # something is drawn
+                    if p["legend"] is not None:
+                        self.assertLessEqual(p["legend"], p["top"], p)   # the legend sits above the plot area
+                self.assertLessEqual(facts["scrollW"], facts["inner"] + 1, "the page scrolls sideways")
+                self.assertGreater(os.path.getsize(shot), 10000)
+                widths[width] = max(p["w"] for p in facts["plots"])
+        wide, narrow = (widths[w] for w in self.WIDTHS)
+        self.assertGreater(wide, narrow)                                # the plots follow the window
+        self.assertLessEqual(narrow, self.WIDTHS[1])
+
+
+if __name__ == "__main__":
+    unittest.main()
