@@ -456,6 +456,7 @@ def make_routes(store):
 
 def serve(cfg, net):
     cfg.validate()
+    httpd.writable_dir(cfg.root, "--root")
     store = BlobStore(cfg.root, cfg.quota_gb * GB, cfg.max_blob_gb * GB, int(cfg.chunk_mb * 2**20))
     server = httpd.make_server(make_routes(store), net.host, net.port, httpd.load_token(net.token_file),
                                net.insecure, max_body=int(net.max_body_mb * 2**20), quiet=not net.verbose)

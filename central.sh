@@ -13,7 +13,7 @@
 # Runs on: the central VM (no GPU, bare Python 3 + numpy; .venv/bin/python when present,
 # else python3; override with PYTHON). Nothing else is installed: copy this script and
 #   httpd.py tensorio.py blobstore.py darl_table.py darl_server.py fedmom_merge.py fedmom_state.py
-#   fedmom_server.py audit.py
+#   fedmom_server.py audit.py status_page.py
 # into one directory (start refuses, naming them, if any is missing).
 # State (default runs/central, or --state-dir / PWW_CENTRAL_STATE):
 #   token          the shared bearer token, made on first start (mode 600): copy it to
@@ -32,12 +32,30 @@
 # with the token); ports DARL_PORT / FEDMOM_PORT / BLOB_PORT; PWW_PUBLIC_HOST is the
 # address printed for the sites (default: this host's FQDN when bound beyond loopback).
 # Extra flags per daemon: DARL_ARGS, FEDMOM_ARGS, BLOB_ARGS (word-split).
+#
+# Variables `start` reads (all optional once the state dir exists):
+#   MANIFEST             first start: the corpus manifest.json DARL leases (its training windows)
+#   NUM_SAMPLES          first start, instead of MANIFEST: the number of samples
+#   BLOCK_SIZE, SEED     first start: samples per DARL block (default 1), permutation seed (default 0)
+#   INIT                 first start: FedMom's initial model (.safetensors, train.py --export-init)
+#   PWW_CENTRAL_STATE    the state dir (default runs/central beside this script; --state-dir wins)
+#   PWW_CENTRAL_HOST     bind address (default 127.0.0.1)
+#   DARL_PORT FEDMOM_PORT BLOB_PORT   ports (default 29510 29511 29512)
+#   DARL_ARGS FEDMOM_ARGS BLOB_ARGS   extra flags per daemon
+#   PWW_START_TIMEOUT_S  seconds each daemon has to answer /health (default 60)
+#   PWW_PUBLIC_HOST      the address `url` prints for the sites
+#   PWW_SITE_TOKEN_FILE  the token path `url` prints for the sites (default: the state dir's token)
+#   PYTHON               the interpreter (default .venv/bin/python, else python3)
+# ./central.sh --help prints this and creates nothing.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 [ $# -ge 1 ] || usage
+case "$1" in
+    -h|--help|help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+esac
 CMD=$1; shift
 STATE=${PWW_CENTRAL_STATE:-$ROOT/runs/central}
 AUDIT_ARGS=()
@@ -62,7 +80,7 @@ BLOB_PORT=${BLOB_PORT:-29512}
 TOKEN=$STATE/token
 AGG_TOKEN=$STATE/aggregator.token
 DAEMONS="darl fedmom blob"
-CENTRAL_FILES="httpd.py tensorio.py blobstore.py darl_table.py darl_server.py fedmom_merge.py fedmom_state.py fedmom_server.py audit.py"
+CENTRAL_FILES="httpd.py tensorio.py blobstore.py darl_table.py darl_server.py fedmom_merge.py fedmom_state.py fedmom_server.py audit.py status_page.py"
 
 script_of() { case "$1" in darl) echo darl_server.py ;; fedmom) echo fedmom_server.py ;; blob) echo blobstore.py ;; esac; }
 port_of() { case "$1" in darl) echo "$DARL_PORT" ;; fedmom) echo "$FEDMOM_PORT" ;; blob) echo "$BLOB_PORT" ;; esac; }

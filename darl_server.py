@@ -725,7 +725,9 @@ def format_status(st):
 
 def _cli_parser(doc):
     p = httpd.base_parser(doc)
-    p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="coordinator URL")
+    p.prog = " ".join(doc.split()[:2])               # "darl_server.py status", not "darl_server.py"
+    p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}",
+                   help=f"coordinator URL (default http://127.0.0.1:{DEFAULT_PORT})")
     p.add_argument("--token-file", default=os.environ.get("PWW_TOKEN_FILE"),
                    help="bearer token file (default $PWW_TOKEN_FILE or $PWW_TOKEN)")
     return p
@@ -740,6 +742,9 @@ def status_main(argv):
         st = httpd.call(a.url, "GET", "/status", token=httpd.load_token(a.token_file), timeout=10)
     except (OSError, httpd.CallError) as e:
         raise SystemExit(f"cannot read {a.url}/status: {e}")
+    if not isinstance(st, dict) or "num_blocks" not in st:
+        raise SystemExit(f"status: {a.url} is not the DARL coordinator (its /status has no num_blocks): point "
+                         f"--url at darl_server.py, port {DEFAULT_PORT} by default")
     print(json.dumps(st, indent=1) if a.json else format_status(st))
     bad = st.get("quarantined") or st.get("invariant_error") or any((st.get("violations") or {}).values())
     return 1 if bad else 0
@@ -886,6 +891,8 @@ def serve(a):
                          "aggregator and abort its custody\n")
     server = httpd.make_server({}, a.host, a.port, token, a.insecure, max_body=int(a.max_body_mb * 2**20),
                                quiet=not a.verbose, scoped={p: agg_token for p in CUSTODY_PATHS} if agg_token else None)
+    if cfg.state_dir:
+        httpd.writable_dir(cfg.state_dir, "--state-dir")
     coord = Coordinator(space, cfg.table, cfg.state_dir, cfg.snapshot_every, cfg.restore_grace,
                         accept_config_change=a.accept_config_change)
     server.RequestHandlerClass.routes.update(make_routes(coord))

@@ -149,6 +149,15 @@ def cifar_augment(x_uint8, generator=None, train=True):
 MANIFEST_FORMAT = "pww-windows/1"
 
 
+class CorpusError(ValueError):
+    """A corpus that cannot be read: one line naming the file and the command that makes it."""
+
+
+def make_corpus_hint(manifest_path):
+    return (f"`python tokenize_corpus.py --out {os.path.dirname(manifest_path) or '.'} --seq-len N` makes it "
+            "(N = the model's sequence length; see tokenize_corpus.py --help)")
+
+
 class TokenWindows:
     """Read-only view of a tokenized corpus: window index -> seq_len+1 token ids.
 
@@ -157,16 +166,29 @@ class TokenWindows:
     """
 
     def __init__(self, manifest_path):
-        with open(manifest_path) as f:
-            m = json.load(f)
-        if m.get("format") != MANIFEST_FORMAT:
-            raise ValueError(f"{manifest_path}: format {m.get('format')!r}, expected "
+        try:
+            with open(manifest_path) as f:
+                m = json.load(f)
+        except FileNotFoundError:
+            raise CorpusError(f"--data {manifest_path}: no such corpus manifest; {make_corpus_hint(manifest_path)}, "
+                              "or point --data at an existing manifest.json") from None
+        except (OSError, ValueError) as e:
+            raise CorpusError(f"--data {manifest_path}: not a readable manifest.json ({e}); "
+                              f"{make_corpus_hint(manifest_path)}") from None
+        if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
+            m = m if isinstance(m, dict) else {}
+            raise CorpusError(f"{manifest_path}: format {m.get('format')!r}, expected "
                              f"{MANIFEST_FORMAT!r}; re-run tokenize_corpus.py")
         self.manifest, self.path = m, manifest_path
         self.seq_len, self.vocab_size = int(m["seq_len"]), int(m["vocab_size"])
         self.num_windows, self.heldout_windows = int(m["num_windows"]), int(m["heldout_windows"])
         self.digest = m["digest"]
         base = os.path.dirname(os.path.abspath(manifest_path))
+        missing = [s["file"] for s in m["shards"] if not os.path.isfile(os.path.join(base, s["file"]))]
+        if missing:
+            raise CorpusError(f"--data {manifest_path}: {len(missing)} of {len(m['shards'])} shard files are missing "
+                              f"beside it ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): copy the "
+                              f"whole corpus directory, or make it again: {make_corpus_hint(manifest_path)}")
         self._shards, self._starts, start = [], [], 0
         for s in m["shards"]:
             arr = np.memmap(os.path.join(base, s["file"]), dtype=np.dtype(m["dtype"]), mode="r",
@@ -175,7 +197,7 @@ class TokenWindows:
             self._starts.append(start)
             start += int(s["windows"])
         if start != self.num_windows:
-            raise ValueError(f"{manifest_path}: shards hold {start} windows, manifest says "
+            raise CorpusError(f"{manifest_path}: shards hold {start} windows, manifest says "
                              f"{self.num_windows}; re-run tokenize_corpus.py")
 
     @property

@@ -2,7 +2,7 @@
 
 Runs on: the central VM (CPU only). Python standard library + numpy; never imports
 torch, so copying httpd.py, tensorio.py, fedmom_merge.py (the merge arithmetic and the
-delta checks), fedmom_state.py (the durable state and round protocol) and this file onto a bare Python 3 with numpy is the whole install
+delta checks), fedmom_state.py (the durable state and round protocol), status_page.py (GET /) and this file onto a bare Python 3 with numpy is the whole install
 (blobstore.py too for the blob transport).
 
     # first start: the initial model (any float dtype; theta_global is kept in fp32)

@@ -131,6 +131,12 @@ class ServerConfig:
             raise SystemExit(f"--darl-retry-s {self.darl_retry_s} must be > 0 seconds")
         if self.init is not None and not os.path.isfile(self.init):
             raise SystemExit(f"--init {self.init}: no such file")
+        if self.init is not None:          # before the state dir exists: a bad --init leaves nothing behind
+            try:
+                tensorio.TensorReader(self.init).close()
+            except tensorio.FormatError as e:
+                raise SystemExit(f"--init {e}; pass the file `train.py --export-init` wrote") from None
+        httpd.writable_dir(self.state_dir, "--state-dir")
         return self
 
 

@@ -48,6 +48,7 @@ import signal
 import socket
 import socketserver
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -372,10 +373,29 @@ def make_server(routes, host="127.0.0.1", port=0, token=None, insecure=False,
     try:
         return Server((host, port), handler)
     except OSError as e:
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise SystemExit(f"--host {host}: no interface of this machine has that address; "
+                             "pass one it has (127.0.0.1, or 0.0.0.0 for all)") from None
         if e.errno != errno.EADDRINUSE:
             raise
         raise SystemExit(f"cannot listen on {host}:{port}: the address is in use (is this server already "
                          "running?); stop the other process, or pass another --port") from None
+
+
+def writable_dir(path, flag):
+    """Create `path` if absent and prove a file can be written there; else one line naming
+    `flag` (a file where the directory should be, a read-only or foreign directory)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise SystemExit(f"{flag} {path} is a file, not a directory: pass a directory (it is created if absent)")
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise SystemExit(f"{flag} {path}: cannot write there ({e.strerror}); pass a directory this user "
+                         "can write") from None
+    return path
 
 
 def add_server_args(parser, default_port):

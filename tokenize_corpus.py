@@ -137,7 +137,8 @@ def expand_inputs(paths):
         elif os.path.isfile(p):
             files.append(p)
         else:
-            raise FileNotFoundError(f"input {p} does not exist")
+            raise FileNotFoundError(f"input {p} does not exist: name existing files or directories (no input "
+                                    "at all reads the Python standard library)")
     return files
 
 
@@ -283,7 +284,9 @@ def tokenize(cfg: TokenizeConfig):
     if cfg.max_files:
         files = files[: cfg.max_files]
     if not files:
-        raise ValueError("no input files: name text/jsonl files or directories")
+        raise ValueError(f"no input files in {' '.join(cfg.inputs)}: directories are searched for "
+                         f"{', '.join(TEXT_SUFFIXES + JSONL_SUFFIXES)}; name files with those suffixes "
+                         "(or no input at all, for the Python standard library)")
     dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
     width = cfg.seq_len + 1
     os.makedirs(cfg.out, exist_ok=True)
@@ -343,7 +346,10 @@ def main():
     p.add_argument("--max-files", type=int, default=0, help="read at most this many files (0 = all)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     a = p.parse_args()
-    m = tokenize(TokenizeConfig(**vars(a)))
+    try:
+        m = tokenize(TokenizeConfig(**vars(a)))
+    except (ValueError, OSError) as e:      # each names the input or flag and the fix
+        raise SystemExit(f"tokenize_corpus.py: {e}") from None
     print(f"{m['num_windows']} windows of {m['seq_len'] + 1} tokens "
           f"({m['heldout_windows']} held out), vocab {m['vocab_size']}, digest {m['digest'][:16]} "
           f"-> {os.path.join(a.out, 'manifest.json')}")

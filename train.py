@@ -174,11 +174,11 @@ def detect_accel(device="auto"):
     if device not in ("cuda", "rocm"):
         raise ValueError(f"--device {device!r} is not one of auto, cpu, cuda, rocm")
     if not gpu:
-        raise RuntimeError(f"--device {device}: no GPU is visible to this process "
+        raise DeviceError(f"--device {device}: no GPU is visible to this process "
                            f"(check {PINNING_VAR[device]}); use --device cpu to run on the CPU")
     if (device == "rocm") != hip:
         built = "ROCm (HIP)" if hip else "CUDA"
-        raise RuntimeError(f"--device {device}: this torch is a {built} build; "
+        raise DeviceError(f"--device {device}: this torch is a {built} build; "
                            f"use --device {'rocm' if hip else 'cuda'} or --device auto")
     return device
 
@@ -431,6 +431,10 @@ class ConfigError(ValueError):
     pass
 
 
+class DeviceError(ConfigError, RuntimeError):
+    """--device names a device this process cannot use (one line, exit 2)."""
+
+
 def build_parser():
     p = argparse.ArgumentParser(description="Train ResNet/CIFAR-10 or Qwen3 on ROCm, CUDA or CPU "
                                 "(DDP/FSDP2, DiLoCo inside the allocation).",
@@ -516,8 +520,18 @@ def build_parser():
 def _yaml_defaults(path, parser):
     """{dest: value} from a YAML file, each key checked against the flags and typed like them."""
     import yaml
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"--config {path}: {e.strerror}; pass an existing YAML file (configs/*.yaml)") from None
+    except yaml.YAMLError as e:
+        # the context mark is where the broken entry starts (line 3 for "steps 200"), the
+        # problem mark where the parser gave up (often the next line)
+        mark = getattr(e, "context_mark", None) or getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "somewhere"
+        raise ConfigError(f"--config {path}: not valid YAML at {where} ({getattr(e, 'problem', None) or e}); "
+                          "fix that line: one `flag_name: value` per line, as in configs/*.yaml") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
     actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
@@ -1570,7 +1584,7 @@ def main(argv=None):
         if cfg.export_init:
             return export_init(cfg.resolve("cpu"))
         return train(cfg)
-    except ConfigError as e:
+    except (ConfigError, data.CorpusError) as e:
         if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
             print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
