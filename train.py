@@ -91,7 +91,16 @@ Outputs: runs/<run>/ holds
                     "federation" (one per outer phase: round, base_round, tokens, loss,
                     merged, merged_into, reason, lease, positions, windows, steps, inner_s,
                     tokens_per_s, send_s, wait_s, delta_norm); federated eval rows carry
-                    "round", and the last one "final": true
+                    "round". The first eval row ("first": true, step 0: before any training;
+                    federated runs and --eval-every) and the last ("final": true) are the held-
+                    out loss before and after. EVERY row carries tokens_total (img_total for
+                    CIFAR: trained by this job so far, all ranks, kept across --resume) and
+                    the incarnation (random per process; FedMom's and DARL's id of it), so
+                    loss against tokens needs no arithmetic and a resume shows as a new
+                    incarnation. A federated site sends its last held-out loss with its next
+                    delta (heldout_loss, heldout_round), so the status page plots it.
+    --tensorboard DIR  the same rows as TensorBoard scalars: <split>/<key> against the
+                    step, and <split>/loss_by_tokens against tokens_total
     checkpoints/    checkpoint.py's files; --resume auto continues from the newest
     federation/     rank 0's delta.safetensors (the last one sent) and theta.safetensors
 Who may run it: anyone with the venv (or the site container); it only writes under --runs-dir.
@@ -331,6 +340,7 @@ class Config:
     transport: str = "auto"
     delta_dtype: str = "f32"
     throttle_ms: int = 0
+    tensorboard: str | None = None
     export_init: str | None = None
     register_wait_s: float = 600.0
 
@@ -486,6 +496,8 @@ def build_parser():
     a("--runs-dir", default=Config.runs_dir, help="parent of run directories (default runs)")
     a("--resume", default=Config.resume, help="none | auto (newest checkpoint of this run) | PATH (default none)")
     a("--log-every", type=int, default=Config.log_every, help="optimizer steps per train row (default 10)")
+    a("--tensorboard", metavar="DIR", help="also write every metrics row as TensorBoard scalars into DIR "
+      "(torch.utils.tensorboard; needs the tensorboard package; default: metrics.jsonl only)")
     diloco.add_diloco_args(p)
     f = p.add_argument_group("federation (one model trained across sites through the central VM)")
     f.add_argument("--federation", metavar="FEDMOM_URL",
@@ -689,12 +701,19 @@ def peak_memory_gib(d):
 
 
 class RunLog:
-    """Rank 0 prints and appends to train.log and metrics.jsonl; other ranks stay quiet."""
+    """Rank 0 prints and appends to train.log and metrics.jsonl (and TensorBoard scalars
+    with --tensorboard); other ranks stay quiet. Every metrics row carries the cumulative
+    `<unit>_total` (tokens or img trained by the whole job so far, kept across a resume)
+    and this process's `incarnation`, so loss-vs-tokens needs no arithmetic and rows from
+    before and after a resume can be told apart."""
 
-    def __init__(self, run_dir, is_main):
+    def __init__(self, run_dir, is_main, tensorboard=None):
         self.is_main = is_main
         self.log_f = open(os.path.join(run_dir, "train.log"), "a") if is_main else None
         self.metrics_f = open(os.path.join(run_dir, "metrics.jsonl"), "a") if is_main else None
+        self.total_key, self.total, self.incarnation = "tokens_total", 0, secrets.token_hex(6)
+        writer = tensorboard_writer(tensorboard) if tensorboard else None    # every rank: all fail alike
+        self.tb = writer(tensorboard) if writer and is_main else None
 
     def log(self, msg):
         if self.is_main:
@@ -705,14 +724,39 @@ class RunLog:
 
     def metric(self, row):
         if self.is_main:
-            row = dict(row, time=round(time.time(), 3))
+            row = {**row, self.total_key: self.total, "incarnation": self.incarnation, "time": round(time.time(), 3)}
             self.metrics_f.write(json.dumps(row) + "\n")
             self.metrics_f.flush()
+            if self.tb is not None:
+                tensorboard_row(self.tb, row, self.total_key)
 
     def close(self):
-        for f in (self.log_f, self.metrics_f):
+        for f in (self.log_f, self.metrics_f, self.tb):
             if f:
                 f.close()
+
+
+def tensorboard_writer(path):
+    """torch's SummaryWriter class, or a one-line error naming the package to install."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ConfigError(f"--tensorboard {path}: torch.utils.tensorboard needs the tensorboard package "
+                          f"({e}): pip install tensorboard, or drop --tensorboard") from None
+    return SummaryWriter
+
+
+def tensorboard_row(tb, row, total_key):
+    """Every number of a metrics row as <split>/<key> against the step; the loss against
+    tokens too (<split>/loss_by_<unit>), since TensorBoard plots one x axis per scalar."""
+    split, step = row.get("split", "train"), row.get("step") or 0
+    for k, v in row.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time") \
+                and math.isfinite(v):
+            tb.add_scalar(f"{split}/{k}", v, step)
+    if isinstance(row.get("loss"), float):
+        tb.add_scalar(f"{split}/loss_by_{total_key.removesuffix('_total')}", row["loss"], row[total_key])
+    tb.flush()
 
 
 def fmt_row(row):
@@ -1259,7 +1303,7 @@ def federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, sched
     """Outer phases until DARL has no blocks left: one span, its inner steps, the round
     trip. Every rank runs this; returns the step count at the end."""
     step, phases, seq = start, 0, source.windows.seq_len
-    peak, gnorm, lr = peak_flops(d), None, None
+    peak, gnorm, lr, heldout = peak_flops(d), None, None, {}
     since_nll, since_tok = torch.zeros((), dtype=torch.float64, device=d.device), 0   # this rank
     to_device = HostToDevice(d.device)
     t_mark, step_mark = time.perf_counter(), step
@@ -1304,6 +1348,7 @@ def federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, sched
             last = s == phase.steps - 1
             if step % cfg.log_every == 0 or last:
                 row_nll, row_tok = _pooled_nll(since_nll, since_tok, d)
+                log.total += int(row_tok)
                 dt = time.perf_counter() - t_mark
                 tps = row_tok / dt
                 row = {"split": "train", "step": step, "round": carrier.round,
@@ -1325,7 +1370,8 @@ def federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, sched
                     "loss": phase_loss, "tokens_per_s": tps,
                     "mfu": flops * tps / d.world_size / peak if peak else None,
                     "tflops_per_rank": flops * tps / d.world_size / 1e12,
-                    "peak_mem_gb": peak_memory_gib(d), "inner_s": inner_s, "steps": phase.steps}}
+                    "peak_mem_gb": peak_memory_gib(d), "inner_s": inner_s, "steps": phase.steps,
+                    **heldout}}
                 carrier.before_send = lambda: save(step, carrier.round)    # BEFORE the delta leaves
             out = outer.after_inner_step(end_phase=last)
             if out:
@@ -1344,7 +1390,8 @@ def federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, sched
                         f"{phase.steps} steps, loss {row['loss']:.4f}, {tps:.4g} tokens/s, "
                         f"outer step {out['outer_ms'] / 1e3:.1f} s")
                 if cfg.eval_every and phases % cfg.eval_every == 0:
-                    run_eval(step, carrier.round)
+                    ev = run_eval(step, carrier.round)      # reported with the next delta: the page plots it
+                    heldout = {"heldout_loss": ev["loss"], "heldout_round": carrier.round}
                 t_mark, step_mark = time.perf_counter(), step
     return step
 
@@ -1380,7 +1427,7 @@ def train(cfg: Config):
     if cfg.resume == "none" and checkpoint.latest(run_dir):
         raise ConfigError(f"{run_dir} already has checkpoints and --resume is none: "
                           f"use --resume auto to continue it, or another --run-name")
-    log = RunLog(run_dir, d.is_main)
+    log = RunLog(run_dir, d.is_main, cfg.tensorboard)
     prov = provenance(d)
     log.log(f"run {cfg.run_name}: {d.world_size} ranks, {d.accel} ({d.backend}), "
             f"{prov['devices'][0]}, torch {prov['torch']}, torchtitan {prov['torchtitan']}, "
@@ -1397,6 +1444,7 @@ def train(cfg: Config):
     attention = models.configure_attention(model, d.device, COMPUTE_DTYPES[cfg.dtype])
     scaler = torch.amp.GradScaler(d.device.type) if cfg.dtype == "fp16" else None
     unit = "tokens" if cfg.llm else "img"
+    log.total_key = f"{unit}_total"
     log.log(f"model {cfg.model}: {n_params:,} parameters, {flops / 1e9:.3g} GFLOP per "
             f"{'token' if cfg.llm else 'image'} (train), {cfg.parallel}, dtype {cfg.dtype}, "
             f"peak lr {peak_lr:.4g}" + (f", DiLoCo k={k} H={cfg.diloco_inner_steps}" if k > 1 else "")
@@ -1415,6 +1463,8 @@ def train(cfg: Config):
                               "text, or fewer --heldout-windows in tokenize_corpus.py")
         per_step = cfg.batch_size * d.world_size * cfg.grad_accum
         site = FedSite(cfg, windows, 4 * n_params, log.log) if d.is_main else None
+        if site is not None:
+            log.incarnation = site.incarnation      # the one FedMom and DARL know this process by
         block_size, darl_seed, _ = diloco.on_rank0(lambda: site.connect(per_step))
         source = LeasedSource(cfg, d, windows, site, block_size, darl_seed)
         workdir = os.path.join(run_dir, "federation")
@@ -1447,6 +1497,7 @@ def train(cfg: Config):
 
     # -- resume ------------------------------------------------------------
     start = 0
+    units_per_step = cfg.grad_accum * cfg.batch_size * d.world_size * (windows.seq_len if cfg.llm else 1)
     if cfg.resume != "none":
         extra = (checkpoint.load_latest(run_dir, model, opt, diloco=outer) if cfg.resume == "auto"
                  else checkpoint.load(cfg.resume, model, opt, diloco=outer))
@@ -1455,6 +1506,7 @@ def train(cfg: Config):
                 raise ConfigError(f"--data {cfg.data}: corpus digest {windows.digest[:12]} differs "
                                   f"from the checkpoint's {extra['digest'][:12]}; resume on the same corpus")
             start = extra["step"]
+            log.total = extra.get("units_total", start * units_per_step)
             log.log(f"resumed at step {start} from {cfg.resume} ({run_dir})")
         else:
             log.log(f"--resume auto: no checkpoint in {run_dir}; starting at step 0")
@@ -1463,7 +1515,8 @@ def train(cfg: Config):
         fed = {"cluster": cfg.cluster, "round": fed_round} if cfg.federation else None
         checkpoint.save(run_dir, step, model, opt, diloco=outer, sharded=cfg.sharded_checkpoint,
                         keep=cfg.keep_checkpoints, extra={"epoch": step // steps_per_epoch,
-                        "digest": windows.digest if windows else None, "federation": fed})
+                        "digest": windows.digest if windows else None, "federation": fed,
+                        "units_total": log.total})
 
     def run_eval(step, fed_round=None, **extra):
         with outer.global_weights() if outer else contextlib.nullcontext():
@@ -1472,6 +1525,7 @@ def train(cfg: Config):
                        **evaluate(model, cfg, d, source, windows))
         log.metric(row)
         log.log("eval  " + fmt_row(row))
+        return row
 
     if cfg.federation:
         try:
@@ -1480,6 +1534,8 @@ def train(cfg: Config):
             carrier.load_global(outer)           # theta_global of the CURRENT round, also after a resume
             log.log(f"federation: cluster {cfg.cluster}, theta_global of round {carrier.round}; "
                     f"LR schedule over {total} steps (--steps; default: the whole corpus at this site)")
+            if not start:
+                run_eval(step=0, fed_round=carrier.round, first=True)     # the held-out loss before training
             step = federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, schedule, peak_lr,
                                   flops, save, run_eval)
             diloco.on_rank0(lambda: site.finish())    # every merged lease committed, then leave
@@ -1493,6 +1549,8 @@ def train(cfg: Config):
         return _finish(log, run_dir, step)
 
     # -- loop --------------------------------------------------------------
+    if cfg.llm and cfg.eval_every and not start:
+        run_eval(0, first=True)                  # the held-out loss before training
     model.train()
     step, (epoch, skip) = start, divmod(start, steps_per_epoch)
     loss_sum = torch.zeros((), device=d.device)
@@ -1526,6 +1584,7 @@ def train(cfg: Config):
                 opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
+            log.total += units_per_step
             row = outer.after_inner_step() if outer else None     # collective every H steps
             if row:
                 log.metric(dict(row, step=step))

@@ -638,6 +638,26 @@ class FederationRunTest(unittest.TestCase):
             self.assertEqual(final[0]["round"], recs[-1]["round"], "the final eval is of the last round")
         self.assertTrue(any(r["split"] == "eval" and not r.get("final") for r in self.rows["alpha"]))
 
+    def test_rows_carry_cumulative_tokens_and_the_incarnation(self):
+        for name in ("alpha", "beta"):
+            rows = [r for r in self.rows[name] if r["split"] in ("train", "federation", "eval")]
+            self.assertTrue(all("tokens_total" in r and r.get("incarnation") for r in rows), name)
+            by_inc = {}
+            for r in rows:
+                by_inc.setdefault(r["incarnation"], []).append(r["tokens_total"])
+            for inc, totals in by_inc.items():
+                self.assertEqual(totals, sorted(totals), f"{name} {inc}: tokens_total went down")
+            first = [r for r in self.rows[name] if r["split"] == "eval" and r.get("first")]
+            self.assertEqual([(r["step"], r["tokens_total"]) for r in first], [(0, 0)],
+                             f"{name}: one held-out loss before any training")
+        self.assertEqual(len({r["incarnation"] for r in self.rows["alpha"]}), 2, "alpha was requeued once")
+        self.assertIn(self.events["alpha2_incarnation"], {r["incarnation"] for r in self.rows["alpha"]})
+        fed = [r for r in self.rows["beta"] if r["split"] == "federation"]
+        self.assertEqual(fed[-1]["tokens_total"], sum(r["tokens"] for r in fed), "beta: tokens_total = its phases")
+        reported = [c for r in self.records() for c in r["clusters"].values() if "heldout_loss" in c]
+        self.assertTrue(reported, "no site reported its held-out loss with a delta (--eval-every)")
+        self.assertTrue(all(c["heldout_loss"] > 0 and c["heldout_round"] >= 0 for c in reported))
+
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["worker"]:

@@ -56,6 +56,9 @@ import contextlib, io, json, sys, traceback
 import train
 out = []
 for argv in json.loads(sys.argv[1]):
+    if argv[0] == "--without":              # this case and the ones after it: that module absent
+        sys.modules[argv[1]] = None
+        argv = argv[2:]
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
@@ -88,6 +91,7 @@ class TrainTest(OneLine):
         r = run([sys.executable, "tokenize_corpus.py", src, "--out", cls.tok, "--seq-len", "16",
                  "--heldout-windows", "4", "--no-progress"])
         assert r.returncode == 0, r.stderr
+        shutil.copytree(cls.tok, p("tok-ok"))
         cls.shard = next(f for f in os.listdir(cls.tok) if f != "manifest.json")
         os.unlink(os.path.join(cls.tok, cls.shard))
         cls.yaml1, cls.yaml2 = p("bad1.yaml"), p("bad2.yaml")
@@ -106,7 +110,10 @@ class TrainTest(OneLine):
             "shards": ["--model", "qwen3-tiny", "--device", "cpu", "--data", os.path.join(cls.tok, "manifest.json")],
             "yaml1": ["--config", cls.yaml1], "yaml2": ["--config", cls.yaml2],
             "noconfig": ["--config", p("none.yaml")],
-            "device": ["--device", cls.device, "--model", "qwen3-tiny", "--data", "x.json"]}
+            "device": ["--device", cls.device, "--model", "qwen3-tiny", "--data", "x.json"],
+            "tensorboard": ["--without", "torch.utils.tensorboard", "--model", "qwen3-tiny", "--device", "cpu",
+                            "--data", p("tok-ok", "manifest.json"), "--eval-windows", "4", "--runs-dir", p("runs"), "--steps", "1",
+                            "--tensorboard", p("tb")]}    # last: the module stays absent
         r = run([sys.executable, "-c", DRIVER, json.dumps(list(cls.cases.values()))])
         assert r.returncode == 0, r.stderr
         cls.results = dict(zip(cls.cases, json.loads(r.stdout.strip().splitlines()[-1])))
@@ -145,6 +152,10 @@ class TrainTest(OneLine):
         self.check("yaml1", re.escape(f"--config {self.yaml1}: not valid YAML at line 3 "), "fix that line")
         self.check("yaml2", re.escape(f"--config {self.yaml2}: not valid YAML at line 2 "))
         self.check("noconfig", "--config .*none.yaml: no such file")
+
+    def test_tensorboard_without_its_package_names_the_package(self):
+        self.check("tensorboard", re.escape(f"--tensorboard {self.cases['tensorboard'][-1]}"),
+                   "needs the tensorboard package", "pip install tensorboard")
 
     def test_a_gpu_device_this_process_cannot_use(self):
         if self.device == "cuda":

@@ -277,6 +277,38 @@ class LivePageTest(unittest.TestCase):
         self.assertIn("Saved copy, captured", saved)
         self.assertNotIn("refresh", saved.split("</head>")[0])
 
+    def test_rounds_jsonl_exports_to_csv_and_tensorboard(self):
+        import csv
+        rounds = os.path.join(self.dir, "fedmom", "rounds.jsonl")
+        out, tb = os.path.join(self.dir, "rounds.csv"), os.path.join(self.dir, "tb")
+        p = subprocess.run([sys.executable, "rounds_export.py", rounds, "--csv", out, "--tensorboard", tb], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("4 rounds (1..4), 3,072 tokens", p.stdout)
+        with open(out) as f:
+            rows = list(csv.DictReader(f))
+        with open(rounds) as f:
+            recs = [json.loads(line) for line in f]
+        self.assertEqual([int(r["round"]) for r in rows], [1, 2, 3, 4])
+        self.assertEqual([int(r["tokens_total"]) for r in rows], list(np.cumsum([r["tokens"] for r in recs])))
+        self.assertEqual([float(r["loss"]) for r in rows], [r["loss"] for r in recs])
+        self.assertEqual([r["excluded"] for r in rows], ["0", "1", "0", "0"])     # the NaN delta of round 2
+        self.assertEqual(rows[2]["lumi_heldout_loss"], "5.5")
+        self.assertEqual(rows[0]["snellius_tokens_per_s"], "500.0")
+        self.assertEqual({r["lumi_incarnation"] for r in rows}, {"inc-l"})
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        acc = EventAccumulator(tb)
+        acc.Reload()
+        by_tokens = acc.Scalars("rounds/loss_by_tokens")
+        self.assertEqual([e.step for e in by_tokens], [int(r["tokens_total"]) for r in rows])
+        self.assertAlmostEqual(by_tokens[-1].value, recs[-1]["loss"], places=5)
+        self.assertEqual(len(acc.Scalars("sites/lumi/tokens_per_s")), 4)
+        empty = os.path.join(self.dir, "none.jsonl")
+        p = subprocess.run([sys.executable, "rounds_export.py", empty, "--csv", out], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+        self.assertEqual((p.returncode, len(p.stderr.strip().splitlines())), (1, 1), p.stderr)
+        self.assertIn("no round records", p.stderr)
+
 
 # ---------------------------------------------------------------- a real browser
 

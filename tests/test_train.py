@@ -197,16 +197,34 @@ class TrainRunTest(unittest.TestCase):
                 "--eval-windows", "16", "--runs-dir", self.runs, "--run-name", name, *extra]
 
     def test_fsdp_qwen3_tiny_loss_falls_then_resumes_on_one_rank(self):
+        tb = os.path.join(self.tmp.name, "tb")
         _run(self.llm_args("fsdp", "--parallel", "fsdp", "--steps", "24", "--log-every", "4",
-                           "--eval-every", "12", "--ckpt-every", "12", "--sharded-checkpoint"), ranks=2)
+                           "--eval-every", "12", "--ckpt-every", "12", "--sharded-checkpoint",
+                           "--tensorboard", tb), ranks=2)
         run = os.path.join(self.runs, "fsdp")
-        losses = [r["loss"] for r in _rows(run, "train")]
+        trains = _rows(run, "train")
+        losses = [r["loss"] for r in trains]
         self.assertEqual(len(losses), 6)
         self.assertLess(losses[-1], losses[0] - 1.0, f"loss did not fall: {losses}")
+        per_step = 8 * 2 * 32                                   # batch x ranks x seq_len
+        self.assertEqual([r["tokens_total"] for r in trains], [per_step * r["step"] for r in trains])
+        self.assertEqual(len({r["incarnation"] for r in _rows(run)}), 1)
         evals = _rows(run, "eval")
-        self.assertEqual([r["step"] for r in evals], [12, 24])
+        self.assertEqual([r["step"] for r in evals], [0, 12, 24])      # the first held-out loss: before training
+        self.assertTrue(evals[0]["first"])
+        self.assertLess(evals[2]["loss"], evals[1]["loss"])
         self.assertLess(evals[1]["loss"], evals[0]["loss"])
         self.assertEqual(evals[0]["windows"], 16)
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        acc = EventAccumulator(tb)
+        acc.Reload()
+        tags = set(acc.Tags()["scalars"])
+        for tag in ("train/loss", "train/lr", "train/tokens_per_s", "train/peak_mem_gib", "eval/loss",
+                    "train/loss_by_tokens", "train/tokens_total"):
+            self.assertIn(tag, tags)
+        self.assertEqual([e.step for e in acc.Scalars("train/loss")], [r["step"] for r in trains])
+        self.assertEqual([e.step for e in acc.Scalars("train/loss_by_tokens")], [r["tokens_total"] for r in trains])
+        self.assertAlmostEqual(acc.Scalars("train/loss")[-1].value, losses[-1], places=4)
         with open(os.path.join(run, "config.yaml")) as f:
             import yaml
             written = yaml.safe_load(f)
@@ -222,6 +240,8 @@ class TrainRunTest(unittest.TestCase):
         self.assertIn("resumed at step 24", out)
         after = _rows(run, "train")[len(losses):]
         self.assertEqual([r["step"] for r in after], [28])
+        self.assertEqual(after[0]["tokens_total"], per_step * 24 + 8 * 1 * 32 * 4)   # kept across the resume
+        self.assertNotEqual(after[0]["incarnation"], trains[0]["incarnation"])
         self.assertLess(after[0]["loss"], losses[0] - 1.0, "resumed weights, not a fresh model")
 
     def test_ddp_resnet18_cifar_end_to_end(self):
