@@ -22,12 +22,16 @@ What it shows, in the order it happens (about 4 minutes on 2 idle CPU cores):
 How to read the output:
   "round N merged ..."   one line per merge of the global model: the token-weighted
                          training loss of the deltas in it, which sites contributed, and
-                         how much of the corpus DARL has committed (this trails the merges:
-                         FedMom commits a round's custody once the round is durable).
+                         how much of the corpus DARL has committed, in blocks and percent,
+                         with the ETA at the live sites' measured commit rate (this trails
+                         the merges: FedMom commits a round's custody once the round is durable).
+  "waiting for the first merge; ..."  every 10 s until then: each site's last log line
+                         (importing torch and starting its ranks takes a while on 2 cores).
   "    alpha: ..."       lines from a site's own log: waiting out its dead incarnation,
                          resuming from its checkpoint, a delta that was not merged.
   "live: ..."            which sites are members of the federation right now.
-  the summary            merged rounds, a table and sparkline of the loss per round,
+  the summary            merged rounds, a table and sparkline of the loss per round
+                         (log scale above the minimum, its ends printed beside it),
                          the held-out loss of the initial and the final global model,
                          the run audit (audit.py: every block inside exactly one merged
                          delta, from DARL's and FedMom's durable state), where the logs
@@ -72,6 +76,7 @@ import urllib.request
 
 import audit
 import httpd
+import status_page
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PORTS = {"darl": 29510, "fedmom": 29511, "blob": 29512}
@@ -481,13 +486,35 @@ def get_json(url, path, token, timeout=10.0):
 # ---------------------------------------------------------------------------
 
 def sparkline(values):
+    """One character per value, on a log scale of the height above the minimum: the first
+    rounds' steep fall no longer flattens every later round onto the lowest bar (on a
+    linear scale a loss falling 5.5 -> 2.0, then 2.2 -> 2.0, drew the last 80 % as one
+    level). spark_scale() says what the ends mean."""
     vals = [v for v in values if v is not None and math.isfinite(v)]
     if not vals:
         return ""
     lo, hi = min(vals), max(vals)
-    span = (hi - lo) or 1.0
-    return "".join(" " if v is None or not math.isfinite(v) else SPARK[min(7, int((v - lo) / span * 8))]
-                   for v in values)
+    d = (hi - lo) / 20 or 1.0
+    top = math.log1p((hi - lo) / d) or 1.0
+    level = lambda v: min(7, int(math.log1p((v - lo) / d) / top * 8))
+    return "".join(" " if v is None or not math.isfinite(v) else SPARK[level(v)] for v in values)
+
+
+def spark_scale(values):
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return ""
+    return f"({SPARK[0]} = {min(vals):.3f}, {SPARK[-1]} = {max(vals):.3f}; log scale above the minimum)"
+
+
+def coverage_text(darl, now=None):
+    """'DARL: 12/100 blocks committed (12 %), ETA 1 min 05 s' from DARL's GET /status."""
+    cov = status_page.coverage(darl, time.time() if now is None else now)
+    if cov is None:
+        return "DARL: ?"
+    eta = ("done" if cov["complete"] else "ETA unknown yet" if cov["eta_s"] is None
+           else f"ETA {status_page.duration(cov['eta_s'])} at {cov['rate']:.2g} blocks/s")
+    return f"DARL: {cov['committed']}/{cov['num_blocks']} blocks committed ({cov['pct']:.0f} %), {eta}"
 
 
 def round_table(records):
@@ -578,6 +605,7 @@ class Demo:
         self.sites_dir = os.path.join(self.out, "sites")
         self.checks, self.notes = [], []
         self.sites, self.exit_codes, self.seen_round = {}, {}, 0
+        self.next_start_note = time.monotonic() + 10.0
         self.killed = None          # {"site", "incarnation", "round"} once the kill happened
         self.restarted_at = None
         self.live_line = ""
@@ -622,6 +650,8 @@ class Demo:
         self.num_blocks = -(-self.train_windows // c.block_size)
         self.log(f"corpus: {m['files']} files, {m['tokens_total']:,} tokens -> {self.train_windows:,} "
                  f"training + {m['heldout_windows']} held-out windows; DARL: {self.num_blocks} blocks")
+        self.log(f"initial model: train.py --export-init is importing torch and building {c.model} "
+                 "(10-30 s on 2 cores) ...")
         self.init = export_init(launcher, os.path.join(data_dir, "init.safetensors"), self.manifest,
                                 c.model, c.seed, os.path.join(self.logs, "export-init.log"))
         self.log(f"initial model: {self.init}")
@@ -671,10 +701,24 @@ class Demo:
                 continue
             self.seen_round = rec["round"]
             loss = "-" if rec.get("loss") is None else f"{rec['loss']:.3f}"
-            done = f"{darl.get('committed', '?')}/{darl.get('num_blocks', '?')}" if darl else "?"
             self.log(f"round {rec['round']:>3} merged: loss {loss}  tokens {rec.get('tokens', 0):>6}  "
-                     f"from {', '.join(sorted(rec.get('clusters', {}))) or '-'}  "
-                     f"[DARL: {done} blocks committed]")
+                     f"from {', '.join(sorted(rec.get('clusters', {}))) or '-'}  [{coverage_text(darl)}]")
+
+    def report_start(self):
+        """Until the first merge, every 10 s: what each site is doing (torch takes a while to
+        import on a loaded machine, and a silent terminal looks like a hang)."""
+        if self.seen_round or time.monotonic() < self.next_start_note:
+            return
+        self.next_start_note = time.monotonic() + 10.0
+        parts = []
+        for name in SITES:
+            try:
+                with open(os.path.join(self.sites_dir, name, "train.log"), errors="replace") as f:
+                    last = (f.read().strip().splitlines() or [""])[-1].split(" ", 1)[-1]
+            except OSError:
+                last = "importing torch, starting its ranks"
+            parts.append(f"{name}: {last[:70]}")
+        self.log("waiting for the first merge; " + ";  ".join(parts))
 
     def report_site_lines(self):
         """Echo the lines of the sites' own logs that tell the story of the restart."""
@@ -732,6 +776,7 @@ class Demo:
             fed = get_json(self.svc.fedmom, "/status", self.token) or {}
             darl = get_json(self.svc.darl, "/status", self.token) or {}
             self.report_rounds(fed, darl)
+            self.report_start()
             self.report_live(fed)
             self.report_site_lines()
             self.maybe_kill(launcher, fed)
@@ -799,7 +844,7 @@ class Demo:
         out.append(f"Merged rounds: {len(records)}  (fedmom round {fed.get('round', '?')})")
         out += round_table(records)
         losses = [r.get("loss") for r in records]
-        out.append(f"  training loss per round: {sparkline(losses)}")
+        out.append(f"  training loss per round: {sparkline(losses)}  {spark_scale(losses)}")
         first, last, trend_ok = loss_trend(records)
         try:
             theta = os.path.join(state_fed, json.load(open(os.path.join(state_fed, "state.json")))["theta"])

@@ -41,6 +41,22 @@ class SummaryTest(unittest.TestCase):
         self.assertEqual(s[-1], demo.SPARK[0])
         self.assertEqual(demo.sparkline([]), "")
         self.assertEqual(demo.sparkline([None, 2.0])[0], " ")
+        # a steep first fall, then a slow one: the later rounds keep distinct levels
+        loss = [5.5, 4.0, 3.1, 2.6, 2.4, 2.3, 2.25, 2.2, 2.15, 2.12, 2.1, 2.08, 2.05, 2.03, 2.0]
+        s = demo.sparkline(loss)
+        self.assertEqual((s[0], s[-1]), (demo.SPARK[-1], demo.SPARK[0]))
+        self.assertGreaterEqual(len(set(s[4:])), 3, s)            # a linear scale drew these as one level
+        self.assertEqual(list(s), sorted(s, reverse=True))
+        self.assertIn("= 2.000", demo.spark_scale(loss))
+        self.assertIn("= 5.500", demo.spark_scale(loss))
+
+    def test_coverage_line_has_percent_and_eta(self):
+        darl = {"num_blocks": 100, "committed": 12, "leased": 4, "free": 84, "quarantined": 0,
+                "clusters": [{"live": True, "blocks_per_s": 0.2}, {"live": False, "blocks_per_s": 5.0}]}
+        self.assertEqual(demo.coverage_text(darl, now=0),
+                         "DARL: 12/100 blocks committed (12 %), ETA 7 min 20 s at 0.2 blocks/s")
+        self.assertIn("ETA unknown", demo.coverage_text(dict(darl, clusters=[]), now=0))
+        self.assertEqual(demo.coverage_text({}), "DARL: ?")
 
     def test_loss_trend(self):
         falling = [record(i, 5.0 - 0.3 * i) for i in range(1, 9)]
