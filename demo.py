@@ -676,7 +676,7 @@ class Demo:
         steps = -(-self.train_windows // (len(SITES) * c.ranks * c.batch_size))
         return ["--model", c.model, "--batch-size", c.batch_size, "--lr", c.lr, "--seed", c.seed,
                 "--steps", steps, "--diloco-inner-steps", c.inner_steps, "--log-every", 5,
-                "--eval-windows", c.heldout_windows]
+                "--eval-windows", c.heldout_windows, "--eval-every", 5]     # held-out loss on the status page
 
     def launch(self, launcher, name, resume=False):
         c = self.cfg

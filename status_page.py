@@ -19,8 +19,9 @@ Where each figure comes from:
                      compute utilisation = inner training time / round wall time
                      (the rest is waiting for the other sites, transfers and the merge);
                      membership spans from the aggregator's join/leave/drop events
-    loud             excluded deltas, DARL commits refused, members dropped, leases
-                     lost, quarantined blocks, DARL invariant errors, unreachable peers
+    loud             excluded deltas, DARL commits refused, members dropped, blocks
+                     lost with expired leases, quarantined blocks, DARL invariant
+                     errors, unreachable peers
     disk             the aggregator's state dir (and the free space on its file
                      system); the blob store's used bytes and quota (GET /blobs)
 The page shows round numbers, cluster ids and metrics only: no token, no file path.
@@ -260,7 +261,8 @@ def alarms(view, cov):
                     + "; ".join(f"round {r}: {d['cluster']}: {d['why']}" for r, d in dropped[-5:]))
     lost = sum(c.get("lost") or 0 for c in darl.get("clusters", ()))
     if lost:
-        loud.append(f"{lost} lease(s) LOST at DARL (expired before commit; their blocks went back to the pool)")
+        loud.append(f"{lost} block(s) LOST at DARL (their leases expired before a commit; the blocks went back "
+                    "to the pool and were trained again)")
     if cov and cov["quarantined"]:
         loud.append(f"{cov['quarantined']} block(s) QUARANTINED at DARL")
     if darl.get("invariant_error"):
@@ -268,7 +270,7 @@ def alarms(view, cov):
     for who in ("darl", "blob"):
         if view.get(f"{who}_error"):
             loud.append(f"{'DARL' if who == 'darl' else 'blob store'} status unavailable: {view[who + '_error']}")
-    quiet = [] if loud else ["no delta excluded, no DARL commit refused, no lease lost, nothing quarantined"]
+    quiet = [] if loud else ["no delta excluded, no DARL commit refused, no block lost, nothing quarantined"]
     return loud, quiet
 
 
@@ -367,6 +369,7 @@ def line_plot(title, series, xlabel, ylabel, xfmt=None, time_x=False, width=PLOT
     X = lambda v: left + (v - x0) * (right - left) / ((x1 - x0) or 1)
     Y = lambda v: bottom - (v - y0) * (bottom - top) / ((y1 - y0) or 1)
     xfmt = xfmt or (lambda v: time_label(v, x1 - x0) if time_x else f"{v:g}")
+    yfmt = lambda v: si(v) if abs(v) >= 1e4 else f"{v:.4g}"
     out = [head, legend, f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" '
                          f'fill="none" stroke="#999"/>']
     out.append('<g class="axis x">')
@@ -381,7 +384,7 @@ def line_plot(title, series, xlabel, ylabel, xfmt=None, time_x=False, width=PLOT
         out.append(f'<line class="grid" x1="{left}" y1="{Y(t):.1f}" x2="{right}" y2="{Y(t):.1f}" stroke="#eee"/>'
                    f'<line class="tick" x1="{left - 5}" y1="{Y(t):.1f}" x2="{left}" y2="{Y(t):.1f}" '
                    f'stroke="#333"/><text class="tick-label" x="{left - 8}" y="{Y(t) + 4:.1f}" font-size="12" '
-                   f'text-anchor="end">{t:.4g}</text>')
+                   f'text-anchor="end">{ESC(yfmt(t))}</text>')
     out.append(f'<text class="axis-label" x="14" y="{(top + bottom) / 2:.0f}" font-size="13" text-anchor="middle" '
                f'transform="rotate(-90 14 {(top + bottom) / 2:.0f})">{ESC(ylabel)}</text></g>')
     for s in series:
@@ -479,7 +482,7 @@ def plots(view):
     rows, st = view["rows"], view["status"]
     names = sorted({n for r in rows for n in r["sites"]})
     color = {n: PALETTE[(i + 2) % len(PALETTE)] for i, n in enumerate(names)}
-    cum = {r["round"]: r["cum_tokens"] for r in rows}
+    cum = {0: 0, **{r["round"]: r["cum_tokens"] for r in rows}}
     loss = [{"label": "train loss (token-weighted)", "color": PALETTE[0],
              "points": [(r["cum_tokens"], r["loss"]) for r in rows]}]
     loss += [{"label": f"held-out, {n}", "color": color[n], "dots": True,
@@ -523,7 +526,7 @@ def _sites_html(sites):
         return "<p>no site yet</p>"
     head = ("<tr><th>site</th><th>member</th><th>deltas merged</th><th>tokens merged</th><th>tokens/s</th>"
             "<th>MFU</th><th>peak memory</th><th>compute utilisation (last / run)</th><th>train loss</th>"
-            "<th>held-out loss</th><th>DARL blocks committed</th><th>blocks/s</th><th>leases lost</th></tr>")
+            "<th>held-out loss</th><th>DARL blocks committed</th><th>blocks/s</th><th>blocks lost</th></tr>")
     body = []
     for name, t in sites.items():
         member = (f"yes ({t['heard_s_ago']:.0f} s ago, {'sent' if t.get('sent') else 'training'})"
@@ -575,7 +578,7 @@ def _disk_html(view):
 CSS = """body{font-family:sans-serif;margin:1em;max-width:110em;color:#111}
 h1{font-size:1.4em;margin:.2em 0} h2{font-size:1.15em;margin:1.2em 0 .4em}
 table{border-collapse:collapse;margin:.3em 0} td,th{padding:2px 8px;text-align:left;vertical-align:top}
-tr:nth-child(even){background:#f4f4f4} .scroll{overflow-x:auto}
+tr:nth-child(even){background:#f4f4f4} .scroll{overflow-x:auto} .scroll td{white-space:nowrap}
 .plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(min(100%,32em),1fr));gap:1em}
 .plots figure{margin:0;border:1px solid #ddd;padding:.3em}
 .bar{display:flex;height:1.4em;border:1px solid #888;background:#ddd;max-width:60em}
@@ -635,6 +638,6 @@ def _round(v):
 
 def _heldout_text(held):
     if not held:
-        return "not reported yet (sites report it with --eval-every)"
+        return "not reported yet (a site sends it with its first delta, then every --eval-every phases)"
     (r0, n0, l0), (r1, n1, l1) = held[0], held[-1]
     return f"first {l0:.4f} ({ESC(n0)}, theta of round {r0}), last {l1:.4f} ({ESC(n1)}, theta of round {r1})"

@@ -1304,6 +1304,9 @@ def federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, sched
     trip. Every rank runs this; returns the step count at the end."""
     step, phases, seq = start, 0, source.windows.seq_len
     peak, gnorm, lr, heldout = peak_flops(d), None, None, {}
+    if not start:                        # the held-out loss before training, sent with the first delta
+        ev = run_eval(0, carrier.round, first=True)
+        heldout = {"heldout_loss": ev["loss"], "heldout_round": carrier.round}
     since_nll, since_tok = torch.zeros((), dtype=torch.float64, device=d.device), 0   # this rank
     to_device = HostToDevice(d.device)
     t_mark, step_mark = time.perf_counter(), step
@@ -1534,8 +1537,6 @@ def train(cfg: Config):
             carrier.load_global(outer)           # theta_global of the CURRENT round, also after a resume
             log.log(f"federation: cluster {cfg.cluster}, theta_global of round {carrier.round}; "
                     f"LR schedule over {total} steps (--steps; default: the whole corpus at this site)")
-            if not start:
-                run_eval(step=0, fed_round=carrier.round, first=True)     # the held-out loss before training
             step = federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, schedule, peak_lr,
                                   flops, save, run_eval)
             diloco.on_rank0(lambda: site.finish())    # every merged lease committed, then leave

@@ -123,7 +123,7 @@ class PureTest(unittest.TestCase):
         self.assertIn(">300<", page)                              # the x axis of the drift plot reaches round 300
         text = text_outside_svg(page)
         for want in ("40.0 % of 1,000 blocks committed", "ETA 4 min 00 s", "2.5 blocks/s", "committed 400",
-                     "quarantined 10", "10 block(s) QUARANTINED", "2 lease(s) LOST", "lumi", "snellius",
+                     "quarantined 10", "10 block(s) QUARANTINED", "2 block(s) LOST", "lumi", "snellius",
                      "41.0%", "30.50 GB", "80% / 80%", "50% / 50%",   # utilisation: 8 s and 5 s of 10 s rounds
                      "1.84M tokens merged", "first 8.0000 (lumi, theta of round 49), last 5.5000 (lumi, theta of round 299)",
                      "3.00 GiB", "quota 64.00 GiB", "5.00 MiB", "Live page, rendered 2033-05-18 03:33:20 UTC"):
