@@ -36,16 +36,17 @@ $(LUMI_STAMP): requirements-lumi-api.txt | $(STAMP)
 	$(LUMI_VENV)/bin/pip install --no-cache-dir --disable-pip-version-check -r requirements-lumi-api.txt
 	touch $(LUMI_STAMP)
 
-# Debian's headless Chromium and its chromedriver, for tests/test_status_page.py's real-browser
-# render of the status page (~300 MB). `make test` installs them once (apt-get, as root, as CI
-# runs); elsewhere it says the one command to run. `make demo` never needs them.
-
+# Debian's headless Chromium and its chromedriver, and the text browser w3m, for
+# tests/test_status_page.py's renders of the status page (~300 MB). `make test` installs them
+# once (apt-get, as root, as CI runs); elsewhere it says the one command to run. `make demo`
+# never needs them.
+BROWSERS := chromium chromium-driver w3m
 browser:
-	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ] || [ ! -x /usr/bin/w3m ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    apt-get install -y chromium chromium-driver || { apt-get update && apt-get install -y chromium chromium-driver; }; \
+	    apt-get install -y $(BROWSERS) || { apt-get update && apt-get install -y $(BROWSERS); }; \
 	  else \
-	    echo "make test: the status page test needs Debian's chromium and chromedriver: sudo apt-get install -y chromium chromium-driver" >&2; exit 1; \
+	    echo "make test: the status page tests need Debian's browsers: sudo apt-get install -y $(BROWSERS)" >&2; exit 1; \
 	  fi; \
 	fi
 

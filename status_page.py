@@ -536,7 +536,7 @@ def _sites_html(sites):
                 if t.get("heldout_loss") is not None else "-")
         body.append(f"<tr><td>{ESC(name)}</td><td>{member}</td><td>{t['deltas']}</td><td>{si(t['tokens'])}</td>"
                     f"<td>{si(t.get('tokens_per_s'))}</td>"
-                    f"<td>{fmt(t.get('mfu'), '.1%', 'n/a (no bf16 peak: CPU)')}</td>"
+                    f"<td>{fmt(t.get('mfu'), '.1%', 'n/a (CPU)')}</td>"
                     f"<td>{fmt(t.get('peak_mem_gb'), '.2f')} GB</td><td>{util}</td>"
                     f"<td>{fmt(t.get('loss'), '.4f')}</td><td>{held}</td>"
                     f"<td>{fmt(t.get('darl_committed'), ',')}</td><td>{fmt(t.get('blocks_per_s'), '.3g')}</td>"
@@ -621,7 +621,7 @@ momentum {cfg.get('outer_momentum')}; held-out loss: {_heldout_text(held)}</p>
 <h2>Coverage of the corpus (DARL)</h2>
 {_coverage_html(cov, view.get('darl_error'))}
 <h2>Plots</h2>
-<div class="plots">{''.join(f'<figure>{p}</figure>' for p in plots(view))}</div>
+<div class="plots">{''.join(f'<figure>{_spaced(p)}</figure>' for p in plots(view))}</div>
 <h2>Sites</h2>
 <div class="scroll">{_sites_html(sites)}</div>
 <h2>Last merged rounds</h2>
@@ -634,6 +634,12 @@ momentum {cfg.get('outer_momentum')}; held-out loss: {_heldout_text(held)}</p>
 
 def _round(v):
     return "?" if v is None else f"{v:.0f}"
+
+
+def _spaced(svg):
+    """A space after each SVG text: a text browser (w3m, lynx) prints the labels of a plot
+    as words ("0 1M 2M tokens"), not "01M2Mtokens"; SVG drops trailing spaces when drawing."""
+    return svg.replace("</text>", " </text>")
 
 
 def _heldout_text(held):
