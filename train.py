@@ -1375,6 +1375,7 @@ def federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, sched
                     "tflops_per_rank": flops * tps / d.world_size / 1e12,
                     "peak_mem_gb": peak_memory_gib(d), "inner_s": inner_s, "steps": phase.steps,
                     **heldout}}
+                heldout = {}                    # each held-out loss goes with one delta
                 carrier.before_send = lambda: save(step, carrier.round)    # BEFORE the delta leaves
             out = outer.after_inner_step(end_phase=last)
             if out:
