@@ -30,8 +30,9 @@ Who moves the bytes is one small interface, OuterCarrier: AllReduceCarrier
 averages the deltas over the outer group; FedMomCarrier (train.py --federation)
 sends this site's delta to fedmom_server.py and receives the new theta_global
 instead, tensor by tensor, without changing the counting, the metrics or the
-copy-back here. Under federation the phase ends where the DARL span ends
-(after_inner_step(end_phase=...)), not always after H steps.
+copy-back here. Under federation the phase ends where the DARL span ends, not
+always after H steps: the caller counts steps with count_inner_step() and ends the
+phase with end_phase(handoff).
 
 In train.py:
     layout = diloco.ReplicaLayout.build(dist.world_size, dist.rank, args.diloco_replicas)
@@ -217,14 +218,17 @@ class OuterExchange:
     outer_opt: torch.optim.Optimizer   # SGD over `theta`; a carrier that gets theta from a server ignores it
     inner_steps: int             # length of the phase just finished (short for the trailing flush)
     deltas_on_theta_device: object = None   # () -> `deltas` as they stand, on theta's device
+    handoff: object = None       # what the caller hands over with the deltas (DiLoCo.end_phase):
+                                 # FedMomCarrier needs the phase's fedsite.Handoff; AllReduceCarrier none
 
 
 class OuterCarrier:
     """Moves one outer step's data. Implement outer_step(); the rest has defaults."""
 
     def outer_step(self, ex: OuterExchange) -> dict:
-        """Leave the new theta in ex.theta. Return metrics known here, e.g.
-        {"avg_delta_sq": squared norm of the mean delta on this rank's shard}."""
+        """Leave the new theta in ex.theta. Return what is known here: "avg_delta_sq" (the
+        squared norm of the mean delta on this rank's shard) feeds the row's norms; any
+        other key goes into DiLoCo's row as it is (FedMomCarrier: "federation")."""
         raise NotImplementedError
 
     def broadcast_initial(self, tensors):
@@ -318,33 +322,31 @@ def on_rank0(work, group=None):
 
 class FedMomCarrier(OuterCarrier):
     """The outer step across sites: this site's delta goes to fedmom_server.py, the
-    new theta_global comes back (DESIGN.md, round protocol). Only rank 0 talks HTTP.
+    new theta_global comes back (FEDERATION_GUIDE.md section 4). Only rank 0 talks HTTP.
 
-    outer_step(ex), on every rank of the site:
+    outer_step(ex), on every rank of the site, with ex.handoff the phase's
+    fedsite.Handoff (tokens, metrics, step; given to DiLoCo.end_phase after the local
+    checkpoint was written):
       1. gather each delta tensor in turn (a DTensor's full_tensor() under FSDP; DDP
          ranks hold it whole) and rank 0 streams theta_i - theta_global into one
          tensorio file (ex.deltas hold theta - theta_i: the sign flips here);
-      2. before_send() (train.py: the local checkpoint, BEFORE the delta leaves);
-      3. rank 0 sends the delta with its base_round, tokens and lease records, waits
-         for that round to pass, learns whether the delta was merged, and downloads
-         the current theta_global (whatever round it is: a stale delta still ends in
-         the newest theta);
-      4. theta_global is scattered one tensor at a time into ex.theta.
-    No rank ever holds more than its shard plus one full tensor. `exchange` is the
-    rank-0 object that speaks to the aggregator (train.FedSite: send, wait, fetch);
-    None on the other ranks. The result of the last outer step is in `self.last`.
+      2. rank 0 hands file and Handoff to `site.round_trip` (fedsite.FedSite): send,
+         wait for the round to pass, settle the lease, download the current
+         theta_global (whatever round it is: a stale delta still ends in the newest);
+      3. theta_global is scattered one tensor at a time into ex.theta.
+    No rank ever holds more than its shard plus one full tensor. The delta's data flows
+    one way: train.py -> here -> fedsite -> fedmom_client; what became of it comes back
+    as the return value, {"federation": fedsite.RoundResult}, in DiLoCo's row.
+    `site` is None on the ranks other than 0.
     """
 
-    def __init__(self, exchange, workdir, delta_dtype="F32", group=None):
+    def __init__(self, site, workdir, delta_dtype="F32", group=None):
         if delta_dtype not in ("F32", "BF16"):
             raise ValueError(f"--delta-dtype {delta_dtype!r}: use f32 or bf16")
-        self.exchange, self.workdir, self.delta_dtype, self.group = exchange, workdir, delta_dtype, group
+        self.site, self.workdir, self.delta_dtype, self.group = site, workdir, delta_dtype, group
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.round = None            # the round of the theta_global the model was loaded with
-        self.send = None             # set before each outer step: {"tokens", "metrics"} (the lease is rank 0's)
-        self.before_send = None      # called on every rank once the delta file is written
-        self.last = None             # {"base_round", "round", "merged", "reason", ...} of the last outer step
         self.delta_path = os.path.join(workdir, "delta.safetensors")
         self.theta_path = os.path.join(workdir, "theta.safetensors")
 
@@ -427,7 +429,7 @@ class FedMomCarrier(OuterCarrier):
     def load_global(self, outer):
         """Make the model and outer.theta equal theta_global of the aggregator's CURRENT
         round (collective). Returns that round."""
-        self.round = on_rank0(lambda: self.exchange.fetch_theta(self.theta_path), self.group)
+        self.round = on_rank0(lambda: self.site.fetch_theta(self.theta_path), self.group)
         self.read_theta(outer.names, outer.params, outer.theta)
         for t, p in zip(outer.theta, outer.params):
             _local(p).copy_(t)
@@ -435,21 +437,19 @@ class FedMomCarrier(OuterCarrier):
 
     def current(self):
         """The aggregator's round now (collective: rank 0 asks, every rank learns it)."""
-        return on_rank0(lambda: self.exchange.current_round(), self.group)
+        return on_rank0(lambda: self.site.current_round(), self.group)
 
     def outer_step(self, ex):
-        if self.send is None:
-            raise RuntimeError("FedMomCarrier.outer_step: set .send ({tokens, metrics}) first")
-        base, send, self.send = self.round, self.send, None
+        if ex.handoff is None:
+            raise RuntimeError("FedMomCarrier: the outer step needs the phase's fedsite.Handoff "
+                               "(DiLoCo.end_phase(handoff))")
+        base = self.round
         self.write_delta(ex.names, ex.params, ex.deltas)
-        if self.before_send is not None:
-            self.before_send()
-        out = on_rank0(lambda: self.exchange.round_trip(self.delta_path, base, send, self.theta_path),
-                       self.group)
+        result = on_rank0(lambda: self.site.round_trip(self.delta_path, base, ex.handoff, self.theta_path),
+                          self.group)
         self.read_theta(ex.names, ex.params, ex.theta)
-        self.round = out["round"]
-        self.last = out
-        return {}
+        self.round = result.round
+        return {"federation": result}
 
 
 # ----------------------------------------------------------------------------- DiLoCo
@@ -515,15 +515,25 @@ class DiLoCo:
         self.outer_step = 0
 
     # -- the loop
-    def after_inner_step(self, end_phase=None):
-        """Call after every optimizer step on every rank; returns a metrics row at outer steps.
-        end_phase None: the outer step comes every H inner steps. True/False: the caller
-        says where phases end (federation: a phase is one DARL span, not always H steps)."""
-        self.inner_step += 1
-        self.phase_steps += 1
-        if end_phase if end_phase is not None else self.phase_steps >= self.config.inner_steps:
+    def after_inner_step(self):
+        """Call after every optimizer step on every rank; returns a metrics row at outer
+        steps, which come every H inner steps."""
+        self.count_inner_step()
+        if self.phase_steps >= self.config.inner_steps:
             return self._outer_step()
         return None
+
+    def count_inner_step(self):
+        """Count an optimizer step without an outer step: for a caller that says itself
+        where phases end (federation: a phase is one DARL span, not always H steps)."""
+        self.inner_step += 1
+        self.phase_steps += 1
+
+    def end_phase(self, handoff=None):
+        """The outer step now (collective, every rank), at the end of a phase the caller
+        counted with count_inner_step; `handoff` goes to the carrier with the deltas
+        (OuterExchange.handoff). Returns the metrics row."""
+        return self._outer_step(handoff)
 
     def finish(self):
         """Flush a trailing partial phase (collective). With momentum this last step is
@@ -553,7 +563,7 @@ class DiLoCo:
         return self._host_views(self.host_flat)
 
     @torch.no_grad()
-    def _outer_step(self):
+    def _outer_step(self, handoff=None):
         self._sync()
         t0 = time.perf_counter()
         deltas, off = [], 0
@@ -566,12 +576,13 @@ class DiLoCo:
         delta_sq = sq_norm(self.flat)
         ex = OuterExchange(names=self.names, params=self.params, deltas=deltas, flat=self.flat,
                            theta=self.theta, outer_opt=self.outer_opt, inner_steps=self.phase_steps,
-                           deltas_on_theta_device=lambda: self._deltas_on_theta_device(deltas))
-        got = self.carrier.outer_step(ex) or {}
+                           deltas_on_theta_device=lambda: self._deltas_on_theta_device(deltas),
+                           handoff=handoff)
+        got = dict(self.carrier.outer_step(ex) or {})
         for t, p in zip(self.theta, self.params):
             _local(p).copy_(t, non_blocking=True)
         self.carrier.sync_buffers(list(self.model.buffers()))
-        sq = [delta_sq, got.get("avg_delta_sq", float("nan"))]
+        sq = [delta_sq, got.pop("avg_delta_sq", float("nan"))]
         if self.sharded and self.layout.replica_size > 1:
             sq_t = torch.tensor(sq, dtype=torch.float64, device=self.device)
             dist.all_reduce(sq_t, group=self.layout.inner_group)
@@ -584,6 +595,7 @@ class DiLoCo:
                "outer_ms": (time.perf_counter() - t0) * 1e3}
         row["agreement"] = (row["avg_delta_norm"] / row["delta_norm"]
                             if row["avg_delta_norm"] is not None and row["delta_norm"] > 0 else None)
+        row.update(got)                          # what else the carrier knows (FedMomCarrier: "federation")
         self.phase_steps = 0
         return row
 

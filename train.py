@@ -13,53 +13,20 @@ Command lines:
     srun python train.py --config configs/qwen3_0.6B.yaml --data data/c4/manifest.json
     # DiLoCo inside one allocation: 2 replicas of 4 ranks, outer step every 100 steps
     srun python train.py ... --diloco-replicas 2 --diloco-inner-steps 100
-
-Federation (one site of a model trained across sites through the central VM):
-    # once, anywhere: the initial global model, then start the central services with it
+    # once, anywhere: the initial global model for fedmom_server.py --init
     python train.py --export-init init.safetensors --model qwen3-0.6B --data data/c4/manifest.json
-    python fedmom_server.py --state-dir state/fedmom --init init.safetensors --darl URL ...
-    # each site, as often as its queue allows (requeue with the same flags + --resume auto)
+    # one site of a federated run (requeue with the same flags + --resume auto)
     srun python train.py --config configs/qwen3_0.6B.yaml --data data/c4/manifest.json \
         --federation http://central:29511 --darl-url http://central:29510 \
         --blob-url http://central:29512 --token-file ~/.pww_token --site lumi \
         --diloco-inner-steps 100 --resume auto
-  Identity: the cluster id is --site (default $PWW_SITE, else the short host name), or
-  <site>-<replica> with --replica (a second stream at one site); the incarnation is random
-  per process. A killed job's successor waits (--register-wait-s, default 600 s) until the
-  old incarnation's leases expire at DARL and its membership times out at FedMom, printing
-  "waiting for the previous incarnation's leases to expire (N s left)". The run directory
-  defaults to runs/<model>-<cluster>, so a resubmission finds its checkpoints.
-  One outer phase (rank 0 talks to the central VM; the other ranks wait in small broadcasts):
-    1. DARL: one span of blocks_per_phase = ceil(H x batch x ranks x grad_accum / K) blocks
-       (K, the block size, and the permutation seed come from the coordinator; the site
-       builds the same BlockSpace from its own manifest and DARL's digest check refuses a
-       different corpus). Rank 0 broadcasts (lease, start, end); every rank derives the
-       windows (positions -> blocks -> training-window indices, shuffled from --seed and
-       the lease) and its slice of each step. A phase is the span: H full steps, plus one
-       short step when K does not divide H x (windows per step); a short step is split
-       across ranks and its loss normalised by its GLOBAL token count (a rank with no
-       window runs one window times 0), so every leased window is trained exactly once.
-       While every remaining block is leased by others the site leaves FedMom's rounds
-       (nobody waits for it) and rejoins when blocks come back; when DARL says done, the
-       loop ends.
-    2. theta_global of the aggregator's CURRENT round is loaded whenever the round moved
-       since the last download (always at start, after a resume, after a late join).
-    3. H inner steps (AdamW, the LR schedule of --steps; with --federation the default
-       --steps is the whole corpus at this site's step size).
-    4. the local checkpoint (model, optimizer, step, round), THEN the delta theta_i -
-       theta_global (--delta-dtype, gathered tensor by tensor under FSDP) goes to FedMom
-       with base_round, tokens, the lease record and metrics (loss, tokens/s, MFU, TFLOP/s
-       per rank, peak memory); the site waits for the round to pass and reads whether the
-       delta was merged, then loads the new theta_global (scattered tensor by tensor).
-    5. exactly once: the site never commits in DARL. fedmom_server.py commits a merged
-       delta's lease after the round is durable; the site heartbeats the lease until DARL
-       shows it committed. A stale or excluded delta's lease is released (its blocks are
-       trained again); a lease DARL reclaimed before the send is not sent at all. At the
-       end the site waits until every lease it handed over is committed, then leaves.
-  The local outer step is plain replacement (sgd, lr 1, momentum 0): FedMom owns the
-  Nesterov momentum. --eval-every counts outer phases here (evaluates theta_global after
-  every Nth phase); the held-out loss of the final theta_global is always measured.
-  --throttle-ms sleeps after every inner step: demos and tests only (a slower site).
+
+Federation: rank 0 speaks for the site (fedsite.py), every rank trains the windows of
+the DARL span it shares, and the outer step goes through diloco.FedMomCarrier. One
+phase = one span; the local checkpoint is written before the delta leaves. The
+protocol, identity (cluster id, incarnation, requeues) and knobs are
+FEDERATION_GUIDE.md, sections 2-5. --eval-every counts phases there; --throttle-ms
+(a slower site) is for demos and tests.
 
 Device dispatch (chosen once, in init_distributed):
     ROCm  torch.version.hip and a GPU visible  -> backend nccl (= RCCL), pinning ROCR_VISIBLE_DEVICES
@@ -70,35 +37,28 @@ SLURM_NTASKS (srun), else one process (world 1). Under srun MASTER_ADDR is the
 job's first node and MASTER_PORT is derived from SLURM_JOB_ID unless set.
 
 Config: flags > --config YAML (keys are flag names) > defaults; model-dependent
-defaults read "LLM / CIFAR" in --help. --dtype auto = bf16 on GPUs (native on MI250X
-and H100, fp32's range, no loss scaler) and fp32 on CPUs: CPU runs are tests and
-demos, where fp32 gives the same numbers on every machine, and CPU bf16 speed depends
-on the instruction set (pass --dtype bf16 to use it). fp16 only with DDP, where a
-GradScaler exists.
-Seeds: the model is initialised with --seed on every rank (FSDP shards draw one
-init; DDP and DiLoCo broadcast anyway); augmentation and dropout streams then use
-seed*1000 + rank. Data order is a function of (--seed, epoch) only, so a resume
-continues exactly where the checkpoint stopped.
+defaults read "LLM / CIFAR" in --help. --dtype auto = bf16 on GPUs and fp32 on CPUs
+(Config.resolve says why). Seeds: the model is initialised with --seed on every rank;
+augmentation and dropout then use seed*1000 + rank; data order is a function of
+(--seed, epoch) only, so a resume continues exactly where the checkpoint stopped.
 
 Outputs: runs/<run>/ holds
-    config.yaml     the resolved config (usable as --config) + provenance: git hash (or
-                    sha256 of every *.py), torch/torchtitan/python versions, every rank's device
+    config.yaml     the resolved config (usable as --config) + provenance (git hash or the
+                    sha256 of every *.py, library versions, every rank's device)
     train.log       what rank 0 printed
-    metrics.jsonl   one JSON row per line, "split" = "train" (loss, lr, grad_norm, step_ms,
-                    tokens_per_s or img_per_s summed over ranks, mfu per rank against the
-                    device's bf16 peak (None on CPU), peak_mem_gib), "eval" (loss + ppl, or
-                    acc), "diloco" (outer_step, delta_norm, avg_delta_norm, agreement),
-                    "federation" (one per outer phase: round, base_round, tokens, loss,
-                    merged, merged_into, reason, lease, positions, windows, steps, inner_s,
-                    tokens_per_s, send_s, wait_s, delta_norm); federated eval rows carry
-                    "round". The first eval row ("first": true, step 0: before any training;
-                    federated runs and --eval-every) and the last ("final": true) are the held-
-                    out loss before and after. EVERY row carries tokens_total (img_total for
-                    CIFAR: trained by this job so far, all ranks, kept across --resume) and
-                    the incarnation (random per process; FedMom's and DARL's id of it), so
-                    loss against tokens needs no arithmetic and a resume shows as a new
-                    incarnation. A federated site sends its last held-out loss with its next
-                    delta (heldout_loss, heldout_round), so the status page plots it.
+    metrics.jsonl   one JSON row per line, by "split": "train" (loss, lr, grad_norm, step_ms,
+                    tokens_per_s or img_per_s over all ranks, mfu per rank against the device's
+                    bf16 peak (None on CPU), peak_mem_gib), "eval", "diloco" (outer_step,
+                    delta_norm, avg_delta_norm, agreement) and with --federation one
+                    "federation" row per phase (FEDERATION_GUIDE.md section 6). The first
+                    eval row ("first": true, step 0: before any training; federated runs and
+                    --eval-every) and the last ("final": true) are the held-out loss before
+                    and after. EVERY row carries tokens_total (img_total for CIFAR: trained
+                    by this job so far, all ranks, kept across --resume) and the incarnation
+                    (random per process; FedMom's and DARL's id of it), so loss against
+                    tokens needs no arithmetic and a resume shows as a new incarnation. A
+                    federated site sends its last held-out loss with its next delta
+                    (heldout_loss, heldout_round), so the status page plots it.
     --tensorboard DIR  the same rows as TensorBoard scalars: <split>/<key> against the
                     step, and <split>/loss_by_tokens against tokens_total
     checkpoints/    checkpoint.py's files; --resume auto continues from the newest
@@ -110,7 +70,6 @@ import contextlib
 import dataclasses
 import datetime
 import hashlib
-import http.client
 import json
 import math
 import os
@@ -123,18 +82,14 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import checkpoint
-import darl_client
-import darl_table
 import data
 import diloco
-import fedmom_client
-import httpd
+import fedsite
 import models
 
 # ---------------------------------------------------------------------------
@@ -954,293 +909,8 @@ def evaluate(model, cfg, d, source, windows):
 
 
 # ---------------------------------------------------------------------------
-# Stage 4b: federation - rank 0 speaks to DARL and FedMom; every rank derives its data
+# --export-init: the initial global model
 # ---------------------------------------------------------------------------
-
-RETRY_S = 900.0             # how long the aggregator may stay unreachable (a restart) before we give up
-POLL_S = 5.0                # rank 0 reports "still waiting" to the other ranks this often
-TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
-
-
-class FedSite:
-    """Rank 0's side of a federated site: one DARL LeaseSession (this stream's leases),
-    FedMom membership, and the round trip of each delta. Torch-free; every method that
-    can wait is a generator that yields while it waits (diloco.on_rank0 turns each yield
-    into a small broadcast, so the other ranks never time out in a collective).
-
-    Lease lifecycle (FEDERATION_GUIDE.md section 3): a span is trained, its delta sent
-    with the lease record (lease, start, end); the site never commits in DARL itself.
-    Accepted: fedmom_server.py takes the span into custody at DARL, which no TTL, steal
-    or release of ours can touch; the session's heartbeats then see the lease "done" and
-    drop it. Merged: the aggregator commits that custody once the round is durable.
-    Not merged (stale or excluded): the site releases the lease, so whatever of it is
-    still the site's goes back to the pool and is trained again. Unknown (the
-    aggregator's reply was lost and its books no longer show the round): the site stops
-    heartbeating it and lets the aggregator decide.
-    """
-
-    def __init__(self, cfg, windows, model_bytes, log):
-        self.cfg, self.windows, self.log = cfg, windows, log
-        self.cluster, self.incarnation = cfg.cluster, secrets.token_hex(6)
-        token = httpd.load_token(cfg.token_file)
-        self.darl = darl_client.LeaseClient(cfg.darl_url, token=token)
-        self.fed = fedmom_client.FedMomClient(cfg.federation, self.cluster, self.incarnation, token=token,
-                                              blob_url=cfg.blob_url)
-        self.theta_transport = "blob" if cfg.transport == "blob" or (
-            cfg.transport == "auto" and cfg.blob_url and model_bytes >= fedmom_client.AUTO_BLOB_BYTES) else "inline"
-        self.session, self.span, self.keepalive, self.member = None, None, None, False
-        self._said = {}
-
-    def say(self, msg, every_s=0.0):
-        """Log a repeated waiting message at most once per every_s seconds (per message kind:
-        the text before its first "(" or digit)."""
-        kind = re.split(r"[(0-9]", msg, maxsplit=1)[0]
-        if time.monotonic() - self._said.get(kind, -math.inf) >= every_s:
-            self._said[kind] = time.monotonic()
-            self.log(msg)
-
-    def _retry(self, what, fn):
-        """fn() until it answers: transport errors and 5xx (a server restarting) are retried
-        for RETRY_S, a 409 not_member (dropped meanwhile) joins again; other 4xx raise."""
-        deadline, delay = time.monotonic() + RETRY_S, 1.0
-        while True:
-            try:
-                return fn()
-            except httpd.CallError as e:
-                if e.status == 409 and e.reply.get("code") == "not_member":
-                    self.log(f"{what}: the aggregator no longer counts us as a member ({e.reply.get('error')}); joining again")
-                    self.member = False
-                    yield from self.join()
-                    continue
-                if e.status < 500:
-                    raise
-                err = e
-            except TRANSPORT_ERRORS as e:
-                err = e
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{what}: no answer for {RETRY_S:.0f} s ({err})")
-            self.say(f"{what}: {err}; retrying", every_s=10.0)
-            t_end = time.monotonic() + delay
-            yield
-            time.sleep(max(0.0, t_end - time.monotonic()))
-            delay = min(2 * delay, 10.0)
-
-    # -- start: the block space, DARL registration, FedMom membership
-    def connect(self, per_step):
-        """-> (block size, seed, blocks per phase) of the coordinator's space, checked
-        against our own manifest; registered at DARL, a member at FedMom."""
-        st = yield from self._retry("DARL status", self.darl.status)
-        sp = st["space"]
-        space = darl_table.BlockSpace(self.windows.train_windows, sp["block_size"], sp["seed"],
-                                      manifest_digest=self.windows.digest)
-        if space.digest() != st["digest"]:
-            raise ConfigError(f"--data {self.cfg.data}: this corpus gives block space {space.describe()}, "
-                              f"the coordinator has {sp}; start darl_server.py --manifest with the same "
-                              "manifest.json (both sides tokenized alike: same digest)")
-        blocks = data.blocks_per_phase(self.cfg.diloco_inner_steps, per_step, sp["block_size"])
-        self.session = darl_client.LeaseSession(
-            self.darl, self.cluster, space.digest(), incarnation=self.incarnation, span_blocks=blocks,
-            lease_blocks=blocks, prefetch=False, log=lambda m: self.log(f"darl: {m}"))
-        deadline = time.monotonic() + self.cfg.register_wait_s
-        while True:
-            try:
-                self.darl.register(self.cluster, self.incarnation, space.digest())
-                break
-            except httpd.CallError as e:
-                left = deadline - time.monotonic()
-                if e.status != 409 or e.reply.get("code") != "incarnation_conflict" or left <= 0:
-                    raise
-                self.say(f"DARL: {self.cluster!r} is still held by the previous incarnation; waiting for the "
-                         f"previous incarnation's leases to expire ({left:.0f} s left)", every_s=10.0)
-                yield
-                time.sleep(1.0)
-        self.session.start(register=False)
-        yield from self.join()
-        self.log(f"site {self.cluster} (incarnation {self.incarnation}): DARL {space.num_blocks} blocks of "
-                 f"{sp['block_size']} windows, {blocks} per phase; FedMom round {self.fed_round}")
-        return sp["block_size"], sp["seed"], blocks
-
-    def join(self):
-        deadline = time.monotonic() + self.cfg.register_wait_s
-        while True:
-            try:
-                reply = self.fed.join()
-                break
-            except httpd.CallError as e:
-                left = deadline - time.monotonic()
-                if e.reply.get("code") != "incarnation_conflict" or left <= 0:
-                    raise
-                self.say(f"FedMom: {self.cluster!r} is still live as the previous incarnation; waiting for "
-                         f"it to time out ({left:.0f} s left)", every_s=10.0)
-            except TRANSPORT_ERRORS as e:
-                if time.monotonic() > deadline:
-                    raise
-                self.say(f"FedMom join: {e}; retrying", every_s=10.0)
-            yield
-            time.sleep(1.0)
-        self.fed_round, self.member = reply["round"], True
-        if self.keepalive is None:
-            self.keepalive = self.fed.keepalive()
-            self.keepalive.__enter__()
-        return reply
-
-    def leave(self):
-        if self.keepalive is not None:
-            self.keepalive.__exit__(None, None, None)
-            self.keepalive = None
-        if self.member:
-            self.member = False
-            try:
-                self.fed.leave()
-            except (httpd.CallError, *TRANSPORT_ERRORS) as e:
-                self.log(f"FedMom leave: {e} (the aggregator drops silent members on its own)")
-
-    # -- per phase
-    def next_span(self):
-        """-> (lease, start, end) of the next span, or None when DARL has no blocks left.
-        While every block is leased elsewhere, the site leaves FedMom's rounds so that
-        the others do not wait for a delta that cannot come; it joins again with work."""
-        while True:
-            try:
-                span = self.session.next_span(timeout=POLL_S)
-                break
-            except TimeoutError:
-                if self.session.starved and self.member:
-                    self.log("DARL: every remaining block is leased by others; leaving FedMom's rounds "
-                             "until blocks come back (or the epoch ends)")
-                    self.leave()
-                yield
-        self.span = span
-        if span is None:
-            return None
-        if not self.member:
-            yield from self.join()
-        return span.as_ints()
-
-    def current_round(self):
-        return (yield from self._retry("FedMom round", self.fed.current_round))
-
-    def fetch_theta(self, path):
-        return (yield from self._retry("download theta_global",
-                                       lambda: self.fed.download_theta(path, transport=self.theta_transport)))
-
-    def _outcome(self, reply, base):
-        """Our delta of `base_round` in a join/heartbeat reply's "deltas": merged |
-        excluded | pending, or None (the aggregator never accepted it)."""
-        for o in reply.get("deltas") or ():
-            if o.get("incarnation") == self.incarnation and o.get("base_round") == base:
-                return o
-        return None
-
-    def round_trip(self, delta_path, base, send, theta_path):
-        """Send the delta, wait for its round to pass, settle its lease, download theta_global."""
-        span, out = self.span, {"base_round": base, "merged": False, "reason": None}
-        t0 = time.monotonic()
-        sent = False
-        try:
-            self.session.refresh()                   # the coordinator's word on the lease, now
-        except (httpd.CallError, *TRANSPORT_ERRORS) as e:
-            self.log(f"DARL heartbeat before sending: {e}")
-        if span.lease not in self.session.held():
-            # reclaimed (expired) while we trained: its blocks are back in the pool and may be
-            # someone else's already, so merging this delta would train them twice
-            out["reason"] = "lease lost at DARL before the send: delta dropped, its blocks are trained again"
-            self.log(out["reason"])
-            self.session.span_done(span)
-            out["round"] = yield from self.fetch_theta(theta_path)
-            out.update(lease=span.lease, start=span.start, end=span.end, send_s=0.0, wait_s=0.0)
-            return out
-        try:
-            yield from self._retry("send delta", lambda: self.fed.send_delta(
-                delta_path, base, send["tokens"], [self.session.commit_record(span)],
-                {k: v for k, v in send["metrics"].items() if v is not None}, transport=self.cfg.transport))
-            sent = True
-        except fedmom_client.StaleRound as e:
-            out["reason"] = f"stale: {e}"
-        except httpd.CallError as e:                  # refused (a bad delta): never merged
-            out["reason"] = f"refused: {e.reply.get('error', e)}"
-        out["send_s"] = round(time.monotonic() - t0, 3)
-        while True:          # until the round passed and the aggregator's books say what became of it
-            reply = yield from self._retry("wait for the round", lambda: self.fed.heartbeat(
-                wait_round_after=base, wait_s=min(POLL_S * 4, self.fed.heartbeat_s)))
-            got = self._outcome(reply, base)
-            state = got and got.get("outcome")
-            if state == "pending" or (sent and got is None and reply["round"] <= base):
-                self.say(f"round {base}: waiting for the other sites' deltas (members {reply.get('members')})",
-                         every_s=30.0)
-                yield
-                continue
-            break
-        out["wait_s"] = round(time.monotonic() - t0 - out["send_s"], 3)
-        # the lease TTL we ask for follows this whole time (phase + round trip), not the phase
-        self.session.span_done(span)
-        if state == "merged":
-            out["merged"], out["merged_into"] = True, got.get("merged_into")
-        elif state == "excluded" or not sent:
-            out["reason"] = out["reason"] or f"excluded: {got.get('why')}"
-            self.session.release(span)               # its blocks go back to the pool
-        else:                                        # accepted, then no record: the aggregator decides
-            out["reason"] = "outcome unknown: lease left to the aggregator (commit if merged, else expiry)"
-            self.session.forget(span)
-        out["round"] = yield from self.fetch_theta(theta_path)
-        out.update(lease=span.lease, start=span.start, end=span.end)
-        return out
-
-    # -- end
-    def finish(self):
-        """DARL is done: wait until every lease handed to the aggregator has left this
-        session (in custody or committed: "done"), then leave."""
-        deadline = time.monotonic() + RETRY_S
-        while self.session.held() and time.monotonic() < deadline:
-            try:
-                self.session.refresh()
-            except (httpd.CallError, *TRANSPORT_ERRORS) as e:
-                self.say(f"DARL heartbeat: {e}", every_s=10.0)
-            if self.session.held():
-                self.say(f"waiting for the aggregator to take leases {sorted(self.session.held())} into custody "
-                         "in DARL", every_s=10.0)
-                yield
-                time.sleep(1.0)
-        unsettled = self.session.held()
-        self.session.close(release=not unsettled)    # never release what the aggregator may still commit
-        self.leave()
-        if unsettled:
-            self.log(f"leases {sorted(unsettled)} were still uncommitted after {RETRY_S:.0f} s; left to expire")
-        return True
-
-    def abort(self):
-        """On an error: stop talking, release nothing (the aggregator may still commit)."""
-        try:
-            if self.session is not None:
-                self.session.close(release=False)
-        finally:
-            if self.keepalive is not None:
-                self.keepalive.__exit__(None, None, None)
-                self.keepalive = None
-
-
-class LeasedSource:
-    """The training windows of one DARL span per outer phase, the same on every rank:
-    rank 0 asks the coordinator, every rank receives (lease, start, end) and derives
-    the windows (positions -> blocks -> window indices, shuffled from --seed and the
-    lease) and its own slice of each step (data.LeasedPhase)."""
-
-    def __init__(self, cfg, d, windows, site, block_size, seed):
-        self.cfg, self.d, self.windows, self.site = cfg, d, windows, site
-        self.space = darl_table.BlockSpace(windows.train_windows, block_size, seed,
-                                           manifest_digest=windows.digest)
-        self.per_step = cfg.batch_size * d.world_size * cfg.grad_accum
-
-    def next_phase(self):
-        """The next phase (collective), or None once DARL has no blocks left."""
-        got = diloco.on_rank0(lambda: self.site.next_span())
-        if got is None:
-            return None
-        lease, start, end = got
-        w = data.span_windows(self.space, start, end, self.cfg.seed, lease)
-        return data.LeasedPhase(lease, start, end, w, self.per_step, self.d.world_size, self.d.rank,
-                                self.cfg.batch_size)
-
 
 def export_init(cfg):
     """--export-init: the model from --seed, unsharded on the CPU, as an fp32 tensor file
@@ -1262,7 +932,7 @@ def export_init(cfg):
 
 
 # ---------------------------------------------------------------------------
-# Stage 5: the loop
+# Stage 5: the loops - the step body both share, the local loop, the federated loop
 # ---------------------------------------------------------------------------
 
 def grad_sync(model, cfg, last):
@@ -1298,20 +968,164 @@ def _as_float(t):
     return float(t.full_tensor() if hasattr(t, "full_tensor") else t)
 
 
-def federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, schedule, peak_lr, flops,
-                   save, run_eval):
-    """Outer phases until DARL has no blocks left: one span, its inner steps, the round
-    trip. Every rank runs this; returns the step count at the end."""
-    step, phases, seq = start, 0, source.windows.seq_len
-    peak, gnorm, lr, heldout = peak_flops(d), None, None, {}
+class Stepper:
+    """The code every optimizer step runs in both loops, around the loop's own forward and
+    backward: begin() sets the LR of the schedule; end() unscales, clips, steps and zeroes;
+    train_row() logs the "train" row of the steps since the last one. Time spent inside
+    pause() (evals, checkpoints) is not counted as step time."""
+
+    def __init__(self, run, step):
+        self.run, self.peak = run, peak_flops(run.d)
+        self.lr = self.gnorm = None
+        self.mark(step)
+
+    def mark(self, step):
+        """Start the next row's interval here."""
+        self.t_mark, self.step_mark, self.paused = time.perf_counter(), step, 0.0
+
+    def begin(self, step):
+        self.lr = self.run.peak_lr * self.run.schedule(step)
+        for g in self.run.opt.param_groups:
+            g["lr"] = self.lr
+
+    def end(self):
+        opt, scaler, cfg = self.run.opt, self.run.scaler, self.run.cfg
+        if scaler:
+            scaler.unscale_(opt)
+        if cfg.grad_clip > 0:
+            self.gnorm = torch.nn.utils.clip_grad_norm_(self.run.model.parameters(), cfg.grad_clip)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def due(self, step, last=False):
+        return step % self.run.cfg.log_every == 0 or last
+
+    def train_row(self, step, loss, samples, unit, **where):
+        """Log the row of the steps since mark(): `loss` pooled over ranks, `samples` (tokens or
+        images) trained by all ranks together; `where` ("epoch" or "round") follows "step"."""
+        d = self.run.d
+        dt = time.perf_counter() - self.t_mark - self.paused
+        per_s = samples / dt
+        row = {"split": "train", "step": step, **where, "loss": loss, "lr": self.lr,
+               "grad_norm": _as_float(self.gnorm), "step_ms": 1e3 * dt / (step - self.step_mark),
+               f"{unit}_per_s": per_s, "mfu": self.run.flops * per_s / d.world_size / self.peak if self.peak else None,
+               "peak_mem_gib": peak_memory_gib(d)}
+        self.run.log.metric(row)
+        self.run.log.log("train " + fmt_row(row))
+        self.mark(step)
+
+    @contextlib.contextmanager
+    def pause(self):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused += time.perf_counter() - t0
+
+
+def local_loop(run, start):
+    """The job inside this allocation: --steps optimizer steps (or the epochs), DiLoCo's
+    outer step every H with --diloco-replicas; then the last eval and checkpoint. Every rank
+    runs this; returns the step count at the end."""
+    cfg, d, log, model, outer, source = run.cfg, run.d, run.log, run.model, run.outer, run.source
+    per_epoch, total, scaler = run.steps_per_epoch, run.total, run.scaler
+    unit = "tokens" if cfg.llm else "img"
+    if cfg.llm and cfg.eval_every and not start:
+        run.log_eval(0, first=True)              # the held-out loss before training
+    stepper = Stepper(run, start)
+    step, (epoch, skip) = start, divmod(start, per_epoch)
+    loss_sum = torch.zeros((), device=d.device)
+    model.train()
+    while step < total:
+        micro = source.micro_batches(epoch, skip * cfg.grad_accum)
+        skip = 0
+        for _ in range(per_epoch - (step % per_epoch)):
+            if step >= total:
+                break
+            stepper.begin(step)
+            for i in range(cfg.grad_accum):
+                batch = next(micro)
+                with grad_sync(model, cfg, i == cfg.grad_accum - 1), autocast_ctx(cfg, d):
+                    loss = forward_loss(model, cfg, batch)
+                if cfg.grad_accum > 1:
+                    loss = loss / cfg.grad_accum
+                (scaler.scale(loss) if scaler else loss).backward()
+                loss_sum += loss.detach()
+            stepper.end()
+            step += 1
+            log.total += run.units_per_step
+            row = outer.after_inner_step() if outer else None     # collective every H steps
+            if row:
+                log.metric(dict(row, step=step))
+                log.log("outer " + fmt_row(row))
+            if stepper.due(step, step == total):
+                dist.all_reduce(loss_sum)
+                n = step - stepper.step_mark
+                stepper.train_row(step, loss_sum.item() / (n * d.world_size),
+                                  n * cfg.grad_accum * source.samples_per_micro * d.world_size, unit,
+                                  epoch=round(step / per_epoch, 4))
+                loss_sum.zero_()
+            with stepper.pause():
+                if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
+                    run.log_eval(step)
+                if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < total:
+                    run.save(step)
+        epoch += 1
+        if not cfg.llm and cfg.eval_every == 0 and step < total:
+            with stepper.pause():
+                run.log_eval(step)                # CIFAR: one eval row per epoch
+
+    # -- finish
+    row = outer.finish() if outer else None         # a trailing partial phase, before the last eval
+    if row:
+        log.metric(dict(row, step=step))
+        log.log("outer " + fmt_row(row))
+    run.log_eval(step)
+    if start < step or cfg.resume == "none":
+        run.save(step)
+    return step
+
+
+def federated_run(run, site, carrier, start):
+    """One site of the federation: theta_global of the current round (also after a resume),
+    phases until DARL has no blocks left, every merged lease committed; then the final
+    theta_global scored and saved. On an error rank 0 stops talking and releases nothing."""
+    try:
+        if start:
+            run.outer.phase_steps = 0            # a resumed site starts a fresh phase
+        carrier.load_global(run.outer)           # theta_global of the CURRENT round
+        run.log.log(f"federation: cluster {run.cfg.cluster}, theta_global of round {carrier.round}; "
+                    f"LR schedule over {run.total} steps (--steps; default: the whole corpus at this site)")
+        step = federated_loop(run, site, carrier, start)
+        diloco.on_rank0(lambda: site.finish())    # every merged lease committed, then leave
+        carrier.load_global(run.outer)           # the final global model
+    except BaseException:
+        if site is not None:
+            site.abort()
+        raise
+    run.log_eval(step, carrier.round, final=True)
+    run.save(step, carrier.round)
+    return step
+
+
+def federated_loop(run, site, carrier, start):
+    """Outer phases until DARL has no blocks left: one span, its inner steps, the checkpoint,
+    the round trip. Every rank runs this; returns the step count at the end."""
+    cfg, d, log, model, outer, source = run.cfg, run.d, run.log, run.model, run.outer, run.source
+    step, phases, seq, heldout = start, 0, run.windows.seq_len, {}
     if not start:                        # the held-out loss before training, sent with the first delta
-        ev = run_eval(0, carrier.round, first=True)
+        ev = run.log_eval(0, carrier.round, first=True)
         heldout = {"heldout_loss": ev["loss"], "heldout_round": carrier.round}
     since_nll, since_tok = torch.zeros((), dtype=torch.float64, device=d.device), 0   # this rank
     to_device = HostToDevice(d.device)
-    t_mark, step_mark = time.perf_counter(), step
+    stepper = Stepper(run, step)
     model.train()
-    while (phase := source.next_phase()) is not None:
+    while (span := diloco.on_rank0(lambda: site.next_span())) is not None:
+        phase = source.phase(*span)
         # round start: theta_global of the aggregator's CURRENT round, unconditionally
         if carrier.current() != carrier.round:
             carrier.load_global(outer)
@@ -1319,9 +1133,7 @@ def federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, sched
         in_nll, in_tok = torch.zeros((), dtype=torch.float64, device=d.device), 0
         t_phase = time.perf_counter()
         for s in range(phase.steps):
-            lr = peak_lr * schedule(step)
-            for g in opt.param_groups:
-                g["lr"] = lr
+            stepper.begin(step)
             micros = phase.micro_batches(s)
             # the loss is normalised by the GLOBAL token count of the step: DDP and FSDP
             # average gradients over ranks, so each rank scales its token sum by
@@ -1329,7 +1141,7 @@ def federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, sched
             scale = d.world_size / (len(phase.step_windows(s)) * seq)
             for i, idx in enumerate(micros):
                 real = len(idx) > 0
-                t = to_device(source.windows.batch(idx if real else phase.windows[:1]))
+                t = to_device(run.windows.batch(idx if real else phase.windows[:1]))
                 with grad_sync(model, cfg, i == len(micros) - 1), autocast_ctx(cfg, d):
                     logits = model(t[:, :-1])
                     nll = F.cross_entropy(logits.flatten(0, 1).float(), t[:, 1:].flatten(), reduction="sum")
@@ -1341,69 +1153,107 @@ def federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, sched
                     since_nll += nll.detach()
                     in_tok += idx.size * seq
                     since_tok += idx.size * seq
-            if cfg.grad_clip > 0:
-                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            stepper.end()
             step += 1
+            outer.count_inner_step()
             if cfg.throttle_ms:
                 time.sleep(cfg.throttle_ms / 1000)      # demo/test only: a slower site
-            last = s == phase.steps - 1
-            if step % cfg.log_every == 0 or last:
+            if stepper.due(step, s == phase.steps - 1):
                 row_nll, row_tok = _pooled_nll(since_nll, since_tok, d)
                 log.total += int(row_tok)
-                dt = time.perf_counter() - t_mark
-                tps = row_tok / dt
-                row = {"split": "train", "step": step, "round": carrier.round,
-                       "loss": row_nll / row_tok, "lr": lr,
-                       "grad_norm": _as_float(gnorm), "step_ms": 1e3 * dt / (step - step_mark),
-                       "tokens_per_s": tps, "mfu": flops * tps / d.world_size / peak if peak else None,
-                       "peak_mem_gib": peak_memory_gib(d)}
-                log.metric(row)
-                log.log("train " + fmt_row(row))
+                stepper.train_row(step, row_nll / row_tok, row_tok, "tokens", round=carrier.round)
                 since_nll.zero_()
                 since_tok = 0
-                t_mark, step_mark = time.perf_counter(), step
-            if last:            # what the delta carries; the outer step checkpoints, sends, waits, loads
-                inner_s = time.perf_counter() - t_phase
-                phase_nll, phase_tok = _pooled_nll(in_nll, in_tok, d)
-                phase_loss = phase_nll / phase_tok
-                tokens, tps = len(phase) * seq, len(phase) * seq / inner_s
-                carrier.send = {"tokens": tokens, "metrics": {
-                    "loss": phase_loss, "tokens_per_s": tps,
-                    "mfu": flops * tps / d.world_size / peak if peak else None,
-                    "tflops_per_rank": flops * tps / d.world_size / 1e12,
-                    "peak_mem_gb": peak_memory_gib(d), "inner_s": inner_s, "steps": phase.steps,
-                    **heldout}}
-                heldout = {}                    # each held-out loss goes with one delta
-                carrier.before_send = lambda: save(step, carrier.round)    # BEFORE the delta leaves
-            out = outer.after_inner_step(end_phase=last)
-            if out:
-                phases += 1
-                r = carrier.last
-                row = {"split": "federation", "step": step, "round": r["round"], "base_round": r["base_round"],
-                       "tokens": tokens, "loss": phase_loss, "merged": r["merged"],
-                       "merged_into": r.get("merged_into"), "reason": r.get("reason"), "lease": phase.lease,
-                       "positions": [phase.start, phase.end], "windows": len(phase), "steps": phase.steps,
-                       "inner_s": round(inner_s, 3), "tokens_per_s": tps, "send_s": r.get("send_s"),
-                       "wait_s": r.get("wait_s"), "delta_norm": out["delta_norm"], "outer_ms": out["outer_ms"]}
-                log.metric(row)
-                log.log(f"round {r['base_round']} -> {r['round']}: "
-                        + ("merged" if r["merged"] else f"NOT merged ({r.get('reason')})")
-                        + f"; lease {phase.lease} [{phase.start}, {phase.end}) = {len(phase)} windows in "
-                        f"{phase.steps} steps, loss {row['loss']:.4f}, {tps:.4g} tokens/s, "
-                        f"outer step {out['outer_ms'] / 1e3:.1f} s")
-                if cfg.eval_every and phases % cfg.eval_every == 0:
-                    ev = run_eval(step, carrier.round)      # reported with the next delta: the page plots it
-                    heldout = {"heldout_loss": ev["loss"], "heldout_round": carrier.round}
-                t_mark, step_mark = time.perf_counter(), step
+
+        # -- the phase's end: what the delta carries, the checkpoint, then the round trip
+        inner_s = time.perf_counter() - t_phase
+        phase_nll, phase_tok = _pooled_nll(in_nll, in_tok, d)
+        tokens = len(phase) * seq
+        tps = tokens / inner_s
+        per_rank = run.flops * tps / d.world_size
+        handoff = fedsite.Handoff(tokens=tokens, step=step, metrics={
+            "loss": phase_nll / phase_tok, "tokens_per_s": tps, "mfu": per_rank / stepper.peak if stepper.peak else None,
+            "tflops_per_rank": per_rank / 1e12, "peak_mem_gb": peak_memory_gib(d), "inner_s": inner_s,
+            "steps": phase.steps, **heldout})
+        heldout = {}                             # each held-out loss goes with one delta
+        out = end_phase(run, carrier, handoff)
+        phases += 1
+        r = out["federation"]
+        row = {"split": "federation", "step": r.step, "round": r.round, "base_round": r.base_round,
+               "tokens": r.tokens, "loss": handoff.metrics["loss"], "merged": r.merged,
+               "merged_into": r.merged_into, "reason": r.reason, "lease": r.lease, "positions": [r.start, r.end],
+               "windows": len(phase), "steps": phase.steps, "inner_s": round(inner_s, 3), "tokens_per_s": tps,
+               "send_s": r.send_s, "wait_s": r.wait_s, "delta_norm": out["delta_norm"], "outer_ms": out["outer_ms"]}
+        log.metric(row)
+        log.log(f"round {r.base_round} -> {r.round}: " + ("merged" if r.merged else f"NOT merged ({r.reason})")
+                + f"; lease {r.lease} [{r.start}, {r.end}) = {len(phase)} windows in {phase.steps} steps, "
+                f"loss {row['loss']:.4f}, {tps:.4g} tokens/s, outer step {out['outer_ms'] / 1e3:.1f} s")
+        if cfg.eval_every and phases % cfg.eval_every == 0:
+            ev = run.log_eval(step, carrier.round)       # reported with the next delta: the page plots it
+            heldout = {"heldout_loss": ev["loss"], "heldout_round": carrier.round}
+        stepper.mark(step)
     return step
 
 
-def train(cfg: Config):
-    """Run one training job from a parsed Config (every rank calls this)."""
-    # -- setup -------------------------------------------------------------
-    d = init_distributed(cfg.device)
+def end_phase(run, carrier, handoff):
+    """A federated phase's outer step (collective): the local checkpoint (model, optimizer,
+    step, round) first, THEN the delta leaves with the Handoff (FEDERATION_GUIDE.md
+    section 4, step 4), so a site killed during the round trip resumes at a step that
+    counts the phase its delta carried. Returns DiLoCo's row, with "federation": the
+    fedsite.RoundResult."""
+    run.save(handoff.step, carrier.round)
+    return run.outer.end_phase(handoff)
+
+
+# ---------------------------------------------------------------------------
+# Stage 6: the run - its parts, built in order by train()
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Run:
+    """One job's parts, filled in by train()'s stages in order; both loops read them."""
+    cfg: Config
+    d: Dist
+    log: RunLog
+    run_dir: str
+    windows: object                    # data.TokenWindows, or None (CIFAR)
+    prov: dict
+    model: object = None
+    n_params: int = 0
+    flops: float = 0.0                 # training FLOPs per token / per image
+    opt: object = None
+    peak_lr: float = 0.0
+    scaler: object = None              # torch.amp.GradScaler with --dtype fp16
+    source: object = None              # CifarSource | WindowSource | fedsite.LeasedSource
+    steps_per_epoch: int = 1
+    total: int = 0
+    units_per_step: int = 0            # tokens (images) one optimizer step trains, all ranks
+    schedule: object = None            # step -> LR factor
+    outer: object = None               # diloco.DiLoCo with --diloco-replicas > 1 or --federation
+
+    def save(self, step, fed_round=None):
+        cfg = self.cfg
+        fed = {"cluster": cfg.cluster, "round": fed_round} if cfg.federation else None
+        checkpoint.save(self.run_dir, step, self.model, self.opt, diloco=self.outer,
+                        sharded=cfg.sharded_checkpoint, keep=cfg.keep_checkpoints,
+                        extra={"epoch": step // self.steps_per_epoch,
+                               "digest": self.windows.digest if self.windows else None, "federation": fed,
+                               "units_total": self.log.total})
+
+    def log_eval(self, step, fed_round=None, **extra):
+        """Score theta (the global weights under DiLoCo), log the "eval" row and return it."""
+        with self.outer.global_weights() if self.outer else contextlib.nullcontext():
+            row = dict(split="eval", step=step, epoch=round(step / self.steps_per_epoch, 4),
+                       **({"round": fed_round} if self.cfg.federation else {}), **extra,
+                       **evaluate(self.model, self.cfg, self.d, self.source, self.windows))
+        self.log.metric(row)
+        self.log.log("eval  " + fmt_row(row))
+        return row
+
+
+def settle_config(cfg, d):
+    """Resolve the defaults, check the flags against the world size and the corpus; returns
+    the corpus (data.TokenWindows), or None for CIFAR."""
     cfg.resolve(d.accel)
     cfg.validate()
     if d.accel != "cpu":
@@ -1423,6 +1273,12 @@ def train(cfg: Config):
         if cfg.eval_windows > windows.heldout_windows:
             raise ConfigError(f"--eval-windows {cfg.eval_windows}: the corpus holds out only "
                               f"{windows.heldout_windows}; lower it")
+    return windows
+
+
+def open_run_dir(cfg, d, windows):
+    """runs/<run>/ (made by rank 0; checkpoints there need --resume), its train.log and
+    metrics.jsonl, and the provenance line; returns the Run the later stages fill in."""
     cfg.run_name = cfg.run_name or default_run_name(cfg, d)
     run_dir = os.path.join(cfg.runs_dir, cfg.run_name)
     if d.is_main:
@@ -1432,211 +1288,134 @@ def train(cfg: Config):
         raise ConfigError(f"{run_dir} already has checkpoints and --resume is none: "
                           f"use --resume auto to continue it, or another --run-name")
     log = RunLog(run_dir, d.is_main, cfg.tensorboard)
+    log.total_key = "tokens_total" if cfg.llm else "img_total"
     prov = provenance(d)
     log.log(f"run {cfg.run_name}: {d.world_size} ranks, {d.accel} ({d.backend}), "
             f"{prov['devices'][0]}, torch {prov['torch']}, torchtitan {prov['torchtitan']}, "
             f"code {prov.get('git', 'sha256 of *.py')[:12]}")
+    return Run(cfg, d, log, run_dir, windows, prov)
 
-    # -- model -------------------------------------------------------------
+
+def build_model(run):
+    """The model (sharded or wrapped, initialised from --seed), its optimizer and attention
+    kernel, into `run`; returns DiLoCo's replica layout (None without --diloco-replicas)."""
+    cfg, d, windows = run.cfg, run.d, run.windows
     k = cfg.diloco_replicas
     layout = diloco.ReplicaLayout.build(d.world_size, d.rank, k) if k > 1 else None
-    model, n_params, flops = make_model(
+    run.model, run.n_params, run.flops = make_model(
         cfg, d, windows.vocab_size if windows else None,
         group=layout.inner_group if layout else None, mesh=layout.mesh["shard"] if layout else None)
     torch.manual_seed(cfg.seed * 1000 + d.rank)      # per-rank streams from here on
-    opt, peak_lr = make_optimizer(cfg, model, d.world_size // k, d.device.type)
-    attention = models.configure_attention(model, d.device, COMPUTE_DTYPES[cfg.dtype])
-    scaler = torch.amp.GradScaler(d.device.type) if cfg.dtype == "fp16" else None
-    unit = "tokens" if cfg.llm else "img"
-    log.total_key = f"{unit}_total"
-    log.log(f"model {cfg.model}: {n_params:,} parameters, {flops / 1e9:.3g} GFLOP per "
-            f"{'token' if cfg.llm else 'image'} (train), {cfg.parallel}, dtype {cfg.dtype}, "
-            f"peak lr {peak_lr:.4g}" + (f", DiLoCo k={k} H={cfg.diloco_inner_steps}" if k > 1 else "")
-            + (f", attention {attention}" if attention else "") + (", compiled per block" if cfg.compile else ""))
+    run.opt, run.peak_lr = make_optimizer(cfg, run.model, d.world_size // k, d.device.type)
+    attention = models.configure_attention(run.model, d.device, COMPUTE_DTYPES[cfg.dtype])
+    run.scaler = torch.amp.GradScaler(d.device.type) if cfg.dtype == "fp16" else None
+    run.log.log(f"model {cfg.model}: {run.n_params:,} parameters, {run.flops / 1e9:.3g} GFLOP per "
+                f"{'token' if cfg.llm else 'image'} (train), {cfg.parallel}, dtype {cfg.dtype}, "
+                f"peak lr {run.peak_lr:.4g}" + (f", DiLoCo k={k} H={cfg.diloco_inner_steps}" if k > 1 else "")
+                + (f", attention {attention}" if attention else "") + (", compiled per block" if cfg.compile else ""))
     if attention and attention.startswith("math") and d.accel != "cpu":
-        log.log(f"WARNING: attention falls back to the math kernel on {prov['devices'][0]}: an S x S "
-                f"score matrix per head (memory O(seq_len^2)); check the torch build (smoke.py)")
+        run.log.log(f"WARNING: attention falls back to the math kernel on {run.prov['devices'][0]}: an S x S "
+                    f"score matrix per head (memory O(seq_len^2)); check the torch build (smoke.py)")
+    return layout
 
-    # -- data and the outer-step carrier -----------------------------------
-    carrier = site = None      # carrier None: diloco.AllReduceCarrier over this allocation's replicas
-    if cfg.federation:
-        # one site = one stream: windows from DARL spans (one per outer phase), the
-        # outer step through fedmom_server.py; only rank 0 talks to the central VM
-        if windows.train_windows < 1:      # said before any call to the central VM
-            raise ConfigError(f"{cfg.data} has no training windows (all are held out): tokenize more "
-                              "text, or fewer --heldout-windows in tokenize_corpus.py")
-        per_step = cfg.batch_size * d.world_size * cfg.grad_accum
-        site = FedSite(cfg, windows, 4 * n_params, log.log) if d.is_main else None
-        if site is not None:
-            log.incarnation = site.incarnation      # the one FedMom and DARL know this process by
-        block_size, darl_seed, _ = diloco.on_rank0(lambda: site.connect(per_step))
-        source = LeasedSource(cfg, d, windows, site, block_size, darl_seed)
-        workdir = os.path.join(run_dir, "federation")
-        if d.is_main:
-            os.makedirs(workdir, exist_ok=True)
-        carrier = diloco.FedMomCarrier(site, workdir, delta_dtype=cfg.delta_dtype.upper())
-        steps_per_epoch = -(-windows.train_windows // per_step)   # the whole corpus at this site's step
+
+def join_federation(run):
+    """One site = one stream: rank 0 connects to DARL and FedMom (fedsite.FedSite), every rank
+    gets the block space and will read the windows of the spans rank 0 leases; the outer
+    step goes through fedmom_server.py. Returns (site, carrier); site is None off rank 0."""
+    cfg, d, windows = run.cfg, run.d, run.windows
+    if windows.train_windows < 1:      # said before any call to the central VM
+        raise ConfigError(f"{cfg.data} has no training windows (all are held out): tokenize more "
+                          "text, or fewer --heldout-windows in tokenize_corpus.py")
+    per_step = cfg.batch_size * d.world_size * cfg.grad_accum
+    site = fedsite.FedSite(cfg, windows, 4 * run.n_params, run.log.log) if d.is_main else None
+    if site is not None:
+        run.log.incarnation = site.incarnation      # the one FedMom and DARL know this process by
+    block_size, darl_seed, _ = diloco.on_rank0(lambda: site.connect(per_step))
+    run.source = fedsite.LeasedSource(cfg, windows, block_size, darl_seed, d.rank, d.world_size)
+    workdir = os.path.join(run.run_dir, "federation")
+    if d.is_main:
+        os.makedirs(workdir, exist_ok=True)
+    return site, diloco.FedMomCarrier(site, workdir, delta_dtype=cfg.delta_dtype.upper())
+
+
+def plan_steps(run):
+    """Steps per epoch, the total, warmup and the LR schedule; then config.yaml, every
+    default resolved now (the config a rerun would need)."""
+    cfg, d = run.cfg, run.d
+    if cfg.federation:                 # the whole corpus at this site's step
+        run.steps_per_epoch = -(-run.windows.train_windows // (cfg.batch_size * d.world_size * cfg.grad_accum))
     else:
-        source = WindowSource(cfg, d, windows) if cfg.llm else CifarSource(cfg, d)
-        steps_per_epoch = source.micro_per_epoch // cfg.grad_accum
-    if steps_per_epoch < 1:
-        raise ConfigError(f"{cfg.data} gives each of {d.world_size} ranks {source.micro_per_epoch} "
+        run.steps_per_epoch = run.source.micro_per_epoch // cfg.grad_accum
+    if run.steps_per_epoch < 1:
+        raise ConfigError(f"{cfg.data} gives each of {d.world_size} ranks {run.source.micro_per_epoch} "
                           f"micro-batches per epoch, fewer than --grad-accum {cfg.grad_accum}: lower "
                           f"--batch-size or --grad-accum, or use more data")
-    total = cfg.steps or steps_per_epoch * (1 if cfg.llm else cfg.epochs)
-    warmup = cfg.warmup_steps = cfg.warmup_steps if cfg.warmup_steps is not None else total // 20
-    if d.is_main:      # every default resolved now: the config a rerun would need
-        write_config_yaml(os.path.join(run_dir, "config.yaml"), cfg, prov)
-    log.log("config " + json.dumps(dataclasses.asdict(cfg)))
-    schedule = lr_lambda(total, warmup, cfg.min_lr / cfg.lr)
-    outer = None
-    if k > 1 or carrier is not None:
-        # federation: the local outer step is plain replacement (sgd, lr 1, momentum 0: no
-        # local momentum buffers); the aggregator owns the Nesterov momentum
-        dcfg = diloco.DiLoCoConfig.fedavg(cfg.diloco_inner_steps) if cfg.federation \
-            else diloco.DiLoCoConfig.from_args(cfg)
-        outer = diloco.DiLoCo(model, layout or diloco.ReplicaLayout.plan(d.world_size, d.rank, 1), dcfg, carrier)
-    log.log(f"data {cfg.data}: {steps_per_epoch} steps per epoch of {cfg.grad_accum} x "
-            f"{cfg.batch_size} per rank; {total} steps, warmup {warmup}")
+    run.total = cfg.steps or run.steps_per_epoch * (1 if cfg.llm else cfg.epochs)
+    run.units_per_step = cfg.grad_accum * cfg.batch_size * d.world_size * (run.windows.seq_len if cfg.llm else 1)
+    warmup = cfg.warmup_steps = cfg.warmup_steps if cfg.warmup_steps is not None else run.total // 20
+    if d.is_main:
+        write_config_yaml(os.path.join(run.run_dir, "config.yaml"), cfg, run.prov)
+    run.log.log("config " + json.dumps(dataclasses.asdict(cfg)))
+    run.schedule = lr_lambda(run.total, warmup, cfg.min_lr / cfg.lr)
+    run.log.log(f"data {cfg.data}: {run.steps_per_epoch} steps per epoch of {cfg.grad_accum} x "
+                f"{cfg.batch_size} per rank; {run.total} steps, warmup {warmup}")
 
-    # -- resume ------------------------------------------------------------
-    start = 0
-    units_per_step = cfg.grad_accum * cfg.batch_size * d.world_size * (windows.seq_len if cfg.llm else 1)
-    if cfg.resume != "none":
-        extra = (checkpoint.load_latest(run_dir, model, opt, diloco=outer) if cfg.resume == "auto"
-                 else checkpoint.load(cfg.resume, model, opt, diloco=outer))
-        if extra is not None:
-            if windows is not None and extra.get("digest") not in (None, windows.digest):
-                raise ConfigError(f"--data {cfg.data}: corpus digest {windows.digest[:12]} differs "
-                                  f"from the checkpoint's {extra['digest'][:12]}; resume on the same corpus")
-            start = extra["step"]
-            log.total = extra.get("units_total", start * units_per_step)
-            log.log(f"resumed at step {start} from {cfg.resume} ({run_dir})")
-        else:
-            log.log(f"--resume auto: no checkpoint in {run_dir}; starting at step 0")
 
-    def save(step, fed_round=None):
-        fed = {"cluster": cfg.cluster, "round": fed_round} if cfg.federation else None
-        checkpoint.save(run_dir, step, model, opt, diloco=outer, sharded=cfg.sharded_checkpoint,
-                        keep=cfg.keep_checkpoints, extra={"epoch": step // steps_per_epoch,
-                        "digest": windows.digest if windows else None, "federation": fed,
-                        "units_total": log.total})
+def make_outer(run, layout, carrier):
+    """DiLoCo over the replicas of this allocation, or (federation) over one replica whose
+    outer step goes through the carrier. Federation's local outer step is plain replacement
+    (sgd, lr 1, momentum 0: no local momentum buffers); the aggregator owns the momentum."""
+    cfg, d = run.cfg, run.d
+    dcfg = diloco.DiLoCoConfig.fedavg(cfg.diloco_inner_steps) if cfg.federation \
+        else diloco.DiLoCoConfig.from_args(cfg)
+    return diloco.DiLoCo(run.model, layout or diloco.ReplicaLayout.plan(d.world_size, d.rank, 1), dcfg, carrier)
 
-    def run_eval(step, fed_round=None, **extra):
-        with outer.global_weights() if outer else contextlib.nullcontext():
-            row = dict(split="eval", step=step, epoch=round(step / steps_per_epoch, 4),
-                       **({"round": fed_round} if cfg.federation else {}), **extra,
-                       **evaluate(model, cfg, d, source, windows))
-        log.metric(row)
-        log.log("eval  " + fmt_row(row))
-        return row
 
+def resume(run):
+    """--resume auto | PATH: model, optimizer and DiLoCo state from a checkpoint of the same
+    corpus; returns the step to start at (0 without one)."""
+    cfg, log = run.cfg, run.log
+    if cfg.resume == "none":
+        return 0
+    extra = (checkpoint.load_latest(run.run_dir, run.model, run.opt, diloco=run.outer) if cfg.resume == "auto"
+             else checkpoint.load(cfg.resume, run.model, run.opt, diloco=run.outer))
+    if extra is None:
+        log.log(f"--resume auto: no checkpoint in {run.run_dir}; starting at step 0")
+        return 0
+    w = run.windows
+    if w is not None and extra.get("digest") not in (None, w.digest):
+        raise ConfigError(f"--data {cfg.data}: corpus digest {w.digest[:12]} differs "
+                          f"from the checkpoint's {extra['digest'][:12]}; resume on the same corpus")
+    log.total = extra.get("units_total", extra["step"] * run.units_per_step)
+    log.log(f"resumed at step {extra['step']} from {cfg.resume} ({run.run_dir})")
+    return extra["step"]
+
+
+def train(cfg: Config):
+    """Run one training job from a parsed Config (every rank calls this); returns the run directory."""
+    d = init_distributed(cfg.device)
+    windows = settle_config(cfg, d)
+    run = open_run_dir(cfg, d, windows)
+    layout = build_model(run)
+    site = carrier = None
     if cfg.federation:
-        try:
-            if start:
-                outer.phase_steps = 0            # a resumed site starts a fresh phase
-            carrier.load_global(outer)           # theta_global of the CURRENT round, also after a resume
-            log.log(f"federation: cluster {cfg.cluster}, theta_global of round {carrier.round}; "
-                    f"LR schedule over {total} steps (--steps; default: the whole corpus at this site)")
-            step = federated_loop(cfg, d, log, model, opt, outer, carrier, source, start, schedule, peak_lr,
-                                  flops, save, run_eval)
-            diloco.on_rank0(lambda: site.finish())    # every merged lease committed, then leave
-            carrier.load_global(outer)           # the final global model
-        except BaseException:
-            if site is not None:
-                site.abort()
-            raise
-        run_eval(step, carrier.round, final=True)
-        save(step, carrier.round)
-        return _finish(log, run_dir, step)
-
-    # -- loop --------------------------------------------------------------
-    if cfg.llm and cfg.eval_every and not start:
-        run_eval(0, first=True)                  # the held-out loss before training
-    model.train()
-    step, (epoch, skip) = start, divmod(start, steps_per_epoch)
-    loss_sum = torch.zeros((), device=d.device)
-    t_mark, step_mark, paused, gnorm = time.perf_counter(), step, 0.0, None
-    peak = peak_flops(d)
-    while step < total:
-        micro = source.micro_batches(epoch, skip * cfg.grad_accum)
-        skip = 0
-        for _ in range(steps_per_epoch - (step % steps_per_epoch)):
-            if step >= total:
-                break
-            lr = peak_lr * schedule(step)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            for i in range(cfg.grad_accum):
-                batch = next(micro)
-                with grad_sync(model, cfg, i == cfg.grad_accum - 1), autocast_ctx(cfg, d):
-                    loss = forward_loss(model, cfg, batch)
-                if cfg.grad_accum > 1:
-                    loss = loss / cfg.grad_accum
-                (scaler.scale(loss) if scaler else loss).backward()
-                loss_sum += loss.detach()
-            if scaler:
-                scaler.unscale_(opt)
-            if cfg.grad_clip > 0:
-                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            if scaler:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            log.total += units_per_step
-            row = outer.after_inner_step() if outer else None     # collective every H steps
-            if row:
-                log.metric(dict(row, step=step))
-                log.log("outer " + fmt_row(row))
-
-            if step % cfg.log_every == 0 or step == total:
-                dist.all_reduce(loss_sum)
-                n = step - step_mark
-                dt = time.perf_counter() - t_mark - paused
-                per_rank = n * cfg.grad_accum * source.samples_per_micro / dt
-                row = {"split": "train", "step": step, "epoch": round(step / steps_per_epoch, 4),
-                       "loss": loss_sum.item() / (n * d.world_size), "lr": lr,
-                       "grad_norm": _as_float(gnorm), "step_ms": 1e3 * dt / n,
-                       f"{unit}_per_s": per_rank * d.world_size,
-                       "mfu": flops * per_rank / peak if peak else None,
-                       "peak_mem_gib": peak_memory_gib(d)}
-                log.metric(row)
-                log.log("train " + fmt_row(row))
-                loss_sum.zero_()
-                t_mark, step_mark, paused = time.perf_counter(), step, 0.0
-            t0 = time.perf_counter()
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
-                run_eval(step)
-            if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < total:
-                save(step)
-            paused += time.perf_counter() - t0
-        epoch += 1
-        if not cfg.llm and cfg.eval_every == 0 and step < total:
-            t0 = time.perf_counter()
-            run_eval(step)                # CIFAR: one eval row per epoch
-            paused += time.perf_counter() - t0
-
-    # -- finish ------------------------------------------------------------
-    if outer is not None:
-        row = outer.finish()                     # a trailing partial phase, before the last eval
-        if row:
-            log.metric(dict(row, step=step))
-            log.log("outer " + fmt_row(row))
-    run_eval(step)
-    if start < step or cfg.resume == "none":
-        save(step)
-    return _finish(log, run_dir, step)
-
-
-def _finish(log, run_dir, step):
-    log.log(f"done: {step} steps, run directory {run_dir}")
-    log.close()
+        site, carrier = join_federation(run)
+    else:
+        run.source = WindowSource(cfg, d, windows) if cfg.llm else CifarSource(cfg, d)
+    plan_steps(run)
+    if cfg.diloco_replicas > 1 or carrier is not None:
+        run.outer = make_outer(run, layout, carrier)
+    start = resume(run)
+    if cfg.federation:
+        step = federated_run(run, site, carrier, start)
+    else:
+        step = local_loop(run, start)
+    run.log.log(f"done: {step} steps, run directory {run.run_dir}")
+    run.log.close()
     dist.barrier()
     dist.destroy_process_group()
-    return run_dir
+    return run.run_dir
 
 
 def main(argv=None):
@@ -1645,7 +1424,7 @@ def main(argv=None):
         if cfg.export_init:
             return export_init(cfg.resolve("cpu"))
         return train(cfg)
-    except (ConfigError, data.CorpusError) as e:
+    except (ConfigError, fedsite.CorpusMismatch, data.CorpusError) as e:
         if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
             print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

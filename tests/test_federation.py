@@ -22,6 +22,7 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
   - cheap checks in-process: the ragged-step arithmetic, identity and flag errors, and
     --export-init's names.
 """
+import dataclasses
 import json
 import os
 import signal
@@ -30,12 +31,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import unittest
 
 import numpy as np
 
 import darl_table
 import data
+import fedsite
 import httpd
 import tokenize_corpus as tc
 import train
@@ -290,14 +293,14 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
     windows = data.TokenWindows(manifest)
     cfg.seq_len = windows.seq_len
     model, _, _ = train.make_model(cfg, d, windows.vocab_size)
-    site = train.FedSite(cfg, windows, 0, print) if d.rank == 0 else None
+    site = fedsite.FedSite(cfg, windows, 0, print) if d.rank == 0 else None
     block_size, seed, _ = diloco.on_rank0(lambda: site.connect(cfg.batch_size * d.world_size))
-    source = train.LeasedSource(cfg, d, windows, site, block_size, seed)
+    source = fedsite.LeasedSource(cfg, windows, block_size, seed, d.rank, d.world_size)
     carrier = diloco.FedMomCarrier(site, out_dir, "F32")
     outer = diloco.DiLoCo(model, diloco.ReplicaLayout.plan(d.world_size, d.rank, 1),
                           diloco.DiLoCoConfig.fedavg(2), carrier)
     base = carrier.load_global(outer)
-    phase = source.next_phase()
+    phase = source.phase(*diloco.on_rank0(lambda: site.next_span()))
     if d.rank == 0:                  # another site merges round base+1 while we train
         site.leave()
         other = fedmom_client.FedMomClient(fedmom_url, "other", "inc-other")
@@ -322,12 +325,16 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
     with torch.no_grad():                    # some training: the delta is not zero
         for p in model.parameters():
             p.to_local().add_(0.001)
+    # train.end_phase as the federated loop calls it; the checkpoint notes whether the delta
+    # file (written, then sent, by the carrier) does not exist yet
     checkpointed = []
-    carrier.send = {"tokens": len(phase) * windows.seq_len, "metrics": {"loss": 1.0}}
-    carrier.before_send = lambda: checkpointed.append(True)
-    outer.after_inner_step(end_phase=True)
+    delta_file = os.path.join(out_dir, "delta.safetensors")
+    run = types.SimpleNamespace(outer=outer, save=lambda step, rnd: checkpointed.append(not os.path.exists(delta_file)))
+    outer.count_inner_step()
+    out = train.end_phase(run, carrier, fedsite.Handoff(tokens=len(phase) * windows.seq_len,
+                                                        metrics={"loss": 1.0}, step=1))
     if d.rank == 0:
-        report.update(last=carrier.last, checkpointed=checkpointed, lease=phase.lease,
+        report.update(last=dataclasses.asdict(out["federation"]), checkpointed=checkpointed, lease=phase.lease,
                       held_after=sorted(site.session.held()), base=base)
         with tensorio.TensorReader(os.path.join(out_dir, "theta.safetensors")) as r:
             report["theta_round_file"] = r.metadata.get("round")
@@ -407,7 +414,7 @@ class CarrierTest(unittest.TestCase):
         cfg = train.parse_config(["--model", "qwen3-tiny", "--data", self.manifest, "--federation", self.fedmom,
                                   "--darl-url", self.darl, "--site", "twin"]).resolve("cpu")
         said = []
-        site = train.FedSite(cfg, windows, 0, said.append)
+        site = fedsite.FedSite(cfg, windows, 0, said.append)
         gen = site.connect(8)
 
         def drive(until):

@@ -20,6 +20,7 @@ import data
 import models
 import tokenize_corpus as tc
 import train
+from helpers import listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -296,6 +297,36 @@ class FederationCorpusTest(unittest.TestCase):
         self.assertIn("no training windows", errors[0])
         self.assertIn("--heldout-windows", errors[0])
         self.assertNotIn("retrying", p.stdout + p.stderr)
+
+    def test_another_corpus_than_the_coordinators_is_a_flag_error(self):
+        """fedsite.CorpusMismatch (rank 0's connect) is reported like a ConfigError: one
+        line naming --data and the fix, exit 2, before any call to FedMom."""
+        with tempfile.TemporaryDirectory() as tmp:
+            manifests = []
+            for name, files in (("ours", 2), ("theirs", 3)):
+                tc.tokenize(tc.TokenizeConfig(inputs=[], out=os.path.join(tmp, name), seq_len=32, max_files=files,
+                                              max_bytes=8000, heldout_windows=8, progress=False))
+                manifests.append(os.path.join(tmp, name, "manifest.json"))
+            darl = subprocess.Popen([sys.executable, "darl_server.py", "--manifest", manifests[1], "--port", "0",
+                                     "--state-dir", os.path.join(tmp, "central")], cwd=ROOT, env=_env(),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            try:
+                url, _ = listening_url(darl)
+                # nothing listens at FedMom's port: a run that got that far would retry for 900 s
+                p = subprocess.run([sys.executable, "train.py", "--device", "cpu", "--model", "qwen3-tiny",
+                                    "--data", manifests[0], "--federation", "http://127.0.0.1:9",
+                                    "--darl-url", url, "--site", "lumi", "--eval-windows", "8",
+                                    "--runs-dir", os.path.join(tmp, "runs")],
+                                   cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+            finally:
+                darl.kill()
+                darl.wait(timeout=60)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        errors = [line for line in p.stderr.splitlines() if line.startswith("train.py: error:")]
+        self.assertEqual(len(errors), 1, p.stderr)
+        self.assertIn("--data", errors[0])
+        self.assertIn("same digest", errors[0])
+        self.assertNotIn("Traceback", p.stderr)
 
 
 class ModelTest(unittest.TestCase):

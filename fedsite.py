@@ -1,0 +1,353 @@
+"""fedsite.py - the site side of the round protocol: rank 0's DARL leases, FedMom membership
+and each delta's round trip, and the leased windows every rank derives from them.
+
+Runs on: compute nodes, inside `train.py --federation` (imported; not started on its own).
+FedSite lives on global rank 0 only; LeasedSource on every rank. Torch-free (stdlib, numpy,
+darl_client, fedmom_client, data): the collectives that share rank 0's answers with the
+other ranks are diloco.on_rank0's, called by train.py. No port, no state of its own: the
+delta and theta files are the carrier's (runs/<run>/federation/), leases and membership
+live at the central services.
+
+Callers: train.py's federated loop and diloco.FedMomCarrier, in this order per run:
+    site = FedSite(cfg, windows, model_bytes, log)            # rank 0
+    block_size, seed, _ = on_rank0(lambda: site.connect(per_step))
+    source = LeasedSource(cfg, windows, block_size, seed, rank, world)
+    while (span := on_rank0(lambda: site.next_span())) is not None:
+        phase = source.phase(*span)                            # every rank, no traffic
+        ... train phase.steps steps, write the checkpoint ...
+        carrier's outer step -> on_rank0(lambda: site.round_trip(delta, base, handoff, theta))
+    on_rank0(lambda: site.finish())
+Every method that can wait is a generator that yields while it waits: on_rank0 turns each
+yield into a small broadcast, so the other ranks never sit in one collective long enough
+to time out.
+
+The protocol these calls follow (what a phase leases, what the aggregator does with a
+delta, who settles a lease, identity and requeues) is FEDERATION_GUIDE.md, sections 2-4.
+"""
+import dataclasses
+import http.client
+import math
+import re
+import secrets
+import time
+
+import darl_client
+import darl_table
+import data
+import fedmom_client
+import httpd
+
+RETRY_S = 900.0             # how long the aggregator may stay unreachable (a restart) before we give up
+POLL_S = 5.0                # rank 0 reports "still waiting" to the other ranks this often
+TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
+
+
+class CorpusMismatch(ValueError):
+    """This site's manifest gives another block space than the coordinator's: the run cannot
+    start (train.py reports it like a flag error)."""
+
+
+@dataclasses.dataclass
+class Handoff:
+    """What a finished phase hands over with its delta: the tokens it trained (the merge
+    weight), its metrics (sent to the aggregator; None values are dropped) and the step
+    of the phase's last optimizer step, at which the local checkpoint was written
+    before the delta left."""
+    tokens: int
+    metrics: dict
+    step: int
+
+
+@dataclasses.dataclass
+class RoundResult:
+    """What became of one delta. round: the theta_global the site now holds (the newest,
+    whatever became of the delta); merged_into: the round it went into, when merged;
+    reason: why not, otherwise. The span it trained, and the Handoff's step and tokens,
+    come back with it."""
+    base_round: int
+    round: int = None
+    merged: bool = False
+    merged_into: int = None
+    reason: str = None
+    lease: int = None
+    start: int = None
+    end: int = None
+    step: int = None
+    tokens: int = None
+    send_s: float = 0.0
+    wait_s: float = 0.0
+
+
+class FedSite:
+    """Rank 0's side of a federated site: one DARL LeaseSession (this stream's leases),
+    FedMom membership, and the round trip of each delta.
+
+    cfg: train.Config (reads cluster, federation, darl_url, blob_url, token_file,
+    transport, data, diloco_inner_steps, register_wait_s). windows: the site's
+    data.TokenWindows. model_bytes picks the transport of theta under --transport auto.
+
+    Lease lifecycle (FEDERATION_GUIDE.md section 3): the site never commits in DARL.
+    Accepted: the aggregator takes the span into custody at DARL, out of reach of our
+    TTL, steals and releases; the session's heartbeats see the lease "done" and drop it.
+    Merged: the aggregator commits that custody. Not merged: the site releases the lease
+    (what is still the site's goes back to the pool). Unknown: the site lets go and the
+    aggregator decides.
+    """
+
+    def __init__(self, cfg, windows, model_bytes, log):
+        self.cfg, self.windows, self.log = cfg, windows, log
+        self.cluster, self.incarnation = cfg.cluster, secrets.token_hex(6)
+        token = httpd.load_token(cfg.token_file)
+        self.darl = darl_client.LeaseClient(cfg.darl_url, token=token)
+        self.fed = fedmom_client.FedMomClient(cfg.federation, self.cluster, self.incarnation, token=token,
+                                              blob_url=cfg.blob_url)
+        self.theta_transport = "blob" if cfg.transport == "blob" or (
+            cfg.transport == "auto" and cfg.blob_url and model_bytes >= fedmom_client.AUTO_BLOB_BYTES) else "inline"
+        self.session, self.span, self.keepalive, self.member = None, None, None, False
+        self._said = {}
+
+    def say(self, msg, every_s=0.0):
+        """Log a repeated waiting message at most once per every_s seconds (per message kind:
+        the text before its first "(" or digit)."""
+        kind = re.split(r"[(0-9]", msg, maxsplit=1)[0]
+        if time.monotonic() - self._said.get(kind, -math.inf) >= every_s:
+            self._said[kind] = time.monotonic()
+            self.log(msg)
+
+    def _retry(self, what, fn):
+        """fn() until it answers: transport errors and 5xx (a server restarting) are retried
+        for RETRY_S, a 409 not_member (dropped meanwhile) joins again; other 4xx raise."""
+        deadline, delay = time.monotonic() + RETRY_S, 1.0
+        while True:
+            try:
+                return fn()
+            except httpd.CallError as e:
+                if e.status == 409 and e.reply.get("code") == "not_member":
+                    self.log(f"{what}: the aggregator no longer counts us as a member ({e.reply.get('error')}); joining again")
+                    self.member = False
+                    yield from self.join()
+                    continue
+                if e.status < 500:
+                    raise
+                err = e
+            except TRANSPORT_ERRORS as e:
+                err = e
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what}: no answer for {RETRY_S:.0f} s ({err})")
+            self.say(f"{what}: {err}; retrying", every_s=10.0)
+            t_end = time.monotonic() + delay
+            yield
+            time.sleep(max(0.0, t_end - time.monotonic()))
+            delay = min(2 * delay, 10.0)
+
+    # -- start: the block space, DARL registration, FedMom membership
+    def connect(self, per_step):
+        """-> (block size, seed, blocks per phase) of the coordinator's space, checked
+        against our own manifest; registered at DARL, a member at FedMom."""
+        st = yield from self._retry("DARL status", self.darl.status)
+        sp = st["space"]
+        space = darl_table.BlockSpace(self.windows.train_windows, sp["block_size"], sp["seed"],
+                                      manifest_digest=self.windows.digest)
+        if space.digest() != st["digest"]:
+            raise CorpusMismatch(f"--data {self.cfg.data}: this corpus gives block space {space.describe()}, "
+                                 f"the coordinator has {sp}; start darl_server.py --manifest with the same "
+                                 "manifest.json (both sides tokenized alike: same digest)")
+        blocks = data.blocks_per_phase(self.cfg.diloco_inner_steps, per_step, sp["block_size"])
+        self.session = darl_client.LeaseSession(
+            self.darl, self.cluster, space.digest(), incarnation=self.incarnation, span_blocks=blocks,
+            lease_blocks=blocks, prefetch=False, log=lambda m: self.log(f"darl: {m}"))
+        deadline = time.monotonic() + self.cfg.register_wait_s
+        while True:
+            try:
+                self.darl.register(self.cluster, self.incarnation, space.digest())
+                break
+            except httpd.CallError as e:
+                left = deadline - time.monotonic()
+                if e.status != 409 or e.reply.get("code") != "incarnation_conflict" or left <= 0:
+                    raise
+                self.say(f"DARL: {self.cluster!r} is still held by the previous incarnation; waiting for the "
+                         f"previous incarnation's leases to expire ({left:.0f} s left)", every_s=10.0)
+                yield
+                time.sleep(1.0)
+        self.session.start(register=False)
+        yield from self.join()
+        self.log(f"site {self.cluster} (incarnation {self.incarnation}): DARL {space.num_blocks} blocks of "
+                 f"{sp['block_size']} windows, {blocks} per phase; FedMom round {self.fed_round}")
+        return sp["block_size"], sp["seed"], blocks
+
+    def join(self):
+        deadline = time.monotonic() + self.cfg.register_wait_s
+        while True:
+            try:
+                reply = self.fed.join()
+                break
+            except httpd.CallError as e:
+                left = deadline - time.monotonic()
+                if e.reply.get("code") != "incarnation_conflict" or left <= 0:
+                    raise
+                self.say(f"FedMom: {self.cluster!r} is still live as the previous incarnation; waiting for "
+                         f"it to time out ({left:.0f} s left)", every_s=10.0)
+            except TRANSPORT_ERRORS as e:
+                if time.monotonic() > deadline:
+                    raise
+                self.say(f"FedMom join: {e}; retrying", every_s=10.0)
+            yield
+            time.sleep(1.0)
+        self.fed_round, self.member = reply["round"], True
+        if self.keepalive is None:
+            self.keepalive = self.fed.keepalive()
+            self.keepalive.__enter__()
+        return reply
+
+    def leave(self):
+        if self.keepalive is not None:
+            self.keepalive.__exit__(None, None, None)
+            self.keepalive = None
+        if self.member:
+            self.member = False
+            try:
+                self.fed.leave()
+            except (httpd.CallError, *TRANSPORT_ERRORS) as e:
+                self.log(f"FedMom leave: {e} (the aggregator drops silent members on its own)")
+
+    # -- per phase
+    def next_span(self):
+        """-> (lease, start, end) of the next span, or None when DARL has no blocks left.
+        While every block is leased elsewhere, the site leaves FedMom's rounds so that
+        the others do not wait for a delta that cannot come; it joins again with work."""
+        while True:
+            try:
+                span = self.session.next_span(timeout=POLL_S)
+                break
+            except TimeoutError:
+                if self.session.starved and self.member:
+                    self.log("DARL: every remaining block is leased by others; leaving FedMom's rounds "
+                             "until blocks come back (or the epoch ends)")
+                    self.leave()
+                yield
+        self.span = span
+        if span is None:
+            return None
+        if not self.member:
+            yield from self.join()
+        return span.as_ints()
+
+    def current_round(self):
+        return (yield from self._retry("FedMom round", self.fed.current_round))
+
+    def fetch_theta(self, path):
+        return (yield from self._retry("download theta_global",
+                                       lambda: self.fed.download_theta(path, transport=self.theta_transport)))
+
+    def _outcome(self, reply, base):
+        """Our delta of `base_round` in a join/heartbeat reply's "deltas": merged |
+        excluded | pending, or None (the aggregator never accepted it)."""
+        for o in reply.get("deltas") or ():
+            if o.get("incarnation") == self.incarnation and o.get("base_round") == base:
+                return o
+        return None
+
+    def round_trip(self, delta_path, base, handoff, theta_path):
+        """Send the delta file (theta_i - theta_global of round `base`) with the Handoff's
+        tokens and metrics, wait for its round to pass, settle its lease, download
+        theta_global to theta_path. -> RoundResult."""
+        span = self.span
+        out = RoundResult(base_round=base, lease=span.lease, start=span.start, end=span.end,
+                          step=handoff.step, tokens=handoff.tokens)
+        t0 = time.monotonic()
+        sent = False
+        try:
+            self.session.refresh()                   # the coordinator's word on the lease, now
+        except (httpd.CallError, *TRANSPORT_ERRORS) as e:
+            self.log(f"DARL heartbeat before sending: {e}")
+        if span.lease not in self.session.held():
+            # reclaimed (expired) while we trained: its blocks are back in the pool and may be
+            # someone else's already, so merging this delta would train them twice
+            out.reason = "lease lost at DARL before the send: delta dropped, its blocks are trained again"
+            self.log(out.reason)
+            self.session.span_done(span)
+            out.round = yield from self.fetch_theta(theta_path)
+            return out
+        try:
+            yield from self._retry("send delta", lambda: self.fed.send_delta(
+                delta_path, base, handoff.tokens, [self.session.commit_record(span)],
+                {k: v for k, v in handoff.metrics.items() if v is not None}, transport=self.cfg.transport))
+            sent = True
+        except fedmom_client.StaleRound as e:
+            out.reason = f"stale: {e}"
+        except httpd.CallError as e:                  # refused (a bad delta): never merged
+            out.reason = f"refused: {e.reply.get('error', e)}"
+        out.send_s = round(time.monotonic() - t0, 3)
+        while True:          # until the round passed and the aggregator's books say what became of it
+            reply = yield from self._retry("wait for the round", lambda: self.fed.heartbeat(
+                wait_round_after=base, wait_s=min(POLL_S * 4, self.fed.heartbeat_s)))
+            got = self._outcome(reply, base)
+            state = got and got.get("outcome")
+            if state == "pending" or (sent and got is None and reply["round"] <= base):
+                self.say(f"round {base}: waiting for the other sites' deltas (members {reply.get('members')})",
+                         every_s=30.0)
+                yield
+                continue
+            break
+        out.wait_s = round(time.monotonic() - t0 - out.send_s, 3)
+        # the lease TTL we ask for follows this whole time (phase + round trip), not the phase
+        self.session.span_done(span)
+        if state == "merged":
+            out.merged, out.merged_into = True, got.get("merged_into")
+        elif state == "excluded" or not sent:
+            out.reason = out.reason or f"excluded: {got.get('why')}"
+            self.session.release(span)               # its blocks go back to the pool
+        else:                                        # accepted, then no record: the aggregator decides
+            out.reason = "outcome unknown: lease left to the aggregator (commit if merged, else expiry)"
+            self.session.forget(span)
+        out.round = yield from self.fetch_theta(theta_path)
+        return out
+
+    # -- end
+    def finish(self):
+        """DARL is done: wait until every lease handed to the aggregator has left this
+        session (in custody or committed: "done"), then leave."""
+        deadline = time.monotonic() + RETRY_S
+        while self.session.held() and time.monotonic() < deadline:
+            try:
+                self.session.refresh()
+            except (httpd.CallError, *TRANSPORT_ERRORS) as e:
+                self.say(f"DARL heartbeat: {e}", every_s=10.0)
+            if self.session.held():
+                self.say(f"waiting for the aggregator to take leases {sorted(self.session.held())} into custody "
+                         "in DARL", every_s=10.0)
+                yield
+                time.sleep(1.0)
+        unsettled = self.session.held()
+        self.session.close(release=not unsettled)    # never release what the aggregator may still commit
+        self.leave()
+        if unsettled:
+            self.log(f"leases {sorted(unsettled)} were still uncommitted after {RETRY_S:.0f} s; left to expire")
+        return True
+
+    def abort(self):
+        """On an error: stop talking, release nothing (the aggregator may still commit)."""
+        try:
+            if self.session is not None:
+                self.session.close(release=False)
+        finally:
+            if self.keepalive is not None:
+                self.keepalive.__exit__(None, None, None)
+                self.keepalive = None
+
+
+class LeasedSource:
+    """The training windows of one DARL span per outer phase, the same on every rank: from
+    the (lease, start, end) rank 0 shared, every rank derives the windows (positions ->
+    blocks -> window indices, shuffled from --seed and the lease) and its own slice of
+    each step (data.LeasedPhase). No traffic, no state beyond the block space."""
+
+    def __init__(self, cfg, windows, block_size, seed, rank, world):
+        self.cfg, self.windows, self.rank, self.world = cfg, windows, rank, world
+        self.space = darl_table.BlockSpace(windows.train_windows, block_size, seed,
+                                           manifest_digest=windows.digest)
+        self.per_step = cfg.batch_size * world * cfg.grad_accum
+
+    def phase(self, lease, start, end):
+        w = data.span_windows(self.space, start, end, self.cfg.seed, lease)
+        return data.LeasedPhase(lease, start, end, w, self.per_step, self.world, self.rank, self.cfg.batch_size)
