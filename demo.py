@@ -56,8 +56,8 @@ kernel picks; all bound to 127.0.0.1, every call but /health (and FedMom's page)
 needs the random token in <out>/token. The demo stops every process it started,
 also on Ctrl-C or an error.
 
-bench/convergence.py imports the orchestration helpers below (Launcher,
-start_services, launch_site, export_init, heldout_loss, ...).
+The processes, the services, the sites and the held-out score are harness.py's (which
+bench/convergence.py and the tests use too); this file is the story and its checks.
 """
 import argparse
 import dataclasses
@@ -65,23 +65,15 @@ import json
 import math
 import os
 import re
-import secrets
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 
 import audit
-import httpd
+import harness
 import status_page
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_PORTS = {"darl": 29510, "fedmom": 29511, "blob": 29512}
-SCRIPTS = {"darl": "darl_server.py", "fedmom": "fedmom_server.py", "blob": "blobstore.py"}
-LISTENING = re.compile(r"listening on (http://\S+)\s*$")
 SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -100,385 +92,8 @@ def stamp(t0):
     return f"[{s // 60:2d}:{s % 60:02d}]"
 
 
-# ---------------------------------------------------------------------------
-# Processes. Every child starts in its own session, so Ctrl-C in the terminal reaches
-# only this script, which then stops them in order. A torchrun job is a tree, not one
-# process group: torchrun starts each rank in a session of its own (torch's elastic
-# subprocess handler, start_new_session=True), so a signal to torchrun's group misses
-# the ranks, which then train on as orphans. Signals therefore go to every process
-# group of the tree, read from /proc before the first signal.
-# ---------------------------------------------------------------------------
-
-def _ppids():
-    """{pid: parent pid} of every live process (Linux /proc), zombies excluded."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                out[int(entry)] = int(fields[1])
-    return out
-
-
-def process_tree(pid):
-    """pid and all its live descendants."""
-    parents = _ppids()
-    tree, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        if p in parents and p not in tree:
-            tree.add(p)
-            todo += [c for c, pp in parents.items() if pp == p]
-    return tree
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-class Proc:
-    """One started command (a server, or a torchrun job and its ranks); output appended
-    to `log_path`."""
-
-    def __init__(self, name, cmd, log_path, env=None):
-        self.name, self.cmd, self.log_path = name, [str(c) for c in cmd], log_path
-        os.makedirs(os.path.dirname(log_path), exist_ok=True)
-        with open(log_path, "ab") as out:
-            self.popen = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
-                                          start_new_session=True)
-        self.pid = self.popen.pid
-        self.family = {self.pid}       # every pid of the tree seen so far
-
-    def poll(self):
-        return self.popen.poll()
-
-    def alive(self):
-        return self.popen.poll() is None
-
-    def signal_tree(self, sig):
-        """`sig` to every process group of the tree (the leader's and each rank's)."""
-        if self.popen.poll() is None:
-            self.family |= process_tree(self.pid)
-        groups, singles = set(), set()
-        for pid in self.family:
-            try:
-                pg = os.getpgid(pid)
-            except ProcessLookupError:
-                continue
-            (groups.add(pg) if pg in self.family else singles.add(pid))
-        # one signal per process: a server whose SIGTERM handler is flushing its state
-        # must not be hit twice
-        for kill, targets in ((os.killpg, groups), (os.kill, singles)):
-            for target in sorted(targets):
-                try:
-                    kill(target, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-
-    def gone(self):
-        """True once no process of the tree is left (the leader reaped, no rank orphaned)."""
-        self.popen.poll()
-        return not any(_alive(p) for p in self.family)
-
-    def stop(self, grace_s=20.0):
-        """SIGTERM the tree, SIGKILL what is left after grace_s; returns the leader's exit code."""
-        if not self.gone():
-            self.signal_tree(signal.SIGTERM)
-            if not wait_for(self.gone, grace_s, 0.1):
-                self.signal_tree(signal.SIGKILL)
-                wait_for(self.gone, 30.0, 0.1)
-        try:
-            return self.popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def tail(self, n=15):
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(max(0, os.path.getsize(self.log_path) - 16384))
-                return f.read().decode(errors="replace").splitlines()[-n:]
-        except OSError:
-            return []
-
-
-class Launcher:
-    """Starts processes and guarantees they all stop: `with Launcher() as L: ...`.
-    Sites are stopped before the services (a site's last calls need them)."""
-
-    def __init__(self):
-        self.procs = []
-
-    def start(self, name, cmd, log_path, env=None):
-        p = Proc(name, cmd, log_path, env)
-        self.procs.append(p)
-        return p
-
-    def stop_all(self, grace_s=20.0):
-        for p in reversed(self.procs):
-            p.stop(grace_s)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop_all()
-        return False
-
-
-def wait_for(cond, timeout_s, interval_s=0.2):
-    """Poll cond() until truthy (returns its value) or timeout_s passes (returns None)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(interval_s)
-
-
 def _sigterm_as_interrupt(signum, frame):
     raise KeyboardInterrupt
-
-
-# ---------------------------------------------------------------------------
-# Corpus, initial model, held-out loss
-# ---------------------------------------------------------------------------
-
-def tokenize(out_dir, corpus_bytes, seq_len, heldout_windows):
-    """The stdlib corpus, capped at corpus_bytes, as windows of seq_len+1 bytes -> manifest dict."""
-    import tokenize_corpus
-    cfg = tokenize_corpus.TokenizeConfig(inputs=[], out=out_dir, seq_len=seq_len,
-                                         heldout_windows=heldout_windows, max_bytes=int(corpus_bytes),
-                                         progress=False)
-    m = tokenize_corpus.tokenize(cfg)
-    m["path"] = os.path.join(out_dir, "manifest.json")
-    return m
-
-
-def export_init(launcher, path, manifest, model, seed, log_path):
-    """`train.py --export-init`: the initial global model (fp32 tensor file) FedMom starts from."""
-    p = launcher.start("export-init", [sys.executable, "train.py", "--export-init", path, "--model", model,
-                                       "--data", manifest, "--seed", seed, "--device", "cpu"],
-                       log_path, env=site_env())
-    rc = p.popen.wait()
-    if rc != 0 or not os.path.exists(path):
-        raise RuntimeError(f"train.py --export-init failed (exit {rc}); see {log_path}:\n  "
-                           + "\n  ".join(p.tail()))
-    return path
-
-
-def load_weights(path):
-    """{name: fp32 torch tensor} from a tensorio file (FedMom's theta, --export-init) or a
-    consolidated train.py checkpoint (.pt: its "model" entry; under DiLoCo that is theta)."""
-    import torch
-    import tensorio
-    if path.endswith(".pt"):
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-        return {k.removeprefix("module."): v.float() for k, v in blob["model"].items()}
-    return {k: v.float() for k, v in tensorio.load_torch(path).items()}
-
-
-def heldout_loss(weights_path, manifest, model="qwen3-tiny", windows=None, batch=16):
-    """Mean next-token loss (nats) of a model file's weights on the held-out windows.
-
-    Built unsharded on the CPU; parameters are matched by name (the names of
-    named_parameters(), which list a tied weight once, as --export-init and FedMom do).
-    The same function scores every arm of bench/convergence.py. Imports torch here,
-    not at module level: the rest of this file needs none.
-    """
-    import torch
-    import torch.nn.functional as F
-    import data
-    import models
-    w = data.TokenWindows(manifest)
-    net = models.materialize(models.build_model(model, w.vocab_size, w.seq_len), torch.device("cpu"))
-    weights = load_weights(weights_path)
-    with torch.no_grad():
-        for name, p in net.named_parameters():
-            if name not in weights:
-                raise KeyError(f"{weights_path} has no tensor {name!r}: not a {model} model file")
-            p.copy_(weights[name].view(p.shape))
-    net.eval()
-    idx = list(w.heldout_indices(windows))
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, len(idx), batch):
-            t = torch.from_numpy(w.batch(idx[i:i + batch]))
-            logits = net(t[:, :-1])
-            total += F.cross_entropy(logits.flatten(0, 1).float(), t[:, 1:].flatten(), reduction="sum").item()
-            count += t[:, 1:].numel()
-    return total / count
-
-
-# ---------------------------------------------------------------------------
-# Central services
-# ---------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class Services:
-    darl: str
-    fedmom: str
-    blob: str
-    state_dir: str
-    token_file: str
-    procs: dict
-
-    @property
-    def token(self):
-        return httpd.load_token(self.token_file)
-
-
-def make_token(path):
-    """A fresh random bearer token in `path` (mode 600)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
-    return path
-
-
-def port_is_free(port):
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def wait_listening(proc, timeout_s=60.0):
-    """The URL a server printed ("... listening on http://...") once it is serving."""
-    def url():
-        for line in proc.tail(50):
-            m = LISTENING.search(line)
-            if m:
-                return m.group(1)
-        return None
-    found = wait_for(lambda: url() or (proc.poll() is not None and "exited"), timeout_s, 0.05)
-    if found in (None, "exited"):
-        raise RuntimeError(f"{proc.name} did not start (exit {proc.poll()}); see {proc.log_path}:\n  "
-                           + "\n  ".join(proc.tail()))
-    return found
-
-
-def start_server(launcher, kind, args, log_dir, default_ports=True):
-    """One central server on 127.0.0.1: its default port if free, else a free one."""
-    ports = [DEFAULT_PORTS[kind]] if default_ports and port_is_free(DEFAULT_PORTS[kind]) else []
-    for port in ports + [0]:
-        proc = launcher.start(kind, [sys.executable, SCRIPTS[kind], *args, "--port", port],
-                              os.path.join(log_dir, f"{kind}.log"))
-        try:
-            url = wait_listening(proc)
-            httpd.wait_healthy(url, 30)
-            return proc, url
-        except RuntimeError:
-            if port == 0:
-                raise
-            proc.stop(5)             # the default port was taken in between: take any
-    raise AssertionError("unreachable")
-
-
-def start_services(launcher, out_dir, manifest, init, *, block_size, seed=0, darl_args=(), fedmom_args=(),
-                   default_ports=True):
-    """DARL, the blob store and FedMom (in that order: FedMom is given the other two's URLs),
-    with state under out_dir/central/, logs under out_dir/logs/, a new token in out_dir/token."""
-    state, logs = os.path.join(out_dir, "central"), os.path.join(out_dir, "logs")
-    os.makedirs(state, exist_ok=True)
-    token = make_token(os.path.join(out_dir, "token"))
-    agg_token = make_token(os.path.join(out_dir, "aggregator.token"))   # DARL's custody endpoints: FedMom alone
-    common = ["--token-file", token]
-    procs = {}
-    procs["darl"], darl = start_server(launcher, "darl", ["--manifest", manifest, "--block-size", block_size,
-                                                          "--seed", seed, "--state-dir", state, *common,
-                                                          "--aggregator-token-file", agg_token, *darl_args],
-                                       logs, default_ports)
-    procs["blob"], blob = start_server(launcher, "blob", ["--root", os.path.join(state, "blobs"), *common],
-                                       logs, default_ports)
-    procs["fedmom"], fedmom = start_server(launcher, "fedmom", ["--state-dir", os.path.join(state, "fedmom"),
-                                                                "--init", init, "--darl", darl, "--blob-url", blob,
-                                                                "--darl-token-file", agg_token, *common,
-                                                                *fedmom_args], logs, default_ports)
-    return Services(darl, fedmom, blob, state, token, procs)
-
-
-def fetch_page(url, path, token=None):
-    """Save the status page's keepsake copy (GET /?saved=1: stamped, no auto-refresh) to `path`."""
-    req = urllib.request.Request(url.rstrip("/") + "/?saved=1", headers=httpd.auth_headers(token))
-    with urllib.request.urlopen(req, timeout=30) as r, open(path, "wb") as f:
-        f.write(r.read())
-    return path
-
-
-# ---------------------------------------------------------------------------
-# Sites
-# ---------------------------------------------------------------------------
-
-def site_env():
-    """One OpenMP thread per rank: 4 ranks on 2 cores oversubscribe anyway, and more
-    threads per rank only add contention."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("PWW_TOKEN", None)
-    return env
-
-
-def site_command(name, services, manifest, *, nproc, parallel, runs_dir, train_args=(), resume=False,
-                 throttle_ms=0, transport="auto", replica=None):
-    """The torchrun command line of one federated site (a pure function: tested)."""
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", nproc,
-           "train.py", "--device", "cpu", "--data", manifest, "--parallel", parallel,
-           "--federation", services.fedmom, "--darl-url", services.darl, "--blob-url", services.blob,
-           "--token-file", services.token_file, "--site", name, "--transport", transport,
-           "--runs-dir", runs_dir, "--run-name", name if replica is None else f"{name}-{replica}",
-           *train_args]
-    if replica is not None:
-        cmd += ["--replica", replica]
-    if throttle_ms:
-        cmd += ["--throttle-ms", throttle_ms]
-    if resume:
-        cmd += ["--resume", "auto"]
-    return [str(c) for c in cmd]
-
-
-def launch_site(launcher, name, services, manifest, *, log_dir, nproc=2, parallel="fsdp", runs_dir,
-                train_args=(), resume=False, throttle_ms=0, transport="auto", replica=None, log_name=None):
-    cmd = site_command(name, services, manifest, nproc=nproc, parallel=parallel, runs_dir=runs_dir,
-                       train_args=train_args, resume=resume, throttle_ms=throttle_ms, transport=transport,
-                       replica=replica)
-    return launcher.start(name, cmd, os.path.join(log_dir, f"{log_name or name}.log"), env=site_env())
-
-
-def read_jsonl(path):
-    """Rows of a JSON-lines file; a torn last line (a writer killed mid-line) is skipped."""
-    rows = []
-    try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:
-                    pass
-    except FileNotFoundError:
-        pass
-    return rows
-
-
-def get_json(url, path, token, timeout=10.0):
-    """GET url+path -> dict, or None when the server does not answer."""
-    try:
-        return httpd.call(url, "GET", path, token=token, timeout=timeout)
-    except (OSError, httpd.CallError, ValueError):
-        return None
-    except Exception:            # http.client.HTTPException and friends: treat as "no answer"
-        return None
 
 
 # ---------------------------------------------------------------------------
@@ -644,7 +259,7 @@ class Demo:
             shutil.rmtree(self.out)
         os.makedirs(self.logs)
         data_dir = os.path.join(self.out, "data")
-        m = tokenize(data_dir, c.corpus_mb * 1e6, c.seq_len, c.heldout_windows)
+        m = harness.tokenize(data_dir, c.corpus_mb * 1e6, c.seq_len, c.heldout_windows)
         self.manifest, self.m = m["path"], m
         self.train_windows = m["num_windows"] - m["heldout_windows"]
         self.num_blocks = -(-self.train_windows // c.block_size)
@@ -652,14 +267,14 @@ class Demo:
                  f"training + {m['heldout_windows']} held-out windows; DARL: {self.num_blocks} blocks")
         self.log(f"initial model: train.py --export-init is importing torch and building {c.model} "
                  "(10-30 s on 2 cores) ...")
-        self.init = export_init(launcher, os.path.join(data_dir, "init.safetensors"), self.manifest,
+        self.init = harness.export_init(launcher, os.path.join(data_dir, "init.safetensors"), self.manifest,
                                 c.model, c.seed, os.path.join(self.logs, "export-init.log"))
         self.log(f"initial model: {self.init}")
 
     def services(self, launcher):
         c = self.cfg
         ttl = c.lease_ttl_s
-        self.svc = start_services(
+        self.svc = harness.start_services(
             launcher, self.out, self.manifest, self.init, block_size=c.block_size, seed=c.seed,
             darl_args=["--min-ttl", 5, "--default-ttl", ttl, "--max-ttl", ttl, "--restore-grace", ttl],
             fedmom_args=["--outer-lr", c.outer_lr, "--outer-momentum", c.outer_momentum,
@@ -681,10 +296,10 @@ class Demo:
     def launch(self, launcher, name, resume=False):
         c = self.cfg
         tag = f"{name}-restart" if resume else name
-        self.sites[name] = launch_site(launcher, name, self.svc, self.manifest, log_dir=self.logs, nproc=c.ranks,
-                                       parallel=SITES[name], runs_dir=self.sites_dir, train_args=self.train_args(),
-                                       resume=resume, throttle_ms=c.throttle_ms if name == "beta" else 0,
-                                       log_name=tag)
+        self.sites[name] = harness.launch_site(
+            launcher, name, self.svc, self.manifest, log_dir=self.logs, nproc=c.ranks, parallel=SITES[name],
+            runs_dir=self.sites_dir, train_args=self.train_args(), resume=resume,
+            throttle_ms=c.throttle_ms if name == "beta" else 0, log_name=tag)
         self.log(f"site {name} started: torchrun --nproc-per-node {c.ranks} train.py --parallel {SITES[name]}"
                  + (" --throttle-ms %d" % c.throttle_ms if name == "beta" else "")
                  + (" --resume auto" if resume else "") + f"  (log {rel(self.sites[name].log_path)})")
@@ -692,7 +307,7 @@ class Demo:
     # -- the watch loop ----------------------------------------------------
 
     def train_rows(self, name):
-        return [r for r in read_jsonl(os.path.join(self.sites_dir, name, "metrics.jsonl"))
+        return [r for r in harness.read_jsonl(os.path.join(self.sites_dir, name, "metrics.jsonl"))
                 if r.get("split") == "train"]
 
     def report_rounds(self, fed, darl):
@@ -760,7 +375,7 @@ class Demo:
             return
         inc = next((m["incarnation"] for m in fed.get("members", []) if m["cluster"] == victim), None)
         self.sites[victim].signal_tree(signal.SIGKILL)
-        wait_for(self.sites[victim].gone, 30, 0.05)
+        harness.wait_for(self.sites[victim].gone, 30, 0.05)
         self.killed = {"site": victim, "incarnation": inc, "round": fed.get("round")}
         self.exit_codes[f"{victim} (killed)"] = self.sites[victim].poll()
         self.log(f"*** SIGKILL site {victim} (torchrun and its {c.ranks} ranks) in the middle of its inner "
@@ -773,8 +388,8 @@ class Demo:
     def watch(self, launcher):
         deadline = self.t0 + self.cfg.timeout_min * 60
         while True:
-            fed = get_json(self.svc.fedmom, "/status", self.token) or {}
-            darl = get_json(self.svc.darl, "/status", self.token) or {}
+            fed = harness.get_json(self.svc.fedmom, "/status", self.token) or {}
+            darl = harness.get_json(self.svc.darl, "/status", self.token) or {}
             self.report_rounds(fed, darl)
             self.report_start()
             self.report_live(fed)
@@ -802,15 +417,16 @@ class Demo:
         svc = self.svc
         for n, p in self.sites.items():
             self.exit_codes[n] = p.stop(10)
-        wait_for(lambda: (get_json(svc.fedmom, "/status", self.token) or {}).get("pending_commits") == 0, 60, 0.5)
-        fed = get_json(svc.fedmom, "/status", self.token) or {}
-        darl = get_json(svc.darl, "/status", self.token) or {}
+        harness.wait_for(lambda: (harness.get_json(svc.fedmom, "/status", self.token) or {}).get("pending_commits") == 0,
+                         60, 0.5)
+        fed = harness.get_json(svc.fedmom, "/status", self.token) or {}
+        darl = harness.get_json(svc.darl, "/status", self.token) or {}
         with open(os.path.join(self.out, "darl_status.json"), "w") as f:
             json.dump(darl, f, indent=1)
         with open(os.path.join(self.out, "fedmom_status.json"), "w") as f:
             json.dump(fed, f, indent=1)
         try:
-            self.page = rel(fetch_page(svc.fedmom, os.path.join(self.out, "status.html"), self.token))
+            self.page = rel(harness.fetch_page(svc.fedmom, os.path.join(self.out, "status.html"), self.token))
         except OSError as e:
             self.page = f"(not saved: {e})"
         for p in svc.procs.values():          # SIGTERM: DARL writes its snapshot on the way out
@@ -820,7 +436,7 @@ class Demo:
     def audit(self, trained, fed, darl):
         c, out = self.cfg, []
         state_fed = os.path.join(self.svc.state_dir, "fedmom")
-        records = read_jsonl(os.path.join(state_fed, "rounds.jsonl"))
+        records = harness.read_jsonl(os.path.join(state_fed, "rounds.jsonl"))
         checks = self.checks
 
         # sites
@@ -851,8 +467,8 @@ class Demo:
         except (OSError, ValueError, KeyError):
             theta = max((os.path.join(state_fed, f) for f in os.listdir(state_fed) if f.startswith("theta-")),
                         key=lambda p: int(re.findall(r"\d+", os.path.basename(p))[0]), default=None)
-        before = heldout_loss(self.init, self.manifest, c.model)
-        after = heldout_loss(theta, self.manifest, c.model) if theta else None
+        before = harness.heldout_loss(self.init, self.manifest, c.model)
+        after = harness.heldout_loss(theta, self.manifest, c.model) if theta else None
         out.append(f"Held-out loss ({self.m['heldout_windows']} windows never trained on): "
                    f"before {before:.4f}  after {after if after is None else format(after, '.4f')}  "
                    f"(final global model {rel(theta) if theta else '-'})")
@@ -868,7 +484,7 @@ class Demo:
         out += ["  " + l for l in report.lines]
         checks.append(("every block inside exactly one merged delta (audit.py)", report.ok, ""))
         excluded = [o for r in records for o in r.get("outcomes", ()) if o.get("outcome") == "excluded"]
-        site_rows = {n: read_jsonl(os.path.join(self.sites_dir, n, "metrics.jsonl")) for n in SITES}
+        site_rows = {n: harness.read_jsonl(os.path.join(self.sites_dir, n, "metrics.jsonl")) for n in SITES}
         unmerged = [r for rows in site_rows.values() for r in rows
                     if r.get("split") == "federation" and r.get("merged") is False]
         out.append(f"Deltas not merged: {len(excluded)} excluded by FedMom, {len(unmerged)} reported unmerged by "
@@ -902,7 +518,7 @@ def run_demo(cfg: DemoConfig):
     demo = Demo(cfg.validate())
     demo.header()
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
-    with Launcher() as launcher:
+    with harness.Launcher() as launcher:
         try:
             demo.prepare(launcher)
             demo.services(launcher)

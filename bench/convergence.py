@@ -12,7 +12,7 @@ The arms: the same model (--model, qwen3-tiny by default), the same initial weig
 (--seed; the federated arms start FedMom from `train.py --export-init` with that
 seed), the same corpus (this Python's standard library, byte tokens), one epoch of
 its training windows, the same inner AdamW and LR schedule, 16 windows per step in
-all (2 x --batch-size), and one held-out loss function for all (demo.heldout_loss on
+all (2 x --batch-size), and one held-out loss function for all (harness.heldout_loss on
 the final weights: train.py's last checkpoint, or FedMom's final theta):
   (a) ddp            one site, plain DDP over 2 ranks: the global batch every step
   (b) diloco-fedavg  train.py --diloco-replicas 2 (one rank each), H = --inner-steps,
@@ -40,7 +40,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)                           # bench/ imports the repository's top-level scripts
 
-import demo                                        # noqa: E402  (after the path line above)
+import audit                                       # noqa: E402  (after the path line above)
+import harness                                     # noqa: E402
 
 ARMS = ("ddp", "diloco-fedavg", "diloco-nesterov", "fed-fedavg", "fed-nesterov")
 OUTER = {"fedavg": ("sgd", 1.0, 0.0), "nesterov": ("nesterov", 0.7, 0.9)}
@@ -92,13 +93,13 @@ def common_args(cfg, steps, warmup):
 
 def final_eval(run_dir):
     """train.py's own last eval row (the same held-out windows), as a cross-check."""
-    rows = [r for r in demo.read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if r.get("split") == "eval"]
+    rows = [r for r in harness.read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if r.get("split") == "eval"]
     return rows[-1]["loss"] if rows else None
 
 
 def run_job(launcher, name, cmd, log_path, timeout_s):
-    p = launcher.start(name, cmd, log_path, env=demo.site_env())
-    if demo.wait_for(lambda: p.poll() is not None, timeout_s, 0.5) is None:
+    p = launcher.start(name, cmd, log_path)
+    if harness.wait_for(lambda: p.poll() is not None, timeout_s, 0.5) is None:
         p.stop(10)
         raise RuntimeError(f"{name} still running after {timeout_s:.0f} s; see {log_path}")
     if p.poll() != 0:
@@ -126,26 +127,26 @@ def federated(cfg, arm, ctx, launcher):
     _, lr, mom = OUTER[arm.split("-")[1]]
     arm_dir = os.path.join(ctx["out"], arm)
     os.makedirs(arm_dir)
-    svc = demo.start_services(launcher, arm_dir, ctx["manifest"], ctx["init"], block_size=1, seed=cfg.seed,
+    svc = harness.start_services(launcher, arm_dir, ctx["manifest"], ctx["init"], block_size=1, seed=cfg.seed,
                               fedmom_args=["--outer-lr", lr, "--outer-momentum", mom,
                                            # a round waits for both sites (equal weights, like (b))
                                            "--round-deadline-s", 3600, "--member-timeout-s", 600])
-    sites = [demo.launch_site(launcher, name, svc, ctx["manifest"], log_dir=os.path.join(arm_dir, "logs"), nproc=1,
+    sites = [harness.launch_site(launcher, name, svc, ctx["manifest"], log_dir=os.path.join(arm_dir, "logs"), nproc=1,
                               parallel="ddp", runs_dir=os.path.join(arm_dir, "sites"),
                               train_args=common_args(cfg, ctx["steps"], ctx["warmup"]))
              for name in ("alpha", "beta")]
-    done = demo.wait_for(lambda: all(p.poll() is not None for p in sites), ctx["timeout_s"], 0.5)
+    done = harness.wait_for(lambda: all(p.poll() is not None for p in sites), ctx["timeout_s"], 0.5)
     for p in sites:
         if done is None or p.poll() != 0:
             raise RuntimeError(f"{arm}: site {p.name} {'timed out' if done is None else f'failed (exit {p.poll()})'}; "
                                f"see {p.log_path}:\n  " + "\n  ".join(p.tail()))
-    demo.wait_for(lambda: (demo.get_json(svc.fedmom, "/status", svc.token) or {}).get("pending_commits") == 0, 60)
+    harness.wait_for(lambda: (harness.get_json(svc.fedmom, "/status", svc.token) or {}).get("pending_commits") == 0, 60)
     for p in svc.procs.values():
         p.stop(20)
     state = os.path.join(svc.state_dir, "fedmom")
     with open(os.path.join(state, "state.json")) as f:
         theta = os.path.join(state, json.load(f)["theta"])
-    records = demo.read_jsonl(os.path.join(state, "rounds.jsonl"))
+    records = harness.read_jsonl(os.path.join(state, "rounds.jsonl"))
     coverage = audit.audit(svc.state_dir, manifest=ctx["manifest"]).ok
     site_evals = [final_eval(os.path.join(arm_dir, "sites", n)) for n in ("alpha", "beta")]
     return {"weights": theta, "train_eval": site_evals[0], "rounds": records, "coverage": coverage}
@@ -195,7 +196,7 @@ def run(cfg: BenchConfig):
     if os.path.isdir(out):
         shutil.rmtree(out)
     os.makedirs(os.path.join(out, "logs"))
-    m = demo.tokenize(os.path.join(out, "data"), cfg.corpus_mb * 1e6, cfg.seq_len, cfg.heldout_windows)
+    m = harness.tokenize(os.path.join(out, "data"), cfg.corpus_mb * 1e6, cfg.seq_len, cfg.heldout_windows)
     train_windows = m["num_windows"] - m["heldout_windows"]
     steps = train_windows // (2 * cfg.batch_size)
     est = len(cfg.arm_list) * (steps * 2 * cfg.batch_size * cfg.seq_len / TOKENS_PER_S + 20)
@@ -205,11 +206,11 @@ def run(cfg: BenchConfig):
     ctx = {"out": out, "manifest": m["path"], "train_windows": train_windows, "steps": steps,
            "warmup": steps // 20, "heldout": m["heldout_windows"], "timeout_s": cfg.timeout_min * 60}
     results = {}
-    with demo.Launcher() as launcher:
+    with harness.Launcher() as launcher:
         if any(a.startswith("fed-") for a in cfg.arm_list):
-            ctx["init"] = demo.export_init(launcher, os.path.join(out, "data", "init.safetensors"), m["path"],
+            ctx["init"] = harness.export_init(launcher, os.path.join(out, "data", "init.safetensors"), m["path"],
                                            cfg.model, cfg.seed, os.path.join(out, "logs", "export-init.log"))
-            print(f"initial model: held-out loss {demo.heldout_loss(ctx['init'], m['path'], cfg.model):.4f}",
+            print(f"initial model: held-out loss {harness.heldout_loss(ctx['init'], m['path'], cfg.model):.4f}",
                   flush=True)
         for arm in cfg.arm_list:
             t0 = time.monotonic()
@@ -219,7 +220,7 @@ def run(cfg: BenchConfig):
                 print(f"  {arm}: FAILED: {e}", flush=True)
                 continue
             r["wall_s"] = time.monotonic() - t0
-            r["heldout"] = demo.heldout_loss(r["weights"], m["path"], cfg.model)
+            r["heldout"] = harness.heldout_loss(r["weights"], m["path"], cfg.model)
             results[arm] = r
             print(f"  {arm:<16} held-out {r['heldout']:.4f}  ({r['wall_s'] / 60:.1f} min)", flush=True)
     text = report(cfg, ctx, results)

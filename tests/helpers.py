@@ -4,15 +4,10 @@ listening_url(proc): the URL a server subprocess prints in its "... listening on
 line, with a deadline: a server that hangs before listening, or exits, fails the
 test with its output instead of blocking it. The rest of its output keeps being
 read (and kept) so the pipe never fills.
-
-wait_for(cond, what, timeout): poll cond() until it returns a true value (returned);
-fail after a generous deadline that only bounds a hang.
 """
 import re
 import threading
 import time
-
-import demo
 
 LISTENING = re.compile(r"listening on (http://\S+)")
 
@@ -63,11 +58,3 @@ def listening_url(proc, timeout=60.0):
     """(url, Output) of a server started with stdout=PIPE, text=True."""
     out = Output(proc)
     return out.wait_for(LISTENING, timeout).group(1), out
-
-
-def wait_for(cond, what, timeout=60.0):
-    """Poll `cond` until it returns a true value; fail after a generous deadline."""
-    out = demo.wait_for(cond, timeout, interval_s=0.02)
-    if not out:
-        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-    return out

@@ -16,7 +16,8 @@ import unittest
 
 import blobstore
 import httpd
-from helpers import listening_url, wait_for
+from harness import expect
+from helpers import listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "blob-token"
@@ -205,9 +206,10 @@ class LiveStoreTest(unittest.TestCase):
         sock = socket.create_connection(("127.0.0.1", self.server.server_address[1]))
         sock.sendall(f"PUT /blobs/cut HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
                      f"Content-Length: {len(body)}\r\nX-Content-Sha256: {sha}\r\n\r\n".encode() + body[:MB + 17])
-        wait_for(lambda: "cut" in self.store.uploading, "the upload to start")
+        expect(lambda: "cut" in self.store.uploading, "the upload to start", timeout_s=60, interval_s=0.02)
         sock.close()
-        wait_for(lambda: "cut" not in self.store.uploading, "the server to notice the dropped connection")
+        expect(lambda: "cut" not in self.store.uploading, "the server to notice the dropped connection",
+               timeout_s=60, interval_s=0.02)
         info = blobstore.head(self.url, "cut", TOKEN)
         self.assertEqual(info, {"complete": False, "offset": MB + 17, "total": 3 * MB, "sha256": sha})
         status, _, reply = self.raw("GET", "/blobs/cut")
@@ -266,7 +268,7 @@ class LiveStoreTest(unittest.TestCase):
         self.addCleanup(sock.close)
         sock.sendall(f"PUT /blobs/same HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
                      f"Content-Length: {len(body)}\r\nX-Content-Sha256: {sha}\r\n\r\n".encode() + body[:MB])
-        wait_for(lambda: "same" in self.store.uploading, "the first upload to start")
+        expect(lambda: "same" in self.store.uploading, "the first upload to start", timeout_s=60, interval_s=0.02)
         _, first = self.expect_put("same", 2 * MB, "2" * 64)
         head, _, reply = first.partition(b"\r\n\r\n")
         self.assertTrue(head.startswith(b"HTTP/1.1 409 "), first)
@@ -409,8 +411,8 @@ class CrashResumeTest(unittest.TestCase):
         t = threading.Thread(target=upload)
         t.start()
         partial = os.path.join(self.root, "partial", "big")
-        wait_for(lambda: os.path.exists(partial) and os.path.getsize(partial) >= self.SIZE // 3,
-                 "a third of the upload on disk", timeout=180)
+        expect(lambda: os.path.exists(partial) and os.path.getsize(partial) >= self.SIZE // 3,
+               "a third of the upload on disk", timeout_s=180, interval_s=0.02)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         on_disk = os.path.getsize(partial)

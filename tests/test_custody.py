@@ -33,7 +33,7 @@ import fedmom_server as fm
 import fedmom_state as fs
 import httpd
 from darl_table import LeaseError, LeaseTable, TableConfig
-from helpers import wait_for
+from harness import expect
 from test_fedmom import FakeClock, Fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -672,7 +672,7 @@ class RestartWithCommitsOwedTest(unittest.TestCase):
                 f.seek(mark)
                 lines = [line for line in f if " listening on " in line]
             return lines and lines[-1].split()[-1]
-        return proc, wait_for(url, f"{script} to listen", DEADLINE_S)
+        return proc, expect(url, f"{script} to listen", timeout_s=DEADLINE_S, interval_s=0.02)
 
     def test_an_aggregator_restarted_with_commits_owed_delivers_them(self):
         import numpy as np
@@ -697,7 +697,8 @@ class RestartWithCommitsOwedTest(unittest.TestCase):
             fedmom_client.FedMomClient(furl, cluster, f"{cluster}-inc").send_delta(
                 deltas, 0, 10 * len(range(lease["start"], lease["end"])),
                 [{"id": lease["id"], "start": lease["start"], "end": lease["end"]}], {})
-        wait_for(lambda: os.path.exists(arm + ".hit"), "the round to become durable", DEADLINE_S)
+        expect(lambda: os.path.exists(arm + ".hit"), "the round to become durable",
+               timeout_s=DEADLINE_S, interval_s=0.02)
         fed.send_signal(signal.SIGKILL)
         fed.wait()
         with open(os.path.join(self.dir, "fedmom", "state.json")) as f:
@@ -708,8 +709,9 @@ class RestartWithCommitsOwedTest(unittest.TestCase):
         os.unlink(arm)
         fed, furl = self.start("fedmom_server.py", *fed_args)
         # DARL commits before the aggregator drops the entry from its books: wait for both
-        wait_for(lambda: client.status()["committed"] == 10 and httpd.call(furl, "GET", "/status")["pending_commits"]
-                 == 0, "DARL to receive the owed commits and the aggregator to record it", DEADLINE_S)
+        expect(lambda: client.status()["committed"] == 10 and httpd.call(furl, "GET", "/status")["pending_commits"]
+               == 0, "DARL to receive the owed commits and the aggregator to record it",
+               timeout_s=DEADLINE_S, interval_s=0.02)
         books = client.status()
         self.assertEqual((books["in_custody"], books["custody"]["committed"], books["done"]), (0, 2, True))
         self.assertEqual(books["violations"], {k: 0 for k in fs.VIOLATIONS})

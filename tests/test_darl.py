@@ -22,6 +22,7 @@ import darl_table
 import httpd
 from darl_server import Coordinator, LogError
 from darl_table import BlockSpace, InvariantError, LeaseError, LeaseTable, TableConfig
+from harness import expect
 from helpers import listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,14 +48,6 @@ def tmpdir(test):
     path = tempfile.mkdtemp(prefix="darl-test-")
     test.addCleanup(shutil.rmtree, path, True)
     return path
-
-
-def wait_for(cond, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 class BlockSpaceTest(unittest.TestCase):
@@ -929,7 +922,7 @@ class HTTPTest(unittest.TestCase):
                 session.commit(span)
         with mk("a", lease_blocks=100) as a:
             first = a.next_span(timeout=30)
-            wait_for(lambda: a._ready, what="a's prefetch")
+            expect(lambda: a._ready, "a's prefetch", timeout_s=60, interval_s=0.02)
             with mk("b") as b:            # registers after a took the whole pool: it must steal
                 stolen = b.next_span(timeout=30)
                 got_b.append(stolen)
@@ -1023,7 +1016,7 @@ class ConcurrencyTest(unittest.TestCase):
         # a retry budget (>= 0.5 s x 400 = 200 s) beyond any restart of the coordinator below
         threads = self.run_sessions(url, space.digest(), space, 4, 0.004, reports,
                                     {"retries": 400, "max_backoff_s": 1.0}, before_commit=hold_at_half)
-        wait_for(lambda: committed() >= 100, what="100 commits before the crash")
+        expect(lambda: committed() >= 100, "100 commits before the crash", timeout_s=60, interval_s=0.02)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         at_crash = committed()

@@ -16,6 +16,7 @@ import numpy as np
 import audit
 import darl_client
 import demo
+import harness
 import httpd
 import tensorio
 
@@ -85,8 +86,8 @@ class SummaryTest(unittest.TestCase):
 
 class CommandTest(unittest.TestCase):
     def test_site_command(self):
-        svc = demo.Services("http://d", "http://f", "http://b", "/s", "/s/token", {})
-        cmd = demo.site_command("beta", svc, "m.json", nproc=2, parallel="ddp", runs_dir="runs/x",
+        svc = harness.Services("http://d", "http://f", "http://b", "/s", "/s/token", {})
+        cmd = harness.site_command("beta", svc, "m.json", nproc=2, parallel="ddp", runs_dir="runs/x",
                                 train_args=["--model", "qwen3-tiny"], throttle_ms=40)
         self.assertTrue(cmd[0].endswith("torchrun"))
         self.assertEqual(cmd[1:4], ["--standalone", "--nproc-per-node", "2"])
@@ -95,7 +96,7 @@ class CommandTest(unittest.TestCase):
                             ("--throttle-ms", "40"), ("--run-name", "beta"), ("--model", "qwen3-tiny")):
             self.assertEqual(cmd[cmd.index(flag) + 1], value, flag)
         self.assertNotIn("--resume", cmd)
-        again = demo.site_command("beta", svc, "m.json", nproc=1, parallel="ddp", runs_dir="r", resume=True,
+        again = harness.site_command("beta", svc, "m.json", nproc=1, parallel="ddp", runs_dir="r", resume=True,
                                   replica="b")
         self.assertEqual(again[again.index("--resume") + 1], "auto")
         self.assertEqual(again[again.index("--replica") + 1], "b")
@@ -127,23 +128,23 @@ class ProcessTest(unittest.TestCase):
                   "kids.append(subprocess.Popen(['sleep', '300']))\n"
                   "print('kids', *[k.pid for k in kids], flush=True)\n"
                   "time.sleep(300)\n")
-        with demo.Launcher() as launcher:
+        with harness.Launcher() as launcher:
             p = launcher.start("tree", [sys.executable, "-c", script], os.path.join(d, "tree.log"))
-            kids = demo.wait_for(lambda: next((list(map(int, l.split()[1:])) for l in p.tail()
+            kids = harness.wait_for(lambda: next((list(map(int, l.split()[1:])) for l in p.tail()
                                                if l.startswith("kids")), None), 60)
             self.assertEqual(len(kids), 3)
-            self.assertEqual(demo.process_tree(p.pid), {p.pid, *kids})
+            self.assertEqual(harness.process_tree(p.pid), {p.pid, *kids})
             p.signal_tree(signal.SIGKILL)
-            self.assertTrue(demo.wait_for(p.gone, 30), "part of the tree outlived SIGKILL")
+            self.assertTrue(harness.wait_for(p.gone, 30), "part of the tree outlived SIGKILL")
             for k in kids:
-                self.assertFalse(demo._alive(k), f"rank-like child {k} survived")
+                self.assertFalse(harness._alive(k), f"rank-like child {k} survived")
             self.assertEqual(p.poll(), -signal.SIGKILL)
 
     def test_launcher_stops_everything_on_an_exception(self):
         d = tmpdir(self)
         procs = []
         with self.assertRaises(RuntimeError):
-            with demo.Launcher() as launcher:
+            with harness.Launcher() as launcher:
                 for i in range(2):
                     procs.append(launcher.start(f"s{i}", ["sleep", "300"], os.path.join(d, f"s{i}.log")))
                 raise RuntimeError("boom")
@@ -169,8 +170,8 @@ class ServicesTest(unittest.TestCase):
         init = os.path.join(d, "init.safetensors")
         with tensorio.TensorWriter(init, [("w", "F32", (4, 3))]) as w:
             w.write("w", np.arange(12, dtype=np.float32).reshape(4, 3))
-        with demo.Launcher() as launcher:
-            svc = demo.start_services(launcher, d, manifest, init, block_size=4, default_ports=False)
+        with harness.Launcher() as launcher:
+            svc = harness.start_services(launcher, d, manifest, init, block_size=4, default_ports=False)
             self.assertEqual(oct(os.stat(svc.token_file).st_mode & 0o777), "0o600")
             for url in (svc.darl, svc.fedmom, svc.blob):
                 self.assertTrue(url.startswith("http://127.0.0.1:"), url)
@@ -187,7 +188,7 @@ class ServicesTest(unittest.TestCase):
             client.register("alpha", "inc1", st["digest"])
             lease = client.acquire("alpha", "inc1", blocks=2)["lease"]
             client.commit("alpha", "inc1", lease["id"], lease["end"])
-            page = demo.fetch_page(svc.fedmom, os.path.join(d, "status.html"), svc.token)
+            page = harness.fetch_page(svc.fedmom, os.path.join(d, "status.html"), svc.token)
             self.assertIn("<html", open(page).read().lower())
             for p in svc.procs.values():
                 self.assertEqual(p.stop(20), 0, p.tail())

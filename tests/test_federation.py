@@ -25,12 +25,9 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
 import dataclasses
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import types
 import unittest
 
@@ -39,122 +36,17 @@ import numpy as np
 import darl_table
 import data
 import fedsite
+import harness
 import httpd
 import tokenize_corpus as tc
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEADLINE_S = 240          # per condition: generous, the machine is shared and slow
 KEEP = os.environ.get("PWW_TEST_KEEP")      # set: keep the temp dirs (logs, state) for a post-mortem
 
 
-def env():
-    e = {k: v for k, v in os.environ.items()
-         if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "PWW_"))}
-    e.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
-    return e
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tail(path, n=40):
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return "(no log)"
-
-
-def descendants(pid):
-    """Pids of every process below `pid` (from /proc), children first."""
-    parent = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    out, todo = [], [pid]
-    while todo:
-        kids = [c for c, p in parent.items() if p == todo[0]]
-        todo = todo[1:] + kids
-        out += kids
-    return out
-
-
-class Proc:
-    """A subprocess in its own process group (torchrun and its ranks die together), logging to a file."""
-
-    def __init__(self, name, cmd, log_path):
-        self.name, self.log_path = name, log_path
-        with open(log_path, "ab") as out:
-            self.p = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=out, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
-
-    def alive(self):
-        return self.p.poll() is None
-
-    def kill(self):
-        """SIGKILL the process and every descendant, by pid: torchrun starts its ranks in
-        sessions of their own, so killing its process group would leave them running."""
-        for pid in [self.p.pid, *descendants(self.p.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.p.wait(timeout=60)
-
-    def wait(self, timeout):
-        return self.p.wait(timeout=timeout)
-
-
-def wait_for(cond, what, procs=(), timeout=DEADLINE_S):
-    """Poll cond() until true; fail early, with the log, if a process it needs has died."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        for p in procs:
-            if not p.alive():
-                raise AssertionError(f"waiting for {what}: {p.name} exited with {p.p.returncode}:\n"
-                                     f"{tail(p.log_path)}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout} s; logs: "
-                                 + "; ".join(f"{p.name}:\n{tail(p.log_path, 15)}" for p in procs))
-        time.sleep(0.2)
-
-
-def start_service(tmp, name, script, args, port=None):
-    """One central service on 127.0.0.1 (a fixed port when restarting); returns (Proc, url)."""
-    log = os.path.join(tmp, f"{name}.log")
-    start = os.path.getsize(log) if os.path.exists(log) else 0
-    proc = Proc(name, [sys.executable, script, "--port", str(port or 0), *map(str, args)], log)
-
-    def url():
-        with open(log, errors="replace") as f:
-            f.seek(start)
-            for line in f:
-                if " listening on " in line:
-                    return line.split()[-1]
-        return None
-    try:
-        return proc, wait_for(url, f"{name} to listen", [proc], timeout=60)
-    except BaseException:
-        proc.kill()
-        raise
-
-
-def read_jsonl(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
+def log_of(tmp, name):
+    return os.path.join(tmp, f"{name}.log")
 
 
 def make_corpus(tmp, max_bytes):
@@ -162,10 +54,6 @@ def make_corpus(tmp, max_bytes):
     tc.tokenize(tc.TokenizeConfig(inputs=[], out=out, seq_len=64, max_files=40, max_bytes=max_bytes,
                                   heldout_windows=32, progress=False))
     return os.path.join(out, "manifest.json")
-
-
-def torchrun(nproc, *args):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
 
 
 # ---------------------------------------------------------------------------
@@ -357,7 +245,7 @@ class CarrierTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory(prefix="fed-carrier-")
-        cls.procs = []
+        cls.launcher = harness.Launcher()
         try:
             cls.start(cls.tmp.name)
         except BaseException:
@@ -369,34 +257,31 @@ class CarrierTest(unittest.TestCase):
         cls.manifest = make_corpus(t, 12000)
         init = os.path.join(t, "init.safetensors")
         subprocess.run([sys.executable, "train.py", "--export-init", init, "--model", "qwen3-tiny",
-                        "--data", cls.manifest], cwd=ROOT, env=env(), check=True, capture_output=True, timeout=300)
-        darl, cls.darl = start_service(t, "darl", "darl_server.py", ["--manifest", cls.manifest, "--block-size", 4,
-                                                                      "--state-dir", t, "--default-ttl", 30, "--max-ttl", 30])
-        cls.procs.append(darl)
-        fed, cls.fedmom = start_service(t, "fedmom", "fedmom_server.py", [
+                        "--data", cls.manifest], cwd=ROOT, env=harness.child_env(), check=True,
+                       capture_output=True, timeout=300)
+        L = cls.launcher
+        _, cls.darl = harness.start_server(L, "darl", ["--manifest", cls.manifest, "--block-size", 4, "--state-dir", t,
+                                                       "--default-ttl", 30, "--max-ttl", 30], log_of(t, "darl"), port=0)
+        fed, cls.fedmom = harness.start_server(L, "fedmom", [
             "--state-dir", os.path.join(t, "fedmom"), "--init", init, "--darl", cls.darl,
-            "--darl-retry-s", 1, "--member-timeout-s", 60])
-        cls.procs.append(fed)
+            "--darl-retry-s", 1, "--member-timeout-s", 60], log_of(t, "fedmom"), port=0)
         out = os.path.join(t, "worker")
         os.makedirs(out)
-        log = os.path.join(t, "worker.log")
-        w = Proc("worker", torchrun(2, os.path.join(ROOT, "tests", "test_federation.py"), "worker",
-                                    cls.manifest, cls.darl, cls.fedmom, out), log)
-        cls.procs.append(w)
+        w = L.start("worker", harness.torchrun(2, os.path.join(ROOT, "tests", "test_federation.py"), "worker",
+                                               cls.manifest, cls.darl, cls.fedmom, out), log_of(t, "worker"))
         rc = w.wait(timeout=600)
         if rc != 0:
-            raise AssertionError(f"worker exited {rc}:\n{tail(log, 60)}")
+            raise AssertionError(f"worker exited {rc}:\n" + "\n".join(w.tail(60)))
         with open(os.path.join(out, "report.json")) as f:
             cls.report = json.load(f)
-        wait_for(lambda: httpd.call(cls.fedmom, "GET", "/status")["pending_commits"] == 0, "the aggregator's "
-                 "commits to reach DARL", cls.procs)
+        harness.expect(lambda: httpd.call(cls.fedmom, "GET", "/status")["pending_commits"] == 0,
+                       "the aggregator's commits to reach DARL", [fed])
         cls.darl_status = httpd.call(cls.darl, "GET", "/status")
-        cls.rounds = read_jsonl(os.path.join(t, "fedmom", "rounds.jsonl"))
+        cls.rounds = harness.read_jsonl(os.path.join(t, "fedmom", "rounds.jsonl"))
 
     @classmethod
     def tearDownClass(cls):
-        for p in cls.procs:
-            p.kill()
+        cls.launcher.kill_all()
         cls.tmp.cleanup()
 
     def test_a_requeued_site_waits_out_its_previous_incarnation(self):
@@ -475,7 +360,7 @@ class FederationRunTest(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory(prefix="fed-run-")
         t = cls.tmp.name
-        cls.procs, cls.events = [], {}
+        cls.launcher, cls.events = harness.Launcher(), {}
         try:
             cls.run_scenario(t)
         except BaseException:
@@ -484,8 +369,7 @@ class FederationRunTest(unittest.TestCase):
 
     @classmethod
     def tearDownClass(cls):
-        for p in cls.procs:
-            p.kill()
+        cls.launcher.kill_all()
         if KEEP:
             kept = cls.tmp.name + "-kept"
             os.rename(cls.tmp.name, kept)
@@ -501,13 +385,11 @@ class FederationRunTest(unittest.TestCase):
                 "--token-file", cls.token, "--site", name, "--runs-dir", os.path.join(t, "runs"),
                 "--run-name", name, "--eval-windows", "16", "--eval-every", "4", "--log-every", "4",
                 "--register-wait-s", "120", *extra]
-        p = Proc(name, torchrun(nproc, *args), os.path.join(t, f"{name}.log"))
-        cls.procs.append(p)
-        return p
+        return cls.launcher.start(name, harness.torchrun(nproc, *args), log_of(t, name))
 
     @classmethod
     def records(cls):
-        return read_jsonl(os.path.join(cls.tmp.name, "central", "fedmom", "rounds.jsonl"))
+        return harness.read_jsonl(os.path.join(cls.tmp.name, "central", "fedmom", "rounds.jsonl"))
 
     @classmethod
     def merged_by(cls, rec):
@@ -537,58 +419,56 @@ class FederationRunTest(unittest.TestCase):
             f.write("test-token-0123456789\n")
         init = os.path.join(t, "init.safetensors")
         subprocess.run([sys.executable, "train.py", "--export-init", init, "--model", "qwen3-tiny",
-                        "--data", cls.manifest], cwd=ROOT, env=env(), check=True, capture_output=True, timeout=300)
+                        "--data", cls.manifest], cwd=ROOT, env=harness.child_env(), check=True,
+                       capture_output=True, timeout=300)
         central = os.path.join(t, "central")
         common = ["--token-file", cls.token]
-        darl, cls.darl = start_service(t, "darl", "darl_server.py", [
+        L = cls.launcher
+        darl, cls.darl = harness.start_server(L, "darl", [
             "--manifest", cls.manifest, "--block-size", 8, "--state-dir", central, "--min-ttl", 15,
-            "--default-ttl", 20, "--max-ttl", 20, "--max-attempts", 0, *common])
-        cls.procs.append(darl)
-        blob, cls.blob = start_service(t, "blob", "blobstore.py", ["--root", os.path.join(central, "blobs"), *common])
-        cls.procs.append(blob)
+            "--default-ttl", 20, "--max-ttl", 20, "--max-attempts", 0, *common], log_of(t, "darl"), port=0)
+        blob, cls.blob = harness.start_server(L, "blob", ["--root", os.path.join(central, "blobs"), *common],
+                                              log_of(t, "blob"), port=0)
         fed_args = ["--state-dir", os.path.join(central, "fedmom"), "--init", init, "--darl", cls.darl,
                     "--blob-url", cls.blob, "--darl-retry-s", 1, "--member-timeout-s", 20,
                     "--round-deadline-s", 120, *common]
-        fed, cls.fedmom = start_service(t, "fedmom", "fedmom_server.py", fed_args)
-        cls.procs.append(fed)
+        fed, cls.fedmom = harness.start_server(L, "fedmom", fed_args, log_of(t, "fedmom"), port=0)
         services = [darl, blob]
 
         # 1. both sites merge together
         alpha = cls.site("alpha", "fsdp", 2, "--transport", "inline")
         beta = cls.site("beta", "ddp", 1, "--transport", "blob", "--delta-dtype", "bf16", "--throttle-ms", "600")
-        wait_for(lambda: any(len(cls.merged_by(r)) == 2 for r in cls.records()), "a round merged from both sites",
-                 [alpha, beta, fed, *services])
+        harness.expect(lambda: any(len(cls.merged_by(r)) == 2 for r in cls.records()),
+                       "a round merged from both sites", [alpha, beta, fed, *services])
         # 2. alpha dies (SIGKILL: a node failure); beta merges alone
         alpha.kill()
         cls.events["killed_after_round"] = cls.records()[-1]["round"]
-        wait_for(lambda: any(set(cls.merged_by(r)) == {"beta"} and r["round"] > cls.events["killed_after_round"]
-                             for r in cls.records()), "a round merged by beta alone", [beta, fed, *services])
+        harness.expect(lambda: any(set(cls.merged_by(r)) == {"beta"} and r["round"] > cls.events["killed_after_round"]
+                                   for r in cls.records()), "a round merged by beta alone", [beta, fed, *services])
         # 3. alpha comes back (same cluster id, new incarnation, --resume auto) and merges with beta
         mark = os.path.getsize(alpha.log_path)
         alpha2 = cls.site("alpha", "fsdp", 2, "--transport", "inline", "--resume", "auto")
         cls.events["alpha2_log_from"] = mark
-        new_inc = wait_for(lambda: cls.incarnation("alpha", mark), "alpha's new incarnation", [alpha2])
+        new_inc = harness.expect(lambda: cls.incarnation("alpha", mark), "alpha's new incarnation", [alpha2])
         cls.events["alpha2_incarnation"] = new_inc
-        wait_for(lambda: any(cls.merged_by(r).get("alpha") == new_inc and "beta" in cls.merged_by(r)
-                             for r in cls.records()), "a round merged from the restarted alpha and beta",
-                 [alpha2, beta, fed, *services])
+        harness.expect(lambda: any(cls.merged_by(r).get("alpha") == new_inc and "beta" in cls.merged_by(r)
+                                   for r in cls.records()), "a round merged from the restarted alpha and beta",
+                       [alpha2, beta, fed, *services])
         # 4. the aggregator dies mid-run and comes back on the same port and state
         fed.kill()
         cls.events["fedmom_killed_at_round"] = cls.records()[-1]["round"]
-        fed, _ = start_service(t, "fedmom", "fedmom_server.py", fed_args,
-                               port=httpd.split_url(cls.fedmom)[2])
-        cls.procs.append(fed)
-        wait_for(lambda: len(cls.merged_by(cls.records()[-1])) > 0 and
-                 cls.records()[-1]["round"] > cls.events["fedmom_killed_at_round"] + 1,
-                 "merged rounds after the aggregator's restart", [alpha2, beta, fed, *services])
+        fed, _ = harness.start_server(L, "fedmom", fed_args, log_of(t, "fedmom"), port=httpd.split_url(cls.fedmom)[2])
+        harness.expect(lambda: len(cls.merged_by(cls.records()[-1])) > 0 and
+                       cls.records()[-1]["round"] > cls.events["fedmom_killed_at_round"] + 1,
+                       "merged rounds after the aggregator's restart", [alpha2, beta, fed, *services])
         # 5. DARL runs out of blocks: both sites finish by themselves
         for p in (alpha2, beta):
-            wait_for(lambda: not p.alive(), f"{p.name} to finish", [fed, *services])
-            if p.p.returncode != 0:
-                raise AssertionError(f"{p.name} exited {p.p.returncode}:\n{tail(p.log_path)}")
+            harness.expect(lambda: not p.alive(), f"{p.name} to finish", [fed, *services])
+            if p.poll() != 0:
+                raise AssertionError(f"{p.name} exited {p.poll()}:\n" + "\n".join(p.tail(40)))
         cls.darl_status = httpd.call(cls.darl, "GET", "/status", token="test-token-0123456789")
         cls.fed_status = httpd.call(cls.fedmom, "GET", "/status", token="test-token-0123456789")
-        cls.rows = {n: read_jsonl(os.path.join(t, "runs", n, "metrics.jsonl")) for n in ("alpha", "beta")}
+        cls.rows = {n: harness.read_jsonl(os.path.join(t, "runs", n, "metrics.jsonl")) for n in ("alpha", "beta")}
 
     def test_every_block_committed_exactly_once(self):
         st = self.darl_status
