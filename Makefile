@@ -62,7 +62,7 @@ demo: setup
 
 lint: setup
 	$(PY) -m compileall -q *.py tests bench
-	$(VENV)/bin/shellcheck -x env.sh central.sh sites/*.sh jobs/*.sh prep/*.sh
+	$(VENV)/bin/shellcheck -x env.sh central.sh sites/*.sh jobs/*.sh prep/*.sh tests/*.sh
 
 # Every figure of bench/, each against a baseline measured in the same run.
 # convergence.py runs its --quick size here (~4 min); the full size (~20 min) is
@@ -78,7 +78,8 @@ bench: setup
 	  esac; \
 	done
 
-# Runs every job script under a real single-node Slurm on this machine (needs root).
+# Runs every job script under a real single-node Slurm on this machine (needs root):
+# tests/local_slurm.sh starts it (and `tests/local_slurm.sh stop` stops it afterwards).
 test-slurm: setup
 	$(PY) tests/run.py slurm_jobs
 

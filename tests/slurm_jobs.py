@@ -3,9 +3,9 @@
 NOT part of `make test` (the name does not match test_*.py): it needs root, apt and a
 few minutes. Run it with
     make test-slurm            # = .venv/bin/python tests/run.py slurm_jobs
-It installs and starts a local Slurm with ../shared/tools/local_slurm_setup.sh (or
-$PWW_SHARED_TOOLS/local_slurm_setup.sh): 8 fake GPUs (GRES), 64 advertised CPUs (so the
-LUMI 8 x 7 and Snellius 4 x 16 headers fit) and the partitions both sites use. Then, with
+It installs and starts a local Slurm with tests/local_slurm.sh start: 8 fake GPUs (GRES),
+64 advertised CPUs (so the LUMI 8 x 7 and Snellius 4 x 16 headers fit) and the partitions
+both sites use. Then, with
 PWW_SITE=local (the CPU device, gloo, a few steps), it submits the unmodified
 jobs/{lumi,snellius}_{smoke,cifar_debug,titan}.sh with their own #SBATCH headers (and
 snellius_cifar_1node, snellius_cifar_diloco, lumi_cifar_multinode on one node), and checks
@@ -13,18 +13,19 @@ each ends COMPLETED with exit 0 and that its log shows the run succeeding: one
 task_wrapper line per rank with a distinct GPU, then the entry point's success line.
 The titan jobs need the central services: central.sh starts them on free ports with a
 corpus made by prep/tokenize.sh, and both sites train against them.
-Skips (never fails) when not root, without apt-get, or without the setup script.
-Slurm is left running afterwards (../shared/tools/local_slurm_stop.sh stops it).
+Skips (never fails) when not root, or without apt-get where Slurm is not installed.
+Slurm is left running afterwards (`tests/local_slurm.sh stop` stops it).
 """
 import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 import unittest
+
+from harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
@@ -34,26 +35,16 @@ JOB_DEADLINE_S = 1800      # generous: 8 CPU ranks on 2 cores are slow, not stuc
 STATE = {}
 
 
-def tools_dir():
-    for d in (os.environ.get("PWW_SHARED_TOOLS"), os.path.join(ROOT, "..", "shared", "tools")):
-        if d and os.path.exists(os.path.join(d, "local_slurm_setup.sh")):
-            return os.path.abspath(d)
-    return None
-
-
 def setUpModule():
     if os.geteuid() != 0:
         raise unittest.SkipTest("needs root: installs and starts a local Slurm")
-    if shutil.which("apt-get") is None:
+    if shutil.which("sbatch") is None and shutil.which("apt-get") is None:
         raise unittest.SkipTest("needs apt-get (Debian/Ubuntu) to install Slurm")
-    tools = tools_dir()
-    if tools is None:
-        raise unittest.SkipTest("local_slurm_setup.sh not found in ../shared/tools or $PWW_SHARED_TOOLS")
-    env = dict(os.environ, SLURM_FAKE_GPUS="8", SLURM_NODE_CPUS="64", SLURM_PARTITIONS=PARTITIONS)
-    r = subprocess.run(["bash", os.path.join(tools, "local_slurm_setup.sh")], env=env,
+    env = dict(os.environ, LOCAL_SLURM_GPUS="8", LOCAL_SLURM_CPUS="64", LOCAL_SLURM_PARTITIONS=PARTITIONS)
+    r = subprocess.run(["bash", os.path.join(ROOT, "tests", "local_slurm.sh"), "start"], env=env,
                        capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
-        raise RuntimeError(f"local_slurm_setup.sh failed:\n{r.stdout}\n{r.stderr}")
+        raise RuntimeError(f"tests/local_slurm.sh start failed:\n{r.stdout}\n{r.stderr}")
     tmp = tempfile.mkdtemp(prefix="pww-slurm-")
     STATE["tmp"] = tmp
     os.makedirs(os.path.join(ROOT, "logs"), exist_ok=True)
@@ -96,12 +87,6 @@ def wait(job_id):
             subprocess.run(["scancel", job_id])
             raise AssertionError(f"job {job_id} still {state} after {JOB_DEADLINE_S} s; cancelled")
         time.sleep(0.5)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 class JobTest(unittest.TestCase):
@@ -170,7 +155,7 @@ class TitanTest(JobTest):
                        capture_output=True, env=dict(os.environ, PWW_SITE="local", INPUTS=corpus,
                                                      TOKENIZER="none", SEQ_LEN="64", OUT=self.tokens))
         self.state = os.path.join(tmp, "central")
-        self.ports = {"DARL_PORT": free_port(), "FEDMOM_PORT": free_port(), "BLOB_PORT": free_port()}
+        self.ports = {k: str(free_port()) for k in ("DARL_PORT", "FEDMOM_PORT", "BLOB_PORT")}
         init = os.path.join(tmp, "init.safetensors")
         subprocess.run([PYTHON, "train.py", "--config", "configs/qwen3_tiny.yaml", "--device", "cpu",
                         "--data", os.path.join(self.tokens, "manifest.json"), "--export-init", init],

@@ -22,13 +22,14 @@ import json
 import os
 import re
 import shutil
-import socket
 import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import unittest
+
+from harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHELLCHECK = os.path.join(ROOT, ".venv", "bin", "shellcheck")
@@ -51,14 +52,8 @@ def bash(script, env=None, cwd=ROOT, check=True, timeout=120):
 
 
 def shell_files():
-    pats = ["env.sh", "central.sh", "sites/*.sh", "jobs/*.sh", "prep/*.sh"]
+    pats = ["env.sh", "central.sh", "sites/*.sh", "jobs/*.sh", "prep/*.sh", "tests/*.sh"]
     return sorted(f for p in pats for f in glob.glob(os.path.join(ROOT, p)))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sbatch_header(path):
