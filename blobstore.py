@@ -65,6 +65,7 @@ import sys
 import threading
 import time
 
+import durable
 import httpd
 
 DEFAULT_PORT = 29512
@@ -119,16 +120,6 @@ def sha256_file(path, start=0, end=None, hasher=None):
     return h.hexdigest() if hasher is None else h
 
 
-def _write_json(path, obj):
-    """Small sidecar, atomically: temp + fsync + rename."""
-    tmp = os.path.join(os.path.dirname(path), ".tmp-" + os.path.basename(path).lstrip("."))
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _read_json(path):
     try:
         with open(path) as f:
@@ -137,21 +128,6 @@ def _read_json(path):
         return None
     except ValueError:
         return None            # a torn sidecar counts as absent: the upload starts again
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink(path):
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class _ChunkWriter:
@@ -205,8 +181,8 @@ class BlobStore:
         for d in (self.blobs, self.partial):
             os.makedirs(d, exist_ok=True)
             for name in os.listdir(d):
-                if name.startswith(".tmp-"):           # a sidecar torn by a crash
-                    _unlink(os.path.join(d, name))
+                if name.startswith(".") and durable.is_tmp(name):   # a sidecar torn by a crash
+                    durable.unlink(os.path.join(d, name))
         self.lock = threading.Lock()
         self.uploading = set()                          # ids with a PUT in progress
         self.hash_cache = {}                            # id -> (offset, sha256 state) of the last PUT
@@ -238,7 +214,7 @@ class BlobStore:
         used = 0
         for d, key in ((self.blobs, "size"), (self.partial, "total")):
             for name in os.listdir(d):
-                if name.startswith(".") and not name.startswith(".tmp-") and name.endswith(".json") \
+                if name.startswith(".") and name.endswith(".json") \
                         and name[1:-5] != except_id:
                     used += (_read_json(os.path.join(d, name)) or {}).get(key, 0)
         return used
@@ -296,7 +272,7 @@ class BlobStore:
                 raise httpd.HTTPError(413, f"blob of {total} bytes would exceed the store quota "
                                            f"({used} of {self.quota} bytes used; --quota-gb)")
             self.hash_cache.pop(blob_id, None)
-            _write_json(side, {"total": total, "sha256": sha, "started": time.time()})
+            durable.write_json(side, {"total": total, "sha256": sha, "started": time.time()})
             open(data, "wb").close()
         return None
 
@@ -338,15 +314,14 @@ class BlobStore:
         meta = _read_json(side)
         self.hash_cache.pop(blob_id, None)
         if got != meta["sha256"]:
-            _unlink(data)
-            _unlink(side)
+            durable.unlink(data)
+            durable.unlink(side)
             raise httpd.HTTPError(400, f"checksum mismatch for {blob_id!r}: declared {meta['sha256']}, "
                                        f"received {got}; the upload was discarded, PUT it again from byte 0")
         final, final_side = self._blob(blob_id)
-        _write_json(final_side, {"size": total, "sha256": got, "created": time.time()})
-        os.replace(data, final)                         # the blob appears whole, or not at all
-        _fsync_dir(self.blobs)
-        _unlink(side)
+        durable.write_json(final_side, {"size": total, "sha256": got, "created": time.time()})
+        durable.rename(data, final)                     # the blob appears whole, or not at all
+        durable.unlink(side)
         return {"id": blob_id, "size": total, "sha256": got}
 
     def delete(self, blob_id):
@@ -356,8 +331,8 @@ class BlobStore:
             found = False
             for data, side in (self._blob(blob_id), self._part(blob_id)):
                 found |= os.path.exists(data) or os.path.exists(side)
-                _unlink(data)                           # data first: a sidecar alone is not a blob
-                _unlink(side)
+                durable.unlink(data)                    # data first: a sidecar alone is not a blob
+                durable.unlink(side)
             self.hash_cache.pop(blob_id, None)
         if not found:
             raise httpd.HTTPError(404, f"no blob {blob_id!r}")
@@ -670,7 +645,7 @@ def get_file(url, blob_id, path, token=None, progress=None, retries=8, timeout=1
         raise ValueError(f"downloaded {blob_id!r} has sha256 {got}, the store says {sha}; removed {tmp}")
     with open(tmp, "ab") as f:                          # "ab": also creates an empty blob's file
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    durable.rename(tmp, path)
     bar.close(size)
     return got
 

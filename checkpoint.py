@@ -42,6 +42,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+import durable
+
 FORMAT = "pww-checkpoint/1"
 DEFAULT_KEEP = 2
 _NAME = re.compile(r"^step_(\d{9})(\.pt)?$")
@@ -58,28 +60,6 @@ def _rank():
 def _barrier():
     if dist.is_initialized():
         dist.barrier()
-
-
-def _fsync_path(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _replace_atomically(tmp, final):
-    os.replace(tmp, final)
-    _fsync_path(os.path.dirname(final) or ".")
-
-
-def _write_text(path, text):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    _replace_atomically(tmp, path)
 
 
 # ----------------------------------------------------------------------------- DiLoCo outer state
@@ -153,7 +133,7 @@ def save(run_dir, step, model, optimizer, extra=None, diloco=None, sharded=False
     if _rank() == 0:
         os.makedirs(cdir, exist_ok=True)
         for old in os.listdir(cdir):                      # leftovers of a crash mid-save
-            if old.endswith(".tmp"):
+            if old.endswith(".tmp") or durable.is_tmp(old):
                 _remove(os.path.join(cdir, old))
     _barrier()
     meta = {"format": FORMAT, "step": int(step), "extra": extra,
@@ -166,8 +146,8 @@ def save(run_dir, step, model, optimizer, extra=None, diloco=None, sharded=False
         else:
             _save_consolidated(tmp, model, optimizer, diloco, meta)
     if _rank() == 0:
-        _replace_atomically(tmp, final)
-        _write_text(os.path.join(cdir, "latest"), name + "\n")
+        durable.rename(tmp, final)
+        durable.write_text(os.path.join(cdir, "latest"), name + "\n")
         _prune(cdir, keep)
     _barrier()
     return final
@@ -206,10 +186,8 @@ def _save_sharded(tmp, model, optimizer, diloco, meta):
         dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=not dist.is_initialized())
     _barrier()
     if _rank() == 0:
-        _write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1) + "\n")
-        for f in os.listdir(tmp):
-            _fsync_path(os.path.join(tmp, f))
-        _fsync_path(tmp)
+        durable.write_json(os.path.join(tmp, "meta.json"), meta, indent=1)
+        durable.fsync_tree(tmp)
 
 
 def _remove(path):

@@ -71,6 +71,7 @@ import sys
 import time
 
 import audit
+import durable
 import harness
 import status_page
 
@@ -307,7 +308,7 @@ class Demo:
     # -- the watch loop ----------------------------------------------------
 
     def train_rows(self, name):
-        return [r for r in harness.read_jsonl(os.path.join(self.sites_dir, name, "metrics.jsonl"))
+        return [r for r in durable.read_jsonl(os.path.join(self.sites_dir, name, "metrics.jsonl"))
                 if r.get("split") == "train"]
 
     def report_rounds(self, fed, darl):
@@ -436,7 +437,7 @@ class Demo:
     def audit(self, trained, fed, darl):
         c, out = self.cfg, []
         state_fed = os.path.join(self.svc.state_dir, "fedmom")
-        records = harness.read_jsonl(os.path.join(state_fed, "rounds.jsonl"))
+        records = durable.read_jsonl(os.path.join(state_fed, "rounds.jsonl"))
         checks = self.checks
 
         # sites
@@ -484,7 +485,7 @@ class Demo:
         out += ["  " + l for l in report.lines]
         checks.append(("every block inside exactly one merged delta (audit.py)", report.ok, ""))
         excluded = [o for r in records for o in r.get("outcomes", ()) if o.get("outcome") == "excluded"]
-        site_rows = {n: harness.read_jsonl(os.path.join(self.sites_dir, n, "metrics.jsonl")) for n in SITES}
+        site_rows = {n: durable.read_jsonl(os.path.join(self.sites_dir, n, "metrics.jsonl")) for n in SITES}
         unmerged = [r for rows in site_rows.values() for r in rows
                     if r.get("split") == "federation" and r.get("merged") is False]
         out.append(f"Deltas not merged: {len(excluded)} excluded by FedMom, {len(unmerged)} reported unmerged by "

@@ -48,6 +48,7 @@ import secrets
 import threading
 import time
 
+import durable
 import httpd
 
 
@@ -140,26 +141,24 @@ class FedMomClient:
         if transport != "inline":
             raise ValueError(f"transport {transport!r}: use 'inline' or 'blob'")
         conn = httpd.connect(self.url, timeout=max(self.timeout, 600))
-        tmp = f"{path}.tmp-{os.getpid()}"
         try:
             conn.request("GET", httpd.split_url(self.url)[3] + "/theta", headers=httpd.auth_headers(self.token))
             resp = conn.getresponse()
             if resp.status != 200:
                 raise httpd.CallError(resp.status, _json_or_text(resp.read()))
             want, got = int(resp.getheader("Content-Length")), 0
-            with open(tmp, "wb") as f:
-                while chunk := resp.read(1 << 20):
-                    f.write(chunk)
-                    got += len(chunk)
-                f.flush()
-                os.fsync(f.fileno())
-            if got != want:
-                raise ConnectionError(f"theta download ended after {got} of {want} bytes")
-            os.replace(tmp, path)
+            with durable.replacing(path) as tmp:
+                with open(tmp, "wb") as f:
+                    while chunk := resp.read(1 << 20):
+                        f.write(chunk)
+                        got += len(chunk)
+                    f.flush()
+                    os.fsync(f.fileno())
+                if got != want:
+                    raise ConnectionError(f"theta download ended after {got} of {want} bytes")
             return int(resp.getheader("X-Round"))
         finally:
             conn.close()
-            _unlink(tmp)
 
     # ---- deltas
 
@@ -250,10 +249,3 @@ class _KeepAlive:
         self.stop.set()
         self.thread.join()
         return False
-
-
-def _unlink(path):
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -23,7 +23,6 @@ Children get child_env(): no variable of an enclosing Slurm job or torchrun (a c
 take itself for one of its ranks), no PWW_* setting of the user's shell.
 """
 import dataclasses
-import json
 import os
 import re
 import secrets
@@ -259,21 +258,6 @@ def port_is_free(port):
             return True
         except OSError:
             return False
-
-
-def read_jsonl(path):
-    """Rows of a JSON-lines file; a torn line (a writer killed mid-line) is skipped; no file, no rows."""
-    rows = []
-    try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:
-                    pass
-    except FileNotFoundError:
-        pass
-    return rows
 
 
 # ---------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from torchtitan.models.qwen3 import Qwen3Model
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
 import blobstore
+import durable
 import models
 import tensorio
 from data import MANIFEST_FORMAT
@@ -240,19 +241,9 @@ def write_tokenizer(out_dir, cfg, manifest):
 # ---------------------------------------------------------------- writing
 
 def _write_json(path, obj):
-    with open(path, "w") as f:          # fsynced with the rest of the directory (_fsync_tree)
+    with open(path, "w") as f:          # fsynced with the rest of the directory (durable.fsync_tree)
         json.dump(obj, f, indent=2)
         f.write("\n")
-
-
-def _fsync_tree(path):
-    for fn in os.listdir(path):
-        fd = os.open(os.path.join(path, fn), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    tensorio._fsync_dir(path)
 
 
 def write_weights(reader, names, path, dtype, metadata, progress=True):
@@ -300,15 +291,14 @@ def model_args_for(cfg, file_specs, manifest):
 def _new_directory(out):
     """Yield OUT.tmp-<pid> to fill; on success fsync it and rename it to OUT, else remove it."""
     out = os.path.abspath(out)
-    tmp = f"{out}.tmp-{os.getpid()}"
+    tmp = durable.tmp_name(out)
     os.makedirs(tmp)
     try:
         yield tmp
-        _fsync_tree(tmp)
+        durable.fsync_tree(tmp)
         if os.path.isdir(out):
             os.rmdir(out)                       # ExportConfig.validate saw it empty
-        os.rename(tmp, out)
-        tensorio._fsync_dir(os.path.dirname(out))
+        durable.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -39,6 +39,8 @@ import sys
 
 import numpy as np
 
+import durable
+
 FORMAT_VERSION = "1"
 FORMAT = "pww-tensors/" + FORMAT_VERSION
 MAX_HEADER_BYTES = 100_000_000      # the safetensors limit: a larger header is corruption, not a model
@@ -150,7 +152,7 @@ class TensorWriter:
         meta["format"] = file_format
         meta.setdefault("producer", "tensorio")
         header = _header_bytes(self.specs, meta)
-        self.tmp = f"{self.path}.tmp-{os.getpid()}"
+        self.tmp = durable.tmp_name(self.path)
         self._f = open(self.tmp, "wb")
         self.written = 0
         try:
@@ -208,18 +210,13 @@ class TensorWriter:
                 os.fsync(f.fileno())
         finally:
             f.close()
-        os.replace(self.tmp, self.path)
-        if self.fsync:
-            _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        durable.rename(self.tmp, self.path, self.fsync)
 
     def abort(self):
         f, self._f = self._f, None
         if f is not None:
             f.close()
-        try:
-            os.unlink(self.tmp)
-        except FileNotFoundError:
-            pass
+        durable.unlink(self.tmp)
 
     def __enter__(self):
         return self
@@ -230,20 +227,6 @@ class TensorWriter:
         else:
             self.abort()
         return False
-
-
-def _fsync_dir(path):
-    """Make a rename durable: fsync the directory that holds the new name."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------- reader

@@ -44,6 +44,7 @@ import time
 
 import numpy as np
 
+import durable
 from data import MANIFEST_FORMAT   # the reader and the writer share one format string
 TEXT_SUFFIXES = (".txt", ".py", ".md")
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
@@ -192,7 +193,7 @@ class ShardWriter:
         os.fsync(self.f.fileno())
         self.f.close()
         name = self.shards[-1]["file"]
-        os.replace(os.path.join(self.out, name + ".tmp"), os.path.join(self.out, name))
+        durable.rename(os.path.join(self.out, name + ".tmp"), os.path.join(self.out, name))
         self.shards[-1].update(sha256=self.h.hexdigest(), windows=self.n)
         self.f = None
 
@@ -318,12 +319,7 @@ def tokenize(cfg: TokenizeConfig):
          "shards": shards, "heldout_windows": cfg.heldout_windows,
          "tokens_total": tokens, "tokens_dropped_tail": len(pending), "files": len(files)}
     m["digest"] = manifest_digest(m)
-    tmp = os.path.join(cfg.out, "manifest.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(m, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(cfg.out, "manifest.json"))
+    durable.write_json(os.path.join(cfg.out, "manifest.json"), m, indent=1)
     return m
 
 

@@ -89,6 +89,7 @@ import torch.nn.functional as F
 import checkpoint
 import data
 import diloco
+import durable
 import fedsite
 import models
 
@@ -587,12 +588,8 @@ def write_config_yaml(path, cfg, prov):
     import yaml
     body = dataclasses.asdict(cfg)
     body["provenance"] = dict(prov, config_file=body.pop("config"))
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write("# resolved config of this run (flags over --config over defaults); "
-                "usable as --config\n")
-        yaml.safe_dump(body, f, sort_keys=False)
-    os.replace(tmp, path)
+    durable.write_text(path, "# resolved config of this run (flags over --config over defaults); "
+                             "usable as --config\n" + yaml.safe_dump(body, sort_keys=False))
 
 
 def default_run_name(cfg, d):

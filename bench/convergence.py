@@ -41,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)                           # bench/ imports the repository's top-level scripts
 
 import audit                                       # noqa: E402  (after the path line above)
+import durable                                     # noqa: E402
 import harness                                     # noqa: E402
 
 ARMS = ("ddp", "diloco-fedavg", "diloco-nesterov", "fed-fedavg", "fed-nesterov")
@@ -93,7 +94,7 @@ def common_args(cfg, steps, warmup):
 
 def final_eval(run_dir):
     """train.py's own last eval row (the same held-out windows), as a cross-check."""
-    rows = [r for r in harness.read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if r.get("split") == "eval"]
+    rows = [r for r in durable.read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if r.get("split") == "eval"]
     return rows[-1]["loss"] if rows else None
 
 
@@ -146,7 +147,7 @@ def federated(cfg, arm, ctx, launcher):
     state = os.path.join(svc.state_dir, "fedmom")
     with open(os.path.join(state, "state.json")) as f:
         theta = os.path.join(state, json.load(f)["theta"])
-    records = harness.read_jsonl(os.path.join(state, "rounds.jsonl"))
+    records = durable.read_jsonl(os.path.join(state, "rounds.jsonl"))
     coverage = audit.audit(svc.state_dir, manifest=ctx["manifest"]).ok
     site_evals = [final_eval(os.path.join(arm_dir, "sites", n)) for n in ("alpha", "beta")]
     return {"weights": theta, "train_eval": site_evals[0], "rounds": records, "coverage": coverage}

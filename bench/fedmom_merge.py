@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import numpy as np  # noqa: E402
 
+import durable  # noqa: E402
 import fedmom_merge  # noqa: E402
 import tensorio  # noqa: E402
 
@@ -56,15 +57,6 @@ def peak_rss_bytes():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def fsync_dir(path):
-    """The rename/creation of a file is durable only once its directory is fsync'd (as the merge does)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def make_files(d, ndeltas):
@@ -103,7 +95,7 @@ def baseline(d, ndeltas):
                 left -= n
                 nwritten += n
             os.fsync(f.fileno())
-        fsync_dir(d)
+        durable.fsync_dir(d)                 # a new name is durable once its directory is (as in the merge)
     dt = time.perf_counter() - t0
     for fn in ("base-theta.out", "base-momentum.out"):
         os.unlink(os.path.join(d, fn))

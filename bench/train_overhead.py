@@ -14,7 +14,6 @@ What it measures, in ONE process, alternating so that machine load hits both ali
 Target: train.py within 3 % of bare. Not a test: it prints figures and the ratio.
 """
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,7 @@ import torch                                    # noqa: E402
 import torch.nn.functional as F                 # noqa: E402
 
 import data                                     # noqa: E402
+import durable                                  # noqa: E402
 import models                                   # noqa: E402
 import tokenize_corpus                          # noqa: E402
 import train                                    # noqa: E402
@@ -58,8 +58,7 @@ def train_py(model_name, manifest, batch, steps, log_every, device, runs_dir, ta
     train.main(["--model", model_name, "--data", manifest, "--device", device, "--parallel", "ddp",
                 "--batch-size", str(batch), "--steps", str(steps), "--log-every", str(log_every),
                 "--lr", str(lr), "--eval-windows", "8", "--runs-dir", runs_dir, "--run-name", tag])
-    with open(os.path.join(runs_dir, tag, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+    rows = durable.read_jsonl(os.path.join(runs_dir, tag, "metrics.jsonl"))
     ms = [r["step_ms"] for r in rows if r["split"] == "train"][1:]
     return statistics.mean(ms)
 

@@ -229,6 +229,19 @@ class LiveStoreTest(unittest.TestCase):
         self.assertEqual(self.raw("GET", "/blobs/cut")[2], body)
         self.assertEqual(self.visible_files(), ["blobs/.cut.json", "blobs/cut"])
 
+    def test_a_reopened_store_sweeps_torn_sidecars_and_keeps_every_blob(self):
+        body = b"kept across a restart"
+        for blob_id in ("tmp-7", "a.tmp-1"):            # ids that look like temporary names
+            self.assertEqual(self.put_raw(blob_id, body)[0], 201)
+        torn = os.path.join(self.root, "blobs", ".x.json.tmp-4242")      # a sidecar writer killed
+        with open(torn, "w") as f:                                      # before its rename
+            f.write('{"size": 9')
+        reopened = blobstore.BlobStore(self.root, self.QUOTA, self.MAX_BLOB)
+        self.assertFalse(os.path.exists(torn))
+        for blob_id in ("tmp-7", "a.tmp-1"):
+            self.assertEqual(reopened.complete(blob_id)["sha256"], hashlib.sha256(body).hexdigest(), blob_id)
+        self.assertEqual(reopened.used_bytes(), 2 * len(body))
+
     def test_put_file_and_get_file_survive_a_dropped_connection(self):
         sha = make_file(self.p("src"), 8 * MB, seed=1)
         up = CuttingProxy(self.url, 3 * MB, "up")

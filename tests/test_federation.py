@@ -35,6 +35,7 @@ import numpy as np
 
 import darl_table
 import data
+import durable
 import fedsite
 import harness
 import httpd
@@ -277,7 +278,7 @@ class CarrierTest(unittest.TestCase):
         harness.expect(lambda: httpd.call(cls.fedmom, "GET", "/status")["pending_commits"] == 0,
                        "the aggregator's commits to reach DARL", [fed])
         cls.darl_status = httpd.call(cls.darl, "GET", "/status")
-        cls.rounds = harness.read_jsonl(os.path.join(t, "fedmom", "rounds.jsonl"))
+        cls.rounds = durable.read_jsonl(os.path.join(t, "fedmom", "rounds.jsonl"))
 
     @classmethod
     def tearDownClass(cls):
@@ -389,7 +390,7 @@ class FederationRunTest(unittest.TestCase):
 
     @classmethod
     def records(cls):
-        return harness.read_jsonl(os.path.join(cls.tmp.name, "central", "fedmom", "rounds.jsonl"))
+        return durable.read_jsonl(os.path.join(cls.tmp.name, "central", "fedmom", "rounds.jsonl"))
 
     @classmethod
     def merged_by(cls, rec):
@@ -468,7 +469,7 @@ class FederationRunTest(unittest.TestCase):
                 raise AssertionError(f"{p.name} exited {p.poll()}:\n" + "\n".join(p.tail(40)))
         cls.darl_status = httpd.call(cls.darl, "GET", "/status", token="test-token-0123456789")
         cls.fed_status = httpd.call(cls.fedmom, "GET", "/status", token="test-token-0123456789")
-        cls.rows = {n: harness.read_jsonl(os.path.join(t, "runs", n, "metrics.jsonl")) for n in ("alpha", "beta")}
+        cls.rows = {n: durable.read_jsonl(os.path.join(t, "runs", n, "metrics.jsonl")) for n in ("alpha", "beta")}
 
     def test_every_block_committed_exactly_once(self):
         st = self.darl_status

@@ -537,6 +537,22 @@ class CentralTest(unittest.TestCase):
             w.write("b", np.zeros(3, np.float32))
         return path
 
+    def test_the_central_files_alone_import_without_torch(self):
+        """central.sh's CENTRAL_FILES (what RUNBOOK says to copy to the VM) are enough: each
+        module imports from a directory holding those files only, with torch unavailable."""
+        with open(os.path.join(ROOT, "central.sh")) as f:
+            files = re.search(r'^CENTRAL_FILES="([^"]+)"', f.read(), re.M).group(1).split()
+        vm = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, vm)
+        for name in files:
+            shutil.copy(os.path.join(ROOT, name), vm)
+        code = "import sys; sys.modules['torch'] = None\n" + "".join(
+            f"import {name[:-3]}\n" for name in files) + "print('ok')"
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        r = subprocess.run([sys.executable, "-E", "-s", "-c", code], cwd=vm, env=env, capture_output=True,
+                           text=True, timeout=120)
+        self.assertEqual((r.returncode, r.stdout.strip()), (0, "ok"), r.stderr)
+
     def pids(self):
         return {n: int(open(os.path.join(self.state, f"{n}.pid")).read())
                 for n in ("darl", "fedmom", "blob") if os.path.exists(os.path.join(self.state, f"{n}.pid"))}
