@@ -335,8 +335,9 @@ class FedMomCarrier(OuterCarrier):
          theta_global (whatever round it is: a stale delta still ends in the newest);
       3. theta_global is scattered one tensor at a time into ex.theta.
     No rank ever holds more than its shard plus one full tensor. The delta's data flows
-    one way: train.py -> here -> fedsite -> fedmom_client; what became of it comes back
-    as the return value, {"federation": fedsite.RoundResult}, in DiLoCo's row.
+    one way, train.py -> here -> fedsite -> fedmom_client (ARCHITECTURE.md section 3);
+    what became of it comes back as the return value, {"federation": fedsite.RoundResult},
+    in DiLoCo's row.
     `site` is None on the ranks other than 0.
     """
 

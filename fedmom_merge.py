@@ -5,8 +5,9 @@ torch). Not started on its own. Tested against torch.optim.SGD(nesterov=True) an
 ten-line naive numpy reference in tests/test_fedmom.py; bench/fedmom_merge.py
 measures it against the fsync'd I/O of the same bytes.
 
-The step (DESIGN.md): deltas d_i = theta_i - theta_global with weights p_i (token
-shares, summing to 1); g = theta_global - sum_i p_i theta_i = -sum_i p_i d_i; then one
+The step (the one statement of the rule; FEDERATION_GUIDE.md section 4 says it in
+words): deltas d_i = theta_i - theta_global with weights p_i (token shares, summing
+to 1); g = theta_global - sum_i p_i theta_i = -sum_i p_i d_i; then one
 step of torch.optim.SGD(lr, momentum=mu, nesterov=True, dampening=0) with grad = g:
     buf = g (first step) or mu * buf + g;   theta -= lr * (g + mu * buf)
 lr 1 / momentum 0 is exact FedAvg.

@@ -22,14 +22,11 @@ GET /health and GET / : the page is read-only, shows round numbers, cluster ids 
 metrics only (no token, no path, nothing a caller could write with), and a browser
 cannot send a bearer header. --private-page puts GET / behind the token as well.
 
-The outer step (DESIGN.md): deltas arrive as d_i = theta_i - theta_global with the
-tokens each site trained on; p_i = tokens_i / sum(tokens); the pseudo-gradient is
-g = theta_global - sum_i p_i theta_i = -sum_i p_i d_i, and theta_global takes one
-step of torch.optim.SGD(lr, momentum=mu, nesterov=True, dampening=0) with grad = g:
-    buf = g (first step) or mu * buf + g;   theta -= lr * (g + mu * buf)
-lr 1 / momentum 0 is exact FedAvg. The merge (fedmom_merge.py) streams one tensor at
-a time from the delta files into tensorio writers for the new theta and momentum, so
-its memory is a few times the largest tensor, not the model.
+The outer step: the deltas d_i = theta_i - theta_global of a round, weighted by the
+tokens each site trained on, take one Nesterov-momentum step of theta_global; the
+rule, exactly, is fedmom_merge.py's docstring. The merge streams one tensor at a time
+from the delta files into tensorio writers for the new theta and momentum, so its
+memory is a few times the largest tensor, not the model.
 
 Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."}):
     POST /join       {cluster, incarnation}          -> {round, heartbeat_s, ...}; 409 if

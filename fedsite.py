@@ -22,7 +22,9 @@ yield into a small broadcast, so the other ranks never sit in one collective lon
 to time out.
 
 The protocol these calls follow (what a phase leases, what the aggregator does with a
-delta, who settles a lease, identity and requeues) is FEDERATION_GUIDE.md, sections 2-4.
+delta, who settles a lease, identity and requeues) is FEDERATION_GUIDE.md, sections 2-4;
+the path of a delta through train.py, diloco.py, here and fedmom_client.py is
+ARCHITECTURE.md section 3.
 """
 import dataclasses
 import http.client
