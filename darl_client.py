@@ -3,11 +3,11 @@ an end-to-end simulation that audits exactly-once coverage.
 
 Where: on a site, in the one process per stream that talks to the
 coordinator (rank 0 of a replica; it broadcasts three integers per span:
-lease id, start, end). Python standard library only; imports darl_server for
+lease id, start, end). Python standard library only; imports darl_table for
 BlockSpace, never torch.
 
 Use from code:
-    space = darl_server.BlockSpace(num_samples=N, block_size=K, seed=S)
+    space = darl_table.BlockSpace(num_samples=N, block_size=K, seed=S)
     client = LeaseClient("http://central:29510", token=token)
     with LeaseSession(client, "lumi", space.digest(), span_blocks=B) as session:
         while (span := session.next_span()) is not None:      # None: the epoch is done

@@ -18,7 +18,9 @@ its own (torch's elastic subprocess handler, start_new_session=True), so a signa
 torchrun's group misses the ranks, which then train on as orphans. Signals therefore go
 to every process group of the tree, read from /proc (Linux) before the first signal.
 
-Servers bind 127.0.0.1; a server's URL is the one it prints ("... listening on URL").
+Servers bind 127.0.0.1; a server's URL is the one it prints ("... listening on URL"),
+read from its log (start_server) or, for a server a test starts with subprocess.Popen
+itself, from its stdout pipe (listening_url).
 Children get child_env(): no variable of an enclosing Slurm job or torchrun (a child would
 take itself for one of its ranks), no PWW_* setting of the user's shell.
 """
@@ -30,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -242,6 +245,58 @@ def expect(cond, what, needs=(), timeout_s=240.0, interval_s=0.2):
             raise AssertionError(f"no {what} within {timeout_s:.0f} s; logs: "
                                  + "; ".join(f"{p.name}:\n" + "\n".join(p.tail(15)) for p in needs))
         time.sleep(interval_s)
+
+
+class Output:
+    """Every line a subprocess (started with stdout=PIPE, text=True) writes, read by a daemon
+    thread so the pipe never fills: for tests that start a server with subprocess.Popen
+    themselves and read its output."""
+
+    def __init__(self, proc):
+        self.proc, self.lines, self.cond = proc, [], threading.Condition()
+        self.closed = False
+        threading.Thread(target=self._read, name=f"stdout-{proc.pid}", daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            with self.cond:
+                self.lines.append(line)
+                self.cond.notify_all()
+        self.proc.stdout.close()
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def text(self):
+        with self.cond:
+            return "".join(self.lines)
+
+    def wait_for(self, pattern, timeout):
+        """The first match of `pattern` in a line; AssertionError with the output if the
+        process closes its output, or `timeout` seconds pass, first."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self.cond:
+            while True:
+                for line in self.lines[seen:]:
+                    m = re.search(pattern, line)
+                    if m:
+                        return m
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if self.closed or left <= 0:
+                    why = f"exited with {self.proc.poll()}" if self.closed else f"not within {timeout:.0f} s"
+                    raise AssertionError(f"no line matching {pattern!r} ({why}); output:\n"
+                                         + "".join(self.lines[-40:]))
+                self.cond.wait(min(left, 1.0))
+
+
+def listening_url(proc, timeout=60.0):
+    """(url, Output) of a server started with stdout=PIPE, text=True: the URL of its
+    "... listening on URL" line, or AssertionError with its output when it exits or says
+    nothing within `timeout` (a hang bound, not a wait)."""
+    out = Output(proc)
+    return out.wait_for(LISTENING, timeout).group(1), out
 
 
 def free_port():

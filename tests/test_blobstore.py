@@ -16,8 +16,7 @@ import unittest
 
 import blobstore
 import httpd
-from harness import expect
-from helpers import listening_url
+from harness import expect, listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "blob-token"

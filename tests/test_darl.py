@@ -22,8 +22,7 @@ import darl_table
 import httpd
 from darl_server import Coordinator, LogError
 from darl_table import BlockSpace, InvariantError, LeaseError, LeaseTable, TableConfig
-from harness import expect
-from helpers import listening_url
+from harness import expect, listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

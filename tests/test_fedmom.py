@@ -23,7 +23,7 @@ import fedmom_server as fm
 import fedmom_state as fs
 import httpd
 import tensorio
-from helpers import listening_url
+from harness import listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # one tensor bigger than fedmom_merge.CHUNK, so the chunk loop runs more than once

@@ -12,7 +12,7 @@ import threading
 import unittest
 
 import httpd
-from helpers import listening_url
+from harness import listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

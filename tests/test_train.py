@@ -20,7 +20,7 @@ import data
 import models
 import tokenize_corpus as tc
 import train
-from helpers import listening_url
+from harness import listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
