@@ -93,7 +93,7 @@ EVENTS_KEPT = 500             # membership events kept in state.json (for the pa
 RECORDS_KEPT = 200            # round records kept in memory (the file keeps all)
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MERGE_PAUSE_ENV = "PWW_FEDMOM_MERGE_PAUSE_S"   # tests: sleep after each merged tensor
-METRIC_KEYS = ("loss", "tokens_per_s", "mfu", "tflops_per_rank", "peak_mem_gb", "inner_s",
+METRIC_KEYS = ("loss", "tokens_per_s", "mfu", "tflops_per_rank", "peak_mem_gib", "inner_s",
                "heldout_loss", "heldout_round")     # held-out: the site's last eval of theta_global <round>
 
 
@@ -1243,7 +1243,7 @@ def format_record(rec):
     per = "; ".join(
         f"{c}: {d['tokens']:,} tok, loss {_fmt(d.get('loss'), '.4f')}, drift {_fmt(d.get('drift'), '.4f')}, "
         f"{_fmt(d.get('tokens_per_s'), ',.0f')} tok/s, MFU {_fmt(d.get('mfu'), '.3f')}, "
-        f"{_fmt(d.get('tflops_per_rank'), '.1f')} TFLOP/s/rank, peak {_fmt(d.get('peak_mem_gb'), '.1f')} GB"
+        f"{_fmt(d.get('tflops_per_rank'), '.1f')} TFLOP/s/rank, peak {_fmt(d.get('peak_mem_gib'), '.1f')} GiB"
         for c, d in sorted(rec["clusters"].items()))
     out = [f"fedmom: merge round {rec['round']}: loss {_fmt(rec['loss'], '.4f')} "
            f"ppl {_fmt(rec['perplexity'], '.2f')} tokens {rec['tokens']:,} "

@@ -13,7 +13,7 @@ CSV: one row per merged round, in order: round, time (Unix s), time_utc, tokens 
 that round), tokens_total (merged so far: the x axis of loss against tokens), loss
 (token-weighted over the round's deltas, nats), perplexity, drift_mean, drift_max,
 tokens_per_s (all sites), wall_s, merge_s, reason, members, excluded (how many deltas),
-then per site <site>_<figure> for tokens, loss, tokens_per_s, mfu, peak_mem_gb, inner_s,
+then per site <site>_<figure> for tokens, loss, tokens_per_s, mfu, peak_mem_gib, inner_s,
 heldout_loss, heldout_round and incarnation (empty where that site sent nothing).
 TensorBoard: rounds/<figure> against the round, rounds/loss_by_tokens against
 tokens_total, and sites/<site>/<figure> against the round.
@@ -28,7 +28,7 @@ from fedmom_state import read_records
 
 ROUND_COLUMNS = ("round", "time", "time_utc", "tokens", "tokens_total", "loss", "perplexity", "drift_mean",
                  "drift_max", "tokens_per_s", "wall_s", "merge_s", "reason", "members", "excluded")
-SITE_FIGURES = ("tokens", "loss", "tokens_per_s", "mfu", "peak_mem_gb", "inner_s", "heldout_loss",
+SITE_FIGURES = ("tokens", "loss", "tokens_per_s", "mfu", "peak_mem_gib", "inner_s", "heldout_loss",
                 "heldout_round", "incarnation")
 
 

@@ -92,7 +92,7 @@ def compact(rec, cum_before):
     for key, c in (rec.get("clusters") or {}).items():
         s = sites.setdefault(key.split("@")[0], {"tokens": 0})
         s["tokens"] += c.get("tokens") or 0
-        for k in ("loss", "tokens_per_s", "mfu", "peak_mem_gb", "inner_s", "heldout_loss", "heldout_round",
+        for k in ("loss", "tokens_per_s", "mfu", "peak_mem_gib", "inner_s", "heldout_loss", "heldout_round",
                   "incarnation"):
             if c.get(k) is not None:
                 s[k] = c[k]
@@ -216,14 +216,14 @@ def site_table(rows, status, darl):
     sites = {}
     for r in rows:
         for name, s in r["sites"].items():
-            t = sites.setdefault(name, {"deltas": 0, "tokens": 0, "inner_s": 0.0, "wall_s": 0.0, "peak_mem_gb": None})
+            t = sites.setdefault(name, {"deltas": 0, "tokens": 0, "inner_s": 0.0, "wall_s": 0.0, "peak_mem_gib": None})
             t["deltas"] += 1
             t["tokens"] += s.get("tokens", 0)
             for k in ("loss", "tokens_per_s", "mfu", "heldout_loss", "heldout_round", "incarnation"):
                 if s.get(k) is not None:
                     t[k] = s[k]
-            if s.get("peak_mem_gb") is not None:
-                t["peak_mem_gb"] = max(t["peak_mem_gb"] or 0.0, s["peak_mem_gb"])
+            if s.get("peak_mem_gib") is not None:
+                t["peak_mem_gib"] = max(t["peak_mem_gib"] or 0.0, s["peak_mem_gib"])
             if s.get("inner_s") is not None and r.get("wall_s"):
                 t["inner_s"] += s["inner_s"]
                 t["wall_s"] += r["wall_s"]
@@ -231,11 +231,11 @@ def site_table(rows, status, darl):
             t["last_round"] = r["round"]
     for m in status.get("members", ()):
         t = sites.setdefault(m["cluster"], {"deltas": 0, "tokens": 0, "inner_s": 0.0, "wall_s": 0.0,
-                                            "peak_mem_gb": None})
+                                            "peak_mem_gib": None})
         t.update(member=True, heard_s_ago=m["heard_s_ago"], incarnation=m["incarnation"], sent=m["sent"])
     for c in (darl or {}).get("clusters", ()):
         t = sites.setdefault(c["cluster"], {"deltas": 0, "tokens": 0, "inner_s": 0.0, "wall_s": 0.0,
-                                            "peak_mem_gb": None})
+                                            "peak_mem_gib": None})
         t.update(darl_committed=c.get("committed"), darl_leased=c.get("leased"), darl_lost=c.get("lost"),
                  blocks_per_s=c.get("blocks_per_s"), darl_live=c.get("live"))
     for t in sites.values():
@@ -537,7 +537,7 @@ def _sites_html(sites):
         body.append(f"<tr><td>{ESC(name)}</td><td>{member}</td><td>{t['deltas']}</td><td>{si(t['tokens'])}</td>"
                     f"<td>{si(t.get('tokens_per_s'))}</td>"
                     f"<td>{fmt(t.get('mfu'), '.1%', 'n/a (CPU)')}</td>"
-                    f"<td>{fmt(t.get('peak_mem_gb'), '.2f')} GB</td><td>{util}</td>"
+                    f"<td>{fmt(t.get('peak_mem_gib'), '.2f')} GiB</td><td>{util}</td>"
                     f"<td>{fmt(t.get('loss'), '.4f')}</td><td>{held}</td>"
                     f"<td>{fmt(t.get('darl_committed'), ',')}</td><td>{fmt(t.get('blocks_per_s'), '.3g')}</td>"
                     f"<td{BAD if t.get('darl_lost') else ''}>{fmt(t.get('darl_lost'), 'd')}</td></tr>")

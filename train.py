@@ -1170,7 +1170,7 @@ def federated_loop(run, site, carrier, start):
         per_rank = run.flops * tps / d.world_size
         handoff = fedsite.Handoff(tokens=tokens, step=step, metrics={
             "loss": phase_nll / phase_tok, "tokens_per_s": tps, "mfu": per_rank / stepper.peak if stepper.peak else None,
-            "tflops_per_rank": per_rank / 1e12, "peak_mem_gb": peak_memory_gib(d), "inner_s": inner_s,
+            "tflops_per_rank": per_rank / 1e12, "peak_mem_gib": peak_memory_gib(d), "inner_s": inner_s,
             "steps": phase.steps, **heldout})
         heldout = {}                             # each held-out loss goes with one delta
         out = end_phase(run, carrier, handoff)

@@ -518,6 +518,9 @@ class FederationRunTest(unittest.TestCase):
         first = sum(r["loss"] for r in recs[:2]) / 2
         last = sum(r["loss"] for r in recs[-2:]) / 2
         self.assertLess(last, first - 1.0, f"merged-round losses {[round(r['loss'], 3) for r in recs]}")
+        peaks = [c.get("peak_mem_gib") for r in recs for c in r["clusters"].values()]
+        self.assertTrue(peaks and all(isinstance(v, float) and v > 0 for v in peaks),
+                        f"each delta's peak memory reaches the aggregator as peak_mem_gib: {peaks[:4]}")
         for name in ("alpha", "beta"):
             fed = [r for r in self.rows[name] if r["split"] == "federation"]
             self.assertTrue(fed and all({"round", "base_round", "tokens", "loss", "merged"} <= set(r) for r in fed))

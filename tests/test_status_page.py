@@ -104,9 +104,9 @@ class PureTest(unittest.TestCase):
         rows, cum = [], 0
         for r in range(1, 301):                                 # more than the aggregator keeps in memory
             sites = {"lumi": {"incarnation": "a", "tokens": 4096, "loss": 8 - r / 100, "tokens_per_s": 900.0,
-                              "mfu": 0.41, "peak_mem_gb": 30.5, "inner_s": 8.0},
+                              "mfu": 0.41, "peak_mem_gib": 30.5, "inner_s": 8.0},
                      "snellius": {"incarnation": "b", "tokens": 2048, "loss": 8.2 - r / 100, "tokens_per_s": 500.0,
-                                  "peak_mem_gb": 12.0, "inner_s": 5.0}}
+                                  "peak_mem_gib": 12.0, "inner_s": 5.0}}
             if r % 50 == 0:
                 sites["lumi"].update(heldout_loss=8.5 - r / 100, heldout_round=r - 1)
             rows.append(sp.compact(record(r, 1.9e9 + 10 * r, 6144, 8 - r / 100, sites), cum))
@@ -124,7 +124,7 @@ class PureTest(unittest.TestCase):
         text = text_outside_svg(page)
         for want in ("40.0 % of 1,000 blocks committed", "ETA 4 min 00 s", "2.5 blocks/s", "committed 400",
                      "quarantined 10", "10 block(s) QUARANTINED", "2 block(s) LOST", "lumi", "snellius",
-                     "41.0%", "30.50 GB", "80% / 80%", "50% / 50%",   # utilisation: 8 s and 5 s of 10 s rounds
+                     "41.0%", "30.50 GiB", "80% / 80%", "50% / 50%",   # utilisation: 8 s and 5 s of 10 s rounds
                      "1.84M tokens merged", "first 8.0000 (lumi, theta of round 49), last 5.5000 (lumi, theta of round 299)",
                      "3.00 GiB", "quota 64.00 GiB", "5.00 MiB", "Live page, rendered 2033-05-18 03:33:20 UTC"):
             self.assertIn(want, text)
@@ -231,7 +231,7 @@ class LiveRun:
             for i, (name, c) in enumerate(sites.items()):
                 tokens = (2 - i) * 4 * 64
                 metrics = {"loss": 6.0 - 0.5 * rnd - 0.2 * i, "tokens_per_s": 1000.0 / (i + 1),
-                           "peak_mem_gb": 1.5 + i, "inner_s": 4.0 + i}
+                           "peak_mem_gib": 1.5 + i, "inner_s": 4.0 + i}
                 if rnd == 2 and i == 0:
                     metrics.update(heldout_loss=5.5, heldout_round=1)
                 if rnd == 1 and i == 1:                       # a NaN delta: refused, and excluded in the record
