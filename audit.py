@@ -1,7 +1,7 @@
 """audit.py - the run audit: is every block of the corpus inside exactly one merged delta?
 
 Runs on: the central VM (or any copy of its state directory), with the servers running or
-stopped. Python + numpy, with darl_server.py, darl_table.py and fedmom_state.py (and what
+stopped. Python + numpy, with darl_server.py, darl_table.py and durable.py (and what
 they import) beside it, as central.sh has them; never torch. It reads and changes nothing but what it prints:
     <state-dir>/darl/       DARL's snapshot and log, replayed read-only as a restart would
     <state-dir>/fedmom/     the aggregator's state.json and rounds.jsonl
@@ -36,7 +36,7 @@ import sys
 
 import darl_server
 import darl_table
-import fedmom_state
+import durable
 
 MERGED = "once"
 
@@ -100,7 +100,7 @@ def audit(state_dir, partial=False, manifest=None):
             fed = json.load(f)
     except (OSError, ValueError) as e:
         return Report(False, [f"FAIL: no aggregator state in {fed_dir} ({e})"], {}, [])
-    agg, records = fed.get("aggregator"), fedmom_state.read_records(os.path.join(fed_dir, "rounds.jsonl"))
+    agg, records = fed.get("aggregator"), durable.read_jsonl(os.path.join(fed_dir, "rounds.jsonl"))
     owed = {c["delta"] for c in fed.get("pending_commits", [])}
 
     rounds = [r["round"] for r in records]

@@ -135,6 +135,7 @@ import urllib.parse
 import zlib
 
 import darl_table
+import durable
 import httpd
 
 DEFAULT_PORT = 29510
@@ -284,15 +285,7 @@ class WriteAheadLog:
         replaces this one atomically (a crash leaves the old log, whose records the snapshot
         already holds, or the new one)."""
         with self.sync_lock:
-            tmp = self.path + ".tmp"
-            with open(tmp, "wb") as f:
-                f.write(_line(header))
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            if self.fsync:
-                _fsync_dir(os.path.dirname(self.path))
+            durable.write_bytes(self.path, _line(header), self.fsync)
             os.close(self.fd)
             self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
             self.durable = max(self.durable, header["seq"])
@@ -314,24 +307,6 @@ class WriteAheadLog:
         if self.lock_fd is not None:        # the state dir is free for the next process
             os.close(self.lock_fd)
             self.lock_fd = None
-
-
-def _fsync_dir(path):
-    dfd = os.open(path or ".", os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
-def _write_atomic(path, obj):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, separators=(",", ":"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
 
 
 def _snapshot_crc(snap):
@@ -518,6 +493,9 @@ class Coordinator:
     def _open(self, state_dir, fsync, lock_fd, accept_config_change, wall, monotonic, clock):
         """Load <state_dir>/darl/ (under the lock), check its flags, open the log for appending."""
         last_t, changes = 0.0, []
+        for name in os.listdir(self.dir):              # a snapshot or log replacement killed mid-write
+            if durable.is_tmp(name):
+                durable.unlink(os.path.join(self.dir, name))
         loaded = load_state(state_dir)
         if loaded is not None:
             if loaded.digest != self.digest:
@@ -606,7 +584,7 @@ class Coordinator:
                 "space": self.space.describe(), "config": self.table.config.to_dict(),
                 "table": self.table.to_dict()}
         snap["crc"] = _snapshot_crc(snap)
-        _write_atomic(os.path.join(self.dir, "snapshot.json"), snap)
+        durable.write_json(os.path.join(self.dir, "snapshot.json"), snap, separators=(",", ":"))
         self.wal.restart(self._header())
         return True
 

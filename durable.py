@@ -13,7 +13,8 @@ The rules every writer in this repository follows:
     and raises: nothing is half-replaced, nothing is quietly kept.
   - An append-only log gets whole lines: a line is written, flushed and fsync'd; if the
     write fails the file is cut back to where it was, so no torn line sits before the
-    next. A crash mid-line can still leave a torn LAST line, which read_jsonl skips.
+    next. A crash mid-line can still leave a torn LAST line: read_jsonl skips it, and a
+    writer calls cut_torn_line when it starts, before its first append.
 
     durable.write_json(path, obj)                 # temp + fsync + rename + fsync of the dir
     durable.write_text(path, text)
@@ -22,6 +23,7 @@ The rules every writer in this repository follows:
     durable.fsync_dir(path)                       # after a rename or a new file of your own
     durable.fsync_file(path); durable.fsync_tree(path)
     durable.append_json_line(path, obj)
+    durable.cut_torn_line(path)                    # at start, before the first append
     rows = durable.read_jsonl(path)                # [] when there is no file
     durable.unlink(path)                           # no error when it is already gone
 """
@@ -136,6 +138,24 @@ def append_json_line(path, obj, fsync=True, **dump_kw):
         except BaseException:
             f.truncate(end)
             raise
+
+
+def cut_torn_line(path):
+    """Cut an unfinished last line (a crash mid-append) off a JSON-lines file before anything
+    is appended to it, or the next line would be glued to the fragment and be lost with
+    it. Returns the number of bytes cut: 0 when the file ends in a newline or is absent."""
+    try:
+        with open(path, "rb+") as f:
+            data = f.read()
+            keep = data.rfind(b"\n") + 1
+            if keep == len(data):
+                return 0
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+    except FileNotFoundError:
+        return 0
+    return len(data) - keep
 
 
 def read_jsonl(path):

@@ -96,10 +96,10 @@ import threading
 import time
 
 import darl_table
+import durable
 import httpd
 import status_page
-from fedmom_state import (ServerConfig, FedMomState, DarlLink, Refused, log, format_record,
-                          _unlink, _unlink_prefix)
+from fedmom_state import ServerConfig, FedMomState, DarlLink, Refused, log, format_record, unlink_with_parts
 
 DEFAULT_PORT = 29511
 BLOB_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
@@ -162,7 +162,7 @@ def make_routes(state, blob_token=None):
                 if cfg.fsync:
                     os.fsync(f.fileno())
         except BaseException:
-            _unlink(part)
+            durable.unlink(part)
             raise
         return state.accept_delta(meta, part)
 
@@ -183,19 +183,19 @@ def make_routes(state, blob_token=None):
             # few retries: the site holds this request open and retries a 502 itself
             got = blobstore.get_file(cfg.blob_url, blob, part, token=blob_token, retries=BLOB_FETCH_RETRIES)
         except (httpd.CallError, ValueError) as e:
-            _unlink_prefix(part)
+            unlink_with_parts(part)
             status = 400 if isinstance(e, ValueError) or e.status == 404 else 502
             raise httpd.HTTPError(status, f"blob {blob!r}: {e}")
         except (OSError, http.client.HTTPException) as e:
-            _unlink_prefix(part)
+            unlink_with_parts(part)
             raise httpd.HTTPError(502, f"blob store {cfg.blob_url} unreachable fetching {blob!r} "
                                        f"({type(e).__name__}: {e}); nothing was stored, send it again")
         except BaseException:
-            _unlink_prefix(part)
+            unlink_with_parts(part)
             raise
         try:
             if got != sha:
-                _unlink(part)
+                durable.unlink(part)
                 raise httpd.HTTPError(400, f"blob {blob!r} has sha256 {got[:16]}..., the request says "
                                            f"{sha[:16]}...")
             return state.accept_delta(meta, part)

@@ -82,6 +82,7 @@ import urllib.parse
 import numpy as np
 
 import darl_table
+import durable
 import httpd
 import fedmom_merge
 import tensorio
@@ -142,66 +143,14 @@ class ServerConfig:
 
 # ---------------------------------------------------------------- durable files
 
-def fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def write_json(path, obj, fsync=True):
+    """state.json and the spool's records: durable.write_json, indented, keys sorted."""
+    durable.write_json(path, obj, fsync, indent=1, sort_keys=True)
 
 
-def write_json_atomic(path, obj, fsync=True):
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if fsync:
-        fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def append_line(path, obj, fsync=True):
-    with open(path, "a") as f:
-        f.write(json.dumps(obj, sort_keys=True) + "\n")
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-
-
-def cut_torn_line(path):
-    """A crash mid-append leaves a last line without its newline: cut it off before anything
-    is appended, or the next record would be glued to the fragment and lost with it. The
-    number of bytes cut (0 when the file ends in a newline or is absent)."""
-    try:
-        with open(path, "rb+") as f:
-            data = f.read()
-            keep = data.rfind(b"\n") + 1
-            if keep == len(data):
-                return 0
-            f.truncate(keep)
-            f.flush()
-            os.fsync(f.fileno())
-    except FileNotFoundError:
-        return 0
-    return len(data) - keep
-
-
-def read_records(path):
-    """Every complete line of rounds.jsonl (a torn last line, from a crash mid-append, is skipped)."""
-    out = []
-    try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass
-    except FileNotFoundError:
-        pass
-    return out
+def append_record(path, rec, fsync=True):
+    """One line of rounds.jsonl (durable.append_json_line, keys sorted)."""
+    durable.append_json_line(path, rec, fsync, sort_keys=True)
 
 
 def file_sha256(path):
@@ -425,11 +374,11 @@ class FedMomState:
         else:
             self._create()
         self._clean_dir()
-        torn = cut_torn_line(self.rounds_path)
+        torn = durable.cut_torn_line(self.rounds_path)
         if torn:
             log(f"fedmom: cut the unfinished last line of {self.rounds_path} ({torn} bytes: a crash mid-append; "
                 "state.json, written first, puts that round's record back)")
-        records = read_records(self.rounds_path)
+        records = durable.read_jsonl(self.rounds_path)
         self.merged_positions = darl_table.Intervals()      # every DARL position inside a merged delta
         for rec in records:
             self._add_merged(rec)
@@ -582,7 +531,7 @@ class FedMomState:
         """Remove what a crash left behind: temp files, files of other rounds, stale spool entries."""
         keep = {self.theta_file, self.momentum_file, "state.json", "rounds.jsonl", "spool"}
         for fn in os.listdir(self.dir):
-            if fn not in keep and (fn.startswith(("theta-", "momentum-")) or ".tmp-" in fn):
+            if fn not in keep and (fn.startswith(("theta-", "momentum-")) or durable.is_tmp(fn)):
                 os.unlink(os.path.join(self.dir, fn))
         live = {p.path for p in self.pending.values()} | {p.meta_path for p in self.pending.values()}
         for fn in os.listdir(self.spool):
@@ -594,7 +543,7 @@ class FedMomState:
         """state.json lands before rounds.jsonl: a crash between them loses the line; put it back."""
         rec = self.last_record
         if rec and (not self.records or self.records[-1].get("round", -1) < rec["round"]):
-            append_line(self.rounds_path, rec, self.cfg.fsync)
+            append_record(self.rounds_path, rec, self.cfg.fsync)
             self.records.append(rec)
 
     def _save(self):
@@ -607,7 +556,7 @@ class FedMomState:
               "pending_aborts": self.pending_aborts, "violations": self.violations,
               "last_record": self.last_record, "custody": self.custody_used, "darl_digest": self.darl_digest,
               "outer_lr": self.cfg.outer_lr, "outer_momentum": self.cfg.outer_momentum}
-        write_json_atomic(self.state_path, st, self.cfg.fsync)
+        write_json(self.state_path, st, self.cfg.fsync)
 
     def event(self, kind, cluster, incarnation, why=""):
         self.events.append({"t": round(self.wall(), 3), "event": kind, "cluster": cluster,
@@ -800,7 +749,7 @@ class FedMomState:
             with self.lock:
                 if self.pending.get((p.cluster, p.incarnation)) is p:
                     p.custody, p.pieces = "confirmed", [x[:3] for x in ans.reply.get("pieces", [])]
-                    write_json_atomic(p.meta_path, dataclasses.asdict(p), self.cfg.fsync)
+                    write_json(p.meta_path, dataclasses.asdict(p), self.cfg.fsync)
                 self._darl_answered()
                 self.cond.notify_all()
             return
@@ -818,7 +767,7 @@ class FedMomState:
             if self.pending.get((p.cluster, p.incarnation)) is not p:
                 return
             del self.pending[(p.cluster, p.incarnation)]
-            _unlink(p.path), _unlink(p.meta_path)
+            durable.unlink(p.path), durable.unlink(p.meta_path)
             if not self.pending:
                 self.first_delta_at = None
             self.cond.notify_all()
@@ -850,7 +799,7 @@ class FedMomState:
                     delta_id=f"r{self.round}.{secrets.token_hex(8)}",
                     custody="none" if self.darl is None else "unconfirmed", size=os.path.getsize(part_path))
         os.replace(part_path, p.path)
-        write_json_atomic(p.meta_path, dataclasses.asdict(p), self.cfg.fsync)   # the acceptance
+        write_json(p.meta_path, dataclasses.asdict(p), self.cfg.fsync)   # the acceptance
         return p
 
     def new_part_path(self):
@@ -939,14 +888,14 @@ class FedMomState:
             log(f"fedmom: !!! round {new} merged {twice} DARL position(s) that an earlier merged delta already "
                 "holds: those blocks are trained twice (blocks_trained_twice)")
         httpd.fault_point("fedmom.round_durable")   # durable with its commits owed, none sent yet
-        append_line(self.rounds_path, rec, self.cfg.fsync)
+        append_record(self.rounds_path, rec, self.cfg.fsync)
         self.records.append(rec)
         log(format_record(rec))
         for fn in old_files:
             if fn and fn not in (self.theta_file, self.momentum_file):
-                _unlink(os.path.join(self.dir, fn))
+                durable.unlink(os.path.join(self.dir, fn))
         for p in batch:
-            _unlink(p.path), _unlink(p.meta_path)
+            durable.unlink(p.path), durable.unlink(p.meta_path)
         self.pending, self.excluded, self.dropped = {}, [], []
         self.first_delta_at, self.merging = None, False
         self.round_opened_at = self.clock()
@@ -1210,19 +1159,12 @@ def _outcome(cluster, incarnation, base_round, tokens, leases, outcome, merged_i
     return out
 
 
-def _unlink(path):
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _unlink_prefix(path):
+def unlink_with_parts(path):
     """`path` and the temp files a download made beside it (path.part-...)."""
     d, base = os.path.split(path)
     for fn in os.listdir(d):
         if fn == base or fn.startswith(base + "."):
-            _unlink(os.path.join(d, fn))
+            durable.unlink(os.path.join(d, fn))
 
 
 def _safe_exp(x):
@@ -1234,21 +1176,21 @@ def _safe_exp(x):
         return math.inf
 
 
-def _fmt(v, spec):
+def fmt_num(v, spec):
     return "-" if v is None else format(v, spec)
 
 
 def format_record(rec):
     """The one readable log line per merge."""
     per = "; ".join(
-        f"{c}: {d['tokens']:,} tok, loss {_fmt(d.get('loss'), '.4f')}, drift {_fmt(d.get('drift'), '.4f')}, "
-        f"{_fmt(d.get('tokens_per_s'), ',.0f')} tok/s, MFU {_fmt(d.get('mfu'), '.3f')}, "
-        f"{_fmt(d.get('tflops_per_rank'), '.1f')} TFLOP/s/rank, peak {_fmt(d.get('peak_mem_gib'), '.1f')} GiB"
+        f"{c}: {d['tokens']:,} tok, loss {fmt_num(d.get('loss'), '.4f')}, drift {fmt_num(d.get('drift'), '.4f')}, "
+        f"{fmt_num(d.get('tokens_per_s'), ',.0f')} tok/s, MFU {fmt_num(d.get('mfu'), '.3f')}, "
+        f"{fmt_num(d.get('tflops_per_rank'), '.1f')} TFLOP/s/rank, peak {fmt_num(d.get('peak_mem_gib'), '.1f')} GiB"
         for c, d in sorted(rec["clusters"].items()))
-    out = [f"fedmom: merge round {rec['round']}: loss {_fmt(rec['loss'], '.4f')} "
-           f"ppl {_fmt(rec['perplexity'], '.2f')} tokens {rec['tokens']:,} "
-           f"drift mean {_fmt(rec['drift_mean'], '.4f')} max {_fmt(rec['drift_max'], '.4f')} "
-           f"tok/s {_fmt(rec['tokens_per_s'], ',.0f')} wall {rec['wall_s']:.1f} s merge {rec['merge_s']:.1f} s "
+    out = [f"fedmom: merge round {rec['round']}: loss {fmt_num(rec['loss'], '.4f')} "
+           f"ppl {fmt_num(rec['perplexity'], '.2f')} tokens {rec['tokens']:,} "
+           f"drift mean {fmt_num(rec['drift_mean'], '.4f')} max {fmt_num(rec['drift_max'], '.4f')} "
+           f"tok/s {fmt_num(rec['tokens_per_s'], ',.0f')} wall {rec['wall_s']:.1f} s merge {rec['merge_s']:.1f} s "
            f"({rec['reason']}) | {per}"]
     for d in rec["excluded"]:
         out.append(f"excluded {d['cluster']}: {d['why']}")

@@ -24,7 +24,7 @@ import math
 import sys
 import time
 
-from fedmom_state import read_records
+from durable import read_jsonl
 
 ROUND_COLUMNS = ("round", "time", "time_utc", "tokens", "tokens_total", "loss", "perplexity", "drift_mean",
                  "drift_max", "tokens_per_s", "wall_s", "merge_s", "reason", "members", "excluded")
@@ -96,7 +96,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     if not (a.csv or a.tensorboard):
         p.error("nothing to write: pass --csv FILE and/or --tensorboard DIR")
-    records = read_records(a.rounds)
+    records = read_jsonl(a.rounds)
     if not records:
         raise SystemExit(f"{a.rounds}: no round records (no such file, or no merge yet); it is "
                          "<fedmom_server.py --state-dir>/rounds.jsonl")

@@ -79,8 +79,8 @@ import numpy as np  # noqa: E402
 
 import audit  # noqa: E402
 import darl_client  # noqa: E402
+import durable  # noqa: E402
 import fedmom_client  # noqa: E402
-import fedmom_state  # noqa: E402
 import httpd  # noqa: E402
 import tensorio  # noqa: E402
 
@@ -431,17 +431,11 @@ class Proc:
 
     def release(self, point):
         """Let a process stopped at `point` go on (it removes the .hit as it leaves)."""
-        try:
-            os.unlink(os.path.join(self.faults, point))
-        except FileNotFoundError:
-            pass
+        durable.unlink(os.path.join(self.faults, point))
 
     def disarm(self, point):
         for suffix in ("", ".hit"):
-            try:
-                os.unlink(os.path.join(self.faults, point + suffix))
-            except FileNotFoundError:
-                pass
+            durable.unlink(os.path.join(self.faults, point + suffix))
 
 
 class Run:
@@ -466,11 +460,9 @@ class Run:
 
     def _write_token(self):
         """A new sites' token and a new aggregator token (written, not yet read by any server)."""
-        for path in (self.token_file, self.agg_token_file):
-            with open(path + ".tmp", "w") as f:
-                f.write(secrets.token_hex(16) + "\n")
-            os.replace(path + ".tmp", path)
-        self.token, self.agg_token = (httpd.load_token(p) for p in (self.token_file, self.agg_token_file))
+        self.token, self.agg_token = secrets.token_hex(16), secrets.token_hex(16)
+        for path, token in ((self.token_file, self.token), (self.agg_token_file, self.agg_token)):
+            durable.write_text(path, token + "\n", fsync=False)
 
     # -- processes
     def darl_cmd(self, port, accept=False):
@@ -811,7 +803,7 @@ def read_site_records(records_dir):
     out = []
     for fn in sorted(os.listdir(records_dir)):
         if fn.endswith(".jsonl"):
-            out += fedmom_state.read_records(os.path.join(records_dir, fn))
+            out += durable.read_jsonl(os.path.join(records_dir, fn))
     return out
 
 
@@ -822,7 +814,7 @@ def oracle(run):
     if not report.ok:
         out += [f"audit: {line}" for line in report.lines if line.startswith(("  !!", "FAIL"))]
     fed_dir = os.path.join(run.central, "fedmom")
-    records = fedmom_state.read_records(os.path.join(fed_dir, "rounds.jsonl"))
+    records = durable.read_jsonl(os.path.join(fed_dir, "rounds.jsonl"))
     events = read_site_records(run.records)
     trained = {(e["incarnation"], e["base_round"], e["lease"]): e for e in events if e["event"] == "trained"}
     positions = collections.Counter()
@@ -940,7 +932,7 @@ def run_schedule(seed, work_root, keep=False, sched=None):
     finally:
         run.stop()                  # also on Interrupted, which then goes on up
     findings = run.findings if any(f.startswith("harness error") for f in run.findings) else oracle(run)
-    recs = fedmom_state.read_records(os.path.join(run.central, "fedmom", "rounds.jsonl"))
+    recs = durable.read_jsonl(os.path.join(run.central, "fedmom", "rounds.jsonl"))
     report_q = 0
     if not findings:
         report_q = sum(1 for s in audit.audit(run.central).status.values() if s == "quarantined")

@@ -11,6 +11,7 @@ import unittest
 import audit
 import darl_server
 import darl_table
+import durable
 import fedmom_state as fs
 import httpd
 from test_custody import TOKEN, serve
@@ -86,7 +87,7 @@ class AuditTest(Fixture):
 
     def edit_records(self, fn):
         path = os.path.join(self.central, "fedmom", "rounds.jsonl")
-        recs = fs.read_records(path)
+        recs = durable.read_jsonl(path)
         recs = fn(recs)
         with open(path, "w") as f:
             f.write("".join(json.dumps(r) + "\n" for r in recs))

@@ -28,6 +28,7 @@ import unittest
 
 import darl_server
 import darl_table
+import durable
 import fedmom_client
 import fedmom_server as fm
 import fedmom_state as fs
@@ -244,7 +245,7 @@ class AggregatorFixture(Fixture):
         return fs.FedMomState(cfg.validate(), clock=self.clock, darl=link)
 
     def merged(self, st):
-        return [o for r in fs.read_records(st.rounds_path) for o in r["outcomes"] if o["outcome"] == "merged"]
+        return [o for r in durable.read_jsonl(st.rounds_path) for o in r["outcomes"] if o["outcome"] == "merged"]
 
     def assert_each_position_in_one_merged_delta(self, st, coord, leases):
         """From the acquire replies (what each lease covered) and the round records."""

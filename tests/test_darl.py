@@ -414,6 +414,18 @@ class DurabilityTest(unittest.TestCase):
             if every == 5:
                 self.assertTrue(os.path.exists(os.path.join(self.dir, "darl", "snapshot.json")))
 
+    def test_a_snapshot_killed_before_its_rename_leaves_nothing_after_the_restart(self):
+        first = self.drive(self.coord(5))
+        want = self.books(first)
+        first.wal.close()
+        torn = os.path.join(self.dir, "darl", "snapshot.json.tmp-4242")    # written, never renamed
+        with open(torn, "w") as f:
+            f.write('{"v": 2, "seq": 1')
+        again = self.coord(5)
+        self.assertEqual(self.books(again), want)
+        self.assertFalse(os.path.exists(torn))
+        self.assertEqual(sorted(os.listdir(os.path.join(self.dir, "darl"))), ["lock", "snapshot.json", "wal.jsonl"])
+
     def test_torn_tail_is_dropped_and_a_damaged_complete_line_is_refused(self):
         """Only the bytes after the last newline are a torn write; a complete line that
         fails its checksum, the last one included, may have been acknowledged."""

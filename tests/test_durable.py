@@ -97,6 +97,17 @@ class DurableTest(unittest.TestCase):
             f.write('{"step": 3}\n{"step": 4}\n{"ste')       # ... and its successor appended
         self.assertEqual(durable.read_jsonl(p), [{"step": 1}, {"step": 4}])
 
+    def test_cut_torn_line_before_appending(self):
+        p = self.path("rounds.jsonl")
+        self.assertEqual(durable.cut_torn_line(p), 0)                   # no file
+        durable.append_json_line(p, {"round": 1})
+        self.assertEqual(durable.cut_torn_line(p), 0)                   # whole lines only
+        with open(p, "a") as f:
+            f.write('{"round": 2, "lo')                                 # killed mid-append
+        self.assertEqual(durable.cut_torn_line(p), len('{"round": 2, "lo'))
+        durable.append_json_line(p, {"round": 3})
+        self.assertEqual(durable.read_jsonl(p), [{"round": 1}, {"round": 3}])
+
     def test_fsync_dir_and_unlink(self):
         durable.fsync_dir(self.dir)
         p = self.path("x")

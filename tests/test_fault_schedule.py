@@ -22,6 +22,7 @@ import unittest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+import durable  # noqa: E402
 import fault_schedule as fsch  # noqa: E402
 from fault_schedule import Fault, Schedule  # noqa: E402
 
@@ -160,7 +161,7 @@ class OracleTest(unittest.TestCase):
         trained = {}
         for fn in sorted(os.listdir(run.records)):
             if fn.endswith(".jsonl"):
-                for rec in fsch.fedmom_state.read_records(os.path.join(run.records, fn)):
+                for rec in durable.read_jsonl(os.path.join(run.records, fn)):
                     if rec["event"] == "trained":
                         trained.setdefault(rec["cluster"], (fn, rec))
         (fn, beta), (_, alpha) = trained["beta"], trained["alpha"]

@@ -18,6 +18,7 @@ import numpy as np
 import blobstore
 import darl_server
 import darl_table
+import durable
 import fedmom_client
 import fedmom_server as fm
 import fedmom_state as fs
@@ -220,7 +221,7 @@ class ProtocolTest(Fixture):
         self.assertEqual(fates, {"good": ("merged", 1, 0, [{"id": 7, "end": 20}]),
                                  "bad": ("excluded", None, 0, [{"id": 8, "end": 30}])})
         self.assertIn("layer.w", [o for o in rec["outcomes"] if o["cluster"] == "bad"][0]["why"])
-        self.assertEqual(fs.read_records(st.rounds_path)[-1]["outcomes"], rec["outcomes"])
+        self.assertEqual(durable.read_jsonl(st.rounds_path)[-1]["outcomes"], rec["outcomes"])
         for c in ("good", "bad"):
             told = st.heartbeat(c, f"{c}-inc")["deltas"]
             self.assertEqual([(o["outcome"], o["merged_into"], o["base_round"], o["leases"]) for o in told], [fates[c]])
@@ -361,7 +362,7 @@ class ProtocolTest(Fixture):
         self.send(st, "a", self.delta()[0], 10)
         self.assertEqual(st.tick()["round"], 3)
         st = self.state(init=None)
-        self.assertEqual([r["round"] for r in fs.read_records(path)], [1, 2, 3])
+        self.assertEqual([r["round"] for r in durable.read_jsonl(path)], [1, 2, 3])
         with open(path, "rb") as f:
             self.assertTrue(all(json.loads(line) for line in f.read().splitlines()))
 
@@ -696,7 +697,7 @@ class CrashTest(Fixture):
         want, _ = naive_fedmom(self.theta0, None, deltas, [10, 30], 0.7, 0.9)
         self.assertLess(rel_err(read_all(os.path.join(sd, "theta-1.safetensors")), want), 1e-6)
         self.assertFalse([f for f in os.listdir(sd) if ".tmp-" in f or f.endswith("-0.safetensors")])
-        self.assertEqual([r["round"] for r in fs.read_records(os.path.join(sd, "rounds.jsonl"))], [1])
+        self.assertEqual([r["round"] for r in durable.read_jsonl(os.path.join(sd, "rounds.jsonl"))], [1])
         proc.send_signal(signal.SIGKILL)                       # and right after a merge: still round 1
         proc.wait(timeout=30)
         proc, url = self.start(sd)
