@@ -6,6 +6,7 @@ Start it:
     python blobstore.py --root /srv/pww/state/blobs                      # 127.0.0.1:29512
     python blobstore.py --root DIR --host 0.0.0.0 --token-file ~/.pww_token \\
                         --quota-gb 500 --max-blob-gb 128
+    python blobstore.py status --url http://127.0.0.1:29512 --token-file ~/.pww_token
 
 Callers: sites (through fedmom_client.FedMomClient) and fedmom_server.py itself, with
 the shared bearer token. Only GET /health is public. Clients use put_file() and
@@ -678,7 +679,36 @@ def _get_from(url, blob_id, tmp, have, size, sha, token, timeout, bar, state):
         conn.close()
 
 
-if __name__ == "__main__":
+def print_status(url, token=None):
+    """Print the store's contents and use; 1 when it is full (every new upload is refused)."""
+    st = httpd.call(url, "GET", "/blobs", token=token)
+    used, quota = st["used_bytes"], st["quota_bytes"]
+    print(f"{len(st['blobs'])} blobs, {len(st['uploads'])} unfinished uploads; "
+          f"{used / GB:.2f} of {quota / GB:.2f} GB used ({100 * used / quota:.0f}%)")
+    for b in st["blobs"]:
+        print(f"  {b['id']:<48} {b['size'] / 2**20:>10.1f} MiB  sha256 {b['sha256'][:16]}")
+    for u in st["uploads"]:
+        print(f"  {u['id']:<48} {u['offset'] / 2**20:>10.1f} of {u['total'] / 2**20:.1f} MiB"
+              + ("  (uploading)" if u["uploading"] else ""))
+    if used >= quota:
+        print("!!! the store is full: uploads are refused until blobs are deleted or --quota-gb is raised")
+        return 1
+    return 0
+
+
+def main(argv):
+    if argv[:1] == ["status"]:
+        p = httpd.base_parser("blobstore.py status - what a running blob store holds; exit 1 when it is full.")
+        p.add_argument("status")
+        p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}",
+                       help=f"blob store URL (default http://127.0.0.1:{DEFAULT_PORT})")
+        p.add_argument("--token-file", default=os.environ.get("PWW_TOKEN_FILE"),
+                       help="file holding the bearer token (default: $PWW_TOKEN_FILE, or $PWW_TOKEN)")
+        a = p.parse_args(argv)
+        try:
+            return print_status(a.url, httpd.load_token(a.token_file))
+        except (httpd.CallError, OSError) as e:
+            raise SystemExit(f"status: {a.url}: {e}")
     p = httpd.base_parser(__doc__)
     p.add_argument("--root", required=True, help="state directory holding blobs/ and partial/")
     p.add_argument("--quota-gb", type=float, default=500.0,
@@ -686,5 +716,10 @@ if __name__ == "__main__":
     p.add_argument("--max-blob-gb", type=float, default=128.0, help="largest single blob, GB (default 128)")
     p.add_argument("--chunk-mb", type=float, default=4.0, help="PUT read/write/hash step, MiB (default 4)")
     httpd.add_server_args(p, DEFAULT_PORT)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     serve(Config(a.root, a.quota_gb, a.max_blob_gb, a.chunk_mb), a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

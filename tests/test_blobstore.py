@@ -16,7 +16,7 @@ import unittest
 
 import blobstore
 import httpd
-from harness import expect, listening_url
+from harness import child_env, expect, listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "blob-token"
@@ -360,6 +360,30 @@ class LiveStoreTest(unittest.TestCase):
         httpd.call(self.url, "DELETE", "/blobs/fill0", token=TOKEN)
         httpd.call(self.url, "DELETE", "/blobs/fits", token=TOKEN)
         self.assertEqual(blobstore.put_file(self.url, "over", src, token=TOKEN)["size"], 20 * MB)
+
+    def test_status_lists_the_store_and_exits_1_once_it_is_full(self):
+        token = self.p("token")
+        with open(token, "w") as f:
+            f.write(TOKEN + "\n")
+
+        def status():
+            return subprocess.run([sys.executable, os.path.join(ROOT, "blobstore.py"), "status", "--url", self.url,
+                                   "--token-file", token], capture_output=True, text=True, timeout=60,
+                                  env=child_env())
+        self.assertEqual(self.put_raw("fill0", b"y" * (25 * MB))[0], 201)
+        r = status()
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("1 blobs, 0 unfinished uploads; 0.03 of 0.06 GB used", r.stdout)
+        self.assertIn("fill0", r.stdout)
+        for name, size in (("fill1", 25 * MB), ("fill2", 10 * MB)):       # exactly the quota
+            self.assertEqual(self.put_raw(name, b"y" * size)[0], 201)
+        r = status()
+        self.assertEqual(r.returncode, 1, r.stdout)
+        self.assertIn("!!! the store is full", r.stdout)
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "blobstore.py"), "status", "--url", self.url],
+                           capture_output=True, text=True, timeout=60, env=child_env())    # no token: a 401
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("status: ", r.stderr)
 
     def test_get_file_refuses_a_missing_blob_and_leaves_nothing(self):
         with self.assertRaises(httpd.CallError) as cm:
