@@ -22,7 +22,7 @@ import fedmom_client
 import httpd
 import status_page as sp
 import tensorio
-from helpers import Output, listening_url
+from harness import Output, listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHOTS = os.path.join(ROOT, "runs", "test-status-page")
