@@ -17,16 +17,18 @@ Run:
     python darl_server.py --manifest /tmp/manifest.json --block-size 64 --seed 0
         # N = the manifest's TRAINING windows (num_windows - heldout_windows):
         # the held-out tail is never leased (darl_table.py says how positions map)
-    python darl_server.py status --url http://127.0.0.1:29510      # exit 1 while anything is wrong
+    python darl_server.py status --url https://127.0.0.1:29510 --ca-file runs/central/tls/ca.pem
+        # exit 1 while anything is wrong
     python darl_server.py abort-custody --aggregator ID --reason "state dir lost" [--yes --expect LISTING]
 
 Bind/port: 127.0.0.1:29510 by default. A non-loopback --host needs a token
-(--token-file or $PWW_TOKEN) or --insecure. Every endpoint but /health needs
-`Authorization: Bearer <token>` when a token is set. The custody endpoints
-(/fence, /custody, /custody/commit, /custody/abort, /custody/abort_orphaned) take
-the aggregator's own credential instead when --aggregator-token-file is given
-(central.sh always gives it): the token every site holds then cannot fence the
-aggregator, abort its custody or retire it. Only the central VM has that file.
+(--token-file or $PWW_TOKEN) and TLS (--tls-cert, --tls-key), or --insecure.
+Every endpoint but /health needs `Authorization: Bearer <token>` when a token is
+set. The custody endpoints (/fence, /custody, /custody/commit, /custody/abort,
+/custody/abort_orphaned) take the aggregator's own credential instead when
+--aggregator-token-file is given (central.sh always gives it): the token every
+site holds then cannot fence the aggregator, abort its custody or retire it. Only
+the central VM has that file. Connection limits and timeouts: httpd.py.
 
 State: <state-dir>/darl/wal.jsonl and <state-dir>/darl/snapshot.json.
   - The log: one line per state change, `<JSON><TAB><crc32 of the JSON>`, fsync'd
@@ -725,9 +727,8 @@ def format_status(st):
 
 def _cli_parser(doc):
     p = httpd.base_parser(doc)
-    p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="coordinator URL")
-    p.add_argument("--token-file", default=os.environ.get("PWW_TOKEN_FILE"),
-                   help="bearer token file (default $PWW_TOKEN_FILE or $PWW_TOKEN)")
+    p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="coordinator URL (https://... under TLS)")
+    httpd.add_client_args(p)
     return p
 
 
@@ -737,8 +738,9 @@ def status_main(argv):
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     a = p.parse_args(argv)
     try:
-        st = httpd.call(a.url, "GET", "/status", token=httpd.load_token(a.token_file), timeout=10)
-    except (OSError, httpd.CallError) as e:
+        st = httpd.call(a.url, "GET", "/status", token=httpd.load_token(a.token_file), timeout=10,
+                        ca_file=a.ca_file)
+    except (OSError, httpd.CallError, httpd.TLSConfigError) as e:
         raise SystemExit(f"cannot read {a.url}/status: {e}")
     print(json.dumps(st, indent=1) if a.json else format_status(st))
     bad = st.get("quarantined") or st.get("invariant_error") or any((st.get("violations") or {}).values())
@@ -771,7 +773,7 @@ STATE/aggregator.token) where DARL was started with one.""")
     token = httpd.load_token(a.aggregator_token_file, env=None) or httpd.load_token(a.token_file)
     query = urllib.parse.urlencode({"aggregator": a.aggregator, "state": "held"})
     try:
-        held = httpd.call(a.url, "GET", f"/custody?{query}", token=token, timeout=30)["custody"]
+        held = httpd.call(a.url, "GET", f"/custody?{query}", token=token, timeout=30, ca_file=a.ca_file)["custody"]
         listing = listing_id(held)
         if not a.yes:
             blocks = sum(c["blocks"] for c in held)
@@ -786,8 +788,8 @@ STATE/aggregator.token) where DARL was started with one.""")
                              f"you were shown {a.expect}): nothing aborted; run the dry run again")
         reply = httpd.call(a.url, "POST", "/custody/abort_orphaned",
                            {"aggregator": a.aggregator, "reason": a.reason, "expect": [c["delta"] for c in held]},
-                           token=token, timeout=30)
-    except (OSError, httpd.CallError) as e:
+                           token=token, timeout=30, ca_file=a.ca_file)
+    except (OSError, httpd.CallError, httpd.TLSConfigError) as e:
         raise SystemExit(f"abort-custody: {a.url}: {e}")
     print(f"!!! ABORTED {len(reply['aborted'])} custody record(s) of aggregator {a.aggregator}: "
           f"{reply['returned']} blocks went back to the pool and will be trained again; that identity is retired")
@@ -875,7 +877,7 @@ def serve(a):
         space = cfg.space()
     except ValueError as e:
         raise SystemExit(f"darl_server: {e}")
-    # bind first: a refused bind (public address, no token) must not create or replay state
+    # bind first: a refused bind (public address, no token or TLS) must not create or replay state
     agg_token = httpd.load_token(a.aggregator_token_file, env=None)
     token = httpd.load_token(a.token_file)
     if agg_token and agg_token == token:
@@ -884,11 +886,11 @@ def serve(a):
     if token and not agg_token:
         sys.stderr.write("darl_server: no --aggregator-token-file: every holder of the sites' token may fence the "
                          "aggregator and abort its custody\n")
-    server = httpd.make_server({}, a.host, a.port, token, a.insecure, max_body=int(a.max_body_mb * 2**20),
-                               quiet=not a.verbose, scoped={p: agg_token for p in CUSTODY_PATHS} if agg_token else None)
+    server = httpd.server_from_args(a, disk=cfg.state_dir,
+                                    scoped={p: agg_token for p in CUSTODY_PATHS} if agg_token else None)
     coord = Coordinator(space, cfg.table, cfg.state_dir, cfg.snapshot_every, cfg.restore_grace,
                         accept_config_change=a.accept_config_change)
-    server.RequestHandlerClass.routes.update(make_routes(coord))
+    server.RequestHandlerClass.routes.update(httpd.with_http_stats(make_routes(coord), server))
 
     def on_term(signum, frame):      # SIGTERM: stop serving, then flush and snapshot below
         raise KeyboardInterrupt

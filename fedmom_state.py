@@ -114,6 +114,7 @@ class ServerConfig:
     darl_retry_s: float = 10.0
     fsync: bool = True
     accept_config_change: bool = False
+    ca_file: str | None = None        # CA for https:// darl and blob_url
 
     def validate(self):
         if not self.state_dir:
@@ -245,17 +246,18 @@ class DarlLink:
     """The custody calls the aggregator makes (darl_server.py's protocol), each answered
     with an Answer; nothing here retries: the aggregator re-sends what it still owes."""
 
-    def __init__(self, url, token=None, timeout=30.0):
-        self.url, self.token, self.timeout = url, token, timeout
+    def __init__(self, url, token=None, timeout=30.0, ca_file=None):
+        self.url, self.token, self.timeout, self.ca_file = url, token, timeout, ca_file
 
     def _ask(self, method, path, body, key, want):
         try:
-            reply = httpd.call(self.url, method, path, body, token=self.token, timeout=self.timeout)
+            reply = httpd.call(self.url, method, path, body, token=self.token, timeout=self.timeout,
+                               ca_file=self.ca_file)
         except httpd.CallError as e:
             if e.status == 409 and e.reply.get("code") in DEFINITIVE:
                 return Answer("refused", e.reply, str(e))
             return Answer("unknown", e.reply, f"HTTP {e.status}: {e.reply.get('error', e.reply)}")
-        except (OSError, http.client.HTTPException, ValueError) as e:
+        except (OSError, http.client.HTTPException, ValueError, httpd.TLSConfigError) as e:
             return Answer("unknown", {}, f"{type(e).__name__}: {e}")
         if not isinstance(reply, dict) or reply.get(key) != want:
             return Answer("unknown", {}, f"{path}: the reply is not DARL's ({str(reply)[:120]})")
@@ -284,10 +286,11 @@ class DarlLink:
         """The custody DARL holds for `aggregator`: an Answer whose reply has "custody"."""
         query = urllib.parse.urlencode({"aggregator": aggregator, "state": "held"})
         try:
-            reply = httpd.call(self.url, "GET", f"/custody?{query}", token=self.token, timeout=self.timeout)
+            reply = httpd.call(self.url, "GET", f"/custody?{query}", token=self.token, timeout=self.timeout,
+                               ca_file=self.ca_file)
         except httpd.CallError as e:
             return Answer("unknown", e.reply, f"HTTP {e.status}: {e.reply.get('error', e.reply)}")
-        except (OSError, http.client.HTTPException, ValueError) as e:
+        except (OSError, http.client.HTTPException, ValueError, httpd.TLSConfigError) as e:
             return Answer("unknown", {}, f"{type(e).__name__}: {e}")
         if not isinstance(reply, dict) or not isinstance(reply.get("custody"), list):
             return Answer("unknown", {}, "GET /custody: the reply is not DARL's")

@@ -20,9 +20,10 @@ Federation (one site of a model trained across sites through the central VM):
     python fedmom_server.py --state-dir state/fedmom --init init.safetensors --darl URL ...
     # each site, as often as its queue allows (requeue with the same flags + --resume auto)
     srun python train.py --config configs/qwen3_0.6B.yaml --data data/c4/manifest.json \
-        --federation http://central:29511 --darl-url http://central:29510 \
-        --blob-url http://central:29512 --token-file ~/.pww_token --site lumi \
-        --diloco-inner-steps 100 --resume auto
+        --federation https://central:29511 --darl-url https://central:29510 \
+        --blob-url https://central:29512 --token-file ~/.pww/central.token \
+        --ca-file ~/.pww/central-ca.pem --site lumi --diloco-inner-steps 100 --resume auto
+    # (jobs/*_titan.sh take the URLs, $PWW_TOKEN_FILE and $PWW_CA_FILE from central.env)
   Identity: the cluster id is --site (default $PWW_SITE, else the short host name), or
   <site>-<replica> with --replica (a second stream at one site); the incarnation is random
   per process. A killed job's successor waits (--register-wait-s, default 600 s) until the
@@ -112,6 +113,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -326,6 +328,7 @@ class Config:
     darl_url: str | None = None
     blob_url: str | None = None
     token_file: str | None = None
+    ca_file: str | None = None
     site: str | None = None
     replica: str | None = None
     transport: str = "auto"
@@ -491,8 +494,12 @@ def build_parser():
                                       "required with --federation")
     f.add_argument("--blob-url", help="the blob store blobstore.py (http://central:29512) for the blob "
                                       "transport (default: none, everything inline)")
-    f.add_argument("--token-file", help="file holding the central services' bearer token "
-                                        "(default: $PWW_TOKEN, else no token)")
+    f.add_argument("--token-file", default=os.environ.get("PWW_TOKEN_FILE"),
+                   help="file holding the central services' bearer token (default: $PWW_TOKEN_FILE, "
+                        "else $PWW_TOKEN, else no token)")
+    f.add_argument("--ca-file", default=os.environ.get("PWW_CA_FILE"),
+                   help="CA certificate of the central services' https:// URLs (central.sh's ca.pem; "
+                        "default: $PWW_CA_FILE, else the system's CAs)")
     f.add_argument("--site", help="site name in the cluster id (default $PWW_SITE, else the short host name)")
     f.add_argument("--replica", help="a second stream at the same site: cluster id <site>-<replica> "
                                      "(default: none, cluster id = site)")
@@ -925,9 +932,9 @@ class FedSite:
         self.cfg, self.windows, self.log = cfg, windows, log
         self.cluster, self.incarnation = cfg.cluster, secrets.token_hex(6)
         token = httpd.load_token(cfg.token_file)
-        self.darl = darl_client.LeaseClient(cfg.darl_url, token=token)
+        self.darl = darl_client.LeaseClient(cfg.darl_url, token=token, ca_file=cfg.ca_file)
         self.fed = fedmom_client.FedMomClient(cfg.federation, self.cluster, self.incarnation, token=token,
-                                              blob_url=cfg.blob_url)
+                                              blob_url=cfg.blob_url, ca_file=cfg.ca_file)
         self.theta_transport = "blob" if cfg.transport == "blob" or (
             cfg.transport == "auto" and cfg.blob_url and model_bytes >= fedmom_client.AUTO_BLOB_BYTES) else "inline"
         self.session, self.span, self.keepalive, self.member = None, None, None, False
@@ -943,11 +950,13 @@ class FedSite:
 
     def _retry(self, what, fn):
         """fn() until it answers: transport errors and 5xx (a server restarting) are retried
-        for RETRY_S, a 409 not_member (dropped meanwhile) joins again; other 4xx raise."""
+        for RETRY_S, a 409 not_member (dropped meanwhile) joins again; other 4xx raise.
+        fn runs on a thread while this yields every POLL_S: a theta download or a delta
+        upload may outlast the process group's timeout, the other ranks' polls do not."""
         deadline, delay = time.monotonic() + RETRY_S, 1.0
         while True:
             try:
-                return fn()
+                return (yield from _in_background(fn))
             except httpd.CallError as e:
                 if e.status == 409 and e.reply.get("code") == "not_member":
                     self.log(f"{what}: the aggregator no longer counts us as a member ({e.reply.get('error')}); joining again")
@@ -1159,6 +1168,28 @@ class FedSite:
             if self.keepalive is not None:
                 self.keepalive.__exit__(None, None, None)
                 self.keepalive = None
+
+
+def _in_background(fn):
+    """Generator: run fn() on a thread, yield every POLL_S until it ends, return its value
+    (or raise its exception)."""
+    box = {}
+
+    def run():
+        try:
+            box["out"] = fn()
+        except BaseException as e:
+            box["err"] = e
+    t = threading.Thread(target=run, name="federation-call", daemon=True)
+    t.start()
+    while True:
+        t.join(POLL_S)
+        if not t.is_alive():
+            break
+        yield
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
 
 
 class LeasedSource:

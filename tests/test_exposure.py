@@ -1,0 +1,301 @@
+"""tests/test_exposure.py - the central servers as the internet meets them: TLS, the
+protocol's edges, what idle, half-open and slow connections cost, and refused binds.
+
+Everything runs through real sockets on 127.0.0.1: an httpd server in a thread (with
+a certificate tests/certs.py makes with openssl, as central.sh does) and, for the bind
+policy, the three real servers as subprocesses.
+Run: .venv/bin/python tests/run.py test_exposure
+"""
+import errno
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+import numpy as np
+
+import blobstore
+import certs
+import httpd
+import tensorio
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKEN = "s3cret-token"
+BOUND_S = 30          # generous bound on what must happen "soon" (never a sleep that must be long enough)
+
+
+def echo(req):
+    return {"got": req.json()}
+
+
+def number(req):
+    return {"x": httpd.field(req.json(), "x", (int, float))}
+
+
+def full_disk(req):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+ROUTES = {("GET", "/health"): lambda r: {"ok": True}, ("POST", "/echo"): echo, ("POST", "/number"): number,
+          ("POST", "/full"): full_disk, ("GET", "/slow"): lambda r: time.sleep(0.2) or {"slow": True}}
+
+
+def serve(routes=ROUTES, **kw):
+    """An httpd server in a thread; returns it (stopped at cleanup by the caller)."""
+    server = httpd.make_server(routes, token=TOKEN, **kw)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def until(cond, what, timeout=BOUND_S):
+    deadline = time.monotonic() + timeout
+    while not (got := cond()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(0.02)
+    return got
+
+
+def raw(port, data, read=True):
+    """Send raw bytes, return the server's whole answer (it closes) or the socket."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=BOUND_S)
+    s.sendall(data)
+    if not read:
+        return s
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    s.close()
+    return out
+
+
+def status_and_json(answer):
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body), head.decode("latin-1")
+
+
+class Served(unittest.TestCase):
+    server_kw = {}
+
+    def setUp(self):
+        self.server = serve(**self.server_kw)
+        self.addCleanup(self.server.server_close)
+        self.addCleanup(self.server.shutdown)
+        self.port = self.server.server_address[1]
+
+    def call(self, method, path, body=None, token=TOKEN, **kw):
+        return httpd.call(self.server.url, method, path, body, token=token, **kw)
+
+
+class TLSTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.ca, cls.cert, cls.key = certs.make_tls(cls.tmp.name)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def setUp(self):
+        self.root = tempfile.mkdtemp(dir=self.tmp.name)
+        store = blobstore.BlobStore(self.root, 1 << 30, 1 << 30, chunk=1 << 20)
+        self.server = serve({**ROUTES, **blobstore.make_routes(store)}, tls=httpd.server_tls(self.cert, self.key))
+        self.addCleanup(self.server.server_close)
+        self.addCleanup(self.server.shutdown)
+        self.url = self.server.url
+
+    def test_json_calls_over_https_with_the_ca(self):
+        self.assertTrue(self.url.startswith("https://127.0.0.1:"))
+        conn = httpd.connect(self.url, ca_file=self.ca)
+        for i in range(20):                     # keep-alive across requests, through the poller
+            self.assertEqual(httpd.call(self.url, "POST", "/echo", {"i": i}, token=TOKEN, conn=conn),
+                             {"got": {"i": i}})
+        conn.close()
+
+    def test_blob_put_and_get_stream_over_tls(self):
+        src, dst = os.path.join(self.root, "src"), os.path.join(self.root, "dst")
+        with open(src, "wb") as f:
+            f.write(np.random.default_rng(0).bytes(3 << 20))
+        out = blobstore.put_file(self.url, "d1", src, token=TOKEN, ca_file=self.ca)
+        self.assertEqual(blobstore.get_file(self.url, "d1", dst, token=TOKEN, ca_file=self.ca), out["sha256"])
+        with open(src, "rb") as a, open(dst, "rb") as b:
+            self.assertEqual(a.read(), b.read())
+
+    def test_an_unknown_ca_is_a_clear_error_not_a_retry(self):
+        with self.assertRaises(httpd.TLSConfigError) as cm:
+            httpd.call(self.url, "GET", "/health")           # the system CAs do not know ours
+        self.assertNotIsInstance(cm.exception, OSError)      # callers retry OSErrors; this would never pass
+        self.assertIn("--ca-file", str(cm.exception))
+
+    def test_plain_http_on_the_tls_port_is_told_to_use_https(self):
+        with self.assertRaises(httpd.CallError) as cm:
+            httpd.call(self.url.replace("https://", "http://"), "GET", "/health")
+        self.assertEqual(cm.exception.status, 400)
+        self.assertIn("https://", cm.exception.reply["error"])
+
+    def test_a_tls_client_on_a_plain_port_is_hung_up_on_at_once(self):
+        plain = serve()
+        self.addCleanup(plain.server_close)
+        self.addCleanup(plain.shutdown)
+        with self.assertRaises(OSError):        # the server hangs up on the ClientHello at once
+            httpd.call(plain.url.replace("http://", "https://"), "GET", "/health", ca_file=self.ca, timeout=BOUND_S)
+        self.assertEqual(plain.stats()["tls_on_plain_port"], 1)
+
+
+class ProtocolEdgesTest(Served):
+    def test_the_bearer_scheme_is_case_insensitive(self):
+        for auth in ("Bearer", "bearer", "BEARER", "  bEaReR  "):
+            answer = raw(self.port, f"POST /echo HTTP/1.1\r\nAuthorization: {auth} {TOKEN}\r\n"
+                                    f"Content-Length: 2\r\nConnection: close\r\n\r\n{{}}".encode())
+            self.assertEqual(status_and_json(answer)[0], 200, auth)
+        for auth in (f"Basic {TOKEN}", TOKEN, f"Bearer {TOKEN}x", "Bearer"):
+            answer = raw(self.port, f"POST /echo HTTP/1.1\r\nAuthorization: {auth}\r\n"
+                                    f"Content-Length: 2\r\nConnection: close\r\n\r\n{{}}".encode())
+            self.assertEqual(status_and_json(answer)[0], 401, auth)
+
+    def test_every_refusal_is_json_even_the_stdlibs_own(self):
+        auth = b"Authorization: Bearer " + TOKEN.encode() + b"\r\nConnection: close\r\n"
+        cases = {b"FOO /echo HTTP/1.1\r\n" + auth: 405, b"PATCH /nowhere HTTP/1.1\r\n" + auth: 405,
+                 b"GET /echo HTTP/1.1\r\n" + auth: 405, b"garbage\r\n": 400, b"GET / HTTP/2.0\r\n": 400,
+                 b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 120: 431, b"GET /nowhere HTTP/1.1\r\n" + auth: 404,
+                 b"GET /nowhere HTTP/1.1\r\nConnection: close\r\n": 401}
+        for request, want in cases.items():
+            status, reply, head = status_and_json(raw(self.port, request + b"\r\n"))
+            self.assertEqual(status, want, request[:40])
+            self.assertIsInstance(reply["error"], str)
+            self.assertIn("Content-Type: application/json", head)
+        status, reply, head = status_and_json(raw(self.port, b"DELETE /echo HTTP/1.1\r\n" + auth + b"\r\n"))
+        self.assertIn("Allow: POST", head)
+
+    def test_bodies_whose_length_is_uncertain_end_the_connection(self):
+        for framing, want in ((b"Transfer-Encoding: chunked\r\n", 411),
+                              (b"Content-Length: 5\r\nContent-Length: 7\r\n", 400),
+                              (b"Content-Length: -5\r\n", 400), (b"Content-Length: +5\r\n", 400),
+                              (b"Content-Length: 5_0\r\n", 400)):
+            # a second request follows on the same connection: it must never be read out of the body
+            answer = raw(self.port, b"POST /echo HTTP/1.1\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\n"
+                         + framing + b"\r\n5\r\n{}\r\n0\r\n\r\nGET /health HTTP/1.1\r\n\r\n")
+            self.assertEqual(int(answer.split()[1]), want, framing)
+            self.assertIn(b"Connection: close", answer)
+            self.assertEqual(answer.count(b"HTTP/1.1 "), 1, "the connection was closed after the refusal")
+
+    def test_nan_and_infinity_literals_are_refused_by_field(self):
+        for body in (b'{"x": NaN}', b'{"x": Infinity}', b'{"x": -Infinity}', b'{"x": 1e999}'):
+            conn = httpd.connect(self.server.url)
+            conn.request("POST", "/number", body=body, headers=httpd.auth_headers(TOKEN))
+            resp = conn.getresponse()
+            self.assertEqual(resp.status, 400, body)
+            self.assertIn("finite", json.loads(resp.read())["error"])
+            conn.close()
+        self.assertEqual(self.call("POST", "/number", {"x": 1.5}), {"x": 1.5})
+
+    def test_a_full_disk_is_a_507_naming_the_disk_with_retry_after(self):
+        conn = httpd.connect(self.server.url)
+        conn.request("POST", "/full", body=b"{}", headers=httpd.auth_headers(TOKEN))
+        resp = conn.getresponse()
+        reply = json.loads(resp.read())
+        self.assertEqual(resp.status, 507)
+        self.assertEqual(reply["code"], "disk_full")
+        self.assertIn("mount", reply["error"])
+        self.assertEqual(resp.getheader("Retry-After"), str(httpd.DISK_FULL_RETRY_S))
+        conn.close()
+        self.assertEqual(self.call("GET", "/health"), {"ok": True})
+
+
+class ConnectionCostTest(Served):
+    server_kw = {"limits": httpd.Limits(workers=4, max_connections=1000, header_timeout_s=600)}
+
+    def test_idle_and_half_open_connections_take_no_thread(self):
+        until(lambda: self.call("GET", "/health"), "the server answers")
+        threads = threading.active_count()
+        socks = [socket.create_connection(("127.0.0.1", self.port)) for _ in range(200)]       # idle
+        for _ in range(200):                                                                    # half-open
+            socks.append(raw(self.port, b"POST /echo HTTP/1.1\r\nContent-Length: 10\r\n", read=False))
+        self.addCleanup(lambda: [s.close() for s in socks])
+        until(lambda: self.server.stats()["open"] >= 400, "400 connections held")
+        self.assertEqual(threading.active_count(), threads, "an idle connection cost a thread")
+        self.assertEqual(self.server.stats()["busy"], 0)
+        for i in range(10):          # a legitimate client is served while they sit there
+            self.assertEqual(self.call("POST", "/echo", {"i": i}), {"got": {"i": i}})
+
+
+class SlowClientTest(Served):
+    server_kw = {"limits": httpd.Limits(workers=2, max_connections=100, header_timeout_s=0.3,
+                                        idle_timeout_s=0.3)}
+
+    def closed_by_server(self, sock):
+        sock.settimeout(BOUND_S)
+        try:
+            while sock.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
+        return True
+
+    def test_a_slowloris_is_cut_off_at_the_header_timeout(self):
+        s = raw(self.port, b"GET /health HTTP/1.1\r\nX-Slow: ", read=False)
+        self.addCleanup(s.close)
+        self.assertTrue(self.closed_by_server(s))
+        self.assertGreaterEqual(self.server.stats()["timed_out_headers"], 1)
+
+    def test_a_json_body_trickled_in_is_cut_off_and_frees_its_worker(self):
+        socks = [raw(self.port, b"POST /echo HTTP/1.1\r\nAuthorization: Bearer " + TOKEN.encode()
+                     + b"\r\nContent-Length: 100\r\n\r\n{", read=False) for _ in range(4)]   # 2 workers
+        for s in socks:
+            self.addCleanup(s.close)
+            self.assertTrue(self.closed_by_server(s))
+        self.assertEqual(self.call("GET", "/health"), {"ok": True})
+
+    def test_an_idle_keep_alive_connection_is_closed(self):
+        s = raw(self.port, b"GET /health HTTP/1.1\r\n\r\n", read=False)
+        self.addCleanup(s.close)
+        self.assertTrue(self.closed_by_server(s))
+        self.assertGreaterEqual(self.server.stats()["timed_out_idle"], 1)
+
+
+class ConnectionCapTest(Served):
+    server_kw = {"limits": httpd.Limits(workers=2, max_connections=20, header_timeout_s=600)}
+
+    def test_beyond_the_cap_the_longest_idle_connection_goes(self):
+        socks = []
+        for i in range(30):
+            socks.append(socket.create_connection(("127.0.0.1", self.port)))
+            until(lambda: self.server.stats()["accepted"] >= i + 1, "accepted")
+        self.addCleanup(lambda: [s.close() for s in socks])
+        self.assertLessEqual(self.server.stats()["open"], 20)
+        self.assertGreaterEqual(self.server.stats()["evicted_at_cap"], 10)
+        socks[0].settimeout(BOUND_S)
+        self.assertEqual(socks[0].recv(1), b"", "the oldest idle connection was closed")
+        self.assertEqual(self.call("GET", "/health"), {"ok": True})     # a newcomer is served
+
+
+class RefusedBindTest(unittest.TestCase):
+    """A public bind without TLS is refused before anything is written to the state dir."""
+
+    def test_each_server_refuses_and_creates_nothing(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            token, init = os.path.join(tmp, "token"), os.path.join(tmp, "init.safetensors")
+            with open(token, "w") as f:
+                f.write("t0k3n\n")
+            with tensorio.TensorWriter(init, [("w", "F32", (2,))]) as w:
+                w.write("w", np.zeros(2, np.float32))
+            cmds = {"darl": ["darl_server.py", "--num-samples", "10", "--state-dir", os.path.join(tmp, "darl")],
+                    "fedmom": ["fedmom_server.py", "--state-dir", os.path.join(tmp, "fedmom"), "--init", init],
+                    "blob": ["blobstore.py", "--root", os.path.join(tmp, "blob")]}
+            for name, cmd in cmds.items():
+                r = subprocess.run([sys.executable, *cmd, "--host", "0.0.0.0", "--port", "0", "--token-file", token],
+                                   cwd=ROOT, capture_output=True, text=True, timeout=120)
+                self.assertNotEqual(r.returncode, 0, name)
+                self.assertIn("--tls-cert", r.stderr, name)
+                self.assertEqual(sorted(os.listdir(tmp)), ["init.safetensors", "token"], f"{name} wrote state")
+
+
+if __name__ == "__main__":
+    unittest.main()
