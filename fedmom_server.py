@@ -54,10 +54,19 @@ that incarnation (it expired and its blocks were leased again, or it was stolen)
 discards that work. While DARL gives no definitive answer the delta stays spooled but
 unconfirmed, and its round waits: it never merges a delta whose blocks DARL has not
 reserved for it. Under --darl a delta must name its leases (400 otherwise).
-A round closes when every live member has sent its delta, or --round-deadline-s after
-its first delta, and every delta in it is in confirmed custody; it merges what arrived. A member silent for --member-timeout-s is
-dropped (it may join again). No live member, or a round with no delta, is normal:
-nothing is merged and the round number stays.
+A round closes when every live member has sent its delta (or had it excluded: a delta
+of tokens 0 is refused with 400 bad_delta AND counts as the member's answer), or
+--round-deadline-s after its first delta, and every delta in it is in confirmed
+custody; it merges what arrived. A member silent for --member-timeout-s is dropped (it
+may join again). No live member, or a round with no delta, is normal: nothing is
+merged and the round number stays.
+
+The merge is robust to finite but hostile deltas (fedmom_merge.py): each delta is
+scaled to at most --clip-factor (10) x the median delta norm of the round and of the
+last 4 rounds' merged deltas (named in the record's "clip"), and a merge whose theta or
+momentum would not be finite is redone without the largest contribution, which is
+excluded (its custody aborted). theta_global and momentum are never published with a
+NaN or Inf.
 
 What became of a delta (so a site knows whether to release its leases, and an audit
 can check that every DARL block was committed through exactly one merged round):
@@ -68,9 +77,10 @@ each delta is one outcome object
   - rounds.jsonl, one record per merge (v 3): "outcomes" lists every delta of that
     round, merged ones with merged_into = the record's round, their custody "delta" id
     and the DARL positions "pieces" [[lease, start, end]] they were trained on, and those
-    excluded (NaN/Inf, wrong names, shapes or dtypes, custody refused or lost) with why;
-    "excluded" keeps its v1 shape plus base_round, tokens and leases. Records of v 1 have
-    no "outcomes", of v 2 no "delta"/"pieces".
+    excluded (NaN/Inf, wrong names, shapes or dtypes, tokens 0, a merge that would not
+    be finite, custody refused or lost) with why; "excluded" keeps its v1 shape plus
+    base_round, tokens and leases. Records of v 1 have no "outcomes", of v 2 no
+    "delta"/"pieces".
   - POST /join and /heartbeat replies: "deltas" = this cluster's outcomes in the last
     merged round that had one, then the current round's (pending or excluded). After
     wait_round_after(base_round) returns, the entry with that base_round says merged
@@ -78,7 +88,11 @@ each delta is one outcome object
     left of its leases in DARL, so the blocks are trained again).
   - GET /status: "outcomes" of the current round, and "recent" round records.
 An excluded delta is also refused at upload (400 or 422, code "bad_delta"); that reply
-is the first word, since an exclusion not yet in a record lives in memory only.
+is the first word, since an exclusion not yet in a record lives in memory only (one
+excluded at the merge is told through the heartbeat's "deltas").
+A full disk is a 507 "disk_full" (nothing spooled, no part file left); a merge that
+cannot be written leaves the round unchanged, shows "merge_error" in GET /status and
+is retried every 30 s.
 
 State dir (--state-dir): theta and momentum per round, state.json, rounds.jsonl and
 spool/, and the DARL commits and aborts owed; fedmom_state.py's docstring has the layout.
@@ -464,6 +478,9 @@ def _server_parser():
                    help="longest wait between re-sends of a custody request, commit or abort DARL has not "
                         "answered definitively, s (default 10)")
     p.add_argument("--darl-heartbeat-s", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--clip-factor", type=float, default=10.0,
+                   help="scale a delta down to this x the median delta norm (this round's and the last "
+                        "rounds' merged ones), named in the round record; 0 = off (default 10)")
     p.add_argument("--ca-file", default=os.environ.get("PWW_CA_FILE"),
                    help="CA certificate for https:// --darl and --blob-url (default $PWW_CA_FILE, else the system's)")
     p.add_argument("--private-page", action="store_true", help="require the token for GET / too (default: public)")
@@ -493,7 +510,7 @@ def main(argv):
                          "custody, which never expires; drop the flag (--darl-retry-s paces re-sends to DARL)")
     cfg = ServerConfig(a.state_dir, a.init, a.outer_lr, a.outer_momentum, a.round_deadline_s,
                        a.member_timeout_s, a.blob_url, a.darl, a.darl_retry_s, ca_file=a.ca_file,
-                       accept_config_change=a.accept_config_change).validate()
+                       clip_factor=a.clip_factor, accept_config_change=a.accept_config_change).validate()
     serve(cfg, a)
 
 

@@ -296,6 +296,134 @@ class RefusedBindTest(unittest.TestCase):
                 self.assertIn("--tls-cert", r.stderr, name)
                 self.assertEqual(sorted(os.listdir(tmp)), ["init.safetensors", "token"], f"{name} wrote state")
 
+# ---------------------------------------------------------------- a full disk
+
+def mount_tmpfs(path, size):
+    """A real size-capped filesystem (CI runs as root); None with the reason if impossible."""
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True, text=True)
+    return None if r.returncode == 0 else (r.stderr.strip() or f"mount exited {r.returncode}")
+
+
+def fill(directory, leave):
+    """Write a filler file so that only about `leave` bytes stay free; returns its path."""
+    st = os.statvfs(directory)
+    path = os.path.join(directory, "filler")
+    with open(path, "wb") as f:
+        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave))
+    return path
+
+
+class DiskFullTest(unittest.TestCase):
+    """ENOSPC on a real 16 MiB tmpfs: a clean 507 naming the disk, nothing half-applied,
+    partial files reclaimed, and the service back once space returns."""
+    SHAPES = {"w": (512, 256), "b": (256,)}          # 0.5 MiB of fp32: theta, momentum, deltas fit twice
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp()
+        self.addCleanup(lambda: subprocess.run(["rm", "-rf", self.tmp]))
+        self.disk = os.path.join(self.tmp, "disk")
+        os.makedirs(self.disk)
+        why = mount_tmpfs(self.disk, "16m")
+        if why:
+            self.skipTest(f"cannot mount a 16 MiB tmpfs to fill ({why}); run as root")
+        self.addCleanup(subprocess.run, ["umount", "-l", self.disk])
+        self.rng = np.random.default_rng(3)
+
+    def tensors(self, path, scale, dtype="F32"):
+        with tensorio.TensorWriter(path, [(k, dtype, sh) for k, sh in self.SHAPES.items()], fsync=False) as w:
+            for k, sh in self.SHAPES.items():
+                w.write(k, (scale * self.rng.standard_normal(sh)).astype(np.float32))
+        return path
+
+    def files(self, root):
+        return sorted(os.path.relpath(os.path.join(b, f), root) for b, _, fs in os.walk(root) for f in fs)
+
+    def test_a_blob_upload_on_a_full_disk(self):
+        store = blobstore.BlobStore(os.path.join(self.disk, "blobs"), 1 << 40, 1 << 40, chunk=1 << 20)
+        server = serve(blobstore.make_routes(store), disk=store.root)
+        self.addCleanup(server.server_close)
+        self.addCleanup(server.shutdown)
+        src = os.path.join(self.tmp, "src")
+        with open(src, "wb") as f:
+            f.write(self.rng.bytes(6 << 20))
+        filler = fill(self.disk, 3 << 20)
+        with self.assertRaises(httpd.CallError) as cm:
+            blobstore.put_file(server.url, "delta", src, token=TOKEN, retries=0)
+        self.assertEqual((cm.exception.status, cm.exception.reply["code"]), (507, "disk_full"))
+        self.assertIn(self.disk, cm.exception.reply["error"])
+        self.assertEqual(self.files(store.root), [], "the unfinished upload gave its space back")
+        os.unlink(filler)                                   # space returns: the same call succeeds
+        out = blobstore.put_file(server.url, "delta", src, token=TOKEN, retries=0)
+        self.assertEqual(out["size"], 6 << 20)
+
+    def fedmom(self, **kw):
+        import fedmom_server
+        import fedmom_state
+        init = self.tensors(os.path.join(self.tmp, "init.safetensors"), 1.0)
+        clock = [1000.0]
+        cfg = fedmom_state.ServerConfig(os.path.join(self.disk, "fedmom"), init=init, **kw).validate()
+        st = fedmom_state.FedMomState(cfg, clock=lambda: clock[0])
+        server = serve(fedmom_server.make_routes(st), disk=cfg.state_dir)
+        self.addCleanup(server.server_close)
+        self.addCleanup(server.shutdown)
+        return st, server.url, clock
+
+    def send(self, url, cluster, path, base_round=0):
+        import fedmom_client
+        c = fedmom_client.FedMomClient(url, cluster, f"{cluster}-inc", token=TOKEN, retries=0)
+        return c.send_delta(path, base_round, 10, [], {}, transport="inline")
+
+    def test_a_delta_spool_a_merge_and_a_join_on_a_full_disk(self):
+        import fedmom_state
+        st, url, clock = self.fedmom()
+        for c in ("a", "b"):
+            httpd.call(url, "POST", "/join", {"cluster": c, "incarnation": f"{c}-inc"}, token=TOKEN)
+        da, db = (self.tensors(os.path.join(self.tmp, f"d{c}"), 0.01) for c in "ab")
+        before = self.files(st.dir)
+        # 1. the spool: a 507, no part file, nothing pending
+        filler = fill(self.disk, 256 << 10)
+        with self.assertRaises(httpd.CallError) as cm:
+            self.send(url, "a", da)
+        self.assertEqual((cm.exception.status, cm.exception.reply["code"]), (507, "disk_full"))
+        self.assertEqual(self.files(st.dir), before)
+        self.assertEqual(st.status()["pending"], [])
+        # 2. a join that cannot be made durable is no join
+        os.unlink(filler)
+        filler = fill(self.disk, 0)
+        with self.assertRaises(httpd.CallError) as cm:
+            httpd.call(url, "POST", "/join", {"cluster": "c", "incarnation": "c-inc"}, token=TOKEN)
+        self.assertEqual(cm.exception.status, 507)
+        self.assertEqual([m["cluster"] for m in st.status()["members"]], ["a", "b"])
+        os.unlink(filler)
+        # 3. the merge: it fails cleanly, says why, leaves no temp file, and runs once space returns
+        self.send(url, "a", da)
+        self.send(url, "b", db)
+        spooled = self.files(st.dir)
+        filler = fill(self.disk, 256 << 10)
+        self.assertIsNone(st.tick())
+        self.assertIn("No space left", st.status()["merge_error"])
+        self.assertEqual((st.round, self.files(st.dir)), (0, spooled), "nothing half-applied, no temp files")
+        os.unlink(filler)
+        self.assertIsNone(st.tick(), "the retry waits 30 s")
+        clock[0] += 31
+        rec = st.tick()
+        self.assertEqual((rec["round"], sorted(rec["clusters"])), (1, ["a", "b"]))
+        self.assertIsNone(st.status()["merge_error"])
+        self.assertEqual(fedmom_state.read_records(st.rounds_path)[-1]["round"], 1)
+        # 4. rounds.jsonl cannot be appended after the round is durable (a real OSError: a
+        #    directory stands in its place): the record is owed and appended on the next tick
+        self.send(url, "a", da, 1)
+        self.send(url, "b", db, 1)
+        os.rename(st.rounds_path, st.rounds_path + ".aside")
+        os.mkdir(st.rounds_path)
+        self.assertEqual(st.tick()["round"], 2)
+        self.assertEqual(st.round, 2, "the round stands: state.json holds it")
+        os.rmdir(st.rounds_path)
+        os.rename(st.rounds_path + ".aside", st.rounds_path)
+        self.assertEqual([r["round"] for r in fedmom_state.read_records(st.rounds_path)], [1])
+        st.tick()
+        self.assertEqual([r["round"] for r in fedmom_state.read_records(st.rounds_path)], [1, 2])
+
 
 if __name__ == "__main__":
     unittest.main()

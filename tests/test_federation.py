@@ -13,7 +13,9 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
       port and state dir, the sites carry on -> DARL runs out of blocks, both exit 0.
     Then the books: every DARL block committed, per-cluster sums = total, nothing
     quarantined; the merged deltas carry exactly the corpus' training tokens and each
-    lease once (no window merged twice or never); the loss falls.
+    lease once (no window merged twice or never); the loss falls. Everything runs over
+    TLS (a CA and certificate made with openssl, as central.sh makes them): the three
+    servers serve https, FedMom and both sites check them against the CA file.
   - CarrierTest: one torchrun job of 2 ranks (this file's `worker` mode): FSDP2's
     per-tensor gather (the delta file) and scatter (theta_global) against the unsharded
     state, including unevenly sharded tensors; and a stale delta - the site's base round
@@ -34,6 +36,7 @@ import unittest
 
 import numpy as np
 
+import certs
 import darl_table
 import data
 import httpd
@@ -491,7 +494,7 @@ class FederationRunTest(unittest.TestCase):
         args = ["train.py", "--device", "cpu", "--model", "qwen3-tiny", "--data", cls.manifest,
                 "--parallel", parallel, "--batch-size", "4", "--lr", "3e-3", "--diloco-inner-steps", str(cls.H),
                 "--federation", cls.fedmom, "--darl-url", cls.darl, "--blob-url", cls.blob,
-                "--token-file", cls.token, "--site", name, "--runs-dir", os.path.join(t, "runs"),
+                "--token-file", cls.token, "--ca-file", cls.ca, "--site", name, "--runs-dir", os.path.join(t, "runs"),
                 "--run-name", name, "--eval-windows", "16", "--eval-every", "4", "--log-every", "4",
                 "--register-wait-s", "120", *extra]
         p = Proc(name, torchrun(nproc, *args), os.path.join(t, f"{name}.log"))
@@ -532,7 +535,8 @@ class FederationRunTest(unittest.TestCase):
         subprocess.run([sys.executable, "train.py", "--export-init", init, "--model", "qwen3-tiny",
                         "--data", cls.manifest], cwd=ROOT, env=env(), check=True, capture_output=True, timeout=300)
         central = os.path.join(t, "central")
-        common = ["--token-file", cls.token]
+        cls.ca, cert, key = certs.make_tls(t)
+        common = ["--token-file", cls.token, "--tls-cert", cert, "--tls-key", key]
         darl, cls.darl = start_service(t, "darl", "darl_server.py", [
             "--manifest", cls.manifest, "--block-size", 8, "--state-dir", central, "--min-ttl", 15,
             "--default-ttl", 20, "--max-ttl", 20, "--max-attempts", 0, *common])
@@ -541,7 +545,7 @@ class FederationRunTest(unittest.TestCase):
         cls.procs.append(blob)
         fed_args = ["--state-dir", os.path.join(central, "fedmom"), "--init", init, "--darl", cls.darl,
                     "--blob-url", cls.blob, "--darl-retry-s", 1, "--member-timeout-s", 20,
-                    "--round-deadline-s", 120, *common]
+                    "--round-deadline-s", 120, "--ca-file", cls.ca, *common]
         fed, cls.fedmom = start_service(t, "fedmom", "fedmom_server.py", fed_args)
         cls.procs.append(fed)
         services = [darl, blob]
@@ -579,8 +583,9 @@ class FederationRunTest(unittest.TestCase):
             wait_for(lambda: not p.alive(), f"{p.name} to finish", [fed, *services])
             if p.p.returncode != 0:
                 raise AssertionError(f"{p.name} exited {p.p.returncode}:\n{tail(p.log_path)}")
-        cls.darl_status = httpd.call(cls.darl, "GET", "/status", token="test-token-0123456789")
-        cls.fed_status = httpd.call(cls.fedmom, "GET", "/status", token="test-token-0123456789")
+        assert cls.darl.startswith("https://") and cls.fedmom.startswith("https://") and cls.blob.startswith("https://")
+        cls.darl_status = httpd.call(cls.darl, "GET", "/status", token="test-token-0123456789", ca_file=cls.ca)
+        cls.fed_status = httpd.call(cls.fedmom, "GET", "/status", token="test-token-0123456789", ca_file=cls.ca)
         cls.rows = {n: read_jsonl(os.path.join(t, "runs", n, "metrics.jsonl")) for n in ("alpha", "beta")}
 
     def test_every_block_committed_exactly_once(self):
