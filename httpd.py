@@ -225,7 +225,8 @@ class Request:
 
 def field(obj, name, kind, required=True, default=None):
     """Fetch obj[name] and check its type; a 400 naming the field otherwise.
-    Numbers must be finite (JSON has no NaN, but Python's parser takes the literal)."""
+    Numbers must be finite (JSON has no NaN, but Python's parser takes the literal)
+    and integers within 64 bits (a 4000-digit one overflows every float it meets)."""
     if name not in obj or obj[name] is None:
         if required:
             raise HTTPError(400, f"missing field {name!r}")
@@ -237,6 +238,8 @@ def field(obj, name, kind, required=True, default=None):
         raise HTTPError(400, f"field {name!r} must be {want}, got {type(value).__name__}")
     if isinstance(value, float) and not math.isfinite(value):
         raise HTTPError(400, f"field {name!r} must be a finite number, got {value!r}")
+    if isinstance(value, int) and not isinstance(value, bool) and not -2 ** 63 <= value < 2 ** 63:
+        raise HTTPError(400, f"field {name!r} is out of range (|{name}| < 2**63)")
     return value
 
 
