@@ -1170,8 +1170,8 @@ class FedSite:
                 self.keepalive = None
 
 
-def _in_background(fn):
-    """Generator: run fn() on a thread, yield every POLL_S until it ends, return its value
+def _in_background(fn, poll_s=POLL_S):
+    """Generator: run fn() on a thread, yield every poll_s until it ends, return its value
     (or raise its exception)."""
     box = {}
 
@@ -1183,7 +1183,7 @@ def _in_background(fn):
     t = threading.Thread(target=run, name="federation-call", daemon=True)
     t.start()
     while True:
-        t.join(POLL_S)
+        t.join(poll_s)
         if not t.is_alive():
             break
         yield

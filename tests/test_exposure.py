@@ -424,6 +424,86 @@ class DiskFullTest(unittest.TestCase):
         st.tick()
         self.assertEqual([r["round"] for r in fedmom_state.read_records(st.rounds_path)], [1, 2])
 
+# ---------------------------------------------------------------- long transfers
+
+class StalledPeer:
+    """A loopback server that answers GET with headers and a little of a large body, then
+    holds the connection silent; and reads nothing of a PUT's body."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.release, self.socks = threading.Event(), []
+        threading.Thread(target=self.run, daemon=True).start()
+
+    def run(self):
+        while True:
+            try:
+                s, _ = self.listener.accept()
+            except OSError:
+                return
+            self.socks.append(s)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += s.recv(65536)
+            if head.startswith(b"GET"):
+                s.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 10000000\r\nX-Round: 3\r\n\r\n" + b"\0" * 1000)
+
+    def close(self):
+        self.listener.close()
+        for s in self.socks:
+            s.close()
+
+
+class StallTest(unittest.TestCase):
+    """A stalled aggregator costs the site a retry, not a dead job: transfers end after
+    stall_s without progress, and train.py keeps the other ranks polling meanwhile."""
+
+    def setUp(self):
+        self.peer = StalledPeer()
+        self.addCleanup(self.peer.close)
+        self.tmp = tempfile.mkdtemp()
+        self.addCleanup(lambda: subprocess.run(["rm", "-rf", self.tmp]))
+
+    def test_a_stalled_theta_download_ends_and_leaves_no_file(self):
+        import fedmom_client
+        c = fedmom_client.FedMomClient(self.peer.url, "a", "a-1", stall_s=0.5)
+        path = os.path.join(self.tmp, "theta.safetensors")
+        with self.assertRaises(OSError):
+            c.download_theta(path)
+        self.assertEqual(os.listdir(self.tmp), [])
+
+    def test_a_stalled_delta_upload_ends(self):
+        import fedmom_client
+        c = fedmom_client.FedMomClient(self.peer.url, "a", "a-1", stall_s=0.5)
+        path = os.path.join(self.tmp, "delta")
+        with open(path, "wb") as f:
+            f.truncate(64 << 20)               # more than the socket buffers take without a reader
+        with self.assertRaises(OSError):
+            c._send_inline(path, {"cluster": "a"})
+
+    def test_the_other_ranks_keep_polling_while_a_transfer_runs(self):
+        import train
+        done = threading.Event()
+        gen = train._in_background(lambda: done.wait(BOUND_S) and "theta of round 3", poll_s=0.01)
+        yields = 0
+        while True:
+            try:
+                next(gen)
+            except StopIteration as e:
+                result = e.value
+                break
+            yields += 1                      # each yield is one small broadcast to the other ranks
+            if yields == 5:
+                done.set()
+        self.assertGreaterEqual(yields, 5)      # at least until the call ended (a thread switch may add one)
+        self.assertEqual(result, "theta of round 3")
+
+        def fails():
+            raise ConnectionResetError("the aggregator went away")
+        with self.assertRaises(ConnectionResetError):
+            list(train._in_background(fails, poll_s=0.01))
+
 
 if __name__ == "__main__":
     unittest.main()
