@@ -1,0 +1,626 @@
+"""bench/faults.py - what the three central servers survive, measured: SIGKILLs, fuzz,
+load, half-open connections and full disks. `make bench-faults` runs it and rewrites
+the table in FEDERATION_GUIDE.md (section 8) from what it printed.
+
+Runs on: any Linux box with the venv (CPU, loopback, openssl; root for the tmpfs of
+the disk-full cases, else they are skipped and said so). Every server runs as its own
+process over TLS, as on the central VM.
+    python bench/faults.py                       # everything, ~15-25 min on 2 busy cores
+    python bench/faults.py --quick               # small counts: checks the bench itself (~3 min)
+    python bench/faults.py --only kills,fuzz     # some parts: kills fuzz load halfopen diskfull
+    python bench/faults.py --no-guide            # print, leave FEDERATION_GUIDE.md alone
+
+Figures, each beside its baseline or target:
+  kills     SIGKILLs per daemon (target >= 200 each): DARL under 8 leasing clients,
+            FedMom mid-spool and mid-merge, the blob store mid-upload; acknowledged work
+            lost (a commit DARL acknowledged and then forgot, an accepted delta neither
+            pending nor merged after the restart, a finished blob missing or changed;
+            target 0) and restart-to-healthy p50/p99 (spawn to /health 200).
+  fuzz      http_fuzz.py per server (target >= 10,000 each): outcomes, 5xx (target 0),
+            hangs (target 0), and the legitimate epoch afterwards.
+  load      closed-loop keep-alive clients per server: req/s, p50/p99, errors.
+  halfopen  2,000 connections held open (half idle, half mid-headers) against DARL:
+            server threads and RSS beside the unloaded ones, and a legitimate client's
+            p99 beside its unloaded p99 (target <= 2x).
+  diskfull  ENOSPC on a 16 MiB tmpfs: blob upload, delta spool, merge, join; the reply,
+            what is left on disk, and whether the service is back once space returns.
+"""
+import argparse
+import contextlib
+import io
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]   # run as `python bench/faults.py`; certs.py is a test helper
+
+import numpy as np  # noqa: E402
+
+import blobstore  # noqa: E402
+import certs  # noqa: E402
+import darl_client  # noqa: E402
+import fedmom_client  # noqa: E402
+import http_fuzz  # noqa: E402
+import httpd  # noqa: E402
+import tensorio  # noqa: E402
+
+TOKEN = "bench-faults-token"
+GUIDE = os.path.join(ROOT, "FEDERATION_GUIDE.md")
+BEGIN, END = "<!-- bench/faults.py: begin -->", "<!-- bench/faults.py: end -->"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+class Service:
+    """One server process on a fixed port (a restart comes back on the same URL), over TLS."""
+
+    def __init__(self, work, name, args, env=None):
+        self.work, self.name, self.args, self.env = work, name, [str(a) for a in args], env
+        self.port, self.proc = free_port(), None
+        self.url = f"https://127.0.0.1:{self.port}"
+        self.log = os.path.join(work, f"{name}.log")
+
+    def start(self):
+        """Spawn and wait for /health; returns seconds from spawn to healthy."""
+        t0 = time.monotonic()
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen([sys.executable, *self.args, "--port", str(self.port), "--token-file",
+                                          self.work + "/token", "--tls-cert", self.work + "/server.pem",
+                                          "--tls-key", self.work + "/server.key"], cwd=ROOT, stdout=out,
+                                         stderr=subprocess.STDOUT, env={**os.environ, **(self.env or {})})
+        while True:
+            try:
+                httpd.call(self.url, "GET", "/health", timeout=2, ca_file=self.ca)
+                return time.monotonic() - t0
+            except Exception:                       # not up yet: refused, reset, 5xx
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited {self.proc.returncode}; see {self.log}")
+                if time.monotonic() - t0 > 120:
+                    raise RuntimeError(f"{self.name} not healthy within 120 s; see {self.log}")
+                time.sleep(0.01)
+
+    def kill(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    @property
+    def ca(self):
+        return self.work + "/ca.pem"
+
+
+def write_model(path, tensors=16, size=65536, value=1.0):
+    specs = [(f"t{i}", "F32", (size,)) for i in range(tensors)]
+    with tensorio.TensorWriter(path, specs, fsync=False) as w:
+        for name, _, shape in specs:
+            w.write(name, np.full(shape, value, np.float32))
+    return path
+
+
+# ---------------------------------------------------------------- kills
+
+def kills_darl(work, n):
+    svc = Service(work, "darl-kill", ["darl_server.py", "--num-samples", 10 ** 6, "--state-dir",
+                                      os.path.join(work, "darl-kill"), "--min-ttl", 1, "--restore-grace", 1,
+                                      "--snapshot-every", 500])
+    restarts, acked, lost, rng = [], [], 0, random.Random(0)
+    digest = None
+    try:
+        for k in range(n + 1):
+            restarts.append(svc.start())
+            digest = digest or httpd.call(svc.url, "GET", "/health", ca_file=svc.ca)["digest"]
+            checker = darl_client.LeaseClient(svc.url, TOKEN, retries=2, ca_file=svc.ca)
+            for cluster, inc, lease, end in acked:    # every acknowledged commit is still committed
+                reply = checker.commit(cluster, inc, lease, end)
+                lost += not reply.get("repeat")
+            acked = []
+            if k == n:
+                break
+            stop = threading.Event()
+
+            def load(i):
+                c = darl_client.LeaseClient(svc.url, TOKEN, retries=0, ca_file=svc.ca)
+                cluster, inc = f"k{k}-c{i}", "inc"
+                try:
+                    c.register(cluster, inc, digest)
+                    while not stop.is_set():
+                        lease = c.acquire(cluster, inc, blocks=rng.randint(1, 4), ttl=30)["lease"]
+                        c.commit(cluster, inc, lease["id"], lease["end"])
+                        acked.append((cluster, inc, lease["id"], lease["end"]))
+                except Exception:
+                    pass                              # the kill: in-flight calls fail, unacknowledged
+            threads = [threading.Thread(target=load, args=(i,)) for i in range(8)]
+            for t in threads:
+                t.start()
+            time.sleep(rng.uniform(0.05, 0.3))
+            svc.kill()
+            stop.set()
+            for t in threads:
+                t.join()
+    finally:
+        svc.stop()
+    return {"daemon": "DARL (8 leasing clients)", "kills": n, "lost": lost, "restart": restarts}
+
+
+def kills_fedmom(work, n):
+    init = write_model(os.path.join(work, "fm-init.safetensors"))
+    svc = Service(work, "fedmom-kill", ["fedmom_server.py", "--state-dir", os.path.join(work, "fedmom-kill"),
+                                        "--init", init, "--member-timeout-s", 3600, "--round-deadline-s", 3600],
+                  env={"PWW_FEDMOM_MERGE_PAUSE_S": "0.01"})
+    delta = write_model(os.path.join(work, "fm-delta.safetensors"), value=1e-3)
+    restarts, acked, lost, rng = [], set(), 0, random.Random(1)
+    where = {"mid-spool": 0, "mid-merge": 0}
+    try:
+        for k in range(n + 1):
+            restarts.append(svc.start())
+            st = httpd.call(svc.url, "GET", "/status", token=TOKEN, ca_file=svc.ca)
+            seen = {(o["cluster"], o["incarnation"], o["base_round"]) for o in st["outcomes"]
+                    if o["outcome"] == "pending"} | {(o["cluster"], o["incarnation"], o["base_round"])
+                                                     for r in st["recent"] for o in r["outcomes"]
+                                                     if o["outcome"] == "merged"}
+            # every accepted delta is still pending or merged ("recent" holds the last 200 rounds)
+            lost += sum(1 for a in acked if a not in seen and a[2] >= st["round"] - 150)
+            if k == n:
+                break
+            clients = [fedmom_client.FedMomClient(svc.url, c, f"{c}-1", token=TOKEN, ca_file=svc.ca, retries=0)
+                       for c in ("a", "b")]
+            for c in clients:
+                c.join()
+            rnd = st["round"]
+            todo = [c for c in clients if (c.cluster, c.incarnation, rnd) not in seen]
+            mode = rng.choice(["mid-spool", "mid-merge"])
+            where[mode] += 1
+
+            def send(c):
+                try:
+                    if c.send_delta(delta, rnd, 10, [], {}, transport="inline").get("accepted"):
+                        acked.add((c.cluster, c.incarnation, rnd))
+                except Exception:
+                    pass                             # the kill: an upload cut short is not accepted
+            if mode == "mid-merge":                  # both sent, the merge runs (10 ms per tensor); kill in it
+                for c in todo:
+                    send(c)
+                time.sleep(rng.uniform(0.0, 0.2))
+                svc.kill()
+            else:                                    # kill while a delta streams in
+                t = threading.Thread(target=send, args=(todo[-1],)) if todo else None
+                if t:
+                    t.start()
+                time.sleep(rng.uniform(0.0, 0.05))
+                svc.kill()
+                if t:
+                    t.join()
+    finally:
+        svc.stop()
+    return {"daemon": f"FedMom ({where['mid-spool']} mid-spool, {where['mid-merge']} mid-merge)", "kills": n,
+            "lost": lost, "restart": restarts}
+
+
+def kills_blob(work, n):
+    svc = Service(work, "blob-kill", ["blobstore.py", "--root", os.path.join(work, "blob-kill")])
+    src = os.path.join(work, "blob-src")
+    with open(src, "wb") as f:
+        f.write(os.urandom(24 << 20))
+    sha = blobstore.sha256_file(src)
+    restarts, done, lost, rng = [], [], 0, random.Random(2)
+    try:
+        svc.start()
+        for k in range(n):
+            blob, result = f"b{k}", {}
+
+            def upload():
+                try:
+                    with contextlib.redirect_stderr(io.StringIO()):   # put_file narrates its retries
+                        result["out"] = blobstore.put_file(svc.url, blob, src, token=TOKEN, ca_file=svc.ca,
+                                                           sha256=sha, retries=30, progress=False)
+                except Exception as e:
+                    result["err"] = e
+            t = threading.Thread(target=upload)
+            t.start()
+            time.sleep(rng.uniform(0.01, 0.15))
+            svc.kill()                               # mid-upload (or just after it)
+            restarts.append(svc.start())
+            t.join()                                 # the client resumes against the restarted store
+            if "out" in result:
+                done.append(blob)
+            for b in done:                           # every finished blob, whole and with its checksum
+                info = blobstore.head(svc.url, b, TOKEN, ca_file=svc.ca)
+                lost += not (info and info["complete"] and info["sha256"] == sha)
+            if len(done) > 3:                        # bound the disk: drop the oldest (checked n times)
+                httpd.call(svc.url, "DELETE", f"/blobs/{done.pop(0)}", token=TOKEN, ca_file=svc.ca)
+    finally:
+        svc.stop()
+    return {"daemon": "blob store (mid-upload; the upload resumes)", "kills": n, "lost": lost, "restart": restarts}
+
+
+# ---------------------------------------------------------------- load, half-open, fuzz, disk
+
+def closed_loop(fn_factory, clients, seconds):
+    """fn_factory(i) -> a callable doing one request; -> (req/s, latencies, errors)."""
+    lat, errors, stop = [], [0], time.monotonic() + seconds
+
+    def worker(i):
+        fn = fn_factory(i)
+        mine = []
+        while time.monotonic() < stop:
+            t0 = time.perf_counter()
+            try:
+                fn()
+                mine.append(time.perf_counter() - t0)
+            except Exception:
+                errors[0] += 1
+        lat.extend(mine)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return len(lat) / (time.monotonic() - t0), lat, errors[0]
+
+
+def load(work, seconds):
+    rows = []
+    darl = Service(work, "darl-load", ["darl_server.py", "--num-samples", 10 ** 7, "--state-dir",
+                                       os.path.join(work, "darl-load"), "--snapshot-every", 100000])
+    init = write_model(os.path.join(work, "load-init.safetensors"), tensors=4, size=1024)
+    fed = Service(work, "fedmom-load", ["fedmom_server.py", "--state-dir", os.path.join(work, "fedmom-load"),
+                                        "--init", init])
+    blob = Service(work, "blob-load", ["blobstore.py", "--root", os.path.join(work, "blob-load")])
+    try:
+        for s in (darl, fed, blob):
+            s.start()
+        digest = httpd.call(darl.url, "GET", "/health", ca_file=darl.ca)["digest"]
+
+        def darl_cycle(i):
+            c = darl_client.LeaseClient(darl.url, TOKEN, retries=0, ca_file=darl.ca)
+            c.register(f"load{i}", "inc", digest)
+
+            def one():
+                lease = c.acquire(f"load{i}", "inc", blocks=1)["lease"]
+                c.commit(f"load{i}", "inc", lease["id"], lease["end"])
+            return one
+        src = os.path.join(work, "load-blob")
+        with open(src, "wb") as f:
+            f.write(os.urandom(1 << 20))
+        blobstore.put_file(blob.url, "load", src, token=TOKEN, ca_file=blob.ca)
+
+        def keep_alive(svc, method, path, body=None):
+            def factory(i):
+                conn = httpd.connect(svc.url, 30, svc.ca)
+                return lambda: httpd.call(svc.url, method, path, body, token=TOKEN, conn=conn)
+            return factory
+
+        def blob_get(i):
+            conn = httpd.connect(blob.url, 30, blob.ca)
+
+            def one():
+                conn.request("GET", "/blobs/load", headers=httpd.auth_headers(TOKEN))
+                r = conn.getresponse()
+                if len(r.read()) != 1 << 20:
+                    raise IOError("short read")
+            return one
+        for name, factory, clients, unit in (
+                ("DARL acquire+commit (2 fsync'd writes)", darl_cycle, 64, "cycles"),
+                ("DARL GET /status", keep_alive(darl, "GET", "/status"), 64, "req"),
+                ("FedMom POST /join (an existing member)", keep_alive(fed, "POST", "/join",
+                                                                       {"cluster": "l", "incarnation": "l-1"}), 64, "req"),
+                ("blob store GET 1 MiB", blob_get, 16, "req")):
+            rate, lat, errors = closed_loop(factory, clients, seconds)
+            rows.append({"what": name, "clients": clients, "rate": rate, "unit": unit, "p50_ms": pct(lat, 0.5) * 1e3,
+                         "p99_ms": pct(lat, 0.99) * 1e3, "errors": errors})
+    finally:
+        for s in (darl, fed, blob):
+            s.stop()
+    return rows
+
+
+def proc_stats(pid):
+    with open(f"/proc/{pid}/status") as f:
+        st = dict(line.split(":", 1) for line in f)
+    return int(st["Threads"]), int(st["VmRSS"].split()[0]) / 1024
+
+
+def halfopen(work, held=2000, samples=400):
+    svc = Service(work, "darl-halfopen", ["darl_server.py", "--num-samples", 10 ** 6, "--state-dir",
+                                          os.path.join(work, "darl-halfopen"), "--header-timeout-s", 600])
+    svc.start()
+    try:
+        digest = httpd.call(svc.url, "GET", "/health", ca_file=svc.ca)["digest"]
+        c = darl_client.LeaseClient(svc.url, TOKEN, retries=0, ca_file=svc.ca)
+        c.register("legit", "inc", digest)
+
+        def latencies():
+            out = []
+            for _ in range(samples):
+                t0 = time.perf_counter()
+                lease = c.acquire("legit", "inc", blocks=1)["lease"]
+                c.commit("legit", "inc", lease["id"], lease["end"])
+                out.append(time.perf_counter() - t0)
+            return out
+        base = latencies()
+        threads0, rss0 = proc_stats(svc.proc.pid)
+        socks, tls = [], httpd.client_tls(svc.ca)
+        for i in range(held):
+            s = socket.create_connection(("127.0.0.1", svc.port))
+            if i % 2:                                 # half-open: a TLS session that stops mid-headers
+                s = tls.wrap_socket(s, server_hostname="127.0.0.1")
+                s.sendall(b"POST /acquire HTTP/1.1\r\nContent-Length: 100\r\n")
+            socks.append(s)
+        deadline = time.monotonic() + 60
+        while httpd.call(svc.url, "GET", "/status", token=TOKEN, ca_file=svc.ca)["http"]["open"] < held:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        held_now = httpd.call(svc.url, "GET", "/status", token=TOKEN, ca_file=svc.ca)["http"]["open"] - 1
+        threads1, rss1 = proc_stats(svc.proc.pid)
+        loaded = latencies()
+        for s in socks:
+            s.close()
+    finally:
+        svc.stop()
+    return {"held": held_now, "threads": (threads0, threads1), "rss_mib": (rss0, rss1),
+            "p50_ms": (pct(base, 0.5) * 1e3, pct(loaded, 0.5) * 1e3),
+            "p99_ms": (pct(base, 0.99) * 1e3, pct(loaded, 0.99) * 1e3)}
+
+
+def fuzz(work, count):
+    rows = []
+    init = write_model(os.path.join(work, "fz-init.safetensors"), tensors=3, size=256)
+    common = ["--header-timeout-s", 1]
+    services = {"darl": Service(work, "darl-fuzz", ["darl_server.py", "--num-samples", 500, "--state-dir",
+                                                    os.path.join(work, "darl-fuzz"), "--min-ttl", 1, "--max-ttl", 2,
+                                                    "--default-ttl", 2, *common]),
+                "fedmom": Service(work, "fedmom-fuzz", ["fedmom_server.py", "--state-dir",
+                                                        os.path.join(work, "fedmom-fuzz"), "--init", init,
+                                                        "--member-timeout-s", 3, "--round-deadline-s", 5, *common]),
+                "blob": Service(work, "blob-fuzz", ["blobstore.py", "--root", os.path.join(work, "blob-fuzz"), *common])}
+    for name, svc in services.items():
+        svc.start()
+        try:
+            out = http_fuzz.run(name, svc.url, TOKEN, svc.ca, count=count, seed=0, workers=8, timeout=20,
+                                slow_wait_s=20, workdir=work)
+            out["alive"] = svc.proc.poll() is None
+            with open(svc.log, errors="replace") as f:
+                out["tracebacks"] = f.read().count("Traceback")
+            rows.append(out)
+            print(http_fuzz.format_report(out), flush=True)
+        finally:
+            svc.stop()
+    return rows
+
+
+def diskfull(work):
+    """The cases of tests/test_exposure.py DiskFullTest, run against the real processes."""
+    disk = os.path.join(work, "tmpfs")
+    os.makedirs(disk)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", disk], capture_output=True, text=True)
+    if r.returncode:
+        return {"skipped": f"cannot mount a tmpfs ({r.stderr.strip()}): run as root"}
+    rows = []
+    try:
+        def filler(leave):
+            st = os.statvfs(disk)
+            path = os.path.join(disk, "filler")
+            with open(path, "wb") as f:
+                f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave))
+            return path
+
+        def files(d):
+            return sum(len(fs) for _, _, fs in os.walk(d))
+        blob = Service(work, "blob-full", ["blobstore.py", "--root", os.path.join(disk, "blobs")])
+        blob.start()
+        src = os.path.join(work, "full-src")
+        with open(src, "wb") as f:
+            f.write(os.urandom(6 << 20))
+        fill = filler(3 << 20)
+        try:
+            blobstore.put_file(blob.url, "x", src, token=TOKEN, ca_file=blob.ca, retries=0)
+            reply = "accepted (!)"
+        except httpd.CallError as e:
+            reply = f"{e.status} {e.reply.get('code')}"
+        left = files(os.path.join(disk, "blobs"))
+        os.unlink(fill)
+        back = blobstore.put_file(blob.url, "x", src, token=TOKEN, ca_file=blob.ca, retries=0)["size"] == 6 << 20
+        rows.append(("blob upload (6 MiB, 3 MiB free)", reply, f"{left} files", back))
+        blob.stop()
+
+        init = write_model(os.path.join(work, "full-init.safetensors"), tensors=4, size=32768)
+        delta = write_model(os.path.join(work, "full-delta.safetensors"), tensors=4, size=32768, value=1e-3)
+        fed = Service(work, "fedmom-full", ["fedmom_server.py", "--state-dir", os.path.join(disk, "fm"), "--init", init])
+        fed.start()
+        a, b = (fedmom_client.FedMomClient(fed.url, c, f"{c}-1", token=TOKEN, ca_file=fed.ca, retries=0) for c in "ab")
+        a.join(), b.join()
+        before = files(os.path.join(disk, "fm"))
+        fill = filler(256 << 10)
+        try:
+            a.send_delta(delta, 0, 10, [], {}, transport="inline")
+            reply = "accepted (!)"
+        except httpd.CallError as e:
+            reply = f"{e.status} {e.reply.get('code')}"
+        left = files(os.path.join(disk, "fm")) - before
+        os.unlink(fill)
+        back = a.send_delta(delta, 0, 10, [], {}, transport="inline").get("accepted")
+        rows.append(("delta spool (512 KiB delta, 256 KiB free)", reply, f"{left} new files", bool(back)))
+        fill = filler(0)
+        try:
+            fedmom_client.FedMomClient(fed.url, "c", "c-1", token=TOKEN, ca_file=fed.ca).join()
+            reply = "joined (!)"
+        except httpd.CallError as e:
+            reply = f"{e.status} {e.reply.get('code')}"
+        members = [m["cluster"] for m in httpd.call(fed.url, "GET", "/status", token=TOKEN, ca_file=fed.ca)["members"]]
+        os.unlink(fill)
+        rows.append(("join (disk full)", reply, f"members {members}", True))
+        c = fedmom_client.FedMomClient(fed.url, "c", "c-1", token=TOKEN, ca_file=fed.ca)
+        c.join()                                    # the round now waits for c
+        b.send_delta(delta, 0, 10, [], {}, transport="inline")
+        fill = filler(256 << 10)
+        c.leave()                                   # nobody left to wait for: the merge starts, cannot write
+        deadline = time.monotonic() + 30
+        while not httpd.call(fed.url, "GET", "/status", token=TOKEN, ca_file=fed.ca)["merge_error"]:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        st = httpd.call(fed.url, "GET", "/status", token=TOKEN, ca_file=fed.ca)
+        tmp_left = [f for f in os.listdir(os.path.join(disk, "fm")) if ".tmp-" in f]
+        os.unlink(fill)
+        deadline = time.monotonic() + 60                            # retried 30 s later
+        while httpd.call(fed.url, "GET", "/round", token=TOKEN, ca_file=fed.ca)["round"] < 1:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        back = httpd.call(fed.url, "GET", "/round", token=TOKEN, ca_file=fed.ca)["round"] == 1
+        rows.append(("merge (256 KiB free for 1 MiB of theta + momentum)",
+                     f"round {st['round']}, merge_error: {'disk full' if 'No space' in (st['merge_error'] or '') else st['merge_error']}",
+                     f"{len(tmp_left)} temp files", back))
+        fed.stop()
+    finally:
+        subprocess.run(["umount", "-l", disk])
+    return {"rows": rows}
+
+
+# ---------------------------------------------------------------- report
+
+def markdown(res):
+    out = [BEGIN, "", f"Measured by `make bench-faults` ({time.strftime('%Y-%m-%d')}, "
+           f"{os.cpu_count()} cores, loopback, TLS); every figure below is regenerated by it.", ""]
+    if "kills" in res:
+        out += ["| SIGKILL of | kills survived | acknowledged work lost | restart to healthy p50 / p99 |", "|---|---|---|---|"]
+        for r in res["kills"]:
+            out.append(f"| {r['daemon']} | {r['kills']} | {r['lost']} | {pct(r['restart'], 0.5) * 1e3:.0f} / "
+                       f"{pct(r['restart'], 0.99) * 1e3:.0f} ms |")
+        out.append("")
+    if "fuzz" in res:
+        out += ["| fuzzed server | requests | 2xx / 4xx / closed or reset | 5xx | hung | crashed | epoch after |",
+                "|---|---|---|---|---|---|---|"]
+        for r in res["fuzz"]:
+            tot = {}
+            for o in r["by_kind"].values():
+                for k, v in o.items():
+                    tot[k] = tot.get(k, 0) + v
+            out.append(f"| {r['server']} | {r['requests']:,} | {tot.get('2xx', 0):,} / {tot.get('4xx', 0):,} / "
+                       f"{tot.get('closed', 0) + tot.get('reset', 0):,} | {tot.get('5xx', 0)} | {tot.get('timeout', 0)} | "
+                       f"{'no' if r['alive'] and not r['tracebacks'] else 'YES'} | "
+                       f"{'ok' if not r['epoch_problems'] else 'FAILED'} |")
+        out.append("")
+    if "load" in res:
+        out += ["| load (closed loop, keep-alive, TLS) | clients | rate | p50 / p99 | errors |", "|---|---|---|---|---|"]
+        for r in res["load"]:
+            out.append(f"| {r['what']} | {r['clients']} | {r['rate']:,.0f} {r['unit']}/s | {r['p50_ms']:.1f} / "
+                       f"{r['p99_ms']:.1f} ms | {r['errors']} |")
+        out.append("")
+    if "halfopen" in res:
+        h = res["halfopen"]
+        out += ["| DARL holding open connections | unloaded | with them held | target |", "|---|---|---|---|",
+                f"| connections held (half idle, half mid-headers under TLS) | 0 | {h['held']:,} | 2,000 |",
+                f"| server threads | {h['threads'][0]} | {h['threads'][1]} | bounded (--workers + 3) |",
+                f"| server RSS | {h['rss_mib'][0]:.0f} MiB | {h['rss_mib'][1]:.0f} MiB | bounded |",
+                f"| legitimate acquire+commit p50 | {h['p50_ms'][0]:.1f} ms | {h['p50_ms'][1]:.1f} ms | |",
+                f"| legitimate acquire+commit p99 | {h['p99_ms'][0]:.1f} ms | {h['p99_ms'][1]:.1f} ms "
+                f"({h['p99_ms'][1] / h['p99_ms'][0]:.2f}x) | <= 2x |", ""]
+    if "diskfull" in res:
+        d = res["diskfull"]
+        if "skipped" in d:
+            out += [f"Disk full: skipped ({d['skipped']}).", ""]
+        else:
+            out += ["| full disk (16 MiB tmpfs) | reply | left behind | back once space returns |", "|---|---|---|---|"]
+            out += [f"| {a} | {b} | {c} | {'yes' if ok else 'NO'} |" for a, b, c, ok in d["rows"]]
+            out.append("")
+    out.append(END)
+    return "\n".join(out)
+
+
+def update_guide(table):
+    with open(GUIDE) as f:
+        text = f.read()
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + table + text[text.index(END) + len(END):]
+    else:
+        raise SystemExit(f"{GUIDE} has no {BEGIN} ... {END} markers to replace")
+    with open(GUIDE, "w") as f:
+        f.write(text)
+
+
+def main(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kills", type=int, default=200, help="SIGKILLs per daemon (default 200)")
+    p.add_argument("--fuzz", type=int, default=10000, help="fuzz requests per server (default 10000)")
+    p.add_argument("--load-s", type=float, default=5.0, help="seconds per load measurement (default 5)")
+    p.add_argument("--quick", action="store_true", help="10 kills, 500 fuzz requests, 2 s loads")
+    p.add_argument("--only", default="kills,fuzz,load,halfopen,diskfull", help="comma-separated parts")
+    p.add_argument("--no-guide", action="store_true", help="do not rewrite FEDERATION_GUIDE.md's table")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.kills, a.fuzz, a.load_s = 10, 500, 2.0
+    parts = set(a.only.split(","))
+    work = tempfile.mkdtemp(prefix="faults-", dir=os.path.join(ROOT, "runs") if os.path.isdir(os.path.join(ROOT, "runs")) else None)
+    certs.make_tls(work)
+    with open(os.path.join(work, "token"), "w") as f:
+        f.write(TOKEN + "\n")
+    res = {}
+    try:
+        if "kills" in parts:
+            res["kills"] = []
+            for fn in (kills_darl, kills_fedmom, kills_blob):
+                t0 = time.monotonic()
+                r = fn(work, a.kills)
+                res["kills"].append(r)
+                print(f"kills: {r['daemon']}: {r['kills']} SIGKILLs survived, acknowledged work lost {r['lost']} "
+                      f"(target 0), restart to healthy p50 {pct(r['restart'], 0.5) * 1e3:.0f} ms p99 "
+                      f"{pct(r['restart'], 0.99) * 1e3:.0f} ms ({time.monotonic() - t0:.0f} s)", flush=True)
+        if "fuzz" in parts:
+            res["fuzz"] = fuzz(work, a.fuzz)
+        if "load" in parts:
+            res["load"] = load(work, a.load_s)
+            for r in res["load"]:
+                print(f"load: {r['what']}: {r['clients']} clients, {r['rate']:,.0f} {r['unit']}/s, p50 "
+                      f"{r['p50_ms']:.1f} ms p99 {r['p99_ms']:.1f} ms, errors {r['errors']}", flush=True)
+        if "halfopen" in parts:
+            h = res["halfopen"] = halfopen(work)
+            print(f"half-open: {h['held']} connections held; server threads {h['threads'][0]} -> {h['threads'][1]}, "
+                  f"RSS {h['rss_mib'][0]:.0f} -> {h['rss_mib'][1]:.0f} MiB; legitimate p99 {h['p99_ms'][0]:.1f} -> "
+                  f"{h['p99_ms'][1]:.1f} ms ({h['p99_ms'][1] / h['p99_ms'][0]:.2f}x, target <= 2x)", flush=True)
+        if "diskfull" in parts:
+            res["diskfull"] = diskfull(work)
+            for row in res["diskfull"].get("rows", []):
+                print(f"disk full: {row[0]}: {row[1]}; left {row[2]}; back: {row[3]}", flush=True)
+            if "skipped" in res["diskfull"]:
+                print(f"disk full: SKIPPED: {res['diskfull']['skipped']}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    table = markdown(res)
+    print(table)
+    if not a.no_guide and not a.quick and parts == {"kills", "fuzz", "load", "halfopen", "diskfull"}:
+        update_guide(table)
+        print(f"rewrote the table in {os.path.relpath(GUIDE, ROOT)}")
+    bad = any(r["lost"] for r in res.get("kills", [])) or any(not r["ok"] for r in res.get("fuzz", []))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
