@@ -432,6 +432,10 @@ class JobCommandTest(unittest.TestCase):
         argv, _ = self.launch("snellius", "titan", env={"PWW_CENTRAL_ENV": central_env})
         self.assertEqual(argv[argv.index("--site") + 1], "snellius")
         self.assertNotIn("--replica", argv)
+        r = self.launch("lumi", "titan", env={"PWW_CENTRAL_ENV": central_env, "PWW_CA_FILE": "/no/ca.pem"},
+                        check=False)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("PWW_CA_FILE=/no/ca.pem: no such file", r.stderr)
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
