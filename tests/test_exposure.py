@@ -482,6 +482,20 @@ class StallTest(unittest.TestCase):
         with self.assertRaises(OSError):
             c._send_inline(path, {"cluster": "a"})
 
+    def test_train_reads_the_token_and_ca_files_the_runbook_exports(self):
+        import train
+        env = {"PWW_TOKEN_FILE": "/site/central.token", "PWW_CA_FILE": "/site/central-ca.pem"}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            cfg = train.parse_config(["--model", "qwen3-tiny"])
+            flags = train.parse_config(["--model", "qwen3-tiny", "--token-file", "/t", "--ca-file", "/c"])
+        finally:
+            for k, v in old.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        self.assertEqual((cfg.token_file, cfg.ca_file), ("/site/central.token", "/site/central-ca.pem"))
+        self.assertEqual((flags.token_file, flags.ca_file), ("/t", "/c"))       # flags win
+
     def test_the_other_ranks_keep_polling_while_a_transfer_runs(self):
         import train
         done = threading.Event()
