@@ -26,8 +26,10 @@ Hostile or broken deltas (a robust merge; every finite delta is still a weapon):
     its own norm, so clipping needs company: the finiteness check below does not;
   - every merged chunk of theta and momentum is checked as it is computed: a non-finite
     value stops the merge with NonFinite before anything is written, and the caller
-    merges again without the largest contribution. Two finite f32 deltas of ~3e38 used
-    to publish an inf theta that no later round could repair.
+    merges again without the largest contribution - or, when the old momentum alone
+    overflows (earlier rounds pushed it near the fp32 limit, so no delta, however small,
+    could be merged: a round stuck for good), with the momentum reset. Two finite f32
+    deltas of ~3e38 used to publish an inf theta that no later round could repair.
 
 Memory and passes: each tensor is merged CHUNK elements at a time; theta, momentum
 and delta chunks arrive by positioned reads straight into cache-sized buffers (or into
@@ -144,11 +146,24 @@ class Inputs:
 
 
 class NonFinite(ArithmeticError):
-    """The merged theta or momentum would hold NaN/Inf: nothing was written."""
+    """The merged theta or momentum would hold NaN/Inf: nothing was written. `cause`:
+    "momentum" when the old momentum alone overflows that chunk (no delta could be merged
+    on top of it: reset the buffer), else "deltas" (leave the largest contribution out)."""
 
-    def __init__(self, what, name):
+    def __init__(self, what, name, cause="deltas"):
         super().__init__(f"the merged {what} of tensor {name!r} is not finite")
-        self.what, self.name = what, name
+        self.what, self.name, self.cause = what, name, cause
+
+
+def _momentum_alone_overflows(theta, buf, lr, mu):
+    """theta - lr*mu^2*buf and mu*buf: the step with every delta zero. theta/buf are
+    scratch copies of the old chunk (clobbered)."""
+    buf *= np.float32(mu)
+    if not np.isfinite(buf).all():
+        return True
+    buf *= np.float32(lr * mu)
+    theta -= buf
+    return not np.isfinite(theta).all()
 
 
 def sq_norm(x):
@@ -175,12 +190,18 @@ def merge_tensor(inputs, name, theta, buf, weights, lr, mu, sums, work):
         sums["theta"] += sq_norm(th)
         s, tmp = work[0][:hi - lo], work[1][:hi - lo]
         ds = [inputs.read(k, name, lo, hi) for k in range(2, 2 + len(weights))]
-        scaled_sum(ds, weights, s, tmp, sums["delta"])
-        nesterov_chunk(th, b, s, tmp, lr, mu, first)
-        if not np.isfinite(th).all():
-            raise NonFinite("theta", name)
-        if b is not None and not np.isfinite(b).all():
-            raise NonFinite("momentum", name)
+        with np.errstate(over="ignore", invalid="ignore"):      # overflow is checked just below
+            scaled_sum(ds, weights, s, tmp, sums["delta"])
+            nesterov_chunk(th, b, s, tmp, lr, mu, first)
+            bad = "theta" if not np.isfinite(th).all() else \
+                "momentum" if b is not None and not np.isfinite(b).all() else None
+            if bad:
+                cause = "deltas"
+                if not first:
+                    th0, _ = inputs.read(0, name, lo, hi, out=s)
+                    b0, _ = inputs.read(1, name, lo, hi, out=tmp)
+                    cause = "momentum" if _momentum_alone_overflows(th0, b0, lr, mu) else "deltas"
+                raise NonFinite(bad, name, cause)
 
 
 class WriteBehind:

@@ -65,8 +65,9 @@ The merge is robust to finite but hostile deltas (fedmom_merge.py): each delta i
 scaled to at most --clip-factor (10) x the median delta norm of the round and of the
 last 4 rounds' merged deltas (named in the record's "clip"), and a merge whose theta or
 momentum would not be finite is redone without the largest contribution, which is
-excluded (its custody aborted). theta_global and momentum are never published with a
-NaN or Inf.
+excluded (its custody aborted), or, if the old momentum alone overflows, with the
+momentum reset (the record's "momentum_reset"). theta_global and momentum are never
+published with a NaN or Inf.
 
 What became of a delta (so a site knows whether to release its leases, and an audit
 can check that every DARL block was committed through exactly one merged round):

@@ -717,8 +717,10 @@ class FedMomState:
         return m
 
     def _member_reply(self, cluster):
+        # `cluster` may have left or been dropped while its heartbeat long-polled
         return {"round": self.round, "merging": self.merging, "members": sorted(self.members),
-                "sent": self._responded(cluster), "heartbeat_s": round(self.cfg.member_timeout_s / 4, 3),
+                "sent": cluster in self.members and self._responded(cluster),
+                "heartbeat_s": round(self.cfg.member_timeout_s / 4, 3),
                 "deltas": self._outcomes_of(cluster)}
 
     def _open_outcomes(self):
@@ -995,10 +997,11 @@ class FedMomState:
         return scales, {"factor": self.cfg.clip_factor, "limit": limit, "clipped": clipped}
 
     def _merge(self, batch):
-        """The merge, robustly: deltas clipped to the limit, and merged again without the
-        largest contribution while the merged theta or momentum would not be finite.
+        """The merge, robustly: deltas clipped to the limit, and merged again while the
+        merged theta or momentum would not be finite - without the largest contribution,
+        or with the momentum reset when the old momentum alone overflows.
         -> (stats or None, the deltas merged, [(delta, why excluded)])."""
-        live, dropped = list(batch), []
+        live, dropped, reset = list(batch), [], None
         new, mu = self.round + 1, self.cfg.outer_momentum
         while live:
             total = sum(p.tokens for p in live)
@@ -1008,13 +1011,18 @@ class FedMomState:
             try:
                 stats = fedmom_merge.merge_files(
                     os.path.join(self.dir, self.theta_file),
-                    os.path.join(self.dir, self.momentum_file) if self.momentum_file else None,
+                    os.path.join(self.dir, self.momentum_file) if self.momentum_file and not reset else None,
                     [(p.path, w * c) for p, w, c in zip(live, shares, scales)],
                     os.path.join(self.dir, f"theta-{new}.safetensors"),
                     os.path.join(self.dir, f"momentum-{new}.safetensors") if mu > 0 else None,
                     self.cfg.outer_lr, mu, {"round": str(new)}, self.cfg.fsync, self.merge_pause_s,
                     after_tensor=lambda name: httpd.fault_point("fedmom.merge"))
             except fedmom_merge.NonFinite as e:
+                if e.cause == "momentum" and not reset:
+                    reset = (f"{e}, with every delta zero: the momentum buffer of round {self.round} is reset "
+                             "(this round steps as the first one did)")
+                    log(f"fedmom: MOMENTUM RESET at the merge of round {self.round}: {reset}")
+                    continue
                 worst = max(zip(live, shares, scales), key=lambda x: x[1] * x[2] * (x[0].norm or 0.0))[0]
                 why = (f"{e}: this delta (norm {worst.norm:.4g}), the largest contribution, is excluded "
                        "and the round merged without it")
@@ -1023,7 +1031,7 @@ class FedMomState:
                 live.remove(worst)
                 dropped.append((worst, why))
                 continue
-            stats.update(merge_s=self.clock() - t0, weights=shares, scales=scales, clip=clip)
+            stats.update(merge_s=self.clock() - t0, weights=shares, scales=scales, clip=clip, momentum_reset=reset)
             return stats, live, dropped
         return None, [], dropped
 
@@ -1089,7 +1097,7 @@ class FedMomState:
                 "drift_max": max(drifts) if drifts else None,
                 "tokens_per_s": sum(tps) if tps else None,
                 "wall_s": round(closed_at - self.round_opened_at, 3), "merge_s": round(stats["merge_s"], 3),
-                "outcomes": outcomes, "clip": stats["clip"],
+                "outcomes": outcomes, "clip": stats["clip"], "momentum_reset": stats["momentum_reset"],
                 "excluded": list(self.excluded), "dropped": list(self.dropped), "late": late,
                 "members": sorted(self.members), "outer_lr": self.cfg.outer_lr,
                 "outer_momentum": self.cfg.outer_momentum,

@@ -386,8 +386,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 return True
 
     def _linger(self):
+        poller = select.poll()            # not select.select: descriptors above 1024 are normal here
         try:
-            return bool(select.select([self.connection], [], [], LINGER_S)[0])
+            poller.register(self.connection.fileno(), select.POLLIN)
+            return bool(poller.poll(LINGER_S * 1000))
         except (OSError, ValueError):
             return False
 

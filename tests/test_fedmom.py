@@ -794,6 +794,36 @@ class HostileDeltaTest(Fixture):
         moved = np.sqrt(sum(float(((self.theta(st)[k] - before[k]) ** 2).sum()) for k in SHAPES))
         self.assertLess(moved, limit, "the step is bounded by the clipped norms, not by 1e30")
 
+    def test_a_momentum_pushed_near_the_limit_is_reset_not_a_stuck_round(self):
+        st = self.state()                                     # lr 0.7, Nesterov 0.9
+        st.join("a", "a-inc")
+        self.send(st, "a", self.huge(2e38), 10)               # theta 2.66e38, momentum -2e38: finite
+        self.assertEqual(st.tick()["momentum_reset"], None)
+        gpath, g = self.delta("F32")
+        self.send(st, "a", gpath, 10)                         # any delta now: theta + 0.567 x 2e38 = inf
+        rec = st.tick()
+        self.assertIsNotNone(rec, "the round merged")
+        self.assertEqual(sorted(rec["clusters"]), ["a"], "the small delta was not excluded")
+        self.assertIn("momentum buffer of round 1 is reset", rec["momentum_reset"])
+        self.assertTrue(all(np.isfinite(t).all() for t in self.theta(st).values()))
+
+    def test_a_long_poll_whose_member_leaves_meanwhile_still_answers(self):
+        """Found by http_fuzz.py: the reply after the wait looked the member up again (500)."""
+        st = self.state()
+        st.join("a", "a-inc")
+        self.clock.t += 1.0                                   # the heartbeat marks its arrival with this time
+        out = {}
+        t = threading.Thread(target=lambda: out.update(reply=st.heartbeat("a", "a-inc", wait_round_after=0,
+                                                                          wait_s=60)))
+        t.start()
+        deadline = time.monotonic() + 30
+        while st.members["a"].last_seen != self.clock.t:      # it holds the lock until it waits
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.01)
+        st.leave("a", "a-inc")                                # runs once the heartbeat waits
+        t.join(30)
+        self.assertEqual((out["reply"]["members"], out["reply"]["sent"]), ([], False))
+
     def test_a_huge_delta_alone_is_excluded_and_the_round_stays(self):
         st = self.state()
         st.join("a", "a-inc")
