@@ -71,22 +71,17 @@ def darl_cmd(num_blocks, state_dir):
             "--port", "0", "--initial-grant", "1", "--max-grant", "1"]
 
 
-def cycles(url, clients, seconds, digest):
-    """acquire(1 block) + heartbeat(claim it) + commit from `clients` closed-loop threads,
-    each on its own keep-alive connection. -> (cycles/s, [cycle latency s], errors)."""
-    lat, errors = [[] for _ in range(clients)], [0] * clients
-    stop = time.monotonic() + seconds
+def closed_loop(factory, clients, seconds):
+    """`clients` threads, each calling factory(i)() (one request or cycle) back to back for
+    `seconds`. -> (calls/s, [latency s of each good call], errors)."""
+    lat, errors, stop = [[] for _ in range(clients)], [0] * clients, time.monotonic() + seconds
 
     def worker(i):
-        c = darl_client.LeaseClient(url, retries=0)
-        name = f"bench-{i}"
-        c.register(name, "inc", digest)
+        one = factory(i)
         while time.monotonic() < stop:
             t0 = time.perf_counter()
             try:
-                lease = c.acquire(name, "inc", blocks=1)["lease"]
-                c.heartbeat(name, "inc", [{"lease": lease["id"], "cursor": lease["end"]}])
-                c.commit(name, "inc", lease["id"], lease["end"])
+                one()
             except Exception:
                 errors[i] += 1
                 continue
@@ -99,6 +94,21 @@ def cycles(url, clients, seconds, digest):
         t.join()
     flat = [x for xs in lat for x in xs]
     return len(flat) / (time.monotonic() - t0), flat, sum(errors)
+
+
+def cycles(url, clients, seconds, digest):
+    """acquire(1 block) + heartbeat(claim it) + commit from `clients` closed-loop threads,
+    each on its own keep-alive connection. -> (cycles/s, [cycle latency s], errors)."""
+    def factory(i):
+        c, name = darl_client.LeaseClient(url, retries=0), f"bench-{i}"
+        c.register(name, "inc", digest)
+
+        def one():
+            lease = c.acquire(name, "inc", blocks=1)["lease"]
+            c.heartbeat(name, "inc", [{"lease": lease["id"], "cursor": lease["end"]}])
+            c.commit(name, "inc", lease["id"], lease["end"])
+        return one
+    return closed_loop(factory, clients, seconds)
 
 
 def quantile(xs, q):

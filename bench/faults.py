@@ -47,6 +47,7 @@ import numpy as np  # noqa: E402
 import blobstore  # noqa: E402
 import certs  # noqa: E402
 import darl_client  # noqa: E402
+from darl_rpc import closed_loop, quantile  # noqa: E402  (bench/ is this script's directory)
 import fedmom_client  # noqa: E402
 import http_fuzz  # noqa: E402
 import httpd  # noqa: E402
@@ -61,11 +62,6 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
 class Service:
@@ -260,34 +256,10 @@ def kills_blob(work, n):
 
 # ---------------------------------------------------------------- load, half-open, fuzz, disk
 
-def closed_loop(fn_factory, clients, seconds):
-    """fn_factory(i) -> a callable doing one request; -> (req/s, latencies, errors)."""
-    lat, errors, stop = [], [0], time.monotonic() + seconds
-
-    def worker(i):
-        fn = fn_factory(i)
-        mine = []
-        while time.monotonic() < stop:
-            t0 = time.perf_counter()
-            try:
-                fn()
-                mine.append(time.perf_counter() - t0)
-            except Exception:
-                errors[0] += 1
-        lat.extend(mine)
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
-    t0 = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return len(lat) / (time.monotonic() - t0), lat, errors[0]
-
-
 def load(work, seconds):
     rows = []
     darl = Service(work, "darl-load", ["darl_server.py", "--num-samples", 10 ** 7, "--state-dir",
-                                       os.path.join(work, "darl-load"), "--snapshot-every", 100000])
+                                       os.path.join(work, "darl-load")])
     init = write_model(os.path.join(work, "load-init.safetensors"), tensors=4, size=1024)
     fed = Service(work, "fedmom-load", ["fedmom_server.py", "--state-dir", os.path.join(work, "fedmom-load"),
                                         "--init", init])
@@ -332,8 +304,8 @@ def load(work, seconds):
                                                                        {"cluster": "l", "incarnation": "l-1"}), 64, "req"),
                 ("blob store GET 1 MiB", blob_get, 16, "req")):
             rate, lat, errors = closed_loop(factory, clients, seconds)
-            rows.append({"what": name, "clients": clients, "rate": rate, "unit": unit, "p50_ms": pct(lat, 0.5) * 1e3,
-                         "p99_ms": pct(lat, 0.99) * 1e3, "errors": errors})
+            rows.append({"what": name, "clients": clients, "rate": rate, "unit": unit, "p50_ms": quantile(lat, 0.5) * 1e3,
+                         "p99_ms": quantile(lat, 0.99) * 1e3, "errors": errors})
     finally:
         for s in (darl, fed, blob):
             s.stop()
@@ -393,7 +365,7 @@ def halfopen(work, held=2000, samples=300, rounds=3):
     b, l_ = out["base"], out["loaded"]
     return {"held": out["held"], "threads": (out["threads0"], out["threads1"]), "rss_mib": (out["rss0"], out["rss1"]),
             "rounds": rounds, "samples": samples * rounds,
-            **{f"{k}_{q}_ms": (pct(b[k], v) * 1e3, pct(l_[k], v) * 1e3)
+            **{f"{k}_{q}_ms": (quantile(b[k], v) * 1e3, quantile(l_[k], v) * 1e3)
                for k in ("status", "cycle") for q, v in (("p50", 0.5), ("p99", 0.99))}}
 
 
@@ -535,8 +507,8 @@ def markdown(res):
     if "kills" in res:
         out += ["| SIGKILL of | kills survived | acknowledged work lost | restart to healthy p50 / p99 |", "|---|---|---|---|"]
         for r in res["kills"]:
-            out.append(f"| {r['daemon']} | {r['kills']} | {r['lost']} | {pct(r['restart'], 0.5) * 1e3:.0f} / "
-                       f"{pct(r['restart'], 0.99) * 1e3:.0f} ms |")
+            out.append(f"| {r['daemon']} | {r['kills']} | {r['lost']} | {quantile(r['restart'], 0.5) * 1e3:.0f} / "
+                       f"{quantile(r['restart'], 0.99) * 1e3:.0f} ms |")
         out.append("")
     if "fuzz" in res:
         out += ["| fuzzed server | requests | 2xx / 4xx / closed or reset | 5xx | hung | crashed | epoch after |",
@@ -620,8 +592,8 @@ def main(argv):
                 r = fn(work, a.kills)
                 res["kills"].append(r)
                 print(f"kills: {r['daemon']}: {r['kills']} SIGKILLs survived, acknowledged work lost {r['lost']} "
-                      f"(target 0), restart to healthy p50 {pct(r['restart'], 0.5) * 1e3:.0f} ms p99 "
-                      f"{pct(r['restart'], 0.99) * 1e3:.0f} ms ({time.monotonic() - t0:.0f} s)", flush=True)
+                      f"(target 0), restart to healthy p50 {quantile(r['restart'], 0.5) * 1e3:.0f} ms p99 "
+                      f"{quantile(r['restart'], 0.99) * 1e3:.0f} ms ({time.monotonic() - t0:.0f} s)", flush=True)
         if "fuzz" in parts:
             res["fuzz"] = fuzz(work, a.fuzz)
         if "load" in parts:
