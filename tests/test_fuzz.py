@@ -1,4 +1,4 @@
-"""tests/test_fuzz.py - the fast, seeded subset of http_fuzz.py against the three real
+"""tests/test_fuzz.py - the fast, seeded subset of bench/http_fuzz.py against the three real
 servers over TLS on 127.0.0.1: 0 crashes, 0 5xx, 0 hung requests, /health afterwards,
 and a legitimate epoch that keeps every invariant (bench/faults.py sends 10,000 per
 server; this sends FUZZ_COUNT). Also: the fuzzer itself sees a 5xx when one is there.
@@ -15,11 +15,15 @@ import unittest
 import numpy as np
 
 import certs
-import http_fuzz
 import httpd
 import tensorio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the fuzzer is a bench tool; appended, not prepended: bench/fedmom_merge.py must not
+# shadow the real fedmom_merge.py
+sys.path.append(os.path.join(ROOT, "bench"))
+import http_fuzz  # noqa: E402
+
 FUZZ_COUNT = 400
 TOKEN = "fuzz-token-0123"
 

@@ -1,12 +1,12 @@
-"""http_fuzz.py - throw hostile HTTP at a central server, count what comes back, then
+"""bench/http_fuzz.py - throw hostile HTTP at a central server, count what comes back, then
 prove with one legitimate epoch that the server still keeps its promises.
 
 Runs on: any box that reaches the server (an operator's, CI's). Standard library +
 numpy (hostile delta files are built byte by byte, no torch).
 
-    python http_fuzz.py --server darl --url https://127.0.0.1:29510 --token-file T --ca-file C \\
+    python bench/http_fuzz.py --server darl --url https://127.0.0.1:29510 --token-file T --ca-file C \\
         [--count 10000] [--seed 0] [--workers 8] [--timeout-s 10] [--no-epoch] [--json]
-    python http_fuzz.py --server fedmom ... --only 4711      # send request 4711 of seed 0 again
+    python bench/http_fuzz.py --server fedmom ... --only 4711      # send request 4711 of seed 0 again
 
 Who may run it: the operator of a TEST deployment. It holds the token and many of its
 requests are valid writes (registrations, leases, joins, uploads, deltas of absurd
@@ -51,7 +51,10 @@ import time
 
 import numpy as np
 
-import httpd
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)      # run as `python bench/http_fuzz.py`: httpd.py lives one level up
+
+import httpd  # noqa: E402
 
 SERVERS = ("darl", "fedmom", "blob")
 DARL_OPS = {"register": {"cluster": "c", "incarnation": "i", "digest": "d"},
