@@ -725,8 +725,7 @@ class LoggedDecisionsTest(unittest.TestCase):
         wal = os.path.join(self.dir, "darl", "wal.jsonl")
         with open(wal, "rb") as f:
             old_log = f.read()
-        with c.lock:
-            self.assertTrue(c.snapshot())
+        self.assertTrue(c.snapshot())                        # takes the lock itself
         c.wal.close()
         with open(wal, "wb") as f:                           # the crash: the log was never restarted
             f.write(old_log)

@@ -424,6 +424,79 @@ class DiskFullTest(unittest.TestCase):
         st.tick()
         self.assertEqual([r["round"] for r in fedmom_state.read_records(st.rounds_path)], [1, 2])
 
+    # ---- DARL: the log append and the snapshot
+
+    def darl(self, **kw):
+        import darl_server
+        import darl_table
+        space = darl_table.BlockSpace(100_000, 1, 0)
+        state = os.path.join(self.disk, "central")
+        coord = darl_server.Coordinator(space, darl_table.TableConfig(), state, **kw)
+        server = serve(darl_server.make_routes(coord), disk=state)
+        self.addCleanup(server.server_close)
+        self.addCleanup(server.shutdown)
+        httpd.call(server.url, "POST", "/register", {"cluster": "a", "incarnation": "i", "digest": space.digest()},
+                   token=TOKEN)
+        return coord, server.url, state
+
+    def cycle(self, url):
+        """acquire + commit of one block; -> the commit's reply."""
+        lease = httpd.call(url, "POST", "/acquire", {"cluster": "a", "incarnation": "i", "blocks": 1},
+                           token=TOKEN)["lease"]
+        return httpd.call(url, "POST", "/commit", {"cluster": "a", "incarnation": "i", "lease": lease["id"]},
+                          token=TOKEN)
+
+    def test_darl_refuses_a_change_while_its_disk_is_full(self):
+        import darl_server
+        coord, url, state = self.darl()
+        self.cycle(url)
+        before = (coord.seq, os.path.getsize(os.path.join(state, "darl", "wal.jsonl")), coord.table.to_dict())
+        filler = fill(self.disk, 16 << 10)                  # under darl_server.DISK_MARGIN
+        with self.assertRaises(httpd.CallError) as cm:
+            self.cycle(url)
+        self.assertEqual((cm.exception.status, cm.exception.reply["code"]), (507, "disk_full"))
+        self.assertIn(self.disk, cm.exception.reply["error"])
+        self.assertEqual((coord.seq, os.path.getsize(os.path.join(state, "darl", "wal.jsonl")),
+                          coord.table.to_dict()), before, "a refused change left a trace")
+        self.assertEqual(httpd.call(url, "GET", "/status", token=TOKEN)["committed"], 1, "reads still served")
+        os.unlink(filler)
+        self.cycle(url)
+        self.assertEqual(darl_server.load_state(state).table.to_dict(), coord.table.to_dict())
+
+    def test_darl_log_append_and_snapshot_failing_mid_write(self):
+        """No margin: the disk fills up inside the log's last page. Snapshots fail first (a new
+        file): every change still answers 200. Then an append fails, maybe after part of its
+        line went in: 507, the part cut away, the table rebuilt from the log."""
+        import darl_server
+        coord, url, state = self.darl(snapshot_every=3, disk_margin=0)
+        filler, ok, snapshot_errors = fill(self.disk, 0), 0, set()
+        for _ in range(2000):                               # bounds the loop: a page holds ~30 records
+            try:
+                self.cycle(url)
+            except httpd.CallError as e:
+                refused = e
+                break
+            ok += 1
+            snapshot_errors.add(coord.status()["snapshot_error"])
+        else:
+            self.fail("the full disk never refused an append")
+        self.assertEqual((refused.status, refused.reply["code"]), (507, "disk_full"))
+        self.assertTrue(any(e and "No space left" in e for e in snapshot_errors), snapshot_errors)
+        wal = os.path.join(state, "darl", "wal.jsonl")
+        self.assertEqual(darl_server.WriteAheadLog.read(wal).torn_bytes, 0, "a torn line was left in the log")
+        on_disk = darl_server.load_state(state)
+        self.assertEqual((on_disk.seq, on_disk.table.to_dict()), (coord.seq, coord.table.to_dict()),
+                         "memory ran ahead of the log")
+        self.assertGreaterEqual(on_disk.table.status(coord.clock())["committed"], ok,
+                                "a change answered 200 is not in the log")
+        os.unlink(filler)                                   # space returns: changes and snapshots go on
+        for _ in range(4):
+            self.cycle(url)
+        self.assertIsNone(coord.status()["snapshot_error"])
+        self.assertTrue(os.path.exists(os.path.join(state, "darl", "snapshot.json")))
+        again = darl_server.load_state(state)               # what a restart rebuilds
+        self.assertEqual(again.table.to_dict(), coord.table.to_dict())
+
 # ---------------------------------------------------------------- long transfers
 
 class StalledPeer:
