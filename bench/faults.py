@@ -7,7 +7,7 @@ the disk-full cases, else they are skipped and said so). Every server runs as it
 process over TLS, as on the central VM.
     python bench/faults.py                       # everything, ~15-25 min on 2 busy cores
     python bench/faults.py --quick               # small counts: checks the bench itself (~3 min)
-    python bench/faults.py --only kills,fuzz     # some parts: kills fuzz load halfopen diskfull
+    python bench/faults.py --only kills,fuzz     # some parts: kills wal fuzz load halfopen diskfull
     python bench/faults.py --no-guide            # print, leave FEDERATION_GUIDE.md alone
 
 Figures, each beside its baseline or target:
@@ -16,16 +16,23 @@ Figures, each beside its baseline or target:
             lost (a commit DARL acknowledged and then forgot, an accepted delta neither
             pending nor merged after the restart, a finished blob missing or changed;
             target 0) and restart-to-healthy p50/p99 (spawn to /health 200).
+  wal       DARL's log cut at every byte offset of its last 8 records (each copy read back
+            as a restart does, its books compared with the table after each intact record;
+            target: all exact, the torn record dropped), one byte changed at 300 places
+            before its last record (target: every start refused, naming file and byte),
+            and a few of each started as the real darl_server.py.
   fuzz      http_fuzz.py per server (target >= 10,000 each): outcomes, 5xx (target 0),
             hangs (target 0), and the legitimate epoch afterwards.
   load      closed-loop keep-alive clients per server: req/s, p50/p99, errors.
   halfopen  2,000 connections held open (half idle, half mid-headers) against DARL:
             server threads and RSS beside the unloaded ones, and a legitimate client's
             p99 beside its unloaded p99 (target <= 2x).
-  diskfull  ENOSPC on a 16 MiB tmpfs: blob upload, delta spool, merge, join; the reply,
-            what is left on disk, and whether the service is back once space returns.
+  diskfull  ENOSPC on a 16 MiB tmpfs: blob upload, delta spool, merge, join, a DARL change,
+            a DARL snapshot; the reply, what is left on disk, and whether the service is
+            back once space returns.
 """
 import argparse
+import collections
 import contextlib
 import io
 import os
@@ -252,6 +259,118 @@ def kills_blob(work, n):
     finally:
         svc.stop()
     return {"daemon": "blob store (mid-upload; the upload resumes)", "kills": n, "lost": lost, "restart": restarts}
+
+
+# ---------------------------------------------------------------- DARL's log, damaged
+
+def wal_damage(work, last=8, flips=300, starts=3):
+    """DARL's log cut at every byte offset of its last `last` records, and single bytes
+    changed at `flips` random places before its last record. Each damaged copy is read
+    back by load_state (what a restart runs) and its books compared with the table as it
+    stood after each intact record; `starts` cases of each kind also start the real
+    darl_server.py on the copy (exit status and first line of its refusal)."""
+    import darl_server
+    import darl_table
+    space = darl_table.BlockSpace(10 ** 5, 1, 0)
+    src = os.path.join(work, "wal-src")
+    coord = darl_server.Coordinator(space, darl_table.TableConfig(min_ttl=1), src, snapshot_every=10 ** 9)
+    books, rng = {coord.seq: coord.table.to_dict()}, random.Random(3)
+    coord.call("register", {"cluster": "a", "incarnation": "i", "digest": space.digest()})
+    books[coord.seq] = coord.table.to_dict()
+    agg = {"aggregator": "agg", "epoch": 1}
+    coord.call("fence", agg)
+    books[coord.seq] = coord.table.to_dict()
+    for k in range(40):                        # leases, claims, commits and custody: every kind of record
+        lease = coord.call("acquire", {"cluster": "a", "incarnation": "i", "blocks": rng.randint(1, 5)})["lease"]
+        books[coord.seq] = coord.table.to_dict()
+        coord.call("heartbeat", {"cluster": "a", "incarnation": "i", "leases": [{"lease": lease["id"],
+                                                                                "cursor": lease["end"]}]})
+        books[coord.seq] = coord.table.to_dict()
+        if k % 3:
+            coord.call("commit", {"cluster": "a", "incarnation": "i", "lease": lease["id"]})
+        else:
+            coord.call("take_custody", {**agg, "delta": f"d{k}", "cluster": "a", "incarnation": "i",
+                                        "leases": [{"lease": lease["id"]}]})
+            books[coord.seq] = coord.table.to_dict()
+            coord.call("commit_custody", {**agg, "delta": f"d{k}"})
+        books[coord.seq] = coord.table.to_dict()
+    coord.wal.close()                          # the process dies here: no snapshot, the log is everything
+    wal = os.path.join(src, "darl", "wal.jsonl")
+    with open(wal, "rb") as f:
+        data = f.read()
+    ends = [i + 1 for i, b in enumerate(data) if b == 0x0A]          # where each line ends
+    copy_dir = os.path.join(work, "wal-copy")
+    os.makedirs(os.path.join(copy_dir, "darl"), exist_ok=True)
+    copy = os.path.join(copy_dir, "darl", "wal.jsonl")
+
+    def read_back(damaged):
+        with open(copy, "wb") as f:
+            f.write(damaged)
+        try:
+            got = darl_server.load_state(copy_dir)
+        except darl_server.LogError as e:
+            return "refused", str(e)
+        if got is None:
+            return "empty", ""
+        return ("exact" if got.table.to_dict() == books.get(got.seq) else "WRONG"), got.seq
+
+    def start(damaged):
+        """The real server on the copy: "serves" once it listens (then stopped), or its exit
+        status and the last line it printed."""
+        with open(copy, "wb") as f:
+            f.write(damaged)
+        proc = subprocess.Popen([sys.executable, "darl_server.py", "--num-samples", str(10 ** 5), "--min-ttl",
+                                 "1", "--state-dir", copy_dir, "--port", "0"], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        lines = []
+        for line in proc.stdout:               # ends when the process exits
+            lines.append(line.strip())
+            if " listening on " in line:
+                proc.terminate()
+        rc = proc.wait(60)
+        served = any(" listening on " in l for l in lines)
+        return "serves" if served else f"exit {rc}: {(lines or [''])[-1][:150]}"
+
+    cut = {"offsets": 0, "exact": 0, "lost_acked": 0, "refused": 0, "wrong": 0}
+    first = ends[-last - 1]
+    for off in range(first, len(data)):       # every byte offset inside the last records
+        kind, seq = read_back(data[:off])
+        cut["offsets"] += 1
+        whole = sum(1 for e in ends if e <= off) - 1                   # intact records (the header is line 1)
+        if kind == "exact" and seq == whole:
+            cut["exact"] += 1
+        elif kind == "exact":
+            cut["lost_acked"] += 1
+        elif kind == "refused":
+            cut["refused"] += 1
+        else:
+            cut["wrong"] += 1
+    flip = {"flips": 0, "refused": 0, "accepted": 0, "wrong": 0, "last_line": 0, "last_line_dropped": 0}
+    for _ in range(flips):
+        at = rng.randrange(0, ends[-2] - 1)    # any byte of the header or a record but the last, not a newline
+        if data[at] == 0x0A:
+            continue
+        bad = bytearray(data)
+        bad[at] = (bad[at] + rng.randrange(1, 256)) % 256
+        kind, _ = read_back(bytes(bad))
+        flip["flips"] += 1
+        flip["refused" if kind == "refused" else "wrong" if kind == "WRONG" else "accepted"] += 1
+    for _ in range(flips // 10):               # a byte of the LAST record changed, its newline kept
+        at = rng.randrange(ends[-2], ends[-1] - 1)
+        bad = bytearray(data)
+        bad[at] = (bad[at] + rng.randrange(1, 256)) % 256
+        kind, seq = read_back(bytes(bad))
+        flip["last_line"] += 1
+        flip["last_line_dropped"] += kind == "exact" and seq == len(ends) - 2
+    samples = {"cut mid-record": [start(data[:rng.randrange(ends[-2], ends[-1] - 1)]) for _ in range(starts)],
+               "byte changed mid-log": []}
+    for _ in range(starts):
+        at = rng.randrange(ends[0], ends[-2] - 1)
+        bad = bytearray(data)
+        bad[at] = (bad[at] + 1) % 256 if bad[at] not in (0x09, 0x0A) else bad[at]
+        samples["byte changed mid-log"].append(start(bytes(bad)))
+    return {"records": len(ends) - 1, "bytes": len(data), "last": last, "cut": cut, "flip": flip,
+            "samples": samples}
 
 
 # ---------------------------------------------------------------- load, half-open, fuzz, disk
@@ -494,9 +613,70 @@ def diskfull(work):
                      f"round {st['round']}, merge_error: {'disk full' if 'No space' in (st['merge_error'] or '') else st['merge_error']}",
                      f"{len(tmp_left)} temp files", back))
         fed.stop()
+        rows += darl_full(work, disk, filler)
     finally:
         subprocess.run(["umount", "-l", disk])
     return {"rows": rows}
+
+
+def darl_full(work, disk, filler):
+    """DARL's log and snapshot on the full tmpfs: a change refused under the margin, and a
+    snapshot that does not fit while changes still do."""
+    state = os.path.join(disk, "darl")
+    svc = Service(work, "darl-full", ["darl_server.py", "--num-samples", 10 ** 6, "--state-dir", state,
+                                      "--snapshot-every", 200])
+    svc.start()
+    rows = []
+    try:
+        c = darl_client.LeaseClient(svc.url, TOKEN, retries=0, ca_file=svc.ca)
+        c.register("a", "i", httpd.call(svc.url, "GET", "/health", ca_file=svc.ca)["digest"])
+
+        def cycle():
+            lease = c.acquire("a", "i", blocks=1)["lease"]
+            c.commit("a", "i", lease["id"], lease["end"])
+        wal, snap = os.path.join(state, "darl", "wal.jsonl"), os.path.join(state, "darl", "snapshot.json")
+        while not os.path.exists(snap) or os.path.getsize(snap) < 160 << 10:     # closed leases: a big snapshot
+            cycle()
+        seq0, size0 = c.status()["seq"], os.path.getsize(wal)
+        fill = filler(16 << 10)                       # under the 64 KiB margin
+        try:
+            cycle()
+            reply = "accepted (!)"
+        except httpd.CallError as e:
+            reply = f"{e.status} {e.reply.get('code')}"
+        st = c.status()
+        kept = "nothing" if (st["seq"], os.path.getsize(wal)) == (seq0, size0) else f"change {st['seq']} (!)"
+        os.unlink(fill)
+        cycle()
+        rows.append(("DARL change (16 KiB free, under its 64 KiB margin)", reply, f"{kept}; reads served", True))
+        # the log grows to the snapshot's size, then a snapshot is due and does not fit
+        # (room for the log to reach the snapshot's size, then 96 KiB: above the margin, below the snapshot)
+        fill = filler(max(0, os.path.getsize(snap) - os.path.getsize(wal)) + (96 << 10))
+        answers, error = collections.Counter(), None
+        for _ in range(20000):
+            try:
+                cycle()
+                answers["200"] += 1
+            except httpd.CallError as e:
+                answers[str(e.status)] += 1
+                break
+            error = c.status()["snapshot_error"]
+            if error:
+                break
+        tmp_left = [f for f in os.listdir(os.path.join(state, "darl")) if f.endswith(".tmp")]
+        os.unlink(fill)
+        for _ in range(400):                          # the retry comes --snapshot-every changes later
+            cycle()
+            if not c.status()["snapshot_error"]:
+                break
+        back = not c.status()["snapshot_error"]
+        rows.append(("DARL snapshot (does not fit; changes still do)",
+                     f"{answers['200']} changes answered 200, {sum(answers.values()) - answers['200']} refused; "
+                     f"snapshot_error: {'disk full' if error and 'No space' in error else error}",
+                     f"{len(tmp_left)} temp files", back))
+    finally:
+        svc.stop()
+    return rows
 
 
 # ---------------------------------------------------------------- report
@@ -510,6 +690,18 @@ def markdown(res):
             out.append(f"| {r['daemon']} | {r['kills']} | {r['lost']} | {quantile(r['restart'], 0.5) * 1e3:.0f} / "
                        f"{quantile(r['restart'], 0.99) * 1e3:.0f} ms |")
         out.append("")
+    if "wal" in res:
+        w = res["wal"]
+        cut, flip = w["cut"], w["flip"]
+        out += [f"| DARL's log ({w['records']} records, {w['bytes']:,} bytes), damaged | cases | read back exactly "
+                "| refused, naming file and byte | anything else | a real start |", "|---|---|---|---|---|---|",
+                f"| cut at every byte offset of its last {w['last']} records (a crash mid-write) | {cut['offsets']:,} "
+                f"| {cut['exact']:,} (the torn record dropped) | {cut['refused']} | {cut['lost_acked'] + cut['wrong']} "
+                f"| {', '.join(sorted(set(w['samples']['cut mid-record'])))} |",
+                f"| one byte changed before its last record (damage) | {flip['flips']} | - | {flip['refused']} "
+                f"| {flip['accepted'] + flip['wrong']} | {', '.join(sorted({x.split(':')[0] for x in w['samples']['byte changed mid-log']}))} |",
+                f"| one byte changed in its last record | {flip['last_line']} | {flip['last_line_dropped']} "
+                "(dropped as a torn tail) | 0 | " f"{flip['last_line'] - flip['last_line_dropped']} | |", ""]
     if "fuzz" in res:
         out += ["| fuzzed server | requests | 2xx / 4xx / closed or reset | 5xx | hung | crashed | epoch after |",
                 "|---|---|---|---|---|---|---|"]
@@ -570,7 +762,7 @@ def main(argv):
     p.add_argument("--fuzz", type=int, default=10000, help="fuzz requests per server (default 10000)")
     p.add_argument("--load-s", type=float, default=5.0, help="seconds per load measurement (default 5)")
     p.add_argument("--quick", action="store_true", help="10 kills, 500 fuzz requests, 2 s loads")
-    p.add_argument("--only", default="kills,fuzz,load,halfopen,diskfull", help="comma-separated parts")
+    p.add_argument("--only", default="kills,wal,fuzz,load,halfopen,diskfull", help="comma-separated parts")
     p.add_argument("--no-guide", action="store_true", help="do not rewrite FEDERATION_GUIDE.md's table")
     p.add_argument("--hold", nargs=3, metavar=("PORT", "N", "CA"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -594,6 +786,14 @@ def main(argv):
                 print(f"kills: {r['daemon']}: {r['kills']} SIGKILLs survived, acknowledged work lost {r['lost']} "
                       f"(target 0), restart to healthy p50 {quantile(r['restart'], 0.5) * 1e3:.0f} ms p99 "
                       f"{quantile(r['restart'], 0.99) * 1e3:.0f} ms ({time.monotonic() - t0:.0f} s)", flush=True)
+        if "wal" in parts:
+            w = res["wal"] = wal_damage(work, flips=30 if a.quick else 300)
+            print(f"wal: {w['records']} records; cut at {w['cut']['offsets']} offsets of the last {w['last']}: "
+                  f"{w['cut']['exact']} read back exactly (target all), {w['cut']['lost_acked']} lost a whole record, "
+                  f"{w['cut']['refused']} refused, {w['cut']['wrong']} wrong; {w['flip']['flips']} bytes changed "
+                  f"before the last record: {w['flip']['refused']} refused (target all), {w['flip']['accepted']} "
+                  f"accepted, {w['flip']['wrong']} wrong; last record damaged: {w['flip']['last_line_dropped']} of "
+                  f"{w['flip']['last_line']} dropped as a torn tail; real starts: {w['samples']}", flush=True)
         if "fuzz" in parts:
             res["fuzz"] = fuzz(work, a.fuzz)
         if "load" in parts:
@@ -619,10 +819,12 @@ def main(argv):
         shutil.rmtree(work, ignore_errors=True)
     table = markdown(res)
     print(table)
-    if not a.no_guide and not a.quick and parts == {"kills", "fuzz", "load", "halfopen", "diskfull"}:
+    if not a.no_guide and not a.quick and parts == {"kills", "wal", "fuzz", "load", "halfopen", "diskfull"}:
         update_guide(table)
         print(f"rewrote the table in {os.path.relpath(GUIDE, ROOT)}")
-    bad = any(r["lost"] for r in res.get("kills", [])) or any(not r["ok"] for r in res.get("fuzz", []))
+    w = res.get("wal")
+    bad = (any(r["lost"] for r in res.get("kills", [])) or any(not r["ok"] for r in res.get("fuzz", []))
+           or (w is not None and (w["cut"]["exact"] != w["cut"]["offsets"] or w["flip"]["refused"] != w["flip"]["flips"])))
     return 1 if bad else 0
 
 
