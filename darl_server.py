@@ -1042,8 +1042,12 @@ def serve(a):
                          "aggregator and abort its custody\n")
     server = httpd.server_from_args(a, disk=cfg.state_dir,
                                     scoped={p: agg_token for p in CUSTODY_PATHS} if agg_token else None)
-    coord = Coordinator(space, cfg.table, cfg.state_dir, cfg.snapshot_every, cfg.restore_grace,
-                        accept_config_change=a.accept_config_change)
+    try:
+        coord = Coordinator(space, cfg.table, cfg.state_dir, cfg.snapshot_every, cfg.restore_grace,
+                            accept_config_change=a.accept_config_change)
+    except OSError as e:             # a full disk: the start logs the restore of live leases
+        raise SystemExit(f"darl_server: cannot start on {cfg.state_dir}: {e.strerror or e}; free space on its "
+                         "disk and start again")
     server.RequestHandlerClass.routes.update(httpd.with_http_stats(make_routes(coord), server))
 
     def on_term(signum, frame):      # SIGTERM: stop serving, then flush and snapshot below
