@@ -618,7 +618,8 @@ class Coordinator:
             # the crash came between the snapshot and the log's restart: the new log starts at the
             # snapshot and carries over the records the old one holds after it (written meanwhile)
             self.wal.restart(self._header(seq=loaded.snapshot_seq), loaded.stale_cut)
-        self.snap_seq = self.seq
+        # the log since the last snapshot counts towards the next one, across restarts too
+        self.snap_seq = loaded.snapshot_seq if loaded else self.seq
         snap_path = os.path.join(self.dir, "snapshot.json")
         self.snap_bytes = os.path.getsize(snap_path) if os.path.exists(snap_path) else 0
         if changes:

@@ -422,6 +422,23 @@ class DurabilityTest(unittest.TestCase):
             if every == 5:
                 self.assertTrue(os.path.exists(os.path.join(self.dir, "darl", "snapshot.json")))
 
+    def test_the_log_is_cut_by_a_snapshot_even_when_no_process_lives_long_enough(self):
+        """Each process makes fewer than --snapshot-every changes before it is killed: the log
+        since the last snapshot counts across restarts, so it does not grow without bound."""
+        snap = os.path.join(self.dir, "darl", "snapshot.json")
+        for life in range(4):
+            c = self.coord(snapshot_every=10)
+            c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
+            for _ in range(4):
+                c.call("heartbeat", {"cluster": "a", "incarnation": "x"})
+            c.wal.close()                                   # killed: no snapshot at exit
+        self.assertTrue(os.path.exists(snap), "20 changes over 4 lives, --snapshot-every 10: no snapshot")
+        with open(snap) as f:
+            snap_seq = json.load(f)["seq"]
+        log = darl_server.WriteAheadLog.read(os.path.join(self.dir, "darl", "wal.jsonl"))
+        last = log.records[-1]["seq"] if log.records else log.header["seq"]
+        self.assertLess(last - snap_seq, 10, "the log holds more than --snapshot-every changes")
+
     def test_torn_tail_is_dropped_and_a_damaged_complete_line_is_refused(self):
         """Only the bytes after the last newline are a torn write; a complete line that
         fails its checksum, the last one included, may have been acknowledged."""
