@@ -522,6 +522,37 @@ class DurabilityTest(unittest.TestCase):
         self.assertIn(held["id"], again.table.leases)
         again.wal.close()
 
+    def test_a_crash_between_a_snapshot_and_the_log_restart_keeps_the_changes_logged_meanwhile(self):
+        """A snapshot is written outside the lock, so changes go on into the old log meanwhile.
+        A crash once the snapshot is in place but before the log restarts leaves the log the
+        previous snapshot named, holding changes after this one: they are replayed, and the
+        restart's new log (the snapshot's log id) carries them over."""
+        c = self.coord()
+        c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
+        first = c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5})["lease"]
+        with c.lock:
+            snap, header, cut = c._capture()                  # the table at change 2
+        later = c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5})["lease"]
+        c.call("commit", {"cluster": "a", "incarnation": "x", "lease": first["id"]})
+        snap["crc"] = darl_server._snapshot_crc(snap)
+        darl_server._write_atomic(os.path.join(self.dir, "darl", "snapshot.json"), snap)
+        want = self.books(c)
+        c.wal.close()                                         # killed before the log restarts
+        again = self.coord()
+        self.assertEqual(self.books(again), want)
+        self.assertIn(later["id"], again.table.leases)
+        self.assertEqual(again.table.committed.total, 5)
+        wal = os.path.join(self.dir, "darl", "wal.jsonl")
+        log = darl_server.WriteAheadLog.read(wal)
+        self.assertEqual((log.header["seq"], log.header["log"]), (snap["seq"], snap["log"]))
+        self.assertEqual([r["seq"] for r in log.records][:2], [snap["seq"] + 1, snap["seq"] + 2])
+        again.call("heartbeat", {"cluster": "a", "incarnation": "x"})
+        want = self.books(again)
+        again.wal.close()
+        third = self.coord()
+        self.assertEqual(self.books(third), want)
+        third.wal.close()
+
     def test_one_process_per_state_dir(self):
         """A second coordinator on the same state dir (another --port, a stale unit) stops
         before reading or writing anything: two writers would each lease the same blocks."""
