@@ -585,7 +585,10 @@ class Server:
             self.socket.listen(1024)
         except OSError as e:
             self.socket.close()
-            raise SystemExit(f"cannot listen on {host}:{port}: {e.strerror} (--host/--port)")
+            if e.errno == errno.EADDRINUSE:
+                raise SystemExit(f"cannot listen on {host}:{port}: the address is in use (is this server already "
+                                 "running?); stop the other process, or pass another --port") from None
+            raise SystemExit(f"cannot listen on {host}:{port}: {e.strerror} (--host/--port)") from None
         self.socket.setblocking(False)
         self.server_address = self.socket.getsockname()
         self.conns = {}                           # fd -> _Conn held by the poller
@@ -899,13 +902,7 @@ def make_server(routes, host="127.0.0.1", port=0, token=None, insecure=False,
     attrs = dict(routes=dict(routes), token=token or None, public=frozenset(public),
                  max_body=max_body, quiet=quiet, disk=disk, scoped=dict(scoped or {}))
     handler = type("BoundHandler", (Handler,), attrs)
-    try:
-        return Server((host, port), handler, tls, limits)
-    except OSError as e:
-        if e.errno != errno.EADDRINUSE:
-            raise
-        raise SystemExit(f"cannot listen on {host}:{port}: the address is in use (is this server already "
-                         "running?); stop the other process, or pass another --port") from None
+    return Server((host, port), handler, tls, limits)      # a refused bind: SystemExit, one line
 
 
 def add_server_args(parser, default_port):
