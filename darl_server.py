@@ -427,7 +427,7 @@ class Loaded:
     torn_bytes: int
     good_bytes: int
     log_id: str            # the id the log's header must carry (the snapshot names it)
-    stale_log: bool        # the log predates the snapshot (a crash between the two): start it afresh
+    stale_log: bool        # the log predates the snapshot (a crash between the two): restart it from the snapshot
     stale_cut: int | None = None  # in a stale log: the byte where the changes after the snapshot start
     snapshot_seq: int = 0  # the change the snapshot (or a fresh log) starts from: the log replays after it
 
