@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup lumi-api browser test demo lint bench test-slurm clean
+.PHONY: setup lumi-api browser test demo lint bench bench-faults test-slurm clean
 
 # curl: the prep/ scripts download with it, and their tests run them for real.
 setup: $(STAMP)
@@ -68,8 +68,11 @@ lint: setup
 # convergence.py runs its --quick size here (~4 min); the full size (~20 min) is
 # `$(PY) bench/convergence.py`. fault_schedule.py runs 40 schedules here (~7 min);
 # the full proof (500 schedules, ~1.5 h on 2 cores) is `$(PY) bench/fault_schedule.py --jobs 2`.
+# faults.py has its own target below; http_fuzz.py is a tool that faults.py drives (and an
+# operator points at a test deployment), not a figure.
 bench: setup
 	@set -e; for b in bench/*.py; do \
+	  case $$b in bench/faults.py|bench/http_fuzz.py) continue ;; esac; \
 	  echo "== $$b"; \
 	  case "$$b" in \
 	    bench/convergence.py) $(PY) $$b --quick ;; \
@@ -77,6 +80,11 @@ bench: setup
 	    *) $(PY) $$b ;; \
 	  esac; \
 	done
+
+# What the central servers survive (SIGKILLs, fuzz, load, half-open connections, full
+# disks; ~20 min; root for the tmpfs); rewrites the table in FEDERATION_GUIDE.md section 8.
+bench-faults: setup
+	$(PY) bench/faults.py
 
 # Runs every job script under a real single-node Slurm on this machine (needs root):
 # tests/local_slurm.sh starts it (and `tests/local_slurm.sh stop` stops it afterwards).

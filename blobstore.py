@@ -5,8 +5,8 @@ Start it:
 
     python blobstore.py --root /srv/pww/state/blobs                      # 127.0.0.1:29512
     python blobstore.py --root DIR --host 0.0.0.0 --token-file ~/.pww_token \\
-                        --quota-gb 500 --max-blob-gb 128
-    python blobstore.py status --url http://127.0.0.1:29512 --token-file ~/.pww_token
+                        --tls-cert server.pem --tls-key server.key --quota-gb 500 --max-blob-gb 128
+    python blobstore.py status --url https://127.0.0.1:29512 --token-file ~/.pww_token --ca-file ca.pem
 
 Callers: sites (through fedmom_client.FedMomClient) and fedmom_server.py itself, with
 the shared bearer token. Only GET /health is public. Clients use put_file() and
@@ -30,11 +30,13 @@ HTTP (ids: [A-Za-z0-9._-]{1,200}, not starting with "."):
     HEAD   /blobs/<id>    complete: 200, Content-Length, X-Content-Sha256.
                           unfinished: 200, X-Upload-Offset: <bytes received>, X-Upload-Complete: 0,
                           X-Upload-Total, X-Content-Sha256 (the declared one). absent: 404.
-    GET    /blobs/<id>    the bytes (os.sendfile); honours Range: bytes=A-B, A-, -N (206).
+    GET    /blobs/<id>    the bytes (sendfile; send under TLS); honours Range: bytes=A-B, A-, -N (206).
     DELETE /blobs/<id>    the blob and/or its unfinished upload.
     GET    /blobs         {"blobs": [...], "uploads": [...], "used_bytes", "quota_bytes"}
     GET    /health        public liveness probe.
-Every refusal is a 4xx with a one-line JSON {"error": ...}.
+Every refusal is a 4xx with a one-line JSON {"error": ...}. A full disk during an upload
+is a 507 {"code": "disk_full"} naming the disk: the unfinished upload is discarded (its
+space given back) and put_file starts it again from byte 0 after Retry-After.
 
 State directory (--root):
     partial/<id>          bytes of an unfinished upload, in order; its size IS the resume offset
@@ -325,6 +327,13 @@ class BlobStore:
         durable.unlink(side)
         return {"id": blob_id, "size": total, "sha256": got}
 
+    def discard(self, blob_id):
+        """Drop an unfinished upload and its sidecar (after a full disk: give the space back)."""
+        data, side = self._part(blob_id)
+        durable.unlink(data)
+        durable.unlink(side)
+        self.hash_cache.pop(blob_id, None)
+
     def delete(self, blob_id):
         with self.lock:
             if blob_id in self.uploading:
@@ -388,6 +397,12 @@ def make_routes(store):
                 return 200, {"id": blob_id, "size": done["size"], "sha256": done["sha256"], "existing": True}
             length = req.content_length()
             out = store.receive(blob_id, start, total, req.stream(store.chunk, length))
+        except OSError as e:
+            if not httpd.is_disk_full(e):
+                raise
+            # a full disk: the unfinished upload gives its space back (the client starts it again)
+            store.discard(blob_id)
+            raise httpd.disk_full(store.root, e) from None
         finally:
             store.release(blob_id)
         if out is None:
@@ -432,10 +447,12 @@ def make_routes(store):
 
 def serve(cfg, net):
     cfg.validate()
+    server = httpd.server_from_args(net, disk=cfg.root)        # bind first: a refusal creates nothing
     httpd.writable_dir(cfg.root, "--root")
     store = BlobStore(cfg.root, cfg.quota_gb * GB, cfg.max_blob_gb * GB, int(cfg.chunk_mb * 2**20))
-    server = httpd.make_server(make_routes(store), net.host, net.port, httpd.load_token(net.token_file),
-                               net.insecure, max_body=int(net.max_body_mb * 2**20), quiet=not net.verbose)
+    listing = make_routes(store)
+    server.RequestHandlerClass.routes.update(httpd.with_http_stats(
+        {**listing, ("GET", "/status"): listing[("GET", "/blobs")]}, server))
     httpd.serve_forever(server, f"blobstore (root {cfg.root})")
 
 
@@ -475,7 +492,7 @@ class Progress:
 def _retryable(e):
     if isinstance(e, httpd.CallError):     # 409 only while another PUT holds the id; 416: re-HEAD
         return (e.status == 409 and e.reply.get("retry")) or e.status == 416 or e.status >= 500
-    return isinstance(e, (OSError, http.client.HTTPException))
+    return isinstance(e, (OSError, http.client.HTTPException)) and not httpd.is_disk_full(e)
 
 
 def _with_retries(what, attempt, retries, backoff_s=0.5, max_backoff_s=30.0):
@@ -512,9 +529,9 @@ def _decode(status, raw):
     return body
 
 
-def head(url, blob_id, token=None, timeout=30.0):
+def head(url, blob_id, token=None, timeout=30.0, ca_file=None):
     """The HEAD answer as a dict: {"complete": bool, "size"/"offset", "total", "sha256"} or None if absent."""
-    conn = httpd.connect(url, timeout)
+    conn = httpd.connect(url, timeout, ca_file)
     try:
         conn.request("HEAD", f"{httpd.split_url(url)[3]}/blobs/{blob_id}", headers=httpd.auth_headers(token))
         resp = conn.getresponse()
@@ -533,17 +550,19 @@ def head(url, blob_id, token=None, timeout=30.0):
         conn.close()
 
 
-def put_file(url, blob_id, path, token=None, progress=None, retries=8, sha256=None, timeout=120.0):
+def put_file(url, blob_id, path, token=None, progress=None, retries=8, sha256=None, timeout=120.0, ca_file=None):
     """Upload `path` as blob `blob_id`; resumes after a dropped connection.
     Returns {"id", "size", "sha256", "sent"} (sent: body bytes put on the wire, all attempts).
-    Pass sha256= if already known (saves a read of the file)."""
+    Pass sha256= if already known (saves a read of the file). `timeout`: seconds one
+    send or receive may stall before the attempt is abandoned (and resumed).
+    ca_file: the CA for an https:// url."""
     size = os.path.getsize(path)
     sha = sha256 or sha256_file(path)
     bar = Progress(f"put {blob_id}", size, progress)
     state = {"done": 0, "sent": 0}
 
     def attempt():
-        info = head(url, blob_id, token, timeout)
+        info = head(url, blob_id, token, timeout, ca_file)
         if info and info["complete"] and info["sha256"] == sha and info["size"] == size:
             return {"id": blob_id, "size": size, "sha256": sha}
         start = info["offset"] if info and not info["complete"] and info["total"] == size \
@@ -551,7 +570,7 @@ def put_file(url, blob_id, path, token=None, progress=None, retries=8, sha256=No
         if start == size and size > 0:
             start = 0                                  # every byte arrived but no finish: resend the last ones
         state["done"] = start
-        return _put_from(url, blob_id, path, start, size, sha, token, timeout, bar, state)
+        return _put_from(url, blob_id, path, start, size, sha, token, timeout, bar, state, ca_file)
 
     def tracked():
         before = state["done"]
@@ -566,8 +585,8 @@ def put_file(url, blob_id, path, token=None, progress=None, retries=8, sha256=No
     return {"id": out["id"], "size": out["size"], "sha256": out["sha256"], "sent": state["sent"]}
 
 
-def _put_from(url, blob_id, path, start, size, sha, token, timeout, bar, state):
-    conn = httpd.connect(url, timeout)
+def _put_from(url, blob_id, path, start, size, sha, token, timeout, bar, state, ca_file=None):
+    conn = httpd.connect(url, timeout, ca_file)
     try:
         conn.putrequest("PUT", f"{httpd.split_url(url)[3]}/blobs/{blob_id}", skip_accept_encoding=True)
         headers = {"Content-Length": str(size - start), "X-Content-Sha256": sha, "Expect": "100-continue",
@@ -611,11 +630,11 @@ def _await_continue(conn):
         fp.close()
 
 
-def get_file(url, blob_id, path, token=None, progress=None, retries=8, timeout=120.0):
+def get_file(url, blob_id, path, token=None, progress=None, retries=8, timeout=120.0, ca_file=None):
     """Download blob `blob_id` to `path` atomically (temp + fsync + rename); resumes with
     Range after a dropped connection, and across calls (the temp file names the checksum).
-    Returns the sha256, checked against the store's."""
-    info = _with_retries(f"head {blob_id}", lambda: head(url, blob_id, token, timeout) or {}, retries)
+    Returns the sha256, checked against the store's. `timeout` bounds a stalled read."""
+    info = _with_retries(f"head {blob_id}", lambda: head(url, blob_id, token, timeout, ca_file) or {}, retries)
     if not info.get("complete"):
         raise httpd.CallError(404, {"error": f"no complete blob {blob_id!r} at {url}"})
     size, sha = info["size"], info["sha256"]
@@ -633,7 +652,7 @@ def get_file(url, blob_id, path, token=None, progress=None, retries=8, timeout=1
         state["done"] = have
         before = have
         try:
-            _get_from(url, blob_id, tmp, have, size, sha, token, timeout, bar, state)
+            _get_from(url, blob_id, tmp, have, size, sha, token, timeout, bar, state, ca_file)
         except Exception as e:
             if state["done"] > before and _retryable(e):
                 return None
@@ -651,10 +670,10 @@ def get_file(url, blob_id, path, token=None, progress=None, retries=8, timeout=1
     return got
 
 
-def _get_from(url, blob_id, tmp, have, size, sha, token, timeout, bar, state):
+def _get_from(url, blob_id, tmp, have, size, sha, token, timeout, bar, state, ca_file=None):
     if have == size:
         return
-    conn = httpd.connect(url, timeout)
+    conn = httpd.connect(url, timeout, ca_file)
     try:
         headers = {**httpd.auth_headers(token), "Range": f"bytes={have}-"}
         conn.request("GET", f"{httpd.split_url(url)[3]}/blobs/{blob_id}", headers=headers)
@@ -679,9 +698,9 @@ def _get_from(url, blob_id, tmp, have, size, sha, token, timeout, bar, state):
         conn.close()
 
 
-def print_status(url, token=None):
+def print_status(url, token=None, ca_file=None):
     """Print the store's contents and use; 1 when it is full (every new upload is refused)."""
-    st = httpd.call(url, "GET", "/blobs", token=token)
+    st = httpd.call(url, "GET", "/blobs", token=token, ca_file=ca_file)
     used, quota = st["used_bytes"], st["quota_bytes"]
     print(f"{len(st['blobs'])} blobs, {len(st['uploads'])} unfinished uploads; "
           f"{used / GB:.2f} of {quota / GB:.2f} GB used ({100 * used / quota:.0f}%)")
@@ -701,13 +720,12 @@ def main(argv):
         p = httpd.base_parser("blobstore.py status - what a running blob store holds; exit 1 when it is full.")
         p.add_argument("status")
         p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}",
-                       help=f"blob store URL (default http://127.0.0.1:{DEFAULT_PORT})")
-        p.add_argument("--token-file", default=os.environ.get("PWW_TOKEN_FILE"),
-                       help="file holding the bearer token (default: $PWW_TOKEN_FILE, or $PWW_TOKEN)")
+                       help=f"blob store URL (default http://127.0.0.1:{DEFAULT_PORT}; https://... under TLS)")
+        httpd.add_client_args(p)
         a = p.parse_args(argv)
         try:
-            return print_status(a.url, httpd.load_token(a.token_file))
-        except (httpd.CallError, OSError) as e:
+            return print_status(a.url, httpd.load_token(a.token_file), a.ca_file)
+        except (httpd.CallError, httpd.TLSConfigError, OSError) as e:
             raise SystemExit(f"status: {a.url}: {e}")
     p = httpd.base_parser(__doc__)
     p.add_argument("--root", required=True, help="state directory holding blobs/ and partial/")

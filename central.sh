@@ -3,7 +3,8 @@
 #
 #   ./central.sh start  [--state-dir DIR]   # start DARL :29510, FedMom :29511, blob store :29512
 #   ./central.sh status [--state-dir DIR]   # pid, /health and each server's own status report
-#   ./central.sh url    [--state-dir DIR]   # the lines to give the sites (their central.env)
+#   ./central.sh url    [--state-dir DIR]   # the lines to give the sites (their central.env),
+#                                           # and the two files they copy (token, CA)
 #   ./central.sh stop   [--state-dir DIR]   # SIGTERM (then SIGKILL after 30 s) each daemon
 #   ./central.sh audit  [--state-dir DIR] [--partial] [--blocks]   # audit.py: every block in one merged delta?
 #
@@ -22,6 +23,12 @@
 #                  endpoints (fence, custody, commit, abort, abort-custody), made with the
 #                  token (mode 600); it never leaves this VM, so a site cannot fence FedMom
 #                  or abort its custody
+#   tls/           ca.pem + ca.key (a CA made on first start with openssl) and server.pem +
+#                  server.key, the certificate every daemon serves https with; copy ca.pem to
+#                  each site and point PWW_CA_FILE at the copy. Its names: localhost,
+#                  127.0.0.1 and the public host (re-issued from the same CA when that changes).
+#                  TLS_CERT=FILE TLS_KEY=FILE [TLS_CA_FILE=FILE] serve a certificate of your own
+#                  instead; FedMom then reaches DARL and the blob store by the public host.
 #   <name>.pid     one per daemon (darl, fedmom, blob); <name>.log their output
 #   darl/ fedmom/ blobs/   each server's durable state (survives kill -9 and restart)
 # First start needs the corpus size for DARL and the initial model for FedMom:
@@ -29,8 +36,9 @@
 #   NUM_SAMPLES=1000000 BLOCK_SIZE=10000 INIT=... ./central.sh start
 # Later starts (restarts) resume from the state dir and need neither.
 # Network: binds PWW_CENTRAL_HOST (default 127.0.0.1; 0.0.0.0 to serve the sites, always
-# with the token); ports DARL_PORT / FEDMOM_PORT / BLOB_PORT; PWW_PUBLIC_HOST is the
-# address printed for the sites (default: this host's FQDN when bound beyond loopback).
+# with the token and TLS); ports DARL_PORT / FEDMOM_PORT / BLOB_PORT; PWW_PUBLIC_HOST is the
+# address printed for the sites and named in the certificate (default: this host's FQDN
+# when bound beyond loopback).
 # Extra flags per daemon: DARL_ARGS, FEDMOM_ARGS, BLOB_ARGS (word-split).
 #
 # Variables `start` reads (all optional once the state dir exists):
@@ -79,19 +87,30 @@ FEDMOM_PORT=${FEDMOM_PORT:-29511}
 BLOB_PORT=${BLOB_PORT:-29512}
 TOKEN=$STATE/token
 AGG_TOKEN=$STATE/aggregator.token
+TLS_DIR=$STATE/tls
+if [ -n "${TLS_CERT:-}" ] || [ -n "${TLS_KEY:-}" ]; then
+    : "${TLS_CERT:?TLS_KEY is set: set TLS_CERT too}" "${TLS_KEY:?TLS_CERT is set: set TLS_KEY too}"
+    CERT=$TLS_CERT KEY=$TLS_KEY CA=${TLS_CA_FILE:-}
+else
+    CERT=$TLS_DIR/server.pem KEY=$TLS_DIR/server.key CA=$TLS_DIR/ca.pem
+fi
 DAEMONS="darl fedmom blob"
 CENTRAL_FILES="httpd.py durable.py tensorio.py blobstore.py darl_table.py darl_server.py fedmom_merge.py fedmom_state.py fedmom_server.py audit.py status_page.py"
 
 script_of() { case "$1" in darl) echo darl_server.py ;; fedmom) echo fedmom_server.py ;; blob) echo blobstore.py ;; esac; }
 port_of() { case "$1" in darl) echo "$DARL_PORT" ;; fedmom) echo "$FEDMOM_PORT" ;; blob) echo "$BLOB_PORT" ;; esac; }
-local_url() { echo "http://127.0.0.1:$(port_of "$1")"; }
-public_url() {
+local_url() { echo "https://127.0.0.1:$(port_of "$1")"; }
+public_host() {
     local host=${PWW_PUBLIC_HOST:-}
     if [ -z "$host" ]; then
-        case "$HOST" in 127.*|localhost) host=$HOST ;; 0.0.0.0) host=$(hostname -f) ;; *) host=$HOST ;; esac
+        case "$HOST" in 127.*|localhost) host=$HOST ;; 0.0.0.0|::) host=$(hostname -f) ;; *) host=$HOST ;; esac
     fi
-    echo "http://$host:$(port_of "$1")"
+    echo "$host"
 }
+public_url() { echo "https://$(public_host):$(port_of "$1")"; }
+# internal_url NAME: how FedMom reaches DARL and the blob store (our certificate names
+# 127.0.0.1; one of your own likely names only the public host)
+internal_url() { if [ -n "${TLS_CERT:-}" ]; then public_url "$1"; else local_url "$1"; fi; }
 
 # pid_of NAME: the daemon's pid if its pid file names a live process running its script.
 pid_of() {
@@ -104,15 +123,17 @@ pid_of() {
 }
 
 # health NAME [TIMEOUT_S [PID]]: wait until GET /health answers 200 (python: no curl
-# needed); gives up at once if PID exits.
+# needed); gives up at once if PID exits. A liveness probe of our own daemon on
+# loopback, so the certificate is not checked here (the sites check it).
 health() {
     "$PYTHON" - "$(local_url "$1")" "${2:-0}" "${3:-}" <<'PY'
-import os, sys, time, urllib.request
+import os, ssl, sys, time, urllib.request
 url, timeout, pid = sys.argv[1] + "/health", float(sys.argv[2]), sys.argv[3]
 deadline = time.monotonic() + timeout
+ctx = ssl._create_unverified_context()
 while True:
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
+        with urllib.request.urlopen(url, timeout=2, context=ctx) as r:
             print(r.read().decode().strip()); sys.exit(0)
     except OSError as e:
         if pid and not os.path.exists(f"/proc/{pid}"):
@@ -131,6 +152,57 @@ ensure_token() {
     [ -s "$TOKEN" ] && return 0
     (umask 077 && "$PYTHON" -c 'import secrets; print(secrets.token_hex(32))' > "$TOKEN")
     echo "created token $TOKEN (mode 600): copy it to each site"
+}
+
+# san_list: the names the server certificate must carry, for openssl's subjectAltName.
+san_list() {
+    local host san="DNS:localhost,IP:127.0.0.1"
+    for host in "$(public_host)" "$HOST"; do
+        case "$host" in
+            ""|localhost|127.0.0.1|0.0.0.0|::) ;;
+            *[!0-9.]*) [[ "$host" == *:* ]] && san+=",IP:$host" || san+=",DNS:$host" ;;
+            *) san+=",IP:$host" ;;
+        esac
+    done
+    echo "$san"
+}
+
+# ensure_tls: on first start a CA (10 years) and a server certificate it signs (2 years),
+# EC P-256 keys, mode 600; the server certificate again (same CA, so the sites' copies of
+# ca.pem stay valid) when it no longer names the public host. Skipped for TLS_CERT/TLS_KEY.
+ensure_tls() {
+    [ -n "${TLS_CERT:-}" ] && return 0
+    local san want have name
+    san=$(san_list)
+    mkdir -p "$TLS_DIR" && chmod 700 "$TLS_DIR"
+    if [ ! -s "$TLS_DIR/ca.pem" ] || [ ! -s "$TLS_DIR/ca.key" ]; then
+        (umask 077 && openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+            -days 3650 -subj "/CN=pww central CA $(hostname -s)" -keyout "$TLS_DIR/ca.key" \
+            -out "$TLS_DIR/ca.pem" -addext "basicConstraints=critical,CA:TRUE" \
+            -addext "keyUsage=critical,keyCertSign,cRLSign" 2> "$TLS_DIR/openssl.log") || {
+            echo "central.sh: openssl could not make the CA (see $TLS_DIR/openssl.log)" >&2; return 1; }
+        rm -f "$TLS_DIR/server.pem"
+        echo "created CA $TLS_DIR/ca.pem: copy it to each site (PWW_CA_FILE)"
+    fi
+    if [ -s "$TLS_DIR/server.pem" ]; then
+        have=$(openssl x509 -in "$TLS_DIR/server.pem" -noout -ext subjectAltName 2>/dev/null | tail -n +2 | tr -d ' ')
+        want=${san//IP:/IPAddress:}
+        for name in ${want//,/ }; do
+            [[ ",$have," == *",$name,"* ]] || { echo "server certificate lacks $name: issuing a new one (same CA)"; rm -f "$TLS_DIR/server.pem"; break; }
+        done
+    fi
+    [ -s "$TLS_DIR/server.pem" ] && return 0
+    (umask 077 && openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+        -subj "/CN=$(public_host)" -keyout "$TLS_DIR/server.key" -out "$TLS_DIR/server.csr" \
+        2>> "$TLS_DIR/openssl.log" &&
+     openssl x509 -req -in "$TLS_DIR/server.csr" -CA "$TLS_DIR/ca.pem" -CAkey "$TLS_DIR/ca.key" \
+        -CAcreateserial -days 730 -out "$TLS_DIR/server.pem" -extfile <(printf '%s\n' \
+        "subjectAltName=$san" "basicConstraints=critical,CA:FALSE" "keyUsage=critical,digitalSignature" \
+        "extendedKeyUsage=serverAuth" "subjectKeyIdentifier=hash" "authorityKeyIdentifier=keyid,issuer") \
+        2>> "$TLS_DIR/openssl.log") || {
+        echo "central.sh: openssl could not make the server certificate (see $TLS_DIR/openssl.log)" >&2; return 1; }
+    rm -f "$TLS_DIR/server.csr"
+    echo "created server certificate $TLS_DIR/server.pem for $san"
 }
 
 # darl_space: the block-space flags. The first start takes them from MANIFEST (copied into
@@ -167,7 +239,8 @@ darl_space() {
 
 daemon_args() {
     local name=$1 extra
-    ARGS=("$ROOT/$(script_of "$name")" --host "$HOST" --port "$(port_of "$name")" --token-file "$TOKEN")
+    ARGS=("$ROOT/$(script_of "$name")" --host "$HOST" --port "$(port_of "$name")" --token-file "$TOKEN"
+          --tls-cert "$CERT" --tls-key "$KEY")
     case "$name" in
         darl)
             ARGS+=(--state-dir "$STATE" --aggregator-token-file "$AGG_TOKEN")   # -> $STATE/darl/
@@ -183,7 +256,8 @@ daemon_args() {
             fi
             # FedMom takes accepted deltas' leases into custody at DARL (and commits them) and
             # serves big models via the blob store
-            ARGS+=(--darl "$(local_url darl)" --darl-token-file "$AGG_TOKEN" --blob-url "$(local_url blob)")
+            ARGS+=(--darl "$(internal_url darl)" --darl-token-file "$AGG_TOKEN" --blob-url "$(internal_url blob)")
+            [ -n "$CA" ] && ARGS+=(--ca-file "$CA")
             extra=${FEDMOM_ARGS:-} ;;
         blob)
             ARGS+=(--root "$STATE")                            # -> $STATE/blobs/
@@ -251,27 +325,34 @@ status_one() {
     echo "$name: pid $pid, $(local_url "$name") health: $(health "$name" 0)"
     if [ "$name" != blob ]; then
         local rc=0
-        "$PYTHON" "$ROOT/$(script_of "$name")" status --url "$(local_url "$name")" --token-file "$TOKEN" 2>&1 | sed 's/^/    /' || rc=${PIPESTATUS[0]}
+        "$PYTHON" "$ROOT/$(script_of "$name")" status --url "$(internal_url "$name")" --token-file "$TOKEN" \
+            ${CA:+--ca-file "$CA"} 2>&1 | sed 's/^/    /' || rc=${PIPESTATUS[0]}
         if [ "$rc" -ne 0 ]; then echo "    !!! $name status exit $rc: see the lines above"; return 1; fi
     fi
 }
 
 print_urls() {
+    local token_file=${PWW_SITE_TOKEN_FILE:-} ca_file=${PWW_SITE_CA_FILE:-}
+    # shellcheck disable=SC2016  # $HOME is meant to expand at the site, not here
+    [ -n "$token_file" ] || token_file='$HOME/.pww/central.token'
+    # shellcheck disable=SC2016
+    [ -n "$ca_file" ] || ca_file='$HOME/.pww/central-ca.pem'
     echo "# central services: write these lines to central.env in each site's checkout"
-    echo "# (jobs/*_titan.sh sources it), after copying $TOKEN to the site (chmod 600)"
+    echo "# (jobs/*_titan.sh sources it), after copying to the site (chmod 600):"
+    echo "#   token file $TOKEN -> $token_file"
+    [ -n "$CA" ] && echo "#   CA file    $CA -> $ca_file"
     echo "export PWW_DARL_URL=$(public_url darl)"
     echo "export PWW_FEDMOM_URL=$(public_url fedmom)"
     echo "export PWW_BLOB_URL=$(public_url blob)"
-    local token_file=${PWW_SITE_TOKEN_FILE:-}
-    # shellcheck disable=SC2016  # $HOME is meant to expand at the site, not here
-    [ -n "$token_file" ] || token_file='$HOME/.pww/central.token'
     echo "export PWW_TOKEN_FILE=$token_file"
+    if [ -n "$CA" ]; then echo "export PWW_CA_FILE=$ca_file"; fi
 }
 
 case "$CMD" in
     start)
         check_files || exit 1
         ensure_token
+        ensure_tls || exit 1
         STARTED=()
         # DARL and the blob store first: FedMom commits into DARL and reads blobs.
         for name in darl blob fedmom; do

@@ -66,18 +66,26 @@ class LeaseClient:
     (with jitter); every call is safe to repeat: commit and release are
     idempotent, heartbeat only extends, and acquire carries a request id the
     coordinator answers a second time with the same lease. 4xx are not retried.
+    A connection idle for REUSE_IDLE_S is not reused: the server closes keep-alive
+    connections idle for --idle-timeout-s (60 s), and a request sent into one that
+    is closing fails and costs a retry.
     """
+    REUSE_IDLE_S = 30.0
 
-    def __init__(self, url, token=None, timeout=10.0, retries=6, backoff_s=0.2, max_backoff_s=4.0):
-        self.url, self.token, self.timeout = url, token, timeout
+    def __init__(self, url, token=None, timeout=10.0, retries=6, backoff_s=0.2, max_backoff_s=4.0, ca_file=None):
+        self.url, self.token, self.timeout, self.ca_file = url, token, timeout, ca_file
         self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
         self.rtt_s = None                   # smoothed round-trip time of successful calls
         self._local = threading.local()
 
     def _conn(self):
         conn = getattr(self._local, "conn", None)
+        if conn is not None and time.monotonic() - self._local.used > self.REUSE_IDLE_S:
+            self._drop_conn()
+            conn = None
         if conn is None:
-            conn = self._local.conn = httpd.connect(self.url, self.timeout)
+            conn = self._local.conn = httpd.connect(self.url, self.timeout, self.ca_file)
+        self._local.used = time.monotonic()
         return conn
 
     def _drop_conn(self):
@@ -91,6 +99,7 @@ class LeaseClient:
             try:
                 reply = httpd.call(self.url, method, path, body, token=self.token, timeout=self.timeout,
                                    conn=self._conn())
+                self._local.used = time.monotonic()
                 rtt = time.monotonic() - t0
                 self.rtt_s = rtt if self.rtt_s is None else 0.8 * self.rtt_s + 0.2 * rtt
                 return reply

@@ -17,25 +17,35 @@ Run:
     python darl_server.py --manifest /tmp/manifest.json --block-size 64 --seed 0
         # N = the manifest's TRAINING windows (num_windows - heldout_windows):
         # the held-out tail is never leased (darl_table.py says how positions map)
-    python darl_server.py status --url http://127.0.0.1:29510      # exit 1 while anything is wrong
+    python darl_server.py status --url https://127.0.0.1:29510 --ca-file runs/central/tls/ca.pem
+        # exit 1 while anything is wrong
     python darl_server.py abort-custody --aggregator ID --reason "state dir lost" [--yes --expect LISTING]
 
 Bind/port: 127.0.0.1:29510 by default. A non-loopback --host needs a token
-(--token-file or $PWW_TOKEN) or --insecure. Every endpoint but /health needs
-`Authorization: Bearer <token>` when a token is set. The custody endpoints
-(/fence, /custody, /custody/commit, /custody/abort, /custody/abort_orphaned) take
-the aggregator's own credential instead when --aggregator-token-file is given
-(central.sh always gives it): the token every site holds then cannot fence the
-aggregator, abort its custody or retire it. Only the central VM has that file.
+(--token-file or $PWW_TOKEN) and TLS (--tls-cert, --tls-key), or --insecure.
+Every endpoint but /health needs `Authorization: Bearer <token>` when a token is
+set. The custody endpoints (/fence, /custody, /custody/commit, /custody/abort,
+/custody/abort_orphaned) take the aggregator's own credential instead when
+--aggregator-token-file is given (central.sh always gives it): the token every
+site holds then cannot fence the aggregator, abort its custody or retire it. Only
+the central VM has that file. Connection limits and timeouts: httpd.py.
 
 State: <state-dir>/darl/wal.jsonl and <state-dir>/darl/snapshot.json.
   - The log: one line per state change, `<JSON><TAB><crc32 of the JSON>`, fsync'd
     before the reply. Its first line is a header naming the snapshot it continues,
     the block space and the leasing flags (TableConfig) in force; every record holds
     its call, its time and `out`, a digest of what the call decided.
-  - The snapshot (every --snapshot-every changes, and at SIGTERM): the table, the
-    flags and a checksum, written atomically after LeaseTable.verify(); the log
-    then starts afresh with a new header.
+  - The snapshot (after --snapshot-every changes once the log has grown to the size
+    of the last snapshot, so snapshots never cost more writing than the log; and at
+    SIGTERM): the table, the flags and a checksum, written atomically after
+    LeaseTable.verify(). The table is copied under the lock, written outside it (the
+    other calls go on); the log then starts afresh with a new header and the records
+    written meanwhile.
+  - A full disk: a change is refused with 507 (httpd) while less than DISK_MARGIN
+    is free; an append that still fails (part of a line written) is cut from the log
+    and the table rebuilt from the disk, so nothing of that change stays. A failed
+    snapshot changes nothing (the log holds every change): `snapshot_error` on
+    /status, retried --snapshot-every changes later.
   - A restart loads the snapshot and replays the log under the flags it recorded;
     a replayed call that decides otherwise than `out`, or a change that does not
     follow the one before, stops the start. Only the bytes after the last newline
@@ -47,7 +57,13 @@ State: <state-dir>/darl/wal.jsonl and <state-dir>/darl/snapshot.json.
     --restore-grace more seconds.
   - <state-dir>/darl/lock: an exclusive flock held from before the state is read
     until the process ends; a second darl_server on the same dir exits naming the
-    holder's pid. A failed fsync ends the process (exit 75) before it answers.
+    holder's pid. A failed fsync of the log ends the process (exit 75) before it
+    answers (what the disk holds is unknown then); a failed write is the full-disk
+    case above.
+  - A crash between writing a snapshot and restarting the log leaves the log the
+    previous snapshot named: its changes up to the new snapshot are inside it, the
+    ones after it (written while the snapshot was written) are replayed, and the
+    restart's new log carries them over.
   - Leasing flags that differ from the recorded ones stop the start, naming each
     flag and both values; --accept-config-change logs the change instead, and it
     applies from then on.
@@ -124,6 +140,7 @@ Test hooks (httpd.py): fault points darl.append (decided, not written), darl.tor
 at start through httpd.wall_time().
 """
 import dataclasses
+import errno
 import json
 import os
 import secrets
@@ -139,6 +156,7 @@ import durable
 import httpd
 
 DEFAULT_PORT = 29510
+DISK_MARGIN = 64 << 10         # a change is refused (507) while the log's disk has less free
 WAL_VERSION = 2                # 2: checksummed lines, a config header, recorded outcomes, custody
 # fdatasync flushes the appended bytes and the new file size, skipping the
 # mtime update; measured here 0.25 ms against 0.2-16 ms for fsync on a busy disk.
@@ -223,8 +241,9 @@ class WriteAheadLog:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.sync_lock = threading.Lock()
         self.written = self.durable = 0
-        if header is not None and os.fstat(self.fd).st_size == 0:
-            os.write(self.fd, _line(header))
+        self.size = os.fstat(self.fd).st_size          # bytes in the log: where the next record starts
+        if header is not None and self.size == 0:
+            self._write(_line(header))
             if fsync:
                 os.fsync(self.fd)
 
@@ -267,8 +286,28 @@ class WriteAheadLog:
         # darl.torn: half the line reaches the file, then the process is killed (a torn write);
         # the test that arms it always kills there, never lets the thread go on
         httpd.fault_point("darl.torn", on_stop=lambda: os.write(self.fd, line[:len(line) // 2]))
-        os.write(self.fd, line)
+        self._write(line)
         self.written = record["seq"]
+
+    def _write(self, data):
+        """All of `data` at the end of the log, or none of it: a full disk can take part of a
+        line (a short write) before it refuses; the part is cut away again, so no damaged
+        line ever sits before a good one (which a restart would refuse as damage)."""
+        start = self.size
+        try:
+            done = os.write(self.fd, data)
+            while done < len(data):
+                done += os.write(self.fd, data[done:])     # raises ENOSPC once nothing fits
+        except OSError:
+            os.ftruncate(self.fd, start)
+            raise
+        self.size = start + len(data)
+
+    def tail_from(self, offset):
+        """The log's bytes from `offset` to its end (the records after a snapshot's cut)."""
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            return f.read()
 
     def sync(self, seq):
         if not self.fsync:
@@ -280,15 +319,20 @@ class WriteAheadLog:
             _datasync(self.fd)
             self.durable = target
 
-    def restart(self, header):
-        """Everything up to header["seq"] is in a durable snapshot: a log of the header alone
-        replaces this one atomically (a crash leaves the old log, whose records the snapshot
-        already holds, or the new one)."""
+    def restart(self, header, cut=None):
+        """Everything up to header["seq"] is in a durable snapshot: a log of the header, then
+        the records written after byte `cut` (those after the snapshot; none when `cut` is
+        None), replaces this one atomically (a crash leaves the old log, whose records the
+        snapshot already holds, or the new one). The caller holds the coordinator's lock,
+        so nothing is appended meanwhile; the copied records are durable once it returns.
+        A failure (a full disk) leaves the old log in place and no temp file."""
         with self.sync_lock:
-            durable.write_bytes(self.path, _line(header), self.fsync)
+            data = _line(header) + (self.tail_from(cut) if cut is not None else b"")
+            durable.write_bytes(self.path, data, self.fsync)
             os.close(self.fd)
             self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-            self.durable = max(self.durable, header["seq"])
+            self.size = len(data)
+            self.durable = max(self.durable, self.written if cut is not None else header["seq"])
 
     def sync_or_exit(self, seq):
         """sync(), or stop the process: after a failed fsync (EIO) the change is in memory and
@@ -344,7 +388,9 @@ class Loaded:
     torn_bytes: int
     good_bytes: int
     log_id: str            # the id the log's header must carry (the snapshot names it)
-    stale_log: bool        # the log predates the snapshot (a crash between the two): start it afresh
+    stale_log: bool        # the log predates the snapshot (a crash between the two): restart it from the snapshot
+    stale_cut: int | None = None  # in a stale log: the byte where the changes after the snapshot start
+    snapshot_seq: int = 0  # the change the snapshot (or a fresh log) starts from: the log replays after it
 
 
 def load_state(state_dir):
@@ -354,8 +400,10 @@ def load_state(state_dir):
 
     The snapshot names the log that continues it (a random id in both): a log with
     another id is the one a crash left between writing the snapshot and starting the
-    log afresh, and must end inside the snapshot; a missing file, or a log that needs a
-    snapshot which is not there, stops the start instead of serving an old table."""
+    log afresh: it must start inside the snapshot, and the changes it holds after the
+    snapshot's (written while the snapshot was written) are replayed; a missing file, or
+    a log that needs a snapshot which is not there, stops the start instead of serving
+    an old table."""
     d = os.path.join(state_dir, "darl")
     wal_path, snap_path = os.path.join(d, "wal.jsonl"), os.path.join(d, "snapshot.json")
     snap = _read_snapshot(snap_path)
@@ -371,17 +419,19 @@ def load_state(state_dir):
         else:
             table = darl_table.LeaseTable(base["space"]["num_blocks"], config)
         seq, t, digest, space, log_id = base["seq"], base["t"], base["digest"], base["space"], base["log"]
+        snapshot_seq = seq
     except (KeyError, TypeError, ValueError) as e:
         where = snap_path if snap else f"{wal_path}: byte 0"
         raise LogError(f"{where}: cannot read it back ({type(e).__name__}: {e}); restore the state directory "
                        "from a backup, or start on a new --state-dir")
     stale = snap is not None and log.header.get("log") != log_id
+    records, stale_cut = log.records, None
     if stale:
-        _check_stale_log(log, seq, wal_path)
-    else:
-        for rec in log.records:        # every record follows the one before: seq + 1, no gap, no repeat
-            seq, t = _replay(table, rec, seq, wal_path), rec["t"]
-    return Loaded(table, seq, t, digest, space, log.torn_bytes, log.good_bytes, log_id, stale)
+        records, stale_cut = _after_snapshot(log, seq, wal_path)
+    for rec in records:        # every record follows the one before: seq + 1, no gap, no repeat
+        seq, t = _replay(table, rec, seq, wal_path), rec["t"]
+    return Loaded(table, seq, t, digest, space, log.torn_bytes, log.good_bytes, log_id, stale, stale_cut,
+                  snapshot_seq)
 
 
 def _check_pair(snap, log, snap_path, wal_path):
@@ -404,19 +454,24 @@ def _check_pair(snap, log, snap_path, wal_path):
                        f"holds changes up to {snap.get('seq')}; {restore}")
 
 
-def _check_stale_log(log, snap_seq, path):
-    """A log the snapshot does not name: only the previous log, every change of it inside the snapshot."""
+def _after_snapshot(log, snap_seq, path):
+    """A log the snapshot does not name: only the previous log, starting inside the snapshot,
+    every change following the one before. Returns its records after the snapshot and the
+    byte where they start (the log's end when there are none)."""
     seq = log.header.get("seq", 0)
     if seq >= snap_seq:
         raise LogError(f"{path}: byte 0: the log (id {log.header.get('log')}, from change {seq}) is not the one "
                        f"the snapshot (change {snap_seq}) names; the changes after the snapshot are lost: restore "
                        "the state directory from a backup (both files)")
-    for rec in log.records:
-        if rec.get("seq") != seq + 1 or rec["seq"] > snap_seq:
+    for i, rec in enumerate(log.records):
+        if rec.get("seq", 0) > snap_seq and seq == snap_seq:
+            return log.records[i:], rec["_at"]
+        if rec.get("seq") != seq + 1:
             raise LogError(f"{path}: byte {rec['_at']} (change {rec.get('seq')}) does not follow change {seq} "
-                           f"inside snapshot change {snap_seq}; this log is not the snapshot's predecessor: "
+                           f"(snapshot change {snap_seq}); this log is not the snapshot's predecessor: "
                            "restore the state directory from a backup (both files)")
         seq = rec["seq"]
+    return [], log.good_bytes
 
 
 def _replay(table, rec, seq, path):
@@ -468,14 +523,21 @@ class Coordinator:
 
     def __init__(self, space, config=None, state_dir=None, snapshot_every=1000, restore_grace=120.0,
                  fsync=True, clock=None, wall=httpd.wall_time, monotonic=time.monotonic,
-                 accept_config_change=False):
+                 accept_config_change=False, disk_margin=DISK_MARGIN):
         self.space, self.digest = space, space.digest()
         self.config = (config or darl_table.TableConfig()).validate()
         self.snapshot_every, self.lock = snapshot_every, threading.Lock()
         self.invariant_error, self.torn_bytes = None, 0
         self.table, self.seq = darl_table.LeaseTable(space.num_blocks, self.config), 0
         self.dir = self.wal = None
-        self.log_id, loaded = secrets.token_hex(8), None
+        self.log_id = secrets.token_hex(8)
+        self.state_dir = state_dir
+        # snapshots: the change and log size of the last one, its bytes, whether one is being
+        # written (outside the lock), and what went wrong with the last attempt (on /status)
+        self.snap_seq, self.snap_bytes, self.snap_busy, self.snapshot_error = 0, 0, False, None
+        self.snap_done = threading.Condition(self.lock)
+        self.disk_margin = disk_margin
+        loaded = None
         if state_dir:
             self.dir = os.path.join(state_dir, "darl")
             lock_fd = httpd.lock_state_dir(self.dir, "darl_server")   # before reading anything
@@ -516,16 +578,24 @@ class Coordinator:
         self.wal = WriteAheadLog(os.path.join(self.dir, "wal.jsonl"), fsync, keep=loaded.good_bytes if loaded else 0,
                                  header=self._header(), lock_fd=lock_fd)
         self.wal.written = self.wal.durable = self.seq
-        if loaded is not None and loaded.stale_log:     # the crash came between the snapshot and the log's restart
-            self.wal.restart(self._header())
+        if loaded is not None and loaded.stale_log:
+            # the crash came between the snapshot and the log's restart: the new log starts at the
+            # snapshot and carries over the records the old one holds after it (written meanwhile)
+            self.wal.restart(self._header(seq=loaded.snapshot_seq), loaded.stale_cut)
+        # the log since the last snapshot counts towards the next one, across restarts too
+        self.snap_seq = loaded.snapshot_seq if loaded else self.seq
+        snap_path = os.path.join(self.dir, "snapshot.json")
+        self.snap_bytes = os.path.getsize(snap_path) if os.path.exists(snap_path) else 0
         if changes:
             self.call("set_config", {"config": self.config.to_dict()})
             sys.stderr.write("darl_server: --accept-config-change: logged " + ", ".join(
                 f"{flag} {old} -> {new}" for flag, old, new in changes) + "; it applies from now on\n")
         return loaded
 
-    def _header(self):
-        return {"v": WAL_VERSION, "op": "header", "seq": self.seq, "log": self.log_id, "t": self.clock(),
+    def _header(self, seq=None, log_id=None):
+        """The log's first line: the change it continues (default: this one) and its log id."""
+        return {"v": WAL_VERSION, "op": "header", "seq": self.seq if seq is None else seq,
+                "log": log_id or self.log_id, "t": self.clock(),
                 "digest": self.digest, "space": self.space.describe(), "config": self.table.config.to_dict()}
 
     def call(self, op, args):
@@ -536,8 +606,10 @@ class Coordinator:
                                              f"coordinator {self.digest!r} ({self.space.describe()}); both sides "
                                              "must use the same --num-samples/--manifest, --block-size and --seed",
                                         digest=self.digest, space=self.space.describe())
-        refused = None
+        refused, capture = None, None
         with self.lock:
+            if self.wal is not None:
+                self._check_space()
             now = self.clock()
             table_args = {k: v for k, v in args.items() if k != "digest"}
             try:
@@ -553,16 +625,16 @@ class Coordinator:
                 httpd.fault_point("darl.append")       # decided, nothing written: as if it never happened
                 try:
                     self.wal.append(rec)
-                except OSError as e:        # memory and disk now disagree: stop rather than serve
-                    sys.stderr.write(f"darl_server: cannot append to the log ({e}); exiting so a restart "
-                                     "replays a consistent state\n")
-                    os._exit(75)
-                if self.seq % self.snapshot_every == 0:
-                    self.snapshot()
+                except OSError as e:
+                    self._undo(op, e)
+                    raise                   # a full disk: httpd answers 507 naming it
+                capture = self._capture() if self._snapshot_due() else None
             seq = self.seq
         if self.wal is not None:
             self.wal.sync_or_exit(seq)
             httpd.fault_point("darl.synced")           # durable, the reply not sent: the client retries
+            if capture is not None:
+                self._write_snapshot(capture)          # outside the lock: the other calls go on
         if refused is not None:
             raise refused
         if op == "register":        # what a site needs to build the same BlockSpace and check it
@@ -571,22 +643,92 @@ class Coordinator:
             reply = {**reply, "digest": self.digest}
         return reply
 
-    def snapshot(self):
-        """Verify the books, write them atomically, then start the log afresh. Call under the lock."""
+    def _undo(self, op, err):
+        """The log refused a record (a full disk) after the table applied it: the record is
+        cut from the log (WriteAheadLog._write) and the table rebuilt from what the disk
+        holds, so memory never runs ahead of the log. Under the lock. If even that fails,
+        exit: a restart replays the disk."""
+        try:
+            loaded = load_state(self.state_dir)
+            self.table, self.seq = loaded.table, loaded.seq
+            self.table.clock = self.clock
+        except BaseException as e:
+            sys.stderr.write(f"darl_server: cannot append to the log ({err}) nor rebuild the table from it "
+                             f"({e}); exiting so a restart replays a consistent state\n")
+            os._exit(75)
+        sys.stderr.write(f"darl_server: {op} refused, the log cannot grow ({err}); nothing of it was kept\n")
+
+    def _check_space(self):
+        """Refuse a change before it is applied while the log's disk has less than
+        disk_margin free: the cheap answer to a full disk (_undo is the one that holds
+        whatever the margin: a rebuild from the log, which costs a replay)."""
+        if not self.disk_margin:
+            return
+        st = os.statvfs(self.dir)
+        free = (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize   # root may use the reserve
+        if free < self.disk_margin:
+            raise OSError(errno.ENOSPC, f"{free} bytes free, the log needs {self.disk_margin}")
+
+    def _snapshot_due(self):
+        """--snapshot-every changes since the last snapshot, and a log at least as large as that
+        snapshot: writing snapshots costs no more than the log itself, however large the
+        table grows (closed leases are kept), and a restart replays at most that much log."""
+        return (self.wal is not None and not self.snap_busy and self.seq - self.snap_seq >= self.snapshot_every
+                and self.wal.size >= self.snap_bytes)
+
+    def _capture(self):
+        """The table as plain values at this change, and where the log stands. Under the lock;
+        the rest (JSON, checksum, the write) happens outside it, in _write_snapshot."""
+        self.snap_busy = True
         try:
             self.table.verify()
         except darl_table.InvariantError as e:
             self.invariant_error = str(e)
             sys.stderr.write(f"darl_server: INVARIANT VIOLATED, snapshot skipped: {e}\n")
+            self.snap_busy, self.snap_seq = False, self.seq
+            return None
+        header = self._header(log_id=secrets.token_hex(8))     # the log that continues this snapshot
+        snap = {"v": WAL_VERSION, "seq": self.seq, "log": header["log"], "t": header["t"], "digest": self.digest,
+                "space": self.space.describe(), "config": header["config"], "table": self.table.to_dict()}
+        return snap, header, self.wal.size
+
+    def _write_snapshot(self, capture):
+        """Write a captured snapshot atomically, then start the log afresh from it (the
+        records written since the capture are carried over). A failure (a full disk) changes
+        nothing: the log still holds every change, the next attempt comes --snapshot-every
+        changes later, and /status shows snapshot_error."""
+        if capture is None:
             return False
-        self.log_id = secrets.token_hex(8)          # the log that continues this snapshot
-        snap = {"v": WAL_VERSION, "seq": self.seq, "log": self.log_id, "t": self.clock(), "digest": self.digest,
-                "space": self.space.describe(), "config": self.table.config.to_dict(),
-                "table": self.table.to_dict()}
-        snap["crc"] = _snapshot_crc(snap)
-        durable.write_json(os.path.join(self.dir, "snapshot.json"), snap, separators=(",", ":"))
-        self.wal.restart(self._header())
-        return True
+        snap, header, cut = capture
+        try:
+            snap["crc"] = _snapshot_crc(snap)
+            text = json.dumps(snap, separators=(",", ":")) + "\n"   # json.dump would encode in Python, ~10x slower
+            durable.write_text(os.path.join(self.dir, "snapshot.json"), text)
+            size = len(text)
+            with self.lock:
+                self.wal.restart(header, cut)
+                self.log_id = header["log"]
+                self.snap_seq, self.snap_bytes, self.snapshot_error = snap["seq"], size, None
+            return True
+        except OSError as e:
+            with self.lock:
+                self.snap_seq, self.snapshot_error = snap["seq"], f"{type(e).__name__}: {e}"
+            sys.stderr.write(f"darl_server: snapshot at change {snap['seq']} failed ({e}); the log keeps every "
+                             "change, retrying later\n")
+            return False
+        finally:
+            with self.lock:
+                self.snap_busy = False
+                self.snap_done.notify_all()
+
+    def snapshot(self):
+        """Verify the books, write them atomically, then start the log afresh (after the one
+        being written, if any). Not under the lock."""
+        with self.lock:
+            while self.snap_busy:
+                self.snap_done.wait()
+            capture = self._capture()
+        return self._write_snapshot(capture)
 
     def status(self):
         with self.lock:
@@ -597,7 +739,7 @@ class Coordinator:
                 out = {"violations": dict(self.table.counters)}
             return {**out, "digest": self.digest, "space": self.space.describe(), "seq": self.seq,
                     "config": self.table.config.to_dict(), "torn_bytes_dropped": self.torn_bytes,
-                    "invariant_error": self.invariant_error}
+                    "invariant_error": self.invariant_error, "snapshot_error": self.snapshot_error}
 
     def custody(self, aggregator=None, state=None):
         with self.lock:
@@ -605,9 +747,11 @@ class Coordinator:
                     "aggregators": self.table.status(self.clock())["aggregators"]}
 
     def close(self):
+        if self.wal is None:
+            return
+        self.snapshot()
         with self.lock:
             if self.wal is not None:
-                self.snapshot()
                 self.wal.close()
                 self.wal = None
 
@@ -705,9 +849,8 @@ def _cli_parser(doc):
     p = httpd.base_parser(doc)
     p.prog = " ".join(doc.split()[:2])               # "darl_server.py status", not "darl_server.py"
     p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}",
-                   help=f"coordinator URL (default http://127.0.0.1:{DEFAULT_PORT})")
-    p.add_argument("--token-file", default=os.environ.get("PWW_TOKEN_FILE"),
-                   help="bearer token file (default $PWW_TOKEN_FILE or $PWW_TOKEN)")
+                   help=f"coordinator URL (default http://127.0.0.1:{DEFAULT_PORT}; https://... under TLS)")
+    httpd.add_client_args(p)
     return p
 
 
@@ -717,8 +860,9 @@ def status_main(argv):
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     a = p.parse_args(argv)
     try:
-        st = httpd.call(a.url, "GET", "/status", token=httpd.load_token(a.token_file), timeout=10)
-    except (OSError, httpd.CallError) as e:
+        st = httpd.call(a.url, "GET", "/status", token=httpd.load_token(a.token_file), timeout=10,
+                        ca_file=a.ca_file)
+    except (OSError, httpd.CallError, httpd.TLSConfigError) as e:
         raise SystemExit(f"cannot read {a.url}/status: {e}")
     if not isinstance(st, dict) or "num_blocks" not in st:
         raise SystemExit(f"status: {a.url} is not the DARL coordinator (its /status has no num_blocks): point "
@@ -754,7 +898,7 @@ STATE/aggregator.token) where DARL was started with one.""")
     token = httpd.load_token(a.aggregator_token_file, env=None) or httpd.load_token(a.token_file)
     query = urllib.parse.urlencode({"aggregator": a.aggregator, "state": "held"})
     try:
-        held = httpd.call(a.url, "GET", f"/custody?{query}", token=token, timeout=30)["custody"]
+        held = httpd.call(a.url, "GET", f"/custody?{query}", token=token, timeout=30, ca_file=a.ca_file)["custody"]
         listing = listing_id(held)
         if not a.yes:
             blocks = sum(c["blocks"] for c in held)
@@ -769,8 +913,8 @@ STATE/aggregator.token) where DARL was started with one.""")
                              f"you were shown {a.expect}): nothing aborted; run the dry run again")
         reply = httpd.call(a.url, "POST", "/custody/abort_orphaned",
                            {"aggregator": a.aggregator, "reason": a.reason, "expect": [c["delta"] for c in held]},
-                           token=token, timeout=30)
-    except (OSError, httpd.CallError) as e:
+                           token=token, timeout=30, ca_file=a.ca_file)
+    except (OSError, httpd.CallError, httpd.TLSConfigError) as e:
         raise SystemExit(f"abort-custody: {a.url}: {e}")
     print(f"!!! ABORTED {len(reply['aborted'])} custody record(s) of aggregator {a.aggregator}: "
           f"{reply['returned']} blocks went back to the pool and will be trained again; that identity is retired")
@@ -836,7 +980,8 @@ def serve_parser():
     t.add_argument("--max-grant", type=int, default=d.max_grant, help="largest grant, blocks; 0 = no cap (default 0)")
     st = p.add_argument_group("state")
     st.add_argument("--state-dir", default="runs/central", help="WAL and snapshots go to STATE_DIR/darl/ (default runs/central)")
-    st.add_argument("--snapshot-every", type=int, default=1000, help="changes between snapshots (default 1000)")
+    st.add_argument("--snapshot-every", type=int, default=1000, help="changes between snapshots, at least; also waits until the log is as large as "
+                         "the last snapshot (default 1000)")
     st.add_argument("--restore-grace", type=float, default=120.0,
                     help="after a restart, leases alive at the crash live at least this long, s (default 120)")
     st.add_argument("--accept-config-change", action="store_true",
@@ -858,7 +1003,7 @@ def serve(a):
         space = cfg.space()
     except ValueError as e:
         raise SystemExit(f"darl_server: {e}")
-    # bind first: a refused bind (public address, no token) must not create or replay state
+    # bind first: a refused bind (public address, no token or TLS) must not create or replay state
     agg_token = httpd.load_token(a.aggregator_token_file, env=None)
     token = httpd.load_token(a.token_file)
     if agg_token and agg_token == token:
@@ -867,13 +1012,17 @@ def serve(a):
     if token and not agg_token:
         sys.stderr.write("darl_server: no --aggregator-token-file: every holder of the sites' token may fence the "
                          "aggregator and abort its custody\n")
-    server = httpd.make_server({}, a.host, a.port, token, a.insecure, max_body=int(a.max_body_mb * 2**20),
-                               quiet=not a.verbose, scoped={p: agg_token for p in CUSTODY_PATHS} if agg_token else None)
+    server = httpd.server_from_args(a, disk=cfg.state_dir,
+                                    scoped={p: agg_token for p in CUSTODY_PATHS} if agg_token else None)
     if cfg.state_dir:
         httpd.writable_dir(cfg.state_dir, "--state-dir")
-    coord = Coordinator(space, cfg.table, cfg.state_dir, cfg.snapshot_every, cfg.restore_grace,
-                        accept_config_change=a.accept_config_change)
-    server.RequestHandlerClass.routes.update(make_routes(coord))
+    try:
+        coord = Coordinator(space, cfg.table, cfg.state_dir, cfg.snapshot_every, cfg.restore_grace,
+                            accept_config_change=a.accept_config_change)
+    except OSError as e:             # a full disk: the start logs the restore of live leases
+        raise SystemExit(f"darl_server: cannot start on {cfg.state_dir}: {e.strerror or e}; free space on its "
+                         "disk and start again")
+    server.RequestHandlerClass.routes.update(httpd.with_http_stats(make_routes(coord), server))
 
     def on_term(signum, frame):      # SIGTERM: stop serving, then flush and snapshot below
         raise KeyboardInterrupt

@@ -98,15 +98,16 @@ pww_rendezvous() {
     export MASTER_ADDR MASTER_PORT
 }
 
-# pww_central_env: for a federation site job. The central URLs and token: `central.sh url`
-# on the central VM prints the lines for $PWW_CENTRAL_ENV (default: central.env in the
-# checkout); a variable already set before the call wins over the file's line for it
+# pww_central_env: for a federation site job. The central URLs, token and CA: `central.sh
+# url` on the central VM prints the lines for $PWW_CENTRAL_ENV (default: central.env in
+# the checkout); a variable already set before the call wins over the file's line for it
 # (PWW_DARL_URL=... sbatch jobs/lumi_titan.sh points one job elsewhere). Stops the job,
-# naming what is missing.
+# naming what is missing. PWW_CA_FILE (the copy of the central CA, read by train.py) is
+# checked when set.
 pww_central_env() {
     PWW_CENTRAL_ENV=${PWW_CENTRAL_ENV:-$PWW_ROOT/central.env}
     local var kept=()
-    for var in PWW_DARL_URL PWW_FEDMOM_URL PWW_BLOB_URL PWW_TOKEN_FILE; do
+    for var in PWW_DARL_URL PWW_FEDMOM_URL PWW_BLOB_URL PWW_TOKEN_FILE PWW_CA_FILE; do
         [ -n "${!var:-}" ] && kept+=("$var=${!var}")
     done
     if [ -f "$PWW_CENTRAL_ENV" ]; then
@@ -120,6 +121,10 @@ pww_central_env() {
     : "${PWW_FEDMOM_URL:?set PWW_FEDMOM_URL (see central.sh url)}"
     : "${PWW_BLOB_URL:?set PWW_BLOB_URL (see central.sh url)}"
     : "${PWW_TOKEN_FILE:?set PWW_TOKEN_FILE to the copy of the central token (mode 600)}"
+    if [ -n "${PWW_CA_FILE:-}" ] && [ ! -f "$PWW_CA_FILE" ]; then
+        echo "pww_central_env: PWW_CA_FILE=$PWW_CA_FILE: no such file; copy runs/central/tls/ca.pem from the central VM there" >&2
+        return 1
+    fi
 }
 
 # pww_setup_dirs: first-time setup at a site. Creates scratch dirs and links them into the

@@ -68,15 +68,22 @@ AUTO_BLOB_BYTES = 256 << 20     # "auto" sends larger deltas through the blob st
 
 
 class FedMomClient:
-    """The site side of the protocol (stdlib + numpy; no torch)."""
+    """The site side of the protocol (stdlib + numpy; no torch).
 
-    def __init__(self, url, cluster, incarnation, token=None, blob_url=None, timeout=60.0, retries=3):
+    ca_file: the CA for https:// URLs (central.sh's ca.pem). stall_s: how long a theta
+    download or delta upload may make no progress before it is abandoned (an OSError,
+    so the caller retries); the blob transport resumes where it stopped."""
+
+    def __init__(self, url, cluster, incarnation, token=None, blob_url=None, timeout=60.0, retries=3,
+                 ca_file=None, stall_s=120.0):
         self.url, self.cluster, self.incarnation = url, cluster, incarnation
         self.token, self.blob_url, self.timeout, self.retries = token, blob_url, timeout, retries
+        self.ca_file, self.stall_s = ca_file, stall_s
         self.heartbeat_s = 30.0
 
     def _call(self, method, path, body=None, timeout=None):
-        return httpd.call(self.url, method, path, body, token=self.token, timeout=timeout or self.timeout)
+        return httpd.call(self.url, method, path, body, token=self.token, timeout=timeout or self.timeout,
+                          ca_file=self.ca_file)
 
     def _ident(self, **extra):
         return {"cluster": self.cluster, "incarnation": self.incarnation, **extra}
@@ -134,13 +141,14 @@ class FedMomClient:
         if transport == "blob":
             import blobstore
             info = self._call("GET", "/theta_blob", timeout=3600)
-            sha = blobstore.get_file(self._blob_url(), info["blob"], path, token=self.token)
+            sha = blobstore.get_file(self._blob_url(), info["blob"], path, token=self.token,
+                                     timeout=self.stall_s, ca_file=self.ca_file)
             if sha != info["sha256"]:
                 raise IOError(f"theta blob {info['blob']}: sha256 {sha} != {info['sha256']}")
             return info["round"]
         if transport != "inline":
             raise ValueError(f"transport {transport!r}: use 'inline' or 'blob'")
-        conn = httpd.connect(self.url, timeout=max(self.timeout, 600))
+        conn = httpd.connect(self.url, self.stall_s, self.ca_file)
         try:
             conn.request("GET", httpd.split_url(self.url)[3] + "/theta", headers=httpd.auth_headers(self.token))
             resp = conn.getresponse()
@@ -195,8 +203,8 @@ class FedMomClient:
             raise
 
     def _send_inline(self, path, meta):
-        _, host, port, prefix = httpd.split_url(self.url)
-        conn = http.client.HTTPConnection(host, port, timeout=max(self.timeout, 600), blocksize=1 << 20)
+        prefix = httpd.split_url(self.url)[3]
+        conn = httpd.connect(self.url, self.stall_s, self.ca_file, blocksize=1 << 20)
         try:
             headers = {"Content-Length": str(os.path.getsize(path)), "X-Delta-Meta": json.dumps(meta),
                        "Content-Type": "application/octet-stream", **httpd.auth_headers(self.token)}
@@ -212,7 +220,8 @@ class FedMomClient:
 
     def _send_blob(self, path, meta, blob):
         import blobstore
-        info = blobstore.put_file(self._blob_url(), blob, path, token=self.token)
+        info = blobstore.put_file(self._blob_url(), blob, path, token=self.token, timeout=self.stall_s,
+                                  ca_file=self.ca_file)
         return self._call("POST", "/delta_blob", {**meta, "blob": blob, "sha256": info["sha256"]}, timeout=3600)
 
     def _blob_url(self):

@@ -15,7 +15,22 @@ lr 1 / momentum 0 is exact FedAvg.
     stats = merge_files("theta-3.safetensors", "momentum-3.safetensors",
                         [("spool/a.safetensors", 0.25), ("spool/b.safetensors", 0.75)],
                         "theta-4.safetensors", "momentum-4.safetensors", lr=0.7, mu=0.9)
-    check_delta_file("spool/a.safetensors", {name: shape})   # raises DeltaRejected(status, reason)
+    norm = check_delta_file("spool/a.safetensors", {name: shape})   # raises DeltaRejected(status, reason)
+    scales, limit = clip_scales([norm_a, norm_b], reference=[...], factor=10.0)
+
+Hostile or broken deltas (a robust merge; every finite delta is still a weapon):
+  - at acceptance, check_delta_file refuses NaN/Inf and returns the delta's L2 norm,
+    accumulated in float64 (an f32 sum of squares of a 3e38 delta is inf);
+  - clipping: a delta whose norm exceeds `factor` x the median of the round's norms and
+    of the deltas merged in the last rounds is scaled down to that limit (clip_scales);
+    the caller names it in the round record. With one site and no history the median is
+    its own norm, so clipping needs company: the finiteness check below does not;
+  - every merged chunk of theta and momentum is checked as it is computed: a non-finite
+    value stops the merge with NonFinite before anything is written, and the caller
+    merges again without the largest contribution - or, when the old momentum alone
+    overflows (earlier rounds pushed it near the fp32 limit, so no delta, however small,
+    could be merged: a round stuck for good), with the momentum reset. Two finite f32
+    deltas of ~3e38 used to publish an inf theta that no later round could repair.
 
 Memory and passes: each tensor is merged CHUNK elements at a time; theta, momentum
 and delta chunks arrive by positioned reads straight into cache-sized buffers (or into
@@ -58,7 +73,7 @@ def scaled_sum(deltas, weights, s, tmp, sq):
             x *= np.float32(p)
         else:
             np.multiply(d, np.float32(p), out=x, dtype=np.float32)
-        sq[i] += float(np.dot(x, x)) / (p * p)
+        sq[i] += sq_norm(x) / (p * p)
         if i:
             s += tmp
 
@@ -131,10 +146,41 @@ class Inputs:
         self.readers, self.fds = [], []
 
 
+class NonFinite(ArithmeticError):
+    """The merged theta or momentum would hold NaN/Inf: nothing was written. `cause`:
+    "momentum" when the old momentum alone overflows that chunk (no delta could be merged
+    on top of it: reset the buffer), else "deltas" (leave the largest contribution out)."""
+
+    def __init__(self, what, name, cause="deltas"):
+        super().__init__(f"the merged {what} of tensor {name!r} is not finite")
+        self.what, self.name, self.cause = what, name, cause
+
+
+def _momentum_alone_overflows(theta, buf, lr, mu):
+    """theta - lr*mu^2*buf and mu*buf: the step with every delta zero. theta/buf are
+    scratch copies of the old chunk (clobbered)."""
+    buf *= np.float32(mu)
+    if not np.isfinite(buf).all():
+        return True
+    buf *= np.float32(lr * mu)
+    theta -= buf
+    return not np.isfinite(theta).all()
+
+
+def sq_norm(x):
+    """||x||^2 of a float32 chunk: the fast f32 dot, again in float64 if that overflowed."""
+    v = float(np.dot(x, x))
+    if not math.isfinite(v):
+        x64 = x.astype(np.float64)
+        v = float(np.dot(x64, x64))
+    return v
+
+
 def merge_tensor(inputs, name, theta, buf, weights, lr, mu, sums, work):
     """Merge one tensor, chunk by chunk: read theta (and momentum) into the caller's flat
-    fp32 `theta`/`buf`, the deltas into scratch, update in place. `work` = two CHUNK
-    fp32 scratch arrays. sums["theta"], sums["delta"][i] accumulate squared norms."""
+    fp32 `theta`/`buf`, the deltas into scratch, update in place, and check the result
+    while it is in cache (NonFinite). `work` = two CHUNK fp32 scratch arrays.
+    sums["theta"], sums["delta"][i] accumulate squared norms."""
     first = inputs.momentum is None
     for lo in range(0, theta.size, CHUNK):
         hi = min(lo + CHUNK, theta.size)
@@ -142,11 +188,21 @@ def merge_tensor(inputs, name, theta, buf, weights, lr, mu, sums, work):
         b = None if buf is None else buf[lo:hi]
         if not first:
             inputs.read(1, name, lo, hi, out=b)
-        sums["theta"] += float(np.dot(th, th))
+        sums["theta"] += sq_norm(th)
         s, tmp = work[0][:hi - lo], work[1][:hi - lo]
         ds = [inputs.read(k, name, lo, hi) for k in range(2, 2 + len(weights))]
-        scaled_sum(ds, weights, s, tmp, sums["delta"])
-        nesterov_chunk(th, b, s, tmp, lr, mu, first)
+        with np.errstate(over="ignore", invalid="ignore"):      # overflow is checked just below
+            scaled_sum(ds, weights, s, tmp, sums["delta"])
+            nesterov_chunk(th, b, s, tmp, lr, mu, first)
+            bad = "theta" if not np.isfinite(th).all() else \
+                "momentum" if b is not None and not np.isfinite(b).all() else None
+            if bad:
+                cause = "deltas"
+                if not first:
+                    th0, _ = inputs.read(0, name, lo, hi, out=s)
+                    b0, _ = inputs.read(1, name, lo, hi, out=tmp)
+                    cause = "momentum" if _momentum_alone_overflows(th0, b0, lr, mu) else "deltas"
+                raise NonFinite(bad, name, cause)
 
 
 class WriteBehind:
@@ -271,7 +327,8 @@ class DeltaRejected(Exception):
 
 def check_delta_file(path, specs):
     """Header checks, then a tensor-by-tensor finiteness scan; raises DeltaRejected.
-    specs: {name: shape} of theta_global. Nothing is read twice into memory."""
+    specs: {name: shape} of theta_global. Returns the delta's L2 norm (float64).
+    Nothing is read twice into memory."""
     try:
         r = tensorio.TensorReader(path)
     except tensorio.FormatError as e:
@@ -288,17 +345,48 @@ def check_delta_file(path, specs):
             if shape != specs[name]:
                 raise DeltaRejected(400, f"tensor {name!r} has shape {list(shape)}, "
                                          f"theta_global has {list(specs[name])}")
+        total = 0.0
         for name in r.names:
-            if not _all_finite(r.read(name).reshape(-1), r.specs[name][0]):
+            sq = _finite_sq_norm(r.read(name).reshape(-1), r.specs[name][0])
+            if sq is None:
                 raise DeltaRejected(422, f"tensor {name!r} holds NaN or Inf")
+            total += sq
+        return math.sqrt(total)
 
 
-def _all_finite(a, dtype):
+def delta_norm(path):
+    """The L2 norm of a delta file already checked (a spooled delta restored at start)."""
+    with tensorio.TensorReader(path) as r:
+        return math.sqrt(sum(_finite_sq_norm(r.read(n).reshape(-1), r.specs[n][0]) or 0.0 for n in r.names))
+
+
+def _finite_sq_norm(a, dtype):
+    """||a||^2 in float64, or None if `a` holds NaN/Inf. a: F16/F32 values or raw BF16 bits."""
+    total, wide = 0.0, np.empty(min(a.size, 1 << 22), np.float32)
     for lo in range(0, a.size, 1 << 22):
         c = a[lo:lo + (1 << 22)]
         if dtype == "BF16":      # exponent bits all ones = Inf or NaN
             if np.any((c & np.uint16(0x7F80)) == np.uint16(0x7F80)):
-                return False
+                return None
         elif not np.isfinite(c).all():
-            return False
-    return True
+            return None
+        if dtype == "F32":
+            x = c
+        else:
+            x = wide[:c.size]
+            widen(c, dtype, x)
+        total += sq_norm(x)
+    return total
+
+
+def clip_scales(norms, reference=(), factor=10.0):
+    """The robust rule: each delta is scaled to at most `factor` x the median norm of
+    `norms` (this round's deltas) together with `reference` (norms merged in recent
+    rounds). -> ([scale per delta, 1.0 = untouched], limit or None). factor 0 = off."""
+    pool = sorted([n for n in norms if n > 0] + [n for n in reference if n and n > 0])
+    if not factor or not pool:
+        return [1.0] * len(norms), None
+    mid = len(pool) // 2
+    median = pool[mid] if len(pool) % 2 else 0.5 * (pool[mid - 1] + pool[mid])
+    limit = factor * median
+    return [min(1.0, limit / n) if n > 0 else 1.0 for n in norms], limit

@@ -9,13 +9,14 @@ delta checks), fedmom_state.py (the durable state and round protocol), status_pa
     python fedmom_server.py --state-dir state/fedmom --init init.safetensors
     # every later start resumes from the state dir (--init is then optional)
     python fedmom_server.py --state-dir state/fedmom [--outer-lr 0.7 --outer-momentum 0.9
-        --round-deadline-s 1800 --member-timeout-s 300 --blob-url http://127.0.0.1:29512
-        --darl http://127.0.0.1:29510 --token-file FILE --darl-token-file AGGREGATOR_TOKEN_FILE]
+        --round-deadline-s 1800 --member-timeout-s 300 --blob-url https://127.0.0.1:29512
+        --darl https://127.0.0.1:29510 --ca-file ca.pem --token-file FILE
+        --darl-token-file AGGREGATOR_TOKEN_FILE --tls-cert server.pem --tls-key server.key]
     # what is it doing?
-    python fedmom_server.py status --url http://127.0.0.1:29511 [--token-file FILE]
+    python fedmom_server.py status --url https://127.0.0.1:29511 [--token-file FILE --ca-file ca.pem]
 
 Port 29511, bound to 127.0.0.1 unless --host says otherwise (a non-loopback bind
-needs a token or --insecure). Callers: the sites' outer step (diloco.py's HTTP
+needs a token and TLS, or --insecure; httpd.py has the connection limits). Callers: the sites' outer step (diloco.py's HTTP
 carrier, through fedmom_client.FedMomClient) and operators (`status`, a browser on GET /).
 Every endpoint needs `Authorization: Bearer <token>` when a token is set, except
 GET /health and GET / : the page is read-only, shows round numbers, cluster ids and
@@ -51,10 +52,20 @@ that incarnation (it expired and its blocks were leased again, or it was stolen)
 discards that work. While DARL gives no definitive answer the delta stays spooled but
 unconfirmed, and its round waits: it never merges a delta whose blocks DARL has not
 reserved for it. Under --darl a delta must name its leases (400 otherwise).
-A round closes when every live member has sent its delta, or --round-deadline-s after
-its first delta, and every delta in it is in confirmed custody; it merges what arrived. A member silent for --member-timeout-s is
-dropped (it may join again). No live member, or a round with no delta, is normal:
-nothing is merged and the round number stays.
+A round closes when every live member has sent its delta (or had it excluded: a delta
+of tokens 0 is refused with 400 bad_delta AND counts as the member's answer), or
+--round-deadline-s after its first delta, and every delta in it is in confirmed
+custody; it merges what arrived. A member silent for --member-timeout-s is dropped (it
+may join again). No live member, or a round with no delta, is normal: nothing is
+merged and the round number stays.
+
+The merge is robust to finite but hostile deltas (fedmom_merge.py): each delta is
+scaled to at most --clip-factor (10) x the median delta norm of the round and of the
+last 4 rounds' merged deltas (named in the record's "clip"), and a merge whose theta or
+momentum would not be finite is redone without the largest contribution, which is
+excluded (its custody aborted), or, if the old momentum alone overflows, with the
+momentum reset (the record's "momentum_reset"). theta_global and momentum are never
+published with a NaN or Inf.
 
 What became of a delta (so a site knows whether to release its leases, and an audit
 can check that every DARL block was committed through exactly one merged round):
@@ -65,9 +76,10 @@ each delta is one outcome object
   - rounds.jsonl, one record per merge (v 3): "outcomes" lists every delta of that
     round, merged ones with merged_into = the record's round, their custody "delta" id
     and the DARL positions "pieces" [[lease, start, end]] they were trained on, and those
-    excluded (NaN/Inf, wrong names, shapes or dtypes, custody refused or lost) with why;
-    "excluded" keeps its v1 shape plus base_round, tokens and leases. Records of v 1 have
-    no "outcomes", of v 2 no "delta"/"pieces".
+    excluded (NaN/Inf, wrong names, shapes or dtypes, tokens 0, a merge that would not
+    be finite, custody refused or lost) with why; "excluded" keeps its v1 shape plus
+    base_round, tokens and leases. Records of v 1 have no "outcomes", of v 2 no
+    "delta"/"pieces".
   - POST /join and /heartbeat replies: "deltas" = this cluster's outcomes in the last
     merged round that had one, then the current round's (pending or excluded). After
     wait_round_after(base_round) returns, the entry with that base_round says merged
@@ -75,7 +87,11 @@ each delta is one outcome object
     left of its leases in DARL, so the blocks are trained again).
   - GET /status: "outcomes" of the current round, and "recent" round records.
 An excluded delta is also refused at upload (400 or 422, code "bad_delta"); that reply
-is the first word, since an exclusion not yet in a record lives in memory only.
+is the first word, since an exclusion not yet in a record lives in memory only (one
+excluded at the merge is told through the heartbeat's "deltas").
+A full disk is a 507 "disk_full" (nothing spooled, no part file left); a merge that
+cannot be written leaves the round unchanged, shows "merge_error" in GET /status and
+is retried every 30 s.
 
 State dir (--state-dir): theta and momentum per round, state.json, rounds.jsonl and
 spool/, and the DARL commits and aborts owed; fedmom_state.py's docstring has the layout.
@@ -181,13 +197,19 @@ def make_routes(state, blob_token=None):
         part = state.new_part_path()
         try:
             # few retries: the site holds this request open and retries a 502 itself
-            got = blobstore.get_file(cfg.blob_url, blob, part, token=blob_token, retries=BLOB_FETCH_RETRIES)
+            got = blobstore.get_file(cfg.blob_url, blob, part, token=blob_token, retries=BLOB_FETCH_RETRIES,
+                                     ca_file=cfg.ca_file)
         except (httpd.CallError, ValueError) as e:
             unlink_with_parts(part)
+            if isinstance(e, httpd.CallError) and e.status == 507:
+                raise httpd.HTTPError(503, f"blob store: {e.reply.get('error')}", headers={"Retry-After": "30"},
+                                      code="disk_full", retry_after_s=30)
             status = 400 if isinstance(e, ValueError) or e.status == 404 else 502
             raise httpd.HTTPError(status, f"blob {blob!r}: {e}")
         except (OSError, http.client.HTTPException) as e:
             unlink_with_parts(part)
+            if httpd.is_disk_full(e):        # our own spool is full, not the blob store unreachable: 507
+                raise
             raise httpd.HTTPError(502, f"blob store {cfg.blob_url} unreachable fetching {blob!r} "
                                        f"({type(e).__name__}: {e}); nothing was stored, send it again")
         except BaseException:
@@ -201,7 +223,7 @@ def make_routes(state, blob_token=None):
             return state.accept_delta(meta, part)
         finally:                            # fetched: its bytes are in the spool, or refused for good
             try:
-                httpd.call(cfg.blob_url, "DELETE", f"/blobs/{blob}", token=blob_token)
+                httpd.call(cfg.blob_url, "DELETE", f"/blobs/{blob}", token=blob_token, ca_file=cfg.ca_file)
             except (httpd.CallError, OSError, http.client.HTTPException):
                 pass
 
@@ -220,7 +242,8 @@ def make_routes(state, blob_token=None):
                     return state.published[rnd]
                 blob = f"theta-{rnd}"
                 # put_file reads by path; /proc/self/fd keeps it on the file we opened under the lock
-                info = blobstore.put_file(cfg.blob_url, blob, f"/proc/self/fd/{f.fileno()}", token=blob_token)
+                info = blobstore.put_file(cfg.blob_url, blob, f"/proc/self/fd/{f.fileno()}", token=blob_token,
+                                          ca_file=cfg.ca_file)
             out = {"blob": blob, "sha256": info["sha256"], "round": rnd}
             with state.lock:
                 if state.round == rnd:
@@ -300,9 +323,9 @@ def alarm_lines(st):
     return out
 
 
-def print_status(url, token=None, last=10):
+def print_status(url, token=None, last=10, ca_file=None):
     """Print the aggregator's status; 1 while a violation counter is non-zero or it is fenced."""
-    st = httpd.call(url, "GET", "/status", token=token)
+    st = httpd.call(url, "GET", "/status", token=token, ca_file=ca_file)
     if not isinstance(st, dict) or "round" not in st or "members" not in st:
         what = "DARL (darl_server.py status)" if isinstance(st, dict) and "num_blocks" in st else "not the aggregator"
         raise SystemExit(f"status: {url} answers /status like {what}: point --url at the aggregator "
@@ -327,16 +350,19 @@ def print_status(url, token=None, last=10):
 
 # ---------------------------------------------------------------- main
 
-def serve(cfg, host, port, token, insecure, verbose, private_page, max_body, darl_token=None):
-    darl = DarlLink(cfg.darl, darl_token or token) if cfg.darl else None
-    public = ("/health",) if private_page else ("/health", "/")
+def serve(cfg, a):
+    """Bind (a refused public bind creates nothing), lock the state dir, build the state,
+    serve until SIGTERM."""
+    public = ("/health",) if a.private_page else ("/health", "/")
+    token = httpd.load_token(a.token_file)
+    darl_token = httpd.load_token(a.darl_token_file, env=None)
+    darl = DarlLink(cfg.darl, darl_token or token, ca_file=cfg.ca_file) if cfg.darl else None
     # bind first, then lock the state dir, then read it: a second start (port taken, or
     # another port on the same dir) stops before it deletes or rewrites anything
-    server = httpd.make_server({}, host, port, token, insecure, public=public, max_body=max_body,
-                               quiet=not verbose)
+    server = httpd.server_from_args(a, public=public, disk=cfg.state_dir)
     lock_fd = httpd.lock_state_dir(cfg.state_dir, "fedmom_server")     # held until the process ends
     state = FedMomState(cfg, darl=darl)
-    server.RequestHandlerClass.routes.update(make_routes(state, blob_token=token))
+    server.RequestHandlerClass.routes.update(httpd.with_http_stats(make_routes(state, blob_token=token), server))
     stop = threading.Event()
 
     def on_fenced():                 # another process of this aggregator is newer: never serve beside it
@@ -373,6 +399,11 @@ def _server_parser():
                    help="longest wait between re-sends of a custody request, commit or abort DARL has not "
                         "answered definitively, s (default 10)")
     p.add_argument("--darl-heartbeat-s", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--clip-factor", type=float, default=10.0,
+                   help="scale a delta down to this x the median delta norm (this round's and the last "
+                        "rounds' merged ones), named in the round record; 0 = off (default 10)")
+    p.add_argument("--ca-file", default=os.environ.get("PWW_CA_FILE"),
+                   help="CA certificate for https:// --darl and --blob-url (default $PWW_CA_FILE, else the system's)")
     p.add_argument("--private-page", action="store_true", help="require the token for GET / too (default: public)")
     p.add_argument("--accept-config-change", action="store_true",
                    help="--outer-lr/--outer-momentum differ from those the state was run with: apply the new "
@@ -386,24 +417,22 @@ def main(argv):
         p = httpd.base_parser(__doc__)
         p.add_argument("status")
         p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}",
-                       help=f"aggregator URL (default http://127.0.0.1:{DEFAULT_PORT})")
-        p.add_argument("--token-file", default=os.environ.get("PWW_TOKEN_FILE"),
-                       help="file holding the bearer token (default: $PWW_TOKEN_FILE, or $PWW_TOKEN)")
+                       help=f"aggregator URL (default http://127.0.0.1:{DEFAULT_PORT}; https://... under TLS)")
+        httpd.add_client_args(p)
         p.add_argument("--last", type=int, default=10, help="how many recent merges to print (default 10)")
         a = p.parse_args(argv)
         try:
-            sys.exit(print_status(a.url, httpd.load_token(a.token_file), a.last))
-        except (httpd.CallError, OSError, http.client.HTTPException, ValueError) as e:
+            sys.exit(print_status(a.url, httpd.load_token(a.token_file), a.last, a.ca_file))
+        except (httpd.CallError, OSError, http.client.HTTPException, ValueError, httpd.TLSConfigError) as e:
             raise SystemExit(f"status: {a.url}: {e}")
     a = _server_parser().parse_args(argv)
     if a.darl_heartbeat_s is not None:
         raise SystemExit("fedmom_server: --darl-heartbeat-s is gone: the leases of accepted deltas are in DARL "
                          "custody, which never expires; drop the flag (--darl-retry-s paces re-sends to DARL)")
     cfg = ServerConfig(a.state_dir, a.init, a.outer_lr, a.outer_momentum, a.round_deadline_s,
-                       a.member_timeout_s, a.blob_url, a.darl, a.darl_retry_s,
-                       accept_config_change=a.accept_config_change).validate()
-    serve(cfg, a.host, a.port, httpd.load_token(a.token_file), a.insecure, a.verbose, a.private_page,
-          int(a.max_body_mb * 2**20), httpd.load_token(a.darl_token_file, env=None))
+                       a.member_timeout_s, a.blob_url, a.darl, a.darl_retry_s, ca_file=a.ca_file,
+                       clip_factor=a.clip_factor, accept_config_change=a.accept_config_change).validate()
+    serve(cfg, a)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ RECORD_VERSION = 3             # 2: per-delta "outcomes" with their leases; 3: +
 VIOLATIONS = darl_table.VIOLATIONS
 EVENTS_KEPT = 500             # membership events kept in state.json (for the page and status)
 RECORDS_KEPT = 200            # round records kept in memory (the file keeps all)
+CLIP_HISTORY_ROUNDS = 4       # the clip's median also counts the deltas merged in these last rounds
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MERGE_PAUSE_ENV = "PWW_FEDMOM_MERGE_PAUSE_S"   # tests: sleep after each merged tensor
 METRIC_KEYS = ("loss", "tokens_per_s", "mfu", "tflops_per_rank", "peak_mem_gib", "inner_s",
@@ -116,6 +117,8 @@ class ServerConfig:
     darl_retry_s: float = 10.0
     fsync: bool = True
     accept_config_change: bool = False
+    ca_file: str | None = None        # CA for https:// darl and blob_url
+    clip_factor: float = 10.0         # a delta is scaled to at most this x the median norm (0 = off)
 
     def validate(self):
         if not self.state_dir:
@@ -130,6 +133,9 @@ class ServerConfig:
             raise SystemExit(f"--member-timeout-s {self.member_timeout_s} must be > 0 seconds")
         if not self.darl_retry_s > 0:
             raise SystemExit(f"--darl-retry-s {self.darl_retry_s} must be > 0 seconds")
+        if not (self.clip_factor == 0 or self.clip_factor >= 1) or not math.isfinite(self.clip_factor):
+            raise SystemExit(f"--clip-factor {self.clip_factor} must be 0 (off) or >= 1 (10: clip a delta "
+                             "to 10 x the median norm)")
         if self.init is not None and not os.path.isfile(self.init):
             raise SystemExit(f"--init {self.init}: no such file")
         if self.init is not None:          # before the state dir exists: a bad --init leaves nothing behind
@@ -171,7 +177,11 @@ def init_theta(init_path, out_path, fsync=True):
         specs = [(n, "F32", r.specs[n][1]) for n in r.names]
         with tensorio.TensorWriter(out_path, specs, {"round": "0"}, fsync=fsync) as w:
             for n in r.names:
-                w.write(n, r.read(n, as_float32=True).astype(np.float32, copy=False))
+                t = r.read(n, as_float32=True).astype(np.float32, copy=False)
+                if not np.isfinite(t).all():
+                    raise SystemExit(f"--init {init_path}: tensor {n!r} holds NaN or Inf; a global model "
+                                     "must start finite")
+                w.write(n, t)
 
 
 def structure_digest(specs):
@@ -201,17 +211,18 @@ class DarlLink:
     """The custody calls the aggregator makes (darl_server.py's protocol), each answered
     with an Answer; nothing here retries: the aggregator re-sends what it still owes."""
 
-    def __init__(self, url, token=None, timeout=30.0):
-        self.url, self.token, self.timeout = url, token, timeout
+    def __init__(self, url, token=None, timeout=30.0, ca_file=None):
+        self.url, self.token, self.timeout, self.ca_file = url, token, timeout, ca_file
 
     def _ask(self, method, path, body, key, want):
         try:
-            reply = httpd.call(self.url, method, path, body, token=self.token, timeout=self.timeout)
+            reply = httpd.call(self.url, method, path, body, token=self.token, timeout=self.timeout,
+                               ca_file=self.ca_file)
         except httpd.CallError as e:
             if e.status == 409 and e.reply.get("code") in DEFINITIVE:
                 return Answer("refused", e.reply, str(e))
             return Answer("unknown", e.reply, f"HTTP {e.status}: {e.reply.get('error', e.reply)}")
-        except (OSError, http.client.HTTPException, ValueError) as e:
+        except (OSError, http.client.HTTPException, ValueError, httpd.TLSConfigError) as e:
             return Answer("unknown", {}, f"{type(e).__name__}: {e}")
         if not isinstance(reply, dict) or reply.get(key) != want:
             return Answer("unknown", {}, f"{path}: the reply is not DARL's ({str(reply)[:120]})")
@@ -240,10 +251,11 @@ class DarlLink:
         """The custody DARL holds for `aggregator`: an Answer whose reply has "custody"."""
         query = urllib.parse.urlencode({"aggregator": aggregator, "state": "held"})
         try:
-            reply = httpd.call(self.url, "GET", f"/custody?{query}", token=self.token, timeout=self.timeout)
+            reply = httpd.call(self.url, "GET", f"/custody?{query}", token=self.token, timeout=self.timeout,
+                               ca_file=self.ca_file)
         except httpd.CallError as e:
             return Answer("unknown", e.reply, f"HTTP {e.status}: {e.reply.get('error', e.reply)}")
-        except (OSError, http.client.HTTPException, ValueError) as e:
+        except (OSError, http.client.HTTPException, ValueError, httpd.TLSConfigError) as e:
             return Answer("unknown", {}, f"{type(e).__name__}: {e}")
         if not isinstance(reply, dict) or not isinstance(reply.get("custody"), list):
             return Answer("unknown", {}, "GET /custody: the reply is not DARL's")
@@ -275,6 +287,7 @@ class Pending:
     custody: str = "none"  # none (no --darl) | unconfirmed | confirmed
     pieces: list = dataclasses.field(default_factory=list)   # DARL's [[lease, start, end]] once confirmed
     size: int = -1         # bytes of the spooled file, checked at a restart
+    norm: float | None = None     # L2 norm of the delta (float64), measured at acceptance
 
 
 class Refused(Exception):
@@ -308,11 +321,9 @@ def parse_delta_meta(meta):
            "incarnation": _check_id(meta.get("incarnation"), "incarnation")}
     for key in ("base_round", "tokens"):
         v = meta.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise Refused(400, f"{key} must be a non-negative integer, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2 ** 63:
+            raise Refused(400, f"{key} must be a non-negative integer below 2**63, got {v!r}")
         out[key] = v
-    if out["tokens"] == 0:
-        raise Refused(400, "tokens is 0: a delta that trained on nothing has no weight; do not send it")
     leases = meta.get("leases", [])
     if not isinstance(leases, list) or not all(isinstance(x, dict) and _lease_id(x) is not None
                                                and all(x.get(k) is None or _is_int(x[k]) for k in ("start", "end"))
@@ -368,6 +379,8 @@ class FedMomState:
         self.published = {}           # round -> {"blob", "sha256", "round"}
         self.publish_lock = threading.Lock()
         self.merge_pause_s = float(os.environ.get(MERGE_PAUSE_ENV, "0") or 0)
+        self.merge_error = None       # the last merge's failure (a full disk), until one succeeds
+        self.records_owed = []        # round records not yet in rounds.jsonl (its append failed)
         os.makedirs(self.spool, exist_ok=True)
         if os.path.exists(self.state_path):
             self._load()
@@ -501,14 +514,12 @@ class FedMomState:
                 continue
             size = os.path.getsize(p.path) if os.path.exists(p.path) else -2
             if size >= 0 and (p.size < 0 or size == p.size):     # accepted: merge it, live or not
+                if p.norm is None:                # spooled before norms were kept
+                    p.norm = fedmom_merge.delta_norm(p.path)
                 self.pending[(p.cluster, p.incarnation)] = p
                 continue
             why = f"its spooled file {p.path} is missing or damaged ({size} bytes, accepted with {p.size})"
-            self._exclude({"cluster": p.cluster, "incarnation": p.incarnation, "base_round": p.base_round,
-                           "tokens": p.tokens, "leases": p.leases}, why)
-            if p.custody != "none":
-                self.pending_aborts.append({"delta": p.delta_id, "cluster": p.cluster, "incarnation": p.incarnation,
-                                            "why": why, "since": round(now, 3)})
+            self._exclude_spooled(p, why, now)
         if self.pending:
             self.first_delta_at = self.clock()
             log(f"fedmom: {len(self.pending)} delta(s) for round {self.round} restored from spool at "
@@ -538,6 +549,20 @@ class FedMomState:
             path = os.path.join(self.spool, fn)
             if path not in live:
                 os.unlink(path)
+
+    def _append_record(self, rec=None):
+        """rounds.jsonl after the round is durable (state.json holds it as last_record). A
+        failed append (a full disk) is owed, appended before the next one."""
+        if rec is not None:
+            self.records_owed.append(rec)
+        while self.records_owed:
+            try:
+                append_record(self.rounds_path, self.records_owed[0], self.cfg.fsync)
+            except OSError as e:
+                log(f"fedmom: cannot append to {self.rounds_path} ({e}); {len(self.records_owed)} record(s) "
+                    "kept for later (the rounds themselves are durable in state.json)")
+                return
+            self.records_owed.pop(0)
 
     def _repair_rounds_log(self):
         """state.json lands before rounds.jsonl: a crash between them loses the line; put it back."""
@@ -579,7 +604,12 @@ class FedMomState:
             if m is None:
                 self.members[cluster] = Member(incarnation, self.wall(), self.clock())
                 self.event("join", cluster, incarnation)
-                self._save()
+                try:
+                    self._save()
+                except BaseException:       # not durable (a full disk): not a member either
+                    del self.members[cluster]
+                    self.events.pop()
+                    raise
                 log(f"fedmom: {cluster} ({incarnation}) joined at round {self.round}; "
                     f"{len(self.members)} live: {sorted(self.members)}")
             else:
@@ -604,10 +634,15 @@ class FedMomState:
 
     def leave(self, cluster, incarnation):
         with self.lock:
-            self._member(cluster, incarnation)
+            m = self._member(cluster, incarnation)
             del self.members[cluster]
             self.event("leave", cluster, incarnation)
-            self._save()
+            try:
+                self._save()
+            except BaseException:           # not durable (a full disk): still a member
+                self.members[cluster] = m
+                self.events.pop()
+                raise
             self.cond.notify_all()
             log(f"fedmom: {cluster} ({incarnation}) left; {len(self.members)} live: {sorted(self.members)}")
             return {"round": self.round, "left": True}
@@ -625,8 +660,10 @@ class FedMomState:
         return m
 
     def _member_reply(self, cluster):
+        # `cluster` may have left or been dropped while its heartbeat long-polled
         return {"round": self.round, "merging": self.merging, "members": sorted(self.members),
-                "sent": self._responded(cluster), "heartbeat_s": round(self.cfg.member_timeout_s / 4, 3),
+                "sent": cluster in self.members and self._responded(cluster),
+                "heartbeat_s": round(self.cfg.member_timeout_s / 4, 3),
                 "deltas": self._outcomes_of(cluster)}
 
     def _open_outcomes(self):
@@ -664,10 +701,18 @@ class FedMomState:
     # ---- deltas
 
     def check_delta_meta(self, meta):
-        """Everything about a delta that can be checked before its bytes arrive."""
+        """Everything about a delta that can be checked before its bytes arrive. A delta of
+        0 tokens is refused AND counted as this member's answer (excluded), so the round
+        does not wait for it until the deadline."""
         meta = parse_delta_meta(meta)
         with self.lock:
             self._check_current(meta)
+            if meta["tokens"] == 0:
+                why = "tokens is 0: a delta that trained on nothing has no weight"
+                self._exclude(meta, why)
+                self.cond.notify_all()
+                raise Refused(400, f"{why}; do not send it (this round no longer waits for it)",
+                              code="bad_delta", round=self.round)
         if self.darl is not None and not meta["leases"]:
             raise Refused(400, "leases is empty: with --darl every delta names the DARL leases it trained on "
                                "(DARL takes them into custody before the delta can be merged)")
@@ -695,7 +740,7 @@ class FedMomState:
             if dup is not None:
                 return dup
             try:
-                fedmom_merge.check_delta_file(part_path, self.specs)
+                norm = fedmom_merge.check_delta_file(part_path, self.specs)
             except fedmom_merge.DeltaRejected as e:
                 with self.lock:
                     self._exclude(meta, e.reason)
@@ -705,7 +750,7 @@ class FedMomState:
                 dup = self._duplicate(meta)
                 if dup is not None:
                     return dup
-                p = self._spool(meta, part_path)
+                p = self._spool(meta, part_path, norm)
                 part_path = None
                 self.pending[(p.cluster, p.incarnation)] = p
                 self.requesting.add(p.delta_id)
@@ -785,21 +830,38 @@ class FedMomState:
             e["cluster"] == cluster and e["incarnation"] == inc for e in self.excluded)
 
     def _exclude(self, meta, why):
+        if any(e["cluster"] == meta["cluster"] and e["incarnation"] == meta["incarnation"] and e["why"] == why
+               for e in self.excluded):
+            return                     # the same refusal again (a retry): counted once
         self.excluded.append({"cluster": meta["cluster"], "incarnation": meta["incarnation"], "why": why,
                               "base_round": meta["base_round"], "tokens": meta["tokens"],
                               "leases": meta["leases"]})
         self.event("excluded", meta["cluster"], meta["incarnation"], why)
         log(f"fedmom: EXCLUDED delta from {meta['cluster']} ({meta['incarnation']}) for round {self.round}: {why}")
 
-    def _spool(self, meta, part_path):
+    def _exclude_spooled(self, p, why, now=None):
+        """An accepted delta that will never be merged: excluded, named, and the custody its
+        leases may be in owed an abort to DARL (its blocks go back to the pool)."""
+        self._exclude({"cluster": p.cluster, "incarnation": p.incarnation, "base_round": p.base_round,
+                       "tokens": p.tokens, "leases": p.leases}, why)
+        if p.custody != "none":
+            self.pending_aborts.append({"delta": p.delta_id, "cluster": p.cluster, "incarnation": p.incarnation,
+                                        "why": why, "since": round(self.wall() if now is None else now, 3)})
+
+    def _spool(self, meta, part_path, norm=None):
         # "_" is in no id (ID_RE), so no two (cluster, incarnation) pairs share a name
         base = os.path.join(self.spool, f"r{self.round}_{meta['cluster']}_{meta['incarnation']}")
         p = Pending(meta["cluster"], meta["incarnation"], meta["base_round"], meta["tokens"], meta["leases"],
                     meta["metrics"], base + ".safetensors", base + ".json", self.wall(),
                     delta_id=f"r{self.round}.{secrets.token_hex(8)}",
-                    custody="none" if self.darl is None else "unconfirmed", size=os.path.getsize(part_path))
+                    custody="none" if self.darl is None else "unconfirmed", size=os.path.getsize(part_path),
+                    norm=norm)
         os.replace(part_path, p.path)
-        write_json(p.meta_path, dataclasses.asdict(p), self.cfg.fsync)   # the acceptance
+        try:
+            write_json(p.meta_path, dataclasses.asdict(p), self.cfg.fsync)   # the acceptance
+        except BaseException:          # not accepted (a full disk): no delta file left behind either
+            durable.unlink(p.path)
+            raise
         return p
 
     def new_part_path(self):
@@ -811,6 +873,7 @@ class FedMomState:
         """Drop silent members; close and merge the round if it is ready. Returns the new
         round record after a merge, else None. Called by one thread at a time."""
         with self.lock:
+            self._append_record()
             self._drop_silent()
             ready = self._ready()
             if not ready:
@@ -819,16 +882,33 @@ class FedMomState:
             late = sorted(c for c in self.members if not self._responded(c))
             closed_at = self.clock()
         try:
-            result = self._merge(batch)
+            result, merged, dropped = self._merge(batch)
         except Exception as e:
             with self.lock:
                 self.merging, self.retry_merge_at = False, self.clock() + 30.0
+                self.merge_error = f"{type(e).__name__}: {e}"
                 self.cond.notify_all()
             log(f"fedmom: merge of round {self.round} FAILED ({type(e).__name__}: {e}); "
                 "state unchanged, retrying in 30 s")
             return None
         with self.lock:
-            return self._finish(batch, result, ready, late, closed_at)
+            self.merge_error = None
+            for p, why in dropped:           # excluded at the merge: never merged, its custody aborted
+                self._exclude_spooled(p, why)
+                del self.pending[(p.cluster, p.incarnation)]
+                durable.unlink(p.path), durable.unlink(p.meta_path)
+            if dropped:
+                try:
+                    self._save()             # the aborts owed
+                except OSError as e:         # a restart aborts the custody its state no longer names anyway
+                    log(f"fedmom: cannot save state.json ({e}); the aborts owed are kept in memory")
+            if not merged:
+                self.merging = False
+                if not self.pending:
+                    self.first_delta_at = None
+                self.cond.notify_all()
+                return None
+            return self._finish(merged, result, ready, late, closed_at)
 
     def _ready(self):
         """Why the round may merge now, or None. Never while a delta's custody is unconfirmed:
@@ -847,23 +927,56 @@ class FedMomState:
     def _custody_waiting(self):
         return sorted(p.cluster for p in self.pending.values() if p.custody == "unconfirmed")
 
+    def _clip(self, batch):
+        """The robust rule (fedmom_merge.clip_scales): scale per delta and the record's "clip"."""
+        history = [c["delta_norm"] for rec in list(self.records)[-CLIP_HISTORY_ROUNDS:]
+                   for c in rec.get("clusters", {}).values() if c.get("delta_norm")]
+        scales, limit = fedmom_merge.clip_scales([p.norm or 0.0 for p in batch], history, self.cfg.clip_factor)
+        clipped = [{"cluster": p.cluster, "incarnation": p.incarnation, "norm": p.norm, "scale": round(c, 6)}
+                   for p, c in zip(batch, scales) if c < 1.0]
+        for c in clipped:
+            log(f"fedmom: CLIPPED delta from {c['cluster']} ({c['incarnation']}) for round {self.round}: "
+                f"norm {c['norm']:.4g} > {self.cfg.clip_factor:g} x the median norm; scaled by {c['scale']:.4g}")
+        return scales, {"factor": self.cfg.clip_factor, "limit": limit, "clipped": clipped}
+
     def _merge(self, batch):
-        total = sum(p.tokens for p in batch)
-        weights = [p.tokens / total for p in batch]
-        new = self.round + 1
-        mu = self.cfg.outer_momentum
-        t0 = self.clock()
-        stats = fedmom_merge.merge_files(
-            os.path.join(self.dir, self.theta_file),
-            os.path.join(self.dir, self.momentum_file) if self.momentum_file else None,
-            [(p.path, w) for p, w in zip(batch, weights)],
-            os.path.join(self.dir, f"theta-{new}.safetensors"),
-            os.path.join(self.dir, f"momentum-{new}.safetensors") if mu > 0 else None,
-            self.cfg.outer_lr, mu, {"round": str(new)}, self.cfg.fsync, self.merge_pause_s,
-            after_tensor=lambda name: httpd.fault_point("fedmom.merge"))
-        stats["merge_s"] = self.clock() - t0
-        stats["weights"] = weights
-        return stats
+        """The merge, robustly: deltas clipped to the limit, and merged again while the
+        merged theta or momentum would not be finite - without the largest contribution,
+        or with the momentum reset when the old momentum alone overflows.
+        -> (stats or None, the deltas merged, [(delta, why excluded)])."""
+        live, dropped, reset = list(batch), [], None
+        new, mu = self.round + 1, self.cfg.outer_momentum
+        while live:
+            total = sum(p.tokens for p in live)
+            shares = [p.tokens / total for p in live]
+            scales, clip = self._clip(live)
+            t0 = self.clock()
+            try:
+                stats = fedmom_merge.merge_files(
+                    os.path.join(self.dir, self.theta_file),
+                    os.path.join(self.dir, self.momentum_file) if self.momentum_file and not reset else None,
+                    [(p.path, w * c) for p, w, c in zip(live, shares, scales)],
+                    os.path.join(self.dir, f"theta-{new}.safetensors"),
+                    os.path.join(self.dir, f"momentum-{new}.safetensors") if mu > 0 else None,
+                    self.cfg.outer_lr, mu, {"round": str(new)}, self.cfg.fsync, self.merge_pause_s,
+                    after_tensor=lambda name: httpd.fault_point("fedmom.merge"))
+            except fedmom_merge.NonFinite as e:
+                if e.cause == "momentum" and not reset:
+                    reset = (f"{e}, with every delta zero: the momentum buffer of round {self.round} is reset "
+                             "(this round steps as the first one did)")
+                    log(f"fedmom: MOMENTUM RESET at the merge of round {self.round}: {reset}")
+                    continue
+                worst = max(zip(live, shares, scales), key=lambda x: x[1] * x[2] * (x[0].norm or 0.0))[0]
+                why = (f"{e}: this delta (norm {worst.norm:.4g}), the largest contribution, is excluded "
+                       "and the round merged without it")
+                log(f"fedmom: EXCLUDED delta from {worst.cluster} ({worst.incarnation}) at the merge of round "
+                    f"{self.round}: {why}")
+                live.remove(worst)
+                dropped.append((worst, why))
+                continue
+            stats.update(merge_s=self.clock() - t0, weights=shares, scales=scales, clip=clip, momentum_reset=reset)
+            return stats, live, dropped
+        return None, [], dropped
 
     def _finish(self, batch, stats, reason, late, closed_at):
         new, old_files, old_commits = self.round + 1, (self.theta_file, self.momentum_file), list(self.pending_commits)
@@ -888,8 +1001,8 @@ class FedMomState:
             log(f"fedmom: !!! round {new} merged {twice} DARL position(s) that an earlier merged delta already "
                 "holds: those blocks are trained twice (blocks_trained_twice)")
         httpd.fault_point("fedmom.round_durable")   # durable with its commits owed, none sent yet
-        append_record(self.rounds_path, rec, self.cfg.fsync)
         self.records.append(rec)
+        self._append_record(rec)
         log(format_record(rec))
         for fn in old_files:
             if fn and fn not in (self.theta_file, self.momentum_file):
@@ -906,11 +1019,11 @@ class FedMomState:
     def _record(self, batch, stats, reason, late, closed_at, new):
         total = sum(p.tokens for p in batch)
         clusters = {}
-        for p, w, dn in zip(batch, stats["weights"], stats["delta_norms"]):
+        for p, w, c, dn in zip(batch, stats["weights"], stats["scales"], stats["delta_norms"]):
             drift = dn / stats["theta_norm"] if stats["theta_norm"] > 0 else None
             key = p.cluster if p.cluster not in clusters else f"{p.cluster}@{p.incarnation}"
             clusters[key] = {"incarnation": p.incarnation, "tokens": p.tokens, "weight": round(w, 6),
-                                   "drift": drift, **p.metrics}
+                             "drift": drift, "delta_norm": p.norm, "clip_scale": round(c, 6), **p.metrics}
         losses = [(p.tokens, p.metrics["loss"]) for p in batch if "loss" in p.metrics]
         ltok = sum(t for t, _ in losses)
         loss = sum(t * l for t, l in losses) / ltok if ltok else None
@@ -927,7 +1040,7 @@ class FedMomState:
                 "drift_max": max(drifts) if drifts else None,
                 "tokens_per_s": sum(tps) if tps else None,
                 "wall_s": round(closed_at - self.round_opened_at, 3), "merge_s": round(stats["merge_s"], 3),
-                "outcomes": outcomes,
+                "outcomes": outcomes, "clip": stats["clip"], "momentum_reset": stats["momentum_reset"],
                 "excluded": list(self.excluded), "dropped": list(self.dropped), "late": late,
                 "members": sorted(self.members), "outer_lr": self.cfg.outer_lr,
                 "outer_momentum": self.cfg.outer_momentum,
@@ -1128,6 +1241,7 @@ class FedMomState:
                     "outcomes": self._open_outcomes(),
                     "excluded": list(self.excluded), "dropped": list(self.dropped),
                     "pending_commits": len(self.pending_commits), "pending_aborts": len(self.pending_aborts),
+                    "merge_error": self.merge_error,
                     "aggregator": self.aggregator_id, "epoch": self.epoch, "violations": dict(self.violations),
                     "darl": {"alarm": self.darl_alarm, "fenced": self.fenced,
                              "custody_waiting": self._custody_waiting() if self.darl else [],

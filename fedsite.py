@@ -31,6 +31,7 @@ import http.client
 import math
 import re
 import secrets
+import threading
 import time
 
 import darl_client
@@ -100,9 +101,9 @@ class FedSite:
         self.cfg, self.windows, self.log = cfg, windows, log
         self.cluster, self.incarnation = cfg.cluster, secrets.token_hex(6)
         token = httpd.load_token(cfg.token_file)
-        self.darl = darl_client.LeaseClient(cfg.darl_url, token=token)
+        self.darl = darl_client.LeaseClient(cfg.darl_url, token=token, ca_file=cfg.ca_file)
         self.fed = fedmom_client.FedMomClient(cfg.federation, self.cluster, self.incarnation, token=token,
-                                              blob_url=cfg.blob_url)
+                                              blob_url=cfg.blob_url, ca_file=cfg.ca_file)
         self.theta_transport = "blob" if cfg.transport == "blob" or (
             cfg.transport == "auto" and cfg.blob_url and model_bytes >= fedmom_client.AUTO_BLOB_BYTES) else "inline"
         self.session, self.span, self.keepalive, self.member = None, None, None, False
@@ -118,11 +119,13 @@ class FedSite:
 
     def _retry(self, what, fn):
         """fn() until it answers: transport errors and 5xx (a server restarting) are retried
-        for RETRY_S, a 409 not_member (dropped meanwhile) joins again; other 4xx raise."""
+        for RETRY_S, a 409 not_member (dropped meanwhile) joins again; other 4xx raise.
+        fn runs on a thread while this yields every POLL_S: a theta download or a delta
+        upload may outlast the process group's timeout, the other ranks' polls do not."""
         deadline, delay = time.monotonic() + RETRY_S, 1.0
         while True:
             try:
-                return fn()
+                return (yield from _in_background(fn))
             except httpd.CallError as e:
                 if e.status == 409 and e.reply.get("code") == "not_member":
                     self.log(f"{what}: the aggregator no longer counts us as a member ({e.reply.get('error')}); joining again")
@@ -336,6 +339,28 @@ class FedSite:
             if self.keepalive is not None:
                 self.keepalive.__exit__(None, None, None)
                 self.keepalive = None
+
+
+def _in_background(fn, poll_s=POLL_S):
+    """Generator: run fn() on a thread, yield every poll_s until it ends, return its value
+    (or raise its exception)."""
+    box = {}
+
+    def run():
+        try:
+            box["out"] = fn()
+        except BaseException as e:
+            box["err"] = e
+    t = threading.Thread(target=run, name="federation-call", daemon=True)
+    t.start()
+    while True:
+        t.join(poll_s)
+        if not t.is_alive():
+            break
+        yield
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
 
 
 class LeasedSource:

@@ -357,10 +357,11 @@ def wait_listening(proc, timeout_s=60.0):
     return found
 
 
-def start_server(launcher, kind, args, log_path, port=None):
+def start_server(launcher, kind, args, log_path, port=None, ca_file=None):
     """One central server (kind darl | fedmom | blob) on 127.0.0.1 -> (Proc, url). port None:
     the kind's default port when free, else one the kernel picks; 0: the kernel's pick;
-    N: exactly N (a restart on the same URL)."""
+    N: exactly N (a restart on the same URL). ca_file: the CA of a server given --tls-cert
+    (its URL is https://)."""
     if port is None:
         ports = ([DEFAULT_PORTS[kind]] if port_is_free(DEFAULT_PORTS[kind]) else []) + [0]
     else:
@@ -369,7 +370,7 @@ def start_server(launcher, kind, args, log_path, port=None):
         proc = launcher.start(kind, [sys.executable, SCRIPTS[kind], *args, "--port", p], log_path)
         try:
             url = wait_listening(proc)
-            httpd.wait_healthy(url, 30)
+            httpd.wait_healthy(url, 30, ca_file)
             return proc, url
         except (RuntimeError, TimeoutError):
             proc.stop(5)

@@ -17,9 +17,10 @@ Command lines:
     python train.py --export-init init.safetensors --model qwen3-0.6B --data data/c4/manifest.json
     # one site of a federated run (requeue with the same flags + --resume auto)
     srun python train.py --config configs/qwen3_0.6B.yaml --data data/c4/manifest.json \
-        --federation http://central:29511 --darl-url http://central:29510 \
-        --blob-url http://central:29512 --token-file ~/.pww_token --site lumi \
-        --diloco-inner-steps 100 --resume auto
+        --federation https://central:29511 --darl-url https://central:29510 \
+        --blob-url https://central:29512 --token-file ~/.pww/central.token \
+        --ca-file ~/.pww/central-ca.pem --site lumi --diloco-inner-steps 100 --resume auto
+    # (jobs/*_titan.sh take the URLs, $PWW_TOKEN_FILE and $PWW_CA_FILE from central.env)
 
 Federation: rank 0 speaks for the site (fedsite.py), every rank trains the windows of
 the DARL span it shares, and the outer step goes through diloco.FedMomCarrier. One
@@ -291,6 +292,7 @@ class Config:
     darl_url: str | None = None
     blob_url: str | None = None
     token_file: str | None = None
+    ca_file: str | None = None
     site: str | None = None
     replica: str | None = None
     transport: str = "auto"
@@ -463,8 +465,12 @@ def build_parser():
                                       "required with --federation")
     f.add_argument("--blob-url", help="the blob store blobstore.py (http://central:29512) for the blob "
                                       "transport (default: none, everything inline)")
-    f.add_argument("--token-file", help="file holding the central services' bearer token "
-                                        "(default: $PWW_TOKEN, else no token)")
+    f.add_argument("--token-file", default=os.environ.get("PWW_TOKEN_FILE"),
+                   help="file holding the central services' bearer token (default: $PWW_TOKEN_FILE, "
+                        "else $PWW_TOKEN, else no token)")
+    f.add_argument("--ca-file", default=os.environ.get("PWW_CA_FILE"),
+                   help="CA certificate of the central services' https:// URLs (central.sh's ca.pem; "
+                        "default: $PWW_CA_FILE, else the system's CAs)")
     f.add_argument("--site", help="site name in the cluster id (default $PWW_SITE, else the short host name)")
     f.add_argument("--replica", help="a second stream at the same site: cluster id <site>-<replica> "
                                      "(default: none, cluster id = site)")

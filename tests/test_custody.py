@@ -26,6 +26,8 @@ import tempfile
 import threading
 import unittest
 
+import numpy as np
+
 import darl_server
 import darl_table
 import durable
@@ -35,7 +37,7 @@ import fedmom_state as fs
 import httpd
 from darl_table import LeaseError, LeaseTable, TableConfig
 from harness import expect
-from test_fedmom import FakeClock, Fixture
+from test_fedmom import SHAPES, FakeClock, Fixture, write_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "t0ken"
@@ -382,6 +384,35 @@ class RoundRuleTest(AggregatorFixture):
         self.assertEqual([o["outcome"] for o in told], ["excluded"])
         st.darl_tick()
         self.assert_each_position_in_one_merged_delta(st, coord, [a, b])
+
+
+class HostileMergeCustodyTest(AggregatorFixture):
+    def test_a_delta_excluded_at_the_merge_has_its_custody_aborted(self):
+        """Two finite deltas of 3e38 would make theta_global inf: the merge excludes them. Their
+        blocks sit in DARL custody; an exclusion must abort it (back to the pool, to be trained
+        again), never leave it held for good or commit it."""
+        coord, url = self.darl()
+        st = self.agg(fs.DarlLink(url, TOKEN))
+        for c in ("a", "b", "c"):
+            st.join(c, f"{c}-inc")
+        leases = {c: self.lease(url, coord, c) for c in ("a", "b", "c")}
+        huge = {k: np.full(s, 3e38, np.float32) for k, s in SHAPES.items()}
+        for c in ("a", "b"):
+            path = os.path.join(self.dir, f"huge-{c}.safetensors")
+            write_tensors(path, huge, "F32")
+            self.assertEqual(self.send(st, c, path, 10, leases=[leases[c]])["custody"], "confirmed")
+        # c's few tokens leave the huge ones ~95 % of the weight: 2.9e38 x lr 0.7 x (1 + 0.9) = inf
+        self.assertEqual(self.send(st, "c", self.delta("F32")[0], 1, leases=[leases["c"]])["custody"], "confirmed")
+        rec = st.tick()
+        self.assertEqual(sorted((o["cluster"], o["outcome"]) for o in rec["outcomes"]),
+                         [("a", "excluded"), ("b", "excluded"), ("c", "merged")])
+        self.assertEqual(sorted(a["cluster"] for a in st.pending_aborts), ["a", "b"])
+        self.assertTrue(st.darl_tick())
+        self.assertEqual((st.pending_aborts, st.pending_commits), ([], []))
+        books = coord.status()
+        self.assertEqual(books["committed"], leases["c"]["end"] - leases["c"]["start"])
+        self.assertEqual(books["violations"]["aborted_custody"], 2, "the aborts are counted, loudly")
+        self.assert_each_position_in_one_merged_delta(st, coord, list(leases.values()))
 
 
 class FencingAndRepairTest(AggregatorFixture):

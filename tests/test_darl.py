@@ -425,6 +425,22 @@ class DurabilityTest(unittest.TestCase):
         self.assertEqual(self.books(again), want)
         self.assertFalse(os.path.exists(torn))
         self.assertEqual(sorted(os.listdir(os.path.join(self.dir, "darl"))), ["lock", "snapshot.json", "wal.jsonl"])
+    def test_the_log_is_cut_by_a_snapshot_even_when_no_process_lives_long_enough(self):
+        """Each process makes fewer than --snapshot-every changes before it is killed: the log
+        since the last snapshot counts across restarts, so it does not grow without bound."""
+        snap = os.path.join(self.dir, "darl", "snapshot.json")
+        for life in range(4):
+            c = self.coord(snapshot_every=10)
+            c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
+            for _ in range(4):
+                c.call("heartbeat", {"cluster": "a", "incarnation": "x"})
+            c.wal.close()                                   # killed: no snapshot at exit
+        self.assertTrue(os.path.exists(snap), "20 changes over 4 lives, --snapshot-every 10: no snapshot")
+        with open(snap) as f:
+            snap_seq = json.load(f)["seq"]
+        log = darl_server.WriteAheadLog.read(os.path.join(self.dir, "darl", "wal.jsonl"))
+        last = log.records[-1]["seq"] if log.records else log.header["seq"]
+        self.assertLess(last - snap_seq, 10, "the log holds more than --snapshot-every changes")
 
     def test_torn_tail_is_dropped_and_a_damaged_complete_line_is_refused(self):
         """Only the bytes after the last newline are a torn write; a complete line that
@@ -508,6 +524,37 @@ class DurabilityTest(unittest.TestCase):
         self.assertEqual(again.table.committed.total, 10)
         self.assertIn(held["id"], again.table.leases)
         again.wal.close()
+
+    def test_a_crash_between_a_snapshot_and_the_log_restart_keeps_the_changes_logged_meanwhile(self):
+        """A snapshot is written outside the lock, so changes go on into the old log meanwhile.
+        A crash once the snapshot is in place but before the log restarts leaves the log the
+        previous snapshot named, holding changes after this one: they are replayed, and the
+        restart's new log (the snapshot's log id) carries them over."""
+        c = self.coord()
+        c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
+        first = c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5})["lease"]
+        with c.lock:
+            snap, header, cut = c._capture()                  # the table at change 2
+        later = c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5})["lease"]
+        c.call("commit", {"cluster": "a", "incarnation": "x", "lease": first["id"]})
+        snap["crc"] = darl_server._snapshot_crc(snap)
+        darl_server._write_atomic(os.path.join(self.dir, "darl", "snapshot.json"), snap)
+        want = self.books(c)
+        c.wal.close()                                         # killed before the log restarts
+        again = self.coord()
+        self.assertEqual(self.books(again), want)
+        self.assertIn(later["id"], again.table.leases)
+        self.assertEqual(again.table.committed.total, 5)
+        wal = os.path.join(self.dir, "darl", "wal.jsonl")
+        log = darl_server.WriteAheadLog.read(wal)
+        self.assertEqual((log.header["seq"], log.header["log"]), (snap["seq"], snap["log"]))
+        self.assertEqual([r["seq"] for r in log.records][:2], [snap["seq"] + 1, snap["seq"] + 2])
+        again.call("heartbeat", {"cluster": "a", "incarnation": "x"})
+        want = self.books(again)
+        again.wal.close()
+        third = self.coord()
+        self.assertEqual(self.books(third), want)
+        third.wal.close()
 
     def test_one_process_per_state_dir(self):
         """A second coordinator on the same state dir (another --port, a stale unit) stops
@@ -729,8 +776,7 @@ class LoggedDecisionsTest(unittest.TestCase):
         wal = os.path.join(self.dir, "darl", "wal.jsonl")
         with open(wal, "rb") as f:
             old_log = f.read()
-        with c.lock:
-            self.assertTrue(c.snapshot())
+        self.assertTrue(c.snapshot())                        # takes the lock itself
         c.wal.close()
         with open(wal, "wb") as f:                           # the crash: the log was never restarted
             f.write(old_log)

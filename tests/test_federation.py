@@ -13,7 +13,9 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
       port and state dir, the sites carry on -> DARL runs out of blocks, both exit 0.
     Then the books: every DARL block committed, per-cluster sums = total, nothing
     quarantined; the merged deltas carry exactly the corpus' training tokens and each
-    lease once (no window merged twice or never); the loss falls.
+    lease once (no window merged twice or never); the loss falls. Everything runs over
+    TLS (a CA and certificate made with openssl, as central.sh makes them): the three
+    servers serve https, FedMom and both sites check them against the CA file.
   - CarrierTest: one torchrun job of 2 ranks (this file's `worker` mode): FSDP2's
     per-tensor gather (the delta file) and scatter (theta_global) against the unsharded
     state, including unevenly sharded tensors; and a stale delta - the site's base round
@@ -33,6 +35,7 @@ import unittest
 
 import numpy as np
 
+import certs
 import darl_table
 import data
 import durable
@@ -383,7 +386,7 @@ class FederationRunTest(unittest.TestCase):
         args = ["train.py", "--device", "cpu", "--model", "qwen3-tiny", "--data", cls.manifest,
                 "--parallel", parallel, "--batch-size", "4", "--lr", "3e-3", "--diloco-inner-steps", str(cls.H),
                 "--federation", cls.fedmom, "--darl-url", cls.darl, "--blob-url", cls.blob,
-                "--token-file", cls.token, "--site", name, "--runs-dir", os.path.join(t, "runs"),
+                "--token-file", cls.token, "--ca-file", cls.ca, "--site", name, "--runs-dir", os.path.join(t, "runs"),
                 "--run-name", name, "--eval-windows", "16", "--eval-every", "4", "--log-every", "4",
                 "--register-wait-s", "120", *extra]
         return cls.launcher.start(name, harness.torchrun(nproc, *args), log_of(t, name))
@@ -423,17 +426,18 @@ class FederationRunTest(unittest.TestCase):
                         "--data", cls.manifest], cwd=ROOT, env=harness.child_env(), check=True,
                        capture_output=True, timeout=300)
         central = os.path.join(t, "central")
-        common = ["--token-file", cls.token]
+        cls.ca, cert, key = certs.make_tls(t)
+        common = ["--token-file", cls.token, "--tls-cert", cert, "--tls-key", key]
         L = cls.launcher
         darl, cls.darl = harness.start_server(L, "darl", [
             "--manifest", cls.manifest, "--block-size", 8, "--state-dir", central, "--min-ttl", 15,
-            "--default-ttl", 20, "--max-ttl", 20, "--max-attempts", 0, *common], log_of(t, "darl"), port=0)
+            "--default-ttl", 20, "--max-ttl", 20, "--max-attempts", 0, *common], log_of(t, "darl"), port=0, ca_file=cls.ca)
         blob, cls.blob = harness.start_server(L, "blob", ["--root", os.path.join(central, "blobs"), *common],
-                                              log_of(t, "blob"), port=0)
+                                              log_of(t, "blob"), port=0, ca_file=cls.ca)
         fed_args = ["--state-dir", os.path.join(central, "fedmom"), "--init", init, "--darl", cls.darl,
                     "--blob-url", cls.blob, "--darl-retry-s", 1, "--member-timeout-s", 20,
-                    "--round-deadline-s", 120, *common]
-        fed, cls.fedmom = harness.start_server(L, "fedmom", fed_args, log_of(t, "fedmom"), port=0)
+                    "--round-deadline-s", 120, "--ca-file", cls.ca, *common]
+        fed, cls.fedmom = harness.start_server(L, "fedmom", fed_args, log_of(t, "fedmom"), port=0, ca_file=cls.ca)
         services = [darl, blob]
 
         # 1. both sites merge together
@@ -458,7 +462,8 @@ class FederationRunTest(unittest.TestCase):
         # 4. the aggregator dies mid-run and comes back on the same port and state
         fed.kill()
         cls.events["fedmom_killed_at_round"] = cls.records()[-1]["round"]
-        fed, _ = harness.start_server(L, "fedmom", fed_args, log_of(t, "fedmom"), port=httpd.split_url(cls.fedmom)[2])
+        fed, _ = harness.start_server(L, "fedmom", fed_args, log_of(t, "fedmom"), port=httpd.split_url(cls.fedmom)[2],
+                                      ca_file=cls.ca)
         harness.expect(lambda: len(cls.merged_by(cls.records()[-1])) > 0 and
                        cls.records()[-1]["round"] > cls.events["fedmom_killed_at_round"] + 1,
                        "merged rounds after the aggregator's restart", [alpha2, beta, fed, *services])
@@ -467,8 +472,9 @@ class FederationRunTest(unittest.TestCase):
             harness.expect(lambda: not p.alive(), f"{p.name} to finish", [fed, *services])
             if p.poll() != 0:
                 raise AssertionError(f"{p.name} exited {p.poll()}:\n" + "\n".join(p.tail(40)))
-        cls.darl_status = httpd.call(cls.darl, "GET", "/status", token="test-token-0123456789")
-        cls.fed_status = httpd.call(cls.fedmom, "GET", "/status", token="test-token-0123456789")
+        assert cls.darl.startswith("https://") and cls.fedmom.startswith("https://") and cls.blob.startswith("https://")
+        cls.darl_status = httpd.call(cls.darl, "GET", "/status", token="test-token-0123456789", ca_file=cls.ca)
+        cls.fed_status = httpd.call(cls.fedmom, "GET", "/status", token="test-token-0123456789", ca_file=cls.ca)
         cls.rows = {n: durable.read_jsonl(os.path.join(t, "runs", n, "metrics.jsonl")) for n in ("alpha", "beta")}
 
     def test_every_block_committed_exactly_once(self):

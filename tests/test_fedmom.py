@@ -20,6 +20,7 @@ import darl_server
 import darl_table
 import durable
 import fedmom_client
+import fedmom_merge
 import fedmom_server as fm
 import fedmom_state as fs
 import httpd
@@ -735,6 +736,161 @@ class CrashTest(Fixture):
         self.assertEqual(httpd.call(url, "GET", "/status")["pending"], ["a"])
         proc.kill()
         proc.wait(timeout=30)
+
+
+class HostileDeltaTest(Fixture):
+    """Finite deltas that would wreck theta_global, and members that must not stall a round."""
+
+    def huge(self, value=3e38):
+        arrays = {k: np.zeros(sh, np.float32) for k, sh in SHAPES.items()}
+        arrays["layer.w"][:] = value
+        path = os.path.join(self.dir, f"huge-{self.rng.integers(1 << 40)}.safetensors")
+        write_tensors(path, arrays, "F32")
+        return path
+
+    def test_two_huge_finite_deltas_never_publish_a_non_finite_theta(self):
+        """(test_custody.HostileMergeCustodyTest: the same under --darl, the custody aborted.)"""
+        st = self.state()                                     # lr 0.7, Nesterov 0.9: 3e38 * 1.33 = inf
+        for c in ("a", "b"):
+            st.join(c, f"{c}-inc")
+        before = self.theta(st)
+        self.send(st, "a", self.huge(), 10, leases=[{"id": 1, "end": 4}])
+        self.send(st, "b", self.huge(), 10, leases=[{"id": 2, "end": 8}])
+        self.assertIsNone(st.tick(), "nothing finite to merge: no round")
+        self.assertEqual(st.round, 0)
+        self.assertEqual(rel_err(self.theta(st), before), 0.0)
+        whys = {e["cluster"]: e["why"] for e in st.status()["excluded"]}
+        self.assertEqual(sorted(whys), ["a", "b"])
+        self.assertTrue(all("not finite" in w for w in whys.values()), whys)
+        self.assertEqual(sorted(os.listdir(st.spool)), [], "the excluded deltas' files are gone")
+        # the round goes on: a finite delta from a newcomer merges into a finite theta
+        st.join("c", "c-inc")
+        gpath, g = self.delta("F32")
+        self.send(st, "c", gpath, 20, leases=[{"id": 3, "end": 12}])
+        rec = st.tick()
+        self.assertEqual(sorted(rec["clusters"]), ["c"])
+        self.assertEqual(sorted((o["cluster"], o["outcome"]) for o in rec["outcomes"]),
+                         [("a", "excluded"), ("b", "excluded"), ("c", "merged")])
+        self.assertTrue(all(np.isfinite(t).all() for t in self.theta(st).values()))
+        with tensorio.TensorReader(os.path.join(st.dir, st.momentum_file)) as r:
+            self.assertTrue(all(np.isfinite(r.read(n)).all() for n in r.names))
+
+    def test_recent_rounds_make_the_median_robust_to_a_hostile_majority(self):
+        st = self.state(outer_lr=1.0, outer_momentum=0.0)
+        for c in ("a", "b", "c"):
+            st.join(c, f"{c}-inc")
+        for _ in range(2):                                     # two ordinary rounds: the history
+            for c in ("a", "b", "c"):
+                self.send(st, c, self.delta("F32")[0], 10)
+            self.assertIsNotNone(st.tick())
+        before = self.theta(st)
+        self.send(st, "a", self.huge(1e30), 10)
+        self.send(st, "b", self.huge(1e30), 10)
+        pc, c = self.delta("F32")
+        self.send(st, "c", pc, 10)
+        rec = st.tick()
+        self.assertEqual(sorted(x["cluster"] for x in rec["clip"]["clipped"]), ["a", "b"])
+        limit = rec["clip"]["limit"]
+        moved = np.sqrt(sum(float(((self.theta(st)[k] - before[k]) ** 2).sum()) for k in SHAPES))
+        self.assertLess(moved, limit, "the step is bounded by the clipped norms, not by 1e30")
+
+    def test_a_momentum_pushed_near_the_limit_is_reset_not_a_stuck_round(self):
+        st = self.state()                                     # lr 0.7, Nesterov 0.9
+        st.join("a", "a-inc")
+        self.send(st, "a", self.huge(2e38), 10)               # theta 2.66e38, momentum -2e38: finite
+        self.assertEqual(st.tick()["momentum_reset"], None)
+        gpath, g = self.delta("F32")
+        self.send(st, "a", gpath, 10)                         # any delta now: theta + 0.567 x 2e38 = inf
+        rec = st.tick()
+        self.assertIsNotNone(rec, "the round merged")
+        self.assertEqual(sorted(rec["clusters"]), ["a"], "the small delta was not excluded")
+        self.assertIn("momentum buffer of round 1 is reset", rec["momentum_reset"])
+        self.assertTrue(all(np.isfinite(t).all() for t in self.theta(st).values()))
+
+    def test_a_long_poll_whose_member_leaves_meanwhile_still_answers(self):
+        """Found by http_fuzz.py: the reply after the wait looked the member up again (500)."""
+        st = self.state()
+        st.join("a", "a-inc")
+        self.clock.t += 1.0                                   # the heartbeat marks its arrival with this time
+        out = {}
+        t = threading.Thread(target=lambda: out.update(reply=st.heartbeat("a", "a-inc", wait_round_after=0,
+                                                                          wait_s=60)))
+        t.start()
+        deadline = time.monotonic() + 30
+        while st.members["a"].last_seen != self.clock.t:      # it holds the lock until it waits
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.01)
+        st.leave("a", "a-inc")                                # runs once the heartbeat waits
+        t.join(30)
+        self.assertEqual((out["reply"]["members"], out["reply"]["sent"]), ([], False))
+
+    def test_a_huge_delta_alone_is_excluded_and_the_round_stays(self):
+        st = self.state()
+        st.join("a", "a-inc")
+        self.send(st, "a", self.huge(), 10)
+        before = self.theta(st)
+        self.assertIsNone(st.tick())
+        self.assertEqual(st.round, 0)
+        self.assertEqual(rel_err(self.theta(st), before), 0.0)
+        told = st.heartbeat("a", "a-inc")["deltas"]
+        self.assertEqual([o["outcome"] for o in told], ["excluded"])    # the site releases its leases
+        self.assertIn("not finite", told[0]["why"])
+
+    def test_an_outlier_is_clipped_to_k_times_the_median_and_named(self):
+        st = self.state(outer_lr=1.0, outer_momentum=0.0, clip_factor=10.0)
+        for c in ("a", "b", "big"):
+            st.join(c, f"{c}-inc")
+        pa, a = self.delta("F32", scale=0.01)
+        pb, b = self.delta("F32", scale=0.012)
+        pbig, big = self.delta("F32", scale=5.0)              # ~450x the others' norm
+        for c, path in (("a", pa), ("b", pb), ("big", pbig)):
+            self.send(st, c, path, 10)
+        rec = st.tick()
+        norms = {c: np.sqrt(sum(float((d[k] ** 2).sum()) for k in d)) for c, d in (("a", a), ("b", b), ("big", big))}
+        limit = 10.0 * norms["b"]                              # the median of the three
+        scale = limit / norms["big"]
+        self.assertAlmostEqual(rec["clip"]["limit"], limit, delta=limit * 1e-5)
+        self.assertEqual([(c["cluster"], round(c["scale"], 4)) for c in rec["clip"]["clipped"]],
+                         [("big", round(scale, 4))])
+        self.assertAlmostEqual(rec["clusters"]["big"]["clip_scale"], scale, places=5)
+        self.assertEqual(rec["clusters"]["a"]["clip_scale"], 1.0)
+        want = {k: self.theta0[k] + (a[k] + b[k] + scale * big[k]) / 3 for k in SHAPES}
+        self.assertLess(rel_err(self.theta(st), want), 1e-5)
+
+    def test_clipping_needs_company_and_can_be_switched_off(self):
+        self.assertEqual(fedmom_merge.clip_scales([5.0], [], 10.0), ([1.0], 50.0))
+        self.assertEqual(fedmom_merge.clip_scales([1.0, 1000.0], [1.0, 1.0], 10.0), ([1.0, 0.01], 10.0))
+        self.assertEqual(fedmom_merge.clip_scales([1.0, 1000.0], [], 0.0), ([1.0, 1.0], None))
+
+    def test_a_zero_token_delta_does_not_stall_the_round(self):
+        st = self.state()
+        for c in ("a", "b"):
+            st.join(c, f"{c}-inc")
+        with self.assertRaises(fs.Refused) as cm:
+            self.send(st, "a", self.delta()[0], 0)
+        self.assertEqual((cm.exception.status, cm.exception.extra["code"]), (400, "bad_delta"))
+        self.send(st, "b", self.delta()[0], 10)
+        rec = st.tick()                                        # no deadline needed: a has answered
+        self.assertEqual(rec["reason"], "every live member sent its delta")
+        self.assertEqual([e["cluster"] for e in rec["excluded"]], ["a"])
+
+    def test_merge_files_stops_before_writing_a_non_finite_tensor(self):
+        st = self.state()
+        out_t, out_m = os.path.join(self.dir, "t.safetensors"), os.path.join(self.dir, "m.safetensors")
+        with self.assertRaises(fedmom_merge.NonFinite) as cm:
+            fedmom_merge.merge_files(os.path.join(st.dir, st.theta_file), None, [(self.huge(), 1.0)],
+                                     out_t, out_m, lr=0.7, mu=0.9, fsync=False)
+        self.assertEqual(cm.exception.name, "layer.w")
+        self.assertFalse([f for f in os.listdir(self.dir) if f.startswith(("t.safetensors", "m.safetensors"))])
+
+    def test_a_non_finite_init_model_is_refused(self):
+        bad = {k: np.zeros(sh, np.float32) for k, sh in SHAPES.items()}
+        bad["norm"][0] = np.inf
+        path = os.path.join(self.dir, "bad-init.safetensors")
+        write_tensors(path, bad, "F32")
+        with self.assertRaises(SystemExit) as cm:
+            self.state(init=path)
+        self.assertIn("NaN or Inf", str(cm.exception))
 
 
 class ImportTest(unittest.TestCase):

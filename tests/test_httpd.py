@@ -201,15 +201,18 @@ class TokenTest(unittest.TestCase):
 
 
 class BindPolicyTest(unittest.TestCase):
-    def test_refuses_public_bind_without_token(self):
-        with self.assertRaises(SystemExit) as cm:
-            httpd.make_server(ROUTES, host="0.0.0.0")
-        self.assertIn("--token-file", str(cm.exception))
+    def test_refuses_public_bind_without_token_or_tls(self):
+        for kw, names in (({}, ("--token-file", "--tls-cert")), ({"token": "t"}, ("--tls-cert",)),
+                          ({"tls": object()}, ("--token-file",))):
+            with self.assertRaises(SystemExit) as cm:
+                httpd.make_server(ROUTES, host="0.0.0.0", **kw)
+            for name in names:
+                self.assertIn(name, str(cm.exception))
+            self.assertIn("--insecure", str(cm.exception))
 
-    def test_public_bind_allowed_with_token_or_insecure(self):
-        for kw in ({"token": "t"}, {"insecure": True}):
-            s = httpd.make_server(ROUTES, host="0.0.0.0", **kw)
-            s.server_close()
+    def test_public_bind_allowed_with_insecure(self):
+        s = httpd.make_server(ROUTES, host="0.0.0.0", insecure=True)
+        s.server_close()
 
     def test_loopback_detection(self):
         self.assertTrue(httpd.is_loopback("127.0.0.1"))

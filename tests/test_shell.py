@@ -427,6 +427,10 @@ class JobCommandTest(unittest.TestCase):
         argv, _ = self.launch("snellius", "titan", env={"PWW_CENTRAL_ENV": central_env})
         self.assertEqual(argv[argv.index("--site") + 1], "snellius")
         self.assertNotIn("--replica", argv)
+        r = self.launch("lumi", "titan", env={"PWW_CENTRAL_ENV": central_env, "PWW_CA_FILE": "/no/ca.pem"},
+                        check=False)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("PWW_CA_FILE=/no/ca.pem: no such file", r.stderr)
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -557,9 +561,10 @@ class CentralTest(unittest.TestCase):
         return {n: int(open(os.path.join(self.state, f"{n}.pid")).read())
                 for n in ("darl", "fedmom", "blob") if os.path.exists(os.path.join(self.state, f"{n}.pid"))}
 
-    def get(self, port, path, token=None):
+    def get(self, port, path, token=None, ca_file=None):
         import httpd
-        return httpd.call(f"http://127.0.0.1:{port}", "GET", path, token=token, timeout=10)
+        ca_file = ca_file or os.path.join(self.state, "tls", "ca.pem")
+        return httpd.call(f"https://127.0.0.1:{port}", "GET", path, token=token, timeout=10, ca_file=ca_file)
 
     def test_first_start_needs_the_corpus_and_the_model(self):
         r = self.central("start", {"INIT": self.make_init()}, check=False)
@@ -576,10 +581,19 @@ class CentralTest(unittest.TestCase):
         self.assertGreaterEqual(len(token), 32)
         pids = self.pids()
         self.assertEqual(set(pids), {"darl", "fedmom", "blob"})
-        for line in (f"export PWW_DARL_URL=http://127.0.0.1:{self.ports['DARL_PORT']}",
-                     f"export PWW_FEDMOM_URL=http://127.0.0.1:{self.ports['FEDMOM_PORT']}",
-                     f"export PWW_BLOB_URL=http://127.0.0.1:{self.ports['BLOB_PORT']}"):
+        for line in (f"export PWW_DARL_URL=https://127.0.0.1:{self.ports['DARL_PORT']}",
+                     f"export PWW_FEDMOM_URL=https://127.0.0.1:{self.ports['FEDMOM_PORT']}",
+                     f"export PWW_BLOB_URL=https://127.0.0.1:{self.ports['BLOB_PORT']}"):
             self.assertIn(line, r.stdout.splitlines())
+        # TLS: a CA made on first start; the server certificate names loopback; keys are private
+        ca = os.path.join(self.state, "tls", "ca.pem")
+        for key in ("ca.key", "server.key"):
+            self.assertEqual(stat.S_IMODE(os.stat(os.path.join(self.state, "tls", key)).st_mode), 0o600)
+        with self.assertRaises(httpd.TLSConfigError):          # not trusted without the CA
+            httpd.call(f"https://127.0.0.1:{self.ports['DARL_PORT']}", "GET", "/health", timeout=10)
+        with self.assertRaises(httpd.CallError) as e:          # plain http on a TLS port: told so
+            httpd.call(f"http://127.0.0.1:{self.ports['DARL_PORT']}", "GET", "/health", timeout=10)
+        self.assertIn("https://", e.exception.reply["error"])
         # the servers really run with the token: refused without it, answered with it
         with self.assertRaises(httpd.CallError) as e:
             self.get(self.ports["DARL_PORT"], "/status")
@@ -595,8 +609,10 @@ class CentralTest(unittest.TestCase):
         self.assertIn("100 blocks OPEN", audit.stdout)
         audit = self.central("audit --partial")
         self.assertIn("PASS", audit.stdout)
-        url = self.central("url", {"PWW_SITE_TOKEN_FILE": "/site/token"}).stdout
+        url = self.central("url", {"PWW_SITE_TOKEN_FILE": "/site/token", "PWW_SITE_CA_FILE": "/site/ca.pem"}).stdout
         self.assertIn("export PWW_TOKEN_FILE=/site/token", url.splitlines())
+        self.assertIn("export PWW_CA_FILE=/site/ca.pem", url.splitlines())
+        self.assertIn(f"#   CA file    {ca} -> /site/ca.pem", url.splitlines())
         # starting again is a no-op for running daemons
         again = self.central("start")
         self.assertIn("already running", again.stdout)
@@ -609,9 +625,16 @@ class CentralTest(unittest.TestCase):
         st = self.central("status", check=False)
         self.assertNotEqual(st.returncode, 0)
         self.assertIn("NOT RUNNING", st.stdout)
-        # a restart resumes from the state dir: no corpus size, no model, same token
-        self.central("start")
+        # a restart resumes from the state dir: no corpus size, no model, same token and CA;
+        # a new public host gets a new server certificate from the same CA
+        ca_pem = open(ca).read()
+        self.central("start", {"PWW_PUBLIC_HOST": "central.example.org"})
         self.assertEqual(open(token_path).read().strip(), token)
+        self.assertEqual(open(ca).read(), ca_pem)
+        san = subprocess.run(["openssl", "x509", "-in", os.path.join(self.state, "tls", "server.pem"), "-noout",
+                              "-ext", "subjectAltName"], capture_output=True, text=True, check=True).stdout
+        self.assertIn("DNS:central.example.org", san)
+        self.assertIn("IP Address:127.0.0.1", san)
         self.assertIn("100 unassigned", self.central("status").stdout)
         self.central("stop")
 
