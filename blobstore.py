@@ -720,7 +720,7 @@ def main(argv):
         p = httpd.base_parser("blobstore.py status - what a running blob store holds; exit 1 when it is full.")
         p.add_argument("status")
         p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}",
-                       help=f"blob store URL (default http://127.0.0.1:{DEFAULT_PORT}; https://... under TLS)")
+                       help=f"blob store URL, https://... under TLS (default http://127.0.0.1:{DEFAULT_PORT})")
         httpd.add_client_args(p)
         a = p.parse_args(argv)
         try:

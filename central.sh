@@ -52,7 +52,8 @@
 #   DARL_ARGS FEDMOM_ARGS BLOB_ARGS   extra flags per daemon
 #   PWW_START_TIMEOUT_S  seconds each daemon has to answer /health (default 60)
 #   PWW_PUBLIC_HOST      the address `url` prints for the sites
-#   PWW_SITE_TOKEN_FILE  the token path `url` prints for the sites (default: the state dir's token)
+#   PWW_SITE_TOKEN_FILE  where `url` tells the sites to keep the token (default $HOME/.pww/central.token)
+#   PWW_SITE_CA_FILE     where `url` tells the sites to keep the CA (default $HOME/.pww/central-ca.pem)
 #   PYTHON               the interpreter (default .venv/bin/python, else python3)
 # ./central.sh --help prints this and creates nothing.
 set -euo pipefail

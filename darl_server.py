@@ -849,7 +849,7 @@ def _cli_parser(doc):
     p = httpd.base_parser(doc)
     p.prog = " ".join(doc.split()[:2])               # "darl_server.py status", not "darl_server.py"
     p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}",
-                   help=f"coordinator URL (default http://127.0.0.1:{DEFAULT_PORT}; https://... under TLS)")
+                   help=f"coordinator URL, https://... under TLS (default http://127.0.0.1:{DEFAULT_PORT})")
     httpd.add_client_args(p)
     return p
 

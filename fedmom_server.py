@@ -360,6 +360,7 @@ def serve(cfg, a):
     # bind first, then lock the state dir, then read it: a second start (port taken, or
     # another port on the same dir) stops before it deletes or rewrites anything
     server = httpd.server_from_args(a, public=public, disk=cfg.state_dir)
+    httpd.writable_dir(cfg.state_dir, "--state-dir")
     lock_fd = httpd.lock_state_dir(cfg.state_dir, "fedmom_server")     # held until the process ends
     state = FedMomState(cfg, darl=darl)
     server.RequestHandlerClass.routes.update(httpd.with_http_stats(make_routes(state, blob_token=token), server))

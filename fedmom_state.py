@@ -143,7 +143,6 @@ class ServerConfig:
                 tensorio.TensorReader(self.init).close()
             except tensorio.FormatError as e:
                 raise SystemExit(f"--init {e}; pass the file `train.py --export-init` wrote") from None
-        httpd.writable_dir(self.state_dir, "--state-dir")
         return self
 
 

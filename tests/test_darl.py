@@ -19,6 +19,7 @@ import zlib
 import darl_client
 import darl_server
 import darl_table
+import durable
 import httpd
 from darl_server import Coordinator, LogError
 from darl_table import BlockSpace, InvariantError, LeaseError, LeaseTable, TableConfig
@@ -538,7 +539,7 @@ class DurabilityTest(unittest.TestCase):
         later = c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5})["lease"]
         c.call("commit", {"cluster": "a", "incarnation": "x", "lease": first["id"]})
         snap["crc"] = darl_server._snapshot_crc(snap)
-        darl_server._write_atomic(os.path.join(self.dir, "darl", "snapshot.json"), snap)
+        durable.write_json(os.path.join(self.dir, "darl", "snapshot.json"), snap, separators=(",", ":"))
         want = self.books(c)
         c.wal.close()                                         # killed before the log restarts
         again = self.coord()

@@ -22,6 +22,7 @@ import numpy as np
 
 import blobstore
 import certs
+import durable
 import httpd
 import tensorio
 
@@ -409,7 +410,7 @@ class DiskFullTest(unittest.TestCase):
         rec = st.tick()
         self.assertEqual((rec["round"], sorted(rec["clusters"])), (1, ["a", "b"]))
         self.assertIsNone(st.status()["merge_error"])
-        self.assertEqual(fedmom_state.read_records(st.rounds_path)[-1]["round"], 1)
+        self.assertEqual(durable.read_jsonl(st.rounds_path)[-1]["round"], 1)
         # 4. rounds.jsonl cannot be appended after the round is durable (a real OSError: a
         #    directory stands in its place): the record is owed and appended on the next tick
         self.send(url, "a", da, 1)
@@ -420,9 +421,9 @@ class DiskFullTest(unittest.TestCase):
         self.assertEqual(st.round, 2, "the round stands: state.json holds it")
         os.rmdir(st.rounds_path)
         os.rename(st.rounds_path + ".aside", st.rounds_path)
-        self.assertEqual([r["round"] for r in fedmom_state.read_records(st.rounds_path)], [1])
+        self.assertEqual([r["round"] for r in durable.read_jsonl(st.rounds_path)], [1])
         st.tick()
-        self.assertEqual([r["round"] for r in fedmom_state.read_records(st.rounds_path)], [1, 2])
+        self.assertEqual([r["round"] for r in durable.read_jsonl(st.rounds_path)], [1, 2])
 
     # ---- DARL: the log append and the snapshot
 
