@@ -134,7 +134,7 @@ class ReplicaLayout:
         layout = cls.plan(world_size, rank, replicas)
         if not dist.is_initialized() or dist.get_world_size() != world_size:
             raise RuntimeError("ReplicaLayout.build needs torch.distributed initialised over "
-                               f"{world_size} ranks (train.init_distributed())")
+                               f"{world_size} ranks (dist_env.init_distributed())")
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         from torch.distributed.device_mesh import init_device_mesh

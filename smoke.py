@@ -3,7 +3,7 @@
 Runs on: compute nodes (one process per GPU), or this machine's CPU for tests.
     torchrun --nproc-per-node 4 smoke.py --device cpu --diloco-replicas 2 4
     sbatch jobs/lumi_smoke.sh --diloco-replicas 2          (srun ... python smoke.py)
-No port of its own (the rendezvous is train.init_distributed's), no state directory.
+No port of its own (the rendezvous is dist_env.init_distributed's), no state directory.
 
 Checks, each reduced over all ranks, printed by rank 0 as a pass/fail table:
   distinct devices      every rank drives its own GPU (host + device uuid, else PCI id);
@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 
 import diloco
+import dist_env
 import models
-import train
 
 
 @dataclasses.dataclass
@@ -277,17 +277,17 @@ def check_diloco(d, world, k, cfg):
 
 
 def run(cfg: SmokeConfig):
-    log_glob = nccl_debug_to_file() if train.detect_accel(cfg.device) != "cpu" else None
-    d = train.init_distributed(cfg.device)
+    log_glob = nccl_debug_to_file() if dist_env.detect_accel(cfg.device) != "cpu" else None
+    d = dist_env.init_distributed(cfg.device)
     world = d.world_size
     for k in cfg.diloco_replicas:
         try:
             diloco.ReplicaLayout.check(world, k)
         except ValueError as e:
-            train.print0(f"smoke.py: {e}")
+            dist_env.print0(f"smoke.py: {e}")
             return 2
     cfg = cfg.resolved(d.device.type == "cuda")
-    train.print0(f"smoke: {world} ranks, backend {d.backend}, accel {d.accel}, torch {torch.__version__}")
+    dist_env.print0(f"smoke: {world} ranks, backend {d.backend}, accel {d.accel}, torch {torch.__version__}")
     ids = [None] * world
     dist.all_gather_object(ids, device_identity(d))
     hosts = len({h for h, _, _ in ids})
@@ -320,8 +320,8 @@ def report(d, world, rows, notes=()):
             extra = "".join(f"\n{'':<34}rank {r}: {every[r][i][2]}" for r in bad[:8])
             print(f"{name:<26} {'FAIL' if bad else 'PASS':<6} {detail}{extra}", flush=True)
     for line in notes:
-        train.print0(line)
-    train.print0("SMOKE TEST FAILED" if failed else "SMOKE TEST PASSED")
+        dist_env.print0(line)
+    dist_env.print0("SMOKE TEST FAILED" if failed else "SMOKE TEST PASSED")
     dist.barrier()
     dist.destroy_process_group()
     return 1 if failed else 0

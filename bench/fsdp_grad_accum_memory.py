@@ -58,12 +58,13 @@ def build(a, device):
 
 def worker(rank, tmp, a, defer, out_path):
     sys.path.insert(0, ROOT)
+    import dist_env
     import train
     os.environ.update(GLOO_SOCKET_IFNAME="lo", LOCAL_RANK=str(rank))   # LOCAL_RANK: GPU `rank`
     torch.set_num_threads(1)
     dist.init_process_group("gloo" if a.device == "cpu" else "nccl",
                             init_method=f"file://{tmp}/store-{defer}", rank=rank, world_size=WORLD)
-    d = train.init_distributed(a.device)
+    d = dist_env.init_distributed(a.device)
     model, n_params = build(a, d.device)
     cfg = train.Config(parallel="fsdp", grad_accum=a.grad_accum, fsdp_defer_grad_sync=defer)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -119,8 +119,9 @@ fi
 run preflight "$PYTHON" - "$DEVICE" <<'EOF'
 import sys
 import torch, torchtitan.models.qwen3, numpy, yaml
+import dist_env
 import train
-accel = train.detect_accel(sys.argv[1])
+accel = dist_env.detect_accel(sys.argv[1])
 name = "cpu" if accel == "cpu" else torch.cuda.get_device_name(0)
 print(f"torch {torch.__version__} (cuda {torch.version.cuda}, hip {torch.version.hip}), torchtitan "
       f"{torchtitan.__version__}, device {name} [{accel}], bf16 peak "
@@ -136,7 +137,7 @@ grep -E "^(network|attention kernel|all-reduce exact)" "$OUT/smoke.log" | sed 's
 
 run staging "$PYTHON" - "$DEVICE" <<'EOF'
 import sys, numpy as np, torch, train
-d = train.init_distributed(sys.argv[1])
+d = dist_env.init_distributed(sys.argv[1])
 stage, rng = train.HostToDevice(d.device), np.random.default_rng(0)
 arrays = [rng.integers(0, 50000, size=(4, 2049 if i % 5 else 1025)) for i in range(16)]
 outs = [stage(a) for a in arrays]                  # all in flight before any is read
@@ -148,7 +149,7 @@ sed 's/^/   /' "$OUT/staging.log"
 
 run diloco-cpu "$PYTHON" - "$DEVICE" <<'EOF'
 import sys, torch, diloco, train
-d = train.init_distributed(sys.argv[1])
+d = dist_env.init_distributed(sys.argv[1])
 lay = diloco.ReplicaLayout.build(1, 0, 1)
 def outer_run(where):
     torch.manual_seed(0)

@@ -43,13 +43,13 @@ def timed_steps(step, n, outer=None):
 def worker(rank, tmp, a):
     sys.path.insert(0, ROOT)                       # siblings of the repository root
     import diloco
+    import dist_env
     import models
-    import train
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     dist.init_process_group("gloo" if a.device == "cpu" else "nccl",
                             init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
-    d = train.init_distributed(a.device)           # adopts the group, picks the device
+    d = dist_env.init_distributed(a.device)           # adopts the group, picks the device
     model = models.build_model(a.model, vocab_size=259, seq_len=a.seq_len)
     models.materialize(model, d.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

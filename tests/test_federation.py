@@ -38,6 +38,7 @@ import numpy as np
 import certs
 import darl_table
 import data
+import dist_env
 import durable
 import fedsite
 import harness
@@ -133,7 +134,7 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
     import fedmom_client
     import models
     import tensorio
-    d = train.init_distributed("cpu")
+    d = dist_env.init_distributed("cpu")
     report = {}
 
     # 1. gather and scatter, one tensor at a time, against the unsharded state

@@ -176,10 +176,10 @@ class RendezvousTest(unittest.TestCase):
         return out[0], int(out[1])
 
     def test_port_comes_from_the_job_id_as_train_py_derives_it(self):
-        import train           # the Python side of the same rule
+        import dist_env        # the Python side of the same rule
         for job in ("1", "8999", "9000", "12345678", "20646477"):
             _, port = self.rendezvous({"SLURM_JOB_ID": job})
-            self.assertEqual(port, train.master_port_for_job(job), job)
+            self.assertEqual(port, dist_env.master_port_for_job(job), job)
             self.assertTrue(20000 <= port < 29500, port)   # below the central services' 29510-29512
         self.assertNotEqual(self.rendezvous({"SLURM_JOB_ID": "100"})[1],
                             self.rendezvous({"SLURM_JOB_ID": "101"})[1])

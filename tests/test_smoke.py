@@ -11,8 +11,8 @@ import unittest.mock
 
 import torch
 
+import dist_env
 import smoke
-import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -77,7 +77,7 @@ class NetworkRowTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory()
         self.addCleanup(self.tmp.cleanup)
-        self.gpu = train.Dist(rank=0, local_rank=0, world_size=16, device=torch.device("cuda", 0),
+        self.gpu = dist_env.Dist(rank=0, local_rank=0, world_size=16, device=torch.device("cuda", 0),
                               backend="nccl", accel="rocm")
 
     def check(self, text, hosts):
@@ -127,7 +127,7 @@ MAPS = """7f0000000000-7f0000100000 r-xp 00000000 00:2a 1234  /opt/venv/lib/pyth
 
 class HipRuntimeRowTest(unittest.TestCase):
     def test_one_runtime_passes_two_fail(self):
-        rocm = train.Dist(rank=0, local_rank=0, world_size=8, device=torch.device("cuda", 0), backend="nccl",
+        rocm = dist_env.Dist(rank=0, local_rank=0, world_size=8, device=torch.device("cuda", 0), backend="nccl",
                           accel="rocm")
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "maps")
@@ -141,7 +141,7 @@ class HipRuntimeRowTest(unittest.TestCase):
             ok, detail = smoke.check_hip_runtime(rocm, path)
             self.assertFalse(ok)
             self.assertIn("2 HIP runtimes", detail)
-        cpu = train.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo", accel="cpu")
+        cpu = dist_env.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo", accel="cpu")
         self.assertEqual(smoke.check_hip_runtime(cpu), (True, "not a ROCm run"))
 
 

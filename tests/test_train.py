@@ -17,6 +17,7 @@ import unittest
 import torch
 
 import data
+import dist_env
 import models
 import tokenize_corpus as tc
 import train
@@ -114,40 +115,40 @@ class ConfigTest(unittest.TestCase):
 
 class DistEnvTest(unittest.TestCase):
     def test_nodelist(self):
-        self.assertEqual(train.expand_nodelist("nid[005000-005002,005010],gcn7"),
+        self.assertEqual(dist_env.expand_nodelist("nid[005000-005002,005010],gcn7"),
                          ["nid005000", "nid005001", "nid005002", "nid005010", "gcn7"])
-        self.assertEqual(train.expand_nodelist("gcn1,gcn2"), ["gcn1", "gcn2"])
-        self.assertEqual(train.expand_nodelist("tcn12"), ["tcn12"])
+        self.assertEqual(dist_env.expand_nodelist("gcn1,gcn2"), ["gcn1", "gcn2"])
+        self.assertEqual(dist_env.expand_nodelist("tcn12"), ["tcn12"])
 
     def test_ranks_from_torchrun_or_srun(self):
-        self.assertEqual(train._rank_env({}), (0, 0, 1))
+        self.assertEqual(dist_env._rank_env({}), (0, 0, 1))
         slurm = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8"}
-        self.assertEqual(train._rank_env(slurm), (5, 1, 8))
+        self.assertEqual(dist_env._rank_env(slurm), (5, 1, 8))
         both = dict(slurm, RANK="2", LOCAL_RANK="2", WORLD_SIZE="4")
-        self.assertEqual(train._rank_env(both), (2, 2, 4), "torchrun's variables win")
+        self.assertEqual(dist_env._rank_env(both), (2, 2, 4), "torchrun's variables win")
 
     def test_rendezvous_from_the_job(self):
         env = {"SLURM_JOB_NODELIST": "gcn[12-13]", "SLURM_JOB_ID": "123456"}
-        train._rendezvous_env(env, world_size=8)
+        dist_env._rendezvous_env(env, world_size=8)
         self.assertEqual(env["MASTER_ADDR"], "gcn12")
         port = int(env["MASTER_PORT"])
         self.assertEqual(port, 20000 + 123456 % 9000)
         other = {"SLURM_JOB_NODELIST": "gcn12", "SLURM_JOB_ID": "123457"}
-        train._rendezvous_env(other, world_size=4)
+        dist_env._rendezvous_env(other, world_size=4)
         self.assertNotEqual(int(other["MASTER_PORT"]), port, "two jobs on one node, two ports")
         kept = {"MASTER_ADDR": "h", "MASTER_PORT": "1234", "SLURM_JOB_ID": "1"}
-        train._rendezvous_env(kept, world_size=2)
+        dist_env._rendezvous_env(kept, world_size=2)
         self.assertEqual((kept["MASTER_ADDR"], kept["MASTER_PORT"]), ("h", "1234"))
         with self.assertRaisesRegex(RuntimeError, "MASTER_PORT"):
-            train._rendezvous_env({"MASTER_ADDR": "h"}, world_size=2)
+            dist_env._rendezvous_env({"MASTER_ADDR": "h"}, world_size=2)
 
     @unittest.skipIf(torch.cuda.is_available(), "a GPU is visible")
     def test_device_dispatch_on_a_cpu_build(self):
-        self.assertEqual(train.detect_accel("auto"), "cpu")
-        self.assertEqual(train.detect_accel("cpu"), "cpu")
+        self.assertEqual(dist_env.detect_accel("auto"), "cpu")
+        self.assertEqual(dist_env.detect_accel("cpu"), "cpu")
         for dev in ("cuda", "rocm"):
             with self.assertRaisesRegex(RuntimeError, "--device cpu"):
-                train.detect_accel(dev)
+                dist_env.detect_accel(dev)
 
 
 def _env():
