@@ -136,7 +136,7 @@ run smoke "$PYTHON" smoke.py --device "$DEVICE" --diloco-replicas 1
 grep -E "^(network|attention kernel|all-reduce exact)" "$OUT/smoke.log" | sed 's/^/   /'
 
 run staging "$PYTHON" - "$DEVICE" <<'EOF'
-import sys, numpy as np, torch, train
+import sys, numpy as np, torch, dist_env, train
 d = dist_env.init_distributed(sys.argv[1])
 stage, rng = train.HostToDevice(d.device), np.random.default_rng(0)
 arrays = [rng.integers(0, 50000, size=(4, 2049 if i % 5 else 1025)) for i in range(16)]
@@ -148,7 +148,7 @@ EOF
 sed 's/^/   /' "$OUT/staging.log"
 
 run diloco-cpu "$PYTHON" - "$DEVICE" <<'EOF'
-import sys, torch, diloco, train
+import sys, torch, diloco, dist_env, train
 d = dist_env.init_distributed(sys.argv[1])
 lay = diloco.ReplicaLayout.build(1, 0, 1)
 def outer_run(where):
