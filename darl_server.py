@@ -57,7 +57,8 @@ State: <state-dir>/darl/wal.jsonl and <state-dir>/darl/snapshot.json.
     --restore-grace more seconds.
   - <state-dir>/darl/lock: an exclusive flock held from before the state is read
     until the process ends; a second darl_server on the same dir exits naming the
-    holder's pid. A failed fsync of the log ends the process (exit 75) before it
+    holder's pid. A failed fsync of the log (or of its directory after a snapshot
+    renamed the restarted log into place) ends the process (exit 75) before it
     answers (what the disk holds is unknown then); a failed write is the full-disk
     case above.
   - A crash between writing a snapshot and restarting the log leaves the log the
@@ -325,10 +326,20 @@ class WriteAheadLog:
         None), replaces this one atomically (a crash leaves the old log, whose records the
         snapshot already holds, or the new one). The caller holds the coordinator's lock,
         so nothing is appended meanwhile; the copied records are durable once it returns.
-        A failure (a full disk) leaves the old log in place and no temp file."""
+        A failure (a full disk) leaves the old log in place and no temp file. A failure
+        after the rename (the directory's fsync: EIO) ends the process (exit 75): the new
+        log is in place but may not survive a power cut, and appending to either file would
+        acknowledge changes a restart might not find."""
         with self.sync_lock:
             data = _line(header) + (self.tail_from(cut) if cut is not None else b"")
-            durable.write_bytes(self.path, data, self.fsync)
+            try:
+                durable.write_bytes(self.path, data, self.fsync)
+            except OSError as e:
+                if not os.path.samestat(os.stat(self.path), os.fstat(self.fd)):     # renamed, not durable
+                    sys.stderr.write(f"darl_server: the restarted log {self.path} may not be durable ({e}); "
+                                     "exiting so a restart reads what is on disk\n")
+                    os._exit(75)
+                raise
             os.close(self.fd)
             self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
             self.size = len(data)

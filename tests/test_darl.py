@@ -590,6 +590,27 @@ class DurabilityTest(unittest.TestCase):
         self.assertNotIn("answered", out.stdout)
         self.assertIn("cannot flush the log to disk", out.stderr)
 
+    def test_a_failed_directory_fsync_after_the_log_restart_stops_the_process(self):
+        """The restarted log is renamed into place but its directory's fsync fails (EIO):
+        appending to it would acknowledge changes a power cut may take away, so exit 75."""
+        code = ("import os, sys, darl_server, darl_table, durable\n"
+                "s = darl_table.BlockSpace(10, 1, 0)\n"
+                "c = darl_server.Coordinator(s, state_dir=sys.argv[1])\n"
+                "c.call('register', {'cluster': 'a', 'incarnation': 'x', 'digest': s.digest()})\n"
+                "calls, real = [], durable.fsync_dir\n"
+                "def eio(path):\n"                       # the snapshot's rename is durable, the log's is not
+                "    calls.append(path)\n"
+                "    if len(calls) == 2: raise OSError(5, 'Input/output error')\n"
+                "    real(path)\n"
+                "durable.fsync_dir = eio\n"
+                "c.snapshot()\n"
+                "print('served on')\n")
+        out = subprocess.run([sys.executable, "-c", code, self.dir], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120)
+        self.assertEqual(out.returncode, 75, out.stdout + out.stderr)
+        self.assertNotIn("served on", out.stdout)
+        self.assertIn("may not be durable", out.stderr)
+
     def test_every_line_is_versioned_checksummed_and_fsynced_before_the_reply(self):
         synced = []                  # the log's size at each flush to disk: what that flush made durable
         real = darl_server._datasync
