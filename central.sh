@@ -324,12 +324,10 @@ status_one() {
     pid=$(pid_of "$name")
     if [ -z "$pid" ]; then echo "$name: NOT RUNNING (log $STATE/$name.log)"; return 1; fi
     echo "$name: pid $pid, $(local_url "$name") health: $(health "$name" 0)"
-    if [ "$name" != blob ]; then
-        local rc=0
-        "$PYTHON" "$ROOT/$(script_of "$name")" status --url "$(internal_url "$name")" --token-file "$TOKEN" \
-            ${CA:+--ca-file "$CA"} 2>&1 | sed 's/^/    /' || rc=${PIPESTATUS[0]}
-        if [ "$rc" -ne 0 ]; then echo "    !!! $name status exit $rc: see the lines above"; return 1; fi
-    fi
+    local rc=0
+    "$PYTHON" "$ROOT/$(script_of "$name")" status --url "$(internal_url "$name")" --token-file "$TOKEN" \
+        ${CA:+--ca-file "$CA"} 2>&1 | sed 's/^/    /' || rc=${PIPESTATUS[0]}
+    if [ "$rc" -ne 0 ]; then echo "    !!! $name status exit $rc: see the lines above"; return 1; fi
 }
 
 print_urls() {

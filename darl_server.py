@@ -853,6 +853,9 @@ def format_status(st):
         lines.append(loud)
     if st.get("invariant_error"):
         lines.append(f"!!! INVARIANT VIOLATED: {st['invariant_error']}")
+    if st.get("snapshot_error"):
+        lines.append(f"!!! SNAPSHOT FAILED: {st['snapshot_error']}; the log keeps every change and grows until a "
+                     "retry (every --snapshot-every changes) succeeds: free space on the state dir")
     return "\n".join(lines)
 
 

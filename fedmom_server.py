@@ -254,7 +254,8 @@ def make_routes(state, blob_token=None):
         with state.lock:
             return {"round": state.round, "merging": state.merging}
 
-    status_html = status_page.Page(state.rounds_path, state.dir, cfg.darl, cfg.blob_url, blob_token)
+    status_html = status_page.Page(state.rounds_path, state.dir, cfg.darl, cfg.blob_url, blob_token,
+                                   ca_file=cfg.ca_file)
 
     def page(req):      # GET /?saved=1: the copy to keep (stamped, no auto-refresh)
         st = state.status()
@@ -320,6 +321,9 @@ def alarm_lines(st):
                    f"({a['calls']} calls): {a.get('error')}; owed calls are kept and re-sent")
     if d.get("custody_waiting"):
         out.append(f"round waits for DARL to confirm custody of the deltas of {d['custody_waiting']}")
+    if st.get("merge_error"):
+        out.append(f"!!! the merge of round {st.get('round')} failed ({st['merge_error']}); nothing was published, "
+                   "it is retried every 30 s (a full disk: free space on the state dir)")
     return out
 
 

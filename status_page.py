@@ -115,11 +115,11 @@ def dir_bytes(path):
     return total
 
 
-def _peer(url, path, token):
+def _peer(url, path, token, ca_file=None):
     """(reply, None) or (None, one-line reason)."""
     try:
-        return httpd.call(url, "GET", path, token=token, timeout=PEER_TIMEOUT_S), None
-    except httpd.CallError as e:
+        return httpd.call(url, "GET", path, token=token, timeout=PEER_TIMEOUT_S, ca_file=ca_file), None
+    except (httpd.CallError, httpd.TLSConfigError) as e:
         return None, str(e)
     except (OSError, http.client.HTTPException, ValueError) as e:
         return None, f"unreachable ({type(e).__name__}: {e})"
@@ -128,9 +128,9 @@ def _peer(url, path, token):
 class Page:
     """The page of one aggregator: its rounds log, state dir, and the DARL and blob store it uses."""
 
-    def __init__(self, rounds_path, state_dir, darl_url=None, blob_url=None, token=None):
+    def __init__(self, rounds_path, state_dir, darl_url=None, blob_url=None, token=None, ca_file=None):
         self.rounds, self.state_dir = RoundsTail(rounds_path), state_dir
-        self.darl_url, self.blob_url, self.token = darl_url, blob_url, token
+        self.darl_url, self.blob_url, self.token, self.ca_file = darl_url, blob_url, token, ca_file
 
     def view(self, status, alarms=(), saved=False, now=None):
         """`alarms`: the aggregator's own loud lines (fedmom_server.alarm_lines: violation
@@ -140,9 +140,9 @@ class Page:
              "disk": {"state_bytes": dir_bytes(self.state_dir),
                       "state_free_bytes": shutil.disk_usage(self.state_dir).free}}
         if self.darl_url:
-            v["darl"], v["darl_error"] = _peer(self.darl_url, "/status", self.token)
+            v["darl"], v["darl_error"] = _peer(self.darl_url, "/status", self.token, self.ca_file)
         if self.blob_url:
-            listing, v["blob_error"] = _peer(self.blob_url, "/blobs", self.token)
+            listing, v["blob_error"] = _peer(self.blob_url, "/blobs", self.token, self.ca_file)
             if listing is not None:
                 v["blob"] = {"used_bytes": listing.get("used_bytes"), "quota_bytes": listing.get("quota_bytes"),
                              "blobs": len(listing.get("blobs", ())), "uploads": len(listing.get("uploads", ()))}

@@ -55,6 +55,7 @@ import numpy as np  # noqa: E402
 import blobstore  # noqa: E402
 import certs  # noqa: E402
 import darl_client  # noqa: E402
+import durable  # noqa: E402
 from darl_rpc import closed_loop, quantile  # noqa: E402  (bench/ is this script's directory)
 import fedmom_client  # noqa: E402
 import http_fuzz  # noqa: E402
@@ -664,7 +665,7 @@ def darl_full(work, disk, filler):
             error = c.status()["snapshot_error"]
             if error:
                 break
-        tmp_left = [f for f in os.listdir(os.path.join(state, "darl")) if f.endswith(".tmp")]
+        tmp_left = [f for f in os.listdir(os.path.join(state, "darl")) if durable.is_tmp(f)]
         os.unlink(fill)
         for _ in range(400):                          # the retry comes --snapshot-every changes later
             cycle()

@@ -403,6 +403,9 @@ class DiskFullTest(unittest.TestCase):
         filler = fill(self.disk, 256 << 10)
         self.assertIsNone(st.tick())
         self.assertIn("No space left", st.status()["merge_error"])
+        import fedmom_server                    # the status CLI and the page say it in red
+        self.assertTrue(any(l.startswith("!!! the merge of round 0 failed") and "No space left" in l
+                            for l in fedmom_server.alarm_lines(st.status())), fedmom_server.alarm_lines(st.status()))
         self.assertEqual((st.round, self.files(st.dir)), (0, spooled), "nothing half-applied, no temp files")
         os.unlink(filler)
         self.assertIsNone(st.tick(), "the retry waits 30 s")
@@ -483,6 +486,8 @@ class DiskFullTest(unittest.TestCase):
             self.fail("the full disk never refused an append")
         self.assertEqual((refused.status, refused.reply["code"]), (507, "disk_full"))
         self.assertTrue(any(e and "No space left" in e for e in snapshot_errors), snapshot_errors)
+        said = darl_server.format_status({**coord.status(), "snapshot_error": next(e for e in snapshot_errors if e)})
+        self.assertIn("!!! SNAPSHOT FAILED: ", said)            # darl_server.py status says it
         wal = os.path.join(state, "darl", "wal.jsonl")
         self.assertEqual(darl_server.WriteAheadLog.read(wal).torn_bytes, 0, "a torn line was left in the log")
         on_disk = darl_server.load_state(state)

@@ -14,10 +14,12 @@ import sys
 import tempfile
 import time
 import unittest
+import ssl
 import urllib.request
 
 import numpy as np
 
+import certs
 import fedmom_client
 import httpd
 import status_page as sp
@@ -323,6 +325,57 @@ class LivePageTest(unittest.TestCase):
 
 
 # ---------------------------------------------------------------- a real browser
+
+class TLSPageTest(unittest.TestCase):
+    """As central.sh runs it: every server on https, FedMom given --ca-file. The page reads
+    DARL and the blob store through the same CA; a CA that does not sign them is a line on
+    the page, not a 500."""
+
+    @classmethod
+    def setUpClass(cls):
+        d = cls.dir = tempfile.mkdtemp(prefix="status-page-tls-")
+        cls.addClassCleanup(shutil.rmtree, d, True)
+        os.makedirs(os.path.join(d, "other"))
+        cls.ca, cert, key = certs.make_tls(d)
+        cls.other_ca = certs.make_tls(os.path.join(d, "other"))[0]
+        tf = os.path.join(d, "token")
+        with open(tf, "w") as f:
+            f.write("page-t0ken\n")
+        init = os.path.join(d, "init.safetensors")
+        write_tensors(init, {k: np.zeros(s, np.float32) for k, s in SHAPES.items()})
+        net = ["--port", "0", "--token-file", tf, "--tls-cert", cert, "--tls-key", key]
+        cls.darl = cls.start("darl_server.py", "--num-samples", "400", "--block-size", "4",
+                             "--state-dir", os.path.join(d, "darl"), *net)
+        cls.blob = cls.start("blobstore.py", "--root", os.path.join(d, "blobs"), *net)
+        cls.fedmom = cls.start("fedmom_server.py", "--state-dir", os.path.join(d, "fedmom"), "--init", init,
+                               "--darl", cls.darl, "--blob-url", cls.blob, "--ca-file", cls.ca, *net)
+
+    @classmethod
+    def start(cls, script, *args):
+        p = subprocess.Popen([sys.executable, script, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        cls.addClassCleanup(lambda: p.poll() is None and (p.kill(), p.wait(30)))
+        url = listening_url(p, timeout=120)[0]
+        assert url.startswith("https://"), url
+        return url
+
+    def test_the_page_reads_darl_and_the_blob_store_over_https(self):
+        ctx = ssl.create_default_context(cafile=self.ca)
+        with urllib.request.urlopen(self.fedmom + "/", timeout=60, context=ctx) as r:
+            self.assertEqual(r.status, 200)
+            text = text_outside_svg(r.read().decode())
+        self.assertIn("0.0 % of 100 blocks committed", text)
+        self.assertNotIn("not trusted", text)
+        self.assertNotIn("unreachable", text)
+
+    def test_a_ca_that_does_not_sign_them_is_a_line_on_the_page(self):
+        page = sp.Page(os.path.join(self.dir, "fedmom", "rounds.jsonl"), os.path.join(self.dir, "fedmom"),
+                       self.darl, self.blob, "page-t0ken", ca_file=self.other_ca)
+        view = page.view({})
+        self.assertIsNone(view["darl"])
+        self.assertIn("not trusted", view["darl_error"])
+        self.assertIn("not trusted", view["blob_error"])
+
 
 class WebDriver:
     """The few W3C WebDriver commands the test needs, over chromedriver's HTTP API (stdlib)."""
