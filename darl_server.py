@@ -22,7 +22,8 @@ Run:
     python darl_server.py abort-custody --aggregator ID --reason "state dir lost" [--yes --expect LISTING]
 
 Bind/port: 127.0.0.1:29510 by default. A non-loopback --host needs a token
-(--token-file or $PWW_TOKEN) and TLS (--tls-cert, --tls-key), or --insecure.
+(--token-file or $PWW_TOKEN), TLS (--tls-cert, --tls-key) and the aggregator's own
+--aggregator-token-file, or --insecure.
 Every endpoint but /health needs `Authorization: Bearer <token>` when a token is
 set. The custody endpoints (/fence, /custody, /custody/commit, /custody/abort,
 /custody/abort_orphaned) take the aggregator's own credential instead when
@@ -1023,11 +1024,15 @@ def serve(a):
     if agg_token and agg_token == token:
         raise SystemExit("darl_server: --aggregator-token-file holds the sites' token; give the aggregator its own "
                          "(central.sh makes STATE/aggregator.token)")
-    if token and not agg_token:
-        sys.stderr.write("darl_server: no --aggregator-token-file: every holder of the sites' token may fence the "
-                         "aggregator and abort its custody\n")
     server = httpd.server_from_args(a, disk=cfg.state_dir,
                                     scoped={p: agg_token for p in CUSTODY_PATHS} if agg_token else None)
+    if token and not agg_token:
+        if not httpd.is_loopback(a.host) and not a.insecure:
+            raise SystemExit(f"darl_server: refusing to listen on {a.host!r} without --aggregator-token-file: every "
+                             "site holding the token could fence the aggregator and abort its custody; pass the "
+                             "aggregator's own token file (central.sh makes STATE/aggregator.token), or --insecure")
+        sys.stderr.write("darl_server: no --aggregator-token-file: every holder of the sites' token may fence the "
+                         "aggregator and abort its custody\n")
     if cfg.state_dir:
         httpd.writable_dir(cfg.state_dir, "--state-dir")
     try:

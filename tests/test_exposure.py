@@ -297,6 +297,22 @@ class RefusedBindTest(unittest.TestCase):
                 self.assertIn("--tls-cert", r.stderr, name)
                 self.assertEqual(sorted(os.listdir(tmp)), ["init.safetensors", "token"], f"{name} wrote state")
 
+    def test_darl_on_a_public_address_needs_the_aggregators_own_token(self):
+        """With the sites' token alone any site could fence the aggregator: refused before any state."""
+        with tempfile.TemporaryDirectory() as tmp:
+            token = os.path.join(tmp, "token")
+            with open(token, "w") as f:
+                f.write("t0k3n\n")
+            ca, cert, key = certs.make_tls(tmp)
+            state = os.path.join(tmp, "darl")
+            r = subprocess.run([sys.executable, "darl_server.py", "--num-samples", "10", "--state-dir", state,
+                                "--host", "0.0.0.0", "--port", "0", "--token-file", token, "--tls-cert", cert,
+                                "--tls-key", key], cwd=ROOT, capture_output=True, text=True, timeout=120)
+            self.assertNotEqual(r.returncode, 0)
+            self.assertIn("--aggregator-token-file", r.stderr)
+            self.assertEqual(len(r.stderr.strip().splitlines()), 1, r.stderr)
+            self.assertFalse(os.path.exists(state), "the refused start wrote state")
+
 # ---------------------------------------------------------------- a full disk
 
 def mount_tmpfs(path, size):
