@@ -1,0 +1,404 @@
+"""wire: the compressed delta formats against safetensors (layout) and naive per-element
+references (values), their error bounds, bit packing on odd sizes, and hostile files."""
+import json
+import math
+import os
+import subprocess
+import sys
+import tracemalloc
+import unittest
+
+import numpy as np
+import safetensors
+import safetensors.torch
+import torch
+
+import tensorio
+import wire
+from test_tensorio import TmpDirTest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sample(rng):
+    """Odd sizes on purpose: short last blocks and chunks, odd element counts, a scalar, empties."""
+    return {
+        "layers.0.w": rng.standard_normal((7, 301)).astype(np.float32),
+        "layers.0.b": (rng.standard_normal(5) * 1e-6).astype(np.float32),
+        "odd": rng.standard_normal((3, 3, 3)).astype(np.float32),
+        "wide": (rng.standard_normal((2, 9001)) * np.float32(3e3)).astype(np.float32),
+        "scalar": np.array(-2.5, np.float32),
+        "empty": np.zeros((0, 4), np.float32),
+        "zeros": np.zeros((3, 129), np.float32),
+    }
+
+
+CODECS = [wire.Codec(f) for f in wire.FORMATS] + [
+    wire.Codec("int8", block=64), wire.Codec("int4", block=256),
+    wire.Codec("topk", topk_chunk=100, topk_k=7, topk_bits=8), wire.Codec("topk", topk_chunk=4096, topk_k=4096)]
+
+
+def naive_block_decode(codec, q, scale_bits, shape):
+    """Per element: value = q[row, col] * scale[row, col // block], float32."""
+    rows, cols = wire.rows_cols(shape)
+    q = np.asarray(q).reshape(rows, cols)
+    scale = tensorio.bf16_to_f32(scale_bits)
+    out = np.zeros((rows, cols), np.float32)
+    for r in range(rows):
+        for c in range(cols):
+            out[r, c] = np.float32(int(q[r, c])) * scale[r, c // codec.block]
+    return out.reshape(shape)
+
+
+def naive_bits(packed, nbits, count):
+    """Unpack bit by bit from a string of the bytes' bits, least significant first."""
+    s = "".join(format(int(b), "08b")[::-1] for b in packed)
+    return [int(s[i * nbits:(i + 1) * nbits][::-1], 2) for i in range(count)]
+
+
+class Tmp(TmpDirTest):
+    def write(self, path, arrays, codec, metadata=None):
+        sent = {}
+        with wire.WireWriter(path, [(n, a.shape) for n, a in arrays.items()], codec, metadata) as w:
+            for n, a in arrays.items():
+                sent[n] = w.write(n, a)
+        return sent
+
+
+class BitsTest(unittest.TestCase):
+    def test_pack_unpack_against_a_bit_string_for_every_width_and_odd_counts(self):
+        rng = np.random.default_rng(0)
+        for nbits in range(1, 17):
+            for count in (0, 1, 3, 7, 13, 64, 101):
+                codes = rng.integers(0, 1 << nbits, size=count, dtype=np.uint32)
+                packed = wire.pack_bits(codes, nbits)
+                self.assertEqual(packed.dtype, np.uint8)
+                self.assertEqual(packed.size, wire.packed_bytes(count, nbits), (nbits, count))
+                self.assertEqual(naive_bits(packed, nbits, count), codes.tolist(), (nbits, count))
+                self.assertEqual(wire.unpack_bits(packed, nbits, count).tolist(), codes.tolist())
+                self.assertTrue(wire.padding_is_zero(packed, nbits, count))
+
+    def test_bf16_up_never_rounds_a_scale_down(self):
+        x = np.abs(np.random.default_rng(1).standard_normal(10000).astype(np.float32)) * np.float32(1e-3)
+        up = tensorio.bf16_to_f32(wire.bf16_up(x))
+        self.assertTrue(np.all(up >= x))
+        self.assertTrue(np.all(up <= x * np.float32(1 + 2 ** -7)))
+        self.assertEqual(wire.bf16_up(np.float32([0.0, 1.0])).tolist(), [0, 0x3F80])
+
+
+class RoundTripTest(Tmp):
+    def test_what_the_writer_returns_is_what_the_reader_decodes_bit_for_bit(self):
+        arrays = sample(np.random.default_rng(2))
+        for codec in CODECS:
+            with self.subTest(codec=codec):
+                sent = self.write(self.p("d"), arrays, codec, {"base_round": "4"})
+                with wire.WireReader(self.p("d")) as r:
+                    self.assertEqual(r.names, list(arrays))
+                    self.assertEqual(r.shapes, {n: a.shape for n, a in arrays.items()})
+                    self.assertEqual(r.r.metadata["base_round"], "4")
+                    for n, a in arrays.items():
+                        got = r.read(n)
+                        self.assertEqual((got.dtype, got.shape), (np.float32, a.shape), n)
+                        self.assertEqual(got.tobytes(), sent[n].tobytes(), n)
+
+    def test_error_bounds_per_format(self):
+        arrays = sample(np.random.default_rng(3))
+        for codec in CODECS:
+            sent = self.write(self.p("d"), arrays, codec)
+            for n, x in arrays.items():
+                with self.subTest(codec=codec, tensor=n):
+                    err = np.abs(sent[n] - x)
+                    if codec.fmt == "f32":
+                        self.assertEqual(err.max(initial=0), 0)
+                    elif codec.fmt == "bf16":
+                        self.assertTrue(np.all(err <= np.abs(x) * 2 ** -8))
+                    elif codec.fmt in wire.LEVELS:
+                        self.assert_block_bound(codec, x, err)
+                    else:
+                        self.assert_topk_bound(codec, x, sent[n])
+
+    def assert_block_bound(self, codec, x, err):
+        """|x - decoded| <= half a step of its block (step = absmax/L, bf16 rounding up included)."""
+        rows, cols = wire.rows_cols(x.shape)
+        levels = wire.LEVELS[codec.fmt]
+        x2, e2 = x.reshape(rows, cols), err.reshape(rows, cols)
+        for b in range(0, cols, codec.block):
+            amax = np.abs(x2[:, b:b + codec.block]).max(axis=1)
+            step = amax / levels * (1 + 2 ** -7)
+            self.assertTrue(np.all(e2[:, b:b + codec.block].max(axis=1) <= step / 2 * (1 + 1e-6)))
+
+    def assert_topk_bound(self, codec, x, got):
+        """Per chunk: min(k, len) values kept, each within half a step; every dropped value is
+        no larger in magnitude than the smallest kept one."""
+        flat, g = x.reshape(-1), got.reshape(-1)
+        levels = (1 << (codec.topk_bits - 1)) - 1
+        for lo in range(0, flat.size, codec.topk_chunk):
+            xc, gc = flat[lo:lo + codec.topk_chunk], g[lo:lo + codec.topk_chunk]
+            k = min(codec.topk_k, xc.size)
+            order = np.argsort(-np.abs(xc), kind="stable")
+            kept, dropped = order[:k], order[k:]
+            step = np.abs(xc).max() / levels * (1 + 2 ** -7)
+            self.assertTrue(np.all(np.abs(gc[kept] - xc[kept]) <= step / 2 * (1 + 1e-6)))
+            if dropped.size:
+                self.assertTrue(np.all(np.abs(xc[dropped]) <= np.abs(xc[kept]).min()))
+            self.assertLessEqual(np.count_nonzero(gc), k)
+
+    def test_block_formats_agree_with_the_naive_per_element_reference(self):
+        arrays = sample(np.random.default_rng(4))
+        for codec in (wire.Codec("int8", block=64), wire.Codec("int4", block=128)):
+            self.write(self.p("d"), {n: a for n, a in arrays.items() if n != "wide"}, codec)
+            raw = safetensors.torch.load_file(self.p("d"))
+            for n, a in arrays.items():
+                if n == "wide":
+                    continue
+                codes = raw[n].numpy()
+                sbits = raw[n + wire.SCALE].view(torch.int16).numpy().view(np.uint16)
+                q = codes if codec.fmt == "int8" else \
+                    np.array(naive_bits(codes, 4, a.size), np.int64) - 8
+                with wire.WireReader(self.p("d")) as r:
+                    np.testing.assert_array_equal(r.read(n), naive_block_decode(codec, q, sbits, a.shape),
+                                                  err_msg=f"{codec.fmt} {n}")
+
+    def test_topk_agrees_with_a_naive_decode(self):
+        x = np.random.default_rng(5).standard_normal(1003).astype(np.float32)
+        codec = wire.Codec("topk", topk_chunk=100, topk_k=9, topk_bits=4)
+        self.write(self.p("d"), {"t": x}, codec)
+        raw = safetensors.torch.load_file(self.p("d"))
+        nch, m = codec.chunks(x.size)
+        self.assertEqual((nch, m), (11, 10 * 9 + 3))
+        codes = naive_bits(raw["t"].numpy(), 4, m)
+        pos = naive_bits(raw["t#idx"].numpy(), codec.index_bits, m)
+        scale = tensorio.bf16_to_f32(raw["t#scale"].view(torch.int16).numpy().view(np.uint16))
+        want, i = np.zeros(x.size, np.float32), 0
+        for ch in range(nch):
+            for _ in range(min(9, x.size - ch * 100)):
+                want[ch * 100 + pos[i]] = np.float32(codes[i] - 8) * scale[ch]
+                i += 1
+        with wire.WireReader(self.p("d")) as r:
+            np.testing.assert_array_equal(r.read("t"), want)
+
+    def test_bytes_per_value_of_each_format(self):
+        x = {"w": np.random.default_rng(6).standard_normal((256, 4096)).astype(np.float32)}
+        n = x["w"].size
+        sizes = {}
+        for codec in [wire.Codec(f) for f in wire.FORMATS]:
+            self.write(self.p(codec.fmt), x, codec)
+            with wire.WireReader(self.p(codec.fmt)) as r:
+                sizes[codec.fmt] = r.nbytes("w") / n
+        self.assertEqual(sizes["f32"], 4)
+        self.assertEqual(sizes["bf16"], 2)
+        self.assertAlmostEqual(sizes["int8"], 1 + 2 / 128)
+        self.assertAlmostEqual(sizes["int4"], 0.5 + 2 / 128)
+        self.assertAlmostEqual(sizes["topk"], 64 / 4096 * (12 + 4) / 8 + 2 / 4096)
+
+    def test_plain_files_are_read_as_float32(self):
+        a = np.random.default_rng(7).standard_normal((3, 5)).astype(np.float32)
+        for dtype in ("F32", "F16", "BF16"):
+            with tensorio.TensorWriter(self.p("p"), [("a", dtype, a.shape)]) as w:
+                w.write("a", a)
+            with wire.WireReader(self.p("p")) as r, tensorio.TensorReader(self.p("p")) as t:
+                self.assertIsNone(r.codec)
+                np.testing.assert_array_equal(r.read("a"), t.read("a", as_float32=True).astype(np.float32))
+            self.assertFalse(wire.is_wire(self.p("p")))
+
+    def test_decode_file_streams_to_plain_f32_with_the_metadata(self):
+        arrays = sample(np.random.default_rng(8))
+        sent = self.write(self.p("d"), arrays, wire.Codec("int4"), {"base_round": "2"})
+        self.assertTrue(wire.is_wire(self.p("d")))
+        self.assertEqual(wire.decode_file(self.p("d"), self.p("f32")).fmt, "int4")
+        with tensorio.TensorReader(self.p("f32")) as r:
+            self.assertEqual(r.metadata["base_round"], "2")
+            self.assertEqual(r.metadata["wire_decoded_from"], "int4")
+            self.assertFalse(any(k.startswith("wire_") and k != "wire_decoded_from" for k in r.metadata))
+            for n, a in arrays.items():
+                self.assertEqual(r.specs[n], ("F32", a.shape))
+                self.assertEqual(r.read(n).tobytes(), sent[n].tobytes())
+
+    def test_decoding_memory_follows_the_largest_tensor_not_the_file(self):
+        rng = np.random.default_rng(9)
+        arrays = {f"t{i}": rng.standard_normal((256, 1024)).astype(np.float32) for i in range(16)}
+        for codec in (wire.Codec("int4"), wire.Codec("topk")):
+            self.write(self.p("d"), arrays, codec)
+            tracemalloc.start()
+            try:
+                wire.decode_file(self.p("d"), self.p("out"), fsync=False)
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            one, model = 256 * 1024 * 4, 16 * 256 * 1024 * 4
+            self.assertLess(peak, 6 * one, f"{codec.fmt}: peak {peak} bytes, one tensor {one}, all {model}")
+
+
+class LayoutTest(Tmp):
+    def test_safetensors_opens_every_format_and_sees_the_declared_parts(self):
+        arrays = sample(np.random.default_rng(10))
+        for codec in CODECS:
+            with self.subTest(codec=codec):
+                self.write(self.p("d"), arrays, codec)
+                with safetensors.safe_open(self.p("d"), "pt") as f:
+                    meta, keys = f.metadata(), set(f.keys())
+                    want = {p: (d, s) for n, a in arrays.items() for p, d, s in codec.parts(n, a.shape)}
+                    self.assertEqual(keys, set(want))
+                    for p, (d, s) in want.items():
+                        t = f.get_tensor(p)
+                        self.assertEqual(tuple(t.shape), s, p)
+                        self.assertEqual(t.dtype, {"F32": torch.float32, "BF16": torch.bfloat16,
+                                                   "I8": torch.int8, "U8": torch.uint8}[d], p)
+                if codec.fmt in ("f32", "bf16"):
+                    self.assertNotIn("wire", meta)
+                    continue
+                self.assertEqual((meta["wire"], meta["wire_format"]), (wire.WIRE, codec.fmt))
+                self.assertEqual(json.loads(meta["wire_shapes"]), {n: list(a.shape) for n, a in arrays.items()})
+                self.assertIn("NAME#scale", meta["wire_parts"])
+
+    def test_int8_codes_keep_the_tensor_shape(self):
+        x = np.full((4, 300), 127 / 128, np.float32)       # scale 1/128 exactly: codes 127
+        self.write(self.p("d"), {"w": x}, wire.Codec("int8", block=128))
+        raw = safetensors.torch.load_file(self.p("d"))
+        self.assertEqual(tuple(raw["w"].shape), (4, 300))
+        self.assertEqual(tuple(raw["w#scale"].shape), (4, 3))
+        self.assertTrue(torch.equal(raw["w"], torch.full((4, 300), 127, dtype=torch.int8)))
+        self.assertTrue(torch.equal(raw["w#scale"].float(), torch.full((4, 3), 1 / 128)))
+
+
+class HostileTest(Tmp):
+    """Files that must be refused, each with a clear WireError naming the tensor."""
+
+    def forge(self, codec, shapes, parts, meta_extra=None, shapes_meta=None):
+        """A wire file written part by part with whatever we like in it."""
+        meta = {**codec.metadata(), "wire_shapes": json.dumps(shapes_meta or shapes), **(meta_extra or {})}
+        specs = [(n, {np.dtype("i1"): "I8", np.dtype("u1"): "U8", np.dtype("<u2"): "BF16",
+                      np.dtype("<f4"): "F32"}[a.dtype], a.shape) for n, a in parts.items()]
+        with tensorio.TensorWriter(self.p("bad"), specs, meta) as w:
+            for n, a in parts.items():
+                w.write(n, a)
+        return self.p("bad")
+
+    def good_parts(self, codec, x):
+        parts, _ = codec.encode(x)
+        return {"w" + s: a for s, a in parts.items()}
+
+    def assert_refused(self, path, *words):
+        with self.assertRaises(wire.WireError) as cm:
+            with wire.WireReader(path) as r:
+                for n in r.names:
+                    r.read(n)
+        for w in words:
+            self.assertIn(w, str(cm.exception))
+        return str(cm.exception)
+
+    def test_bad_scales(self):
+        x = np.random.default_rng(11).standard_normal((2, 200)).astype(np.float32)
+        for codec in (wire.Codec("int8"), wire.Codec("int4"), wire.Codec("topk", topk_chunk=64, topk_k=8)):
+            for bad, what in ((0x7FC0, "NaN"), (0x7F80, "Inf"), (0xBF80, "negative")):
+                with self.subTest(codec=codec.fmt, scale=what):
+                    parts = self.good_parts(codec, x)
+                    parts["w#scale"] = parts["w#scale"].copy()
+                    parts["w#scale"].reshape(-1)[0] = bad
+                    self.assert_refused(self.forge(codec, {"w": [2, 200]}, parts), "'w'", "scale")
+
+    def test_wrong_sizes_missing_and_extra_parts(self):
+        codec = wire.Codec("int4")
+        x = np.random.default_rng(12).standard_normal((3, 7)).astype(np.float32)
+        parts = self.good_parts(codec, x)
+        short = dict(parts, w=parts["w"][:-1])
+        self.assert_refused(self.forge(codec, {"w": [3, 7]}, short), "'w'", "wrong size", "U8[11]")
+        self.assert_refused(self.forge(codec, {"w": [3, 7]}, {"w": parts["w"]}), "w#scale")
+        self.assert_refused(self.forge(codec, {"w": [3, 7]}, dict(parts, extra=parts["w"])), "extra")
+        self.assert_refused(self.forge(codec, {"w": [3, 7]}, parts, shapes_meta={"w": [3, 8]}), "'w'")
+
+    def test_codes_outside_the_symmetric_range(self):
+        x = np.random.default_rng(13).standard_normal((2, 64)).astype(np.float32)
+        codec = wire.Codec("int8", block=64)
+        parts = self.good_parts(codec, x)
+        parts["w"] = parts["w"].copy()
+        parts["w"][1, 5] = -128
+        self.assert_refused(self.forge(codec, {"w": [2, 64]}, parts), "'w'", "-128")
+        codec = wire.Codec("int4", block=64)
+        parts = self.good_parts(codec, x)
+        parts["w"] = parts["w"].copy()
+        parts["w"][3] &= np.uint8(0xF0)
+        self.assert_refused(self.forge(codec, {"w": [2, 64]}, parts), "'w'", "code 0")
+
+    def test_nonzero_padding_bits(self):
+        x = np.random.default_rng(14).standard_normal(7).astype(np.float32)    # odd: a padding nibble
+        codec = wire.Codec("int4", block=64)
+        parts = self.good_parts(codec, x)
+        parts["w"] = parts["w"].copy()
+        parts["w"][-1] |= np.uint8(0x90)
+        self.assert_refused(self.forge(codec, {"w": [7]}, parts), "'w'", "padding")
+
+    def test_topk_positions_outside_the_chunk_repeated_or_unsorted(self):
+        codec = wire.Codec("topk", topk_chunk=100, topk_k=4)
+        x = np.random.default_rng(15).standard_normal(150).astype(np.float32)     # chunks of 100 and 50
+        good = self.good_parts(codec, x)
+        pos = wire.unpack_bits(good["w#idx"], codec.index_bits, 8).astype(np.int64)
+        for what, change in (("outside", lambda p: p.__setitem__(7, 60)),       # the 50-long chunk
+                             ("repeated", lambda p: p.__setitem__(1, p[0])),
+                             ("unsorted", lambda p: p.__setitem__(slice(0, 2), p[1::-1]))):
+            with self.subTest(what):
+                p = pos.copy()
+                change(p)
+                parts = dict(good, **{"w#idx": wire.pack_bits(p, codec.index_bits)})
+                self.assert_refused(self.forge(codec, {"w": [150]}, parts), "'w'", "position")
+
+    def test_bad_metadata(self):
+        codec = wire.Codec("int8")
+        parts = self.good_parts(codec, np.ones((2, 3), np.float32))
+        self.assert_refused(self.forge(codec, {"w": [2, 3]}, parts, {"wire_format": "int3"}), "int3")
+        self.assert_refused(self.forge(codec, {"w": [2, 3]}, parts, {"wire": "pww-wire/9"}), "update")
+        self.assert_refused(self.forge(codec, {"w": [2, 3]}, parts, {"wire_block": "512"}), "--wire-block")
+        self.assert_refused(self.forge(codec, {"w": [2, 3]}, parts, {"wire_shapes": "[1"}), "wire_shapes")
+        with tensorio.TensorWriter(self.p("ints"), [("w", "I32", (2,))]) as w:
+            w.write("w", np.zeros(2, np.int32))
+        self.assert_refused(self.p("ints"), "'w'", "float")
+        with open(self.p("junk"), "wb") as f:
+            f.write(b"\x00" * 3)
+        self.assert_refused(self.p("junk"), "junk")
+
+    def test_decode_file_leaves_nothing_behind_a_refusal(self):
+        codec = wire.Codec("int8")
+        parts = self.good_parts(codec, np.ones((2, 3), np.float32))
+        parts["w#scale"] = np.full_like(parts["w#scale"], 0x7FC0)
+        bad = self.forge(codec, {"w": [2, 3]}, parts)
+        with self.assertRaises(wire.WireError):
+            wire.decode_file(bad, self.p("out"))
+        self.assertEqual(sorted(os.listdir(self.dir)), ["bad"])
+
+    def test_overflowing_products_decode_to_inf_for_the_finiteness_check(self):
+        """A finite scale times a code may still overflow float32: decoding does not hide it
+        (the aggregator's finiteness check runs on the decoded values and refuses it)."""
+        codec = wire.Codec("int8", block=64)
+        parts = self.good_parts(codec, np.ones((1, 64), np.float32))
+        parts["w#scale"] = np.full_like(parts["w#scale"], 0x7F7F)       # the largest finite bf16
+        with wire.WireReader(self.forge(codec, {"w": [1, 64]}, parts)) as r:
+            self.assertFalse(np.isfinite(r.read("w")).all())
+
+
+class CommandLineTest(Tmp):
+    def test_describe_check_and_a_clear_error(self):
+        self.write(self.p("d"), sample(np.random.default_rng(16)), wire.Codec("topk"))
+        out = subprocess.run([sys.executable, "wire.py", self.p("d"), "--check"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("wire format topk", out.stdout)
+        self.assertIn("layers.0.w  [7, 301]", out.stdout)
+        with open(self.p("bad"), "wb") as f:
+            f.write(b"junk")
+        out = subprocess.run([sys.executable, "wire.py", self.p("bad")], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        self.assertEqual(out.returncode, 1)
+        self.assertIn("bad", out.stderr)
+        self.assertNotIn("Traceback", out.stderr)
+
+    def test_imports_without_torch(self):
+        code = ("import sys; sys.modules['torch'] = None\n"
+                "import wire, numpy as np\n"
+                "print(wire.Codec('int4').encode(np.full((2, 70), 0.875, np.float32))[1].sum())\n")
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(float(out.stdout), 122.5)     # scale 0.125 exactly, codes 7
+
+
+if __name__ == "__main__":
+    unittest.main()

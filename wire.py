@@ -1,0 +1,516 @@
+"""wire.py - compressed delta files: the wire formats a site may send its outer-round delta in.
+
+Runs on: both ends. Sites encode (train.py --wire, through diloco.py's FedMomCarrier);
+the central VM decodes (fedmom_state.py, at acceptance). Python + numpy + tensorio.py
+only; never torch. No server, no port, no state directory. From the shell:
+
+    python wire.py FILE            # header: wire format, parameters, one line per tensor
+    python wire.py FILE --check    # also decode every tensor once (finds bad scales, codes, indices)
+
+The formats (one flag at the site, --wire):
+
+    f32    plain F32 tensors: 4 bytes per parameter, exact
+    bf16   plain BF16 tensors: 2 B/param, round to nearest even
+    int8   NAME   I8, NAME's shape: q in [-127, 127]
+           NAME#scale BF16 [rows, nblocks]: one scale per block of --wire-block values
+           along the last dimension (a row's last block may be short): 1 + 2/block B/param
+    int4   NAME   U8 [ceil(n/2)]: code = q + 8 (q in [-7, 7]) two per byte over the
+           flattened tensor, element 2i in the low nibble of byte i; an odd tensor's
+           last high nibble is 0.  NAME#scale as for int8: 0.5 + 2/block B/param
+    topk   the flattened tensor in chunks of --wire-topk-chunk values, the k largest
+           magnitudes of each kept (k = --wire-topk-k, all of a chunk shorter than k):
+           NAME      U8, the kept values' codes (q + 2^(bits-1), --wire-topk-bits 4 or 8)
+                     packed little-endian bit by bit
+           NAME#idx  U8, their positions in the chunk, ceil(log2 chunk) bits each,
+                     strictly increasing within a chunk, packed the same way
+           NAME#scale BF16 [nchunks]: one scale per chunk
+           (k/chunk) x (index bits + value bits) / 8 + 2/chunk B/param: 0.032 at 64 of 4096
+
+A value is q x scale, computed in float32 (one IEEE multiply: numpy here and torch at
+a site get the same bits, so a site knows exactly what the aggregator will merge).
+
+The clipping rule: none. Each block's scale is its largest magnitude / L (L = 127, 7),
+rounded UP to the next bfloat16, so every value of the block is inside the grid and
+the error of each value is at most half a step (scale / 2). Clipping outliers would
+shrink the step for the rest of the block, but the outliers of a pseudo-gradient are
+its largest, most useful coordinates; deferring them to the error-feedback buffer
+round after round delays exactly what matters. Blocks of 64-256 values along the last
+dimension keep an outlier's cost local: it coarsens its own block, not its row.
+
+Error feedback (the site's side, diloco.py): residual = x - decode(encode(x)) is what
+this round dropped; it is added to the next round's delta.
+
+Files stay in the safetensors layout (tensorio.py), so any safetensors tool lists them.
+The header's __metadata__ declares the convention:
+    "wire": "pww-wire/1", "wire_format": "int4", "wire_block": "128", (topk: "wire_topk_chunk",
+    "wire_topk_k", "wire_topk_bits"), "wire_shapes": JSON {NAME: shape of the decoded tensor},
+    "wire_parts": a one-line statement of the naming convention above
+A file without "wire" in its metadata is a plain tensor file (F32/F16/BF16) and is
+read as it is. WireReader checks the whole layout when it opens a file (every part
+present with its exact dtype and size, nothing else) and each tensor when it decodes
+it (scales finite and >= 0, codes in range, indices in their chunk and increasing);
+it refuses a bad file with WireError naming the tensor. decode_file streams a wire
+file into a plain F32 file one tensor at a time: peak memory is a few times the
+largest tensor, never the model.
+"""
+import argparse
+import dataclasses
+import json
+import math
+import sys
+
+import numpy as np
+
+import tensorio
+
+WIRE = "pww-wire/1"
+FORMATS = ("f32", "bf16", "int8", "int4", "topk")
+LOSSLESS = ("f32",)
+SCALE, INDEX = "#scale", "#idx"       # part suffixes: '#' is in no parameter name
+PARTS_DOC = ("NAME: codes (int8: I8, NAME's shape; int4/topk: packed U8); NAME#scale: BF16 scales "
+             "(int8/int4: [rows, ceil(cols/block)] along the last dim; topk: one per chunk); "
+             "NAME#idx: topk positions in the chunk, packed U8")
+LEVELS = {"int8": 127, "int4": 7}
+
+
+class WireError(ValueError):
+    """A wire file that must not be decoded; the message names the file, the tensor and why."""
+
+
+# ---------------------------------------------------------------- bit packing
+
+def pack_bits(codes, nbits):
+    """Unsigned integers < 2**nbits -> U8, little-endian bit order (value i starts at bit i*nbits)."""
+    codes = np.asarray(codes).reshape(-1)
+    if nbits == 4:                                    # the int4 fast path: two nibbles a byte
+        c = codes.astype(np.uint8)
+        if c.size % 2:
+            c = np.append(c, np.uint8(0))
+        return c[0::2] | (c[1::2] << np.uint8(4))
+    if nbits == 8:
+        return codes.astype(np.uint8)
+    shifts = np.arange(nbits, dtype=np.uint32)
+    bits = ((codes.astype(np.uint32)[:, None] >> shifts) & np.uint32(1)).astype(np.uint8)
+    return np.packbits(bits.reshape(-1), bitorder="little")
+
+
+def packed_bytes(count, nbits):
+    return (count * nbits + 7) // 8
+
+
+def unpack_bits(packed, nbits, count):
+    """The inverse of pack_bits: `count` unsigned integers (uint32 or narrower)."""
+    packed = np.asarray(packed, dtype=np.uint8).reshape(-1)
+    if nbits == 4:
+        out = np.empty(packed.size * 2, np.uint8)
+        out[0::2] = packed & np.uint8(0x0F)
+        out[1::2] = packed >> np.uint8(4)
+        return out[:count]
+    if nbits == 8:
+        return packed[:count]
+    bits = np.unpackbits(packed, count=count * nbits, bitorder="little").reshape(count, nbits)
+    return (bits.astype(np.uint32) << np.arange(nbits, dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
+
+
+def padding_is_zero(packed, nbits, count):
+    """The bits after the last value are 0 (a stray bit there is a damaged or forged file)."""
+    used = count * nbits
+    if used % 8 == 0 or packed.size == 0:
+        return True
+    return int(packed[-1]) >> (used % 8) == 0
+
+
+# ---------------------------------------------------------------- scales
+
+def bf16_up(a):
+    """float32 >= 0 -> bfloat16 bits, rounded UP (toward +inf): the stored scale is never
+    smaller than the one asked for, so no value of its block leaves the grid."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    hi = (u >> np.uint32(16)).astype(np.uint16)
+    hi[(u & np.uint32(0xFFFF)) != 0] += np.uint16(1)
+    return hi
+
+
+def scales_ok(bits):
+    """BF16 scale bits that are finite and >= 0 (-0 is taken as 0)."""
+    negative = ((bits & np.uint16(0x8000)) != 0) & (bits != np.uint16(0x8000))
+    return not np.any((bits & np.uint16(0x7F80)) == np.uint16(0x7F80)) and not np.any(negative)
+
+
+def _grid(x, scale, levels):
+    """q = rint(x / scale) in [-levels, levels]; 0 where scale is 0."""
+    safe = np.where(scale > 0, scale, np.float32(1))
+    q = np.rint(x / safe)
+    np.clip(q, -levels, levels, out=q)
+    q[np.broadcast_to(scale == 0, q.shape)] = 0
+    return q.astype(np.int8 if levels <= 127 else np.int16)
+
+
+# ---------------------------------------------------------------- the codec
+
+def rows_cols(shape):
+    """A tensor as [rows, cols] along its last dimension (a scalar is one 1-value row)."""
+    cols = shape[-1] if shape else 1
+    return (math.prod(shape) // cols if cols else 0), cols
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """One wire format and its parameters; encode/decode one tensor, say its parts."""
+    fmt: str = "f32"
+    block: int = 128          # int8/int4: values per scale along the last dimension
+    topk_chunk: int = 4096    # topk: values per chunk of the flattened tensor
+    topk_k: int = 64          # topk: values kept per chunk
+    topk_bits: int = 4        # topk: bits per kept value
+
+    def validate(self):
+        if self.fmt not in FORMATS:
+            raise ValueError(f"--wire {self.fmt!r}: use one of {', '.join(FORMATS)}")
+        if not 64 <= self.block <= 256:
+            raise ValueError(f"--wire-block {self.block}: use 64 to 256 values per scale (128 is the default)")
+        if not 2 <= self.topk_chunk <= 1 << 16:
+            raise ValueError(f"--wire-topk-chunk {self.topk_chunk}: use 2 to 65536 values per chunk")
+        if not 1 <= self.topk_k <= self.topk_chunk:
+            raise ValueError(f"--wire-topk-k {self.topk_k}: use 1 to --wire-topk-chunk ({self.topk_chunk})")
+        if self.topk_bits not in (4, 8):
+            raise ValueError(f"--wire-topk-bits {self.topk_bits}: use 4 or 8")
+        return self
+
+    @property
+    def index_bits(self):
+        return max(1, (self.topk_chunk - 1).bit_length())
+
+    def metadata(self):
+        meta = {"wire": WIRE, "wire_format": self.fmt, "wire_parts": PARTS_DOC}
+        if self.fmt in LEVELS:
+            meta["wire_block"] = str(self.block)
+        if self.fmt == "topk":
+            meta.update(wire_topk_chunk=str(self.topk_chunk), wire_topk_k=str(self.topk_k),
+                        wire_topk_bits=str(self.topk_bits))
+        return meta
+
+    @classmethod
+    def from_metadata(cls, meta, path):
+        fmt = meta.get("wire_format")
+        if meta.get("wire") != WIRE or fmt not in FORMATS[2:]:
+            raise WireError(f"{path}: wire {meta.get('wire')!r} format {fmt!r}; this wire.py reads "
+                            f"{WIRE!r} with {', '.join(FORMATS[2:])}: update it, or resend")
+        try:
+            kw = {k: int(meta[f"wire_{k}"]) for k in ("block",) if fmt in LEVELS}
+            if fmt == "topk":
+                kw.update({k: int(meta[f"wire_{k}"]) for k in ("topk_chunk", "topk_k", "topk_bits")})
+            return cls(fmt, **kw).validate()
+        except (KeyError, ValueError) as e:
+            raise WireError(f"{path}: bad wire parameters in the metadata ({e})") from None
+
+    # -- layout
+    def chunks(self, n):
+        """topk: (number of chunks, values kept in all chunks)."""
+        c, k = self.topk_chunk, self.topk_k
+        nch = -(-n // c)
+        last = n - (nch - 1) * c if nch else 0
+        return nch, (nch - 1) * k + min(k, last) if nch else 0
+
+    def parts(self, name, shape):
+        """[(part name, dtype, shape)] of one tensor in the file, codes first."""
+        shape, n = tuple(shape), math.prod(shape)
+        rows, cols = rows_cols(shape)
+        nb = -(-cols // self.block)
+        if self.fmt == "f32":
+            return [(name, "F32", shape)]
+        if self.fmt == "bf16":
+            return [(name, "BF16", shape)]
+        if self.fmt == "int8":
+            return [(name, "I8", shape), (name + SCALE, "BF16", (rows, nb))]
+        if self.fmt == "int4":
+            return [(name, "U8", (packed_bytes(n, 4),)), (name + SCALE, "BF16", (rows, nb))]
+        nch, m = self.chunks(n)
+        return [(name, "U8", (packed_bytes(m, self.topk_bits),)),
+                (name + INDEX, "U8", (packed_bytes(m, self.index_bits),)), (name + SCALE, "BF16", (nch,))]
+
+    # -- one tensor
+    def encode(self, x):
+        """float32 array -> ({part name suffix: array}, what the receiver will decode, float32)."""
+        x = np.require(x, np.float32, "C")        # (ascontiguousarray makes a scalar 1-d)
+        if self.fmt == "f32":
+            return {"": x}, x
+        if self.fmt == "bf16":
+            bits = tensorio.f32_to_bf16(x)
+            return {"": bits}, tensorio.bf16_to_f32(bits).reshape(x.shape)
+        if self.fmt == "topk":
+            return self._encode_topk(x)
+        return self._encode_blocks(x)
+
+    def _blocked(self, x):
+        """x as [rows, nblocks, block] (the short last block of a row zero-padded)."""
+        rows, cols = rows_cols(x.shape)
+        nb = -(-cols // self.block)
+        x2 = x.reshape(rows, cols)
+        if cols != nb * self.block:
+            x2 = np.concatenate([x2, np.zeros((rows, nb * self.block - cols), np.float32)], axis=1)
+        return x2.reshape(rows, nb, self.block), cols
+
+    def _encode_blocks(self, x):
+        levels = LEVELS[self.fmt]
+        xb, cols = self._blocked(x)
+        sbits = bf16_up(np.abs(xb).max(axis=2, initial=0.0) / np.float32(levels))
+        scale = tensorio.bf16_to_f32(sbits)
+        q = _grid(xb, scale[:, :, None], levels)
+        q = q.reshape(q.shape[0], q.shape[1] * self.block)[:, :cols].reshape(x.shape)
+        codes = q if self.fmt == "int8" else pack_bits((q.reshape(-1) + 8).astype(np.uint8), 4)
+        return {"": codes, SCALE: sbits}, self._dequant_blocks(q, scale, x.shape)
+
+    def _dequant_blocks(self, q, scale, shape):
+        rows, cols = rows_cols(shape)
+        per = np.repeat(scale, self.block, axis=1)[:, :cols]
+        return (q.reshape(rows, cols).astype(np.float32) * per).reshape(shape)
+
+    def _encode_topk(self, x):
+        flat, c, k = x.reshape(-1), self.topk_chunk, self.topk_k
+        n = flat.size
+        nch, m = self.chunks(n)
+        idx, vals, sbits = [], [], np.zeros(nch, np.uint16)
+        full = n // c
+        if full:
+            X = flat[:full * c].reshape(full, c)
+            sel = np.sort(np.argpartition(-np.abs(X), k - 1, axis=1)[:, :k], axis=1) if k < c else \
+                np.broadcast_to(np.arange(c), (full, c))
+            idx.append(sel.reshape(-1))
+            vals.append(np.take_along_axis(X, sel, axis=1))
+        if nch > full:                                   # the short last chunk
+            tail = flat[full * c:]
+            kk = min(k, tail.size)
+            sel = np.sort(np.argpartition(-np.abs(tail), kk - 1)[:kk]) if kk < tail.size else np.arange(tail.size)
+            idx.append(sel)
+            vals.append(tail[sel])
+        levels = (1 << (self.topk_bits - 1)) - 1
+        pos = np.concatenate(idx) if idx else np.zeros(0, np.int64)
+        v = np.concatenate([a.reshape(-1) for a in vals]) if vals else np.zeros(0, np.float32)
+        owner = self._owners(n, m)
+        amax = np.zeros(nch, np.float32)
+        np.maximum.at(amax, owner, np.abs(v))
+        sbits = bf16_up(amax / np.float32(levels))
+        scale = tensorio.bf16_to_f32(sbits)
+        q = _grid(v, scale[owner], levels)
+        codes = pack_bits((q.astype(np.int16) + (levels + 1)).astype(np.uint32), self.topk_bits)
+        out = np.zeros(n, np.float32)
+        out[owner * c + pos] = q.astype(np.float32) * scale[owner]
+        return {"": codes, INDEX: pack_bits(pos, self.index_bits), SCALE: sbits}, out.reshape(x.shape)
+
+    def _owners(self, n, m):
+        """topk: the chunk of each of the m kept values."""
+        nch, _ = self.chunks(n)
+        k = self.topk_k
+        owner = np.repeat(np.arange(max(nch - 1, 0)), k)
+        return np.concatenate([owner, np.full(m - owner.size, nch - 1)]).astype(np.int64)
+
+    def decode(self, parts, shape, where="tensor"):
+        """{suffix: array} as read from the file -> float32 of `shape`; WireError if hostile."""
+        shape, n = tuple(shape), math.prod(shape)
+        if self.fmt == "topk":
+            return self._decode_topk(parts, shape, n, where)
+        sbits = parts[SCALE]
+        if not scales_ok(sbits):
+            raise WireError(f"{where}: a scale is negative, NaN or Inf")
+        scale = tensorio.bf16_to_f32(sbits)
+        if self.fmt == "int8":
+            q = parts[""].reshape(shape)
+            if n and q.min() < -127:
+                raise WireError(f"{where}: code -128 is outside the symmetric int8 range [-127, 127]")
+        else:
+            codes = parts[""]
+            if not padding_is_zero(codes, 4, n):
+                raise WireError(f"{where}: the padding nibble after the last value is not 0")
+            q = unpack_bits(codes, 4, n)
+            if n and q.min() == 0:
+                raise WireError(f"{where}: int4 code 0 (= -8) is outside the symmetric range [-7, 7]")
+            q = (q.astype(np.int8) - np.int8(8)).reshape(shape)
+        return self._dequant_blocks(q, scale, shape)
+
+    def _decode_topk(self, parts, shape, n, where):
+        nch, m = self.chunks(n)
+        c, vb, ib = self.topk_chunk, self.topk_bits, self.index_bits
+        sbits = parts[SCALE]
+        if not scales_ok(sbits):
+            raise WireError(f"{where}: a scale is negative, NaN or Inf")
+        for part, bits in (("", vb), (INDEX, ib)):
+            if not padding_is_zero(parts[part], bits, m):
+                raise WireError(f"{where}{part}: the padding bits after the last value are not 0")
+        levels = (1 << (vb - 1)) - 1
+        codes = unpack_bits(parts[""], vb, m).astype(np.int32)
+        if m and codes.min() == 0:
+            raise WireError(f"{where}: top-k code 0 is outside the symmetric range")
+        pos = unpack_bits(parts[INDEX], ib, m).astype(np.int64)
+        owner = self._owners(n, m)
+        gpos = owner * c + pos
+        chunk_end = np.minimum((owner + 1) * c, n)
+        if m and (np.any(gpos >= chunk_end) or np.any((np.diff(gpos) <= 0) & (np.diff(owner) == 0))):
+            raise WireError(f"{where}{INDEX}: a position is outside its chunk or not increasing "
+                            f"(each chunk's positions must be distinct and sorted)")
+        out = np.zeros(n, np.float32)
+        out[gpos] = (codes - (levels + 1)).astype(np.float32) * tensorio.bf16_to_f32(sbits)[owner]
+        return out.reshape(shape)
+
+
+# ---------------------------------------------------------------- files
+
+class WireWriter:
+    """Write a delta in one wire format, one tensor at a time, in the order of `specs`.
+
+        with WireWriter(path, [("w", (4, 8)), ("b", (8,))], Codec("int4"), {"base_round": "3"}) as w:
+            sent = w.write("w", w_float32)      # -> float32: exactly what the receiver decodes
+
+    f32 and bf16 write plain tensor files (no "wire" metadata); the others write the
+    parts named in the module docstring. Atomic like tensorio.TensorWriter (which it uses)."""
+
+    def __init__(self, path, specs, codec, metadata=None, fsync=True):
+        self.codec = codec.validate()
+        self.shapes = {n: tuple(int(d) for d in s) for n, s in specs}
+        meta = dict(metadata or {})
+        if codec.fmt not in ("f32", "bf16"):
+            meta.update(codec.metadata(), wire_shapes=json.dumps({n: list(s) for n, s in self.shapes.items()},
+                                                               separators=(",", ":")))
+        layout = [p for n, s in self.shapes.items() for p in codec.parts(n, s)]
+        self.w = tensorio.TensorWriter(path, layout, meta, fsync=fsync)
+        self.path = self.w.path
+
+    def write(self, name, x):
+        x = np.asarray(x, dtype=np.float32).reshape(self.shapes.get(name, np.shape(x)))
+        parts, sent = self.codec.encode(x)
+        for part, _, _ in self.codec.parts(name, x.shape):
+            self.w.write(part, parts[part[len(name):]])
+        return sent
+
+    def close(self):
+        self.w.close()
+
+    def abort(self):
+        self.w.abort()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.w.__exit__(*exc)        # close, or abort on an exception
+
+
+class WireReader:
+    """Open a delta file, wire or plain; read(name) decodes one tensor to float32.
+
+    The layout is checked when the file is opened; the values when each tensor is read.
+    .names: the decoded tensors (file order), .shapes: {name: shape}, .codec: None for a
+    plain file, .path."""
+
+    def __init__(self, path):
+        try:
+            self.r = tensorio.TensorReader(path)
+        except tensorio.FormatError as e:
+            raise WireError(str(e)) from None
+        self.path = self.r.path
+        try:
+            self._parse()
+        except BaseException:
+            self.r.close()
+            raise
+
+    def _parse(self):
+        meta = self.r.metadata
+        if "wire" not in meta:
+            self.codec = None
+            self.shapes = {n: self.r.specs[n][1] for n in self.r.names}
+            self.names = list(self.r.names)
+            return
+        self.codec = Codec.from_metadata(meta, self.path)
+        try:
+            shapes = json.loads(meta.get("wire_shapes", ""))
+            ok = isinstance(shapes, dict) and all(
+                isinstance(s, list) and all(type(d) is int and d >= 0 for d in s) for s in shapes.values())
+        except ValueError:
+            ok = False
+        if not ok:
+            raise WireError(f"{self.path}: metadata wire_shapes is not a JSON object of shapes")
+        self.shapes = {n: tuple(s) for n, s in shapes.items()}
+        want = {p: (d, s) for n, sh in self.shapes.items() for p, d, s in self.codec.parts(n, sh)}
+        have = {n: self.r.specs[n] for n in self.r.names}
+        missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+        if missing or extra:
+            raise WireError(f"{self.path}: the {self.codec.fmt} layout needs parts {missing[:5]} it lacks "
+                            f"and does not allow {extra[:5]}")
+        for p, (d, s) in want.items():
+            if have[p] != (d, s):
+                raise WireError(f"{self.path}: part {p!r} is {have[p][0]}{list(have[p][1])}, the "
+                                f"{self.codec.fmt} layout of its tensor needs {d}{list(s)} (wrong size)")
+        self.names = [n for n in self.r.names if n in self.shapes]
+
+    def read(self, name):
+        if name not in self.shapes:
+            raise KeyError(f"{self.path} has no tensor {name!r}")
+        if self.codec is None:
+            dtype = self.r.specs[name][0]
+            if dtype not in tensorio.FLOAT_DTYPES:
+                raise WireError(f"{self.path}: tensor {name!r} is {dtype}; a delta holds float tensors")
+            return np.asarray(self.r.read(name, as_float32=True), dtype=np.float32)
+        parts = {p[len(name):]: self.r.read(p) for p, _, _ in self.codec.parts(name, self.shapes[name])}
+        return self.codec.decode(parts, self.shapes[name], where=f"{self.path}: tensor {name!r}")
+
+    def nbytes(self, name):
+        """Bytes of this tensor in the file (all its parts)."""
+        if self.codec is None:
+            return self.r.nbytes(name)
+        return sum(self.r.nbytes(p) for p, _, _ in self.codec.parts(name, self.shapes[name]))
+
+    def close(self):
+        self.r.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def is_wire(path):
+    """True if `path` is a tensor file whose metadata declares a wire format."""
+    with tensorio.TensorReader(path) as r:
+        return "wire" in r.metadata
+
+
+def decode_file(src, dst, fsync=True):
+    """A wire file -> a plain F32 tensor file with the same names, shapes and metadata
+    (less the wire entries), one tensor at a time. Raises WireError; nothing is left at
+    `dst` then. Returns the codec of `src` (None: it was plain, and is copied as F32)."""
+    with WireReader(src) as r:
+        meta = {k: v for k, v in r.r.metadata.items() if not k.startswith("wire") and k != "format"}
+        meta["wire_decoded_from"] = r.codec.fmt if r.codec else "plain"
+        specs = [(n, "F32", r.shapes[n]) for n in r.names]
+        with tensorio.TensorWriter(dst, specs, meta, fsync=fsync) as w:
+            for n in r.names:
+                w.write(n, r.read(n))
+        return r.codec
+
+
+def describe(path, check=False):
+    with WireReader(path) as r:
+        fmt = r.codec.fmt if r.codec else "plain"
+        total = sum(math.prod(s) for s in r.shapes.values())
+        size = r.r.file_size
+        print(f"{path}: wire format {fmt}, {len(r.names)} tensors, {total} values, {size} bytes "
+              f"({size / max(total, 1):.4f} B/value)")
+        if r.codec:
+            print("  " + json.dumps(dataclasses.asdict(r.codec)))
+        for n in r.names:
+            print(f"  {n}  {list(r.shapes[n])}  {r.nbytes(n)} bytes")
+            if check:
+                r.read(n)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("file", help="delta file (safetensors layout, wire or plain)")
+    p.add_argument("--check", action="store_true", help="also decode every tensor once (default: header only)")
+    a = p.parse_args()
+    try:
+        describe(a.file, a.check)
+    except (WireError, OSError) as e:
+        sys.exit(str(e))
