@@ -3,8 +3,9 @@
 Runs on: the central VM, imported by fedmom_server.py (which owns the routes, the round
 and DARL loops, the status page and the command line; its docstring says how to start
 it and what each endpoint does). Python standard library + numpy + tensorio.py +
-fedmom_merge.py + darl_table.py (its position sets), and httpd.py's client call for the
-DARL custody calls (DarlLink); never imports torch.
+fedmom_merge.py + wire.py (a compressed delta is decoded at acceptance) + darl_table.py
+(its position sets), and httpd.py's client call for the DARL custody calls (DarlLink);
+never imports torch.
 
 FedMomState holds theta_global, momentum, the round number, membership, the deltas
 spooled for the open round, the DARL commits and aborts still owed and the violation
@@ -86,6 +87,7 @@ import durable
 import httpd
 import fedmom_merge
 import tensorio
+import wire
 
 STATE_FORMAT = "pww-fedmom-state/2"   # 2: identity, epoch, custody commits/aborts owed, violations
 RECORD_VERSION = 3             # 2: per-delta "outcomes" with their leases; 3: + "delta" and DARL "pieces"
@@ -739,6 +741,7 @@ class FedMomState:
             if dup is not None:
                 return dup
             try:
+                part_path = self._plain(part_path)    # a compressed delta: decoded tensor by tensor
                 norm = fedmom_merge.check_delta_file(part_path, self.specs)
             except fedmom_merge.DeltaRejected as e:
                 with self.lock:
@@ -865,6 +868,24 @@ class FedMomState:
 
     def new_part_path(self):
         return os.path.join(self.spool, f".part-{secrets.token_hex(8)}")
+
+    def _plain(self, part_path):
+        """A delta in a wire format (wire.py) -> the plain F32 delta it stands for, written
+        beside it one tensor at a time (names and shapes checked first); the checks and the
+        merge then see the decoded values, exactly those the site's error feedback assumed.
+        A plain delta is returned as it is. Raises DeltaRejected(400)."""
+        try:
+            if not wire.is_wire(part_path):
+                return part_path
+        except (tensorio.FormatError, OSError):
+            return part_path                     # check_delta_file says what is wrong with it
+        plain = self.new_part_path()
+        try:
+            wire.decode_file(part_path, plain, self.cfg.fsync, specs=self.specs)
+        except wire.WireError as e:
+            raise fedmom_merge.DeltaRejected(400, f"bad compressed delta: {str(e).replace(part_path, 'the delta')}")
+        os.unlink(part_path)
+        return plain
 
     # ---- rounds
 

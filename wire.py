@@ -263,7 +263,8 @@ class Codec:
     def _dequant_blocks(self, q, scale, shape):
         rows, cols = rows_cols(shape)
         per = np.repeat(scale, self.block, axis=1)[:, :cols]
-        return (q.reshape(rows, cols).astype(np.float32) * per).reshape(shape)
+        with np.errstate(over="ignore"):     # an overflow is Inf: the receiver's finiteness check refuses it
+            return (q.reshape(rows, cols).astype(np.float32) * per).reshape(shape)
 
     def _encode_topk(self, x):
         flat, c, k = x.reshape(-1), self.topk_chunk, self.topk_k
@@ -348,7 +349,8 @@ class Codec:
             raise WireError(f"{where}{INDEX}: a position is outside its chunk or not increasing "
                             f"(each chunk's positions must be distinct and sorted)")
         out = np.zeros(n, np.float32)
-        out[gpos] = (codes - (levels + 1)).astype(np.float32) * tensorio.bf16_to_f32(sbits)[owner]
+        with np.errstate(over="ignore"):
+            out[gpos] = (codes - (levels + 1)).astype(np.float32) * tensorio.bf16_to_f32(sbits)[owner]
         return out.reshape(shape)
 
 
@@ -476,11 +478,15 @@ def is_wire(path):
         return "wire" in r.metadata
 
 
-def decode_file(src, dst, fsync=True):
+def decode_file(src, dst, fsync=True, specs=None):
     """A wire file -> a plain F32 tensor file with the same names, shapes and metadata
-    (less the wire entries), one tensor at a time. Raises WireError; nothing is left at
-    `dst` then. Returns the codec of `src` (None: it was plain, and is copied as F32)."""
+    (less the wire entries), one tensor at a time. specs {name: shape}: the tensors the
+    file must hold, checked before anything is decoded (a forged wire_shapes could
+    otherwise ask for any amount of memory). Raises WireError; nothing is left at `dst`
+    then. Returns the codec of `src` (None: it was plain, and is copied as F32)."""
     with WireReader(src) as r:
+        if specs is not None:
+            check_shapes(r, specs)
         meta = {k: v for k, v in r.r.metadata.items() if not k.startswith("wire") and k != "format"}
         meta["wire_decoded_from"] = r.codec.fmt if r.codec else "plain"
         specs = [(n, "F32", r.shapes[n]) for n in r.names]
@@ -488,6 +494,18 @@ def decode_file(src, dst, fsync=True):
             for n in r.names:
                 w.write(n, r.read(n))
         return r.codec
+
+
+def check_shapes(reader, specs):
+    """The decoded tensors are exactly `specs` {name: shape}, else WireError."""
+    want = {n: tuple(s) for n, s in specs.items()}
+    missing, extra = sorted(set(want) - set(reader.shapes)), sorted(set(reader.shapes) - set(want))
+    if missing or extra:
+        raise WireError(f"{reader.path}: names differ from theta_global: missing {missing[:5]}, "
+                        f"unexpected {extra[:5]}")
+    for n, s in reader.shapes.items():
+        if s != want[n]:
+            raise WireError(f"{reader.path}: tensor {n!r} has shape {list(s)}, theta_global has {list(want[n])}")
 
 
 def describe(path, check=False):

@@ -10,9 +10,11 @@ import unittest
 
 import numpy as np
 import safetensors
+import shutil
 import safetensors.torch
 import torch
 
+import fedmom_state
 import tensorio
 import wire
 from test_tensorio import TmpDirTest
@@ -214,6 +216,19 @@ class RoundTripTest(Tmp):
                 self.assertEqual(r.specs[n], ("F32", a.shape))
                 self.assertEqual(r.read(n).tobytes(), sent[n].tobytes())
 
+    def test_decode_file_checks_names_and_shapes_before_decoding(self):
+        codec = wire.Codec("topk", topk_chunk=65536, topk_k=1)
+        x = np.zeros(1 << 20, np.float32)
+        self.write(self.p("d"), {"w": x}, codec)
+        with self.assertRaises(wire.WireError) as cm:
+            wire.decode_file(self.p("d"), self.p("out"), specs={"w": (1 << 19,)})
+        self.assertIn("'w' has shape [1048576], theta_global has [524288]", str(cm.exception))
+        with self.assertRaises(wire.WireError) as cm:
+            wire.decode_file(self.p("d"), self.p("out"), specs={"v": (1 << 20,)})
+        self.assertIn("missing ['v'], unexpected ['w']", str(cm.exception))
+        self.assertFalse(os.path.exists(self.p("out")))
+        wire.decode_file(self.p("d"), self.p("out"), specs={"w": (1 << 20,)})
+
     def test_decoding_memory_follows_the_largest_tensor_not_the_file(self):
         rng = np.random.default_rng(9)
         arrays = {f"t{i}": rng.standard_normal((256, 1024)).astype(np.float32) for i in range(16)}
@@ -373,6 +388,90 @@ class HostileTest(Tmp):
         parts["w#scale"] = np.full_like(parts["w#scale"], 0x7F7F)       # the largest finite bf16
         with wire.WireReader(self.forge(codec, {"w": [1, 64]}, parts)) as r:
             self.assertFalse(np.isfinite(r.read("w")).all())
+
+
+class AggregatorTest(Tmp):
+    """fedmom_state accepts compressed deltas: decoded one tensor at a time at acceptance,
+    checked (names, shapes, finiteness) and merged as the decoded values."""
+    SHAPES = {"embed": (300, 1000), "layer.w": (64, 48), "layer.b": (48,), "norm": (7,)}
+
+    def setUp(self):
+        super().setUp()
+        rng = np.random.default_rng(20)
+        self.theta0 = {k: rng.standard_normal(s).astype(np.float32) for k, s in self.SHAPES.items()}
+        init = self.p("init.safetensors")
+        with tensorio.TensorWriter(init, [(k, "F32", s) for k, s in self.SHAPES.items()]) as w:
+            for k, a in self.theta0.items():
+                w.write(k, a)
+        cfg = fedmom_state.ServerConfig(self.p("st"), init=init, outer_lr=1.0, outer_momentum=0.0)
+        self.st = fedmom_state.FedMomState(cfg.validate(), clock=lambda: 1000.0)
+        self.rng = rng
+
+    def send(self, cluster, path, tokens=10):
+        st = self.st
+        m = st.check_delta_meta({"cluster": cluster, "incarnation": f"{cluster}-inc", "tokens": tokens,
+                                 "base_round": st.round})
+        part = st.new_part_path()
+        shutil.copyfile(path, part)
+        return st.accept_delta(m, part)
+
+    def spool(self):
+        return sorted(os.listdir(self.st.spool))
+
+    def test_compressed_deltas_merge_as_their_decoded_values(self):
+        sent = {}
+        for c, codec in (("lumi", wire.Codec("int4", block=64)), ("snellius", wire.Codec("topk"))):
+            self.st.join(c, f"{c}-inc")
+            d = {k: (0.01 * self.rng.standard_normal(s)).astype(np.float32) for k, s in self.SHAPES.items()}
+            sent[c] = self.write(self.p(c), d, codec, {"base_round": "0"})
+            self.assertTrue(self.send(c, self.p(c))["accepted"])
+        spooled = [f for f in self.spool() if f.endswith(".safetensors")]
+        self.assertEqual(len(spooled), 2)
+        self.assertFalse([f for f in self.spool() if f.startswith(".part")])
+        for f in spooled:                               # the spool holds the decoded, plain F32 deltas
+            self.assertFalse(wire.is_wire(os.path.join(self.st.spool, f)))
+        rec = self.st.tick()
+        self.assertEqual(rec["round"], 1)
+        with tensorio.TensorReader(os.path.join(self.st.dir, self.st.theta_file)) as r:
+            for k in self.SHAPES:
+                want = self.theta0[k] + (sent["lumi"][k] * np.float32(0.5) + sent["snellius"][k] * np.float32(0.5))
+                np.testing.assert_allclose(r.read(k), want, rtol=0, atol=1e-6, err_msg=k)
+        self.assertEqual(self.spool(), [])
+
+    def test_hostile_compressed_deltas_are_refused_and_nothing_is_stored(self):
+        self.st.join("lumi", "lumi-inc")
+        before = sorted(os.listdir(self.st.dir)), self.spool()
+        codec = wire.Codec("int8", block=64)
+        d = {k: np.ones(s, np.float32) for k, s in self.SHAPES.items()}
+        self.write(self.p("good"), d, codec)
+        cases = []
+        with tensorio.TensorReader(self.p("good")) as r:
+            raw = {n: r.read(n) for n in r.names}
+            meta = dict(r.metadata)
+            specs = [(n, r.specs[n][0], r.specs[n][1]) for n in r.names]
+
+        def forge(name, change, meta_change=None):
+            parts = {n: a.copy() for n, a in raw.items()}
+            change(parts)
+            with tensorio.TensorWriter(self.p(name), specs, {**meta, **(meta_change or {})}) as w:
+                for n, _, _ in specs:
+                    w.write(n, parts[n])
+            return self.p(name)
+
+        cases.append(("nan scale", forge("nan", lambda p: p["layer.w#scale"].fill(0x7FC0)), 400, "scale"))
+        cases.append(("overflow", forge("inf", lambda p: p["layer.w#scale"].fill(0x7F7F)), 422, "NaN or Inf"))
+        shapes = json.loads(meta["wire_shapes"])
+        shapes["norm"] = [8]
+        cases.append(("wrong shape", forge("shape", lambda p: None, {"wire_shapes": json.dumps(shapes)}),
+                      400, "'norm'"))
+        for what, path, status, words in cases:
+            with self.subTest(what), self.assertRaises(fedmom_state.Refused) as cm:
+                self.send("lumi", path)
+            self.assertEqual(cm.exception.status, status, cm.exception.reason)
+            self.assertIn(words, cm.exception.reason)
+            self.assertNotIn(self.st.spool, cm.exception.reason)
+        self.assertEqual((sorted(os.listdir(self.st.dir)), self.spool()), before)
+        self.assertIsNone(self.st.tick())
 
 
 class CommandLineTest(Tmp):
