@@ -55,8 +55,11 @@ import math
 import os
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
+
+import durable
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 OUTER_DEVICES = ("same", "cpu")
@@ -328,25 +331,37 @@ class FedMomCarrier(OuterCarrier):
     fedsite.Handoff (tokens, metrics, step; given to DiLoCo.end_phase after the local
     checkpoint was written):
       1. gather each delta tensor in turn (a DTensor's full_tensor() under FSDP; DDP
-         ranks hold it whole) and rank 0 streams theta_i - theta_global into one
-         tensorio file (ex.deltas hold theta - theta_i: the sign flips here);
+         ranks hold it whole) and rank 0 streams theta_i - theta_global, plus what
+         error feedback owes (Residual, below), into one file in the wire format
+         `codec` (wire.py; ex.deltas hold theta - theta_i: the sign flips here);
       2. rank 0 hands file and Handoff to `site.round_trip` (fedsite.FedSite): send,
          wait for the round to pass, settle the lease, download the current
          theta_global (whatever round it is: a stale delta still ends in the newest);
-      3. theta_global is scattered one tensor at a time into ex.theta.
+      3. the Residual settles by the RoundResult (owed once merged, dropped if not, reset
+         when the outcome is unknown), then theta_global is scattered one tensor at a
+         time into ex.theta.
     No rank ever holds more than its shard plus one full tensor. The delta's data flows
     one way, train.py -> here -> fedsite -> fedmom_client (ARCHITECTURE.md section 3);
     what became of it comes back as the return value, {"federation": fedsite.RoundResult},
     in DiLoCo's row.
     `site` is None on the ranks other than 0.
+    codec: a wire.Codec or a format name ("f32", "bf16", ...); error_feedback: keep a
+    Residual (lossy formats only); fresh: a new run (--resume none), nothing owed from
+    an earlier one.
     """
 
-    def __init__(self, site, workdir, delta_dtype="F32", group=None):
-        if delta_dtype not in ("F32", "BF16"):
-            raise ValueError(f"--delta-dtype {delta_dtype!r}: use f32 or bf16")
-        self.site, self.workdir, self.delta_dtype, self.group = site, workdir, delta_dtype, group
+    def __init__(self, site, workdir, codec=None, error_feedback=True, group=None, fresh=False, log=print):
+        import wire
+        if codec is None or isinstance(codec, str):        # a format name: "f32", "BF16", ...
+            codec = wire.Codec((codec or "f32").lower())
+        self.codec = codec.validate()
+        self.site, self.workdir, self.group = site, workdir, group
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        # error feedback on rank 0 (which writes the delta); nothing to owe with a lossless format
+        self.residual = Residual(workdir, log, fresh) if (
+            self.rank == 0 and error_feedback and self.codec.fmt != "f32") else None
+        self.wire_bytes = None       # rank 0: size of the last delta file sent, bytes
         self.round = None            # the round of the theta_global the model was loaded with
         self.delta_path = os.path.join(workdir, "delta.safetensors")
         self.theta_path = os.path.join(workdir, "theta.safetensors")
@@ -372,14 +387,20 @@ class FedMomCarrier(OuterCarrier):
             dist.broadcast(full, src=0, group=self.group)
         return full
 
+    def residual_norm(self):
+        """Rank 0: the norm of what error feedback kept from the last delta (None without it)."""
+        return math.sqrt(self.residual.sq) if self.residual is not None else None
+
     @torch.no_grad()
     def write_delta(self, names, params, deltas):
-        """Rank 0 writes theta_i - theta_global (= -deltas) tensor by tensor."""
-        import tensorio
-        writer = None
+        """Rank 0 writes theta_i - theta_global (= -deltas) tensor by tensor in the wire
+        format, plus what error feedback owes; the new residual goes to Residual's file."""
+        import wire
+        writer = fb = None
         if self.rank == 0:
-            specs = [(n, self.delta_dtype, tuple(p.shape)) for n, p in zip(names, params)]
-            writer = tensorio.TensorWriter(self.delta_path, specs, {"base_round": str(self.round)})
+            shapes = [(n, tuple(p.shape)) for n, p in zip(names, params)]
+            writer = wire.WireWriter(self.delta_path, shapes, self.codec, {"base_round": str(self.round)})
+            fb = self.residual.begin(shapes, self.round) if self.residual is not None else None
         try:
             for n, p, d in zip(names, params, deltas):
                 full = self._full(d, p)
@@ -387,14 +408,23 @@ class FedMomCarrier(OuterCarrier):
                     # a gathered tensor is ours to negate in place; a DDP delta is a view into
                     # DiLoCo's buffer, negated into one new tensor
                     full = full.neg_() if full is not d else full.neg()
-                    writer.write(n, full.float().cpu().numpy())
+                    x = full.float().cpu().numpy()
+                    if fb is not None:
+                        x = fb.add_owed(n, x)
+                    sent = writer.write(n, x)
+                    if fb is not None:
+                        fb.keep(n, x, sent)
                 del full
         except BaseException:
-            if writer is not None:
-                writer.abort()
+            for w in (writer, fb):
+                if w is not None:
+                    w.abort()
             raise
         if writer is not None:
             writer.close()
+            if fb is not None:
+                fb.close()
+            self.wire_bytes = os.path.getsize(self.delta_path)
 
     @torch.no_grad()
     def read_theta(self, names, params, theta):
@@ -431,6 +461,8 @@ class FedMomCarrier(OuterCarrier):
         """Make the model and outer.theta equal theta_global of the aggregator's CURRENT
         round (collective). Returns that round."""
         self.round = on_rank0(lambda: self.site.fetch_theta(self.theta_path), self.group)
+        if self.residual is not None:
+            self.residual.check(self.round, {n: tuple(p.shape) for n, p in zip(outer.names, outer.params)})
         self.read_theta(outer.names, outer.params, outer.theta)
         for t, p in zip(outer.theta, outer.params):
             _local(p).copy_(t)
@@ -448,9 +480,124 @@ class FedMomCarrier(OuterCarrier):
         self.write_delta(ex.names, ex.params, ex.deltas)
         result = on_rank0(lambda: self.site.round_trip(self.delta_path, base, ex.handoff, self.theta_path),
                           self.group)
+        if self.residual is not None:
+            self.residual.settle(base, result.merged_into if result.merged else None, result.reason or "")
         self.read_theta(ex.names, ex.params, ex.theta)
         self.round = result.round
         return {"federation": result}
+
+
+class Residual:
+    """Error feedback at a site (rank 0 of the job that writes the delta): what the wire
+    format dropped, owed to the aggregator and added to the next delta.
+
+    Two F32 tensor files in the federation workdir (runs/<run>/federation/), beside the
+    checkpoints, so a requeued job with --resume auto finds them:
+      residual-next.safetensors  what the delta in flight will leave owed; metadata
+                                 base_round. Written tensor by tensor with the delta.
+      residual.safetensors       owed now: residual-next renamed once its delta was
+                                 merged (into base_round + 1); theta_global lacks exactly this
+    The rules (the residual follows the aggregator's merges, not the local step):
+      send:        x = delta + owed; sent = decode(encode(x)); next = x - sent
+      merged:      next becomes owed (rename)
+      not merged (stale, refused, excluded, lease lost): next is dropped and owed stays
+                   owed: x never arrived, so neither did the owed part of it
+      outcome unknown (the aggregator may still merge it), or a restart that finds next
+                   (it may have been sent): both reset, and said - the other choices
+                   risk sending one residual twice
+      theta_global of a round R <= base_round (a new aggregator state), or other tensor
+                   names or shapes: owed is meaningless now: reset, and said
+    A new run (--resume none) starts with nothing owed.
+    """
+
+    def __init__(self, workdir, log=print, fresh=False):
+        self.log = log
+        self.path = os.path.join(workdir, "residual.safetensors")
+        self.next_path = os.path.join(workdir, "residual-next.safetensors")
+        self.sq = 0.0                   # squared norm of the residual the last delta left
+        self.told = False               # the first use of a residual in this job is logged
+        self._drop(*(os.path.join(workdir, n) for n in os.listdir(workdir)      # a killed write's temporary
+                     if n.startswith("residual") and durable.is_tmp(n)))
+        if fresh:
+            self._drop(self.path, self.next_path)
+        elif os.path.exists(self.next_path):
+            self.reset("after a restart, the delta that left residual-next.safetensors may or may not "
+                       "have been merged")
+
+    def _drop(self, *paths):
+        for p in paths:
+            durable.unlink(p)
+
+    def reset(self, why):
+        if os.path.exists(self.path) or os.path.exists(self.next_path):
+            self.log(f"error feedback reset (nothing owed from now on): {why}")
+        self._drop(self.path, self.next_path)
+
+    def check(self, round_now, shapes):
+        """At each download of theta_global: is what is owed still meaningful?"""
+        import tensorio
+        if not os.path.exists(self.path):
+            return
+        try:
+            with tensorio.TensorReader(self.path) as r:
+                base = int(r.metadata.get("base_round", "-1"))
+                have = {n: r.specs[n][1] for n in r.names}
+                dtypes = {r.specs[n][0] for n in r.names}
+        except (tensorio.FormatError, ValueError) as e:
+            return self.reset(f"{self.path} is unreadable ({e})")
+        if round_now <= base:
+            self.reset(f"the aggregator is at round {round_now}, but this residual was left by a delta "
+                       f"of round {base} merged after it (a new aggregator state?)")
+        elif have != shapes or dtypes - {"F32"}:
+            self.reset("the residual's tensor names or shapes differ from the model's")
+
+    def begin(self, shapes, base_round):
+        return _ResidualWrite(self, shapes, base_round)
+
+    def settle(self, base_round, merged_into, reason):
+        """After the round trip of the delta of `base_round`: merged_into (None: not merged)."""
+        if not os.path.exists(self.next_path):
+            return
+        if merged_into is not None:
+                durable.rename(self.next_path, self.path)
+        elif reason.startswith("outcome unknown"):
+            self.reset(f"the delta of round {base_round} may still be merged ({reason})")
+        else:
+            self._drop(self.next_path)       # never merged: what was owed is still owed
+
+
+class _ResidualWrite:
+    """One delta's pass over Residual: owed in, new residual out, tensor by tensor."""
+
+    def __init__(self, res, shapes, base_round):
+        import tensorio
+        self.res = res
+        self.owed = tensorio.TensorReader(res.path) if os.path.exists(res.path) else None
+        if self.owed is not None and not res.told:
+            res.log(f"error feedback: the delta of round {base_round} carries the residual left by the "
+                    f"merged delta of round {self.owed.metadata.get('base_round')} ({res.path})")
+            res.told = True
+        self.w = tensorio.TensorWriter(res.next_path, [(n, "F32", s) for n, s in shapes],
+                                       {"base_round": str(base_round)})
+        res.sq = 0.0
+
+    def add_owed(self, name, x):
+        return x if self.owed is None else x + self.owed.read(name).reshape(x.shape)
+
+    def keep(self, name, x, sent):
+        left = x - sent
+        self.res.sq += float(np.dot(left.reshape(-1).astype(np.float64), left.reshape(-1).astype(np.float64)))
+        self.w.write(name, left)
+
+    def close(self):
+        self.w.close()
+        if self.owed is not None:
+            self.owed.close()
+
+    def abort(self):
+        self.w.abort()
+        if self.owed is not None:
+            self.owed.close()
 
 
 # ----------------------------------------------------------------------------- DiLoCo

@@ -139,7 +139,12 @@ class Config:
     site: str | None = None
     replica: str | None = None
     transport: str = "auto"
-    delta_dtype: str = "f32"
+    wire: str = "f32"
+    wire_block: int = 128
+    wire_topk_chunk: int = 4096
+    wire_topk_k: int = 64
+    wire_topk_bits: int = 4
+    error_feedback: bool = True
     throttle_ms: int = 0
     tensorboard: str | None = None
     export_init: str | None = None
@@ -213,7 +218,17 @@ class Config:
         if self.diloco_replicas > 1:
             diloco.DiLoCoConfig.from_args(self)          # raises naming the --diloco-* flag
 
+    def wire_codec(self):
+        """The delta's wire format (wire.py), validated; errors name the --wire-* flag."""
+        import wire
+        try:
+            return wire.Codec(self.wire, self.wire_block, self.wire_topk_chunk, self.wire_topk_k,
+                              self.wire_topk_bits).validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
     def validate_federation(self):
+        self.wire_codec()
         if not self.llm:
             raise ConfigError(f"--federation trains a Qwen3 model on DARL-leased token windows; "
                               f"--model {self.model} reads no tokenized corpus (use qwen3-*)")
@@ -312,8 +327,20 @@ def build_parser():
     f.add_argument("--transport", choices=("inline", "blob", "auto"), default=Config.transport,
                    help="how deltas and theta move: inline HTTP, the blob store, or auto = blob above "
                         "256 MiB when --blob-url is set (default auto)")
-    f.add_argument("--delta-dtype", choices=("f32", "bf16"), default=Config.delta_dtype,
-                   help="dtype of the delta sent each round (default f32; bf16 halves the bytes)")
+    f.add_argument("--wire", "--delta-dtype", choices=("f32", "bf16", "int8", "int4", "topk"), default=Config.wire,
+                   help="format of the delta sent each round (wire.py; FEDERATION_GUIDE.md section 4, "
+                        "'Wire formats'): f32 4 B/param, bf16 2, int8 1.02, int4 0.52, topk 0.03 (default f32)")
+    f.add_argument("--wire-block", type=int, default=Config.wire_block,
+                   help="int8/int4: values per scale along the last dimension, 64-256 (default 128)")
+    f.add_argument("--wire-topk-chunk", type=int, default=Config.wire_topk_chunk,
+                   help="topk: values per chunk of each flattened tensor (default 4096)")
+    f.add_argument("--wire-topk-k", type=int, default=Config.wire_topk_k,
+                   help="topk: largest-magnitude values kept per chunk (default 64)")
+    f.add_argument("--wire-topk-bits", type=int, choices=(4, 8), default=Config.wire_topk_bits,
+                   help="topk: bits per kept value (default 4)")
+    f.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=Config.error_feedback,
+                   help="add what the wire format dropped to the next round's delta; the buffer is kept "
+                        "in runs/<run>/federation/ across --resume auto (default on; f32 drops nothing)")
     f.add_argument("--throttle-ms", type=int, default=Config.throttle_ms,
                    help="sleep this many ms after every inner step: for demos and tests only, to make "
                         "one site slower (default 0)")
@@ -324,6 +351,9 @@ def build_parser():
                    help="write the model built from --seed as an fp32 tensor file (fedmom_server.py "
                         "--init) and exit; needs --model and, for Qwen3, --data")
     return p
+
+
+RENAMED_KEYS = {"delta_dtype": "wire"}      # config keys whose flag was renamed: old -> new
 
 
 def _yaml_defaults(path, parser):
@@ -347,6 +377,7 @@ def _yaml_defaults(path, parser):
     out = {}
     for key, value in raw.items():
         dest = str(key).replace("-", "_")
+        dest = RENAMED_KEYS.get(dest, dest)      # an older run's config.yaml
         if dest == "provenance":                 # a run's config.yaml can be passed back as --config
             continue
         if dest not in actions:
@@ -355,7 +386,7 @@ def _yaml_defaults(path, parser):
             hint = f"; did you mean {near[0]!r}?" if near else ""
             raise ConfigError(f"--config {path}: unknown key {key!r}{hint}")
         act, flag = actions[dest], actions[dest].option_strings[0]
-        if isinstance(act, argparse._StoreTrueAction):
+        if isinstance(act, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
             if not isinstance(value, bool):
                 raise ConfigError(f"--config {path}: {key}: {value!r} is not true/false ({flag})")
         elif value is not None and act.type is not None:
@@ -1021,7 +1052,8 @@ def federated_loop(run, site, carrier, start):
                "tokens": r.tokens, "loss": handoff.metrics["loss"], "merged": r.merged,
                "merged_into": r.merged_into, "reason": r.reason, "lease": r.lease, "positions": [r.start, r.end],
                "windows": len(phase), "steps": phase.steps, "inner_s": round(inner_s, 3), "tokens_per_s": tps,
-               "send_s": r.send_s, "wait_s": r.wait_s, "delta_norm": out["delta_norm"], "outer_ms": out["outer_ms"]}
+               "send_s": r.send_s, "wait_s": r.wait_s, "delta_norm": out["delta_norm"], "outer_ms": out["outer_ms"],
+               "wire": cfg.wire, "wire_bytes": carrier.wire_bytes, "residual_norm": carrier.residual_norm()}
         log.metric(row)
         log.log(f"round {r.base_round} -> {r.round}: " + ("merged" if r.merged else f"NOT merged ({r.reason})")
                 + f"; lease {r.lease} [{r.start}, {r.end}) = {len(phase)} windows in {phase.steps} steps, "
@@ -1174,7 +1206,8 @@ def join_federation(run):
     workdir = os.path.join(run.run_dir, "federation")
     if d.is_main:
         os.makedirs(workdir, exist_ok=True)
-    return site, diloco.FedMomCarrier(site, workdir, delta_dtype=cfg.delta_dtype.upper())
+    return site, diloco.FedMomCarrier(site, workdir, codec=cfg.wire_codec(), error_feedback=cfg.error_feedback,
+                                      fresh=cfg.resume == "none", log=run.log.log)
 
 
 def plan_steps(run):

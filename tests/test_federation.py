@@ -4,8 +4,9 @@ the central services, for real (CPU, gloo, 127.0.0.1).
 What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
   - FederationRunTest: darl_server.py, fedmom_server.py (--darl) and blobstore.py as
     subprocesses on free loopback ports; the initial model from `train.py --export-init`;
-    two sites as separate torchrun jobs: "alpha" (FSDP2, 2 ranks, inline transport) and
-    "beta" (DDP, 1 rank, blob transport, bf16 deltas, --throttle-ms: the slow one).
+    two sites as separate torchrun jobs: "alpha" (FSDP2, 2 ranks, inline transport, int4
+    deltas with error feedback) and "beta" (DDP, 1 rank, blob transport, top-k deltas,
+    --throttle-ms: the slow one).
     The scenario, each step waiting on a condition (never on a fixed sleep):
       both merge -> alpha SIGKILLed, beta merges alone (membership 2 -> 1) -> alpha
       restarted with --resume auto (its leases and membership expire first) and merges
@@ -13,7 +14,9 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
       port and state dir, the sites carry on -> DARL runs out of blocks, both exit 0.
     Then the books: every DARL block committed, per-cluster sums = total, nothing
     quarantined; the merged deltas carry exactly the corpus' training tokens and each
-    lease once (no window merged twice or never); the loss falls. Everything runs over
+    lease once (no window merged twice or never); the loss falls; the compressed deltas
+    crossed at their format's size, and alpha's error-feedback buffer came through the
+    kill (used by the restarted job, or reset with the reason said). Everything runs over
     TLS (a CA and certificate made with openssl, as central.sh makes them): the three
     servers serve https, FedMom and both sites check them against the CA file.
   - CarrierTest: one torchrun job of 2 ranks (this file's `worker` mode): FSDP2's
@@ -27,6 +30,7 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -110,10 +114,21 @@ class FlagsTest(unittest.TestCase):
             del os.environ["PWW_SITE"]
         self.cfg("--site", "lumi").validate()
         for extra, flag in ((["--diloco-replicas", "2"], "--replica"), (["--site", "a b"], "--site"),
-                            (["--transport", "blob"], "--blob-url"), (["--model", "resnet18"], "qwen3")):
+                            (["--transport", "blob"], "--blob-url"), (["--model", "resnet18"], "qwen3"),
+                            (["--wire", "int4", "--wire-block", "512"], "--wire-block 512"),
+                            (["--wire", "topk", "--wire-topk-k", "5000"], "--wire-topk-k 5000")):
             with self.subTest(extra=extra), self.assertRaises(train.ConfigError) as e:
                 self.cfg("--site", "lumi", *extra).validate()
             self.assertIn(flag, str(e.exception))
+        self.assertEqual(self.cfg("--delta-dtype", "bf16").wire, "bf16")     # the flag's old name
+        with tempfile.TemporaryDirectory() as d:                              # ... and an old config.yaml
+            durable.write_text(os.path.join(d, "c.yaml"), "delta_dtype: bf16\nerror_feedback: false\n", fsync=False)
+            cfg = self.cfg("--config", os.path.join(d, "c.yaml"))
+            self.assertEqual((cfg.wire, cfg.error_feedback), ("bf16", False))
+            durable.write_text(os.path.join(d, "c.yaml"), "error_feedback: maybe\n", fsync=False)
+            with self.assertRaisesRegex(train.ConfigError, "--error-feedback"):
+                self.cfg("--config", os.path.join(d, "c.yaml"))
+        self.assertEqual(self.cfg("--wire", "topk", "--no-error-feedback").wire_codec().fmt, "topk")
         with self.assertRaisesRegex(train.ConfigError, "--darl-url"):
             train.parse_config(["--model", "qwen3-tiny", "--data", "x/manifest.json", "--federation",
                                 "http://h:1", "--site", "s"]).resolve("cpu").validate()
@@ -442,18 +457,22 @@ class FederationRunTest(unittest.TestCase):
         services = [darl, blob]
 
         # 1. both sites merge together
-        alpha = cls.site("alpha", "fsdp", 2, "--transport", "inline")
-        beta = cls.site("beta", "ddp", 1, "--transport", "blob", "--delta-dtype", "bf16", "--throttle-ms", "600")
+        alpha = cls.site("alpha", "fsdp", 2, "--transport", "inline", "--wire", "int4")
+        beta = cls.site("beta", "ddp", 1, "--transport", "blob", "--wire", "topk", "--throttle-ms", "600")
         harness.expect(lambda: any(len(cls.merged_by(r)) == 2 for r in cls.records()),
                        "a round merged from both sites", [alpha, beta, fed, *services])
         # 2. alpha dies (SIGKILL: a node failure); beta merges alone
         alpha.kill()
         cls.events["killed_after_round"] = cls.records()[-1]["round"]
+        fb = os.path.join(t, "runs", "alpha", "federation")          # what error feedback left behind
+        cls.events["residual_at_kill"] = ("in flight" if os.path.exists(os.path.join(fb, "residual-next.safetensors"))
+                                          else "owed" if os.path.exists(os.path.join(fb, "residual.safetensors"))
+                                          else None)
         harness.expect(lambda: any(set(cls.merged_by(r)) == {"beta"} and r["round"] > cls.events["killed_after_round"]
                                    for r in cls.records()), "a round merged by beta alone", [beta, fed, *services])
         # 3. alpha comes back (same cluster id, new incarnation, --resume auto) and merges with beta
         mark = os.path.getsize(alpha.log_path)
-        alpha2 = cls.site("alpha", "fsdp", 2, "--transport", "inline", "--resume", "auto")
+        alpha2 = cls.site("alpha", "fsdp", 2, "--transport", "inline", "--wire", "int4", "--resume", "auto")
         cls.events["alpha2_log_from"] = mark
         new_inc = harness.expect(lambda: cls.incarnation("alpha", mark), "alpha's new incarnation", [alpha2])
         cls.events["alpha2_incarnation"] = new_inc
@@ -519,6 +538,40 @@ class FederationRunTest(unittest.TestCase):
         for name in ("alpha", "beta"):
             fed = [r for r in self.rows[name] if r["split"] == "federation"]
             self.assertTrue(any(r["base_round"] > k for r in fed), f"{name} merged nothing after the restart")
+
+    def test_compressed_deltas_and_error_feedback_through_the_kill(self):
+        n = sum(int(np.prod(s)) for s in self.names_shapes().values())
+        # qwen3-tiny's ~0.1M parameters pay for the header (three parts per tensor, the shapes)
+        # and for its short norm tensors, kept whole by topk: ~0.05 B/param more than a real model
+        for name, fmt, most in (("alpha", "int4", 0.6), ("beta", "topk", 0.2)):
+            fed = [r for r in self.rows[name] if r["split"] == "federation"]
+            self.assertTrue(fed and all(r["wire"] == fmt for r in fed))
+            per = [r["wire_bytes"] / n for r in fed]
+            self.assertTrue(all(0 < b <= most for b in per), f"{name}: {fmt} bytes/param {per}")
+            self.assertTrue(all(r["residual_norm"] > 0 for r in fed), f"{name}: error feedback kept nothing")
+        with open(os.path.join(self.tmp.name, "alpha.log"), errors="replace") as f:
+            f.seek(self.events["alpha2_log_from"])
+            log = f.read()
+        # killed with a residual owed, the restarted job adds it to its first delta; killed
+        # while a delta was in flight (its outcome unknown to the job), it resets and says why
+        reset = "error feedback reset (nothing owed from now on): after a restart" in log
+        first_use = re.search(r"error feedback: the delta of round (\d+) carries the residual left by "
+                              r"the merged delta of round (\d+)", log)
+        at_kill = self.events["residual_at_kill"]
+        self.assertIn(at_kill, ("owed", "in flight"), "alpha was killed before any merged round")
+        if at_kill == "owed":
+            self.assertFalse(reset, log)
+            self.assertTrue(first_use and int(first_use[2]) < self.events["killed_after_round"], log)
+        else:
+            self.assertTrue(reset, log)
+        self.assertTrue(os.path.exists(os.path.join(self.tmp.name, "runs", "alpha", "federation",
+                                                    "residual.safetensors")))
+
+    @classmethod
+    def names_shapes(cls):
+        import tensorio
+        with tensorio.TensorReader(os.path.join(cls.tmp.name, "init.safetensors")) as r:
+            return {k: r.specs[k][1] for k in r.names}
 
     def test_loss_falls_and_rows_are_written(self):
         recs = [r for r in self.records() if r.get("loss") is not None]

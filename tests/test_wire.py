@@ -474,6 +474,124 @@ class AggregatorTest(Tmp):
         self.assertIsNone(self.st.tick())
 
 
+class ResidualTest(Tmp):
+    """diloco.Residual, the site's error-feedback buffer: each rule of its docstring."""
+    SHAPES = [("w", (3, 70)), ("b", (5,))]
+
+    def setUp(self):
+        super().setUp()
+        self.said = []
+        self.rng = np.random.default_rng(30)
+
+    def residual(self, fresh=False):
+        import diloco
+        return diloco.Residual(self.dir, self.said.append, fresh)
+
+    def send(self, res, base_round, codec=wire.Codec("int4", block=64)):
+        """One delta through the buffer as FedMomCarrier.write_delta does: -> (x sent, residual left)."""
+        fb = res.begin(self.SHAPES, base_round)
+        xs, left = {}, {}
+        with wire.WireWriter(self.p("delta"), self.SHAPES, codec) as w:
+            for n, s in self.SHAPES:
+                d = (0.01 * self.rng.standard_normal(s)).astype(np.float32)
+                xs[n] = fb.add_owed(n, d)
+                sent = w.write(n, xs[n])
+                fb.keep(n, xs[n], sent)
+                left[n] = xs[n] - sent
+                np.testing.assert_array_equal(xs[n], d + self.owed().get(n, np.zeros(s, np.float32)))
+        fb.close()
+        return xs, left
+
+    def owed(self):
+        path = self.p("residual.safetensors")
+        if not os.path.exists(path):
+            return {}
+        with tensorio.TensorReader(path) as r:
+            return {n: r.read(n) for n in r.names}
+
+    def test_merged_then_owed_then_added_to_the_next_delta(self):
+        res = self.residual()
+        _, left = self.send(res, 0)
+        self.assertEqual(self.owed(), {})                     # in flight: nothing owed yet
+        res.settle(0, 1, "")
+        for n, a in left.items():
+            np.testing.assert_array_equal(self.owed()[n], a)
+        self.assertGreater(res.sq, 0)
+        res.check(1, dict(self.SHAPES))
+        self.send(res, 1)                                     # asserts x = delta + owed, per tensor
+        self.assertIn("carries the residual left by the merged delta of round 0", self.said[0])
+
+    def test_what_is_sent_over_rounds_tracks_the_deltas_to_within_the_last_residual(self):
+        """The point of error feedback: sum(sent) = sum(deltas) - what is owed now, so the
+        aggregator's drift from the exact sum stays bounded; without it, it accumulates."""
+        for codec in (wire.Codec("int4", block=64), wire.Codec("topk", topk_chunk=70, topk_k=7)):
+            with self.subTest(codec.fmt):
+                for f in os.listdir(self.dir):
+                    os.unlink(self.p(f))
+                res, rng = self.residual(), np.random.default_rng(31)
+                bias = rng.standard_normal((3, 70)).astype(np.float32)       # a direction kept every round
+                total = {"d": 0, "ef": 0, "plain": 0}
+                for rnd in range(30):
+                    d = (0.01 * (bias + rng.standard_normal((3, 70)))).astype(np.float32)
+                    fb = res.begin([("w", (3, 70))], rnd)
+                    x = fb.add_owed("w", d)
+                    sent = codec.encode(x)[1]
+                    fb.keep("w", x, sent)
+                    fb.close()
+                    res.settle(rnd, rnd + 1, "")
+                    total["d"] = total["d"] + d.astype(np.float64)
+                    total["ef"] = total["ef"] + sent.astype(np.float64)
+                    total["plain"] = total["plain"] + codec.encode(d)[1].astype(np.float64)
+                owed = self.owed()["w"].astype(np.float64)
+                drift_ef = np.linalg.norm(total["d"] - total["ef"])
+                self.assertLess(abs(drift_ef - np.linalg.norm(owed)), 1e-4)          # exactly what is owed
+                self.assertLess(np.linalg.norm(total["d"] - total["ef"] - owed), 1e-4)
+                self.assertLess(drift_ef, 0.5 * np.linalg.norm(total["d"] - total["plain"]))
+
+    def test_a_delta_not_merged_leaves_what_was_owed_owed(self):
+        res = self.residual()
+        self.send(res, 0)
+        res.settle(0, 1, "")
+        before = self.owed()
+        self.send(res, 1)
+        res.settle(1, None, "stale: the server is at round 2")
+        self.assertEqual({n: a.tobytes() for n, a in self.owed().items()}, {n: a.tobytes() for n, a in before.items()})
+        self.assertFalse(os.path.exists(self.p("residual-next.safetensors")))
+
+    def test_unknown_outcome_and_a_restart_mid_flight_reset_and_say_so(self):
+        res = self.residual()
+        self.send(res, 0)
+        res.settle(0, 1, "")
+        self.send(res, 1)
+        res.settle(1, None, "outcome unknown: lease left to the aggregator")
+        self.assertEqual(self.owed(), {})
+        self.assertIn("may still be merged", self.said[-1])
+        res = self.residual()
+        self.send(res, 2)
+        res.settle(2, 3, "")
+        self.send(res, 3)                                    # then the job dies before the outcome
+        res2 = self.residual()
+        self.assertEqual(self.owed(), {})
+        self.assertIn("may or may not have been merged", self.said[-1])
+        self.assertFalse(os.path.exists(self.p("residual-next.safetensors")))
+        res2.check(4, dict(self.SHAPES))
+
+    def test_a_new_aggregator_state_other_shapes_or_a_new_run_reset(self):
+        for why, act in (("new aggregator state", lambda r: r.check(3, dict(self.SHAPES))),
+                         ("names or shapes", lambda r: r.check(9, {"w": (3, 70), "b": (6,)})),
+                         (None, lambda r: self.residual(fresh=True))):
+            with self.subTest(why):
+                res = self.residual()
+                self.send(res, 3)
+                res.settle(3, 4, "")
+                res.check(4, dict(self.SHAPES))
+                self.assertTrue(self.owed())
+                act(res)
+                self.assertEqual(self.owed(), {})
+                if why:
+                    self.assertIn(why, self.said[-1])
+
+
 class CommandLineTest(Tmp):
     def test_describe_check_and_a_clear_error(self):
         self.write(self.p("d"), sample(np.random.default_rng(16)), wire.Codec("topk"))
