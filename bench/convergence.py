@@ -69,13 +69,14 @@ class BenchConfig:
     seed: int = 0
     arms: str = ",".join(ARMS)
     timeout_min: float = 60.0
+    known_arms = ARMS                     # what --arms may name (bench/wire_formats.py has its own)
 
     def validate(self):
         self.corpus_mb = self.corpus_mb or (1.0 if self.quick else 4.2)
         self.heldout_windows = self.heldout_windows or (128 if self.quick else 256)
-        bad = [a for a in self.arm_list if a not in ARMS]
+        bad = [a for a in self.arm_list if a not in self.known_arms]
         if bad:
-            raise SystemExit(f"--arms: unknown {', '.join(bad)}; use some of {', '.join(ARMS)}")
+            raise SystemExit(f"--arms: unknown {', '.join(bad)}; use some of {', '.join(self.known_arms)}")
         if self.corpus_mb <= 0 or self.batch_size < 1 or self.inner_steps < 1:
             raise SystemExit("--corpus-mb, --batch-size and --inner-steps must be positive")
         return self
@@ -123,9 +124,11 @@ def in_allocation(cfg, arm, ctx, launcher):
     return {"weights": weights, "train_eval": final_eval(run_dir), "rounds": None}
 
 
-def federated(cfg, arm, ctx, launcher):
-    """(c): the central services and two 1-rank sites; returns FedMom's final theta."""
-    _, lr, mom = OUTER[arm.split("-")[1]]
+def federated(cfg, arm, ctx, launcher, site_args=(), outer=None):
+    """(c): the central services and two 1-rank sites; returns FedMom's final theta.
+    bench/wire_formats.py's arms: site_args, more train.py flags for both sites (--wire ...);
+    outer, (lr, momentum) at the aggregator instead of the arm's."""
+    _, lr, mom = OUTER[arm.split("-")[1]] if outer is None else (None, *outer)
     arm_dir = os.path.join(ctx["out"], arm)
     os.makedirs(arm_dir)
     svc = harness.start_services(launcher, arm_dir, ctx["manifest"], ctx["init"], block_size=1, seed=cfg.seed,
@@ -134,7 +137,7 @@ def federated(cfg, arm, ctx, launcher):
                                            "--round-deadline-s", 3600, "--member-timeout-s", 600])
     sites = [harness.launch_site(launcher, name, svc, ctx["manifest"], log_dir=os.path.join(arm_dir, "logs"), nproc=1,
                               parallel="ddp", runs_dir=os.path.join(arm_dir, "sites"),
-                              train_args=common_args(cfg, ctx["steps"], ctx["warmup"]))
+                              train_args=common_args(cfg, ctx["steps"], ctx["warmup"]) + list(site_args))
              for name in ("alpha", "beta")]
     done = harness.wait_for(lambda: all(p.poll() is not None for p in sites), ctx["timeout_s"], 0.5)
     for p in sites:
@@ -150,7 +153,8 @@ def federated(cfg, arm, ctx, launcher):
     records = durable.read_jsonl(os.path.join(state, "rounds.jsonl"))
     coverage = audit.audit(svc.state_dir, manifest=ctx["manifest"]).ok
     site_evals = [final_eval(os.path.join(arm_dir, "sites", n)) for n in ("alpha", "beta")]
-    return {"weights": theta, "train_eval": site_evals[0], "rounds": records, "coverage": coverage}
+    return {"weights": theta, "train_eval": site_evals[0], "rounds": records, "coverage": coverage,
+            "sites": os.path.join(arm_dir, "sites")}
 
 
 def fmt_ratio(x, base):
@@ -191,8 +195,9 @@ def report(cfg, ctx, results):
     return "\n".join(lines)
 
 
-def run(cfg: BenchConfig):
-    cfg.validate()
+def prepare(cfg, name, runs, overhead_s=20):
+    """The work directory (wiped), the corpus and the context every arm reads; prints the
+    estimate. Shared with bench/wire_formats.py. -> (out, manifest dict, ctx)."""
     out = os.path.abspath(cfg.out)
     if os.path.isdir(out):
         shutil.rmtree(out)
@@ -200,12 +205,18 @@ def run(cfg: BenchConfig):
     m = harness.tokenize(os.path.join(out, "data"), cfg.corpus_mb * 1e6, cfg.seq_len, cfg.heldout_windows)
     train_windows = m["num_windows"] - m["heldout_windows"]
     steps = train_windows // (2 * cfg.batch_size)
-    est = len(cfg.arm_list) * (steps * 2 * cfg.batch_size * cfg.seq_len / TOKENS_PER_S + 20)
-    print(f"convergence: {len(cfg.arm_list)} arms x {steps} steps ({train_windows:,} windows, "
+    est = runs * (steps * 2 * cfg.batch_size * cfg.seq_len / TOKENS_PER_S + overhead_s)
+    print(f"{name}: {runs} arms x {steps} steps ({train_windows:,} windows, "
           f"{train_windows * cfg.seq_len / 1e6:.2f}M tokens each); estimated {est / 60:.0f} min on 2 CPU cores",
           flush=True)
     ctx = {"out": out, "manifest": m["path"], "train_windows": train_windows, "steps": steps,
            "warmup": steps // 20, "heldout": m["heldout_windows"], "timeout_s": cfg.timeout_min * 60}
+    return out, m, ctx
+
+
+def run(cfg: BenchConfig):
+    cfg.validate()
+    out, m, ctx = prepare(cfg, "convergence", len(cfg.arm_list))
     results = {}
     with harness.Launcher() as launcher:
         if any(a.startswith("fed-") for a in cfg.arm_list):
@@ -214,21 +225,33 @@ def run(cfg: BenchConfig):
             print(f"initial model: held-out loss {harness.heldout_loss(ctx['init'], m['path'], cfg.model):.4f}",
                   flush=True)
         for arm in cfg.arm_list:
-            t0 = time.monotonic()
-            try:
-                r = (federated if arm.startswith("fed-") else in_allocation)(cfg, arm, ctx, launcher)
-            except RuntimeError as e:
-                print(f"  {arm}: FAILED: {e}", flush=True)
-                continue
-            r["wall_s"] = time.monotonic() - t0
-            r["heldout"] = harness.heldout_loss(r["weights"], m["path"], cfg.model)
-            results[arm] = r
-            print(f"  {arm:<16} held-out {r['heldout']:.4f}  ({r['wall_s'] / 60:.1f} min)", flush=True)
-    text = report(cfg, ctx, results)
+            fn = federated if arm.startswith("fed-") else in_allocation
+            r = timed_arm(arm, lambda: fn(cfg, arm, ctx, launcher), cfg, ctx)
+            if r is not None:
+                results[arm] = r
+    write_table(out, report(cfg, ctx, results))
+    return 0 if len(results) == len(cfg.arm_list) else 1
+
+
+def timed_arm(name, fn, cfg, ctx):
+    """Run one arm (fn() -> its result dict with "weights"): adds wall_s and the held-out
+    loss, prints its line; None, printed as FAILED, if it raised RuntimeError."""
+    t0 = time.monotonic()
+    try:
+        r = fn()
+    except RuntimeError as e:
+        print(f"  {name}: FAILED: {e}", flush=True)
+        return None
+    r["wall_s"] = time.monotonic() - t0
+    r["heldout"] = harness.heldout_loss(r["weights"], ctx["manifest"], cfg.model)
+    print(f"  {name:<16} held-out {r['heldout']:.4f}  ({r['wall_s'] / 60:.1f} min)", flush=True)
+    return r
+
+
+def write_table(out, text):
     print(text)
     with open(os.path.join(out, "table.txt"), "w") as f:
         f.write(text + "\n")
-    return 0 if len(results) == len(cfg.arm_list) else 1
 
 
 def main(argv=None):
@@ -239,6 +262,13 @@ def main(argv=None):
     p.add_argument("--out", default=d.out, help=f"work directory, wiped first (default {d.out})")
     p.add_argument("--corpus-mb", type=float, help="stdlib source bytes to tokenize, MB (default 4.2; --quick 1.0)")
     p.add_argument("--heldout-windows", type=int, help="held-out windows scored (default 256; --quick 128)")
+    add_run_flags(p, d)
+    p.add_argument("--arms", default=d.arms, help=f"comma-separated subset of {','.join(ARMS)} (default all)")
+    return run(BenchConfig(**vars(p.parse_args(argv))))
+
+
+def add_run_flags(p, d):
+    """The flags of one training run, shared with bench/wire_formats.py (d: the config's defaults)."""
     p.add_argument("--seq-len", type=int, default=d.seq_len, help=f"tokens per window (default {d.seq_len})")
     p.add_argument("--model", default=d.model, help=f"model (default {d.model})")
     p.add_argument("--batch-size", type=int, default=d.batch_size,
@@ -247,9 +277,7 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=d.lr, help=f"inner AdamW peak LR (default {d.lr})")
     p.add_argument("--min-lr", type=float, default=d.min_lr, help=f"LR at the end of the cosine (default {d.min_lr})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"model init and DARL seed (default {d.seed})")
-    p.add_argument("--arms", default=d.arms, help=f"comma-separated subset of {','.join(ARMS)} (default all)")
     p.add_argument("--timeout-min", type=float, default=d.timeout_min, help=f"per arm, minutes (default {d.timeout_min:g})")
-    return run(BenchConfig(**vars(p.parse_args(argv))))
 
 
 if __name__ == "__main__":
