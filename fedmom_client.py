@@ -21,6 +21,9 @@ One outer round, as a site runs it:
         rnd = c.wait_round_after(rnd, timeout_s=3600)   # the merge of that round is durable
     except fedmom_client.StaleRound as e:
         rnd = e.current_round            # another round went by: reload theta, train again
+    # the next theta: with the aggregator's --down-wire, the update from the theta we hold
+    # (fedsite.py adds it with wire.apply_update), else (None) the whole file again
+    got = c.download_update("update.safetensors", base_round, wire.theta_digest("theta.safetensors"))
     c.leave()                           # at the end of the allocation
 
 Transports: "inline" streams the file as the PUT body; "blob" uploads it to the blob
@@ -47,6 +50,7 @@ import os
 import secrets
 import threading
 import time
+import urllib.parse
 
 import durable
 import httpd
@@ -148,9 +152,27 @@ class FedMomClient:
             return info["round"]
         if transport != "inline":
             raise ValueError(f"transport {transport!r}: use 'inline' or 'blob'")
+        return int(self._get_file("/theta", path)["X-Round"])
+
+    def download_update(self, path, base_round, base_digest):
+        """With the aggregator's --down-wire: write the update that takes our theta of
+        `base_round` (wire.Digest `base_digest`) to the current round to `path`; returns
+        (round, the digest theta must have after it), or None when there is no such update
+        (409 no_update; 404 from an aggregator without the route): download theta instead."""
+        query = urllib.parse.urlencode({"from": base_round, "digest": base_digest})
+        try:
+            h = self._get_file(f"/theta_update?{query}", path)
+        except httpd.CallError as e:
+            if e.status == 404 or (e.status == 409 and e.reply.get("code") == "no_update"):
+                return None
+            raise
+        return int(h["X-Round"]), h["X-Theta-Digest"]
+
+    def _get_file(self, route, path):
+        """GET route into `path` (atomically, fsync'd) -> the reply's headers."""
         conn = httpd.connect(self.url, self.stall_s, self.ca_file)
         try:
-            conn.request("GET", httpd.split_url(self.url)[3] + "/theta", headers=httpd.auth_headers(self.token))
+            conn.request("GET", httpd.split_url(self.url)[3] + route, headers=httpd.auth_headers(self.token))
             resp = conn.getresponse()
             if resp.status != 200:
                 raise httpd.CallError(resp.status, _json_or_text(resp.read()))
@@ -163,8 +185,8 @@ class FedMomClient:
                     f.flush()
                     os.fsync(f.fileno())
                 if got != want:
-                    raise ConnectionError(f"theta download ended after {got} of {want} bytes")
-            return int(resp.getheader("X-Round"))
+                    raise ConnectionError(f"{route} download ended after {got} of {want} bytes")
+            return resp.headers                 # case-insensitive
         finally:
             conn.close()
 

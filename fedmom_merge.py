@@ -1,7 +1,7 @@
 """fedmom_merge.py - the streaming Nesterov merge of FedMom, and the checks a delta must pass.
 
-Runs on: the central VM, inside fedmom_server.py (numpy + tensorio.py only; never
-torch). Not started on its own. Tested against torch.optim.SGD(nesterov=True) and a
+Runs on: the central VM, inside fedmom_server.py (numpy + tensorio.py, and wire.py for
+the compressed downstream update, publish(); never torch). Not started on its own. Tested against torch.optim.SGD(nesterov=True) and a
 ten-line naive numpy reference in tests/test_fedmom.py; bench/fedmom_merge.py
 measures it against the fsync'd I/O of the same bytes.
 
@@ -313,6 +313,66 @@ def merge_files(theta_path, momentum_path, deltas, out_theta, out_momentum, lr, 
     finally:
         if inputs is not None:
             inputs.close()
+
+
+# ---------------------------------------------------------------- the published update
+
+def publish(prev_path, merged_path, residual_path, codec, out_theta, out_update, out_residual,
+            metadata=None, fsync=True):
+    """Compressed downstream (fedmom_server.py --down-wire): what sites download instead of
+    the merged theta, and the theta_global it defines, with the aggregator's error feedback.
+    Per tensor, in float32:
+        x        = (merged - prev) + residual      the step, plus what earlier rounds rounded away
+        sent     = decode(encode(x))               the update file (codec's format) holds encode(x)
+        theta    = wire.add_update(prev, sent)     THE theta_global of the new round
+        residual = x - sent                        owed to the next round's update
+    A site holding prev computes theta from the update with the same addition, bit for bit.
+    residual_path None: nothing owed yet. Peak memory: a few times the largest tensor.
+    Returns {"base_digest", "digest", "update_bytes", "residual_norm"} (wire.Digest of prev
+    and of the new theta). Raises NonFinite if the published theta would not be finite."""
+    import wire
+    writers, readers = [], []
+    try:
+        prev = tensorio.TensorReader(prev_path)
+        readers.append(prev)
+        merged = tensorio.TensorReader(merged_path)
+        readers.append(merged)
+        owed = tensorio.TensorReader(residual_path) if residual_path else None
+        readers += [owed] if owed else []
+        shapes = [(n, prev.specs[n][1]) for n in prev.names]
+        meta = {k: str(v) for k, v in (metadata or {}).items()}
+        tw = tensorio.TensorWriter(out_theta, [(n, "F32", sh) for n, sh in shapes], meta, fsync=fsync)
+        writers.append(tw)
+        uw = wire.WireWriter(out_update, shapes, codec, meta, fsync=fsync)
+        writers.append(uw)
+        rw = tensorio.TensorWriter(out_residual, [(n, "F32", sh) for n, sh in shapes], meta, fsync=fsync)
+        writers.append(rw)
+        d_prev, d_new, sq = wire.Digest(), wire.Digest(), 0.0
+        for n, sh in shapes:
+            p = np.asarray(prev.read(n, as_float32=True), np.float32).reshape(sh)
+            x = np.asarray(merged.read(n, as_float32=True), np.float32).reshape(sh) - p
+            if owed is not None:
+                x += np.asarray(owed.read(n, as_float32=True), np.float32).reshape(sh)
+            sent = uw.write(n, x)
+            theta = wire.add_update(p, sent)
+            if not np.isfinite(theta).all():
+                raise NonFinite("theta", n, "deltas")
+            x -= sent
+            sq += sq_norm(x.reshape(-1))
+            d_prev.add(n, p), d_new.add(n, theta)
+            tw.write(n, theta)
+            rw.write(n, x)
+        for w in writers:
+            w.close()
+        return {"base_digest": d_prev.hexdigest(), "digest": d_new.hexdigest(),
+                "update_bytes": os.path.getsize(out_update), "residual_norm": math.sqrt(sq)}
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    finally:
+        for r in readers:
+            r.close()
 
 
 # ---------------------------------------------------------------- delta checks

@@ -1,8 +1,8 @@
 """fedmom_server.py - the central FedMom aggregator: one global model, merged from the sites' deltas.
 
 Runs on: the central VM (CPU only). Python standard library + numpy; never imports
-torch, so copying httpd.py, tensorio.py, fedmom_merge.py (the merge arithmetic and the
-delta checks), fedmom_state.py (the durable state and round protocol), status_page.py (GET /) and this file onto a bare Python 3 with numpy is the whole install
+torch, so copying httpd.py, durable.py, tensorio.py, wire.py (compressed deltas and
+updates), fedmom_merge.py (the merge arithmetic and the delta checks), fedmom_state.py (the durable state and round protocol), status_page.py (GET /) and this file onto a bare Python 3 with numpy is the whole install
 (blobstore.py too for the blob transport).
 
     # first start: the initial model (any float dtype; theta_global is kept in fp32)
@@ -11,7 +11,8 @@ delta checks), fedmom_state.py (the durable state and round protocol), status_pa
     python fedmom_server.py --state-dir state/fedmom [--outer-lr 0.7 --outer-momentum 0.9
         --round-deadline-s 1800 --member-timeout-s 300 --blob-url https://127.0.0.1:29512
         --darl https://127.0.0.1:29510 --ca-file ca.pem --token-file FILE
-        --darl-token-file AGGREGATOR_TOKEN_FILE --tls-cert server.pem --tls-key server.key]
+        --darl-token-file AGGREGATOR_TOKEN_FILE --tls-cert server.pem --tls-key server.key
+        --down-wire int4 --down-wire-block 128]
     # what is it doing?
     python fedmom_server.py status --url https://127.0.0.1:29511 [--token-file FILE --ca-file ca.pem]
 
@@ -29,6 +30,13 @@ rule, exactly, is fedmom_merge.py's docstring. The merge streams one tensor at a
 from the delta files into tensorio writers for the new theta and momentum, so its
 memory is a few times the largest tensor, not the model.
 
+Compressed downstream (--down-wire int8|int4|topk|bf16; default f32 = off): after the
+merge, the step theta_merged - theta_r plus what the last update rounded away is encoded
+in that format (fedmom_merge.publish), and theta_{r+1} is DEFINED as theta_r plus the
+decoded update: that is the theta this server serves and merges into next. A site holding
+theta_r downloads the update (~0.52 B/param in int4) and adds it (wire.apply_update) to the
+same bits; one without it (new, requeued, more than one round behind) downloads theta.
+
 Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."}):
     POST /join       {cluster, incarnation}          -> {round, heartbeat_s, ...}; 409 if
                      another incarnation of that cluster is live (second job: --replica)
@@ -42,6 +50,10 @@ Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."
     POST /delta_blob {...the same metadata..., blob, sha256}: the delta sits in blobstore
     GET  /theta      the current theta_global file (X-Round header names its round)
     GET  /theta_blob publishes it to the blob store once per round -> {blob, sha256, round}
+    GET  /theta_update?from=R&digest=D   with --down-wire: the update file that takes the
+                     theta of round R (wire.Digest D) to the current round (headers X-Round,
+                     X-Theta-Digest: the digest the site must get); 409 {"code": "no_update"}
+                     when there is none for that theta: download GET /theta instead
     GET  /round, GET /status (JSON), GET / (the status page of the whole central VM: status_page.py;
          /?saved=1 is the copy to keep, stamped and without the auto-refresh), GET /health
 A delta whose base_round is not the current round gets 409 {"error", "round": current}.
@@ -115,6 +127,7 @@ import darl_table
 import durable
 import httpd
 import status_page
+import wire
 from fedmom_state import ServerConfig, FedMomState, DarlLink, Refused, log, format_record, unlink_with_parts
 
 DEFAULT_PORT = 29511
@@ -250,6 +263,14 @@ def make_routes(state, blob_token=None):
                     state.published[rnd] = out
             return out
 
+    def theta_update(req):
+        try:
+            base = int(req.query.get("from", ""))
+        except ValueError:
+            raise httpd.HTTPError(400, "GET /theta_update needs ?from=<round of your theta>&digest=<its wire.Digest>")
+        f, rnd, digest = state.open_update(base, req.query.get("digest", ""))
+        return httpd.Response(file=f, headers={"X-Round": str(rnd), "X-Theta-Digest": digest})
+
     def round_(req):
         with state.lock:
             return {"round": state.round, "merging": state.merging}
@@ -266,7 +287,8 @@ def make_routes(state, blob_token=None):
               ("GET", "/"): page, ("GET", "/status"): lambda req: state.status(), ("GET", "/round"): round_,
               ("POST", "/join"): join, ("POST", "/heartbeat"): heartbeat, ("POST", "/leave"): leave,
               ("POST", "/delta_check"): delta_check, ("PUT", "/delta"): put_delta,
-              ("POST", "/delta_blob"): delta_blob, ("GET", "/theta"): theta, ("GET", "/theta_blob"): theta_blob}
+              ("POST", "/delta_blob"): delta_blob, ("GET", "/theta"): theta, ("GET", "/theta_blob"): theta_blob,
+              ("GET", "/theta_update"): theta_update}
     return {k: _refusal(v) for k, v in routes.items()}
 
 
@@ -409,6 +431,11 @@ def _server_parser():
                         "rounds' merged ones), named in the round record; 0 = off (default 10)")
     p.add_argument("--ca-file", default=os.environ.get("PWW_CA_FILE"),
                    help="CA certificate for https:// --darl and --blob-url (default $PWW_CA_FILE, else the system's)")
+    p.add_argument("--down-wire", choices=wire.FORMATS, default="f32",
+                   help="publish each round as an update in this wire format, with error feedback; sites "
+                        "holding the previous round download it instead of theta (default f32: theta only)")
+    p.add_argument("--down-wire-block", type=int, default=128,
+                   help="int8/int4 update: values per scale along the last dimension, 64-256 (default 128)")
     p.add_argument("--private-page", action="store_true", help="require the token for GET / too (default: public)")
     p.add_argument("--accept-config-change", action="store_true",
                    help="--outer-lr/--outer-momentum differ from those the state was run with: apply the new "
@@ -436,7 +463,8 @@ def main(argv):
                          "custody, which never expires; drop the flag (--darl-retry-s paces re-sends to DARL)")
     cfg = ServerConfig(a.state_dir, a.init, a.outer_lr, a.outer_momentum, a.round_deadline_s,
                        a.member_timeout_s, a.blob_url, a.darl, a.darl_retry_s, ca_file=a.ca_file,
-                       clip_factor=a.clip_factor, accept_config_change=a.accept_config_change).validate()
+                       clip_factor=a.clip_factor, accept_config_change=a.accept_config_change,
+                       down_wire=a.down_wire, down_wire_block=a.down_wire_block).validate()
     serve(cfg, a)
 
 

@@ -20,6 +20,13 @@ State dir (everything replaced atomically: temp file, fsync, rename, fsync the d
     theta-<r>.safetensors     theta_global after r merges, fp32
     momentum-<r>.safetensors  the Nesterov buffer (absent before the first merge
                               and when --outer-momentum is 0)
+    update-<r>.safetensors    with --down-wire: round r's update in that wire format, what a
+                              site holding theta of round r-1 downloads instead of theta-<r>
+                              (fedmom_merge.publish: theta-<r> IS theta-<r-1> + its decoded
+                              values); state.json's "update" names it with the digests of
+                              both thetas (wire.Digest)
+    residual-<r>.safetensors  with --down-wire: what round r's update rounded away, fp32,
+                              added to the next update (the aggregator's error feedback)
     state.json                names the round and its files, the aggregator's identity
                               and epoch, membership, recent events, the DARL commits and
                               aborts still owed and the violation counters; written LAST,
@@ -121,6 +128,17 @@ class ServerConfig:
     accept_config_change: bool = False
     ca_file: str | None = None        # CA for https:// darl and blob_url
     clip_factor: float = 10.0         # a delta is scaled to at most this x the median norm (0 = off)
+    down_wire: str = "f32"            # f32: sites download theta; else each round's update in this format
+    down_wire_block: int = 128        # int8/int4 block of the update (wire.Codec)
+
+    def down_codec(self):
+        """The update's wire.Codec, or None (--down-wire f32: sites download the full theta)."""
+        if self.down_wire == "f32":
+            return None
+        try:
+            return wire.Codec(self.down_wire, block=self.down_wire_block).validate()
+        except ValueError as e:
+            raise SystemExit(str(e).replace("--wire", "--down-wire")) from None
 
     def validate(self):
         if not self.state_dir:
@@ -138,6 +156,7 @@ class ServerConfig:
         if not (self.clip_factor == 0 or self.clip_factor >= 1) or not math.isfinite(self.clip_factor):
             raise SystemExit(f"--clip-factor {self.clip_factor} must be 0 (off) or >= 1 (10: clip a delta "
                              "to 10 x the median norm)")
+        self.down_codec()
         if self.init is not None and not os.path.isfile(self.init):
             raise SystemExit(f"--init {self.init}: no such file")
         if self.init is not None:          # before the state dir exists: a bad --init leaves nothing behind
@@ -378,6 +397,7 @@ class FedMomState:
         self.fence_lock = threading.Lock()   # one fence at a time: the upload threads and the DARL loop
         self.darl_digest = None       # DARL's block-space digest, from its first fence reply
         self.published = {}           # round -> {"blob", "sha256", "round"}
+        self.update = None            # with --down-wire: {"file", "round", "base_digest", "digest", "residual"}
         self.publish_lock = threading.Lock()
         self.merge_pause_s = float(os.environ.get(MERGE_PAUSE_ENV, "0") or 0)
         self.merge_error = None       # the last merge's failure (a full disk), until one succeeds
@@ -432,6 +452,7 @@ class FedMomState:
             raise SystemExit(f"{self.state_path}: format {st.get('format')!r}, this server reads "
                              f"{STATE_FORMAT!r}; use the fedmom_server.py that wrote it")
         self.round, self.theta_file, self.momentum_file = st["round"], st["theta"], st["momentum"]
+        self.update = st.get("update")
         self._check_custody_mode(st)
         self._check_outer_step(st)
         self.aggregator_id, self.epoch = st["aggregator"], st["epoch"]
@@ -542,8 +563,11 @@ class FedMomState:
     def _clean_dir(self):
         """Remove what a crash left behind: temp files, files of other rounds, stale spool entries."""
         keep = {self.theta_file, self.momentum_file, "state.json", "rounds.jsonl", "spool"}
+        if self.update:
+            keep |= {self.update["file"], self.update["residual"]}
         for fn in os.listdir(self.dir):
-            if fn not in keep and (fn.startswith(("theta-", "momentum-")) or durable.is_tmp(fn)):
+            if fn not in keep and (fn.startswith(("theta-", "momentum-", "merged-", "update-", "residual-"))
+                                   or durable.is_tmp(fn)):
                 os.unlink(os.path.join(self.dir, fn))
         live = {p.path for p in self.pending.values()} | {p.meta_path for p in self.pending.values()}
         for fn in os.listdir(self.spool):
@@ -581,7 +605,8 @@ class FedMomState:
               "events": list(self.events), "pending_commits": self.pending_commits,
               "pending_aborts": self.pending_aborts, "violations": self.violations,
               "last_record": self.last_record, "custody": self.custody_used, "darl_digest": self.darl_digest,
-              "outer_lr": self.cfg.outer_lr, "outer_momentum": self.cfg.outer_momentum}
+              "outer_lr": self.cfg.outer_lr, "outer_momentum": self.cfg.outer_momentum,
+              "update": self.update}
         write_json(self.state_path, st, self.cfg.fsync)
 
     def event(self, kind, cluster, incarnation, why=""):
@@ -966,6 +991,8 @@ class FedMomState:
         -> (stats or None, the deltas merged, [(delta, why excluded)])."""
         live, dropped, reset = list(batch), [], None
         new, mu = self.round + 1, self.cfg.outer_momentum
+        codec = self.cfg.down_codec()
+        out_theta = os.path.join(self.dir, f"{'merged' if codec else 'theta'}-{new}.safetensors")
         while live:
             total = sum(p.tokens for p in live)
             shares = [p.tokens / total for p in live]
@@ -976,7 +1003,7 @@ class FedMomState:
                     os.path.join(self.dir, self.theta_file),
                     os.path.join(self.dir, self.momentum_file) if self.momentum_file and not reset else None,
                     [(p.path, w * c) for p, w, c in zip(live, shares, scales)],
-                    os.path.join(self.dir, f"theta-{new}.safetensors"),
+                    out_theta,
                     os.path.join(self.dir, f"momentum-{new}.safetensors") if mu > 0 else None,
                     self.cfg.outer_lr, mu, {"round": str(new)}, self.cfg.fsync, self.merge_pause_s,
                     after_tensor=lambda name: httpd.fault_point("fedmom.merge"))
@@ -994,12 +1021,29 @@ class FedMomState:
                 live.remove(worst)
                 dropped.append((worst, why))
                 continue
-            stats.update(merge_s=self.clock() - t0, weights=shares, scales=scales, clip=clip, momentum_reset=reset)
+            stats.update(merge_s=self.clock() - t0, weights=shares, scales=scales, clip=clip, momentum_reset=reset,
+                         update=self._publish(codec, out_theta, new) if codec else None)
             return stats, live, dropped
         return None, [], dropped
 
+    def _publish(self, codec, merged, new):
+        """--down-wire: from the merged theta, round `new`'s update and THE theta_global it
+        defines (fedmom_merge.publish), with what it rounded away owed to the next one.
+        -> the "update" entry of state.json (with the update's size and residual norm)."""
+        owed = self.update["residual"] if self.update and self.update["round"] == self.round else None
+        upd, res = f"update-{new}.safetensors", f"residual-{new}.safetensors"
+        try:
+            out = fedmom_merge.publish(
+                os.path.join(self.dir, self.theta_file), merged, owed and os.path.join(self.dir, owed), codec,
+                os.path.join(self.dir, f"theta-{new}.safetensors"), os.path.join(self.dir, upd),
+                os.path.join(self.dir, res), {"round": str(new)}, self.cfg.fsync)
+        finally:
+            durable.unlink(merged)
+        return {"file": upd, "round": new, "residual": res, "format": codec.fmt, **out}
+
     def _finish(self, batch, stats, reason, late, closed_at):
         new, old_files, old_commits = self.round + 1, (self.theta_file, self.momentum_file), list(self.pending_commits)
+        old_update = self.update
         rec = self._record(batch, stats, reason, late, closed_at, new)
         old_violations = dict(self.violations)
         twice = self._count_trained_twice(rec)
@@ -1009,11 +1053,12 @@ class FedMomState:
                                   "incarnation": p.incarnation, "blocks": sum(x[2] - x[1] for x in p.pieces),
                                   "since": round(self.wall(), 3)} for p in batch if p.custody == "confirmed"]
         self.round, old_record, self.last_record = new, self.last_record, rec
+        self.update = stats["update"]
         try:
             self._save()                                   # the round becomes durable here
         except BaseException:
             self.round, self.last_record, self.merging = new - 1, old_record, False
-            self.theta_file, self.momentum_file = old_files
+            self.theta_file, self.momentum_file, self.update = old_files + (old_update,)
             self.pending_commits, self.violations = old_commits, old_violations
             raise
         self._add_merged(rec)
@@ -1024,7 +1069,7 @@ class FedMomState:
         self.records.append(rec)
         self._append_record(rec)
         log(format_record(rec))
-        for fn in old_files:
+        for fn in old_files + ((old_update["file"], old_update["residual"]) if old_update else ()):
             if fn and fn not in (self.theta_file, self.momentum_file):
                 durable.unlink(os.path.join(self.dir, fn))
         for p in batch:
@@ -1064,7 +1109,10 @@ class FedMomState:
                 "excluded": list(self.excluded), "dropped": list(self.dropped), "late": late,
                 "members": sorted(self.members), "outer_lr": self.cfg.outer_lr,
                 "outer_momentum": self.cfg.outer_momentum,
-                "bytes_read": stats["bytes_read"], "bytes_written": stats["bytes_written"]}
+                "bytes_read": stats["bytes_read"], "bytes_written": stats["bytes_written"],
+                "down_wire": stats["update"] and stats["update"]["format"],
+                "update_bytes": stats["update"] and stats["update"]["update_bytes"],
+                "down_residual_norm": stats["update"] and stats["update"]["residual_norm"]}
 
     # ---- DARL: custody, commits, aborts (see the module docstring)
 
@@ -1248,6 +1296,26 @@ class FedMomState:
         """(open file, round) of the current theta_global; the file stays readable after a merge."""
         with self.lock:
             return open(os.path.join(self.dir, self.theta_file), "rb"), self.round
+
+    def open_update(self, base_round, base_digest):
+        """(open file, round, digest) of the update from round `base_round` to the current
+        round, for a site whose theta of base_round has wire.Digest `base_digest`; the site
+        adds it to that theta and gets `digest` (wire.apply_update). Refused 409 no_update
+        (download the full theta) unless exactly that update exists."""
+        with self.lock:
+            u = self.update
+            if u is None or u["round"] != self.round:
+                why = ("this aggregator publishes no updates (--down-wire f32)" if self.cfg.down_codec() is None
+                       else f"round {self.round} has no update (its merge ran without --down-wire)")
+            elif base_round != u["round"] - 1:
+                why = f"the update of round {u['round']} applies to round {u['round'] - 1}, not {base_round}"
+            elif base_digest != u["base_digest"]:
+                why = (f"your theta of round {base_round} is not the one the update applies to (digest "
+                       f"{str(base_digest)[:12]}... != {u['base_digest'][:12]}...)")
+            else:
+                return open(os.path.join(self.dir, u["file"]), "rb"), u["round"], u["digest"]
+        raise Refused(409, f"{why}: download the full theta_global (GET /theta)", code="no_update",
+                      round=self.round)
 
     def status(self):
         with self.lock:

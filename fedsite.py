@@ -3,10 +3,10 @@ and each delta's round trip, and the leased windows every rank derives from them
 
 Runs on: compute nodes, inside `train.py --federation` (imported; not started on its own).
 FedSite lives on global rank 0 only; LeasedSource on every rank. Torch-free (stdlib, numpy,
-darl_client, fedmom_client, data): the collectives that share rank 0's answers with the
-other ranks are diloco.on_rank0's, called by train.py. No port, no state of its own: the
-delta and theta files are the carrier's (runs/<run>/federation/), leases and membership
-live at the central services.
+darl_client, fedmom_client, data, and wire for theta's compressed updates, file to file):
+the collectives that share rank 0's answers with the other ranks are diloco.on_rank0's,
+called by train.py. No port, no state of its own: the delta and theta files are the
+carrier's (runs/<run>/federation/), leases and membership live at the central services.
 
 Callers: train.py's federated loop and diloco.FedMomCarrier, in this order per run:
     site = FedSite(cfg, windows, model_bytes, log)            # rank 0
@@ -29,6 +29,7 @@ ARCHITECTURE.md section 3.
 import dataclasses
 import http.client
 import math
+import os
 import re
 import secrets
 import threading
@@ -37,8 +38,11 @@ import time
 import darl_client
 import darl_table
 import data
+import durable
 import fedmom_client
 import httpd
+import tensorio
+import wire
 
 RETRY_S = 900.0             # how long the aggregator may stay unreachable (a restart) before we give up
 POLL_S = 5.0                # rank 0 reports "still waiting" to the other ranks this often
@@ -66,7 +70,8 @@ class RoundResult:
     """What became of one delta. round: the theta_global the site now holds (the newest,
     whatever became of the delta); merged_into: the round it went into, when merged;
     reason: why not, otherwise. The span it trained, and the Handoff's step and tokens,
-    come back with it."""
+    come back with it; theta_via ("update" or "full") and down_bytes say how the new
+    theta_global came down (FedSite.fetch_theta)."""
     base_round: int
     round: int = None
     merged: bool = False
@@ -79,6 +84,8 @@ class RoundResult:
     tokens: int = None
     send_s: float = 0.0
     wait_s: float = 0.0
+    theta_via: str = None
+    down_bytes: int = None
 
 
 class FedSite:
@@ -108,6 +115,8 @@ class FedSite:
             cfg.transport == "auto" and cfg.blob_url and model_bytes >= fedmom_client.AUTO_BLOB_BYTES) else "inline"
         self.session, self.span, self.keepalive, self.member = None, None, None, False
         self._said = {}
+        self.held = None             # (round, wire.Digest) of the theta file we hold, once known
+        self.down = {}               # how the last theta came: {"via": "update" | "full", "bytes": n}
 
     def say(self, msg, every_s=0.0):
         """Log a repeated waiting message at most once per every_s seconds (per message kind:
@@ -241,8 +250,33 @@ class FedSite:
         return (yield from self._retry("FedMom round", self.fed.current_round))
 
     def fetch_theta(self, path):
-        return (yield from self._retry("download theta_global",
-                                       lambda: self.fed.download_theta(path, transport=self.theta_transport)))
+        """theta_global of the current round into `path` -> its round. With the aggregator's
+        --down-wire, a site holding the previous round's theta downloads the update and adds
+        it (wire.apply_update: the aggregator's exact bits, checked by their digest); any
+        other site (new, requeued, behind) downloads the whole file (FEDERATION_GUIDE.md
+        section 4, "Compressed downstream")."""
+        return (yield from self._retry("download theta_global", lambda: self._fetch(path)))
+
+    def _fetch(self, path):
+        held = self.held if self.held is not None else _held(path)
+        if held is not None:
+            upd = os.path.join(os.path.dirname(os.path.abspath(path)), "theta-update.safetensors")
+            try:
+                got = self.fed.download_update(upd, *held)
+                if got is not None:
+                    size = os.path.getsize(upd)
+                    wire.apply_update(path, upd, path, got[1], {"round": str(got[0])})
+                    self.held, self.down = got, {"via": "update", "bytes": size}
+                    return got[0]
+            except (wire.WireError, tensorio.FormatError) as e:
+                self.log(f"!!! the update of theta_global did not give the aggregator's theta ({e}); "
+                         "downloading the whole theta_global")
+            finally:
+                durable.unlink(upd)
+        self.held = None
+        rnd = self.fed.download_theta(path, transport=self.theta_transport)
+        self.held, self.down = (rnd, wire.theta_digest(path)), {"via": "full", "bytes": os.path.getsize(path)}
+        return rnd
 
     def _outcome(self, reply, base):
         """Our delta of `base_round` in a join/heartbeat reply's "deltas": merged |
@@ -272,6 +306,7 @@ class FedSite:
             self.log(out.reason)
             self.session.span_done(span)
             out.round = yield from self.fetch_theta(theta_path)
+            out.theta_via, out.down_bytes = self.down.get("via"), self.down.get("bytes")
             return out
         try:
             yield from self._retry("send delta", lambda: self.fed.send_delta(
@@ -306,6 +341,7 @@ class FedSite:
             out.reason = "outcome unknown: lease left to the aggregator (commit if merged, else expiry)"
             self.session.forget(span)
         out.round = yield from self.fetch_theta(theta_path)
+        out.theta_via, out.down_bytes = self.down.get("via"), self.down.get("bytes")
         return out
 
     # -- end
@@ -339,6 +375,16 @@ class FedSite:
             if self.keepalive is not None:
                 self.keepalive.__exit__(None, None, None)
                 self.keepalive = None
+
+
+def _held(path):
+    """(round, wire.Digest) of a theta file a previous job of this run left, or None."""
+    try:
+        with tensorio.TensorReader(path) as r:
+            rnd = int(r.metadata["round"])
+        return rnd, wire.theta_digest(path)
+    except (OSError, KeyError, ValueError):       # absent, unreadable, not ours: download it whole
+        return None
 
 
 def _in_background(fn, poll_s=POLL_S):

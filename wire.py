@@ -1,8 +1,12 @@
-"""wire.py - compressed delta files: the wire formats a site may send its outer-round delta in.
+"""wire.py - compressed delta files: the wire formats of a site's outer-round delta, and of
+the update that carries theta_global from one round to the next.
 
-Runs on: both ends. Sites encode (train.py --wire, through diloco.py's FedMomCarrier);
-the central VM decodes (fedmom_state.py, at acceptance). Python + numpy + tensorio.py
-only; never torch. No server, no port, no state directory. From the shell:
+Runs on: both ends. Upstream, sites encode (train.py --wire, through diloco.py's
+FedMomCarrier) and the central VM decodes (fedmom_state.py, at acceptance). Downstream
+(fedmom_server.py --down-wire), the VM encodes each round's update (fedmom_merge.publish)
+and a site that holds the previous round applies it (fedsite.py, apply_update). Python +
+numpy + tensorio.py only; never torch. No server, no port, no state directory. From the
+shell:
 
     python wire.py FILE            # header: wire format, parameters, one line per tensor
     python wire.py FILE --check    # also decode every tensor once (finds bad scales, codes, indices)
@@ -470,6 +474,62 @@ class WireReader:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+# ---------------------------------------------------------------- theta by updates
+
+def add_update(prev, sent):
+    """theta_{r+1} = theta_r + the decoded update, elementwise in float32: the one addition
+    the aggregator publishes and every site repeats, so both hold the same bits."""
+    return np.add(np.asarray(prev, np.float32), np.asarray(sent, np.float32), dtype=np.float32)
+
+
+class Digest:
+    """sha256 over a model's tensors in order: each name, its shape and its float32 bytes
+    (little-endian). Names the exact bits of a theta whatever its file's header says."""
+
+    def __init__(self):
+        import hashlib
+        self.h = hashlib.sha256()
+
+    def add(self, name, a):
+        a = np.ascontiguousarray(a, dtype="<f4")
+        self.h.update(json.dumps([name, list(a.shape)]).encode() + b"\0")
+        self.h.update(a.reshape(-1).view(np.uint8).data)
+
+    def hexdigest(self):
+        return self.h.hexdigest()
+
+
+def theta_digest(path):
+    """The Digest of a tensor file's values (read one tensor at a time, as float32)."""
+    d = Digest()
+    with tensorio.TensorReader(path) as r:
+        for n in r.names:
+            d.add(n, np.asarray(r.read(n, as_float32=True), np.float32).reshape(r.specs[n][1]))
+    return d.hexdigest()
+
+
+def apply_update(theta_path, update_path, out_path, want_digest, metadata=None, fsync=True):
+    """theta_path (round r) + the update file (wire or plain) -> out_path (round r+1, F32),
+    one tensor at a time with add_update; out_path may be theta_path (replaced atomically).
+    The result must have the Digest `want_digest` the aggregator published with it: else
+    WireError, and out_path is left as it was. Returns the digest."""
+    with tensorio.TensorReader(theta_path) as prev, WireReader(update_path) as upd:
+        check_shapes(upd, {n: prev.specs[n][1] for n in prev.names})
+        d = Digest()
+        with tensorio.TensorWriter(out_path, [(n, "F32", prev.specs[n][1]) for n in prev.names],
+                                   metadata, fsync=fsync) as w:
+            for n in prev.names:
+                shape = prev.specs[n][1]
+                theta = add_update(np.asarray(prev.read(n, as_float32=True)).reshape(shape),
+                                   upd.read(n).reshape(shape))
+                d.add(n, theta)
+                w.write(n, theta)
+            if d.hexdigest() != want_digest:
+                raise WireError(f"{theta_path} + {update_path} gives theta digest {d.hexdigest()[:16]}..., the "
+                                f"aggregator published {str(want_digest)[:16]}...: not the theta it built")
+    return d.hexdigest()
 
 
 def is_wire(path):

@@ -124,17 +124,18 @@ def in_allocation(cfg, arm, ctx, launcher):
     return {"weights": weights, "train_eval": final_eval(run_dir), "rounds": None}
 
 
-def federated(cfg, arm, ctx, launcher, site_args=(), outer=None):
+def federated(cfg, arm, ctx, launcher, site_args=(), outer=None, fed_args=()):
     """(c): the central services and two 1-rank sites; returns FedMom's final theta.
     bench/wire_formats.py's arms: site_args, more train.py flags for both sites (--wire ...);
-    outer, (lr, momentum) at the aggregator instead of the arm's."""
+    outer, (lr, momentum) at the aggregator instead of the arm's; fed_args, more
+    fedmom_server.py flags (--down-wire ...)."""
     _, lr, mom = OUTER[arm.split("-")[1]] if outer is None else (None, *outer)
     arm_dir = os.path.join(ctx["out"], arm)
     os.makedirs(arm_dir)
     svc = harness.start_services(launcher, arm_dir, ctx["manifest"], ctx["init"], block_size=1, seed=cfg.seed,
                               fedmom_args=["--outer-lr", lr, "--outer-momentum", mom,
                                            # a round waits for both sites (equal weights, like (b))
-                                           "--round-deadline-s", 3600, "--member-timeout-s", 600])
+                                           "--round-deadline-s", 3600, "--member-timeout-s", 600, *fed_args])
     sites = [harness.launch_site(launcher, name, svc, ctx["manifest"], log_dir=os.path.join(arm_dir, "logs"), nproc=1,
                               parallel="ddp", runs_dir=os.path.join(arm_dir, "sites"),
                               train_args=common_args(cfg, ctx["steps"], ctx["warmup"]) + list(site_args))

@@ -1,9 +1,10 @@
-"""bench/wire_formats.py - the delta's wire formats side by side: bytes per parameter per round as
-uploaded, reconstruction error, and the held-out loss of a short CPU federation relative to
-the uncompressed arm measured in the same run.
+"""bench/wire_formats.py - the wire formats side by side: bytes per parameter per round as
+uploaded (the delta) and downloaded (theta, or its update with --down-wire), reconstruction
+error, and the held-out loss of a short CPU federation relative to the uncompressed arm
+measured in the same run.
 
 Runs on: this machine's CPU (two 1-rank sites at a time), from the repository root:
-    .venv/bin/python bench/wire_formats.py                     # 18 runs on ~1 MB of corpus, ~12 minutes here
+    .venv/bin/python bench/wire_formats.py                     # 20 runs on ~1 MB of corpus, ~28 minutes here
     .venv/bin/python bench/wire_formats.py --arms f32,int4 --no-sweep --no-ddp     # 2 runs
     .venv/bin/python bench/wire_formats.py --corpus-mb 4.2     # bench/convergence.py's full size (~4x longer)
 It prints its estimated time first, one line per arm as it finishes, then the table.
@@ -23,13 +24,16 @@ held-out loss function on FedMom's final theta. Only the sites' --wire flags dif
     topk         64 of every 4096 values, 4-bit values, 12-bit positions, error feedback on
     topk-noef    the same without error feedback
     topk-k512    512 of every 4096 (--wire-topk-k 512), error feedback on
+    int4-both    int4 up, and theta down as int4 updates (fedmom_server.py --down-wire int4,
+                 the aggregator's error feedback)
+    topk-both    topk up and down (--down-wire topk)
 Figures, per arm:
     up B/param   the delta files the sites uploaded (train.py's "wire_bytes" row field, the
                  file's size), per parameter, mean over both sites' rounds
     payload      the same without the header, from site alpha's last delta: a model this small
                  (~0.1M parameters, ~25 tensors) pays ~0.05 B/param of header, a large one ~0
-    down B/param theta_global as downloaded each round (fp32: downstream compression is
-                 not built)
+    down B/param what each site downloaded after each round (train.py's "down_bytes": the
+                 whole theta, or its update), per parameter, mean over both sites' rounds
     rel. error   ||x - decode(encode(x))|| / ||x|| of one real delta: the f32 arm's last
                  delta of site alpha, encoded once with the arm's codec (no feedback)
     held-out     FedMom's final theta, and its ratio to the f32 arm's and to DDP's
@@ -37,7 +41,7 @@ Figures, per arm:
                  per round: on loopback, with no WAN-shaped link (not built), this is the
                  wait for the other site and the merge
 Targets (not all reachable, see the table): int4 with error feedback <= 0.5 B/param and a
-ratio <= 1.005; topk <= 0.1 B/param at a ratio <= 1.01.
+ratio <= 1.005, and the same down (int4-both); topk <= 0.1 B/param at a ratio <= 1.01.
 """
 import argparse
 import dataclasses
@@ -56,17 +60,20 @@ import harness                                     # noqa: E402
 import tensorio                                    # noqa: E402
 import wire                                        # noqa: E402
 
-# arm -> (train.py flags of both sites, the codec that makes them, for the error column)
-ARMS = {"f32": ([], wire.Codec("f32")),
-        "bf16": (["--wire", "bf16"], wire.Codec("bf16")),
-        "int8": (["--wire", "int8"], wire.Codec("int8")),
-        "int4": (["--wire", "int4"], wire.Codec("int4")),
-        "int4-noef": (["--wire", "int4", "--no-error-feedback"], wire.Codec("int4")),
-        "topk": (["--wire", "topk"], wire.Codec("topk")),
-        "topk-noef": (["--wire", "topk", "--no-error-feedback"], wire.Codec("topk")),
-        "topk-k512": (["--wire", "topk", "--wire-topk-k", "512"], wire.Codec("topk", topk_k=512))}
+# arm -> (train.py flags of both sites, the codec that makes them, for the error column,
+# fedmom_server.py flags)
+ARMS = {"f32": ([], wire.Codec("f32"), []),
+        "bf16": (["--wire", "bf16"], wire.Codec("bf16"), []),
+        "int8": (["--wire", "int8"], wire.Codec("int8"), []),
+        "int4": (["--wire", "int4"], wire.Codec("int4"), []),
+        "int4-noef": (["--wire", "int4", "--no-error-feedback"], wire.Codec("int4"), []),
+        "topk": (["--wire", "topk"], wire.Codec("topk"), []),
+        "topk-noef": (["--wire", "topk", "--no-error-feedback"], wire.Codec("topk"), []),
+        "topk-k512": (["--wire", "topk", "--wire-topk-k", "512"], wire.Codec("topk", topk_k=512), []),
+        "int4-both": (["--wire", "int4"], wire.Codec("int4"), ["--down-wire", "int4"]),
+        "topk-both": (["--wire", "topk"], wire.Codec("topk"), ["--down-wire", "topk"])}
 SWEEP_LR, SWEEP_MU = (0.4, 0.7, 1.0), (0.0, 0.5, 0.9)
-TARGETS = {"int4": (0.5, 1.005), "topk": (0.1, 1.01)}
+TARGETS = {"int4": (0.5, 1.005), "int4-both": (0.5, 1.005), "topk": (0.1, 1.01), "topk-both": (0.1, 1.01)}
 
 
 @dataclasses.dataclass
@@ -105,9 +112,9 @@ def rel_error(delta_path, codec):
 
 
 def run_arm(cfg, arm, ctx, launcher, outer):
-    args, codec = ARMS[arm]
+    args, codec, fed_args = ARMS[arm]
     r = convergence.federated(cfg, "fed-fedavg", dict(ctx, out=os.path.join(ctx["out"], arm)), launcher, args,
-                              outer=outer)
+                              outer=outer, fed_args=fed_args)
     rows = site_rows(r["sites"])
     sizes = [x["wire_bytes"] for x in rows if x.get("wire_bytes")]
     r["up"] = sum(sizes) / len(sizes) / ctx["params"] if sizes else None
@@ -115,7 +122,8 @@ def run_arm(cfg, arm, ctx, launcher, outer):
     idle = sum((x.get("send_s") or 0) + (x.get("wait_s") or 0) for x in rows)
     r["util"] = inner / (inner + idle) if inner + idle else None     # time in inner steps / phase + round trip
     r["idle"] = idle / len(rows) if rows else None                    # per site and round, s
-    r["down"] = os.path.getsize(r["weights"]) / ctx["params"]
+    down = [x["down_bytes"] for x in rows if x.get("down_bytes")]
+    r["down"] = sum(down) / len(down) / ctx["params"] if down else float("nan")
     r["delta"] = os.path.join(r["sites"], "alpha", "federation", "delta.safetensors")
     with wire.WireReader(r["delta"]) as w:          # the tensors' bytes alone, without the header
         r["payload"] = sum(w.nbytes(n) for n in w.names) / ctx["params"]
@@ -180,13 +188,14 @@ def report(cfg, ctx, results):
         if r is None or ref is None:
             continue
         got = r["heldout"] / ref
-        ok = r["up"] <= most and got <= ratio
-        lines.append(f"  target {arm}: <= {most} B/param up at a ratio <= {ratio}: {r['up']:.4f} B/param, "
-                     f"{got:.4f} -> {'met' if ok else 'NOT met'}")
+        both = arm.endswith("-both")
+        ok = r["up"] <= most and got <= ratio and (not both or r["down"] <= most)
+        lines.append(f"  target {arm}: <= {most} B/param up{' and down' if both else ''} at a ratio <= {ratio}: "
+                     f"{r['up']:.4f} up, {r['down']:.4f} down B/param, {got:.4f} -> {'met' if ok else 'NOT met'}")
     lines += ["  up: the delta files as uploaded (safetensors header included); payload: the same without the",
               "  header (what a large model pays: the header grows with the tensor count, not their size);",
-              "  down: theta_global, fp32, downloaded once per round by each site (downstream compression is",
-              "  not built). int4's floor is 0.5 B/param plus 2/128 for the bf16 block scales. util: time in",
+              "  down: what each site downloaded per round: theta_global in fp32, or (-both arms) the update from",
+              "  the theta it held. int4's floor is 0.5 B/param plus 2/128 for the bf16 block scales. util: time in",
               "  inner steps / (that + send + wait), both sites; idle s: send + wait per site and round, on",
               "  loopback (no WAN-shaped link here): the wait for the other site and the merge, not the WAN."]
     return "\n".join(lines)

@@ -6,7 +6,7 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
     subprocesses on free loopback ports; the initial model from `train.py --export-init`;
     two sites as separate torchrun jobs: "alpha" (FSDP2, 2 ranks, inline transport, int4
     deltas with error feedback) and "beta" (DDP, 1 rank, blob transport, top-k deltas,
-    --throttle-ms: the slow one).
+    --throttle-ms: the slow one); theta_global comes down as int4 updates (--down-wire).
     The scenario, each step waiting on a condition (never on a fixed sleep):
       both merge -> alpha SIGKILLed, beta merges alone (membership 2 -> 1) -> alpha
       restarted with --resume auto (its leases and membership expire first) and merges
@@ -16,7 +16,8 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
     quarantined; the merged deltas carry exactly the corpus' training tokens and each
     lease once (no window merged twice or never); the loss falls; the compressed deltas
     crossed at their format's size, and alpha's error-feedback buffer came through the
-    kill (used by the restarted job, or reset with the reason said). Everything runs over
+    kill (used by the restarted job, or reset with the reason said); the updates came down
+    at int4's size and each site's last theta is the aggregator's, bit for bit. Everything runs over
     TLS (a CA and certificate made with openssl, as central.sh makes them): the three
     servers serve https, FedMom and both sites check them against the CA file.
   - CarrierTest: one torchrun job of 2 ranks (this file's `worker` mode): FSDP2's
@@ -452,7 +453,7 @@ class FederationRunTest(unittest.TestCase):
                                               log_of(t, "blob"), port=0, ca_file=cls.ca)
         fed_args = ["--state-dir", os.path.join(central, "fedmom"), "--init", init, "--darl", cls.darl,
                     "--blob-url", cls.blob, "--darl-retry-s", 1, "--member-timeout-s", 20,
-                    "--round-deadline-s", 120, "--ca-file", cls.ca, *common]
+                    "--round-deadline-s", 120, "--ca-file", cls.ca, "--down-wire", "int4", *common]
         fed, cls.fedmom = harness.start_server(L, "fedmom", fed_args, log_of(t, "fedmom"), port=0, ca_file=cls.ca)
         services = [darl, blob]
 
@@ -538,6 +539,30 @@ class FederationRunTest(unittest.TestCase):
         for name in ("alpha", "beta"):
             fed = [r for r in self.rows[name] if r["split"] == "federation"]
             self.assertTrue(any(r["base_round"] > k for r in fed), f"{name} merged nothing after the restart")
+
+    def test_theta_comes_down_as_updates_and_every_site_holds_the_servers_bits(self):
+        n = sum(int(np.prod(s)) for s in self.names_shapes().values())
+        for name in ("alpha", "beta"):
+            fed = [r for r in self.rows[name] if r["split"] == "federation"]
+            via = [r["theta_via"] for r in fed]
+            self.assertIn("update", via, f"{name} never got theta_global as an update")
+            per = [r["down_bytes"] / n for r in fed if r["theta_via"] == "update"]
+            self.assertTrue(all(0 < b < 0.6 for b in per), f"{name}: int4 update bytes/param {per}")
+            self.assertTrue(all(r["down_bytes"] / n > 3.9 for r in fed if r["theta_via"] == "full"))
+        # the end: each site's last theta (fetched after DARL ran out, by update or whole) is
+        # the aggregator's final theta_global, bit for bit
+        import tensorio
+        central = os.path.join(self.tmp.name, "central", "fedmom")
+        with open(os.path.join(central, "state.json")) as f:
+            final = os.path.join(central, json.load(f)["theta"])
+        with tensorio.TensorReader(final) as r:
+            want = {k: r.read(k).view(np.uint32).copy() for k in r.names}
+        for name in ("alpha", "beta"):
+            with tensorio.TensorReader(os.path.join(self.tmp.name, "runs", name, "federation",
+                                                    "theta.safetensors")) as r:
+                got = {k: r.read(k).view(np.uint32).copy() for k in r.names}
+            self.assertEqual(sorted(got), sorted(want))
+            self.assertTrue(all(np.array_equal(got[k], want[k]) for k in want), f"{name}'s theta differs")
 
     def test_compressed_deltas_and_error_feedback_through_the_kill(self):
         n = sum(int(np.prod(s)) for s in self.names_shapes().values())

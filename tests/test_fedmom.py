@@ -738,6 +738,107 @@ class CrashTest(Fixture):
         proc.wait(timeout=30)
 
 
+class DownstreamTest(Fixture):
+    """--down-wire against a real fedmom_server process: a site holding round r gets r+1 as
+    an update and holds the server's theta bit for bit, through a server SIGKILL and a new
+    site process; a new, behind or altered site downloads the whole theta."""
+    start = CrashTest.start
+
+    def site(self, url, name):
+        """fedsite.FedSite's download half (no DARL call is made), as train.py's rank 0 uses it."""
+        import fedsite
+        import types
+        cfg = types.SimpleNamespace(cluster=name, token_file=None, darl_url="http://127.0.0.1:9", federation=url,
+                                    blob_url=None, ca_file=None, transport="inline")
+        return fedsite.FedSite(cfg, None, 0, self.said.append)
+
+    def bits(self, path):
+        with tensorio.TensorReader(path) as r:
+            return {n: r.read(n).view(np.uint32).copy() for n in r.names}
+
+    def assert_holds_server_theta(self, sd, path, rnd):
+        with open(os.path.join(sd, "state.json")) as f:
+            st = json.load(f)
+        self.assertEqual(st["round"], rnd)
+        want, got = self.bits(os.path.join(sd, st["theta"])), self.bits(path)
+        self.assertEqual(sorted(want), sorted(got))
+        for n in want:                      # the exact bits, not close values
+            self.assertTrue(np.array_equal(want[n], got[n]), f"round {rnd}: tensor {n} differs")
+
+    def merge_round(self, url, rnd):
+        for c, tok in (("a", 10), ("b", 30)):
+            fedmom_client.FedMomClient(url, c, f"{c}-inc").send_delta(self.delta("F32")[0], rnd, tok, [], {})
+        self.assertEqual(fedmom_client.FedMomClient(url, "a", "a-inc").wait_round_after(rnd, timeout_s=120), rnd + 1)
+
+    def test_a_site_holding_round_r_gets_r_plus_1_as_an_update_bit_for_bit(self):
+        import wire
+        self.said = []
+        sd = os.path.join(self.dir, "st")
+        proc, url = self.start(sd, "--init", self.init, "--down-wire", "int4")
+        for c in ("a", "b"):
+            fedmom_client.FedMomClient(url, c, f"{c}-inc").join()
+        a_path, late_path = os.path.join(self.dir, "a", "theta.safetensors"), os.path.join(self.dir, "late.safetensors")
+        os.makedirs(os.path.dirname(a_path))
+        a = self.site(url, "a")
+        self.assertEqual(a._fetch(a_path), 0)
+        self.assertEqual(a.down["via"], "full")                     # nothing held yet: the whole file
+        full = a.down["bytes"]
+        late = self.site(url, "late")
+        self.assertEqual(late._fetch(late_path), 0)
+        sizes = []
+        for rnd in range(3):
+            self.merge_round(url, rnd)
+            self.assertEqual(a._fetch(a_path), rnd + 1)
+            self.assertEqual(a.down["via"], "update", self.said)
+            sizes.append(a.down["bytes"])
+            self.assert_holds_server_theta(sd, a_path, rnd + 1)
+        n = sum(int(np.prod(s)) for s in SHAPES.values())
+        self.assertTrue(all(b / n < 0.6 for b in sizes), f"int4 update bytes/param {[b / n for b in sizes]}")
+        self.assertGreater(full / n, 3.99)
+        # the server's theta is theta_r + the decoded update, not the exact merge: what it
+        # rounded away is in its residual, owed to the next update
+        with open(os.path.join(sd, "state.json")) as f:
+            upd = json.load(f)["update"]
+        self.assertEqual((upd["round"], upd["format"]), (3, "int4"))
+        self.assertGreater(upd["residual_norm"], 0)
+        self.assertEqual(upd["digest"], wire.theta_digest(a_path))
+        rec = durable.read_jsonl(os.path.join(sd, "rounds.jsonl"))[-1]
+        self.assertEqual((rec["down_wire"], rec["update_bytes"]), ("int4", sizes[-1]))
+        # a site three rounds behind: the whole theta, the same bits
+        self.assertEqual(late._fetch(late_path), 3)
+        self.assertEqual(late.down["via"], "full")
+        self.assert_holds_server_theta(sd, late_path, 3)
+        # the aggregator is SIGKILLed and restarted: its residual and update survive, and a new
+        # site process (digest read from the file it left) still gets the update
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc, url = self.start(sd, "--down-wire", "int4")
+        self.merge_round(url, 3)
+        a2 = self.site(url, "a")
+        self.assertEqual(a2._fetch(a_path), 4)
+        self.assertEqual(a2.down["via"], "update", self.said)
+        self.assert_holds_server_theta(sd, a_path, 4)
+        # a theta that is not the server's (one value changed): refused by digest, downloaded whole
+        with tensorio.TensorReader(a_path) as r:
+            arrays = {k: r.read(k).copy() for k in r.names}
+        arrays["norm"][0] += 1.0
+        with tensorio.TensorWriter(a_path, [(k, "F32", v.shape) for k, v in arrays.items()], {"round": "4"},
+                                   fsync=False) as w:
+            for k, v in arrays.items():
+                w.write(k, v)
+        self.merge_round(url, 4)
+        a3 = self.site(url, "a")
+        self.assertEqual(a3._fetch(a_path), 5)
+        self.assertEqual(a3.down["via"], "full")
+        self.assert_holds_server_theta(sd, a_path, 5)
+        with self.assertRaises(httpd.CallError) as cm:
+            httpd.call(url, "GET", "/theta_update?from=4&digest=" + "0" * 64)
+        self.assertEqual((cm.exception.status, cm.exception.reply.get("code")), (409, "no_update"))
+        self.assertFalse([f for f in os.listdir(sd) if f.startswith(("update-", "residual-", "merged-", "theta-"))
+                          and not f.endswith("-5.safetensors")], "files of older rounds are left")
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "a", "theta-update.safetensors")))
+
+
 class HostileDeltaTest(Fixture):
     """Finite deltas that would wreck theta_global, and members that must not stall a round."""
 

@@ -14,6 +14,7 @@ import shutil
 import safetensors.torch
 import torch
 
+import fedmom_merge
 import fedmom_state
 import tensorio
 import wire
@@ -590,6 +591,79 @@ class ResidualTest(Tmp):
                 self.assertEqual(self.owed(), {})
                 if why:
                     self.assertIn(why, self.said[-1])
+
+
+class DownstreamTest(Tmp):
+    """fedmom_merge.publish (the aggregator) and wire.apply_update (a site): the same theta,
+    bit for bit, and the aggregator's error feedback carries what each update dropped."""
+
+    def steps(self, rng, theta0, rounds):
+        """A trajectory of merged thetas: each round's merge is prev + a random step."""
+        return [{n: (rng.standard_normal(a.shape) * np.float32(0.01) * (1 + np.abs(a))).astype(np.float32)
+                 for n, a in theta0.items()} for _ in range(rounds)]
+
+    def run_rounds(self, codec, rounds=4, seed=20):
+        rng = np.random.default_rng(seed)
+        theta0 = sample(rng)
+        self.write_all(self.p("theta-0"), theta0, {n: "F32" for n in theta0}, {"round": "0"})
+        self.write_all(self.p("site"), theta0, {n: "F32" for n in theta0}, {"round": "0"})
+        exact, owed, outs = {n: a.astype(np.float64) for n, a in theta0.items()}, None, []
+        for r, step in enumerate(self.steps(rng, theta0, rounds)):
+            prev = self.read_all(self.p(f"theta-{r}"))
+            self.write_all(self.p("merged"), {n: prev[n] + step[n] for n in prev}, {n: "F32" for n in prev})
+            out = fedmom_merge.publish(self.p(f"theta-{r}"), self.p("merged"), owed, codec, self.p(f"theta-{r + 1}"),
+                                       self.p(f"update-{r + 1}"), self.p(f"residual-{r + 1}"),
+                                       {"round": str(r + 1)}, fsync=False)
+            self.assertEqual(out["base_digest"], wire.theta_digest(self.p(f"theta-{r}")))
+            got = wire.apply_update(self.p("site"), self.p(f"update-{r + 1}"), self.p("site"), out["digest"],
+                                    {"round": str(r + 1)}, fsync=False)
+            self.assertEqual(got, out["digest"])
+            server, site = self.read_all(self.p(f"theta-{r + 1}")), self.read_all(self.p("site"))
+            for n in server:          # bit for bit
+                self.assertTrue(np.array_equal(server[n].view(np.uint32), site[n].view(np.uint32)), (codec.fmt, r, n))
+            for n in exact:
+                exact[n] += step[n]
+            owed = self.p(f"residual-{r + 1}")
+            outs.append(out)
+        return exact, server, self.read_all(owed), outs
+
+    def bytes_of(self, path):
+        with open(path, "rb") as f:
+            return f.read()
+
+    def read_all(self, path):
+        with tensorio.TensorReader(path) as r:
+            return {n: np.asarray(r.read(n, as_float32=True), np.float32).reshape(r.specs[n][1]).copy()
+                    for n in r.names}
+
+    def test_site_and_aggregator_hold_the_same_bits_in_every_format(self):
+        for codec in CODECS:
+            with self.subTest(codec=codec.fmt, block=codec.block, k=codec.topk_k):
+                self.run_rounds(codec, rounds=3)
+
+    def test_error_feedback_delays_what_an_update_drops_and_loses_nothing(self):
+        # theta_R + residual_R = theta_0 + the sum of every round's step (float rounding aside):
+        # what the updates rounded away is owed, not lost; without the residual the gap is the
+        # residual itself, which for topk is most of each step
+        for codec in (wire.Codec("int4"), wire.Codec("topk")):
+            with self.subTest(codec=codec.fmt):
+                exact, theta, res, outs = self.run_rounds(codec, rounds=5)
+                for n in exact:
+                    scale = float(np.abs(exact[n]).max(initial=0)) + 1e-30
+                    gap = np.abs(theta[n].astype(np.float64) + res[n] - exact[n]).max(initial=0)
+                    self.assertLess(gap / scale, 1e-5, n)
+                self.assertGreater(outs[-1]["residual_norm"], 0)
+
+    def test_an_update_that_does_not_give_the_published_digest_changes_nothing(self):
+        rng = np.random.default_rng(21)
+        theta0 = sample(rng)
+        self.write_all(self.p("site"), theta0, {n: "F32" for n in theta0}, {"round": "0"})
+        self.write(self.p("upd"), {n: a * np.float32(0.01) for n, a in theta0.items()}, wire.Codec("int8"))
+        before = self.bytes_of(self.p("site"))
+        with self.assertRaisesRegex(wire.WireError, "not the theta it built"):
+            wire.apply_update(self.p("site"), self.p("upd"), self.p("site"), "0" * 64, {"round": "1"}, fsync=False)
+        self.assertEqual(self.bytes_of(self.p("site")), before)
+        self.assert_no_leftovers(keep=("site", "upd"))
 
 
 class CommandLineTest(Tmp):
