@@ -1341,7 +1341,9 @@ class FedMomState:
                                "round_deadline_s": self.cfg.round_deadline_s,
                                "member_timeout_s": self.cfg.member_timeout_s,
                                "blob": bool(self.cfg.blob_url), "darl": bool(self.cfg.darl),
-                               "darl_retry_s": self.cfg.darl_retry_s},
+                               "darl_retry_s": self.cfg.darl_retry_s, "down_wire": self.cfg.down_wire},
+                    "update": self.update and {k: self.update[k] for k in ("round", "format", "update_bytes",
+                                                                          "residual_norm")},
                     "recent": list(self.records)[-RECORDS_KEPT:], "events": list(self.events)[-100:]}
 
 

@@ -804,6 +804,8 @@ class DownstreamTest(Fixture):
         self.assertEqual(upd["digest"], wire.theta_digest(a_path))
         rec = durable.read_jsonl(os.path.join(sd, "rounds.jsonl"))[-1]
         self.assertEqual((rec["down_wire"], rec["update_bytes"]), ("int4", sizes[-1]))
+        self.assertEqual(httpd.call(url, "GET", "/status")["update"],
+                         {"round": 3, "format": "int4", "update_bytes": sizes[-1], "residual_norm": upd["residual_norm"]})
         # a site three rounds behind: the whole theta, the same bits
         self.assertEqual(late._fetch(late_path), 3)
         self.assertEqual(late.down["via"], "full")
