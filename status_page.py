@@ -300,7 +300,8 @@ def time_ticks(lo, hi, n=5):
     raw = (hi - lo) / max(1, n) or 1
     step = next((s for s in TIME_STEPS if s >= raw), TIME_STEPS[-1])
     first = math.floor(lo / step) * step
-    return [first + k * step for k in range(int(math.ceil((hi - first) / step - 1e-9)) + 1)]
+    out = [first + k * step for k in range(int(math.ceil((hi - first) / step - 1e-9)) + 1)]
+    return out if len(out) > 1 else [first, first + step]     # two at least, hi == lo included
 
 
 def time_label(t, span):
@@ -436,8 +437,9 @@ def membership_plot(events, rows, now, width=PLOT_W):
     bottom = top + lane * len(names)
     height = bottom + 46
     ts = [a for s in spans.values() for a, _ in s] + [t for v in merged.values() for t in v] + [now]
-    t0, t1 = min(ts), max(now, max(ts))
-    ticks = [t for t in time_ticks(t0, t1) if t0 <= t <= t1]
+    ticks = time_ticks(min(ts), max(now, max(ts)))
+    t0, t1 = ticks[0], ticks[-1]    # the axis spans whole ticks, as line_plot's: a run of a few seconds
+    #                                 could otherwise hold one tick or none between its ends
     X = lambda v: left + (v - t0) * (right - left) / ((t1 - t0) or 1)
     out = [f'<svg class="plot" viewBox="0 0 {width} {height}" width="100%" role="img" '
            f'xmlns="http://www.w3.org/2000/svg"><title>{title}: {len(names)} site(s)</title>'

@@ -81,6 +81,13 @@ class PureTest(unittest.TestCase):
         t = sp.time_ticks(1000, 1000 + 3 * 3600)
         self.assertEqual(t[1] - t[0], 3600)
         self.assertEqual(t[0] % 3600, 0)
+        for lo, hi in ((100.2, 100.9), (100.0, 100.0), (59.5, 61.2), (1000.3, 1004.1)):   # a run of seconds
+            t = sp.time_ticks(lo, hi)
+            self.assertTrue(len(t) >= 2 and t[0] <= lo and t[-1] >= hi, (lo, hi, t))
+        # the membership lanes of a run a second long still get two time ticks
+        events = [{"t": 100.2, "event": "join", "cluster": "a", "incarnation": "i", "why": "", "round": 0}]
+        svg = sp.membership_plot(events, [{"sites": ["a"], "time": 100.6}], now=100.9)
+        self.assertGreaterEqual(svg.split('<g class="axis x">')[1].split("</g>")[0].count('class="tick"'), 2, svg)
 
     def test_decimation_bounds_the_points_and_keeps_a_spike(self):
         pts = [(i, 1.0 + 0.001 * i) for i in range(100000)]
