@@ -70,8 +70,8 @@ lint: setup
 # the full proof (500 schedules, ~1.5 h on 2 cores) is `$(PY) bench/fault_schedule.py --jobs 2`.
 # faults.py has its own target below; http_fuzz.py is a tool that faults.py drives (and an
 # operator points at a test deployment), not a figure.
-# wire_formats.py (the wire formats, up and down) runs 20 short federations, ~28 min on a quiet
-# 2-core machine; `--no-sweep --no-ddp` runs 10.
+# wire_formats.py (the wire formats, up and down) runs 21 short federations, ~28 min on a quiet
+# 2-core machine; `--no-sweep --no-ddp` runs 11.
 bench: setup
 	@set -e; for b in bench/*.py; do \
 	  case $$b in bench/faults.py|bench/http_fuzz.py) continue ;; esac; \

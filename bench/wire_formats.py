@@ -4,7 +4,7 @@ error, and the held-out loss of a short CPU federation relative to the uncompres
 measured in the same run.
 
 Runs on: this machine's CPU (two 1-rank sites at a time), from the repository root:
-    .venv/bin/python bench/wire_formats.py                     # 20 runs on ~1 MB of corpus, ~28 minutes here
+    .venv/bin/python bench/wire_formats.py                     # 21 runs on ~1 MB of corpus, ~28 minutes here
     .venv/bin/python bench/wire_formats.py --arms f32,int4 --no-sweep --no-ddp     # 2 runs
     .venv/bin/python bench/wire_formats.py --corpus-mb 4.2     # bench/convergence.py's full size (~4x longer)
 It prints its estimated time first, one line per arm as it finishes, then the table.
@@ -27,6 +27,7 @@ held-out loss function on FedMom's final theta. Only the sites' --wire flags dif
     int4-both    int4 up, and theta down as int4 updates (fedmom_server.py --down-wire int4,
                  the aggregator's error feedback)
     topk-both    topk up and down (--down-wire topk)
+    topk-int4    topk up, int4 down
 Figures, per arm:
     up B/param   the delta files the sites uploaded (train.py's "wire_bytes" row field, the
                  file's size), per parameter, mean over both sites' rounds
@@ -71,7 +72,8 @@ ARMS = {"f32": ([], wire.Codec("f32"), []),
         "topk-noef": (["--wire", "topk", "--no-error-feedback"], wire.Codec("topk"), []),
         "topk-k512": (["--wire", "topk", "--wire-topk-k", "512"], wire.Codec("topk", topk_k=512), []),
         "int4-both": (["--wire", "int4"], wire.Codec("int4"), ["--down-wire", "int4"]),
-        "topk-both": (["--wire", "topk"], wire.Codec("topk"), ["--down-wire", "topk"])}
+        "topk-both": (["--wire", "topk"], wire.Codec("topk"), ["--down-wire", "topk"]),
+        "topk-int4": (["--wire", "topk"], wire.Codec("topk"), ["--down-wire", "int4"])}
 SWEEP_LR, SWEEP_MU = (0.4, 0.7, 1.0), (0.0, 0.5, 0.9)
 TARGETS = {"int4": (0.5, 1.005), "int4-both": (0.5, 1.005), "topk": (0.1, 1.01), "topk-both": (0.1, 1.01)}
 
