@@ -154,13 +154,22 @@ class FedMomClient:
             raise ValueError(f"transport {transport!r}: use 'inline' or 'blob'")
         return int(self._get_file("/theta", path)["X-Round"])
 
-    def download_update(self, path, base_round, base_digest):
+    def download_update(self, path, base_round, base_digest, transport="inline"):
         """With the aggregator's --down-wire: write the update that takes our theta of
-        `base_round` (wire.Digest `base_digest`) to the current round to `path`; returns
-        (round, the digest theta must have after it), or None when there is no such update
-        (409 no_update; 404 from an aggregator without the route): download theta instead."""
+        `base_round` (wire.Digest `base_digest`) to the current round to `path` (inline, or
+        through the blob store: resumable); returns (round, the digest theta must have after
+        it), or None when there is no such update (409 no_update; 404 from an aggregator
+        without the route): download theta instead."""
         query = urllib.parse.urlencode({"from": base_round, "digest": base_digest})
         try:
+            if transport == "blob":
+                import blobstore
+                info = self._call("GET", f"/theta_update_blob?{query}", timeout=3600)
+                sha = blobstore.get_file(self._blob_url(), info["blob"], path, token=self.token,
+                                         timeout=self.stall_s, ca_file=self.ca_file)
+                if sha != info["sha256"]:
+                    raise IOError(f"update blob {info['blob']}: sha256 {sha} != {info['sha256']}")
+                return info["round"], info["digest"]
             h = self._get_file(f"/theta_update?{query}", path)
         except httpd.CallError as e:
             if e.status == 404 or (e.status == 409 and e.reply.get("code") == "no_update"):

@@ -54,6 +54,8 @@ Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."
                      theta of round R (wire.Digest D) to the current round (headers X-Round,
                      X-Theta-Digest: the digest the site must get); 409 {"code": "no_update"}
                      when there is none for that theta: download GET /theta instead
+    GET  /theta_update_blob?from=R&digest=D   the same update published to the blob store
+                     once per round -> {blob, sha256, round, digest}
     GET  /round, GET /status (JSON), GET / (the status page of the whole central VM: status_page.py;
          /?saved=1 is the copy to keep, stamped and without the auto-refresh), GET /health
 A delta whose base_round is not the current round gets 409 {"error", "round": current}.
@@ -244,32 +246,46 @@ def make_routes(state, blob_token=None):
         f, rnd = state.open_theta()
         return httpd.Response(file=f, headers={"X-Round": str(rnd)})
 
-    def theta_blob(req):
-        if not cfg.blob_url:
-            raise httpd.HTTPError(400, "this server has no blob store: start it with --blob-url, or use GET /theta")
+    def to_blob(blob, opened, rnd):
+        """Put a file of round `rnd` the state opened into the blob store, once per round and
+        name -> {blob, sha256, round}."""
         import blobstore
-        with state.publish_lock:
-            f, rnd = state.open_theta()
-            with f:
-                if rnd in state.published:
-                    return state.published[rnd]
-                blob = f"theta-{rnd}"
-                # put_file reads by path; /proc/self/fd keeps it on the file we opened under the lock
-                info = blobstore.put_file(cfg.blob_url, blob, f"/proc/self/fd/{f.fileno()}", token=blob_token,
-                                          ca_file=cfg.ca_file)
+        with state.publish_lock, opened as f:
+            if blob in state.published:
+                return state.published[blob]
+            # put_file reads by path; /proc/self/fd keeps it on the file we opened under the lock
+            info = blobstore.put_file(cfg.blob_url, blob, f"/proc/self/fd/{f.fileno()}", token=blob_token,
+                                      ca_file=cfg.ca_file)
             out = {"blob": blob, "sha256": info["sha256"], "round": rnd}
             with state.lock:
                 if state.round == rnd:
-                    state.published[rnd] = out
+                    state.published[blob] = out
             return out
 
-    def theta_update(req):
+    def no_blob_store(route):
+        if not cfg.blob_url:
+            raise httpd.HTTPError(400, f"this server has no blob store: start it with --blob-url, or use GET {route}")
+
+    def theta_blob(req):
+        no_blob_store("/theta")
+        f, rnd = state.open_theta()
+        return to_blob(f"theta-{rnd}", f, rnd)
+
+    def open_update(req):
         try:
             base = int(req.query.get("from", ""))
         except ValueError:
-            raise httpd.HTTPError(400, "GET /theta_update needs ?from=<round of your theta>&digest=<its wire.Digest>")
-        f, rnd, digest = state.open_update(base, req.query.get("digest", ""))
+            raise httpd.HTTPError(400, f"GET {req.path} needs ?from=<round of your theta>&digest=<its wire.Digest>")
+        return state.open_update(base, req.query.get("digest", ""))
+
+    def theta_update(req):
+        f, rnd, digest = open_update(req)
         return httpd.Response(file=f, headers={"X-Round": str(rnd), "X-Theta-Digest": digest})
+
+    def theta_update_blob(req):
+        no_blob_store("/theta_update")
+        f, rnd, digest = open_update(req)
+        return {**to_blob(f"update-{rnd}", f, rnd), "digest": digest}
 
     def round_(req):
         with state.lock:
@@ -288,7 +304,7 @@ def make_routes(state, blob_token=None):
               ("POST", "/join"): join, ("POST", "/heartbeat"): heartbeat, ("POST", "/leave"): leave,
               ("POST", "/delta_check"): delta_check, ("PUT", "/delta"): put_delta,
               ("POST", "/delta_blob"): delta_blob, ("GET", "/theta"): theta, ("GET", "/theta_blob"): theta_blob,
-              ("GET", "/theta_update"): theta_update}
+              ("GET", "/theta_update"): theta_update, ("GET", "/theta_update_blob"): theta_update_blob}
     return {k: _refusal(v) for k, v in routes.items()}
 
 

@@ -396,7 +396,7 @@ class FedMomState:
         self.fence_claim = None       # the epoch request in flight (durable before it is sent)
         self.fence_lock = threading.Lock()   # one fence at a time: the upload threads and the DARL loop
         self.darl_digest = None       # DARL's block-space digest, from its first fence reply
-        self.published = {}           # round -> {"blob", "sha256", "round"}
+        self.published = {}           # this round's blobs: name -> {"blob", "sha256", "round"}
         self.update = None            # with --down-wire: {"file", "round", "base_digest", "digest", "residual"}
         self.publish_lock = threading.Lock()
         self.merge_pause_s = float(os.environ.get(MERGE_PAUSE_ENV, "0") or 0)

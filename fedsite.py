@@ -262,7 +262,7 @@ class FedSite:
         if held is not None:
             upd = os.path.join(os.path.dirname(os.path.abspath(path)), "theta-update.safetensors")
             try:
-                got = self.fed.download_update(upd, *held)
+                got = self.fed.download_update(upd, *held, transport=self.theta_transport)
                 if got is not None:
                     size = os.path.getsize(upd)
                     wire.apply_update(path, upd, path, got[1], {"round": str(got[0])})

@@ -744,13 +744,20 @@ class DownstreamTest(Fixture):
     site process; a new, behind or altered site downloads the whole theta."""
     start = CrashTest.start
 
-    def site(self, url, name):
-        """fedsite.FedSite's download half (no DARL call is made), as train.py's rank 0 uses it."""
+    def site(self, url, name, blob_url=None):
+        """fedsite.FedSite's download half (no DARL call is made), as train.py's rank 0 uses it;
+        with blob_url, theta and its updates come through the blob store (--transport blob)."""
         import fedsite
         import types
         cfg = types.SimpleNamespace(cluster=name, token_file=None, darl_url="http://127.0.0.1:9", federation=url,
-                                    blob_url=None, ca_file=None, transport="inline")
+                                    blob_url=blob_url, ca_file=None, transport="blob" if blob_url else "inline")
         return fedsite.FedSite(cfg, None, 0, self.said.append)
+
+    def start_blobstore(self):
+        proc = subprocess.Popen([sys.executable, "blobstore.py", "--root", os.path.join(self.dir, "blobs"),
+                                 "--port", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
+        return listening_url(proc, timeout=120)[0]
 
     def bits(self, path):
         with tensorio.TensorReader(path) as r:
@@ -774,7 +781,8 @@ class DownstreamTest(Fixture):
         import wire
         self.said = []
         sd = os.path.join(self.dir, "st")
-        proc, url = self.start(sd, "--init", self.init, "--down-wire", "int4")
+        blob_url = self.start_blobstore()
+        proc, url = self.start(sd, "--init", self.init, "--down-wire", "int4", "--blob-url", blob_url)
         for c in ("a", "b"):
             fedmom_client.FedMomClient(url, c, f"{c}-inc").join()
         a_path, late_path = os.path.join(self.dir, "a", "theta.safetensors"), os.path.join(self.dir, "late.safetensors")
@@ -785,13 +793,20 @@ class DownstreamTest(Fixture):
         full = a.down["bytes"]
         late = self.site(url, "late")
         self.assertEqual(late._fetch(late_path), 0)
+        b_path = os.path.join(self.dir, "b.safetensors")           # a site on the blob transport
+        b = self.site(url, "b", blob_url)
+        self.assertEqual(b._fetch(b_path), 0)
         sizes = []
         for rnd in range(3):
             self.merge_round(url, rnd)
-            self.assertEqual(a._fetch(a_path), rnd + 1)
-            self.assertEqual(a.down["via"], "update", self.said)
+            for site, path in ((a, a_path), (b, b_path)):
+                self.assertEqual(site._fetch(path), rnd + 1)
+                self.assertEqual(site.down["via"], "update", self.said)
+                self.assert_holds_server_theta(sd, path, rnd + 1)
             sizes.append(a.down["bytes"])
-            self.assert_holds_server_theta(sd, a_path, rnd + 1)
+            self.assertEqual(b.down["bytes"], a.down["bytes"])
+        blobs = {x["id"]: x["size"] for x in httpd.call(blob_url, "GET", "/blobs")["blobs"]}
+        self.assertEqual([blobs.get(f"update-{r}") for r in (1, 2, 3)], sizes)     # b's came this way
         n = sum(int(np.prod(s)) for s in SHAPES.values())
         self.assertTrue(all(b / n < 0.6 for b in sizes), f"int4 update bytes/param {[b / n for b in sizes]}")
         self.assertGreater(full / n, 3.99)
@@ -814,7 +829,7 @@ class DownstreamTest(Fixture):
         # site process (digest read from the file it left) still gets the update
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-        proc, url = self.start(sd, "--down-wire", "int4")
+        proc, url = self.start(sd, "--down-wire", "int4", "--blob-url", blob_url)
         self.merge_round(url, 3)
         a2 = self.site(url, "a")
         self.assertEqual(a2._fetch(a_path), 4)
