@@ -69,12 +69,13 @@ lint: setup
 # `$(PY) bench/convergence.py`. fault_schedule.py runs 40 schedules here (~7 min);
 # the full proof (500 schedules, ~1.5 h on 2 cores) is `$(PY) bench/fault_schedule.py --jobs 2`.
 # faults.py has its own target below; http_fuzz.py is a tool that faults.py drives (and an
-# operator points at a test deployment), not a figure.
+# operator points at a test deployment), not a figure; wan_relay.py is the WAN-shaped link
+# the benches import (wire_formats.py --link-mbit).
 # wire_formats.py (the wire formats, up and down) runs 21 short federations, ~28 min on a quiet
 # 2-core machine; `--no-sweep --no-ddp` runs 11.
 bench: setup
 	@set -e; for b in bench/*.py; do \
-	  case $$b in bench/faults.py|bench/http_fuzz.py) continue ;; esac; \
+	  case $$b in bench/faults.py|bench/http_fuzz.py|bench/wan_relay.py) continue ;; esac; \
 	  echo "== $$b"; \
 	  case "$$b" in \
 	    bench/convergence.py) $(PY) $$b --quick ;; \

@@ -70,8 +70,8 @@ class RoundResult:
     """What became of one delta. round: the theta_global the site now holds (the newest,
     whatever became of the delta); merged_into: the round it went into, when merged;
     reason: why not, otherwise. The span it trained, and the Handoff's step and tokens,
-    come back with it; theta_via ("update" or "full") and down_bytes say how the new
-    theta_global came down (FedSite.fetch_theta)."""
+    come back with it; theta_via ("update" or "full"), down_bytes and down_s say how the
+    new theta_global came down (FedSite.fetch_theta)."""
     base_round: int
     round: int = None
     merged: bool = False
@@ -86,6 +86,7 @@ class RoundResult:
     wait_s: float = 0.0
     theta_via: str = None
     down_bytes: int = None
+    down_s: float = 0.0
 
 
 class FedSite:
@@ -305,8 +306,7 @@ class FedSite:
             out.reason = "lease lost at DARL before the send: delta dropped, its blocks are trained again"
             self.log(out.reason)
             self.session.span_done(span)
-            out.round = yield from self.fetch_theta(theta_path)
-            out.theta_via, out.down_bytes = self.down.get("via"), self.down.get("bytes")
+            yield from self._fetch_into(out, theta_path)
             return out
         try:
             yield from self._retry("send delta", lambda: self.fed.send_delta(
@@ -340,9 +340,14 @@ class FedSite:
         else:                                        # accepted, then no record: the aggregator decides
             out.reason = "outcome unknown: lease left to the aggregator (commit if merged, else expiry)"
             self.session.forget(span)
+        yield from self._fetch_into(out, theta_path)
+        return out
+
+    def _fetch_into(self, out, theta_path):
+        t0 = time.monotonic()
         out.round = yield from self.fetch_theta(theta_path)
         out.theta_via, out.down_bytes = self.down.get("via"), self.down.get("bytes")
-        return out
+        out.down_s = round(time.monotonic() - t0, 3)
 
     # -- end
     def finish(self):

@@ -1054,7 +1054,7 @@ def federated_loop(run, site, carrier, start):
                "windows": len(phase), "steps": phase.steps, "inner_s": round(inner_s, 3), "tokens_per_s": tps,
                "send_s": r.send_s, "wait_s": r.wait_s, "delta_norm": out["delta_norm"], "outer_ms": out["outer_ms"],
                "wire": cfg.wire, "wire_bytes": carrier.wire_bytes, "residual_norm": carrier.residual_norm(),
-               "theta_via": r.theta_via, "down_bytes": r.down_bytes}
+               "theta_via": r.theta_via, "down_bytes": r.down_bytes, "down_s": r.down_s}
         log.metric(row)
         log.log(f"round {r.base_round} -> {r.round}: " + ("merged" if r.merged else f"NOT merged ({r.reason})")
                 + f"; lease {r.lease} [{r.start}, {r.end}) = {len(phase)} windows in {phase.steps} steps, "

@@ -128,7 +128,9 @@ def federated(cfg, arm, ctx, launcher, site_args=(), outer=None, fed_args=()):
     """(c): the central services and two 1-rank sites; returns FedMom's final theta.
     bench/wire_formats.py's arms: site_args, more train.py flags for both sites (--wire ...);
     outer, (lr, momentum) at the aggregator instead of the arm's; fed_args, more
-    fedmom_server.py flags (--down-wire ...)."""
+    fedmom_server.py flags (--down-wire ...); ctx["link"] = (Mbit/s, latency ms): each
+    site reaches FedMom and the blob store through a WAN-shaped link of its own
+    (bench/wan_relay.py)."""
     _, lr, mom = OUTER[arm.split("-")[1]] if outer is None else (None, *outer)
     arm_dir = os.path.join(ctx["out"], arm)
     os.makedirs(arm_dir)
@@ -136,11 +138,17 @@ def federated(cfg, arm, ctx, launcher, site_args=(), outer=None, fed_args=()):
                               fedmom_args=["--outer-lr", lr, "--outer-momentum", mom,
                                            # a round waits for both sites (equal weights, like (b))
                                            "--round-deadline-s", 3600, "--member-timeout-s", 600, *fed_args])
-    sites = [harness.launch_site(launcher, name, svc, ctx["manifest"], log_dir=os.path.join(arm_dir, "logs"), nproc=1,
-                              parallel="ddp", runs_dir=os.path.join(arm_dir, "sites"),
-                              train_args=common_args(cfg, ctx["steps"], ctx["warmup"]) + list(site_args))
-             for name in ("alpha", "beta")]
-    done = harness.wait_for(lambda: all(p.poll() is not None for p in sites), ctx["timeout_s"], 0.5)
+    links = []
+    try:
+        sites = [harness.launch_site(launcher, name, shaped(svc, ctx.get("link"), links), ctx["manifest"],
+                                     log_dir=os.path.join(arm_dir, "logs"), nproc=1, parallel="ddp",
+                                     runs_dir=os.path.join(arm_dir, "sites"),
+                                     train_args=common_args(cfg, ctx["steps"], ctx["warmup"]) + list(site_args))
+                 for name in ("alpha", "beta")]
+        done = harness.wait_for(lambda: all(p.poll() is not None for p in sites), ctx["timeout_s"], 0.5)
+    finally:
+        for link in links:
+            link.close()
     for p in sites:
         if done is None or p.poll() != 0:
             raise RuntimeError(f"{arm}: site {p.name} {'timed out' if done is None else f'failed (exit {p.poll()})'}; "
@@ -156,6 +164,22 @@ def federated(cfg, arm, ctx, launcher, site_args=(), outer=None, fed_args=()):
     site_evals = [final_eval(os.path.join(arm_dir, "sites", n)) for n in ("alpha", "beta")]
     return {"weights": theta, "train_eval": site_evals[0], "rounds": records, "coverage": coverage,
             "sites": os.path.join(arm_dir, "sites")}
+
+
+def shaped(svc, link, links):
+    """svc as one site sees it through a WAN-shaped link: its FedMom and blob store URLs
+    point at relays of their own (appended to `links`); svc itself without a link."""
+    if not link:
+        return svc
+    import urllib.parse
+    import wan_relay
+    urls = {}
+    for key in ("fedmom", "blob"):
+        u = urllib.parse.urlsplit(getattr(svc, key))
+        relay = wan_relay.Link((u.hostname, u.port), *link).start()
+        links.append(relay)
+        urls[key] = f"{u.scheme}://127.0.0.1:{relay.port}"
+    return dataclasses.replace(svc, **urls)
 
 
 def fmt_ratio(x, base):

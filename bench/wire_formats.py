@@ -38,9 +38,11 @@ Figures, per arm:
     rel. error   ||x - decode(encode(x))|| / ||x|| of one real delta: the f32 arm's last
                  delta of site alpha, encoded once with the arm's codec (no feedback)
     held-out     FedMom's final theta, and its ratio to the f32 arm's and to DDP's
-    util, idle s each site's time in inner steps / (that + send + wait), and send + wait
-                 per round: on loopback, with no WAN-shaped link (not built), this is the
-                 wait for the other site and the merge
+    util, idle s each site's time in inner steps / (that + send + wait + download), and
+                 send + wait + download per round: on plain loopback the wait for the other site and the merge;
+                 with --link-mbit, each site reaches FedMom and the blob store through a
+                 WAN-shaped link of its own (bench/wan_relay.py: that cap each way, plus
+                 --link-latency-ms), so the transfers count too
 Targets (not all reachable, see the table): int4 with error feedback <= 0.5 B/param and a
 ratio <= 1.005, and the same down (int4-both); topk <= 0.1 B/param at a ratio <= 1.01.
 """
@@ -86,6 +88,8 @@ class WireBenchConfig(convergence.BenchConfig):
     arms: str = ",".join(ARMS)
     sweep: bool = True
     ddp: bool = True
+    link_mbit: float = 0.0
+    link_latency_ms: float = 50.0
     timeout_min: float = 30.0
     known_arms = tuple(ARMS)
 
@@ -121,7 +125,7 @@ def run_arm(cfg, arm, ctx, launcher, outer):
     sizes = [x["wire_bytes"] for x in rows if x.get("wire_bytes")]
     r["up"] = sum(sizes) / len(sizes) / ctx["params"] if sizes else None
     inner = sum(x["inner_s"] for x in rows)
-    idle = sum((x.get("send_s") or 0) + (x.get("wait_s") or 0) for x in rows)
+    idle = sum((x.get("send_s") or 0) + (x.get("wait_s") or 0) + (x.get("down_s") or 0) for x in rows)
     r["util"] = inner / (inner + idle) if inner + idle else None     # time in inner steps / phase + round trip
     r["idle"] = idle / len(rows) if rows else None                    # per site and round, s
     down = [x["down_bytes"] for x in rows if x.get("down_bytes")]
@@ -166,7 +170,9 @@ def report(cfg, ctx, results):
     lines = ctx.get("sweep_lines", []) + [
         "", f"Wire formats, 2 federated sites, outer lr {lr:g} momentum {mu:g}, {cfg.model} ({ctx['params']:,} "
             f"parameters), H = {cfg.inner_steps}, one epoch of {ctx['train_windows']:,} windows x {cfg.seq_len} tokens"
-            + (f"; DDP held-out {ctx['ddp']:.4f}" if ctx.get("ddp") else "") + ":", "",
+            + (f"; DDP held-out {ctx['ddp']:.4f}" if ctx.get("ddp") else "")
+            + (f"; each site on a {ctx['link'][0]:g} Mbit/s, {ctx['link'][1]:g} ms link" if ctx.get("link") else "")
+            + ":", "",
         f"  {'arm':<10} {'up B/param':>10} {'payload':>8} {'down B/param':>12} {'rel. error':>10} {'rounds':>6} "
         f"{'held-out':>9} {'vs f32':>17} {'vs DDP':>17} {'util':>5} {'idle s':>6} {'min':>5}"]
     for arm in cfg.arm_list:
@@ -198,8 +204,9 @@ def report(cfg, ctx, results):
               "  header (what a large model pays: the header grows with the tensor count, not their size);",
               "  down: what each site downloaded per round: theta_global in fp32, or (-both arms) the update from",
               "  the theta it held. int4's floor is 0.5 B/param plus 2/128 for the bf16 block scales. util: time in",
-              "  inner steps / (that + send + wait), both sites; idle s: send + wait per site and round, on",
-              "  loopback (no WAN-shaped link here): the wait for the other site and the merge, not the WAN."]
+              "  inner steps / (that + send + wait + download), both sites; idle s: those three per site and round:",
+              "  the transfers, the wait for the other site and the merge" + (" (on the shaped link)." if ctx.get("link")
+                                                                          else ", on plain loopback (no --link-mbit).")]
     return "\n".join(lines)
 
 
@@ -213,6 +220,11 @@ def run(cfg: WireBenchConfig):
         with tensorio.TensorReader(ctx["init"]) as r:
             ctx["params"] = sum(math.prod(r.specs[n][1]) for n in r.names)
         ctx["outer"] = (1.0, 0.0)
+        if cfg.link_mbit > 0:
+            ctx["link"] = (cfg.link_mbit, cfg.link_latency_ms)
+            print(f"WAN-shaped link per site: {cfg.link_mbit:g} Mbit/s each way, {cfg.link_latency_ms:g} ms; an "
+                  f"fp32 delta or theta ({4 * ctx['params'] / 1e6:.2f} MB) takes "
+                  f"{4 * ctx['params'] * 8 / (cfg.link_mbit * 1e6):.1f} s", flush=True)
         if cfg.sweep:
             table, best = sweep(cfg, ctx, launcher)
             ctx["outer"] = best or ctx["outer"]
@@ -241,6 +253,11 @@ def main(argv=None):
     p.add_argument("--no-sweep", dest="sweep", action="store_false",
                    help="skip the outer lr x momentum sweep (9 f32 arms) and use FedAvg (lr 1, momentum 0)")
     p.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the DDP arm (the vs-DDP column)")
+    p.add_argument("--link-mbit", type=float, default=d.link_mbit,
+                   help="a WAN-shaped link per site, Mbit/s each way (default 0: plain loopback); "
+                        "~2 makes qwen3-tiny's fp32 exchange about one inner phase of the quick size")
+    p.add_argument("--link-latency-ms", type=float, default=d.link_latency_ms,
+                   help=f"the link's added one-way latency, ms (default {d.link_latency_ms:g})")
     return run(WireBenchConfig(**vars(p.parse_args(argv))))
 
 

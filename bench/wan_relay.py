@@ -1,0 +1,114 @@
+"""bench/wan_relay.py - a WAN-shaped link on loopback: a TCP relay with a bandwidth cap and
+an added one-way latency, for benches and tests (not a part of the run).
+
+Runs on: this machine, in the bench's (or test's) own process, between a site and a
+central service; binds 127.0.0.1 on a free port. No state.
+
+    relay = Link(("127.0.0.1", 29511), mbit_s=2.5, latency_ms=50).start()
+    url = f"http://127.0.0.1:{relay.port}"       # give this to the site instead of the service's
+    ...
+    relay.stats()       # {"up_bytes", "down_bytes"}: what crossed, each direction
+    relay.close()
+
+Each direction is one link for every connection through the relay (a site's uplink is
+shared by its uploads, its downlink by its downloads), serialised at mbit_s: a chunk
+read at t leaves at max(t, when the link is free) + its size / rate + latency_ms. One
+reader and one writer thread per direction and connection, so the latency delays bytes
+without slowing the stream (a chunk in flight does not stop the next one being read).
+"""
+import collections
+import socket
+import threading
+import time
+
+CHUNK = 64 << 10
+
+
+class _Direction:
+    """One direction's shared link: when it is next free, and the bytes it carried."""
+
+    def __init__(self, rate_bps, latency_s):
+        self.rate, self.latency = rate_bps, latency_s
+        self.free_at, self.bytes = 0.0, 0
+        self.lock = threading.Lock()
+
+    def due(self, n, now):
+        with self.lock:
+            start = max(now, self.free_at)
+            self.free_at = start + n / self.rate
+            self.bytes += n
+            return self.free_at + self.latency
+
+
+class Link:
+    def __init__(self, target, mbit_s, latency_ms=0.0, host="127.0.0.1"):
+        self.target = target
+        rate = mbit_s * 1e6 / 8
+        self.up, self.down = _Direction(rate, latency_ms / 1e3), _Direction(rate, latency_ms / 1e3)
+        self.sock = socket.create_server((host, 0))
+        self.port = self.sock.getsockname()[1]
+        self.closed = False
+
+    def start(self):
+        threading.Thread(target=self._accept, name="wan-relay", daemon=True).start()
+        return self
+
+    def _accept(self):
+        while not self.closed:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            for sock in (client, server):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _pipe(client, server, self.up)
+            _pipe(server, client, self.down)
+
+    def stats(self):
+        return {"up_bytes": self.up.bytes, "down_bytes": self.down.bytes}
+
+    def close(self):
+        self.closed = True
+        self.sock.close()
+
+
+def _pipe(src, dst, link):
+    """src -> dst through `link`: a reader stamps each chunk with its due time, a writer
+    sends it then. EOF (or an error) on either side closes both directions' sockets."""
+    q, cond = collections.deque(), threading.Condition()
+
+    def read():
+        try:
+            while chunk := src.recv(CHUNK):
+                due = link.due(len(chunk), time.monotonic())
+                with cond:
+                    q.append((due, chunk))
+                    cond.notify()
+        except OSError:
+            pass
+        with cond:
+            q.append((0.0, None))
+            cond.notify()
+
+    def write():
+        try:
+            while True:
+                with cond:
+                    while not q:
+                        cond.wait()
+                    due, chunk = q.popleft()
+                if chunk is None:
+                    break
+                time.sleep(max(0.0, due - time.monotonic()))
+                dst.sendall(chunk)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    threading.Thread(target=read, daemon=True).start()
+    threading.Thread(target=write, daemon=True).start()
