@@ -109,6 +109,11 @@ Protocol (POST, JSON bodies; replies are JSON; errors are 4xx with
                reply) until that epoch acts. Any other last_epoch is a stale copy of the
                state: 409 "fenced". Every other custody call must name the current epoch
                (409 "fenced" otherwise; "not_fenced" for an aggregator DARL never fenced)
+    /fence/confirm {aggregator, epoch, claim, holder}   the answered process, its epoch
+               durable, binds the epoch to itself (holder: a random id per process)
+               before it acts. Two copies of one state given the same epoch (a copy taken
+               while the ask was in flight): the first to confirm holds it, the other gets
+               409 "fenced". A repeat by the holder gets the same answer
     /custody   {aggregator, epoch, delta, cluster, incarnation, leases: [{lease, start?, end?}]}
                -> {"state": "held", "pieces": [[lease, start, end]], "blocks"}: the
                positions [start, end) of every lease leave it, all or nothing, for a
@@ -531,7 +536,7 @@ class Coordinator:
     its config, and `out` proves it record by record.
     """
     OPS = ("register", "acquire", "heartbeat", "commit", "release", "restore", "set_config", "fence",
-           "take_custody", "commit_custody", "abort_custody", "abort_orphaned")
+           "confirm_fence", "take_custody", "commit_custody", "abort_custody", "abort_orphaned")
 
     def __init__(self, space, config=None, state_dir=None, snapshot_every=1000, restore_grace=120.0,
                  fsync=True, clock=None, wall=httpd.wall_time, monotonic=time.monotonic,
@@ -796,6 +801,8 @@ REQUESTS = {            # op -> (path, {field: (type, required)})
     "commit": ("/commit", {**ID, "lease": (int, True), "end": (int, False)}),
     "release": ("/release", {**ID, "leases": (list, False), "leave": (bool, False)}),
     "fence": ("/fence", {"aggregator": (str, True), "last_epoch": (int, True), "claim": (str, True)}),
+    "confirm_fence": ("/fence/confirm", {"aggregator": (str, True), "epoch": (int, True), "claim": (str, True),
+                                         "holder": (str, True)}),
     "take_custody": ("/custody", {**AGG, "delta": (str, True), **ID, "leases": (list, True)}),
     "commit_custody": ("/custody/commit", {**AGG, "delta": (str, True)}),
     "abort_custody": ("/custody/abort", {**AGG, "delta": (str, True), "why": (str, False)}),
@@ -804,7 +811,7 @@ REQUESTS = {            # op -> (path, {field: (type, required)})
 }
 
 
-CUSTODY_PATHS = ("/fence", "/custody", "/custody/commit", "/custody/abort", "/custody/abort_orphaned")
+CUSTODY_PATHS = ("/fence", "/fence/confirm", "/custody", "/custody/commit", "/custody/abort", "/custody/abort_orphaned")
 
 
 def make_routes(coord):

@@ -733,10 +733,10 @@ class LeaseTable:
             self._check_fence(aggregator, a["epoch"])
         if a is None:                 # first ask (or a DARL that never heard of it): nothing to compare
             a = self.aggregators[aggregator] = {"epoch": last_epoch, "retired": None, "claim": None}
-        if a.get("claim") == claim and a["epoch"] == last_epoch + 1:
+        if a.get("claim") == claim and a["epoch"] == last_epoch + 1 and not a.get("holder"):
             pass                      # the same ask again: its answer was lost
         elif a["epoch"] == last_epoch:
-            a["epoch"], a["claim"] = last_epoch + 1, claim
+            a["epoch"], a["claim"], a["holder"] = last_epoch + 1, claim, None
         else:
             raise LeaseError(409, f"aggregator {aggregator!r}: this state last held epoch {last_epoch}, DARL issued "
                                   f"epoch {a['epoch']} since: a newer copy of this aggregator's state runs (or ran); "
@@ -744,6 +744,27 @@ class LeaseTable:
         held = [self.custody[k] for k in self.custody_held if k[0] == aggregator]
         return {"aggregator": aggregator, "epoch": a["epoch"], "held": len(held),
                 "held_blocks": sum(C.blocks for C in held)}
+
+    def confirm_fence(self, aggregator, epoch, claim, holder, now=None):
+        """The process that fence() answered, its epoch now durable in its state, binds the
+        epoch to itself (`holder`: a random id of that process) before using it. A copy of
+        the aggregator's state taken while the ask was in flight holds the same claim and
+        may have been given the same epoch; whichever of the two confirms first holds it,
+        the other is fenced here, so two processes never act under one epoch. A repeat by
+        the holder gets the same answer (its answer was lost)."""
+        _check_name("aggregator", aggregator)
+        epoch = _epoch(epoch)
+        _check_name("claim", claim)
+        _check_name("holder", holder)
+        self._check_fence(aggregator, epoch)
+        a = self.aggregators[aggregator]
+        if a.get("holder") != holder:
+            if a.get("holder") or a.get("claim") != claim:
+                raise LeaseError(409, f"aggregator {aggregator!r}: epoch {epoch} is held by another process of this "
+                                      "aggregator (a copy of its state started beside it); this one must stop",
+                                 code="fenced")
+            a["holder"], a["claim"] = holder, None
+        return {"aggregator": aggregator, "epoch": epoch}
 
     def take_custody(self, aggregator, epoch, delta, cluster, incarnation, leases, now=None):
         """Move [lease start, end) of every named lease into one custody record, all or

@@ -252,6 +252,10 @@ class DarlLink:
         return self._ask("POST", "/fence", {"aggregator": aggregator, "last_epoch": last_epoch, "claim": claim},
                          "aggregator", aggregator)
 
+    def confirm_fence(self, aggregator, epoch, claim, holder):
+        return self._ask("POST", "/fence/confirm", {"aggregator": aggregator, "epoch": epoch, "claim": claim,
+                                                    "holder": holder}, "aggregator", aggregator)
+
     def custody(self, aggregator, epoch, delta, cluster, incarnation, leases):
         body = {"aggregator": aggregator, "epoch": epoch, "delta": delta, "cluster": cluster,
                 "incarnation": incarnation,
@@ -392,6 +396,7 @@ class FedMomState:
         self.darl_alarm = None        # {"since", "error", "calls"} while DARL gives no definitive answer
         self.fenced = None            # DARL's reason, once it refused this epoch: the process stops
         self.fenced_epoch = self.reconciled = False
+        self.process_id = secrets.token_hex(8)   # binds DARL's epoch to this process (/fence/confirm)
         self.custody_used = darl is not None   # sticky in state.json: once DARL held custody, always --darl
         self.fence_claim = None       # the epoch request in flight (durable before it is sent)
         self.fence_lock = threading.Lock()   # one fence at a time: the upload threads and the DARL loop
@@ -432,6 +437,7 @@ class FedMomState:
         init_theta(self.cfg.init, os.path.join(self.dir, theta), self.cfg.fsync)
         self.round, self.theta_file, self.momentum_file = 0, theta, None
         self.aggregator_id, self.epoch = f"fedmom-{secrets.token_hex(6)}", 0    # DARL issues epoch 1
+        self.loaded_epoch = 0
         with tensorio.TensorReader(os.path.join(self.dir, theta)) as r:
             self.specs = {n: r.specs[n][1] for n in r.names}
         st = os.stat(self.cfg.init)
@@ -456,6 +462,7 @@ class FedMomState:
         self._check_custody_mode(st)
         self._check_outer_step(st)
         self.aggregator_id, self.epoch = st["aggregator"], st["epoch"]
+        self.loaded_epoch = self.epoch
         self.fence_claim = st.get("fence_claim")      # an ask whose answer may have been lost: repeat it
         with tensorio.TensorReader(os.path.join(self.dir, self.theta_file)) as r:
             self.specs = {n: r.specs[n][1] for n in r.names}
@@ -1156,10 +1163,20 @@ class FedMomState:
                               f"with a DARL of block space {self.darl_digest}: restart with --darl URL of that DARL")
             return False
         if ans.kind == "ok":
+            claim = self.fence_claim
             with self.lock:
                 self.epoch, self.fence_claim = ans.reply["epoch"], None
                 self.darl_digest = self.darl_digest or digest
                 self._save()              # the issued epoch is durable before any call names it
+            # then bind it to this process: a copy of our state taken while the ask was in
+            # flight holds the same claim and may have been given the same epoch
+            ans = self.darl.confirm_fence(self.aggregator_id, self.epoch, claim, self.process_id)
+            if ans.kind == "refused":
+                self._stop_fenced(ans.reply.get("error", ans.error))
+                return False
+            if ans.kind != "ok":          # asked again later: a new claim, the next epoch
+                self._darl_failed("confirm the fence", ans.error)
+                return False
             self.fenced_epoch = True
             log(f"fedmom: DARL knows aggregator {self.aggregator_id} at epoch {self.epoch} "
                 f"({ans.reply.get('held', 0)} custody record(s) held)")
@@ -1330,7 +1347,9 @@ class FedMomState:
                     "excluded": list(self.excluded), "dropped": list(self.dropped),
                     "pending_commits": len(self.pending_commits), "pending_aborts": len(self.pending_aborts),
                     "merge_error": self.merge_error,
-                    "aggregator": self.aggregator_id, "epoch": self.epoch, "violations": dict(self.violations),
+                    "aggregator": self.aggregator_id, "violations": dict(self.violations),
+                    # the epoch this process holds once DARL confirmed it; until then the one its state had
+                    "epoch": self.epoch if self.fenced_epoch or self.darl is None else self.loaded_epoch,
                     "darl": {"alarm": self.darl_alarm, "fenced": self.fenced,
                              "custody_waiting": self._custody_waiting() if self.darl else [],
                              "commits_owed": [dict(c) for c in self.pending_commits[:50]],

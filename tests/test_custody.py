@@ -181,6 +181,24 @@ class CustodyTableTest(unittest.TestCase):
         self.assertEqual(self.t.counters["refused_aborts"], 1, "committed blocks no round holds went uncounted")
         self.t.verify()
 
+    def test_two_copies_of_one_claim_never_both_hold_the_epoch(self):
+        """A copy of the state taken while its fence was in flight repeats the same claim and
+        is given the same epoch: the first to confirm holds it, the other is fenced, in
+        either order; once confirmed, the claim is never answered again."""
+        for first, second in (("A", "B"), ("B", "A")):
+            t = LeaseTable(100, TableConfig(min_ttl=1, default_ttl=10))
+            self.assertEqual(t.fence("agg", 0, "c1")["epoch"], 1)        # A asks; its answer arrives or not
+            self.assertEqual(t.fence("agg", 0, "c1")["epoch"], 1)        # the copy B repeats the ask
+            self.assertEqual(t.confirm_fence("agg", 1, "c1", first)["epoch"], 1)
+            self.assertEqual(t.confirm_fence("agg", 1, "c1", first)["epoch"], 1, "a repeat of the holder")
+            with self.assertRaises(LeaseError) as cm:
+                t.confirm_fence("agg", 1, "c1", second)
+            self.assertEqual(cm.exception.extra["code"], "fenced")
+            with self.assertRaises(LeaseError) as cm:                    # a third copy, later
+                t.fence("agg", 0, "c1")
+            self.assertEqual(cm.exception.extra["code"], "fenced")
+            self.assertEqual(t.fence("agg", 1, "c2")["epoch"], 2)        # the holder's next start goes on
+
     def test_older_epochs_are_fenced_and_an_operator_retires_an_orphan(self):
         a, a2 = self.lease("a"), self.lease("a")
         self.take("d1", "a", a)
@@ -432,6 +450,23 @@ class FencingAndRepairTest(AggregatorFixture):
         self.assertEqual(coord.status()["in_custody"], 0)
         with self.assertRaises(fs.Refused):
             self.send(old, "lumi", self.delta()[0], 100, leases=[a])
+
+    def test_a_copy_taken_before_the_first_fence_is_fenced_once_the_live_one_holds_its_epoch(self):
+        """The state is copied after its fence claim is durable and before DARL's epoch is
+        (a standby's copy of a state that never ran): both hold the same claim. The live one
+        starts, is issued epoch 1 and confirms it; the copy, started beside it, is fenced."""
+        coord, url = self.darl()
+        a = self.agg(fs.DarlLink(url, TOKEN), name="A")
+        shutil.copytree(os.path.join(self.dir, "A"), os.path.join(self.dir, "B"), ignore=shutil.ignore_patterns("lock"))
+        self.assertTrue(a.darl_tick())
+        self.assertEqual((a.epoch, a.status()["epoch"]), (1, 1))
+        for _ in range(2):
+            b = self.agg(fs.DarlLink(url, TOKEN), name="B", init=False)
+            self.assertFalse(b.darl_tick())
+            self.assertIsNotNone(b.fenced)
+        a.join("lumi", "lumi-inc")                                  # A still acts
+        self.assertTrue(self.send(a, "lumi", self.delta()[0], 100, leases=[self.lease(url, coord, "lumi")])["accepted"])
+        self.assertIsNone(a.fenced)
 
     def test_a_stale_copy_of_the_state_never_gets_an_epoch_however_often_it_restarts(self):
         """Failover: the state is copied to a standby B, which restarts (DARL issues 2, 3, 4);
