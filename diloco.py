@@ -348,9 +348,15 @@ class FedMomCarrier(OuterCarrier):
     codec: a wire.Codec or a format name ("f32", "bf16", ...); error_feedback: keep a
     Residual (lossy formats only); fresh: a new run (--resume none), nothing owed from
     an earlier one.
+    overlap (train.py --overlap; FEDERATION_GUIDE.md section 4, "Overlap"): step 2 runs on
+    a thread (site.start_round_trip) and outer_step returns at once, the model keeping its
+    own weights ("keep_weights") and every rank its local shards as sent (`sent`, host
+    fp32); the caller's settle(outer) at the next phase's end does step 3 and folds
+    theta_global in (fold()), before that phase's delta is computed.
     """
 
-    def __init__(self, site, workdir, codec=None, error_feedback=True, group=None, fresh=False, log=print):
+    def __init__(self, site, workdir, codec=None, error_feedback=True, group=None, fresh=False, log=print,
+                 overlap=False):
         import wire
         if codec is None or isinstance(codec, str):        # a format name: "f32", "BF16", ...
             codec = wire.Codec((codec or "f32").lower())
@@ -365,6 +371,12 @@ class FedMomCarrier(OuterCarrier):
         self.round = None            # the round of the theta_global the model was loaded with
         self.delta_path = os.path.join(workdir, "delta.safetensors")
         self.theta_path = os.path.join(workdir, "theta.safetensors")
+        # --overlap (FEDERATION_GUIDE.md section 4, "Overlap"): the delta in flight
+        self.overlap = overlap
+        self.in_flight = False       # every rank: a round trip runs on rank 0 while the site trains on
+        self.busy = None             # rank 0: its fedsite.Background
+        self.sent = None             # every rank: its local shards as they were sent (CPU, fp32)
+        self.wait_s = None           # how long the last settle() waited for its round trip, s
 
     def broadcast_initial(self, tensors):
         """Nothing here: the site loads theta_global (load_global) before its first phase."""
@@ -466,6 +478,7 @@ class FedMomCarrier(OuterCarrier):
         self.read_theta(outer.names, outer.params, outer.theta)
         for t, p in zip(outer.theta, outer.params):
             _local(p).copy_(t)
+        outer.ahead = False
         return self.round
 
     def current(self):
@@ -478,6 +491,13 @@ class FedMomCarrier(OuterCarrier):
                                "(DiLoCo.end_phase(handoff))")
         base = self.round
         self.write_delta(ex.names, ex.params, ex.deltas)
+        if self.overlap:
+            # the site trains on from its own weights; what the fold needs is kept on the host
+            self.sent = [_local(p).detach().to("cpu", torch.float32, copy=True) for p in ex.params]
+            if self.site is not None:
+                self.busy = self.site.start_round_trip(self.delta_path, base, ex.handoff, self.theta_path)
+            self.in_flight = True
+            return {"federation": None, "keep_weights": True}
         result = on_rank0(lambda: self.site.round_trip(self.delta_path, base, ex.handoff, self.theta_path),
                           self.group)
         if self.residual is not None:
@@ -485,6 +505,33 @@ class FedMomCarrier(OuterCarrier):
         self.read_theta(ex.names, ex.params, ex.theta)
         self.round = result.round
         return {"federation": result}
+
+    @torch.no_grad()
+    def settle(self, outer):
+        """--overlap, collective: wait for the round trip in flight (rank 0 polls, the other
+        ranks wait in small broadcasts), settle error feedback by its RoundResult, load the
+        theta_global it brought into outer.theta and fold it into the model: every local
+        tensor becomes theta_global + (what it trained since the send). -> the RoundResult."""
+        t0 = time.monotonic()
+        result = on_rank0(lambda: self.busy.wait(), self.group)
+        self.wait_s = round(time.monotonic() - t0, 3)
+        if self.residual is not None:
+            self.residual.settle(result.base_round, result.merged_into if result.merged else None,
+                                 result.reason or "")
+        self.read_theta(outer.names, outer.params, outer.theta)
+        for p, t, s in zip(outer.params, outer.theta, self.sent):
+            fold(_local(p), t, s)
+        self.round, self.busy, self.sent, self.in_flight = result.round, None, None, False
+        return result
+
+
+def fold(local, theta, sent):
+    """The one-step-delayed outer update, in place: local <- theta + (local - sent). `sent`
+    is what the site's weights were when its delta left, `theta` the theta_global that came
+    back: the site keeps exactly what it trained since the send, on the new base, so its
+    next delta (base theta) is that progress alone. One temporary of local's size."""
+    d = local.to(theta.dtype) - sent.to(local.device, theta.dtype)    # fp32: theta's precision
+    local.copy_(d.add_(theta.to(local.device)))
 
 
 class Residual:
@@ -661,6 +708,7 @@ class DiLoCo:
         self.inner_step = 0          # inner steps since construction (or restore)
         self.phase_steps = 0         # inner steps since the last outer step
         self.outer_step = 0
+        self.ahead = False           # the replica's weights are not theta although no step is counted
 
     # -- the loop
     def after_inner_step(self):
@@ -727,8 +775,12 @@ class DiLoCo:
                            deltas_on_theta_device=lambda: self._deltas_on_theta_device(deltas),
                            handoff=handoff)
         got = dict(self.carrier.outer_step(ex) or {})
-        for t, p in zip(self.theta, self.params):
-            _local(p).copy_(t, non_blocking=True)
+        # keep_weights (FedMomCarrier under --overlap): the replica trains on from its own
+        # weights while the new theta is on its way; global_weights() then swaps theta in
+        self.ahead = bool(got.pop("keep_weights", False))
+        if not self.ahead:
+            for t, p in zip(self.theta, self.params):
+                _local(p).copy_(t, non_blocking=True)
         self.carrier.sync_buffers(list(self.model.buffers()))
         sq = [delta_sq, got.pop("avg_delta_sq", float("nan"))]
         if self.sharded and self.layout.replica_size > 1:
@@ -753,7 +805,7 @@ class DiLoCo:
     def global_weights(self):
         """Inside: the model holds theta (identical on every rank). After: the replica's
         own weights are back. Free right after an outer step (they are equal then)."""
-        if self.phase_steps == 0:
+        if self.phase_steps == 0 and not self.ahead:
             yield self.model
             return
         saved = [_local(p).detach().to(self.outer_device, copy=True) for p in self.params]
@@ -797,3 +849,4 @@ class DiLoCo:
             m.copy_(sd["momentum"][n])
         for t, p in zip(self.theta, self.params):     # every replica restarts from theta
             _local(p).copy_(t)
+        self.ahead = False

@@ -17,6 +17,9 @@ Callers: train.py's federated loop and diloco.FedMomCarrier, in this order per r
         ... train phase.steps steps, write the checkpoint ...
         carrier's outer step -> on_rank0(lambda: site.round_trip(delta, base, handoff, theta))
     on_rank0(lambda: site.finish())
+With --overlap the carrier calls site.start_round_trip(...) instead (the same round trip
+on a Background thread), the loop asks next_span(busy) while it runs, and the carrier's
+settle() waits for it at the next phase's end (FEDERATION_GUIDE.md section 4, "Overlap").
 Every method that can wait is a generator that yields while it waits: on_rank0 turns each
 yield into a small broadcast, so the other ranks never sit in one collective long enough
 to time out.
@@ -44,8 +47,10 @@ import httpd
 import tensorio
 import wire
 
+SETTLE = "settle"           # next_span under --overlap: the round trip ended before DARL gave a span
 RETRY_S = 900.0             # how long the aggregator may stay unreachable (a restart) before we give up
 POLL_S = 5.0                # rank 0 reports "still waiting" to the other ranks this often
+OVERLAP_POLL_S = 0.2        # --overlap: how often a wait for a span looks whether the round trip ended
 TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
 
 
@@ -226,10 +231,16 @@ class FedSite:
                 self.log(f"FedMom leave: {e} (the aggregator drops silent members on its own)")
 
     # -- per phase
-    def next_span(self):
+    def next_span(self, busy=None):
         """-> (lease, start, end) of the next span, or None when DARL has no blocks left.
         While every block is leased elsewhere, the site leaves FedMom's rounds so that
-        the others do not wait for a delta that cannot come; it joins again with work."""
+        the others do not wait for a delta that cannot come; it joins again with work.
+        busy: the Background round trip of the delta in flight (--overlap), or None. While
+        it runs, the site only asks DARL (no leave, no join: the round trip talks to FedMom
+        meanwhile); if it ends before a span comes, -> SETTLE: the caller takes its theta in
+        first, then asks again without it."""
+        if busy is not None:
+            return (yield from self._span_while(busy))
         while True:
             try:
                 span = self.session.next_span(timeout=POLL_S)
@@ -246,6 +257,18 @@ class FedSite:
         if not self.member:
             yield from self.join()
         return span.as_ints()
+
+    def _span_while(self, busy):
+        while True:
+            try:
+                span = self.session.next_span(timeout=OVERLAP_POLL_S)
+                break
+            except TimeoutError:
+                if busy.done():
+                    return SETTLE
+                yield
+        self.span = span
+        return None if span is None else span.as_ints()
 
     def current_round(self):
         return (yield from self._retry("FedMom round", self.fed.current_round))
@@ -287,11 +310,17 @@ class FedSite:
                 return o
         return None
 
-    def round_trip(self, delta_path, base, handoff, theta_path):
+    def start_round_trip(self, delta_path, base, handoff, theta_path):
+        """--overlap: round_trip() of the span just trained, on a thread of its own while
+        the site trains its next phase. -> the Background handle (wait() for the RoundResult)."""
+        return Background(self.round_trip(delta_path, base, handoff, theta_path, self.span))
+
+    def round_trip(self, delta_path, base, handoff, theta_path, span=None):
         """Send the delta file (theta_i - theta_global of round `base`) with the Handoff's
         tokens and metrics, wait for its round to pass, settle its lease, download
-        theta_global to theta_path. -> RoundResult."""
-        span = self.span
+        theta_global to theta_path. span: the one the delta trained (default: the last
+        next_span gave). -> RoundResult."""
+        span = span or self.span
         out = RoundResult(base_round=base, lease=span.lease, start=span.start, end=span.end,
                           step=handoff.step, tokens=handoff.tokens)
         t0 = time.monotonic()
@@ -412,6 +441,40 @@ def _in_background(fn, poll_s=POLL_S):
     if "err" in box:
         raise box["err"]
     return box["out"]
+
+
+class Background:
+    """A FedSite generator (a round trip) run to its end on a thread of its own: its yields
+    (still waiting) are not shared with anyone, its value or exception is kept for wait()."""
+
+    def __init__(self, gen):
+        self.box = {}
+
+        def run():
+            try:
+                while True:
+                    next(gen)
+            except StopIteration as e:
+                self.box["out"] = e.value
+            except BaseException as e:
+                self.box["err"] = e
+        self.thread = threading.Thread(target=run, name="federation-round-trip", daemon=True)
+        self.thread.start()
+
+    def done(self):
+        return not self.thread.is_alive()
+
+    def wait(self, poll_s=POLL_S):
+        """Generator (for diloco.on_rank0): yields every poll_s until the thread ended, then
+        returns its value (or raises its exception)."""
+        while True:
+            self.thread.join(poll_s)
+            if self.done():
+                break
+            yield
+        if "err" in self.box:
+            raise self.box["err"]
+        return self.box["out"]
 
 
 class LeasedSource:

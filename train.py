@@ -27,7 +27,9 @@ the DARL span it shares, and the outer step goes through diloco.FedMomCarrier. O
 phase = one span; the local checkpoint is written before the delta leaves. The
 protocol, identity (cluster id, incarnation, requeues) and knobs are
 FEDERATION_GUIDE.md, sections 2-5. --eval-every counts phases there; --throttle-ms
-(a slower site) is for demos and tests.
+(a slower site) is for demos and tests. --overlap trains the next phase while the
+delta's round trip runs and folds the new theta_global in at that phase's end, after its
+checkpoint (FEDERATION_GUIDE.md section 4, "Overlap").
 
 Device dispatch, rank/world and the rendezvous (ROCm, CUDA or CPU; torchrun or srun;
 MASTER_PORT from SLURM_JOB_ID): dist_env.py, called once at the start of train().
@@ -145,6 +147,7 @@ class Config:
     wire_topk_k: int = 64
     wire_topk_bits: int = 4
     error_feedback: bool = True
+    overlap: bool = False
     throttle_ms: int = 0
     tensorboard: str | None = None
     export_init: str | None = None
@@ -199,6 +202,9 @@ class Config:
                               f"give its manifest.json (python tokenize_corpus.py --out DIR)")
         if self.federation is not None:
             self.validate_federation()
+        elif self.overlap:
+            raise ConfigError("--overlap is for federated sites (--federation): inside one allocation "
+                              "the outer all-reduce is not worth hiding")
         if self.fsdp_defer_grad_sync and self.parallel != "fsdp":
             raise ConfigError(f"--fsdp-defer-grad-sync is for --parallel fsdp (DDP always defers the "
                               f"all-reduce to the last micro-batch); drop it with --parallel {self.parallel}")
@@ -341,6 +347,10 @@ def build_parser():
     f.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=Config.error_feedback,
                    help="add what the wire format dropped to the next round's delta; the buffer is kept "
                         "in runs/<run>/federation/ across --resume auto (default on; f32 drops nothing)")
+    f.add_argument("--overlap", action="store_true", default=Config.overlap,
+                   help="train the next phase while the delta's round trip runs, and fold the new "
+                        "theta_global in when it arrives (one-step-delayed outer update; FEDERATION_GUIDE.md "
+                        "section 4, 'Overlap'); costs 4 B/param of host memory per rank (default off)")
     f.add_argument("--throttle-ms", type=int, default=Config.throttle_ms,
                    help="sleep this many ms after every inner step: for demos and tests only, to make "
                         "one site slower (default 0)")
@@ -993,10 +1003,16 @@ def federated_loop(run, site, carrier, start):
     to_device = HostToDevice(d.device)
     stepper = Stepper(run, step)
     model.train()
-    while (span := diloco.on_rank0(lambda: site.next_span())) is not None:
+    pending = None                       # --overlap: the row of the delta in flight, logged once it settles
+    while (span := diloco.on_rank0(lambda: site.next_span(carrier.busy))) is not None:
+        if span == fedsite.SETTLE:       # its round trip ended before DARL gave a span: take its theta in
+            log_federation_row(run, carrier, pending, carrier.settle(outer))
+            continue
         phase = source.phase(*span)
-        # round start: theta_global of the aggregator's CURRENT round, unconditionally
-        if carrier.current() != carrier.round:
+        if carrier.in_flight:            # overlap: the base stays the sent delta's until its round trip ends
+            pending["round_at_next_phase"] = carrier.current()
+        elif carrier.current() != carrier.round:
+            # round start: theta_global of the aggregator's CURRENT round, unconditionally
             carrier.load_global(outer)
             log.log(f"loaded theta_global of round {carrier.round}")
         in_nll, in_tok = torch.zeros((), dtype=torch.float64, device=d.device), 0
@@ -1045,35 +1061,55 @@ def federated_loop(run, site, carrier, start):
             "tflops_per_rank": per_rank / 1e12, "peak_mem_gib": peak_memory_gib(d), "inner_s": inner_s,
             "steps": phase.steps, **heldout})
         heldout = {}                             # each held-out loss goes with one delta
-        out = end_phase(run, carrier, handoff)
+        settled, out = end_phase(run, carrier, handoff)
+        if settled is not None:
+            log_federation_row(run, carrier, pending, settled)
         phases += 1
-        r = out["federation"]
-        row = {"split": "federation", "step": r.step, "round": r.round, "base_round": r.base_round,
-               "tokens": r.tokens, "loss": handoff.metrics["loss"], "merged": r.merged,
-               "merged_into": r.merged_into, "reason": r.reason, "lease": r.lease, "positions": [r.start, r.end],
-               "windows": len(phase), "steps": phase.steps, "inner_s": round(inner_s, 3), "tokens_per_s": tps,
-               "send_s": r.send_s, "wait_s": r.wait_s, "delta_norm": out["delta_norm"], "outer_ms": out["outer_ms"],
-               "wire": cfg.wire, "wire_bytes": carrier.wire_bytes, "residual_norm": carrier.residual_norm(),
-               "theta_via": r.theta_via, "down_bytes": r.down_bytes, "down_s": r.down_s}
-        log.metric(row)
-        log.log(f"round {r.base_round} -> {r.round}: " + ("merged" if r.merged else f"NOT merged ({r.reason})")
-                + f"; lease {r.lease} [{r.start}, {r.end}) = {len(phase)} windows in {phase.steps} steps, "
-                f"loss {row['loss']:.4f}, {tps:.4g} tokens/s, outer step {out['outer_ms'] / 1e3:.1f} s")
+        row = {"split": "federation", "step": step, "loss": handoff.metrics["loss"], "lease": span[0],
+               "positions": [span[1], span[2]], "windows": len(phase), "steps": phase.steps,
+               "inner_s": round(inner_s, 3), "tokens_per_s": tps, "delta_norm": out["delta_norm"],
+               "outer_ms": out["outer_ms"], "wire": cfg.wire, "wire_bytes": carrier.wire_bytes,
+               "residual_norm": carrier.residual_norm(), "overlap": cfg.overlap}
+        if out["federation"] is None:            # overlap: in flight, logged when it settles
+            pending = row
+        else:
+            log_federation_row(run, carrier, row, out["federation"])
         if cfg.eval_every and phases % cfg.eval_every == 0:
             ev = run.log_eval(step, carrier.round)       # reported with the next delta: the page plots it
             heldout = {"heldout_loss": ev["loss"], "heldout_round": carrier.round}
         stepper.mark(step)
+    if carrier.in_flight:                        # DARL is done: the last delta's round trip
+        log_federation_row(run, carrier, pending, carrier.settle(outer))
     return step
+
+
+def log_federation_row(run, carrier, row, r):
+    """The "federation" row of one delta, once its round trip ended: what the phase trained
+    (row, from the phase's end) and what became of it (r, the fedsite.RoundResult)."""
+    row = {**row, "round": r.round, "base_round": r.base_round, "tokens": r.tokens, "merged": r.merged,
+           "merged_into": r.merged_into, "reason": r.reason, "send_s": r.send_s, "wait_s": r.wait_s,
+           "theta_via": r.theta_via, "down_bytes": r.down_bytes, "down_s": r.down_s}
+    if row["overlap"]:
+        row["settle_s"] = carrier.wait_s         # what the site waited for it at the next phase's end
+    run.log.metric(row)
+    tps = row["tokens_per_s"]
+    run.log.log(f"round {r.base_round} -> {r.round}: " + ("merged" if r.merged else f"NOT merged ({r.reason})")
+                + f"; lease {r.lease} [{r.start}, {r.end}) = {row['windows']} windows in {row['steps']} steps, "
+                f"loss {row['loss']:.4f}, {tps:.4g} tokens/s, outer step {row['outer_ms'] / 1e3:.1f} s"
+                + (f", waited {carrier.wait_s:.1f} s for it" if row["overlap"] else ""))
 
 
 def end_phase(run, carrier, handoff):
     """A federated phase's outer step (collective): the local checkpoint (model, optimizer,
     step, round) first, THEN the delta leaves with the Handoff (FEDERATION_GUIDE.md
     section 4, step 4), so a site killed during the round trip resumes at a step that
-    counts the phase its delta carried. Returns DiLoCo's row, with "federation": the
-    fedsite.RoundResult."""
+    counts the phase its delta carried. Under --overlap the previous delta's round trip
+    settles and its theta_global is folded in between the two: the checkpoint never holds
+    a fold. Returns (the settled RoundResult or None, DiLoCo's row, with "federation": the
+    fedsite.RoundResult, or None while the delta is in flight)."""
     run.save(handoff.step, carrier.round)
-    return run.outer.end_phase(handoff)
+    settled = carrier.settle(run.outer) if carrier.in_flight else None
+    return settled, run.outer.end_phase(handoff)
 
 
 # ---------------------------------------------------------------------------
@@ -1208,7 +1244,7 @@ def join_federation(run):
     if d.is_main:
         os.makedirs(workdir, exist_ok=True)
     return site, diloco.FedMomCarrier(site, workdir, codec=cfg.wire_codec(), error_feedback=cfg.error_feedback,
-                                      fresh=cfg.resume == "none", log=run.log.log)
+                                      fresh=cfg.resume == "none", log=run.log.log, overlap=cfg.overlap)
 
 
 def plan_steps(run):

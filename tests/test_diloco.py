@@ -206,6 +206,48 @@ def numpy_nesterov(k, lr, mom, steps):
     return out
 
 
+class OverlapFoldTest(unittest.TestCase):
+    """--overlap's fold (diloco.fold) against a numpy reference, and over a run of phases:
+    a one-site aggregator that applies each delta it merges (FedAvg: theta += delta) ends at
+    theta(0) plus exactly the progress of the merged phases; an unmerged phase's progress
+    is dropped by the next fold, so nothing is trained into theta twice."""
+
+    def test_fold_is_theta_plus_what_was_trained_since_the_send(self):
+        rng = np.random.default_rng(0)
+        theta, sent = rng.normal(size=(3, 5)).astype(np.float32), rng.normal(size=(3, 5)).astype(np.float32)
+        local = sent + rng.normal(scale=1e-2, size=(3, 5)).astype(np.float32)
+        got = torch.from_numpy(local.copy())
+        diloco.fold(got, torch.from_numpy(theta), torch.from_numpy(sent))
+        np.testing.assert_array_equal(got.numpy(), theta + (local - sent))
+        same = torch.from_numpy(sent.copy())          # nothing trained since the send: theta exactly
+        diloco.fold(same, torch.from_numpy(theta), torch.from_numpy(sent))
+        np.testing.assert_array_equal(same.numpy(), theta)
+
+    def test_delayed_outer_updates_keep_each_merged_phase_once(self):
+        rng = np.random.default_rng(1)
+        phases = 7
+        progress = [rng.normal(size=(4, 6)).astype(np.float64) for _ in range(phases)]
+        merged = [True, True, False, True, False, False, True]
+        theta0 = rng.normal(size=(4, 6))
+        theta = theta0.copy()                         # the aggregator's
+        model = torch.from_numpy(theta0.copy())       # the site's weights
+        base, sent, in_flight = torch.from_numpy(theta0.copy()), None, None
+        for k in range(phases):
+            model += torch.from_numpy(progress[k])    # "train" phase k
+            if in_flight is not None:                  # phase k's end: round trip k-1, then the fold
+                delta, ok = in_flight
+                if ok:
+                    theta = theta + delta
+                base = torch.from_numpy(theta.copy())
+                diloco.fold(model, base, sent)
+            in_flight = ((model - base).numpy().copy(), merged[k])    # send delta k, train on
+            sent = model.clone()
+        delta, ok = in_flight                          # the last round trip
+        theta = theta + delta if ok else theta
+        want = theta0 + sum(p for p, m in zip(progress, merged) if m)
+        np.testing.assert_allclose(theta, want, rtol=0, atol=1e-12)
+
+
 class DiLoCoGlooTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):

@@ -5,8 +5,10 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
   - FederationRunTest: darl_server.py, fedmom_server.py (--darl) and blobstore.py as
     subprocesses on free loopback ports; the initial model from `train.py --export-init`;
     two sites as separate torchrun jobs: "alpha" (FSDP2, 2 ranks, inline transport, int4
-    deltas with error feedback) and "beta" (DDP, 1 rank, blob transport, top-k deltas,
-    --throttle-ms: the slow one); theta_global comes down as int4 updates (--down-wire).
+    deltas with error feedback, --overlap: it trains its next phase while a delta is in
+    flight, and is killed and resumed with one in flight) and "beta" (DDP, 1 rank, blob
+    transport, top-k deltas, --throttle-ms: the slow one); theta_global comes down as
+    int4 updates (--down-wire).
     The scenario, each step waiting on a condition (never on a fixed sleep):
       both merge -> alpha SIGKILLed, beta merges alone (membership 2 -> 1) -> alpha
       restarted with --resume auto (its leases and membership expire first) and merges
@@ -14,7 +16,9 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
       port and state dir, the sites carry on -> DARL runs out of blocks, both exit 0.
     Then the books: every DARL block committed, per-cluster sums = total, nothing
     quarantined; the merged deltas carry exactly the corpus' training tokens and each
-    lease once (no window merged twice or never); the loss falls; the compressed deltas
+    lease once (no window merged twice or never); alpha's phases started before its
+    previous delta's round trip ended, and its merged deltas named the round they merged
+    into - 1 (the server's rule, unchanged under overlap); the loss falls; the compressed deltas
     crossed at their format's size, and alpha's error-feedback buffer came through the
     kill (used by the restarted job, or reset with the reason said); the updates came down
     at int4's size and each site's last theta is the aggregator's, bit for bit. Everything runs over
@@ -133,6 +137,10 @@ class FlagsTest(unittest.TestCase):
         with self.assertRaisesRegex(train.ConfigError, "--darl-url"):
             train.parse_config(["--model", "qwen3-tiny", "--data", "x/manifest.json", "--federation",
                                 "http://h:1", "--site", "s"]).resolve("cpu").validate()
+        self.assertTrue(self.cfg("--site", "lumi", "--overlap").overlap)
+        with self.assertRaisesRegex(train.ConfigError, "--overlap is for federated sites"):
+            train.parse_config(["--model", "qwen3-tiny", "--data", "x/manifest.json", "--overlap"]
+                               ).resolve("cpu").validate()
 
 
 # ---------------------------------------------------------------------------
@@ -458,7 +466,7 @@ class FederationRunTest(unittest.TestCase):
         services = [darl, blob]
 
         # 1. both sites merge together
-        alpha = cls.site("alpha", "fsdp", 2, "--transport", "inline", "--wire", "int4")
+        alpha = cls.site("alpha", "fsdp", 2, "--transport", "inline", "--wire", "int4", "--overlap")
         beta = cls.site("beta", "ddp", 1, "--transport", "blob", "--wire", "topk", "--throttle-ms", "600")
         harness.expect(lambda: any(len(cls.merged_by(r)) == 2 for r in cls.records()),
                        "a round merged from both sites", [alpha, beta, fed, *services])
@@ -473,7 +481,8 @@ class FederationRunTest(unittest.TestCase):
                                    for r in cls.records()), "a round merged by beta alone", [beta, fed, *services])
         # 3. alpha comes back (same cluster id, new incarnation, --resume auto) and merges with beta
         mark = os.path.getsize(alpha.log_path)
-        alpha2 = cls.site("alpha", "fsdp", 2, "--transport", "inline", "--wire", "int4", "--resume", "auto")
+        alpha2 = cls.site("alpha", "fsdp", 2, "--transport", "inline", "--wire", "int4", "--overlap",
+                          "--resume", "auto")
         cls.events["alpha2_log_from"] = mark
         new_inc = harness.expect(lambda: cls.incarnation("alpha", mark), "alpha's new incarnation", [alpha2])
         cls.events["alpha2_incarnation"] = new_inc
@@ -597,6 +606,33 @@ class FederationRunTest(unittest.TestCase):
         import tensorio
         with tensorio.TensorReader(os.path.join(cls.tmp.name, "init.safetensors")) as r:
             return {k: r.specs[k][1] for k in r.names}
+
+    def test_the_overlapped_site_trained_on_while_its_delta_was_in_flight(self):
+        # alpha runs --overlap: each phase starts right after its delta left, on the same base.
+        # In metrics.jsonl the next phase's train rows (still on the sent delta's base round)
+        # come BEFORE the delta's federation row, which is written once its round trip settled.
+        rows = [r for r in self.rows["alpha"] if r["split"] in ("train", "federation")]
+        fed = [i for i, r in enumerate(rows) if r["split"] == "federation"]
+        self.assertTrue(fed and all(rows[i]["overlap"] for i in fed))
+        ahead = []
+        for i in fed:
+            r = rows[i]
+            before = [t for t in rows[:i] if t["split"] == "train" and t["incarnation"] == r["incarnation"]
+                      and t["step"] > r["step"]]
+            if before:
+                self.assertTrue(all(t["round"] == r["base_round"] for t in before), (r, before))
+                ahead.append(r)
+        self.assertGreater(len(ahead), 2, "alpha's phases did not start before their delta's round trip ended")
+        # and the aggregator, asked once the next phase had begun, was still at the delta's base round
+        # (beta, --throttle-ms 600, sends later): the round had not closed when alpha trained on
+        self.assertTrue(any(r.get("round_at_next_phase") == r["base_round"] for r in ahead),
+                        [(r["base_round"], r.get("round_at_next_phase")) for r in ahead])
+        self.assertTrue(all(r["settle_s"] >= 0 for r in (rows[i] for i in fed)))
+        # the server's rule is the same under overlap: each merged delta named the round it merged into - 1
+        merged = [(rec["round"], o["base_round"]) for rec in self.records() for o in rec["outcomes"]
+                  if o["outcome"] == "merged" and o["cluster"] == "alpha"]
+        self.assertTrue(merged and all(b == r - 1 for r, b in merged), merged)
+        self.assertTrue(all(r["merged_into"] == r["base_round"] + 1 for r in (rows[i] for i in fed) if r["merged"]))
 
     def test_loss_falls_and_rows_are_written(self):
         recs = [r for r in self.records() if r.get("loss") is not None]
