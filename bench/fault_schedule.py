@@ -30,7 +30,11 @@ named phase, and is SIGKILLed there):
                     the stopped site's lease has expired, so it may lease and train those
                     blocks while the stopped site's delta is still for the open round
 Some sites (chosen by the seed) skip the lease check before sending, as a careless or
-older client would: the servers must be safe whatever a site does.
+older client would: the servers must be safe whatever a site does. Some (chosen by the
+seed too) are overlapped, as train.py --overlap: a delta's round trip runs on a thread
+while the site leases and "trains" its next span, whose delta then names the round the
+round trip ended on as its base; a kill or stop of such a site may come while a delta is
+in flight and the next span is being trained.
     darl_flag       DARL restarted with --max-attempts or --max-grant changed: it must
                     refuse, naming the flag; then restarted with --accept-config-change
     clock_step      the servers' wall clock stepped by +-1 h (PWW_TEST_CLOCK_OFFSET_FILE),
@@ -136,10 +140,12 @@ class Schedule:
     max_attempts: int
     faults: list
     careless: list = dataclasses.field(default_factory=list)   # sites that send without checking the lease
+    overlapped: list = dataclasses.field(default_factory=list)  # sites that train on while a delta is in flight
 
     def describe(self):
         head = (f"seed {self.seed}: sites {self.sites}, {self.blocks} blocks, span {self.span}, "
-                f"--max-attempts {self.max_attempts}" + (f", careless {self.careless}" if self.careless else ""))
+                f"--max-attempts {self.max_attempts}" + (f", careless {self.careless}" if self.careless else "")
+                + (f", overlapped {self.overlapped}" if self.overlapped else ""))
         return "\n".join([head] + [f"  {i + 1}. {f.describe()}" for i, f in enumerate(self.faults)])
 
 
@@ -175,7 +181,9 @@ def make_schedule(seed):
         if kind == "site_stop" and f.point == "site.checked" and rng.random() < 0.6:
             f.value = "newcomer"
         faults.append(f)
-    return Schedule(seed, sites, blocks, span, rng.choice((0, 3)), faults, careless)
+    attempts = rng.choice((0, 3))
+    overlapped = sorted(name for name, _ in sites if rng.random() < 0.4)     # drawn last: older seeds keep
+    return Schedule(seed, sites, blocks, span, attempts, faults, careless, overlapped)   # their schedules
 
 
 # ---------------------------------------------------------------- the fake site
@@ -201,9 +209,12 @@ def site_main(a):
     inc = secrets.token_hex(6)
     records = open(os.path.join(a.records, f"{a.cluster}-{inc}.jsonl"), "a", buffering=1)
 
+    lock = threading.Lock()          # an overlapped site notes from its round trip's thread too
+
     def note(event, **kw):
-        records.write(json.dumps({"event": event, "t": time.time(), "cluster": a.cluster, "incarnation": inc,
-                                  **kw}) + "\n")
+        with lock:
+            records.write(json.dumps({"event": event, "t": time.time(), "cluster": a.cluster, "incarnation": inc,
+                                      **kw}) + "\n")
     note("start")
     try:
         try:
@@ -261,27 +272,66 @@ def _site_loop(a, token, inc, note):
     member = Membership(fed)
     member.join()
     try:
-        while True:
-            try:
-                span = session.next_span(timeout=1.0)
-            except TimeoutError:
-                if session.starved and member.member:   # every block is someone else's: leave the rounds
-                    member.leave()
-                continue
-            except httpd.CallError as e:
-                if e.status == 401:
-                    raise TokenRefused(f"DARL: {e}")
-                raise
-            if span is None:
-                break
-            if not member.member:
-                member.join()
-            _phase(a, fed, member, session, span, note)
+        _span_loop(a, fed, member, session, note)
         session.close()
         member.leave()
         return 0
     finally:
         member.stop()
+
+
+def _span_loop(a, fed, member, session, note):
+    """Spans until DARL is done. A plain site trains, sends and waits for each in turn
+    (_phase). An overlapped one keeps train.py --overlap's order: the round trip of span k
+    on a thread while span k+1 is leased and trained; span k+1's delta is written once
+    round trip k ended, with the round it ended on as its base. Nothing leaves or joins
+    FedMom while a trip is in flight."""
+    flight = None                                  # (thread, box) of the round trip in flight
+    while True:
+        try:
+            span = session.next_span(timeout=0.2 if flight else 1.0)
+        except TimeoutError:
+            if flight is not None and not flight[0].is_alive():
+                _join(flight)                      # it ended before a span came: settle it first
+                flight = None
+            elif flight is None and session.starved and member.member:
+                member.leave()                     # every block is someone else's: leave the rounds
+            continue
+        except httpd.CallError as e:
+            if e.status == 401:
+                raise TokenRefused(f"DARL: {e}")
+            raise
+        if span is None:
+            break
+        in_flight = flight is not None and flight[0].is_alive()
+        if flight is None:
+            if not member.member:
+                member.join()
+            if not a.overlap:
+                _phase(a, fed, member, session, span, note)
+                continue
+            base = _retry("round", fed.current_round, member=member)
+        time.sleep(a.train_s)                      # "train" span k+1 while delta k is in flight
+        if flight is not None:
+            base = _join(flight)
+        key, path, tokens = _train(a, session, span, base, note, while_in_flight=in_flight)
+        httpd.fault_point("site.trained")
+        box = {}
+        t = threading.Thread(target=_trip, args=(a, fed, member, session, span, key, path, tokens, note, box),
+                             daemon=True)
+        flight = (t, box)
+        t.start()
+    if flight is not None:
+        _join(flight)
+
+
+def _join(flight):
+    """Wait for a round trip's thread: the round it ended on (its exception, re-raised here)."""
+    t, box = flight
+    t.join()
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
 
 
 class Membership:
@@ -317,13 +367,32 @@ class Membership:
 def _phase(a, fed, member, session, span, note):
     """Train (sleep), send the delta for `span`, learn what became of it, settle the lease."""
     base = _retry("round", fed.current_round, member=member)
+    key, path, tokens = _train(a, session, span, base, note)
+    time.sleep(a.train_s)
+    httpd.fault_point("site.trained")
+    _round_trip(a, fed, member, session, span, key, path, tokens, note)
+
+
+def _train(a, session, span, base, note, **extra):
     key = dict(lease=span.lease, start=span.start, end=span.end, base_round=base)
     path = os.path.join(a.records, f"{a.cluster}-{session.incarnation}-l{span.lease}-s{span.start}-r{base}.safetensors")
     write_tensors(path, delta_arrays(a.seed, session.incarnation, span.lease, span.start, base))
     tokens = 100 * len(span)
-    note("trained", file=os.path.basename(path), tokens=tokens, **key)
-    time.sleep(a.train_s)
-    httpd.fault_point("site.trained")
+    note("trained", file=os.path.basename(path), tokens=tokens, **key, **extra)
+    return key, path, tokens
+
+
+def _trip(a, fed, member, session, span, key, path, tokens, note, box):
+    """An overlapped site's round trip (its thread): box["out"], the round it ended on, or box["err"]."""
+    try:
+        box["out"] = _round_trip(a, fed, member, session, span, key, path, tokens, note)
+    except BaseException as e:
+        box["err"] = e
+
+
+def _round_trip(a, fed, member, session, span, key, path, tokens, note):
+    """Check the lease, send, wait for the outcome, settle the lease: -> the aggregator's round then."""
+    base = key["base_round"]
     if not a.careless:                            # FedSite.round_trip's check (a careless site skips it)
         try:
             session.refresh()
@@ -332,7 +401,7 @@ def _phase(a, fed, member, session, span, note):
         if span.lease not in session.held():
             note("lost", why="lease lost at DARL before the send", **key)
             session.span_done(span)
-            return
+            return _retry("round", fed.current_round, member=member)
     httpd.fault_point("site.checked")
     record = {"id": span.lease, "start": span.start, "end": span.end}
     try:
@@ -341,13 +410,13 @@ def _phase(a, fed, member, session, span, note):
     except fedmom_client.StaleRound as e:
         note("stale", why=str(e), **key)
         session.release(span)
-        return
+        return _retry("round", fed.current_round, member=member)
     except httpd.CallError as e:
         if e.status == 401:
             raise TokenRefused(f"send: {e}")
         note("refused", status=e.status, code=e.reply.get("code"), why=e.reply.get("error"), **key)
         session.release(span)
-        return
+        return _retry("round", fed.current_round, member=member)
     note("sent", custody=reply.get("custody"), duplicate=bool(reply.get("duplicate")), **key)
     httpd.fault_point("site.sent")
     while True:
@@ -367,6 +436,7 @@ def _phase(a, fed, member, session, span, note):
     else:
         note("unknown", round=got["round"], **key)
         session.forget(span)
+    return got["round"]
 
 
 # ---------------------------------------------------------------- one schedule's processes
@@ -500,7 +570,8 @@ class Run:
                "--fedmom", self.fedmom, "--blob", self.blob, "--token-file", self.token_file,
                "--records", self.records, "--seed", str(self.s.seed), "--span", str(self.s.span),
                "--transport", transport, "--train-s", "0.15", "--phase-s", "0.5"] + (
-            ["--careless"] if name in self.s.careless else [])
+            ["--careless"] if name in self.s.careless else []) + (
+            ["--overlap"] if name in self.s.overlapped else [])
         proc = self.sites.get(name) or Proc(self, f"site-{name}", cmd)
         proc.cmd = cmd
         proc.start(wait_url=False)
@@ -938,6 +1009,8 @@ def run_schedule(seed, work_root, keep=False, sched=None):
         report_q = sum(1 for s in audit.audit(run.central).status.values() if s == "quarantined")
     seen = collections.Counter(e["event"] for e in read_site_records(run.records) if e["event"] in SITE_EVENTS)
     seen["incarnations"] = sum(1 for e in read_site_records(run.records) if e["event"] == "start")
+    seen["trained_in_flight"] = sum(1 for e in read_site_records(run.records)
+                                    if e["event"] == "trained" and e.get("while_in_flight"))
     res = Result(seed, findings, injected, armed, len(recs), report_q, time.monotonic() - t0, workdir, seen)
     if not findings and not keep:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -960,7 +1033,7 @@ def summary(results, seconds):
         seen.update(r.seen)
     bad = [r for r in results if r.findings]
     kinds = ", ".join(f"{k} {injected[k]}/{armed[k]}" for k in KINDS if armed[k])
-    sites = ", ".join(f"{k} {seen[k]}" for k in ("incarnations",) + SITE_EVENTS)
+    sites = ", ".join(f"{k} {seen[k]}" for k in ("incarnations",) + SITE_EVENTS + ("trained_in_flight",))
     return "\n".join([
         f"faults injected by kind (reached/scheduled): {kinds}",
         f"sites: {sites} (deltas); {sum(r.rounds for r in results)} rounds merged, "
@@ -979,6 +1052,8 @@ def main(argv):
         p.add_argument("--train-s", type=float, default=0.15)
         p.add_argument("--phase-s", type=float, default=0.5)
         p.add_argument("--careless", action="store_true", help="send without checking the lease first")
+        p.add_argument("--overlap", action="store_true",
+                       help="train the next span while the delta's round trip runs (train.py --overlap)")
         return site_main(p.parse_args(argv[1:]))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
