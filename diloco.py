@@ -376,7 +376,7 @@ class FedMomCarrier(OuterCarrier):
         self.in_flight = False       # every rank: a round trip runs on rank 0 while the site trains on
         self.busy = None             # rank 0: its fedsite.Background
         self.sent = None             # every rank: its local shards as they were sent (CPU, fp32)
-        self.wait_s = None           # how long the last settle() waited for its round trip, s
+        self.wait_s = None           # how long the last settle() took (the wait, theta_global, the fold), s
 
     def broadcast_initial(self, tensors):
         """Nothing here: the site loads theta_global (load_global) before its first phase."""
@@ -514,7 +514,6 @@ class FedMomCarrier(OuterCarrier):
         tensor becomes theta_global + (what it trained since the send). -> the RoundResult."""
         t0 = time.monotonic()
         result = on_rank0(lambda: self.busy.wait(), self.group)
-        self.wait_s = round(time.monotonic() - t0, 3)
         if self.residual is not None:
             self.residual.settle(result.base_round, result.merged_into if result.merged else None,
                                  result.reason or "")
@@ -522,6 +521,7 @@ class FedMomCarrier(OuterCarrier):
         for p, t, s in zip(outer.params, outer.theta, self.sent):
             fold(_local(p), t, s)
         self.round, self.busy, self.sent, self.in_flight = result.round, None, None, False
+        self.wait_s = round(time.monotonic() - t0, 3)
         return result
 
 

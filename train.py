@@ -148,6 +148,7 @@ class Config:
     wire_topk_bits: int = 4
     error_feedback: bool = True
     overlap: bool = False
+    overlap_fold: str = "arrival"
     throttle_ms: int = 0
     tensorboard: str | None = None
     export_init: str | None = None
@@ -351,6 +352,10 @@ def build_parser():
                    help="train the next phase while the delta's round trip runs, and fold the new "
                         "theta_global in when it arrives (one-step-delayed outer update; FEDERATION_GUIDE.md "
                         "section 4, 'Overlap'); costs 4 B/param of host memory per rank (default off)")
+    f.add_argument("--overlap-fold", choices=("arrival", "end"), default=Config.overlap_fold,
+                   help="with --overlap, when the new theta_global is folded in: at the first inner step "
+                        "after it arrived (one small broadcast per step while a round trip runs), or at "
+                        f"the end of the phase it arrived in (default {Config.overlap_fold})")
     f.add_argument("--throttle-ms", type=int, default=Config.throttle_ms,
                    help="sleep this many ms after every inner step: for demos and tests only, to make "
                         "one site slower (default 0)")
@@ -1006,7 +1011,7 @@ def federated_loop(run, site, carrier, start):
     pending = None                       # --overlap: the row of the delta in flight, logged once it settles
     while (span := diloco.on_rank0(lambda: site.next_span(carrier.busy))) is not None:
         if span == fedsite.SETTLE:       # its round trip ended before DARL gave a span: take its theta in
-            log_federation_row(run, carrier, pending, carrier.settle(outer))
+            log_federation_row(run, carrier, pending, carrier.settle(outer), step)
             continue
         phase = source.phase(*span)
         if carrier.in_flight:            # overlap: the base stays the sent delta's until its round trip ends
@@ -1016,7 +1021,7 @@ def federated_loop(run, site, carrier, start):
             carrier.load_global(outer)
             log.log(f"loaded theta_global of round {carrier.round}")
         in_nll, in_tok = torch.zeros((), dtype=torch.float64, device=d.device), 0
-        t_phase = time.perf_counter()
+        t_phase, fold_s = time.perf_counter(), 0.0
         for s in range(phase.steps):
             stepper.begin(step)
             micros = phase.micro_batches(s)
@@ -1043,6 +1048,12 @@ def federated_loop(run, site, carrier, start):
             outer.count_inner_step()
             if cfg.throttle_ms:
                 time.sleep(cfg.throttle_ms / 1000)      # demo/test only: a slower site
+            if (carrier.in_flight and cfg.overlap_fold == "arrival" and s < phase.steps - 1
+                    and diloco.on_rank0(lambda: carrier.busy.done())):
+                t_fold = time.perf_counter()            # theta_global is here: fold it in now, not at the end
+                with stepper.pause():
+                    log_federation_row(run, carrier, pending, carrier.settle(outer), step)
+                fold_s += time.perf_counter() - t_fold
             if stepper.due(step, s == phase.steps - 1):
                 row_nll, row_tok = _pooled_nll(since_nll, since_tok, d)
                 log.total += int(row_tok)
@@ -1051,7 +1062,7 @@ def federated_loop(run, site, carrier, start):
                 since_tok = 0
 
         # -- the phase's end: what the delta carries, the checkpoint, then the round trip
-        inner_s = time.perf_counter() - t_phase
+        inner_s = time.perf_counter() - t_phase - fold_s      # a fold mid-phase is not an inner step
         phase_nll, phase_tok = _pooled_nll(in_nll, in_tok, d)
         tokens = len(phase) * seq
         tps = tokens / inner_s
@@ -1063,7 +1074,7 @@ def federated_loop(run, site, carrier, start):
         heldout = {}                             # each held-out loss goes with one delta
         settled, out = end_phase(run, carrier, handoff)
         if settled is not None:
-            log_federation_row(run, carrier, pending, settled)
+            log_federation_row(run, carrier, pending, settled, step)
         phases += 1
         row = {"split": "federation", "step": step, "loss": handoff.metrics["loss"], "lease": span[0],
                "positions": [span[1], span[2]], "windows": len(phase), "steps": phase.steps,
@@ -1073,24 +1084,26 @@ def federated_loop(run, site, carrier, start):
         if out["federation"] is None:            # overlap: in flight, logged when it settles
             pending = row
         else:
-            log_federation_row(run, carrier, row, out["federation"])
+            log_federation_row(run, carrier, row, out["federation"], step)
         if cfg.eval_every and phases % cfg.eval_every == 0:
             ev = run.log_eval(step, carrier.round)       # reported with the next delta: the page plots it
             heldout = {"heldout_loss": ev["loss"], "heldout_round": carrier.round}
         stepper.mark(step)
     if carrier.in_flight:                        # DARL is done: the last delta's round trip
-        log_federation_row(run, carrier, pending, carrier.settle(outer))
+        log_federation_row(run, carrier, pending, carrier.settle(outer), step)
     return step
 
 
-def log_federation_row(run, carrier, row, r):
+def log_federation_row(run, carrier, row, r, step):
     """The "federation" row of one delta, once its round trip ended: what the phase trained
-    (row, from the phase's end) and what became of it (r, the fedsite.RoundResult)."""
+    (row, from the phase's end) and what became of it (r, the fedsite.RoundResult); `step`
+    is the site's step now (under --overlap: when theta_global was folded in)."""
     row = {**row, "round": r.round, "base_round": r.base_round, "tokens": r.tokens, "merged": r.merged,
            "merged_into": r.merged_into, "reason": r.reason, "send_s": r.send_s, "wait_s": r.wait_s,
            "theta_via": r.theta_via, "down_bytes": r.down_bytes, "down_s": r.down_s}
     if row["overlap"]:
-        row["settle_s"] = carrier.wait_s         # what the site waited for it at the next phase's end
+        row["settle_s"] = carrier.wait_s         # its return outside inner steps: wait, theta_global, fold
+        row["fold_step"] = step
     run.log.metric(row)
     tps = row["tokens_per_s"]
     run.log.log(f"round {r.base_round} -> {r.round}: " + ("merged" if r.merged else f"NOT merged ({r.reason})")

@@ -5,10 +5,11 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
   - FederationRunTest: darl_server.py, fedmom_server.py (--darl) and blobstore.py as
     subprocesses on free loopback ports; the initial model from `train.py --export-init`;
     two sites as separate torchrun jobs: "alpha" (FSDP2, 2 ranks, inline transport, int4
-    deltas with error feedback, --overlap: it trains its next phase while a delta is in
-    flight, and is killed and resumed with one in flight) and "beta" (DDP, 1 rank, blob
-    transport, top-k deltas, --throttle-ms: the slow one); theta_global comes down as
-    int4 updates (--down-wire).
+    deltas with error feedback, --overlap --overlap-fold end: it trains its next phase
+    while a delta is in flight, folds theta_global in at that phase's end, and is killed
+    and resumed with a delta in flight) and "beta" (DDP, 1 rank, blob transport, top-k
+    deltas, --throttle-ms: the slow one; --overlap, folding theta_global in on arrival);
+    theta_global comes down as int4 updates (--down-wire).
     The scenario, each step waiting on a condition (never on a fixed sleep):
       both merge -> alpha SIGKILLed, beta merges alone (membership 2 -> 1) -> alpha
       restarted with --resume auto (its leases and membership expire first) and merges
@@ -16,8 +17,8 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
       port and state dir, the sites carry on -> DARL runs out of blocks, both exit 0.
     Then the books: every DARL block committed, per-cluster sums = total, nothing
     quarantined; the merged deltas carry exactly the corpus' training tokens and each
-    lease once (no window merged twice or never); alpha's phases started before its
-    previous delta's round trip ended, and its merged deltas named the round they merged
+    lease once (no window merged twice or never); both sites' phases started before their
+    previous delta's round trip ended, and their merged deltas named the round they merged
     into - 1 (the server's rule, unchanged under overlap); the loss falls; the compressed deltas
     crossed at their format's size, and alpha's error-feedback buffer came through the
     kill (used by the restarted job, or reset with the reason said); the updates came down
@@ -248,8 +249,9 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
     delta_file = os.path.join(out_dir, "delta.safetensors")
     run = types.SimpleNamespace(outer=outer, save=lambda step, rnd: checkpointed.append(not os.path.exists(delta_file)))
     outer.count_inner_step()
-    out = train.end_phase(run, carrier, fedsite.Handoff(tokens=len(phase) * windows.seq_len,
-                                                        metrics={"loss": 1.0}, step=1))
+    settled, out = train.end_phase(run, carrier, fedsite.Handoff(tokens=len(phase) * windows.seq_len,
+                                                                 metrics={"loss": 1.0}, step=1))
+    assert settled is None, "no --overlap: nothing was in flight to settle"
     if d.rank == 0:
         report.update(last=dataclasses.asdict(out["federation"]), checkpointed=checkpointed, lease=phase.lease,
                       held_after=sorted(site.session.held()), base=base)
@@ -466,8 +468,10 @@ class FederationRunTest(unittest.TestCase):
         services = [darl, blob]
 
         # 1. both sites merge together
-        alpha = cls.site("alpha", "fsdp", 2, "--transport", "inline", "--wire", "int4", "--overlap")
-        beta = cls.site("beta", "ddp", 1, "--transport", "blob", "--wire", "topk", "--throttle-ms", "600")
+        alpha = cls.site("alpha", "fsdp", 2, "--transport", "inline", "--wire", "int4", "--overlap",
+                         "--overlap-fold", "end")
+        beta = cls.site("beta", "ddp", 1, "--transport", "blob", "--wire", "topk", "--throttle-ms", "600",
+                        "--overlap")
         harness.expect(lambda: any(len(cls.merged_by(r)) == 2 for r in cls.records()),
                        "a round merged from both sites", [alpha, beta, fed, *services])
         # 2. alpha dies (SIGKILL: a node failure); beta merges alone
@@ -482,7 +486,7 @@ class FederationRunTest(unittest.TestCase):
         # 3. alpha comes back (same cluster id, new incarnation, --resume auto) and merges with beta
         mark = os.path.getsize(alpha.log_path)
         alpha2 = cls.site("alpha", "fsdp", 2, "--transport", "inline", "--wire", "int4", "--overlap",
-                          "--resume", "auto")
+                          "--overlap-fold", "end", "--resume", "auto")
         cls.events["alpha2_log_from"] = mark
         new_inc = harness.expect(lambda: cls.incarnation("alpha", mark), "alpha's new incarnation", [alpha2])
         cls.events["alpha2_incarnation"] = new_inc
@@ -607,32 +611,36 @@ class FederationRunTest(unittest.TestCase):
         with tensorio.TensorReader(os.path.join(cls.tmp.name, "init.safetensors")) as r:
             return {k: r.specs[k][1] for k in r.names}
 
-    def test_the_overlapped_site_trained_on_while_its_delta_was_in_flight(self):
-        # alpha runs --overlap: each phase starts right after its delta left, on the same base.
-        # In metrics.jsonl the next phase's train rows (still on the sent delta's base round)
-        # come BEFORE the delta's federation row, which is written once its round trip settled.
-        rows = [r for r in self.rows["alpha"] if r["split"] in ("train", "federation")]
-        fed = [i for i, r in enumerate(rows) if r["split"] == "federation"]
-        self.assertTrue(fed and all(rows[i]["overlap"] for i in fed))
-        ahead = []
-        for i in fed:
-            r = rows[i]
-            before = [t for t in rows[:i] if t["split"] == "train" and t["incarnation"] == r["incarnation"]
-                      and t["step"] > r["step"]]
-            if before:
-                self.assertTrue(all(t["round"] == r["base_round"] for t in before), (r, before))
-                ahead.append(r)
-        self.assertGreater(len(ahead), 2, "alpha's phases did not start before their delta's round trip ended")
-        # and the aggregator, asked once the next phase had begun, was still at the delta's base round
-        # (beta, --throttle-ms 600, sends later): the round had not closed when alpha trained on
-        self.assertTrue(any(r.get("round_at_next_phase") == r["base_round"] for r in ahead),
-                        [(r["base_round"], r.get("round_at_next_phase")) for r in ahead])
-        self.assertTrue(all(r["settle_s"] >= 0 for r in (rows[i] for i in fed)))
-        # the server's rule is the same under overlap: each merged delta named the round it merged into - 1
-        merged = [(rec["round"], o["base_round"]) for rec in self.records() for o in rec["outcomes"]
-                  if o["outcome"] == "merged" and o["cluster"] == "alpha"]
-        self.assertTrue(merged and all(b == r - 1 for r, b in merged), merged)
-        self.assertTrue(all(r["merged_into"] == r["base_round"] + 1 for r in (rows[i] for i in fed) if r["merged"]))
+    def test_overlapped_sites_trained_on_while_their_delta_was_in_flight(self):
+        # Both sites run --overlap: each phase starts right after its delta left, on the same base,
+        # and the delta's federation row is written when its theta_global was folded in (fold_step:
+        # at the next phase's end for alpha, --overlap-fold end; on arrival for beta), after at
+        # least one step of the next phase. Train rows written before that row (file order) and
+        # after the delta's phase are still on the sent delta's base round.
+        for name, fold in (("alpha", "end"), ("beta", "arrival")):
+            rows = [r for r in self.rows[name] if r["split"] in ("train", "federation")]
+            fed = [i for i, r in enumerate(rows) if r["split"] == "federation"]
+            self.assertTrue(fed and all(rows[i]["overlap"] and rows[i]["settle_s"] >= 0 for i in fed), name)
+            ahead = [rows[i] for i in fed if rows[i].get("round_at_next_phase") is not None]
+            self.assertGreater(len(ahead), 2, f"{name}: no phase started while its delta was in flight")
+            for i in fed:
+                r = rows[i]
+                if r.get("round_at_next_phase") is not None:
+                    self.assertGreater(r["fold_step"], r["step"], (name, r))
+                before = [t for t in rows[:i] if t["split"] == "train" and t["incarnation"] == r["incarnation"]
+                          and t["step"] > r["step"]]
+                self.assertTrue(all(t["round"] == r["base_round"] for t in before), (name, r, before))
+                if fold == "end" and r.get("round_at_next_phase") is not None:
+                    self.assertTrue(before, f"alpha: no train row of the next phase before the fold: {r}")
+            # the server's rule is the same under overlap: each merged delta named the round it merged into - 1
+            merged = [(rec["round"], o["base_round"]) for rec in self.records() for o in rec["outcomes"]
+                      if o["outcome"] == "merged" and o["cluster"] == name]
+            self.assertTrue(merged and all(b == r - 1 for r, b in merged), (name, merged))
+        # the aggregator, asked once alpha's next phase had begun, was still at the delta's base round
+        # (beta, --throttle-ms 600, sends later): alpha trained on before the round closed
+        ahead = [r for r in self.rows["alpha"] if r["split"] == "federation" and r.get("round_at_next_phase") is not None]
+        self.assertTrue(any(r["round_at_next_phase"] == r["base_round"] for r in ahead),
+                        [(r["base_round"], r["round_at_next_phase"]) for r in ahead])
 
     def test_loss_falls_and_rows_are_written(self):
         recs = [r for r in self.records() if r.get("loss") is not None]
