@@ -71,8 +71,8 @@ lint: setup
 # faults.py has its own target below; http_fuzz.py is a tool that faults.py drives (and an
 # operator points at a test deployment), not a figure; wan_relay.py is the WAN-shaped link
 # the benches import (wire_formats.py --link-mbit).
-# wire_formats.py (the wire formats, up and down) runs 21 short federations, ~28 min on a quiet
-# 2-core machine; `--no-sweep --no-ddp` runs 11.
+# wire_formats.py (the wire formats, up and down, overlap off and on) runs 25 short federations,
+# ~32 min on a quiet 2-core machine; `--no-sweep --no-ddp` runs 15.
 bench: setup
 	@set -e; for b in bench/*.py; do \
 	  case $$b in bench/faults.py|bench/http_fuzz.py|bench/wan_relay.py) continue ;; esac; \

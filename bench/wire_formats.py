@@ -4,7 +4,7 @@ error, and the held-out loss of a short CPU federation relative to the uncompres
 measured in the same run.
 
 Runs on: this machine's CPU (two 1-rank sites at a time), from the repository root:
-    .venv/bin/python bench/wire_formats.py                     # 21 runs on ~1 MB of corpus, ~28 minutes here
+    .venv/bin/python bench/wire_formats.py                     # 25 runs on ~1 MB of corpus, ~32 minutes here
     .venv/bin/python bench/wire_formats.py --arms f32,int4 --no-sweep --no-ddp     # 2 runs
     .venv/bin/python bench/wire_formats.py --corpus-mb 4.2     # bench/convergence.py's full size (~4x longer)
 It prints its estimated time first, one line per arm as it finishes, then the table.
@@ -28,6 +28,12 @@ held-out loss function on FedMom's final theta. Only the sites' --wire flags dif
                  the aggregator's error feedback)
     topk-both    topk up and down (--down-wire topk)
     topk-int4    topk up, int4 down
+    f32-overlap, int4-both-overlap
+                 the f32 and int4-both arms with both sites on train.py --overlap: each trains its
+                 next phase while its delta's round trip runs and folds theta_global in as soon as it
+                 arrives (FEDERATION_GUIDE.md section 4, "Overlap")
+    f32-overlap-end, int4-both-overlap-end
+                 the same with --overlap-fold end: the fold waits for the end of that phase
 Figures, per arm:
     up B/param   the delta files the sites uploaded (train.py's "wire_bytes" row field, the
                  file's size), per parameter, mean over both sites' rounds
@@ -39,12 +45,16 @@ Figures, per arm:
                  delta of site alpha, encoded once with the arm's codec (no feedback)
     held-out     FedMom's final theta, and its ratio to the f32 arm's and to DDP's
     util, idle s each site's time in inner steps / (that + send + wait + download), and
-                 send + wait + download per round: on plain loopback the wait for the other site and the merge;
+                 send + wait + download per round (an -overlap arm: its "settle_s" instead, the
+                 time the site spent on the delta's return outside inner steps: the wait for the
+                 round trip, reading theta_global, the fold);
+                 on plain loopback the wait for the other site and the merge;
                  with --link-mbit, each site reaches FedMom and the blob store through a
                  WAN-shaped link of its own (bench/wan_relay.py: that cap each way, plus
                  --link-latency-ms), so the transfers count too
 Targets (not all reachable, see the table): int4 with error feedback <= 0.5 B/param and a
-ratio <= 1.005, and the same down (int4-both); topk <= 0.1 B/param at a ratio <= 1.01.
+ratio <= 1.005, and the same down (int4-both); topk <= 0.1 B/param at a ratio <= 1.01;
+an -overlap arm >= 95% utilisation on the shaped link at a ratio <= 1.01.
 """
 import argparse
 import dataclasses
@@ -75,9 +85,15 @@ ARMS = {"f32": ([], wire.Codec("f32"), []),
         "topk-k512": (["--wire", "topk", "--wire-topk-k", "512"], wire.Codec("topk", topk_k=512), []),
         "int4-both": (["--wire", "int4"], wire.Codec("int4"), ["--down-wire", "int4"]),
         "topk-both": (["--wire", "topk"], wire.Codec("topk"), ["--down-wire", "topk"]),
-        "topk-int4": (["--wire", "topk"], wire.Codec("topk"), ["--down-wire", "int4"])}
+        "topk-int4": (["--wire", "topk"], wire.Codec("topk"), ["--down-wire", "int4"]),
+        "f32-overlap": (["--overlap"], wire.Codec("f32"), []),
+        "int4-both-overlap": (["--wire", "int4", "--overlap"], wire.Codec("int4"), ["--down-wire", "int4"]),
+        "f32-overlap-end": (["--overlap", "--overlap-fold", "end"], wire.Codec("f32"), []),
+        "int4-both-overlap-end": (["--wire", "int4", "--overlap", "--overlap-fold", "end"], wire.Codec("int4"),
+                                  ["--down-wire", "int4"])}
 SWEEP_LR, SWEEP_MU = (0.4, 0.7, 1.0), (0.0, 0.5, 0.9)
 TARGETS = {"int4": (0.5, 1.005), "int4-both": (0.5, 1.005), "topk": (0.1, 1.01), "topk-both": (0.1, 1.01)}
+OVERLAP_TARGET = (0.95, 1.01)      # -overlap arms: utilisation at least, held-out ratio to f32 at most
 
 
 @dataclasses.dataclass
@@ -104,6 +120,14 @@ def site_rows(sites_dir):
             if r.get("split") == "federation"]
 
 
+def idle_s(row):
+    """A phase's time outside inner steps for its delta: the round trip, or under --overlap
+    (which runs the round trip during the next phase) what that next phase's end waited for it."""
+    if row.get("overlap"):
+        return row.get("settle_s") or 0.0
+    return (row.get("send_s") or 0) + (row.get("wait_s") or 0) + (row.get("down_s") or 0)
+
+
 def rel_error(delta_path, codec):
     """||x - decode(encode(x))|| / ||x|| over every tensor of a real delta file."""
     err = tot = 0.0
@@ -125,7 +149,7 @@ def run_arm(cfg, arm, ctx, launcher, outer):
     sizes = [x["wire_bytes"] for x in rows if x.get("wire_bytes")]
     r["up"] = sum(sizes) / len(sizes) / ctx["params"] if sizes else None
     inner = sum(x["inner_s"] for x in rows)
-    idle = sum((x.get("send_s") or 0) + (x.get("wait_s") or 0) + (x.get("down_s") or 0) for x in rows)
+    idle = sum(idle_s(x) for x in rows)
     r["util"] = inner / (inner + idle) if inner + idle else None     # time in inner steps / phase + round trip
     r["idle"] = idle / len(rows) if rows else None                    # per site and round, s
     down = [x["down_bytes"] for x in rows if x.get("down_bytes")]
@@ -167,22 +191,23 @@ def report(cfg, ctx, results):
     ref = results.get("f32", {}).get("heldout")
     delta = results.get("f32", {}).get("delta")
     lr, mu = ctx["outer"]
+    w = max(len(a) for a in cfg.arm_list + ["arm", "f32"])        # the arm column's width
     lines = ctx.get("sweep_lines", []) + [
         "", f"Wire formats, 2 federated sites, outer lr {lr:g} momentum {mu:g}, {cfg.model} ({ctx['params']:,} "
             f"parameters), H = {cfg.inner_steps}, one epoch of {ctx['train_windows']:,} windows x {cfg.seq_len} tokens"
             + (f"; DDP held-out {ctx['ddp']:.4f}" if ctx.get("ddp") else "")
             + (f"; each site on a {ctx['link'][0]:g} Mbit/s, {ctx['link'][1]:g} ms link" if ctx.get("link") else "")
             + ":", "",
-        f"  {'arm':<10} {'up B/param':>10} {'payload':>8} {'down B/param':>12} {'rel. error':>10} {'rounds':>6} "
+        f"  {'arm':<{w}} {'up B/param':>10} {'payload':>8} {'down B/param':>12} {'rel. error':>10} {'rounds':>6} "
         f"{'held-out':>9} {'vs f32':>17} {'vs DDP':>17} {'util':>5} {'idle s':>6} {'min':>5}"]
     for arm in cfg.arm_list:
         r = results.get(arm)
         if r is None:
-            lines.append(f"  {arm:<10} {'failed':>10}")
+            lines.append(f"  {arm:<{w}} {'failed':>10}")
             continue
         err = rel_error(delta, r["codec"]) if delta and os.path.exists(delta) else None
         r["rel_error"] = err
-        lines.append(f"  {arm:<10} {r['up']:>10.4f} {r['payload']:>8.4f} {r['down']:>12.4f} {'-' if err is None else f'{err:.4f}':>10} "
+        lines.append(f"  {arm:<{w}} {r['up']:>10.4f} {r['payload']:>8.4f} {r['down']:>12.4f} {'-' if err is None else f'{err:.4f}':>10} "
                      f"{len(r['rounds']):>6} {r['heldout']:>9.4f} {convergence.fmt_ratio(r['heldout'], ref):>17} "
                      f"{convergence.fmt_ratio(r['heldout'], ctx.get('ddp')):>17} {r['util']:>5.2f} {r['idle']:>6.1f} "
                      f"{r['wall_s'] / 60:>5.1f}")
@@ -200,11 +225,21 @@ def report(cfg, ctx, results):
         ok = r["up"] <= most and got <= ratio and (not both or r["down"] <= most)
         lines.append(f"  target {arm}: <= {most} B/param up{' and down' if both else ''} at a ratio <= {ratio}: "
                      f"{r['up']:.4f} up, {r['down']:.4f} down B/param, {got:.4f} -> {'met' if ok else 'NOT met'}")
+    for arm in (a for a in cfg.arm_list if "-overlap" in a):
+        r, (least, ratio) = results.get(arm), OVERLAP_TARGET
+        if r is None or ref is None:
+            continue
+        got = r["heldout"] / ref
+        ok = r["util"] >= least and got <= ratio and ctx.get("link")
+        lines.append(f"  target {arm}: utilisation >= {least} on the shaped link at a ratio <= {ratio}: "
+                     f"{r['util']:.3f}, {got:.4f}" + ("" if ctx.get("link") else " (no --link-mbit)")
+                     + f" -> {'met' if ok else 'NOT met'}")
     lines += ["  up: the delta files as uploaded (safetensors header included); payload: the same without the",
               "  header (what a large model pays: the header grows with the tensor count, not their size);",
               "  down: what each site downloaded per round: theta_global in fp32, or (-both arms) the update from",
               "  the theta it held. int4's floor is 0.5 B/param plus 2/128 for the bf16 block scales. util: time in",
-              "  inner steps / (that + send + wait + download), both sites; idle s: those three per site and round:",
+              "  inner steps / (that + send + wait + download), both sites; idle s: those three per site and round",
+              "  (-overlap: the wait for the round trip, theta_global's read and the fold instead):",
               "  the transfers, the wait for the other site and the merge" + (" (on the shaped link)." if ctx.get("link")
                                                                           else ", on plain loopback (no --link-mbit).")]
     return "\n".join(lines)
