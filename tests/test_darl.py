@@ -584,11 +584,15 @@ class DurabilityTest(unittest.TestCase):
                 "c = darl_server.Coordinator(s, state_dir=sys.argv[1])\n"
                 "c.call('register', {'cluster': 'a', 'incarnation': 'x', 'digest': s.digest()})\n"
                 "print('answered')\n")
+        self.assert_stops_unanswered(code, "answered", "cannot flush the log to disk")
+
+    def assert_stops_unanswered(self, code, after, says):
+        """`code`, run in a child process on this state dir, exits 75 before it prints `after`."""
         out = subprocess.run([sys.executable, "-c", code, self.dir], cwd=ROOT, capture_output=True, text=True,
                              timeout=120)
         self.assertEqual(out.returncode, 75, out.stdout + out.stderr)
-        self.assertNotIn("answered", out.stdout)
-        self.assertIn("cannot flush the log to disk", out.stderr)
+        self.assertNotIn(after, out.stdout)
+        self.assertIn(says, out.stderr)
 
     def test_a_failed_directory_fsync_after_the_log_restart_stops_the_process(self):
         """The restarted log is renamed into place but its directory's fsync fails (EIO):
@@ -605,11 +609,7 @@ class DurabilityTest(unittest.TestCase):
                 "durable.fsync_dir = eio\n"
                 "c.snapshot()\n"
                 "print('served on')\n")
-        out = subprocess.run([sys.executable, "-c", code, self.dir], cwd=ROOT, capture_output=True, text=True,
-                             timeout=120)
-        self.assertEqual(out.returncode, 75, out.stdout + out.stderr)
-        self.assertNotIn("served on", out.stdout)
-        self.assertIn("may not be durable", out.stderr)
+        self.assert_stops_unanswered(code, "served on", "may not be durable")
 
     def test_every_line_is_versioned_checksummed_and_fsynced_before_the_reply(self):
         synced = []                  # the log's size at each flush to disk: what that flush made durable
