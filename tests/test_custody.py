@@ -12,7 +12,10 @@ What runs:
     that names no lease, a site's release(leave=true) after its delta was accepted;
   - the status CLIs' exit codes and the operator's abort-custody command, as processes;
   - real darl_server.py and fedmom_server.py processes: the aggregator SIGKILLed at the
-    instant its round is durable and its commits owed, restarted, and delivering them.
+    instant its round is durable and its commits owed, restarted, and delivering them;
+    two aggregators on copies of one state dir given the same epoch (the copy taken
+    while the first /fence reply was held in flight), the copy's confirm refused or
+    lost on the way (a dropping forwarder), and the copy fenced at every later start.
 """
 import collections
 import json
