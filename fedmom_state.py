@@ -400,6 +400,7 @@ class FedMomState:
         self.first_delta_at, self.merging, self.retry_merge_at = None, False, 0.0
         self.pending_commits, self.pending_aborts, self.last_record = [], [], None
         self.violations = {k: 0 for k in VIOLATIONS}
+        self.inherited = set()        # confirmed delta ids restored from the spool, not yet reconciled
         self.requesting = set()       # delta ids whose custody an upload thread is asking for now
         self.darl_alarm = None        # {"since", "error", "calls"} while DARL gives no definitive answer
         self.fenced = None            # DARL's reason, once it refused this epoch: the process stops
@@ -556,6 +557,8 @@ class FedMomState:
                 if p.norm is None:                # spooled before norms were kept
                     p.norm = fedmom_merge.delta_norm(p.path)
                 self.pending[(p.cluster, p.incarnation)] = p
+                if p.custody == "confirmed" and self.darl is not None:
+                    self.inherited.add(p.delta_id)   # merged only once _reconcile saw DARL still holds it
                 continue
             why = f"its spooled file {p.path} is missing or damaged ({size} bytes, accepted with {p.size})"
             self._exclude_spooled(p, why, now)
@@ -980,6 +983,8 @@ class FedMomState:
             return None
         if self._custody_waiting():
             return None
+        if self.inherited and not self.reconciled:
+            return None             # a delta spooled by an earlier process, which DARL may no longer hold
         waiting = [c for c in self.members if not self._responded(c)]
         if not waiting:
             return "every live member sent its delta"
@@ -1205,12 +1210,24 @@ class FedMomState:
 
     def _reconcile(self):
         """Custody DARL holds for us that our state no longer names (a spool entry lost with
-        the disk) would be held forever: abort it."""
+        the disk) would be held forever: abort it. And the converse: a spooled delta our state
+        says DARL holds, but DARL does not (another process of this aggregator, from which this
+        state was copied, aborted it since: its blocks are back in the pool), is never merged."""
         ans = self.darl.held(self.aggregator_id)
         if ans.kind != "ok":
             self._darl_failed("list our custody", ans.error)
             return False
         with self.lock:
+            held = {c["delta"] for c in ans.reply["custody"]}
+            gone = [p for p in self.pending.values() if p.custody == "confirmed" and p.delta_id not in held]
+            for p in gone:
+                why = ("DARL no longer holds this delta's custody (another process of this aggregator aborted it; "
+                       "its blocks went back to the pool)")
+                del self.pending[(p.cluster, p.incarnation)]
+                durable.unlink(p.path), durable.unlink(p.meta_path)
+                self._exclude(dataclasses.asdict(p), why)
+            if gone and not self.pending:
+                self.first_delta_at = None
             known = ({p.delta_id for p in self.pending.values()} | {c["delta"] for c in self.pending_commits}
                      | {c["delta"] for c in self.pending_aborts})
             lost = [c for c in ans.reply["custody"] if c["delta"] not in known]
@@ -1221,9 +1238,10 @@ class FedMomState:
                                             "since": round(self.wall(), 3)})
                 log(f"fedmom: !!! DARL holds custody of delta {c['delta']} ({c['cluster']}, {c['blocks']} blocks) "
                     "that this aggregator has no record of: aborting it, its blocks go back to the pool")
-            if lost:
+            if lost or gone:
                 self._save()
-            self.reconciled = True
+            self.reconciled, self.inherited = True, set()
+            self.cond.notify_all()
         return True
 
     def _send_owed(self, kind, send):

@@ -368,6 +368,8 @@ class AggregatorOutageTest(AggregatorFixture):
         b = self.lease(url, coord, "snellius", ttl=600)
         st = self.agg(fs.DarlLink(url, TOKEN), init=False)      # the restart
         self.assertTrue(self.send(st, "snellius", self.delta()[0], 100, leases=[b])["accepted"])
+        self.assertIsNone(st.tick(), "merged lumi's restored delta before DARL said it still holds its custody")
+        st.darl_tick()                                          # the server's DARL loop: fence, reconcile
         rec = st.tick()
         self.assertIsNotNone(rec)
         for _ in range(3):
@@ -578,6 +580,40 @@ class FencingAndRepairTest(AggregatorFixture):
         b = self.agg(fs.DarlLink(url, TOKEN), name="B", init=False)  # the restart repeats the same ask
         self.assertTrue(b.darl_tick())
         self.assertEqual(b.epoch, 5)
+
+    def test_a_copy_never_merges_a_delta_whose_custody_the_live_process_aborted_since(self):
+        """The state is copied after the live process A holds its epoch, with two deltas in
+        DARL's custody; A then aborts one (an exclusion: its blocks go back to the pool) and
+        dies. The copy names A as the holder at A's round, so it is issued the next epoch, but
+        it must learn from DARL that the aborted delta is no longer held and never merge it:
+        before, it merged both, and DARL refused the second commit (counted refused_commits)
+        while those blocks were free to be trained again."""
+        coord, url = self.darl()
+        a = self.agg(fs.DarlLink(url, TOKEN), name="A")
+        self.assertTrue(a.darl_tick())
+        leases = {}
+        for c in ("lumi", "snellius"):
+            a.join(c, f"{c}-inc")
+            leases[c] = self.lease(url, coord, c)
+            self.assertEqual(self.send(a, c, self.delta()[0], 100, leases=[leases[c]])["custody"], "confirmed")
+        shutil.copytree(os.path.join(self.dir, "A"), os.path.join(self.dir, "B"), ignore=shutil.ignore_patterns("lock"))
+        gone = a.pending[("snellius", "snellius-inc")].delta_id
+        httpd.call(url, "POST", "/custody/abort", {"aggregator": a.aggregator_id, "epoch": a.epoch, "delta": gone,
+                                                   "why": "excluded by the live process"}, token=TOKEN)
+        del a
+        b = self.agg(fs.DarlLink(url, TOKEN), name="B", init=False)
+        self.assertTrue(b.darl_tick())
+        self.assertEqual(b.epoch, 2)
+        self.assertEqual([(e["cluster"], "no longer holds" in e["why"]) for e in b.status()["excluded"]],
+                         [("snellius", True)])
+        rec = b.tick()
+        self.assertEqual([(o["cluster"], o["outcome"]) for o in rec["outcomes"] if o["outcome"] == "merged"],
+                         [("lumi", "merged")])
+        self.assertTrue(b.darl_tick())
+        books = coord.status()
+        self.assertEqual(books["violations"]["refused_commits"], 0)
+        self.assertEqual(books["committed"], leases["lumi"]["end"] - leases["lumi"]["start"])
+        self.assert_each_position_in_one_merged_delta(b, coord, [leases["lumi"]])
 
     def test_a_state_that_used_custody_refuses_a_start_without_darl_or_with_another_darl(self):
         """Without --darl the owed commits would never be sent and new deltas would merge with
