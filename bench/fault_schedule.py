@@ -34,7 +34,12 @@ older client would: the servers must be safe whatever a site does. Some (chosen 
 seed too) are overlapped, as train.py --overlap: a delta's round trip runs on a thread
 while the site leases and "trains" its next span, whose delta then names the round the
 round trip ended on as its base; a kill or stop of such a site may come while a delta is
-in flight and the next span is being trained.
+in flight and the next span is being trained. Some (drawn after the rest, so older seeds
+keep their schedules) send int4 deltas, as train.py --wire int4 (wire.WireWriter, with
+error feedback), and half the seeds run the aggregator with --down-wire int4. Every site
+holds theta_global as a real site's rank 0 does: after each round trip it downloads it
+with fedsite.FedSite's own code (the update added to the theta it holds and checked by
+its digest, or on 409 no_update the whole theta), and notes the digest it now holds.
     darl_flag       DARL restarted with --max-attempts or --max-grant changed: it must
                     refuse, naming the flag; then restarted with --accept-config-change
     clock_step      the servers' wall clock stepped by +-1 h (PWW_TEST_CLOCK_OFFSET_FILE),
@@ -54,10 +59,18 @@ The oracle, from the sites' records and the final durable state of both servers:
       every position inside exactly one of them by the sites' own records;
     - no acknowledged commit lost (custody DARL reported committed during the run is
       still committed) and no merge a site was told of lost;
-    - theta_global equals a float64 replay of the recorded merges from the initial model;
+    - theta_global, the momentum and (--down-wire) the residual equal, bit for bit, a
+      float32 replay by the aggregator's rule (fedmom_merge.merge_files with the recorded
+      weights, clip scales and momentum resets, then fedmom_merge.publish with the
+      residual) from the initial model and the delta files the sites wrote, an int4 one
+      decoded by wire.py; every theta a site fetched has the replay's digest for its
+      round, and no update failed its digest; with an f32 aggregator theta_global also
+      equals a float64 replay of the rule written out here (within 1e-5);
     - the changed-flag restart was refused naming the flag; no site crashed.
 A failing seed prints its schedule and the oracle's findings; its directory is kept.
-The last line is the summary: schedules, faults injected by kind, violations.
+The closing lines: faults injected by kind, the site kinds run (f32, int4, overlapped),
+the schedules with --down-wire int4, what the sites saw, and the summary: schedules,
+faults injected, violations.
 """
 import argparse
 import collections
