@@ -19,7 +19,8 @@ named phase, and is SIGKILLed there):
     fedmom_kill     the aggregator SIGKILLed at fedmom.received (mid-upload),
                     fedmom.spooled, fedmom.custody_held (DARL holds it, the spool does not
                     say so), fedmom.merge (mid-merge), fedmom.round_durable (between a
-                    durable round and its commits), fedmom.committed; back after 0-2 s
+                    durable round and its commits), fedmom.committed, fedmom.epoch_durable (its
+                    new epoch and holder durable, the confirm not sent); back after 0-2 s
     fedmom_outage   the aggregator down for 2 x the longest lease TTL, then back
     blob_kill       the blob store SIGKILLed mid-upload (blob.chunk)
     site_kill       a site SIGKILLed at site.trained (its delta not sent) or site.sent (its
@@ -119,7 +120,7 @@ WEIGHTS = (3, 4, 2, 1, 3, 2, 1, 1, 1, 1)
 EXIT_FENCED = 3                   # fedmom_server's exit status when DARL fenced it
 POINTS = {"darl_kill": ("darl.append", "darl.torn", "darl.synced"),
           "fedmom_kill": ("fedmom.received", "fedmom.spooled", "fedmom.custody_held", "fedmom.merge",
-                          "fedmom.round_durable", "fedmom.committed"),
+                          "fedmom.round_durable", "fedmom.committed", "fedmom.epoch_durable"),
           "blob_kill": ("blob.chunk",), "site_kill": ("site.trained", "site.sent"),
           "site_stop": ("site.trained", "site.checked")}
 EXIT_TOKEN = 3                    # a fake site's exit status when a server refused its token
