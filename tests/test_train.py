@@ -83,6 +83,33 @@ class ConfigTest(unittest.TestCase):
         with self.assertRaisesRegex(train.ConfigError, "--activation-checkpointing"):
             train.Config(model="resnet18", activation_checkpointing=True).resolve("cpu").validate()
 
+    def test_outer_step_flags_are_refused_with_federation_only_when_given(self):
+        fed = ["--model", "qwen3-tiny", "--data", "x/manifest.json", "--federation", "http://127.0.0.1:1",
+               "--darl-url", "http://127.0.0.1:2", "--site", "lumi"]
+        cfg = train.parse_config(fed).resolve("cpu")
+        cfg.validate()                                 # the defaults alone are not a given value
+        self.assertEqual((cfg.diloco_outer_lr, cfg.diloco_outer_momentum), (None, None))
+        for extra, flag in ((["--diloco-outer-lr", "0.5"], "--diloco-outer-lr 0.5"),
+                            (["--diloco-outer-momentum", "0.8"], "--diloco-outer-momentum 0.8"),
+                            (["--diloco-outer-optimizer", "sgd"], "--diloco-outer-optimizer sgd"),
+                            (["--config", self.yaml("diloco_outer_lr: 1.0\n")], "--diloco-outer-lr 1.0")):
+            with self.subTest(extra=extra), self.assertRaises(train.ConfigError) as e:
+                train.parse_config(fed + extra).resolve("cpu").validate()
+            self.assertIn(flag, str(e.exception))
+            self.assertIn("fedmom_server.py --outer-lr and --outer-momentum", str(e.exception))
+        # a federated run's written config.yaml reads back and passes (the fields stay unset) ...
+        path = os.path.join(self.tmp.name, "config.yaml")
+        train.write_config_yaml(path, cfg, {"git": "abc", "world_size": 1})
+        train.parse_config(["--config", path]).resolve("cpu").validate()
+        for f in sorted(os.listdir(os.path.join(ROOT, "configs"))):       # ... and so do the shipped ones
+            if f.startswith("qwen3"):
+                train.parse_config(["--config", os.path.join(ROOT, "configs", f)] + fed).resolve("cpu").validate()
+        # inside one allocation the same flags are DiLoCo's, and the defaults are filled in
+        local = train.parse_config(["--diloco-replicas", "2", "--diloco-outer-lr", "0.5"]).resolve("cpu")
+        local.validate()
+        self.assertEqual((local.diloco_outer_optimizer, local.diloco_outer_lr, local.diloco_outer_momentum),
+                         ("nesterov", 0.5, 0.9))
+
     def test_model_dependent_defaults(self):
         c = train.Config(model="resnet18").resolve("cpu")
         self.assertEqual((c.dtype, c.batch_size, c.lr, c.weight_decay, c.grad_clip),
@@ -327,6 +354,24 @@ class FederationCorpusTest(unittest.TestCase):
         self.assertEqual(len(errors), 1, p.stderr)
         self.assertIn("--data", errors[0])
         self.assertIn("same digest", errors[0])
+        self.assertNotIn("Traceback", p.stderr)
+
+
+class FederationFlagTest(unittest.TestCase):
+    def test_an_outer_step_flag_with_federation_exits_2_naming_where_it_is_set(self):
+        """The aggregator owns the outer step: --diloco-outer-lr on a site would do nothing."""
+        with tempfile.TemporaryDirectory() as tmp:
+            # nothing listens on these ports: a run that got as far as a call would retry for 900 s
+            p = subprocess.run([sys.executable, "train.py", "--device", "cpu", "--model", "qwen3-tiny",
+                                "--data", os.path.join(tmp, "manifest.json"), "--federation", "http://127.0.0.1:9",
+                                "--darl-url", "http://127.0.0.1:9", "--site", "lumi", "--diloco-outer-lr", "0.5",
+                                "--runs-dir", os.path.join(tmp, "runs")],
+                               cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        errors = [line for line in p.stderr.splitlines() if line.startswith("train.py: error:")]
+        self.assertEqual(len(errors), 1, p.stderr)
+        self.assertIn("--diloco-outer-lr 0.5 with --federation", errors[0])
+        self.assertIn("fedmom_server.py --outer-lr", errors[0])
         self.assertNotIn("Traceback", p.stderr)
 
 
