@@ -176,6 +176,13 @@ class DistEnvTest(unittest.TestCase):
             dist_env._rendezvous_env({"MASTER_ADDR": "h"}, world_size=2)
 
     @unittest.skipIf(torch.cuda.is_available(), "a GPU is visible")
+    def test_eager_pg_init_switch(self):
+        self.assertTrue(dist_env.eager_pg_init({}))                      # the default: device_id
+        self.assertTrue(dist_env.eager_pg_init({"PWW_EAGER_PG_INIT": "1"}))
+        self.assertFalse(dist_env.eager_pg_init({"PWW_EAGER_PG_INIT": "0"}))
+        with self.assertRaisesRegex(dist_env.ConfigError, "PWW_EAGER_PG_INIT='yes': use 1 .* or 0"):
+            dist_env.eager_pg_init({"PWW_EAGER_PG_INIT": "yes"})
+
     def test_device_dispatch_on_a_cpu_build(self):
         self.assertEqual(dist_env.detect_accel("auto"), "cpu")
         self.assertEqual(dist_env.detect_accel("cpu"), "cpu")
