@@ -194,12 +194,13 @@ def add_diloco_args(parser):
                         "(default 1 = plain data parallel, no outer step)")
     g.add_argument("--diloco-inner-steps", type=int, default=d.inner_steps,
                    help=f"H: inner steps between outer steps (default {d.inner_steps})")
+    fed = "; refused with train.py --federation, where fedmom_server.py sets the outer step"
     g.add_argument("--diloco-outer-optimizer", choices=OUTER_OPTIMIZERS, default=d.outer_optimizer,
-                   help=f"outer optimizer (default {d.outer_optimizer}; sgd + lr 1.0 + momentum 0 = FedAvg)")
+                   help=f"outer optimizer (default {d.outer_optimizer}; sgd + lr 1.0 + momentum 0 = FedAvg{fed})")
     g.add_argument("--diloco-outer-lr", type=float, default=d.outer_lr,
-                   help=f"outer learning rate (default {d.outer_lr})")
+                   help=f"outer learning rate (default {d.outer_lr}{fed}: --outer-lr)")
     g.add_argument("--diloco-outer-momentum", type=float, default=d.outer_momentum,
-                   help=f"outer momentum (default {d.outer_momentum})")
+                   help=f"outer momentum (default {d.outer_momentum}{fed}: --outer-momentum)")
     g.add_argument("--diloco-outer-device", choices=OUTER_DEVICES, default=d.outer_device,
                    help="where theta and the outer momentum live: 'same' as the model, or 'cpu' "
                         "(saves two fp32 parameter copies of device memory for two host<->device "
