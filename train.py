@@ -254,6 +254,10 @@ class Config:
                               f"fedmom_server.py --outer-lr and --outer-momentum (Nesterov); a site only "
                               f"takes theta_global, so drop {'them' if len(given) > 1 else 'it'} "
                               f"(from --config too)")
+        if self.diloco_outer_device != "same":
+            raise ConfigError(f"--diloco-outer-device {self.diloco_outer_device} with --federation: a federated "
+                              "site keeps its copy of theta_global on the training device (no outer momentum: the "
+                              "aggregator owns the outer step), so the flag would do nothing; drop it")
         if not self.llm:
             raise ConfigError(f"--federation trains a Qwen3 model on DARL-leased token windows; "
                               f"--model {self.model} reads no tokenized corpus (use qwen3-*)")

@@ -103,6 +103,9 @@ class ConfigTest(unittest.TestCase):
                 train.parse_config(fed + extra).resolve("cpu").validate()
             self.assertIn(flag, str(e.exception))
             self.assertIn("fedmom_server.py --outer-lr and --outer-momentum", str(e.exception))
+        with self.assertRaises(train.ConfigError) as e:              # where theta would live: nothing to place
+            train.parse_config(fed + ["--diloco-outer-device", "cpu"]).resolve("cpu").validate()
+        self.assertIn("--diloco-outer-device cpu with --federation", str(e.exception))
         # a federated run's written config.yaml reads back and passes (the fields stay unset) ...
         path = os.path.join(self.tmp.name, "config.yaml")
         train.write_config_yaml(path, cfg, {"git": "abc", "world_size": 1})
