@@ -58,10 +58,13 @@ file into a plain F32 file one tensor at a time: peak memory is a few times the
 largest tensor, never the model.
 """
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import math
+import os
 import sys
+import threading
 
 import numpy as np
 
@@ -150,6 +153,232 @@ def _grid(x, scale, levels):
     return q.astype(np.int8 if levels <= 127 else np.int16)
 
 
+# ---------------------------------------------------------------- threads
+
+CHUNK = 1 << 16       # values per step of the block kernels: 256 KiB of f32, in L2 while it is worked on
+TASK = 1 << 20        # values per task handed to a thread (fewer, larger tasks: less Python per value)
+_pools, _pools_lock = {}, threading.Lock()
+
+
+def default_threads():
+    """Threads for encode/decode/apply: $WIRE_THREADS, else every core (numpy releases the GIL)."""
+    env = os.environ.get("WIRE_THREADS", "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"WIRE_THREADS={env!r}: use a whole number of threads >= 1")
+        return int(env)
+    return os.cpu_count() or 1
+
+
+def resolve_threads(threads):
+    """None -> default_threads(); else a whole number >= 1 (the error names --threads)."""
+    if threads is None:
+        return default_threads()
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"--threads {threads!r}: use a whole number of threads >= 1")
+    return threads
+
+
+def _pool(threads):
+    """One shared pool per size, made on first use (nothing runs at import)."""
+    with _pools_lock:
+        if threads not in _pools:
+            _pools[threads] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="wire")
+        return _pools[threads]
+
+
+def run_spans(fn, rows, unit, per_row, threads):
+    """fn(a, b) over [0, rows) in spans of whole `unit`s of rows, about TASK values each,
+    on `threads` threads (inline for one thread or one span). Spans never overlap, so each
+    writes its own slice of the outputs and the result does not depend on the threads."""
+    step = max(unit, -(-max(1, TASK // max(per_row, 1)) // unit) * unit)
+    spans = [(a, min(a + step, rows)) for a in range(0, rows, step)]
+    if threads <= 1 or len(spans) <= 1:
+        for a, b in spans:
+            fn(a, b)
+        return
+    for f in [_pool(threads).submit(fn, a, b) for a, b in spans]:
+        f.result()
+
+
+class Behind:
+    """Jobs run in submission order on one thread behind the caller (a write, a hash):
+    submit() returns a future; result() of a later one re-raises an earlier failure."""
+
+    def __init__(self):
+        self.ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wire-behind")
+
+    def submit(self, fn, *args):
+        return self.ex.submit(fn, *args)
+
+    def close(self):
+        self.ex.shutdown(wait=True)
+
+
+# ---------------------------------------------------------------- the block kernels (int8, int4)
+#
+# The fast path of Codec's int8/int4 encode and decode: the same float32 operations as
+# the reference (_encode_blocks_ref, _decode_blocks_ref; tests/test_wire.py checks them
+# bit for bit), done CHUNK values at a time in reused buffers, on threads. A tensor is
+# seen as X [R, C]: when its last dimension is a multiple of the block, X is [rows x
+# blocks, block] (one scale per row of X, the flattened order unchanged, no padding);
+# else X is [rows, cols] and each chunk is zero-padded to whole blocks in its buffer.
+
+def _as_blocks(shape, block):
+    """-> (R, C, nb): X's rows and columns and the blocks per row of X."""
+    rows, cols = rows_cols(shape)
+    if cols and cols % block == 0:
+        return rows * (cols // block), block, 1
+    return rows, cols, -(-cols // block)
+
+
+def _row_unit(C, fmt):
+    """int4 packs two values a byte over the flattened tensor: a span must start on an
+    even value, so with an odd C it takes rows in pairs."""
+    return 2 if fmt == "int4" and C % 2 else 1
+
+
+def _encode_span(X, a, b, block, fmt, codes, sbits, sent):
+    """Rows [a, b) of X -> their codes, scales (BF16 bits, [R, nb]) and decoded values."""
+    levels = LEVELS[fmt]
+    C, nb = X.shape[1], sbits.shape[1]
+    W, unit = nb * block, _row_unit(C, fmt)
+    step = max(unit, CHUNK // W // unit * unit)
+    buf = np.zeros((step, W), np.float32)           # q; the pad columns of a ragged row start at 0
+    mag = np.zeros((step, W), np.float32)
+    amax = np.empty((step, nb), np.float32)
+    u8 = np.empty((step, W), np.uint8) if fmt == "int4" else None
+    for r0 in range(a, b, step):
+        r1 = min(r0 + step, b)
+        r = r1 - r0
+        q, m, am = buf[:r], mag[:r], amax[:r]
+        qb = q.reshape(r, nb, block)
+        if W == C:
+            src = X[r0:r1].reshape(r, nb, block)
+            np.abs(X[r0:r1], out=m)
+        else:                                        # ragged: the row padded with zeros to whole blocks
+            q[:, :C] = X[r0:r1]
+            q[:, C:] = 0
+            src = qb
+            np.abs(q, out=m)
+        # the block's largest magnitude, reduced as int32 bits: the same order for floats
+        # >= 0, and numpy's integer reduction is the vectorised one (about 2x here)
+        np.maximum.reduce(m.reshape(r, nb, block).view(np.int32), axis=2, out=am.view(np.int32))
+        am /= np.float32(levels)
+        bits = bf16_up(am)
+        sbits[r0:r1] = bits
+        scale = tensorio.bf16_to_f32(bits)[:, :, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            np.divide(src, scale, out=qb)            # IEEE division, as the reference's x / scale
+        np.rint(qb, out=qb)
+        # no clip: |x| <= amax and scale >= fl(amax / L), so |x| / scale <= L (1 + 2^-17) and
+        # rint gives at most L (a subnormal fl(amax / L) rounds up to a bfloat16 >= 2^-133 first)
+        if not scale.all():                          # a zero block (or one below the bf16 range): codes 0
+            qb[scale[:, :, 0] == 0] = 0
+        if fmt == "int4":
+            qb += np.float32(8)                      # codes 1..15; and -0.0 + 8 - 8 is +0.0, as in the reference
+            np.copyto(u8[:r], q, casting="unsafe")
+            qb -= np.float32(8)
+            _pack4_rows(u8[:r, :C], r0 * C, codes)
+        else:
+            qb += np.float32(0)                      # -0.0 -> +0.0: the reference's codes pass through int8
+            np.copyto(codes[r0:r1], q[:, :C], casting="unsafe")
+        if W == C:
+            np.multiply(qb, scale, out=sent[r0:r1].reshape(r, nb, block))
+        else:
+            with np.errstate(over="ignore"):
+                np.multiply(qb, scale, out=qb)
+            sent[r0:r1] = q[:, :C]
+    # (an overflowing product is Inf, as in the reference: the receiver's finiteness check refuses it)
+
+
+def _pack4_rows(u8, start, packed):
+    """Codes (uint8 < 16, [r, C]) of values start.. into packed[start // 2 ..]: each pair is
+    one little-endian uint16 (lo, hi), so lo | hi << 4 is (v | v >> 4) & 0xFF."""
+    flat = np.ascontiguousarray(u8).reshape(-1)
+    even = flat.size // 2 * 2
+    v = flat[:even].view(np.uint16)
+    t = v >> np.uint16(4)
+    t |= v
+    np.copyto(packed[start // 2:start // 2 + even // 2], t, casting="unsafe")
+    if even < flat.size:                             # the tensor's odd last value: the high nibble is 0
+        packed[(start + even) // 2] = flat[-1]
+
+
+def _decode_span(codes, scale, a, b, C, block, fmt, out, bad):
+    """Rows [a, b) of X from codes and float32 scales [R, nb] into out [R, C]; a code
+    outside the symmetric range is put in `bad` (the caller raises)."""
+    nb = scale.shape[1]
+    W, unit = nb * block, _row_unit(C, fmt)
+    step = max(unit, CHUNK // W // unit * unit)
+    if fmt == "int4":
+        v = np.empty(-(-step * C // 2), np.uint16)
+        t = np.empty_like(v)
+    qf = np.empty((step, W), np.float32)
+    for r0 in range(a, b, step):
+        r1 = min(r0 + step, b)
+        r, cnt = r1 - r0, (r1 - r0) * C
+        if fmt == "int4":
+            src = codes[r0 * C // 2:(r0 * C + cnt + 1) // 2]
+            vv, tt = v[:src.size], t[:src.size]
+            np.copyto(vv, src)                       # byte (hi, lo) -> uint16 0x0h0l, little-endian: lo, hi
+            np.bitwise_and(vv, np.uint16(0xF0), out=tt)
+            tt <<= np.uint16(4)
+            vv &= np.uint16(0x0F)
+            vv |= tt
+            q8 = vv.view(np.uint8)[:cnt]
+            if cnt and q8.min() == 0:
+                bad.append("int4 code 0 (= -8) is outside the symmetric range [-7, 7]")
+                return
+            q = qf[:r, :C]
+            np.subtract(q8.reshape(r, C), np.float32(8), out=q)
+        else:
+            q8 = codes[r0:r1]
+            if cnt and q8.min() < -127:
+                bad.append("code -128 is outside the symmetric int8 range [-127, 127]")
+                return
+            q = q8                                   # int8 x float32 scale multiplies in float32
+        with np.errstate(over="ignore"):             # an overflow is Inf: the receiver's finiteness check refuses it
+            if W == C:
+                np.multiply(q.reshape(r, nb, block), scale[r0:r1, :, None], out=out[r0:r1].reshape(r, nb, block))
+            else:
+                np.multiply(q, np.repeat(scale[r0:r1], block, axis=1)[:, :C], out=out[r0:r1])
+
+
+def encode_blocks(codec, x, threads=1):
+    """int8/int4, the fast path: x (float32) -> (codes, scale bits [rows, nb], decoded x)."""
+    block, fmt = codec.block, codec.fmt
+    rows, cols = rows_cols(x.shape)
+    R, C, nb = _as_blocks(x.shape, block)
+    X = x.reshape(R, C)
+    sbits = np.empty((R, nb), np.uint16)
+    sent = np.empty(x.shape, np.float32)
+    codes = np.empty(x.shape, np.int8) if fmt == "int8" else np.empty(packed_bytes(x.size, 4), np.uint8)
+    cview = codes.reshape(R, C) if fmt == "int8" else codes
+    run_spans(lambda a, b: _encode_span(X, a, b, block, fmt, cview, sbits, sent.reshape(R, C)),
+              R, _row_unit(C, fmt), C, threads)
+    return codes, sbits.reshape(rows, -(-cols // block)), sent
+
+
+def decode_blocks(codec, codes, sbits, shape, where, threads=1, out=None):
+    """int8/int4, the fast path: parts as read -> float32 of `shape` (into `out` if given)."""
+    block, fmt, n = codec.block, codec.fmt, math.prod(shape)
+    if not scales_ok(sbits):
+        raise WireError(f"{where}: a scale is negative, NaN or Inf")
+    if fmt == "int4" and not padding_is_zero(codes, 4, n):
+        raise WireError(f"{where}: the padding nibble after the last value is not 0")
+    R, C, nb = _as_blocks(shape, block)
+    scale = tensorio.bf16_to_f32(sbits).reshape(R, nb)
+    out = np.empty(shape, np.float32) if out is None else out.reshape(-1)[:n].reshape(shape)
+    cview = codes.reshape(R, C) if fmt == "int8" else codes.reshape(-1)
+    bad = []
+    run_spans(lambda a, b: _decode_span(cview, scale, a, b, C, block, fmt, out.reshape(R, C), bad),
+              R, _row_unit(C, fmt), C, threads)
+    if bad:
+        raise WireError(f"{where}: {bad[0]}")
+    return out
+
+
 # ---------------------------------------------------------------- the codec
 
 def rows_cols(shape):
@@ -233,8 +462,10 @@ class Codec:
                 (name + INDEX, "U8", (packed_bytes(m, self.index_bits),)), (name + SCALE, "BF16", (nch,))]
 
     # -- one tensor
-    def encode(self, x):
-        """float32 array -> ({part name suffix: array}, what the receiver will decode, float32)."""
+    def encode(self, x, threads=None, reference=False):
+        """float32 array -> ({part name suffix: array}, what the receiver will decode, float32).
+        threads: for int8/int4 (None: default_threads()); reference: the plain numpy
+        version of the block formats, kept as the definition the fast path is tested against."""
         x = np.require(x, np.float32, "C")        # (ascontiguousarray makes a scalar 1-d)
         if self.fmt == "f32":
             return {"": x}, x
@@ -243,7 +474,10 @@ class Codec:
             return {"": bits}, tensorio.bf16_to_f32(bits).reshape(x.shape)
         if self.fmt == "topk":
             return self._encode_topk(x)
-        return self._encode_blocks(x)
+        if reference:
+            return self._encode_blocks_ref(x)
+        codes, sbits, sent = encode_blocks(self, x, resolve_threads(threads))
+        return {"": codes, SCALE: sbits}, sent
 
     def _blocked(self, x):
         """x as [rows, nblocks, block] (the short last block of a row zero-padded)."""
@@ -254,7 +488,7 @@ class Codec:
             x2 = np.concatenate([x2, np.zeros((rows, nb * self.block - cols), np.float32)], axis=1)
         return x2.reshape(rows, nb, self.block), cols
 
-    def _encode_blocks(self, x):
+    def _encode_blocks_ref(self, x):
         levels = LEVELS[self.fmt]
         xb, cols = self._blocked(x)
         sbits = bf16_up(np.abs(xb).max(axis=2, initial=0.0) / np.float32(levels))
@@ -309,11 +543,15 @@ class Codec:
         owner = np.repeat(np.arange(max(nch - 1, 0)), k)
         return np.concatenate([owner, np.full(m - owner.size, nch - 1)]).astype(np.int64)
 
-    def decode(self, parts, shape, where="tensor"):
-        """{suffix: array} as read from the file -> float32 of `shape`; WireError if hostile."""
+    def decode(self, parts, shape, where="tensor", threads=None, out=None, reference=False):
+        """{suffix: array} as read from the file -> float32 of `shape`; WireError if hostile.
+        int8/int4: on `threads` threads, into `out` (a float32 buffer of at least the
+        tensor's size, reused: no page faults) if given; reference: the plain version."""
         shape, n = tuple(shape), math.prod(shape)
         if self.fmt == "topk":
             return self._decode_topk(parts, shape, n, where)
+        if not reference:
+            return decode_blocks(self, parts[""], parts[SCALE], shape, where, resolve_threads(threads), out)
         sbits = parts[SCALE]
         if not scales_ok(sbits):
             raise WireError(f"{where}: a scale is negative, NaN or Inf")
