@@ -605,10 +605,12 @@ class WireWriter:
             sent = w.write("w", w_float32)      # -> float32: exactly what the receiver decodes
 
     f32 and bf16 write plain tensor files (no "wire" metadata); the others write the
-    parts named in the module docstring. Atomic like tensorio.TensorWriter (which it uses)."""
+    parts named in the module docstring. Atomic like tensorio.TensorWriter (which it uses).
+    threads: for the int8/int4 encode (None: default_threads())."""
 
-    def __init__(self, path, specs, codec, metadata=None, fsync=True):
+    def __init__(self, path, specs, codec, metadata=None, fsync=True, threads=None):
         self.codec = codec.validate()
+        self.threads = resolve_threads(threads)
         self.shapes = {n: tuple(int(d) for d in s) for n, s in specs}
         meta = dict(metadata or {})
         if codec.fmt not in ("f32", "bf16"):
@@ -620,7 +622,7 @@ class WireWriter:
 
     def write(self, name, x):
         x = np.asarray(x, dtype=np.float32).reshape(self.shapes.get(name, np.shape(x)))
-        parts, sent = self.codec.encode(x)
+        parts, sent = self.codec.encode(x, self.threads)
         for part, _, _ in self.codec.parts(name, x.shape):
             self.w.write(part, parts[part[len(name):]])
         return sent
@@ -643,9 +645,10 @@ class WireReader:
 
     The layout is checked when the file is opened; the values when each tensor is read.
     .names: the decoded tensors (file order), .shapes: {name: shape}, .codec: None for a
-    plain file, .path."""
+    plain file, .path. threads: for the int8/int4 decode (None: default_threads())."""
 
-    def __init__(self, path):
+    def __init__(self, path, threads=None):
+        self.threads = resolve_threads(threads)
         try:
             self.r = tensorio.TensorReader(path)
         except tensorio.FormatError as e:
@@ -686,16 +689,19 @@ class WireReader:
                                 f"{self.codec.fmt} layout of its tensor needs {d}{list(s)} (wrong size)")
         self.names = [n for n in self.r.names if n in self.shapes]
 
-    def read(self, name):
+    def read(self, name, out=None):
+        """The tensor as float32; out: a float32 buffer of at least its size to decode into
+        (reused across tensors: no fresh pages to fault in), a view of its front returned."""
         if name not in self.shapes:
             raise KeyError(f"{self.path} has no tensor {name!r}")
         if self.codec is None:
             dtype = self.r.specs[name][0]
             if dtype not in tensorio.FLOAT_DTYPES:
                 raise WireError(f"{self.path}: tensor {name!r} is {dtype}; a delta holds float tensors")
-            return np.asarray(self.r.read(name, as_float32=True), dtype=np.float32)
+            return read_f32(self.r, name, out)
         parts = {p[len(name):]: self.r.read(p) for p, _, _ in self.codec.parts(name, self.shapes[name])}
-        return self.codec.decode(parts, self.shapes[name], where=f"{self.path}: tensor {name!r}")
+        return self.codec.decode(parts, self.shapes[name], where=f"{self.path}: tensor {name!r}",
+                                 threads=self.threads, out=out)
 
     def nbytes(self, name):
         """Bytes of this tensor in the file (all its parts)."""
@@ -739,31 +745,106 @@ class Digest:
         return self.h.hexdigest()
 
 
-def theta_digest(path):
-    """The Digest of a tensor file's values (read one tensor at a time, as float32)."""
+def read_f32(reader, name, out=None):
+    """A tensor of a tensorio.TensorReader as float32 of its shape; an F32 tensor is read
+    straight into `out` (a reused float32 buffer) when one is given."""
+    dtype, shape = reader.specs[name]
+    if out is not None and dtype == "F32":
+        return reader.read(name, out=out)
+    a = np.asarray(reader.read(name, as_float32=True), dtype=np.float32).reshape(shape)
+    if out is None:
+        return a
+    view = out.reshape(-1)[:a.size].reshape(shape)
+    np.copyto(view, a)
+    return view
+
+
+class Pipeline:
+    """The streaming loops below, one tensor after another with the slow serial parts behind:
+    tensor i is computed in buffer set i % 2 while the jobs submitted for tensor i - 1 (the
+    sha256 of a Digest, the write of the output file: each on its own thread, in order)
+    still read set (i - 1) % 2. Buffers are float32, the largest tensor's size, reused: peak
+    memory is 2 x `per_set` x the largest tensor, and no page is faulted in twice."""
+
+    def __init__(self, size, per_set, lanes):
+        self.sets = [[np.empty(size, np.float32) for _ in range(per_set)] for _ in range(2)]
+        self.lanes = [Behind() for _ in range(lanes)]
+        self.pending, self.i = [[], []], 0
+
+    def next(self):
+        """-> (the buffers of the next tensor, a token for behind()); waits for their last jobs."""
+        k = self.i % 2
+        self.i += 1
+        self._wait(k)
+        return self.sets[k], k
+
+    def behind(self, k, lane, fn, *args):
+        self.pending[k].append(self.lanes[lane].submit(fn, *args))
+
+    def _wait(self, k):
+        jobs, self.pending[k] = self.pending[k], []
+        for f in jobs:
+            f.result()
+
+    def finish(self):
+        """Wait for every job (re-raising the first failure)."""
+        for k in (self.i % 2, (self.i + 1) % 2):
+            self._wait(k)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for lane in self.lanes:          # the jobs in flight end before a writer is aborted
+            lane.close()
+        return False
+
+
+def _largest(specs):
+    return max([math.prod(s) for s in specs] + [1])
+
+
+def add_into(theta, sent, threads=1):
+    """theta += sent in float32, in place (add_update's bits), in spans on threads."""
+    t, s = theta.reshape(-1), sent.reshape(-1)
+    run_spans(lambda a, b: np.add(t[a:b], s[a:b], out=t[a:b]), t.size, 1, 1, threads)
+    return theta
+
+
+def theta_digest(path, threads=None):
+    """The Digest of a tensor file's values (read one tensor at a time, as float32; the
+    sha256 of one tensor runs behind the read of the next)."""
     d = Digest()
-    with tensorio.TensorReader(path) as r:
+    with tensorio.TensorReader(path) as r, \
+            Pipeline(_largest(s for _, s in r.specs.values()), 1, 1) as pipe:
         for n in r.names:
-            d.add(n, np.asarray(r.read(n, as_float32=True), np.float32).reshape(r.specs[n][1]))
+            (buf,), k = pipe.next()
+            pipe.behind(k, 0, d.add, n, read_f32(r, n, buf))
+        pipe.finish()
     return d.hexdigest()
 
 
-def apply_update(theta_path, update_path, out_path, want_digest, metadata=None, fsync=True):
+def apply_update(theta_path, update_path, out_path, want_digest, metadata=None, fsync=True, threads=None):
     """theta_path (round r) + the update file (wire or plain) -> out_path (round r+1, F32),
     one tensor at a time with add_update; out_path may be theta_path (replaced atomically).
     The result must have the Digest `want_digest` the aggregator published with it: else
-    WireError, and out_path is left as it was. Returns the digest."""
-    with tensorio.TensorReader(theta_path) as prev, WireReader(update_path) as upd:
+    WireError, and out_path is left as it was. Returns the digest.
+    threads: the decode and the addition (None: default_threads()); the digest's sha256
+    and the write of each tensor run behind the next tensor (Pipeline)."""
+    threads = resolve_threads(threads)
+    with tensorio.TensorReader(theta_path) as prev, WireReader(update_path, threads) as upd:
         check_shapes(upd, {n: prev.specs[n][1] for n in prev.names})
         d = Digest()
         with tensorio.TensorWriter(out_path, [(n, "F32", prev.specs[n][1]) for n in prev.names],
-                                   metadata, fsync=fsync) as w:
+                                   metadata, fsync=fsync) as w, \
+                Pipeline(_largest(s for _, s in prev.specs.values()), 1, 2) as pipe:
+            sbuf = np.empty(pipe.sets[0][0].size, np.float32)    # the decoded update: not needed behind
             for n in prev.names:
-                shape = prev.specs[n][1]
-                theta = add_update(np.asarray(prev.read(n, as_float32=True)).reshape(shape),
-                                   upd.read(n).reshape(shape))
-                d.add(n, theta)
-                w.write(n, theta)
+                (tbuf,), k = pipe.next()
+                theta = add_into(read_f32(prev, n, tbuf), upd.read(n, out=sbuf), threads)
+                pipe.behind(k, 0, d.add, n, theta)
+                pipe.behind(k, 1, w.write, n, theta)
+            pipe.finish()
             if d.hexdigest() != want_digest:
                 raise WireError(f"{theta_path} + {update_path} gives theta digest {d.hexdigest()[:16]}..., the "
                                 f"aggregator published {str(want_digest)[:16]}...: not the theta it built")
@@ -776,21 +857,25 @@ def is_wire(path):
         return "wire" in r.metadata
 
 
-def decode_file(src, dst, fsync=True, specs=None):
+def decode_file(src, dst, fsync=True, specs=None, threads=None):
     """A wire file -> a plain F32 tensor file with the same names, shapes and metadata
     (less the wire entries), one tensor at a time. specs {name: shape}: the tensors the
     file must hold, checked before anything is decoded (a forged wire_shapes could
     otherwise ask for any amount of memory). Raises WireError; nothing is left at `dst`
-    then. Returns the codec of `src` (None: it was plain, and is copied as F32)."""
-    with WireReader(src) as r:
+    then. Returns the codec of `src` (None: it was plain, and is copied as F32).
+    threads: the decode (None: default_threads()); each write runs behind the next decode."""
+    with WireReader(src, threads) as r:
         if specs is not None:
             check_shapes(r, specs)
         meta = {k: v for k, v in r.r.metadata.items() if not k.startswith("wire") and k != "format"}
         meta["wire_decoded_from"] = r.codec.fmt if r.codec else "plain"
         specs = [(n, "F32", r.shapes[n]) for n in r.names]
-        with tensorio.TensorWriter(dst, specs, meta, fsync=fsync) as w:
+        with tensorio.TensorWriter(dst, specs, meta, fsync=fsync) as w, \
+                Pipeline(_largest(s for _, _, s in specs), 1, 1) as pipe:
             for n in r.names:
-                w.write(n, r.read(n))
+                (buf,), k = pipe.next()
+                pipe.behind(k, 0, w.write, n, r.read(n, out=buf))
+            pipe.finish()
         return r.codec
 
 
