@@ -627,6 +627,13 @@ class WireWriter:
             self.w.write(part, parts[part[len(name):]])
         return sent
 
+    def write_parts(self, name, parts):
+        """Write one tensor encoded elsewhere (wire_torch.encode at a site, on the device):
+        parts {suffix: numpy array} as Codec.encode returns them; the writer checks each
+        part's dtype and size against the layout."""
+        for part, _, _ in self.codec.parts(name, self.shapes[name]):
+            self.w.write(part, parts[part[len(name):]])
+
     def close(self):
         self.w.close()
 
