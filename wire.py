@@ -56,6 +56,16 @@ it (scales finite and >= 0, codes in range, indices in their chunk and increasin
 it refuses a bad file with WireError naming the tensor. decode_file streams a wire
 file into a plain F32 file one tensor at a time: peak memory is a few times the
 largest tensor, never the model.
+
+Speed: int8/int4 encode and decode work CHUNK values at a time in reused buffers, the
+chunks of a tensor on a thread pool (threads=, default $WIRE_THREADS or every core:
+numpy releases the GIL); decode_file, apply_update and theta_digest reuse two buffers
+the size of the largest tensor and run each tensor's sha256 and write on threads behind
+the next one (Pipeline). The Digest stays one sha256 over the tensors in order, so it
+is serial: it overlaps the rest instead. Codec.encode/decode(reference=True) keep the
+plain numpy version, the definition the fast path must match bit for bit
+(tests/test_wire.py FastPathTest); bench/wire_speed.py times both. wire_torch.py is the
+same codec in torch for a site's device.
 """
 import argparse
 import concurrent.futures
