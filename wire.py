@@ -10,6 +10,7 @@ shell:
 
     python wire.py FILE            # header: wire format, parameters, one line per tensor
     python wire.py FILE --check    # also decode every tensor once (finds bad scales, codes, indices)
+                                   # (--threads N: the decode's threads; default $WIRE_THREADS or every core)
 
 The formats (one flag at the site, --wire):
 
@@ -190,11 +191,13 @@ def resolve_threads(threads):
 
 
 def _pool(threads):
-    """One shared pool per size, made on first use (nothing runs at import)."""
+    """One shared pool per size and process, made on first use (nothing runs at import;
+    a forked child has none of its parent's threads, so it makes its own)."""
+    key = (os.getpid(), threads)
     with _pools_lock:
-        if threads not in _pools:
-            _pools[threads] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="wire")
-        return _pools[threads]
+        if key not in _pools:
+            _pools[key] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="wire")
+        return _pools[key]
 
 
 def run_spans(fn, rows, unit, per_row, threads):
@@ -908,8 +911,8 @@ def check_shapes(reader, specs):
             raise WireError(f"{reader.path}: tensor {n!r} has shape {list(s)}, theta_global has {list(want[n])}")
 
 
-def describe(path, check=False):
-    with WireReader(path) as r:
+def describe(path, check=False, threads=None):
+    with WireReader(path, threads) as r:
         fmt = r.codec.fmt if r.codec else "plain"
         total = sum(math.prod(s) for s in r.shapes.values())
         size = r.r.file_size
@@ -927,8 +930,10 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("file", help="delta file (safetensors layout, wire or plain)")
     p.add_argument("--check", action="store_true", help="also decode every tensor once (default: header only)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads of the int8/int4 decode (default: $WIRE_THREADS, else every core)")
     a = p.parse_args()
     try:
-        describe(a.file, a.check)
-    except (WireError, OSError) as e:
+        describe(a.file, a.check, a.threads)
+    except (ValueError, OSError) as e:          # WireError, or a bad --threads
         sys.exit(str(e))

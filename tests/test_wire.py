@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 import tracemalloc
 import unittest
 
@@ -334,6 +335,27 @@ class FastPathTest(Tmp):
                         for n, a in want.items():
                             self.assertEqual(r.read(n).tobytes(), a.tobytes(), n)
                             self.assertEqual(dr.read(n).tobytes(), sents[n].tobytes(), n)
+
+    def test_a_forked_child_encodes_on_threads_of_its_own(self):
+        # the parent's pool threads do not exist in a fork: reusing its pool would wait forever
+        codec, x = wire.Codec("int4"), np.random.default_rng(43).standard_normal((2100, 1024)).astype(np.float32)
+        want = codec.encode(x, threads=2)[1].tobytes()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os._exit(0 if codec.encode(x, threads=2)[1].tobytes() == want else 1)
+            finally:
+                os._exit(2)
+        for _ in range(1200):                        # a hang fails after two minutes, not never
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            self.fail("the forked child's encode hung")
+        self.assertEqual(os.waitstatus_to_exitcode(status), 0)
 
     def test_threads_are_validated(self):
         for bad in (0, -1, 1.5, True):
