@@ -233,4 +233,9 @@ if __name__ == "__main__":
                    help="threads of the N runs (default: $WIRE_THREADS, else every core)")
     p.add_argument("--dir", default="/tmp/wire-speed", help="scratch dir, ~4 x the fp32 model (default /tmp/wire-speed)")
     p.add_argument("--keep", action="store_true", help="keep the files afterwards (default: remove them)")
-    main(p.parse_args())
+    args = p.parse_args()
+    try:
+        wire.resolve_threads(args.threads)
+    except ValueError as e:
+        p.error(str(e))
+    main(args)
