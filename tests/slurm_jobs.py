@@ -170,12 +170,26 @@ class TitanTest(JobTest):
         return r.stdout
 
     def test_both_sites_train_one_model(self):
-        urls = {}
-        for line in self.central("url", PWW_SITE_TOKEN_FILE=os.path.join(self.state, "token")).splitlines():
-            m = re.match(r"export (PWW_\w+)=(\S+)", line)
-            if m:
-                urls[m.group(1)] = m.group(2)
-        env = job_env(DATA=os.path.join(self.tokens, "manifest.json"), **urls)
+        # what RUNBOOK.md section 5 has a user do: `central.sh url > central.env`, copy the
+        # token and the CA where its lines say (their $HOME is the site's: here a home of
+        # the test's own, which the jobs get as theirs), and submit from the checkout
+        text = self.central("url")
+        central_env = os.path.join(STATE["tmp"], "central.env")
+        with open(central_env, "w") as f:
+            f.write(text)
+        home = os.path.join(STATE["tmp"], "home")
+        copies = re.findall(r"^#   (token|CA) file +(\S+) -> (\S+)$", text, re.M)
+        self.assertEqual(sorted(k for k, _, _ in copies), ["CA", "token"], text)
+        for kind, src, dst in copies:
+            self.assertTrue(dst.startswith("$HOME/"), text)        # the site's home, expanded there
+            dst = os.path.join(home, dst[len("$HOME/"):])
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            shutil.copyfile(src, dst)
+            if kind == "token":
+                os.chmod(dst, 0o600)
+        env = job_env(DATA=os.path.join(self.tokens, "manifest.json"), HOME=home, PWW_CENTRAL_ENV=central_env)
+        for var in ("PWW_DARL_URL", "PWW_FEDMOM_URL", "PWW_BLOB_URL", "PWW_TOKEN_FILE", "PWW_CA_FILE"):
+            env.pop(var, None)                                     # central.env alone says where
         jobs = {site: submit(f"jobs/{site}_titan.sh", env) for site in ("lumi", "snellius")}
         for site, job_id in jobs.items():
             state, code = wait(job_id)
