@@ -4,7 +4,8 @@ Runs on: any machine with the venv (CPU only). Usage:
     python tests/run.py                   # every tests/test_*.py
     python tests/run.py test_darl         # one module (or several)
     python tests/run.py test_darl.LeaseTableTest.test_expiry
-    python tests/run.py --fail-on-skip    # what make test (and CI) runs: a skip README.md does not list fails
+    python tests/run.py --fail-on-skip    # a skip README.md does not list fails (make test, CI)
+    python tests/run.py --with slurm_jobs # every tests/test_*.py, then tests/slurm_jobs.py (make test as root)
     python tests/run.py --timeout 900     # the watchdog's budget, s (default 600)
 The last line is the summary CI reads; the exit status is 1 if anything failed or
 nothing ran.
@@ -269,6 +270,9 @@ def main(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("names", nargs="*", help="modules, classes or test ids (default: every tests/test_*.py)")
+    p.add_argument("--with", dest="also", action="append", default=[], metavar="NAME",
+                   help="after those, also this module (class, test id) outside the test_*.py pattern, "
+                        "in the same run and summary; repeatable")
     p.add_argument("--fail-on-skip", action="store_true",
                    help="count a skip as a failure unless README.md's \"Expected skips\" lists it")
     p.add_argument("--expected-skips", default=os.path.join(ROOT, "README.md"),
@@ -287,6 +291,8 @@ def main(argv):
         suite = loader.loadTestsFromNames(args.names)
     else:
         suite = loader.discover(HERE, pattern="test_*.py", top_level_dir=HERE)
+    if args.also:
+        suite.addTests(loader.loadTestsFromNames(args.also))
     runner = unittest.TextTestRunner(verbosity=2, resultclass=CountingResult, stream=sys.stdout)
     result = runner._makeResult()
     result.ids = list(dict.fromkeys(test_ids(suite)))

@@ -280,6 +280,13 @@ class RunnerTest(unittest.TestCase):
         self.assertEqual(got, (0, 1, 0), out)
         self.assertEqual(self.counts("probe_empty", rc=1)[0], (0, 0, 0))
 
+    def test_with_adds_a_module_to_the_same_run_and_summary(self):
+        got, out = self.counts("probe_class_skip", "--with", "probe_module_skip", rc=0)
+        self.assertEqual(got, (1, 0, 4), out)         # (1, 0, 2) and (0, 0, 2): one summary for both
+        self.assertEqual(len([l for l in out.splitlines() if SUMMARY.match(l)]), 1, out)
+        got, out = self.counts("probe_class_skip", "--with", "probe_fixtures", rc=1)
+        self.assertEqual(got, (2, 3, 2), out)         # a failure in the added module fails the run
+
     def test_the_readme_lists_only_tests_that_exist(self):
         listed = run.expected_skips(os.path.join(ROOT, "README.md"))
         self.assertTrue(listed, "README.md has an \"Expected skips\" list")
