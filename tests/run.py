@@ -23,7 +23,7 @@ What is counted (each test id exactly once: passed, failed or skipped):
     "Expected skips" list does not name is a failure, with its reason printed.
 
 The watchdog: a test, or the class and module fixtures between two tests, still
-running after --timeout seconds gets every thread's stack printed and a TestTimeout
+running after --timeout seconds (a test module's WATCHDOG_S, when larger, for its tests) gets every thread's stack printed and a TestTimeout
 raised in it, so it fails and the run goes on. If it has not stopped --grace s later
 (--grace; it swallowed the exception, or sits in C code), the run prints its totals
 with the rest counted as failed and exits 1; faulthandler ends the process after
@@ -114,7 +114,9 @@ class CountingResult(unittest.TextTestResult):
             self.timings.append((now - self._gap0, f"(fixtures before) {test.id()}"))
         self._t0, self.current = now, test.id()
         if self.watchdog:
-            self.watchdog.arm(test.id())
+            # a module that legitimately needs longer (real batch jobs) names its own budget
+            own = getattr(sys.modules.get(type(test).__module__), "WATCHDOG_S", None)
+            self.watchdog.arm(test.id(), max(own or 0, self.watchdog.default))
         super().startTest(test)
 
     def stopTest(self, test):
@@ -217,12 +219,13 @@ class Watchdog:
     cleanups (then raised again). A thread ends the run `grace_s` after that."""
 
     def __init__(self, budget_s, grace_s, on_stuck):
-        self.budget, self.grace, self.on_stuck, self.what, self.hard = budget_s, grace_s, on_stuck, None, None
+        self.default = self.budget = budget_s
+        self.grace, self.on_stuck, self.what, self.hard = grace_s, on_stuck, None, None
         signal.signal(signal.SIGALRM, self._alarm)
         threading.Thread(target=self._guard, name="watchdog", daemon=True).start()
 
-    def arm(self, what):
-        self.what = what
+    def arm(self, what, budget_s=None):
+        self.what, self.budget = what, budget_s or self.default
         self.hard = time.monotonic() + self.budget + 2 * self.grace
         signal.setitimer(signal.ITIMER_REAL, self.budget)
         faulthandler.dump_traceback_later(self.budget + 3 * self.grace, exit=True)

@@ -13,10 +13,13 @@ snellius_cifar_1node, snellius_cifar_diloco, lumi_cifar_multinode on one node), 
 each ends COMPLETED with exit 0 and that its log shows the run succeeding: one
 task_wrapper line per rank with a distinct GPU, then the entry point's success line.
 The titan jobs need the central services: central.sh starts them on free ports with a
-corpus made by prep/tokenize.sh, and both sites train against them, set up as RUNBOOK.md
+corpus made by prep/tokenize.sh, and both sites' jobs run against them, set up as RUNBOOK.md
 section 5 has a user do it: `central.sh url > central.env`, the token and the CA copied
 where those lines say, under a $HOME of the test's own that the jobs get as theirs.
-A job that fails cancels its partner, so a failure is reported at once.
+A job that fails cancels its partner, so a failure is reported at once. The node's 64
+CPUs hold one titan job at a time: the second starts once the first has ended and may
+find the corpus covered (0 steps); checked are both jobs' success, both sites'
+membership and at least one merged round, not that each site trained.
 Skips when not root, or without apt-get where Slurm is not installed (README.md's
 "Expected skips" lists neither, so under `make test` as root the second fails the run).
 Slurm is left running afterwards (`tests/local_slurm.sh stop` stops it).
@@ -36,7 +39,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 RANKS = {"lumi": 8, "snellius": 4}
 PARTITIONS = "debug dev-g small-g standard-g gpu_h100 gpu_a100"
-JOB_DEADLINE_S = 1800      # generous: 8 CPU ranks on 2 cores are slow, not stuck
+JOB_DEADLINE_S = 1200      # generous: 8 CPU ranks on 2 cores are slow, not stuck (the titan
+                           # test: ~9 min on a loaded 2-core machine, its two jobs one after the other)
+WATCHDOG_S = JOB_DEADLINE_S + 300   # tests/run.py's budget for these tests: the job deadline decides
 STATE = {}
 
 
