@@ -23,11 +23,11 @@ What is counted (each test id exactly once: passed, failed or skipped):
     "Expected skips" list does not name is a failure, with its reason printed.
 
 The watchdog: a test, or the class and module fixtures between two tests, still
-running after --timeout seconds (a test module's WATCHDOG_S, when larger, for its tests) gets every thread's stack printed and a TestTimeout
-raised in it, so it fails and the run goes on. If it has not stopped --grace s later
-(--grace; it swallowed the exception, or sits in C code), the run prints its totals
-with the rest counted as failed and exits 1; faulthandler ends the process after
-that if even the printing thread cannot run.
+running after --timeout seconds (for a test, its module's WATCHDOG_S when larger) gets
+every thread's stack printed and a TestTimeout raised in it, so it fails and the run
+goes on. If it has not stopped --grace s later (--grace; it swallowed the exception, or
+sits in C code), the run prints its totals with the rest counted as failed and exits 1;
+faulthandler ends the process after that if even the printing thread cannot run.
 """
 import argparse
 import faulthandler
