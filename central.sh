@@ -331,15 +331,23 @@ status_one() {
 }
 
 print_urls() {
-    local token_file=${PWW_SITE_TOKEN_FILE:-} ca_file=${PWW_SITE_CA_FILE:-}
-    # shellcheck disable=SC2016  # $HOME is meant to expand at the site, not here
+    local token_file=${PWW_SITE_TOKEN_FILE:-} ca_file=${PWW_SITE_CA_FILE:-} host dirs
+    # $HOME stays literal: it is the site's, expanded at the site when central.env is sourced
+    # shellcheck disable=SC2016
     [ -n "$token_file" ] || token_file='$HOME/.pww/central.token'
     # shellcheck disable=SC2016
     [ -n "$ca_file" ] || ca_file='$HOME/.pww/central-ca.pem'
+    host=$(public_host)
+    dirs=$(for f in "$token_file" ${CA:+"$ca_file"}; do [[ $f == */* ]] && echo "${f%/*}"; done | sort -u | tr '\n' ' ')
     echo "# central services: write these lines to central.env in each site's checkout"
-    echo "# (jobs/*_titan.sh sources it), after copying to the site (chmod 600):"
+    echo "# (jobs/*_titan.sh sources it; \$HOME is the site's, expanded there), after copying"
+    echo "# the files below to the site (the token chmod 600):"
     echo "#   token file $TOKEN -> $token_file"
     [ -n "$CA" ] && echo "#   CA file    $CA -> $ca_file"
+    echo "# at the site, e.g.:"
+    [ -z "$dirs" ] || echo "#   mkdir -p ${dirs% }"
+    echo "#   scp $host:$TOKEN $token_file && chmod 600 $token_file"
+    [ -n "$CA" ] && echo "#   scp $host:$CA $ca_file"
     echo "export PWW_DARL_URL=$(public_url darl)"
     echo "export PWW_FEDMOM_URL=$(public_url fedmom)"
     echo "export PWW_BLOB_URL=$(public_url blob)"

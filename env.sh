@@ -103,7 +103,8 @@ pww_rendezvous() {
 # the checkout); a variable already set before the call wins over the file's line for it
 # (PWW_DARL_URL=... sbatch jobs/lumi_titan.sh points one job elsewhere). Stops the job,
 # naming what is missing. PWW_CA_FILE (the copy of the central CA, read by train.py) is
-# checked when set.
+# checked when set; a literal '$' in it or PWW_TOKEN_FILE (`central.sh url`'s `$HOME/...`
+# passed on as a value, never through a shell) stops the job, saying so.
 pww_central_env() {
     PWW_CENTRAL_ENV=${PWW_CENTRAL_ENV:-$PWW_ROOT/central.env}
     local var kept=()
@@ -121,6 +122,13 @@ pww_central_env() {
     : "${PWW_FEDMOM_URL:?set PWW_FEDMOM_URL (see central.sh url)}"
     : "${PWW_BLOB_URL:?set PWW_BLOB_URL (see central.sh url)}"
     : "${PWW_TOKEN_FILE:?set PWW_TOKEN_FILE to the copy of the central token (mode 600)}"
+    for var in PWW_TOKEN_FILE PWW_CA_FILE; do   # a central.sh url line taken as a value, not by a shell
+        if [[ ${!var:-} == *'$'* ]]; then
+            echo "pww_central_env: $var=${!var}: a literal '\$' (the line from central.sh url was passed on" \
+                 "unexpanded): source central.env, or set $var to the path itself" >&2
+            return 1
+        fi
+    done
     if [ -n "${PWW_CA_FILE:-}" ] && [ ! -f "$PWW_CA_FILE" ]; then
         echo "pww_central_env: PWW_CA_FILE=$PWW_CA_FILE: no such file; copy runs/central/tls/ca.pem from the central VM there" >&2
         return 1

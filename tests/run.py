@@ -4,7 +4,8 @@ Runs on: any machine with the venv (CPU only). Usage:
     python tests/run.py                   # every tests/test_*.py
     python tests/run.py test_darl         # one module (or several)
     python tests/run.py test_darl.LeaseTableTest.test_expiry
-    python tests/run.py --fail-on-skip    # what make test (and CI) runs: a skip README.md does not list fails
+    python tests/run.py --fail-on-skip    # a skip README.md does not list fails (make test, CI)
+    python tests/run.py --with slurm_jobs # every tests/test_*.py, then tests/slurm_jobs.py (make test as root)
     python tests/run.py --timeout 900     # the watchdog's budget, s (default 600)
 The last line is the summary CI reads; the exit status is 1 if anything failed or
 nothing ran.
@@ -22,11 +23,11 @@ What is counted (each test id exactly once: passed, failed or skipped):
     "Expected skips" list does not name is a failure, with its reason printed.
 
 The watchdog: a test, or the class and module fixtures between two tests, still
-running after --timeout seconds gets every thread's stack printed and a TestTimeout
-raised in it, so it fails and the run goes on. If it has not stopped --grace s later
-(--grace; it swallowed the exception, or sits in C code), the run prints its totals
-with the rest counted as failed and exits 1; faulthandler ends the process after
-that if even the printing thread cannot run.
+running after --timeout seconds (for a test, its module's WATCHDOG_S when larger) gets
+every thread's stack printed and a TestTimeout raised in it, so it fails and the run
+goes on. If it has not stopped --grace s later (--grace; it swallowed the exception, or
+sits in C code), the run prints its totals with the rest counted as failed and exits 1;
+faulthandler ends the process after that if even the printing thread cannot run.
 """
 import argparse
 import faulthandler
@@ -113,7 +114,9 @@ class CountingResult(unittest.TextTestResult):
             self.timings.append((now - self._gap0, f"(fixtures before) {test.id()}"))
         self._t0, self.current = now, test.id()
         if self.watchdog:
-            self.watchdog.arm(test.id())
+            # a module that legitimately needs longer (real batch jobs) names its own budget
+            own = getattr(sys.modules.get(type(test).__module__), "WATCHDOG_S", None)
+            self.watchdog.arm(test.id(), max(own or 0, self.watchdog.default))
         super().startTest(test)
 
     def stopTest(self, test):
@@ -216,12 +219,13 @@ class Watchdog:
     cleanups (then raised again). A thread ends the run `grace_s` after that."""
 
     def __init__(self, budget_s, grace_s, on_stuck):
-        self.budget, self.grace, self.on_stuck, self.what, self.hard = budget_s, grace_s, on_stuck, None, None
+        self.default = self.budget = budget_s
+        self.grace, self.on_stuck, self.what, self.hard = grace_s, on_stuck, None, None
         signal.signal(signal.SIGALRM, self._alarm)
         threading.Thread(target=self._guard, name="watchdog", daemon=True).start()
 
-    def arm(self, what):
-        self.what = what
+    def arm(self, what, budget_s=None):
+        self.what, self.budget = what, budget_s or self.default
         self.hard = time.monotonic() + self.budget + 2 * self.grace
         signal.setitimer(signal.ITIMER_REAL, self.budget)
         faulthandler.dump_traceback_later(self.budget + 3 * self.grace, exit=True)
@@ -269,6 +273,9 @@ def main(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("names", nargs="*", help="modules, classes or test ids (default: every tests/test_*.py)")
+    p.add_argument("--with", dest="also", action="append", default=[], metavar="NAME",
+                   help="after those, also this module (class, test id) outside the test_*.py pattern, "
+                        "in the same run and summary; repeatable")
     p.add_argument("--fail-on-skip", action="store_true",
                    help="count a skip as a failure unless README.md's \"Expected skips\" lists it")
     p.add_argument("--expected-skips", default=os.path.join(ROOT, "README.md"),
@@ -287,6 +294,8 @@ def main(argv):
         suite = loader.loadTestsFromNames(args.names)
     else:
         suite = loader.discover(HERE, pattern="test_*.py", top_level_dir=HERE)
+    if args.also:
+        suite.addTests(loader.loadTestsFromNames(args.also))
     runner = unittest.TextTestRunner(verbosity=2, resultclass=CountingResult, stream=sys.stdout)
     result = runner._makeResult()
     result.ids = list(dict.fromkeys(test_ids(suite)))

@@ -1,7 +1,8 @@
 """tests/slurm_jobs.py - every site's jobs, for real, under a single-node Slurm on this machine.
 
-NOT part of `make test` (the name does not match test_*.py): it needs root, apt and a
-few minutes. Run it with
+Outside the test_*.py pattern (it needs root, apt and several minutes): `make test` adds it
+to its run when root, as CI runs (tests/run.py --with slurm_jobs), and leaves it out
+otherwise. On its own:
     make test-slurm            # = .venv/bin/python tests/run.py slurm_jobs
 It installs and starts a local Slurm with tests/local_slurm.sh start: 8 fake GPUs (GRES),
 64 advertised CPUs (so the LUMI 8 x 7 and Snellius 4 x 16 headers fit) and the partitions
@@ -12,8 +13,15 @@ snellius_cifar_1node, snellius_cifar_diloco, lumi_cifar_multinode on one node), 
 each ends COMPLETED with exit 0 and that its log shows the run succeeding: one
 task_wrapper line per rank with a distinct GPU, then the entry point's success line.
 The titan jobs need the central services: central.sh starts them on free ports with a
-corpus made by prep/tokenize.sh, and both sites train against them.
-Skips (never fails) when not root, or without apt-get where Slurm is not installed.
+corpus made by prep/tokenize.sh, and both sites' jobs run against them, set up as RUNBOOK.md
+section 5 has a user do it: `central.sh url > central.env`, the token and the CA copied
+where those lines say, under a $HOME of the test's own that the jobs get as theirs.
+A job that fails cancels its partner, so a failure is reported at once. The node's 64
+CPUs hold one titan job at a time: the second starts once the first has ended and may
+find the corpus covered (0 steps); checked are both jobs' success, both sites'
+membership and at least one merged round, not that each site trained.
+Skips when not root, or without apt-get where Slurm is not installed (README.md's
+"Expected skips" lists neither, so under `make test` as root the second fails the run).
 Slurm is left running afterwards (`tests/local_slurm.sh stop` stops it).
 """
 import json
@@ -31,7 +39,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 RANKS = {"lumi": 8, "snellius": 4}
 PARTITIONS = "debug dev-g small-g standard-g gpu_h100 gpu_a100"
-JOB_DEADLINE_S = 1800      # generous: 8 CPU ranks on 2 cores are slow, not stuck
+JOB_DEADLINE_S = 1200      # generous: 8 CPU ranks on 2 cores are slow, not stuck (the titan
+                           # test: ~9 min on a loaded 2-core machine, its two jobs one after the other)
+WATCHDOG_S = JOB_DEADLINE_S + 300   # tests/run.py's budget for these tests: the job deadline decides
 STATE = {}
 
 
@@ -72,27 +82,43 @@ def submit(script, env, args=(), sbatch_opts=()):
     return r.stdout.strip().split(";")[0]
 
 
-def wait(job_id):
-    """Poll until the job ends; returns (state, exit code) from scontrol."""
+def wait(*job_ids):
+    """Poll until every job has ended, or until one ends other than COMPLETED with exit 0:
+    the rest are cancelled then, so a failure is reported at once, not after its partner's
+    timeout. Returns {job_id: (state, exit code)} for the jobs that ended by themselves.
+    Any exception here (the runner's watchdog included) cancels the jobs still running."""
     deadline = time.monotonic() + JOB_DEADLINE_S
-    while True:
-        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
-                             text=True).stdout
-        state = re.search(r"JobState=(\S+)", out)
-        state = state.group(1) if state else "UNKNOWN"
-        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "UNKNOWN"):
-            code = re.search(r"ExitCode=(\d+):(\d+)", out)
-            return state, (int(code.group(1)), int(code.group(2))) if code else None
-        if time.monotonic() > deadline:
-            subprocess.run(["scancel", job_id])
-            raise AssertionError(f"job {job_id} still {state} after {JOB_DEADLINE_S} s; cancelled")
-        time.sleep(0.5)
+    ended = {}
+    try:
+        while True:
+            for job_id in job_ids:
+                if job_id in ended:
+                    continue
+                out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
+                                     text=True).stdout
+                state = re.search(r"JobState=(\S+)", out)
+                state = state.group(1) if state else "UNKNOWN"
+                if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "UNKNOWN"):
+                    code = re.search(r"ExitCode=(\d+):(\d+)", out)
+                    ended[job_id] = state, (int(code.group(1)), int(code.group(2))) if code else None
+                    if ended[job_id] != ("COMPLETED", (0, 0)):
+                        return ended
+            if len(ended) == len(job_ids):
+                return ended
+            if time.monotonic() > deadline:
+                raise AssertionError(f"jobs {sorted(set(job_ids) - set(ended))} still running after "
+                                     f"{JOB_DEADLINE_S} s; cancelled")
+            time.sleep(0.5)
+    finally:
+        left = [j for j in job_ids if j not in ended]
+        if left:
+            subprocess.run(["scancel", *left])
 
 
 class JobTest(unittest.TestCase):
     def run_job(self, site, job, env, args=(), sbatch_opts=()):
         job_id = submit(f"jobs/{site}_{job}.sh", env, args, sbatch_opts)
-        state, code = wait(job_id)
+        state, code = wait(job_id)[job_id]
         log_path = os.path.join(ROOT, "logs", f"{site}_{job}-{job_id}.out")
         log = open(log_path).read() if os.path.exists(log_path) else "(no log)"
         self.assertEqual((state, code), ("COMPLETED", (0, 0)), f"{log_path}:\n{log[-4000:]}")
@@ -170,15 +196,31 @@ class TitanTest(JobTest):
         return r.stdout
 
     def test_both_sites_train_one_model(self):
-        urls = {}
-        for line in self.central("url", PWW_SITE_TOKEN_FILE=os.path.join(self.state, "token")).splitlines():
-            m = re.match(r"export (PWW_\w+)=(\S+)", line)
-            if m:
-                urls[m.group(1)] = m.group(2)
-        env = job_env(DATA=os.path.join(self.tokens, "manifest.json"), **urls)
+        # what RUNBOOK.md section 5 has a user do: `central.sh url > central.env`, copy the
+        # token and the CA where its lines say (their $HOME is the site's: here a home of
+        # the test's own, which the jobs get as theirs), and submit from the checkout
+        text = self.central("url")
+        central_env = os.path.join(STATE["tmp"], "central.env")
+        with open(central_env, "w") as f:
+            f.write(text)
+        home = os.path.join(STATE["tmp"], "home")
+        copies = re.findall(r"^#   (token|CA) file +(\S+) -> (\S+)$", text, re.M)
+        self.assertEqual(sorted(k for k, _, _ in copies), ["CA", "token"], text)
+        for kind, src, dst in copies:
+            self.assertTrue(dst.startswith("$HOME/"), text)        # the site's home, expanded there
+            dst = os.path.join(home, dst[len("$HOME/"):])
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            shutil.copyfile(src, dst)
+            if kind == "token":
+                os.chmod(dst, 0o600)
+        env = job_env(DATA=os.path.join(self.tokens, "manifest.json"), HOME=home, PWW_CENTRAL_ENV=central_env)
+        for var in ("PWW_DARL_URL", "PWW_FEDMOM_URL", "PWW_BLOB_URL", "PWW_TOKEN_FILE", "PWW_CA_FILE"):
+            env.pop(var, None)                                     # central.env alone says where
         jobs = {site: submit(f"jobs/{site}_titan.sh", env) for site in ("lumi", "snellius")}
-        for site, job_id in jobs.items():
-            state, code = wait(job_id)
+        ended = wait(*jobs.values())
+        # the job that failed first, then the others (cancelled once one failed)
+        for site, job_id in sorted(jobs.items(), key=lambda sj: ended.get(sj[1]) in (None, ("COMPLETED", (0, 0)))):
+            state, code = ended.get(job_id, ("CANCELLED after the other job failed", None))
             log_path = os.path.join(ROOT, "logs", f"{site}_titan-{job_id}.out")
             log = open(log_path).read() if os.path.exists(log_path) else "(no log)"
             self.assertEqual((state, code), ("COMPLETED", (0, 0)), f"{log_path}:\n{log[-4000:]}")

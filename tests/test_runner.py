@@ -4,7 +4,7 @@ runner in a subprocess, one case each; the closing line and the exit status are 
 Cases: fixture errors and skips (setUpClass, setUpModule, tearDownClass) counted for the
 tests they stand for; subtests and cleanup errors counted once; an exception in another
 thread fails its test; the watchdog (a hung test fails and the run goes on; a test that
-swallows the TestTimeout ends the run with its totals); --fail-on-skip against an
+swallows the TestTimeout ends the run with its totals; a module's WATCHDOG_S); --fail-on-skip against an
 expected-skips list; an import error and an empty run; and the README's own list.
 """
 import os
@@ -133,6 +133,15 @@ PROBES = {
                 threading.Event().wait()
             def test_after(self): pass
         """,
+    "probe_long": """
+        import threading, time, unittest
+        WATCHDOG_S = 10
+        class T(unittest.TestCase):
+            def test_a_longer_than_the_default(self):
+                time.sleep(3)
+            def test_b_hangs(self):
+                threading.Event().wait()
+        """,
     "probe_stubborn": """
         import time, unittest
         class T(unittest.TestCase):
@@ -246,6 +255,12 @@ class RunnerTest(unittest.TestCase):
         self.assertIn("TestTimeout", out)
         self.assertLess(seconds, 60, "the hang was cut short")
 
+    def test_a_module_watchdog_s_is_its_tests_budget(self):
+        got, _, out, _ = self.runner("probe_long", "probe_hang", "--timeout", "1", expect_rc=1)
+        self.assertEqual(got, (2, 2, 0), out)     # probe_long's 3 s test passes; each hang still fails
+        self.assertIn("watchdog: probe_long.T.test_b_hangs still running after its 10 s budget", out)
+        self.assertIn("watchdog: probe_hang.T.test_hangs still running after its 1 s budget", out)
+
     def test_a_hung_setupclass_fails_its_tests_and_the_run_goes_on(self):
         got, _, out, _ = self.runner("probe_setup_hang", "--timeout", "3", expect_rc=1)
         self.assertEqual(got, (1, 2, 0), out)
@@ -279,6 +294,13 @@ class RunnerTest(unittest.TestCase):
         got, out = self.counts("probe_does_not_exist", rc=1)
         self.assertEqual(got, (0, 1, 0), out)
         self.assertEqual(self.counts("probe_empty", rc=1)[0], (0, 0, 0))
+
+    def test_with_adds_a_module_to_the_same_run_and_summary(self):
+        got, out = self.counts("probe_class_skip", "--with", "probe_module_skip", rc=0)
+        self.assertEqual(got, (1, 0, 4), out)         # (1, 0, 2) and (0, 0, 2): one summary for both
+        self.assertEqual(len([l for l in out.splitlines() if SUMMARY.match(l)]), 1, out)
+        got, out = self.counts("probe_class_skip", "--with", "probe_fixtures", rc=1)
+        self.assertEqual(got, (2, 3, 2), out)         # a failure in the added module fails the run
 
     def test_the_readme_lists_only_tests_that_exist(self):
         listed = run.expected_skips(os.path.join(ROOT, "README.md"))

@@ -439,6 +439,13 @@ class JobCommandTest(unittest.TestCase):
                         check=False)
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("PWW_CA_FILE=/no/ca.pem: no such file", r.stderr)
+        # central.sh url's `$HOME/...` passed on as a value, never through a shell: said so
+        r = self.launch("lumi", "titan", env={"PWW_CENTRAL_ENV": central_env,
+                                              "PWW_CA_FILE": "$HOME/.pww/central-ca.pem"}, check=False)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("PWW_CA_FILE=$HOME/.pww/central-ca.pem: a literal '$'", r.stderr)
+        self.assertIn("source central.env", r.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.tmp, "argv")))      # never launched
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -621,6 +628,23 @@ class CentralTest(unittest.TestCase):
         self.assertIn("export PWW_TOKEN_FILE=/site/token", url.splitlines())
         self.assertIn("export PWW_CA_FILE=/site/ca.pem", url.splitlines())
         self.assertIn(f"#   CA file    {ca} -> /site/ca.pem", url.splitlines())
+        self.assertIn(f"#   scp 127.0.0.1:{ca} /site/ca.pem", url.splitlines())
+        # the default: paths under the site's $HOME, literal here; a site that writes the
+        # lines to central.env and copies the two files where they say is set up
+        url = self.central("url").stdout
+        self.assertIn("export PWW_CA_FILE=$HOME/.pww/central-ca.pem", url.splitlines())
+        self.assertIn("#   mkdir -p $HOME/.pww", url.splitlines())
+        self.assertIn(f"#   scp 127.0.0.1:{token_path} $HOME/.pww/central.token && chmod 600 "
+                      "$HOME/.pww/central.token", url.splitlines())
+        checkout = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, checkout)
+        site = os.path.join(checkout, "site-home")
+        with open(os.path.join(checkout, "central.env"), "w") as f:
+            f.write(url)
+        got = bash(f'source env.sh && PWW_CENTRAL_ENV={checkout}/central.env && '
+                   f'mkdir -p ~/.pww && cp {token_path} ~/.pww/central.token && cp {ca} ~/.pww/central-ca.pem && '
+                   'pww_central_env && echo "$PWW_TOKEN_FILE $PWW_CA_FILE"', {"HOME": site, "PWW_SITE": "local"})
+        self.assertEqual(got.stdout.split(), [f"{site}/.pww/central.token", f"{site}/.pww/central-ca.pem"])
         # starting again is a no-op for running daemons
         again = self.central("start")
         self.assertIn("already running", again.stdout)
