@@ -22,9 +22,9 @@ What is counted (each test id exactly once: passed, failed or skipped):
     socket, file, pipe or child process dropped unclosed raises it in its finalizer,
     and sys.unraisablehook records it (like any other exception a finalizer ignores)
     against the test running then, or between tests the one that just ended. The
-    garbage collector runs at the end of each test, so an object in a reference
-    cycle is finalized inside the test that dropped it. PYTHONTRACEMALLOC=20 adds
-    where each leaked object was allocated;
+    garbage collector runs before each test, so what the last one dropped in
+    a reference cycle is finalized, and counted, before the next begins.
+    PYTHONTRACEMALLOC=20 adds where each leaked object was allocated;
   - with --fail-on-skip, a skip whose test id (or class, or module) the README's
     "Expected skips" list does not name is a failure, with its reason printed.
 
@@ -116,7 +116,7 @@ class CountingResult(unittest.TextTestResult):
                 self.reasons[i] = why
 
     def startTest(self, test):
-        gc.collect()                         # what the last test (or the fixtures since) left in cycles
+        gc.collect()                         # finalize what the last test (or the fixtures since) left in cycles
         self._drain_thread_errors()
         now = time.monotonic()
         if now - self._gap0 > 1.0:          # class/module fixtures ran since the last test
@@ -128,7 +128,6 @@ class CountingResult(unittest.TextTestResult):
 
     def stopTest(self, test):
         super().stopTest(test)
-        gc.collect()                         # finalize the test's cyclic garbage while it is current
         self.timings.append((time.monotonic() - self._t0, test.id()))
         self._drain_thread_errors()
         self.current, self.last, self._gap0 = None, test.id(), time.monotonic()
