@@ -8,7 +8,7 @@ BlockSpace, never torch.
 
 Use from code:
     space = darl_table.BlockSpace(num_samples=N, block_size=K, seed=S)
-    client = LeaseClient("http://central:29510", token=token)
+    client = LeaseClient("http://central:29510", token=token)   # client.close() (or `with`) at the end
     with LeaseSession(client, "lumi", space.digest(), span_blocks=B) as session:
         while (span := session.next_span()) is not None:      # None: the epoch is done
             ... train on space.samples_of(space.block_at(p)) for p in span.positions()
@@ -77,20 +77,36 @@ class LeaseClient:
         self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
         self.rtt_s = None                   # smoothed round-trip time of successful calls
         self._local = threading.local()
+        self._open = set()                  # every thread's connection: close() closes them all
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        """Close every thread's keep-alive connection (a later call opens a new one)."""
+        for conn in list(self._open):
+            self._open.discard(conn)
+            conn.close()
 
     def _conn(self):
         conn = getattr(self._local, "conn", None)
-        if conn is not None and time.monotonic() - self._local.used > self.REUSE_IDLE_S:
-            self._drop_conn()
+        if conn is not None and (conn not in self._open
+                                 or time.monotonic() - self._local.used > self.REUSE_IDLE_S):
+            self._drop_conn()               # closed by close(), or idle long enough to be closing
             conn = None
         if conn is None:
             conn = self._local.conn = httpd.connect(self.url, self.timeout, self.ca_file)
+            self._open.add(conn)
         self._local.used = time.monotonic()
         return conn
 
     def _drop_conn(self):
         conn, self._local.conn = getattr(self._local, "conn", None), None
         if conn is not None:
+            self._open.discard(conn)
             conn.close()
 
     def _rpc(self, method, path, body=None):

@@ -464,7 +464,8 @@ class Demo:
         out.append(f"  training loss per round: {sparkline(losses)}  {spark_scale(losses)}")
         first, last, trend_ok = loss_trend(records)
         try:
-            theta = os.path.join(state_fed, json.load(open(os.path.join(state_fed, "state.json")))["theta"])
+            with open(os.path.join(state_fed, "state.json")) as f:
+                theta = os.path.join(state_fed, json.load(f)["theta"])
         except (OSError, ValueError, KeyError):
             theta = max((os.path.join(state_fed, f) for f in os.listdir(state_fed) if f.startswith("theta-")),
                         key=lambda p: int(re.findall(r"\d+", os.path.basename(p))[0]), default=None)

@@ -396,6 +396,7 @@ class FedSite:
         unsettled = self.session.held()
         self.session.close(release=not unsettled)    # never release what the aggregator may still commit
         self.leave()
+        self.darl.close()
         if unsettled:
             self.log(f"leases {sorted(unsettled)} were still uncommitted after {RETRY_S:.0f} s; left to expire")
         return True
@@ -409,6 +410,7 @@ class FedSite:
             if self.keepalive is not None:
                 self.keepalive.__exit__(None, None, None)
                 self.keepalive = None
+            self.darl.close()
 
 
 def _held(path):

@@ -653,13 +653,23 @@ class Server:
         self._stopped.wait(10)
 
     def server_close(self):
+        """Close the listening socket, every connection and the wake pair (after shutdown(),
+        or without serve_forever ever started)."""
         self._stop = True
         self._wake()
+        if self._workers:                     # the poller may still select on the wake pair
+            self._stopped.wait(10)
         self.socket.close()
         for conn in list(self.conns.values()):
             self._close(conn, unregister=False)
+        while self._returned:                 # handed back after the poller's last turn
+            conn = self._returned.popleft()
+            if conn is not None:
+                conn.sock.close()
         for _ in self._workers:
             self._ready.put(None)
+        self._wake_r.close()
+        self._wake_w.close()
 
     def _wake(self):
         try:
@@ -838,7 +848,9 @@ class Server:
                 keep = False
             except Exception:
                 traceback.print_exc(file=sys.stderr)
-            if keep and not self._stop:
+            if keep and self._stop:
+                keep = False                       # the poller is gone: nobody would take it back
+            if keep:
                 try:
                     conn.sock.setblocking(False)
                 except OSError:

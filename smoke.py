@@ -257,6 +257,11 @@ NET_LINE = re.compile(r"Using network |NET/OFI (Initializing|Using Libfabric|Sel
                       r"NET/Plugin|NET/IB : Using|NET/Socket : Using")
 
 
+def read_text(path):
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
 def check_network(d, hosts, log_glob):
     """(ok, detail, lines) for the transport: NCCL's own lines about it, from this rank's
     log file. A multi-node GPU run fails on TCP, and fails when no line says what it used
@@ -265,7 +270,7 @@ def check_network(d, hosts, log_glob):
     if d.device.type != "cuda":
         return True, "gloo (TCP); not a GPU run", []
     files = sorted(glob.glob(log_glob))
-    text = "".join(open(f, errors="replace").read() for f in files)
+    text = "".join(read_text(f) for f in files)
     lines = [line.strip() for line in text.splitlines() if NET_LINE.search(line)]
     n = network_summary(text)
     if n["network"] is None:

@@ -449,21 +449,21 @@ def fuzz(ctx, count, seed=0, workers=8, timeout=10.0, slow_wait_s=30.0, ca_file=
 
 def epoch_darl(url, token, ca_file, deadline_s=120.0):
     import darl_client
-    c = darl_client.LeaseClient(url, token=token, ca_file=ca_file)
-    digest = httpd.call(url, "GET", "/health", ca_file=ca_file)["digest"]
-    c.register("legit", "legit-1", digest)
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        r = c.acquire("legit", "legit-1", blocks=8, ttl=60)
-        if r["status"] == "done":
-            break
-        if r["status"] == "wait":                      # the fuzzer's leases still run out their TTL
-            time.sleep(min(1.0, r["retry_after"]))
-            continue
-        c.commit("legit", "legit-1", r["lease"]["id"])
-    else:
-        return ["the epoch did not finish"]
-    st = c.status()
+    with darl_client.LeaseClient(url, token=token, ca_file=ca_file) as c:
+        digest = httpd.call(url, "GET", "/health", ca_file=ca_file)["digest"]
+        c.register("legit", "legit-1", digest)
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            r = c.acquire("legit", "legit-1", blocks=8, ttl=60)
+            if r["status"] == "done":
+                break
+            if r["status"] == "wait":                      # the fuzzer's leases still run out their TTL
+                time.sleep(min(1.0, r["retry_after"]))
+                continue
+            c.commit("legit", "legit-1", r["lease"]["id"])
+        else:
+            return ["the epoch did not finish"]
+        st = c.status()
     problems = []
     if st.get("invariant_error"):
         problems.append(f"invariant error: {st['invariant_error']}")

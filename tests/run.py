@@ -19,6 +19,13 @@ What is counted (each test id exactly once: passed, failed or skipped):
   - an exception that escapes any thread of this process while a test runs fails
     that test (threading.excepthook): much of the code under test runs in threads,
     and a worker killed by an unexpected error must not vanish;
+  - a leak fails the test that leaked: ResourceWarning is an error in tests, so a
+    socket, file, pipe or child process dropped unclosed raises it in its finalizer,
+    and sys.unraisablehook records it (like any other exception a finalizer ignores)
+    against the test running then, or between tests the one that just ended. The
+    garbage collector runs before each test, so what the last one dropped in
+    a reference cycle is finalized, and counted, before the next begins.
+    PYTHONTRACEMALLOC=20 adds where each leaked object was allocated;
   - with --fail-on-skip, a skip whose test id (or class, or module) the README's
     "Expected skips" list does not name is a failure, with its reason printed.
 
@@ -31,12 +38,14 @@ faulthandler ends the process after that if even the printing thread cannot run.
 """
 import argparse
 import faulthandler
+import gc
 import os
 import re
 import signal
 import sys
 import threading
 import time
+import tracemalloc
 import traceback
 import unittest
 import warnings
@@ -108,6 +117,7 @@ class CountingResult(unittest.TextTestResult):
                 self.reasons[i] = why
 
     def startTest(self, test):
+        gc.collect()                         # finalize what the last test (or the fixtures since) left in cycles
         self._drain_thread_errors()
         now = time.monotonic()
         if now - self._gap0 > 1.0:          # class/module fixtures ran since the last test
@@ -156,7 +166,7 @@ class CountingResult(unittest.TextTestResult):
         if err is not None:
             self._mark(test, "failed")
 
-    # ---- exceptions in other threads
+    # ---- exceptions in other threads, and in finalizers
     def thread_exception(self, args):
         """threading.excepthook: record the exception against the test running now
         (or, between tests, the one that just ended: its threads outlived it)."""
@@ -164,19 +174,42 @@ class CountingResult(unittest.TextTestResult):
             return
         text = "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))
         name = args.thread.name if args.thread is not None else "?"
+        self._record(f"an exception escaped thread {name!r}", text)
+
+    def unraisable(self, args):
+        """sys.unraisablehook: an exception a finalizer could not raise (the ResourceWarning
+        of a socket, file or child process dropped unclosed; an error in a __del__),
+        recorded like a thread's. The object is not kept: that would resurrect it."""
+        if args.exc_traceback is None:       # raised in C (a socket's or file's finalizer)
+            text = "".join(traceback.format_exception_only(args.exc_type, args.exc_value))
+        else:
+            text = "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))
+        where = args.err_msg or "Exception ignored in"
+        if args.object is not None:
+            try:
+                where = f"{where}: {args.object!r}"
+            except Exception:                # a half-finalized object's repr may fail
+                pass
+            born = tracemalloc.get_object_traceback(args.object)
+            if born is not None:
+                text += "allocated at (most recent call last):\n" + "\n".join(born.format()) + "\n"
+        kind = "leaked a resource" if issubclass(args.exc_type, ResourceWarning) else "a finalizer failed"
+        self._record(f"{kind} ({where})", text)
+
+    def _record(self, what, text):
         with self.lock:
-            self.thread_errors.append((self.current or self.last, name, text))
+            self.thread_errors.append((self.current or self.last, what, text))
 
     def _drain_thread_errors(self):
         with self.lock:
             errors, self.thread_errors = self.thread_errors, []
-        for test_id, name, text in errors:
+        for test_id, what, text in errors:
             if test_id is None:
                 test_id = "(before the first test)"
                 self.ids.append(test_id)
             self.outcome[test_id] = "failed"
-            self.stream.writeln(f"FAIL {test_id}: an exception escaped thread {name!r}:\n{text}")
-            self.errors.append((_Named(test_id), f"exception in thread {name!r}:\n{text}"))
+            self.stream.writeln(f"FAIL {test_id}: {what}:\n{text}")
+            self.errors.append((_Named(test_id), f"{what}:\n{text}"))
 
     # ---- the totals
     def totals(self, fail_on_skip=False, expected=()):
@@ -302,6 +335,7 @@ def main(argv):
     t0 = time.monotonic()
     result.watchdog = Watchdog(args.timeout, args.grace, lambda: summary(result, t0, args, expected))
     threading.excepthook = result.thread_exception
+    sys.unraisablehook = result.unraisable
     result.watchdog.arm("the first fixtures")
     unittest.registerResult(result)
     result.startTestRun()
@@ -309,15 +343,18 @@ def main(argv):
         with warnings.catch_warnings():
             if not sys.warnoptions:          # as unittest's runner: show deprecations once each
                 warnings.simplefilter("default")
+            warnings.simplefilter("error", ResourceWarning)      # a leak fails its test (see unraisable)
             suite(result)
+            gc.collect()                     # what the last module's fixtures left in cycles
     finally:
         result.stopTestRun()
         result.watchdog.disarm()
     result.printErrors()
-    # the summary stays the last line: a pipe or socket a test left open would otherwise
-    # print its ResourceWarning after it, when the interpreter collects it at exit
+    # the summary stays the last line: a pipe or socket a module global still holds would
+    # otherwise print its ResourceWarning after it, when the interpreter collects it at exit
     warnings.simplefilter("ignore", ResourceWarning)
     passed, failed, skipped = summary(result, t0, args, expected)
+    sys.unraisablehook = sys.__unraisablehook__
     return 1 if failed or passed + skipped == 0 else 0
 
 

@@ -26,6 +26,7 @@ Slurm is left running afterwards (`tests/local_slurm.sh stop` stops it).
 """
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -120,7 +121,7 @@ class JobTest(unittest.TestCase):
         job_id = submit(f"jobs/{site}_{job}.sh", env, args, sbatch_opts)
         state, code = wait(job_id)[job_id]
         log_path = os.path.join(ROOT, "logs", f"{site}_{job}-{job_id}.out")
-        log = open(log_path).read() if os.path.exists(log_path) else "(no log)"
+        log = pathlib.Path(log_path).read_text() if os.path.exists(log_path) else "(no log)"
         self.assertEqual((state, code), ("COMPLETED", (0, 0)), f"{log_path}:\n{log[-4000:]}")
         return log
 
@@ -149,7 +150,7 @@ class SmokeAndCifarTest(JobTest):
             self.check_ranks(log, 1)
             self.assertRegex(log, r"done: 2 steps, run directory ")
             run_dir = re.search(r"done: 2 steps, run directory (\S+)", log).group(1)
-            rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
+            rows = [json.loads(l) for l in pathlib.Path(run_dir, "metrics.jsonl").read_text().splitlines()]
             self.assertTrue(any(r.get("split") == "eval" for r in rows), rows)
 
 
@@ -222,7 +223,7 @@ class TitanTest(JobTest):
         for site, job_id in sorted(jobs.items(), key=lambda sj: ended.get(sj[1]) in (None, ("COMPLETED", (0, 0)))):
             state, code = ended.get(job_id, ("CANCELLED after the other job failed", None))
             log_path = os.path.join(ROOT, "logs", f"{site}_titan-{job_id}.out")
-            log = open(log_path).read() if os.path.exists(log_path) else "(no log)"
+            log = pathlib.Path(log_path).read_text() if os.path.exists(log_path) else "(no log)"
             self.assertEqual((state, code), ("COMPLETED", (0, 0)), f"{log_path}:\n{log[-4000:]}")
             self.check_ranks(log, RANKS[site])
         status = self.central("status")

@@ -20,6 +20,7 @@ What runs:
 import collections
 import json
 import os
+import pathlib
 import shutil
 import signal
 import socket
@@ -573,7 +574,7 @@ class FencingAndRepairTest(AggregatorFixture):
         with open(os.path.join(self.dir, "B", "state.json")) as f:   # B restarts; DARL's answer is lost
             st = json.load(f)
         b = self.agg(fs.DarlLink(url, TOKEN), name="B", init=False)
-        claim = json.load(open(os.path.join(self.dir, "B", "state.json")))["fence_claim"]
+        claim = json.loads(pathlib.Path(os.path.join(self.dir, "B", "state.json")).read_text())["fence_claim"]
         lost = httpd.call(url, "POST", "/fence", {"aggregator": b.aggregator_id, "last_epoch": st["epoch"],
                                                   "claim": claim}, token=TOKEN)
         self.assertEqual(lost["epoch"], 5)
@@ -870,6 +871,7 @@ class RestartWithCommitsOwedTest(ProcessFixture):
         arm = os.path.join(self.faults, "fedmom.round_durable")
         open(arm, "w").close()
         client = darl_server_client(durl)
+        self.addCleanup(client.close)
         deltas = os.path.join(self.dir, "d.safetensors")
         with tensorio.TensorWriter(deltas, [("w", "F32", (8,))]) as w:
             w.write("w", np.full(8, 0.5, np.float32))

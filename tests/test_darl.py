@@ -4,6 +4,7 @@ coordinator SIGKILLed under load, and the end-to-end `simulate` audit."""
 import collections
 import json
 import os
+import pathlib
 import shutil
 import signal
 import socket
@@ -499,7 +500,7 @@ class DurabilityTest(unittest.TestCase):
         c.wal.close()
         d = os.path.join(self.dir, "darl")
         snap, wal = os.path.join(d, "snapshot.json"), os.path.join(d, "wal.jsonl")
-        saved = {p: open(p, "rb").read() for p in (snap, wal)}
+        saved = {p: pathlib.Path(p).read_bytes() for p in (snap, wal)}
         os.remove(snap)                                   # the log alone, continuing snapshot 5
         with self.assertRaisesRegex(LogError, r"snapshot.json is missing, and .* continues snapshot 5"):
             self.coord()
@@ -563,7 +564,7 @@ class DurabilityTest(unittest.TestCase):
         c = self.coord()
         c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
         wal = os.path.join(self.dir, "darl", "wal.jsonl")
-        before = open(wal, "rb").read()
+        before = pathlib.Path(wal).read_bytes()
         with self.assertRaisesRegex(SystemExit, f"{self.dir}/darl is in use by another darl_server \\(pid {os.getpid()}"):
             self.coord()
         out = subprocess.run([sys.executable, "darl_server.py", "--num-samples", "200", "--state-dir", self.dir,
@@ -571,7 +572,7 @@ class DurabilityTest(unittest.TestCase):
         self.assertEqual(out.returncode, 1, out.stderr)
         self.assertIn("is in use by another darl_server", out.stderr)
         self.assertNotIn("Traceback", out.stderr)
-        self.assertEqual(open(wal, "rb").read(), before, "the refused start touched the log")
+        self.assertEqual(pathlib.Path(wal).read_bytes(), before, "the refused start touched the log")
         c.wal.close()                                     # the first one dies: the dir is free again
         self.coord().wal.close()
 
@@ -931,6 +932,7 @@ class HTTPTest(unittest.TestCase):
         self.live = LiveServer(100, tmpdir(self), token="tok")
         self.addCleanup(self.live.close)
         self.client = darl_client.LeaseClient(self.live.url, token="tok", retries=0)
+        self.addCleanup(self.client.close)
 
     def raw(self, path, body, token="tok"):
         conn = httpd.connect(self.live.url)
@@ -993,6 +995,7 @@ class HTTPTest(unittest.TestCase):
         self.live = LiveServer(100, tmpdir(self), token="tok", clock=clock)
         self.addCleanup(self.live.close)
         self.client = darl_client.LeaseClient(self.live.url, token="tok", retries=0)
+        self.addCleanup(self.client.close)
         d = self.live.space.digest()
         for reply in (self.client.register("a", "x", d), self.client.status()):
             self.assertEqual(reply["digest"], d)
@@ -1057,9 +1060,9 @@ class ConcurrencyTest(unittest.TestCase):
         ("error", traceback) if anything else ends it."""
         def worker(i):
             try:
-                client = darl_client.LeaseClient(url, **(clients_kw or {}))
-                with darl_client.LeaseSession(client, f"c{i}", digest, span_blocks=2, phase_s=1.0,
-                                              log=lambda m: None) as s:
+                with darl_client.LeaseClient(url, **(clients_kw or {})) as client, \
+                        darl_client.LeaseSession(client, f"c{i}", digest, span_blocks=2, phase_s=1.0,
+                                                 log=lambda m: None) as s:
                     while (span := s.next_span(timeout=300)) is not None:
                         time.sleep(per_block_s * len(span) * (i + 1))
                         if before_commit is not None:
@@ -1093,7 +1096,8 @@ class ConcurrencyTest(unittest.TestCase):
             t.join(timeout=120)
             self.assertFalse(t.is_alive())
         self.audit(reports, 400)
-        st = darl_client.LeaseClient(live.url).status()
+        with darl_client.LeaseClient(live.url) as client:
+            st = client.status()
         self.assertTrue(st["complete"])
         self.assertEqual(sum(c["committed"] for c in st["clusters"]), 400)
 
@@ -1137,7 +1141,8 @@ class ConcurrencyTest(unittest.TestCase):
             t.join(timeout=300)
             self.assertFalse(t.is_alive())
         self.audit(reports, m)
-        st = darl_client.LeaseClient(url).status()
+        with darl_client.LeaseClient(url) as client:
+            st = client.status()
         self.assertTrue(st["complete"])
         self.assertIsNone(st["invariant_error"])
         proc.send_signal(signal.SIGTERM)                  # clean stop: flush, snapshot, exit 0

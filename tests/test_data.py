@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import os
+import pathlib
 import pickle
 import tempfile
 import unittest
@@ -51,7 +52,7 @@ class CifarTest(unittest.TestCase):
         self.assertEqual((ty.dtype, len(ty), len(vy)), (np.int64, 103, 17))
         self.assertTrue(((ty >= 0) & (ty < 10)).all())
         # batch 2 starts after batch 1's rows; channel-major rows reshape to N x 3 x 32 x 32
-        n1 = len(pickle.load(open(os.path.join(self.root, "data_batch_1"), "rb"), encoding="bytes")[b"labels"])
+        n1 = len(pickle.loads(pathlib.Path(self.root, "data_batch_1").read_bytes(), encoding="bytes")[b"labels"])
         np.testing.assert_array_equal(tx[n1], raw[b"data"][0].reshape(3, 32, 32))
         self.assertEqual(int(ty[n1]), raw[b"labels"][0])
 
@@ -145,12 +146,12 @@ class TokenizeTest(unittest.TestCase):
         self.assertNotEqual(a["digest"], s["digest"], "seq_len must change the digest")
         h = _tokenize(self.out("h"), [self.src], seq_len=32, tokenizer=self.tokjson)
         self.assertNotEqual(a["digest"], h["digest"], "the tokenizer must change the digest")
-        self.assertEqual(h["tokenizer_sha256"], hashlib.sha256(open(self.tokjson, "rb").read()).hexdigest())
+        self.assertEqual(h["tokenizer_sha256"], hashlib.sha256(pathlib.Path(self.tokjson).read_bytes()).hexdigest())
         with open(os.path.join(self.out("a"), "manifest.json")) as f:
             self.assertEqual(json.load(f)["digest"], a["digest"])
         for m, d in ((a, "a"), (h, "h")):
             for sh in m["shards"]:
-                got = hashlib.sha256(open(os.path.join(self.out(d), sh["file"]), "rb").read()).hexdigest()
+                got = hashlib.sha256(pathlib.Path(self.out(d), sh["file"]).read_bytes()).hexdigest()
                 self.assertEqual(got, sh["sha256"])
 
     def test_windows_read_back_the_corpus(self):

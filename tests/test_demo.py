@@ -3,6 +3,7 @@ records (and on a real DARL snapshot), the site command line, process-group kill
 the three services started and stopped for real, and --help. The end-to-end
 federation runs live in tests/test_federation.py."""
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -182,6 +183,7 @@ class ServicesTest(unittest.TestCase):
                         httpd.call(url, "GET", "/status" if url != svc.blob else "/blobs", token=token)
                     self.assertEqual(cm.exception.status, 401, (url, cm.exception.reply))
             client = darl_client.LeaseClient(svc.darl, token=svc.token)
+            self.addCleanup(client.close)
             st = client.status()
             num_blocks = st["num_blocks"]
             self.assertEqual(num_blocks, -(-(m["num_windows"] - 8) // 4))
@@ -189,7 +191,7 @@ class ServicesTest(unittest.TestCase):
             lease = client.acquire("alpha", "inc1", blocks=2)["lease"]
             client.commit("alpha", "inc1", lease["id"], lease["end"])
             page = harness.fetch_page(svc.fedmom, os.path.join(d, "status.html"), svc.token)
-            self.assertIn("<html", open(page).read().lower())
+            self.assertIn("<html", pathlib.Path(page).read_text().lower())
             for p in svc.procs.values():
                 self.assertEqual(p.stop(20), 0, p.tail())
         report = audit.audit(os.path.join(d, "central"))      # from the snapshot DARL wrote at SIGTERM

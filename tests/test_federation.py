@@ -257,6 +257,7 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
                          [{"id": lease["id"], "start": lease["start"], "end": lease["end"]}], {})
         report["other_round"] = other.wait_round_after(base, timeout_s=120)
         other.leave()
+        darl_other.close()
         diloco.on_rank0(lambda: site.join())
         report["held_before"] = sorted(site.session.held())
     else:
@@ -344,6 +345,7 @@ class CarrierTest(unittest.TestCase):
         windows = data.TokenWindows(self.manifest)
         digest = darl_table.BlockSpace(windows.train_windows, 4, 0, manifest_digest=windows.digest).digest()
         old = darl_client.LeaseClient(self.darl)
+        self.addCleanup(old.close)
         old.register("twin", "old-inc", digest)
         self.assertEqual(old.acquire("twin", "old-inc", blocks=1)["status"], "ok")
         old_fed = fedmom_client.FedMomClient(self.fedmom, "twin", "old-inc")

@@ -3,7 +3,8 @@ runner in a subprocess, one case each; the closing line and the exit status are 
 
 Cases: fixture errors and skips (setUpClass, setUpModule, tearDownClass) counted for the
 tests they stand for; subtests and cleanup errors counted once; an exception in another
-thread fails its test; the watchdog (a hung test fails and the run goes on; a test that
+thread fails its test; a leaked socket or file, or an error in a finalizer, fails the
+test that caused it; the watchdog (a hung test fails and the run goes on; a test that
 swallows the TestTimeout ends the run with its totals; a module's WATCHDOG_S); --fail-on-skip against an
 expected-skips list; an import error and an empty run; and the README's own list.
 """
@@ -126,6 +127,34 @@ PROBES = {
                 type(self).thread = threading.Thread(target=late, name="late")
                 type(self).thread.start()
         """,
+    "probe_leaks": """
+        import os, socket, tempfile, unittest
+        class T(unittest.TestCase):
+            def test_leaks_a_socket(self):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                s.bind(("127.0.0.1", 0))
+                del s                        # dropped open: its finalizer warns
+            def test_leaks_a_file(self):
+                open(os.devnull).read(0)
+            def test_leaks_a_pipe_in_a_cycle(self):
+                r, w = os.pipe()
+                os.close(w)
+                holder = {"f": os.fdopen(r)}
+                holder["self"] = holder      # freed only by the collector
+            def test_ok(self):
+                with socket.socket() as s, open(os.devnull) as f:
+                    s.bind(("127.0.0.1", 0))
+        class Broken:
+            def __del__(self):
+                raise ValueError("a finalizer's own error")
+        class Finalizer(unittest.TestCase):
+            def test_drops_an_object_whose_del_raises(self):
+                Broken()
+        class Kept(unittest.TestCase):
+            def test_keeps_a_socket_on_the_instance(self):
+                self.sock = socket.socket()  # freed when the runner drops the test, after it ended
+            def test_ok_after(self): pass
+        """,
     "probe_hang": """
         import threading, unittest
         class T(unittest.TestCase):
@@ -246,6 +275,20 @@ class RunnerTest(unittest.TestCase):
         self.assertRegex(out, r"probe_thread\.Outlived\.test_starts_a_thread_that_raises_later: "
                               r"an exception escaped thread 'late'")
         self.assertIn("ValueError: after the test", out)
+
+    def test_a_test_that_leaks_a_socket_or_a_file_fails(self):
+        got, out = self.counts("probe_leaks", rc=1)
+        self.assertEqual(got, (2, 5, 0), out)
+        for test, leaked in [("T.test_leaks_a_socket", "unclosed <socket.socket"),
+                             ("T.test_leaks_a_file", "unclosed file"),
+                             ("T.test_leaks_a_pipe_in_a_cycle", "unclosed file"),
+                             ("Kept.test_keeps_a_socket_on_the_instance", "unclosed <socket.socket")]:
+            m = re.search(rf"^FAIL probe_leaks\.{test}: leaked a resource .*?\n\n", out, re.M | re.S)
+            self.assertIsNotNone(m, f"{test} is not failed for its leak:\n{out}")
+            self.assertIn(f"ResourceWarning: {leaked}", m.group(0))
+        self.assertRegex(out, r"FAIL probe_leaks\.Finalizer\.test_drops_an_object_whose_del_raises: "
+                              r"a finalizer failed .*\n(.*\n)*ValueError: a finalizer's own error")
+        self.assertNotRegex(out, r"FAIL probe_leaks\.\w+\.test_ok", out)
 
     def test_the_watchdog_fails_a_hung_test_prints_stacks_and_goes_on(self):
         got, rc, out, seconds = self.runner("probe_hang", "--timeout", "3", expect_rc=1)

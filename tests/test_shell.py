@@ -20,6 +20,7 @@ import gzip
 import http.server
 import json
 import os
+import pathlib
 import re
 import shutil
 import stat
@@ -59,7 +60,7 @@ def shell_files():
 def sbatch_header(path):
     """{option: value} from the #SBATCH lines ('--mem=0' -> {'mem': '0'}), comments stripped."""
     opts = {}
-    for line in open(path):
+    for line in pathlib.Path(path).read_text().splitlines():
         m = re.match(r"#SBATCH\s+--([a-z-]+)(?:=(\S+))?", line)
         if m:
             opts[m.group(1)] = m.group(2)
@@ -296,7 +297,7 @@ class JobHeaderTest(unittest.TestCase):
     def job(self, site, name):
         path = os.path.join(ROOT, "jobs", f"{site}_{name}.sh")
         self.assertTrue(os.path.exists(path), path)
-        return path, sbatch_header(path), open(path).read()
+        return path, sbatch_header(path), pathlib.Path(path).read_text()
 
     def test_every_job_exists_sources_env_and_has_one_srun(self):
         for site in SITES:
@@ -366,7 +367,7 @@ class JobCommandTest(unittest.TestCase):
         r = bash(f"jobs/{site}_{job}.sh " + " ".join(args), {**base, **(env or {})}, check=check)
         if not check:
             return r
-        return open(argv_file).read().splitlines(), open(argv_file + ".rdzv").read().strip()
+        return pathlib.Path(argv_file).read_text().splitlines(), pathlib.Path(argv_file + ".rdzv").read_text().strip()
 
     def test_every_job_launches_one_wrapper_per_rank_with_the_callers_flags_last(self):
         central = {"PWW_DARL_URL": "http://c:1", "PWW_FEDMOM_URL": "http://c:2",
@@ -508,7 +509,7 @@ class PrepTest(unittest.TestCase):
         archive = os.path.join(src, "cifar-10-python.tar.gz")
         with tarfile.open(archive, "w:gz") as t:
             t.add(os.path.join(src, "cifar-10-batches-py"), arcname="cifar-10-batches-py")
-        md5 = hashlib.md5(open(archive, "rb").read()).hexdigest()
+        md5 = hashlib.md5(pathlib.Path(archive).read_bytes()).hexdigest()
         env = {"PWW_SITE": "local", "CIFAR_URL": self.serve(src) + "/cifar-10-python.tar.gz"}
         bad = os.path.join(self.tmp, "bad")
         r = bash("prep/download_cifar.sh", {**env, "OUT": bad, "CIFAR_MD5": "0" * 32}, check=False)
@@ -529,7 +530,7 @@ class PrepTest(unittest.TestCase):
         out = os.path.join(self.tmp, "tokens")
         r = bash("prep/tokenize.sh --heldout-windows 2 --no-progress",
                  {"PWW_SITE": "local", "INPUTS": text, "TOKENIZER": "none", "SEQ_LEN": "32", "OUT": out})
-        manifest = json.load(open(os.path.join(out, "manifest.json")))
+        manifest = json.loads(pathlib.Path(os.path.join(out, "manifest.json")).read_text())
         self.assertIn(f"WINDOWS={manifest['num_windows']}", r.stdout.splitlines())
         self.assertIn(f"DIGEST={manifest['digest']}", r.stdout.splitlines())
         self.assertGreater(manifest["num_windows"], 10)
@@ -573,7 +574,7 @@ class CentralTest(unittest.TestCase):
         self.assertEqual((r.returncode, r.stdout.strip()), (0, "ok"), r.stderr)
 
     def pids(self):
-        return {n: int(open(os.path.join(self.state, f"{n}.pid")).read())
+        return {n: int(pathlib.Path(os.path.join(self.state, f"{n}.pid")).read_text())
                 for n in ("darl", "fedmom", "blob") if os.path.exists(os.path.join(self.state, f"{n}.pid"))}
 
     def get(self, port, path, token=None, ca_file=None):
@@ -592,7 +593,7 @@ class CentralTest(unittest.TestCase):
         r = self.central("start", {"NUM_SAMPLES": "1000", "BLOCK_SIZE": "10", "INIT": self.make_init()})
         token_path = os.path.join(self.state, "token")
         self.assertEqual(stat.S_IMODE(os.stat(token_path).st_mode), 0o600)
-        token = open(token_path).read().strip()
+        token = pathlib.Path(token_path).read_text().strip()
         self.assertGreaterEqual(len(token), 32)
         pids = self.pids()
         self.assertEqual(set(pids), {"darl", "fedmom", "blob"})
@@ -653,16 +654,16 @@ class CentralTest(unittest.TestCase):
         self.assertEqual(self.pids(), {})
         for pid in pids.values():
             self.assertFalse(os.path.exists(f"/proc/{pid}") and
-                             "Z" not in open(f"/proc/{pid}/stat").read().split()[2], pid)
+                             "Z" not in pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2], pid)
         st = self.central("status", check=False)
         self.assertNotEqual(st.returncode, 0)
         self.assertIn("NOT RUNNING", st.stdout)
         # a restart resumes from the state dir: no corpus size, no model, same token and CA;
         # a new public host gets a new server certificate from the same CA
-        ca_pem = open(ca).read()
+        ca_pem = pathlib.Path(ca).read_text()
         self.central("start", {"PWW_PUBLIC_HOST": "central.example.org"})
-        self.assertEqual(open(token_path).read().strip(), token)
-        self.assertEqual(open(ca).read(), ca_pem)
+        self.assertEqual(pathlib.Path(token_path).read_text().strip(), token)
+        self.assertEqual(pathlib.Path(ca).read_text(), ca_pem)
         san = subprocess.run(["openssl", "x509", "-in", os.path.join(self.state, "tls", "server.pem"), "-noout",
                               "-ext", "subjectAltName"], capture_output=True, text=True, check=True).stdout
         self.assertIn("DNS:central.example.org", san)

@@ -119,7 +119,8 @@ class MIOpenCacheTest(unittest.TestCase):
         self.root = os.path.join(self.tmp, "miopen")
         self.node_tmp = os.path.join(self.tmp, "node-tmp")
         os.makedirs(self.node_tmp)
-        self.live = []
+        self.live, self.started = [], []
+        self.addCleanup(self.close_pipes)           # last: after release_all
         self.addCleanup(self.release_all)
 
     def env(self, rank, job, root=None):
@@ -135,6 +136,7 @@ class MIOpenCacheTest(unittest.TestCase):
                              env=self.env(rank, job, root), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
         self.live.append(p)
+        self.started.append(p)
         for line in p.stdout:
             if line.startswith("{"):
                 return p, json.loads(line)
@@ -152,6 +154,11 @@ class MIOpenCacheTest(unittest.TestCase):
         for p in list(self.live):
             p.stdin.close()
             p.wait(timeout=120)
+
+    def close_pipes(self):
+        for p in self.started:
+            for f in (p.stdin, p.stdout, p.stderr):
+                f.close()
 
     def generations(self):
         return sorted(n for n in os.listdir(self.root) if n.startswith("gen."))

@@ -1,6 +1,7 @@
 """tensorio: the safetensors layout both ways, bfloat16 bits against torch, and damaged files."""
 import json
 import os
+import pathlib
 import struct
 import subprocess
 import sys
@@ -213,7 +214,7 @@ class WriterRefusesTest(TmpDirTest):
     def test_an_unfinished_write_leaves_the_old_file_untouched(self):
         old = {"a": np.ones((2, 3), np.float32), "b": np.arange(4, dtype=np.int32)}
         self.write_all(self.p("f"), old, {"a": "F32", "b": "I32"})
-        before = open(self.p("f"), "rb").read()
+        before = pathlib.Path(self.p("f")).read_bytes()
         with self.assertRaisesRegex(RuntimeError, "crash"):
             with tensorio.TensorWriter(self.p("f"), self.SPECS) as w:
                 w.write("a", np.zeros((2, 3), np.float32))
@@ -222,7 +223,7 @@ class WriterRefusesTest(TmpDirTest):
         w.write("a", np.zeros((2, 3), np.float32))
         with self.assertRaisesRegex(ValueError, r"1 of 2 tensors; missing \['b'\]"):
             w.close()
-        self.assertEqual(open(self.p("f"), "rb").read(), before)
+        self.assertEqual(pathlib.Path(self.p("f")).read_bytes(), before)
         self.assert_no_leftovers(keep=["f"])
 
 
@@ -231,7 +232,7 @@ class DamagedFileTest(TmpDirTest):
         super().setUp()
         self.arrays = {"a": np.arange(10, dtype=np.float32), "b": np.arange(6, dtype=np.int64)}
         self.write_all(self.p("good"), self.arrays, {"a": "F32", "b": "I64"})
-        self.raw = open(self.p("good"), "rb").read()
+        self.raw = pathlib.Path(self.p("good")).read_bytes()
         (n,) = struct.unpack("<Q", self.raw[:8])
         self.header = json.loads(self.raw[8:8 + n])
         self.data = self.raw[8 + n:]
