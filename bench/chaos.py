@@ -103,9 +103,9 @@ class ChaosConfig:
     minutes: float = 15.0
     seed: int = 0
     quick: bool = False
-    corpus_mb: float = 0.0            # 0: 0.15 MB per minute of faults (about what the faulted run trains
-                                      # in that time on a busy 2-core machine, so faults cover most of it)
-    mean_gap_s: float = 20.0
+    corpus_mb: float = 0.0            # 0: 0.3 MB per minute of faults (the unfaulted run trains ~0.26 MB/min
+                                      # on this project's busy 2-core machine: faults cover the faulted run)
+    mean_gap_s: float = 10.0
     seq_len: int = 128
     heldout_windows: int = 64
     block_size: int = 16
@@ -125,7 +125,7 @@ class ChaosConfig:
         if self.quick:
             self.minutes = min(self.minutes, 3.0)
         if self.corpus_mb <= 0:
-            self.corpus_mb = round(0.15 * self.minutes, 3)
+            self.corpus_mb = round(0.3 * self.minutes, 3)
         if self.timeout_min <= 0:
             self.timeout_min = 3 * self.minutes + 10
         for ok, msg in ((self.minutes > 0, "--minutes must be > 0"), (self.mean_gap_s > 0, "--mean-gap-s must be > 0"),
@@ -379,20 +379,28 @@ def final_theta_path(fed_dir):
         return os.path.join(fed_dir, json.load(f)["theta"])
 
 
+def final_residual_path(fed_dir):
+    with open(os.path.join(fed_dir, "state.json")) as f:
+        return os.path.join(fed_dir, json.load(f)["update"]["residual"])
+
+
 def replay_theta(init, fed_dir, kept, records, work, codec, lr=0.7, mu=0.9):
     """theta_global by the aggregator's own functions over the recorded merges: per round,
     fedmom_merge.merge_files on the merged deltas (in the record's order, token shares times
     the clip scale fedmom_merge.clip_scales gives on the recorded norms), then with --down-wire
     fedmom_merge.publish (the int4 update and the error feedback owed). -> (the final theta's
-    path or None, problems, every round's theta path in round order: kept for the held-out noise)."""
+    path or None, problems, every round's theta path in round order: kept for the held-out noise,
+    the residual owed after the last round or None)."""
     os.makedirs(work, exist_ok=True)
-    theta, momentum, residual, history, problems, thetas = init, None, None, [], [], []
+    theta = os.path.join(work, "theta-0.safetensors")       # round 0: the aggregator's own theta-0 of the init file
+    fedmom_state.init_theta(init, theta, fsync=False)
+    momentum, residual, history, problems, thetas = None, None, [], [], []
     for rec in records:
         merged = [o for o in rec.get("outcomes", ()) if o["outcome"] == "merged"]
         paths = [os.path.join(kept, f"{o.get('delta')}.safetensors") for o in merged]
         missing = [o.get("delta") for o, p in zip(merged, paths) if not os.path.exists(p)]
         if missing or not merged:
-            return None, problems + [f"round {rec['round']}: merged deltas {missing or '(none)'} were never kept"], thetas
+            return None, problems + [f"round {rec['round']}: merged deltas {missing or '(none)'} were never kept"], thetas, None
         by_inc = {c["incarnation"]: c for c in rec["clusters"].values()}
         norms = [by_inc[o["incarnation"]]["delta_norm"] or 0.0 for o in merged]
         scales, _ = fedmom_merge.clip_scales(norms, [n for r in history[-fedmom_state.CLIP_HISTORY_ROUNDS:] for n in r],
@@ -420,7 +428,7 @@ def replay_theta(init, fed_dir, kept, records, work, codec, lr=0.7, mu=0.9):
         theta, momentum = out_theta, out_mom
         thetas.append(theta)
         history.append(norms)
-    return theta, problems, thetas
+    return theta, problems, thetas, residual
 
 
 def same_bits(a, b):
@@ -499,8 +507,12 @@ def judge(fed, data, cfg, wall):
                    "; ".join(l.strip() for l in report.lines if l.startswith(("FAIL", "  !!")))[:300]))
     final = final_theta_path(fed_dir)
     codec = fedmom_state.ServerConfig(state_dir=fed_dir, down_wire="int4").down_codec()
-    replayed, problems, thetas = replay_theta(data["init"], fed_dir, fed.kept, records, os.path.join(fed.root, "replay"), codec)
+    replayed, problems, thetas, residual = replay_theta(data["init"], fed_dir, fed.kept, records,
+                                                        os.path.join(fed.root, "replay"), codec)
     ok, detail = same_bits(replayed, final) if replayed else (False, "; ".join(problems))
+    if ok and residual:              # and the error feedback the aggregator owes its next update
+        ok, d = same_bits(residual, final_residual_path(fed_dir))
+        detail += f"; its residual: {d}"
     checks.append((f"theta_global = replay of the {len(records)} recorded merges", ok and not problems,
                    detail + ("; " + "; ".join(problems[:3]) if problems else "")))
     figures = goodput(records, site_rows(fed.sites_dir))
@@ -595,7 +607,7 @@ def main(argv=None):
     a("--minutes", type=float, default=d.minutes, help=f"minutes of faults (default {d.minutes:g}; fewer if DARL runs out)")
     a("--seed", type=int, default=d.seed, help="the fault schedule's seed (and the model's, DARL's order)")
     a("--quick", action="store_true", help="at most 3 minutes of faults on a corpus sized for them (make bench)")
-    a("--corpus-mb", type=float, default=d.corpus_mb, help="corpus size, MB (default 0.15 x --minutes)")
+    a("--corpus-mb", type=float, default=d.corpus_mb, help="corpus size, MB (default 0.3 x --minutes)")
     a("--mean-gap-s", type=float, default=d.mean_gap_s, help=f"mean seconds between faults (default {d.mean_gap_s:g})")
     a("--inner-steps", type=int, default=d.inner_steps, help=f"H, inner steps per phase (default {d.inner_steps})")
     a("--ranks", type=int, default=d.ranks, help=f"ranks per site (default {d.ranks})")
