@@ -478,8 +478,9 @@ def goodput(records, rows):
                 r = phases.get(key)      # None: its site died before the outcome (the record's inner_s then)
                 merged[key] = (o["tokens"], phase_s(key, r) if r else by_inc.get(o["incarnation"], {}).get("inner_s") or 0.0)
     lost = {k: [0.0, 0.0] for k in LOST_KINDS}
+    told = sorted(f"{k[0]} {k[1]} lease {k[2]}" for k, r in phases.items() if r.get("merged") and k not in merged)
     for key, r in phases.items():
-        if key not in merged:
+        if key not in merged and not r.get("merged"):
             k = lost_kind(r.get("reason"))
             lost[k][0] += r["tokens"]
             lost[k][1] += phase_s(key, r)
@@ -491,7 +492,7 @@ def goodput(records, rows):
     lost["killed"] = [max(0.0, tok - m_tok - named[0]), max(0.0, sec - m_sec - named[1])]
     return {"trained_tokens": tok, "trained_s": sec, "merged_tokens": m_tok, "merged_s": m_sec,
             "token_goodput": m_tok / tok if tok else None, "compute_goodput": m_sec / sec if sec else None,
-            "incarnations": len(trained), "lost": lost, "merged_deltas": len(merged)}
+            "incarnations": len(trained), "lost": lost, "merged_deltas": len(merged), "told_merged_missing": told}
 
 
 def judge(fed, data, cfg, wall):
@@ -516,6 +517,8 @@ def judge(fed, data, cfg, wall):
     checks.append((f"theta_global = replay of the {len(records)} recorded merges", ok and not problems,
                    detail + ("; " + "; ".join(problems[:3]) if problems else "")))
     figures = goodput(records, site_rows(fed.sites_dir))
+    told = figures["told_merged_missing"]
+    checks.append(("every delta a site was told merged is in the round records", not told, "; ".join(told[:3])))
     figures.update(rounds=len(records), wall_s=wall, final=final,
                    heldout=harness.heldout_loss(final, data["manifest"], "qwen3-tiny"),
                    # the round-to-round spread of the held-out loss over the last rounds: the noise

@@ -119,6 +119,9 @@ class GoodputTest(unittest.TestCase):
         self.assertEqual(lost["killed"], [1000, 0.1])              # a1's step 7
         self.assertAlmostEqual(g["token_goodput"], 6000 / 11000)
         self.assertTrue(np.isclose(sum(v[0] for v in g["lost"].values()) + g["merged_tokens"], g["trained_tokens"]))
+        self.assertEqual(g["told_merged_missing"], [])
+        records[1]["outcomes"] = []                      # a merge a site was told of, not in the records
+        self.assertEqual(chaos.goodput(records, rows)["told_merged_missing"], ["alpha a1 lease 3"])
 
 
 if __name__ == "__main__":
