@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup lumi-api browser test demo lint bench bench-faults test-slurm clean
+.PHONY: setup lumi-api browser test demo lint bench bench-faults chaos test-slurm clean
 
 # curl: the prep/ scripts download with it, and their tests run them for real.
 setup: $(STAMP)
@@ -79,6 +79,8 @@ lint: setup
 # the benches import (wire_formats.py --link-mbit).
 # wire_formats.py (the wire formats, up and down, overlap off and on) runs 25 short federations,
 # ~32 min on a quiet 2-core machine; `--no-sweep --no-ddp` runs 15.
+# chaos.py runs its --quick setting here (3 min of faults, then the unfaulted run; ~10 min);
+# `make chaos` is the 15-minute setting.
 bench: setup
 	@set -e; for b in bench/*.py; do \
 	  case $$b in bench/faults.py|bench/http_fuzz.py|bench/wan_relay.py) continue ;; esac; \
@@ -86,6 +88,7 @@ bench: setup
 	  case "$$b" in \
 	    bench/convergence.py) $(PY) $$b --quick ;; \
 	    bench/wire_speed.py) $(PY) $$b --quick ;; \
+	    bench/chaos.py) $(PY) $$b --quick ;; \
 	    bench/fault_schedule.py) $(PY) $$b --schedules 40 --jobs 2 ;; \
 	    *) $(PY) $$b ;; \
 	  esac; \
@@ -96,6 +99,14 @@ bench: setup
 bench-faults: setup
 	$(PY) bench/faults.py
 
+# Real training under random faults: two torchrun sites (FSDP and DDP, --overlap, int4 both
+# ways, TLS) while every process is SIGKILLed and SIGSTOPped for 15 minutes, then the same
+# corpus unfaulted; audit, theta replay, held-out loss, goodput (FEDERATION_GUIDE.md section 7).
+# `make chaos CHAOS_FLAGS="--minutes 5 --seed 2"` for another setting.
+CHAOS_FLAGS ?= --minutes 15
+chaos: setup
+	$(PY) bench/chaos.py $(CHAOS_FLAGS)
+
 # Runs every job script under a real single-node Slurm on this machine (needs root; `make
 # test` runs it too when root): tests/local_slurm.sh starts it (and `tests/local_slurm.sh
 # stop` stops it afterwards).
@@ -103,4 +114,4 @@ test-slurm: setup
 	$(PY) tests/run.py slurm_jobs
 
 clean:
-	rm -rf runs/demo runs/bench-convergence runs/fault_schedule
+	rm -rf runs/demo runs/bench-convergence runs/fault_schedule runs/chaos

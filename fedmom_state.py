@@ -107,6 +107,8 @@ RECORDS_KEPT = 200            # round records kept in memory (the file keeps all
 CLIP_HISTORY_ROUNDS = 4       # the clip's median also counts the deltas merged in these last rounds
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MERGE_PAUSE_ENV = "PWW_FEDMOM_MERGE_PAUSE_S"   # tests: sleep after each merged tensor
+KEEP_DELTAS_ENV = "PWW_TEST_KEEP_DELTAS_DIR"   # bench/chaos.py: a hard link of every accepted delta,
+                                               # <custody id>.safetensors, for its replay of the merges
 METRIC_KEYS = ("loss", "tokens_per_s", "mfu", "tflops_per_rank", "peak_mem_gib", "inner_s",
                "heldout_loss", "heldout_round")     # held-out: the site's last eval of theta_global <round>
 
@@ -414,6 +416,7 @@ class FedMomState:
         self.update = None            # with --down-wire: {"file", "round", "base_digest", "digest", "residual"}
         self.publish_lock = threading.Lock()
         self.merge_pause_s = float(os.environ.get(MERGE_PAUSE_ENV, "0") or 0)
+        self.keep_deltas = os.environ.get(KEEP_DELTAS_ENV) or None
         self.merge_error = None       # the last merge's failure (a full disk), until one succeeds
         self.records_owed = []        # round records not yet in rounds.jsonl (its append failed)
         os.makedirs(self.spool, exist_ok=True)
@@ -905,6 +908,12 @@ class FedMomState:
                     custody="none" if self.darl is None else "unconfirmed", size=os.path.getsize(part_path),
                     norm=norm)
         os.replace(part_path, p.path)
+        if self.keep_deltas:           # linked before the acceptance is written: no merged delta without it
+            os.makedirs(self.keep_deltas, exist_ok=True)
+            try:
+                os.link(p.path, os.path.join(self.keep_deltas, p.delta_id + ".safetensors"))
+            except FileExistsError:
+                pass
         try:
             write_json(p.meta_path, dataclasses.asdict(p), self.cfg.fsync)   # the acceptance
         except BaseException:          # not accepted (a full disk): no delta file left behind either

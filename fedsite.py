@@ -325,6 +325,7 @@ class FedSite:
                           step=handoff.step, tokens=handoff.tokens)
         t0 = time.monotonic()
         sent = False
+        httpd.fault_point("site.trained")           # test hook (httpd.py): checkpointed, nothing sent
         try:
             self.session.refresh()                   # the coordinator's word on the lease, now
         except (httpd.CallError, *TRANSPORT_ERRORS) as e:
@@ -342,6 +343,7 @@ class FedSite:
                 delta_path, base, handoff.tokens, [self.session.commit_record(span)],
                 {k: v for k, v in handoff.metrics.items() if v is not None}, transport=self.cfg.transport))
             sent = True
+            httpd.fault_point("site.sent")          # test hook: accepted, its outcome not known here yet
         except fedmom_client.StaleRound as e:
             out.reason = f"stale: {e}"
         except httpd.CallError as e:                  # refused (a bad delta): never merged

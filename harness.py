@@ -357,17 +357,17 @@ def wait_listening(proc, timeout_s=60.0):
     return found
 
 
-def start_server(launcher, kind, args, log_path, port=None, ca_file=None):
+def start_server(launcher, kind, args, log_path, port=None, ca_file=None, env=None):
     """One central server (kind darl | fedmom | blob) on 127.0.0.1 -> (Proc, url). port None:
     the kind's default port when free, else one the kernel picks; 0: the kernel's pick;
     N: exactly N (a restart on the same URL). ca_file: the CA of a server given --tls-cert
-    (its URL is https://)."""
+    (its URL is https://). env: the child's environment (default child_env())."""
     if port is None:
         ports = ([DEFAULT_PORTS[kind]] if port_is_free(DEFAULT_PORTS[kind]) else []) + [0]
     else:
         ports = [port]
     for i, p in enumerate(ports):
-        proc = launcher.start(kind, [sys.executable, SCRIPTS[kind], *args, "--port", p], log_path)
+        proc = launcher.start(kind, [sys.executable, SCRIPTS[kind], *args, "--port", p], log_path, env)
         try:
             url = wait_listening(proc)
             httpd.wait_healthy(url, 30, ca_file)
@@ -452,11 +452,11 @@ def site_command(name, services, manifest, *, nproc, parallel, runs_dir, train_a
 
 
 def launch_site(launcher, name, services, manifest, *, log_dir, nproc=2, parallel="fsdp", runs_dir,
-                train_args=(), resume=False, throttle_ms=0, transport="auto", replica=None, log_name=None):
+                train_args=(), resume=False, throttle_ms=0, transport="auto", replica=None, log_name=None, env=None):
     cmd = site_command(name, services, manifest, nproc=nproc, parallel=parallel, runs_dir=runs_dir,
                        train_args=train_args, resume=resume, throttle_ms=throttle_ms, transport=transport,
                        replica=replica)
-    return launcher.start(name, cmd, os.path.join(log_dir, f"{log_name or name}.log"))
+    return launcher.start(name, cmd, os.path.join(log_dir, f"{log_name or name}.log"), env)
 
 
 # ---------------------------------------------------------------------------

@@ -45,8 +45,8 @@ Clients use `call()` below: one JSON request over http.client (https with the CA
 file the caller names: --ca-file, $PWW_CA_FILE), no retries (retry policy belongs
 to the caller, which knows what is safe to repeat).
 
-Test hooks, inert unless their variable is set (bench/fault_schedule.py and the
-tests set them; a production start never does):
+Test hooks, inert unless their variable is set (bench/fault_schedule.py, bench/chaos.py
+and the tests set them; a production start never does):
   - PWW_TEST_CLOCK_OFFSET_FILE=FILE: wall_time() is time.time() plus the number of
     seconds in FILE (re-read at every call; absent or empty = 0), so a test can step
     the wall clock of a running server by +-1 h without touching the machine's clock.
@@ -56,6 +56,10 @@ tests set them; a production start never does):
     thread waits until DIR/<name> is removed. A test SIGKILLs the process there, or
     removes the file to let it go on (the thread removes <name>.hit as it leaves, so
     the point can be armed again): a crash or a stall at an exact phase, with no sleep.
+    The servers' points are named darl.*, fedmom.*, blob.*; train.py's sites have
+    site.trained and site.sent (fedsite.py, rank 0: before the send, after it was
+    accepted) and site.fold (diloco.py, --overlap: error feedback settled, theta_global
+    not yet folded in).
 """
 import argparse
 import collections

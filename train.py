@@ -1048,6 +1048,7 @@ def federated_loop(run, site, carrier, start):
             log.log(f"loaded theta_global of round {carrier.round}")
         in_nll, in_tok = torch.zeros((), dtype=torch.float64, device=d.device), 0
         t_phase, fold_s = time.perf_counter(), 0.0
+        stepper.mark(step)               # the first row's step_ms: inner steps only, not the lease and theta waits
         for s in range(phase.steps):
             stepper.begin(step)
             micros = phase.micro_batches(s)
