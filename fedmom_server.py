@@ -271,6 +271,8 @@ def make_routes(state, blob_token=None, retention=None):
                 httpd.call(cfg.blob_url, "DELETE", f"/blobs/{blob}", token=blob_token, ca_file=cfg.ca_file)
                 info = blobstore.put_file(cfg.blob_url, blob, path, token=blob_token, ca_file=cfg.ca_file)
             out = {"blob": blob, "sha256": info["sha256"], "round": rnd}
+            if retention is not None:
+                retention.published(blob, rnd, info["size"])
             with state.lock:
                 if state.round == rnd:
                     state.published[blob] = out
@@ -376,6 +378,7 @@ class BlobRetention:
         self.token, self.ca_file = token, ca_file
         self.swept_round, self.retry_at = None, 0.0
         self.deleted, self.recent, self.error, self.kept = 0, collections.deque(maxlen=20), None, []
+        self.lock = threading.Lock()         # kept: written by the sweep and by to_blob's thread
 
     def _call(self, method, path):
         return httpd.call(self.url, method, path, token=self.token, ca_file=self.ca_file,
@@ -401,7 +404,8 @@ class BlobRetention:
             log(f"fedmom: retention sweep of the blob store at round {round_} failed ({self.error}); "
                 f"tried again in {SWEEP_RETRY_S:g} s")
             return False
-        self.kept = [b for b in plan if b["keep"]]
+        with self.lock:
+            self.kept = [b for b in plan if b["keep"]]
         self.swept_round, self.error = round_, None
         return True
 
@@ -416,10 +420,18 @@ class BlobRetention:
         self.recent.append({"blob": b["blob"], "bytes": b["bytes"], "why": b["why"]})
         log(f"fedmom: deleted blob {b['blob']} ({b['bytes'] / 2**20:.1f} MiB): {b['why']}")
 
+    def published(self, blob, rnd, size):
+        """to_blob put `blob` of round `rnd` into the store: shown as kept until the next sweep judges it."""
+        with self.lock:
+            if all(b["blob"] != blob for b in self.kept):
+                plan = fedmom_state.blob_plan([blob], self.aggregator, rnd, self.keep)
+                self.kept = self.kept + [{**b, "bytes": size} for b in plan]
+
     def view(self):
         """/status "retention" "blobs": what the store keeps of ours and why, what went."""
-        return {"keep_rounds": self.keep, "swept_round": self.swept_round, "error": self.error,
-                "kept": [dict(b) for b in self.kept], "deleted": self.deleted, "recent_deleted": list(self.recent)}
+        with self.lock:
+            kept = [dict(b) for b in self.kept]
+        return {"keep_rounds": self.keep, "swept_round": self.swept_round, "error": self.error, "kept": kept, "deleted": self.deleted, "recent_deleted": list(self.recent)}
 
 
 def retention_loop(state, retention, stop, interval_s=1.0):
