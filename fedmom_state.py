@@ -821,7 +821,7 @@ class FedMomState:
             if dup is not None:
                 return dup
             try:
-                part_path = self._plain(part_path)    # a compressed delta: decoded tensor by tensor
+                # a compressed delta is checked as its decoded values and spooled as it came
                 norm = fedmom_merge.check_delta_file(part_path, self.specs)
             except fedmom_merge.DeltaRejected as e:
                 with self.lock:
@@ -950,24 +950,6 @@ class FedMomState:
     def new_part_path(self):
         return os.path.join(self.spool, f".part-{secrets.token_hex(8)}")
 
-    def _plain(self, part_path):
-        """A delta in a wire format (wire.py) -> the plain F32 delta it stands for, written
-        beside it one tensor at a time (names and shapes checked first); the checks and the
-        merge then see the decoded values, exactly those the site's error feedback assumed.
-        A plain delta is returned as it is. Raises DeltaRejected(400)."""
-        try:
-            if not wire.is_wire(part_path):
-                return part_path
-        except (tensorio.FormatError, OSError):
-            return part_path                     # check_delta_file says what is wrong with it
-        plain = self.new_part_path()
-        try:
-            wire.decode_file(part_path, plain, self.cfg.fsync, specs=self.specs)
-        except wire.WireError as e:
-            raise fedmom_merge.DeltaRejected(400, f"bad compressed delta: {str(e).replace(part_path, 'the delta')}")
-        os.unlink(part_path)
-        return plain
-
     # ---- rounds
 
     def tick(self):
@@ -1052,7 +1034,7 @@ class FedMomState:
         live, dropped, reset = list(batch), [], None
         new, mu = self.round + 1, self.cfg.outer_momentum
         codec = self.cfg.down_codec()
-        out_theta = os.path.join(self.dir, f"{'merged' if codec else 'theta'}-{new}.safetensors")
+        out_theta = self._publisher(codec, new) if codec else os.path.join(self.dir, f"theta-{new}.safetensors")
         while live:
             total = sum(p.tokens for p in live)
             shares = [p.tokens / total for p in live]
@@ -1081,25 +1063,22 @@ class FedMomState:
                 live.remove(worst)
                 dropped.append((worst, why))
                 continue
+            update = codec and {"file": f"update-{new}.safetensors", "round": new,
+                                "residual": f"residual-{new}.safetensors", "format": codec.fmt, **stats["published"]}
             stats.update(merge_s=self.clock() - t0, weights=shares, scales=scales, clip=clip, momentum_reset=reset,
-                         update=self._publish(codec, out_theta, new) if codec else None)
+                         update=update)
             return stats, live, dropped
         return None, [], dropped
 
-    def _publish(self, codec, merged, new):
-        """--down-wire: from the merged theta, round `new`'s update and THE theta_global it
-        defines (fedmom_merge.publish), with what it rounded away owed to the next one.
-        -> the "update" entry of state.json (with the update's size and residual norm)."""
+    def _publisher(self, codec, new):
+        """--down-wire: the merge's out_theta, a fedmom_merge.Publisher that turns each merged
+        tensor into round `new`'s update and THE theta_global it defines, with what it rounded
+        away owed to the next one (no merged theta is written: one model less on disk)."""
         owed = self.update["residual"] if self.update and self.update["round"] == self.round else None
-        upd, res = f"update-{new}.safetensors", f"residual-{new}.safetensors"
-        try:
-            out = fedmom_merge.publish(
-                os.path.join(self.dir, self.theta_file), merged, owed and os.path.join(self.dir, owed), codec,
-                os.path.join(self.dir, f"theta-{new}.safetensors"), os.path.join(self.dir, upd),
-                os.path.join(self.dir, res), {"round": str(new)}, self.cfg.fsync)
-        finally:
-            durable.unlink(merged)
-        return {"file": upd, "round": new, "residual": res, "format": codec.fmt, **out}
+        prev = os.path.join(self.dir, self.theta_file)
+        outs = [os.path.join(self.dir, f"{k}-{new}.safetensors") for k in ("theta", "update", "residual")]
+        return lambda specs, meta: fedmom_merge.Publisher(prev, owed and os.path.join(self.dir, owed), codec,
+                                                          *outs, meta, self.cfg.fsync)
 
     def _finish(self, batch, stats, reason, late, closed_at, gone):
         """Round `new` becomes durable (state.json); the files of the round before and the

@@ -81,11 +81,15 @@ class Live(unittest.TestCase):
                                     transport="blob" if blob else "inline")
         return fedsite.FedSite(cfg, None, 0, self.said.append)
 
-    def merge_round(self, rnd):
-        """a sends inline, b through the blob store; -> once round rnd + 1 is durable."""
+    def send_round(self, rnd):
+        """a sends inline, b through the blob store."""
         for c, path, how in (("a", self.deltas[0], "inline"), ("b", self.deltas[1], "blob")):
             fedmom_client.FedMomClient(self.url, c, f"{c}-inc", blob_url=self.blob_url).send_delta(
                 path, rnd, 10, [], {}, transport=how)
+
+    def merge_round(self, rnd):
+        """send_round; -> once round rnd + 1 is durable."""
+        self.send_round(rnd)
         got = fedmom_client.FedMomClient(self.url, "a", "a-inc").wait_round_after(rnd, timeout_s=HANG_S)
         self.assertEqual(got, rnd + 1)
 
@@ -181,6 +185,49 @@ class DiskBoundTest(Live):
         self.assertIn(f"{fs.blob_name(agg, 'update', 61)}", out.stdout)
         self.assertIn("kept: the current round's update", out.stdout)
         self.assertIn(f"keeps its theta/update blobs of the last {self.K} rounds", out.stdout)
+
+
+class PeakTest(Live):
+    def test_a_merge_peaks_at_the_rounds_files_and_its_compressed_deltas(self):
+        """Held where round 2 is durable and nothing old is deleted yet (every file a merge
+        writes is complete, so this is its peak): theta, momentum, residual and update of
+        rounds 1 and 2 and the two int4 deltas as they came - no merged theta, no decoded delta."""
+        import wire
+        self.blob_store, self.blob_url = self.spawn("blobstore.py", "--root", self.blob_root)
+        self.start("--init", self.init)
+        for c in ("a", "b"):
+            fedmom_client.FedMomClient(self.url, c, f"{c}-inc").join()
+        for i, d in enumerate(self.deltas):          # the deltas as a site with --wire int4 sends them
+            with tensorio.TensorReader(d) as r:
+                arrays = {n: r.read(n) for n in r.names}
+            with wire.WireWriter(d, [(n, a.shape) for n, a in arrays.items()], wire.Codec("int4"), fsync=False) as w:
+                for n, a in arrays.items():
+                    w.write(n, a)
+        self.merge_round(0)
+        self.arm("fedmom.round_durable")            # (held under the state lock: no waiting on the round)
+        with open(os.path.join(self.faults, "fedmom.merge"), "w") as f:
+            f.write(str(len(SHAPES) - 1))            # held after the last tensor is merged
+        self.send_round(1)
+        expect(lambda: self.hit("fedmom.merge"), "the merge's last tensor", timeout_s=HANG_S)
+        self.assertFalse([f for f in os.listdir(self.sd) if f.startswith("merged-")], "a merged theta is written")
+        os.unlink(os.path.join(self.faults, "fedmom.merge"))
+        expect(lambda: self.hit("fedmom.round_durable"), "round 2 to be durable", timeout_s=HANG_S)
+        files = {f: os.path.getsize(os.path.join(self.sd, f)) for f in os.listdir(self.sd) if f != "spool"}
+        spool = {f: os.path.getsize(os.path.join(self.sd, "spool", f)) for f in os.listdir(os.path.join(self.sd,
+                                                                                                       "spool"))}
+        os.unlink(os.path.join(self.faults, "fedmom.round_durable"))
+        per_round = {f"{k}-{r}.safetensors" for k in ("theta", "momentum", "residual", "update") for r in (1, 2)}
+        self.assertEqual(set(files), per_round | {"state.json", "rounds.jsonl", "lock"})
+        self.assertEqual(sorted(v for f, v in spool.items() if f.endswith(".safetensors")),
+                         sorted(os.path.getsize(d) for d in self.deltas), "the spool holds the int4 files as sent")
+        model = files["theta-1.safetensors"]
+        peak = sum(files.values()) + sum(spool.values())
+        design = (sum(files[f"{k}-{r}.safetensors"] for k in ("theta", "momentum", "residual", "update")
+                      for r in (1, 2)) + sum(os.path.getsize(d) for d in self.deltas))
+        self.assertLessEqual(peak - files["state.json"] - files["rounds.jsonl"], design + 4096)
+        print(f"\n    merge peak: {peak / model:.2f} models (theta + momentum + residual, twice, "
+              f"{2 * files['update-2.safetensors'] / model:.2f} of updates, {sum(spool.values()) / model:.2f} "
+              "of int4 deltas)", file=sys.stderr)
 
 
 class LockTest(Live):
