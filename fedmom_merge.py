@@ -1,7 +1,7 @@
 """fedmom_merge.py - the streaming Nesterov merge of FedMom, and the checks a delta must pass.
 
 Runs on: the central VM, inside fedmom_server.py (numpy + tensorio.py, and wire.py for
-the compressed downstream update, publish(); never torch). Not started on its own. Tested against torch.optim.SGD(nesterov=True) and a
+the compressed downstream update, Publisher; never torch). Not started on its own. Tested against torch.optim.SGD(nesterov=True) and a
 ten-line naive numpy reference in tests/test_fedmom.py; bench/fedmom_merge.py
 measures it against the fsync'd I/O of the same bytes.
 

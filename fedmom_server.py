@@ -12,7 +12,7 @@ updates), fedmom_merge.py (the merge arithmetic and the delta checks), fedmom_st
         --round-deadline-s 1800 --member-timeout-s 300 --blob-url https://127.0.0.1:29512
         --darl https://127.0.0.1:29510 --ca-file ca.pem --token-file FILE
         --darl-token-file AGGREGATOR_TOKEN_FILE --tls-cert server.pem --tls-key server.key
-        --down-wire int4 --down-wire-block 128]
+        --down-wire int4 --down-wire-block 128 --keep-rounds 3]
     # what is it doing?
     python fedmom_server.py status --url https://127.0.0.1:29511 [--token-file FILE --ca-file ca.pem]
 
@@ -32,7 +32,7 @@ memory is a few times the largest tensor, not the model.
 
 Compressed downstream (--down-wire int8|int4|topk|bf16; default f32 = off): after the
 merge, the step theta_merged - theta_r plus what the last update rounded away is encoded
-in that format (fedmom_merge.publish), and theta_{r+1} is DEFINED as theta_r plus the
+in that format (fedmom_merge.Publisher), and theta_{r+1} is DEFINED as theta_r plus the
 decoded update: that is the theta this server serves and merges into next. A site holding
 theta_r downloads the update (~0.52 B/param in int4) and adds it (wire.apply_update) to the
 same bits; one without it (new, requeued, more than one round behind) downloads theta.
@@ -49,7 +49,8 @@ Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."
                      {cluster, incarnation, base_round, tokens, leases: [...], metrics: {...}}
     POST /delta_blob {...the same metadata..., blob, sha256}: the delta sits in blobstore
     GET  /theta      the current theta_global file (X-Round header names its round)
-    GET  /theta_blob publishes it to the blob store once per round -> {blob, sha256, round}
+    GET  /theta_blob publishes it to the blob store once per round -> {blob, sha256, round};
+                     the blob is <aggregator id>.theta-<round> (BlobRetention deletes it later)
     GET  /theta_update?from=R&digest=D   with --down-wire: the update file that takes the
                      theta of round R (wire.Digest D) to the current round (headers X-Round,
                      X-Theta-Digest: the digest the site must get); 409 {"code": "no_update"}
@@ -110,11 +111,19 @@ is retried every 30 s.
 State dir (--state-dir): theta and momentum per round, state.json, rounds.jsonl and
 spool/, and the DARL commits and aborts owed; fedmom_state.py's docstring has the layout.
 
+Retention (--keep-rounds K, default 3): the theta/update blobs of the last K rounds stay
+in the blob store (so a download begun before a merge can finish); BlobRetention deletes
+older ones after every durable round and at start, from the store's listing, so a crash
+leaks nothing; a site further behind takes the full theta (409 no_update). GET /status
+"retention", the status CLI and the page say what the state dir and the store keep and
+why; RUNBOOK.md section 1 has the disk this bounds.
+
     python fedmom_server.py status --url URL   # exit 1 while a violation counter is non-zero
 Violations (refused_commits, aborted_custody, blocks_trained_twice, refused_aborts), DARL's silence and
 fencing are shown on /status, the page and the status CLI. Test hooks (httpd.py): fault
 points fedmom.received, fedmom.spooled, fedmom.custody_held, fedmom.merge,
-fedmom.round_durable and fedmom.committed; the wall clock through httpd.wall_time().
+fedmom.round_durable, fedmom.committed, fedmom.unlink (each file of an old round, outside
+the state lock) and fedmom.blob_delete (each DELETE of a retention sweep); the wall clock through httpd.wall_time().
 """
 import argparse
 import collections

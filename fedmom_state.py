@@ -3,7 +3,7 @@
 Runs on: the central VM, imported by fedmom_server.py (which owns the routes, the round
 and DARL loops, the status page and the command line; its docstring says how to start
 it and what each endpoint does). Python standard library + numpy + tensorio.py +
-fedmom_merge.py + wire.py (a compressed delta is decoded at acceptance) + darl_table.py
+fedmom_merge.py + wire.py (a compressed delta is checked and merged as its decoded values) + darl_table.py
 (its position sets), and httpd.py's client call for the DARL custody calls (DarlLink);
 never imports torch.
 
@@ -22,7 +22,7 @@ State dir (everything replaced atomically: temp file, fsync, rename, fsync the d
                               and when --outer-momentum is 0)
     update-<r>.safetensors    with --down-wire: round r's update in that wire format, what a
                               site holding theta of round r-1 downloads instead of theta-<r>
-                              (fedmom_merge.publish: theta-<r> IS theta-<r-1> + its decoded
+                              (fedmom_merge.Publisher: theta-<r> IS theta-<r-1> + its decoded
                               values); state.json's "update" names it with the digests of
                               both thetas (wire.Digest)
     residual-<r>.safetensors  with --down-wire: what round r's update rounded away, fp32,
@@ -42,7 +42,13 @@ State dir (everything replaced atomically: temp file, fsync, rename, fsync the d
     spool/                    deltas accepted for the current round: r<round>_<cluster>_<inc>
                               .safetensors + .json (the .json, written last, is the
                               acceptance; it records the delta's custody state). They
-                              survive a restart and are merged then.
+                              survive a restart and are merged then. A compressed delta
+                              is kept as it came (its own bytes, not 4 B/param).
+Only the current round's files are kept: once round r+1 is durable, round r's and the
+merged spool entries are unlinked after the state lock is released (_remove; a crash
+first leaves them to the next start's _clean_dir). A merge's peak is therefore both
+rounds' files and the spool; what is kept and why: kept_files(). The blob store's copies
+of theta and the updates are fedmom_server.BlobRetention's (blob_plan, --keep-rounds).
 
 Custody (with --darl; the aggregator is the coordinator of a two-phase commit, DARL the
 participant, darl_server.py's docstring the calls). The aggregator has an identity
