@@ -2,6 +2,7 @@
 files): the disk of a real fedmom_server.py + blobstore.py stays bounded over 61 rounds of
 a tiny model, through a SIGKILL mid-sweep; a site 60 rounds behind rejoins with the full
 theta; deletions never hold the state lock (fault points, no sleeps)."""
+import html
 import os
 import shutil
 import signal
@@ -41,6 +42,64 @@ def tree_bytes(root, skip=()):
     for base, _, files in os.walk(root):
         total += sum(os.path.getsize(os.path.join(base, f)) for f in files if f not in skip)
     return total
+
+
+class PlanTest(unittest.TestCase):
+    """fedmom_state.blob_plan, the rule alone."""
+
+    def test_the_last_k_rounds_of_this_aggregator_stay_and_nothing_else_is_judged(self):
+        me, other = "fedmom-aaaa", "fedmom-bbbb"
+        ids = [fs.blob_name(me, k, r) for k in ("theta", "update") for r in range(0, 12)]
+        ids += [fs.blob_name(other, "theta", 1), "theta-1", "update-2", "delta-lumi-x-r3-abcd",
+                f"{me}.theta-x", f"{me}.momentum-3", f"{me}.theta-3.bak"]
+        plan = fs.blob_plan(ids, me, 10, 3)
+        self.assertEqual({b["blob"] for b in plan}, {fs.blob_name(me, k, r) for k in ("theta", "update")
+                                                     for r in range(12)}, "only this aggregator's own names")
+        keep = sorted((b["kind"], b["round"]) for b in plan if b["keep"])
+        self.assertEqual(keep, [(k, r) for k in ("theta", "update") for r in (8, 9, 10, 11)])
+        why = {(b["kind"], b["round"]): b["why"] for b in plan}
+        self.assertEqual(why[("update", 10)], "the current round's update")
+        self.assertIn("last 3 rounds", why[("theta", 8)])
+        self.assertIn("newer than round 10", why[("theta", 11)])     # published after the sweep read the round
+        self.assertIn("takes the full theta", why[("update", 7)])
+        self.assertEqual([b["round"] for b in plan], sorted(b["round"] for b in plan))
+        self.assertEqual([b["keep"] for b in fs.blob_plan([fs.blob_name(me, "theta", 5)], me, 5, 1)], [True])
+        self.assertEqual([b["keep"] for b in fs.blob_plan([fs.blob_name(me, "theta", 4)], me, 5, 1)], [False])
+
+    def test_keep_rounds_below_one_is_refused_naming_the_flag(self):
+        for bad in (0, -1, 1.5):
+            with self.subTest(bad), self.assertRaises(SystemExit) as cm:
+                fs.ServerConfig("st", keep_rounds=bad).validate()
+            self.assertIn("--keep-rounds", str(cm.exception))
+
+    def test_the_page_and_the_alarms_show_what_is_kept_and_a_failed_sweep(self):
+        import fedmom_server
+        import status_page
+        ret = {"keep_rounds": 3, "state": [{"file": "theta-7.safetensors", "bytes": 2 << 30,
+                                            "why": "theta_global of the current round"},
+                                           {"file": "spool/r7_lumi_x.safetensors", "bytes": 1 << 20,
+                                            "why": "lumi's delta for the open round 7"}],
+               "blobs": {"keep_rounds": 3, "swept_round": 7, "error": "ConnectionRefusedError: refused", "deleted": 4,
+                         "recent_deleted": [], "kept": [{"blob": "fedmom-aaaa.update-7", "kind": "update", "round": 7,
+                                                         "keep": True, "bytes": 512 << 20,
+                                                         "why": "the current round's update"}]}}
+        st = {"round": 7, "merging": False, "members": [], "pending": [], "events": [], "excluded": [],
+              "dropped": [], "pending_commits": 0, "parameters": 1000, "tensors": 2,
+              "config": {"outer_lr": 0.7, "outer_momentum": 0.9}, "retention": ret}
+        alarms = fedmom_server.alarm_lines(st)
+        self.assertEqual(len(alarms), 1)
+        self.assertIn("retention sweep of the blob store failed (ConnectionRefusedError: refused)", alarms[0])
+        page = status_page.render({"status": st, "alarms": alarms, "rows": [], "now": 2e9, "saved": False,
+                                   "darl": None, "darl_error": None, "blob": None, "blob_error": None,
+                                   "disk": {"state_bytes": 5 << 20, "state_free_bytes": 100 << 30}})
+        for text in ("theta_global of the current round", "fedmom-aaaa.update-7", "the current round's update",
+                     "512.00 MiB", "--keep-rounds 3 (as of the sweep at round 7); 4 blob(s) deleted",
+                     "r7_lumi_x.safetensors"):
+            self.assertIn(text, html.unescape(page))
+        self.assertNotIn("spool/", page, "no path on the page")
+        lines = fedmom_server.retention_lines(ret)
+        self.assertIn("kept in the blob store (--keep-rounds 3; as of the sweep at round 7; 4 blob(s) deleted "
+                      "by this process):", lines)
 
 
 class Live(unittest.TestCase):
