@@ -102,18 +102,25 @@ Protocol (POST, JSON bodies; replies are JSON; errors are 4xx with
     /release   {cluster, incarnation, leases: [...], leave?}   gives back the live part of
                leases; positions in custody are not the site's to give
   Custody, the aggregator's two-phase commit (fedmom_state.py is the coordinator):
-    /fence     {aggregator, last_epoch, claim}   a starting aggregator asks for an epoch:
-               -> {aggregator, epoch, held, held_blocks, digest}. DARL issues it (one more
-               than any it issued) only to the state holding the current one (last_epoch;
-               0 for a new identity); the same claim again gets the same epoch (a lost
-               reply) until that epoch acts. Any other last_epoch is a stale copy of the
-               state: 409 "fenced". Every other custody call must name the current epoch
-               (409 "fenced" otherwise; "not_fenced" for an aggregator DARL never fenced)
+    /fence     {aggregator, last_epoch, claim, last_holder?, round?}   a starting aggregator
+               asks for an epoch: -> {aggregator, epoch, held, held_blocks, digest}. DARL
+               issues it (one more than any it issued) only to the state holding the
+               current one: last_epoch names it (0 for a new identity), and it was never
+               confirmed or was confirmed by last_holder (the holder the state wrote with
+               that epoch before confirming it); and round (the state's durable round) is
+               not below the highest round named by a custody commit of this aggregator.
+               The same claim again gets the same epoch (a lost reply) until that epoch is
+               confirmed or acts. Anything else is a stale copy of the state: 409 "fenced".
+               Without last_holder (a state written before holders) the holder is not
+               compared; without round, nor the round. Every other custody call must name
+               the current epoch (409 "fenced" otherwise; "not_fenced" for an aggregator
+               DARL never fenced)
     /fence/confirm {aggregator, epoch, claim, holder}   the answered process, its epoch
-               durable, binds the epoch to itself (holder: a random id per process)
-               before it acts. Two copies of one state given the same epoch (a copy taken
-               while the ask was in flight): the first to confirm holds it, the other gets
-               409 "fenced". A repeat by the holder gets the same answer
+               and holder durable, binds the epoch to itself (holder: a random id per
+               process) before it acts. Two copies of one state given the same epoch (a
+               copy taken while the ask was in flight): the first to confirm holds it, the
+               other gets 409 "fenced" here and at every later /fence (its state names its
+               own holder). A repeat by the holder gets the same answer
     /custody   {aggregator, epoch, delta, cluster, incarnation, leases: [{lease, start?, end?}]}
                -> {"state": "held", "pieces": [[lease, start, end]], "blocks"}: the
                positions [start, end) of every lease leave it, all or nothing, for a
@@ -121,8 +128,9 @@ Protocol (POST, JSON bodies; replies are JSON; errors are 4xx with
                409 "lease_lost" (+ leases) when a lease is not (cluster, incarnation)'s
                to give: expired and re-leased, stolen, or unknown. A repeat gets the
                same answer; a delta whose custody was aborted gets 409 "custody_aborted"
-    /custody/commit  {aggregator, epoch, delta}   the round holding that delta is
-               durable: its positions are COMMITTED. 409 "custody_aborted" or
+    /custody/commit  {aggregator, epoch, delta, round?}   the round holding that delta
+               (round) is durable: its positions are COMMITTED; the highest round is the
+               aggregator's watermark for /fence. 409 "custody_aborted" or
                "unknown_custody" is counted (refused_commits, blocks_trained_twice)
     /custody/abort   {aggregator, epoch, delta, why?}   the delta will never be merged:
                its positions go back to the pool (counted: aborted_custody). Of a delta
@@ -800,11 +808,12 @@ REQUESTS = {            # op -> (path, {field: (type, required)})
     "heartbeat": ("/heartbeat", {**ID, "leases": (list, False), "ttl": (NUM, False), "throughput": (NUM, False)}),
     "commit": ("/commit", {**ID, "lease": (int, True), "end": (int, False)}),
     "release": ("/release", {**ID, "leases": (list, False), "leave": (bool, False)}),
-    "fence": ("/fence", {"aggregator": (str, True), "last_epoch": (int, True), "claim": (str, True)}),
+    "fence": ("/fence", {"aggregator": (str, True), "last_epoch": (int, True), "claim": (str, True),
+                         "last_holder": (str, False), "round": (int, False)}),
     "confirm_fence": ("/fence/confirm", {"aggregator": (str, True), "epoch": (int, True), "claim": (str, True),
                                          "holder": (str, True)}),
     "take_custody": ("/custody", {**AGG, "delta": (str, True), **ID, "leases": (list, True)}),
-    "commit_custody": ("/custody/commit", {**AGG, "delta": (str, True)}),
+    "commit_custody": ("/custody/commit", {**AGG, "delta": (str, True), "round": (int, False)}),
     "abort_custody": ("/custody/abort", {**AGG, "delta": (str, True), "why": (str, False)}),
     "abort_orphaned": ("/custody/abort_orphaned", {"aggregator": (str, True), "reason": (str, True),
                                                    "expect": (list, False)}),

@@ -16,10 +16,14 @@ into a record owned by one aggregator. Nothing but that aggregator's
 custody_commit() or custody_abort() (or an operator's abort_orphaned()) ends
 it: no TTL, no steal, no release, no new incarnation touches it. Epochs are
 DARL's to issue: fence() gives an aggregator process the next one (one more
-than any issued), but only to the state that holds the current one (it names
-it as last_epoch), so a stale copy of that state can never get in however often
-it restarts; every other call must name the current epoch, anything else is
-refused (code "fenced"). A commit that cannot stand (its
+than any issued), but only to the state that holds the current one: it names it
+as last_epoch, with the process it bound that epoch to (durable before that
+process's confirm_fence) as last_holder, and that epoch was never confirmed or
+was confirmed by that process; and its round is not below the highest round the
+aggregator committed custody for (a state missing merges DARL committed). So a
+stale copy of that state, or one taken while a fence was in flight, can never
+get in however often it restarts; every other call must name the current epoch,
+anything else is refused (code "fenced"). A commit that cannot stand (its
 custody was aborted, or never taken) is refused and COUNTED: `counters` are
 the loud books of what went wrong (refused_commits, aborted_custody,
 blocks_trained_twice; an abort of committed custody: refused_aborts), kept in
@@ -424,6 +428,12 @@ def _epoch(epoch):
     return epoch
 
 
+def _round(round):
+    if not _is_int(round) or round < 0:
+        raise LeaseError(400, f"round must be an integer >= 0, got {round!r}")
+    return round
+
+
 def _lease_items(leases):
     """[id | {"lease": id, "cursor": pos}] -> [(id, cursor or None)], or a 400."""
     if not isinstance(leases, list):
@@ -460,7 +470,8 @@ class LeaseTable:
         self.custody = {}             # (aggregator, delta) -> Custody
         self.custody_held = set()     # keys of custody still held
         self.aggregators = {}         # aggregator -> {"epoch": the one issued last, "retired": None | why,
-        #                                              "claim": the fence ask it answered, until that epoch acts}
+        #     "claim": the fence ask it answered, until that epoch acts, "holder": the process that
+        #     confirmed it (None: not yet), "round": the highest round it committed custody for}
         self.counters = {k: 0 for k in VIOLATIONS}
 
     # ---- identity
@@ -719,28 +730,48 @@ class LeaseTable:
 
     # ---- custody: the aggregator's two-phase commit of an accepted delta
 
-    def fence(self, aggregator, last_epoch, claim, now=None):
+    def fence(self, aggregator, last_epoch, claim, last_holder=None, round=None, now=None):
         """A starting aggregator process asks for an epoch. `last_epoch` is the one its state
-        held (0: none yet), `claim` a random string it made durable before asking. Only the
-        state holding the current epoch gets the next one (every older epoch is refused
-        from then on); a repeat of the same claim gets the same epoch until that epoch is
-        used (the answer to the first ask was lost). Anything else is a stale copy: fenced."""
+        held (0: none yet), `last_holder` the process its state bound that epoch to (written
+        durably before that process confirmed it; None from a state written before holders
+        existed), `round` the state's durable round, `claim` a random string it made durable
+        before asking. The next epoch goes only to the state that holds the current one:
+        it names it, and that epoch was never confirmed or was confirmed by `last_holder`.
+        A state naming it that some other process confirmed is a copy taken while that
+        epoch's fence was in flight (its own confirm refused or lost): fenced, at every
+        start. A state whose round is below the highest round whose custody commits DARL
+        took from this aggregator lacks merges whose blocks are committed (a copy taken
+        before them): fenced. A repeat of the same claim gets the same epoch until that
+        epoch is confirmed or used (the answer to the first ask was lost)."""
         _check_name("aggregator", aggregator)
         last_epoch = _epoch(last_epoch)
         _check_name("claim", claim)
+        if last_holder is not None:
+            _check_name("last_holder", last_holder)
+        if round is not None:
+            round = _round(round)
         a = self.aggregators.get(aggregator)
         if a is not None and a["retired"]:
             self._check_fence(aggregator, a["epoch"])
         if a is None:                 # first ask (or a DARL that never heard of it): nothing to compare
-            a = self.aggregators[aggregator] = {"epoch": last_epoch, "retired": None, "claim": None}
-        if a.get("claim") == claim and a["epoch"] == last_epoch + 1 and not a.get("holder"):
-            pass                      # the same ask again: its answer was lost
-        elif a["epoch"] == last_epoch:
-            a["epoch"], a["claim"], a["holder"] = last_epoch + 1, claim, None
-        else:
+            a = {"epoch": last_epoch, "retired": None, "claim": None}
+        repeat = a.get("claim") == claim and a["epoch"] == last_epoch + 1 and not a.get("holder")
+        if not repeat and a["epoch"] != last_epoch:
             raise LeaseError(409, f"aggregator {aggregator!r}: this state last held epoch {last_epoch}, DARL issued "
                                   f"epoch {a['epoch']} since: a newer copy of this aggregator's state runs (or ran); "
                                   "this one is stale and must stop", code="fenced")
+        if not repeat and a.get("holder") and last_holder is not None and a["holder"] != last_holder:
+            raise LeaseError(409, f"aggregator {aggregator!r}: epoch {last_epoch} is held by process "
+                                  f"{a['holder']}, and this state names process {last_holder}, whose confirm DARL "
+                                  "refused or never received: it is a copy of the state taken while that epoch's "
+                                  "fence was in flight; this one is stale and must stop", code="fenced")
+        if round is not None and round < a.get("round", 0):
+            raise LeaseError(409, f"aggregator {aggregator!r}: this state is at round {round}, but DARL committed "
+                                  f"custody for round {a['round']} of it: a copy of the state taken before those "
+                                  "merges; it lacks them and must stop", code="fenced")
+        self.aggregators[aggregator] = a
+        if not repeat:
+            a["epoch"], a["claim"], a["holder"] = last_epoch + 1, claim, None
         held = [self.custody[k] for k in self.custody_held if k[0] == aggregator]
         return {"aggregator": aggregator, "epoch": a["epoch"], "held": len(held),
                 "held_blocks": sum(C.blocks for C in held)}
@@ -850,13 +881,17 @@ class LeaseTable:
             else:
                 L.state = "done"
 
-    def commit_custody(self, aggregator, epoch, delta, now=None):
+    def commit_custody(self, aggregator, epoch, delta, round=None, now=None):
         """The aggregator's round with this delta is durable: its positions are COMMITTED.
-        A commit of custody that was aborted, or never taken, is refused and counted."""
+        `round`: the round that merged it (durable in the aggregator's state before this
+        call); the highest one is kept as the aggregator's watermark (see fence). A commit
+        of custody that was aborted, or never taken, is refused and counted."""
         now = self.clock() if now is None else now
         _check_name("aggregator", aggregator)
         _check_name("delta", delta)
         epoch = _epoch(epoch)
+        if round is not None:
+            round = _round(round)
         self.expire(now)
         self._check_fence(aggregator, epoch)
         C = self.custody.get((aggregator, delta))
@@ -870,6 +905,9 @@ class LeaseTable:
             raise LeaseError(409, f"custody of delta {delta!r} was aborted ({C.why}): its {C.blocks} blocks went "
                                   "back to the pool, so a merged delta holds blocks that are trained again",
                              counted=True, code="custody_aborted", blocks=C.blocks)
+        if round is not None:
+            a = self.aggregators[aggregator]
+            a["round"] = max(a.get("round", 0), round)
         if C.state == "committed":
             return {**C.wire(), "repeat": True}
         for _, a, b, _, _ in C.pieces:
@@ -1040,7 +1078,8 @@ class LeaseTable:
         aggs = []
         for name, a in sorted(self.aggregators.items()):
             held = [self.custody[k] for k in self.custody_held if k[0] == name]
-            aggs.append({"aggregator": name, "epoch": a["epoch"], "retired": a["retired"], "held": len(held),
+            aggs.append({"aggregator": name, "epoch": a["epoch"], "holder": a.get("holder"),
+                         "round": a.get("round", 0), "retired": a["retired"], "held": len(held),
                          "held_blocks": sum(C.blocks for C in held)})
         states = collections.Counter(C.state for C in self.custody.values())
         return {**books, "clusters": rows, "quarantined_runs": [[s, e] for s, e, _ in self.quarantined][:50],

@@ -53,9 +53,12 @@ of theta and the updates are fedmom_server.BlobRetention's (blob_plan, --keep-ro
 Custody (with --darl; the aggregator is the coordinator of a two-phase commit, DARL the
 participant, darl_server.py's docstring the calls). The aggregator has an identity
 (made with the state dir) and an epoch that DARL issues: at start the aggregator
-makes a random claim durable, then fences (last epoch held + claim); DARL gives the
-next epoch only to the state holding the current one, so a stale copy of the state is
-refused at every start. The issued epoch is durable before any call names it; every
+makes a random claim durable, then fences (last epoch held, the process it was bound
+to, its durable round, the claim); DARL gives the next epoch only to the state holding
+the current one (that epoch unconfirmed or confirmed by that process, and no custody
+committed for a round this state lacks), so a stale copy of the state is refused at
+every start. The issued epoch is durable with this process's random id (the holder)
+before the process confirms it (/fence/confirm) and before any call names it; every
 DARL call names both, and DARL refuses any other epoch ("fenced": this process then
 stops). A delta accepted for the round is spooled with custody
 "unconfirmed", then DARL is asked to take the leases it names into custody for it:
@@ -302,8 +305,10 @@ class DarlLink:
             return Answer("unknown", {}, f"{path}: the reply is not DARL's ({str(reply)[:120]})")
         return Answer("ok", reply)
 
-    def fence(self, aggregator, last_epoch, claim):
-        return self._ask("POST", "/fence", {"aggregator": aggregator, "last_epoch": last_epoch, "claim": claim},
+    def fence(self, aggregator, last_epoch, claim, last_holder=None, round=None):
+        body = {"aggregator": aggregator, "last_epoch": last_epoch, "claim": claim}
+        body.update({k: v for k, v in (("last_holder", last_holder), ("round", round)) if v is not None})
+        return self._ask("POST", "/fence", body,
                          "aggregator", aggregator)
 
     def confirm_fence(self, aggregator, epoch, claim, holder):
@@ -317,8 +322,11 @@ class DarlLink:
                             if v is not None} for l in leases]}
         return self._ask("POST", "/custody", body, "state", "held")
 
-    def commit(self, aggregator, epoch, delta):
-        return self._ask("POST", "/custody/commit", {"aggregator": aggregator, "epoch": epoch, "delta": delta},
+    def commit(self, aggregator, epoch, delta, round=None):
+        body = {"aggregator": aggregator, "epoch": epoch, "delta": delta}
+        if round is not None:
+            body["round"] = round
+        return self._ask("POST", "/custody/commit", body,
                          "state", "committed")
 
     def abort(self, aggregator, epoch, delta, why):
@@ -446,6 +454,7 @@ class FedMomState:
         self.first_delta_at, self.merging, self.retry_merge_at = None, False, 0.0
         self.pending_commits, self.pending_aborts, self.last_record = [], [], None
         self.violations = {k: 0 for k in VIOLATIONS}
+        self.inherited = set()        # confirmed delta ids restored from the spool, not yet reconciled
         self.requesting = set()       # delta ids whose custody an upload thread is asking for now
         self.darl_alarm = None        # {"since", "error", "calls"} while DARL gives no definitive answer
         self.fenced = None            # DARL's reason, once it refused this epoch: the process stops
@@ -491,6 +500,7 @@ class FedMomState:
         init_theta(self.cfg.init, os.path.join(self.dir, theta), self.cfg.fsync)
         self.round, self.theta_file, self.momentum_file = 0, theta, None
         self.aggregator_id, self.epoch = f"fedmom-{secrets.token_hex(6)}", 0    # DARL issues epoch 1
+        self.holder = None            # the process the state's epoch is bound to (durable before its confirm)
         self.loaded_epoch = 0
         with tensorio.TensorReader(os.path.join(self.dir, theta)) as r:
             self.specs = {n: r.specs[n][1] for n in r.names}
@@ -516,6 +526,7 @@ class FedMomState:
         self._check_custody_mode(st)
         self._check_outer_step(st)
         self.aggregator_id, self.epoch = st["aggregator"], st["epoch"]
+        self.holder = st.get("holder")                # None: a state written before holders were kept
         self.loaded_epoch = self.epoch
         self.fence_claim = st.get("fence_claim")      # an ask whose answer may have been lost: repeat it
         with tensorio.TensorReader(os.path.join(self.dir, self.theta_file)) as r:
@@ -600,6 +611,8 @@ class FedMomState:
                 if p.norm is None:                # spooled before norms were kept
                     p.norm = fedmom_merge.delta_norm(p.path)
                 self.pending[(p.cluster, p.incarnation)] = p
+                if p.custody == "confirmed" and self.darl is not None:
+                    self.inherited.add(p.delta_id)   # merged only once _reconcile saw DARL still holds it
                 continue
             why = f"its spooled file {p.path} is missing or damaged ({size} bytes, accepted with {p.size})"
             self._exclude_spooled(p, why, now)
@@ -661,7 +674,8 @@ class FedMomState:
         """state.json, atomically; the caller holds the lock (or is the constructor)."""
         st = {"format": STATE_FORMAT, "round": self.round, "theta": self.theta_file,
               "momentum": self.momentum_file, "init": self.init_id,
-              "aggregator": self.aggregator_id, "epoch": self.epoch, "fence_claim": self.fence_claim,
+              "aggregator": self.aggregator_id, "epoch": self.epoch, "holder": self.holder,
+              "fence_claim": self.fence_claim,
               "members": {c: {"incarnation": m.incarnation, "joined": m.joined} for c, m in self.members.items()},
               "events": list(self.events), "pending_commits": self.pending_commits,
               "pending_aborts": self.pending_aborts, "violations": self.violations,
@@ -1010,6 +1024,8 @@ class FedMomState:
             return None
         if self._custody_waiting():
             return None
+        if self.inherited and not self.reconciled:
+            return None             # a delta spooled by an earlier process, which DARL may no longer hold
         waiting = [c for c in self.members if not self._responded(c)]
         if not waiting:
             return "every live member sent its delta"
@@ -1218,7 +1234,8 @@ class FedMomState:
             if self.fence_claim is None:      # DARL forgot us (not_fenced): a new ask, durable first
                 self.fence_claim = secrets.token_hex(8)
                 self._save()
-        ans = self.darl.fence(self.aggregator_id, self.epoch, self.fence_claim)
+            last_epoch, last_holder, durable_round = self.epoch, self.holder, self.round
+        ans = self.darl.fence(self.aggregator_id, last_epoch, self.fence_claim, last_holder, durable_round)
         digest = ans.reply.get("digest") if ans.kind == "ok" else None
         if digest and self.darl_digest and digest != self.darl_digest:
             self._stop_fenced(f"DARL at {self.darl.url} leases block space {digest}, but this state's custody is "
@@ -1227,16 +1244,20 @@ class FedMomState:
         if ans.kind == "ok":
             claim = self.fence_claim
             with self.lock:
-                self.epoch, self.fence_claim = ans.reply["epoch"], None
+                self.epoch, self.holder, self.fence_claim = ans.reply["epoch"], self.process_id, None
                 self.darl_digest = self.darl_digest or digest
-                self._save()              # the issued epoch is durable before any call names it
+                self._save()              # the issued epoch and its holder are durable before the confirm
+            httpd.fault_point("fedmom.epoch_durable")   # epoch and holder durable, the confirm not sent
             # then bind it to this process: a copy of our state taken while the ask was in
-            # flight holds the same claim and may have been given the same epoch
+            # flight holds the same claim and may have been given the same epoch. This state
+            # names this process as the holder from now on, so if the copy confirms first,
+            # DARL fences this state at every later ask (darl_table.fence)
             ans = self.darl.confirm_fence(self.aggregator_id, self.epoch, claim, self.process_id)
             if ans.kind == "refused":
                 self._stop_fenced(ans.reply.get("error", ans.error))
                 return False
-            if ans.kind != "ok":          # asked again later: a new claim, the next epoch
+            if ans.kind != "ok":          # asked again later: a new claim; the next epoch unless another
+                #                             process confirmed this one
                 self._darl_failed("confirm the fence", ans.error)
                 return False
             self.fenced_epoch = True
@@ -1251,12 +1272,24 @@ class FedMomState:
 
     def _reconcile(self):
         """Custody DARL holds for us that our state no longer names (a spool entry lost with
-        the disk) would be held forever: abort it."""
+        the disk) would be held forever: abort it. And the converse: a spooled delta our state
+        says DARL holds, but DARL does not (another process of this aggregator, from which this
+        state was copied, aborted it since: its blocks are back in the pool), is never merged."""
         ans = self.darl.held(self.aggregator_id)
         if ans.kind != "ok":
             self._darl_failed("list our custody", ans.error)
             return False
         with self.lock:
+            held = {c["delta"] for c in ans.reply["custody"]}
+            gone = [p for p in self.pending.values() if p.custody == "confirmed" and p.delta_id not in held]
+            for p in gone:
+                why = ("DARL no longer holds this delta's custody (another process of this aggregator aborted it; "
+                       "its blocks went back to the pool)")
+                del self.pending[(p.cluster, p.incarnation)]
+                durable.unlink(p.path), durable.unlink(p.meta_path)
+                self._exclude(dataclasses.asdict(p), why)
+            if gone and not self.pending:
+                self.first_delta_at = None
             known = ({p.delta_id for p in self.pending.values()} | {c["delta"] for c in self.pending_commits}
                      | {c["delta"] for c in self.pending_aborts})
             lost = [c for c in ans.reply["custody"] if c["delta"] not in known]
@@ -1267,9 +1300,10 @@ class FedMomState:
                                             "since": round(self.wall(), 3)})
                 log(f"fedmom: !!! DARL holds custody of delta {c['delta']} ({c['cluster']}, {c['blocks']} blocks) "
                     "that this aggregator has no record of: aborting it, its blocks go back to the pool")
-            if lost:
+            if lost or gone:
                 self._save()
-            self.reconciled = True
+            self.reconciled, self.inherited = True, set()
+            self.cond.notify_all()
         return True
 
     def _send_owed(self, kind, send):
@@ -1297,7 +1331,7 @@ class FedMomState:
         return True
 
     def _commit_one(self, c):
-        ans = self.darl.commit(self.aggregator_id, self.epoch, c["delta"])
+        ans = self.darl.commit(self.aggregator_id, self.epoch, c["delta"], c.get("round"))
         if not self._definitive(ans, f"commit of {c['cluster']}'s delta {c['delta']} (round {c['round']})"):
             return False
         httpd.fault_point("fedmom.committed")      # DARL committed it, our state still owes it

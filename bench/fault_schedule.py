@@ -19,7 +19,8 @@ named phase, and is SIGKILLed there):
     fedmom_kill     the aggregator SIGKILLed at fedmom.received (mid-upload),
                     fedmom.spooled, fedmom.custody_held (DARL holds it, the spool does not
                     say so), fedmom.merge (mid-merge), fedmom.round_durable (between a
-                    durable round and its commits), fedmom.committed; back after 0-2 s
+                    durable round and its commits), fedmom.committed, fedmom.epoch_durable (its
+                    new epoch and holder durable, the confirm not sent); back after 0-2 s
     fedmom_outage   the aggregator down for 2 x the longest lease TTL, then back
     blob_kill       the blob store SIGKILLed mid-upload (blob.chunk)
     site_kill       a site SIGKILLed at site.trained (its delta not sent) or site.sent (its
@@ -34,7 +35,12 @@ older client would: the servers must be safe whatever a site does. Some (chosen 
 seed too) are overlapped, as train.py --overlap: a delta's round trip runs on a thread
 while the site leases and "trains" its next span, whose delta then names the round the
 round trip ended on as its base; a kill or stop of such a site may come while a delta is
-in flight and the next span is being trained.
+in flight and the next span is being trained. Some (drawn after the rest, so older seeds
+keep their schedules) send int4 deltas, as train.py --wire int4 (wire.WireWriter, with
+error feedback), and half the seeds run the aggregator with --down-wire int4. Every site
+holds theta_global as a real site's rank 0 does: after each round trip it downloads it
+with fedsite.FedSite's own code (the update added to the theta it holds and checked by
+its digest, or on 409 no_update the whole theta), and notes the digest it now holds.
     darl_flag       DARL restarted with --max-attempts or --max-grant changed: it must
                     refuse, naming the flag; then restarted with --accept-config-change
     clock_step      the servers' wall clock stepped by +-1 h (PWW_TEST_CLOCK_OFFSET_FILE),
@@ -54,10 +60,18 @@ The oracle, from the sites' records and the final durable state of both servers:
       every position inside exactly one of them by the sites' own records;
     - no acknowledged commit lost (custody DARL reported committed during the run is
       still committed) and no merge a site was told of lost;
-    - theta_global equals a float64 replay of the recorded merges from the initial model;
+    - theta_global, the momentum and (--down-wire) the residual equal, bit for bit, a
+      float32 replay by the aggregator's rule (fedmom_merge.merge_files with the recorded
+      weights, clip scales and momentum resets, then fedmom_merge.publish with the
+      residual) from the initial model and the delta files the sites wrote, an int4 one
+      decoded by wire.py; every theta a site fetched has the replay's digest for its
+      round, and no update failed its digest; with an f32 aggregator theta_global also
+      equals a float64 replay of the rule written out here (within 1e-5);
     - the changed-flag restart was refused naming the flag; no site crashed.
 A failing seed prints its schedule and the oracle's findings; its directory is kept.
-The last line is the summary: schedules, faults injected by kind, violations.
+The closing lines: faults injected by kind, the site kinds run (f32, int4, overlapped),
+the schedules with --down-wire int4, what the sites saw, and the summary: schedules,
+faults injected, violations.
 """
 import argparse
 import collections
@@ -75,6 +89,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)      # run as `python bench/fault_schedule.py`: the siblings live one level up
@@ -85,8 +100,12 @@ import audit  # noqa: E402
 import darl_client  # noqa: E402
 import durable  # noqa: E402
 import fedmom_client  # noqa: E402
+import fedmom_merge  # noqa: E402
+import fedmom_state  # noqa: E402
+import fedsite  # noqa: E402
 import httpd  # noqa: E402
 import tensorio  # noqa: E402
+import wire  # noqa: E402
 
 SHAPES = {"w": (48,), "b": (4, 3)}
 TTL = (3.0, 4.0)                  # DARL --min-ttl / --max-ttl: every lease lives 3-4 s unless renewed
@@ -101,7 +120,7 @@ WEIGHTS = (3, 4, 2, 1, 3, 2, 1, 1, 1, 1)
 EXIT_FENCED = 3                   # fedmom_server's exit status when DARL fenced it
 POINTS = {"darl_kill": ("darl.append", "darl.torn", "darl.synced"),
           "fedmom_kill": ("fedmom.received", "fedmom.spooled", "fedmom.custody_held", "fedmom.merge",
-                          "fedmom.round_durable", "fedmom.committed"),
+                          "fedmom.round_durable", "fedmom.committed", "fedmom.epoch_durable"),
           "blob_kill": ("blob.chunk",), "site_kill": ("site.trained", "site.sent"),
           "site_stop": ("site.trained", "site.checked")}
 EXIT_TOKEN = 3                    # a fake site's exit status when a server refused its token
@@ -141,11 +160,15 @@ class Schedule:
     faults: list
     careless: list = dataclasses.field(default_factory=list)   # sites that send without checking the lease
     overlapped: list = dataclasses.field(default_factory=list)  # sites that train on while a delta is in flight
+    int4: list = dataclasses.field(default_factory=list)        # sites that send int4 deltas (train.py --wire int4)
+    down_wire: str = "f32"        # the aggregator's --down-wire: f32 (sites download theta) or int4 (updates)
 
     def describe(self):
         head = (f"seed {self.seed}: sites {self.sites}, {self.blocks} blocks, span {self.span}, "
                 f"--max-attempts {self.max_attempts}" + (f", careless {self.careless}" if self.careless else "")
-                + (f", overlapped {self.overlapped}" if self.overlapped else ""))
+                + (f", overlapped {self.overlapped}" if self.overlapped else "")
+                + (f", int4 {self.int4}" if self.int4 else "")
+                + (f", aggregator --down-wire {self.down_wire}" if self.down_wire != "f32" else ""))
         return "\n".join([head] + [f"  {i + 1}. {f.describe()}" for i, f in enumerate(self.faults)])
 
 
@@ -182,8 +205,10 @@ def make_schedule(seed):
             f.value = "newcomer"
         faults.append(f)
     attempts = rng.choice((0, 3))
-    overlapped = sorted(name for name, _ in sites if rng.random() < 0.4)     # drawn last: older seeds keep
-    return Schedule(seed, sites, blocks, span, attempts, faults, careless, overlapped)   # their schedules
+    overlapped = sorted(name for name, _ in sites if rng.random() < 0.4)     # drawn after the rest: older
+    int4 = sorted(name for name, _ in sites if rng.random() < 0.4)           # seeds keep their schedules
+    down_wire = rng.choice(("f32", "int4"))
+    return Schedule(seed, sites, blocks, span, attempts, faults, careless, overlapped, int4, down_wire)
 
 
 # ---------------------------------------------------------------- the fake site
@@ -191,6 +216,71 @@ def make_schedule(seed):
 def delta_arrays(seed, incarnation, lease, start, base):
     rng = np.random.default_rng([seed, int(incarnation, 16), lease, start, base])
     return {k: (0.01 * rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}
+
+
+INT4 = wire.Codec("int4")           # a site's --wire int4, default block
+
+
+class Residual:
+    """An int4 site's error feedback, diloco.Residual's rules in memory (a new incarnation
+    starts with nothing owed, as a restart that cannot know whether its delta merged):
+    send x = delta + owed, next = x - decode(encode(x)); merged: next becomes owed; not
+    merged: next is dropped; outcome unknown: both reset."""
+
+    def __init__(self):
+        self.owed, self.next = None, None
+
+    def write(self, path, arrays, base):
+        x = {k: v + self.owed[k] if self.owed else v for k, v in arrays.items()}
+        self.next = {}
+        with wire.WireWriter(path, [(k, v.shape) for k, v in x.items()], INT4, {"base_round": str(base)},
+                             fsync=False) as w:
+            for k, v in x.items():
+                self.next[k] = v - w.write(k, v)
+
+    def settle(self, outcome):
+        if outcome == "merged":
+            self.owed = self.next
+        elif outcome == "unknown":
+            self.owed = None
+        self.next = None
+
+
+class SiteTheta:
+    """theta_global as a site's rank 0 holds it, fetched by fedsite.FedSite's own download
+    code: with the aggregator's --down-wire, a site holding the previous round downloads the
+    update (GET /theta_update, or /theta_update_blob for a blob site) and adds it, checked by
+    the digest the aggregator published (wire.apply_update); else (409 no_update: new,
+    behind, or an f32 aggregator) it downloads the whole theta. Each fetch is noted with
+    its round, how it came and the digest of what the site now holds; the oracle checks
+    that digest against its replay of that round. An update that failed its digest (FedSite
+    logs it and falls back to the whole theta) is noted as update_mismatch: a finding."""
+
+    def __init__(self, a, fed, inc, note):
+        cfg = types.SimpleNamespace(cluster=a.cluster, token_file=a.token_file, darl_url=a.darl, ca_file=None,
+                                    federation=a.fedmom, blob_url=a.blob, transport=a.transport)
+        self.site = fedsite.FedSite(cfg, None, 0, self._log)
+        self.site.fed, self.site.theta_transport = fed, a.transport
+        home = os.path.join(a.records, "theta", f"{a.cluster}-{inc}")    # a site's own dir: FedSite puts
+        os.makedirs(home, exist_ok=True)                                 # the update beside theta
+        self.path = os.path.join(home, "theta.safetensors")
+        self.note, self.round = note, None
+
+    def _log(self, msg):
+        self.note("update_mismatch" if msg.startswith("!!!") else "site_log", msg=msg)
+
+    def fetch(self, member):
+        """Download theta_global now, as FedSite does at the end of every round trip -> its round."""
+        self.round = _retry("theta", lambda: self.site._fetch(self.path), member=member)
+        self.note("theta", round=self.round, via=self.site.down.get("via"), digest=self.site.held[1])
+        return self.round
+
+    def current(self, member):
+        """The round of the theta held, fetched first if the aggregator has moved past it
+        (a phase trains from the newest theta it can get)."""
+        if self.round is None or _retry("round", self.site.fed.current_round, member=member) != self.round:
+            self.fetch(member)
+        return self.round
 
 
 def write_tensors(path, arrays):
@@ -271,6 +361,7 @@ def _site_loop(a, token, inc, note):
     fed = fedmom_client.FedMomClient(a.fedmom, a.cluster, inc, token=token, blob_url=a.blob, timeout=10.0, retries=2)
     member = Membership(fed)
     member.join()
+    a.theta, a.residual = SiteTheta(a, fed, inc, note), Residual() if a.wire == "int4" else None
     try:
         _span_loop(a, fed, member, session, note)
         session.close()
@@ -310,7 +401,7 @@ def _span_loop(a, fed, member, session, note):
             if not a.overlap:
                 _phase(a, fed, member, session, span, note)
                 continue
-            base = _retry("round", fed.current_round, member=member)
+            base = a.theta.current(member)
         time.sleep(a.train_s)                      # "train" span k+1 while delta k is in flight
         if flight is not None:
             base = _join(flight)
@@ -366,7 +457,7 @@ class Membership:
 
 def _phase(a, fed, member, session, span, note):
     """Train (sleep), send the delta for `span`, learn what became of it, settle the lease."""
-    base = _retry("round", fed.current_round, member=member)
+    base = a.theta.current(member)
     key, path, tokens = _train(a, session, span, base, note)
     time.sleep(a.train_s)
     httpd.fault_point("site.trained")
@@ -376,9 +467,13 @@ def _phase(a, fed, member, session, span, note):
 def _train(a, session, span, base, note, **extra):
     key = dict(lease=span.lease, start=span.start, end=span.end, base_round=base)
     path = os.path.join(a.records, f"{a.cluster}-{session.incarnation}-l{span.lease}-s{span.start}-r{base}.safetensors")
-    write_tensors(path, delta_arrays(a.seed, session.incarnation, span.lease, span.start, base))
+    arrays = delta_arrays(a.seed, session.incarnation, span.lease, span.start, base)
+    if a.residual is not None:
+        a.residual.write(path, arrays, base)
+    else:
+        write_tensors(path, arrays)
     tokens = 100 * len(span)
-    note("trained", file=os.path.basename(path), tokens=tokens, **key, **extra)
+    note("trained", file=os.path.basename(path), tokens=tokens, wire=a.wire, **key, **extra)
     return key, path, tokens
 
 
@@ -391,7 +486,16 @@ def _trip(a, fed, member, session, span, key, path, tokens, note, box):
 
 
 def _round_trip(a, fed, member, session, span, key, path, tokens, note):
-    """Check the lease, send, wait for the outcome, settle the lease: -> the aggregator's round then."""
+    """Check the lease, send, wait for the outcome, settle the lease and the residual,
+    download theta_global (as FedSite.round_trip) -> the round of that theta."""
+    state = _send_and_wait(a, fed, member, session, span, key, path, tokens, note)
+    if a.residual is not None:
+        a.residual.settle(state)
+    return a.theta.fetch(member)
+
+
+def _send_and_wait(a, fed, member, session, span, key, path, tokens, note):
+    """-> what became of the delta: merged, unknown, or another word for not merged."""
     base = key["base_round"]
     if not a.careless:                            # FedSite.round_trip's check (a careless site skips it)
         try:
@@ -401,7 +505,7 @@ def _round_trip(a, fed, member, session, span, key, path, tokens, note):
         if span.lease not in session.held():
             note("lost", why="lease lost at DARL before the send", **key)
             session.span_done(span)
-            return _retry("round", fed.current_round, member=member)
+            return "lost"
     httpd.fault_point("site.checked")
     record = {"id": span.lease, "start": span.start, "end": span.end}
     try:
@@ -410,13 +514,13 @@ def _round_trip(a, fed, member, session, span, key, path, tokens, note):
     except fedmom_client.StaleRound as e:
         note("stale", why=str(e), **key)
         session.release(span)
-        return _retry("round", fed.current_round, member=member)
+        return "stale"
     except httpd.CallError as e:
         if e.status == 401:
             raise TokenRefused(f"send: {e}")
         note("refused", status=e.status, code=e.reply.get("code"), why=e.reply.get("error"), **key)
         session.release(span)
-        return _retry("round", fed.current_round, member=member)
+        return "refused"
     note("sent", custody=reply.get("custody"), duplicate=bool(reply.get("duplicate")), **key)
     httpd.fault_point("site.sent")
     while True:
@@ -436,7 +540,8 @@ def _round_trip(a, fed, member, session, span, key, path, tokens, note):
     else:
         note("unknown", round=got["round"], **key)
         session.forget(span)
-    return got["round"]
+        state = "unknown"
+    return state
 
 
 # ---------------------------------------------------------------- one schedule's processes
@@ -560,7 +665,8 @@ class Run:
                "--init", init, "--darl", self.darl, "--blob-url", self.blob, "--token-file", self.token_file,
                "--darl-token-file", self.agg_token_file,
                "--outer-lr", str(LR), "--outer-momentum", str(MU), "--round-deadline-s", str(ROUND_DEADLINE_S),
-               "--member-timeout-s", str(MEMBER_TIMEOUT_S), "--darl-retry-s", "0.5", "--port", str(pick_port())]
+               "--member-timeout-s", str(MEMBER_TIMEOUT_S), "--darl-retry-s", "0.5", "--port", str(pick_port()),
+               "--down-wire", self.s.down_wire]
         self.procs["fedmom"] = Proc(self, "fedmom", fed)
         self.fedmom = self.procs["fedmom"].start()
 
@@ -571,7 +677,8 @@ class Run:
                "--records", self.records, "--seed", str(self.s.seed), "--span", str(self.s.span),
                "--transport", transport, "--train-s", "0.15", "--phase-s", "0.5"] + (
             ["--careless"] if name in self.s.careless else []) + (
-            ["--overlap"] if name in self.s.overlapped else [])
+            ["--overlap"] if name in self.s.overlapped else []) + (
+            ["--wire", "int4"] if name in self.s.int4 else [])
         proc = self.sites.get(name) or Proc(self, f"site-{name}", cmd)
         proc.cmd = cmd
         proc.start(wait_url=False)
@@ -931,34 +1038,129 @@ def oracle(run):
 
 
 def _theta_check(run, fed_dir, records, merged):
-    """theta_global against a float64 replay of the recorded merges from the initial model."""
-    with tensorio.TensorReader(run.init) as r:
-        theta = {k: r.read(k, as_float32=True).astype(np.float64) for k in r.names}
-    buf = None
+    """theta_global against two replays of the recorded merges from the initial model, each
+    merged delta read from the file its site wrote (an int4 one decoded by wire.py):
+      - float32, by the aggregator's own rule (fedmom_merge.merge_files with the recorded
+        weights, clip scales and momentum resets, then with --down-wire fedmom_merge.publish
+        with the residual the last round left): theta, momentum and residual bit for bit,
+        and every theta a site fetched (its digest) equal to the replay's of that round;
+      - float64, the merge rule written out here (f32 aggregators: with --down-wire theta
+        is theta_r + decode(encode(step)), within a residual of it, not near it)."""
     by_round = collections.defaultdict(list)
     for rnd, site, o in merged:
         by_round[rnd].append((site, o))
     for rec in records:
-        batch = by_round.get(rec["round"], [])
-        if not batch:
+        if not by_round.get(rec["round"]):
             return [f"round {rec['round']} has no merged delta a site sent: cannot replay"]
+    try:
+        with open(os.path.join(fed_dir, "state.json")) as f:
+            st = json.load(f)
+        final = {"theta": _read_f32(os.path.join(fed_dir, st["theta"]))}
+        if st.get("momentum"):
+            final["momentum"] = _read_f32(os.path.join(fed_dir, st["momentum"]))
+        if st.get("update"):
+            final["residual"] = _read_f32(os.path.join(fed_dir, st["update"]["residual"]))
+    except (OSError, ValueError, KeyError, tensorio.FormatError) as e:
+        return [f"the final theta_global cannot be read: {e}"]
+    out = []
+    with tempfile.TemporaryDirectory(prefix="replay-", dir=run.dir) as tmp:
+        try:
+            got, digests, why = _replay_f32(run, records, by_round, tmp)
+        except Exception as e:          # records it cannot follow (a delta's entry missing, a bad file): a finding
+            return [f"the float32 replay of the recorded merges failed: {type(e).__name__}: {e}"]
+        out += why
+        for what, arrays in final.items():
+            want = got.get(what)
+            bad = sorted(k for k in arrays if want is None or k not in want
+                         or not np.array_equal(arrays[k].view(np.uint32), want[k].view(np.uint32)))
+            if bad or (want is not None and set(want) != set(arrays)):
+                out.append(f"{what} differs from the float32 replay of {len(records)} recorded merges by the "
+                           f"aggregator's rule (--down-wire {run.s.down_wire}), bit for bit: tensors {bad}")
+        if "residual" in got and "residual" not in final:
+            out.append("the replay owes a residual; the aggregator's state names none")
+    for e in read_site_records(run.records):
+        if e["event"] == "theta" and digests.get(e["round"]) != e["digest"]:
+            out.append(f"{e['cluster']} ({e['incarnation']}) fetched a theta_global of round {e['round']} (via "
+                       f"{e['via']}) with digest {e['digest'][:12]}..., the replay's is "
+                       f"{str(digests.get(e['round']))[:12]}...")
+        if e["event"] == "update_mismatch":
+            out.append(f"{e['cluster']} ({e['incarnation']}): {e['msg']}")
+    if run.s.down_wire == "f32":
+        out += _theta_check_f64(run, records, by_round, final["theta"])
+    return out
+
+
+def _read_f32(path):
+    with tensorio.TensorReader(path) as r:
+        return {k: np.asarray(r.read(k, as_float32=True), np.float32) for k in r.names}
+
+
+def _replay_f32(run, records, by_round, tmp):
+    """The aggregator's float32 rounds again, in files under tmp -> ({"theta", "momentum",
+    "residual": arrays} after the last round, {round: wire.Digest of its theta}, findings)."""
+    codec = None if run.s.down_wire == "f32" else wire.Codec(run.s.down_wire)
+    theta, momentum, residual, why = run.init, None, None, []
+    digests = {records[0]["round"] - 1 if records else 0: wire.theta_digest(run.init)}
+    for i, rec in enumerate(records):
+        rnd, batch = rec["round"], by_round[rec["round"]]
+        paths = []
+        for j, (site, o) in enumerate(batch):
+            path = os.path.join(run.records, site["file"])
+            if wire.is_wire(path):
+                plain = os.path.join(tmp, f"decoded-{rnd}-{j}.safetensors")
+                wire.decode_file(path, plain, fsync=False)
+                path = plain
+            paths.append(path)
+        total = sum(o["tokens"] for _, o in batch)
+        shares = [o["tokens"] / total for _, o in batch]
+        entry = {c["incarnation"]: c for c in rec["clusters"].values()}
+        norms = [entry[o["incarnation"]]["delta_norm"] for _, o in batch]
+        history = [c["delta_norm"] for r in records[max(0, i - fedmom_state.CLIP_HISTORY_ROUNDS):i]
+                   for c in r.get("clusters", {}).values() if c.get("delta_norm")]
+        scales, _ = fedmom_merge.clip_scales(norms, history, rec["clip"]["factor"])
+        recorded = [entry[o["incarnation"]]["clip_scale"] for _, o in batch]
+        if [round(c, 6) for c in scales] != recorded:
+            why.append(f"round {rnd}: the clip scales {recorded} recorded are not the rule's {scales}")
+        merged = os.path.join(tmp, f"merged-{rnd}.safetensors")
+        mom = os.path.join(tmp, f"momentum-{rnd}.safetensors") if rec["outer_momentum"] > 0 else None
+        fedmom_merge.merge_files(theta, None if rec.get("momentum_reset") else momentum,
+                                 [(p, w * c) for p, w, c in zip(paths, shares, scales)], merged, mom,
+                                 rec["outer_lr"], rec["outer_momentum"], fsync=False)
+        momentum = mom
+        if codec is not None:
+            new, res = os.path.join(tmp, f"theta-{rnd}.safetensors"), os.path.join(tmp, f"residual-{rnd}.safetensors")
+            fedmom_merge.publish(theta, merged, residual, codec, new, os.path.join(tmp, f"update-{rnd}.safetensors"),
+                                 res, fsync=False)
+            theta, residual = new, res
+        else:
+            theta = merged
+        digests[rnd] = wire.theta_digest(theta)
+    got = {"theta": _read_f32(theta)}
+    if momentum:
+        got["momentum"] = _read_f32(momentum)
+    if residual:
+        got["residual"] = _read_f32(residual)
+    return got, digests, why
+
+
+def _theta_check_f64(run, records, by_round, final):
+    """theta_global against a float64 replay of the recorded merges, the rule written out."""
+    with tensorio.TensorReader(run.init) as r:
+        theta = {k: r.read(k, as_float32=True).astype(np.float64) for k in r.names}
+    buf = None
+    for rec in records:
+        batch = by_round[rec["round"]]
         total = sum(o["tokens"] for _, o in batch)
         g = {k: np.zeros_like(v) for k, v in theta.items()}
         for site, o in batch:
-            with tensorio.TensorReader(os.path.join(run.records, site["file"])) as r:
+            with wire.WireReader(os.path.join(run.records, site["file"])) as r:
                 for k in g:
-                    g[k] -= (o["tokens"] / total) * r.read(k, as_float32=True).astype(np.float64)
+                    g[k] -= (o["tokens"] / total) * r.read(k).astype(np.float64)
         buf = g if buf is None else {k: MU * buf[k] + g[k] for k in g}
         theta = {k: theta[k] - LR * (g[k] + MU * buf[k]) for k in theta}
-    try:
-        with open(os.path.join(fed_dir, "state.json")) as f:
-            path = os.path.join(fed_dir, json.load(f)["theta"])
-        with tensorio.TensorReader(path) as r:
-            got = {k: r.read(k, as_float32=True).astype(np.float64) for k in r.names}
-    except (OSError, ValueError, KeyError) as e:
-        return [f"the final theta_global cannot be read: {e}"]
+    got = {k: v.astype(np.float64) for k, v in final.items()}
     err = max(float(np.max(np.abs(got[k] - theta[k]) / (1.0 + np.abs(theta[k])))) for k in theta)
-    return [] if err < 1e-5 else [f"theta_global differs from the replay of {len(records)} recorded merges "
+    return [] if err < 1e-5 else [f"theta_global differs from the float64 replay of {len(records)} recorded merges "
                                   f"(max relative error {err:.2e})"]
 
 
@@ -975,6 +1177,7 @@ class Result:
     seconds: float = 0.0
     workdir: str = ""
     seen: collections.Counter = dataclasses.field(default_factory=collections.Counter)   # site events by kind
+    kinds: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # sites by kind
 
 
 SITE_EVENTS = ("sent", "merged", "excluded", "refused", "stale", "lost", "unknown")
@@ -1009,9 +1212,19 @@ def run_schedule(seed, work_root, keep=False, sched=None):
         report_q = sum(1 for s in audit.audit(run.central).status.values() if s == "quarantined")
     seen = collections.Counter(e["event"] for e in read_site_records(run.records) if e["event"] in SITE_EVENTS)
     seen["incarnations"] = sum(1 for e in read_site_records(run.records) if e["event"] == "start")
-    seen["trained_in_flight"] = sum(1 for e in read_site_records(run.records)
-                                    if e["event"] == "trained" and e.get("while_in_flight"))
-    res = Result(seed, findings, injected, armed, len(recs), report_q, time.monotonic() - t0, workdir, seen)
+    events = read_site_records(run.records)
+    seen["trained_in_flight"] = sum(1 for e in events if e["event"] == "trained" and e.get("while_in_flight"))
+    sent = {(e["incarnation"], e["base_round"], e["lease"]) for e in events if e["event"] == "sent"}
+    seen["sent_int4"] = sum(1 for e in events if e["event"] == "trained" and e.get("wire") == "int4"
+                            and (e["incarnation"], e["base_round"], e["lease"]) in sent)
+    for e in events:
+        if e["event"] == "theta":
+            seen[f"theta_via_{e['via']}"] += 1
+    names = [n for n, _ in sched.sites]
+    kinds = collections.Counter(f32=sum(n not in sched.int4 for n in names), int4=sum(n in sched.int4 for n in names),
+                                overlapped=sum(n in sched.overlapped for n in names),
+                                down_wire_int4=int(sched.down_wire == "int4"))
+    res = Result(seed, findings, injected, armed, len(recs), report_q, time.monotonic() - t0, workdir, seen, kinds)
     if not findings and not keep:
         shutil.rmtree(workdir, ignore_errors=True)
     return res
@@ -1026,16 +1239,20 @@ def describe_failure(res, sched=None):
 def summary(results, seconds):
     """The closing lines: schedules, faults injected by kind (of those scheduled), what the
     sites saw, violations."""
-    injected, armed, seen = collections.Counter(), collections.Counter(), collections.Counter()
+    injected, armed, seen, kinds = (collections.Counter() for _ in range(4))
     for r in results:
         injected.update(r.injected)
         armed.update(r.armed)
         seen.update(r.seen)
+        kinds.update(r.kinds)
     bad = [r for r in results if r.findings]
-    kinds = ", ".join(f"{k} {injected[k]}/{armed[k]}" for k in KINDS if armed[k])
+    faults = ", ".join(f"{k} {injected[k]}/{armed[k]}" for k in KINDS if armed[k])
     sites = ", ".join(f"{k} {seen[k]}" for k in ("incarnations",) + SITE_EVENTS + ("trained_in_flight",))
     return "\n".join([
-        f"faults injected by kind (reached/scheduled): {kinds}",
+        f"faults injected by kind (reached/scheduled): {faults}",
+        f"site kinds: f32 {kinds['f32']}, int4 {kinds['int4']}, overlapped {kinds['overlapped']} (sites); aggregator "
+        f"--down-wire int4 in {kinds['down_wire_int4']} of {len(results)} schedules; {seen['sent_int4']} int4 deltas "
+        f"sent; theta fetched via update {seen['theta_via_update']}, in full {seen['theta_via_full']}",
         f"sites: {sites} (deltas); {sum(r.rounds for r in results)} rounds merged, "
         f"{sum(r.quarantined for r in results)} blocks quarantined (said)",
         f"fault schedules: {len(results)} run, {sum(injected.values())} faults injected, violations: {len(bad)}"
@@ -1054,6 +1271,8 @@ def main(argv):
         p.add_argument("--careless", action="store_true", help="send without checking the lease first")
         p.add_argument("--overlap", action="store_true",
                        help="train the next span while the delta's round trip runs (train.py --overlap)")
+        p.add_argument("--wire", choices=("f32", "int4"), default="f32",
+                       help="the deltas' wire format (train.py --wire): int4 with error feedback")
         return site_main(p.parse_args(argv[1:]))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

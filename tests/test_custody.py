@@ -12,7 +12,10 @@ What runs:
     that names no lease, a site's release(leave=true) after its delta was accepted;
   - the status CLIs' exit codes and the operator's abort-custody command, as processes;
   - real darl_server.py and fedmom_server.py processes: the aggregator SIGKILLed at the
-    instant its round is durable and its commits owed, restarted, and delivering them.
+    instant its round is durable and its commits owed, restarted, and delivering them;
+    two aggregators on copies of one state dir given the same epoch (the copy taken
+    while the first /fence reply was held in flight), the copy's confirm refused or
+    lost on the way (a dropping forwarder), and the copy fenced at every later start.
 """
 import collections
 import json
@@ -42,6 +45,7 @@ from test_fedmom import SHAPES, FakeClock, Fixture, write_tensors
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "t0ken"
 DEADLINE_S = 120            # bounds a hang only
+EXIT_FENCED = 3             # fedmom_server's exit status when DARL fenced it
 
 
 # ---------------------------------------------------------------- the table alone
@@ -199,6 +203,78 @@ class CustodyTableTest(unittest.TestCase):
             self.assertEqual(cm.exception.extra["code"], "fenced")
             self.assertEqual(t.fence("agg", 1, "c2")["epoch"], 2)        # the holder's next start goes on
 
+    def fenced(self, t, *args, **kw):
+        with self.assertRaises(LeaseError) as cm:
+            t.fence(*args, **kw)
+        self.assertEqual(cm.exception.extra["code"], "fenced")
+        return cm.exception.reason
+
+    def test_a_copy_whose_confirm_was_refused_or_lost_never_takes_the_epoch_over(self):
+        """Both copies of a state hold claim c1 (the copy was taken while A's fence was in
+        flight) and are given epoch 1; each writes epoch 1 and its own holder before its
+        confirm. A confirms; B's confirm is refused (then B is restarted) or lost (then B
+        asks again). B's state names epoch 1 with holder hB: fenced at every later ask,
+        whatever its claim. Before, any state naming epoch 1 was issued epoch 2, and B
+        served the aggregator's identity from its older state, fencing A."""
+        for variant in ("refused, then restarted", "lost, asked again"):
+            with self.subTest(variant):
+                t = LeaseTable(100, TableConfig(min_ttl=1, default_ttl=10))
+                self.assertEqual(t.fence("agg", 0, "c1", round=0)["epoch"], 1)      # A
+                self.assertEqual(t.fence("agg", 0, "c1", round=0)["epoch"], 1)      # the copy B
+                t.confirm_fence("agg", 1, "c1", "hA")
+                if variant.startswith("refused"):
+                    with self.assertRaises(LeaseError):
+                        t.confirm_fence("agg", 1, "c1", "hB")
+                for claim in ("c2", "c3", "c4"):                                     # every start of B
+                    why = self.fenced(t, "agg", 1, claim, last_holder="hB", round=0)
+                    self.assertIn("held by process hA", why)
+                self.assertEqual((t.aggregators["agg"]["epoch"], t.aggregators["agg"]["holder"]), (1, "hA"))
+                self.assertEqual(t.fence("agg", 1, "c5", last_holder="hA", round=0)["epoch"], 2, "A's restart")
+
+    def test_the_legitimate_restarts_of_the_newest_state_get_the_next_epoch(self):
+        """Never locked out: a restart after the confirm (the state names the holder), after
+        a lost confirm (epoch never confirmed), after a lost fence reply (the same claim),
+        a copy restarted before the other confirmed (it never acted), and a state written
+        before holders (no last_holder: the holder is not compared)."""
+        t = LeaseTable(100, TableConfig(min_ttl=1, default_ttl=10))
+        self.assertEqual(t.fence("agg", 0, "c1", round=0)["epoch"], 1)
+        self.assertEqual(t.fence("agg", 0, "c1", round=0)["epoch"], 1, "the reply was lost: the same ask")
+        # the state names (1, h1); h1's confirm never reached DARL: it asks again
+        self.assertEqual(t.fence("agg", 1, "c2", last_holder="h1", round=0)["epoch"], 2)
+        t.confirm_fence("agg", 2, "c2", "h2")
+        self.assertEqual(t.fence("agg", 2, "c3", last_holder="h2", round=0)["epoch"], 3, "a restart")
+        t.confirm_fence("agg", 3, "c3", "h3")
+        self.assertEqual(t.fence("agg", 3, "c4")["epoch"], 4, "an old state (no holder, no round)")
+        # two copies given epoch 4; B restarts before anyone confirmed: B goes on, A never acted
+        self.assertEqual(t.fence("agg", 3, "c4", last_holder="h3")["epoch"], 4)
+        self.assertEqual(t.fence("agg", 4, "c5", last_holder="hB", round=0)["epoch"], 5)
+        with self.assertRaises(LeaseError) as cm:
+            t.confirm_fence("agg", 4, "c4", "hA")
+        self.assertEqual(cm.exception.extra["code"], "fenced")
+        self.fenced(t, "agg", 4, "c6", last_holder="hA", round=0)
+
+    def test_a_copy_missing_merges_whose_blocks_darl_committed_is_fenced(self):
+        """A copy taken after A's holder was durable names A's epoch and holder: the holder
+        rule alone lets it in. A then merged round 1 and DARL committed its custody: the
+        copy (round 0) lacks it and is fenced, naming both rounds; A's own restart (round
+        1), and one whose round 2 is durable with its commits not yet sent, go on."""
+        a = self.lease("a")
+        self.t.confirm_fence("agg", 1, "first", "hA")
+        self.take("d1", "a", a)
+        self.t.commit_custody("agg", 1, "d1", round=1)
+        self.assertEqual(self.t.status()["aggregators"][0]["round"], 1)
+        why = self.fenced(self.t, "agg", 1, "copy", last_holder="hA", round=0)
+        self.assertIn("round 0", why)
+        self.assertIn("round 1", why)
+        self.assertEqual(self.t.aggregators["agg"]["epoch"], 1, "a refused fence issued an epoch")
+        self.assertEqual(self.t.fence("agg", 1, "restart", last_holder="hA", round=2)["epoch"], 2)
+        self.t.commit_custody("agg", 2, "d1", round=1)           # a repeat never lowers it
+        self.assertEqual(self.t.aggregators["agg"]["round"], 1)
+        with self.assertRaises(LeaseError) as cm:
+            self.t.commit_custody("agg", 2, "d1", round=-1)
+        self.assertEqual(cm.exception.status, 400)
+        self.t.verify()
+
     def test_older_epochs_are_fenced_and_an_operator_retires_an_orphan(self):
         a, a2 = self.lease("a"), self.lease("a")
         self.take("d1", "a", a)
@@ -292,6 +368,8 @@ class AggregatorOutageTest(AggregatorFixture):
         b = self.lease(url, coord, "snellius", ttl=600)
         st = self.agg(fs.DarlLink(url, TOKEN), init=False)      # the restart
         self.assertTrue(self.send(st, "snellius", self.delta()[0], 100, leases=[b])["accepted"])
+        self.assertIsNone(st.tick(), "merged lumi's restored delta before DARL said it still holds its custody")
+        st.darl_tick()                                          # the server's DARL loop: fence, reconcile
         rec = st.tick()
         self.assertIsNotNone(rec)
         for _ in range(3):
@@ -503,6 +581,40 @@ class FencingAndRepairTest(AggregatorFixture):
         self.assertTrue(b.darl_tick())
         self.assertEqual(b.epoch, 5)
 
+    def test_a_copy_never_merges_a_delta_whose_custody_the_live_process_aborted_since(self):
+        """The state is copied after the live process A holds its epoch, with two deltas in
+        DARL's custody; A then aborts one (an exclusion: its blocks go back to the pool) and
+        dies. The copy names A as the holder at A's round, so it is issued the next epoch, but
+        it must learn from DARL that the aborted delta is no longer held and never merge it:
+        before, it merged both, and DARL refused the second commit (counted refused_commits)
+        while those blocks were free to be trained again."""
+        coord, url = self.darl()
+        a = self.agg(fs.DarlLink(url, TOKEN), name="A")
+        self.assertTrue(a.darl_tick())
+        leases = {}
+        for c in ("lumi", "snellius"):
+            a.join(c, f"{c}-inc")
+            leases[c] = self.lease(url, coord, c)
+            self.assertEqual(self.send(a, c, self.delta()[0], 100, leases=[leases[c]])["custody"], "confirmed")
+        shutil.copytree(os.path.join(self.dir, "A"), os.path.join(self.dir, "B"), ignore=shutil.ignore_patterns("lock"))
+        gone = a.pending[("snellius", "snellius-inc")].delta_id
+        httpd.call(url, "POST", "/custody/abort", {"aggregator": a.aggregator_id, "epoch": a.epoch, "delta": gone,
+                                                   "why": "excluded by the live process"}, token=TOKEN)
+        del a
+        b = self.agg(fs.DarlLink(url, TOKEN), name="B", init=False)
+        self.assertTrue(b.darl_tick())
+        self.assertEqual(b.epoch, 2)
+        self.assertEqual([(e["cluster"], "no longer holds" in e["why"]) for e in b.status()["excluded"]],
+                         [("snellius", True)])
+        rec = b.tick()
+        self.assertEqual([(o["cluster"], o["outcome"]) for o in rec["outcomes"] if o["outcome"] == "merged"],
+                         [("lumi", "merged")])
+        self.assertTrue(b.darl_tick())
+        books = coord.status()
+        self.assertEqual(books["violations"]["refused_commits"], 0)
+        self.assertEqual(books["committed"], leases["lumi"]["end"] - leases["lumi"]["start"])
+        self.assert_each_position_in_one_merged_delta(b, coord, [leases["lumi"]])
+
     def test_a_state_that_used_custody_refuses_a_start_without_darl_or_with_another_darl(self):
         """Without --darl the owed commits would never be sent and new deltas would merge with
         no custody (their leases expire and are leased again); another DARL holds none of it."""
@@ -705,9 +817,9 @@ def urllib_page(url):
 
 # ---------------------------------------------------------------- real processes
 
-class RestartWithCommitsOwedTest(unittest.TestCase):
-    """An aggregator SIGKILLed the instant its round is durable, its DARL commits owed and
-    none sent, is restarted and delivers them to a live DARL until DARL has every block."""
+class ProcessFixture(unittest.TestCase):
+    """Real darl_server.py and fedmom_server.py processes on loopback, each started with a
+    fault dir (httpd.fault_point): self.faults unless start() is given another."""
 
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="custody-procs-")
@@ -723,12 +835,12 @@ class RestartWithCommitsOwedTest(unittest.TestCase):
                 p.kill()
                 p.wait()
 
-    def start(self, script, *args):
+    def start(self, script, *args, faults=None):
         path = os.path.join(self.dir, f"{script}.log")
         mark = os.path.getsize(path) if os.path.exists(path) else 0
         with open(path, "ab") as log:
             proc = subprocess.Popen([sys.executable, script, "--port", "0", *map(str, args)], cwd=ROOT,
-                                    env={**os.environ, httpd.FAULT_DIR_ENV: self.faults}, stdout=log,
+                                    env={**os.environ, httpd.FAULT_DIR_ENV: faults or self.faults}, stdout=log,
                                     stderr=subprocess.STDOUT)
         self.procs.append(proc)
 
@@ -740,6 +852,11 @@ class RestartWithCommitsOwedTest(unittest.TestCase):
                 lines = [line for line in f if " listening on " in line]
             return lines and lines[-1].split()[-1]
         return proc, expect(url, f"{script} to listen", timeout_s=DEADLINE_S, interval_s=0.02)
+
+
+class RestartWithCommitsOwedTest(ProcessFixture):
+    """An aggregator SIGKILLed the instant its round is durable, its DARL commits owed and
+    none sent, is restarted and delivers them to a live DARL until DARL has every block."""
 
     def test_an_aggregator_restarted_with_commits_owed_delivers_them(self):
         import numpy as np
@@ -787,6 +904,158 @@ class RestartWithCommitsOwedTest(unittest.TestCase):
                              capture_output=True, text=True, timeout=60)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         self.assertIn("PASS", out.stdout)
+
+
+class DroppingProxy:
+    """A forwarding HTTP hop to DARL (a gateway) that drops the first POST /fence/confirm
+    on the way: it closes the connection without passing it on, so DARL never sees it and
+    the aggregator gets no answer. Everything else it forwards as it came."""
+
+    def __init__(self, test, target):
+        import http.client
+        import http.server
+        import urllib.parse
+        host, port = urllib.parse.urlsplit(target).netloc.split(":")
+        self.dropped = threading.Event()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.command == "POST" and self.path == "/fence/confirm" and not proxy.dropped.is_set():
+                    proxy.dropped.set()
+                    self.close_connection = True
+                    return
+                conn = http.client.HTTPConnection(host, int(port), timeout=DEADLINE_S)
+                try:
+                    conn.request(self.command, self.path, body or None,
+                                 {k: v for k, v in self.headers.items() if k.lower() != "host"})
+                    r = conn.getresponse()
+                    out = r.read()
+                    self.send_response(r.status)
+                    self.send_header("Content-Type", r.getheader("Content-Type") or "application/json")
+                    self.send_header("Content-Length", str(len(out)))
+                    self.end_headers()
+                    self.wfile.write(out)
+                finally:
+                    conn.close()
+            do_GET = do_POST = forward
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        test.addCleanup(server.server_close)
+        test.addCleanup(server.shutdown)
+        self.url = f"http://127.0.0.1:{server.server_address[1]}"
+
+
+class CopyTakenWhileFencingTest(ProcessFixture):
+    """One DARL, two fedmom_server processes on copies of one state dir, the copy taken
+    while the first one's /fence reply is held in flight (darl.synced): both are issued
+    epoch 1; B is held after writing its epoch (fedmom.epoch_durable) until A confirmed.
+    Then B's confirm is refused (exit 3) and a supervisor restarts B, or B's confirm is
+    lost on the way and B asks again. Before, B's state still named epoch 1 and was issued
+    epoch 2: B served the aggregator's identity from round 0 and A was fenced at its next
+    custody call, its merged round's committed blocks missing from B's state."""
+
+    def run_variant(self, lost):
+        import numpy as np
+        import tensorio
+        fault = {name: os.path.join(self.dir, f"faults-{name}") for name in ("darl", "a", "b")}
+        for d in fault.values():
+            os.makedirs(d)
+        init = os.path.join(self.dir, "init.safetensors")
+        with tensorio.TensorWriter(init, [("w", "F32", (8,))]) as w:
+            w.write("w", np.zeros(8, np.float32))
+        held = os.path.join(fault["darl"], "darl.synced")
+        open(held, "w").close()                            # every DARL reply is held once durable
+        darl, durl = self.start("darl_server.py", "--num-samples", 10, "--state-dir", self.dir, faults=fault["darl"])
+        client = darl_server_client(durl)
+        a_dir, b_dir = os.path.join(self.dir, "fedmom"), os.path.join(self.dir, "fedmom-b")
+        fed, furl = self.start("fedmom_server.py", "--state-dir", a_dir, "--darl", durl, "--darl-retry-s", 0.2,
+                               "--init", init, faults=fault["a"])
+        expect(lambda: os.path.exists(held + ".hit"), "A's /fence to be held in flight",
+               timeout_s=DEADLINE_S, interval_s=0.02)
+        shutil.copytree(a_dir, b_dir, ignore=shutil.ignore_patterns("lock"))    # A's claim, no epoch
+        os.unlink(held + ".hit")
+        proxy = DroppingProxy(self, durl) if lost else None
+        b_args = ["--state-dir", b_dir, "--darl", proxy.url if lost else durl, "--darl-retry-s", 0.2]
+        open(os.path.join(fault["b"], "fedmom.epoch_durable"), "w").close()
+        b, _ = self.start("fedmom_server.py", *b_args, faults=fault["b"])
+        expect(lambda: os.path.exists(held + ".hit"), "B's /fence (the same claim) to be held too",
+               timeout_s=DEADLINE_S, interval_s=0.02)
+        os.unlink(held)                                    # both replies go: epoch 1 to each
+        expect(lambda: os.path.exists(os.path.join(fault["b"], "fedmom.epoch_durable.hit")),
+               "B to write epoch 1 and its holder", timeout_s=DEADLINE_S, interval_s=0.02)
+        expect(lambda: "at epoch 1" in self.log_of("fedmom_server.py"), "A to confirm epoch 1",
+               timeout_s=DEADLINE_S, interval_s=0.02)             # B is held before its confirm
+        b_state, a_state = read_json(b_dir, "state.json"), read_json(a_dir, "state.json")
+        self.assertEqual((a_state["epoch"], b_state["epoch"]), (1, 1), "both copies were issued epoch 1")
+        os.unlink(os.path.join(fault["b"], "fedmom.epoch_durable"))    # B confirms (refused, or lost)
+        self.assert_fenced(b, b_dir)
+        if lost:
+            self.assertTrue(proxy.dropped.is_set(), "B's confirm was not dropped on the way")
+        self.assertEqual(client.status()["aggregators"][0]["epoch"], 1, "B was issued an epoch")
+
+        deltas = os.path.join(self.dir, "d.safetensors")
+        with tensorio.TensorWriter(deltas, [("w", "F32", (8,))]) as w:
+            w.write("w", np.full(8, 0.5, np.float32))
+        client.register("lumi", "lumi-inc", client.status()["digest"])
+        site = fedmom_client.FedMomClient(furl, "lumi", "lumi-inc")
+        site.join()
+
+        def round_of_5(base):
+            L = client.acquire("lumi", "lumi-inc", blocks=5)["lease"]
+            site.send_delta(deltas, base, 50, [{"id": L["id"], "start": L["start"], "end": L["end"]}], {})
+            expect(lambda: client.status()["committed"] == 5 * (base + 1)
+                   and httpd.call(furl, "GET", "/status")["pending_commits"] == 0,
+                   f"A to merge round {base + 1} and DARL to commit it", timeout_s=DEADLINE_S, interval_s=0.02)
+
+        round_of_5(0)                                      # A merged round 1, DARL committed 5 blocks
+        for _ in range(2):                                 # a supervisor restarts B: fenced every time
+            with open(os.path.join(self.dir, "b.log"), "ab") as log:
+                again = subprocess.Popen([sys.executable, "fedmom_server.py", "--port", "0", *map(str, b_args)],
+                                         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            self.procs.append(again)
+            self.assert_fenced(again, b_dir)
+        round_of_5(1)                                      # A goes on serving and merging
+        self.assertIsNone(fed.poll(), "A stopped")
+        books = client.status()
+        self.assertEqual((books["aggregators"][0]["epoch"], books["done"]), (1, True))
+        self.assertNotEqual(a_state.get("holder"), b_state.get("holder"), "each wrote its own holder")
+        self.assertEqual((books["aggregators"][0].get("holder"), books["aggregators"][0].get("round")),
+                         (a_state.get("holder"), 2))
+        self.assertIn("FENCED by DARL", self.log_of("fedmom_server.py"))
+        self.assertIn("is held by process", self.log_of("b"))
+        out = subprocess.run([sys.executable, "audit.py", "--state-dir", self.dir], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertIn("PASS", out.stdout)
+
+    def assert_fenced(self, proc, state_dir):
+        """The process exits 3 (fenced) with its state still at epoch 1; not issued a newer one."""
+        expect(lambda: proc.poll() is not None or read_json(state_dir, "state.json")["epoch"] != 1,
+               "B to exit or be issued another epoch", timeout_s=DEADLINE_S, interval_s=0.02)
+        self.assertEqual(read_json(state_dir, "state.json")["epoch"], 1, "B was issued an epoch after A's")
+        self.assertEqual(proc.wait(timeout=DEADLINE_S), EXIT_FENCED, "B was not fenced")
+
+    def log_of(self, name):
+        with open(os.path.join(self.dir, f"{name}.log"), errors="replace") as f:
+            return f.read()
+
+    def test_a_copy_whose_confirm_is_refused_is_fenced_at_every_restart(self):
+        self.run_variant(lost=False)
+
+    def test_a_copy_whose_confirm_is_lost_is_fenced_when_it_asks_again(self):
+        self.run_variant(lost=True)
+
+
+def read_json(*path):
+    with open(os.path.join(*path)) as f:
+        return json.load(f)
 
 
 def darl_server_client(url):

@@ -839,6 +839,36 @@ class LoggedDecisionsTest(unittest.TestCase):
                 again.close()
 
 
+    def test_the_fence_holder_and_round_watermark_survive_snapshots_and_replay(self):
+        """The holder that confirmed an epoch and the highest committed round are rebuilt by
+        a restart (from the log, or a snapshot), so a copy of the aggregator's state is fenced
+        after DARL restarts too; a log line without the new fields replays as before."""
+        for every in (1000, 2):
+            with self.subTest(snapshot_every=every):
+                self.dir = tmpdir(self)
+                cfg = TableConfig(min_ttl=1, default_ttl=10)
+                c = Coordinator(self.space, cfg, self.dir, every, clock=self.clock)
+                c.call("register", {"cluster": "a", "incarnation": "x", "digest": self.space.digest()})
+                L = c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5})["lease"]
+                self.assertEqual(c.call("fence", {"aggregator": "agg", "last_epoch": 0, "claim": "c1"})["epoch"], 1)
+                c.call("confirm_fence", {"aggregator": "agg", "epoch": 1, "claim": "c1", "holder": "hA"})
+                agg = {"aggregator": "agg", "epoch": 1}
+                c.call("take_custody", {**agg, "delta": "d1", "cluster": "a", "incarnation": "x",
+                                        "leases": [{"lease": L["id"]}]})
+                c.call("commit_custody", {**agg, "delta": "d1", "round": 1})
+                c.wal.close()
+                again = Coordinator(self.space, cfg, self.dir, every, clock=self.clock)
+                row = again.status()["aggregators"][0]
+                self.assertEqual((row["epoch"], row["holder"], row["round"]), (1, "hA", 1))
+                for ask in ({"last_holder": "hB", "round": 1}, {"last_holder": "hA", "round": 0}):
+                    with self.assertRaises(LeaseError) as cm:
+                        again.call("fence", {"aggregator": "agg", "last_epoch": 1, "claim": "c2", **ask})
+                    self.assertEqual(cm.exception.extra["code"], "fenced")
+                self.assertEqual(again.call("fence", {"aggregator": "agg", "last_epoch": 1, "claim": "c3",
+                                                      "last_holder": "hA", "round": 1})["epoch"], 2)
+                again.close()
+
+
 class TableClockTest(unittest.TestCase):
     """Leases live on DARL's own clock: a wall-clock step of an hour, either way, neither
     expires nor extends them in a running process, and a restart never goes back in time."""

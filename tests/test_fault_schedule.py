@@ -1,7 +1,9 @@
 """The fast subset of bench/fault_schedule.py: four fixed schedules that between them
 inject every kind of fault (real darl_server.py, fedmom_server.py and blobstore.py
-processes, fake torch-free sites on the real clients), each judged by the oracle; and the
-oracle itself shown to catch a tampered run. The full run (>= 500 random schedules) is
+processes, fake torch-free sites on the real clients) and run every kind of site (f32,
+int4 with error feedback, overlapped; an aggregator with --down-wire int4 whose sites
+fetch theta by its updates, inline and through the blob store), each judged by the
+oracle; and the oracle itself shown to catch a tampered run, of either aggregator. The full run (>= 500 random schedules) is
 `python bench/fault_schedule.py`.
 
 Deterministic: the schedules are fixed, and what the oracle requires holds for every
@@ -22,6 +24,8 @@ import unittest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+import numpy as np  # noqa: E402
+
 import durable  # noqa: E402
 import fault_schedule as fsch  # noqa: E402
 from fault_schedule import Fault, Schedule  # noqa: E402
@@ -29,11 +33,12 @@ from fault_schedule import Fault, Schedule  # noqa: E402
 INLINE, BLOB = "inline", "blob"
 SCHEDULES = {
     "a torn log line, a kill between a durable round and its commits, an overlapped site killed after its send "
-    "(training its next span)":
+    "(training its next span); an int4 site and --down-wire int4":
         Schedule(101, [("alpha", INLINE), ("beta", INLINE)], 26, 2, 3,
                  [Fault("darl_kill", 0, point="darl.torn", skip=2, pause=0.5),
                   Fault("fedmom_kill", 1, point="fedmom.round_durable", pause=1.0),
-                  Fault("site_kill", 3, point="site.sent", target="beta", pause=0.5)], ["alpha"], ["beta"]),
+                  Fault("site_kill", 3, point="site.sent", target="beta", pause=0.5)], ["alpha"], ["beta"],
+                 int4=["alpha"], down_wire="int4"),
     "the blob store killed mid-upload, an aggregator outage past the TTL, a site stopped after its lease check "
     "while a newcomer trains its blocks":
         Schedule(102, [("alpha", BLOB), ("beta", INLINE)], 24, 2, 0,
@@ -47,13 +52,13 @@ SCHEDULES = {
                   Fault("fedmom_kill", 2, point="fedmom.custody_held", pause=0.3),
                   Fault("token_rotation", 2)], ["gamma"]),
     "DARL killed after its fsync, a kill mid-merge, a clock step of -1 h, a site stopped past its TTL, a stale "
-    "copy of the aggregator started twice":
+    "copy of the aggregator started twice; an int4 blob site and --down-wire int4":
         Schedule(104, [("alpha", INLINE), ("beta", BLOB)], 24, 3, 0,
                  [Fault("darl_kill", 0, point="darl.synced", skip=1, pause=0.3),
                   Fault("fedmom_kill", 1, point="fedmom.merge", pause=0.3),
                   Fault("clock_step", 1, value=-3600),
                   Fault("site_stop", 2, point="site.trained", target="alpha"),
-                  Fault("stale_aggregator", 2, value=2)]),
+                  Fault("stale_aggregator", 2, value=2)], int4=["beta"], down_wire="int4"),
 }
 
 
@@ -75,10 +80,16 @@ class FaultScheduleTest(unittest.TestCase):
         self.assertGreater(res.rounds, 0)
         return res
 
+    def assert_down_wire(self, res):
+        """int4 deltas were sent, and sites took theta by the aggregator's int4 updates."""
+        self.assertGreaterEqual(res.seen["sent_int4"], 1, "no int4 delta was sent")
+        self.assertGreaterEqual(res.seen["theta_via_update"], 1, "no site fetched theta by an update")
+
     def test_torn_write_durable_round_and_site_kill(self):
         res = self.run_one(list(SCHEDULES)[0])
         # beta is overlapped: some of its spans were leased and trained while a delta was in flight
         self.assertGreaterEqual(res.seen["trained_in_flight"], 1, "beta never trained on while a delta was in flight")
+        self.assert_down_wire(res)
 
     def test_blob_kill_outage_and_site_stop(self):
         res = self.run_one(list(SCHEDULES)[1])
@@ -89,22 +100,30 @@ class FaultScheduleTest(unittest.TestCase):
         self.run_one(list(SCHEDULES)[2])
 
     def test_synced_kill_merge_kill_clock_back_stale_aggregator_and_stop(self):
-        self.run_one(list(SCHEDULES)[3])
+        self.assert_down_wire(self.run_one(list(SCHEDULES)[3]))
 
     def test_every_fault_kind_is_in_the_fast_subset(self):
         kinds = {f.kind for s in SCHEDULES.values() for f in s.faults}
         self.assertEqual(kinds, set(fsch.KINDS))
 
 
+def flip_low_bit(path, name, what="theta"):
+    """Rewrite tensor file `path` with the lowest mantissa bit of element 0 of `name` flipped."""
+    with fsch.tensorio.TensorReader(path) as r:
+        arrays = {k: np.array(r.read(k, as_float32=True), np.float32) for k in r.names}
+    arrays[name].reshape(-1).view(np.uint32)[0] ^= np.uint32(1)
+    fsch.write_tensors(path, arrays)
+
+
 class OracleTest(unittest.TestCase):
     """The oracle fails a run whose books were tampered with after a clean finish."""
+    SCHED = Schedule(105, [("alpha", INLINE), ("beta", INLINE)], 12, 2, 0, [])
 
     @classmethod
     def setUpClass(cls):
         cls.work = tempfile.mkdtemp(prefix="fault-oracle-")
-        sched = Schedule(105, [("alpha", INLINE), ("beta", INLINE)], 12, 2, 0, [])
-        cls.res = fsch.run_schedule(sched.seed, cls.work, keep=True, sched=sched)
-        cls.sched = sched
+        cls.sched = cls.SCHED
+        cls.res = fsch.run_schedule(cls.sched.seed, cls.work, keep=True, sched=cls.sched)
 
     @classmethod
     def tearDownClass(cls):
@@ -136,17 +155,45 @@ class OracleTest(unittest.TestCase):
         self.assertIn("DOUBLED", found)
         self.assertIn("rounds lost or repeated", found)
 
-    def test_a_wrong_theta_is_caught(self):
-        run = self.tampered()
-        import numpy as np
+    def state_file(self, run, key):
         fed = os.path.join(run.central, "fedmom")
         with open(os.path.join(fed, "state.json")) as f:
-            theta = os.path.join(fed, json.load(f)["theta"])
+            st = json.load(f)
+        return os.path.join(fed, st["update"][key] if key == "residual" else st[key])
+
+    def test_a_wrong_theta_is_caught(self):
+        run = self.tampered()
+        theta = self.state_file(run, "theta")
         with fsch.tensorio.TensorReader(theta) as r:
             arrays = {k: r.read(k, as_float32=True) for k in r.names}
         arrays["w"] = arrays["w"] + np.float32(0.001)
         fsch.write_tensors(theta, arrays)
-        self.assertIn("theta_global differs from the replay", "\n".join(fsch.oracle(run)))
+        found = "\n".join(fsch.oracle(run))
+        self.assertIn("theta differs from the float32 replay", found)
+        self.assertIn("theta_global differs from the float64 replay", found)
+
+    def test_one_bit_of_theta_or_momentum_is_caught(self):
+        """The float32 replay is bit for bit: one ulp of one element (far inside the float64
+        replay's tolerance) is a finding."""
+        for what in ("theta", "momentum"):
+            with self.subTest(what):
+                run = self.tampered()
+                flip_low_bit(self.state_file(run, what), "b")
+                found = "\n".join(fsch.oracle(run))
+                self.assertIn(f"{what} differs from the float32 replay", found)
+                self.assertIn("tensors ['b']", found)
+                self.assertNotIn("float64 replay", found)
+
+    def test_a_theta_a_site_fetched_is_checked(self):
+        run = self.tampered()
+        fn = next(fn for fn in sorted(os.listdir(run.records)) if fn.endswith(".jsonl"))
+        path = os.path.join(run.records, fn)
+        recs = durable.read_jsonl(path)
+        self.assertTrue(any(r["event"] == "theta" for r in recs), "the site noted no theta it fetched")
+        with open(path, "w") as f:
+            for r in recs:
+                f.write(json.dumps({**r, "digest": "0" * 64} if r["event"] == "theta" else r) + "\n")
+        self.assertIn("fetched a theta_global of round", "\n".join(fsch.oracle(run)))
 
     def test_a_merged_delta_no_site_sent_is_caught(self):
         run = self.tampered()
@@ -186,6 +233,53 @@ class OracleTest(unittest.TestCase):
         run = self.tampered()
         run.committed_seen = {"r0.not-a-delta-we-merged"}
         self.assertIn("no longer a merged delta's", "\n".join(fsch.oracle(run)))
+
+
+class DownWireOracleTest(OracleTest):
+    """The same tampering, and more, caught in a run of an int4 site (beta, through the blob
+    store) and an f32 one with the aggregator's --down-wire int4: theta_{r+1} = theta_r +
+    decode(encode(step + residual)), replayed bit for bit from the deltas the sites wrote."""
+    SCHED = Schedule(106, [("alpha", INLINE), ("beta", BLOB)], 12, 2, 0, [], int4=["beta"], down_wire="int4")
+
+    def test_the_clean_run_passes(self):
+        super().test_the_clean_run_passes()
+        self.assertGreaterEqual(self.res.seen["sent_int4"], 1)
+        self.assertGreaterEqual(self.res.seen["theta_via_update"], 1)
+
+    def test_a_wrong_theta_is_caught(self):
+        run = self.tampered()
+        theta = self.state_file(run, "theta")
+        with fsch.tensorio.TensorReader(theta) as r:
+            arrays = {k: r.read(k, as_float32=True) for k in r.names}
+        arrays["w"] = arrays["w"] + np.float32(0.001)
+        fsch.write_tensors(theta, arrays)
+        self.assertIn("theta differs from the float32 replay", "\n".join(fsch.oracle(run)))
+
+    def test_one_bit_of_the_residual_is_caught(self):
+        run = self.tampered()
+        flip_low_bit(self.state_file(run, "residual"), "w")
+        self.assertIn("residual differs from the float32 replay", "\n".join(fsch.oracle(run)))
+
+    def test_an_int4_delta_other_than_the_one_merged_is_caught(self):
+        """beta's first merged delta file, one int4 code changed by one step: the replay
+        decodes a delta the aggregator never merged, and theta no longer matches."""
+        run = self.tampered()
+        trained = [r for fn in sorted(os.listdir(run.records)) if fn.startswith("beta-") and fn.endswith(".jsonl")
+                   for r in durable.read_jsonl(os.path.join(run.records, fn)) if r["event"] == "trained"]
+        self.assertEqual(trained[0]["wire"], "int4")
+        path = os.path.join(run.records, trained[0]["file"])
+        with fsch.tensorio.TensorReader(path) as r:
+            specs = [(k, r.specs[k][0], r.specs[k][1]) for k in r.names]
+            parts, meta = {k: np.array(r.read(k)) for k in r.names}, dict(r.metadata)
+        code = parts["w"].reshape(-1)[:1]
+        low = code & np.uint8(0x0F)
+        code[:] = (code & np.uint8(0xF0)) | np.where(low < 15, low + 1, low - 1).astype(np.uint8)
+        with fsch.tensorio.TensorWriter(path, specs, meta, fsync=False) as w:
+            for k, _, _ in specs:
+                w.write(k, parts[k])
+        fsch.wire.WireReader(path).read("w")            # still a valid int4 file
+        found = "\n".join(fsch.oracle(run))
+        self.assertIn("differs from the float32 replay", found)
 
 
 if __name__ == "__main__":
