@@ -123,7 +123,8 @@ Violations (refused_commits, aborted_custody, blocks_trained_twice, refused_abor
 fencing are shown on /status, the page and the status CLI. Test hooks (httpd.py): fault
 points fedmom.received, fedmom.spooled, fedmom.custody_held, fedmom.merge,
 fedmom.round_durable, fedmom.committed, fedmom.unlink (each file of an old round, outside
-the state lock) and fedmom.blob_delete (each DELETE of a retention sweep); the wall clock through httpd.wall_time().
+the state lock) and fedmom.blob_delete (each DELETE of a retention sweep); the wall clock
+through httpd.wall_time().
 """
 import argparse
 import collections
@@ -147,7 +148,7 @@ DEFAULT_PORT = 29511
 BLOB_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
 BLOB_FETCH_RETRIES = 3        # POST /delta_blob's download from the store: ~3.5 s of backoff, then 502
 SWEEP_RETRY_S = 30.0          # a sweep of the blob store that failed (store down) is tried again this often
-BLOB_CALL_TIMEOUT_S = 30.0
+BLOB_CALL_TIMEOUT_S = 30.0    # one listing or DELETE of a sweep; on its own thread, so it delays no merge
 
 
 # ---------------------------------------------------------------- HTTP

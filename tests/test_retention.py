@@ -126,11 +126,13 @@ class Live(unittest.TestCase):
                                 stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, httpd.FAULT_DIR_ENV: self.faults})
         self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
-        return proc, listening_url(proc, timeout=HANG_S)[0]
+        url, self.output = listening_url(proc, timeout=HANG_S)
+        return proc, url
 
     def start(self, *extra, port=0):
         self.fed, self.url = self.spawn("fedmom_server.py", "--state-dir", self.sd, "--down-wire", "int4",
                                         "--blob-url", self.blob_url, *extra, port=port)
+        self.fed_log = self.output
 
     def site(self, name, blob):
         """fedsite.FedSite's download half, as train.py's rank 0 uses it (no DARL call is made)."""
@@ -287,6 +289,25 @@ class PeakTest(Live):
         print(f"\n    merge peak: {peak / model:.2f} models (theta + momentum + residual, twice, "
               f"{2 * files['update-2.safetensors'] / model:.2f} of updates, {sum(spool.values()) / model:.2f} "
               "of int4 deltas)", file=sys.stderr)
+
+
+class RestoredStateTest(Live):
+    def test_a_blob_of_this_round_with_other_bytes_is_replaced_not_served(self):
+        """A state dir restored from an older copy meets the blobs its lost future published
+        under the same names: the theta a site downloads is still this state's."""
+        import blobstore
+        self.blob_store, self.blob_url = self.spawn("blobstore.py", "--root", self.blob_root)
+        self.start("--init", self.init)
+        agg = httpd.call(self.url, "GET", "/status")["aggregator"]
+        stale = os.path.join(self.dir, "stale.bin")
+        with open(stale, "wb") as f:
+            f.write(b"not this round's theta")
+        blobstore.put_file(self.blob_url, fs.blob_name(agg, "theta", 0), stale)
+        fedmom_client.FedMomClient(self.url, "b", "b-inc").join()
+        path = os.path.join(self.dir, "b.safetensors")
+        self.assertEqual(self.site("b", blob=True)._fetch(path), 0)
+        self.assert_holds_server_theta(path)
+        self.assertIn("holds other bytes than round 0's file", self.fed_log.text())
 
 
 class LockTest(Live):
