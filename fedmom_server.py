@@ -424,6 +424,8 @@ class BlobRetention:
         try:
             self._call("DELETE", f"/blobs/{b['blob']}")
         except httpd.CallError as e:
+            if e.status == 409:                        # still being uploaded: judged again next round
+                return
             if e.status != 404:                        # 404: already gone (a crash after the delete)
                 raise
         self.deleted += 1
