@@ -79,6 +79,7 @@ bench: setup
 	  echo "== $$b"; \
 	  case "$$b" in \
 	    bench/convergence.py) $(PY) $$b --quick ;; \
+	    bench/wire_speed.py) $(PY) $$b --quick ;; \
 	    bench/fault_schedule.py) $(PY) $$b --schedules 40 --jobs 2 ;; \
 	    *) $(PY) $$b ;; \
 	  esac; \

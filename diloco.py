@@ -194,12 +194,13 @@ def add_diloco_args(parser):
                         "(default 1 = plain data parallel, no outer step)")
     g.add_argument("--diloco-inner-steps", type=int, default=d.inner_steps,
                    help=f"H: inner steps between outer steps (default {d.inner_steps})")
+    fed = "; refused with train.py --federation, where fedmom_server.py sets the outer step"
     g.add_argument("--diloco-outer-optimizer", choices=OUTER_OPTIMIZERS, default=d.outer_optimizer,
-                   help=f"outer optimizer (default {d.outer_optimizer}; sgd + lr 1.0 + momentum 0 = FedAvg)")
+                   help=f"outer optimizer (default {d.outer_optimizer}; sgd + lr 1.0 + momentum 0 = FedAvg{fed})")
     g.add_argument("--diloco-outer-lr", type=float, default=d.outer_lr,
-                   help=f"outer learning rate (default {d.outer_lr})")
+                   help=f"outer learning rate (default {d.outer_lr}{fed}: --outer-lr)")
     g.add_argument("--diloco-outer-momentum", type=float, default=d.outer_momentum,
-                   help=f"outer momentum (default {d.outer_momentum})")
+                   help=f"outer momentum (default {d.outer_momentum}{fed}: --outer-momentum)")
     g.add_argument("--diloco-outer-device", choices=OUTER_DEVICES, default=d.outer_device,
                    help="where theta and the outer momentum live: 'same' as the model, or 'cpu' "
                         "(saves two fp32 parameter copies of device memory for two host<->device "
@@ -348,6 +349,11 @@ class FedMomCarrier(OuterCarrier):
     codec: a wire.Codec or a format name ("f32", "bf16", ...); error_feedback: keep a
     Residual (lossy formats only); fresh: a new run (--resume none), nothing owed from
     an earlier one.
+    encode_on: "host" (the reference: rank 0 copies each gathered tensor to the host in
+    fp32 and wire.py encodes it with numpy) or "device" (int8/int4: wire_torch.py encodes
+    it where it was gathered, the same bits, and only the codes and scales, an eighth
+    of the bytes, come to the host; with error feedback the owed residual goes up and
+    the new one comes back in fp32, as Residual keeps them in files on rank 0's host).
     overlap (train.py --overlap; FEDERATION_GUIDE.md section 4, "Overlap"): step 2 runs on
     a thread (site.start_round_trip) and outer_step returns at once, the model keeping its
     own weights ("keep_weights") and every rank its local shards as sent (`sent`, host
@@ -356,11 +362,16 @@ class FedMomCarrier(OuterCarrier):
     """
 
     def __init__(self, site, workdir, codec=None, error_feedback=True, group=None, fresh=False, log=print,
-                 overlap=False):
+                 overlap=False, encode_on="host"):
         import wire
         if codec is None or isinstance(codec, str):        # a format name: "f32", "BF16", ...
             codec = wire.Codec((codec or "f32").lower())
         self.codec = codec.validate()
+        if encode_on not in ("host", "device"):
+            raise ValueError(f"encode_on={encode_on!r}: use 'host' (numpy, the reference) or 'device' (wire_torch)")
+        if encode_on == "device" and self.codec.fmt not in ("int8", "int4"):
+            raise ValueError(f"encode_on='device' encodes int8 and int4; --wire {self.codec.fmt} is encoded on the host")
+        self.encode_on = encode_on
         self.site, self.workdir, self.group = site, workdir, group
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -420,12 +431,15 @@ class FedMomCarrier(OuterCarrier):
                     # a gathered tensor is ours to negate in place; a DDP delta is a view into
                     # DiLoCo's buffer, negated into one new tensor
                     full = full.neg_() if full is not d else full.neg()
-                    x = full.float().cpu().numpy()
-                    if fb is not None:
-                        x = fb.add_owed(n, x)
-                    sent = writer.write(n, x)
-                    if fb is not None:
-                        fb.keep(n, x, sent)
+                    if self.encode_on == "device":
+                        self._write_on_device(writer, fb, n, full)
+                    else:
+                        x = full.float().cpu().numpy()
+                        if fb is not None:
+                            x = fb.add_owed(n, x)
+                        sent = writer.write(n, x)
+                        if fb is not None:
+                            fb.keep(n, x, sent)
                 del full
         except BaseException:
             for w in (writer, fb):
@@ -437,6 +451,18 @@ class FedMomCarrier(OuterCarrier):
             if fb is not None:
                 fb.close()
             self.wire_bytes = os.path.getsize(self.delta_path)
+
+    def _write_on_device(self, writer, fb, name, full):
+        """encode_on="device": x = full (+ what is owed) encoded by wire_torch where it is;
+        the same operations in float32 as the host path, so the same file and residual."""
+        import wire_torch
+        x = full.float()
+        if fb is not None and fb.owed is not None:
+            x = x + torch.from_numpy(fb.owed.read(name)).view(x.shape).to(x.device)
+        parts, sent = wire_torch.encode(self.codec, x)
+        writer.write_parts(name, wire_torch.to_numpy(parts))
+        if fb is not None:
+            fb.keep_left(name, (x - sent).cpu().numpy())
 
     @torch.no_grad()
     def read_theta(self, names, params, theta):
@@ -632,7 +658,10 @@ class _ResidualWrite:
         return x if self.owed is None else x + self.owed.read(name).reshape(x.shape)
 
     def keep(self, name, x, sent):
-        left = x - sent
+        self.keep_left(name, x - sent)
+
+    def keep_left(self, name, left):
+        """The residual x - sent of one tensor, computed by the caller (on a device: FedMomCarrier)."""
         self.res.sq += float(np.dot(left.reshape(-1).astype(np.float64), left.reshape(-1).astype(np.float64)))
         self.w.write(name, left)
 

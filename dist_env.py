@@ -16,6 +16,8 @@ SLURM_NTASKS (srun), else one process (world 1). Under srun MASTER_ADDR is the j
 first node (expand_nodelist) and MASTER_PORT is derived from SLURM_JOB_ID unless set.
 A process group always exists afterwards, even for one process (an in-process store,
 no port), so DDP, FSDP2 and diloco.py's collectives run unchanged at world size 1.
+On NCCL it is bound to the rank's GPU (device_id: eager communicator setup) unless
+PWW_EAGER_PG_INIT=0 (sites/lumi.sh; RUNBOOK.md section 2, "first collective").
 """
 import dataclasses
 import datetime
@@ -151,6 +153,16 @@ def _pick_gpu(accel, local_rank):
     return local_rank
 
 
+def eager_pg_init(env=os.environ):
+    """$PWW_EAGER_PG_INIT: 1 (default) binds the NCCL process group to this rank's GPU at
+    init_process_group (device_id: eager communicator setup), 0 does not."""
+    value = env.get("PWW_EAGER_PG_INIT", "1")
+    if value not in ("0", "1"):
+        raise ConfigError(f"PWW_EAGER_PG_INIT={value!r}: use 1 (eager NCCL init with device_id, "
+                          f"the default) or 0 (lazy, at the first collective)")
+    return value == "1"
+
+
 def init_distributed(device="auto", timeout_s=1800):
     """Choose device and backend, join (or create) the default process group; returns Dist.
 
@@ -159,6 +171,7 @@ def init_distributed(device="auto", timeout_s=1800):
     already initialised one (a test harness), it is adopted as is.
     """
     accel = detect_accel(device)
+    eager = eager_pg_init()               # checked on every device: a typo fails on CPU too
     backend = "gloo" if accel == "cpu" else "nccl"
     rank, local_rank, world_size = _rank_env(os.environ)
     if dist.is_initialized():
@@ -170,9 +183,12 @@ def init_distributed(device="auto", timeout_s=1800):
         dev = torch.device("cuda", _pick_gpu(accel, local_rank))
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        # device_id binds NCCL to this rank's GPU at once (no guessing in the first barrier)
+        # device_id binds NCCL to this rank's GPU at once (no guessing in the first barrier),
+        # and makes the communicators eagerly, the world's here and each new group's in
+        # new_group(). PWW_EAGER_PG_INIT=0 leaves both to the first collective instead: one
+        # of the candidates against LUMI's first-collective hang (sites/lumi.sh, smoke.py).
         kw = dict(timeout=datetime.timedelta(seconds=timeout_s),
-                  device_id=dev if backend == "nccl" else None)
+                  device_id=dev if backend == "nccl" and eager else None)
         if world_size == 1 and "MASTER_ADDR" not in os.environ:
             # alone: an in-process store, no port to pick or collide on
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)

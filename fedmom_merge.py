@@ -38,6 +38,9 @@ the output buffers), are updated in place while still in cache, and the finished
 tensor goes to a writer thread that writes the new files while the next tensor is
 merged. The output buffers are two fixed pairs the size of the largest tensor, so peak
 memory is 4 x the largest fp32 tensor at most (never the model), allocated once.
+The chunks of a tensor run on wire.py's thread pool (merge_files threads=, default
+$WIRE_THREADS or every core), each thread with its own chunk scratch; the per-chunk
+norms are added in chunk order, so any number of threads gives the serial bits.
 """
 import math
 import os
@@ -119,17 +122,22 @@ class Inputs:
             self.close()
             raise
         self.theta, self.momentum, self.deltas = self.readers[0], self.readers[1], self.readers[2:]
-        self.scratch = [np.empty(CHUNK * 4, np.uint8) for _ in self.deltas]
-        self.nread = 0
+        self.scratch = self.new_scratch()
+        self.nread, self._lock = 0, threading.Lock()
 
-    def read(self, k, name, lo, hi, out=None):
+    def new_scratch(self):
+        """One CHUNK of raw bytes per delta (a thread of the merge owns its own)."""
+        return [np.empty(CHUNK * 4, np.uint8) for _ in self.deltas]
+
+    def read(self, k, name, lo, hi, out=None, scratch=None):
         """Elements [lo, hi) of tensor `name` of input k (0 theta, 1 momentum, 2+ deltas),
-        into `out` or into that input's scratch; returns (flat array, dtype)."""
+        into `out` or into that input's scratch (`scratch`: a thread's own, from
+        new_scratch()); returns (flat array, dtype)."""
         r, fd = self.readers[k], self.fds[k]
         if isinstance(r, DecodedDelta):
-            got = r.chunk(name, lo, hi)
-            self.nread += r.nread
-            r.nread = 0
+            got, decoded = r.chunk(name, lo, hi)
+            with self._lock:
+                self.nread += decoded
             if out is not None:
                 np.copyto(out, got)
                 return out, "F32"
@@ -137,7 +145,7 @@ class Inputs:
         dtype = r.specs[name][0]
         item = tensorio.DTYPES[dtype]
         if out is None:
-            out = self.scratch[k - 2][:(hi - lo) * item.itemsize].view(item)
+            out = (scratch or self.scratch)[k - 2][:(hi - lo) * item.itemsize].view(item)
         start = r.span(name)[0] + lo * item.itemsize
         view, done = memoryview(out).cast("B"), 0
         while done < len(view):
@@ -145,7 +153,8 @@ class Inputs:
             if got == 0:
                 raise tensorio.FormatError(f"{r.path}: tensor {name!r} ends early: the file shrank while merging")
             done += got
-        self.nread += done
+        with self._lock:
+            self.nread += done
         return out, dtype
 
     def close(self):
@@ -171,17 +180,21 @@ class DecodedDelta:
 
     def __init__(self, path):
         import wire
-        self.w, self.path, self.nread = wire.WireReader(path), path, 0
+        self.w, self.path = wire.WireReader(path), path
         self.names = list(self.w.names)
         self.specs = {n: ("F32", tuple(self.w.shapes[n])) for n in self.names}
         self.name, self.values = None, None
+        self.lock = threading.Lock()          # the merge's threads ask for chunks of one tensor at once
 
     def chunk(self, name, lo, hi):
-        if name != self.name:
-            self.name, self.values = None, None           # the last tensor's memory goes first
-            self.values = self.w.read(name).reshape(-1)
-            self.name, self.nread = name, self.nread + self.w.nbytes(name)
-        return self.values[lo:hi]
+        """-> (elements [lo, hi) of tensor `name`, bytes read from the file for it: once per tensor)."""
+        with self.lock:
+            read = 0
+            if name != self.name:
+                self.name, self.values = None, None       # the last tensor's memory goes first
+                self.values = self.w.read(name).reshape(-1)
+                self.name, read = name, self.w.nbytes(name)
+            return self.values[lo:hi], read
 
     def close(self):
         self.w.close()
@@ -217,33 +230,64 @@ def sq_norm(x):
     return v
 
 
-def merge_tensor(inputs, name, theta, buf, weights, lr, mu, sums, work):
+def merge_tensor(inputs, name, theta, buf, weights, lr, mu, sums, work, threads=1):
     """Merge one tensor, chunk by chunk: read theta (and momentum) into the caller's flat
     fp32 `theta`/`buf`, the deltas into scratch, update in place, and check the result
     while it is in cache (NonFinite). `work` = two CHUNK fp32 scratch arrays.
-    sums["theta"], sums["delta"][i] accumulate squared norms."""
+    sums["theta"], sums["delta"][i] accumulate squared norms.
+    threads > 1: runs of chunks on wire.py's thread pool, each with its own scratch; the
+    per-chunk norms are added in chunk order afterwards and the first non-finite chunk
+    is the one raised, so the result (bits, norms, error) does not depend on threads."""
+    chunks = [(lo, min(lo + CHUNK, theta.size)) for lo in range(0, theta.size, CHUNK)]
+    if threads <= 1 or len(chunks) <= 1:
+        results = _merge_chunks(inputs, name, theta, buf, weights, lr, mu, chunks, work, None, stop=True)
+    else:
+        import wire
+        results = [None] * len(chunks)
+
+        def run(a, b):
+            mine = [np.empty(CHUNK, np.float32) for _ in range(2)]
+            results[a:b] = _merge_chunks(inputs, name, theta, buf, weights, lr, mu, chunks[a:b], mine,
+                                         inputs.new_scratch())
+        wire.run_spans(run, len(chunks), 1, CHUNK, threads)
+    for tsq, dsq, bad in results:
+        sums["theta"] += tsq
+        for i, v in enumerate(dsq):
+            sums["delta"][i] += v
+        if bad:
+            raise NonFinite(bad[0], name, bad[1])
+
+
+def _merge_chunks(inputs, name, theta, buf, weights, lr, mu, chunks, work, scratch, stop=False):
+    """-> [(||theta chunk||^2, [||delta_i chunk||^2], None or (what, cause))] per chunk;
+    stop: end at the first non-finite chunk (the serial merge)."""
     first = inputs.momentum is None
-    for lo in range(0, theta.size, CHUNK):
-        hi = min(lo + CHUNK, theta.size)
+    out = []
+    for lo, hi in chunks:
         th, _ = inputs.read(0, name, lo, hi, out=theta[lo:hi])
         b = None if buf is None else buf[lo:hi]
         if not first:
             inputs.read(1, name, lo, hi, out=b)
-        sums["theta"] += sq_norm(th)
+        tsq, dsq = sq_norm(th), [0.0] * len(weights)
         s, tmp = work[0][:hi - lo], work[1][:hi - lo]
-        ds = [inputs.read(k, name, lo, hi) for k in range(2, 2 + len(weights))]
+        ds = [inputs.read(k, name, lo, hi, scratch=scratch) for k in range(2, 2 + len(weights))]
+        bad = None
         with np.errstate(over="ignore", invalid="ignore"):      # overflow is checked just below
-            scaled_sum(ds, weights, s, tmp, sums["delta"])
+            scaled_sum(ds, weights, s, tmp, dsq)
             nesterov_chunk(th, b, s, tmp, lr, mu, first)
-            bad = "theta" if not np.isfinite(th).all() else \
+            what = "theta" if not np.isfinite(th).all() else \
                 "momentum" if b is not None and not np.isfinite(b).all() else None
-            if bad:
+            if what:
                 cause = "deltas"
                 if not first:
                     th0, _ = inputs.read(0, name, lo, hi, out=s)
                     b0, _ = inputs.read(1, name, lo, hi, out=tmp)
                     cause = "momentum" if _momentum_alone_overflows(th0, b0, lr, mu) else "deltas"
-                raise NonFinite(bad, name, cause)
+                bad = (what, cause)
+        out.append((tsq, dsq, bad))
+        if bad and stop:
+            break
+    return out
 
 
 class WriteBehind:
@@ -308,13 +352,17 @@ def _check_inputs(inputs):
 
 
 def merge_files(theta_path, momentum_path, deltas, out_theta, out_momentum, lr, mu,
-                metadata=None, fsync=True, pause_s=0.0, after_tensor=None):
+                metadata=None, fsync=True, pause_s=0.0, after_tensor=None, threads=None):
     """One durable FedMom step from files. deltas: [(path, weight)], weights summing to 1.
     momentum_path None = first step (buf = g); out_momentum None = do not keep a buffer
     (momentum 0). out_theta: a path, or a callable (specs, metadata) -> a writer such as
     Publisher, which gets each merged tensor instead of a file (its .result is returned as
     "published"). after_tensor(name): called after each merged tensor (the aggregator's
-    fault point). Returns {"theta_norm", "delta_norms", "bytes_read", "bytes_written"}."""
+    fault point). threads: the chunks of a tensor on threads (None: wire.default_threads(),
+    $WIRE_THREADS or every core; the same bits and norms for any number).
+    Returns {"theta_norm", "delta_norms", "bytes_read", "bytes_written", "published"}."""
+    import wire
+    threads = wire.resolve_threads(threads)
     writers, inputs = [], None
     try:
         inputs = Inputs(theta_path, momentum_path, [p for p, _ in deltas])
@@ -337,7 +385,7 @@ def merge_files(theta_path, momentum_path, deltas, out_theta, out_momentum, lr, 
                 th_all, buf_all = wb.take()
                 n = tr.nbytes(name) // 4
                 theta, buf = th_all[:n], (buf_all[:n] if keep_buf else None)
-                merge_tensor(inputs, name, theta, buf, weights, lr, mu, sums, work)
+                merge_tensor(inputs, name, theta, buf, weights, lr, mu, sums, work, threads)
                 wb.put((th_all, buf_all), [(tw, name, theta)] + ([(mw, name, buf)] if mw else []))
                 if pause_s:
                     time.sleep(pause_s)

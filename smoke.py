@@ -6,6 +6,19 @@ Runs on: compute nodes (one process per GPU), or this machine's CPU for tests.
 No port of its own (the rendezvous is dist_env.init_distributed's), no state directory.
 
 Checks, each reduced over all ranks, printed by rank 0 as a pass/fail table:
+  first collective      first, before anything else: one small all-reduce on the world, then
+                        for each --diloco-replicas K the layout's groups are made
+                        (diloco.ReplicaLayout.build) and each of this rank's sub-groups (inner,
+                        outer) gets its first all-reduce, all timed under a watchdog. On
+                        LUMI's torch 2.10 + ROCm 7.0 images the first collective of a group
+                        made with new_group() hangs on every rank at >= 4 nodes in most
+                        attempts (lumi-ai-factory/laifs-container-recipes issue #44; one group
+                        alone always passed). A rank whose groups and first all-reduces are not
+                        done after --first-collective-timeout-s prints one line naming the
+                        group, and the mitigations set (MITIGATIONS), and exits 1 at once
+                        (jobs/*_smoke.sh: srun --kill-on-bad-exit ends the other ranks): a
+                        failure in minutes, not a stuck allocation. RUNBOOK.md section 2 says
+                        what to try next. The row, when it passes, gives each group's time.
   distinct devices      every rank drives its own GPU (host + device uuid, else PCI id);
                         two ranks on one GPU is the classic pinning mistake and only
                         shows up later as half the throughput. On CPU: reported, passes.
@@ -44,6 +57,7 @@ import re
 import socket
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -51,7 +65,13 @@ import torch.distributed as dist
 
 import diloco
 import dist_env
+import httpd
 import models
+
+# what may keep the first collective of a new group from hanging on LUMI (sites/lumi.sh sets
+# them; RUNBOOK.md section 2): dist_env's eager NCCL init (device_id), torch's non-blocking
+# communicator calls, RCCL's MSCCL algorithms. The row and its failure line say which are set.
+MITIGATIONS = ("PWW_EAGER_PG_INIT", "TORCH_NCCL_USE_COMM_NONBLOCKING", "RCCL_MSCCL_ENABLE")
 
 
 @dataclasses.dataclass
@@ -62,10 +82,13 @@ class SmokeConfig:
     diloco_mb: float | None = None        # None: 45 on GPU (ResNet-18's fp32 size), 4 on CPU
     iters: int = 5
     min_busbw_gbs: float | None = None    # None: 10 on GPU, 0 on CPU
+    first_collective_timeout_s: float = 180.0
 
     def __post_init__(self):
         if self.iters < 1:
             raise ValueError(f"--iters {self.iters}: must be >= 1")
+        if not self.first_collective_timeout_s > 0:
+            raise ValueError(f"--first-collective-timeout-s {self.first_collective_timeout_s}: must be > 0")
         for name in ("allreduce_mb", "diloco_mb"):
             v = getattr(self, name)
             if v is not None and not v > 0:
@@ -92,6 +115,69 @@ def device_identity(d):
     uid = str(getattr(p, "uuid", "") or "")
     pci = f"{getattr(p, 'pci_domain_id', 0):04x}:{getattr(p, 'pci_bus_id', 0):02x}:{getattr(p, 'pci_device_id', 0):02x}"
     return host, uid or pci, f"{p.name} pci {pci}"
+
+
+def mitigations_set(env=os.environ):
+    """'PWW_EAGER_PG_INIT=1, TORCH_NCCL_USE_COMM_NONBLOCKING unset, ...' for the row and its failure line."""
+    return ", ".join(f"{v}={env[v]}" if v in env else f"{v} unset" for v in MITIGATIONS)
+
+
+class Watchdog:
+    """Ends this process with exit status 1 and one line on stderr when the block it guards
+    is still running after timeout_s: a collective that hangs in C++ cannot be interrupted,
+    so a thread waits beside it. `stage` names what the block is doing, for the line."""
+
+    def __init__(self, timeout_s, rank):
+        self.timeout_s, self.rank, self.stage = timeout_s, rank, "starting"
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="smoke-watchdog", daemon=True)
+
+    def _watch(self):
+        if not self.done.wait(self.timeout_s):
+            print(f"smoke.py: FAIL first collective: {self.stage} did not finish within "
+                  f"{self.timeout_s:g} s on rank {self.rank} ({socket.gethostname()}); {mitigations_set()}; "
+                  f"see RUNBOOK.md section 2, 'first collective'", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+
+
+def _first_all_reduce(d, group, what, dog):
+    """ms of one small all-reduce on `group` (its first, when the group is new); exact or raises."""
+    dog.stage = f"the first all-reduce on {what}"
+    httpd.fault_point(f"smoke.first_collective.rank{d.rank}")     # test hook: a rank that never arrives
+    t0 = time.perf_counter()
+    t = torch.ones(1, device=d.device)
+    dist.all_reduce(t, group=group)
+    _sync(d.device)
+    ms = (time.perf_counter() - t0) * 1e3
+    if t.item() != dist.get_world_size(group):
+        raise RuntimeError(f"{what}: all-reduce of ones gave {t.item():g}, expected {dist.get_world_size(group)}")
+    return ms
+
+
+def check_first_collectives(d, replicas, timeout_s):
+    """The layouts for each K (their groups made here, the first time) and the row: a first
+    all-reduce on the world, then on each sub-group of each layout, all under one Watchdog."""
+    layouts, parts = {}, []
+    with Watchdog(timeout_s, d.rank) as dog:
+        parts.append(f"world {_first_all_reduce(d, None, 'the world group', dog):.1f} ms")
+        for k in replicas:
+            dog.stage = f"making the groups of --diloco-replicas {k} (ReplicaLayout.build)"
+            t0 = time.perf_counter()
+            lay = layouts[k] = diloco.ReplicaLayout.build(d.world_size, d.rank, k)
+            made = (time.perf_counter() - t0) * 1e3
+            times = [f"{name} {ranks} {_first_all_reduce(d, group, f'k={k} {name} group {ranks}', dog):.1f} ms"
+                     for name, group, ranks in (("inner", lay.inner_group, lay.inner_ranks),
+                                                ("outer", lay.outer_group, lay.outer_ranks))]
+            parts.append(f"k={k}: groups made in {made:.1f} ms, " + ", ".join(times))
+    return layouts, (True, "; ".join(parts) + f" (limit {timeout_s:g} s; {mitigations_set()})")
 
 
 def check_devices(d, world, ids):
@@ -252,9 +338,9 @@ class Prepared(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.full((numel,), float(value), device=device))
 
 
-def check_diloco(d, world, k, cfg):
-    """Group membership and the exact FedAvg outer step for k replicas."""
-    lay = diloco.ReplicaLayout.build(world, d.rank, k)
+def check_diloco(d, world, k, cfg, lay):
+    """Group membership and the exact FedAvg outer step for k replicas (lay: the layout
+    check_first_collectives built)."""
     inner = dist.get_process_group_ranks(lay.inner_group)
     outer = dist.get_process_group_ranks(lay.outer_group)
     groups_ok = inner == lay.inner_ranks and outer == lay.outer_ranks
@@ -278,7 +364,11 @@ def check_diloco(d, world, k, cfg):
 
 def run(cfg: SmokeConfig):
     log_glob = nccl_debug_to_file() if dist_env.detect_accel(cfg.device) != "cpu" else None
-    d = dist_env.init_distributed(cfg.device)
+    try:
+        d = dist_env.init_distributed(cfg.device)
+    except dist_env.ConfigError as e:           # a --device or PWW_* value this process cannot use
+        print(f"smoke.py: {e}", file=sys.stderr, flush=True)
+        return 2
     world = d.world_size
     for k in cfg.diloco_replicas:
         try:
@@ -287,19 +377,22 @@ def run(cfg: SmokeConfig):
             dist_env.print0(f"smoke.py: {e}")
             return 2
     cfg = cfg.resolved(d.device.type == "cuda")
-    dist_env.print0(f"smoke: {world} ranks, backend {d.backend}, accel {d.accel}, torch {torch.__version__}")
+    dist_env.print0(f"smoke: {world} ranks, backend {d.backend}, accel {d.accel}, torch {torch.__version__}; "
+                    f"{mitigations_set()}")
+    layouts, first = check_first_collectives(d, cfg.diloco_replicas, cfg.first_collective_timeout_s)
     ids = [None] * world
     dist.all_gather_object(ids, device_identity(d))
     hosts = len({h for h, _, _ in ids})
     net_ok, net_detail, net_lines = check_network(d, hosts, log_glob)
-    rows = [("distinct devices",) + check_devices(d, world, ids),
+    rows = [("first collective",) + first,
+            ("distinct devices",) + check_devices(d, world, ids),
             ("all-reduce exact",) + check_exact(d, world),
             ("all-reduce bandwidth",) + check_bandwidth(d, world, cfg)[:2],
             ("network", net_ok, net_detail),
             ("hip runtime",) + check_hip_runtime(d),
             ("attention kernel",) + check_attention(d)]
     for k in cfg.diloco_replicas:
-        groups, step = check_diloco(d, world, k, cfg)
+        groups, step = check_diloco(d, world, k, cfg, layouts[k])
         rows += [(f"diloco k={k} groups",) + groups, (f"diloco k={k} outer step",) + step]
     return report(d, world, rows, notes=[f"NCCL, rank 0 ({log_glob}):"] + [f"  {l}" for l in net_lines[:12]]
                   if net_lines else [])
@@ -342,11 +435,15 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=5, help="timed all-reduce iterations (default 5)")
     p.add_argument("--min-busbw-gbs", type=float, default=None,
                    help="fail below this bus bandwidth in GB/s (default 10 on GPU, 0 on CPU)")
+    p.add_argument("--first-collective-timeout-s", type=float, default=SmokeConfig.first_collective_timeout_s,
+                   help="a rank whose first all-reduces (world, then each --diloco-replicas "
+                        "layout's groups, made first) are not done after this many seconds "
+                        f"exits 1 naming the group (default {SmokeConfig.first_collective_timeout_s:g})")
     a = p.parse_args(argv)
     try:
         cfg = SmokeConfig(device=a.device, diloco_replicas=tuple(a.diloco_replicas),
                           allreduce_mb=a.allreduce_mb, diloco_mb=a.diloco_mb, iters=a.iters,
-                          min_busbw_gbs=a.min_busbw_gbs)
+                          min_busbw_gbs=a.min_busbw_gbs, first_collective_timeout_s=a.first_collective_timeout_s)
     except ValueError as e:
         p.error(str(e))
     return run(cfg)

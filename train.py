@@ -96,6 +96,10 @@ from dist_env import ConfigError, DeviceError, Dist, init_distributed, print0   
 # Stage 2: config - one dataclass; YAML supplies defaults, flags override
 # ---------------------------------------------------------------------------
 
+# DiLoCo's outer-step flags: they mean something only inside one allocation
+OUTER_STEP_FLAGS = ("diloco_outer_optimizer", "diloco_outer_lr", "diloco_outer_momentum")
+
+
 @dataclasses.dataclass
 class Config:
     config: str | None = None
@@ -129,9 +133,11 @@ class Config:
     log_every: int = 10
     diloco_replicas: int = 1
     diloco_inner_steps: int = 100
-    diloco_outer_optimizer: str = "nesterov"
-    diloco_outer_lr: float = 0.7
-    diloco_outer_momentum: float = 0.9
+    # None = not given: resolve() fills DiLoCo's defaults inside one allocation; with
+    # --federation the outer step is the aggregator's, and validate() refuses a given value
+    diloco_outer_optimizer: str | None = None
+    diloco_outer_lr: float | None = None
+    diloco_outer_momentum: float | None = None
     diloco_outer_device: str = "same"
     federation: str | None = None
     darl_url: str | None = None
@@ -180,6 +186,11 @@ class Config:
         # every machine (CPU bf16 speed varies with the instruction set: AMX, AVX512-BF16).
         if self.dtype == "auto":
             self.dtype = "bf16" if gpu else "fp32"
+        if self.federation is None:      # federated: left unset (validate refuses a given one)
+            d = diloco.DiLoCoConfig()
+            for name in OUTER_STEP_FLAGS:
+                if getattr(self, name) is None:
+                    setattr(self, name, getattr(d, name.removeprefix("diloco_")))
         return self
 
     def validate(self):
@@ -236,6 +247,17 @@ class Config:
 
     def validate_federation(self):
         self.wire_codec()
+        given = [name for name in OUTER_STEP_FLAGS if getattr(self, name) is not None]
+        if given:
+            flags = ", ".join(f"--{n.replace('_', '-')} {getattr(self, n)}" for n in given)
+            raise ConfigError(f"{flags} with --federation: the outer step is the aggregator's, set by "
+                              f"fedmom_server.py --outer-lr and --outer-momentum (Nesterov); a site only "
+                              f"takes theta_global, so drop {'them' if len(given) > 1 else 'it'} "
+                              f"(from --config too)")
+        if self.diloco_outer_device != "same":
+            raise ConfigError(f"--diloco-outer-device {self.diloco_outer_device} with --federation: a federated "
+                              "site keeps its copy of theta_global on the training device (no outer momentum: the "
+                              "aggregator owns the outer step), so the flag would do nothing; drop it")
         if not self.llm:
             raise ConfigError(f"--federation trains a Qwen3 model on DARL-leased token windows; "
                               f"--model {self.model} reads no tokenized corpus (use qwen3-*)")
@@ -314,6 +336,9 @@ def build_parser():
     a("--tensorboard", metavar="DIR", help="also write every metrics row as TensorBoard scalars into DIR "
       "(torch.utils.tensorboard; needs the tensorboard package; default: metrics.jsonl only)")
     diloco.add_diloco_args(p)
+    # the outer step's flags parse to None when not given, so that --federation (where the
+    # aggregator owns the outer step) can refuse a value given; resolve() fills the defaults
+    p.set_defaults(**dict.fromkeys(OUTER_STEP_FLAGS))
     f = p.add_argument_group("federation (one model trained across sites through the central VM)")
     f.add_argument("--federation", metavar="FEDMOM_URL",
                    help="train as one site of a federated run: the aggregator fedmom_server.py "
@@ -409,7 +434,8 @@ def _yaml_defaults(path, parser):
                 value = act.type(value)     # YAML reads 3e-4 as a string; int("8") etc.
             except (TypeError, ValueError):
                 raise ConfigError(f"--config {path}: {key}: {value!r} is not a valid {flag} value")
-        if act.choices is not None and value not in act.choices:
+        unset = value is None and parser.get_default(dest) is None     # null: "not given", as the flag's default
+        if act.choices is not None and value not in act.choices and not unset:
             raise ConfigError(f"--config {path}: {key}: {value!r} is not one of "
                               f"{', '.join(map(str, act.choices))} ({flag})")
         out[dest] = value

@@ -19,6 +19,7 @@
 #   staging       pinned host->device copies (train.HostToDevice) equal plain copies, 16 batches
 #   diloco-cpu    DiLoCo's outer step with theta in pinned host memory equals the on-device one
 #                 (within 8 ulp: FMA contraction may differ between the CPU's and GPU's kernels)
+#   wire-torch    wire_torch.py's int8/int4 encode and apply on the device == wire.py's numpy, bit for bit
 #   resnet-bf16   ResNet-18, DDP path, bf16 autocast, a generated CIFAR-10
 #   resnet-fp16   the same in fp16 with a GradScaler
 #   resnet-fsdp   ResNet-18 under FSDP2, bf16 parameters (BatchNorm kept in fp32)
@@ -174,6 +175,35 @@ print(f"3 outer steps, theta on the host ({'pinned' if on_gpu else 'cpu run'}) =
       f"within {ulps:.1f} ulp")
 EOF
 sed 's/^/   /' "$OUT/diloco-cpu.log"
+
+run wire-torch "$PYTHON" - "$DEVICE" <<'EOF'
+import sys, time, numpy as np, torch, dist_env, wire, wire_torch
+d = dist_env.init_distributed(sys.argv[1])
+rng, cases, t_dev = np.random.default_rng(0), 0, 0.0
+shapes = [(7, 301), (2, 9001), (3, 129), (1, 127), (), (0, 4), (3072, 1024), (4099, 257)]
+for codec in (wire.Codec("int4"), wire.Codec("int8"), wire.Codec("int4", block=65)):
+    for shape in shapes:
+        x = rng.standard_normal(shape).astype(np.float32)
+        x.reshape(-1)[::5] *= np.float32(1e-40)                       # subnormals
+        x.reshape(-1)[:x.size // 3] = 0                               # zero blocks
+        want, want_sent = codec.encode(x, threads=1)
+        xd = torch.from_numpy(x.copy()).to(d.device)
+        t0 = time.perf_counter()
+        parts, sent = wire_torch.encode(codec, xd)
+        theta = wire_torch.apply_(torch.ones_like(xd), codec, parts[""], parts["#scale"])
+        if d.device.type == "cuda":
+            torch.cuda.synchronize()
+        t_dev += time.perf_counter() - t0
+        got = wire_torch.to_numpy(parts)
+        for k in want:
+            assert got[k].tobytes() == want[k].tobytes(), f"{codec.fmt} {shape} part {k!r}: device != numpy"
+        assert sent.cpu().numpy().tobytes() == want_sent.tobytes(), f"{codec.fmt} {shape}: decoded values differ"
+        ref = wire.add_update(np.ones(shape, np.float32), want_sent)
+        assert theta.cpu().numpy().tobytes() == ref.tobytes(), f"{codec.fmt} {shape}: applied theta differs"
+        cases += 1
+print(f"{cases} tensors: encode and apply on {d.device.type} == wire.py (numpy) bit for bit ({t_dev:.2f} s on the device)")
+EOF
+sed 's/^/   /' "$OUT/wire-torch.log"
 
 # -- the models
 "$PYTHON" -c "import data; data.write_fake_cifar('$OUT/cifar', n_train=$NTRAIN, n_test=$NTEST, seed=0)"

@@ -1,7 +1,8 @@
 #!/bin/bash
 # jobs/lumi_smoke.sh - LUMI-G, smoke.
 # infrastructure self-test: one distinct GPU per rank, a numerically exact all-reduce,
-# plausible collective bandwidth (and, with --diloco-replicas K, the DiLoCo groups).
+# plausible collective bandwidth (and, with --diloco-replicas K, the DiLoCo groups; first
+# of all, each group's first all-reduce under a timeout, --first-collective-timeout-s).
 #
 # Submit from the checkout (logs/ must exist: `source env.sh && pww_setup_dirs` once):
 #   sbatch jobs/lumi_smoke.sh
@@ -25,4 +26,6 @@ source "$PWW_ROOT/env.sh"
 cd "$PWW_ROOT"
 pww_rendezvous
 echo "$(date -Is) job $SLURM_JOB_ID on $SLURM_JOB_NODELIST: site $PWW_SITE, $SLURM_NTASKS ranks, rendezvous $MASTER_ADDR:$MASTER_PORT"
-srun --cpu-bind="$(pww_cpu_bind)" jobs/task_wrapper.sh python smoke.py --device "$PWW_DEVICE" "$@"
+# --kill-on-bad-exit: a rank whose first collective timed out exits 1 (smoke.py's first
+# row); the others, still waiting in theirs, are ended with it instead of holding the nodes
+srun --kill-on-bad-exit=1 --cpu-bind="$(pww_cpu_bind)" jobs/task_wrapper.sh python smoke.py --device "$PWW_DEVICE" "$@"

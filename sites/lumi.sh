@@ -50,6 +50,21 @@ export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-hsn0,hsn1,hsn2,hsn3}
 # (the old LUMI advice) hangs multi-node jobs with the ROCm 7.0 stack: LUMI AI Factory,
 # github.com/lumi-ai-factory/laifs-container-recipes issue #30 (April 2026), where removing
 # it fixed the LUMI AI Guide's multi-node examples. RUNBOOK.md section 2 says the same.
+# The first collective of a group made with new_group() (DiLoCo's inner and outer groups,
+# --diloco-replicas > 1) hangs on every rank at >= 4 nodes in most attempts with LUMI's
+# torch 2.10 + ROCm 7.0 images; one group alone always passed (lumi-ai-factory/
+# laifs-container-recipes issue #44, open). A federated site makes no group beyond the
+# default one. smoke.py's first row times each group's first all-reduce and ends the job
+# naming the group. The candidate mitigations the issue names, untested by us at scale,
+# each one a switch (RUNBOOK.md section 2, "first collective"):
+#   PWW_EAGER_PG_INIT: 1 = dist_env.py binds the process group to the GPU (device_id),
+#     communicators made eagerly; 0 = lazily, at each group's first collective.
+#   TORCH_NCCL_USE_COMM_NONBLOCKING=0: torch sets communicators up with blocking calls,
+#     not in NCCL's non-blocking mode.
+#   RCCL_MSCCL_ENABLE=0: RCCL without its MSCCL algorithm set.
+export PWW_EAGER_PG_INIT=${PWW_EAGER_PG_INIT:-1}
+export TORCH_NCCL_USE_COMM_NONBLOCKING=${TORCH_NCCL_USE_COMM_NONBLOCKING:-0}
+export RCCL_MSCCL_ENABLE=${RCCL_MSCCL_ENABLE:-0}
 # libfabric's memory-registration cache watches unmapped memory through userfaultfd;
 # the default monitor has hung RCCL jobs in the LUMI AI Factory's images.
 export FI_MR_CACHE_MONITOR=${FI_MR_CACHE_MONITOR:-userfaultfd}

@@ -27,7 +27,8 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
     servers serve https, FedMom and both sites check them against the CA file.
   - CarrierTest: one torchrun job of 2 ranks (this file's `worker` mode): FSDP2's
     per-tensor gather (the delta file) and scatter (theta_global) against the unsharded
-    state, including unevenly sharded tensors; and a stale delta - the site's base round
+    state, including unevenly sharded tensors; the int4 delta and residual encoded on the
+    device (wire_torch) byte for byte those of the host path; and a stale delta - the site's base round
     is overtaken before it sends - is refused (409), not merged, its lease released in
     DARL, and the site ends on the current theta_global.
   - cheap checks in-process: the ragged-step arithmetic, identity and flag errors, and
@@ -203,6 +204,26 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
                     float((torch.from_numpy(r.read(n, as_float32=True)) - full[n]).abs().max()) for n in names)
             report[f"{label}_scatter_max_err"] = max(float((after[n] - known[n]).abs().max()) for n in names)
             report[f"{label}_uneven"] = any(p.shape[0] % 2 for p in params)
+        # the same deltas in int4 with error feedback, encoded on the host (numpy) and on the
+        # device (wire_torch): the same files, two rounds (the second carries what is owed)
+        files = {}
+        for where in ("host", "device"):
+            wd = os.path.join(out_dir, f"{label}-{where}")
+            if d.rank == 0:
+                os.makedirs(wd, exist_ok=True)
+            dist.barrier()
+            c = diloco.FedMomCarrier(None, wd, "int4", fresh=True, encode_on=where)
+            c.round = 0
+            for rnd in (0, 1):
+                c.round = rnd
+                c.write_delta(names, params, [x * (rnd + 1) for x in deltas])
+                if d.rank == 0:
+                    with open(c.delta_path, "rb") as f, open(os.path.join(wd, "residual-next.safetensors"), "rb") as g:
+                        files[(where, rnd)] = (f.read(), g.read())
+                    c.residual.settle(rnd, rnd + 1, "")
+        if d.rank == 0:
+            report[f"{label}_device_encode_same_files"] = all(
+                files[("host", rnd)] == files[("device", rnd)] for rnd in (0, 1))
 
     # 2. a stale delta: the round moves on between our download and our send
     cfg = train.parse_config(["--model", "qwen3-tiny", "--data", manifest, "--federation", fedmom_url,
@@ -360,6 +381,8 @@ class CarrierTest(unittest.TestCase):
             self.assertTrue(r[f"{label}_gather_names"], f"{label}: the delta file's names, in parameter order")
             self.assertEqual(r[f"{label}_gather_max_err"], 0.0, label)
             self.assertEqual(r[f"{label}_scatter_max_err"], 0.0, label)
+            self.assertTrue(r[f"{label}_device_encode_same_files"],
+                            f"{label}: encode_on='device' writes the host path's delta and residual bytes")
 
     def test_a_stale_delta_is_refused_not_merged_and_its_lease_released(self):
         r = self.report

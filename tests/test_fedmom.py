@@ -185,6 +185,55 @@ class MergeMathTest(Fixture):
         self.assertLess(rel_err(self.theta(st), mean), 1e-6)
 
 
+class ThreadedMergeTest(Fixture):
+    """merge_files on threads: the chunks of a tensor split over a pool give the serial
+    merge's bits, norms and NonFinite, for any number of threads."""
+    BIG = {"big": (2100, 1024), "small": (7,)}           # 9 chunks of fedmom_merge.CHUNK: 3 thread tasks
+
+    def files(self, spoil=None):
+        rng = np.random.default_rng(7)
+        p = lambda n: os.path.join(self.dir, n)
+        for fn, dtype, scale in (("theta", "F32", 1), ("mom", "F32", 0.1), ("d0", "F16", 0.01), ("d1", "BF16", 0.01)):
+            arrays = {k: (scale * rng.standard_normal(s)).astype(np.float32) for k, s in self.BIG.items()}
+            if spoil is not None:
+                spoil(fn, arrays["big"].reshape(-1))
+            write_tensors(p(fn), arrays, dtype)
+        return p("theta"), p("mom"), [(p("d0"), 0.25), (p("d1"), 0.75)]
+
+    def merge(self, threads, inputs):
+        theta, mom, deltas = inputs
+        out_t, out_m = os.path.join(self.dir, f"t{threads}"), os.path.join(self.dir, f"m{threads}")
+        stats = fedmom_merge.merge_files(theta, mom, deltas, out_t, out_m, lr=0.7, mu=0.9, fsync=False,
+                                         threads=threads)
+        with open(out_t, "rb") as f, open(out_m, "rb") as g:
+            return stats, f.read(), g.read()
+
+    def test_any_number_of_threads_gives_the_serial_bits_and_norms(self):
+        inputs = self.files()
+        serial = self.merge(1, inputs)
+        for threads in (2, 3):
+            with self.subTest(threads=threads):
+                self.assertEqual(self.merge(threads, inputs), serial)
+
+    def test_the_first_non_finite_chunk_is_the_one_raised(self):
+        def spoil(fn, big):
+            at = 6 * fedmom_merge.CHUNK + 3              # chunk 6 (the second task): the momentum alone overflows
+            if fn == "theta":
+                big[at] = 3e38
+            if fn == "mom":
+                big[at] = -3.4e38
+            if fn == "d0":
+                big[2 * fedmom_merge.CHUNK + 1] = np.inf   # chunk 2 (the first task): a delta
+        inputs = self.files(spoil)
+        got = []
+        for threads in (1, 3):
+            with self.assertRaises(fedmom_merge.NonFinite) as cm:
+                self.merge(threads, inputs)
+            got.append((cm.exception.what, cm.exception.name, cm.exception.cause))
+        self.assertEqual(got[0], ("theta", "big", "deltas"))       # chunk 2's, not chunk 6's "momentum"
+        self.assertEqual(got[1], got[0])
+
+
 class ProtocolTest(Fixture):
     def test_stale_base_round_is_rejected_with_the_current_round(self):
         st = self.state()

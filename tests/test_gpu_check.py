@@ -38,6 +38,7 @@ class GpuCheckTest(unittest.TestCase):
         self.assertRegex(r.stdout, r"qwen-resume\s+steps\s+8 ")           # continued 4 -> 8
         self.assertRegex(r.stdout, r"attention kernel\s+PASS")
         self.assertIn("16 batches staged", r.stdout)
+        self.assertRegex(r.stdout, r"\d+ tensors: encode and apply on cpu == wire.py \(numpy\) bit for bit")
         self.assertIn("== theta on the device", r.stdout)
 
     def test_shellcheck_clean(self):

@@ -155,6 +155,12 @@ class EnvSiteTest(unittest.TestCase):
                    {"PWW_SITE": "lumi", "PWW_CONTAINER": "/x/y.sif", "PWW_PROJECT": "project_1"}).stdout.split()
         self.assertEqual(out, ["/x/y.sif", "/scratch/project_1/tester", "hsn0,hsn1,hsn2,hsn3"])
 
+    def test_lumi_first_collective_switches_default_and_are_overridable(self):
+        show = 'source env.sh && echo "$PWW_EAGER_PG_INIT $TORCH_NCCL_USE_COMM_NONBLOCKING $RCCL_MSCCL_ENABLE"'
+        self.assertEqual(bash(show, {"PWW_SITE": "lumi"}).stdout.split(), ["1", "0", "0"])
+        self.assertEqual(bash(show, {"PWW_SITE": "lumi", "PWW_EAGER_PG_INIT": "0", "RCCL_MSCCL_ENABLE": "1"}
+                              ).stdout.split(), ["0", "0", "1"])
+
     def test_pww_run_uses_the_venv_and_names_a_missing_one(self):
         out = bash('source env.sh && pww_run python -c "import sys; print(sys.prefix)"',
                    {"PWW_SITE": "local"}).stdout.strip()
@@ -306,6 +312,8 @@ class JobHeaderTest(unittest.TestCase):
                 self.assertEqual(len(sruns), 1, path)
                 self.assertIn("jobs/task_wrapper.sh python", sruns[0], path)
                 self.assertTrue(sruns[0].rstrip().endswith('"$@"'), path)   # flags after the script
+                if name == "smoke":       # a rank that exits 1 on a hung first collective ends the step
+                    self.assertIn("--kill-on-bad-exit=1", sruns[0], path)
 
     def test_lumi_headers(self):
         for name in JOBS:

@@ -19,8 +19,8 @@ TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 DEADLINE_S = 240          # generous: 4 processes importing torch on 2 loaded cores
 
 
-def run_smoke(nproc, *flags):
-    env = {k: v for k, v in os.environ.items()
+def run_smoke(nproc, *flags, env=None):
+    env = {k: v for k, v in dict(os.environ, **(env or {})).items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     if nproc:
@@ -36,10 +36,15 @@ class SmokeTest(unittest.TestCase):
         rc, out = run_smoke(4, "--diloco-replicas", "2", "4")
         self.assertEqual(rc, 0, out)
         self.assertIn("SMOKE TEST PASSED", out)
-        table = [l for l in out.splitlines() if l.split(" ")[0] in ("distinct", "all-reduce", "diloco")]
-        self.assertEqual(len(table), 7, out)
+        table = [l for l in out.splitlines() if l.split(" ")[0] in ("first", "distinct", "all-reduce", "diloco")]
+        self.assertEqual(len(table), 8, out)
         for line in table:
             self.assertRegex(line, r"\s+PASS\s+", out)
+        # the first row: the world's first all-reduce, then each layout's sub-groups, timed
+        self.assertTrue(table[0].startswith("first collective"), out)
+        self.assertRegex(table[0], r"world \d+\.\d ms; k=2: groups made in \d+\.\d ms, inner \[0, 1\] "
+                                   r"\d+\.\d ms, outer \[0, 2\] \d+\.\d ms; k=4: .*outer \[0, 1, 2, 3\]")
+        self.assertIn("PWW_EAGER_PG_INIT", table[0])
         self.assertIn("sum of 1..4 = 10", out)
         self.assertRegex(out, r"diloco k=2 outer step\s+PASS\s+exactly 0\.5000")
         self.assertRegex(out, r"diloco k=4 outer step\s+PASS\s+exactly 1\.5000")
@@ -55,10 +60,33 @@ class SmokeTest(unittest.TestCase):
         self.assertIn("SMOKE TEST FAILED", out)
         self.assertRegex(out, r"all-reduce exact\s+PASS")
 
+    def test_a_first_collective_that_never_finishes_fails_the_job_naming_the_group(self):
+        """One rank never reaches its first all-reduce on a k=2 sub-group (a fault point holds
+        it, as LUMI's hang would): every rank's watchdog ends the job with exit 1 and a line
+        naming the group and the mitigations set, instead of a job that waits for its
+        allocation to end."""
+        with tempfile.TemporaryDirectory() as faults:
+            with open(os.path.join(faults, "smoke.first_collective.rank0"), "w") as f:
+                f.write("1")           # rank 0 passes the world's all-reduce, stops before k=2's inner one
+            rc, out = run_smoke(4, "--diloco-replicas", "2", "--first-collective-timeout-s", "5",
+                                env={"PWW_TEST_FAULT_DIR": faults, "RCCL_MSCCL_ENABLE": "0"})
+            self.assertTrue(os.path.exists(os.path.join(faults, "smoke.first_collective.rank0.hit")),
+                            "the fault point was never reached:\n" + out)
+        self.assertNotEqual(rc, 0, out)
+        self.assertRegex(out, r"smoke\.py: FAIL first collective: the first all-reduce on k=2 (inner|outer) "
+                              r"group \[\d, \d\] did not finish within 5 s on rank \d")
+        self.assertRegex(out, r"PWW_EAGER_PG_INIT unset, TORCH_NCCL_USE_COMM_NONBLOCKING unset, RCCL_MSCCL_ENABLE=0; "
+                              r"see RUNBOOK.md section 2")
+        self.assertNotIn("SMOKE TEST PASSED", out)
+
     def test_replicas_that_do_not_divide_exit_2_naming_the_flag(self):
         rc, out = run_smoke(0, "--diloco-replicas", "3")
         self.assertEqual(rc, 2, out)
         self.assertIn("--diloco-replicas 3 does not divide 1 ranks; use 1", out)
+        rc, out = run_smoke(0, env={"PWW_EAGER_PG_INIT": "yes"})
+        self.assertEqual(rc, 2, out)
+        self.assertIn("smoke.py: PWW_EAGER_PG_INIT='yes': use 1", out)
+        self.assertNotIn("Traceback", out)
 
 
 # NCCL_DEBUG=INFO lines as NCCL 2.2x / RCCL and aws-ofi-nccl 1.18 print them

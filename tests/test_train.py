@@ -1,6 +1,11 @@
 """tests/test_train.py - train.py: config precedence, rank/rendezvous from the environment,
 and real runs through the entrypoint (torchrun, 2 CPU ranks, gloo).
 
+Also a federated site's process groups: this file's `groups-worker` mode runs train.py's own
+stages of a 2-rank FSDP2 site (settle_config, open_run_dir, build_model, make_outer, an
+inner step, the held-out eval, the carrier's per-tensor gather and scatter, a sharded
+checkpoint) and counts the groups torch.distributed holds: the default one only.
+
 The runs are the expensive part (~10-30 s each on 2 cores): FSDP2 on qwen3-tiny with
 the loss falling, then resumed on ONE rank from the 2-rank sharded checkpoint; DDP
 ResNet-18 on a generated CIFAR fixture end to end; DiLoCo k=2 with the trailing
@@ -21,6 +26,7 @@ import dist_env
 import models
 import tokenize_corpus as tc
 import train
+import harness
 from harness import listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,6 +89,36 @@ class ConfigTest(unittest.TestCase):
         with self.assertRaisesRegex(train.ConfigError, "--activation-checkpointing"):
             train.Config(model="resnet18", activation_checkpointing=True).resolve("cpu").validate()
 
+    def test_outer_step_flags_are_refused_with_federation_only_when_given(self):
+        fed = ["--model", "qwen3-tiny", "--data", "x/manifest.json", "--federation", "http://127.0.0.1:1",
+               "--darl-url", "http://127.0.0.1:2", "--site", "lumi"]
+        cfg = train.parse_config(fed).resolve("cpu")
+        cfg.validate()                                 # the defaults alone are not a given value
+        self.assertEqual((cfg.diloco_outer_lr, cfg.diloco_outer_momentum), (None, None))
+        for extra, flag in ((["--diloco-outer-lr", "0.5"], "--diloco-outer-lr 0.5"),
+                            (["--diloco-outer-momentum", "0.8"], "--diloco-outer-momentum 0.8"),
+                            (["--diloco-outer-optimizer", "sgd"], "--diloco-outer-optimizer sgd"),
+                            (["--config", self.yaml("diloco_outer_lr: 1.0\n")], "--diloco-outer-lr 1.0")):
+            with self.subTest(extra=extra), self.assertRaises(train.ConfigError) as e:
+                train.parse_config(fed + extra).resolve("cpu").validate()
+            self.assertIn(flag, str(e.exception))
+            self.assertIn("fedmom_server.py --outer-lr and --outer-momentum", str(e.exception))
+        with self.assertRaises(train.ConfigError) as e:              # where theta would live: nothing to place
+            train.parse_config(fed + ["--diloco-outer-device", "cpu"]).resolve("cpu").validate()
+        self.assertIn("--diloco-outer-device cpu with --federation", str(e.exception))
+        # a federated run's written config.yaml reads back and passes (the fields stay unset) ...
+        path = os.path.join(self.tmp.name, "config.yaml")
+        train.write_config_yaml(path, cfg, {"git": "abc", "world_size": 1})
+        train.parse_config(["--config", path]).resolve("cpu").validate()
+        for f in sorted(os.listdir(os.path.join(ROOT, "configs"))):       # ... and so do the shipped ones
+            if f.startswith("qwen3"):
+                train.parse_config(["--config", os.path.join(ROOT, "configs", f)] + fed).resolve("cpu").validate()
+        # inside one allocation the same flags are DiLoCo's, and the defaults are filled in
+        local = train.parse_config(["--diloco-replicas", "2", "--diloco-outer-lr", "0.5"]).resolve("cpu")
+        local.validate()
+        self.assertEqual((local.diloco_outer_optimizer, local.diloco_outer_lr, local.diloco_outer_momentum),
+                         ("nesterov", 0.5, 0.9))
+
     def test_model_dependent_defaults(self):
         c = train.Config(model="resnet18").resolve("cpu")
         self.assertEqual((c.dtype, c.batch_size, c.lr, c.weight_decay, c.grad_clip),
@@ -143,12 +179,67 @@ class DistEnvTest(unittest.TestCase):
             dist_env._rendezvous_env({"MASTER_ADDR": "h"}, world_size=2)
 
     @unittest.skipIf(torch.cuda.is_available(), "a GPU is visible")
+    def test_eager_pg_init_switch(self):
+        self.assertTrue(dist_env.eager_pg_init({}))                      # the default: device_id
+        self.assertTrue(dist_env.eager_pg_init({"PWW_EAGER_PG_INIT": "1"}))
+        self.assertFalse(dist_env.eager_pg_init({"PWW_EAGER_PG_INIT": "0"}))
+        with self.assertRaisesRegex(dist_env.ConfigError, "PWW_EAGER_PG_INIT='yes': use 1 .* or 0"):
+            dist_env.eager_pg_init({"PWW_EAGER_PG_INIT": "yes"})
+
     def test_device_dispatch_on_a_cpu_build(self):
         self.assertEqual(dist_env.detect_accel("auto"), "cpu")
         self.assertEqual(dist_env.detect_accel("cpu"), "cpu")
         for dev in ("cuda", "rocm"):
             with self.assertRaisesRegex(RuntimeError, "--device cpu"):
                 dist_env.detect_accel(dev)
+
+
+def _groups(dist):
+    """{group name: ranks} of every process group this process holds (the default one too)."""
+    from torch.distributed import distributed_c10d as c10d
+    return {c10d._world.pg_names[pg]: dist.get_process_group_ranks(pg) for pg in c10d._world.pg_map}
+
+
+def groups_worker(manifest, out_dir):
+    """Under torchrun, 2 ranks: a federated FSDP2 site up to its first delta, without the
+    central services (nothing here calls them); rank 0 writes the groups it found."""
+    import torch.distributed as dist
+    import checkpoint
+    import diloco
+    cfg = train.parse_config(["--model", "qwen3-tiny", "--data", manifest, "--parallel", "fsdp",
+                              "--federation", "http://127.0.0.1:9", "--darl-url", "http://127.0.0.1:9",
+                              "--site", "groups", "--batch-size", "2", "--eval-windows", "4",
+                              "--sharded-checkpoint", "--runs-dir", os.path.join(out_dir, "runs"),
+                              "--run-name", "groups"])
+    d = dist_env.init_distributed("cpu")
+    run = train.open_run_dir(cfg, d, train.settle_config(cfg, d))
+    layout = train.build_model(run)
+    carrier = diloco.FedMomCarrier(None, out_dir, "F32")          # site None: no round trip is made
+    run.outer = train.make_outer(run, layout, carrier)
+    names = [n for n, _ in run.model.named_parameters()]
+    params = [p for _, p in run.model.named_parameters()]
+    carrier.write_delta(names, params, [p.to_local().detach().clone() for p in params])   # full_tensor()
+    if d.rank == 0:
+        os.replace(carrier.delta_path, carrier.theta_path)
+    dist.barrier()
+    carrier.read_theta(names, params, [torch.empty_like(p.to_local()) for p in params])   # distribute_tensor()
+    diloco.on_rank0(lambda: None)
+    t = torch.from_numpy(run.windows.batch([d.rank * 2, d.rank * 2 + 1]))
+    train.forward_loss(run.model, cfg, (t[:, :-1], t[:, 1:])).backward()
+    run.opt.step()
+    run.log_eval(1)
+    run.save(1)
+    federated = _groups(dist)
+    # the same count sees the groups DiLoCo's layout makes inside one allocation (k=2: 2 x 1)
+    diloco.ReplicaLayout.build(d.world_size, d.rank, 2)
+    in_allocation = _groups(dist)
+    if d.rank == 0:
+        with open(os.path.join(out_dir, "groups.json"), "w") as f:
+            json.dump({"federated": federated, "in_allocation": in_allocation, "layout": layout,
+                       "checkpoint": checkpoint.latest(run.run_dir)}, f)
+    run.log.close()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _env():
@@ -330,6 +421,47 @@ class FederationCorpusTest(unittest.TestCase):
         self.assertNotIn("Traceback", p.stderr)
 
 
+class ProcessGroupTest(unittest.TestCase):
+    def test_a_federated_fsdp_site_holds_only_the_default_group(self):
+        """A group made with new_group() can hang its first collective on LUMI's torch 2.10 +
+        ROCm 7.0 stack at >= 4 nodes (RUNBOOK.md section 2): a federated site (replicas = 1)
+        must make none. FSDP2's mesh is built on the default group (DeviceMesh.from_group)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            tok = os.path.join(tmp, "tok")
+            tc.tokenize(tc.TokenizeConfig(inputs=[], out=tok, seq_len=32, max_files=2, max_bytes=8000,
+                                          heldout_windows=8, progress=False))
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                   os.path.join("tests", "test_train.py"), "groups-worker", os.path.join(tok, "manifest.json"), tmp]
+            p = subprocess.run(cmd, cwd=ROOT, env=harness.child_env(), capture_output=True, text=True, timeout=600)
+            self.assertEqual(p.returncode, 0, (p.stdout + p.stderr)[-4000:])
+            with open(os.path.join(tmp, "groups.json")) as f:
+                found = json.load(f)
+        self.assertIsNone(found["layout"], "replicas = 1 builds no DiLoCo layout")
+        self.assertIsNotNone(found["checkpoint"], "the sharded checkpoint was written")
+        self.assertEqual(list(found["federated"].values()), [[0, 1]],
+                         f"a federated site holds a group beyond the default one: {found['federated']}")
+        self.assertGreater(len(found["in_allocation"]), 1,
+                           "the count must see the groups DiLoCo's layout makes at replicas > 1")
+
+
+class FederationFlagTest(unittest.TestCase):
+    def test_an_outer_step_flag_with_federation_exits_2_naming_where_it_is_set(self):
+        """The aggregator owns the outer step: --diloco-outer-lr on a site would do nothing."""
+        with tempfile.TemporaryDirectory() as tmp:
+            # nothing listens on these ports: a run that got as far as a call would retry for 900 s
+            p = subprocess.run([sys.executable, "train.py", "--device", "cpu", "--model", "qwen3-tiny",
+                                "--data", os.path.join(tmp, "manifest.json"), "--federation", "http://127.0.0.1:9",
+                                "--darl-url", "http://127.0.0.1:9", "--site", "lumi", "--diloco-outer-lr", "0.5",
+                                "--runs-dir", os.path.join(tmp, "runs")],
+                               cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        errors = [line for line in p.stderr.splitlines() if line.startswith("train.py: error:")]
+        self.assertEqual(len(errors), 1, p.stderr)
+        self.assertIn("--diloco-outer-lr 0.5 with --federation", errors[0])
+        self.assertIn("fedmom_server.py --outer-lr", errors[0])
+        self.assertNotIn("Traceback", p.stderr)
+
+
 class ModelTest(unittest.TestCase):
     def test_sizes_and_flops(self):
         # torchtitan's 8B flavor with a 128k tokenizer padded to 131,328 rows (untied head)
@@ -349,4 +481,7 @@ class ModelTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    unittest.main()
+    if sys.argv[1:2] == ["groups-worker"]:
+        groups_worker(*sys.argv[2:4])
+    else:
+        unittest.main()

@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 import tracemalloc
 import unittest
 
@@ -243,6 +244,123 @@ class RoundTripTest(Tmp):
                 tracemalloc.stop()
             one, model = 256 * 1024 * 4, 16 * 256 * 1024 * 4
             self.assertLess(peak, 6 * one, f"{codec.fmt}: peak {peak} bytes, one tensor {one}, all {model}")
+
+
+def hard_values(rng, shape):
+    """Finite float32 over the whole range: normals, subnormals, zeros of both signs, a zero
+    block, and blocks whose largest magnitude is a subnormal or below the bf16 range."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    flat = x.reshape(-1)
+    flat *= (np.float32(10) ** rng.integers(-44, 37, flat.size)).astype(np.float32)
+    flat[::7] = 0
+    flat[::13] = -0.0
+    if flat.size >= 192 and shape[-1] >= 64:
+        flat[:64] = 0                                     # a zero block (any block size >= 64)
+        flat[64:128] = np.float32(1e-45) * rng.integers(-3, 4, 64)    # amax / L underflows to 0
+        flat[128:192] = rng.standard_normal(64).astype(np.float32) * np.float32(1e-40)
+    return x
+
+
+class FastPathTest(Tmp):
+    """The int8/int4 kernels (chunks, threads, reused buffers) against the plain numpy
+    reference (Codec.encode/decode(reference=True)), and the streaming file loops against
+    a naive loop: bit for bit, on shapes that cross chunk and thread-task boundaries."""
+    SHAPES = [(2100, 1024), (4099, 257), (3, 2, 301), (1, 1 << 20), (9001,), (), (0, 4), (4, 0), (5, 1)]
+
+    def test_encode_and_decode_match_the_reference_bit_for_bit_on_any_threads(self):
+        rng = np.random.default_rng(40)
+        for codec in (wire.Codec("int4"), wire.Codec("int8"), wire.Codec("int4", block=65),
+                      wire.Codec("int8", block=256)):
+            for shape in self.SHAPES:
+                x = hard_values(rng, shape)
+                want, want_sent = codec.encode(x, reference=True)
+                for threads in (1, 3):
+                    with self.subTest(codec=codec.fmt, block=codec.block, shape=shape, threads=threads):
+                        got, sent = codec.encode(x, threads=threads)
+                        self.assertEqual(sorted(got), sorted(want))
+                        for part in want:
+                            self.assertEqual((got[part].dtype, got[part].shape), (want[part].dtype, want[part].shape))
+                            self.assertEqual(got[part].tobytes(), want[part].tobytes(), part)
+                        self.assertEqual(sent.tobytes(), want_sent.tobytes())
+                        out = np.full(x.size + 3, np.nan, np.float32)       # a reused buffer, larger
+                        dec = codec.decode(got, shape, threads=threads, out=out)
+                        self.assertEqual(dec.shape, shape)
+                        self.assertEqual(dec.tobytes(), want_sent.tobytes())
+                        self.assertEqual(codec.decode(got, shape, reference=True).tobytes(), want_sent.tobytes())
+
+    def test_the_fast_decode_refuses_what_the_reference_refuses(self):
+        rng = np.random.default_rng(41)
+        x = rng.standard_normal((2100, 1024)).astype(np.float32)
+        for codec, spoil, words in (
+                (wire.Codec("int4"), lambda p: p[""].__setitem__(900000, 0x80), "code 0"),
+                (wire.Codec("int8"), lambda p: p[""].__setitem__((2000, 7), -128), "-128"),
+                (wire.Codec("int4"), lambda p: p["#scale"].__setitem__((7, 1), 0x7FC0), "scale")):
+            parts, _ = codec.encode(x)
+            parts = {k: a.copy() for k, a in parts.items()}
+            spoil(parts)
+            for kw in ({"threads": 3}, {"reference": True}):
+                with self.subTest(codec=codec.fmt, words=words, **kw), self.assertRaisesRegex(wire.WireError, words):
+                    codec.decode(parts, x.shape, **kw)
+
+    def naive_apply(self, theta_path, update_path):
+        """The reference: read, decode (plain numpy), add_update, Digest, one tensor at a time."""
+        d, out, sents = wire.Digest(), {}, {}
+        with tensorio.TensorReader(theta_path) as prev, wire.WireReader(update_path) as upd:
+            for n in prev.names:
+                parts = {p[len(n):]: upd.r.read(p) for p, _, _ in upd.codec.parts(n, upd.shapes[n])}
+                sent = upd.codec.decode(parts, upd.shapes[n], reference=True)
+                out[n], sents[n] = wire.add_update(prev.read(n).reshape(sent.shape), sent), sent
+                d.add(n, out[n])
+        return d.hexdigest(), out, sents
+
+    def test_apply_update_decode_file_and_theta_digest_match_a_naive_loop(self):
+        rng = np.random.default_rng(42)
+        theta = {f"t{i}": rng.standard_normal(s).astype(np.float32) for i, s in enumerate(self.SHAPES)}
+        specs = [(n, a.shape) for n, a in theta.items()]
+        with tensorio.TensorWriter(self.p("theta"), [(n, "F32", s) for n, s in specs]) as w:
+            for n, a in theta.items():
+                w.write(n, a)
+        for codec in (wire.Codec("int4"), wire.Codec("int8", block=64)):
+            upd = {n: hard_values(rng, a.shape) * np.float32(1e-3) for n, a in theta.items()}
+            self.write(self.p("upd"), upd, codec)
+            want_digest, want, sents = self.naive_apply(self.p("theta"), self.p("upd"))
+            for threads in (1, 3):
+                with self.subTest(codec=codec.fmt, threads=threads):
+                    got = wire.apply_update(self.p("theta"), self.p("upd"), self.p("out"), want_digest,
+                                            fsync=False, threads=threads)
+                    self.assertEqual(got, want_digest)
+                    self.assertEqual(wire.theta_digest(self.p("out"), threads=threads), want_digest)
+                    wire.decode_file(self.p("upd"), self.p("dec"), fsync=False, threads=threads)
+                    with tensorio.TensorReader(self.p("out")) as r, tensorio.TensorReader(self.p("dec")) as dr:
+                        for n, a in want.items():
+                            self.assertEqual(r.read(n).tobytes(), a.tobytes(), n)
+                            self.assertEqual(dr.read(n).tobytes(), sents[n].tobytes(), n)
+
+    def test_a_forked_child_encodes_on_threads_of_its_own(self):
+        # the parent's pool threads do not exist in a fork: reusing its pool would wait forever
+        codec, x = wire.Codec("int4"), np.random.default_rng(43).standard_normal((2100, 1024)).astype(np.float32)
+        want = codec.encode(x, threads=2)[1].tobytes()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os._exit(0 if codec.encode(x, threads=2)[1].tobytes() == want else 1)
+            finally:
+                os._exit(2)
+        for _ in range(1200):                        # a hang fails after two minutes, not never
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            self.fail("the forked child's encode hung")
+        self.assertEqual(os.waitstatus_to_exitcode(status), 0)
+
+    def test_threads_are_validated(self):
+        for bad in (0, -1, 1.5, True):
+            with self.subTest(bad=bad), self.assertRaisesRegex(ValueError, "--threads"):
+                wire.Codec("int4").encode(np.ones(4, np.float32), threads=bad)
 
 
 class LayoutTest(Tmp):

@@ -1,0 +1,156 @@
+"""wire_torch.py - wire.py's int8/int4 codec in torch, on the device: a site encodes its
+delta and applies a downloaded update where the tensors already are.
+
+Runs on: a site (train.py's side; imported only there: wire.py stays numpy-only and
+the central VM never imports torch). No server, no port, no state directory, nothing to
+run from the shell; tests/test_wire_torch.py checks it against wire.py on the CPU and
+bench/gpu_check.sh ("wire-torch") on a GPU.
+
+The formats are wire.py's (its module docstring is their one statement): per block of
+--wire-block values along the last dimension, scale = bf16 rounded UP of absmax / L
+(L = 127, 7), q = rint(x / scale) (0 in a zero-scale block), value = q x scale, all in
+float32; int4 codes q + 8, two a byte over the flattened tensor, element 2i in the low
+nibble. Every step is one IEEE operation (a division, a round half to even, a multiply,
+integer bit shifts), so torch on the CPU or a GPU and numpy produce the same bits
+(no fused multiply-add: each product is rounded before it is added).
+
+    parts, sent = wire_torch.encode(codec, x)          # x float32 on any device
+    wire_writer.write_parts(name, wire_torch.to_numpy(parts))   # the bytes wire.WireWriter writes
+    theta = wire_torch.apply_(theta, codec, codes, sbits)       # theta += decode(...), in place
+
+A sharded tensor (FSDP2 shards along dim 0) encodes shard by shard with the same result
+as the whole tensor, provided each shard holds whole rows and, for int4, an even number
+of values (the packing pairs values across a shard boundary otherwise): shard_ok().
+"""
+import math
+
+import torch
+
+LEVELS = {"int8": 127, "int4": 7}
+SCALE = "#scale"
+
+
+def _check(codec):
+    if codec.fmt not in LEVELS:
+        raise ValueError(f"wire_torch encodes int8 and int4; --wire {codec.fmt} goes through wire.py (numpy)")
+
+
+def as_blocks(shape, block):
+    """wire._as_blocks: (R, C, nb), X = x as [R, C] with nb blocks per row of X."""
+    cols = shape[-1] if len(shape) else 1
+    rows = math.prod(shape) // cols if cols else 0
+    if cols and cols % block == 0:
+        return rows * (cols // block), block, 1
+    return rows, cols, -(-cols // block)
+
+
+def bf16_up(a):
+    """float32 >= 0 -> bfloat16 bits as int32 (< 0x8000), rounded UP: wire.bf16_up."""
+    u = a.contiguous().view(torch.int32)
+    return (u >> 16) + ((u & 0xFFFF) != 0).to(torch.int32)
+
+
+def bits_to_f32(bits):
+    """bfloat16 bits (int16 or int32, the low 16 bits) -> float32, exactly."""
+    return ((bits.to(torch.int32) & 0xFFFF) << 16).view(torch.float32)
+
+
+def _blocked(x, block):
+    """x as [R, nb, block] (a ragged row zero-padded to whole blocks) and (R, C, nb)."""
+    R, C, nb = as_blocks(tuple(x.shape), block)
+    X = x.reshape(R, C)
+    if nb * block != C:
+        X = torch.nn.functional.pad(X, (0, nb * block - C))
+    return X.reshape(R, nb, block), (R, C, nb)
+
+
+@torch.no_grad()
+def encode(codec, x):
+    """float32 tensor -> ({"": codes, "#scale": int16 scale bits [rows, nb]}, the decoded
+    values, float32 of x's shape), on x's device, the bits of wire.Codec.encode."""
+    _check(codec)
+    levels, block = LEVELS[codec.fmt], codec.block
+    x = x.detach().to(torch.float32).contiguous()
+    shape = tuple(x.shape)
+    cols = shape[-1] if shape else 1
+    rows = math.prod(shape) // cols if cols else 0
+    xb, (R, C, nb) = _blocked(x, block)
+    amax = xb.abs().amax(dim=2) if xb.numel() else xb.new_zeros((R, nb))
+    bits = bf16_up(amax / levels)
+    scale = bits_to_f32(bits)[:, :, None]
+    q = torch.round(xb / scale)                  # round half to even, as numpy's rint
+    q = torch.where(scale == 0, torch.zeros((), dtype=q.dtype, device=q.device), q)
+    if codec.fmt == "int4":
+        q = q + 8                                # codes 1..15; -0.0 + 8 - 8 is +0.0 (the reference's int8 pass)
+        c = q.to(torch.uint8).reshape(R, nb * block)[:, :C].reshape(-1)
+        q = q - 8
+        codes = pack4(c)
+    else:
+        q = q + 0.0                              # -0.0 -> +0.0
+        codes = q.to(torch.int8).reshape(R, nb * block)[:, :C].reshape(shape)
+    sent = (q * scale).reshape(R, nb * block)[:, :C].reshape(shape)
+    return {"": codes, SCALE: bits.to(torch.int16).reshape(rows, -(-cols // block))}, sent
+
+
+def pack4(c):
+    """uint8 codes < 16 -> bytes: element 2i in the low nibble of byte i (an odd last high nibble 0)."""
+    if c.numel() % 2:
+        c = torch.cat([c, c.new_zeros(1)])
+    return c[0::2] | (c[1::2] << 4)
+
+
+def unpack4(packed, count):
+    out = torch.empty(packed.numel() * 2, dtype=torch.uint8, device=packed.device)
+    out[0::2] = packed & 0x0F
+    out[1::2] = packed >> 4
+    return out[:count]
+
+
+@torch.no_grad()
+def decode(codec, codes, sbits, shape):
+    """Parts (torch, on any device: int4/int8 codes and int16 scale bits) -> float32 of
+    `shape`, the bits of wire.Codec.decode. The parts are trusted: a site decodes only an
+    update whose digest it checks, and a file goes through wire.WireReader's checks first."""
+    _check(codec)
+    block, shape = codec.block, tuple(shape)
+    R, C, nb = as_blocks(shape, block)
+    scale = bits_to_f32(sbits.reshape(R, nb))
+    if codec.fmt == "int4":
+        q = unpack4(codes.reshape(-1), math.prod(shape)).to(torch.float32) - 8
+    else:
+        q = codes.to(torch.float32)
+    q = q.reshape(R, C)
+    if nb * block != C:
+        per = scale.repeat_interleave(block, dim=1)[:, :C]
+        return (q * per).reshape(shape)
+    return (q.reshape(R, nb, block) * scale[:, :, None]).reshape(shape)
+
+
+@torch.no_grad()
+def apply_(theta, codec, codes, sbits):
+    """theta += decode(codes, sbits) in float32, in place: wire.add_update's bits."""
+    return theta.add_(decode(codec, codes, sbits, tuple(theta.shape)).to(theta.device))
+
+
+def shard_ok(codec, shard_shape, full_shape):
+    """True if a dim-0 shard of a tensor encodes to exactly its part of the whole tensor's parts."""
+    if not full_shape or len(shard_shape) != len(full_shape) or tuple(shard_shape[1:]) != tuple(full_shape[1:]):
+        return False
+    return codec.fmt != "int4" or math.prod(shard_shape) % 2 == 0
+
+
+def to_numpy(parts):
+    """Parts as torch tensors -> what wire.Codec.encode returns (scales as uint16 bits), on the host."""
+    import numpy as np
+    out = {}
+    for k, t in parts.items():
+        a = t.detach().cpu().contiguous().numpy()
+        out[k] = a.view(np.uint16) if k == SCALE else a
+    return out
+
+
+def from_numpy(parts, device="cpu"):
+    """wire's parts (numpy) -> torch tensors on `device` (scales as int16 bits)."""
+    import numpy as np
+    return {k: torch.from_numpy(np.ascontiguousarray(a).view(np.int16) if k == SCALE else np.ascontiguousarray(a))
+            .to(device) for k, a in parts.items()}
