@@ -6,7 +6,8 @@ Start it:
     python blobstore.py --root /srv/pww/state/blobs                      # 127.0.0.1:29512
     python blobstore.py --root DIR --host 0.0.0.0 --token-file ~/.pww_token \\
                         --tls-cert server.pem --tls-key server.key --quota-gb 500 --max-blob-gb 128
-    python blobstore.py status --url https://127.0.0.1:29512 --token-file ~/.pww_token --ca-file ca.pem
+    python blobstore.py status --url https://127.0.0.1:29512 --token-file ~/.pww_token --ca-file ca.pem \\
+                               [--fedmom https://127.0.0.1:29511]     # + why the aggregator keeps each blob
 
 Callers: sites (through fedmom_client.FedMomClient) and fedmom_server.py itself, with
 the shared bearer token. Only GET /health is public. Clients use put_file() and
@@ -31,7 +32,9 @@ HTTP (ids: [A-Za-z0-9._-]{1,200}, not starting with "."):
                           unfinished: 200, X-Upload-Offset: <bytes received>, X-Upload-Complete: 0,
                           X-Upload-Total, X-Content-Sha256 (the declared one). absent: 404.
     GET    /blobs/<id>    the bytes (sendfile; send under TLS); honours Range: bytes=A-B, A-, -N (206).
-    DELETE /blobs/<id>    the blob and/or its unfinished upload.
+    DELETE /blobs/<id>    the blob and/or its unfinished upload. The store enforces no retention:
+                          fedmom_server.py deletes its own theta/update blobs (--keep-rounds) and
+                          each delta blob once fetched; a site's delta blob it never fetched stays.
     GET    /blobs         {"blobs": [...], "uploads": [...], "used_bytes", "quota_bytes"}
     GET    /health        public liveness probe.
 Every refusal is a 4xx with a one-line JSON {"error": ...}. A full disk during an upload
@@ -698,14 +701,43 @@ def _get_from(url, blob_id, tmp, have, size, sha, token, timeout, bar, state, ca
         conn.close()
 
 
-def print_status(url, token=None, ca_file=None):
-    """Print the store's contents and use; 1 when it is full (every new upload is refused)."""
+def kept_by(fedmom_url, token=None, ca_file=None):
+    """{blob id: why} for the blobs the aggregator at `fedmom_url` keeps (its GET /status
+    "retention"), and a line saying its rule. The store itself enforces no retention: the
+    aggregator deletes its own theta/update blobs once no site can use them."""
+    try:
+        st = httpd.call(fedmom_url, "GET", "/status", token=token, ca_file=ca_file)
+    except (httpd.CallError, OSError, http.client.HTTPException, ValueError) as e:
+        return {}, f"!!! the aggregator at {fedmom_url} does not say what it keeps ({type(e).__name__}: {e})"
+    ret = ((st.get("retention") or {}).get("blobs")) if isinstance(st, dict) else None
+    if not ret:
+        return {}, f"the aggregator at {fedmom_url} names no blob retention (no --blob-url, or an older version)"
+    swept = "not swept yet" if ret["swept_round"] is None else f"last swept at round {ret['swept_round']}"
+    line = (f"aggregator {st.get('aggregator')} keeps its theta/update blobs of the last {ret['keep_rounds']} "
+            f"rounds (--keep-rounds; {swept}; {ret['deleted']} deleted)")
+    return {k["blob"]: k["why"] for k in ret["kept"]}, line
+
+
+def print_status(url, token=None, ca_file=None, fedmom_url=None):
+    """Print the store's contents and use; 1 when it is full (every new upload is refused).
+    fedmom_url: also say why the aggregator there keeps each of its blobs."""
     st = httpd.call(url, "GET", "/blobs", token=token, ca_file=ca_file)
     used, quota = st["used_bytes"], st["quota_bytes"]
     print(f"{len(st['blobs'])} blobs, {len(st['uploads'])} unfinished uploads; "
           f"{used / GB:.2f} of {quota / GB:.2f} GB used ({100 * used / quota:.0f}%)")
+    whys, prefix = {}, None
+    if fedmom_url:
+        whys, line = kept_by(fedmom_url, token, ca_file)
+        prefix = (line.split()[1] + ".") if line.startswith("aggregator ") else None
+        print(line)
     for b in st["blobs"]:
-        print(f"  {b['id']:<48} {b['size'] / 2**20:>10.1f} MiB  sha256 {b['sha256'][:16]}")
+        why = ""
+        if fedmom_url:
+            why = whys.get(b["id"]) or ("  the aggregator's, newer than its last sweep: judged at the next one"
+                                        if prefix and b["id"].startswith(prefix) else
+                                        "  not the aggregator's (a delta in transit, another run's)")
+            why = why if why.startswith("  ") else f"  kept: {why}"
+        print(f"  {b['id']:<48} {b['size'] / 2**20:>10.1f} MiB  sha256 {b['sha256'][:16]}{why}")
     for u in st["uploads"]:
         print(f"  {u['id']:<48} {u['offset'] / 2**20:>10.1f} of {u['total'] / 2**20:.1f} MiB"
               + ("  (uploading)" if u["uploading"] else ""))
@@ -721,10 +753,13 @@ def main(argv):
         p.add_argument("status")
         p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}",
                        help=f"blob store URL, https://... under TLS (default http://127.0.0.1:{DEFAULT_PORT})")
+        p.add_argument("--fedmom", metavar="URL",
+                       help="also ask the aggregator there (fedmom_server.py, :29511) why it keeps each of its "
+                            "theta/update blobs (its GET /status; the same token and CA)")
         httpd.add_client_args(p)
         a = p.parse_args(argv)
         try:
-            return print_status(a.url, httpd.load_token(a.token_file), a.ca_file)
+            return print_status(a.url, httpd.load_token(a.token_file), a.ca_file, a.fedmom)
         except (httpd.CallError, httpd.TLSConfigError, OSError) as e:
             raise SystemExit(f"status: {a.url}: {e}")
     p = httpd.base_parser(__doc__)

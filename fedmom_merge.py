@@ -1,7 +1,7 @@
 """fedmom_merge.py - the streaming Nesterov merge of FedMom, and the checks a delta must pass.
 
 Runs on: the central VM, inside fedmom_server.py (numpy + tensorio.py, and wire.py for
-the compressed downstream update, publish(); never torch). Not started on its own. Tested against torch.optim.SGD(nesterov=True) and a
+the compressed downstream update, Publisher; never torch). Not started on its own. Tested against torch.optim.SGD(nesterov=True) and a
 ten-line naive numpy reference in tests/test_fedmom.py; bench/fedmom_merge.py
 measures it against the fsync'd I/O of the same bytes.
 
@@ -107,9 +107,13 @@ class Inputs:
     def __init__(self, theta_path, momentum_path, delta_paths):
         self.readers, self.fds = [], []
         try:
-            for path in [theta_path, momentum_path, *delta_paths]:
+            for k, path in enumerate([theta_path, momentum_path, *delta_paths]):
                 if path is None:
                     self.readers.append(None)
+                    self.fds.append(None)
+                    continue
+                if k >= 2 and _is_wire(path):           # a compressed delta, decoded as it is read
+                    self.readers.append(DecodedDelta(path))
                     self.fds.append(None)
                     continue
                 self.readers.append(tensorio.TensorReader(path))
@@ -130,6 +134,14 @@ class Inputs:
         into `out` or into that input's scratch (`scratch`: a thread's own, from
         new_scratch()); returns (flat array, dtype)."""
         r, fd = self.readers[k], self.fds[k]
+        if isinstance(r, DecodedDelta):
+            got, decoded = r.chunk(name, lo, hi)
+            with self._lock:
+                self.nread += decoded
+            if out is not None:
+                np.copyto(out, got)
+                return out, "F32"
+            return got, "F32"
         dtype = r.specs[name][0]
         item = tensorio.DTYPES[dtype]
         if out is None:
@@ -153,6 +165,39 @@ class Inputs:
             if fd is not None:
                 os.close(fd)
         self.readers, self.fds = [], []
+
+
+def _is_wire(path):
+    with tensorio.TensorReader(path) as r:
+        return "wire" in r.metadata
+
+
+class DecodedDelta:
+    """A compressed delta (wire.py) as Inputs reads it: each tensor decoded whole when its
+    first chunk is asked for, and kept until the merge moves to the next tensor, so the
+    spool holds the compressed file and the merge's memory grows by one decoded tensor
+    (the largest: 4 B/param of it) per compressed delta. .specs as a plain F32 file's."""
+
+    def __init__(self, path):
+        import wire
+        self.w, self.path = wire.WireReader(path), path
+        self.names = list(self.w.names)
+        self.specs = {n: ("F32", tuple(self.w.shapes[n])) for n in self.names}
+        self.name, self.values = None, None
+        self.lock = threading.Lock()          # the merge's threads ask for chunks of one tensor at once
+
+    def chunk(self, name, lo, hi):
+        """-> (elements [lo, hi) of tensor `name`, bytes read from the file for it: once per tensor)."""
+        with self.lock:
+            read = 0
+            if name != self.name:
+                self.name, self.values = None, None       # the last tensor's memory goes first
+                self.values = self.w.read(name).reshape(-1)
+                self.name, read = name, self.w.nbytes(name)
+            return self.values[lo:hi], read
+
+    def close(self):
+        self.w.close()
 
 
 class NonFinite(ArithmeticError):
@@ -310,10 +355,12 @@ def merge_files(theta_path, momentum_path, deltas, out_theta, out_momentum, lr, 
                 metadata=None, fsync=True, pause_s=0.0, after_tensor=None, threads=None):
     """One durable FedMom step from files. deltas: [(path, weight)], weights summing to 1.
     momentum_path None = first step (buf = g); out_momentum None = do not keep a buffer
-    (momentum 0). after_tensor(name): called after each merged tensor (the aggregator's
+    (momentum 0). out_theta: a path, or a callable (specs, metadata) -> a writer such as
+    Publisher, which gets each merged tensor instead of a file (its .result is returned as
+    "published"). after_tensor(name): called after each merged tensor (the aggregator's
     fault point). threads: the chunks of a tensor on threads (None: wire.default_threads(),
     $WIRE_THREADS or every core; the same bits and norms for any number).
-    Returns {"theta_norm", "delta_norms", "bytes_read", "bytes_written"}."""
+    Returns {"theta_norm", "delta_norms", "bytes_read", "bytes_written", "published"}."""
     import wire
     threads = wire.resolve_threads(threads)
     writers, inputs = [], None
@@ -322,7 +369,8 @@ def merge_files(theta_path, momentum_path, deltas, out_theta, out_momentum, lr, 
         tr, weights = inputs.theta, [w for _, w in deltas]
         specs = [(name, "F32", tr.specs[name][1]) for name in tr.names]
         meta = {k: str(v) for k, v in (metadata or {}).items()}
-        tw = tensorio.TensorWriter(out_theta, specs, meta, fsync=fsync)
+        tw = (out_theta(specs, meta) if callable(out_theta)           # a sink: Publisher
+              else tensorio.TensorWriter(out_theta, specs, meta, fsync=fsync))
         writers.append(tw)
         mw = tensorio.TensorWriter(out_momentum, specs, meta, fsync=fsync) if out_momentum else None
         writers += [mw] if mw else []
@@ -347,9 +395,10 @@ def merge_files(theta_path, momentum_path, deltas, out_theta, out_momentum, lr, 
             wb.finish()
         for w in writers:
             w.close()
-        nwritten = sum(os.path.getsize(w.path) for w in writers)
+        nwritten = sum(w.bytes_written() if hasattr(w, "bytes_written") else os.path.getsize(w.path)
+                       for w in writers)
         return {"theta_norm": math.sqrt(sums["theta"]), "delta_norms": [math.sqrt(s) for s in sums["delta"]],
-                "bytes_read": inputs.nread, "bytes_written": nwritten}
+                "bytes_read": inputs.nread, "bytes_written": nwritten, "published": getattr(tw, "result", None)}
     except BaseException:
         for w in writers:
             w.abort()
@@ -361,62 +410,96 @@ def merge_files(theta_path, momentum_path, deltas, out_theta, out_momentum, lr, 
 
 # ---------------------------------------------------------------- the published update
 
-def publish(prev_path, merged_path, residual_path, codec, out_theta, out_update, out_residual,
-            metadata=None, fsync=True):
+class Publisher:
     """Compressed downstream (fedmom_server.py --down-wire): what sites download instead of
     the merged theta, and the theta_global it defines, with the aggregator's error feedback.
-    Per tensor, in float32:
+    A sink for merge_files' merged theta (out_theta=lambda specs, meta: Publisher(...)): it
+    takes each merged tensor in prev's order, so the merged theta is never a file of its own
+    (that file was one model of the state dir's peak). Per tensor, in float32:
         x        = (merged - prev) + residual      the step, plus what earlier rounds rounded away
         sent     = decode(encode(x))               the update file (codec's format) holds encode(x)
         theta    = wire.add_update(prev, sent)     THE theta_global of the new round
         residual = x - sent                        owed to the next round's update
     A site holding prev computes theta from the update with the same addition, bit for bit.
     residual_path None: nothing owed yet. Peak memory: a few times the largest tensor.
-    Returns {"base_digest", "digest", "update_bytes", "residual_norm"} (wire.Digest of prev
-    and of the new theta). Raises NonFinite if the published theta would not be finite."""
-    import wire
-    writers, readers = [], []
-    try:
-        prev = tensorio.TensorReader(prev_path)
-        readers.append(prev)
-        merged = tensorio.TensorReader(merged_path)
-        readers.append(merged)
-        owed = tensorio.TensorReader(residual_path) if residual_path else None
-        readers += [owed] if owed else []
-        shapes = [(n, prev.specs[n][1]) for n in prev.names]
-        meta = {k: str(v) for k, v in (metadata or {}).items()}
-        tw = tensorio.TensorWriter(out_theta, [(n, "F32", sh) for n, sh in shapes], meta, fsync=fsync)
-        writers.append(tw)
-        uw = wire.WireWriter(out_update, shapes, codec, meta, fsync=fsync)
-        writers.append(uw)
-        rw = tensorio.TensorWriter(out_residual, [(n, "F32", sh) for n, sh in shapes], meta, fsync=fsync)
-        writers.append(rw)
-        d_prev, d_new, sq = wire.Digest(), wire.Digest(), 0.0
-        for n, sh in shapes:
-            p = np.asarray(prev.read(n, as_float32=True), np.float32).reshape(sh)
-            x = np.asarray(merged.read(n, as_float32=True), np.float32).reshape(sh) - p
-            if owed is not None:
-                x += np.asarray(owed.read(n, as_float32=True), np.float32).reshape(sh)
-            sent = uw.write(n, x)
-            theta = wire.add_update(p, sent)
-            if not np.isfinite(theta).all():
-                raise NonFinite("theta", n, "deltas")
-            x -= sent
-            sq += sq_norm(x.reshape(-1))
-            d_prev.add(n, p), d_new.add(n, theta)
-            tw.write(n, theta)
-            rw.write(n, x)
-        for w in writers:
+    write() raises NonFinite if the published theta would not be finite; after close(),
+    .result = {"base_digest", "digest", "update_bytes", "residual_norm"} (wire.Digest of prev
+    and of the new theta)."""
+
+    def __init__(self, prev_path, residual_path, codec, out_theta, out_update, out_residual,
+                 metadata=None, fsync=True):
+        import wire
+        self.wire, self.writers, self.readers, self.result = wire, [], [], None
+        try:
+            self.prev = tensorio.TensorReader(prev_path)
+            self.readers.append(self.prev)
+            self.owed = tensorio.TensorReader(residual_path) if residual_path else None
+            self.readers += [self.owed] if self.owed else []
+            self.shapes = {n: self.prev.specs[n][1] for n in self.prev.names}
+            shapes = list(self.shapes.items())
+            meta = {k: str(v) for k, v in (metadata or {}).items()}
+            self.tw = tensorio.TensorWriter(out_theta, [(n, "F32", sh) for n, sh in shapes], meta, fsync=fsync)
+            self.writers.append(self.tw)
+            self.uw = wire.WireWriter(out_update, shapes, codec, meta, fsync=fsync)
+            self.writers.append(self.uw)
+            self.rw = tensorio.TensorWriter(out_residual, [(n, "F32", sh) for n, sh in shapes], meta, fsync=fsync)
+            self.writers.append(self.rw)
+        except BaseException:
+            self.abort()
+            raise
+        self.path, self.out_update = out_theta, out_update
+        self.d_prev, self.d_new, self.sq = wire.Digest(), wire.Digest(), 0.0
+
+    def write(self, n, merged):
+        sh = self.shapes[n]
+        p = np.asarray(self.prev.read(n, as_float32=True), np.float32).reshape(sh)
+        x = np.asarray(merged, np.float32).reshape(sh) - p
+        if self.owed is not None:
+            x += np.asarray(self.owed.read(n, as_float32=True), np.float32).reshape(sh)
+        sent = self.uw.write(n, x)
+        theta = self.wire.add_update(p, sent)
+        if not np.isfinite(theta).all():
+            raise NonFinite("theta", n, "deltas")
+        x -= sent
+        self.sq += sq_norm(x.reshape(-1))
+        self.d_prev.add(n, p), self.d_new.add(n, theta)
+        self.tw.write(n, theta)
+        self.rw.write(n, x)
+
+    def close(self):
+        for w in self.writers:
             w.close()
-        return {"base_digest": d_prev.hexdigest(), "digest": d_new.hexdigest(),
-                "update_bytes": os.path.getsize(out_update), "residual_norm": math.sqrt(sq)}
-    except BaseException:
-        for w in writers:
+        self._close_readers()
+        self.result = {"base_digest": self.d_prev.hexdigest(), "digest": self.d_new.hexdigest(),
+                       "update_bytes": os.path.getsize(self.out_update), "residual_norm": math.sqrt(self.sq)}
+
+    def bytes_written(self):
+        return sum(os.path.getsize(w.path) for w in self.writers)
+
+    def abort(self):
+        for w in self.writers:
             w.abort()
-        raise
-    finally:
-        for r in readers:
+        self._close_readers()
+
+    def _close_readers(self):
+        for r in self.readers:
             r.close()
+        self.readers = []
+
+
+def publish(prev_path, merged_path, residual_path, codec, out_theta, out_update, out_residual,
+            metadata=None, fsync=True):
+    """Publisher from a merged theta file (the rule is Publisher's docstring) -> its .result."""
+    pub = Publisher(prev_path, residual_path, codec, out_theta, out_update, out_residual, metadata, fsync)
+    try:
+        with tensorio.TensorReader(merged_path) as merged:
+            for n in pub.shapes:
+                pub.write(n, merged.read(n, as_float32=True))
+        pub.close()
+        return pub.result
+    except BaseException:
+        pub.abort()
+        raise
 
 
 # ---------------------------------------------------------------- delta checks
@@ -432,11 +515,15 @@ class DeltaRejected(Exception):
 def check_delta_file(path, specs):
     """Header checks, then a tensor-by-tensor finiteness scan; raises DeltaRejected.
     specs: {name: shape} of theta_global. Returns the delta's L2 norm (float64).
-    Nothing is read twice into memory."""
+    Nothing is read twice into memory. A compressed delta (wire.py) is checked as the values
+    it decodes to: check_wire_delta."""
     try:
         r = tensorio.TensorReader(path)
     except tensorio.FormatError as e:
         raise DeltaRejected(400, f"not a tensor file: {str(e).replace(path, 'the delta')}")
+    if "wire" in r.metadata:
+        r.close()
+        return check_wire_delta(path, specs)
     with r:
         missing, extra = sorted(set(specs) - set(r.names)), sorted(set(r.names) - set(specs))
         if missing or extra:
@@ -458,8 +545,34 @@ def check_delta_file(path, specs):
         return math.sqrt(total)
 
 
+def check_wire_delta(path, specs):
+    """check_delta_file for a compressed delta: its layout, names and shapes (before any
+    decoding: a forged wire_shapes could ask for any amount of memory), then each tensor
+    decoded in memory, scanned and dropped; nothing is written, so the spool keeps the
+    compressed file (an int4 delta costs its ~0.52 B/param on disk, not 4). -> the L2 norm
+    of the decoded values, those the merge adds (DecodedDelta)."""
+    import wire
+    where = lambda e: str(e).replace(path, "the delta")
+    try:
+        with wire.WireReader(path) as r:
+            wire.check_shapes(r, specs)
+            total = 0.0
+            for name in r.names:
+                sq = _finite_sq_norm(r.read(name).reshape(-1), "F32")
+                if sq is None:
+                    raise DeltaRejected(422, f"tensor {name!r} holds NaN or Inf")
+                total += sq
+    except wire.WireError as e:
+        raise DeltaRejected(400, f"bad compressed delta: {where(e)}")
+    return math.sqrt(total)
+
+
 def delta_norm(path):
     """The L2 norm of a delta file already checked (a spooled delta restored at start)."""
+    import wire
+    if wire.is_wire(path):
+        with wire.WireReader(path) as r:
+            return math.sqrt(sum(_finite_sq_norm(r.read(n).reshape(-1), "F32") or 0.0 for n in r.names))
     with tensorio.TensorReader(path) as r:
         return math.sqrt(sum(_finite_sq_norm(r.read(n).reshape(-1), r.specs[n][0]) or 0.0 for n in r.names))
 

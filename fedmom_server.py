@@ -12,7 +12,7 @@ updates), fedmom_merge.py (the merge arithmetic and the delta checks), fedmom_st
         --round-deadline-s 1800 --member-timeout-s 300 --blob-url https://127.0.0.1:29512
         --darl https://127.0.0.1:29510 --ca-file ca.pem --token-file FILE
         --darl-token-file AGGREGATOR_TOKEN_FILE --tls-cert server.pem --tls-key server.key
-        --down-wire int4 --down-wire-block 128]
+        --down-wire int4 --down-wire-block 128 --keep-rounds 3]
     # what is it doing?
     python fedmom_server.py status --url https://127.0.0.1:29511 [--token-file FILE --ca-file ca.pem]
 
@@ -32,7 +32,7 @@ memory is a few times the largest tensor, not the model.
 
 Compressed downstream (--down-wire int8|int4|topk|bf16; default f32 = off): after the
 merge, the step theta_merged - theta_r plus what the last update rounded away is encoded
-in that format (fedmom_merge.publish), and theta_{r+1} is DEFINED as theta_r plus the
+in that format (fedmom_merge.Publisher), and theta_{r+1} is DEFINED as theta_r plus the
 decoded update: that is the theta this server serves and merges into next. A site holding
 theta_r downloads the update (~0.52 B/param in int4) and adds it (wire.apply_update) to the
 same bits; one without it (new, requeued, more than one round behind) downloads theta.
@@ -49,7 +49,8 @@ Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."
                      {cluster, incarnation, base_round, tokens, leases: [...], metrics: {...}}
     POST /delta_blob {...the same metadata..., blob, sha256}: the delta sits in blobstore
     GET  /theta      the current theta_global file (X-Round header names its round)
-    GET  /theta_blob publishes it to the blob store once per round -> {blob, sha256, round}
+    GET  /theta_blob publishes it to the blob store once per round -> {blob, sha256, round};
+                     the blob is <aggregator id>.theta-<round> (BlobRetention deletes it later)
     GET  /theta_update?from=R&digest=D   with --down-wire: the update file that takes the
                      theta of round R (wire.Digest D) to the current round (headers X-Round,
                      X-Theta-Digest: the digest the site must get); 409 {"code": "no_update"}
@@ -110,13 +111,23 @@ is retried every 30 s.
 State dir (--state-dir): theta and momentum per round, state.json, rounds.jsonl and
 spool/, and the DARL commits and aborts owed; fedmom_state.py's docstring has the layout.
 
+Retention (--keep-rounds K, default 3): the theta/update blobs of the last K rounds stay
+in the blob store (so a download begun before a merge can finish); BlobRetention deletes
+older ones after every durable round and at start, from the store's listing, so a crash
+leaks nothing; a site further behind takes the full theta (409 no_update). GET /status
+"retention", the status CLI and the page say what the state dir and the store keep and
+why; RUNBOOK.md section 1 has the disk this bounds.
+
     python fedmom_server.py status --url URL   # exit 1 while a violation counter is non-zero
 Violations (refused_commits, aborted_custody, blocks_trained_twice, refused_aborts), DARL's silence and
 fencing are shown on /status, the page and the status CLI. Test hooks (httpd.py): fault
 points fedmom.received, fedmom.spooled, fedmom.custody_held, fedmom.merge,
-fedmom.round_durable and fedmom.committed; the wall clock through httpd.wall_time().
+fedmom.round_durable, fedmom.committed, fedmom.unlink (each file of an old round, outside
+the state lock) and fedmom.blob_delete (each DELETE of a retention sweep); the wall clock
+through httpd.wall_time().
 """
 import argparse
+import collections
 import http.client
 import json
 import os
@@ -130,11 +141,14 @@ import durable
 import httpd
 import status_page
 import wire
+import fedmom_state
 from fedmom_state import ServerConfig, FedMomState, DarlLink, Refused, log, format_record, unlink_with_parts
 
 DEFAULT_PORT = 29511
 BLOB_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
 BLOB_FETCH_RETRIES = 3        # POST /delta_blob's download from the store: ~3.5 s of backoff, then 502
+SWEEP_RETRY_S = 30.0          # a sweep of the blob store that failed (store down) is tried again this often
+BLOB_CALL_TIMEOUT_S = 30.0    # one listing or DELETE of a sweep; on its own thread, so it delays no merge
 
 
 # ---------------------------------------------------------------- HTTP
@@ -150,7 +164,7 @@ def _refusal(fn):
     return wrapped
 
 
-def make_routes(state, blob_token=None):
+def make_routes(state, blob_token=None, retention=None):
     cfg = state.cfg
 
     def ident(body):
@@ -254,9 +268,21 @@ def make_routes(state, blob_token=None):
             if blob in state.published:
                 return state.published[blob]
             # put_file reads by path; /proc/self/fd keeps it on the file we opened under the lock
-            info = blobstore.put_file(cfg.blob_url, blob, f"/proc/self/fd/{f.fileno()}", token=blob_token,
-                                      ca_file=cfg.ca_file)
+            path = f"/proc/self/fd/{f.fileno()}"
+            try:
+                info = blobstore.put_file(cfg.blob_url, blob, path, token=blob_token, ca_file=cfg.ca_file)
+            except httpd.CallError as e:
+                if e.status != 409 or e.reply.get("retry"):
+                    raise
+                # a blob of this name with other bytes: left by a run of this state dir that was
+                # rolled back (restored from an older copy); this round's file replaces it
+                log(f"fedmom: blob {blob} holds other bytes than round {rnd}'s file (a restored state dir?); "
+                    "replacing it")
+                httpd.call(cfg.blob_url, "DELETE", f"/blobs/{blob}", token=blob_token, ca_file=cfg.ca_file)
+                info = blobstore.put_file(cfg.blob_url, blob, path, token=blob_token, ca_file=cfg.ca_file)
             out = {"blob": blob, "sha256": info["sha256"], "round": rnd}
+            if retention is not None:
+                retention.published(blob, rnd, info["size"])
             with state.lock:
                 if state.round == rnd:
                     state.published[blob] = out
@@ -269,7 +295,7 @@ def make_routes(state, blob_token=None):
     def theta_blob(req):
         no_blob_store("/theta")
         f, rnd = state.open_theta()
-        return to_blob(f"theta-{rnd}", f, rnd)
+        return to_blob(fedmom_state.blob_name(state.aggregator_id, "theta", rnd), f, rnd)
 
     def open_update(req):
         try:
@@ -285,7 +311,7 @@ def make_routes(state, blob_token=None):
     def theta_update_blob(req):
         no_blob_store("/theta_update")
         f, rnd, digest = open_update(req)
-        return {**to_blob(f"update-{rnd}", f, rnd), "digest": digest}
+        return {**to_blob(fedmom_state.blob_name(state.aggregator_id, "update", rnd), f, rnd), "digest": digest}
 
     def round_(req):
         with state.lock:
@@ -294,13 +320,17 @@ def make_routes(state, blob_token=None):
     status_html = status_page.Page(state.rounds_path, state.dir, cfg.darl, cfg.blob_url, blob_token,
                                    ca_file=cfg.ca_file)
 
+    def status(req=None):
+        return {**state.status(), "retention": {"keep_rounds": cfg.keep_rounds, "state": state.kept_files(),
+                                                "blobs": retention and retention.view()}}
+
     def page(req):      # GET /?saved=1: the copy to keep (stamped, no auto-refresh)
-        st = state.status()
+        st = status()
         body = status_html.html(st, alarm_lines(st), saved=req.query.get("saved") == "1")
         return httpd.Response(body=body.encode(), content_type="text/html; charset=utf-8")
 
     routes = {("GET", "/health"): lambda req: {"ok": True, "round": state.round},
-              ("GET", "/"): page, ("GET", "/status"): lambda req: state.status(), ("GET", "/round"): round_,
+              ("GET", "/"): page, ("GET", "/status"): status, ("GET", "/round"): round_,
               ("POST", "/join"): join, ("POST", "/heartbeat"): heartbeat, ("POST", "/leave"): leave,
               ("POST", "/delta_check"): delta_check, ("PUT", "/delta"): put_delta,
               ("POST", "/delta_blob"): delta_blob, ("GET", "/theta"): theta, ("GET", "/theta_blob"): theta_blob,
@@ -345,6 +375,91 @@ def darl_loop(state, stop, interval_s=1.0, on_fenced=None):
             stop.wait(backoff)
 
 
+class BlobRetention:
+    """The blob store side of the retention rule (fedmom_state.blob_plan): after each durable
+    round, and once at start, list the store (GET /blobs) and DELETE this aggregator's theta
+    and update blobs no site can use. Working from the listing makes it idempotent and
+    leak-free across crashes: nothing needs recording before a delete, a blob already gone is
+    a 404 that counts as done, and a start sweeps what the last process left. Only the round
+    number is read from the state; every call here is made outside the state lock."""
+
+    def __init__(self, url, aggregator, keep_rounds, token=None, ca_file=None):
+        self.url, self.aggregator, self.keep = url, aggregator, keep_rounds
+        self.token, self.ca_file = token, ca_file
+        self.swept_round, self.retry_at = None, 0.0
+        self.deleted, self.recent, self.error, self.kept = 0, collections.deque(maxlen=20), None, []
+        self.lock = threading.Lock()         # kept: written by the sweep and by to_blob's thread
+
+    def _call(self, method, path):
+        return httpd.call(self.url, method, path, token=self.token, ca_file=self.ca_file,
+                          timeout=BLOB_CALL_TIMEOUT_S)
+
+    def due(self, round_, now):
+        return round_ != self.swept_round and now >= self.retry_at
+
+    def sweep(self, round_, now=None):
+        """One pass at durable round `round_`; True when every blob the rule drops is gone."""
+        now = time.monotonic() if now is None else now
+        try:
+            listing = self._call("GET", "/blobs")
+            sizes = {b["id"]: b["size"] for b in listing["blobs"]}
+            sizes.update({u["id"]: u["total"] for u in listing["uploads"] if u["id"] not in sizes})
+            plan = fedmom_state.blob_plan(sizes, self.aggregator, round_, self.keep)
+            for b in plan:
+                b["bytes"] = sizes[b["blob"]]
+                if not b["keep"]:
+                    self._delete(b)
+        except (httpd.CallError, OSError, http.client.HTTPException, ValueError, KeyError, TypeError) as e:
+            self.error, self.retry_at = f"{type(e).__name__}: {e}", now + SWEEP_RETRY_S
+            log(f"fedmom: retention sweep of the blob store at round {round_} failed ({self.error}); "
+                f"tried again in {SWEEP_RETRY_S:g} s")
+            return False
+        with self.lock:
+            self.kept = [b for b in plan if b["keep"]]
+        self.swept_round, self.error = round_, None
+        return True
+
+    def _delete(self, b):
+        httpd.fault_point("fedmom.blob_delete")        # test hook: a deletion held mid-sweep
+        try:
+            self._call("DELETE", f"/blobs/{b['blob']}")
+        except httpd.CallError as e:
+            if e.status == 409:                        # still being uploaded: judged again next round
+                return
+            if e.status != 404:                        # 404: already gone (a crash after the delete)
+                raise
+        self.deleted += 1
+        self.recent.append({"blob": b["blob"], "bytes": b["bytes"], "why": b["why"]})
+        log(f"fedmom: deleted blob {b['blob']} ({b['bytes'] / 2**20:.1f} MiB): {b['why']}")
+
+    def published(self, blob, rnd, size):
+        """to_blob put `blob` of round `rnd` into the store: shown as kept until the next sweep judges it."""
+        with self.lock:
+            if all(b["blob"] != blob for b in self.kept):
+                plan = fedmom_state.blob_plan([blob], self.aggregator, rnd, self.keep)
+                self.kept = self.kept + [{**b, "bytes": size} for b in plan]
+
+    def view(self):
+        """/status "retention" "blobs": what the store keeps of ours and why, what went."""
+        with self.lock:
+            kept = [dict(b) for b in self.kept]
+        return {"keep_rounds": self.keep, "swept_round": self.swept_round, "error": self.error, "kept": kept, "deleted": self.deleted, "recent_deleted": list(self.recent)}
+
+
+def retention_loop(state, retention, stop, interval_s=1.0):
+    """Background thread 3: the blob store's retention sweep (BlobRetention) once per durable
+    round and once at start; apart from the round loop, so a store that does not answer
+    (30 s timeouts) never delays a merge."""
+    while not stop.is_set():
+        with state.lock:
+            rnd = state.round
+        if retention.due(rnd, time.monotonic()):
+            retention.sweep(rnd)
+        with state.lock:
+            if state.round == rnd:
+                state.cond.wait(timeout=interval_s)
+
+
 # ---------------------------------------------------------------- status
 
 def alarm_lines(st):
@@ -359,9 +474,29 @@ def alarm_lines(st):
                    f"({a['calls']} calls): {a.get('error')}; owed calls are kept and re-sent")
     if d.get("custody_waiting"):
         out.append(f"round waits for DARL to confirm custody of the deltas of {d['custody_waiting']}")
+    sweep = ((st.get("retention") or {}).get("blobs") or {}).get("error")
+    if sweep:
+        out.append(f"!!! the retention sweep of the blob store failed ({sweep}); old theta/update blobs stay "
+                   f"until it succeeds (retried every {SWEEP_RETRY_S:g} s)")
     if st.get("merge_error"):
         out.append(f"!!! the merge of round {st.get('round')} failed ({st['merge_error']}); nothing was published, "
                    "it is retried every 30 s (a full disk: free space on the state dir)")
+    return out
+
+
+def retention_lines(ret):
+    """What the central VM keeps for this aggregator and why (GET /status "retention")."""
+    if not ret:
+        return []
+    out = [f"kept in the state dir ({sum(f['bytes'] for f in ret['state']) / 2**20:.1f} MiB):"]
+    out += [f"  {f['file']:<40} {f['bytes'] / 2**20:>9.1f} MiB  {f['why']}" for f in ret["state"]]
+    b = ret.get("blobs")
+    if b is None:
+        return out
+    swept = "not swept yet" if b["swept_round"] is None else f"as of the sweep at round {b['swept_round']}"
+    out.append(f"kept in the blob store (--keep-rounds {b['keep_rounds']}; {swept}; {b['deleted']} blob(s) "
+               "deleted by this process):")
+    out += [f"  {k['blob']:<40} {k['bytes'] / 2**20:>9.1f} MiB  {k['why']}" for k in b["kept"]]
     return out
 
 
@@ -387,6 +522,8 @@ def print_status(url, token=None, last=10, ca_file=None):
     print("last merges:")
     for r in st["recent"][-last:]:
         print("  " + format_record(r).removeprefix("fedmom: "))
+    for line in retention_lines(st.get("retention")):
+        print(line)
     return 1 if any((st.get("violations") or {}).values()) or (st.get("darl") or {}).get("fenced") else 0
 
 
@@ -405,7 +542,9 @@ def serve(cfg, a):
     httpd.writable_dir(cfg.state_dir, "--state-dir")
     lock_fd = httpd.lock_state_dir(cfg.state_dir, "fedmom_server")     # held until the process ends
     state = FedMomState(cfg, darl=darl)
-    server.RequestHandlerClass.routes.update(httpd.with_http_stats(make_routes(state, blob_token=token), server))
+    retention = (BlobRetention(cfg.blob_url, state.aggregator_id, cfg.keep_rounds, token, cfg.ca_file)
+                 if cfg.blob_url else None)
+    server.RequestHandlerClass.routes.update(httpd.with_http_stats(make_routes(state, token, retention), server))
     stop = threading.Event()
 
     def on_fenced():                 # another process of this aggregator is newer: never serve beside it
@@ -414,6 +553,9 @@ def serve(cfg, a):
     threading.Thread(target=round_loop, args=(state, stop), name="fedmom-rounds", daemon=True).start()
     threading.Thread(target=darl_loop, args=(state, stop), kwargs={"on_fenced": on_fenced}, name="fedmom-darl",
                      daemon=True).start()
+    if retention is not None:
+        threading.Thread(target=retention_loop, args=(state, retention, stop), name="fedmom-retention",
+                         daemon=True).start()
     try:
         httpd.serve_forever(server, f"fedmom round {state.round}")
     finally:
@@ -452,6 +594,11 @@ def _server_parser():
                         "holding the previous round download it instead of theta (default f32: theta only)")
     p.add_argument("--down-wire-block", type=int, default=128,
                    help="int8/int4 update: values per scale along the last dimension, 64-256 (default 128)")
+    p.add_argument("--keep-rounds", type=int, default=fedmom_state.KEEP_ROUNDS,
+                   help="the blob store keeps the theta and update blobs of the current round and the "
+                        "keep-rounds - 1 before it (so a download begun before a merge can finish); older "
+                        "ones are deleted once a later round is durable, and a site that far behind takes "
+                        f"the full theta (default {fedmom_state.KEEP_ROUNDS}; RUNBOOK.md has the disk formula)")
     p.add_argument("--private-page", action="store_true", help="require the token for GET / too (default: public)")
     p.add_argument("--accept-config-change", action="store_true",
                    help="--outer-lr/--outer-momentum differ from those the state was run with: apply the new "
@@ -480,7 +627,8 @@ def main(argv):
     cfg = ServerConfig(a.state_dir, a.init, a.outer_lr, a.outer_momentum, a.round_deadline_s,
                        a.member_timeout_s, a.blob_url, a.darl, a.darl_retry_s, ca_file=a.ca_file,
                        clip_factor=a.clip_factor, accept_config_change=a.accept_config_change,
-                       down_wire=a.down_wire, down_wire_block=a.down_wire_block).validate()
+                       down_wire=a.down_wire, down_wire_block=a.down_wire_block,
+                       keep_rounds=a.keep_rounds).validate()
     serve(cfg, a)
 
 

@@ -3,7 +3,7 @@
 Runs on: the central VM, imported by fedmom_server.py (which owns the routes, the round
 and DARL loops, the status page and the command line; its docstring says how to start
 it and what each endpoint does). Python standard library + numpy + tensorio.py +
-fedmom_merge.py + wire.py (a compressed delta is decoded at acceptance) + darl_table.py
+fedmom_merge.py + wire.py (a compressed delta is checked and merged as its decoded values) + darl_table.py
 (its position sets), and httpd.py's client call for the DARL custody calls (DarlLink);
 never imports torch.
 
@@ -22,7 +22,7 @@ State dir (everything replaced atomically: temp file, fsync, rename, fsync the d
                               and when --outer-momentum is 0)
     update-<r>.safetensors    with --down-wire: round r's update in that wire format, what a
                               site holding theta of round r-1 downloads instead of theta-<r>
-                              (fedmom_merge.publish: theta-<r> IS theta-<r-1> + its decoded
+                              (fedmom_merge.Publisher: theta-<r> IS theta-<r-1> + its decoded
                               values); state.json's "update" names it with the digests of
                               both thetas (wire.Digest)
     residual-<r>.safetensors  with --down-wire: what round r's update rounded away, fp32,
@@ -42,7 +42,13 @@ State dir (everything replaced atomically: temp file, fsync, rename, fsync the d
     spool/                    deltas accepted for the current round: r<round>_<cluster>_<inc>
                               .safetensors + .json (the .json, written last, is the
                               acceptance; it records the delta's custody state). They
-                              survive a restart and are merged then.
+                              survive a restart and are merged then. A compressed delta
+                              is kept as it came (its own bytes, not 4 B/param).
+Only the current round's files are kept: once round r+1 is durable, round r's and the
+merged spool entries are unlinked after the state lock is released (_remove; a crash
+first leaves them to the next start's _clean_dir). A merge's peak is therefore both
+rounds' files and the spool; what is kept and why: kept_files(). The blob store's copies
+of theta and the updates are fedmom_server.BlobRetention's (blob_plan, --keep-rounds).
 
 Custody (with --darl; the aggregator is the coordinator of a two-phase commit, DARL the
 participant, darl_server.py's docstring the calls). The aggregator has an identity
@@ -106,6 +112,7 @@ EVENTS_KEPT = 500             # membership events kept in state.json (for the pa
 RECORDS_KEPT = 200            # round records kept in memory (the file keeps all)
 CLIP_HISTORY_ROUNDS = 4       # the clip's median also counts the deltas merged in these last rounds
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+KEEP_ROUNDS = 3               # --keep-rounds default: blobs of the current round and the 2 before it
 MERGE_PAUSE_ENV = "PWW_FEDMOM_MERGE_PAUSE_S"   # tests: sleep after each merged tensor
 KEEP_DELTAS_ENV = "PWW_TEST_KEEP_DELTAS_DIR"   # bench/chaos.py: a hard link of every accepted delta,
                                                # <custody id>.safetensors, for its replay of the merges
@@ -135,6 +142,7 @@ class ServerConfig:
     clip_factor: float = 10.0         # a delta is scaled to at most this x the median norm (0 = off)
     down_wire: str = "f32"            # f32: sites download theta; else each round's update in this format
     down_wire_block: int = 128        # int8/int4 block of the update (wire.Codec)
+    keep_rounds: int = KEEP_ROUNDS    # the blob store keeps this many rounds' theta/update blobs
 
     def down_codec(self):
         """The update's wire.Codec, or None (--down-wire f32: sites download the full theta)."""
@@ -162,6 +170,10 @@ class ServerConfig:
             raise SystemExit(f"--clip-factor {self.clip_factor} must be 0 (off) or >= 1 (10: clip a delta "
                              "to 10 x the median norm)")
         self.down_codec()
+        if not (_is_int(self.keep_rounds) and self.keep_rounds >= 1):
+            raise SystemExit(f"--keep-rounds {self.keep_rounds} must be an integer >= 1 (default {KEEP_ROUNDS}: the "
+                             "blob store keeps the theta and update blobs of the current round and the "
+                             f"{KEEP_ROUNDS - 1} before it)")
         if self.init is not None and not os.path.isfile(self.init):
             raise SystemExit(f"--init {self.init}: no such file")
         if self.init is not None:          # before the state dir exists: a bad --init leaves nothing behind
@@ -211,6 +223,48 @@ def init_theta(init_path, out_path, fsync=True):
 
 def structure_digest(specs):
     return hashlib.sha256(json.dumps(sorted((n, list(s)) for n, s in specs.items())).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- retention: what the central VM keeps
+
+BLOB_KINDS = ("theta", "update")
+
+
+def blob_name(aggregator, kind, rnd):
+    """The blob store id under which this aggregator publishes round `rnd`'s theta or update:
+    its own id first, so runs sharing a store never collide, nor delete each other's blobs."""
+    return f"{aggregator}.{kind}-{rnd}"
+
+
+def blob_plan(ids, aggregator, round_, keep_rounds):
+    """The retention rule for the blobs `aggregator` published, at durable round `round_`:
+    round s's theta and update are kept while s > round_ - keep_rounds (--keep-rounds), so a
+    download that began up to keep_rounds - 1 merges ago can finish or resume; older ones no
+    site can use (the server serves only the current round's update, and a site further
+    behind takes the full theta: 409 no_update) and go. A round after round_ is kept: one
+    published since round_ was read (or, after a state dir was restored from an older copy,
+    one this run will replace under its name: fedmom_server's to_blob). Other ids (other
+    aggregators', the sites' deltas) are not this aggregator's to judge and are left out.
+    -> [{"blob", "kind", "round", "keep", "why"}], oldest round first."""
+    pat = re.compile(rf"{re.escape(aggregator)}\.({'|'.join(BLOB_KINDS)})-(\d+)")
+    out = []
+    for i in ids:
+        m = pat.fullmatch(i)
+        if not m:
+            continue
+        kind, s = m.group(1), int(m.group(2))
+        if s > round_:
+            keep, why = True, f"newer than round {round_}, which this sweep read"
+        elif s == round_:
+            keep, why = True, f"the current round's {kind}"
+        elif s > round_ - keep_rounds:
+            keep, why = True, (f"{kind} of one of the last {keep_rounds} rounds (--keep-rounds): a download "
+                               f"begun before round {s + 1} merged can finish")
+        else:
+            keep, why = False, (f"older than the last {keep_rounds} rounds (--keep-rounds): no site can use it, "
+                                "one that far behind takes the full theta")
+        out.append({"blob": i, "kind": kind, "round": s, "keep": keep, "why": why})
+    return sorted(out, key=lambda b: (b["round"], b["kind"]))
 
 
 # ---------------------------------------------------------------- DARL, the custody participant
@@ -790,7 +844,7 @@ class FedMomState:
             if dup is not None:
                 return dup
             try:
-                part_path = self._plain(part_path)    # a compressed delta: decoded tensor by tensor
+                # a compressed delta is checked as its decoded values and spooled as it came
                 norm = fedmom_merge.check_delta_file(part_path, self.specs)
             except fedmom_merge.DeltaRejected as e:
                 with self.lock:
@@ -863,12 +917,13 @@ class FedMomState:
             if self.pending.get((p.cluster, p.incarnation)) is not p:
                 return
             del self.pending[(p.cluster, p.incarnation)]
-            durable.unlink(p.path), durable.unlink(p.meta_path)
+            gone = self._bury([p.path, p.meta_path])
             if not self.pending:
                 self.first_delta_at = None
             self.cond.notify_all()
             if not at_upload:
                 self._exclude(dataclasses.asdict(p), why)
+        self._remove(gone)
         if at_upload and ans.code == "fenced":      # this process is stopping: the upload never happened
             raise Refused(503, f"this aggregator process was fenced by DARL ({why}); send again")
         if at_upload:
@@ -924,24 +979,6 @@ class FedMomState:
     def new_part_path(self):
         return os.path.join(self.spool, f".part-{secrets.token_hex(8)}")
 
-    def _plain(self, part_path):
-        """A delta in a wire format (wire.py) -> the plain F32 delta it stands for, written
-        beside it one tensor at a time (names and shapes checked first); the checks and the
-        merge then see the decoded values, exactly those the site's error feedback assumed.
-        A plain delta is returned as it is. Raises DeltaRejected(400)."""
-        try:
-            if not wire.is_wire(part_path):
-                return part_path
-        except (tensorio.FormatError, OSError):
-            return part_path                     # check_delta_file says what is wrong with it
-        plain = self.new_part_path()
-        try:
-            wire.decode_file(part_path, plain, self.cfg.fsync, specs=self.specs)
-        except wire.WireError as e:
-            raise fedmom_merge.DeltaRejected(400, f"bad compressed delta: {str(e).replace(part_path, 'the delta')}")
-        os.unlink(part_path)
-        return plain
-
     # ---- rounds
 
     def tick(self):
@@ -966,24 +1003,28 @@ class FedMomState:
             log(f"fedmom: merge of round {self.round} FAILED ({type(e).__name__}: {e}); "
                 "state unchanged, retrying in 30 s")
             return None
-        with self.lock:
-            self.merge_error = None
-            for p, why in dropped:           # excluded at the merge: never merged, its custody aborted
-                self._exclude_spooled(p, why)
-                del self.pending[(p.cluster, p.incarnation)]
-                durable.unlink(p.path), durable.unlink(p.meta_path)
-            if dropped:
-                try:
-                    self._save()             # the aborts owed
-                except OSError as e:         # a restart aborts the custody its state no longer names anyway
-                    log(f"fedmom: cannot save state.json ({e}); the aborts owed are kept in memory")
-            if not merged:
+        gone = []                            # files no round needs: unlinked once the lock is released
+        try:
+            with self.lock:
+                self.merge_error = None
+                for p, why in dropped:           # excluded at the merge: never merged, its custody aborted
+                    self._exclude_spooled(p, why)
+                    del self.pending[(p.cluster, p.incarnation)]
+                    gone += self._bury([p.path, p.meta_path])
+                if dropped:
+                    try:
+                        self._save()             # the aborts owed
+                    except OSError as e:         # a restart aborts the custody its state no longer names anyway
+                        log(f"fedmom: cannot save state.json ({e}); the aborts owed are kept in memory")
+                if merged:
+                    return self._finish(merged, result, ready, late, closed_at, gone)
                 self.merging = False
                 if not self.pending:
                     self.first_delta_at = None
                 self.cond.notify_all()
                 return None
-            return self._finish(merged, result, ready, late, closed_at)
+        finally:
+            self._remove(gone)
 
     def _ready(self):
         """Why the round may merge now, or None. Never while a delta's custody is unconfirmed:
@@ -1024,7 +1065,7 @@ class FedMomState:
         live, dropped, reset = list(batch), [], None
         new, mu = self.round + 1, self.cfg.outer_momentum
         codec = self.cfg.down_codec()
-        out_theta = os.path.join(self.dir, f"{'merged' if codec else 'theta'}-{new}.safetensors")
+        out_theta = self._publisher(codec, new) if codec else os.path.join(self.dir, f"theta-{new}.safetensors")
         while live:
             total = sum(p.tokens for p in live)
             shares = [p.tokens / total for p in live]
@@ -1053,27 +1094,27 @@ class FedMomState:
                 live.remove(worst)
                 dropped.append((worst, why))
                 continue
+            update = codec and {"file": f"update-{new}.safetensors", "round": new,
+                                "residual": f"residual-{new}.safetensors", "format": codec.fmt, **stats["published"]}
             stats.update(merge_s=self.clock() - t0, weights=shares, scales=scales, clip=clip, momentum_reset=reset,
-                         update=self._publish(codec, out_theta, new) if codec else None)
+                         update=update)
             return stats, live, dropped
         return None, [], dropped
 
-    def _publish(self, codec, merged, new):
-        """--down-wire: from the merged theta, round `new`'s update and THE theta_global it
-        defines (fedmom_merge.publish), with what it rounded away owed to the next one.
-        -> the "update" entry of state.json (with the update's size and residual norm)."""
+    def _publisher(self, codec, new):
+        """--down-wire: the merge's out_theta, a fedmom_merge.Publisher that turns each merged
+        tensor into round `new`'s update and THE theta_global it defines, with what it rounded
+        away owed to the next one (no merged theta is written: one model less on disk)."""
         owed = self.update["residual"] if self.update and self.update["round"] == self.round else None
-        upd, res = f"update-{new}.safetensors", f"residual-{new}.safetensors"
-        try:
-            out = fedmom_merge.publish(
-                os.path.join(self.dir, self.theta_file), merged, owed and os.path.join(self.dir, owed), codec,
-                os.path.join(self.dir, f"theta-{new}.safetensors"), os.path.join(self.dir, upd),
-                os.path.join(self.dir, res), {"round": str(new)}, self.cfg.fsync)
-        finally:
-            durable.unlink(merged)
-        return {"file": upd, "round": new, "residual": res, "format": codec.fmt, **out}
+        prev = os.path.join(self.dir, self.theta_file)
+        outs = [os.path.join(self.dir, f"{k}-{new}.safetensors") for k in ("theta", "update", "residual")]
+        return lambda specs, meta: fedmom_merge.Publisher(prev, owed and os.path.join(self.dir, owed), codec,
+                                                          *outs, meta, self.cfg.fsync)
 
-    def _finish(self, batch, stats, reason, late, closed_at):
+    def _finish(self, batch, stats, reason, late, closed_at, gone):
+        """Round `new` becomes durable (state.json); the files of the round before and the
+        merged deltas' spool entries are appended to `gone`, for the caller to unlink once it
+        has released the lock (a crash before that leaves them to _clean_dir at the next start)."""
         new, old_files, old_commits = self.round + 1, (self.theta_file, self.momentum_file), list(self.pending_commits)
         old_update = self.update
         rec = self._record(batch, stats, reason, late, closed_at, new)
@@ -1103,15 +1144,36 @@ class FedMomState:
         log(format_record(rec))
         for fn in old_files + ((old_update["file"], old_update["residual"]) if old_update else ()):
             if fn and fn not in (self.theta_file, self.momentum_file):
-                durable.unlink(os.path.join(self.dir, fn))
+                gone.append(os.path.join(self.dir, fn))
         for p in batch:
-            durable.unlink(p.path), durable.unlink(p.meta_path)
+            gone += [p.path, p.meta_path]
         self.pending, self.excluded, self.dropped = {}, [], []
         self.first_delta_at, self.merging = None, False
         self.round_opened_at = self.clock()
         self.published = {}
         self.cond.notify_all()
         return rec
+
+    def _bury(self, paths):
+        """Under the lock: take `paths` off their names at once (a rename frees nothing, so it
+        costs nothing) -> the new names, for _remove once the lock is released. A spool entry
+        must be gone before the state that no longer names it is saved."""
+        out = []
+        for path in paths:
+            tomb = os.path.join(os.path.dirname(path), f".gone-{secrets.token_hex(8)}")
+            try:
+                os.replace(path, tomb)
+            except FileNotFoundError:
+                continue
+            out.append(tomb)
+        return out
+
+    def _remove(self, paths):
+        """Unlink files no round needs any more, OUTSIDE the state lock: freeing a multi-GB
+        file takes the file system seconds, which heartbeats and GET /status would wait out."""
+        for path in paths:
+            httpd.fault_point("fedmom.unlink")
+            durable.unlink(path)
 
     def _record(self, batch, stats, reason, late, closed_at, new):
         total = sum(p.tokens for p in batch)
@@ -1376,6 +1438,26 @@ class FedMomState:
                 return open(os.path.join(self.dir, u["file"]), "rb"), u["round"], u["digest"]
         raise Refused(409, f"{why}: download the full theta_global (GET /theta)", code="no_update",
                       round=self.round)
+
+    def kept_files(self):
+        """What the state dir holds and why -> [{"file", "bytes", "why"}]: the current round's
+        theta, momentum, update and residual, and the open round's spooled deltas; the files
+        of earlier rounds are removed once a later round is durable (module docstring)."""
+        with self.lock:
+            named = [(self.theta_file, "theta_global of the current round"),
+                     (self.momentum_file, "the momentum buffer of the current round")]
+            if self.update and self.update["round"] == self.round:
+                named += [(self.update["file"], "the current round's update (--down-wire)"),
+                          (self.update["residual"], "what the current update rounded away, owed to the next")]
+            named += [(os.path.relpath(p.path, self.dir), f"{p.cluster}'s delta for the open round {self.round}")
+                      for p in self.pending.values()]
+        out = []
+        for fn, why in named:
+            try:
+                out.append({"file": fn, "bytes": os.path.getsize(os.path.join(self.dir, fn)), "why": why})
+            except (TypeError, OSError):        # no momentum yet, or a file just replaced
+                continue
+        return out
 
     def status(self):
         with self.lock:

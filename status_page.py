@@ -574,7 +574,27 @@ def _disk_html(view):
                    f"{b['uploads']} upload(s) unfinished</td></tr>")
     elif view.get("blob_error"):
         out.append(f"<tr><td>blob store</td><td>-</td><td>{ESC(view['blob_error'])}</td></tr>")
-    return "<table><tr><th>what</th><th>used</th><th></th></tr>" + "".join(out) + "</table>"
+    return ("<table><tr><th>what</th><th>used</th><th></th></tr>" + "".join(out) + "</table>"
+            + _kept_html(view["status"].get("retention")))
+
+
+def _kept_html(ret):
+    """What the aggregator keeps and why: its state dir files, and its blobs in the store
+    (fedmom_state.blob_plan; ids and round numbers only, no path)."""
+    if not ret:
+        return ""
+    rows = [("state dir", f["file"], f["bytes"], f["why"]) for f in ret.get("state", ())]
+    b = ret.get("blobs")
+    if b:
+        rows += [("blob store", k["blob"], k["bytes"], k["why"]) for k in b.get("kept", ())]
+    body = "".join(f"<tr><td>{ESC(w)}</td><td>{ESC(n.rsplit('/', 1)[-1])}</td><td>{nbytes(x)}</td><td>{ESC(y)}</td></tr>"
+                   for w, n, x, y in rows)
+    note = ""
+    if b:
+        swept = "not swept yet" if b.get("swept_round") is None else f"as of the sweep at round {b['swept_round']}"
+        note = (f"<p>Blob retention: --keep-rounds {b.get('keep_rounds')} ({swept}); {b.get('deleted', 0)} blob(s) "
+                "deleted by this process.</p>")
+    return ("<table><tr><th>kept in</th><th>file</th><th>size</th><th>why</th></tr>" + body + "</table>" + note)
 
 
 CSS = """body{font-family:sans-serif;margin:1em;max-width:110em;color:#111}

@@ -3,7 +3,7 @@ the update that carries theta_global from one round to the next.
 
 Runs on: both ends. Upstream, sites encode (train.py --wire, through diloco.py's
 FedMomCarrier) and the central VM decodes (fedmom_state.py, at acceptance). Downstream
-(fedmom_server.py --down-wire), the VM encodes each round's update (fedmom_merge.publish)
+(fedmom_server.py --down-wire), the VM encodes each round's update (fedmom_merge.Publisher)
 and a site that holds the previous round applies it (fedsite.py, apply_update). Python +
 numpy + tensorio.py only; never torch. No server, no port, no state directory. From the
 shell:

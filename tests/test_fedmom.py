@@ -855,7 +855,8 @@ class DownstreamTest(Fixture):
             sizes.append(a.down["bytes"])
             self.assertEqual(b.down["bytes"], a.down["bytes"])
         blobs = {x["id"]: x["size"] for x in httpd.call(blob_url, "GET", "/blobs")["blobs"]}
-        self.assertEqual([blobs.get(f"update-{r}") for r in (1, 2, 3)], sizes)     # b's came this way
+        agg = httpd.call(url, "GET", "/status")["aggregator"]
+        self.assertEqual([blobs.get(fs.blob_name(agg, "update", r)) for r in (1, 2, 3)], sizes)  # b's came this way
         n = sum(int(np.prod(s)) for s in SHAPES.values())
         self.assertTrue(all(b / n < 0.6 for b in sizes), f"int4 update bytes/param {[b / n for b in sizes]}")
         self.assertGreater(full / n, 3.99)

@@ -511,7 +511,7 @@ class HostileTest(Tmp):
 
 class AggregatorTest(Tmp):
     """fedmom_state accepts compressed deltas: decoded one tensor at a time at acceptance,
-    checked (names, shapes, finiteness) and merged as the decoded values."""
+    checked (names, shapes, finiteness), spooled compressed and merged as the decoded values."""
     SHAPES = {"embed": (300, 1000), "layer.w": (64, 48), "layer.b": (48,), "norm": (7,)}
 
     def setUp(self):
@@ -547,8 +547,10 @@ class AggregatorTest(Tmp):
         spooled = [f for f in self.spool() if f.endswith(".safetensors")]
         self.assertEqual(len(spooled), 2)
         self.assertFalse([f for f in self.spool() if f.startswith(".part")])
-        for f in spooled:                               # the spool holds the decoded, plain F32 deltas
-            self.assertFalse(wire.is_wire(os.path.join(self.st.spool, f)))
+        for f in spooled:                               # the spool holds the compressed files as they came
+            self.assertTrue(wire.is_wire(os.path.join(self.st.spool, f)))
+        self.assertEqual(sorted(os.path.getsize(os.path.join(self.st.spool, f)) for f in spooled),
+                         sorted(os.path.getsize(self.p(c)) for c in ("lumi", "snellius")))
         rec = self.st.tick()
         self.assertEqual(rec["round"], 1)
         with tensorio.TensorReader(os.path.join(self.st.dir, self.st.theta_file)) as r:
