@@ -1290,12 +1290,12 @@ class FedMomState:
             return False
         with self.lock:
             held = {c["delta"] for c in ans.reply["custody"]}
-            gone = [p for p in self.pending.values() if p.custody == "confirmed" and p.delta_id not in held]
+            tombs, gone = [], [p for p in self.pending.values() if p.custody == "confirmed" and p.delta_id not in held]
             for p in gone:
                 why = ("DARL no longer holds this delta's custody (another process of this aggregator aborted it; "
                        "its blocks went back to the pool)")
                 del self.pending[(p.cluster, p.incarnation)]
-                durable.unlink(p.path), durable.unlink(p.meta_path)
+                tombs += self._bury([p.path, p.meta_path])
                 self._exclude(dataclasses.asdict(p), why)
             if gone and not self.pending:
                 self.first_delta_at = None
@@ -1313,6 +1313,7 @@ class FedMomState:
                 self._save()
             self.reconciled, self.inherited = True, set()
             self.cond.notify_all()
+        self._remove(tombs)
         return True
 
     def _send_owed(self, kind, send):
