@@ -976,6 +976,7 @@ class CopyTakenWhileFencingTest(ProcessFixture):
         open(held, "w").close()                            # every DARL reply is held once durable
         darl, durl = self.start("darl_server.py", "--num-samples", 10, "--state-dir", self.dir, faults=fault["darl"])
         client = darl_server_client(durl)
+        self.addCleanup(client.close)
         a_dir, b_dir = os.path.join(self.dir, "fedmom"), os.path.join(self.dir, "fedmom-b")
         fed, furl = self.start("fedmom_server.py", "--state-dir", a_dir, "--darl", durl, "--darl-retry-s", 0.2,
                                "--init", init, faults=fault["a"])
