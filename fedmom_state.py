@@ -1290,7 +1290,7 @@ class FedMomState:
             return False
         with self.lock:
             held = {c["delta"] for c in ans.reply["custody"]}
-            tombs, gone = [], [p for p in self.pending.values() if p.custody == "confirmed" and p.delta_id not in held]
+            tombs, gone = [], [p for p in self.pending.values() if p.delta_id in self.inherited and p.delta_id not in held]
             for p in gone:
                 why = ("DARL no longer holds this delta's custody (another process of this aggregator aborted it; "
                        "its blocks went back to the pool)")
