@@ -122,6 +122,7 @@ class Inputs:
             self.close()
             raise
         self.theta, self.momentum, self.deltas = self.readers[0], self.readers[1], self.readers[2:]
+        self.first = self.momentum is None        # no buffer yet: the step starts it (buf = g)
         self.scratch = self.new_scratch()
         self.nread, self._lock = 0, threading.Lock()
 
@@ -261,7 +262,7 @@ def merge_tensor(inputs, name, theta, buf, weights, lr, mu, sums, work, threads=
 def _merge_chunks(inputs, name, theta, buf, weights, lr, mu, chunks, work, scratch, stop=False):
     """-> [(||theta chunk||^2, [||delta_i chunk||^2], None or (what, cause))] per chunk;
     stop: end at the first non-finite chunk (the serial merge)."""
-    first = inputs.momentum is None
+    first = inputs.first
     out = []
     for lo, hi in chunks:
         th, _ = inputs.read(0, name, lo, hi, out=theta[lo:hi])
@@ -512,7 +513,7 @@ class DeltaRejected(Exception):
         self.status, self.reason = status, reason
 
 
-def check_delta_file(path, specs):
+def check_delta_file(path, specs, threads=None):
     """Header checks, then a tensor-by-tensor finiteness scan; raises DeltaRejected.
     specs: {name: shape} of theta_global. Returns the delta's L2 norm (float64).
     Nothing is read twice into memory. A compressed delta (wire.py) is checked as the values
@@ -523,7 +524,7 @@ def check_delta_file(path, specs):
         raise DeltaRejected(400, f"not a tensor file: {str(e).replace(path, 'the delta')}")
     if "wire" in r.metadata:
         r.close()
-        return check_wire_delta(path, specs)
+        return check_wire_delta(path, specs, threads)
     with r:
         missing, extra = sorted(set(specs) - set(r.names)), sorted(set(r.names) - set(specs))
         if missing or extra:
@@ -545,7 +546,7 @@ def check_delta_file(path, specs):
         return math.sqrt(total)
 
 
-def check_wire_delta(path, specs):
+def check_wire_delta(path, specs, threads=None):
     """check_delta_file for a compressed delta: its layout, names and shapes (before any
     decoding: a forged wire_shapes could ask for any amount of memory), then each tensor
     decoded in memory, scanned and dropped; nothing is written, so the spool keeps the
@@ -554,7 +555,7 @@ def check_wire_delta(path, specs):
     import wire
     where = lambda e: str(e).replace(path, "the delta")
     try:
-        with wire.WireReader(path) as r:
+        with wire.WireReader(path, threads) as r:
             wire.check_shapes(r, specs)
             total = 0.0
             for name in r.names:

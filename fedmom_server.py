@@ -108,8 +108,13 @@ A full disk is a 507 "disk_full" (nothing spooled, no part file left); a merge t
 cannot be written leaves the round unchanged, shows "merge_error" in GET /status and
 is retried every 30 s.
 
-State dir (--state-dir): theta and momentum per round, state.json, rounds.jsonl and
-spool/, and the DARL commits and aborts owed; fedmom_state.py's docstring has the layout.
+State dir (--state-dir): a checkpoint of theta, momentum and residual (every
+--checkpoint-rounds rounds; between them a round's durable record is its deltas, its
+update and its line in state.json, and a restart replays the rounds since the checkpoint
+in memory, bit for bit), state.json, rounds.jsonl and spool/, and the DARL commits and
+aborts owed; fedmom_state.py's docstring has the layout. The outer state lives in memory
+(4 B/param for theta, and as much for the momentum and for the residual of --down-wire);
+--threads sets the cores its merge and codecs use.
 
 Retention (--keep-rounds K, default 3): the theta/update blobs of the last K rounds stay
 in the blob store (so a download begun before a merge can finish); BlobRetention deletes
@@ -122,8 +127,8 @@ why; RUNBOOK.md section 1 has the disk this bounds.
 Violations (refused_commits, aborted_custody, blocks_trained_twice, refused_aborts), DARL's silence and
 fencing are shown on /status, the page and the status CLI. Test hooks (httpd.py): fault
 points fedmom.received, fedmom.spooled, fedmom.custody_held, fedmom.merge,
-fedmom.round_durable, fedmom.committed, fedmom.unlink (each file of an old round, outside
-the state lock) and fedmom.blob_delete (each DELETE of a retention sweep); the wall clock
+fedmom.round_durable, fedmom.committed, fedmom.checkpoint (after each file of a
+checkpoint), fedmom.unlink (each file of an old round, outside the state lock) and fedmom.blob_delete (each DELETE of a retention sweep); the wall clock
 through httpd.wall_time().
 """
 import argparse
@@ -599,6 +604,14 @@ def _server_parser():
                         "keep-rounds - 1 before it (so a download begun before a merge can finish); older "
                         "ones are deleted once a later round is durable, and a site that far behind takes "
                         f"the full theta (default {fedmom_state.KEEP_ROUNDS}; RUNBOOK.md has the disk formula)")
+    p.add_argument("--checkpoint-rounds", type=int, default=fedmom_state.CHECKPOINT_ROUNDS,
+                   help="write theta, momentum and the update residual whole (fsync'd) every this many rounds; "
+                        "the rounds between are durable as their deltas and updates and are replayed in memory "
+                        "at a restart (at most this many merges). 1 writes them every round (default "
+                        f"{fedmom_state.CHECKPOINT_ROUNDS})")
+    p.add_argument("--threads", type=int, default=None,
+                   help="cores for the merge, the update's encode and a delta's decode (default $WIRE_THREADS, "
+                        "else every core); any number gives the same bits")
     p.add_argument("--private-page", action="store_true", help="require the token for GET / too (default: public)")
     p.add_argument("--accept-config-change", action="store_true",
                    help="--outer-lr/--outer-momentum differ from those the state was run with: apply the new "
@@ -628,7 +641,8 @@ def main(argv):
                        a.member_timeout_s, a.blob_url, a.darl, a.darl_retry_s, ca_file=a.ca_file,
                        clip_factor=a.clip_factor, accept_config_change=a.accept_config_change,
                        down_wire=a.down_wire, down_wire_block=a.down_wire_block,
-                       keep_rounds=a.keep_rounds).validate()
+                       keep_rounds=a.keep_rounds, checkpoint_rounds=a.checkpoint_rounds,
+                       threads=a.threads).validate()
     serve(cfg, a)
 
 

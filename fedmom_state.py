@@ -7,7 +7,7 @@ fedmom_merge.py + wire.py (a compressed delta is checked and merged as its decod
 (its position sets), and httpd.py's client call for the DARL custody calls (DarlLink);
 never imports torch.
 
-FedMomState holds theta_global, momentum, the round number, membership, the deltas
+FedMomState holds the outer state, the round number, membership, the deltas
 spooled for the open round, the DARL commits and aborts still owed and the violation
 counters. Its methods (join,
 heartbeat, leave, check_delta_meta, accept_delta, tick, darl_tick, status, ...) take and
@@ -16,25 +16,32 @@ fedmom_server.py turns that into the HTTP reply. ServerConfig is the aggregator'
 config, validated once; errors name the flag to change.
 
 
-State dir (everything replaced atomically: temp file, fsync, rename, fsync the dir):
-    theta-<r>.safetensors     theta_global after r merges, fp32
-    momentum-<r>.safetensors  the Nesterov buffer (absent before the first merge
-                              and when --outer-momentum is 0)
+State dir (everything replaced atomically: temp file, fsync, rename, fsync the dir).
+The outer state (theta_global, momentum, the residual of --down-wire) lives in memory
+(outer_state.OuterState, 4 B/param each); what is durable is what a restart needs to
+rebuild it bit for bit:
+    theta-<c>.safetensors     the checkpoint: theta_global after c merges, fp32, written
+    momentum-<c>.safetensors  whole every --checkpoint-rounds rounds (and round 0 from --init);
+    residual-<c>.safetensors  momentum absent before the first merge and with --outer-momentum
+                              0, residual without --down-wire
+    state.json                the round and the checkpoint's files, and "log": the Step of
+                              every round since (outer_state.Step: its deltas' spool files and
+                              the weights they merged with, the outer lr and momentum, the
+                              codec and the theta digest it published); a round is durable
+                              when its Step is. Also the aggregator's identity and epoch,
+                              membership, recent events, the DARL commits and aborts still owed
+                              and the violation counters; written LAST, so a SIGKILL at any
+                              instant leaves round r or r+1. It records the outer step too
+                              (--outer-lr, --outer-momentum: a restart with others is refused
+                              unless --accept-config-change), whether DARL custody was used (then
+                              a start without --darl is refused) and DARL's block-space digest
     update-<r>.safetensors    with --down-wire: round r's update in that wire format, what a
-                              site holding theta of round r-1 downloads instead of theta-<r>
-                              (fedmom_merge.Publisher: theta-<r> IS theta-<r-1> + its decoded
-                              values); state.json's "update" names it with the digests of
-                              both thetas (wire.Digest)
-    residual-<r>.safetensors  with --down-wire: what round r's update rounded away, fp32,
-                              added to the next update (the aggregator's error feedback)
-    state.json                names the round and its files, the aggregator's identity
-                              and epoch, membership, recent events, the DARL commits and
-                              aborts still owed and the violation counters; written LAST,
-                              so a SIGKILL at any instant leaves round r or r+1. It also
-                              records the outer step (--outer-lr, --outer-momentum: a
-                              restart with others is refused unless --accept-config-change),
-                              whether DARL custody was used (then a start without --darl is
-                              refused) and DARL's block-space digest (another DARL stops it)
+                              site holding theta of round r-1 downloads instead of theta
+                              (theta of round r IS theta of r-1 + its decoded values); state.json's
+                              "update" names it with the digests of both thetas (wire.Digest)
+    theta-<r>.safetensors     a copy of the current theta, written from memory (not fsync'd) when
+                              something asks for it (GET /theta, a blob, theta_file); never needed
+                              to restart
     rounds.jsonl              one JSON line per merge (loss, perplexity, drift, outcomes, ...); a
                               start cuts an unfinished last line (a crash mid-append) before
                               state.json's copy of the last record is appended again
@@ -43,12 +50,17 @@ State dir (everything replaced atomically: temp file, fsync, rename, fsync the d
                               .safetensors + .json (the .json, written last, is the
                               acceptance; it records the delta's custody state). They
                               survive a restart and are merged then. A compressed delta
-                              is kept as it came (its own bytes, not 4 B/param).
-Only the current round's files are kept: once round r+1 is durable, round r's and the
-merged spool entries are unlinked after the state lock is released (_remove; a crash
-first leaves them to the next start's _clean_dir). A merge's peak is therefore both
-rounds' files and the spool; what is kept and why: kept_files(). The blob store's copies
-of theta and the updates are fedmom_server.BlobRetention's (blob_plan, --keep-rounds).
+                              is kept as it came (its own bytes, not 4 B/param). A merged
+                              delta stays while the log names it.
+A start loads the checkpoint and replays the log (_rebuild; a replay that ends at another
+digest than the round published stops the start). A checkpoint, once durable, removes the
+one before it and the deltas of the rounds it covers; a round removes the round before's
+update and copy of theta; both remove files after the state lock is released (_remove; a
+crash first leaves them to the next start's _clean_dir). The state dir therefore holds
+one checkpoint (two while the next is written), at most --checkpoint-rounds rounds of
+deltas, one update and the open round's spool; what is kept and why: kept_files(). The
+blob store's copies of theta and the updates are fedmom_server.BlobRetention's (blob_plan,
+--keep-rounds).
 
 Custody (with --darl; the aggregator is the coordinator of a two-phase commit, DARL the
 participant, darl_server.py's docstring the calls). The aggregator has an identity
@@ -102,10 +114,12 @@ import darl_table
 import durable
 import httpd
 import fedmom_merge
+import outer_state
 import tensorio
 import wire
 
-STATE_FORMAT = "pww-fedmom-state/2"   # 2: identity, epoch, custody commits/aborts owed, violations
+STATE_FORMAT = "pww-fedmom-state/3"   # 2: identity, epoch, custody owed, violations; 3: checkpoint + log
+READS_FORMATS = ("pww-fedmom-state/2", STATE_FORMAT)   # a /2 state is a checkpoint of its round, no log
 RECORD_VERSION = 3             # 2: per-delta "outcomes" with their leases; 3: + "delta" and DARL "pieces"
 VIOLATIONS = darl_table.VIOLATIONS
 EVENTS_KEPT = 500             # membership events kept in state.json (for the page and status)
@@ -113,6 +127,7 @@ RECORDS_KEPT = 200            # round records kept in memory (the file keeps all
 CLIP_HISTORY_ROUNDS = 4       # the clip's median also counts the deltas merged in these last rounds
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 KEEP_ROUNDS = 3               # --keep-rounds default: blobs of the current round and the 2 before it
+CHECKPOINT_ROUNDS = 4         # --checkpoint-rounds default: theta, momentum, residual written every 4 rounds
 MERGE_PAUSE_ENV = "PWW_FEDMOM_MERGE_PAUSE_S"   # tests: sleep after each merged tensor
 KEEP_DELTAS_ENV = "PWW_TEST_KEEP_DELTAS_DIR"   # bench/chaos.py: a hard link of every accepted delta,
                                                # <custody id>.safetensors, for its replay of the merges
@@ -143,6 +158,8 @@ class ServerConfig:
     down_wire: str = "f32"            # f32: sites download theta; else each round's update in this format
     down_wire_block: int = 128        # int8/int4 block of the update (wire.Codec)
     keep_rounds: int = KEEP_ROUNDS    # the blob store keeps this many rounds' theta/update blobs
+    checkpoint_rounds: int = CHECKPOINT_ROUNDS   # the outer state is written whole every this many rounds
+    threads: int | None = None        # the merge's and the codec's threads (None: $WIRE_THREADS or every core)
 
     def down_codec(self):
         """The update's wire.Codec, or None (--down-wire f32: sites download the full theta)."""
@@ -174,6 +191,12 @@ class ServerConfig:
             raise SystemExit(f"--keep-rounds {self.keep_rounds} must be an integer >= 1 (default {KEEP_ROUNDS}: the "
                              "blob store keeps the theta and update blobs of the current round and the "
                              f"{KEEP_ROUNDS - 1} before it)")
+        if not (_is_int(self.checkpoint_rounds) and self.checkpoint_rounds >= 1):
+            raise SystemExit(f"--checkpoint-rounds {self.checkpoint_rounds} must be an integer >= 1 (default "
+                             f"{CHECKPOINT_ROUNDS}: theta, momentum and residual are written whole every "
+                             f"{CHECKPOINT_ROUNDS} rounds, the rounds between replayed at a restart)")
+        if self.threads is not None and not (_is_int(self.threads) and self.threads >= 1):
+            raise SystemExit(f"--threads {self.threads} must be an integer >= 1 (default: every core)")
         if self.init is not None and not os.path.isfile(self.init):
             raise SystemExit(f"--init {self.init}: no such file")
         if self.init is not None:          # before the state dir exists: a bad --init leaves nothing behind
@@ -376,6 +399,8 @@ class Pending:
     pieces: list = dataclasses.field(default_factory=list)   # DARL's [[lease, start, end]] once confirmed
     size: int = -1         # bytes of the spooled file, checked at a restart
     norm: float | None = None     # L2 norm of the delta (float64), measured at acceptance
+    accept_s: float = 0.0  # seconds its checks took at acceptance (decoding a compressed delta)
+    custody_s: float = 0.0 # seconds DARL took to take its leases into custody at upload (not kept)
 
 
 class Refused(Exception):
@@ -467,7 +492,15 @@ class FedMomState:
         self.fence_lock = threading.Lock()   # one fence at a time: the upload threads and the DARL loop
         self.darl_digest = None       # DARL's block-space digest, from its first fence reply
         self.published = {}           # this round's blobs: name -> {"blob", "sha256", "round"}
-        self.update = None            # with --down-wire: {"file", "round", "base_digest", "digest", "residual"}
+        self.update = None            # with --down-wire: {"file", "round", "format", "base_digest", "digest", ...}
+        self.ckpt = None              # the checkpoint: {"round", "theta", "momentum", "residual"} (file names)
+        self.log = []                 # outer_state.Step of every round since the checkpoint (paths relative)
+        self.outer = None             # outer_state.OuterState: theta, momentum, residual of self.round, in memory
+        self.mem_lock = threading.Lock()   # the arrays: held by a merge, a checkpoint, writing theta out;
+                                           # taken BEFORE self.lock, never after it
+        self.replay_error = None      # a rebuild that gave other bits than the round recorded: merges stop
+        self.last_checkpoint = None   # {"round", "seconds", "bytes"} of the last one written
+        self.checkpoint_retry_at = 0.0    # after a failed checkpoint (a full disk): not before this clock()
         self.publish_lock = threading.Lock()
         self.merge_pause_s = float(os.environ.get(MERGE_PAUSE_ENV, "0") or 0)
         self.keep_deltas = os.environ.get(KEEP_DELTAS_ENV) or None
@@ -479,6 +512,7 @@ class FedMomState:
         else:
             self._create()
         self._clean_dir()
+        self._rebuild(at_start=True)
         torn = durable.cut_torn_line(self.rounds_path)
         if torn:
             log(f"fedmom: cut the unfinished last line of {self.rounds_path} ({torn} bytes: a crash mid-append; "
@@ -501,7 +535,7 @@ class FedMomState:
             raise SystemExit(f"{self.dir} holds no state yet: pass --init MODEL.safetensors for the first start")
         theta = "theta-0.safetensors"
         init_theta(self.cfg.init, os.path.join(self.dir, theta), self.cfg.fsync)
-        self.round, self.theta_file, self.momentum_file = 0, theta, None
+        self.round, self.ckpt, self.log = 0, {"round": 0, "theta": theta, "momentum": None, "residual": None}, []
         self.aggregator_id, self.epoch = f"fedmom-{secrets.token_hex(6)}", 0    # DARL issues epoch 1
         self.holder = None            # the process the state's epoch is bound to (durable before its confirm)
         self.loaded_epoch = 0
@@ -521,18 +555,23 @@ class FedMomState:
                 st = json.load(f)
         except ValueError as e:
             raise SystemExit(f"{self.state_path} is not valid JSON ({e}); restore it from a backup")
-        if st.get("format") != STATE_FORMAT:
+        if st.get("format") not in READS_FORMATS:
             raise SystemExit(f"{self.state_path}: format {st.get('format')!r}, this server reads "
-                             f"{STATE_FORMAT!r}; use the fedmom_server.py that wrote it")
-        self.round, self.theta_file, self.momentum_file = st["round"], st["theta"], st["momentum"]
-        self.update = st.get("update")
+                             f"{' and '.join(map(repr, READS_FORMATS))}; use the fedmom_server.py that wrote it")
+        self.round, self.update = st["round"], st.get("update")
+        if st["format"] == STATE_FORMAT:
+            self.ckpt, self.log = st["checkpoint"], [outer_state.Step.from_json(x) for x in st["log"]]
+        else:                         # /2 kept every round's files: the current ones are a checkpoint
+            owed = self.update and self.update["round"] == self.round and self.update.get("residual")
+            self.ckpt, self.log = {"round": self.round, "theta": st["theta"], "momentum": st["momentum"],
+                                   "residual": owed or None}, []
         self._check_custody_mode(st)
         self._check_outer_step(st)
         self.aggregator_id, self.epoch = st["aggregator"], st["epoch"]
         self.holder = st.get("holder")                # None: a state written before holders were kept
         self.loaded_epoch = self.epoch
         self.fence_claim = st.get("fence_claim")      # an ask whose answer may have been lost: repeat it
-        with tensorio.TensorReader(os.path.join(self.dir, self.theta_file)) as r:
+        with tensorio.TensorReader(os.path.join(self.dir, self.ckpt["theta"])) as r:
             self.specs = {n: r.specs[n][1] for n in r.names}
         self.init_id = st["init"]
         now = self.clock()
@@ -639,14 +678,16 @@ class FedMomState:
 
     def _clean_dir(self):
         """Remove what a crash left behind: temp files, files of other rounds, stale spool entries."""
-        keep = {self.theta_file, self.momentum_file, "state.json", "rounds.jsonl", "spool"}
+        keep = {self.ckpt["theta"], self.ckpt["momentum"], self.ckpt["residual"], "state.json", "rounds.jsonl",
+                "spool"}
         if self.update:
-            keep |= {self.update["file"], self.update["residual"]}
+            keep.add(self.update["file"])
         for fn in os.listdir(self.dir):
             if fn not in keep and (fn.startswith(("theta-", "momentum-", "merged-", "update-", "residual-"))
                                    or durable.is_tmp(fn)):
                 os.unlink(os.path.join(self.dir, fn))
         live = {p.path for p in self.pending.values()} | {p.meta_path for p in self.pending.values()}
+        live |= {os.path.join(self.dir, f) for s in self.log for f in self._step_files(s)}
         for fn in os.listdir(self.spool):
             path = os.path.join(self.spool, fn)
             if path not in live:
@@ -675,8 +716,8 @@ class FedMomState:
 
     def _save(self):
         """state.json, atomically; the caller holds the lock (or is the constructor)."""
-        st = {"format": STATE_FORMAT, "round": self.round, "theta": self.theta_file,
-              "momentum": self.momentum_file, "init": self.init_id,
+        st = {"format": STATE_FORMAT, "round": self.round, "checkpoint": self.ckpt,
+              "log": [s.to_json() for s in self.log], "init": self.init_id,
               "aggregator": self.aggregator_id, "epoch": self.epoch, "holder": self.holder,
               "fence_claim": self.fence_claim,
               "members": {c: {"incarnation": m.incarnation, "joined": m.joined} for c, m in self.members.items()},
@@ -843,9 +884,10 @@ class FedMomState:
             dup = self.duplicate(meta)
             if dup is not None:
                 return dup
+            t0 = time.monotonic()
             try:
                 # a compressed delta is checked as its decoded values and spooled as it came
-                norm = fedmom_merge.check_delta_file(part_path, self.specs)
+                norm = fedmom_merge.check_delta_file(part_path, self.specs, self.cfg.threads)
             except fedmom_merge.DeltaRejected as e:
                 with self.lock:
                     self._exclude(meta, e.reason)
@@ -855,7 +897,7 @@ class FedMomState:
                 dup = self._duplicate(meta)
                 if dup is not None:
                     return dup
-                p = self._spool(meta, part_path, norm)
+                p = self._spool(meta, part_path, norm, accept_s=time.monotonic() - t0)
                 part_path = None
                 self.pending[(p.cluster, p.incarnation)] = p
                 self.requesting.add(p.delta_id)
@@ -863,8 +905,10 @@ class FedMomState:
                     self.first_delta_at = self.clock()
             try:
                 httpd.fault_point("fedmom.spooled")     # accepted on disk, custody not asked yet
+                t0 = time.monotonic()
                 if p.custody == "unconfirmed" and (self.fenced_epoch or self._fence()):
                     self._take_custody(p, at_upload=True)
+                p.custody_s = time.monotonic() - t0
             finally:
                 with self.lock:
                     self.requesting.discard(p.delta_id)
@@ -954,14 +998,14 @@ class FedMomState:
             self.pending_aborts.append({"delta": p.delta_id, "cluster": p.cluster, "incarnation": p.incarnation,
                                         "why": why, "since": round(self.wall() if now is None else now, 3)})
 
-    def _spool(self, meta, part_path, norm=None):
+    def _spool(self, meta, part_path, norm=None, accept_s=0.0):
         # "_" is in no id (ID_RE), so no two (cluster, incarnation) pairs share a name
         base = os.path.join(self.spool, f"r{self.round}_{meta['cluster']}_{meta['incarnation']}")
         p = Pending(meta["cluster"], meta["incarnation"], meta["base_round"], meta["tokens"], meta["leases"],
                     meta["metrics"], base + ".safetensors", base + ".json", self.wall(),
                     delta_id=f"r{self.round}.{secrets.token_hex(8)}",
                     custody="none" if self.darl is None else "unconfirmed", size=os.path.getsize(part_path),
-                    norm=norm)
+                    norm=norm, accept_s=round(accept_s, 3))
         os.replace(part_path, p.path)
         if self.keep_deltas:           # linked before the acceptance is written: no merged delta without it
             os.makedirs(self.keep_deltas, exist_ok=True)
@@ -988,14 +1032,36 @@ class FedMomState:
             self._append_record()
             self._drop_silent()
             ready = self._ready()
-            if not ready:
+            due = not ready and not self.merging and self._checkpoint_due()
+            if not ready and not due:
                 return None
-            batch, self.merging = list(self.pending.values()), True
+            if ready:
+                batch, self.merging = list(self.pending.values()), True
             late = sorted(c for c in self.members if not self._responded(c))
             closed_at = self.clock()
+        if not due:
+            with self.mem_lock:
+                rec = self._merge_and_finish(batch, ready, late, closed_at)
+            if rec is None or not self._checkpoint_due():
+                return rec
+        try:                                 # after a round, or due at a start (killed before it was written)
+            self.checkpoint()
+        except Exception as e:               # the rounds are durable without it: tried again in 30 s
+            self.checkpoint_retry_at = self.clock() + 30.0
+            log(f"fedmom: checkpoint of round {self.round} FAILED ({type(e).__name__}: {e}); the rounds since "
+                f"the last one (round {self.ckpt['round']}) stay logged and are replayed at a restart")
+        return None if due else rec
+
+    def _merge_and_finish(self, batch, ready, late, closed_at):
+        """tick's merge, under mem_lock: the arrays become the new round's, or are rebuilt."""
         try:
             result, merged, dropped = self._merge(batch)
         except Exception as e:
+            if self.outer.dirty:
+                try:
+                    self._rebuild()
+                except Exception:           # replay_error is set: no merge runs until a restart
+                    pass
             with self.lock:
                 self.merging, self.retry_merge_at = False, self.clock() + 30.0
                 self.merge_error = f"{type(e).__name__}: {e}"
@@ -1017,7 +1083,11 @@ class FedMomState:
                     except OSError as e:         # a restart aborts the custody its state no longer names anyway
                         log(f"fedmom: cannot save state.json ({e}); the aborts owed are kept in memory")
                 if merged:
-                    return self._finish(merged, result, ready, late, closed_at, gone)
+                    try:
+                        return self._finish(merged, result, ready, late, closed_at, gone)
+                    except BaseException:   # not durable: the arrays go back to the durable round
+                        self._rebuild()
+                        raise
                 self.merging = False
                 if not self.pending:
                     self.first_delta_at = None
@@ -1029,7 +1099,8 @@ class FedMomState:
     def _ready(self):
         """Why the round may merge now, or None. Never while a delta's custody is unconfirmed:
         the round waits for DARL's word on it (see the module docstring)."""
-        if self.merging or not self.pending or self.clock() < self.retry_merge_at or self.fenced:
+        if (self.merging or not self.pending or self.clock() < self.retry_merge_at or self.fenced
+                or self.replay_error):
             return None
         if self._custody_waiting():
             return None
@@ -1060,28 +1131,28 @@ class FedMomState:
     def _merge(self, batch):
         """The merge, robustly: deltas clipped to the limit, and merged again while the
         merged theta or momentum would not be finite - without the largest contribution,
-        or with the momentum reset when the old momentum alone overflows.
+        or with the momentum reset when the old momentum alone overflows. The caller holds
+        mem_lock; the arrays in memory (self.outer) become round+1's (outer_state.apply_round),
+        and a failed try rebuilds them first (_rebuild).
         -> (stats or None, the deltas merged, [(delta, why excluded)])."""
         live, dropped, reset = list(batch), [], None
         new, mu = self.round + 1, self.cfg.outer_momentum
         codec = self.cfg.down_codec()
-        out_theta = self._publisher(codec, new) if codec else os.path.join(self.dir, f"theta-{new}.safetensors")
         while live:
             total = sum(p.tokens for p in live)
             shares = [p.tokens / total for p in live]
             scales, clip = self._clip(live)
+            step = outer_state.Step(new, [(os.path.relpath(p.path, self.dir), w * c)
+                                          for p, w, c in zip(live, shares, scales)],
+                                    self.cfg.outer_lr, mu, bool(reset) or mu == 0 or self.outer.momentum is None, codec)
             t0 = self.clock()
             try:
-                stats = fedmom_merge.merge_files(
-                    os.path.join(self.dir, self.theta_file),
-                    os.path.join(self.dir, self.momentum_file) if self.momentum_file and not reset else None,
-                    [(p.path, w * c) for p, w, c in zip(live, shares, scales)],
-                    out_theta,
-                    os.path.join(self.dir, f"momentum-{new}.safetensors") if mu > 0 else None,
-                    self.cfg.outer_lr, mu, {"round": str(new)}, self.cfg.fsync, self.merge_pause_s,
-                    after_tensor=lambda name: httpd.fault_point("fedmom.merge"))
+                stats = outer_state.apply_round(
+                    self.outer, self._resolved(step), codec and os.path.join(self.dir, f"update-{new}.safetensors"),
+                    {"round": str(new)}, self.cfg.fsync, self.cfg.threads, after_tensor=self._after_tensor)
             except fedmom_merge.NonFinite as e:
-                if e.cause == "momentum" and not reset:
+                self._rebuild()                     # the arrays are half merged: back to round self.round
+                if not step.fresh and outer_state.momentum_alone_overflows(self.outer, e.name, self.cfg.outer_lr, mu):
                     reset = (f"{e}, with every delta zero: the momentum buffer of round {self.round} is reset "
                              "(this round steps as the first one did)")
                     log(f"fedmom: MOMENTUM RESET at the merge of round {self.round}: {reset}")
@@ -1094,34 +1165,133 @@ class FedMomState:
                 live.remove(worst)
                 dropped.append((worst, why))
                 continue
-            update = codec and {"file": f"update-{new}.safetensors", "round": new,
-                                "residual": f"residual-{new}.safetensors", "format": codec.fmt, **stats["published"]}
+            step.digest = self.outer.digest
+            update = codec and {"file": f"update-{new}.safetensors", "round": new, "format": codec.fmt,
+                                **stats["published"]}
             stats.update(merge_s=self.clock() - t0, weights=shares, scales=scales, clip=clip, momentum_reset=reset,
-                         update=update)
+                         update=update, step=step)
             return stats, live, dropped
         return None, [], dropped
 
-    def _publisher(self, codec, new):
-        """--down-wire: the merge's out_theta, a fedmom_merge.Publisher that turns each merged
-        tensor into round `new`'s update and THE theta_global it defines, with what it rounded
-        away owed to the next one (no merged theta is written: one model less on disk)."""
-        owed = self.update["residual"] if self.update and self.update["round"] == self.round else None
-        prev = os.path.join(self.dir, self.theta_file)
-        outs = [os.path.join(self.dir, f"{k}-{new}.safetensors") for k in ("theta", "update", "residual")]
-        return lambda specs, meta: fedmom_merge.Publisher(prev, owed and os.path.join(self.dir, owed), codec,
-                                                          *outs, meta, self.cfg.fsync)
+    def _after_tensor(self, name):
+        if self.merge_pause_s:
+            time.sleep(self.merge_pause_s)
+        httpd.fault_point("fedmom.merge")
+
+    def _resolved(self, step):
+        """A Step with its delta paths made absolute (the log keeps them relative to the state dir)."""
+        return dataclasses.replace(step, deltas=[(os.path.join(self.dir, p), w) for p, w in step.deltas])
+
+    @staticmethod
+    def _step_files(step):
+        """A logged round's spool files (relative): each delta and its acceptance record."""
+        return [f for p, _ in step.deltas for f in (p, p[:-len(".safetensors")] + ".json")]
+
+    def _rebuild(self, at_start=False):
+        """self.outer from the checkpoint's files and the Steps logged since, each replayed and
+        checked against the theta digest it published (outer_state.replay). At the start a
+        mismatch stops the server; later (rebuilding after a failed merge) it stops the merges
+        and shows on /status."""
+        c, path = self.ckpt, lambda fn: fn and os.path.join(self.dir, fn)
+        t0 = time.monotonic()
+        try:
+            outer = outer_state.OuterState.load(path(c["theta"]), path(c["momentum"]), path(c["residual"]),
+                                                c["round"])
+            outer_state.replay(outer, [self._resolved(s) for s in self.log], self.cfg.threads)
+        except (outer_state.ReplayMismatch, OSError, ValueError, tensorio.FormatError) as e:
+            why = (f"the outer state of round {self.round} cannot be rebuilt from the checkpoint of round "
+                   f"{c['round']} and the {len(self.log)} round(s) logged since: {type(e).__name__}: {e}")
+            if at_start:
+                raise SystemExit(f"fedmom_server: !!! {why}. Nothing was changed; restore the state dir from a "
+                                 "backup, or keep it for a bug report")
+            log(f"fedmom: !!! {why}; merges stop")
+            self.replay_error = why
+            raise
+        if outer.round != self.round:
+            raise SystemExit(f"fedmom_server: !!! state.json is at round {self.round} but its checkpoint "
+                             f"(round {c['round']}) and log reach round {outer.round}")
+        self.outer = outer
+        if self.log:
+            log(f"fedmom: replayed rounds {self.log[0].round}-{self.log[-1].round} from the checkpoint of round "
+                f"{c['round']} in {time.monotonic() - t0:.1f} s; theta digest {outer.digest[:12]}... as recorded")
+
+    def _written(self, which, rnd):
+        """The file name of `which` ("theta", "momentum") of round `rnd`, written from memory if
+        it is not on disk (not durable, not needed for a restart: a copy to read). Caller holds
+        mem_lock, and self.outer is at round `rnd`."""
+        fn = f"{which}-{rnd}.safetensors"
+        if which == "momentum" and self.outer.momentum is None:
+            return None
+        if not os.path.exists(os.path.join(self.dir, fn)):
+            self.outer.write(which, os.path.join(self.dir, fn), fsync=False)
+        return fn
+
+    @property
+    def theta_file(self):
+        """theta_global of the current round as a file of the state dir (written on demand)."""
+        with self.mem_lock:
+            with self.lock:
+                return self._written("theta", self.round)
+
+    @property
+    def momentum_file(self):
+        """The momentum buffer of the current round as a file (on demand; None when none is kept)."""
+        with self.mem_lock:
+            with self.lock:
+                return self._written("momentum", self.round)
+
+    def _checkpoint_due(self):
+        return (self.outer is not None and not self.outer.dirty and self.outer.round == self.round
+                and self.clock() >= self.checkpoint_retry_at
+                and self.round - self.ckpt["round"] >= self.cfg.checkpoint_rounds)
+
+    def checkpoint(self, force=False):
+        """Write theta, momentum and residual of the current round whole and durable; the
+        checkpoint they make replaces the last one, whose files and the logged rounds' deltas
+        it covers are removed (outside the locks). Called after a round when due. -> its round."""
+        gone = []
+        with self.mem_lock:
+            with self.lock:
+                if not (force or self._checkpoint_due()) or self.outer.dirty:
+                    return None
+                rnd = self.round
+            t0, files = time.monotonic(), {}
+            for which in ("theta", "momentum", "residual"):
+                if getattr(self.outer, which) is None:
+                    files[which] = None
+                    continue
+                files[which] = f"{which}-{rnd}.safetensors"
+                self.outer.write(which, os.path.join(self.dir, files[which]), fsync=self.cfg.fsync)
+                httpd.fault_point("fedmom.checkpoint")
+            with self.lock:
+                old, old_log = self.ckpt, self.log
+                self.ckpt, self.log = {"round": rnd, **files}, [s for s in self.log if s.round > rnd]
+                try:
+                    self._save()
+                except BaseException:
+                    self.ckpt, self.log = old, old_log
+                    raise
+                covered = [s for s in old_log if s.round <= rnd]
+                gone = [os.path.join(self.dir, f) for f in old.values()      # _clean_dir's, after a crash
+                        if isinstance(f, str) and f not in files.values()]
+                gone += self._bury([os.path.join(self.dir, f) for s in covered for f in self._step_files(s)])
+                nbytes = sum(os.path.getsize(os.path.join(self.dir, f)) for f in files.values() if f)
+                self.last_checkpoint = {"round": rnd, "seconds": round(time.monotonic() - t0, 3), "bytes": nbytes}
+        log(f"fedmom: checkpoint of round {rnd}: {nbytes / 2**30:.2f} GiB in {self.last_checkpoint['seconds']:.1f} s; "
+            f"{len(covered)} logged round(s) covered")
+        self._remove(gone)
+        return rnd
 
     def _finish(self, batch, stats, reason, late, closed_at, gone):
-        """Round `new` becomes durable (state.json); the files of the round before and the
-        merged deltas' spool entries are appended to `gone`, for the caller to unlink once it
-        has released the lock (a crash before that leaves them to _clean_dir at the next start)."""
-        new, old_files, old_commits = self.round + 1, (self.theta_file, self.momentum_file), list(self.pending_commits)
-        old_update = self.update
+        """Round `new` becomes durable (state.json, with its Step in the log); the round before's
+        update and copies of theta/momentum are appended to `gone`, for the caller to unlink
+        once it has released the lock (a crash before that leaves them to _clean_dir at the
+        next start). The merged deltas stay in the spool, logged, until a checkpoint covers them."""
+        new, old_commits, old_update = self.round + 1, list(self.pending_commits), self.update
         rec = self._record(batch, stats, reason, late, closed_at, new)
         old_violations = dict(self.violations)
         twice = self._count_trained_twice(rec)
-        self.theta_file = f"theta-{new}.safetensors"
-        self.momentum_file = f"momentum-{new}.safetensors" if self.cfg.outer_momentum > 0 else None
+        self.log.append(stats["step"])
         self.pending_commits += [{"delta": p.delta_id, "round": new, "cluster": p.cluster,
                                   "incarnation": p.incarnation, "blocks": sum(x[2] - x[1] for x in p.pieces),
                                   "since": round(self.wall(), 3)} for p in batch if p.custody == "confirmed"]
@@ -1130,9 +1300,9 @@ class FedMomState:
         try:
             self._save()                                   # the round becomes durable here
         except BaseException:
-            self.round, self.last_record, self.merging = new - 1, old_record, False
-            self.theta_file, self.momentum_file, self.update = old_files + (old_update,)
+            self.round, self.last_record, self.merging, self.update = new - 1, old_record, False, old_update
             self.pending_commits, self.violations = old_commits, old_violations
+            self.log.pop()
             raise
         self._add_merged(rec)
         if twice:
@@ -1142,11 +1312,11 @@ class FedMomState:
         self.records.append(rec)
         self._append_record(rec)
         log(format_record(rec))
-        for fn in old_files + ((old_update["file"], old_update["residual"]) if old_update else ()):
-            if fn and fn not in (self.theta_file, self.momentum_file):
+        ckpt = set(self.ckpt.values())                # the last round's copies of theta and momentum,
+        for fn in [f"theta-{new - 1}.safetensors", f"momentum-{new - 1}.safetensors"] + (    # and its update
+                [old_update["file"]] if old_update else []):
+            if fn not in ckpt and os.path.exists(os.path.join(self.dir, fn)):
                 gone.append(os.path.join(self.dir, fn))
-        for p in batch:
-            gone += [p.path, p.meta_path]
         self.pending, self.excluded, self.dropped = {}, [], []
         self.first_delta_at, self.merging = None, False
         self.round_opened_at = self.clock()
@@ -1199,6 +1369,8 @@ class FedMomState:
                 "drift_max": max(drifts) if drifts else None,
                 "tokens_per_s": sum(tps) if tps else None,
                 "wall_s": round(closed_at - self.round_opened_at, 3), "merge_s": round(stats["merge_s"], 3),
+                "timings": {"accept_s": [p.accept_s for p in batch], "custody_s": [round(p.custody_s, 3) for p in batch],
+                            "merge_s": round(stats["merge_s"], 3)},
                 "outcomes": outcomes, "clip": stats["clip"], "momentum_reset": stats["momentum_reset"],
                 "excluded": list(self.excluded), "dropped": list(self.dropped), "late": late,
                 "members": sorted(self.members), "outer_lr": self.cfg.outer_lr,
@@ -1416,9 +1588,12 @@ class FedMomState:
     # ---- reading
 
     def open_theta(self):
-        """(open file, round) of the current theta_global; the file stays readable after a merge."""
-        with self.lock:
-            return open(os.path.join(self.dir, self.theta_file), "rb"), self.round
+        """(open file, round) of the current theta_global, written from memory first if no copy
+        of this round is on disk (waits for a merge in progress); the open file stays readable
+        after the next round removes it."""
+        with self.mem_lock:
+            with self.lock:
+                return open(os.path.join(self.dir, self._written("theta", self.round)), "rb"), self.round
 
     def open_update(self, base_round, base_digest):
         """(open file, round, digest) of the update from round `base_round` to the current
@@ -1441,15 +1616,21 @@ class FedMomState:
                       round=self.round)
 
     def kept_files(self):
-        """What the state dir holds and why -> [{"file", "bytes", "why"}]: the current round's
-        theta, momentum, update and residual, and the open round's spooled deltas; the files
-        of earlier rounds are removed once a later round is durable (module docstring)."""
+        """What the state dir holds and why -> [{"file", "bytes", "why"}]: the checkpoint, the
+        deltas of the rounds logged since (a restart replays them), the current round's update
+        and copy of theta (when one was written), and the open round's spooled deltas; anything
+        else is removed once a later round or checkpoint is durable (module docstring)."""
         with self.lock:
-            named = [(self.theta_file, "theta_global of the current round"),
-                     (self.momentum_file, "the momentum buffer of the current round")]
+            c = self.ckpt["round"]
+            named = [(self.ckpt["theta"], f"checkpoint of round {c}: theta_global"),
+                     (self.ckpt["momentum"], f"checkpoint of round {c}: the momentum buffer"),
+                     (self.ckpt["residual"], f"checkpoint of round {c}: what its update rounded away")]
+            named += [(p, f"round {s.round}'s merged delta, replayed from the checkpoint at a restart")
+                      for s in self.log for p, _ in s.deltas]
             if self.update and self.update["round"] == self.round:
-                named += [(self.update["file"], "the current round's update (--down-wire)"),
-                          (self.update["residual"], "what the current update rounded away, owed to the next")]
+                named += [(self.update["file"], "the current round's update (--down-wire)")]
+            if self.ckpt["round"] != self.round:
+                named += [(f"theta-{self.round}.safetensors", "a copy of the current theta_global, for downloads")]
             named += [(os.path.relpath(p.path, self.dir), f"{p.cluster}'s delta for the open round {self.round}")
                       for p in self.pending.values()]
         out = []
@@ -1472,7 +1653,9 @@ class FedMomState:
                     "outcomes": self._open_outcomes(),
                     "excluded": list(self.excluded), "dropped": list(self.dropped),
                     "pending_commits": len(self.pending_commits), "pending_aborts": len(self.pending_aborts),
-                    "merge_error": self.merge_error,
+                    "merge_error": self.merge_error, "replay_error": self.replay_error,
+                    "checkpoint": {"round": self.ckpt["round"], "every": self.cfg.checkpoint_rounds,
+                                   "logged_rounds": [s.round for s in self.log], "last": self.last_checkpoint},
                     "aggregator": self.aggregator_id, "violations": dict(self.violations),
                     # the epoch this process holds once DARL confirmed it; until then the one its state had
                     "epoch": self.epoch if self.fenced_epoch or self.darl is None else self.loaded_epoch,

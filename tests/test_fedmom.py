@@ -4,6 +4,7 @@ blob store on 127.0.0.1, a SIGKILL mid-merge, and an import with torch absent.""
 import http.client
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -390,8 +391,13 @@ class ProtocolTest(Fixture):
         self.assertEqual(st.tick()["round"], 2)
         st2 = self.state()                                     # --init of the same model: a note, no change
         self.assertEqual(st2.round, 2)
+        # round 0 is the checkpoint (--checkpoint-rounds 4); rounds 1 and 2 are their deltas, kept to replay
+        self.assertEqual(sorted(os.listdir(st2.dir)), ["rounds.jsonl", "spool", "state.json", "theta-0.safetensors"])
+        self.assertEqual(len([f for f in os.listdir(st2.spool) if f.endswith(".safetensors")]), 4)
+        self.assertEqual(st2.checkpoint(force=True), 2)       # written whole: the log and its deltas go
         self.assertEqual(sorted(os.listdir(st2.dir)), ["momentum-2.safetensors", "rounds.jsonl", "spool",
                                                        "state.json", "theta-2.safetensors"])
+        self.assertEqual(os.listdir(st2.spool), [])
 
     def test_a_torn_rounds_line_is_cut_and_its_record_put_back(self):
         """A crash mid-append of round 2's line (state.json, written first, says round 2): the
@@ -717,7 +723,14 @@ class CrashTest(Fixture):
                                  *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, fs.MERGE_PAUSE_ENV: pause})
         self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
-        return proc, listening_url(proc, timeout=120)[0]
+        self.url = listening_url(proc, timeout=120)[0]
+        return proc, self.url
+
+    def served_theta(self, url):
+        """theta_global as GET /theta serves it, as a file -> its path."""
+        path = os.path.join(self.dir, f"served-{secrets.token_hex(4)}.safetensors")
+        fedmom_client.FedMomClient(url, "reader", "reader-inc").download_theta(path)
+        return path
 
     def test_sigkill_during_a_merge_leaves_a_consistent_round(self):
         sd = os.path.join(self.dir, "st")
@@ -730,11 +743,9 @@ class CrashTest(Fixture):
             path, d = self.delta("F16")
             deltas.append(d)
             fedmom_client.FedMomClient(url, c, f"{c}-inc").send_delta(path, 0, tok, [], {})
-        merging = f"theta-1.safetensors.tmp-{proc.pid}"       # the merge's own output, being written
-        deadline = time.monotonic() + 120
-        while merging not in os.listdir(sd) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 120                      # the merge runs in memory, paused mid-model
+        while not httpd.call(url, "GET", "/round")["merging"] and time.monotonic() < deadline:
             time.sleep(0.01)
-        self.assertIn(merging, os.listdir(sd))
         self.assertTrue(httpd.call(url, "GET", "/round")["merging"])
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
@@ -745,13 +756,15 @@ class CrashTest(Fixture):
         client = fedmom_client.FedMomClient(url, "a", "a-inc")
         self.assertEqual(client.wait_round_after(0, timeout_s=60), 1)
         want, _ = naive_fedmom(self.theta0, None, deltas, [10, 30], 0.7, 0.9)
-        self.assertLess(rel_err(read_all(os.path.join(sd, "theta-1.safetensors")), want), 1e-6)
-        self.assertFalse([f for f in os.listdir(sd) if ".tmp-" in f or f.endswith("-0.safetensors")])
+        theta1 = read_all(self.served_theta(url))
+        self.assertLess(rel_err(theta1, want), 1e-6)
+        self.assertFalse([f for f in os.listdir(sd) if ".tmp-" in f])
         self.assertEqual([r["round"] for r in durable.read_jsonl(os.path.join(sd, "rounds.jsonl"))], [1])
-        proc.send_signal(signal.SIGKILL)                       # and right after a merge: still round 1
-        proc.wait(timeout=30)
+        proc.send_signal(signal.SIGKILL)                       # and right after a merge: still round 1,
+        proc.wait(timeout=30)                                  # replayed from round 0's checkpoint, same bits
         proc, url = self.start(sd)
         self.assertEqual(httpd.call(url, "GET", "/round")["round"], 1)
+        self.assertEqual(rel_err(read_all(self.served_theta(url)), theta1), 0)
         proc.kill()
         proc.wait(timeout=30)
 
@@ -816,7 +829,7 @@ class DownstreamTest(Fixture):
         with open(os.path.join(sd, "state.json")) as f:
             st = json.load(f)
         self.assertEqual(st["round"], rnd)
-        want, got = self.bits(os.path.join(sd, st["theta"])), self.bits(path)
+        want, got = self.bits(CrashTest.served_theta(self, self.url)), self.bits(path)
         self.assertEqual(sorted(want), sorted(got))
         for n in want:                      # the exact bits, not close values
             self.assertTrue(np.array_equal(want[n], got[n]), f"round {rnd}: tensor {n} differs")
@@ -901,8 +914,11 @@ class DownstreamTest(Fixture):
         with self.assertRaises(httpd.CallError) as cm:
             httpd.call(url, "GET", "/theta_update?from=4&digest=" + "0" * 64)
         self.assertEqual((cm.exception.status, cm.exception.reply.get("code")), (409, "no_update"))
+        with open(os.path.join(sd, "state.json")) as f:
+            ckpt = json.load(f)["checkpoint"]
+        self.assertEqual(ckpt["round"], 4, "--checkpoint-rounds 4: round 4's theta, momentum and residual")
         self.assertFalse([f for f in os.listdir(sd) if f.startswith(("update-", "residual-", "merged-", "theta-"))
-                          and not f.endswith("-5.safetensors")], "files of older rounds are left")
+                          and not f.endswith(("-5.safetensors", "-4.safetensors"))], "files of older rounds are left")
         self.assertFalse(os.path.exists(os.path.join(self.dir, "a", "theta-update.safetensors")))
 
 

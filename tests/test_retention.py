@@ -163,22 +163,36 @@ class Live(unittest.TestCase):
     def blobs(self):
         return {b["id"] for b in httpd.call(self.blob_url, "GET", "/blobs")["blobs"]}
 
+    def int4_deltas(self):
+        """The deltas as a site with --wire int4 sends them (what the sizing is for)."""
+        import wire
+        for d in self.deltas:
+            with tensorio.TensorReader(d) as r:
+                arrays = {n: r.read(n) for n in r.names}
+            with wire.WireWriter(d, [(n, a.shape) for n, a in arrays.items()], wire.Codec("int4"), fsync=False) as w:
+                for n, a in arrays.items():
+                    w.write(n, a)
+
     def assert_holds_server_theta(self, path):
-        st = httpd.call(self.url, "GET", "/status")
-        theta = [f["file"] for f in st["retention"]["state"] if f["file"].startswith("theta-")]
-        want, got = bits(os.path.join(self.sd, theta[0])), bits(path)
+        served = os.path.join(self.dir, "served.safetensors")
+        fedmom_client.FedMomClient(self.url, "reader", "reader-inc").download_theta(served)
+        want, got = bits(served), bits(path)
         self.assertEqual(sorted(want), sorted(got))
         for n in want:                      # the exact bits, not close values
             self.assertTrue(np.array_equal(want[n], got[n]), f"tensor {n} differs")
 
 
 class DiskBoundTest(Live):
-    K = 3
+    K, C = 3, 4                     # --keep-rounds, --checkpoint-rounds
 
     def expected(self, agg, rnd):
-        """What the rule keeps once round rnd is durable and both sites took its update."""
-        state = {f"{k}-{rnd}.safetensors" for k in ("theta", "momentum", "update", "residual")}
-        state |= {"state.json", "rounds.jsonl", "spool", "lock"}
+        """What the rule keeps once round rnd is durable and both sites took its update: the
+        checkpoint of round c, the deltas of the rounds logged since, rnd's update."""
+        c = rnd - rnd % self.C
+        state = {f"{k}-{c}.safetensors" for k in (("theta", "momentum", "residual") if c else ("theta",))}
+        state |= {f"update-{rnd}.safetensors", "state.json", "rounds.jsonl", "spool", "lock"}
+        state |= {f"spool/r{b}_{x}_{x}-inc.{ext}" for b in range(c, rnd) for x in ("a", "b")
+                  for ext in ("safetensors", "json")}
         blobs = {fs.blob_name(agg, "update", s) for s in range(max(1, rnd - self.K + 1), rnd + 1)}
         blobs |= {fs.blob_name(agg, "theta", 0)} if rnd < self.K else set()   # the sites' first download
         return state, blobs
@@ -189,10 +203,11 @@ class DiskBoundTest(Live):
 
     def test_the_disk_stays_bounded_over_61_rounds_and_a_site_60_rounds_behind_rejoins(self):
         self.blob_store, self.blob_url = self.spawn("blobstore.py", "--root", self.blob_root)
-        self.start("--init", self.init, "--keep-rounds", str(self.K))
+        self.start("--init", self.init, "--keep-rounds", str(self.K), "--checkpoint-rounds", str(self.C))
         agg = httpd.call(self.url, "GET", "/status")["aggregator"]
         for c in ("a", "b"):
             fedmom_client.FedMomClient(self.url, c, f"{c}-inc").join()
+        self.int4_deltas()
         paths = {c: os.path.join(self.dir, c, "theta.safetensors") for c in ("a", "b", "late")}
         for p in paths.values():
             os.makedirs(os.path.dirname(p))
@@ -201,7 +216,7 @@ class DiskBoundTest(Live):
             self.assertEqual(s._fetch(paths[c]), 0)
         self.assertEqual(sites["late"].down["via"], "full")     # then it goes away for 61 rounds
         model = os.path.getsize(os.path.join(self.sd, "theta-0.safetensors"))
-        bound = (self.K + 2) * model + sum(os.path.getsize(d) for d in self.deltas)
+        bound = (self.K + 2) * model + self.C * sum(os.path.getsize(d) for d in self.deltas)
         worst = 0
         for rnd in range(61):
             if rnd == 30:                    # the sweep after round 31 held mid-delete, then SIGKILL
@@ -216,12 +231,12 @@ class DiskBoundTest(Live):
                 self.fed.wait(30)
                 os.unlink(os.path.join(self.faults, "fedmom.blob_delete"))
                 self.assertIn(fs.blob_name(agg, "update", 31 - self.K), self.blobs(), "the kill left it")
-                self.start(port=httpd.split_url(self.url)[2])   # the sites keep its URL
+                self.start("--checkpoint-rounds", str(self.C), port=httpd.split_url(self.url)[2])  # same URL
                 # its first sweep deletes what the killed process owed
             want = self.expected(agg, rnd + 1)
             expect(lambda: self.kept() == want, f"round {rnd + 1}'s retention: {want}", timeout_s=HANG_S)
             used = tree_bytes(self.sd, skip=("rounds.jsonl", "state.json")) + tree_bytes(self.blob_root)
-            self.assertLessEqual(used, bound, f"round {rnd + 1}: {used} bytes > (K + 2) models + one round's "
+            self.assertLessEqual(used, bound, f"round {rnd + 1}: {used} bytes > (K + 2) models + C rounds' "
                                               f"deltas = {bound}")
             worst = max(worst, used)
         st = httpd.call(self.url, "GET", "/status")["retention"]
@@ -249,46 +264,65 @@ class DiskBoundTest(Live):
 
 
 class PeakTest(Live):
-    def test_a_merge_peaks_at_the_rounds_files_and_its_compressed_deltas(self):
-        """Held where round 2 is durable and nothing old is deleted yet (every file a merge
-        writes is complete, so this is its peak): theta, momentum, residual and update of
-        rounds 1 and 2 and the two int4 deltas as they came - no merged theta, no decoded delta."""
-        import wire
+    def files(self):
+        out = {f: os.path.getsize(os.path.join(self.sd, f)) for f in os.listdir(self.sd) if f != "spool"}
+        out.update({f"spool/{f}": os.path.getsize(os.path.join(self.sd, "spool", f))
+                    for f in os.listdir(os.path.join(self.sd, "spool"))})
+        return out
+
+    def hold(self, point, skip):
+        with open(os.path.join(self.faults, point), "w") as f:
+            f.write(str(skip))
+
+    def test_a_round_writes_only_its_update_and_a_checkpoint_peaks_at_two_of_them(self):
+        """--checkpoint-rounds 2, int4 deltas. Held at round 3's durable point: the state dir is
+        round 2's checkpoint (theta, momentum, residual), round 3's update and the deltas
+        logged since - the merge wrote no model-sized file. Held after the last file of round
+        4's checkpoint (nothing old deleted yet, so this is the peak): both checkpoints, the
+        update and the two logged rounds' int4 deltas as they came."""
         self.blob_store, self.blob_url = self.spawn("blobstore.py", "--root", self.blob_root)
-        self.start("--init", self.init)
+        self.start("--init", self.init, "--checkpoint-rounds", "2")
         for c in ("a", "b"):
             fedmom_client.FedMomClient(self.url, c, f"{c}-inc").join()
-        for i, d in enumerate(self.deltas):          # the deltas as a site with --wire int4 sends them
-            with tensorio.TensorReader(d) as r:
-                arrays = {n: r.read(n) for n in r.names}
-            with wire.WireWriter(d, [(n, a.shape) for n, a in arrays.items()], wire.Codec("int4"), fsync=False) as w:
-                for n, a in arrays.items():
-                    w.write(n, a)
-        self.merge_round(0)
-        self.arm("fedmom.round_durable")            # (held under the state lock: no waiting on the round)
-        with open(os.path.join(self.faults, "fedmom.merge"), "w") as f:
-            f.write(str(len(SHAPES) - 1))            # held after the last tensor is merged
-        self.send_round(1)
-        expect(lambda: self.hit("fedmom.merge"), "the merge's last tensor", timeout_s=HANG_S)
-        self.assertFalse([f for f in os.listdir(self.sd) if f.startswith("merged-")], "a merged theta is written")
-        os.unlink(os.path.join(self.faults, "fedmom.merge"))
-        expect(lambda: self.hit("fedmom.round_durable"), "round 2 to be durable", timeout_s=HANG_S)
-        files = {f: os.path.getsize(os.path.join(self.sd, f)) for f in os.listdir(self.sd) if f != "spool"}
-        spool = {f: os.path.getsize(os.path.join(self.sd, "spool", f)) for f in os.listdir(os.path.join(self.sd,
-                                                                                                       "spool"))}
+        self.int4_deltas()
+        for rnd in (0, 1):
+            self.merge_round(rnd)
+        self.hold("fedmom.round_durable", 0)
+        self.send_round(2)
+        expect(lambda: self.hit("fedmom.round_durable"), "round 3 to be durable", timeout_s=HANG_S)
+        files = self.files()
         os.unlink(os.path.join(self.faults, "fedmom.round_durable"))
-        per_round = {f"{k}-{r}.safetensors" for k in ("theta", "momentum", "residual", "update") for r in (1, 2)}
-        self.assertEqual(set(files), per_round | {"state.json", "rounds.jsonl", "lock"})
-        self.assertEqual(sorted(v for f, v in spool.items() if f.endswith(".safetensors")),
+        logged = {f"spool/r2_{x}_{x}-inc.{e}" for x in ("a", "b") for e in ("safetensors", "json")}
+        ckpt2 = {f"{k}-2.safetensors" for k in ("theta", "momentum", "residual")}
+        self.assertEqual(set(files), ckpt2 | {"update-2.safetensors", "update-3.safetensors", "state.json",
+                                              "rounds.jsonl", "lock"} | logged)
+        model = files["theta-2.safetensors"]
+        deltas = sum(os.path.getsize(d) for d in self.deltas)
+        self.assertEqual(sorted(v for f, v in files.items() if f.endswith(".safetensors") and "spool/" in f),
                          sorted(os.path.getsize(d) for d in self.deltas), "the spool holds the int4 files as sent")
-        model = files["theta-1.safetensors"]
-        peak = sum(files.values()) + sum(spool.values())
-        design = (sum(files[f"{k}-{r}.safetensors"] for k in ("theta", "momentum", "residual", "update")
-                      for r in (1, 2)) + sum(os.path.getsize(d) for d in self.deltas))
-        self.assertLessEqual(peak - files["state.json"] - files["rounds.jsonl"], design + 4096)
-        print(f"\n    merge peak: {peak / model:.2f} models (theta + momentum + residual, twice, "
-              f"{2 * files['update-2.safetensors'] / model:.2f} of updates, {sum(spool.values()) / model:.2f} "
-              "of int4 deltas)", file=sys.stderr)
+        expect(lambda: self.kept_after(3), "round 3's leftovers to go", timeout_s=HANG_S)
+        self.hold("fedmom.checkpoint", 2)             # round 4's theta, momentum and residual written
+        self.merge_round(3)
+        expect(lambda: self.hit("fedmom.checkpoint"), "round 4's checkpoint", timeout_s=HANG_S)
+        peak = self.files()
+        os.unlink(os.path.join(self.faults, "fedmom.checkpoint"))
+        logged |= {f"spool/r3_{x}_{x}-inc.{e}" for x in ("a", "b") for e in ("safetensors", "json")}
+        ckpt4 = {f"{k}-4.safetensors" for k in ("theta", "momentum", "residual")}
+        self.assertEqual(set(peak), ckpt2 | ckpt4 | {"update-4.safetensors", "state.json", "rounds.jsonl",
+                                                     "lock"} | logged)
+        small = files["state.json"] + files["rounds.jsonl"] + 4096
+        self.assertLessEqual(sum(files.values()), 3 * model + files["update-3.safetensors"] +
+                             files["update-2.safetensors"] + deltas + small)
+        self.assertLessEqual(sum(peak.values()), 6 * model + peak["update-4.safetensors"] + 2 * deltas + small
+                             + 4096)
+        expect(lambda: set(self.files()) == ckpt4 | {"update-4.safetensors", "state.json", "rounds.jsonl", "lock"},
+               "round 2's checkpoint and the logged deltas to go", timeout_s=HANG_S)
+        print(f"\n    a round: {(sum(files.values()) - small) / model:.2f} models (one checkpoint, updates, "
+              f"{deltas / model:.2f} of int4 deltas a round); a checkpoint's peak: "
+              f"{(sum(peak.values()) - small) / model:.2f} models", file=sys.stderr)
+
+    def kept_after(self, rnd):
+        return not any(f.startswith(f"update-{rnd - 1}") for f in os.listdir(self.sd))
 
 
 class RestoredStateTest(Live):
@@ -314,7 +348,7 @@ class LockTest(Live):
     def test_deletions_held_at_their_fault_points_leave_status_and_heartbeats_answered(self):
         """The old round's files and its blob, held mid-deletion: the state lock is free."""
         self.blob_store, self.blob_url = self.spawn("blobstore.py", "--root", self.blob_root)
-        self.start("--init", self.init, "--keep-rounds", "1")
+        self.start("--init", self.init, "--keep-rounds", "1", "--checkpoint-rounds", "1")
         agg = httpd.call(self.url, "GET", "/status")["aggregator"]
         for c in ("a", "b"):
             fedmom_client.FedMomClient(self.url, c, f"{c}-inc").join()
@@ -344,7 +378,7 @@ class LockTest(Live):
         out = subprocess.run([sys.executable, "fedmom_server.py", "status", "--url", self.url], cwd=ROOT,
                              capture_output=True, text=True, timeout=HANG_S)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
-        self.assertIn("theta_global of the current round", out.stdout)
+        self.assertIn("checkpoint of round 1: theta_global", out.stdout)
         self.assertIn("kept in the blob store (--keep-rounds 1", out.stdout)
 
 

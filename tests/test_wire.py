@@ -557,7 +557,9 @@ class AggregatorTest(Tmp):
             for k in self.SHAPES:
                 want = self.theta0[k] + (sent["lumi"][k] * np.float32(0.5) + sent["snellius"][k] * np.float32(0.5))
                 np.testing.assert_allclose(r.read(k), want, rtol=0, atol=1e-6, err_msg=k)
-        self.assertEqual(self.spool(), [])
+        self.assertEqual(len(self.spool()), 4, "kept, logged: a restart replays round 1 from them")
+        self.assertEqual(self.st.checkpoint(force=True), 1)
+        self.assertEqual(self.spool(), [], "a checkpoint of round 1 covers them")
 
     def test_hostile_compressed_deltas_are_refused_and_nothing_is_stored(self):
         self.st.join("lumi", "lumi-inc")

@@ -1,0 +1,289 @@
+"""outer_state.py and the aggregator's replay: a round in memory gives the file-to-file merge's
+bits (fedmom_merge.merge_files + Publisher), a restart rebuilds theta, momentum and residual
+from the checkpoint and the logged rounds bit for bit, a tampered log stops the start, and a
+real fedmom_server SIGKILLed at every phase of a round ends with the uninterrupted run's bits."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import unittest
+
+import numpy as np
+
+import fedmom_client
+import fedmom_merge
+import fedmom_state as fs
+import httpd
+import outer_state
+import tensorio
+import wire
+from harness import listening_url, wait_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the embedding is larger than fedmom_merge.CHUNK: the chunk loop and its threads run
+SHAPES = {"embed": (300, 1000), "w": (64, 256), "b": (256,), "norm": (7,)}
+
+
+def write_f32(path, arrays):
+    with tensorio.TensorWriter(path, [(k, "F32", a.shape) for k, a in arrays.items()], fsync=False) as w:
+        for k, a in arrays.items():
+            w.write(k, a)
+
+
+def write_delta(path, arrays, fmt):
+    """A site's delta: plain F32/BF16, or a wire format (int4, int8)."""
+    if fmt in ("F32", "BF16"):
+        with tensorio.TensorWriter(path, [(k, fmt, a.shape) for k, a in arrays.items()], fsync=False) as w:
+            for k, a in arrays.items():
+                w.write(k, a if fmt == "F32" else tensorio.f32_to_bf16(a))
+    else:
+        with wire.WireWriter(path, [(k, a.shape) for k, a in arrays.items()], wire.Codec(fmt), fsync=False) as w:
+            for k, a in arrays.items():
+                w.write(k, a)
+    return path
+
+
+def bits(arrays):
+    """{name: the uint32 bits, flat} of a {name: float32 array} or a tensor file."""
+    if isinstance(arrays, str):
+        with tensorio.TensorReader(arrays) as r:
+            return {n: r.read(n).reshape(-1).view(np.uint32).copy() for n in r.names}
+    return {n: np.ascontiguousarray(a, np.float32).reshape(-1).view(np.uint32).copy() for n, a in arrays.items()}
+
+
+class Case(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="replay-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.rng = np.random.default_rng(7)
+        self.init = os.path.join(self.dir, "init.safetensors")
+        write_f32(self.init, {k: self.rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()})
+
+    def assert_same_bits(self, want, got, what):
+        want, got = bits(want), bits(got)
+        self.assertEqual(sorted(want), sorted(got), what)
+        for n in want:
+            self.assertTrue(np.array_equal(want[n], got[n]), f"{what}: tensor {n} differs")
+
+    def deltas(self, rnd, fmts=("int4", "F32")):
+        """Round `rnd`'s deltas, the same bytes every time they are asked for."""
+        rng = np.random.default_rng(1000 + rnd)
+        out = []
+        for i, fmt in enumerate(fmts):
+            arrays = {k: (0.01 * rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}
+            out.append(write_delta(os.path.join(self.dir, f"d{rnd}-{i}.safetensors"), arrays, fmt))
+        return out
+
+
+class CoreTest(Case):
+    """apply_round in memory == the file-to-file merge and Publisher, bit for bit."""
+
+    def run_files(self, codec, mu, rounds, weights):
+        prev, mom, res, out = self.init, None, None, []
+        for r in range(1, rounds + 1):
+            d = [(p, w) for p, w in zip(self.deltas(r, ("int4", "F32", "BF16")), weights)]
+            t, m = os.path.join(self.dir, f"ft-{r}"), (os.path.join(self.dir, f"fm-{r}") if mu else None)
+            u, rr = os.path.join(self.dir, f"fu-{r}"), os.path.join(self.dir, f"fr-{r}")
+            sink = ((lambda specs, meta, prev=prev, res=res: fedmom_merge.Publisher(prev, res, codec, t, u, rr, meta,
+                                                                                   fsync=False))
+                    if codec else t)
+            st = fedmom_merge.merge_files(prev, mom, d, sink, m, 0.7, mu, {"round": str(r)}, fsync=False, threads=1)
+            out.append((t, m, codec and rr, codec and u, st))
+            prev, mom, res = t, m, codec and rr
+        return out
+
+    def test_a_round_in_memory_is_the_file_merge_bit_for_bit(self):
+        weights = [0.25, 0.5, 0.25]
+        for codec in (wire.Codec("int4"), wire.Codec("int8", block=64), None):
+            for mu in (0.9, 0.0):
+                for threads in (1, 3):
+                    what = f"down {codec and codec.fmt} momentum {mu} threads {threads}"
+                    files = self.run_files(codec, mu, 3, weights)
+                    state = outer_state.OuterState.load(self.init)
+                    for r, (t, m, rr, u, st) in enumerate(files, start=1):
+                        d = [(p, w) for p, w in zip(self.deltas(r, ("int4", "F32", "BF16")), weights)]
+                        out_u = os.path.join(self.dir, f"mu-{r}")
+                        got = outer_state.apply_round(state, outer_state.Step(r, d, 0.7, mu, r == 1, codec),
+                                                      out_u if codec else None, {"round": str(r)}, fsync=False,
+                                                      threads=threads)
+                        self.assert_same_bits(t, state.theta, f"{what}, round {r}: theta")
+                        if mu:
+                            self.assert_same_bits(m, state.momentum, f"{what}, round {r}: momentum")
+                        else:
+                            self.assertIsNone(state.momentum)
+                        if codec:
+                            self.assert_same_bits(rr, state.residual, f"{what}, round {r}: residual")
+                            with open(u, "rb") as a, open(out_u, "rb") as b:
+                                self.assertEqual(a.read(), b.read(), f"{what}, round {r}: the update file")
+                            self.assertEqual(got["published"]["digest"], st["published"]["digest"])
+                            self.assertEqual(got["published"]["base_digest"], st["published"]["base_digest"])
+                        self.assertEqual(state.digest, wire.theta_digest(t))
+                        self.assertAlmostEqual(got["theta_norm"], st["theta_norm"], delta=1e-9 * st["theta_norm"])
+                        for a, b in zip(got["delta_norms"], st["delta_norms"]):
+                            self.assertAlmostEqual(a, b, delta=1e-9 * b)
+
+    def test_a_replay_checks_the_recorded_digest(self):
+        state = outer_state.OuterState.load(self.init)
+        steps = []
+        for r in (1, 2, 3):
+            s = outer_state.Step(r, [(p, 0.5) for p in self.deltas(r)], 0.7, 0.9, r == 1, wire.Codec("int4"))
+            outer_state.apply_round(state, s, threads=2)
+            s.digest = state.digest
+            steps.append(s)
+        again = outer_state.replay(outer_state.OuterState.load(self.init), steps, threads=1)
+        self.assert_same_bits(state.theta, again.theta, "replayed theta")
+        self.assert_same_bits(state.momentum, again.momentum, "replayed momentum")
+        self.assert_same_bits(state.residual, again.residual, "replayed residual")
+        steps[1] = outer_state.Step.from_json({**steps[1].to_json(), "lr": 0.69})   # another outer step
+        with self.assertRaises(outer_state.ReplayMismatch) as cm:
+            outer_state.replay(outer_state.OuterState.load(self.init), steps)
+        self.assertIn("round 2 replayed to theta digest", str(cm.exception))
+        with self.assertRaises(outer_state.ReplayMismatch):        # a gap in the log
+            outer_state.replay(outer_state.OuterState.load(self.init), [steps[0], steps[2]])
+
+
+class StateReplayTest(Case):
+    """FedMomState in process: a restart after every round rebuilds the same arrays."""
+
+    def state(self, **kw):
+        cfg = fs.ServerConfig(os.path.join(self.dir, "st"), init=kw.pop("init", self.init), fsync=False,
+                              down_wire="int4", **kw)
+        return fs.FedMomState(cfg.validate(), clock=lambda: 1000.0)
+
+    def send(self, st, rnd):
+        for c, path in zip(("a", "b"), self.deltas(rnd)):
+            st.join(c, f"{c}-inc")
+            m = st.check_delta_meta({"cluster": c, "incarnation": f"{c}-inc", "tokens": 10 if c == "a" else 30,
+                                     "base_round": st.round})
+            part = st.new_part_path()
+            shutil.copyfile(path, part)
+            st.accept_delta(m, part)
+
+    def test_a_restart_after_any_round_rebuilds_the_same_bits_and_the_disk_stays_bounded(self):
+        ref = self.state()
+        arrays = []
+        for r in range(1, 8):
+            self.send(ref, r - 1)
+            self.assertEqual(ref.tick()["round"], r)
+            arrays.append(ref.outer.copy())
+        del ref
+        shutil.rmtree(os.path.join(self.dir, "st"))
+        st = self.state(checkpoint_rounds=3)
+        for r in range(1, 8):
+            self.send(st, r - 1)
+            self.assertEqual(st.tick()["round"], r)
+            st = self.state(init=None, checkpoint_rounds=3)      # a restart after every round
+            self.assertEqual(st.round, r)
+            want = arrays[r - 1]
+            for which in ("theta", "momentum", "residual"):
+                self.assert_same_bits(getattr(want, which), getattr(st.outer, which), f"round {r}: {which}")
+            self.assertEqual(st.ckpt["round"], r - r % 3)
+            self.assertEqual([s.round for s in st.log], list(range(r - r % 3 + 1, r + 1)))
+            spooled = [f for f in os.listdir(st.spool) if f.endswith(".safetensors")]
+            self.assertEqual(len(spooled), 2 * (r % 3), "the deltas of the logged rounds, no more")
+            kept = [f["file"] for f in st.kept_files()]
+            self.assertIn(f"theta-{st.ckpt['round']}.safetensors", kept)
+        self.assert_same_bits(want.theta, os.path.join(st.dir, st.theta_file), "theta written out")
+
+    def test_a_tampered_logged_delta_stops_the_start(self):
+        st = self.state()
+        for r in (1, 2):
+            self.send(st, r - 1)
+            st.tick()
+        path = os.path.join(st.dir, st.log[0].deltas[1][0])          # round 1's F32 delta, one value changed
+        with tensorio.TensorReader(path) as r:
+            arrays = {n: r.read(n).copy() for n in r.names}
+        arrays["norm"][0] += 1.0
+        write_f32(path, arrays)
+        with self.assertRaises(SystemExit) as cm:
+            self.state(init=None)
+        self.assertIn("cannot be rebuilt from the checkpoint of round 0", str(cm.exception))
+        self.assertIn("round 1 replayed to theta digest", str(cm.exception))
+
+
+class KillTest(Case):
+    """A real fedmom_server --down-wire int4 --checkpoint-rounds 2, SIGKILLed at each phase of a
+    round and restarted: the run ends with the uninterrupted run's theta, momentum and residual."""
+    ROUNDS = 5
+    # (fault point, times passed before it stops, base round): rounds 2 and 4 are checkpoints
+    PHASES = [("fedmom.spooled", 0, 2), ("fedmom.merge", 1, 3), ("fedmom.merge", 3, 2),
+              ("fedmom.round_durable", 0, 3), ("fedmom.checkpoint", 0, 1), ("fedmom.checkpoint", 1, 3),
+              ("fedmom.unlink", 0, 3)]
+
+    def start(self, sd, faults, init=True):
+        env = {**os.environ, httpd.FAULT_DIR_ENV: faults}
+        cmd = [sys.executable, "fedmom_server.py", "--state-dir", sd, "--port", "0", "--down-wire", "int4",
+               "--checkpoint-rounds", "2", "--threads", "2"] + (["--init", self.init] if init else [])
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
+        url, self.out = listening_url(proc, timeout=120)
+        return proc, url
+
+    def send_round(self, url, rnd):
+        for c, path in zip(("a", "b"), self.deltas(rnd)):
+            fedmom_client.FedMomClient(url, c, f"{c}-inc").send_delta(path, rnd, 10 if c == "a" else 30, [], {})
+
+    def final_state(self, sd):
+        cfg = fs.ServerConfig(sd, down_wire="int4", checkpoint_rounds=2, fsync=False).validate()
+        return fs.FedMomState(cfg, clock=lambda: 1000.0).outer
+
+    def run_to_end(self, name, point=None, skip=0, at_round=None):
+        sd, faults = os.path.join(self.dir, name), os.path.join(self.dir, name + "-faults")
+        os.makedirs(faults)
+        proc, url = self.start(sd, faults)
+        for c in ("a", "b"):
+            fedmom_client.FedMomClient(url, c, f"{c}-inc").join()
+        for rnd in range(self.ROUNDS):
+            arm = os.path.join(faults, point or "-")
+            if rnd == at_round:
+                with open(arm, "w") as f:
+                    f.write(str(skip))
+            sender = threading.Thread(target=self._send_quietly, args=(url, rnd), daemon=True)
+            sender.start()
+            if rnd == at_round:
+                self.assertTrue(wait_for(lambda: os.path.exists(arm + ".hit"), 120),
+                                f"{point} never reached; the server said:\n" + self.out.text()[-3000:])
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(30)
+                sender.join(120)
+                os.unlink(arm)
+                proc, url = self.start(sd, faults, init=False)
+                try:                                 # what was not accepted is sent again; duplicates answer as such
+                    self.send_round(url, rnd)
+                except fedmom_client.StaleRound:     # killed after the round was durable: nothing to resend
+                    pass
+            else:
+                sender.join(120)
+            got = fedmom_client.FedMomClient(url, "a", "a-inc").wait_round_after(rnd, timeout_s=120)
+            self.assertEqual(got, rnd + 1, f"{name}: round {rnd} did not merge; the server said:\n"
+                             + self.out.text()[-3000:])
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        return self.final_state(sd)
+
+    def _send_quietly(self, url, rnd):
+        try:
+            self.send_round(url, rnd)
+        except (httpd.CallError, OSError, ConnectionError, Exception):
+            pass                                      # the server was killed under it: sent again after the restart
+
+    def test_a_sigkill_at_every_phase_of_a_round_ends_with_the_same_bits(self):
+        want = self.run_to_end("uninterrupted")
+        for point, skip, rnd in self.PHASES:
+            name = f"{point.split('.')[1]}-{skip}-r{rnd}"
+            with self.subTest(name):
+                got = self.run_to_end(name, point, skip, rnd)
+                for which in ("theta", "momentum", "residual"):
+                    self.assert_same_bits(getattr(want, which), getattr(got, which), f"{name}: {which}")
+                with open(os.path.join(self.dir, name, "state.json")) as f:
+                    st = json.load(f)
+                self.assertEqual(st["round"], self.ROUNDS)
+                self.assertEqual(st["checkpoint"]["round"], 4)
+
+
+if __name__ == "__main__":
+    unittest.main()
