@@ -90,6 +90,7 @@ import diloco
 import durable
 import fedsite
 import models
+import wire_torch
 from dist_env import ConfigError, DeviceError, Dist, init_distributed, print0   # noqa: F401 (train.DeviceError)
 
 # ---------------------------------------------------------------------------
@@ -152,6 +153,7 @@ class Config:
     wire_topk_chunk: int = 4096
     wire_topk_k: int = 64
     wire_topk_bits: int = 4
+    encode_on: str = "auto"           # resolve() picks host or device under --federation
     error_feedback: bool = True
     overlap: bool = False
     overlap_fold: str = "arrival"
@@ -191,6 +193,11 @@ class Config:
             for name in OUTER_STEP_FLAGS:
                 if getattr(self, name) is None:
                     setattr(self, name, getattr(d, name.removeprefix("diloco_")))
+        elif self.encode_on == "auto":
+            # on a GPU, int8/int4 encode where the delta was gathered: only the codes and
+            # scales (an eighth of fp32 for int4) cross to the host, not the fp32 tensor,
+            # and rank 0's CPU does not run the numpy codec; the bits are the same
+            self.encode_on = "device" if gpu and self.wire in wire_torch.LEVELS else "host"
         return self
 
     def validate(self):
@@ -217,6 +224,9 @@ class Config:
         elif self.overlap:
             raise ConfigError("--overlap is for federated sites (--federation): inside one allocation "
                               "the outer all-reduce is not worth hiding")
+        elif self.encode_on != "auto":
+            raise ConfigError(f"--encode-on {self.encode_on} is for federated sites (--federation): inside "
+                              "one allocation no delta is encoded; drop it")
         if self.fsdp_defer_grad_sync and self.parallel != "fsdp":
             raise ConfigError(f"--fsdp-defer-grad-sync is for --parallel fsdp (DDP always defers the "
                               f"all-reduce to the last micro-batch); drop it with --parallel {self.parallel}")
@@ -247,6 +257,9 @@ class Config:
 
     def validate_federation(self):
         self.wire_codec()
+        if self.encode_on == "device" and self.wire not in wire_torch.LEVELS:
+            raise ConfigError(f"--encode-on device encodes int8 and int4 (wire_torch.py); --wire {self.wire} "
+                              f"is encoded on the host: use --encode-on host or auto, or --wire int8/int4")
         given = [name for name in OUTER_STEP_FLAGS if getattr(self, name) is not None]
         if given:
             flags = ", ".join(f"--{n.replace('_', '-')} {getattr(self, n)}" for n in given)
@@ -370,6 +383,11 @@ def build_parser():
                    help="topk: largest-magnitude values kept per chunk (default 64)")
     f.add_argument("--wire-topk-bits", type=int, choices=(4, 8), default=Config.wire_topk_bits,
                    help="topk: bits per kept value (default 4)")
+    f.add_argument("--encode-on", choices=("host", "device", "auto"), default=Config.encode_on,
+                   help="where rank 0 encodes the delta: host = numpy on its CPU (wire.py, the reference), "
+                        "device = wire_torch.py on the training device, the same bits, only the codes and "
+                        "scales copied to the host (int8/int4 only); auto = device for --wire int8/int4 on "
+                        "a GPU, else host (default auto)")
     f.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=Config.error_feedback,
                    help="add what the wire format dropped to the next round's delta; the buffer is kept "
                         "in runs/<run>/federation/ across --resume auto (default on; f32 drops nothing)")
@@ -1008,8 +1026,10 @@ def federated_run(run, site, carrier, start):
         if start:
             run.outer.phase_steps = 0            # a resumed site starts a fresh phase
         carrier.load_global(run.outer)           # theta_global of the CURRENT round
+        where = "device (wire_torch)" if carrier.encode_on == "device" else "host (numpy)"
         run.log.log(f"federation: cluster {run.cfg.cluster}, theta_global of round {carrier.round}; "
-                    f"LR schedule over {run.total} steps (--steps; default: the whole corpus at this site)")
+                    f"LR schedule over {run.total} steps (--steps; default: the whole corpus at this site); "
+                    f"deltas in {run.cfg.wire}, encoded on the {where} (--encode-on)")
         step = federated_loop(run, site, carrier, start)
         diloco.on_rank0(lambda: site.finish())    # every merged lease committed, then leave
         carrier.load_global(run.outer)           # the final global model
@@ -1106,8 +1126,8 @@ def federated_loop(run, site, carrier, start):
         row = {"split": "federation", "step": step, "loss": handoff.metrics["loss"], "lease": span[0],
                "positions": [span[1], span[2]], "windows": len(phase), "steps": phase.steps,
                "inner_s": round(inner_s, 3), "tokens_per_s": tps, "delta_norm": out["delta_norm"],
-               "outer_ms": out["outer_ms"], "wire": cfg.wire, "wire_bytes": carrier.wire_bytes,
-               "residual_norm": carrier.residual_norm(), "overlap": cfg.overlap}
+               "outer_ms": out["outer_ms"], "wire": cfg.wire, "encode_on": carrier.encode_on,
+               "wire_bytes": carrier.wire_bytes, "residual_norm": carrier.residual_norm(), "overlap": cfg.overlap}
         if out["federation"] is None:            # overlap: in flight, logged when it settles
             pending = row
         else:
@@ -1284,7 +1304,8 @@ def join_federation(run):
     if d.is_main:
         os.makedirs(workdir, exist_ok=True)
     return site, diloco.FedMomCarrier(site, workdir, codec=cfg.wire_codec(), error_feedback=cfg.error_feedback,
-                                      fresh=cfg.resume == "none", log=run.log.log, overlap=cfg.overlap)
+                                      fresh=cfg.resume == "none", log=run.log.log, overlap=cfg.overlap,
+                                      encode_on=cfg.encode_on)
 
 
 def plan_steps(run):

@@ -20,6 +20,8 @@
 #   diloco-cpu    DiLoCo's outer step with theta in pinned host memory equals the on-device one
 #                 (within 8 ulp: FMA contraction may differ between the CPU's and GPU's kernels)
 #   wire-torch    wire_torch.py's int8/int4 encode and apply on the device == wire.py's numpy, bit for bit
+#   encode-on     diloco.FedMomCarrier(encode_on="device"), train.py --encode-on device's path: two int4
+#                 rounds with error feedback write the host path's delta and residual files, byte for byte
 #   resnet-bf16   ResNet-18, DDP path, bf16 autocast, a generated CIFAR-10
 #   resnet-fp16   the same in fp16 with a GradScaler
 #   resnet-fsdp   ResNet-18 under FSDP2, bf16 parameters (BatchNorm kept in fp32)
@@ -204,6 +206,32 @@ for codec in (wire.Codec("int4"), wire.Codec("int8"), wire.Codec("int4", block=6
 print(f"{cases} tensors: encode and apply on {d.device.type} == wire.py (numpy) bit for bit ({t_dev:.2f} s on the device)")
 EOF
 sed 's/^/   /' "$OUT/wire-torch.log"
+
+run encode-on "$PYTHON" - "$DEVICE" "$OUT/encode-on" <<'EOF'
+import os, sys, torch, diloco, dist_env
+d = dist_env.init_distributed(sys.argv[1])
+g = torch.Generator().manual_seed(0)
+shapes = {"embed": (1031, 64), "wq": (256, 192), "odd": (7, 301), "norm": (64,)}
+params = [torch.empty(s, device=d.device) for s in shapes.values()]       # whole tensors, as under DDP
+deltas = [torch.randn(s, generator=g).to(d.device) for s in shapes.values()]
+files = {}
+for where in ("host", "device"):
+    wd = os.path.join(sys.argv[2], where)
+    os.makedirs(wd)
+    c = diloco.FedMomCarrier(None, wd, "int4", fresh=True, log=lambda m: None, encode_on=where)
+    for rnd in (0, 1):                                # the second delta carries what the first left owed
+        c.round = rnd
+        c.write_delta(list(shapes), params, [x * (rnd + 1) for x in deltas])
+        files[where, rnd] = [open(os.path.join(wd, f), "rb").read()
+                             for f in ("delta.safetensors", "residual-next.safetensors")]
+        c.residual.settle(rnd, rnd + 1, "")
+for rnd in (0, 1):
+    assert files["host", rnd][0] == files["device", rnd][0], f"round {rnd}: the device's int4 delta file differs"
+    assert files["host", rnd][1] == files["device", rnd][1], f"round {rnd}: the device's residual file differs"
+print(f"2 int4 rounds with error feedback encoded on {d.device.type} (wire_torch): delta and residual "
+      f"files == the host path's (numpy), byte for byte")
+EOF
+sed 's/^/   /' "$OUT/encode-on.log"
 
 # -- the models
 "$PYTHON" -c "import data; data.write_fake_cifar('$OUT/cifar', n_train=$NTRAIN, n_test=$NTEST, seed=0)"

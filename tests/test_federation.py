@@ -7,7 +7,8 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
     two sites as separate torchrun jobs: "alpha" (FSDP2, 2 ranks, inline transport, int4
     deltas with error feedback, --overlap --overlap-fold end: it trains its next phase
     while a delta is in flight, folds theta_global in at that phase's end, and is killed
-    and resumed with a delta in flight) and "beta" (DDP, 1 rank, blob transport, top-k
+    and resumed with a delta in flight; the first job encodes with --encode-on device,
+    the resumed one on the host) and "beta" (DDP, 1 rank, blob transport, top-k
     deltas, --throttle-ms: the slow one; --overlap, folding theta_global in on arrival);
     theta_global comes down as int4 updates (--down-wire).
     The scenario, each step waiting on a condition (never on a fixed sleep):
@@ -21,7 +22,8 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
     previous delta's round trip ended, and their merged deltas named the round they merged
     into - 1 (the server's rule, unchanged under overlap); the loss falls; the compressed deltas
     crossed at their format's size, and alpha's error-feedback buffer came through the
-    kill (used by the restarted job, or reset with the reason said); the updates came down
+    kill (used by the restarted job, or reset with the reason said), each job's log and
+    rows naming the encoder it ran; the updates came down
     at int4's size and each site's last theta is the aggregator's, bit for bit. Everything runs over
     TLS (a CA and certificate made with openssl, as central.sh makes them): the three
     servers serve https, FedMom and both sites check them against the CA file.
@@ -106,10 +108,10 @@ class LeasedPhaseTest(unittest.TestCase):
 
 
 class FlagsTest(unittest.TestCase):
-    def cfg(self, *extra):
+    def cfg(self, *extra, accel="cpu"):
         return train.parse_config(["--model", "qwen3-tiny", "--data", "x/manifest.json",
                                    "--federation", "http://127.0.0.1:1", "--darl-url", "http://127.0.0.1:2",
-                                   *extra]).resolve("cpu")
+                                   *extra]).resolve(accel)
 
     def test_identity_and_refusals_name_the_flag(self):
         self.assertEqual(self.cfg("--site", "lumi").cluster, "lumi")
@@ -143,6 +145,41 @@ class FlagsTest(unittest.TestCase):
         with self.assertRaisesRegex(train.ConfigError, "--overlap is for federated sites"):
             train.parse_config(["--model", "qwen3-tiny", "--data", "x/manifest.json", "--overlap"]
                                ).resolve("cpu").validate()
+
+    def test_encode_on_auto_picks_the_device_for_int8_int4_on_a_gpu_and_device_is_refused_elsewhere(self):
+        # auto: wire_torch on the training device for int8/int4 on a GPU (ROCm is "cuda" to
+        # torch), the numpy reference otherwise; on the CPU, auto is the host
+        for wire, accel, want in (("int4", "cpu", "host"), ("int8", "cpu", "host"), ("int4", "cuda", "device"),
+                                  ("int8", "rocm", "device"), ("f32", "cuda", "host"), ("bf16", "rocm", "host"),
+                                  ("topk", "cuda", "host")):
+            with self.subTest(wire=wire, accel=accel):
+                cfg = self.cfg("--site", "lumi", "--wire", wire, accel=accel)
+                cfg.validate()
+                self.assertEqual(cfg.encode_on, want)
+        # given, it is kept: device on the CPU is wire_torch on CPU torch, the host's bits (CarrierTest)
+        for given, accel in (("device", "cpu"), ("host", "cuda")):
+            cfg = self.cfg("--site", "lumi", "--wire", "int4", "--encode-on", given, accel=accel)
+            cfg.validate()
+            self.assertEqual(cfg.encode_on, given)
+        for wire in ("f32", "bf16", "topk"):             # wire_torch encodes int8 and int4 only
+            with self.subTest(wire=wire), self.assertRaises(train.ConfigError) as e:
+                self.cfg("--site", "lumi", "--wire", wire, "--encode-on", "device").validate()
+            self.assertIn(f"--encode-on device encodes int8 and int4 (wire_torch.py); --wire {wire}", str(e.exception))
+        local = ["--model", "qwen3-tiny", "--data", "x/manifest.json"]
+        for given in ("device", "host"):                 # no --federation: no delta is encoded
+            with self.subTest(given=given), self.assertRaises(train.ConfigError) as e:
+                train.parse_config(local + ["--wire", "int4", "--encode-on", given]).resolve("cuda").validate()
+            self.assertIn(f"--encode-on {given} is for federated sites (--federation)", str(e.exception))
+        cfg = train.parse_config(local).resolve("cuda")
+        cfg.validate()
+        self.assertEqual(cfg.encode_on, "auto", "inside one allocation auto stays auto: nothing is encoded")
+        with tempfile.TemporaryDirectory() as d:         # from --config too, checked like the flag
+            durable.write_text(os.path.join(d, "c.yaml"), "encode_on: device\n", fsync=False)
+            with self.assertRaisesRegex(train.ConfigError, "--encode-on device encodes int8 and int4"):
+                self.cfg("--site", "lumi", "--config", os.path.join(d, "c.yaml")).validate()
+            durable.write_text(os.path.join(d, "c.yaml"), "encode_on: gpu\n", fsync=False)
+            with self.assertRaisesRegex(train.ConfigError, "'gpu' is not one of host, device, auto \\(--encode-on\\)"):
+                self.cfg("--config", os.path.join(d, "c.yaml"))
 
 
 # ---------------------------------------------------------------------------
@@ -493,8 +530,11 @@ class FederationRunTest(unittest.TestCase):
         services = [darl, blob]
 
         # 1. both sites merge together
+        # alpha's first job encodes its int4 deltas with wire_torch (--encode-on device, on CPU
+        # torch here), the restarted one with numpy (auto on a CPU): the aggregator takes both,
+        # and a residual left owed at the kill is added by the other encoder
         alpha = cls.site("alpha", "fsdp", 2, "--transport", "inline", "--wire", "int4", "--overlap",
-                         "--overlap-fold", "end")
+                         "--overlap-fold", "end", "--encode-on", "device")
         beta = cls.site("beta", "ddp", 1, "--transport", "blob", "--wire", "topk", "--throttle-ms", "600",
                         "--overlap")
         harness.expect(lambda: any(len(cls.merged_by(r)) == 2 for r in cls.records()),
@@ -629,6 +669,20 @@ class FederationRunTest(unittest.TestCase):
             self.assertTrue(reset, log)
         self.assertTrue(os.path.exists(os.path.join(self.tmp.name, "runs", "alpha", "federation",
                                                     "residual.safetensors")))
+
+    def test_each_job_names_its_delta_encoder_in_its_log_and_rows(self):
+        with open(os.path.join(self.tmp.name, "alpha.log"), errors="replace") as f:
+            log = f.read()
+        first, second = log[:self.events["alpha2_log_from"]], log[self.events["alpha2_log_from"]:]
+        self.assertIn("deltas in int4, encoded on the device (wire_torch) (--encode-on)", first)
+        self.assertIn("deltas in int4, encoded on the host (numpy) (--encode-on)", second)
+        fed = [r for r in self.rows["alpha"] if r["split"] == "federation"]
+        # the first job may die before its first row (under --overlap a row waits for its fold)
+        want = {self.events["alpha2_incarnation"]: "host"}
+        self.assertTrue(all(r["encode_on"] == want.get(r["incarnation"], "device") for r in fed), fed)
+        self.assertIn("host", {r["encode_on"] for r in fed}, "the restarted alpha wrote no federation row")
+        beta = [r for r in self.rows["beta"] if r["split"] == "federation"]
+        self.assertTrue(beta and all(r["encode_on"] == "host" for r in beta), "topk is encoded on the host")
 
     @classmethod
     def names_shapes(cls):

@@ -1,9 +1,10 @@
 """tests/test_gpu_check.py - bench/gpu_check.sh, run as on a lent GPU but tiny and on the CPU.
 
 GPU_CHECK_DEVICE=cpu GPU_CHECK_QUICK=1 takes every step of the script (preflight, smoke,
-staging, DiLoCo on the host, the ResNet and Qwen3 runs, the DCP resume, --compile, both
-gradient-accumulation modes) with CPU-sized models, so the script's plumbing, summaries
-and failure handling are tested here; its GPU figures come only from a GPU.
+staging, DiLoCo on the host, wire_torch and the carrier's device encode, the ResNet and
+Qwen3 runs, the DCP resume, --compile, both gradient-accumulation modes) with CPU-sized
+models, so the script's plumbing, summaries and failure handling are tested here; its
+GPU figures come only from a GPU.
 Run: .venv/bin/python tests/run.py test_gpu_check
 """
 import os
@@ -39,6 +40,8 @@ class GpuCheckTest(unittest.TestCase):
         self.assertRegex(r.stdout, r"attention kernel\s+PASS")
         self.assertIn("16 batches staged", r.stdout)
         self.assertRegex(r.stdout, r"\d+ tensors: encode and apply on cpu == wire.py \(numpy\) bit for bit")
+        self.assertIn("2 int4 rounds with error feedback encoded on cpu (wire_torch): delta and residual "
+                      "files == the host path's (numpy), byte for byte", r.stdout)
         self.assertIn("== theta on the device", r.stdout)
 
     def test_shellcheck_clean(self):
