@@ -45,10 +45,11 @@ Run:
 Where: everything goes under --out (default runs/demo/), which the demo wipes first
 (it holds only what an earlier demo wrote):
     data/          the tokenized corpus (manifest.json + token shards) and init.safetensors
-    central/       the services' durable state: darl/ (WAL, snapshot), fedmom/ (theta,
-                   momentum, state.json, rounds.jsonl), blobs/
+    central/       the services' durable state: darl/ (WAL, snapshot), fedmom/ (checkpoint,
+                   state.json, rounds.jsonl, logged deltas), blobs/
     sites/<site>/  each site's train.log, metrics.jsonl, checkpoints/
     logs/          stdout+stderr of every process the demo started
+    theta-<round>.safetensors  the final global model (`fedmom_server.py export` of central/fedmom)
     status.html    FedMom's status page, saved before the servers stop
     summary.txt    the summary printed at the end
 Ports: 29510 (DARL), 29511 (FedMom), 29512 (blobs) when free, else free ports the
@@ -64,7 +65,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import sys
@@ -72,6 +72,7 @@ import time
 
 import audit
 import durable
+import fedmom_state
 import harness
 import status_page
 
@@ -463,12 +464,12 @@ class Demo:
         losses = [r.get("loss") for r in records]
         out.append(f"  training loss per round: {sparkline(losses)}  {spark_scale(losses)}")
         first, last, trend_ok = loss_trend(records)
-        try:
-            with open(os.path.join(state_fed, "state.json")) as f:
-                theta = os.path.join(state_fed, json.load(f)["theta"])
-        except (OSError, ValueError, KeyError):
-            theta = max((os.path.join(state_fed, f) for f in os.listdir(state_fed) if f.startswith("theta-")),
-                        key=lambda p: int(re.findall(r"\d+", os.path.basename(p))[0]), default=None)
+        try:                # as `fedmom_server.py export` writes it: the checkpoint and the rounds since
+            outer = fedmom_state.load_outer(state_fed)
+            theta = outer.write("theta", os.path.join(self.out, f"theta-{outer.round}.safetensors"), fsync=False)
+        except (OSError, ValueError) as e:
+            theta = None
+            out.append(f"the final theta_global cannot be rebuilt: {e}")
         before = harness.heldout_loss(self.init, self.manifest, c.model)
         after = harness.heldout_loss(theta, self.manifest, c.model) if theta else None
         out.append(f"Held-out loss ({self.m['heldout_windows']} windows never trained on): "

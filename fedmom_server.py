@@ -124,6 +124,8 @@ leaks nothing; a site further behind takes the full theta (409 no_update). GET /
 why; RUNBOOK.md section 1 has the disk this bounds.
 
     python fedmom_server.py status --url URL   # exit 1 while a violation counter is non-zero
+    python fedmom_server.py export --state-dir DIR theta.safetensors   # a stopped server's theta
+    python fedmom_server.py checkpoint --state-dir DIR   # its round as the checkpoint: nothing to replay
 Violations (refused_commits, aborted_custody, blocks_trained_twice, refused_aborts), DARL's silence and
 fencing are shown on /status, the page and the status CLI. Test hooks (httpd.py): fault
 points fedmom.received, fedmom.spooled, fedmom.custody_held, fedmom.merge,
@@ -620,7 +622,61 @@ def _server_parser():
     return p
 
 
+def export(argv):
+    """fedmom_server.py export: theta (and the momentum, the residual) of a stopped aggregator's
+    state dir, rebuilt from its checkpoint and the rounds logged since, as tensor files."""
+    p = argparse.ArgumentParser(prog="fedmom_server.py export", description=export.__doc__)
+    p.add_argument("export")
+    p.add_argument("--state-dir", required=True, help="the aggregator's --state-dir (the server stopped)")
+    p.add_argument("out", help="where theta_global goes (an F32 .safetensors file; tensorio.py export-hf "
+                               "turns it into a Hugging Face checkpoint)")
+    p.add_argument("--momentum", help="also write the momentum buffer here")
+    p.add_argument("--residual", help="also write what the last update rounded away here (--down-wire)")
+    p.add_argument("--threads", type=int, default=None, help="cores for the replay (default every core)")
+    a = p.parse_args(argv)
+    fd = httpd.lock_state_dir(a.state_dir, "fedmom_server")     # not beside a running server
+    try:
+        outer = fedmom_state.load_outer(a.state_dir, a.threads)
+    except ValueError as e:
+        raise SystemExit(f"export: {e}")
+    finally:
+        os.close(fd)
+    for which, path in (("theta", a.out), ("momentum", a.momentum), ("residual", a.residual)):
+        if path is None:
+            continue
+        if getattr(outer, which) is None:
+            raise SystemExit(f"export: the state of round {outer.round} keeps no {which}")
+        outer.write(which, path, fsync=True)
+        print(f"{which} of round {outer.round} -> {path}")
+    print(f"theta digest {outer.digest}")
+    return 0
+
+
+def checkpoint(argv):
+    """fedmom_server.py checkpoint: make the current round of a stopped aggregator's state dir its
+    checkpoint (theta, momentum and residual written whole; the logged rounds' deltas removed),
+    so a restart replays nothing and the directory is one round's files (a backup, a move)."""
+    p = argparse.ArgumentParser(prog="fedmom_server.py checkpoint", description=checkpoint.__doc__)
+    p.add_argument("checkpoint")
+    p.add_argument("--state-dir", required=True, help="the aggregator's --state-dir (the server stopped)")
+    p.add_argument("--threads", type=int, default=None, help="cores for the replay (default every core)")
+    a = p.parse_args(argv)
+    fd = httpd.lock_state_dir(a.state_dir, "fedmom_server")     # not beside a running server
+    try:
+        rnd = fedmom_state.checkpoint_offline(a.state_dir, a.threads)
+    except ValueError as e:
+        raise SystemExit(f"checkpoint: {e}")
+    finally:
+        os.close(fd)
+    print(f"{a.state_dir}: round {rnd} is the checkpoint; nothing is left to replay")
+    return 0
+
+
 def main(argv):
+    if argv[:1] == ["export"]:
+        return export(argv)
+    if argv[:1] == ["checkpoint"]:
+        return checkpoint(argv)
     if argv[:1] == ["status"]:
         p = httpd.base_parser(__doc__)
         p.add_argument("status")

@@ -1675,6 +1675,67 @@ class FedMomState:
                     "recent": list(self.records)[-RECORDS_KEPT:], "events": list(self.events)[-100:]}
 
 
+def load_outer(state_dir, threads=None):
+    """The outer state (outer_state.OuterState: theta, momentum, residual) a state dir holds:
+    its checkpoint loaded and the rounds logged since replayed, each checked against the digest
+    it published. Reads only; for a stopped aggregator (a running one removes logged files as
+    it checkpoints: download its theta with GET /theta). Raises ValueError naming the problem."""
+    sd = os.path.abspath(state_dir)
+    try:
+        with open(os.path.join(sd, "state.json")) as f:
+            st = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{sd}: no readable state.json ({e})") from None
+    if st.get("format") == STATE_FORMAT:
+        ckpt, log_ = st["checkpoint"], [outer_state.Step.from_json(x) for x in st["log"]]
+    elif st.get("format") in READS_FORMATS:
+        u = st.get("update")
+        ckpt, log_ = {"round": st["round"], "theta": st["theta"], "momentum": st["momentum"],
+                      "residual": u and u["round"] == st["round"] and u.get("residual") or None}, []
+    else:
+        raise ValueError(f"{sd}/state.json: format {st.get('format')!r} is not one this code reads")
+    path = lambda fn: fn and os.path.join(sd, fn)
+    try:
+        outer = outer_state.OuterState.load(path(ckpt["theta"]), path(ckpt["momentum"]), path(ckpt["residual"]),
+                                            ckpt["round"])
+        outer_state.replay(outer, [dataclasses.replace(s, deltas=[(path(p), w) for p, w in s.deltas]) for s in log_],
+                           threads)
+    except (OSError, tensorio.FormatError, outer_state.ReplayMismatch) as e:
+        raise ValueError(f"{sd}: the outer state of round {st['round']} cannot be rebuilt: "
+                         f"{type(e).__name__}: {e}") from None
+    if outer.round != st["round"]:
+        raise ValueError(f"{sd}: state.json is at round {st['round']}, its checkpoint and log reach {outer.round}")
+    return outer
+
+
+def checkpoint_offline(state_dir, threads=None, fsync=True):
+    """Make the current round of a stopped aggregator's state dir its checkpoint (load_outer,
+    then its theta, momentum and residual written whole, state.json's log emptied, the files
+    it no longer needs removed): a restart then replays nothing. -> the round."""
+    sd = os.path.abspath(state_dir)
+    outer = load_outer(sd, threads)
+    with open(os.path.join(sd, "state.json")) as f:
+        st = json.load(f)
+    old = st.get("checkpoint") or {"theta": st.get("theta"), "momentum": st.get("momentum"),
+                                   "residual": (st.get("update") or {}).get("residual")}
+    files = {}
+    for which in ("theta", "momentum", "residual"):
+        files[which] = getattr(outer, which) is not None and f"{which}-{outer.round}.safetensors" or None
+        if files[which]:
+            outer.write(which, os.path.join(sd, files[which]), fsync=fsync)
+    logged = [outer_state.Step.from_json(x) for x in st.get("log", [])]
+    st.update(format=STATE_FORMAT, checkpoint={"round": outer.round, **files}, log=[])
+    for k in ("theta", "momentum"):
+        st.pop(k, None)
+    if st.get("update"):
+        st["update"].pop("residual", None)
+    write_json(os.path.join(sd, "state.json"), st, fsync)
+    for fn in [f for k, f in old.items() if k != "round" and f and f not in files.values()] + \
+            [f for s in logged for f in FedMomState._step_files(s)]:
+        durable.unlink(os.path.join(sd, fn))
+    return outer.round
+
+
 def _outcome(cluster, incarnation, base_round, tokens, leases, outcome, merged_into=None, why=None,
              delta=None, pieces=None):
     """One delta's fate, as round records, GET /status and heartbeat replies carry it."""

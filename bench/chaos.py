@@ -374,14 +374,14 @@ class Federation:
 
 # ---------------------------------------------------------------- the judgement
 
-def final_theta_path(fed_dir):
-    with open(os.path.join(fed_dir, "state.json")) as f:
-        return os.path.join(fed_dir, json.load(f)["theta"])
-
-
-def final_residual_path(fed_dir):
-    with open(os.path.join(fed_dir, "state.json")) as f:
-        return os.path.join(fed_dir, json.load(f)["update"]["residual"])
+def final_files(fed_dir, out_dir):
+    """The stopped aggregator's theta_global and residual, rebuilt from its checkpoint and log
+    (fedmom_state.load_outer), as files in out_dir -> (theta path, residual path or None)."""
+    outer = fedmom_state.load_outer(fed_dir)
+    theta = outer.write("theta", os.path.join(out_dir, "final-theta.safetensors"), fsync=False)
+    residual = outer.residual and outer.write("residual", os.path.join(out_dir, "final-residual.safetensors"),
+                                              fsync=False)
+    return theta, residual
 
 
 def replay_theta(init, fed_dir, kept, records, work, codec, lr=0.7, mu=0.9):
@@ -506,13 +506,13 @@ def judge(fed, data, cfg, wall):
     report = audit.audit(fed.state, manifest=data["manifest"])
     checks.append(("audit.py: every block inside exactly one merged delta", report.ok,
                    "; ".join(l.strip() for l in report.lines if l.startswith(("FAIL", "  !!")))[:300]))
-    final = final_theta_path(fed_dir)
+    final, final_residual = final_files(fed_dir, fed.root)
     codec = fedmom_state.ServerConfig(state_dir=fed_dir, down_wire="int4").down_codec()
     replayed, problems, thetas, residual = replay_theta(data["init"], fed_dir, fed.kept, records,
                                                         os.path.join(fed.root, "replay"), codec)
     ok, detail = same_bits(replayed, final) if replayed else (False, "; ".join(problems))
     if ok and residual:              # and the error feedback the aggregator owes its next update
-        ok, d = same_bits(residual, final_residual_path(fed_dir))
+        ok, d = same_bits(residual, final_residual)
         detail += f"; its residual: {d}"
     checks.append((f"theta_global = replay of the {len(records)} recorded merges", ok and not problems,
                    detail + ("; " + "; ".join(problems[:3]) if problems else "")))

@@ -163,12 +163,19 @@ class Schedule:
     int4: list = dataclasses.field(default_factory=list)        # sites that send int4 deltas (train.py --wire int4)
     down_wire: str = "f32"        # the aggregator's --down-wire: f32 (sites download theta) or int4 (updates)
 
+    @property
+    def checkpoint_rounds(self):
+        """The aggregator's --checkpoint-rounds, 1 to 4 by seed: kills land between checkpoints
+        (a restart replays the rounds since) and on them."""
+        return 1 + self.seed % 4
+
     def describe(self):
         head = (f"seed {self.seed}: sites {self.sites}, {self.blocks} blocks, span {self.span}, "
                 f"--max-attempts {self.max_attempts}" + (f", careless {self.careless}" if self.careless else "")
                 + (f", overlapped {self.overlapped}" if self.overlapped else "")
                 + (f", int4 {self.int4}" if self.int4 else "")
-                + (f", aggregator --down-wire {self.down_wire}" if self.down_wire != "f32" else ""))
+                + (f", aggregator --down-wire {self.down_wire}" if self.down_wire != "f32" else "")
+                + f", --checkpoint-rounds {self.checkpoint_rounds}")
         return "\n".join([head] + [f"  {i + 1}. {f.describe()}" for i, f in enumerate(self.faults)])
 
 
@@ -666,7 +673,7 @@ class Run:
                "--darl-token-file", self.agg_token_file,
                "--outer-lr", str(LR), "--outer-momentum", str(MU), "--round-deadline-s", str(ROUND_DEADLINE_S),
                "--member-timeout-s", str(MEMBER_TIMEOUT_S), "--darl-retry-s", "0.5", "--port", str(pick_port()),
-               "--down-wire", self.s.down_wire]
+               "--down-wire", self.s.down_wire, "--checkpoint-rounds", str(self.s.checkpoint_rounds)]
         self.procs["fedmom"] = Proc(self, "fedmom", fed)
         self.fedmom = self.procs["fedmom"].start()
 
@@ -1052,16 +1059,12 @@ def _theta_check(run, fed_dir, records, merged):
     for rec in records:
         if not by_round.get(rec["round"]):
             return [f"round {rec['round']} has no merged delta a site sent: cannot replay"]
-    try:
-        with open(os.path.join(fed_dir, "state.json")) as f:
-            st = json.load(f)
-        final = {"theta": _read_f32(os.path.join(fed_dir, st["theta"]))}
-        if st.get("momentum"):
-            final["momentum"] = _read_f32(os.path.join(fed_dir, st["momentum"]))
-        if st.get("update"):
-            final["residual"] = _read_f32(os.path.join(fed_dir, st["update"]["residual"]))
-    except (OSError, ValueError, KeyError, tensorio.FormatError) as e:
+    try:                        # rebuilt from its checkpoint and log, each round against its digest
+        outer = fedmom_state.load_outer(fed_dir)
+    except ValueError as e:
         return [f"the final theta_global cannot be read: {e}"]
+    final = {k: {n: a.reshape(outer.shapes[n]) for n, a in getattr(outer, k).items()}
+             for k in ("theta", "momentum", "residual") if getattr(outer, k) is not None}
     out = []
     with tempfile.TemporaryDirectory(prefix="replay-", dir=run.dir) as tmp:
         try:

@@ -54,7 +54,7 @@ class ReplayTest(test_fedmom.Fixture):
         self.assertEqual(len(thetas), 4)
         ok, detail = chaos.same_bits(final, os.path.join(st.dir, st.theta_file))
         self.assertTrue(ok, detail)
-        ok, detail = chaos.same_bits(residual, chaos.final_residual_path(st.dir))
+        ok, detail = chaos.same_bits(residual, chaos.final_files(st.dir, self.dir)[1])
         self.assertTrue(ok, f"the aggregator's residual: {detail}")
 
     def test_a_changed_kept_delta_breaks_the_replay(self):
@@ -69,7 +69,7 @@ class ReplayTest(test_fedmom.Fixture):
         final, _, _, residual = chaos.replay_theta(self.init, st.dir, kept, records,
                                                    os.path.join(self.dir, "replay"), st.cfg.down_codec())
         same = [chaos.same_bits(final, os.path.join(st.dir, st.theta_file))[0],
-                chaos.same_bits(residual, chaos.final_residual_path(st.dir))[0]]
+                chaos.same_bits(residual, chaos.final_files(st.dir, self.dir)[1])[0]]
         self.assertFalse(all(same), "a changed delta replayed to the same theta and residual")
 
     def test_a_merged_delta_never_kept_is_said(self):

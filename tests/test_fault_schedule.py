@@ -17,6 +17,7 @@ machine.
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import unittest
@@ -156,10 +157,16 @@ class OracleTest(unittest.TestCase):
         self.assertIn("rounds lost or repeated", found)
 
     def state_file(self, run, key):
+        """The stopped aggregator's `key` of its last round as a file: its state dir is made
+        that round's checkpoint (`fedmom_server.py checkpoint`), so nothing is replayed on top."""
         fed = os.path.join(run.central, "fedmom")
+        out = subprocess.run([sys.executable, "fedmom_server.py", "checkpoint", "--state-dir", fed], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         with open(os.path.join(fed, "state.json")) as f:
             st = json.load(f)
-        return os.path.join(fed, st["update"][key] if key == "residual" else st[key])
+        self.assertEqual(st["log"], [])
+        return os.path.join(fed, st["checkpoint"][key])
 
     def test_a_wrong_theta_is_caught(self):
         run = self.tampered()
@@ -170,7 +177,8 @@ class OracleTest(unittest.TestCase):
         fsch.write_tensors(theta, arrays)
         found = "\n".join(fsch.oracle(run))
         self.assertIn("theta differs from the float32 replay", found)
-        self.assertIn("theta_global differs from the float64 replay", found)
+        if self.SCHED.down_wire == "f32":
+            self.assertIn("theta_global differs from the float64 replay", found)
 
     def test_one_bit_of_theta_or_momentum_is_caught(self):
         """The float32 replay is bit for bit: one ulp of one element (far inside the float64
@@ -245,15 +253,6 @@ class DownWireOracleTest(OracleTest):
         super().test_the_clean_run_passes()
         self.assertGreaterEqual(self.res.seen["sent_int4"], 1)
         self.assertGreaterEqual(self.res.seen["theta_via_update"], 1)
-
-    def test_a_wrong_theta_is_caught(self):
-        run = self.tampered()
-        theta = self.state_file(run, "theta")
-        with fsch.tensorio.TensorReader(theta) as r:
-            arrays = {k: r.read(k, as_float32=True) for k in r.names}
-        arrays["w"] = arrays["w"] + np.float32(0.001)
-        fsch.write_tensors(theta, arrays)
-        self.assertIn("theta differs from the float32 replay", "\n".join(fsch.oracle(run)))
 
     def test_one_bit_of_the_residual_is_caught(self):
         run = self.tampered()

@@ -189,6 +189,54 @@ class StateReplayTest(Case):
             self.assertIn(f"theta-{st.ckpt['round']}.safetensors", kept)
         self.assert_same_bits(want.theta, os.path.join(st.dir, st.theta_file), "theta written out")
 
+    def test_a_changed_checkpoint_stops_the_start_and_export(self):
+        st = self.state(checkpoint_rounds=2)
+        for r in (1, 2, 3):
+            self.send(st, r - 1)
+            st.tick()
+        self.assertEqual((st.ckpt["round"], [s.round for s in st.log]), (2, [3]))
+        path = os.path.join(st.dir, st.ckpt["momentum"])
+        with tensorio.TensorReader(path) as r:
+            arrays = {n: r.read(n).copy() for n in r.names}
+        arrays["embed"].reshape(-1)[:100] *= 2                     # round 3 would step from another momentum
+        write_f32(path, arrays)
+        with self.assertRaises(SystemExit) as cm:
+            self.state(init=None, checkpoint_rounds=2)
+        self.assertIn("round 3 replayed to theta digest", str(cm.exception))
+        out = subprocess.run([sys.executable, "fedmom_server.py", "export", "--state-dir", st.dir,
+                              os.path.join(self.dir, "out.safetensors")], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120)
+        self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
+        self.assertIn("cannot be rebuilt", out.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "out.safetensors")))
+
+    def test_export_and_checkpoint_of_a_stopped_state_dir(self):
+        st = self.state(checkpoint_rounds=4)
+        for r in (1, 2, 3):
+            self.send(st, r - 1)
+            st.tick()
+        want = st.outer.copy()
+        run = lambda *a: subprocess.run([sys.executable, "fedmom_server.py", *a, "--state-dir", st.dir], cwd=ROOT,
+                                        capture_output=True, text=True, timeout=120)
+        out = run("export", os.path.join(self.dir, "t.safetensors"), "--momentum", os.path.join(self.dir, "m"),
+                  "--residual", os.path.join(self.dir, "r"))
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertIn(f"theta digest {want.digest}", out.stdout)
+        for which, fn in (("theta", "t.safetensors"), ("momentum", "m"), ("residual", "r")):
+            self.assert_same_bits(getattr(want, which), os.path.join(self.dir, fn), f"exported {which}")
+        out = run("checkpoint")
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        with open(os.path.join(st.dir, "state.json")) as f:
+            saved = json.load(f)
+        self.assertEqual((saved["checkpoint"]["round"], saved["log"]), (3, []))
+        self.assertEqual(sorted(os.listdir(st.dir)), ["lock", "momentum-3.safetensors", "residual-3.safetensors",
+                                                      "rounds.jsonl", "spool", "state.json", "theta-3.safetensors",
+                                                      "update-3.safetensors"])
+        self.assertEqual(os.listdir(st.spool), [])
+        again = self.state(init=None)                         # and a restart from it: the same bits
+        for which in ("theta", "momentum", "residual"):
+            self.assert_same_bits(getattr(want, which), getattr(again.outer, which), f"after checkpoint: {which}")
+
     def test_a_tampered_logged_delta_stops_the_start(self):
         st = self.state()
         for r in (1, 2):
