@@ -158,6 +158,16 @@ class Inputs:
             self.nread += done
         return out, dtype
 
+    def prefetch(self, name):
+        """Decode tensor `name` of every compressed delta now, on the caller's thread (whose
+        decode uses the thread pool), before the merge's chunks ask for it from the pool's
+        threads (where a decode would run on one thread while the others wait for it)."""
+        for r in self.deltas:
+            if isinstance(r, DecodedDelta):
+                _, decoded = r.chunk(name, 0, 0)
+                with self._lock:
+                    self.nread += decoded
+
     def close(self):
         for r in self.readers:
             if r is not None:
@@ -386,6 +396,7 @@ def merge_files(theta_path, momentum_path, deltas, out_theta, out_momentum, lr, 
                 th_all, buf_all = wb.take()
                 n = tr.nbytes(name) // 4
                 theta, buf = th_all[:n], (buf_all[:n] if keep_buf else None)
+                inputs.prefetch(name)
                 merge_tensor(inputs, name, theta, buf, weights, lr, mu, sums, work, threads)
                 wb.put((th_all, buf_all), [(tw, name, theta)] + ([(mw, name, buf)] if mw else []))
                 if pause_s:

@@ -2,9 +2,10 @@
 
 Runs on: a login node or any CPU with the site environment (torch, torchtitan); never
 on the central VM, whose tensorio.py only hands this command over. No server, no port,
-no state. Copy theta-<round>.safetensors off the central VM, then:
+no state. Take the final theta off the central VM (`fedmom_server.py export --state-dir
+runs/central/fedmom theta-final.safetensors`, or GET /theta), then:
 
-    python tensorio.py export-hf runs/central/fedmom/theta-412.safetensors runs/hf/qwen3-0.6B \\
+    python tensorio.py export-hf theta-final.safetensors runs/hf/qwen3-0.6B \\
         --model qwen3-0.6B --data data/c4-qwen3-2048/manifest.json \\
         --tokenizer data/tokenizers/Qwen3-0.6B/tokenizer.json --dtype bf16
     python tensorio.py export-hf theta-40.safetensors runs/hf/tiny --model qwen3-tiny \\
@@ -84,7 +85,7 @@ class ExportConfig:
             raise ExportError(f"--model {self.model!r}: export-hf writes Qwen3 causal LMs; use one of {llms}")
         if not os.path.isfile(self.theta):
             raise ExportError(f"{self.theta}: no such file; name the global model "
-                              f"(runs/central/fedmom/theta-<round>.safetensors or train.py --export-init's file)")
+                              f"(fedmom_server.py export's file or train.py --export-init's file)")
         if os.path.exists(self.out) and (not os.path.isdir(self.out) or os.listdir(self.out)):
             raise ExportError(f"OUT_DIR {self.out} already exists and is not an empty directory; "
                               f"name a new one or remove it")
@@ -336,7 +337,7 @@ def main(argv=None):
                     "Needs torch and torchtitan (the site environment), imported by this command\n"
                     "alone: `python tensorio.py FILE` still needs numpy only.",
         epilog="\n\n".join(__doc__.split("\n\n")[1:3]))
-    p.add_argument("theta", metavar="THETA", help="the global model: runs/central/fedmom/theta-<round>.safetensors "
+    p.add_argument("theta", metavar="THETA", help="the global model: the file fedmom_server.py export wrote "
                                  "(or train.py --export-init's file)")
     p.add_argument("out", metavar="OUT_DIR", help="directory to create (must not exist, or be empty)")
     p.add_argument("--model", required=True, help="the --model the run trained (qwen3-tiny, qwen3-0.6B, ...)")

@@ -183,6 +183,7 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
             M = state.momentum[n] if state.momentum is not None else None
             merged = merged_buf[:T.size] if codec is not None else T
             inputs.arrays = (T, M)
+            inputs.prefetch(n)
             fedmom_merge.merge_tensor(inputs, n, merged, M, weights, step.lr, mu, sums, work, threads)
             if codec is not None:
                 x = merged                                   # Publisher.write, in place:
