@@ -328,7 +328,9 @@ def make_routes(state, blob_token=None, retention=None):
                                    ca_file=cfg.ca_file)
 
     def status(req=None):
-        return {**state.status(), "retention": {"keep_rounds": cfg.keep_rounds, "state": state.kept_files(),
+        st = state.status()
+        return {**st, "retention": {"keep_rounds": cfg.keep_rounds, "state": state.kept_files(),
+                                    "checkpoint": st["checkpoint"],
                                                 "blobs": retention and retention.view()}}
 
     def page(req):      # GET /?saved=1: the copy to keep (stamped, no auto-refresh)
@@ -488,6 +490,8 @@ def alarm_lines(st):
     if st.get("merge_error"):
         out.append(f"!!! the merge of round {st.get('round')} failed ({st['merge_error']}); nothing was published, "
                    "it is retried every 30 s (a full disk: free space on the state dir)")
+    if st.get("replay_error"):
+        out.append(f"!!! REPLAY MISMATCH, no round merges until a restart: {st['replay_error']}")
     return out
 
 
@@ -496,6 +500,12 @@ def retention_lines(ret):
     if not ret:
         return []
     out = [f"kept in the state dir ({sum(f['bytes'] for f in ret['state']) / 2**20:.1f} MiB):"]
+    c = ret.get("checkpoint")
+    if c:
+        last = c.get("last")
+        out.append(f"  checkpoint of round {c['round']} (every {c['every']} rounds; rounds {c['logged_rounds'] or 'none'} "
+                   "replayed at a restart)" + (f"; the last one written: round {last['round']}, "
+                                               f"{last['bytes'] / 2**30:.2f} GiB in {last['seconds']:.1f} s" if last else ""))
     out += [f"  {f['file']:<40} {f['bytes'] / 2**20:>9.1f} MiB  {f['why']}" for f in ret["state"]]
     b = ret.get("blobs")
     if b is None:
@@ -531,7 +541,8 @@ def print_status(url, token=None, last=10, ca_file=None):
         print("  " + format_record(r).removeprefix("fedmom: "))
     for line in retention_lines(st.get("retention")):
         print(line)
-    return 1 if any((st.get("violations") or {}).values()) or (st.get("darl") or {}).get("fenced") else 0
+    return 1 if (any((st.get("violations") or {}).values()) or (st.get("darl") or {}).get("fenced")
+                 or st.get("replay_error")) else 0
 
 
 # ---------------------------------------------------------------- main
