@@ -203,15 +203,28 @@ def _pool(threads):
 def run_spans(fn, rows, unit, per_row, threads):
     """fn(a, b) over [0, rows) in spans of whole `unit`s of rows, about TASK values each,
     on `threads` threads (inline for one thread or one span). Spans never overlap, so each
-    writes its own slice of the outputs and the result does not depend on the threads."""
+    writes its own slice of the outputs and the result does not depend on the threads.
+    Called from inside a span (the merge's chunks decode a compressed delta), it runs
+    inline: its spans would wait in the queue behind the very spans waiting for them."""
     step = max(unit, -(-max(1, TASK // max(per_row, 1)) // unit) * unit)
     spans = [(a, min(a + step, rows)) for a in range(0, rows, step)]
-    if threads <= 1 or len(spans) <= 1:
+    if threads <= 1 or len(spans) <= 1 or getattr(_in_span, "on", False):
         for a, b in spans:
             fn(a, b)
         return
-    for f in [_pool(threads).submit(fn, a, b) for a, b in spans]:
+    for f in [_pool(threads).submit(_span, fn, a, b) for a, b in spans]:
         f.result()
+
+
+_in_span = threading.local()
+
+
+def _span(fn, a, b):
+    _in_span.on = True
+    try:
+        fn(a, b)
+    finally:
+        _in_span.on = False
 
 
 class Behind:

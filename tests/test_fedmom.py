@@ -25,6 +25,7 @@ import fedmom_server as fm
 import fedmom_state as fs
 import httpd
 import tensorio
+import wire
 from harness import listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -214,6 +215,24 @@ class ThreadedMergeTest(Fixture):
         for threads in (2, 3):
             with self.subTest(threads=threads):
                 self.assertEqual(self.merge(threads, inputs), serial)
+
+    def test_a_compressed_delta_merges_on_threads_with_the_serial_bits(self):
+        # an int4 delta is decoded by the merge's own pool threads (DecodedDelta): the decode's
+        # spans must not wait in the queue behind the merge's spans that wait for them (it hung)
+        theta, mom, deltas = self.files()
+        with wire.WireWriter(deltas[1][0], [(k, s) for k, s in self.BIG.items()], wire.Codec("int4"), fsync=False) as w:
+            rng = np.random.default_rng(8)
+            for k, s in self.BIG.items():
+                w.write(k, (0.01 * rng.standard_normal(s)).astype(np.float32))
+        serial = self.merge(1, (theta, mom, deltas))
+        for threads in (2, 3):
+            box = {}
+            t = threading.Thread(target=lambda: box.update(out=self.merge(threads, (theta, mom, deltas))), daemon=True)
+            t.start()
+            t.join(120)                                  # a hang bound, not a timing
+            with self.subTest(threads=threads):
+                self.assertFalse(t.is_alive(), f"merge_files(threads={threads}) with an int4 delta hung")
+                self.assertEqual(box["out"], serial)
 
     def test_the_first_non_finite_chunk_is_the_one_raised(self):
         def spoil(fn, big):
