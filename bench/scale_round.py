@@ -973,6 +973,9 @@ def main(argv):
     except RuntimeError as e:
         say(f"scale_round FAILED: {e}")
         return 1
+    except KeyboardInterrupt:
+        say("scale_round: interrupted (every process it started is stopped)")
+        return 130
 
 
 if __name__ == "__main__":
