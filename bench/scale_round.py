@@ -53,8 +53,9 @@ blobstore). At the end, the summary: the median per phase; central seconds per r
 (both acceptances + merge + publish) over the fsync'd F32 write of the model (target <= 1.0);
 a site's encode + apply over it (target <= 0.5); the state dir's peak in M (target <= 3);
 and a projection to Qwen3-8B and -32B, linear in parameters: a central phase as k x (its
-central CPU seconds / 16 cores + the rest of its wall time at the measured GB/s), the sites'
-phases and the transfers as k x their time here. Every site checks the digest of the theta
+central CPU seconds / 16 cores + the rest of its wall time at the measured GB/s), at least
+k x what it writes at the measured fsync'd write rate; the sites' phases and the transfers
+as k x their time here. Every site checks the digest of the theta
 it holds after every round (the update's, or a whole theta against the other site's), and the
 bench exits 1 if any check fails, a delta does not merge, or a round does not complete.
 --json writes every figure. The run's files go under --dir (default $TMPDIR), removed at the
@@ -818,7 +819,7 @@ def phase_rows(rounds):
             out["publish"].append(max(pubs, key=lambda p: p["s"]))
         rec = row["record"]
         out["merge"].append({"s": rec["merge_s"], "bytes": (rec.get("bytes_read") or 0) + (rec.get("bytes_written") or 0),
-                             "central_cpu": row["merge_central_cpu"]})
+                             "written": rec.get("bytes_written") or 0, "central_cpu": row["merge_central_cpu"]})
         for k, v in (rec.get("timings") or {}).items():
             if isinstance(v, (int, float)):
                 out[f"agg:{k}"].append({"s": v, "bytes": 0, "central_cpu": None})
@@ -856,7 +857,10 @@ def summary(out, base, shapes):
             continue
         s, nb = med(p["s"] for p in rows[k]), med(p["bytes"] for p in rows[k])
         cpu = med(p.get("central_cpu") for p in rows[k])
-        table[k] = {"s": s, "bytes": nb, "central_cpu": cpu}
+        # what the central VM writes in the phase, fsync'd: the merge's files, the spooled delta, the
+        # blob store's copy of the update (the projection's floor)
+        written = med(p.get("written", p["bytes"]) for p in rows[k]) if WHERE.get(k) == "central" else None
+        table[k] = {"s": s, "bytes": nb, "central_cpu": cpu, "written": written}
 
         def cell(x, width, fmt):
             return f"{x:{width}{fmt}}" if x is not None else f"{'-':>{width}}"
@@ -895,30 +899,36 @@ def project(table, lim, P, central, site):
     """Qwen3-8B and -32B, linear in parameters (k = their parameters / ours). A central phase:
     k x (its central CPU seconds / VM_CORES + the rest of its wall time), i.e. its per-core
     work spread over a 16-core VM and what was not on a CPU (disk, network: bytes) at the
-    speed measured; the sites' phases and the transfers: k x their time here."""
+    speed measured, but never less than k x the bytes it writes at the fsync'd write rate
+    measured here (CPU seconds include the kernel's copies of those writes, which 16 cores
+    do not divide); the sites' phases and the transfers: k x their time here."""
     targets = {"8B": sum(math.prod(s) for _, s in qwen3_shapes("8B")), "32B": qwen3_params(QWEN3_32B)}
     ks = {n: p / P for n, p in targets.items()}
+    write_bps = 4 * P / lim["write"]
     say("")
     say(f"projection, linear in parameters: 8B = {targets['8B'] / 1e9:.2f}G params (k = {ks['8B']:.1f}), 32B = "
-        f"{targets['32B'] / 1e9:.2f}G (k = {ks['32B']:.1f}); a central phase = k x (central CPU s / {VM_CORES} "
-        "cores + (wall - CPU) s at the measured bytes/s), a site phase or transfer = k x its time here")
-    say(f"{'phase':<10} {'here s':>8} {'CPU s':>7} {'bound by':<10} " + " ".join(f"{n + ' s':>9}" for n in ks))
+        f"{targets['32B'] / 1e9:.2f}G (k = {ks['32B']:.1f}). A central phase = k x max(CPU s / {VM_CORES} cores + "
+        f"(wall - CPU) s, the bytes it writes / the fsync'd write's {write_bps / 1e9:.2f} GB/s); a site phase or a "
+        "transfer = k x its time here (a site's node and the WAN are not this machine)")
+    say(f"{'phase':<10} {'here s':>8} {'CPU s':>7} {'writes GB':>9} {'bound by':<10} "
+        + " ".join(f"{n + ' s':>9}" for n in ks))
     out = {}
     per_round = {n: 0.0 for n in ks}
     for k in PHASES:
         if k not in table:
             continue
-        s, cpu = table[k]["s"], table[k]["central_cpu"] or 0.0
+        s, cpu, written = table[k]["s"], table[k]["central_cpu"] or 0.0, table[k]["written"]
         if WHERE[k] == "central":
-            per_core, rest = cpu / VM_CORES, max(0.0, s - cpu)
-            bound = "CPU" if cpu >= rest else "bytes"
-            proj = {n: kk * (per_core + rest) for n, kk in ks.items()}
+            per_core, rest, floor = cpu / VM_CORES, max(0.0, s - cpu), (written or 0) / write_bps
+            bound = "write" if floor > per_core + rest else "CPU" if per_core >= rest else "bytes"
+            proj = {n: kk * max(per_core + rest, floor) for n, kk in ks.items()}
             for n in ks:
                 per_round[n] += proj[n] * (len(SITES) if k == "accept" else 1)
         else:
             bound, proj = ("site CPU" if WHERE[k] == "site" else "bytes"), {n: kk * s for n, kk in ks.items()}
         out[k] = {"bound": bound, **proj}
-        say(f"{k:<10} {s:8.2f} " + (f"{cpu:7.2f}" if WHERE[k] == "central" else f"{'-':>7}") + f" {bound:<10} "
+        say(f"{k:<10} {s:8.2f} " + (f"{cpu:7.2f} {(written or 0) / 1e9:9.3f}" if WHERE[k] == "central"
+                                    else f"{'-':>7} {'-':>9}") + f" {bound:<10} "
             + " ".join(f"{proj[n]:9.1f}" for n in ks))
     for n, kk in ks.items():
         w = kk * lim["write"]
