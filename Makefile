@@ -80,7 +80,8 @@ lint: setup
 # wire_formats.py (the wire formats, up and down, overlap off and on) runs 25 short federations,
 # ~32 min on a quiet 2-core machine; `--no-sweep --no-ddp` runs 15.
 # chaos.py runs its --quick setting here (3 min of faults, then the unfaulted run; ~10 min);
-# `make chaos` is the 15-minute setting.
+# `make chaos` is the 15-minute setting. scale_round.py runs --quick here (a ~24M-param model,
+# 3 rounds, < 1 min); the sizes users train are `$(PY) bench/scale_round.py --flavor 0.6B` (~30 min).
 bench: setup
 	@set -e; for b in bench/*.py; do \
 	  case $$b in bench/faults.py|bench/http_fuzz.py|bench/wan_relay.py) continue ;; esac; \
@@ -89,6 +90,7 @@ bench: setup
 	    bench/convergence.py) $(PY) $$b --quick ;; \
 	    bench/wire_speed.py) $(PY) $$b --quick ;; \
 	    bench/chaos.py) $(PY) $$b --quick ;; \
+	    bench/scale_round.py) $(PY) $$b --quick ;; \
 	    bench/fault_schedule.py) $(PY) $$b --schedules 40 --jobs 2 ;; \
 	    *) $(PY) $$b ;; \
 	  esac; \

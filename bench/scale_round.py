@@ -1,0 +1,992 @@
+"""bench/scale_round.py - a federated round at the sizes users train, through the real central
+path, phase by phase, against the I/O limits of the same bytes measured in the same run.
+
+Runs on: any CPU box (the central VM's size is projected, not needed); Python + numpy, never
+torch. It starts real darl_server.py, fedmom_server.py --down-wire int4 and blobstore.py
+processes over TLS (a throwaway CA, bearer tokens) on 127.0.0.1, and two fake sites: this
+file's --site mode, each a process of its own doing what a site's rank 0 does each round
+(fedsite.py, diloco.py): lease a span from DARL, write its delta with --wire int4
+(wire.WireWriter, with diloco.Residual's error feedback: owed in, the new residual out, both
+F32 files), upload it through the blob store (FedMomClient.send_delta, transport blob), wait
+for the round (the heartbeat's long-poll), download the update and add it
+(FedMomClient.download_update, wire.apply_update: the digest the aggregator published is
+checked), or take the whole theta when the update path answers no_update.
+
+    python bench/scale_round.py --quick                      # make bench: a ~24M-param model, 3 rounds, ~30 s
+    python bench/scale_round.py --flavor 0.6B [--rounds 10]  # Qwen3-0.6B's shapes, 709M params: 45 GB, ~30 min
+    python bench/scale_round.py --flavor 1.7B --dir /scratch --server-arg=--threads=4 --json 1.7B.json
+
+Models (random F32 tensors; the shapes are what matters): tiny (wire_speed.py's, ~0.15M
+params, for the tests), small (0.6B's first layer with a 4,096-row vocabulary, ~24M
+params), 0.6B and 1.7B (torchtitan's Qwen3 shapes, the vocabulary padded to 131,328, both
+embedding and output in the file: wire_speed.qwen3_shapes). M below is the model's F32
+bytes (4 B/param). A real flavor is refused up front, said why, when --dir has not 16 M free
+or the machine has not the memory (12 x the largest tensor + 1 GiB: 0.6B 7.5 GB, 1.7B 14 GB).
+
+The sites take turns (a lock file, the baton): one site's encode, upload and acceptance, or
+its publish, download and apply, runs alone, so each phase is timed without the other site
+on the same cores (on their own nodes they would not share any); the aggregator's merge runs
+while both wait. Each phase, per round (progress is printed as each round ends):
+    encode    the site writes its delta: int4 encode + write + error feedback (owed read,
+              residual written), fsync'd, as diloco.py does; GB = the F32 values (4 B/param).
+              Its row "encode: feedback" is the error feedback's part alone (GB: 2 x 4 B/param)
+    upload    send_delta up to the acceptance: the delta file's sha256, its PUT to the blob
+              store (TLS), the /delta_check; GB = the delta file
+    accept    POST /delta_blob: the aggregator fetches the delta from the blob store, checks
+              it (decoded: values, norm), spools it and takes its lease into custody at DARL
+    merge     the aggregator's round record ("merge_s": the FedMom step and the int4 update
+              published from it, theta, momentum and residual written); GB = its bytes_read +
+              bytes_written. With "timings" in the record (accept_s, custody_s, merge_s,
+              publish_s, checkpoint_s), those are shown too and used for the central sum
+    publish   the first GET /theta_update_blob of the round: the aggregator copies the
+              update into the blob store (the other site finds it there)
+    download  the update from the blob store (the rest of download_update); GB = the update
+    apply     wire.apply_update: theta + the update -> the next theta, digest checked, fsync'd;
+              GB = 4 B/param
+Beside each: GB/s, and its seconds over the time the fsync'd F32 write, the read and the
+memcpy of the same bytes take here (x write, x read, x memcpy: measured at the start and at
+the end, averaged; the machine is noisy, the ratios are what matter), and the central
+processes' CPU seconds over the phase's wall time. Per round also: the aggregator's state dir
+and the blob store's dir after the round, the state dir's peak during it (sampled every 50 ms),
+the central processes' CPU seconds and peak RSS (VmHWM of fedmom_server, darl_server,
+blobstore). At the end, the summary: the median per phase; central seconds per round
+(both acceptances + merge + publish) over the fsync'd F32 write of the model (target <= 1.0);
+a site's encode + apply over it (target <= 0.5); the state dir's peak in M (target <= 3);
+and a projection to Qwen3-8B and -32B, linear in parameters: a central phase as k x (its
+central CPU seconds / 16 cores + the rest of its wall time at the measured GB/s), at least
+k x what it writes at the measured fsync'd write rate; the sites' phases and the transfers
+as k x their time here. Every site checks the digest of the theta
+it holds after every round (the update's, or a whole theta against the other site's), and the
+bench exits 1 if any check fails, a delta does not merge, or a round does not complete.
+--json writes every figure. The run's files go under --dir (default $TMPDIR), removed at the
+end unless --keep (after a failure only logs/ and records/ are kept).
+"""
+import argparse
+import collections
+import dataclasses
+import fcntl
+import json
+import math
+import os
+import secrets
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)                          # run as `python bench/scale_round.py`: the siblings one level up
+sys.path.insert(1, HERE)                          # wire_speed.py (the Qwen3 shapes), fedmom_disk_peak.py (dir_bytes)
+sys.path.insert(2, os.path.join(ROOT, "tests"))   # tests/certs.py: the CA and certificate, as central.sh makes them
+
+import numpy as np  # noqa: E402
+
+import darl_client  # noqa: E402
+import durable  # noqa: E402
+import fedmom_client  # noqa: E402
+import harness  # noqa: E402
+import httpd  # noqa: E402
+import tensorio  # noqa: E402
+import wire  # noqa: E402
+from fedmom_disk_peak import dir_bytes  # noqa: E402
+from wire_speed import FLAVORS as QWEN3, VOCAB, Clock, memcpy, qwen3_shapes  # noqa: E402
+
+FLAVOR_CHOICES = ("tiny", "small", "0.6B", "1.7B")
+REAL = ("0.6B", "1.7B")
+SITES = ("alpha", "beta")
+CENTRAL = {"fedmom": "fedmom_server.py", "darl": "darl_server.py", "blob": "blobstore.py"}
+PHASES = ("encode", "upload", "accept", "merge", "publish", "download", "apply")
+WHERE = {"encode": "site", "upload": "transfer", "accept": "central", "merge": "central", "publish": "central",
+         "download": "transfer", "apply": "site"}
+QWEN3_32B = (5120, 64, 64, 8, 128, 25600)   # Qwen3-32B: dim, layers, heads, kv heads, head_dim, hidden
+VM_CORES = 16                     # the central VM the projection is for
+PHASE_S = 600.0                   # the sites' LeaseSession phase estimate: leases of 2.5 x this (DARL caps at 3600)
+SAMPLE_S = 0.05                   # the state dir and the central CPU are sampled this often
+INT4 = wire.Codec("int4")         # a site's --wire int4, default block
+TOKENS = 1000                     # each delta's merge weight (equal: the sites' shares are 1/2)
+
+
+def say(msg=""):
+    print(msg, flush=True)
+
+
+# ---------------------------------------------------------------- models
+
+def model_shapes(flavor):
+    """(name, shape) in state-dict order. small: 0.6B's first layer, a 4,096-row vocabulary."""
+    if flavor == "small":
+        return [(n, (4096, s[1]) if n in ("tok_embeddings.weight", "output.weight") else s)
+                for n, s in qwen3_shapes("0.6B", layers=1)]
+    return qwen3_shapes(flavor)
+
+
+def qwen3_params(dims, vocab=VOCAB):
+    """Parameters of a Qwen3 flavor by qwen3_shapes' layout (embedding and output both counted)."""
+    dim, layers, heads, kv, hd, hidden = dims
+    per_layer = 2 * hd + 2 * dim * heads * hd + 2 * kv * hd * dim + 3 * hidden * dim + 2 * dim
+    return 2 * vocab * dim + layers * per_layer + dim
+
+
+def nparams(shapes):
+    return sum(math.prod(s) for _, s in shapes)
+
+
+class Pool:
+    """Cheap random tensors: one buffer of normal float32 values (the largest tensor plus
+    2^20), from which each (round, tensor) takes a window at a seeded offset, scaled. A
+    window costs a multiply, not a fresh draw (numpy draws ~50 M normals/s here: 15 s per
+    0.6B model per site per round, untimed but waited for)."""
+
+    def __init__(self, shapes, seed):
+        self.largest = max(math.prod(s) for _, s in shapes)
+        self.buf = np.random.default_rng(seed).standard_normal(self.largest + (1 << 20), dtype=np.float32)
+        self.seed = seed
+
+    def tensor(self, key, i, shape, scale):
+        n = math.prod(shape)
+        off = int(np.random.default_rng([self.seed, key, i]).integers(0, self.buf.size - n + 1))
+        return (self.buf[off:off + n] * np.float32(scale)).reshape(shape)
+
+
+def make_model(path, shapes, seed):
+    """The initial theta_global: random F32 tensors (not timed)."""
+    pool = Pool(shapes, seed)
+    with tensorio.TensorWriter(path, [(n, "F32", s) for n, s in shapes], fsync=False) as w:
+        for i, (n, s) in enumerate(shapes):
+            w.write(n, pool.tensor(0, i, s, 0.02))
+
+
+def baselines(src, shapes, scratch):
+    """The I/O limits of the model's F32 bytes here -> {"write", "read", "memcpy"} seconds:
+    the model written as F32 with fsync (tensorio.TensorWriter; the reads of `src` between
+    the writes not timed), read back into one reused buffer (page cache warm), copied once
+    in memory (np.copyto between reused buffers, as wire_speed.py's)."""
+    largest = max(math.prod(s) for _, s in shapes)
+    buf, buf2 = np.ones(largest, np.float32), np.zeros(largest, np.float32)   # touched: no page faults timed
+    clock = Clock()
+    with tensorio.TensorReader(src) as r:
+        w = tensorio.TensorWriter(scratch, [(n, "F32", s) for n, s in shapes])
+        for n, _ in shapes:
+            a = r.read(n, out=buf)
+            with clock:
+                w.write(n, a)
+        with clock:
+            w.close()
+    t0 = time.perf_counter()
+    with tensorio.TensorReader(scratch) as r:
+        for n, _ in shapes:
+            r.read(n, out=buf)
+    read_s = time.perf_counter() - t0
+    os.unlink(scratch)
+    return {"write": clock.s, "read": read_s, "memcpy": memcpy(shapes, buf, buf2)}
+
+
+# ---------------------------------------------------------------- processes: CPU, RSS
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu(pid):
+    """utime + stime of a process (all its threads), seconds; 0.0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / TICK
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def proc_status(pid, key):
+    """A kB field of /proc/<pid>/status (VmHWM: peak RSS, VmRSS) in bytes, or None."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def real_pid(proc, script):
+    """The pid of the python that runs `script` in a started process's tree (the leader
+    itself, or the child of a wrapper that harness or a supervisor put in front of it)."""
+    def cmdline(pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return [x.decode(errors="replace") for x in f.read().split(b"\0")]
+        except OSError:
+            return []
+    tree = harness.process_tree(proc.pid)
+    runs = [p for p in tree if any(os.path.basename(x) == script for x in cmdline(p))]
+    leaves = [p for p in runs if not (harness.process_tree(p) - {p}) & set(runs)]
+    if not leaves:
+        raise RuntimeError(f"no process runs {script} under pid {proc.pid}")
+    return max(leaves)
+
+
+class Meter:
+    """Snapshots for timing a phase: wall time, this process's CPU and the central processes' CPU."""
+
+    def __init__(self, central_pids):
+        self.pids = list(central_pids)
+
+    def now(self):
+        t = os.times()
+        return (time.time(), time.perf_counter(), t.user + t.system, sum(proc_cpu(p) for p in self.pids))
+
+    @staticmethod
+    def span(a, b, nbytes, minus=None):
+        """The phase from snapshot a to b (less the (a', b') of `minus`, a part timed apart)."""
+        d = [b[i] - a[i] for i in range(4)]
+        if minus is not None:
+            d = [x - (minus[1][i] - minus[0][i]) for i, x in enumerate(d)]
+        return {"s": d[1], "cpu": d[2], "central_cpu": d[3], "t0": a[0], "t1": b[0], "bytes": nbytes}
+
+
+# ---------------------------------------------------------------- the fake site (--site)
+
+class TimedClient(fedmom_client.FedMomClient):
+    """fedmom_client.FedMomClient with its calls to the aggregator on the routes in `timed`
+    snapshotted (Meter), so that send_delta splits into the upload and the acceptance
+    (POST /delta_blob), and download_update into the publish (GET /theta_update_blob) and
+    the download from the blob store. The calls themselves are FedMomClient's."""
+
+    timed = ("/delta_blob", "/theta_update_blob", "/theta_blob")
+
+    def __init__(self, *args, meter, **kw):
+        super().__init__(*args, **kw)
+        self.meter, self.calls = meter, []
+
+    def _call(self, method, path, body=None, timeout=None):
+        route = path.split("?")[0]
+        if route not in self.timed:
+            return super()._call(method, path, body, timeout)
+        a = self.meter.now()
+        try:
+            return super()._call(method, path, body, timeout)
+        finally:
+            self.calls.append((route, a, self.meter.now()))
+
+    def last(self, route, since):
+        """(a, b) of the last call on `route` made after call number `since`."""
+        got = [(a, b) for r, a, b in self.calls[since:] if r == route]
+        if not got:
+            raise RuntimeError(f"no {route} call was made")
+        return got[-1]
+
+
+class Residual:
+    """diloco.Residual's files and rules (torch-free): residual.safetensors is owed now,
+    residual-next.safetensors what the delta in flight leaves owed (renamed once merged).
+    Every delta of this bench must merge (else it fails), so only that rule is needed."""
+
+    def __init__(self, workdir):
+        self.path = os.path.join(workdir, "residual.safetensors")
+        self.next_path = os.path.join(workdir, "residual-next.safetensors")
+
+    def merged(self):
+        durable.rename(self.next_path, self.path)
+
+
+def write_delta(path, shapes, base, pool, key, residual):
+    """delta + owed -> the int4 delta file and the new residual, tensor by tensor, both
+    fsync'd (diloco.DiLoCo.write_delta with Residual) -> (seconds, of them the error
+    feedback's: the owed read and added, the residual subtracted and written), the draws
+    of the delta not counted."""
+    enc, fb_clock = Clock(), Clock()
+    owed = tensorio.TensorReader(residual.path) if os.path.exists(residual.path) else None
+    try:
+        with enc:
+            w = wire.WireWriter(path, shapes, INT4, {"base_round": str(base)})
+        with fb_clock:
+            fb = tensorio.TensorWriter(residual.next_path, [(n, "F32", s) for n, s in shapes],
+                                       {"base_round": str(base)})
+        for i, (n, s) in enumerate(shapes):
+            d = pool.tensor(key, i, s, 1e-3)
+            with fb_clock:
+                x = d if owed is None else d + owed.read(n).reshape(s)
+            with enc:
+                sent = w.write(n, x)
+            with fb_clock:
+                fb.write(n, x - sent)
+        with enc:
+            w.close()
+        with fb_clock:
+            fb.close()
+    finally:
+        if owed is not None:
+            owed.close()
+    return enc.s + fb_clock.s, fb_clock.s
+
+
+class Baton:
+    """One site at a time in a timed stretch: an flock on a file both sites open."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __enter__(self):
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def site_main(a):
+    """One fake site: join, take theta, then --rounds round trips; a line per round in --records."""
+    shapes = model_shapes(a.flavor)
+    token = httpd.load_token(a.token_file)
+    meter = Meter(int(p) for p in a.central_pids.split(","))
+    inc = secrets.token_hex(6)
+    os.makedirs(a.work, exist_ok=True)
+    records = open(os.path.join(a.records, f"{a.name}.jsonl"), "a", buffering=1)
+
+    def note(**kw):
+        records.write(json.dumps({"site": a.name, "t": time.time(), **kw}) + "\n")
+    darl = darl_client.LeaseClient(a.darl, token=token, ca_file=a.ca_file)
+    digest = darl.status()["digest"]
+    darl.register(a.name, inc, digest)
+    session = darl_client.LeaseSession(darl, a.name, digest, incarnation=inc, span_blocks=1, lease_blocks=1,
+                                       prefetch=False, phase_s=PHASE_S, log=lambda m: say(f"darl: {m}"))
+    session.start(register=False)
+    fed = TimedClient(a.fedmom, a.name, inc, token=token, blob_url=a.blob, ca_file=a.ca_file, meter=meter)
+    fed.join(wait_s=60)
+    baton, pool = Baton(a.baton), Pool(shapes, [7, SITES.index(a.name)])
+    theta, residual = os.path.join(a.work, "theta.safetensors"), Residual(a.work)
+    with fed.keepalive(interval_s=10.0):
+        deadline = time.monotonic() + 300
+        while len(fed._call("GET", "/status")["members"]) < a.sites:     # no round may close without us all
+            if time.monotonic() > deadline:
+                raise RuntimeError("the other sites did not join within 300 s")
+            time.sleep(0.2)
+        with baton:
+            held, first = full_theta(fed, meter, theta)
+        note(event="start", round=held[0], digest=held[1], **first)
+        for _ in range(a.rounds):
+            held = one_round(a, fed, session, meter, baton, pool, theta, residual, held, note)
+    session.close()
+    fed.leave()
+    note(event="end", vm_hwm=proc_status(os.getpid(), "VmHWM"))
+    return 0
+
+
+def full_theta(fed, meter, theta):
+    """The whole theta_global through the blob store (sha256 checked), and its digest ->
+    ((round, digest), {"publish_full", "download_full"} phases)."""
+    n, a = len(fed.calls), meter.now()
+    rnd = fed.download_theta(theta, transport="blob")
+    b = meter.now()
+    pub = fed.last("/theta_blob", n)
+    size = os.path.getsize(theta)
+    digest = wire.theta_digest(theta)
+    return (rnd, digest), {"publish_full": Meter.span(*pub, size), "download_full": Meter.span(a, b, size, pub)}
+
+
+def one_round(a, fed, session, meter, baton, pool, theta, residual, held, note):
+    """Lease, encode, send, wait for the round, fetch the next theta -> (round, digest) held."""
+    shapes = model_shapes(a.flavor)
+    span = session.next_span(timeout=300)
+    if span is None:
+        raise RuntimeError("DARL has no block left for this round")
+    base, ph = held[0], {}
+    delta = os.path.join(a.work, f"delta-r{base}.safetensors")
+    with baton:
+        t0 = meter.now()
+        _, fb_s = write_delta(delta, shapes, base, pool, base + 1, residual)
+        ph["encode"] = {**Meter.span(t0, meter.now(), 4 * nparams(shapes)), "feedback_s": fb_s}
+        session.refresh()                               # FedSite.round_trip's check: is the lease still ours?
+        if span.lease not in session.held():
+            raise RuntimeError(f"lease {span.lease} lost at DARL before the send")
+        size, n, t0 = os.path.getsize(delta), len(fed.calls), meter.now()
+        reply = fed.send_delta(delta, base, TOKENS, [session.commit_record(span)], {"loss": 1.0}, transport="blob")
+        t1 = meter.now()
+        acc = fed.last("/delta_blob", n)
+        ph["upload"], ph["accept"] = Meter.span(t0, t1, size, acc), Meter.span(*acc, size)
+    os.unlink(delta)
+    t0 = meter.now()
+    while True:                                         # the round's long-poll, as FedSite.round_trip
+        got = fed.heartbeat(wait_round_after=base, wait_s=30.0)
+        mine = [o for o in got.get("deltas") or () if o.get("incarnation") == fed.incarnation
+                and o.get("base_round") == base]
+        state = mine[0]["outcome"] if mine else None
+        if state == "pending" or (state is None and got["round"] <= base):
+            continue
+        break
+    ph["wait"] = Meter.span(t0, meter.now(), 0)
+    session.span_done(span)
+    if state != "merged":
+        raise RuntimeError(f"the delta of round {base} was not merged: {mine or got}")
+    residual.merged()
+    with baton:
+        rnd, digest, via, fetched = fetch(fed, meter, theta, held, 4 * nparams(shapes))
+    ph.update(fetched)
+    note(event="round", round=rnd, base=base, merged_into=mine[0].get("merged_into"), custody=reply.get("custody"),
+         via=via, digest=digest, delta_bytes=size, phases=ph)
+    return rnd, digest
+
+
+def fetch(fed, meter, theta, held, model_bytes):
+    """FedSite._fetch's order: the update from the theta held (publish, download, apply: the
+    digest it must give checked by wire.apply_update), else the whole theta ->
+    (round, digest, "update" | "full", phases)."""
+    upd = os.path.join(os.path.dirname(theta), "theta-update.safetensors")
+    n, t0 = len(fed.calls), meter.now()
+    got = fed.download_update(upd, *held, transport="blob")
+    t1 = meter.now()
+    if got is None:                                     # no_update: the parent judges why
+        (rnd, digest), ph = full_theta(fed, meter, theta)
+        return rnd, digest, "full", {"publish": ph["publish_full"], "download": ph["download_full"]}
+    size = os.path.getsize(upd)
+    pub = fed.last("/theta_update_blob", n)
+    digest = wire.apply_update(theta, upd, theta, got[1], {"round": str(got[0])})
+    t2 = meter.now()
+    durable.unlink(upd)
+    return got[0], digest, "update", {"publish": Meter.span(*pub, size), "download": Meter.span(t0, t1, size, pub),
+                                      "apply": Meter.span(t1, t2, model_bytes)}
+
+
+# ---------------------------------------------------------------- the bench
+
+@dataclasses.dataclass
+class Config:
+    flavor: str
+    rounds: int
+    dir: str
+    keep: bool
+    server_args: list
+    json: str | None
+
+    def validate(self):
+        if self.rounds < 1:
+            raise SystemExit(f"--rounds {self.rounds}: at least 1")
+        return self
+
+
+def need(shapes):
+    """(disk bytes, memory bytes) a run needs, from the peaks measured on 0.6B and small:
+    the disk 16 M (the run's own peak was 13.8 M: each site's theta, the theta an update is
+    applied into and the owed and next residuals, 4 M a site; the aggregator's state at its
+    merge, 6.5 M; the blob store, 1.4 M), the memory 12 x the largest tensor + 1 GiB
+    (VmHWM: the aggregator's merge 8.1 x, a site's encode 4.8 x; the sites wait while the
+    aggregator merges, and each keeps its pool of 1 x)."""
+    m = 4 * nparams(shapes)
+    largest = 4 * max(math.prod(s) for _, s in shapes)
+    return int(16 * m), int(12 * largest + (1 << 30))
+
+
+def room_problems(flavor, shapes, free, avail):
+    """What keeps a run from fitting `free` bytes of disk and `avail` of memory: [reasons]."""
+    disk_need, mem_need = need(shapes)
+    gb, why = 1e9, []
+    if free < disk_need:
+        why.append(f"--dir has {free / gb:.1f} GB free, --flavor {flavor} needs ~{disk_need / gb:.1f} GB (each "
+                   "site's theta, next theta and two residuals; the aggregator's merge peak; the blob store): "
+                   "point --dir at a larger disk")
+    if avail < mem_need:
+        why.append(f"this machine has {avail / gb:.1f} GB of memory available, --flavor {flavor} needs "
+                   f"~{mem_need / gb:.1f} GB (a site's encode and the aggregator's merge hold several copies of the "
+                   "largest tensor): run it on a larger machine")
+    return why
+
+
+def check_room(cfg, shapes, root):
+    """Say what the run needs and has; a real flavor that cannot fit stops here (SystemExit)."""
+    disk_need, mem_need = need(shapes)
+    free, avail = shutil.disk_usage(root).free, proc_meminfo("MemAvailable")
+    say(f"room: --dir {os.path.abspath(root)}: {free / 1e9:.1f} GB free, this run needs ~{disk_need / 1e9:.1f} GB; memory "
+        f"{avail / 1e9:.1f} GB available, needs ~{mem_need / 1e9:.1f} GB")
+    why = room_problems(cfg.flavor, shapes, free, avail)
+    if why and cfg.flavor in REAL:
+        raise SystemExit("scale_round: cannot fit: " + "; ".join(why))
+
+
+def proc_meminfo(key):
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class Sampler:
+    """A thread that samples, every SAMPLE_S, the bytes of the aggregator's state dir and
+    the blob store's dir (walked: no file layout assumed) and the central processes' CPU
+    seconds; peak() and the CPU of a past interval come from it."""
+
+    def __init__(self, dirs, pids):
+        self.dirs, self.pids = dirs, pids
+        self.stop, self.lock = threading.Event(), threading.Lock()
+        self.peaks = {k: 0 for k in dirs}
+        self.series = []                          # (time.time(), {kind: cpu s})
+        self.thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+
+    def _run(self):
+        while not self.stop.is_set():
+            sizes = {k: dir_bytes(d) for k, d in self.dirs.items()}
+            cpu = {k: proc_cpu(p) for k, p in self.pids.items()}
+            with self.lock:
+                for k, v in sizes.items():
+                    self.peaks[k] = max(self.peaks[k], v)
+                self.series.append((time.time(), cpu))
+            self.stop.wait(SAMPLE_S)
+
+    def take_peaks(self):
+        """The peaks since the last call (then reset)."""
+        with self.lock:
+            out, self.peaks = dict(self.peaks), {k: 0 for k in self.dirs}
+        return out
+
+    def cpu_between(self, t0, t1):
+        """The central processes' CPU seconds (all three) between two wall times, interpolated."""
+        with self.lock:
+            s = list(self.series)
+
+        def at(t):
+            if not s:
+                return 0.0
+            if t <= s[0][0]:
+                return sum(s[0][1].values())
+            for (ta, ca), (tb, cb) in zip(s, s[1:]):
+                if ta <= t <= tb:
+                    f = (t - ta) / (tb - ta) if tb > ta else 1.0
+                    return sum(ca.values()) + f * (sum(cb.values()) - sum(ca.values()))
+            return sum(s[-1][1].values())
+        return max(0.0, at(t1) - at(t0))
+
+
+def start_central(L, root, cfg, init):
+    """The three servers over TLS on 127.0.0.1 -> (urls, Procs, token file, CA)."""
+    central, logs = os.path.join(root, "central"), os.path.join(root, "logs")
+    os.makedirs(os.path.join(root, "tls"))
+    import certs
+    ca, cert, key = certs.make_tls(os.path.join(root, "tls"))
+    token = harness.make_token(os.path.join(root, "token"))
+    agg = harness.make_token(os.path.join(root, "aggregator.token"))
+    common = ["--token-file", token, "--tls-cert", cert, "--tls-key", key]
+    procs, urls = {}, {}
+    procs["darl"], urls["darl"] = harness.start_server(
+        L, "darl", ["--num-samples", len(SITES) * cfg.rounds, "--block-size", 1, "--seed", 0, "--state-dir", central,
+                    "--aggregator-token-file", agg, *common], os.path.join(logs, "darl.log"), port=0, ca_file=ca)
+    procs["blob"], urls["blob"] = harness.start_server(
+        L, "blob", ["--root", os.path.join(central, "blobs"), *common], os.path.join(logs, "blob.log"), port=0,
+        ca_file=ca)
+    procs["fedmom"], urls["fedmom"] = harness.start_server(
+        L, "fedmom", ["--state-dir", os.path.join(central, "fedmom"), "--init", init, "--darl", urls["darl"],
+                      "--blob-url", urls["blob"], "--darl-token-file", agg, "--ca-file", ca, "--down-wire", "int4",
+                      *common, *cfg.server_args], os.path.join(logs, "fedmom.log"), port=0, ca_file=ca)
+    return urls, procs, token, ca
+
+
+def launch_sites(L, root, cfg, urls, token, ca, pids):
+    out = {}
+    for name in SITES:
+        cmd = [sys.executable, os.path.abspath(__file__), "--site", "--name", name, "--flavor", cfg.flavor,
+               "--rounds", cfg.rounds, "--sites", len(SITES), "--darl", urls["darl"], "--fedmom", urls["fedmom"],
+               "--blob", urls["blob"], "--token-file", token, "--ca-file", ca,
+               "--records", os.path.join(root, "records"), "--work", os.path.join(root, "sites", name),
+               "--baton", os.path.join(root, "baton"), "--central-pids", ",".join(str(p) for p in pids.values())]
+        out[name] = L.start(f"site-{name}", cmd, os.path.join(root, "logs", f"site-{name}.log"))
+    return out
+
+
+def read_records(root):
+    out = collections.defaultdict(dict)           # site -> {round: record}, plus "start"/"end" events
+    for name in SITES:
+        for e in durable.read_jsonl(os.path.join(root, "records", f"{name}.jsonl")):
+            out[name][e["round"] if e["event"] == "round" else e["event"]] = e
+    return out
+
+
+def run(cfg):
+    shapes = model_shapes(cfg.flavor)
+    P, M = nparams(shapes), 4 * nparams(shapes)
+    os.makedirs(cfg.dir, exist_ok=True)
+    say(f"scale_round: --flavor {cfg.flavor}: {len(shapes)} tensors, {P:,} parameters, M = {M / 1e9:.3f} GB (F32); "
+        f"{cfg.rounds} round{'s' if cfg.rounds > 1 else ''}, {len(SITES)} sites (int4, error feedback), aggregator "
+        "--down-wire int4" + (f" {' '.join(cfg.server_args)}" if cfg.server_args else "") + f"; {os.cpu_count()} cores")
+    check_room(cfg, shapes, cfg.dir)
+    root = tempfile.mkdtemp(prefix="scale-round-", dir=cfg.dir)
+    say(f"files in {root}")
+    for sub in ("logs", "records", "sites"):
+        os.makedirs(os.path.join(root, sub))
+    ok, out = False, {"config": dataclasses.asdict(cfg), "parameters": P, "model_bytes": M, "cores": os.cpu_count()}
+    try:
+        init = os.path.join(root, "init.safetensors")
+        t0 = time.monotonic()
+        make_model(init, shapes, 1)
+        say(f"made the initial model in {time.monotonic() - t0:.1f} s; measuring the I/O limits of M ...")
+        base = [baselines(init, shapes, os.path.join(root, "baseline.safetensors"))]
+        say("  " + limits_line(base[0], M))
+        with harness.Launcher() as L:
+            out.update(federate(L, cfg, root, init, shapes, base))
+            L.stop_all()
+        src = os.path.join(root, "sites", SITES[0], "theta.safetensors")
+        base.append(baselines(src, shapes, os.path.join(root, "baseline.safetensors")))
+        say("I/O limits again at the end: " + limits_line(base[1], M))
+        out["baselines"] = base
+        ok = summary(out, base, shapes)
+    finally:
+        if cfg.json:
+            with open(cfg.json, "w") as f:
+                json.dump(out, f, indent=1, default=str)
+            say(f"figures written to {cfg.json}")
+        cleanup(root, cfg.keep, ok)
+    return 0 if ok else 1
+
+
+def limits_line(b, M):
+    return "  ".join(f"{k} {b[k]:.2f} s ({M / 1e9 / b[k]:.2f} GB/s)"
+                     for k in ("write", "read", "memcpy")).replace("write", "write+fsync", 1)
+
+
+def cleanup(root, keep, ok):
+    if keep:
+        say(f"kept {root} ({dir_bytes(root) / 1e9:.1f} GB)")
+        return
+    if ok:
+        shutil.rmtree(root, ignore_errors=True)
+        return
+    for entry in os.listdir(root):                  # a failure: the logs and the sites' records stay
+        if entry not in ("logs", "records"):
+            p = os.path.join(root, entry)
+            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.unlink(p)
+    say(f"FAILED: logs and records kept in {root}")
+
+
+def federate(L, cfg, root, init, shapes, base):
+    """Start the servers and the sites, watch every round -> the figures."""
+    M = 4 * nparams(shapes)
+    urls, procs, token, ca = start_central(L, root, cfg, init)
+    pids = {k: real_pid(procs[k], CENTRAL[k]) for k in CENTRAL}
+    os.unlink(init)                                   # theta-0 is the aggregator's now: one M less on disk
+    state_dir, blob_dir = os.path.join(root, "central", "fedmom"), os.path.join(root, "central", "blobs")
+    say(f"central: fedmom {urls['fedmom']} (pid {pids['fedmom']}), darl {urls['darl']} (pid {pids['darl']}), "
+        f"blob store {urls['blob']} (pid {pids['blob']}), TLS")
+    sampler = Sampler({"state": state_dir, "blobs": blob_dir, "run": root}, pids)
+    sampler.thread.start()
+    sites = launch_sites(L, root, cfg, urls, token, ca, pids)
+    bound_s = max(300.0, 150.0 * M / 1e9)             # a round slower than this is a stall
+    rounds, failures, t_last = [], [], time.monotonic()
+    cpu_last = {k: proc_cpu(p) for k, p in pids.items()}
+
+    def central():
+        try:
+            st = httpd.call(urls["fedmom"], "GET", "/status", token=httpd.load_token(token), timeout=10, ca_file=ca)
+            said = (f"the aggregator is at round {st['round']}, merging {st['merging']}, pending {st['pending']}, "
+                    f"merge_error {st['merge_error']}")
+        except (OSError, httpd.CallError, ValueError) as e:
+            said = f"the aggregator does not answer GET /status ({e})"
+        return said + "; its log ends:\n    " + "\n    ".join(procs["fedmom"].tail(6))
+    try:
+        recs = wait_records(sites, root, lambda r: all("start" in r[s] for s in SITES), bound_s, "the sites' start")
+        first = recs[SITES[0]]["start"]
+        starts = [recs[s]["start"] for s in SITES]
+        say(f"sites joined; whole theta of round {first['round']} published to the blob store in "
+            f"{max(s['publish_full']['s'] for s in starts):.2f} s, downloaded in "
+            + ", ".join(f"{s['download_full']['s']:.2f} s" for s in starts))
+        if len({s["digest"] for s in starts}) != 1:
+            failures.append("the sites hold different thetas of round 0")
+        for i in range(1, cfg.rounds + 1):
+            r = first["round"] + i
+            recs = wait_records(sites, root, lambda rr: all(r in rr[s] for s in SITES), bound_s, f"round {r}",
+                                central)
+            rec = wait_round_record(state_dir, r)
+            peaks = sampler.take_peaks()
+            cpu_now = {k: proc_cpu(p) for k, p in pids.items()}
+            row = {"round": r, "wall_s": time.monotonic() - t_last, "sites": {s: recs[s][r] for s in SITES},
+                   "record": {k: rec.get(k) for k in ("merge_s", "timings", "bytes_read", "bytes_written",
+                                                      "update_bytes", "wall_s", "time", "outcomes")},
+                   "state_bytes": dir_bytes(state_dir), "blob_bytes": dir_bytes(blob_dir),
+                   "state_peak": peaks["state"], "blob_peak": peaks["blobs"], "run_peak": peaks["run"],
+                   "central_cpu": {k: cpu_now[k] - cpu_last[k] for k in pids},
+                   "vm_hwm": {k: proc_status(p, "VmHWM") for k, p in pids.items()}}
+            row["merge_central_cpu"] = sampler.cpu_between(rec["time"] - rec["merge_s"], rec["time"])
+            failures += judge(row, recs, r)
+            rounds.append(row)
+            print_round(row, i, cfg.rounds, M)
+            t_last, cpu_last = time.monotonic(), cpu_now
+        for name, p in sites.items():
+            if harness.wait_for(lambda: not p.alive(), bound_s) is None or p.poll() != 0:
+                failures.append(f"site {name} exited {p.poll()}:\n    " + "\n    ".join(p.tail(20)))
+        recs = read_records(root)
+        vm_hwm = {k: proc_status(p, "VmHWM") for k, p in pids.items()}
+    finally:
+        sampler.stop.set()
+    return {"rounds": rounds, "failures": failures, "central_vm_hwm": vm_hwm,
+            "site_vm_hwm": {s: recs[s].get("end", {}).get("vm_hwm") for s in SITES},
+            "initial": {s: recs[s]["start"] for s in SITES}}
+
+
+def wait_records(sites, root, cond, bound_s, what, central=lambda: ""):
+    """The sites' records once cond(records) holds; RuntimeError with the logs (the sites',
+    and central(): what the aggregator says) when a site exits first or bound_s passes."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        recs = read_records(root)
+        if cond(recs):
+            return recs
+        done = all(not p.alive() for p in sites.values())
+        for name, p in sites.items():
+            # a site that finished (exit 0) leaves the others to finish theirs; read again: it may just have
+            if not p.alive() and (p.poll() != 0 or done) and not cond(read_records(root)):
+                raise RuntimeError(f"waiting for {what}: site {name} exited {p.poll()}:\n    "
+                                   + "\n    ".join(p.tail(25)))
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not complete within {bound_s:.0f} s; {central()}; site logs:\n"
+                               + "\n".join(f"  {n}: " + "\n    ".join(p.tail(8)) for n, p in sites.items()))
+        time.sleep(0.2)
+
+
+def wait_round_record(state_dir, r, bound_s=60.0):
+    """Round r's record in the aggregator's rounds.jsonl (appended just after the round is durable)."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        for rec in durable.read_jsonl(os.path.join(state_dir, "rounds.jsonl")):
+            if rec.get("round") == r:
+                return rec
+        time.sleep(0.1)
+    raise RuntimeError(f"no record of round {r} in {state_dir}/rounds.jsonl")
+
+
+def judge(row, recs, r):
+    """The checks of one round: both deltas merged into it; each site holds a theta of round
+    r; the update path's digest was checked by apply_update (a site that had to take the
+    whole theta while holding round r-1 is a finding: its theta was not the aggregator's),
+    and every site's digest is the same."""
+    out = []
+    merged = [o for o in row["record"]["outcomes"] or () if o.get("outcome") == "merged"]
+    if len(merged) != len(SITES):
+        out.append(f"round {r} merged {len(merged)} deltas, not {len(SITES)}")
+    for s in SITES:
+        e = recs[s][r]
+        if e["via"] != "update":
+            out.append(f"round {r}: {s} held round {e['base']}'s theta and got no update (409 no_update): its "
+                       "theta is not the one the aggregator's update applies to")
+    digests = {recs[s][r]["digest"] for s in SITES}
+    if len(digests) != 1:
+        out.append(f"round {r}: the sites hold different thetas (digests {sorted(d[:12] for d in digests)})")
+    return out
+
+
+def gib(n):
+    return "?" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def print_round(row, i, n, M):
+    rec = row["record"]
+    pubs = {s: e["phases"]["publish"]["s"] for s, e in row["sites"].items() if "publish" in e["phases"]}
+    by = max(pubs, key=pubs.get) if pubs else None
+    say(f"round {row['round']} ({i}/{n}): {row['wall_s']:.1f} s; merge {rec['merge_s']:.2f} s"
+        + (f", timings {rec['timings']}" if rec.get("timings") else " (the record has no timings)")
+        + (f"; publish {pubs[by]:.2f} s ({by}'s call)" if by else "")
+        + f"; state dir {row['state_bytes'] / M:.2f} M after, peak {row['state_peak'] / M:.2f} M; blob store "
+        f"{row['blob_bytes'] / M:.2f} M (peak {row['blob_peak'] / M:.2f} M)")
+    say("    central CPU s " + ", ".join(f"{k} {v:.1f}" for k, v in row["central_cpu"].items())
+        + "; VmHWM " + ", ".join(f"{k} {gib(v)}" for k, v in row["vm_hwm"].items()))
+    for s, e in row["sites"].items():
+        ph = e["phases"]
+        bits = [f"{k} {ph[k]['s']:.2f} s" + (f" ({ph[k]['bytes'] / 1e9 / ph[k]['s']:.2f} GB/s)"
+                                              if ph[k]["bytes"] and ph[k]["s"] > 0 else "")
+                for k in ("encode", "upload", "accept", "download", "apply") if k in ph]
+        bits[0] += f" (error feedback {ph['encode']['feedback_s']:.2f} s)"
+        say(f"    {s:<5} " + ", ".join(bits) + f"; wait {ph['wait']['s']:.2f} s; theta via {e['via']}, digest "
+            f"{e['digest'][:12]} ok")
+
+
+# ---------------------------------------------------------------- the summary
+
+def phase_rows(rounds):
+    """{phase: [{"s", "bytes", "central_cpu"}, ...]} over the rounds: the sites' phases per
+    site and round; publish per round (the slower site's call: the one that made the copy);
+    merge per round from the record."""
+    out = collections.defaultdict(list)
+    for row in rounds:
+        for s, e in row["sites"].items():
+            for k in ("encode", "upload", "accept", "download", "apply"):
+                if k in e["phases"]:
+                    out[k].append(e["phases"][k])
+            enc = e["phases"]["encode"]
+            out["encode: feedback"].append({"s": enc["feedback_s"], "bytes": 2 * enc["bytes"], "central_cpu": None})
+        pubs = [e["phases"]["publish"] for e in row["sites"].values() if "publish" in e["phases"]]
+        if pubs:
+            out["publish"].append(max(pubs, key=lambda p: p["s"]))
+        rec = row["record"]
+        out["merge"].append({"s": rec["merge_s"], "bytes": (rec.get("bytes_read") or 0) + (rec.get("bytes_written") or 0),
+                             "written": rec.get("bytes_written") or 0, "central_cpu": row["merge_central_cpu"]})
+        for k, v in (rec.get("timings") or {}).items():
+            if isinstance(v, (int, float)):
+                out[f"agg:{k}"].append({"s": v, "bytes": 0, "central_cpu": None})
+    return out
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def central_per_round(row):
+    """Central seconds of one round: with the record's timings, their sum (plus the site-measured
+    publish when they have no publish_s); else both acceptances + merge_s + the publish."""
+    pub = max((e["phases"]["publish"]["s"] for e in row["sites"].values() if "publish" in e["phases"]), default=0.0)
+    t = row["record"].get("timings") or {}
+    if t:
+        return sum(v for v in t.values() if isinstance(v, (int, float))) + (0.0 if "publish_s" in t else pub)
+    return sum(e["phases"]["accept"]["s"] for e in row["sites"].values()) + row["record"]["merge_s"] + pub
+
+
+def summary(out, base, shapes):
+    """The closing table and judgement -> True when every check passed."""
+    rounds, M, P = out["rounds"], out["model_bytes"], out["parameters"]
+    lim = {k: statistics.mean(b[k] for b in base) for k in ("write", "read", "memcpy")}   # s for M bytes
+    rows = phase_rows(rounds)
+    say("")
+    say(f"summary: {len(rounds)} rounds, {P:,} parameters, M = {M / 1e9:.3f} GB; I/O limits of M (mean of start "
+        f"and end): write+fsync {lim['write']:.2f} s, read {lim['read']:.2f} s, memcpy {lim['memcpy']:.2f} s")
+    say(f"{'phase':<18} {'where':<9} {'median s':>9} {'GB':>7} {'GB/s':>7} {'x write':>8} {'x read':>7} "
+        f"{'x memcpy':>8} {'central CPU/wall':>17}")
+    table = {}
+    for k in ["encode", "encode: feedback"] + list(PHASES[1:]) + sorted(k for k in rows if k.startswith("agg:")):
+        if k not in rows:
+            continue
+        s, nb = med(p["s"] for p in rows[k]), med(p["bytes"] for p in rows[k])
+        cpu = med(p.get("central_cpu") for p in rows[k])
+        # what the central VM writes in the phase, fsync'd: the merge's files, the spooled delta, the
+        # blob store's copy of the update (the projection's floor)
+        written = med(p.get("written", p["bytes"]) for p in rows[k]) if WHERE.get(k) == "central" else None
+        table[k] = {"s": s, "bytes": nb, "central_cpu": cpu, "written": written}
+
+        def cell(x, width, fmt):
+            return f"{x:{width}{fmt}}" if x is not None else f"{'-':>{width}}"
+        same = {key: s / (lim[key] * nb / M) if nb and s else None for key in lim}
+        say(f"{k:<18} {WHERE.get(k.split(':')[0], 'central'):<9} {s:9.3f} {cell(nb / 1e9 if nb else None, 7, '.3f')} "
+            f"{cell(nb / 1e9 / s if nb and s else None, 7, '.2f')} {cell(same['write'], 8, '.2f')} "
+            f"{cell(same['read'], 7, '.2f')} {cell(same['memcpy'], 8, '.2f')} "
+            f"{cell(cpu / s if cpu is not None and s else None, 17, '.2f')}")
+    central = med(central_per_round(r) for r in rounds)
+    site = med(e["phases"]["encode"]["s"] + e["phases"]["apply"]["s"] for r in rounds for e in r["sites"].values()
+               if "apply" in e["phases"])
+    peak = max(r["state_peak"] for r in rounds) / M
+    timed = any(r["record"].get("timings") for r in rounds)
+    say(f"central s/round ({'the record timings' if timed else 'both acceptances + merge + publish'}): "
+        f"{central:.2f} s = {central / lim['write']:.2f} x the fsync'd F32 write of M (target <= 1.0: "
+        f"{'met' if central <= lim['write'] else 'NOT met'})")
+    say(f"site encode + apply: {site:.2f} s = {site / lim['write']:.2f} x the write (target <= 0.5: "
+        f"{'met' if site <= 0.5 * lim['write'] else 'NOT met'})")
+    say(f"state-dir peak: {peak:.2f} M (target <= 3: {'met' if peak <= 3 else 'NOT met'}); after the last round "
+        f"{rounds[-1]['state_bytes'] / M:.2f} M; blob store peak {max(r['blob_peak'] for r in rounds) / M:.2f} M; "
+        f"the whole run (sites, central) peak {max(r['run_peak'] for r in rounds) / M:.2f} M")
+    say("peak RSS (VmHWM): " + ", ".join(f"{k} {gib(v)}" for k, v in out["central_vm_hwm"].items())
+        + "; sites " + ", ".join(f"{k} {gib(v)}" for k, v in out["site_vm_hwm"].items()))
+    out["summary"] = {"limits": lim, "phases": table, "central_s_per_round": central, "site_encode_apply_s": site,
+                      "state_peak_models": peak, "central_over_write": central / lim["write"],
+                      "site_over_write": site / lim["write"]}
+    out["projection"] = project(table, lim, P, central, site)
+    for f in out["failures"]:
+        say(f"!! {f}")
+    say(f"checks: {len(rounds)} rounds complete, every delta merged, every theta's digest checked: "
+        + ("all passed" if not out["failures"] else f"{len(out['failures'])} FAILED"))
+    return not out["failures"]
+
+
+def project(table, lim, P, central, site):
+    """Qwen3-8B and -32B, linear in parameters (k = their parameters / ours). A central phase:
+    k x (its central CPU seconds / VM_CORES + the rest of its wall time), i.e. its per-core
+    work spread over a 16-core VM and what was not on a CPU (disk, network: bytes) at the
+    speed measured, but never less than k x the bytes it writes at the fsync'd write rate
+    measured here (CPU seconds include the kernel's copies of those writes, which 16 cores
+    do not divide); the sites' phases and the transfers: k x their time here."""
+    targets = {"8B": sum(math.prod(s) for _, s in qwen3_shapes("8B")), "32B": qwen3_params(QWEN3_32B)}
+    ks = {n: p / P for n, p in targets.items()}
+    write_bps = 4 * P / lim["write"]
+    say("")
+    say(f"projection, linear in parameters: 8B = {targets['8B'] / 1e9:.2f}G params (k = {ks['8B']:.1f}), 32B = "
+        f"{targets['32B'] / 1e9:.2f}G (k = {ks['32B']:.1f}). A central phase = k x max(CPU s / {VM_CORES} cores + "
+        f"(wall - CPU) s, the bytes it writes / the fsync'd write's {write_bps / 1e9:.2f} GB/s); a site phase or a "
+        "transfer = k x its time here (a site's node and the WAN are not this machine)")
+    say(f"{'phase':<10} {'here s':>8} {'CPU s':>7} {'writes GB':>9} {'bound by':<10} "
+        + " ".join(f"{n + ' s':>9}" for n in ks))
+    out = {}
+    per_round = {n: 0.0 for n in ks}
+    for k in PHASES:
+        if k not in table:
+            continue
+        s, cpu, written = table[k]["s"], table[k]["central_cpu"] or 0.0, table[k]["written"]
+        if WHERE[k] == "central":
+            per_core, rest, floor = cpu / VM_CORES, max(0.0, s - cpu), (written or 0) / write_bps
+            bound = "write" if floor > per_core + rest else "CPU" if per_core >= rest else "bytes"
+            proj = {n: kk * max(per_core + rest, floor) for n, kk in ks.items()}
+            for n in ks:
+                per_round[n] += proj[n] * (len(SITES) if k == "accept" else 1)
+        else:
+            bound, proj = ("site CPU" if WHERE[k] == "site" else "bytes"), {n: kk * s for n, kk in ks.items()}
+        out[k] = {"bound": bound, **proj}
+        say(f"{k:<10} {s:8.2f} " + (f"{cpu:7.2f} {(written or 0) / 1e9:9.3f}" if WHERE[k] == "central"
+                                    else f"{'-':>7} {'-':>9}") + f" {bound:<10} "
+            + " ".join(f"{proj[n]:9.1f}" for n in ks))
+    for n, kk in ks.items():
+        w = kk * lim["write"]
+        say(f"{n}: central s/round {per_round[n]:.1f} (2 x accept + merge + publish) vs the F32 write {w:.1f} s "
+            f"(k x {lim['write']:.2f}, bytes-bound): {per_round[n] / w:.2f} x; site encode + apply {kk * site:.1f} s = "
+            f"{site / lim['write']:.2f} x (linear: the same ratio); this machine, all linear: central {kk * central:.1f} s")
+        out[n] = {"k": kk, "central_s_per_round": per_round[n], "write_s": w, "site_encode_apply_s": kk * site}
+    return out
+
+
+# ---------------------------------------------------------------- command line
+
+def site_parser():
+    p = argparse.ArgumentParser(prog="scale_round.py --site", description="one fake site (started by the bench)")
+    for flag in ("--name", "--flavor", "--darl", "--fedmom", "--blob", "--token-file", "--ca-file", "--records",
+                 "--work", "--baton", "--central-pids"):
+        p.add_argument(flag, required=True)
+    p.add_argument("--rounds", type=int, required=True)
+    p.add_argument("--sites", type=int, required=True)
+    return p
+
+
+def main(argv):
+    if argv[:1] == ["--site"]:
+        return site_main(site_parser().parse_args(argv[1:]))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--flavor", choices=FLAVOR_CHOICES, default=None,
+                   help="the model: tiny (~0.15M params), small (~24M), 0.6B (~709M), 1.7B (~2.0G) "
+                        "(default 0.6B; small with --quick)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="federated rounds, each one delta per site (default 10 for 0.6B and 1.7B, 3 otherwise)")
+    p.add_argument("--quick", action="store_true", help="the setting make bench runs: --flavor small --rounds 3 "
+                                                        "(< 2 min); --flavor and --rounds still override it")
+    p.add_argument("--dir", default=tempfile.gettempdir(),
+                   help="where the run's directory goes (default $TMPDIR); 0.6B needs 45 GB free, 1.7B 125 GB")
+    p.add_argument("--keep", action="store_true", help="keep the run's directory (default: removed at the end)")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for fedmom_server.py, repeatable; write it with '=': "
+                        "--server-arg=--threads=2")
+    p.add_argument("--json", metavar="PATH", help="write every figure (per round, per site, summary, projection) here")
+    a = p.parse_args(argv)
+    flavor = a.flavor or ("small" if a.quick else "0.6B")
+    rounds = a.rounds if a.rounds is not None else (10 if flavor in REAL else 3)
+    cfg = Config(flavor, rounds, a.dir, a.keep, a.server_arg, a.json).validate()
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        return run(cfg)
+    except RuntimeError as e:
+        say(f"scale_round FAILED: {e}")
+        return 1
+    except KeyboardInterrupt:
+        say("scale_round: interrupted (every process it started is stopped)")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
