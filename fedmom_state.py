@@ -1198,7 +1198,9 @@ class FedMomState:
             outer = outer_state.OuterState.load(path(c["theta"]), path(c["momentum"]), path(c["residual"]),
                                                 c["round"])
             outer_state.replay(outer, [self._resolved(s) for s in self.log], self.cfg.threads)
-        except (outer_state.ReplayMismatch, OSError, ValueError, tensorio.FormatError) as e:
+        except Exception as e:         # a mismatch, a missing or damaged file, a non-finite replay
+            if self.outer is not None:
+                self.outer.dirty = True    # whatever it holds is not a durable round: never served
             why = (f"the outer state of round {self.round} cannot be rebuilt from the checkpoint of round "
                    f"{c['round']} and the {len(self.log)} round(s) logged since: {type(e).__name__}: {e}")
             if at_start:
@@ -1220,6 +1222,9 @@ class FedMomState:
         it is not on disk (not durable, not needed for a restart: a copy to read). Caller holds
         mem_lock, and self.outer is at round `rnd`."""
         fn = f"{which}-{rnd}.safetensors"
+        if self.outer is None or self.outer.dirty or self.outer.round != rnd:
+            raise Refused(503, f"the outer state of round {rnd} is not in memory ({self.replay_error or 'being rebuilt'})"
+                               "; see GET /status", code="unavailable", round=rnd)
         if which == "momentum" and self.outer.momentum is None:
             return None
         if not os.path.exists(os.path.join(self.dir, fn)):
