@@ -633,6 +633,18 @@ def _server_parser():
     return p
 
 
+def _offline(what, fn, a):
+    """fn(state_dir, threads) on a stopped aggregator's state dir, holding its lock (never
+    beside a running server); a state it cannot rebuild is a one-line SystemExit."""
+    fd = httpd.lock_state_dir(a.state_dir, "fedmom_server")
+    try:
+        return fn(a.state_dir, a.threads)
+    except ValueError as e:
+        raise SystemExit(f"{what}: {e}")
+    finally:
+        os.close(fd)
+
+
 def export(argv):
     """fedmom_server.py export: theta (and the momentum, the residual) of a stopped aggregator's
     state dir, rebuilt from its checkpoint and the rounds logged since, as tensor files."""
@@ -645,13 +657,7 @@ def export(argv):
     p.add_argument("--residual", help="also write what the last update rounded away here (--down-wire)")
     p.add_argument("--threads", type=int, default=None, help="cores for the replay (default every core)")
     a = p.parse_args(argv)
-    fd = httpd.lock_state_dir(a.state_dir, "fedmom_server")     # not beside a running server
-    try:
-        outer = fedmom_state.load_outer(a.state_dir, a.threads)
-    except ValueError as e:
-        raise SystemExit(f"export: {e}")
-    finally:
-        os.close(fd)
+    outer = _offline("export", fedmom_state.load_outer, a)
     for which, path in (("theta", a.out), ("momentum", a.momentum), ("residual", a.residual)):
         if path is None:
             continue
@@ -672,13 +678,7 @@ def checkpoint(argv):
     p.add_argument("--state-dir", required=True, help="the aggregator's --state-dir (the server stopped)")
     p.add_argument("--threads", type=int, default=None, help="cores for the replay (default every core)")
     a = p.parse_args(argv)
-    fd = httpd.lock_state_dir(a.state_dir, "fedmom_server")     # not beside a running server
-    try:
-        rnd = fedmom_state.checkpoint_offline(a.state_dir, a.threads)
-    except ValueError as e:
-        raise SystemExit(f"checkpoint: {e}")
-    finally:
-        os.close(fd)
+    rnd = _offline("checkpoint", fedmom_state.checkpoint_offline, a)
     print(f"{a.state_dir}: round {rnd} is the checkpoint; nothing is left to replay")
     return 0
 
