@@ -72,7 +72,7 @@ import time
 
 import audit
 import durable
-import fedmom_state
+import fedmom_checkpoint
 import harness
 import status_page
 
@@ -465,7 +465,7 @@ class Demo:
         out.append(f"  training loss per round: {sparkline(losses)}  {spark_scale(losses)}")
         first, last, trend_ok = loss_trend(records)
         try:                # as `fedmom_server.py export` writes it: the checkpoint and the rounds since
-            outer = fedmom_state.load_outer(state_fed)
+            outer = fedmom_checkpoint.load_outer(state_fed)
             theta = outer.write("theta", os.path.join(self.out, f"theta-{outer.round}.safetensors"), fsync=False)
         except (OSError, ValueError) as e:
             theta = None

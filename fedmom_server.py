@@ -2,7 +2,10 @@
 
 Runs on: the central VM (CPU only). Python standard library + numpy; never imports
 torch, so copying httpd.py, durable.py, tensorio.py, wire.py (compressed deltas and
-updates), fedmom_merge.py (the merge arithmetic and the delta checks), fedmom_state.py (the durable state and round protocol), status_page.py (GET /) and this file onto a bare Python 3 with numpy is the whole install
+updates), fedmom_merge.py (the merge arithmetic and the delta checks), outer_state.py (the outer
+state in memory), fedmom_checkpoint.py (its checkpoint and replay), fedmom_state.py (the durable
+state and round protocol), status_page.py (GET /) and this file onto a bare Python 3 with numpy
+is the whole install
 (blobstore.py too for the blob transport).
 
     # first start: the initial model (any float dtype; theta_global is kept in fp32)
@@ -148,6 +151,7 @@ import durable
 import httpd
 import status_page
 import wire
+import fedmom_checkpoint
 import fedmom_state
 from fedmom_state import ServerConfig, FedMomState, DarlLink, Refused, log, format_record, unlink_with_parts
 
@@ -657,7 +661,7 @@ def export(argv):
     p.add_argument("--residual", help="also write what the last update rounded away here (--down-wire)")
     p.add_argument("--threads", type=int, default=None, help="cores for the replay (default every core)")
     a = p.parse_args(argv)
-    outer = _offline("export", fedmom_state.load_outer, a)
+    outer = _offline("export", fedmom_checkpoint.load_outer, a)
     for which, path in (("theta", a.out), ("momentum", a.momentum), ("residual", a.residual)):
         if path is None:
             continue
@@ -678,7 +682,7 @@ def checkpoint(argv):
     p.add_argument("--state-dir", required=True, help="the aggregator's --state-dir (the server stopped)")
     p.add_argument("--threads", type=int, default=None, help="cores for the replay (default every core)")
     a = p.parse_args(argv)
-    rnd = _offline("checkpoint", fedmom_state.checkpoint_offline, a)
+    rnd = _offline("checkpoint", fedmom_checkpoint.checkpoint_offline, a)
     print(f"{a.state_dir}: round {rnd} is the checkpoint; nothing is left to replay")
     return 0
 

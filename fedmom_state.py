@@ -113,13 +113,13 @@ import numpy as np
 import darl_table
 import durable
 import httpd
+import fedmom_checkpoint
 import fedmom_merge
 import outer_state
+from fedmom_checkpoint import STATE_FORMAT, write_json
 import tensorio
 import wire
 
-STATE_FORMAT = "pww-fedmom-state/3"   # 2: identity, epoch, custody owed, violations; 3: checkpoint + log
-READS_FORMATS = ("pww-fedmom-state/2", STATE_FORMAT)   # a /2 state is a checkpoint of its round, no log
 RECORD_VERSION = 3             # 2: per-delta "outcomes" with their leases; 3: + "delta" and DARL "pieces"
 VIOLATIONS = darl_table.VIOLATIONS
 EVENTS_KEPT = 500             # membership events kept in state.json (for the page and status)
@@ -208,11 +208,6 @@ class ServerConfig:
 
 
 # ---------------------------------------------------------------- durable files
-
-def write_json(path, obj, fsync=True):
-    """state.json and the spool's records: durable.write_json, indented, keys sorted."""
-    durable.write_json(path, obj, fsync, indent=1, sort_keys=True)
-
 
 def append_record(path, rec, fsync=True):
     """One line of rounds.jsonl (durable.append_json_line, keys sorted)."""
@@ -555,16 +550,11 @@ class FedMomState:
                 st = json.load(f)
         except ValueError as e:
             raise SystemExit(f"{self.state_path} is not valid JSON ({e}); restore it from a backup")
-        if st.get("format") not in READS_FORMATS:
-            raise SystemExit(f"{self.state_path}: format {st.get('format')!r}, this server reads "
-                             f"{' and '.join(map(repr, READS_FORMATS))}; use the fedmom_server.py that wrote it")
+        try:
+            self.ckpt, self.log = fedmom_checkpoint.read_record(st, self.state_path)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
         self.round, self.update = st["round"], st.get("update")
-        if st["format"] == STATE_FORMAT:
-            self.ckpt, self.log = st["checkpoint"], [outer_state.Step.from_json(x) for x in st["log"]]
-        else:                         # /2 kept every round's files: the current ones are a checkpoint
-            owed = self.update and self.update["round"] == self.round and self.update.get("residual")
-            self.ckpt, self.log = {"round": self.round, "theta": st["theta"], "momentum": st["momentum"],
-                                   "residual": owed or None}, []
         self._check_custody_mode(st)
         self._check_outer_step(st)
         self.aggregator_id, self.epoch = st["aggregator"], st["epoch"]
@@ -687,7 +677,7 @@ class FedMomState:
                                    or durable.is_tmp(fn)):
                 os.unlink(os.path.join(self.dir, fn))
         live = {p.path for p in self.pending.values()} | {p.meta_path for p in self.pending.values()}
-        live |= {os.path.join(self.dir, f) for s in self.log for f in self._step_files(s)}
+        live |= {os.path.join(self.dir, f) for s in self.log for f in fedmom_checkpoint.step_files(s)}
         for fn in os.listdir(self.spool):
             path = os.path.join(self.spool, fn)
             if path not in live:
@@ -1148,7 +1138,7 @@ class FedMomState:
             t0 = self.clock()
             try:
                 stats = outer_state.apply_round(
-                    self.outer, self._resolved(step), codec and os.path.join(self.dir, f"update-{new}.safetensors"),
+                    self.outer, fedmom_checkpoint.resolved(step, self.dir), codec and os.path.join(self.dir, f"update-{new}.safetensors"),
                     {"round": str(new)}, self.cfg.fsync, self.cfg.threads, after_tensor=self._after_tensor)
             except fedmom_merge.NonFinite as e:
                 self._rebuild()                     # the arrays are half merged: back to round self.round
@@ -1178,26 +1168,14 @@ class FedMomState:
             time.sleep(self.merge_pause_s)
         httpd.fault_point("fedmom.merge")
 
-    def _resolved(self, step):
-        """A Step with its delta paths made absolute (the log keeps them relative to the state dir)."""
-        return dataclasses.replace(step, deltas=[(os.path.join(self.dir, p), w) for p, w in step.deltas])
-
-    @staticmethod
-    def _step_files(step):
-        """A logged round's spool files (relative): each delta and its acceptance record."""
-        return [f for p, _ in step.deltas for f in (p, p[:-len(".safetensors")] + ".json")]
-
     def _rebuild(self, at_start=False):
         """self.outer from the checkpoint's files and the Steps logged since, each replayed and
-        checked against the theta digest it published (outer_state.replay). At the start a
-        mismatch stops the server; later (rebuilding after a failed merge) it stops the merges
+        checked against the theta digest it published (fedmom_checkpoint.rebuild). At the start
+        a mismatch stops the server; later (rebuilding after a failed merge) it stops the merges
         and shows on /status."""
-        c, path = self.ckpt, lambda fn: fn and os.path.join(self.dir, fn)
-        t0 = time.monotonic()
+        c, t0 = self.ckpt, time.monotonic()
         try:
-            outer = outer_state.OuterState.load(path(c["theta"]), path(c["momentum"]), path(c["residual"]),
-                                                c["round"])
-            outer_state.replay(outer, [self._resolved(s) for s in self.log], self.cfg.threads)
+            outer = fedmom_checkpoint.rebuild(self.dir, c, self.log, self.cfg.threads)
         except Exception as e:         # a mismatch, a missing or damaged file, a non-finite replay
             if self.outer is not None:
                 self.outer.dirty = True    # whatever it holds is not a durable round: never served
@@ -1260,14 +1238,9 @@ class FedMomState:
                 if not (force or self._checkpoint_due()) or self.outer.dirty:
                     return None
                 rnd = self.round
-            t0, files = time.monotonic(), {}
-            for which in ("theta", "momentum", "residual"):
-                if getattr(self.outer, which) is None:
-                    files[which] = None
-                    continue
-                files[which] = f"{which}-{rnd}.safetensors"
-                self.outer.write(which, os.path.join(self.dir, files[which]), fsync=self.cfg.fsync)
-                httpd.fault_point("fedmom.checkpoint")
+            t0 = time.monotonic()
+            files = fedmom_checkpoint.write_checkpoint(self.outer, self.dir, self.cfg.fsync,
+                                                       after_file=lambda: httpd.fault_point("fedmom.checkpoint"))
             with self.lock:
                 old, old_log = self.ckpt, self.log
                 self.ckpt, self.log = {"round": rnd, **files}, [s for s in self.log if s.round > rnd]
@@ -1279,7 +1252,8 @@ class FedMomState:
                 covered = [s for s in old_log if s.round <= rnd]
                 gone = [os.path.join(self.dir, f) for f in old.values()      # _clean_dir's, after a crash
                         if isinstance(f, str) and f not in files.values()]
-                gone += self._bury([os.path.join(self.dir, f) for s in covered for f in self._step_files(s)])
+                gone += self._bury([os.path.join(self.dir, f) for s in covered
+                                    for f in fedmom_checkpoint.step_files(s)])
                 nbytes = sum(os.path.getsize(os.path.join(self.dir, f)) for f in files.values() if f)
                 self.last_checkpoint = {"round": rnd, "seconds": round(time.monotonic() - t0, 3), "bytes": nbytes}
         log(f"fedmom: checkpoint of round {rnd}: {nbytes / 2**30:.2f} GiB in {self.last_checkpoint['seconds']:.1f} s; "
@@ -1678,67 +1652,6 @@ class FedMomState:
                     "update": self.update and {k: self.update[k] for k in ("round", "format", "update_bytes",
                                                                           "residual_norm")},
                     "recent": list(self.records)[-RECORDS_KEPT:], "events": list(self.events)[-100:]}
-
-
-def load_outer(state_dir, threads=None):
-    """The outer state (outer_state.OuterState: theta, momentum, residual) a state dir holds:
-    its checkpoint loaded and the rounds logged since replayed, each checked against the digest
-    it published. Reads only; for a stopped aggregator (a running one removes logged files as
-    it checkpoints: download its theta with GET /theta). Raises ValueError naming the problem."""
-    sd = os.path.abspath(state_dir)
-    try:
-        with open(os.path.join(sd, "state.json")) as f:
-            st = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{sd}: no readable state.json ({e})") from None
-    if st.get("format") == STATE_FORMAT:
-        ckpt, log_ = st["checkpoint"], [outer_state.Step.from_json(x) for x in st["log"]]
-    elif st.get("format") in READS_FORMATS:
-        u = st.get("update")
-        ckpt, log_ = {"round": st["round"], "theta": st["theta"], "momentum": st["momentum"],
-                      "residual": u and u["round"] == st["round"] and u.get("residual") or None}, []
-    else:
-        raise ValueError(f"{sd}/state.json: format {st.get('format')!r} is not one this code reads")
-    path = lambda fn: fn and os.path.join(sd, fn)
-    try:
-        outer = outer_state.OuterState.load(path(ckpt["theta"]), path(ckpt["momentum"]), path(ckpt["residual"]),
-                                            ckpt["round"])
-        outer_state.replay(outer, [dataclasses.replace(s, deltas=[(path(p), w) for p, w in s.deltas]) for s in log_],
-                           threads)
-    except (OSError, tensorio.FormatError, outer_state.ReplayMismatch) as e:
-        raise ValueError(f"{sd}: the outer state of round {st['round']} cannot be rebuilt: "
-                         f"{type(e).__name__}: {e}") from None
-    if outer.round != st["round"]:
-        raise ValueError(f"{sd}: state.json is at round {st['round']}, its checkpoint and log reach {outer.round}")
-    return outer
-
-
-def checkpoint_offline(state_dir, threads=None, fsync=True):
-    """Make the current round of a stopped aggregator's state dir its checkpoint (load_outer,
-    then its theta, momentum and residual written whole, state.json's log emptied, the files
-    it no longer needs removed): a restart then replays nothing. -> the round."""
-    sd = os.path.abspath(state_dir)
-    outer = load_outer(sd, threads)
-    with open(os.path.join(sd, "state.json")) as f:
-        st = json.load(f)
-    old = st.get("checkpoint") or {"theta": st.get("theta"), "momentum": st.get("momentum"),
-                                   "residual": (st.get("update") or {}).get("residual")}
-    files = {}
-    for which in ("theta", "momentum", "residual"):
-        files[which] = getattr(outer, which) is not None and f"{which}-{outer.round}.safetensors" or None
-        if files[which]:
-            outer.write(which, os.path.join(sd, files[which]), fsync=fsync)
-    logged = [outer_state.Step.from_json(x) for x in st.get("log", [])]
-    st.update(format=STATE_FORMAT, checkpoint={"round": outer.round, **files}, log=[])
-    for k in ("theta", "momentum"):
-        st.pop(k, None)
-    if st.get("update"):
-        st["update"].pop("residual", None)
-    write_json(os.path.join(sd, "state.json"), st, fsync)
-    for fn in [f for k, f in old.items() if k != "round" and f and f not in files.values()] + \
-            [f for s in logged for f in FedMomState._step_files(s)]:
-        durable.unlink(os.path.join(sd, fn))
-    return outer.round
 
 
 def _outcome(cluster, incarnation, base_round, tokens, leases, outcome, merged_into=None, why=None,

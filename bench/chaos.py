@@ -74,6 +74,7 @@ import audit  # noqa: E402
 import certs  # noqa: E402
 import durable  # noqa: E402
 import fedmom_merge  # noqa: E402
+import fedmom_checkpoint  # noqa: E402
 import fedmom_state  # noqa: E402
 import harness  # noqa: E402
 import httpd  # noqa: E402
@@ -376,8 +377,8 @@ class Federation:
 
 def final_files(fed_dir, out_dir):
     """The stopped aggregator's theta_global and residual, rebuilt from its checkpoint and log
-    (fedmom_state.load_outer), as files in out_dir -> (theta path, residual path or None)."""
-    outer = fedmom_state.load_outer(fed_dir)
+    (fedmom_checkpoint.load_outer), as files in out_dir -> (theta path, residual path or None)."""
+    outer = fedmom_checkpoint.load_outer(fed_dir)
     theta = outer.write("theta", os.path.join(out_dir, "final-theta.safetensors"), fsync=False)
     residual = outer.residual and outer.write("residual", os.path.join(out_dir, "final-residual.safetensors"),
                                               fsync=False)

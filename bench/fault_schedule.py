@@ -101,6 +101,7 @@ import darl_client  # noqa: E402
 import durable  # noqa: E402
 import fedmom_client  # noqa: E402
 import fedmom_merge  # noqa: E402
+import fedmom_checkpoint  # noqa: E402
 import fedmom_state  # noqa: E402
 import fedsite  # noqa: E402
 import httpd  # noqa: E402
@@ -1060,7 +1061,7 @@ def _theta_check(run, fed_dir, records, merged):
         if not by_round.get(rec["round"]):
             return [f"round {rec['round']} has no merged delta a site sent: cannot replay"]
     try:                        # rebuilt from its checkpoint and log, each round against its digest
-        outer = fedmom_state.load_outer(fed_dir)
+        outer = fedmom_checkpoint.load_outer(fed_dir)
     except ValueError as e:
         return [f"the final theta_global cannot be read: {e}"]
     final = {k: {n: a.reshape(outer.shapes[n]) for n, a in getattr(outer, k).items()}

@@ -93,7 +93,7 @@ import httpd  # noqa: E402
 import tensorio  # noqa: E402
 import wire  # noqa: E402
 from fedmom_disk_peak import dir_bytes  # noqa: E402
-from wire_speed import FLAVORS as QWEN3, VOCAB, Clock, memcpy, qwen3_shapes  # noqa: E402
+from wire_speed import FLAVORS as QWEN3, VOCAB, Clock, memcpy, qwen3_shapes, read_f32, write_f32  # noqa: E402
 
 FLAVOR_CHOICES = ("tiny", "small", "0.6B", "1.7B")
 REAL = ("0.6B", "1.7B")
@@ -161,28 +161,14 @@ def make_model(path, shapes, seed):
 
 
 def baselines(src, shapes, scratch):
-    """The I/O limits of the model's F32 bytes here -> {"write", "read", "memcpy"} seconds:
-    the model written as F32 with fsync (tensorio.TensorWriter; the reads of `src` between
-    the writes not timed), read back into one reused buffer (page cache warm), copied once
-    in memory (np.copyto between reused buffers, as wire_speed.py's)."""
+    """The I/O limits of the model's F32 bytes here -> {"write", "read", "memcpy"} seconds,
+    by wire_speed.py's measures: the model written as F32 with fsync (the reads of `src`
+    between the writes not timed), read again into one reused buffer (page cache warm),
+    copied once in memory (np.copyto between reused buffers)."""
     largest = max(math.prod(s) for _, s in shapes)
     buf, buf2 = np.ones(largest, np.float32), np.zeros(largest, np.float32)   # touched: no page faults timed
-    clock = Clock()
-    with tensorio.TensorReader(src) as r:
-        w = tensorio.TensorWriter(scratch, [(n, "F32", s) for n, s in shapes])
-        for n, _ in shapes:
-            a = r.read(n, out=buf)
-            with clock:
-                w.write(n, a)
-        with clock:
-            w.close()
-    t0 = time.perf_counter()
-    with tensorio.TensorReader(scratch) as r:
-        for n, _ in shapes:
-            r.read(n, out=buf)
-    read_s = time.perf_counter() - t0
-    os.unlink(scratch)
-    return {"write": clock.s, "read": read_s, "memcpy": memcpy(shapes, buf, buf2)}
+    write_s = write_f32(src, shapes, buf, scratch)
+    return {"write": write_s, "read": read_f32(src, shapes, buf), "memcpy": memcpy(shapes, buf, buf2)}
 
 
 # ---------------------------------------------------------------- processes: CPU, RSS

@@ -629,9 +629,9 @@ class FederationRunTest(unittest.TestCase):
             self.assertTrue(all(r["down_bytes"] / n > 3.9 for r in fed if r["theta_via"] == "full"))
         # the end: each site's last theta (fetched after DARL ran out, by update or whole) is
         # the aggregator's final theta_global, bit for bit
-        import fedmom_state
+        import fedmom_checkpoint
         import tensorio
-        outer = fedmom_state.load_outer(os.path.join(self.tmp.name, "central", "fedmom"))   # the server stopped
+        outer = fedmom_checkpoint.load_outer(os.path.join(self.tmp.name, "central", "fedmom"))   # the server stopped
         want = {k: a.view(np.uint32).copy() for k, a in outer.theta.items()}
         for name in ("alpha", "beta"):
             with tensorio.TensorReader(os.path.join(self.tmp.name, "runs", name, "federation",
