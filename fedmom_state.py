@@ -1047,18 +1047,7 @@ class FedMomState:
         try:
             result, merged, dropped = self._merge(batch)
         except Exception as e:
-            if self.outer.dirty:
-                try:
-                    self._rebuild()
-                except Exception:           # replay_error is set: no merge runs until a restart
-                    pass
-            with self.lock:
-                self.merging, self.retry_merge_at = False, self.clock() + 30.0
-                self.merge_error = f"{type(e).__name__}: {e}"
-                self.cond.notify_all()
-            log(f"fedmom: merge of round {self.round} FAILED ({type(e).__name__}: {e}); "
-                "state unchanged, retrying in 30 s")
-            return None
+            return self._merge_failed(e)
         gone = []                            # files no round needs: unlinked once the lock is released
         try:
             with self.lock:
@@ -1075,16 +1064,34 @@ class FedMomState:
                 if merged:
                     try:
                         return self._finish(merged, result, ready, late, closed_at, gone)
-                    except BaseException:   # not durable: the arrays go back to the durable round
-                        self._rebuild()
-                        raise
-                self.merging = False
-                if not self.pending:
-                    self.first_delta_at = None
-                self.cond.notify_all()
-                return None
+                    except Exception as e:  # not durable (state.json on a full disk): as a failed merge
+                        self.outer.dirty = True
+                        failed = e
+                else:
+                    self.merging = False
+                    if not self.pending:
+                        self.first_delta_at = None
+                    self.cond.notify_all()
+                    return None
         finally:
             self._remove(gone)
+        return self._merge_failed(failed)
+
+    def _merge_failed(self, e):
+        """A merge, or the save that makes it durable, failed: the arrays go back to the durable
+        round, /status says why, and the round is tried again in 30 s."""
+        if self.outer.dirty:
+            try:
+                self._rebuild()
+            except Exception:               # replay_error is set: no merge runs until a restart
+                pass
+        with self.lock:
+            self.merging, self.retry_merge_at = False, self.clock() + 30.0
+            self.merge_error = f"{type(e).__name__}: {e}"
+            self.cond.notify_all()
+        log(f"fedmom: merge of round {self.round} FAILED ({type(e).__name__}: {e}); "
+            "state unchanged, retrying in 30 s")
+        return None
 
     def _ready(self):
         """Why the round may merge now, or None. Never while a delta's custody is unconfirmed:
