@@ -51,6 +51,7 @@ import time
 import numpy as np
 
 import tensorio
+import wire
 
 DELTA_DTYPES = ("F16", "BF16", "F32")
 CHUNK = 1 << 18               # elements per arithmetic step: 1 MiB of f32 stays in cache
@@ -81,22 +82,24 @@ def scaled_sum(deltas, weights, s, tmp, sq):
             s += tmp
 
 
-def nesterov_chunk(theta, buf, s, tmp, lr, mu, first):
+def nesterov_chunk(theta, buf, s, tmp, lr, mu, first, out=None):
     """One chunk of torch.optim.SGD(momentum=mu, nesterov=True, dampening=0) with
     grad g = -s, in place: buf = g | mu*buf + g;  theta -= lr * (g + mu*buf).
-    `s` and `tmp` are clobbered; buf may be None when mu == 0 (FedAvg keeps none)."""
+    `s` and `tmp` are clobbered; buf may be None when mu == 0 (FedAvg keeps none).
+    out: the new theta goes there and `theta` is left as it was (the same bits)."""
+    out = theta if out is None else out
     if first:                                   # buf = g, so theta += lr*(1+mu)*s
         if buf is not None:
             np.negative(s, out=buf)
         s *= np.float32(lr * (1.0 + mu))
-        theta += s
+        np.add(theta, s, out=out)
         return
     buf *= np.float32(mu)                       # buf = mu*buf + g = mu*buf - s
     buf -= s
     np.multiply(buf, np.float32(lr * mu), out=tmp)
     s *= np.float32(lr)                         # theta += lr*s - lr*mu*buf
     s -= tmp
-    theta += s
+    np.add(theta, s, out=out)
 
 
 class Inputs:
@@ -190,7 +193,6 @@ class DecodedDelta:
     (the largest: 4 B/param of it) per compressed delta. .specs as a plain F32 file's."""
 
     def __init__(self, path):
-        import wire
         self.w, self.path = wire.WireReader(path), path
         self.names = list(self.w.names)
         self.specs = {n: ("F32", tuple(self.w.shapes[n])) for n in self.names}
@@ -209,6 +211,108 @@ class DecodedDelta:
 
     def close(self):
         self.w.close()
+
+
+class DeltaReader:
+    """One spooled delta as the round reads it: elements [lo, hi) of a tensor into the
+    caller's float32 buffer. A plain file (F32/BF16/F16) by positioned reads of just those
+    bytes; an int8/int4 file decodes just those blocks from the tensor's parts, which are
+    read once per tensor (load(), on the caller's thread) and stay compressed in memory;
+    any other wire format (topk) decodes the whole tensor at load(). Nothing here writes."""
+
+    def __init__(self, path):
+        self.path, self.nread = path, 0
+        self.w = wire.WireReader(path, threads=1)
+        self.codec = self.w.codec
+        self.fd = os.open(path, os.O_RDONLY) if self.codec is None else None
+        self.specs = {n: self.w.r.specs[n] if self.codec is None else ("F32", tuple(self.w.shapes[n]))
+                      for n in self.w.names}
+        self.name = self.parts = self.whole = None
+        self.sq = 0.0                                      # delta_sq_norm's running ||delta||^2
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    @property
+    def blocks(self):
+        return self.codec is not None and self.codec.fmt in wire.LEVELS
+
+    def load(self, name, shape):
+        """Make tensor `name` the current one (its parts in memory, checked as wire.py checks them)."""
+        self.name, self.parts, self.whole = name, None, None
+        if self.codec is None:
+            return
+        where = f"{self.path}: tensor {name!r}"
+        if not self.blocks:
+            self.whole = self.w.read(name).reshape(-1)
+        else:
+            codes = self.w.r.read(name)
+            sbits = self.w.r.read(name + wire.SCALE)
+            if not wire.scales_ok(sbits):
+                raise wire.WireError(f"{where}: a scale is negative, NaN or Inf")
+            n = math.prod(shape)
+            if self.codec.fmt == "int4" and not wire.padding_is_zero(codes, 4, n):
+                raise wire.WireError(f"{where}: the padding nibble after the last value is not 0")
+            R, C, nb = wire._as_blocks(shape, self.codec.block)
+            self.parts = (codes.reshape(-1) if self.codec.fmt == "int4" else codes.reshape(R, C),
+                          tensorio.bf16_to_f32(sbits).reshape(R, nb), C)
+        self.nread += self.w.nbytes(name)
+
+    def read(self, lo, hi, out):
+        """Elements [lo, hi) of the current tensor -> (array, dtype) for fedmom_merge.scaled_sum;
+        lo and hi on this file's block boundaries (piece_unit)."""
+        if self.whole is not None:
+            return self.whole[lo:hi], "F32"
+        if self.parts is None:                             # a plain file: its own dtype, widened later
+            dtype = self.specs[self.name][0]
+            item = tensorio.DTYPES[dtype]
+            buf = out.view(np.uint8)[:(hi - lo) * item.itemsize].view(item)
+            start, view, done = self.w.r.span(self.name)[0] + lo * item.itemsize, memoryview(buf).cast("B"), 0
+            while done < len(view):
+                got = os.preadv(self.fd, [view[done:]], start + done)
+                if got == 0:
+                    raise tensorio.FormatError(f"{self.path}: tensor {self.name!r} ends early: the file "
+                                               "shrank while merging")
+                done += got
+            self.nread += done                             # (threads: an approximate count)
+            return buf, dtype
+        codes, scale, C = self.parts
+        a, b = lo // C, hi // C
+        bad, block, fmt = [], self.codec.block, self.codec.fmt
+        src = codes[lo // 2:] if fmt == "int4" else codes[a:b]
+        wire._decode_span(src, scale[a:b], 0, b - a, C, block, fmt, out[:hi - lo].reshape(b - a, C), bad)
+        if bad:
+            raise wire.WireError(f"{self.path}: tensor {self.name!r}: {bad[0]}")
+        return out[:hi - lo], "F32"
+
+    def close(self):
+        self.w.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+STEP = 1 << 16     # elements per fused step: its dozen float32 buffers stay in a core's L2 cache
+
+
+def piece_unit(shape, codecs):
+    """Elements per indivisible piece of a tensor: a piece starts and ends on a block boundary
+    of every block codec in `codecs` (wire._as_blocks: a block of the flattened tensor when
+    the last dimension is a multiple of it, else a whole row) and, for int4, on a byte."""
+    cols = shape[-1] if shape else 1
+    unit = 1
+    for c in codecs:
+        if c is None or c.fmt not in wire.LEVELS:
+            continue
+        k = c.block if cols and cols % c.block == 0 else max(cols, 1)
+        if c.fmt == "int4" and k % 2:
+            k *= 2
+        unit = math.lcm(unit, k)
+    return unit
 
 
 class NonFinite(ArithmeticError):
@@ -253,7 +357,6 @@ def merge_tensor(inputs, name, theta, buf, weights, lr, mu, sums, work, threads=
     if threads <= 1 or len(chunks) <= 1:
         results = _merge_chunks(inputs, name, theta, buf, weights, lr, mu, chunks, work, None, stop=True)
     else:
-        import wire
         results = [None] * len(chunks)
 
         def run(a, b):
@@ -372,7 +475,6 @@ def merge_files(theta_path, momentum_path, deltas, out_theta, out_momentum, lr, 
     fault point). threads: the chunks of a tensor on threads (None: wire.default_threads(),
     $WIRE_THREADS or every core; the same bits and norms for any number).
     Returns {"theta_norm", "delta_norms", "bytes_read", "bytes_written", "published"}."""
-    import wire
     threads = wire.resolve_threads(threads)
     writers, inputs = [], None
     try:
@@ -440,7 +542,6 @@ class Publisher:
 
     def __init__(self, prev_path, residual_path, codec, out_theta, out_update, out_residual,
                  metadata=None, fsync=True):
-        import wire
         self.wire, self.writers, self.readers, self.result = wire, [], [], None
         try:
             self.prev = tensorio.TensorReader(prev_path)
@@ -527,66 +628,76 @@ class DeltaRejected(Exception):
 def check_delta_file(path, specs, threads=None):
     """Header checks, then a tensor-by-tensor finiteness scan; raises DeltaRejected.
     specs: {name: shape} of theta_global. Returns the delta's L2 norm (float64).
-    Nothing is read twice into memory. A compressed delta (wire.py) is checked as the values
-    it decodes to: check_wire_delta."""
+    A compressed delta (wire.py) is checked as the values it decodes to: its layout, names
+    and shapes before any decoding (a forged wire_shapes could ask for any amount of
+    memory), then each tensor decoded piece by piece in memory, scanned and dropped;
+    nothing is written, so the spool keeps the compressed file (an int4 delta costs its
+    ~0.52 B/param on disk, not 4). The scan is delta_sq_norm's."""
+    where = lambda e: str(e).replace(path, "the delta")
     try:
         r = tensorio.TensorReader(path)
     except tensorio.FormatError as e:
-        raise DeltaRejected(400, f"not a tensor file: {str(e).replace(path, 'the delta')}")
-    if "wire" in r.metadata:
-        r.close()
-        return check_wire_delta(path, specs, threads)
+        raise DeltaRejected(400, f"not a tensor file: {where(e)}")
     with r:
-        missing, extra = sorted(set(specs) - set(r.names)), sorted(set(r.names) - set(specs))
-        if missing or extra:
-            raise DeltaRejected(400, f"delta names differ from theta_global: missing {missing[:5]}, "
-                                     f"unexpected {extra[:5]}")
-        for name in r.names:
-            dtype, shape = r.specs[name]
-            if dtype not in DELTA_DTYPES:
-                raise DeltaRejected(400, f"tensor {name!r} is {dtype}; deltas must be F16, BF16 or F32")
-            if shape != specs[name]:
-                raise DeltaRejected(400, f"tensor {name!r} has shape {list(shape)}, "
-                                         f"theta_global has {list(specs[name])}")
-        total = 0.0
-        for name in r.names:
-            sq = _finite_sq_norm(r.read(name).reshape(-1), r.specs[name][0])
-            if sq is None:
-                raise DeltaRejected(422, f"tensor {name!r} holds NaN or Inf")
-            total += sq
-        return math.sqrt(total)
-
-
-def check_wire_delta(path, specs, threads=None):
-    """check_delta_file for a compressed delta: its layout, names and shapes (before any
-    decoding: a forged wire_shapes could ask for any amount of memory), then each tensor
-    decoded in memory, scanned and dropped; nothing is written, so the spool keeps the
-    compressed file (an int4 delta costs its ~0.52 B/param on disk, not 4). -> the L2 norm
-    of the decoded values, those the merge adds (DecodedDelta)."""
-    import wire
-    where = lambda e: str(e).replace(path, "the delta")
-    try:
-        with wire.WireReader(path, threads) as r:
-            wire.check_shapes(r, specs)
-            total = 0.0
+        is_wire = "wire" in r.metadata
+        if not is_wire:
+            missing, extra = sorted(set(specs) - set(r.names)), sorted(set(r.names) - set(specs))
+            if missing or extra:
+                raise DeltaRejected(400, f"delta names differ from theta_global: missing {missing[:5]}, "
+                                         f"unexpected {extra[:5]}")
             for name in r.names:
-                sq = _finite_sq_norm(r.read(name).reshape(-1), "F32")
-                if sq is None:
+                dtype, shape = r.specs[name]
+                if dtype not in DELTA_DTYPES:
+                    raise DeltaRejected(400, f"tensor {name!r} is {dtype}; deltas must be F16, BF16 or F32")
+                if shape != specs[name]:
+                    raise DeltaRejected(400, f"tensor {name!r} has shape {list(shape)}, "
+                                             f"theta_global has {list(specs[name])}")
+    try:
+        with DeltaReader(path) as d:
+            if is_wire:
+                wire.check_shapes(d.w, specs)
+            for name in d.w.names:
+                if delta_sq_norm(d, name, threads) is None:
                     raise DeltaRejected(422, f"tensor {name!r} holds NaN or Inf")
-                total += sq
+            return math.sqrt(d.sq)
     except wire.WireError as e:
         raise DeltaRejected(400, f"bad compressed delta: {where(e)}")
-    return math.sqrt(total)
 
 
-def delta_norm(path):
-    """The L2 norm of a delta file already checked (a spooled delta restored at start)."""
-    import wire
-    if wire.is_wire(path):
-        with wire.WireReader(path) as r:
-            return math.sqrt(sum(_finite_sq_norm(r.read(n).reshape(-1), "F32") or 0.0 for n in r.names))
-    with tensorio.TensorReader(path) as r:
-        return math.sqrt(sum(_finite_sq_norm(r.read(n).reshape(-1), r.specs[n][0]) or 0.0 for n in r.names))
+def delta_sq_norm(d, name, threads=None):
+    """||tensor name||^2 of an open DeltaReader (float32 dots of its pieces, summed in float64
+    in piece order: the same for any number of threads), also added to d.sq; None if a value
+    is NaN or Inf (an int8/int4 block decodes to Inf when its scale times its code overflows).
+    Each piece is decoded into a buffer that stays in cache: nothing the size of a tensor is
+    made (a fresh array costs a page fault per 4 KiB, more than the decode itself)."""
+    shape = tuple(d.w.shapes[name])
+    d.load(name, shape)
+    n = math.prod(shape)
+    unit = piece_unit(shape, [d.codec] if d.blocks else [])
+    step = max(unit, STEP // unit * unit)
+    pieces = [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+    results = [None] * len(pieces)
+
+    def run(a, b):
+        buf = np.empty(step, np.float32)
+        for i in range(a, b):
+            x, dtype = d.read(*pieces[i], buf)
+            results[i] = _finite_sq_norm(x, dtype)
+    wire.run_spans(run, len(pieces), 1, step, wire.resolve_threads(threads))
+    if any(r is None for r in results):
+        return None
+    total = sum(results)
+    d.sq += total
+    return total
+
+
+def delta_norm(path, threads=None):
+    """The L2 norm of a delta file already checked (a spooled delta restored at start):
+    check_delta_file's number for the same file."""
+    with DeltaReader(path) as d:
+        for name in d.w.names:
+            delta_sq_norm(d, name, threads)
+        return math.sqrt(d.sq)
 
 
 def _finite_sq_norm(a, dtype):

@@ -127,6 +127,7 @@ RECORDS_KEPT = 200            # round records kept in memory (the file keeps all
 CLIP_HISTORY_ROUNDS = 4       # the clip's median also counts the deltas merged in these last rounds
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 KEEP_ROUNDS = 3               # --keep-rounds default: blobs of the current round and the 2 before it
+BUSY_RETRY_S = 5              # Retry-After of a 503 busy: a copy of theta waits for a merge or checkpoint
 CHECKPOINT_ROUNDS = 4         # --checkpoint-rounds default: theta, momentum, residual written every 4 rounds
 MERGE_PAUSE_ENV = "PWW_FEDMOM_MERGE_PAUSE_S"   # tests: sleep after each merged tensor
 KEEP_DELTAS_ENV = "PWW_TEST_KEEP_DELTAS_DIR"   # bench/chaos.py: a hard link of every accepted delta,
@@ -474,6 +475,7 @@ class FedMomState:
         self.events = collections.deque(maxlen=EVENTS_KEPT)
         self.excluded, self.dropped = [], []
         self.first_delta_at, self.merging, self.retry_merge_at = None, False, 0.0
+        self.checkpointing = False     # a checkpoint holds mem_lock (writing the arrays out)
         self.pending_commits, self.pending_aborts, self.last_record = [], [], None
         self.violations = {k: 0 for k in VIOLATIONS}
         self.inherited = set()        # confirmed delta ids restored from the spool, not yet reconciled
@@ -1202,33 +1204,50 @@ class FedMomState:
             log(f"fedmom: replayed rounds {self.log[0].round}-{self.log[-1].round} from the checkpoint of round "
                 f"{c['round']} in {time.monotonic() - t0:.1f} s; theta digest {outer.digest[:12]}... as recorded")
 
-    def _written(self, which, rnd):
-        """The file name of `which` ("theta", "momentum") of round `rnd`, written from memory if
-        it is not on disk (not durable, not needed for a restart: a copy to read). Caller holds
-        mem_lock, and self.outer is at round `rnd`."""
-        fn = f"{which}-{rnd}.safetensors"
-        if self.outer is None or self.outer.dirty or self.outer.round != rnd:
-            raise Refused(503, f"the outer state of round {rnd} is not in memory ({self.replay_error or 'being rebuilt'})"
-                               "; see GET /status", code="unavailable", round=rnd)
-        if which == "momentum" and self.outer.momentum is None:
-            return None
-        if not os.path.exists(os.path.join(self.dir, fn)):
-            self.outer.write(which, os.path.join(self.dir, fn), fsync=False)
-        return fn
+    def _copy(self, which):
+        """(file name or None, round) of `which` ("theta", "momentum") of the current round as a
+        file of the state dir: one already on disk (the checkpoint's, or a copy), else written
+        from memory (not durable, not needed for a restart: a copy to read; None when no
+        momentum is kept). Never waits for the arrays: a merge or a checkpoint holds mem_lock for
+        seconds to minutes, and a download waiting there would hold an HTTP worker all that time
+        (enough of them and heartbeats and /status wait too): while one runs (self.merging,
+        self.checkpointing), 503 busy, and the client retries; the bookkeeping around them and
+        another copy being written are waited for. The copy is written holding mem_lock (the
+        arrays and the round cannot change) but not the state lock."""
+        with self.lock:
+            rnd, fn = self.round, f"{which}-{self.round}.safetensors"
+            if os.path.exists(os.path.join(self.dir, fn)):
+                return fn, rnd
+        while not self.mem_lock.acquire(timeout=0.05):   # held by a merge, a checkpoint, or their bookkeeping
+            with self.lock:
+                if self.merging or self.checkpointing:
+                    raise Refused(503, f"the {which} of round {rnd} is not on disk and the outer state is busy "
+                                       f"({'a merge' if self.merging else 'a checkpoint'}); retry in a few seconds",
+                                  code="busy", round=rnd, retry_after_s=BUSY_RETRY_S)
+        try:
+            with self.lock:
+                rnd, fn = self.round, f"{which}-{self.round}.safetensors"
+                if self.outer is None or self.outer.dirty or self.outer.round != rnd:
+                    raise Refused(503, f"the outer state of round {rnd} is not in memory "
+                                       f"({self.replay_error or 'being rebuilt'}); see GET /status",
+                                  code="unavailable", round=rnd)
+                if which == "momentum" and self.outer.momentum is None:
+                    return None, rnd
+            if not os.path.exists(os.path.join(self.dir, fn)):
+                self.outer.write(which, os.path.join(self.dir, fn), fsync=False)
+            return fn, rnd
+        finally:
+            self.mem_lock.release()
 
     @property
     def theta_file(self):
-        """theta_global of the current round as a file of the state dir (written on demand)."""
-        with self.mem_lock:
-            with self.lock:
-                return self._written("theta", self.round)
+        """theta_global of the current round as a file of the state dir (written on demand; _copy)."""
+        return self._copy("theta")[0]
 
     @property
     def momentum_file(self):
         """The momentum buffer of the current round as a file (on demand; None when none is kept)."""
-        with self.mem_lock:
-            with self.lock:
-                return self._written("momentum", self.round)
+        return self._copy("momentum")[0]
 
     def _checkpoint_due(self):
         return (self.outer is not None and not self.outer.dirty and self.outer.round == self.round
@@ -1244,10 +1263,14 @@ class FedMomState:
             with self.lock:
                 if not (force or self._checkpoint_due()) or self.outer.dirty:
                     return None
-                rnd = self.round
+                rnd, self.checkpointing = self.round, True
             t0 = time.monotonic()
-            files = fedmom_checkpoint.write_checkpoint(self.outer, self.dir, self.cfg.fsync,
-                                                       after_file=lambda: httpd.fault_point("fedmom.checkpoint"))
+            try:
+                files = fedmom_checkpoint.write_checkpoint(self.outer, self.dir, self.cfg.fsync,
+                                                           after_file=lambda: httpd.fault_point("fedmom.checkpoint"))
+            finally:
+                with self.lock:
+                    self.checkpointing = False
             with self.lock:
                 old, old_log = self.ckpt, self.log
                 self.ckpt, self.log = {"round": rnd, **files}, [s for s in self.log if s.round > rnd]
@@ -1575,11 +1598,14 @@ class FedMomState:
 
     def open_theta(self):
         """(open file, round) of the current theta_global, written from memory first if no copy
-        of this round is on disk (waits for a merge in progress); the open file stays readable
-        after the next round removes it."""
-        with self.mem_lock:
-            with self.lock:
-                return open(os.path.join(self.dir, self._written("theta", self.round)), "rb"), self.round
+        of this round is on disk (503 busy while a merge or checkpoint holds the arrays: _copy);
+        the open file stays readable after the next round removes it."""
+        while True:
+            fn, rnd = self._copy("theta")
+            try:
+                return open(os.path.join(self.dir, fn), "rb"), rnd
+            except FileNotFoundError:        # removed by a round that ended just now: its successor's
+                continue
 
     def open_update(self, base_round, base_digest):
         """(open file, round, digest) of the update from round `base_round` to the current

@@ -128,24 +128,98 @@ def _read_all(path, shapes):
     return out
 
 
-class _ArrayInputs(fedmom_merge.Inputs):
-    """fedmom_merge.Inputs with theta and momentum in memory: merge_tensor's reads of
-    inputs 0 and 1 come from `arrays` (the tensor being merged), copied only when the
-    merge's output is another buffer (the old theta kept for the update)."""
+class _Tensor:
+    """What every piece of one tensor's round shares: the arrays, the deltas, the outputs."""
 
-    def __init__(self, delta_paths, fresh):
-        super().__init__(None, None, delta_paths)
-        self.first, self.arrays = fresh, None
+    def __init__(self, name, shape, state, step, deltas, fresh, mu):
+        self.name, self.shape, self.n = name, shape, math.prod(shape)
+        self.T = state.theta[name]
+        self.M = state.momentum[name] if state.momentum is not None else None
+        self.owed = state.residual[name] if state.residual is not None else None
+        self.deltas, self.weights = deltas, [w for _, w in step.deltas]
+        self.lr, self.mu, self.first, self.codec = step.lr, mu, fresh, step.codec
+        self.blocks = self.codec is not None and self.codec.fmt in wire.LEVELS
+        self.codes = self.sbits = self.x = None
+        if self.blocks:                                    # the update's parts, filled piece by piece
+            R, C, nb = wire._as_blocks(shape, self.codec.block)
+            self.codes = (np.empty(wire.packed_bytes(self.n, 4), np.uint8) if self.codec.fmt == "int4"
+                          else np.empty((R, C), np.int8))
+            self.sbits, self.C = np.empty((R, nb), np.uint16), C
+        elif self.codec is not None:                       # another format: encoded whole, after the merge
+            self.x = np.empty(self.n, np.float32)
+        self.residual = None
+        if self.codec is not None:
+            self.residual = self.owed if self.owed is not None else np.empty(self.n, np.float32)
 
-    def read(self, k, name, lo, hi, out=None, scratch=None):
-        if k >= 2:
-            return super().read(k, name, lo, hi, out=out, scratch=scratch)
-        src = self.arrays[k][lo:hi]
-        if out is None:
-            return src, "F32"
-        if out.__array_interface__["data"][0] != src.__array_interface__["data"][0]:
-            np.copyto(out, src)
-        return out, "F32"
+    def run(self, pieces):
+        """Merge (and publish) pieces [(lo, hi)] in order, with this thread's own buffers.
+        -> [(||old theta||^2, [||delta_i||^2], ||residual||^2, None or "theta"/"momentum")]."""
+        k = len(self.deltas)
+        size = max(hi - lo for lo, hi in pieces)
+        s, tmp, mg, sent = (np.empty(size, np.float32) for _ in range(4))
+        dbuf = [np.empty(size, np.float32) for _ in range(k)]
+        out = []
+        for lo, hi in pieces:
+            out.append(self._piece(lo, hi, s[:hi - lo], tmp[:hi - lo], mg[:hi - lo], sent[:hi - lo], dbuf))
+            if out[-1][3]:
+                break
+        return out
+
+    def _piece(self, lo, hi, s, tmp, mg, sent, dbuf):
+        T, M = self.T[lo:hi], (self.M[lo:hi] if self.M is not None else None)
+        tsq, dsq, rsq = fedmom_merge.sq_norm(T), [0.0] * len(self.deltas), 0.0
+        ds = [d.read(lo, hi, b) for d, b in zip(self.deltas, dbuf)]
+        with np.errstate(over="ignore", invalid="ignore"):          # overflow is checked just below
+            fedmom_merge.scaled_sum(ds, self.weights, s, tmp, dsq)
+            merged = T if self.codec is None else mg
+            fedmom_merge.nesterov_chunk(T, M, s, tmp, self.lr, self.mu, self.first, out=merged)
+            if self.codec is None and not np.isfinite(T).all():
+                return tsq, dsq, rsq, "theta"
+            if M is not None and not np.isfinite(M).all():
+                return tsq, dsq, rsq, "momentum"
+            if self.codec is None:
+                return tsq, dsq, rsq, None
+            # Publisher.write, piece by piece. A non-finite merged value needs no check of its
+            # own here: x is then Inf or NaN, so is its block's scale, and theta's check below fails
+            x = mg
+            np.subtract(x, T, out=x)                                 # x = (merged - prev) + residual
+            if self.owed is not None:
+                x += self.owed[lo:hi]
+            if not self.blocks:                                      # encoded whole after the merge
+                if not np.isfinite(x).all():
+                    return tsq, dsq, rsq, "theta"
+                np.copyto(self.x[lo:hi], x)
+                return tsq, dsq, rsq, None
+            a, b = lo // self.C, hi // self.C
+            codes = self.codes[lo // 2:] if self.codec.fmt == "int4" else self.codes[a:b]
+            wire._encode_span(x.reshape(b - a, self.C), 0, b - a, self.codec.block, self.codec.fmt, codes,
+                              self.sbits[a:b], sent.reshape(b - a, self.C))
+            np.add(T, sent, out=T)                                   # theta = prev + sent (wire.add_update)
+            if not np.isfinite(T).all():
+                return tsq, dsq, rsq, "theta"
+            res = self.residual[lo:hi]
+            np.subtract(x, sent, out=res)                            # residual = x - sent
+            rsq = fedmom_merge.sq_norm(res)
+        return tsq, dsq, rsq, None
+
+    def publish_whole(self, threads):
+        """A format encoded whole (bf16, topk): the rest of Publisher.write on self.x -> (parts, ||residual||^2)."""
+        x = self.x.reshape(self.shape)
+        parts, sent = self.codec.encode(x, threads)
+        sent = np.asarray(sent, np.float32).reshape(-1)
+        wire.add_into(self.T, sent, threads)
+        if not np.isfinite(self.T).all():
+            raise fedmom_merge.NonFinite("theta", self.name, "deltas")
+        flat = self.x
+        flat -= sent
+        np.copyto(self.residual, flat)
+        return parts, fedmom_merge.sq_norm(flat)
+
+    def update_parts(self):
+        """The int8/int4 update of this tensor, as Codec.encode returns its parts."""
+        rows, cols = wire.rows_cols(self.shape)
+        codes = self.codes if self.codec.fmt == "int4" else self.codes.reshape(self.shape)
+        return {"": codes, wire.SCALE: self.sbits.reshape(rows, -(-cols // self.codec.block))}
 
 
 def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads=None, after_tensor=None):
@@ -155,15 +229,27 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
     (its cause is only a guess here: the old values are gone; see momentum_alone_overflows),
     or ReplayMismatch when step.digest is set and the result differs; either way state.dirty.
     -> {"theta_norm" (of the old theta), "delta_norms", "bytes_read", "bytes_written",
-        "published": {"base_digest", "digest", "update_bytes", "residual_norm"} or None}."""
+        "published": {"base_digest", "digest", "update_bytes", "residual_norm"} or None}.
+
+    Each tensor is cut into pieces on the block boundaries of every codec involved (_unit),
+    and each piece goes through the whole round while it is in cache: the deltas' blocks
+    decoded, the weighted sum, the Nesterov step, and with a block --down-wire the update's
+    blocks encoded, theta advanced by what they decode to and the residual kept; the pieces
+    run on wire.py's thread pool, their norms added in piece order. Every value is computed
+    by the same float32 operations as fedmom_merge.merge_files + Publisher, so the bits are
+    theirs whatever the pieces or threads (tests/test_replay.py); the norms (float64 sums,
+    reported only) may differ from theirs in the last digits. The theta digest (one sha256,
+    serial) and the update file's writes run behind, on a thread of their own, while the
+    next tensor merges."""
     threads = wire.resolve_threads(threads)
     codec, mu, shapes = step.codec, step.mu, state.shapes
     fresh = step.fresh or state.momentum is None or mu == 0
     state.dirty = True
-    inputs, uw = None, None
+    deltas, uw, behind = [], None, None
     try:
-        inputs = _ArrayInputs([p for p, _ in step.deltas], fresh)
-        _check_deltas(inputs, shapes)
+        for p, _ in step.deltas:
+            deltas.append(fedmom_merge.DeltaReader(p))
+        _check_deltas(deltas, shapes)
         if mu > 0 and state.momentum is None:
             state.momentum = {n: np.empty(math.prod(sh), np.float32) for n, sh in shapes.items()}
         if mu == 0:
@@ -172,39 +258,48 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
             meta = {k: str(v) for k, v in (metadata or {}).items()}
             uw = wire.WireWriter(out_update, list(shapes.items()), codec, meta, fsync=fsync, threads=threads)
         owed, new_residual = state.residual, ({} if codec is not None else None)
-        largest = max((math.prod(sh) for sh in shapes.values()), default=1)
-        merged_buf = np.empty(largest, np.float32) if codec is not None else None
-        work = [np.empty(min(fedmom_merge.CHUNK, largest), np.float32) for _ in range(2)]
-        weights = [w for _, w in step.deltas]
-        sums = {"theta": 0.0, "delta": [0.0] * len(weights)}
+        sums = {"theta": 0.0, "delta": [0.0] * len(deltas)}
         base_digest, digest, rsq = state.digest, wire.Digest(), 0.0
+        behind, pending = wire.Behind(), []
         for n, sh in shapes.items():
-            T = state.theta[n]
-            M = state.momentum[n] if state.momentum is not None else None
-            merged = merged_buf[:T.size] if codec is not None else T
-            inputs.arrays = (T, M)
-            inputs.prefetch(n)
-            fedmom_merge.merge_tensor(inputs, n, merged, M, weights, step.lr, mu, sums, work, threads)
+            for d in deltas:
+                d.load(n, sh)
+            t = _Tensor(n, sh, state, step, deltas, fresh, mu)
+            unit = fedmom_merge.piece_unit(sh, [d.codec for d in deltas if d.blocks] + [codec if t.blocks else None])
+            step_n = max(unit, fedmom_merge.STEP // unit * unit)
+            pieces = [(lo, min(lo + step_n, t.n)) for lo in range(0, t.n, step_n)]
+            results = [None] * len(pieces)
+
+            def run(a, b, t=t, pieces=pieces, results=results):
+                done = t.run(pieces[a:b])                  # shorter after a bad piece: the rest stay None
+                results[a:a + len(done)] = done
+            wire.run_spans(run, len(pieces), 1, step_n, threads)
+            for r in results:
+                if r is None:                              # after a bad piece of its span: never reached
+                    continue
+                tsq, dsq, r_sq, bad = r
+                sums["theta"] += tsq
+                for i, v in enumerate(dsq):
+                    sums["delta"][i] += v
+                rsq += r_sq
+                if bad:
+                    raise fedmom_merge.NonFinite(bad, n, "deltas")
+            parts = None
+            if t.x is not None:
+                parts, r_sq = t.publish_whole(threads)
+                rsq += r_sq
+            elif t.blocks:
+                parts = t.update_parts()
             if codec is not None:
-                x = merged                                   # Publisher.write, in place:
-                np.subtract(x, T, out=x)                     # x = (merged - prev) + residual
-                if owed is not None:
-                    x += owed[n]
-                if uw is not None:
-                    sent = uw.write(n, x.reshape(sh))
-                else:
-                    sent = codec.encode(x.reshape(sh), threads)[1]
-                wire.add_into(T, np.asarray(sent, np.float32).reshape(-1), threads)   # theta = prev + sent
-                if not np.isfinite(T).all():
-                    raise fedmom_merge.NonFinite("theta", n, "deltas")
-                x -= sent.reshape(-1)
-                rsq += fedmom_merge.sq_norm(x)
-                r = owed[n] if owed is not None else np.empty(T.size, np.float32)
-                np.copyto(r, x)
-                new_residual[n] = r
-            digest.add(n, T.reshape(sh))
+                new_residual[n] = t.residual
+            pending.append(behind.submit(digest.add, n, t.T.reshape(sh)))
+            if uw is not None:
+                pending.append(behind.submit(uw.write_parts, n, parts))
+            pending = [f for f in pending if not f.done() or f.result()]   # re-raise a failure behind
             if after_tensor is not None:
                 after_tensor(n)
+        for f in pending:
+            f.result()
         if uw is not None:
             uw.close()
             uw = None
@@ -218,23 +313,25 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
             published = {"base_digest": base_digest, "digest": state.digest, "residual_norm": math.sqrt(rsq),
                          "update_bytes": os.path.getsize(out_update) if out_update else None}
         return {"theta_norm": math.sqrt(sums["theta"]), "delta_norms": [math.sqrt(s) for s in sums["delta"]],
-                "bytes_read": inputs.nread, "bytes_written": published and published["update_bytes"] or 0,
-                "published": published}
+                "bytes_read": sum(d.nread for d in deltas),
+                "bytes_written": published and published["update_bytes"] or 0, "published": published}
     finally:
+        if behind is not None:
+            behind.close()                                 # nothing writes after we return or raise
         if uw is not None:
             uw.abort()
-        if inputs is not None:
-            inputs.close()
+        for d in deltas:
+            d.close()
 
 
-def _check_deltas(inputs, shapes):
+def _check_deltas(deltas, shapes):
     """Each delta holds every tensor of theta with its element count (fedmom_merge's check;
     the aggregator checked more at acceptance)."""
-    for r in inputs.deltas:
+    for d in deltas:
         for n, sh in shapes.items():
-            dtype, shape = r.specs.get(n, (None, None))
+            dtype, shape = d.specs.get(n, (None, None))
             if dtype not in fedmom_merge.DELTA_DTYPES or math.prod(shape) != math.prod(sh):
-                raise ValueError(f"{r.path}: tensor {n!r} is {dtype} {shape}; the merge needs "
+                raise ValueError(f"{d.path}: tensor {n!r} is {dtype} {shape}; the merge needs "
                                  f"{' or '.join(fedmom_merge.DELTA_DTYPES)} with shape {sh}")
 
 

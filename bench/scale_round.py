@@ -45,7 +45,8 @@ while both wait. Each phase, per round (progress is printed as each round ends):
               GB = 4 B/param
 Beside each: GB/s, and its seconds over the time the fsync'd F32 write, the read and the
 memcpy of the same bytes take here (x write, x read, x memcpy: measured at the start and at
-the end, averaged; the machine is noisy, the ratios are what matter), and the central
+the end, averaged; the machine is noisy, the ratios are what matter; the one-core sha256 of
+the model, the theta digest's serial floor, is measured beside them), and the central
 processes' CPU seconds over the phase's wall time. Per round also: the aggregator's state dir
 and the blob store's dir after the round, the state dir's peak during it (sampled every 50 ms),
 the central processes' CPU seconds and peak RSS (VmHWM of fedmom_server, darl_server,
@@ -168,7 +169,20 @@ def baselines(src, shapes, scratch):
     largest = max(math.prod(s) for _, s in shapes)
     buf, buf2 = np.ones(largest, np.float32), np.zeros(largest, np.float32)   # touched: no page faults timed
     write_s = write_f32(src, shapes, buf, scratch)
-    return {"write": write_s, "read": read_f32(src, shapes, buf), "memcpy": memcpy(shapes, buf, buf2)}
+    return {"write": write_s, "read": read_f32(src, shapes, buf), "memcpy": memcpy(shapes, buf, buf2),
+            "sha256": sha256_f32(src, shapes, buf)}
+
+
+def sha256_f32(src, shapes, buf):
+    """Seconds of the theta digest (wire.Digest: one sha256 over the model's F32 bytes, on one
+    core whatever the cores), the reads not timed: the serial floor of a round's publish."""
+    d, clock = wire.Digest(), Clock()
+    with tensorio.TensorReader(src) as r:
+        for n, s in shapes:
+            a = r.read(n, out=buf).reshape(s)
+            with clock:
+                d.add(n, a)
+    return clock.s
 
 
 # ---------------------------------------------------------------- processes: CPU, RSS
@@ -629,7 +643,7 @@ def run(cfg):
 
 def limits_line(b, M):
     return "  ".join(f"{k} {b[k]:.2f} s ({M / 1e9 / b[k]:.2f} GB/s)"
-                     for k in ("write", "read", "memcpy")).replace("write", "write+fsync", 1)
+                     for k in ("write", "read", "memcpy", "sha256")).replace("write", "write+fsync", 1)
 
 
 def cleanup(root, keep, ok):
@@ -830,11 +844,12 @@ def central_per_round(row):
 def summary(out, base, shapes):
     """The closing table and judgement -> True when every check passed."""
     rounds, M, P = out["rounds"], out["model_bytes"], out["parameters"]
-    lim = {k: statistics.mean(b[k] for b in base) for k in ("write", "read", "memcpy")}   # s for M bytes
+    lim = {k: statistics.mean(b[k] for b in base) for k in ("write", "read", "memcpy", "sha256")}   # s for M bytes
     rows = phase_rows(rounds)
     say("")
     say(f"summary: {len(rounds)} rounds, {P:,} parameters, M = {M / 1e9:.3f} GB; I/O limits of M (mean of start "
-        f"and end): write+fsync {lim['write']:.2f} s, read {lim['read']:.2f} s, memcpy {lim['memcpy']:.2f} s")
+        f"and end): write+fsync {lim['write']:.2f} s, read {lim['read']:.2f} s, memcpy {lim['memcpy']:.2f} s, "
+        f"sha256 (the theta digest, one core) {lim['sha256']:.2f} s")
     say(f"{'phase':<18} {'where':<9} {'median s':>9} {'GB':>7} {'GB/s':>7} {'x write':>8} {'x read':>7} "
         f"{'x memcpy':>8} {'central CPU/wall':>17}")
     table = {}
@@ -850,7 +865,7 @@ def summary(out, base, shapes):
 
         def cell(x, width, fmt):
             return f"{x:{width}{fmt}}" if x is not None else f"{'-':>{width}}"
-        same = {key: s / (lim[key] * nb / M) if nb and s else None for key in lim}
+        same = {key: s / (lim[key] * nb / M) if nb and s else None for key in ("write", "read", "memcpy")}
         say(f"{k:<18} {WHERE.get(k.split(':')[0], 'central'):<9} {s:9.3f} {cell(nb / 1e9 if nb else None, 7, '.3f')} "
             f"{cell(nb / 1e9 / s if nb and s else None, 7, '.2f')} {cell(same['write'], 8, '.2f')} "
             f"{cell(same['read'], 7, '.2f')} {cell(same['memcpy'], 8, '.2f')} "
@@ -887,14 +902,17 @@ def project(table, lim, P, central, site):
     work spread over a 16-core VM and what was not on a CPU (disk, network: bytes) at the
     speed measured, but never less than k x the bytes it writes at the fsync'd write rate
     measured here (CPU seconds include the kernel's copies of those writes, which 16 cores
-    do not divide); the sites' phases and the transfers: k x their time here."""
+    do not divide), and the merge never less than k x the theta digest's one-core sha256
+    measured here (it runs behind the merge but is one stream); the sites' phases and the
+    transfers: k x their time here."""
     targets = {"8B": sum(math.prod(s) for _, s in qwen3_shapes("8B")), "32B": qwen3_params(QWEN3_32B)}
     ks = {n: p / P for n, p in targets.items()}
     write_bps = 4 * P / lim["write"]
     say("")
     say(f"projection, linear in parameters: 8B = {targets['8B'] / 1e9:.2f}G params (k = {ks['8B']:.1f}), 32B = "
         f"{targets['32B'] / 1e9:.2f}G (k = {ks['32B']:.1f}). A central phase = k x max(CPU s / {VM_CORES} cores + "
-        f"(wall - CPU) s, the bytes it writes / the fsync'd write's {write_bps / 1e9:.2f} GB/s); a site phase or a "
+        f"(wall - CPU) s, the bytes it writes / the fsync'd write's {write_bps / 1e9:.2f} GB/s; the merge: also "
+        f"k x the one-core sha256 of M, {lim['sha256']:.2f} s); a site phase or a "
         "transfer = k x its time here (a site's node and the WAN are not this machine)")
     say(f"{'phase':<10} {'here s':>8} {'CPU s':>7} {'writes GB':>9} {'bound by':<10} "
         + " ".join(f"{n + ' s':>9}" for n in ks))
@@ -907,6 +925,8 @@ def project(table, lim, P, central, site):
         if WHERE[k] == "central":
             per_core, rest, floor = cpu / VM_CORES, max(0.0, s - cpu), (written or 0) / write_bps
             bound = "write" if floor > per_core + rest else "CPU" if per_core >= rest else "bytes"
+            if k == "merge" and lim["sha256"] > max(per_core + rest, floor):
+                floor, bound = lim["sha256"], "sha256"     # the theta digest: serial, whatever the cores
             proj = {n: kk * max(per_core + rest, floor) for n, kk in ks.items()}
             for n in ks:
                 per_round[n] += proj[n] * (len(SITES) if k == "accept" else 1)

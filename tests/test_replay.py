@@ -122,9 +122,11 @@ class CoreTest(Case):
                             self.assertEqual(got["published"]["digest"], st["published"]["digest"])
                             self.assertEqual(got["published"]["base_digest"], st["published"]["base_digest"])
                         self.assertEqual(state.digest, wire.theta_digest(t))
-                        self.assertAlmostEqual(got["theta_norm"], st["theta_norm"], delta=1e-9 * st["theta_norm"])
+                        # the norms are reported, never merged: float32 dots per piece, summed in
+                        # float64, so another cut of the tensor moves their last digits
+                        self.assertAlmostEqual(got["theta_norm"], st["theta_norm"], delta=1e-5 * st["theta_norm"])
                         for a, b in zip(got["delta_norms"], st["delta_norms"]):
-                            self.assertAlmostEqual(a, b, delta=1e-9 * b)
+                            self.assertAlmostEqual(a, b, delta=1e-5 * b)
 
     def test_a_replay_checks_the_recorded_digest(self):
         state = outer_state.OuterState.load(self.init)

@@ -3,6 +3,7 @@ files): the disk of a real fedmom_server.py + blobstore.py stays bounded over 61
 a tiny model, through a SIGKILL mid-sweep; a site 60 rounds behind rejoins with the full
 theta; deletions never hold the state lock (fault points, no sleeps)."""
 import html
+import json
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ import fedmom_client
 import fedmom_state as fs
 import httpd
 import tensorio
+import wire
 from harness import expect, listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -323,6 +325,38 @@ class PeakTest(Live):
 
     def kept_after(self, rnd):
         return not any(f.startswith(f"update-{rnd - 1}") for f in os.listdir(self.sd))
+
+
+class BusyTest(Live):
+    def test_a_theta_download_during_a_merge_is_told_to_retry_and_never_holds_a_worker(self):
+        """Round 2's merge held after its first tensor (the arrays busy, no copy of round 1's
+        theta on disk): GET /theta and /theta_blob answer 503 busy at once instead of waiting
+        for the merge (each waiting download held an HTTP worker: enough of them and heartbeats
+        and /status waited too), /status and a heartbeat answer; once the merge is released the
+        download is round 2's theta."""
+        self.blob_store, self.blob_url = self.spawn("blobstore.py", "--root", self.blob_root)
+        self.start("--init", self.init, "--checkpoint-rounds", "8")
+        for c in ("a", "b"):
+            fedmom_client.FedMomClient(self.url, c, f"{c}-inc").join()
+        self.merge_round(0)
+        self.arm("fedmom.merge")
+        self.send_round(1)
+        expect(lambda: self.hit("fedmom.merge"), "round 2's merge to reach its first tensor", timeout_s=HANG_S)
+        self.assertFalse(os.path.exists(os.path.join(self.sd, "theta-1.safetensors")))
+        for route in ("/theta", "/theta_blob"):
+            with self.assertRaises(httpd.CallError) as got:
+                httpd.call(self.url, "GET", route, timeout=HANG_S)
+            self.assertEqual((got.exception.status, got.exception.reply.get("code")), (503, "busy"), route)
+            self.assertEqual(got.exception.reply.get("retry_after_s"), fs.BUSY_RETRY_S)
+        self.assertEqual(httpd.call(self.url, "GET", "/status", timeout=HANG_S)["round"], 1)
+        fedmom_client.FedMomClient(self.url, "a", "a-inc").heartbeat()
+        os.unlink(os.path.join(self.faults, "fedmom.merge"))
+        self.assertEqual(fedmom_client.FedMomClient(self.url, "a", "a-inc").wait_round_after(1, timeout_s=HANG_S), 2)
+        served = os.path.join(self.dir, "served.safetensors")
+        self.assertEqual(fedmom_client.FedMomClient(self.url, "r", "r-inc").download_theta(served), 2)
+        with open(os.path.join(self.sd, "state.json")) as f:
+            published = json.load(f)["update"]
+        self.assertEqual((published["round"], wire.theta_digest(served)), (2, published["digest"]))
 
 
 class RestoredStateTest(Live):
