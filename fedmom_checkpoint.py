@@ -5,27 +5,50 @@ Runs on: the central VM, imported by fedmom_state.py (the running aggregator) an
 fedmom_server.py's `export` / `checkpoint` commands (a stopped one); standard library +
 numpy + outer_state.py; never torch. Not started on its own. Tested in tests/test_replay.py.
 
-state.json names a checkpoint {"round", "theta", "momentum", "residual"} (file names in the
-state dir; momentum/residual None when none is kept) and a "log": the outer_state.Step of
-every round since, its delta paths relative to the state dir. The outer state of the
-current round is the checkpoint's files with the logged Steps replayed on top, each
-checked against the theta digest it published (rebuild). fedmom_state.py's docstring has
-the whole state dir and when each file is written and removed.
+state.json names a checkpoint and a "log": the outer_state.Step of every round since, its
+delta paths relative to the state dir. The outer state of the current round is the
+checkpoint with the logged Steps replayed on top (rebuild), the result checked against the
+theta digest the last of them published. fedmom_state.py's docstring has the whole state
+dir and when each file is written and removed.
+
+The checkpoint is a directory of segments, ckpt/<tensor>-<part>.safetensors: each holds
+theta, momentum and residual (those kept) of one tensor, or of a run of its whole rows
+(SEGMENT_BYTES of fp32 each at most), with its round in the metadata. A new checkpoint
+replaces the segments one at a time (written aside, fsync'd, renamed over the old one), so
+the disk holds one checkpoint and one segment more, never two checkpoints (3 M, not 6 M,
+with momentum and residual). A checkpoint cut short (a crash, a full disk) leaves segments of
+two rounds: the rebuild replays each segment from its own round, which it can because a
+round is elementwise (outer_state.apply_round's `only`), and checks the digest once every
+segment has caught up. state.json's record {"round", "dir", "digest"} names the round every
+segment has reached at least; the log keeps every Step since it, so a segment of that round
+still finds the rounds it needs.
+A checkpoint of the older layout {"round", "theta", "momentum", "residual"} (whole files,
+named in state.json) is still read; the next checkpoint writes segments and removes them.
 
     ckpt, log = read_record(json.load(open("state.json")), "state.json")
     outer = rebuild(state_dir, ckpt, log)                    # raises on a mismatch or a bad file
-    files = write_checkpoint(outer, state_dir, fsync=True)   # theta-<r>, momentum-<r>, residual-<r>
+    record = write_checkpoint(outer, state_dir, fsync=True)  # ckpt/*: every segment at outer.round
 """
 import dataclasses
 import json
+import math
 import os
+
+import numpy as np
 
 import durable
 import outer_state
+import tensorio
 
 STATE_FORMAT = "pww-fedmom-state/3"   # 2: identity, epoch, custody owed, violations; 3: checkpoint + log
 READS_FORMATS = ("pww-fedmom-state/2", STATE_FORMAT)   # a /2 state is a checkpoint of its round, no log
 ARRAYS = ("theta", "momentum", "residual")
+CKPT_DIR = "ckpt"             # a checkpoint of segments: ckpt-<the round it was first written at>/
+SEGMENT_FORMAT = "pww-fedmom-segment/1"
+SEGMENT_BYTES = 64 << 20      # fp32 bytes of one array of a segment at most: the checkpoint's extra disk is 3 x this
+SEGMENT_ENV = "PWW_TEST_SEGMENT_BYTES"   # tests: smaller segments, so that a small model has several
+TOPK_ALIGN = 4096             # segments also start on a multiple of this: whole chunks of a topk --down-wire
+                              # (its chunk is wire.Codec's default: fedmom_server.py has no flag for it)
 
 
 def write_json(path, obj, fsync=True):
@@ -56,28 +79,178 @@ def resolved(step, state_dir):
     return dataclasses.replace(step, deltas=[(os.path.join(state_dir, p), w) for p, w in step.deltas])
 
 
+def segment_bytes():
+    """SEGMENT_BYTES, or $PWW_TEST_SEGMENT_BYTES (tests; a checkpoint records the size it used)."""
+    env = os.environ.get(SEGMENT_ENV, "").strip()
+    return int(env) if env else SEGMENT_BYTES
+
+
+def segments(shapes, seg_bytes, d):
+    """[(file name, tensor, lo, hi)] of a checkpoint of these {name: shape}: each tensor whole,
+    or cut into runs of whole rows (pairs of rows when a row is odd: int4 packs two values a
+    byte) and whole TOPK_ALIGN elements, of SEGMENT_BYTES at most, so that every block or
+    chunk of every wire format lies inside one segment and a segment can be replayed alone
+    (outer_state.apply_round's `only`)."""
+    out = []
+    for i, (name, sh) in enumerate(shapes.items()):
+        n, cols = math.prod(sh), (sh[-1] if sh else 1)
+        unit = math.lcm(max(1, cols if cols % 2 == 0 else 2 * cols), TOPK_ALIGN)
+        per = max(unit, seg_bytes // 4 // unit * unit)
+        for j, lo in enumerate(range(0, max(n, 1), per)):
+            out.append((f"{d}/{i:05d}-{j:04d}.safetensors", name, lo, min(lo + per, n)))
+    return out
+
+
+def _segment_files(state_dir, d):
+    full = os.path.join(state_dir, d)
+    return sorted(f"{d}/{f}" for f in os.listdir(full) if f.endswith(".safetensors")) if os.path.isdir(full) else []
+
+
+def read_shapes(state_dir, ckpt):
+    """{name: shape} of theta, in order, from the checkpoint's files (headers only)."""
+    if "dir" not in ckpt:
+        with tensorio.TensorReader(os.path.join(state_dir, ckpt["theta"])) as r:
+            return {n: tuple(r.specs[n][1]) for n in r.names}
+    shapes = {}
+    for fn in _segment_files(state_dir, ckpt["dir"]):
+        with tensorio.TensorReader(os.path.join(state_dir, fn)) as r:
+            shapes.setdefault(r.metadata["tensor"], tuple(json.loads(r.metadata["shape"])))
+    return shapes
+
+
+def checkpoint_files(state_dir, ckpt):
+    """The files the checkpoint is made of (relative to the state dir)."""
+    if "dir" in ckpt:
+        return _segment_files(state_dir, ckpt["dir"])
+    return [ckpt[k] for k in ARRAYS if ckpt.get(k)]
+
+
+class _Segment:
+    def __init__(self, fn, tensor, lo, hi, rnd, arrays):
+        self.fn, self.tensor, self.lo, self.hi, self.round, self.arrays = fn, tensor, lo, hi, rnd, arrays
+
+
+def _load_segments(state_dir, ckpt):
+    """-> (OuterState with every segment's arrays in place, [_Segment]). The arrays a segment
+    lacks (no momentum or residual at its round) are zero and marked so in its _Segment."""
+    shapes = read_shapes(state_dir, ckpt)
+    want = segments(shapes, ckpt["segment_bytes"], ckpt["dir"])
+    have = _segment_files(state_dir, ckpt["dir"])
+    if [w[0] for w in want] != have:
+        missing, extra = sorted({w[0] for w in want} - set(have)), sorted(set(have) - {w[0] for w in want})
+        raise ValueError(f"{state_dir}/{ckpt['dir']}: the checkpoint's segments are not the model's: missing "
+                         f"{missing[:3]}, unexpected {extra[:3]}")
+    theta = {n: np.empty(math.prod(sh), np.float32) for n, sh in shapes.items()}
+    extra = {k: None for k in ARRAYS[1:]}
+    segs = []
+    for fn, name, lo, hi in want:
+        with tensorio.TensorReader(os.path.join(state_dir, fn)) as r:
+            m = r.metadata
+            if (m.get("segment") != SEGMENT_FORMAT or m.get("tensor") != name or int(m["lo"]) != lo
+                    or int(m["hi"]) != hi):
+                raise ValueError(f"{state_dir}/{fn}: not the segment {name}[{lo}:{hi}] of this checkpoint")
+            rnd = int(m["round"])
+            if not ckpt["round"] <= rnd:
+                raise ValueError(f"{state_dir}/{fn}: round {rnd}, older than the checkpoint's {ckpt['round']}")
+            r.read("theta", out=theta[name][lo:hi])
+            kept = set(r.names)
+            for k in ARRAYS[1:]:
+                if k in kept:
+                    if extra[k] is None:
+                        extra[k] = {n: np.zeros(math.prod(sh), np.float32) for n, sh in shapes.items()}
+                    r.read(k, out=extra[k][name][lo:hi])
+        segs.append(_Segment(fn, name, lo, hi, rnd, kept))
+    outer = outer_state.OuterState(shapes, theta, extra["momentum"], extra["residual"], ckpt["round"], digest="")
+    return outer, segs
+
+
 def rebuild(state_dir, ckpt, log, threads=None):
     """The outer state the checkpoint and the logged Steps make (outer_state.replay: each
-    Step checked against its digest). Raises what went wrong (ReplayMismatch, a missing or
-    damaged file, a NonFinite replay)."""
+    Step checked against its digest; a checkpoint of segments of two rounds replays each from
+    its own and checks the digest once they have met). Raises what went wrong
+    (ReplayMismatch, a missing or damaged file, a NonFinite replay)."""
     path = lambda fn: fn and os.path.join(state_dir, fn)
-    outer = outer_state.OuterState.load(path(ckpt["theta"]), path(ckpt["momentum"]), path(ckpt["residual"]),
-                                        ckpt["round"])
-    return outer_state.replay(outer, [resolved(s, state_dir) for s in log], threads)
+    steps = [resolved(s, state_dir) for s in log]
+    if "dir" not in ckpt:
+        outer = outer_state.OuterState.load(path(ckpt["theta"]), path(ckpt["momentum"]), path(ckpt["residual"]),
+                                            ckpt["round"])
+        return outer_state.replay(outer, steps, threads)
+    outer, segs = _load_segments(state_dir, ckpt)
+    rounds = {s.round for s in segs}
+    behind = min(rounds)
+    for s in steps:
+        if s.round <= behind:
+            continue
+        if s.round != behind + 1:
+            raise outer_state.ReplayMismatch(f"the log's round {s.round} does not follow round {behind}")
+        todo = [g for g in segs if g.round < s.round]
+        if len(todo) == len(segs) and len({frozenset(g.arrays) for g in segs}) == 1:
+            outer.round = s.round - 1
+            outer.momentum = outer.momentum if "momentum" in segs[0].arrays else None
+            outer.residual = outer.residual if "residual" in segs[0].arrays else None
+            outer_state.apply_round(outer, s, threads=threads)          # whole: its digest checked
+        else:
+            only = {}
+            for g in todo:
+                only.setdefault(g.tensor, []).append((g.lo, g.hi, "momentum" in g.arrays, "residual" in g.arrays))
+            outer_state.apply_round(outer, dataclasses.replace(s, digest=None), threads=threads, only=only)
+        for g in todo:
+            g.round = s.round
+            g.arrays = {"theta"} | ({"momentum"} if s.mu > 0 else set()) | ({"residual"} if s.codec else set())
+        behind = s.round
+    if len({g.round for g in segs}) != 1:
+        raise outer_state.ReplayMismatch(f"the checkpoint's segments reach rounds {sorted({g.round for g in segs})}: "
+                                         "the log does not bring them to one round")
+    if len({frozenset(g.arrays) for g in segs}) != 1:
+        raise outer_state.ReplayMismatch("the checkpoint's segments keep different arrays at one round")
+    outer.round = segs[0].round
+    outer.momentum = outer.momentum if "momentum" in segs[0].arrays else None
+    outer.residual = outer.residual if "residual" in segs[0].arrays else None
+    outer.digest = outer.theta_digest()
+    want = log[-1].digest if log else ckpt.get("digest")
+    if want is not None and want != outer.digest:
+        raise outer_state.ReplayMismatch(f"the checkpoint and log rebuild round {outer.round} to theta digest "
+                                         f"{outer.digest[:16]}..., but it published {want[:16]}...")
+    return outer
 
 
-def write_checkpoint(outer, state_dir, fsync=True, after_file=None):
-    """theta, momentum and residual of outer's round written whole -> the checkpoint's
-    {"theta", "momentum", "residual"} file names (None: not kept). after_file(): called after
-    each file (the aggregator's fault point)."""
-    files = {}
-    for which in ARRAYS:
-        files[which] = getattr(outer, which) is not None and f"{which}-{outer.round}.safetensors" or None
-        if files[which]:
-            outer.write(which, os.path.join(state_dir, files[which]), fsync=fsync)
-            if after_file is not None:
-                after_file()
-    return files
+def write_checkpoint(outer, state_dir, last=None, fsync=True, after_file=None):
+    """theta, momentum and residual (those kept) of outer's round, segment by segment, each
+    replacing the `last` checkpoint's segment of the same part -> the checkpoint's record
+    {"round", "dir", "segment_bytes", "digest"} (for state.json, once every segment is
+    written). A `last` of another layout (whole files, other segments) is left as it is and
+    the segments go to a new directory: the caller removes the old one once state.json names
+    the new. after_file(): called after each segment (the aggregator's fault point)."""
+    seg = segment_bytes()
+    same = last is not None and "dir" in last and last.get("segment_bytes") == seg
+    d = last["dir"] if same else f"{CKPT_DIR}-{outer.round}"
+    if not same and os.path.isdir(os.path.join(state_dir, d)):     # left by a layout change cut short
+        for fn in _segment_files(state_dir, d):
+            durable.unlink(os.path.join(state_dir, fn))
+    os.makedirs(os.path.join(state_dir, d), exist_ok=True)
+    kept = [k for k in ARRAYS if getattr(outer, k) is not None]
+    for fn, name, lo, hi in segments(outer.shapes, seg, d):
+        meta = {"segment": SEGMENT_FORMAT, "tensor": name, "lo": str(lo), "hi": str(hi), "round": str(outer.round),
+                "shape": json.dumps(list(outer.shapes[name]))}
+        with tensorio.TensorWriter(os.path.join(state_dir, fn), [(k, "F32", (hi - lo,)) for k in kept], meta,
+                                   fsync=fsync) as w:
+            for k in kept:
+                w.write(k, getattr(outer, k)[name][lo:hi])
+        if after_file is not None:
+            after_file()
+    if fsync:
+        durable.fsync_dir(os.path.join(state_dir, d))
+        durable.fsync_dir(state_dir)
+    return {"round": outer.round, "dir": d, "segment_bytes": seg, "digest": outer.digest}
+
+
+def stale_files(state_dir, old, new):
+    """What a checkpoint `new` leaves of the one before, `old`, to remove once state.json names
+    `new`: the old layout's files, or a segment directory and its files (files first)."""
+    if "dir" in old and old["dir"] == new.get("dir"):
+        return []
+    files = checkpoint_files(state_dir, old)
+    return files + ([old["dir"]] if "dir" in old else [])
 
 
 def _read_state(sd):
@@ -113,14 +286,14 @@ def checkpoint_offline(state_dir, threads=None, fsync=True):
     outer = load_outer(sd, threads)
     st = _read_state(sd)
     old, logged = read_record(st, f"{sd}/state.json")
-    files = write_checkpoint(outer, sd, fsync)
-    st.update(format=STATE_FORMAT, checkpoint={"round": outer.round, **files}, log=[])
+    record = write_checkpoint(outer, sd, old, fsync)
+    st.update(format=STATE_FORMAT, checkpoint=record, log=[])
     for k in ("theta", "momentum"):
         st.pop(k, None)
     if st.get("update"):
         st["update"].pop("residual", None)
     write_json(os.path.join(sd, "state.json"), st, fsync)
-    for fn in [old[k] for k in ARRAYS if old[k] and old[k] not in files.values()] + \
-            [f for s in logged for f in step_files(s)]:
-        durable.unlink(os.path.join(sd, fn))
+    for fn in stale_files(sd, old, record) + [f for s in logged for f in step_files(s)]:
+        path = os.path.join(sd, fn)
+        os.rmdir(path) if os.path.isdir(path) else durable.unlink(path)
     return outer.round

@@ -20,10 +20,14 @@ State dir (everything replaced atomically: temp file, fsync, rename, fsync the d
 The outer state (theta_global, momentum, the residual of --down-wire) lives in memory
 (outer_state.OuterState, 4 B/param each); what is durable is what a restart needs to
 rebuild it bit for bit:
-    theta-<c>.safetensors     the checkpoint: theta_global after c merges, fp32, written
-    momentum-<c>.safetensors  whole every --checkpoint-rounds rounds (and round 0 from --init);
-    residual-<c>.safetensors  momentum absent before the first merge and with --outer-momentum
-                              0, residual without --down-wire
+    ckpt-<r>/                 the checkpoint: theta_global, momentum and residual, fp32, in
+                              segments of 64 MiB per array (fedmom_checkpoint.py), each with
+                              its round; written every --checkpoint-rounds rounds (and round 0
+                              from --init) over the last one's, one segment at a time (<r>: the
+                              round the directory was first written at); momentum absent before
+                              the first merge and with --outer-momentum 0, residual without
+                              --down-wire. An older aggregator's checkpoint, theta-<c>,
+                              momentum-<c>, residual-<c>.safetensors, is read and replaced
     state.json                the round and the checkpoint's files, and "log": the Step of
                               every round since (outer_state.Step: its deltas' spool files and
                               the weights they merged with, the outer lr and momentum, the
@@ -53,12 +57,13 @@ rebuild it bit for bit:
                               is kept as it came (its own bytes, not 4 B/param). A merged
                               delta stays while the log names it.
 A start loads the checkpoint and replays the log (_rebuild; a replay that ends at another
-digest than the round published stops the start). A checkpoint, once durable, removes the
-one before it and the deltas of the rounds it covers; a round removes the round before's
-update and copy of theta; both remove files after the state lock is released (_remove; a
-crash first leaves them to the next start's _clean_dir). The state dir therefore holds
-one checkpoint (two while the next is written), at most --checkpoint-rounds rounds of
-deltas, one update and the open round's spool; what is kept and why: kept_files(). The
+digest than the round published stops the start; segments of two rounds, from a checkpoint
+cut short, are each replayed from their own). A checkpoint, once durable (state.json names
+it), removes the deltas of the rounds it covers; a round removes the round before's update
+and copy of theta; both remove files after the state lock is released (_remove; a crash
+first leaves them to the next start's _clean_dir). The state dir therefore holds one
+checkpoint (and one segment more while the next is written), at most --checkpoint-rounds
+rounds of deltas, one update and the open round's spool; what is kept and why: kept_files(). The
 blob store's copies of theta and the updates are fedmom_server.BlobRetention's (blob_plan,
 --keep-rounds).
 
@@ -223,21 +228,27 @@ def file_sha256(path):
     return h.hexdigest()
 
 
-def init_theta(init_path, out_path, fsync=True):
-    """theta-0 from the init file, every tensor as fp32."""
+def init_outer(init_path):
+    """theta of round 0 (outer_state.OuterState, no momentum or residual yet) from the init
+    file, every tensor as fp32, checked: floating point and finite."""
     with tensorio.TensorReader(init_path) as r:
         bad = [n for n in r.names if r.specs[n][0] not in tensorio.FLOAT_DTYPES]
         if bad:
             raise SystemExit(f"--init {init_path}: tensors {bad[:5]} are not floating point; "
                              "only float tensors can be merged (save the parameters alone)")
-        specs = [(n, "F32", r.specs[n][1]) for n in r.names]
-        with tensorio.TensorWriter(out_path, specs, {"round": "0"}, fsync=fsync) as w:
-            for n in r.names:
-                t = r.read(n, as_float32=True).astype(np.float32, copy=False)
-                if not np.isfinite(t).all():
-                    raise SystemExit(f"--init {init_path}: tensor {n!r} holds NaN or Inf; a global model "
-                                     "must start finite")
-                w.write(n, t)
+        shapes, theta = {n: tuple(r.specs[n][1]) for n in r.names}, {}
+        for n in r.names:
+            t = np.ascontiguousarray(r.read(n, as_float32=True), np.float32).reshape(-1)
+            if not np.isfinite(t).all():
+                raise SystemExit(f"--init {init_path}: tensor {n!r} holds NaN or Inf; a global model "
+                                 "must start finite")
+            theta[n] = t
+    return outer_state.OuterState(shapes, theta)
+
+
+def init_theta(init_path, out_path, fsync=True):
+    """theta-0 from the init file as one fp32 tensor file (init_outer's checks)."""
+    init_outer(init_path).write("theta", out_path, fsync=fsync)
 
 
 def structure_digest(specs):
@@ -509,7 +520,8 @@ class FedMomState:
         else:
             self._create()
         self._clean_dir()
-        self._rebuild(at_start=True)
+        if self.outer is None:                # (a new state dir holds it already: round 0 from --init)
+            self._rebuild(at_start=True)
         torn = durable.cut_torn_line(self.rounds_path)
         if torn:
             log(f"fedmom: cut the unfinished last line of {self.rounds_path} ({torn} bytes: a crash mid-append; "
@@ -530,14 +542,13 @@ class FedMomState:
     def _create(self):
         if not self.cfg.init:
             raise SystemExit(f"{self.dir} holds no state yet: pass --init MODEL.safetensors for the first start")
-        theta = "theta-0.safetensors"
-        init_theta(self.cfg.init, os.path.join(self.dir, theta), self.cfg.fsync)
-        self.round, self.ckpt, self.log = 0, {"round": 0, "theta": theta, "momentum": None, "residual": None}, []
+        self.outer = init_outer(self.cfg.init)          # the rebuild at the start finds it (no second copy)
+        ckpt = fedmom_checkpoint.write_checkpoint(self.outer, self.dir, None, self.cfg.fsync)
+        self.round, self.ckpt, self.log = 0, ckpt, []
         self.aggregator_id, self.epoch = f"fedmom-{secrets.token_hex(6)}", 0    # DARL issues epoch 1
         self.holder = None            # the process the state's epoch is bound to (durable before its confirm)
         self.loaded_epoch = 0
-        with tensorio.TensorReader(os.path.join(self.dir, theta)) as r:
-            self.specs = {n: r.specs[n][1] for n in r.names}
+        self.specs = dict(self.outer.shapes)
         st = os.stat(self.cfg.init)
         self.init_id = {"sha256": file_sha256(self.cfg.init), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                         "structure": structure_digest(self.specs)}
@@ -563,8 +574,7 @@ class FedMomState:
         self.holder = st.get("holder")                # None: a state written before holders were kept
         self.loaded_epoch = self.epoch
         self.fence_claim = st.get("fence_claim")      # an ask whose answer may have been lost: repeat it
-        with tensorio.TensorReader(os.path.join(self.dir, self.ckpt["theta"])) as r:
-            self.specs = {n: r.specs[n][1] for n in r.names}
+        self.specs = fedmom_checkpoint.read_shapes(self.dir, self.ckpt)
         self.init_id = st["init"]
         now = self.clock()
         self.members = {c: Member(m["incarnation"], m["joined"], now) for c, m in st["members"].items()}
@@ -669,15 +679,24 @@ class FedMomState:
                                       "any custody DARL holds for it is aborted")
 
     def _clean_dir(self):
-        """Remove what a crash left behind: temp files, files of other rounds, stale spool entries."""
-        keep = {self.ckpt["theta"], self.ckpt["momentum"], self.ckpt["residual"], "state.json", "rounds.jsonl",
-                "spool"}
+        """Remove what a crash left behind: temp files, files of other rounds, stale spool entries,
+        a checkpoint of the older layout that a newer one replaced."""
+        keep = set(fedmom_checkpoint.checkpoint_files(self.dir, self.ckpt)) | {"state.json", "rounds.jsonl", "spool"}
         if self.update:
             keep.add(self.update["file"])
         for fn in os.listdir(self.dir):
             if fn not in keep and (fn.startswith(("theta-", "momentum-", "merged-", "update-", "residual-"))
                                    or durable.is_tmp(fn)):
                 os.unlink(os.path.join(self.dir, fn))
+        for d in os.listdir(self.dir):
+            path = os.path.join(self.dir, d)
+            if not (d.startswith(fedmom_checkpoint.CKPT_DIR) and os.path.isdir(path)):
+                continue
+            for fn in os.listdir(path):          # a segment a killed checkpoint was writing, or every
+                if durable.is_tmp(fn) or d != self.ckpt.get("dir"):      # file of a checkpoint not named
+                    os.unlink(os.path.join(path, fn))
+            if d != self.ckpt.get("dir"):
+                os.rmdir(path)
         live = {p.path for p in self.pending.values()} | {p.meta_path for p in self.pending.values()}
         live |= {os.path.join(self.dir, f) for s in self.log for f in fedmom_checkpoint.step_files(s)}
         for fn in os.listdir(self.spool):
@@ -1255,9 +1274,11 @@ class FedMomState:
                 and self.round - self.ckpt["round"] >= self.cfg.checkpoint_rounds)
 
     def checkpoint(self, force=False):
-        """Write theta, momentum and residual of the current round whole and durable; the
-        checkpoint they make replaces the last one, whose files and the logged rounds' deltas
-        it covers are removed (outside the locks). Called after a round when due. -> its round."""
+        """Write theta, momentum and residual of the current round, durable, segment by segment
+        over the last checkpoint's (fedmom_checkpoint.write_checkpoint: the disk holds one
+        checkpoint and one segment more); once every segment is written, state.json names the
+        new checkpoint and the logged rounds' deltas it covers are removed (outside the locks).
+        Called after a round when due. -> its round."""
         gone = []
         with self.mem_lock:
             with self.lock:
@@ -1266,25 +1287,26 @@ class FedMomState:
                 rnd, self.checkpointing = self.round, True
             t0 = time.monotonic()
             try:
-                files = fedmom_checkpoint.write_checkpoint(self.outer, self.dir, self.cfg.fsync,
-                                                           after_file=lambda: httpd.fault_point("fedmom.checkpoint"))
+                record = fedmom_checkpoint.write_checkpoint(self.outer, self.dir, self.ckpt, self.cfg.fsync,
+                                                            after_file=lambda: httpd.fault_point("fedmom.checkpoint"))
             finally:
                 with self.lock:
                     self.checkpointing = False
             with self.lock:
                 old, old_log = self.ckpt, self.log
-                self.ckpt, self.log = {"round": rnd, **files}, [s for s in self.log if s.round > rnd]
+                self.ckpt, self.log = record, [s for s in self.log if s.round > rnd]
                 try:
                     self._save()
                 except BaseException:
                     self.ckpt, self.log = old, old_log
                     raise
                 covered = [s for s in old_log if s.round <= rnd]
-                gone = [os.path.join(self.dir, f) for f in old.values()      # _clean_dir's, after a crash
-                        if isinstance(f, str) and f not in files.values()]
+                gone = [os.path.join(self.dir, f)                         # _clean_dir's, after a crash
+                        for f in fedmom_checkpoint.stale_files(self.dir, old, record)]
                 gone += self._bury([os.path.join(self.dir, f) for s in covered
                                     for f in fedmom_checkpoint.step_files(s)])
-                nbytes = sum(os.path.getsize(os.path.join(self.dir, f)) for f in files.values() if f)
+                nbytes = sum(os.path.getsize(os.path.join(self.dir, f))
+                             for f in fedmom_checkpoint.checkpoint_files(self.dir, record))
                 self.last_checkpoint = {"round": rnd, "seconds": round(time.monotonic() - t0, 3), "bytes": nbytes}
         log(f"fedmom: checkpoint of round {rnd}: {nbytes / 2**30:.2f} GiB in {self.last_checkpoint['seconds']:.1f} s; "
             f"{len(covered)} logged round(s) covered")
@@ -1321,7 +1343,7 @@ class FedMomState:
         self.records.append(rec)
         self._append_record(rec)
         log(format_record(rec))
-        ckpt = set(self.ckpt.values())                # the last round's copies of theta and momentum,
+        ckpt = set(fedmom_checkpoint.checkpoint_files(self.dir, self.ckpt))   # the last round's copies of theta and momentum,
         for fn in [f"theta-{new - 1}.safetensors", f"momentum-{new - 1}.safetensors"] + (    # and its update
                 [old_update["file"]] if old_update else []):
             if fn not in ckpt and os.path.exists(os.path.join(self.dir, fn)):
@@ -1352,7 +1374,10 @@ class FedMomState:
         file takes the file system seconds, which heartbeats and GET /status would wait out."""
         for path in paths:
             httpd.fault_point("fedmom.unlink")
-            durable.unlink(path)
+            if os.path.isdir(path):          # an old checkpoint's directory, its files removed before it
+                os.rmdir(path)
+            else:
+                durable.unlink(path)
 
     def _record(self, batch, stats, reason, late, closed_at, new):
         total = sum(p.tokens for p in batch)
@@ -1632,20 +1657,28 @@ class FedMomState:
         deltas of the rounds logged since (a restart replays them), the current round's update
         and copy of theta (when one was written), and the open round's spooled deltas; anything
         else is removed once a later round or checkpoint is durable (module docstring)."""
+        out = []
         with self.lock:
             c = self.ckpt["round"]
-            named = [(self.ckpt["theta"], f"checkpoint of round {c}: theta_global"),
-                     (self.ckpt["momentum"], f"checkpoint of round {c}: the momentum buffer"),
-                     (self.ckpt["residual"], f"checkpoint of round {c}: what its update rounded away")]
+            if "dir" in self.ckpt:                 # the segments, as one entry
+                segs = fedmom_checkpoint.checkpoint_files(self.dir, self.ckpt)
+                size = sum(os.path.getsize(os.path.join(self.dir, f)) for f in segs
+                           if os.path.exists(os.path.join(self.dir, f)))
+                out.append({"file": self.ckpt["dir"] + "/", "bytes": size,
+                            "why": f"checkpoint of round {c}: theta_global, the momentum buffer and what the "
+                                   f"updates rounded away, in {len(segs)} segments"})
+                named = []
+            else:
+                named = [(self.ckpt["theta"], f"checkpoint of round {c}: theta_global"),
+                         (self.ckpt["momentum"], f"checkpoint of round {c}: the momentum buffer"),
+                         (self.ckpt["residual"], f"checkpoint of round {c}: what its update rounded away")]
             named += [(p, f"round {s.round}'s merged delta, replayed from the checkpoint at a restart")
                       for s in self.log for p, _ in s.deltas]
             if self.update and self.update["round"] == self.round:
                 named += [(self.update["file"], "the current round's update (--down-wire)")]
-            if self.ckpt["round"] != self.round:
-                named += [(f"theta-{self.round}.safetensors", "a copy of the current theta_global, for downloads")]
+            named += [(f"theta-{self.round}.safetensors", "a copy of the current theta_global, for downloads")]
             named += [(os.path.relpath(p.path, self.dir), f"{p.cluster}'s delta for the open round {self.round}")
                       for p in self.pending.values()]
-        out = []
         for fn, why in named:
             try:
                 out.append({"file": fn, "bytes": os.path.getsize(os.path.join(self.dir, fn)), "why": why})

@@ -129,15 +129,17 @@ def _read_all(path, shapes):
 
 
 class _Tensor:
-    """What every piece of one tensor's round shares: the arrays, the deltas, the outputs."""
+    """What every piece of one tensor's round shares: the arrays, the deltas, the outputs.
+    A piece is (lo, hi, first, owed): first, the momentum starts afresh there (buf = g); owed,
+    a residual is owed there (added to the update's x)."""
 
-    def __init__(self, name, shape, state, step, deltas, fresh, mu):
+    def __init__(self, name, shape, state, step, deltas, mu):
         self.name, self.shape, self.n = name, shape, math.prod(shape)
         self.T = state.theta[name]
-        self.M = state.momentum[name] if state.momentum is not None else None
+        self.M = state.momentum[name] if state.momentum is not None and mu > 0 else None
         self.owed = state.residual[name] if state.residual is not None else None
         self.deltas, self.weights = deltas, [w for _, w in step.deltas]
-        self.lr, self.mu, self.first, self.codec = step.lr, mu, fresh, step.codec
+        self.lr, self.mu, self.codec = step.lr, mu, step.codec
         self.blocks = self.codec is not None and self.codec.fmt in wire.LEVELS
         self.codes = self.sbits = self.x = None
         if self.blocks:                                    # the update's parts, filled piece by piece
@@ -152,27 +154,28 @@ class _Tensor:
             self.residual = self.owed if self.owed is not None else np.empty(self.n, np.float32)
 
     def run(self, pieces):
-        """Merge (and publish) pieces [(lo, hi)] in order, with this thread's own buffers.
-        -> [(||old theta||^2, [||delta_i||^2], ||residual||^2, None or "theta"/"momentum")]."""
+        """Merge (and publish) pieces [(lo, hi, first, owed)] in order, with this thread's own
+        buffers. -> [(||old theta||^2, [||delta_i||^2], ||residual||^2, None or "theta"/"momentum")]."""
         k = len(self.deltas)
-        size = max(hi - lo for lo, hi in pieces)
+        size = max(p[1] - p[0] for p in pieces)
         s, tmp, mg, sent = (np.empty(size, np.float32) for _ in range(4))
         dbuf = [np.empty(size, np.float32) for _ in range(k)]
         out = []
-        for lo, hi in pieces:
-            out.append(self._piece(lo, hi, s[:hi - lo], tmp[:hi - lo], mg[:hi - lo], sent[:hi - lo], dbuf))
+        for lo, hi, first, owed in pieces:
+            n = hi - lo
+            out.append(self._piece(lo, hi, first, owed, s[:n], tmp[:n], mg[:n], sent[:n], dbuf))
             if out[-1][3]:
                 break
         return out
 
-    def _piece(self, lo, hi, s, tmp, mg, sent, dbuf):
+    def _piece(self, lo, hi, first, owed, s, tmp, mg, sent, dbuf):
         T, M = self.T[lo:hi], (self.M[lo:hi] if self.M is not None else None)
         tsq, dsq, rsq = fedmom_merge.sq_norm(T), [0.0] * len(self.deltas), 0.0
         ds = [d.read(lo, hi, b) for d, b in zip(self.deltas, dbuf)]
         with np.errstate(over="ignore", invalid="ignore"):          # overflow is checked just below
             fedmom_merge.scaled_sum(ds, self.weights, s, tmp, dsq)
             merged = T if self.codec is None else mg
-            fedmom_merge.nesterov_chunk(T, M, s, tmp, self.lr, self.mu, self.first, out=merged)
+            fedmom_merge.nesterov_chunk(T, M, s, tmp, self.lr, self.mu, first, out=merged)
             if self.codec is None and not np.isfinite(T).all():
                 return tsq, dsq, rsq, "theta"
             if M is not None and not np.isfinite(M).all():
@@ -183,7 +186,7 @@ class _Tensor:
             # own here: x is then Inf or NaN, so is its block's scale, and theta's check below fails
             x = mg
             np.subtract(x, T, out=x)                                 # x = (merged - prev) + residual
-            if self.owed is not None:
+            if owed:
                 x += self.owed[lo:hi]
             if not self.blocks:                                      # encoded whole after the merge
                 if not np.isfinite(x).all():
@@ -202,18 +205,18 @@ class _Tensor:
             rsq = fedmom_merge.sq_norm(res)
         return tsq, dsq, rsq, None
 
-    def publish_whole(self, threads):
-        """A format encoded whole (bf16, topk): the rest of Publisher.write on self.x -> (parts, ||residual||^2)."""
-        x = self.x.reshape(self.shape)
-        parts, sent = self.codec.encode(x, threads)
+    def publish_whole(self, lo, hi, threads):
+        """A format encoded whole (bf16, topk), elements [lo, hi) (the whole tensor, or a run of
+        its topk chunks): the rest of Publisher.write on self.x -> (parts, ||residual||^2)."""
+        x = self.x[lo:hi]
+        parts, sent = self.codec.encode(x.reshape(self.shape) if hi - lo == self.n else x, threads)
         sent = np.asarray(sent, np.float32).reshape(-1)
-        wire.add_into(self.T, sent, threads)
-        if not np.isfinite(self.T).all():
+        wire.add_into(self.T[lo:hi], sent, threads)
+        if not np.isfinite(self.T[lo:hi]).all():
             raise fedmom_merge.NonFinite("theta", self.name, "deltas")
-        flat = self.x
-        flat -= sent
-        np.copyto(self.residual, flat)
-        return parts, fedmom_merge.sq_norm(flat)
+        x -= sent
+        np.copyto(self.residual[lo:hi], x)
+        return parts, fedmom_merge.sq_norm(x)
 
     def update_parts(self):
         """The int8/int4 update of this tensor, as Codec.encode returns its parts."""
@@ -222,7 +225,8 @@ class _Tensor:
         return {"": codes, wire.SCALE: self.sbits.reshape(rows, -(-cols // self.codec.block))}
 
 
-def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads=None, after_tensor=None):
+def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads=None, after_tensor=None,
+                only=None):
     """Merge step's deltas into `state` in place (module docstring). out_update: where the
     round's update goes (step.codec given); None writes nothing (a replay). after_tensor(name):
     called after each tensor (the aggregator's fault point). Raises fedmom_merge.NonFinite
@@ -231,43 +235,65 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
     -> {"theta_norm" (of the old theta), "delta_norms", "bytes_read", "bytes_written",
         "published": {"base_digest", "digest", "update_bytes", "residual_norm"} or None}.
 
-    Each tensor is cut into pieces on the block boundaries of every codec involved (_unit),
-    and each piece goes through the whole round while it is in cache: the deltas' blocks
-    decoded, the weighted sum, the Nesterov step, and with a block --down-wire the update's
-    blocks encoded, theta advanced by what they decode to and the residual kept; the pieces
-    run on wire.py's thread pool, their norms added in piece order. Every value is computed
-    by the same float32 operations as fedmom_merge.merge_files + Publisher, so the bits are
-    theirs whatever the pieces or threads (tests/test_replay.py); the norms (float64 sums,
-    reported only) may differ from theirs in the last digits. The theta digest (one sha256,
-    serial) and the update file's writes run behind, on a thread of their own, while the
-    next tensor merges."""
+    Each tensor is cut into pieces on the block boundaries of every codec involved
+    (fedmom_merge.piece_unit), and each piece goes through the whole round while it is in
+    cache: the deltas' blocks decoded, the weighted sum, the Nesterov step, and with a block
+    --down-wire the update's blocks encoded, theta advanced by what they decode to and the
+    residual kept; the pieces run on wire.py's thread pool, their norms added in piece order.
+    Every value is computed by the same float32 operations as fedmom_merge.merge_files +
+    Publisher, so the bits are theirs whatever the pieces or threads (tests/test_replay.py);
+    the norms (float64 sums of float32 dots, reported only) may differ from theirs in the
+    last digits. The theta digest (one sha256, serial) and the update file's writes run
+    behind, on a thread of their own, while the next tensor merges.
+
+    only: {name: [(lo, hi, has_momentum, owed)]}: the round applied to those runs of elements
+    alone (a checkpoint's segments still behind this round: fedmom_checkpoint.rebuild), each
+    with what it holds at the round before (a momentum buffer, a residual owed); the rest is
+    left as it is, nothing is written and no digest is made or checked (the state's round and
+    digest are the caller's to set). Each run must start and end on a whole row (a pair of
+    rows when a row is odd) and, with a topk --down-wire, on a chunk of it."""
     threads = wire.resolve_threads(threads)
     codec, mu, shapes = step.codec, step.mu, state.shapes
     fresh = step.fresh or state.momentum is None or mu == 0
+    if only is not None and out_update is not None:
+        raise ValueError("apply_round: a round applied to part of the state (only=) writes no update")
     state.dirty = True
     deltas, uw, behind = [], None, None
     try:
         for p, _ in step.deltas:
             deltas.append(fedmom_merge.DeltaReader(p))
         _check_deltas(deltas, shapes)
-        if mu > 0 and state.momentum is None:
-            state.momentum = {n: np.empty(math.prod(sh), np.float32) for n, sh in shapes.items()}
-        if mu == 0:
-            state.momentum = None
+        zeros = lambda: {n: np.zeros(math.prod(sh), np.float32) for n, sh in shapes.items()}
+        if only is None:
+            if mu > 0 and state.momentum is None:
+                state.momentum = {n: np.empty(math.prod(sh), np.float32) for n, sh in shapes.items()}
+            if mu == 0:
+                state.momentum = None
+            runs = {n: [(0, math.prod(sh), fresh, state.residual is not None)] for n, sh in shapes.items()}
+        else:
+            if mu > 0 and state.momentum is None:
+                state.momentum = zeros()
+            if codec is not None and state.residual is None:
+                state.residual = zeros()
+            runs = {n: [(lo, hi, step.fresh or not has_m or mu == 0, owed) for lo, hi, has_m, owed in only[n]]
+                    for n in shapes if n in only}
         if codec is not None and out_update is not None:
             meta = {k: str(v) for k, v in (metadata or {}).items()}
             uw = wire.WireWriter(out_update, list(shapes.items()), codec, meta, fsync=fsync, threads=threads)
-        owed, new_residual = state.residual, ({} if codec is not None else None)
+        new_residual = {} if codec is not None else None
         sums = {"theta": 0.0, "delta": [0.0] * len(deltas)}
         base_digest, digest, rsq = state.digest, wire.Digest(), 0.0
         behind, pending = wire.Behind(), []
         for n, sh in shapes.items():
+            if n not in runs:
+                continue
             for d in deltas:
                 d.load(n, sh)
-            t = _Tensor(n, sh, state, step, deltas, fresh, mu)
+            t = _Tensor(n, sh, state, step, deltas, mu)
             unit = fedmom_merge.piece_unit(sh, [d.codec for d in deltas if d.blocks] + [codec if t.blocks else None])
             step_n = max(unit, fedmom_merge.STEP // unit * unit)
-            pieces = [(lo, min(lo + step_n, t.n)) for lo in range(0, t.n, step_n)]
+            pieces = [(lo, min(lo + step_n, hi), first, owed)
+                      for a, hi, first, owed in runs[n] for lo in range(a, hi, step_n)]
             results = [None] * len(pieces)
 
             def run(a, b, t=t, pieces=pieces, results=results):
@@ -286,13 +312,15 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
                     raise fedmom_merge.NonFinite(bad, n, "deltas")
             parts = None
             if t.x is not None:
-                parts, r_sq = t.publish_whole(threads)
-                rsq += r_sq
+                for lo, hi, _, _ in runs[n]:
+                    parts, r_sq = t.publish_whole(lo, hi, threads)
+                    rsq += r_sq
             elif t.blocks:
                 parts = t.update_parts()
             if codec is not None:
                 new_residual[n] = t.residual
-            pending.append(behind.submit(digest.add, n, t.T.reshape(sh)))
+            if only is None:
+                pending.append(behind.submit(digest.add, n, t.T.reshape(sh)))
             if uw is not None:
                 pending.append(behind.submit(uw.write_parts, n, parts))
             pending = [f for f in pending if not f.done() or f.result()]   # re-raise a failure behind
@@ -300,6 +328,10 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
                 after_tensor(n)
         for f in pending:
             f.result()
+        if only is not None:
+            state.dirty = False
+            return {"theta_norm": math.sqrt(sums["theta"]), "delta_norms": [math.sqrt(s) for s in sums["delta"]],
+                    "bytes_read": sum(d.nread for d in deltas), "bytes_written": 0, "published": None}
         if uw is not None:
             uw.close()
             uw = None

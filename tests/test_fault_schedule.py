@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import numpy as np  # noqa: E402
 
 import durable  # noqa: E402
+import fedmom_checkpoint  # noqa: E402
 import fault_schedule as fsch  # noqa: E402
 from fault_schedule import Fault, Schedule  # noqa: E402
 
@@ -108,12 +109,9 @@ class FaultScheduleTest(unittest.TestCase):
         self.assertEqual(kinds, set(fsch.KINDS))
 
 
-def flip_low_bit(path, name, what="theta"):
-    """Rewrite tensor file `path` with the lowest mantissa bit of element 0 of `name` flipped."""
-    with fsch.tensorio.TensorReader(path) as r:
-        arrays = {k: np.array(r.read(k, as_float32=True), np.float32) for k in r.names}
-    arrays[name].reshape(-1).view(np.uint32)[0] ^= np.uint32(1)
-    fsch.write_tensors(path, arrays)
+def flip_low_bit(a):
+    """The lowest mantissa bit of element 0 of float32 array `a` flipped, in place."""
+    a.reshape(-1).view(np.uint32)[0] ^= np.uint32(1)
 
 
 class OracleTest(unittest.TestCase):
@@ -156,9 +154,12 @@ class OracleTest(unittest.TestCase):
         self.assertIn("DOUBLED", found)
         self.assertIn("rounds lost or repeated", found)
 
-    def state_file(self, run, key):
-        """The stopped aggregator's `key` of its last round as a file: its state dir is made
-        that round's checkpoint (`fedmom_server.py checkpoint`), so nothing is replayed on top."""
+    def tamper(self, run, what, tensor, change):
+        """The stopped aggregator's last round made its checkpoint (`fedmom_server.py
+        checkpoint`: nothing replayed on top), then change(array) applied in place to `what`
+        ("theta", "momentum", "residual") of `tensor` in its segment, and the checkpoint's
+        theta digest dropped from state.json: books made to agree with the change, so that
+        only the oracle's replay can find it."""
         fed = os.path.join(run.central, "fedmom")
         out = subprocess.run([sys.executable, "fedmom_server.py", "checkpoint", "--state-dir", fed], cwd=ROOT,
                              capture_output=True, text=True, timeout=300)
@@ -166,15 +167,26 @@ class OracleTest(unittest.TestCase):
         with open(os.path.join(fed, "state.json")) as f:
             st = json.load(f)
         self.assertEqual(st["log"], [])
-        return os.path.join(fed, st["checkpoint"][key])
+        for fn in fedmom_checkpoint.checkpoint_files(fed, st["checkpoint"]):
+            path = os.path.join(fed, fn)
+            with fsch.tensorio.TensorReader(path) as r:
+                if r.metadata["tensor"] != tensor:
+                    continue
+                arrays, meta = {k: np.array(r.read(k), np.float32) for k in r.names}, dict(r.metadata)
+            change(arrays[what])
+            with fsch.tensorio.TensorWriter(path, [(k, "F32", a.shape) for k, a in arrays.items()], meta,
+                                            fsync=False) as w:
+                for k, a in arrays.items():
+                    w.write(k, a)
+            st["checkpoint"]["digest"] = None
+            with open(os.path.join(fed, "state.json"), "w") as f:
+                json.dump(st, f)
+            return
+        self.fail(f"no segment of {tensor!r} in {fed}")
 
     def test_a_wrong_theta_is_caught(self):
         run = self.tampered()
-        theta = self.state_file(run, "theta")
-        with fsch.tensorio.TensorReader(theta) as r:
-            arrays = {k: r.read(k, as_float32=True) for k in r.names}
-        arrays["w"] = arrays["w"] + np.float32(0.001)
-        fsch.write_tensors(theta, arrays)
+        self.tamper(run, "theta", "w", lambda a: a.__iadd__(np.float32(0.001)))
         found = "\n".join(fsch.oracle(run))
         self.assertIn("theta differs from the float32 replay", found)
         if self.SCHED.down_wire == "f32":
@@ -186,7 +198,7 @@ class OracleTest(unittest.TestCase):
         for what in ("theta", "momentum"):
             with self.subTest(what):
                 run = self.tampered()
-                flip_low_bit(self.state_file(run, what), "b")
+                self.tamper(run, what, "b", flip_low_bit)
                 found = "\n".join(fsch.oracle(run))
                 self.assertIn(f"{what} differs from the float32 replay", found)
                 self.assertIn("tensors ['b']", found)
@@ -256,7 +268,7 @@ class DownWireOracleTest(OracleTest):
 
     def test_one_bit_of_the_residual_is_caught(self):
         run = self.tampered()
-        flip_low_bit(self.state_file(run, "residual"), "w")
+        self.tamper(run, "residual", "w", flip_low_bit)
         self.assertIn("residual differs from the float32 replay", "\n".join(fsch.oracle(run)))
 
     def test_an_int4_delta_other_than_the_one_merged_is_caught(self):

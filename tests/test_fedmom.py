@@ -20,6 +20,7 @@ import blobstore
 import darl_server
 import darl_table
 import durable
+import fedmom_checkpoint
 import fedmom_client
 import fedmom_merge
 import fedmom_server as fm
@@ -411,11 +412,13 @@ class ProtocolTest(Fixture):
         st2 = self.state()                                     # --init of the same model: a note, no change
         self.assertEqual(st2.round, 2)
         # round 0 is the checkpoint (--checkpoint-rounds 4); rounds 1 and 2 are their deltas, kept to replay
-        self.assertEqual(sorted(os.listdir(st2.dir)), ["rounds.jsonl", "spool", "state.json", "theta-0.safetensors"])
+        self.assertEqual(sorted(os.listdir(st2.dir)), ["ckpt-0", "rounds.jsonl", "spool", "state.json"])
         self.assertEqual(len([f for f in os.listdir(st2.spool) if f.endswith(".safetensors")]), 4)
-        self.assertEqual(st2.checkpoint(force=True), 2)       # written whole: the log and its deltas go
-        self.assertEqual(sorted(os.listdir(st2.dir)), ["momentum-2.safetensors", "rounds.jsonl", "spool",
-                                                       "state.json", "theta-2.safetensors"])
+        self.assertEqual(st2.checkpoint(force=True), 2)       # its segments rewritten: the log and its deltas go
+        self.assertEqual(sorted(os.listdir(st2.dir)), ["ckpt-0", "rounds.jsonl", "spool", "state.json"])
+        for fn in fedmom_checkpoint.checkpoint_files(st2.dir, st2.ckpt):
+            with tensorio.TensorReader(os.path.join(st2.dir, fn)) as r:
+                self.assertEqual((r.metadata["round"], r.names), ("2", ["theta", "momentum"]), fn)
         self.assertEqual(os.listdir(st2.spool), [])
 
     def test_a_torn_rounds_line_is_cut_and_its_record_put_back(self):
@@ -770,7 +773,8 @@ class CrashTest(Fixture):
         proc.wait(timeout=30)
         with open(os.path.join(sd, "state.json")) as f:        # the old round, intact
             self.assertEqual(json.load(f)["round"], 0)
-        self.assertEqual(rel_err(read_all(os.path.join(sd, "theta-0.safetensors")), self.theta0), 0)
+        outer = fedmom_checkpoint.load_outer(sd)              # round 0's theta, as it was
+        self.assertEqual(rel_err({n: a.reshape(outer.shapes[n]) for n, a in outer.theta.items()}, self.theta0), 0)
         proc, url = self.start(sd)                             # restart: the spooled deltas merge now
         client = fedmom_client.FedMomClient(url, "a", "a-inc")
         self.assertEqual(client.wait_round_after(0, timeout_s=60), 1)

@@ -14,6 +14,7 @@ import unittest
 
 import numpy as np
 
+import fedmom_checkpoint
 import fedmom_client
 import fedmom_merge
 import fedmom_state as fs
@@ -25,8 +26,17 @@ from harness import listening_url, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the embedding is larger than fedmom_merge.CHUNK: the chunk loop and its threads run
-SHAPES = {"embed": (300, 1000), "w": (64, 256), "b": (256,), "norm": (7,)}
+SHAPES = {"embed": (300, 1000), "w": (256, 256), "b": (256,), "norm": (7,)}
+SEGMENT_BYTES = 1 << 16       # checkpoint segments of 16,384 values: "w" is 4 of them, written one at a time
 
+
+
+def setUpModule():
+    os.environ[fedmom_checkpoint.SEGMENT_ENV] = str(SEGMENT_BYTES)     # in process and in every server started
+
+
+def tearDownModule():
+    os.environ.pop(fedmom_checkpoint.SEGMENT_ENV, None)
 
 def write_f32(path, arrays):
     with tensorio.TensorWriter(path, [(k, "F32", a.shape) for k, a in arrays.items()], fsync=False) as w:
@@ -188,8 +198,40 @@ class StateReplayTest(Case):
             spooled = [f for f in os.listdir(st.spool) if f.endswith(".safetensors")]
             self.assertEqual(len(spooled), 2 * (r % 3), "the deltas of the logged rounds, no more")
             kept = [f["file"] for f in st.kept_files()]
-            self.assertIn(f"theta-{st.ckpt['round']}.safetensors", kept)
+            self.assertIn(st.ckpt["dir"] + "/", kept)
         self.assert_same_bits(want.theta, os.path.join(st.dir, st.theta_file), "theta written out")
+
+    def test_a_checkpoint_cut_after_any_segment_rebuilds_the_same_bits(self):
+        """Round 3's checkpoint written over round 0's segment by segment and cut after each of
+        them in turn (a crash, a full disk): the segments hold two rounds, and the rebuild
+        replays each from its own (round 0's hold theta alone, round 3's also momentum and
+        residual) to the same bits; once all are written it replays nothing."""
+        st = self.state(checkpoint_rounds=100)
+        for r in (1, 2, 3):
+            self.send(st, r - 1)
+            st.tick()
+        want, old = st.outer.copy(), st.ckpt
+        n = len(fedmom_checkpoint.segments(st.outer.shapes, SEGMENT_BYTES, old["dir"]))
+        self.assertEqual(n, 7, "embed, w in four segments, b, norm")
+
+        class Cut(Exception):
+            pass
+        for k in range(1, n + 1):
+            written = []
+
+            def after(k=k, written=written):
+                written.append(1)
+                if len(written) == k:
+                    raise Cut
+            with self.assertRaises(Cut):
+                fedmom_checkpoint.write_checkpoint(st.outer, st.dir, old, fsync=False, after_file=after)
+            got = fedmom_checkpoint.rebuild(st.dir, old, st.log, threads=2)
+            for which in ("theta", "momentum", "residual"):
+                self.assert_same_bits(getattr(want, which), getattr(got, which), f"cut after {k}: {which}")
+            self.assertEqual((got.round, got.digest), (3, want.digest))
+        record = dict(old, round=3, digest=want.digest)
+        again = fedmom_checkpoint.rebuild(st.dir, record, [], threads=1)
+        self.assert_same_bits(want.residual, again.residual, "the finished checkpoint, nothing replayed")
 
     def test_a_changed_checkpoint_stops_the_start_and_export(self):
         st = self.state(checkpoint_rounds=2)
@@ -197,11 +239,14 @@ class StateReplayTest(Case):
             self.send(st, r - 1)
             st.tick()
         self.assertEqual((st.ckpt["round"], [s.round for s in st.log]), (2, [3]))
-        path = os.path.join(st.dir, st.ckpt["momentum"])
+        path = os.path.join(st.dir, fedmom_checkpoint.checkpoint_files(st.dir, st.ckpt)[0])   # embed's segment
         with tensorio.TensorReader(path) as r:
-            arrays = {n: r.read(n).copy() for n in r.names}
-        arrays["embed"].reshape(-1)[:100] *= 2                     # round 3 would step from another momentum
-        write_f32(path, arrays)
+            arrays, meta = {n: r.read(n).copy() for n in r.names}, dict(r.metadata)
+        self.assertEqual(meta["tensor"], "embed")
+        arrays["momentum"][:100] *= 2                              # round 3 would step from another momentum
+        with tensorio.TensorWriter(path, [(k, "F32", a.shape) for k, a in arrays.items()], meta, fsync=False) as w:
+            for k, a in arrays.items():
+                w.write(k, a)
         with self.assertRaises(SystemExit) as cm:
             self.state(init=None, checkpoint_rounds=2)
         self.assertIn("round 3 replayed to theta digest", str(cm.exception))
@@ -231,9 +276,11 @@ class StateReplayTest(Case):
         with open(os.path.join(st.dir, "state.json")) as f:
             saved = json.load(f)
         self.assertEqual((saved["checkpoint"]["round"], saved["log"]), (3, []))
-        self.assertEqual(sorted(os.listdir(st.dir)), ["lock", "momentum-3.safetensors", "residual-3.safetensors",
-                                                      "rounds.jsonl", "spool", "state.json", "theta-3.safetensors",
-                                                      "update-3.safetensors"])
+        self.assertEqual(sorted(os.listdir(st.dir)), sorted(["lock", saved["checkpoint"]["dir"], "rounds.jsonl", "spool",
+                                                             "state.json", "update-3.safetensors"]))
+        for fn in fedmom_checkpoint.checkpoint_files(st.dir, saved["checkpoint"]):
+            with tensorio.TensorReader(os.path.join(st.dir, fn)) as r:
+                self.assertEqual((r.metadata["round"], r.names), ("3", ["theta", "momentum", "residual"]), fn)
         self.assertEqual(os.listdir(st.spool), [])
         again = self.state(init=None)                         # and a restart from it: the same bits
         for which in ("theta", "momentum", "residual"):

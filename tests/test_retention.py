@@ -191,7 +191,7 @@ class DiskBoundTest(Live):
         """What the rule keeps once round rnd is durable and both sites took its update: the
         checkpoint of round c, the deltas of the rounds logged since, rnd's update."""
         c = rnd - rnd % self.C
-        state = {f"{k}-{c}.safetensors" for k in (("theta", "momentum", "residual") if c else ("theta",))}
+        state = {"ckpt-0"}                  # the checkpoint's segments, rewritten in place every C rounds
         state |= {f"update-{rnd}.safetensors", "state.json", "rounds.jsonl", "spool", "lock"}
         state |= {f"spool/r{b}_{x}_{x}-inc.{ext}" for b in range(c, rnd) for x in ("a", "b")
                   for ext in ("safetensors", "json")}
@@ -217,7 +217,7 @@ class DiskBoundTest(Live):
         for c, s in sites.items():
             self.assertEqual(s._fetch(paths[c]), 0)
         self.assertEqual(sites["late"].down["via"], "full")     # then it goes away for 61 rounds
-        model = os.path.getsize(os.path.join(self.sd, "theta-0.safetensors"))
+        model = 4 * sum(int(np.prod(s)) for s in SHAPES.values())
         bound = (self.K + 2) * model + self.C * sum(os.path.getsize(d) for d in self.deltas)
         worst = 0
         for rnd in range(61):
@@ -267,21 +267,24 @@ class DiskBoundTest(Live):
 
 class PeakTest(Live):
     def files(self):
-        out = {f: os.path.getsize(os.path.join(self.sd, f)) for f in os.listdir(self.sd) if f != "spool"}
-        out.update({f"spool/{f}": os.path.getsize(os.path.join(self.sd, "spool", f))
-                    for f in os.listdir(os.path.join(self.sd, "spool"))})
+        out = {f: os.path.getsize(os.path.join(self.sd, f)) for f in os.listdir(self.sd)
+               if f not in ("spool", "ckpt-0")}
+        for d in ("spool", "ckpt-0"):
+            out.update({f"{d}/{f}": os.path.getsize(os.path.join(self.sd, d, f))
+                        for f in os.listdir(os.path.join(self.sd, d))})
         return out
 
     def hold(self, point, skip):
         with open(os.path.join(self.faults, point), "w") as f:
             f.write(str(skip))
 
-    def test_a_round_writes_only_its_update_and_a_checkpoint_peaks_at_two_of_them(self):
+    def test_a_round_writes_only_its_update_and_a_checkpoint_holds_one_checkpoint_and_a_segment(self):
         """--checkpoint-rounds 2, int4 deltas. Held at round 3's durable point: the state dir is
-        round 2's checkpoint (theta, momentum, residual), round 3's update and the deltas
-        logged since - the merge wrote no model-sized file. Held after the last file of round
-        4's checkpoint (nothing old deleted yet, so this is the peak): both checkpoints, the
-        update and the two logged rounds' int4 deltas as they came."""
+        round 2's checkpoint (theta, momentum, residual in segments), round 3's update and the
+        deltas logged since - the merge wrote no model-sized file. Held after the second segment
+        of round 4's checkpoint: the segments are rewritten in place (two of round 4, the rest of
+        round 2; never two checkpoints side by side, which was 6 models), the update and the two
+        logged rounds' int4 deltas as they came."""
         self.blob_store, self.blob_url = self.spawn("blobstore.py", "--root", self.blob_root)
         self.start("--init", self.init, "--checkpoint-rounds", "2")
         for c in ("a", "b"):
@@ -295,33 +298,43 @@ class PeakTest(Live):
         files = self.files()
         os.unlink(os.path.join(self.faults, "fedmom.round_durable"))
         logged = {f"spool/r2_{x}_{x}-inc.{e}" for x in ("a", "b") for e in ("safetensors", "json")}
-        ckpt2 = {f"{k}-2.safetensors" for k in ("theta", "momentum", "residual")}
-        self.assertEqual(set(files), ckpt2 | {"update-2.safetensors", "update-3.safetensors", "state.json",
-                                              "rounds.jsonl", "lock"} | logged)
-        model = files["theta-2.safetensors"]
+        segments = {f"ckpt-0/{i:05d}-0000.safetensors" for i in range(len(SHAPES))}
+        self.assertEqual(set(files), segments | {"update-2.safetensors", "update-3.safetensors", "state.json",
+                                                 "rounds.jsonl", "lock"} | logged)
+        self.assertEqual(self.segment_rounds(), [2] * len(SHAPES))
+        model = 4 * sum(int(np.prod(s)) for s in SHAPES.values())
+        largest = 4 * max(int(np.prod(s)) for s in SHAPES.values())
         deltas = sum(os.path.getsize(d) for d in self.deltas)
         self.assertEqual(sorted(v for f, v in files.items() if f.endswith(".safetensors") and "spool/" in f),
                          sorted(os.path.getsize(d) for d in self.deltas), "the spool holds the int4 files as sent")
         expect(lambda: self.kept_after(3), "round 3's leftovers to go", timeout_s=HANG_S)
-        self.hold("fedmom.checkpoint", 2)             # round 4's theta, momentum and residual written
+        self.hold("fedmom.checkpoint", 1)             # round 4's first two segments written
         self.merge_round(3)
         expect(lambda: self.hit("fedmom.checkpoint"), "round 4's checkpoint", timeout_s=HANG_S)
         peak = self.files()
+        self.assertEqual(self.segment_rounds(), [4, 4] + [2] * (len(SHAPES) - 2))
         os.unlink(os.path.join(self.faults, "fedmom.checkpoint"))
         logged |= {f"spool/r3_{x}_{x}-inc.{e}" for x in ("a", "b") for e in ("safetensors", "json")}
-        ckpt4 = {f"{k}-4.safetensors" for k in ("theta", "momentum", "residual")}
-        self.assertEqual(set(peak), ckpt2 | ckpt4 | {"update-4.safetensors", "state.json", "rounds.jsonl",
-                                                     "lock"} | logged)
-        small = files["state.json"] + files["rounds.jsonl"] + 4096
+        self.assertEqual(set(peak), segments | {"update-4.safetensors", "state.json", "rounds.jsonl", "lock"}
+                         | logged)
+        small = files["state.json"] + files["rounds.jsonl"] + 4096 * (len(SHAPES) + 1)   # headers
         self.assertLessEqual(sum(files.values()), 3 * model + files["update-3.safetensors"] +
                              files["update-2.safetensors"] + deltas + small)
-        self.assertLessEqual(sum(peak.values()), 6 * model + peak["update-4.safetensors"] + 2 * deltas + small
-                             + 4096)
-        expect(lambda: set(self.files()) == ckpt4 | {"update-4.safetensors", "state.json", "rounds.jsonl", "lock"},
-               "round 2's checkpoint and the logged deltas to go", timeout_s=HANG_S)
+        self.assertLessEqual(sum(peak.values()), 3 * model + peak["update-4.safetensors"] + 2 * deltas + small)
+        expect(lambda: set(self.files()) == segments | {"update-4.safetensors", "state.json", "rounds.jsonl", "lock"},
+               "the logged deltas to go", timeout_s=HANG_S)
+        self.assertEqual(self.segment_rounds(), [4] * len(SHAPES))
         print(f"\n    a round: {(sum(files.values()) - small) / model:.2f} models (one checkpoint, updates, "
-              f"{deltas / model:.2f} of int4 deltas a round); a checkpoint's peak: "
-              f"{(sum(peak.values()) - small) / model:.2f} models", file=sys.stderr)
+              f"{deltas / model:.2f} of int4 deltas a round); during a checkpoint: "
+              f"{(sum(peak.values()) - small) / model:.2f} models, and one segment's file being written "
+              f"({3 * largest / model:.2f} here at most)", file=sys.stderr)
+
+    def segment_rounds(self):
+        out = []
+        for f in sorted(os.listdir(os.path.join(self.sd, "ckpt-0"))):
+            with tensorio.TensorReader(os.path.join(self.sd, "ckpt-0", f)) as r:
+                out.append(int(r.metadata["round"]))
+        return out
 
     def kept_after(self, rnd):
         return not any(f.startswith(f"update-{rnd - 1}") for f in os.listdir(self.sd))
@@ -406,9 +419,7 @@ class LockTest(Live):
             os.path.join(self.sd, "spool")) and fs.blob_name(agg, "theta", 0) not in self.blobs(),
             "the held deletions to finish", timeout_s=HANG_S)
         kept = httpd.call(self.url, "GET", "/status")["retention"]
-        self.assertEqual(sorted(f["file"] for f in kept["state"]),
-                         ["momentum-1.safetensors", "residual-1.safetensors", "theta-1.safetensors",
-                          "update-1.safetensors"])
+        self.assertEqual(sorted(f["file"] for f in kept["state"]), ["ckpt-0/", "update-1.safetensors"])
         out = subprocess.run([sys.executable, "fedmom_server.py", "status", "--url", self.url], cwd=ROOT,
                              capture_output=True, text=True, timeout=HANG_S)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
