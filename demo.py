@@ -75,6 +75,7 @@ import durable
 import fedmom_checkpoint
 import harness
 import status_page
+from outer_defaults import OUTER_LR, OUTER_MOMENTUM
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -186,8 +187,8 @@ class DemoConfig:
     lease_ttl_s: float = 15.0
     member_timeout_s: float = 15.0
     round_deadline_s: float = 90.0
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = OUTER_LR
+    outer_momentum: float = OUTER_MOMENTUM
     timeout_min: float = 9.0
     seed: int = 0
 

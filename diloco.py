@@ -61,6 +61,7 @@ import torch.distributed as dist
 
 import durable
 import httpd
+from outer_defaults import OUTER_LR, OUTER_MOMENTUM
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 OUTER_DEVICES = ("same", "cpu")
@@ -155,8 +156,8 @@ class ReplicaLayout:
 class DiLoCoConfig:
     inner_steps: int = 100              # H: inner steps between outer steps
     outer_optimizer: str = "nesterov"   # "nesterov" | "sgd"
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = OUTER_LR
+    outer_momentum: float = OUTER_MOMENTUM
     outer_device: str = "same"          # where theta and the outer momentum live: "same" | "cpu"
 
     def __post_init__(self):

@@ -2,7 +2,8 @@
 
 Runs on: the central VM (CPU only). Python standard library + numpy; never imports
 torch, so copying httpd.py, durable.py, tensorio.py, wire.py (compressed deltas and
-updates), fedmom_merge.py (the merge arithmetic and the delta checks), outer_state.py (the outer
+updates), fedmom_merge.py (the merge arithmetic and the delta checks), outer_defaults.py (the
+default outer lr and momentum), outer_state.py (the outer
 state in memory), fedmom_checkpoint.py (its checkpoint and replay), fedmom_state.py (the durable
 state and round protocol), status_page.py (GET /) and this file onto a bare Python 3 with numpy
 is the whole install
@@ -589,9 +590,10 @@ def _server_parser():
     p = httpd.base_parser(__doc__)
     p.add_argument("--state-dir", required=True, help="where theta, momentum, state.json, rounds.jsonl live")
     p.add_argument("--init", help="initial model (.safetensors, any float dtype); needed on the first start only")
-    p.add_argument("--outer-lr", type=float, default=0.7, help="outer learning rate (default 0.7; 1.0 = FedAvg)")
-    p.add_argument("--outer-momentum", type=float, default=0.9,
-                   help="Nesterov momentum (default 0.9; 0 = FedAvg)")
+    p.add_argument("--outer-lr", type=float, default=ServerConfig.outer_lr,
+                   help=f"outer learning rate (default {ServerConfig.outer_lr}; 1.0 = FedAvg)")
+    p.add_argument("--outer-momentum", type=float, default=ServerConfig.outer_momentum,
+                   help=f"Nesterov momentum (default {ServerConfig.outer_momentum}; 0 = FedAvg)")
     p.add_argument("--round-deadline-s", type=float, default=1800.0,
                    help="seconds after a round's first delta before it merges without the rest (default 1800)")
     p.add_argument("--member-timeout-s", type=float, default=300.0,

@@ -121,6 +121,7 @@ import httpd
 import fedmom_checkpoint
 import fedmom_merge
 import outer_state
+from outer_defaults import OUTER_LR, OUTER_MOMENTUM
 from fedmom_checkpoint import STATE_FORMAT, write_json
 import tensorio
 import wire
@@ -150,8 +151,8 @@ def log(msg):
 class ServerConfig:
     state_dir: str
     init: str | None = None
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = OUTER_LR
+    outer_momentum: float = OUTER_MOMENTUM
     round_deadline_s: float = 1800.0
     member_timeout_s: float = 300.0
     blob_url: str | None = None

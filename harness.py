@@ -477,7 +477,7 @@ def tokenize(out_dir, corpus_bytes, seq_len, heldout_windows):
 def export_init(launcher, path, manifest, model, seed, log_path):
     """`train.py --export-init`: the initial global model (fp32 tensor file) FedMom starts from."""
     p = launcher.start("export-init", [sys.executable, "train.py", "--export-init", path, "--model", model,
-                                       "--data", manifest, "--seed", seed, "--device", "cpu"], log_path)
+                                       "--data", manifest, "--seed", seed], log_path)     # always on the CPU
     rc = p.wait()
     if rc != 0 or not os.path.exists(path):
         raise RuntimeError(f"train.py --export-init failed (exit {rc}); see {log_path}:\n  "

@@ -34,13 +34,17 @@ checkpoint (FEDERATION_GUIDE.md section 4, "Overlap").
 Device dispatch, rank/world and the rendezvous (ROCm, CUDA or CPU; torchrun or srun;
 MASTER_PORT from SLURM_JOB_ID): dist_env.py, called once at the start of train().
 
-Config: flags > --config YAML (keys are flag names) > defaults; model-dependent
-defaults read "LLM / CIFAR" in --help. --dtype auto = bf16 on GPUs and fp32 on CPUs
-(Config.resolve says why). Seeds: the model is initialised with --seed on every rank;
-augmentation and dropout then use seed*1000 + rank; data order is a function of
-(--seed, epoch) only, so a resume continues exactly where the checkpoint stopped.
+Config (train_config.py, where every flag is said once): flags > --config YAML (keys are
+flag names) > defaults; model-dependent defaults read "LLM / CIFAR" in --help. --dtype
+auto = bf16 on GPUs and fp32 on CPUs (Config.resolve says why). A flag given where this
+run's mode would not read it (--ckpt-every with --federation, --wire-block with --wire
+topk, ...) is refused, naming the flag and the fix.
 
-Outputs: runs/<run>/ holds
+Seeds: the model is initialised with --seed on every rank; augmentation and dropout then
+use seed*1000 + rank; data order is a function of (--seed, epoch) only, so a resume
+continues exactly where the checkpoint stopped.
+
+Outputs (metrics.py writes the logs and rows): runs/<run>/ holds
     config.yaml     the resolved config (usable as --config) + provenance (git hash or the
                     sha256 of every *.py, library versions, every rank's device)
     train.log       what rank 0 printed
@@ -63,20 +67,11 @@ Outputs: runs/<run>/ holds
     federation/     rank 0's delta.safetensors (the last one sent) and theta.safetensors
 Who may run it: anyone with the venv (or the site container); it only writes under --runs-dir.
 """
-import argparse
 import contextlib
 import dataclasses
-import datetime
-import hashlib
 import json
 import math
 import os
-import platform
-import re
-import resource
-import secrets
-import socket
-import subprocess
 import sys
 import time
 
@@ -87,565 +82,14 @@ import torch.nn.functional as F
 import checkpoint
 import data
 import diloco
-import durable
 import fedsite
 import models
-import wire_torch
-from dist_env import ConfigError, DeviceError, Dist, init_distributed, print0   # noqa: F401 (train.DeviceError)
+from dist_env import ConfigError, DeviceError, Dist, init_distributed   # noqa: F401 (train.DeviceError)
+from metrics import RunLog, fmt_row, peak_flops, peak_memory_gib, provenance
+from train_config import Config, parse_config, write_config_yaml
 
-# ---------------------------------------------------------------------------
-# Stage 2: config - one dataclass; YAML supplies defaults, flags override
-# ---------------------------------------------------------------------------
-
-# DiLoCo's outer-step flags: they mean something only inside one allocation
-OUTER_STEP_FLAGS = ("diloco_outer_optimizer", "diloco_outer_lr", "diloco_outer_momentum")
-
-
-@dataclasses.dataclass
-class Config:
-    config: str | None = None
-    model: str = "resnet18"
-    data: str | None = None
-    parallel: str = "ddp"
-    device: str = "auto"
-    dtype: str = "auto"
-    batch_size: int | None = None
-    grad_accum: int = 1
-    steps: int = 0
-    epochs: int = 1
-    lr: float | None = None
-    min_lr: float | None = None
-    warmup_steps: int | None = None
-    weight_decay: float | None = None
-    grad_clip: float | None = None
-    seq_len: int | None = None
-    seed: int = 0
-    eval_every: int = 0
-    eval_windows: int = 64
-    ckpt_every: int = 0
-    keep_checkpoints: int = 2
-    sharded_checkpoint: bool = False
-    activation_checkpointing: bool = False
-    compile: bool = False
-    fsdp_defer_grad_sync: bool = False
-    run_name: str | None = None
-    runs_dir: str = "runs"
-    resume: str = "none"
-    log_every: int = 10
-    diloco_replicas: int = 1
-    diloco_inner_steps: int = 100
-    # None = not given: resolve() fills DiLoCo's defaults inside one allocation; with
-    # --federation the outer step is the aggregator's, and validate() refuses a given value
-    diloco_outer_optimizer: str | None = None
-    diloco_outer_lr: float | None = None
-    diloco_outer_momentum: float | None = None
-    diloco_outer_device: str = "same"
-    federation: str | None = None
-    darl_url: str | None = None
-    blob_url: str | None = None
-    token_file: str | None = None
-    ca_file: str | None = None
-    site: str | None = None
-    replica: str | None = None
-    transport: str = "auto"
-    wire: str = "f32"
-    wire_block: int = 128
-    wire_topk_chunk: int = 4096
-    wire_topk_k: int = 64
-    wire_topk_bits: int = 4
-    encode_on: str = "auto"           # resolve() picks host or device under --federation
-    error_feedback: bool = True
-    overlap: bool = False
-    overlap_fold: str = "arrival"
-    throttle_ms: int = 0
-    tensorboard: str | None = None
-    export_init: str | None = None
-    register_wait_s: float = 600.0
-
-    @property
-    def cluster(self):
-        """The stream's id at DARL and FedMom: --site (or $PWW_SITE, else the short host
-        name), plus -<replica> with --replica. Stable across requeues by construction."""
-        site = self.site or os.environ.get("PWW_SITE") or socket.gethostname().split(".")[0]
-        return site if not self.replica else f"{site}-{self.replica}"
-
-    @property
-    def llm(self):
-        return models.is_llm(self.model)
-
-    def resolve(self, accel):
-        """Fill the model-dependent defaults (None above); returns self."""
-        llm, gpu = self.llm, accel != "cpu"
-        pick = lambda v, for_llm, for_cifar: v if v is not None else (for_llm if llm else for_cifar)
-        self.data = pick(self.data, "data/tokens/manifest.json", "data/cifar-10-batches-py")
-        self.batch_size = pick(self.batch_size, 8, 128)
-        self.lr = pick(self.lr, 3e-4, 0.1)
-        self.min_lr = pick(self.min_lr, self.lr / 10, 0.0)
-        self.weight_decay = pick(self.weight_decay, 0.1, 5e-4)
-        self.grad_clip = pick(self.grad_clip, 1.0, 0.0)
-        # bf16 on GPUs (MI250X and H100 do it natively, with fp32's range: no loss scaler);
-        # fp32 on CPUs, where runs are tests and demos and fp32 gives the same numbers on
-        # every machine (CPU bf16 speed varies with the instruction set: AMX, AVX512-BF16).
-        if self.dtype == "auto":
-            self.dtype = "bf16" if gpu else "fp32"
-        if self.federation is None:      # federated: left unset (validate refuses a given one)
-            d = diloco.DiLoCoConfig()
-            for name in OUTER_STEP_FLAGS:
-                if getattr(self, name) is None:
-                    setattr(self, name, getattr(d, name.removeprefix("diloco_")))
-        elif self.encode_on == "auto":
-            # on a GPU, int8/int4 encode where the delta was gathered: only the codes and
-            # scales (an eighth of fp32 for int4) cross to the host, not the fp32 tensor,
-            # and rank 0's CPU does not run the numpy codec; the bits are the same
-            self.encode_on = "device" if gpu and self.wire in wire_torch.LEVELS else "host"
-        return self
-
-    def validate(self):
-        """Checks that need no process group. Errors name the flag to change."""
-        if self.dtype == "fp16" and self.parallel == "fsdp":
-            raise ConfigError("--dtype fp16 needs a GradScaler, and FSDP2's mixed precision has "
-                              "none (gradients would silently underflow); use --dtype bf16, or "
-                              "--parallel ddp for fp16 with a scaler")
-        for flag, v, lo in (("--batch-size", self.batch_size, 1), ("--grad-accum", self.grad_accum, 1),
-                            ("--steps", self.steps, 0), ("--epochs", self.epochs, 1),
-                            ("--log-every", self.log_every, 1), ("--eval-every", self.eval_every, 0),
-                            ("--ckpt-every", self.ckpt_every, 0), ("--keep-checkpoints", self.keep_checkpoints, 1),
-                            ("--warmup-steps", self.warmup_steps, 0), ("--eval-windows", self.eval_windows, 0),
-                            ("--diloco-replicas", self.diloco_replicas, 1)):
-            if v is not None and v < lo:
-                raise ConfigError(f"{flag} {v}: must be >= {lo}")
-        if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ConfigError(f"--lr {self.lr} / --min-lr {self.min_lr}: need 0 <= min-lr <= lr and lr > 0")
-        if self.llm and not self.data.endswith(".json"):
-            raise ConfigError(f"--data {self.data}: --model {self.model} reads a tokenized corpus; "
-                              f"give its manifest.json (python tokenize_corpus.py --out DIR)")
-        if self.federation is not None:
-            self.validate_federation()
-        elif self.overlap:
-            raise ConfigError("--overlap is for federated sites (--federation): inside one allocation "
-                              "the outer all-reduce is not worth hiding")
-        elif self.encode_on != "auto":
-            raise ConfigError(f"--encode-on {self.encode_on} is for federated sites (--federation): inside "
-                              "one allocation no delta is encoded; drop it")
-        if self.fsdp_defer_grad_sync and self.parallel != "fsdp":
-            raise ConfigError(f"--fsdp-defer-grad-sync is for --parallel fsdp (DDP always defers the "
-                              f"all-reduce to the last micro-batch); drop it with --parallel {self.parallel}")
-        if not self.llm and self.compile and self.parallel == "fsdp":
-            # measured with torch 2.13 on CPU: bf16 stops in Dynamo ("Attempted to call function
-            # marked as skipped": the FSDP2 hooks of the BatchNorm layers sharded on their own,
-            # inside the fullgraph stage), fp32 in Inductor ("Cannot convert expression to float")
-            raise ConfigError(f"--compile with --parallel fsdp is for the Qwen3 models: a compiled "
-                              f"ResNet stage under FSDP2 does not build; use --parallel ddp for "
-                              f"--model {self.model} --compile (ResNets fit on one GPU), or drop --compile")
-        if not self.llm and self.activation_checkpointing:
-            raise ConfigError("--activation-checkpointing is for the Qwen3 models: recomputing a "
-                              "ResNet stage would update its BatchNorm statistics twice")
-        if self.resume not in ("none", "auto") and not os.path.exists(self.resume):
-            raise ConfigError(f"--resume {self.resume}: no such checkpoint; use none, auto or a path "
-                              f"under runs/<run>/checkpoints/")
-        if self.diloco_replicas > 1:
-            diloco.DiLoCoConfig.from_args(self)          # raises naming the --diloco-* flag
-
-    def wire_codec(self):
-        """The delta's wire format (wire.py), validated; errors name the --wire-* flag."""
-        import wire
-        try:
-            return wire.Codec(self.wire, self.wire_block, self.wire_topk_chunk, self.wire_topk_k,
-                              self.wire_topk_bits).validate()
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-    def validate_federation(self):
-        self.wire_codec()
-        if self.encode_on == "device" and self.wire not in wire_torch.LEVELS:
-            raise ConfigError(f"--encode-on device encodes int8 and int4 (wire_torch.py); --wire {self.wire} "
-                              f"is encoded on the host: use --encode-on host or auto, or --wire int8/int4")
-        given = [name for name in OUTER_STEP_FLAGS if getattr(self, name) is not None]
-        if given:
-            flags = ", ".join(f"--{n.replace('_', '-')} {getattr(self, n)}" for n in given)
-            raise ConfigError(f"{flags} with --federation: the outer step is the aggregator's, set by "
-                              f"fedmom_server.py --outer-lr and --outer-momentum (Nesterov); a site only "
-                              f"takes theta_global, so drop {'them' if len(given) > 1 else 'it'} "
-                              f"(from --config too)")
-        if self.diloco_outer_device != "same":
-            raise ConfigError(f"--diloco-outer-device {self.diloco_outer_device} with --federation: a federated "
-                              "site keeps its copy of theta_global on the training device (no outer momentum: the "
-                              "aggregator owns the outer step), so the flag would do nothing; drop it")
-        if not self.llm:
-            raise ConfigError(f"--federation trains a Qwen3 model on DARL-leased token windows; "
-                              f"--model {self.model} reads no tokenized corpus (use qwen3-*)")
-        if self.diloco_replicas != 1:
-            raise ConfigError(f"--federation with --diloco-replicas {self.diloco_replicas}: a federated "
-                              "site is ONE stream; run one job per stream with --replica a, --replica b "
-                              "(cluster ids <site>-a, <site>-b) instead")
-        if not self.darl_url:
-            raise ConfigError("--federation needs --darl-url (the DARL coordinator, :29510): the site "
-                              "trains only on windows it leased there")
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", self.cluster):
-            raise ConfigError(f"cluster id {self.cluster!r} (from --site/$PWW_SITE/the host name and "
-                              f"--replica) must match [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}; set --site")
-        if self.dtype == "fp16":
-            raise ConfigError("--dtype fp16 with --federation: the federated loop has no GradScaler; "
-                              "use --dtype bf16 (or fp32)")
-        if self.transport == "blob" and not self.blob_url:
-            raise ConfigError("--transport blob needs --blob-url (the blob store, :29512)")
-        if self.diloco_inner_steps < 1:
-            raise ConfigError(f"--diloco-inner-steps {self.diloco_inner_steps}: H must be >= 1")
-        if self.throttle_ms < 0 or self.register_wait_s < 0:
-            raise ConfigError("--throttle-ms and --register-wait-s must be >= 0")
-
-
-def build_parser():
-    p = argparse.ArgumentParser(description="Train ResNet/CIFAR-10 or Qwen3 on ROCm, CUDA or CPU "
-                                "(DDP/FSDP2, DiLoCo inside the allocation).",
-                                epilog="Model-dependent defaults are given as LLM / CIFAR.")
-    a = p.add_argument
-    a("--config", help="YAML file of defaults for these flags (keys as flag names, - or _); flags win")
-    a("--model", choices=models.MODEL_NAMES, default=Config.model, help="default resnet18")
-    a("--data", help="CIFAR-10 python-pickle directory, or a tokenize_corpus.py manifest.json "
-      "(default data/tokens/manifest.json / data/cifar-10-batches-py)")
-    a("--parallel", choices=("ddp", "fsdp"), default=Config.parallel,
-      help="DDP, or FSDP2 sharded per block then at the root (default ddp)")
-    a("--device", choices=("auto", "cpu", "cuda", "rocm"), default=Config.device,
-      help="auto: ROCm or CUDA when a GPU is visible, else CPU with gloo (default auto)")
-    a("--dtype", choices=("auto", "bf16", "fp32", "fp16"), default=Config.dtype,
-      help="compute dtype; auto = bf16 on GPUs, fp32 on CPUs; fp16 only with --parallel ddp "
-           "(GradScaler) (default auto)")
-    a("--batch-size", type=int, help="micro-batch per rank, sequences or images (default 8 / 128)")
-    a("--grad-accum", type=int, default=Config.grad_accum, help="micro-batches per optimizer step (default 1)")
-    a("--steps", type=int, default=Config.steps,
-      help="optimizer steps; 0 = one epoch of windows / --epochs of CIFAR (default 0)")
-    a("--epochs", type=int, default=Config.epochs, help="CIFAR epochs when --steps is 0 (default 1)")
-    a("--lr", type=float, help="peak LR: AdamW for Qwen3; SGD for CIFAR per 128 images of replica "
-      "batch, scaled linearly (0.1 -> 0.8 at 1024) (default 3e-4 / 0.1)")
-    a("--min-lr", type=float, help="LR at the end of the cosine (default lr/10 / 0)")
-    a("--warmup-steps", type=int, help="linear warmup steps (default 5%% of the run)")
-    a("--weight-decay", type=float, help="decoupled (AdamW) / L2 (SGD) weight decay (default 0.1 / 5e-4)")
-    a("--grad-clip", type=float, help="max global gradient norm, 0 = off (default 1.0 / 0)")
-    a("--seq-len", type=int, help="tokens per sequence; must match the corpus manifest (default: the manifest's)")
-    a("--seed", type=int, default=Config.seed, help="model init seed; data and augmentation add the rank (default 0)")
-    a("--eval-every", type=int, default=Config.eval_every,
-      help="evaluate every N optimizer steps (with --federation: every N outer phases, of "
-           "theta_global); 0 = each CIFAR epoch and the end (default 0)")
-    a("--eval-windows", type=int, default=Config.eval_windows,
-      help="held-out windows scored per Qwen3 eval, a fixed set whatever the rank count (default 64)")
-    a("--ckpt-every", type=int, default=Config.ckpt_every, help="checkpoint every N steps; 0 = at the end only (default 0)")
-    a("--keep-checkpoints", type=int, default=Config.keep_checkpoints, help="newest checkpoints kept (default 2)")
-    a("--sharded-checkpoint", action="store_true", help="torch.distributed.checkpoint shards instead of one file")
-    a("--activation-checkpointing", action="store_true", help="recompute each transformer block in backward")
-    a("--compile", action="store_true",
-      help="torch.compile each block (transformer block / ResNet stage), fullgraph, as torchtitan "
-           "does: faster steps after a one-off compile per shape (default off; a ResNet only "
-           "with --parallel ddp)")
-    a("--fsdp-defer-grad-sync", action="store_true",
-      help="with --grad-accum > 1 under FSDP: reduce-scatter gradients only on the last micro-batch. "
-           "Fewer collectives, but every rank then holds a full unsharded fp32 gradient between "
-           "micro-batches (4 bytes x parameters: ~32 GB per GPU for qwen3-8B). Default off: "
-           "reduce-scatter every micro-batch into sharded gradients, as torchtitan does")
-    a("--run-name", help="runs/<run-name>/ (default <model>-<SLURM_JOB_ID>, else <model>-<date-time>)")
-    a("--runs-dir", default=Config.runs_dir, help="parent of run directories (default runs)")
-    a("--resume", default=Config.resume, help="none | auto (newest checkpoint of this run) | PATH (default none)")
-    a("--log-every", type=int, default=Config.log_every, help="optimizer steps per train row (default 10)")
-    a("--tensorboard", metavar="DIR", help="also write every metrics row as TensorBoard scalars into DIR "
-      "(torch.utils.tensorboard; needs the tensorboard package; default: metrics.jsonl only)")
-    diloco.add_diloco_args(p)
-    # the outer step's flags parse to None when not given, so that --federation (where the
-    # aggregator owns the outer step) can refuse a value given; resolve() fills the defaults
-    p.set_defaults(**dict.fromkeys(OUTER_STEP_FLAGS))
-    f = p.add_argument_group("federation (one model trained across sites through the central VM)")
-    f.add_argument("--federation", metavar="FEDMOM_URL",
-                   help="train as one site of a federated run: the aggregator fedmom_server.py "
-                        "(http://central:29511); H = --diloco-inner-steps (default: off)")
-    f.add_argument("--darl-url", help="the DARL coordinator darl_server.py (http://central:29510); "
-                                      "required with --federation")
-    f.add_argument("--blob-url", help="the blob store blobstore.py (http://central:29512) for the blob "
-                                      "transport (default: none, everything inline)")
-    f.add_argument("--token-file", default=os.environ.get("PWW_TOKEN_FILE"),
-                   help="file holding the central services' bearer token (default: $PWW_TOKEN_FILE, "
-                        "else $PWW_TOKEN, else no token)")
-    f.add_argument("--ca-file", default=os.environ.get("PWW_CA_FILE"),
-                   help="CA certificate of the central services' https:// URLs (central.sh's ca.pem; "
-                        "default: $PWW_CA_FILE, else the system's CAs)")
-    f.add_argument("--site", help="site name in the cluster id (default $PWW_SITE, else the short host name)")
-    f.add_argument("--replica", help="a second stream at the same site: cluster id <site>-<replica> "
-                                     "(default: none, cluster id = site)")
-    f.add_argument("--transport", choices=("inline", "blob", "auto"), default=Config.transport,
-                   help="how deltas and theta move: inline HTTP, the blob store, or auto = blob above "
-                        "256 MiB when --blob-url is set (default auto)")
-    f.add_argument("--wire", "--delta-dtype", choices=("f32", "bf16", "int8", "int4", "topk"), default=Config.wire,
-                   help="format of the delta sent each round (wire.py; FEDERATION_GUIDE.md section 4, "
-                        "'Wire formats'): f32 4 B/param, bf16 2, int8 1.02, int4 0.52, topk 0.03 (default f32)")
-    f.add_argument("--wire-block", type=int, default=Config.wire_block,
-                   help="int8/int4: values per scale along the last dimension, 64-256 (default 128)")
-    f.add_argument("--wire-topk-chunk", type=int, default=Config.wire_topk_chunk,
-                   help="topk: values per chunk of each flattened tensor (default 4096)")
-    f.add_argument("--wire-topk-k", type=int, default=Config.wire_topk_k,
-                   help="topk: largest-magnitude values kept per chunk (default 64)")
-    f.add_argument("--wire-topk-bits", type=int, choices=(4, 8), default=Config.wire_topk_bits,
-                   help="topk: bits per kept value (default 4)")
-    f.add_argument("--encode-on", choices=("host", "device", "auto"), default=Config.encode_on,
-                   help="where rank 0 encodes the delta: host = numpy on its CPU (wire.py, the reference), "
-                        "device = wire_torch.py on the training device, the same bits, only the codes and "
-                        "scales copied to the host (int8/int4 only); auto = device for --wire int8/int4 on "
-                        "a GPU, else host (default auto)")
-    f.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=Config.error_feedback,
-                   help="add what the wire format dropped to the next round's delta; the buffer is kept "
-                        "in runs/<run>/federation/ across --resume auto (default on; f32 drops nothing)")
-    f.add_argument("--overlap", action="store_true", default=Config.overlap,
-                   help="train the next phase while the delta's round trip runs, and fold the new "
-                        "theta_global in when it arrives (one-step-delayed outer update; FEDERATION_GUIDE.md "
-                        "section 4, 'Overlap'); costs 4 B/param of host memory per rank (default off)")
-    f.add_argument("--overlap-fold", choices=("arrival", "end"), default=Config.overlap_fold,
-                   help="with --overlap, when the new theta_global is folded in: at the first inner step "
-                        "after it arrived (one small broadcast per step while a round trip runs), or at "
-                        f"the end of the phase it arrived in (default {Config.overlap_fold})")
-    f.add_argument("--throttle-ms", type=int, default=Config.throttle_ms,
-                   help="sleep this many ms after every inner step: for demos and tests only, to make "
-                        "one site slower (default 0)")
-    f.add_argument("--register-wait-s", type=float, default=Config.register_wait_s,
-                   help="how long to wait for a previous incarnation of this cluster id (a killed, "
-                        "requeued job) to expire at DARL and FedMom, s (default 600)")
-    f.add_argument("--export-init", metavar="PATH",
-                   help="write the model built from --seed as an fp32 tensor file (fedmom_server.py "
-                        "--init) and exit; needs --model and, for Qwen3, --data")
-    return p
-
-
-RENAMED_KEYS = {"delta_dtype": "wire"}      # config keys whose flag was renamed: old -> new
-
-
-def _yaml_defaults(path, parser):
-    """{dest: value} from a YAML file, each key checked against the flags and typed like them."""
-    import yaml
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise ConfigError(f"--config {path}: {e.strerror}; pass an existing YAML file (configs/*.yaml)") from None
-    except yaml.YAMLError as e:
-        # the context mark is where the broken entry starts (line 3 for "steps 200"), the
-        # problem mark where the parser gave up (often the next line)
-        mark = getattr(e, "context_mark", None) or getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark else "somewhere"
-        raise ConfigError(f"--config {path}: not valid YAML at {where} ({getattr(e, 'problem', None) or e}); "
-                          "fix that line: one `flag_name: value` per line, as in configs/*.yaml") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
-    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
-    out = {}
-    for key, value in raw.items():
-        dest = str(key).replace("-", "_")
-        dest = RENAMED_KEYS.get(dest, dest)      # an older run's config.yaml
-        if dest == "provenance":                 # a run's config.yaml can be passed back as --config
-            continue
-        if dest not in actions:
-            import difflib
-            near = difflib.get_close_matches(dest, actions, n=1)
-            hint = f"; did you mean {near[0]!r}?" if near else ""
-            raise ConfigError(f"--config {path}: unknown key {key!r}{hint}")
-        act, flag = actions[dest], actions[dest].option_strings[0]
-        if isinstance(act, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
-            if not isinstance(value, bool):
-                raise ConfigError(f"--config {path}: {key}: {value!r} is not true/false ({flag})")
-        elif value is not None and act.type is not None:
-            try:
-                value = act.type(value)     # YAML reads 3e-4 as a string; int("8") etc.
-            except (TypeError, ValueError):
-                raise ConfigError(f"--config {path}: {key}: {value!r} is not a valid {flag} value")
-        unset = value is None and parser.get_default(dest) is None     # null: "not given", as the flag's default
-        if act.choices is not None and value not in act.choices and not unset:
-            raise ConfigError(f"--config {path}: {key}: {value!r} is not one of "
-                              f"{', '.join(map(str, act.choices))} ({flag})")
-        out[dest] = value
-    return out
-
-
-def parse_config(argv=None):
-    """argv -> Config: --config's YAML as defaults, then the flags. Not yet resolve()d."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config")
-    known, _ = pre.parse_known_args(argv)
-    parser = build_parser()
-    if known.config:
-        if not os.path.isfile(known.config):
-            raise ConfigError(f"--config {known.config}: no such file (see configs/)")
-        parser.set_defaults(**_yaml_defaults(known.config, parser))
-    return Config(**vars(parser.parse_args(argv)))
-
-
-def provenance(d, root=None):
-    """What produced this run: code version, library versions, devices, world size."""
-    root = root or os.path.dirname(os.path.abspath(__file__))
-    prov = {"python": platform.python_version(), "torch": str(torch.__version__),
-            "hip": torch.version.hip, "cuda": torch.version.cuda,
-            "host": socket.gethostname(), "world_size": d.world_size, "accel": d.accel,
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
-    try:
-        from importlib.metadata import version
-        prov["torchtitan"] = version("torchtitan")
-    except Exception:                            # not installed: the CIFAR path does not need it
-        prov["torchtitan"] = None
-    prov["devices"] = device_names(d)
-    try:
-        git = lambda *a: subprocess.run(["git", "-C", root, *a], capture_output=True, text=True,
-                                        timeout=10, check=True).stdout.strip()
-        prov["git"] = git("rev-parse", "HEAD")
-        prov["git_dirty"] = bool(git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.SubprocessError):
-        # an air-gapped copy without .git: identify the code by its bytes
-        prov["sha256"] = {f: hashlib.sha256(open(os.path.join(root, f), "rb").read()).hexdigest()
-                          for f in sorted(os.listdir(root)) if f.endswith(".py")}
-    return prov
-
-
-def device_names(d):
-    """Every rank's device name, gathered (collective)."""
-    if d.accel == "cpu":
-        name = platform.processor() or platform.machine()
-        try:
-            with open("/proc/cpuinfo") as f:
-                name = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-        except (OSError, StopIteration):
-            pass
-    else:
-        name = torch.cuda.get_device_name(d.device)
-    names = [None] * d.world_size
-    dist.all_gather_object(names, f"{socket.gethostname()}:{name}")
-    return names
-
-
-def write_config_yaml(path, cfg, prov):
-    import yaml
-    body = dataclasses.asdict(cfg)
-    body["provenance"] = dict(prov, config_file=body.pop("config"))
-    durable.write_text(path, "# resolved config of this run (flags over --config over defaults); "
-                             "usable as --config\n" + yaml.safe_dump(body, sort_keys=False))
-
-
-def default_run_name(cfg, d):
-    """<model>-<SLURM_JOB_ID> (stable across a requeue), else <model>-<rank 0's date-time>;
-    with --federation <model>-<cluster id>, stable across resubmissions too."""
-    job = os.environ.get("SLURM_JOB_ID")
-    name = [f"{cfg.model}-{job}" if job else f"{cfg.model}-{time.strftime('%Y%m%d-%H%M%S')}"]
-    if cfg.federation:         # the stream's name: a requeued job (new job id) finds its checkpoints
-        name = [f"{cfg.model}-{cfg.cluster}"]
-    dist.broadcast_object_list(name, src=0)
-    return name[0]
-
-
-# ---------------------------------------------------------------------------
-# Logging and metrics
-# ---------------------------------------------------------------------------
-
-# Peak dense (no sparsity) bf16 FLOP/s per device, i.e. per rank, for MFU, from the
-# vendors' datasheets. Matched against the whole device name (torch.cuda.get_device_name,
-# "NVIDIA " dropped), because the form factors differ by up to 30 %: an H100 PCIe card
-# peaks at 756 TFLOP/s, an SXM one at 989, and a substring match on "H100" credited every
-# card with the SXM figure. An MI250X package is two GCDs, each its own rank: 383 TFLOP/s
-# per package = 191.5 per GCD (MI250: 362.1 = 181.0). A name not listed gets no MFU.
-PEAK_BF16_FLOPS = (
-    (r"H100 PCIe", 756e12),
-    (r"H100 NVL", 835e12),
-    (r"H100( SXM5?)?( \d+GB)?( HBM3)?", 989e12),      # "NVIDIA H100 80GB HBM3" = SXM5
-    (r"H200 NVL", 835e12),
-    (r"H200( SXM)?( \d+GB)?( HBM3e)?", 989e12),       # "NVIDIA H200" = SXM
-    (r"A100[- ](SXM4|PCIE)-\d+GB|A100 \d+GB PCIe|A100", 312e12),   # same peak in both forms
-    (r"AMD Instinct MI250X", 191.5e12),
-    (r"AMD Instinct MI250", 181.0e12),
-)
-
-
-def peak_flops_for(name, compute_units=None):
-    """Peak bf16 FLOP/s for a device name (the table above), or None. ROCm may name both
-    MI250 variants "AMD Instinct MI250X/MI250"; the compute units per GCD tell them apart
-    (MI250X: 110, MI250: 104)."""
-    bare = name.removeprefix("NVIDIA ").strip()
-    if bare == "AMD Instinct MI250X/MI250" and compute_units:
-        bare = "AMD Instinct MI250X" if compute_units >= 110 else "AMD Instinct MI250"
-    return next((v for pat, v in PEAK_BF16_FLOPS if re.fullmatch(pat, bare)), None)
-
-
-def peak_flops(d):
-    """This rank's device peak bf16 FLOP/s, or None (CPUs and unknown GPUs: MFU not reported)."""
-    if d.accel == "cpu":
-        return None
-    name = torch.cuda.get_device_name(d.device)
-    peak = peak_flops_for(name, torch.cuda.get_device_properties(d.device).multi_processor_count)
-    if peak is None:
-        print0(f"MFU not reported: no bf16 peak for device {name!r} in train.PEAK_BF16_FLOPS")
-    return peak
-
-
-def peak_memory_gib(d):
-    if d.accel == "cpu":
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB on Linux
-    return torch.cuda.max_memory_allocated(d.device) / 2**30
-
-
-class RunLog:
-    """Rank 0 prints and appends to train.log and metrics.jsonl (and TensorBoard scalars
-    with --tensorboard); other ranks stay quiet. Every metrics row carries the cumulative
-    `<unit>_total` (tokens or img trained by the whole job so far, kept across a resume)
-    and this process's `incarnation`, so loss-vs-tokens needs no arithmetic and rows from
-    before and after a resume can be told apart."""
-
-    def __init__(self, run_dir, is_main, tensorboard=None):
-        self.is_main = is_main
-        self.log_f = open(os.path.join(run_dir, "train.log"), "a") if is_main else None
-        self.metrics_f = open(os.path.join(run_dir, "metrics.jsonl"), "a") if is_main else None
-        self.total_key, self.total, self.incarnation = "tokens_total", 0, secrets.token_hex(6)
-        writer = tensorboard_writer(tensorboard) if tensorboard else None    # every rank: all fail alike
-        self.tb = writer(tensorboard) if writer and is_main else None
-
-    def log(self, msg):
-        if self.is_main:
-            line = f"{time.strftime('%H:%M:%S')} {msg}"
-            print(line, flush=True)
-            self.log_f.write(line + "\n")
-            self.log_f.flush()
-
-    def metric(self, row):
-        if self.is_main:
-            row = {**row, self.total_key: self.total, "incarnation": self.incarnation, "time": round(time.time(), 3)}
-            self.metrics_f.write(json.dumps(row) + "\n")
-            self.metrics_f.flush()
-            if self.tb is not None:
-                tensorboard_row(self.tb, row, self.total_key)
-
-    def close(self):
-        for f in (self.log_f, self.metrics_f, self.tb):
-            if f:
-                f.close()
-
-
-def tensorboard_writer(path):
-    """torch's SummaryWriter class, or a one-line error naming the package to install."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as e:
-        raise ConfigError(f"--tensorboard {path}: torch.utils.tensorboard needs the tensorboard package "
-                          f"({e}): pip install tensorboard, or drop --tensorboard") from None
-    return SummaryWriter
-
-
-def tensorboard_row(tb, row, total_key):
-    """Every number of a metrics row as <split>/<key> against the step; the loss against
-    tokens too (<split>/loss_by_<unit>), since TensorBoard plots one x axis per scalar."""
-    split, step = row.get("split", "train"), row.get("step") or 0
-    for k, v in row.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time") \
-                and math.isfinite(v):
-            tb.add_scalar(f"{split}/{k}", v, step)
-    if isinstance(row.get("loss"), float):
-        tb.add_scalar(f"{split}/loss_by_{total_key.removesuffix('_total')}", row["loss"], row[total_key])
-    tb.flush()
-
-
-def fmt_row(row):
-    return " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                    for k, v in row.items() if v is not None and k != "split")
-
+# Stage 1, the process's place in the job, is dist_env.py; stage 2, the config (Config, its
+# flags and --config YAML), is train_config.py; the logs and metrics rows are metrics.py's.
 
 # ---------------------------------------------------------------------------
 # Stage 3: model - built on meta, sharded or wrapped, then initialised
@@ -1241,6 +685,18 @@ def settle_config(cfg, d):
             raise ConfigError(f"--eval-windows {cfg.eval_windows}: the corpus holds out only "
                               f"{windows.heldout_windows}; lower it")
     return windows
+
+
+def default_run_name(cfg, d):
+    """<model>-<SLURM_JOB_ID> (stable across a requeue), else <model>-<rank 0's date-time>;
+    with --federation <model>-<cluster id>, stable across resubmissions too."""
+    job = os.environ.get("SLURM_JOB_ID")
+    name = [f"{cfg.model}-{job}" if job else f"{cfg.model}-{time.strftime('%Y%m%d-%H%M%S')}"]
+    if cfg.federation:         # the stream's name: a requeued job (new job id) finds its checkpoints
+        name = [f"{cfg.model}-{cfg.cluster}"]
+    dist.broadcast_object_list(name, src=0)
+    return name[0]
+
 
 
 def open_run_dir(cfg, d, windows):

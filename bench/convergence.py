@@ -43,14 +43,15 @@ sys.path.insert(0, ROOT)                           # bench/ imports the reposito
 import audit                                       # noqa: E402  (after the path line above)
 import durable                                     # noqa: E402
 import harness                                     # noqa: E402
+from outer_defaults import OUTER_LR, OUTER_MOMENTUM  # noqa: E402
 
 ARMS = ("ddp", "diloco-fedavg", "diloco-nesterov", "fed-fedavg", "fed-nesterov")
-OUTER = {"fedavg": ("sgd", 1.0, 0.0), "nesterov": ("nesterov", 0.7, 0.9)}
+OUTER = {"fedavg": ("sgd", 1.0, 0.0), "nesterov": ("nesterov", OUTER_LR, OUTER_MOMENTUM)}
 LABEL = {"ddp": "(a) DDP, 2 ranks, global batch",
          "diloco-fedavg": "(b) DiLoCo k=2 in one job, FedAvg",
-         "diloco-nesterov": "(b) DiLoCo k=2 in one job, Nesterov 0.7/0.9",
+         "diloco-nesterov": f"(b) DiLoCo k=2 in one job, Nesterov {OUTER_LR}/{OUTER_MOMENTUM}",
          "fed-fedavg": "(c) 2 federated sites, FedAvg",
-         "fed-nesterov": "(c) 2 federated sites, Nesterov 0.7/0.9"}
+         "fed-nesterov": f"(c) 2 federated sites, Nesterov {OUTER_LR}/{OUTER_MOMENTUM}"}
 TOKENS_PER_S = 25000.0          # 2 CPU ranks of qwen3-tiny here (train.py, seq 128): for the estimate only
 
 

@@ -34,7 +34,7 @@
 #                 (on one GPU a shard is the whole gradient, so the two peaks match; the
 #                 saving appears from 2 ranks on: bench/fsdp_grad_accum_memory.py)
 # Per run it prints steps, step time (after the first logged interval), tokens/s or
-# images/s, MFU against the device's bf16 peak (train.PEAK_BF16_FLOPS), and peak memory;
+# images/s, MFU against the device's bf16 peak (metrics.PEAK_BF16_FLOPS), and peak memory;
 # then GPU CHECK PASSED.
 set -euo pipefail
 
@@ -123,12 +123,13 @@ run preflight "$PYTHON" - "$DEVICE" <<'EOF'
 import sys
 import torch, torchtitan.models.qwen3, numpy, yaml
 import dist_env
+import metrics
 import train
 accel = dist_env.detect_accel(sys.argv[1])
 name = "cpu" if accel == "cpu" else torch.cuda.get_device_name(0)
 print(f"torch {torch.__version__} (cuda {torch.version.cuda}, hip {torch.version.hip}), torchtitan "
       f"{torchtitan.__version__}, device {name} [{accel}], bf16 peak "
-      f"{train.peak_flops_for(name, torch.cuda.get_device_properties(0).multi_processor_count) if accel != 'cpu' else None}")
+      f"{metrics.peak_flops_for(name, torch.cuda.get_device_properties(0).multi_processor_count) if accel != 'cpu' else None}")
 if accel != "cpu" and not torch.cuda.is_bf16_supported():
     sys.exit("this GPU has no bf16")
 EOF

@@ -184,7 +184,7 @@ class TitanTest(JobTest):
         self.state = os.path.join(tmp, "central")
         self.ports = {k: str(free_port()) for k in ("DARL_PORT", "FEDMOM_PORT", "BLOB_PORT")}
         init = os.path.join(tmp, "init.safetensors")
-        subprocess.run([PYTHON, "train.py", "--config", "configs/qwen3_tiny.yaml", "--device", "cpu",
+        subprocess.run([PYTHON, "train.py", "--config", "configs/qwen3_tiny.yaml",
                         "--data", os.path.join(self.tokens, "manifest.json"), "--export-init", init],
                        cwd=ROOT, check=True, capture_output=True)
         self.central("start", MANIFEST=os.path.join(self.tokens, "manifest.json"), BLOCK_SIZE="4", INIT=init)

@@ -583,8 +583,9 @@ class StallTest(unittest.TestCase):
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            cfg = train.parse_config(["--model", "qwen3-tiny"])
-            flags = train.parse_config(["--model", "qwen3-tiny", "--token-file", "/t", "--ca-file", "/c"])
+            site = ["--model", "qwen3-tiny", "--federation", "https://c:29511", "--darl-url", "https://c:29510"]
+            cfg = train.parse_config(site)
+            flags = train.parse_config(site + ["--token-file", "/t", "--ca-file", "/c"])
         finally:
             for k, v in old.items():
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)

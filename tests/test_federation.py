@@ -168,7 +168,7 @@ class FlagsTest(unittest.TestCase):
         local = ["--model", "qwen3-tiny", "--data", "x/manifest.json"]
         for given in ("device", "host"):                 # no --federation: no delta is encoded
             with self.subTest(given=given), self.assertRaises(train.ConfigError) as e:
-                train.parse_config(local + ["--wire", "int4", "--encode-on", given]).resolve("cuda").validate()
+                train.parse_config(local + ["--encode-on", given]).resolve("cuda").validate()
             self.assertIn(f"--encode-on {given} is for federated sites (--federation)", str(e.exception))
         cfg = train.parse_config(local).resolve("cuda")
         cfg.validate()

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 import diloco
+import metrics
 import models
 import train
 
@@ -286,15 +287,15 @@ class PeakTableTest(unittest.TestCase):
                  "AMD Instinct MI250X": 191.5e12, "AMD Instinct MI250": 181e12,
                  "NVIDIA GH200 480GB": None, "NVIDIA H800": None, "AMD Instinct MI300X": None}
         for name, peak in cases.items():
-            self.assertEqual(train.peak_flops_for(name), peak, name)
-        self.assertEqual(train.peak_flops_for("AMD Instinct MI250X/MI250", 110), 191.5e12)
-        self.assertEqual(train.peak_flops_for("AMD Instinct MI250X/MI250", 104), 181e12)
-        self.assertIsNone(train.peak_flops_for("AMD Instinct MI250X/MI250"))
+            self.assertEqual(metrics.peak_flops_for(name), peak, name)
+        self.assertEqual(metrics.peak_flops_for("AMD Instinct MI250X/MI250", 110), 191.5e12)
+        self.assertEqual(metrics.peak_flops_for("AMD Instinct MI250X/MI250", 104), 181e12)
+        self.assertIsNone(metrics.peak_flops_for("AMD Instinct MI250X/MI250"))
 
 
 class FlagsTest(unittest.TestCase):
     def test_compile_and_deferred_sync_flags(self):
-        cfg = train.parse_config(["--model", "qwen3-tiny", "--compile", "--parallel", "fsdp",
+        cfg = train.parse_config(["--model", "qwen3-tiny", "--compile", "--parallel", "fsdp", "--grad-accum", "2",
                                   "--fsdp-defer-grad-sync", "--data", "x/manifest.json"])
         self.assertTrue(cfg.compile and cfg.fsdp_defer_grad_sync)
         cfg.resolve("cpu").validate()

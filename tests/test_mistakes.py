@@ -111,6 +111,8 @@ class TrainTest(OneLine):
             "yaml1": ["--config", cls.yaml1], "yaml2": ["--config", cls.yaml2],
             "noconfig": ["--config", p("none.yaml")],
             "device": ["--device", cls.device, "--model", "qwen3-tiny", "--data", "x.json"],
+            "unread": ["--model", "qwen3-tiny", "--device", "cpu", "--data", "x/manifest.json", "--federation",
+                       "http://127.0.0.1:9", "--darl-url", "http://127.0.0.1:9", "--ckpt-every", "5"],
             "tensorboard": ["--without", "torch.utils.tensorboard", "--model", "qwen3-tiny", "--device", "cpu",
                             "--data", p("tok-ok", "manifest.json"), "--eval-windows", "4", "--runs-dir", p("runs"), "--steps", "1",
                             "--tensorboard", p("tb")]}    # last: the module stays absent
@@ -156,6 +158,10 @@ class TrainTest(OneLine):
     def test_tensorboard_without_its_package_names_the_package(self):
         self.check("tensorboard", re.escape(f"--tensorboard {self.cases['tensorboard'][-1]}"),
                    "needs the tensorboard package", "pip install tensorboard")
+
+    def test_a_flag_the_run_would_not_read_names_it_and_the_fix(self):
+        self.check("unread", re.escape("train.py: error: --ckpt-every 5 with --federation: a site checkpoints "
+                                       "at the end of every phase"), "drop it")
 
     def test_a_gpu_device_this_process_cannot_use(self):
         if self.device == "cuda":

@@ -389,6 +389,36 @@ class JobCommandTest(unittest.TestCase):
                 else:
                     self.assertEqual(bind, "--cpu-bind=cores", where)
 
+    def test_every_jobs_train_py_command_line_and_header_example_is_accepted(self):
+        """train.py refuses a flag its run would not read (train_config.Config.unread): each
+        job's own command line at both sites and at the local one (its tiny configs), and
+        every `sbatch` example in the job headers, must parse and validate."""
+        central = {"PWW_DARL_URL": "http://c:1", "PWW_FEDMOM_URL": "http://c:2",
+                   "PWW_BLOB_URL": "http://c:3", "PWW_TOKEN_FILE": "/t"}
+        argvs = {}
+        for site in SITES:
+            for job in JOBS[1:]:                 # smoke.py has flags of its own
+                path = f"jobs/{site}_{job}.sh"
+                with open(os.path.join(ROOT, path)) as f:
+                    examples = re.findall(rf"^#\s+((?:\w+=\S+ )*)sbatch (?:--\S+ )*{re.escape(path)}([^#\n]*)",
+                                          f.read(), re.M)
+                self.assertTrue(examples, f"{path}: no sbatch example in its header")
+                for assigns, args in examples:
+                    argv, _ = self.launch(site, job, args.split(),
+                                          env=dict(central, **dict(a.split("=", 1) for a in assigns.split())))
+                    argvs[f"{assigns}{path}{args}"] = argv[argv.index("train.py") + 1:]
+                argv, _ = self.launch(site, job, env=dict(central, PWW_SITE="local"))
+                argvs[f"PWW_SITE=local {path}"] = argv[argv.index("train.py") + 1:]
+        code = ("import json, sys, train_config\n"
+                "for where, argv in json.loads(sys.argv[1]).items():\n"
+                "    try:\n"
+                "        train_config.parse_config(argv).resolve('cpu').validate()\n"
+                "    except train_config.ConfigError as e:\n"
+                "        print(f'{where}: {e}')\n")
+        r = subprocess.run([sys.executable, "-c", code, json.dumps(argvs)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+        self.assertEqual((r.returncode, r.stdout), (0, ""), r.stderr)
+
     def test_local_site_forces_cpu_and_the_tiny_configs(self):
         argv, _ = self.launch("lumi", "cifar_debug", env={"PWW_SITE": "local"})
         self.assertEqual(argv[argv.index("--device") + 1], "cpu")

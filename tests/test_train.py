@@ -26,6 +26,7 @@ import dist_env
 import models
 import tokenize_corpus as tc
 import train
+import train_config
 import harness
 from harness import listening_url
 
@@ -137,6 +138,87 @@ class ConfigTest(unittest.TestCase):
         self.assertIn("cifar10_resnet18.yaml", shipped)
         for f in shipped:
             train.parse_config(["--config", os.path.join(ROOT, "configs", f)])
+
+    def test_every_field_is_one_flag_with_the_fields_default_and_help(self):
+        """The flags are derived from Config: one per field, its default the field's, its
+        --help the field's text ending in the default it prints."""
+        env = {k: os.environ.pop(k) for k in ("PWW_TOKEN_FILE", "PWW_CA_FILE") if k in os.environ}
+        self.addCleanup(os.environ.update, env)
+        parser = train_config.build_parser()
+        actions = {a.dest: a for a in parser._actions if a.dest != "help"}
+        fields = dataclasses.fields(train_config.Config)
+        self.assertEqual(sorted(actions), sorted(f.name for f in fields))
+        text = parser.format_help()
+        for f in fields:
+            with self.subTest(field=f.name):
+                flag = "--" + f.name.replace("_", "-")
+                self.assertEqual(actions[f.name].option_strings[0], flag)
+                self.assertEqual(parser.get_default(f.name), f.default)
+                self.assertTrue(f.metadata["help"], f"{flag} has no help")
+                self.assertTrue(actions[f.name].help.endswith(f"(default {train_config.shown_default(f)})"
+                                                              .replace("%", "%%")), actions[f.name].help)
+                self.assertIn(flag, text)
+                if f.metadata["shown"] is None:        # printed from the value: it reads back as the default
+                    printed = train_config.shown_default(f)
+                    if isinstance(f.default, bool) or f.default is None:
+                        self.assertEqual(printed, {True: "on", False: "off", None: "none"}[f.default])
+                    else:
+                        self.assertEqual(type(f.default)(printed), f.default)
+        self.assertEqual(train_config.parse_config([]), train_config.Config())
+        os.environ["PWW_TOKEN_FILE"] = "/site/token"          # the one kind of default read at parse time
+        self.addCleanup(os.environ.pop, "PWW_TOKEN_FILE")
+        self.assertEqual(train_config.build_parser().get_default("token_file"), "/site/token")
+
+    def test_a_flag_the_run_would_not_read_is_refused_naming_it_and_the_fix(self):
+        local = ["--model", "qwen3-tiny", "--data", "x/manifest.json"]
+        fed = local + ["--federation", "http://127.0.0.1:1", "--darl-url", "http://127.0.0.1:2", "--site", "lumi"]
+        cifar = ["--model", "resnet18"]
+        export = ["--export-init", os.path.join(self.tmp.name, "init.safetensors")] + local
+        refused = [
+            (local + ["--darl-url", "http://c:1"], "--darl-url http://c:1 without --federation"),
+            (local + ["--token-file", "/t"], "--token-file /t without --federation"),
+            (local + ["--wire", "int4"], "--wire int4 without --federation"),
+            (local + ["--no-error-feedback"], "--no-error-feedback without --federation"),
+            (local + ["--overlap-fold", "end"], "--overlap-fold end without --federation"),
+            (local + ["--throttle-ms", "5"], "--throttle-ms 5 without --federation"),
+            (local + ["--diloco-inner-steps", "50"], "--diloco-inner-steps 50 without --diloco-replicas > 1"),
+            (local + ["--diloco-outer-lr", "0.5"], "--diloco-outer-lr 0.5 without --diloco-replicas > 1"),
+            (local + ["--diloco-outer-device", "cpu"], "--diloco-outer-device cpu without --diloco-replicas > 1"),
+            (fed + ["--ckpt-every", "10"], "--ckpt-every 10 with --federation: a site checkpoints"),
+            (fed + ["--wire-block", "64"], "--wire-block 64 with --wire f32"),
+            (fed + ["--wire", "topk", "--wire-block", "64"], "--wire-block 64 with --wire topk"),
+            (fed + ["--wire", "int4", "--wire-topk-k", "8"], "--wire-topk-k 8 with --wire int4"),
+            (fed + ["--error-feedback"], "--error-feedback with --wire f32: f32 drops nothing"),
+            (fed + ["--overlap-fold", "end"], "--overlap-fold end without --overlap"),
+            (local + ["--epochs", "3"], "--epochs 3 with --model qwen3-tiny"),
+            (cifar + ["--seq-len", "64"], "--seq-len 64 with --model resnet18"),
+            (cifar + ["--eval-windows", "8"], "--eval-windows 8 with --model resnet18"),
+            (cifar + ["--steps", "5", "--epochs", "2"], "--epochs 2 with --steps 5"),
+            (local + ["--parallel", "fsdp", "--fsdp-defer-grad-sync"], "--fsdp-defer-grad-sync with --grad-accum 1"),
+            (export + ["--steps", "3"], "--steps 3 with --export-init"),
+            (export + ["--device", "cpu"], "--device cpu with --export-init"),
+        ]
+        for argv, words in refused:
+            with self.subTest(argv=argv), self.assertRaises(train.ConfigError) as e:
+                train_config.parse_config(argv)
+            self.assertIn(words, str(e.exception))
+            self.assertRegex(str(e.exception), r"drop (it|one of them)|use --steps")       # and the fix
+        # the same flags where the run reads them
+        for argv in (fed + ["--wire", "int4", "--wire-block", "64", "--no-error-feedback", "--throttle-ms", "5"],
+                     fed + ["--wire", "topk", "--wire-topk-k", "8", "--overlap", "--overlap-fold", "end"],
+                     fed + ["--diloco-inner-steps", "4", "--token-file", "/t", "--register-wait-s", "5"],
+                     local + ["--diloco-replicas", "2", "--diloco-inner-steps", "50", "--diloco-outer-lr", "0.5"],
+                     local + ["--steps", "5", "--ckpt-every", "5", "--eval-windows", "8", "--seq-len", "16"],
+                     local + ["--parallel", "fsdp", "--grad-accum", "2", "--fsdp-defer-grad-sync"],
+                     cifar + ["--epochs", "2"], cifar + ["--steps", "0", "--epochs", "2"]):
+            with self.subTest(argv=argv):
+                train_config.parse_config(argv).resolve("cpu").validate()
+        train_config.parse_config(export + ["--seed", "3"])
+        # a --config key is a default shared by modes, not refused: the shipped 0.6B config's
+        # ckpt_every on a site, DiLoCo's H and a wire key in a single-allocation run
+        self.assertEqual(train_config.parse_config(["--config", "configs/qwen3_0.6B.yaml"] + fed).ckpt_every, 500)
+        p = self.yaml("diloco_inner_steps: 7\nwire_block: 64\n")
+        self.assertEqual(train_config.parse_config(["--config", p] + local).diloco_inner_steps, 7)
 
     def test_schedule_warms_up_then_decays_to_the_floor(self):
         f = train.lr_lambda(total=100, warmup=10, floor=0.1)
