@@ -72,7 +72,9 @@ import threading
 import time
 
 import durable
+import httpc
 import httpd
+import testhooks
 
 DEFAULT_PORT = 29512
 CHUNK = 4 << 20                       # bytes per read/write/hash step; 4 MiB keeps a PUT near disk speed
@@ -296,7 +298,7 @@ class BlobStore:
             for chunk in chunks:
                 h.update(chunk)
                 writer.put(chunk)
-                httpd.fault_point("blob.chunk")      # test hook (httpd.py): killed mid-upload
+                testhooks.fault_point("blob.chunk")      # test hook (testhooks.py): killed mid-upload
             writer.drain()
             if writer.offset == total:
                 os.fsync(fd)
@@ -401,7 +403,7 @@ def make_routes(store):
             length = req.content_length()
             out = store.receive(blob_id, start, total, req.stream(store.chunk, length))
         except OSError as e:
-            if not httpd.is_disk_full(e):
+            if not durable.is_disk_full(e):
                 raise
             # a full disk: the unfinished upload gives its space back (the client starts it again)
             store.discard(blob_id)
@@ -493,9 +495,9 @@ class Progress:
 
 
 def _retryable(e):
-    if isinstance(e, httpd.CallError):     # 409 only while another PUT holds the id; 416: re-HEAD
+    if isinstance(e, httpc.CallError):     # 409 only while another PUT holds the id; 416: re-HEAD
         return (e.status == 409 and e.reply.get("retry")) or e.status == 416 or e.status >= 500
-    return isinstance(e, (OSError, http.client.HTTPException)) and not httpd.is_disk_full(e)
+    return isinstance(e, (OSError, http.client.HTTPException)) and not durable.is_disk_full(e)
 
 
 def _with_retries(what, attempt, retries, backoff_s=0.5, max_backoff_s=30.0):
@@ -528,21 +530,21 @@ def _decode(status, raw):
     except ValueError:
         body = {"error": raw[:200].decode("utf-8", "replace")}
     if status >= 400:
-        raise httpd.CallError(status, body)
+        raise httpc.CallError(status, body)
     return body
 
 
 def head(url, blob_id, token=None, timeout=30.0, ca_file=None):
     """The HEAD answer as a dict: {"complete": bool, "size"/"offset", "total", "sha256"} or None if absent."""
-    conn = httpd.connect(url, timeout, ca_file)
+    conn = httpc.connect(url, timeout, ca_file)
     try:
-        conn.request("HEAD", f"{httpd.split_url(url)[3]}/blobs/{blob_id}", headers=httpd.auth_headers(token))
+        conn.request("HEAD", f"{httpc.split_url(url)[3]}/blobs/{blob_id}", headers=httpc.auth_headers(token))
         resp = conn.getresponse()
         resp.read()
         if resp.status == 404:
             return None
         if resp.status >= 400:
-            raise httpd.CallError(resp.status, {"error": f"HEAD /blobs/{blob_id} answered {resp.status}"})
+            raise httpc.CallError(resp.status, {"error": f"HEAD /blobs/{blob_id} answered {resp.status}"})
         sha = resp.getheader("X-Content-Sha256")
         if resp.getheader("X-Upload-Complete") == "0":
             return {"complete": False, "offset": int(resp.getheader("X-Upload-Offset")),
@@ -589,11 +591,11 @@ def put_file(url, blob_id, path, token=None, progress=None, retries=8, sha256=No
 
 
 def _put_from(url, blob_id, path, start, size, sha, token, timeout, bar, state, ca_file=None):
-    conn = httpd.connect(url, timeout, ca_file)
+    conn = httpc.connect(url, timeout, ca_file)
     try:
-        conn.putrequest("PUT", f"{httpd.split_url(url)[3]}/blobs/{blob_id}", skip_accept_encoding=True)
+        conn.putrequest("PUT", f"{httpc.split_url(url)[3]}/blobs/{blob_id}", skip_accept_encoding=True)
         headers = {"Content-Length": str(size - start), "X-Content-Sha256": sha, "Expect": "100-continue",
-                   "Content-Type": "application/octet-stream", **httpd.auth_headers(token)}
+                   "Content-Type": "application/octet-stream", **httpc.auth_headers(token)}
         if start > 0:
             headers["Content-Range"] = f"bytes {start}-{size - 1}/{size}"
         for k, v in headers.items():
@@ -639,7 +641,7 @@ def get_file(url, blob_id, path, token=None, progress=None, retries=8, timeout=1
     Returns the sha256, checked against the store's. `timeout` bounds a stalled read."""
     info = _with_retries(f"head {blob_id}", lambda: head(url, blob_id, token, timeout, ca_file) or {}, retries)
     if not info.get("complete"):
-        raise httpd.CallError(404, {"error": f"no complete blob {blob_id!r} at {url}"})
+        raise httpc.CallError(404, {"error": f"no complete blob {blob_id!r} at {url}"})
     size, sha = info["size"], info["sha256"]
     tmp = f"{path}.part-{sha[:16]}"
     bar = Progress(f"get {blob_id}", size, progress)
@@ -676,14 +678,14 @@ def get_file(url, blob_id, path, token=None, progress=None, retries=8, timeout=1
 def _get_from(url, blob_id, tmp, have, size, sha, token, timeout, bar, state, ca_file=None):
     if have == size:
         return
-    conn = httpd.connect(url, timeout, ca_file)
+    conn = httpc.connect(url, timeout, ca_file)
     try:
-        headers = {**httpd.auth_headers(token), "Range": f"bytes={have}-"}
-        conn.request("GET", f"{httpd.split_url(url)[3]}/blobs/{blob_id}", headers=headers)
+        headers = {**httpc.auth_headers(token), "Range": f"bytes={have}-"}
+        conn.request("GET", f"{httpc.split_url(url)[3]}/blobs/{blob_id}", headers=headers)
         resp = conn.getresponse()
         if resp.status != 206:
             _reply(resp)
-            raise httpd.CallError(502, {"error": f"expected 206 for a Range GET, got {resp.status}"})
+            raise httpc.CallError(502, {"error": f"expected 206 for a Range GET, got {resp.status}"})
         if resp.getheader("X-Content-Sha256") != sha:
             raise ValueError(f"blob {blob_id!r} changed during the download; start again")
         buf = bytearray(CHUNK)
@@ -706,8 +708,8 @@ def kept_by(fedmom_url, token=None, ca_file=None):
     "retention"), and a line saying its rule. The store itself enforces no retention: the
     aggregator deletes its own theta/update blobs once no site can use them."""
     try:
-        st = httpd.call(fedmom_url, "GET", "/status", token=token, ca_file=ca_file)
-    except (httpd.CallError, OSError, http.client.HTTPException, ValueError) as e:
+        st = httpc.call(fedmom_url, "GET", "/status", token=token, ca_file=ca_file)
+    except (httpc.CallError, OSError, http.client.HTTPException, ValueError) as e:
         return {}, f"!!! the aggregator at {fedmom_url} does not say what it keeps ({type(e).__name__}: {e})"
     ret = ((st.get("retention") or {}).get("blobs")) if isinstance(st, dict) else None
     if not ret:
@@ -721,7 +723,7 @@ def kept_by(fedmom_url, token=None, ca_file=None):
 def print_status(url, token=None, ca_file=None, fedmom_url=None):
     """Print the store's contents and use; 1 when it is full (every new upload is refused).
     fedmom_url: also say why the aggregator there keeps each of its blobs."""
-    st = httpd.call(url, "GET", "/blobs", token=token, ca_file=ca_file)
+    st = httpc.call(url, "GET", "/blobs", token=token, ca_file=ca_file)
     used, quota = st["used_bytes"], st["quota_bytes"]
     print(f"{len(st['blobs'])} blobs, {len(st['uploads'])} unfinished uploads; "
           f"{used / GB:.2f} of {quota / GB:.2f} GB used ({100 * used / quota:.0f}%)")
@@ -756,11 +758,11 @@ def main(argv):
         p.add_argument("--fedmom", metavar="URL",
                        help="also ask the aggregator there (fedmom_server.py, :29511) why it keeps each of its "
                             "theta/update blobs (its GET /status; the same token and CA)")
-        httpd.add_client_args(p)
+        httpc.add_client_args(p)
         a = p.parse_args(argv)
         try:
-            return print_status(a.url, httpd.load_token(a.token_file), a.ca_file, a.fedmom)
-        except (httpd.CallError, httpd.TLSConfigError, OSError) as e:
+            return print_status(a.url, httpc.load_token(a.token_file), a.ca_file, a.fedmom)
+        except (httpc.CallError, httpc.TLSConfigError, OSError) as e:
             raise SystemExit(f"status: {a.url}: {e}")
     p = httpd.base_parser(__doc__)
     p.add_argument("--root", required=True, help="state directory holding blobs/ and partial/")

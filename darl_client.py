@@ -46,6 +46,7 @@ import threading
 import time
 
 import darl_table
+import httpc
 import httpd
 
 BlockSpace = darl_table.BlockSpace
@@ -98,7 +99,7 @@ class LeaseClient:
             self._drop_conn()               # closed by close(), or idle long enough to be closing
             conn = None
         if conn is None:
-            conn = self._local.conn = httpd.connect(self.url, self.timeout, self.ca_file)
+            conn = self._local.conn = httpc.connect(self.url, self.timeout, self.ca_file)
             self._open.add(conn)
         self._local.used = time.monotonic()
         return conn
@@ -113,13 +114,13 @@ class LeaseClient:
         for attempt in range(self.retries + 1):
             t0 = time.monotonic()
             try:
-                reply = httpd.call(self.url, method, path, body, token=self.token, timeout=self.timeout,
+                reply = httpc.call(self.url, method, path, body, token=self.token, timeout=self.timeout,
                                    conn=self._conn())
                 self._local.used = time.monotonic()
                 rtt = time.monotonic() - t0
                 self.rtt_s = rtt if self.rtt_s is None else 0.8 * self.rtt_s + 0.2 * rtt
                 return reply
-            except httpd.CallError as e:
+            except httpc.CallError as e:
                 if e.status < 500 or attempt == self.retries:
                     raise
             except (OSError, http.client.HTTPException):
@@ -250,7 +251,7 @@ class LeaseSession:
         if release and self._error is None:
             try:
                 self.client.release(self.cluster, self.incarnation, list(self._held), leave=True)
-            except (OSError, http.client.HTTPException, httpd.CallError) as e:
+            except (OSError, http.client.HTTPException, httpc.CallError) as e:
                 self.log(f"release at close failed ({e}); the leases will expire on their TTL")
 
     # ---- the caller's side
@@ -302,7 +303,7 @@ class LeaseSession:
             self.end_phase(time.monotonic() - t0, len(span))
         try:
             reply = self.client.commit(self.cluster, self.incarnation, span.lease, span.end)
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             if e.status in (404, 409):
                 raise LeaseLost(f"span {span.as_ints()}: {e.reply.get('error')}") from e
             raise
@@ -332,7 +333,7 @@ class LeaseSession:
             return {"released": 0}
         try:
             return self.client.release(self.cluster, self.incarnation, [span.lease])
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             if e.status in (404, 409):     # already expired or closed: nothing of ours left to give back
                 return {"released": 0, "error": e.reply.get("error")}
             raise
@@ -373,7 +374,7 @@ class LeaseSession:
                 if time.monotonic() >= next_beat:
                     self._heartbeat()
                     next_beat = time.monotonic() + max(0.1, (self.granted_ttl or self.ttl_s) / 3)
-            except httpd.CallError as e:     # 4xx: this incarnation is refused (stale, unknown): fatal
+            except httpc.CallError as e:     # 4xx: this incarnation is refused (stale, unknown): fatal
                 self._fail(e)
                 return
             except (OSError, http.client.HTTPException) as e:

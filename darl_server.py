@@ -150,9 +150,9 @@ Protocol (POST, JSON bodies; replies are JSON; errors are 4xx with
                  block_size, seed, num_blocks, algorithm, manifest_digest}} so a site
                  can build the same BlockSpace from its own manifest
     GET /health
-Test hooks (httpd.py): fault points darl.append (decided, not written), darl.torn
+Test hooks (testhooks.py): fault points darl.append (decided, not written), darl.torn
 (half a line written) and darl.synced (durable, not answered); the wall clock read
-at start through httpd.wall_time().
+at start through testhooks.wall_time().
 """
 import dataclasses
 import errno
@@ -168,7 +168,9 @@ import zlib
 
 import darl_table
 import durable
+import httpc
 import httpd
+import testhooks
 
 DEFAULT_PORT = 29510
 DISK_MARGIN = 64 << 10         # a change is refused (507) while the log's disk has less free
@@ -300,7 +302,7 @@ class WriteAheadLog:
         line = _line(record)
         # darl.torn: half the line reaches the file, then the process is killed (a torn write);
         # the test that arms it always kills there, never lets the thread go on
-        httpd.fault_point("darl.torn", on_stop=lambda: os.write(self.fd, line[:len(line) // 2]))
+        testhooks.fault_point("darl.torn", on_stop=lambda: os.write(self.fd, line[:len(line) // 2]))
         self._write(line)
         self.written = record["seq"]
 
@@ -526,7 +528,7 @@ class TableClock:
     while DARL was down is absorbed by --restore-grace (leases alive at the crash get
     that long from the restart)."""
 
-    def __init__(self, floor=0.0, wall=httpd.wall_time, monotonic=time.monotonic):
+    def __init__(self, floor=0.0, wall=testhooks.wall_time, monotonic=time.monotonic):
         self.monotonic = monotonic
         self.base, self.mono0 = max(wall(), floor), monotonic()
 
@@ -547,7 +549,7 @@ class Coordinator:
            "confirm_fence", "take_custody", "commit_custody", "abort_custody", "abort_orphaned")
 
     def __init__(self, space, config=None, state_dir=None, snapshot_every=1000, restore_grace=120.0,
-                 fsync=True, clock=None, wall=httpd.wall_time, monotonic=time.monotonic,
+                 fsync=True, clock=None, wall=testhooks.wall_time, monotonic=time.monotonic,
                  accept_config_change=False, disk_margin=DISK_MARGIN):
         self.space, self.digest = space, space.digest()
         self.config = (config or darl_table.TableConfig()).validate()
@@ -565,7 +567,7 @@ class Coordinator:
         loaded = None
         if state_dir:
             self.dir = os.path.join(state_dir, "darl")
-            lock_fd = httpd.lock_state_dir(self.dir, "darl_server")   # before reading anything
+            lock_fd = durable.lock_state_dir(self.dir, "darl_server")   # before reading anything
             try:
                 loaded = self._open(state_dir, fsync, lock_fd, accept_config_change, wall, monotonic, clock)
             except BaseException:
@@ -647,7 +649,7 @@ class Coordinator:
             if self.wal is not None:
                 rec = {"v": WAL_VERSION, "seq": self.seq, "t": now, "op": op, "args": table_args,
                        "out": outcome_digest(reply, refused)}
-                httpd.fault_point("darl.append")       # decided, nothing written: as if it never happened
+                testhooks.fault_point("darl.append")       # decided, nothing written: as if it never happened
                 try:
                     self.wal.append(rec)
                 except OSError as e:
@@ -657,7 +659,7 @@ class Coordinator:
             seq = self.seq
         if self.wal is not None:
             self.wal.sync_or_exit(seq)
-            httpd.fault_point("darl.synced")           # durable, the reply not sent: the client retries
+            testhooks.fault_point("darl.synced")           # durable, the reply not sent: the client retries
             if capture is not None:
                 self._write_snapshot(capture)          # outside the lock: the other calls go on
         if refused is not None:
@@ -881,7 +883,7 @@ def _cli_parser(doc):
     p.prog = " ".join(doc.split()[:2])               # "darl_server.py status", not "darl_server.py"
     p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}",
                    help=f"coordinator URL, https://... under TLS (default http://127.0.0.1:{DEFAULT_PORT})")
-    httpd.add_client_args(p)
+    httpc.add_client_args(p)
     return p
 
 
@@ -891,9 +893,9 @@ def status_main(argv):
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     a = p.parse_args(argv)
     try:
-        st = httpd.call(a.url, "GET", "/status", token=httpd.load_token(a.token_file), timeout=10,
+        st = httpc.call(a.url, "GET", "/status", token=httpc.load_token(a.token_file), timeout=10,
                         ca_file=a.ca_file)
-    except (OSError, httpd.CallError, httpd.TLSConfigError) as e:
+    except (OSError, httpc.CallError, httpc.TLSConfigError) as e:
         raise SystemExit(f"cannot read {a.url}/status: {e}")
     if not isinstance(st, dict) or "num_blocks" not in st:
         raise SystemExit(f"status: {a.url} is not the DARL coordinator (its /status has no num_blocks): point "
@@ -926,10 +928,10 @@ STATE/aggregator.token) where DARL was started with one.""")
     if a.yes and not a.expect:
         raise SystemExit("abort-custody: --yes needs --expect LISTING: run it without --yes first, check the list, "
                          "then repeat with the --yes --expect it prints")
-    token = httpd.load_token(a.aggregator_token_file, env=None) or httpd.load_token(a.token_file)
+    token = httpc.load_token(a.aggregator_token_file, env=None) or httpc.load_token(a.token_file)
     query = urllib.parse.urlencode({"aggregator": a.aggregator, "state": "held"})
     try:
-        held = httpd.call(a.url, "GET", f"/custody?{query}", token=token, timeout=30, ca_file=a.ca_file)["custody"]
+        held = httpc.call(a.url, "GET", f"/custody?{query}", token=token, timeout=30, ca_file=a.ca_file)["custody"]
         listing = listing_id(held)
         if not a.yes:
             blocks = sum(c["blocks"] for c in held)
@@ -942,10 +944,10 @@ STATE/aggregator.token) where DARL was started with one.""")
         if a.expect != listing:
             raise SystemExit(f"abort-custody: aggregator {a.aggregator} holds other custody now (listing {listing}, "
                              f"you were shown {a.expect}): nothing aborted; run the dry run again")
-        reply = httpd.call(a.url, "POST", "/custody/abort_orphaned",
+        reply = httpc.call(a.url, "POST", "/custody/abort_orphaned",
                            {"aggregator": a.aggregator, "reason": a.reason, "expect": [c["delta"] for c in held]},
                            token=token, timeout=30, ca_file=a.ca_file)
-    except (OSError, httpd.CallError, httpd.TLSConfigError) as e:
+    except (OSError, httpc.CallError, httpc.TLSConfigError) as e:
         raise SystemExit(f"abort-custody: {a.url}: {e}")
     print(f"!!! ABORTED {len(reply['aborted'])} custody record(s) of aggregator {a.aggregator}: "
           f"{reply['returned']} blocks went back to the pool and will be trained again; that identity is retired")
@@ -1035,8 +1037,8 @@ def serve(a):
     except ValueError as e:
         raise SystemExit(f"darl_server: {e}")
     # bind first: a refused bind (public address, no token or TLS) must not create or replay state
-    agg_token = httpd.load_token(a.aggregator_token_file, env=None)
-    token = httpd.load_token(a.token_file)
+    agg_token = httpc.load_token(a.aggregator_token_file, env=None)
+    token = httpc.load_token(a.token_file)
     if agg_token and agg_token == token:
         raise SystemExit("darl_server: --aggregator-token-file holds the sites' token; give the aggregator its own "
                          "(central.sh makes STATE/aggregator.token)")

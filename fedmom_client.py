@@ -30,7 +30,7 @@ Transports: "inline" streams the file as the PUT body; "blob" uploads it to the 
 store (resumable) and names it; "auto" (default) uses the blob store for files of
 AUTO_BLOB_BYTES or more when blob_url is set. Retries: send_delta re-sends after a
 network error (the server treats a repeat of an accepted delta as a duplicate, not a
-second delta); every other call raises httpd.CallError (4xx/5xx, the server's reason
+second delta); every other call raises httpc.CallError (4xx/5xx, the server's reason
 in .reply) or OSError, and the caller decides.
 
 Whether a delta was merged: every join/heartbeat reply (so also the one that ends
@@ -53,7 +53,7 @@ import time
 import urllib.parse
 
 import durable
-import httpd
+import httpc
 
 
 def log(msg):
@@ -86,7 +86,7 @@ class FedMomClient:
         self.heartbeat_s = 30.0
 
     def _call(self, method, path, body=None, timeout=None):
-        return httpd.call(self.url, method, path, body, token=self.token, timeout=timeout or self.timeout,
+        return httpc.call(self.url, method, path, body, token=self.token, timeout=timeout or self.timeout,
                           ca_file=self.ca_file)
 
     def _ident(self, **extra):
@@ -100,7 +100,7 @@ class FedMomClient:
                 reply = self._call("POST", "/join", self._ident())
                 self.heartbeat_s = reply.get("heartbeat_s", self.heartbeat_s)
                 return reply
-            except httpd.CallError as e:
+            except httpc.CallError as e:
                 if e.reply.get("code") != "incarnation_conflict" or time.monotonic() >= deadline:
                     raise
                 time.sleep(min(max(1.0, e.reply.get("retry_after_s", 1.0)), max(0.0, deadline - time.monotonic())))
@@ -111,7 +111,7 @@ class FedMomClient:
             body.update(wait_round_after=wait_round_after, wait_s=wait_s)
         try:
             return self._call("POST", "/heartbeat", body, timeout=self.timeout + wait_s)
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             if e.reply.get("code") != "not_member":
                 raise
             self.join()                   # dropped (e.g. a network outage): come back
@@ -171,7 +171,7 @@ class FedMomClient:
                     raise IOError(f"update blob {info['blob']}: sha256 {sha} != {info['sha256']}")
                 return info["round"], info["digest"]
             h = self._get_file(f"/theta_update?{query}", path)
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             if e.status == 404 or (e.status == 409 and e.reply.get("code") == "no_update"):
                 return None
             raise
@@ -179,12 +179,12 @@ class FedMomClient:
 
     def _get_file(self, route, path):
         """GET route into `path` (atomically, fsync'd) -> the reply's headers."""
-        conn = httpd.connect(self.url, self.stall_s, self.ca_file)
+        conn = httpc.connect(self.url, self.stall_s, self.ca_file)
         try:
-            conn.request("GET", httpd.split_url(self.url)[3] + route, headers=httpd.auth_headers(self.token))
+            conn.request("GET", httpc.split_url(self.url)[3] + route, headers=httpc.auth_headers(self.token))
             resp = conn.getresponse()
             if resp.status != 200:
-                raise httpd.CallError(resp.status, _json_or_text(resp.read()))
+                raise httpc.CallError(resp.status, _json_or_text(resp.read()))
             want, got = int(resp.getheader("Content-Length")), 0
             with durable.replacing(path) as tmp:
                 with open(tmp, "wb") as f:
@@ -228,23 +228,23 @@ class FedMomClient:
     def _stale_guard(self, fn):
         try:
             return fn()
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             if e.status == 409 and e.reply.get("code") == "stale_round":
                 raise StaleRound(e.reply["round"], e.reply.get("error", "")) from None
             raise
 
     def _send_inline(self, path, meta):
-        prefix = httpd.split_url(self.url)[3]
-        conn = httpd.connect(self.url, self.stall_s, self.ca_file, blocksize=1 << 20)
+        prefix = httpc.split_url(self.url)[3]
+        conn = httpc.connect(self.url, self.stall_s, self.ca_file, blocksize=1 << 20)
         try:
             headers = {"Content-Length": str(os.path.getsize(path)), "X-Delta-Meta": json.dumps(meta),
-                       "Content-Type": "application/octet-stream", **httpd.auth_headers(self.token)}
+                       "Content-Type": "application/octet-stream", **httpc.auth_headers(self.token)}
             with open(path, "rb") as f:
                 conn.request("PUT", prefix + "/delta", body=f, headers=headers)
             resp = conn.getresponse()
             reply = _json_or_text(resp.read())
             if resp.status >= 400:
-                raise httpd.CallError(resp.status, reply)
+                raise httpc.CallError(resp.status, reply)
             return reply
         finally:
             conn.close()
@@ -278,7 +278,7 @@ class _KeepAlive:
         while not self.stop.wait(self.interval_s):
             try:
                 self.client.heartbeat()
-            except (httpd.CallError, OSError, http.client.HTTPException) as e:
+            except (httpc.CallError, OSError, http.client.HTTPException) as e:
                 log(f"fedmom client: heartbeat failed: {e}")
 
     def __enter__(self):

@@ -43,8 +43,9 @@ import darl_table
 import data
 import durable
 import fedmom_client
-import httpd
+import httpc
 import tensorio
+import testhooks
 import wire
 
 SETTLE = "settle"           # next_span under --overlap: the round trip ended before DARL gave a span
@@ -113,7 +114,7 @@ class FedSite:
     def __init__(self, cfg, windows, model_bytes, log):
         self.cfg, self.windows, self.log = cfg, windows, log
         self.cluster, self.incarnation = cfg.cluster, secrets.token_hex(6)
-        token = httpd.load_token(cfg.token_file)
+        token = httpc.load_token(cfg.token_file)
         self.darl = darl_client.LeaseClient(cfg.darl_url, token=token, ca_file=cfg.ca_file)
         self.fed = fedmom_client.FedMomClient(cfg.federation, self.cluster, self.incarnation, token=token,
                                               blob_url=cfg.blob_url, ca_file=cfg.ca_file)
@@ -141,7 +142,7 @@ class FedSite:
         while True:
             try:
                 return (yield from _in_background(fn))
-            except httpd.CallError as e:
+            except httpc.CallError as e:
                 if e.status == 409 and e.reply.get("code") == "not_member":
                     self.log(f"{what}: the aggregator no longer counts us as a member ({e.reply.get('error')}); joining again")
                     self.member = False
@@ -181,7 +182,7 @@ class FedSite:
             try:
                 self.darl.register(self.cluster, self.incarnation, space.digest())
                 break
-            except httpd.CallError as e:
+            except httpc.CallError as e:
                 left = deadline - time.monotonic()
                 if e.status != 409 or e.reply.get("code") != "incarnation_conflict" or left <= 0:
                     raise
@@ -201,7 +202,7 @@ class FedSite:
             try:
                 reply = self.fed.join()
                 break
-            except httpd.CallError as e:
+            except httpc.CallError as e:
                 left = deadline - time.monotonic()
                 if e.reply.get("code") != "incarnation_conflict" or left <= 0:
                     raise
@@ -227,7 +228,7 @@ class FedSite:
             self.member = False
             try:
                 self.fed.leave()
-            except (httpd.CallError, *TRANSPORT_ERRORS) as e:
+            except (httpc.CallError, *TRANSPORT_ERRORS) as e:
                 self.log(f"FedMom leave: {e} (the aggregator drops silent members on its own)")
 
     # -- per phase
@@ -325,10 +326,10 @@ class FedSite:
                           step=handoff.step, tokens=handoff.tokens)
         t0 = time.monotonic()
         sent = False
-        httpd.fault_point("site.trained")           # test hook (httpd.py): checkpointed, nothing sent
+        testhooks.fault_point("site.trained")           # test hook (testhooks.py): checkpointed, nothing sent
         try:
             self.session.refresh()                   # the coordinator's word on the lease, now
-        except (httpd.CallError, *TRANSPORT_ERRORS) as e:
+        except (httpc.CallError, *TRANSPORT_ERRORS) as e:
             self.log(f"DARL heartbeat before sending: {e}")
         if span.lease not in self.session.held():
             # reclaimed (expired) while we trained: its blocks are back in the pool and may be
@@ -343,10 +344,10 @@ class FedSite:
                 delta_path, base, handoff.tokens, [self.session.commit_record(span)],
                 {k: v for k, v in handoff.metrics.items() if v is not None}, transport=self.cfg.transport))
             sent = True
-            httpd.fault_point("site.sent")          # test hook: accepted, its outcome not known here yet
+            testhooks.fault_point("site.sent")          # test hook: accepted, its outcome not known here yet
         except fedmom_client.StaleRound as e:
             out.reason = f"stale: {e}"
-        except httpd.CallError as e:                  # refused (a bad delta): never merged
+        except httpc.CallError as e:                  # refused (a bad delta): never merged
             out.reason = f"refused: {e.reply.get('error', e)}"
         out.send_s = round(time.monotonic() - t0, 3)
         while True:          # until the round passed and the aggregator's books say what became of it
@@ -388,7 +389,7 @@ class FedSite:
         while self.session.held() and time.monotonic() < deadline:
             try:
                 self.session.refresh()
-            except (httpd.CallError, *TRANSPORT_ERRORS) as e:
+            except (httpc.CallError, *TRANSPORT_ERRORS) as e:
                 self.say(f"DARL heartbeat: {e}", every_s=10.0)
             if self.session.held():
                 self.say(f"waiting for the aggregator to take leases {sorted(self.session.held())} into custody "

@@ -35,7 +35,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import blobstore  # noqa: E402
-import httpd  # noqa: E402
+import httpc  # noqa: E402
 
 CHUNK = 4 << 20
 
@@ -119,7 +119,7 @@ def client(url, path, sha, out_path):
     res["put_s"] = time.perf_counter() - t0
     assert got["sha256"] == sha and got["size"] == size
     t0 = time.perf_counter()
-    conn = httpd.connect(url, 120)
+    conn = httpc.connect(url, 120)
     conn.request("GET", "/blobs/bench")
     resp = conn.getresponse()
     buf = memoryview(bytearray(CHUNK))

@@ -12,7 +12,7 @@ judges the outcome.
     python bench/fault_schedule.py --schedules 40 --first-seed 1000 --jobs 2
     python bench/fault_schedule.py --replay 1234         # one seed: its schedule, its dir kept
 
-The faults (the servers' fault points are httpd.py's test hooks: a process stops at the
+The faults (the servers' fault points are testhooks.py's: a process stops at the
 named phase, and is SIGKILLed there):
     darl_kill       DARL SIGKILLed at darl.append (decided, not logged), darl.torn (half a
                     log line written), darl.synced (logged, not answered), after 0-3 hits
@@ -99,13 +99,14 @@ import numpy as np  # noqa: E402
 import audit  # noqa: E402
 import darl_client  # noqa: E402
 import durable  # noqa: E402
+import fedmom_checkpoint  # noqa: E402
 import fedmom_client  # noqa: E402
 import fedmom_merge  # noqa: E402
-import fedmom_checkpoint  # noqa: E402
 import fedmom_state  # noqa: E402
 import fedsite  # noqa: E402
-import httpd  # noqa: E402
+import httpc  # noqa: E402
 import tensorio  # noqa: E402
+import testhooks  # noqa: E402
 import wire  # noqa: E402
 
 SHAPES = {"w": (48,), "b": (4, 3)}
@@ -303,7 +304,7 @@ class TokenRefused(Exception):
 
 def site_main(a):
     """One incarnation of a fake site: the protocol of train.py's FedSite, no torch."""
-    token = httpd.load_token(a.token_file)
+    token = httpc.load_token(a.token_file)
     inc = secrets.token_hex(6)
     records = open(os.path.join(a.records, f"{a.cluster}-{inc}.jsonl"), "a", buffering=1)
 
@@ -317,7 +318,7 @@ def site_main(a):
     try:
         try:
             code = _site_loop(a, token, inc, note)
-        except httpd.CallError as e:      # a 401 from any call: the token was rotated
+        except httpc.CallError as e:      # a 401 from any call: the token was rotated
             if e.status != 401:
                 raise
             raise TokenRefused(str(e))
@@ -335,7 +336,7 @@ def _retry(what, fn, deadline_s=180.0, member=None):
     while True:
         try:
             return fn()
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             if e.status == 401:
                 raise TokenRefused(f"{what}: {e}")
             if member is not None and e.status == 409 and e.reply.get("code") == "not_member":
@@ -359,7 +360,7 @@ def _site_loop(a, token, inc, note):
         try:
             _retry("register", lambda: client.register(a.cluster, inc, digest))
             break
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             if e.reply.get("code") != "incarnation_conflict" or time.monotonic() > deadline:
                 raise
             time.sleep(0.3)
@@ -396,7 +397,7 @@ def _span_loop(a, fed, member, session, note):
             elif flight is None and session.starved and member.member:
                 member.leave()                     # every block is someone else's: leave the rounds
             continue
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             if e.status == 401:
                 raise TokenRefused(f"DARL: {e}")
             raise
@@ -414,7 +415,7 @@ def _span_loop(a, fed, member, session, note):
         if flight is not None:
             base = _join(flight)
         key, path, tokens = _train(a, session, span, base, note, while_in_flight=in_flight)
-        httpd.fault_point("site.trained")
+        testhooks.fault_point("site.trained")
         box = {}
         t = threading.Thread(target=_trip, args=(a, fed, member, session, span, key, path, tokens, note, box),
                              daemon=True)
@@ -458,7 +459,7 @@ class Membership:
             self.member = False
             try:
                 _retry("leave", self.fed.leave)
-            except httpd.CallError as e:
+            except httpc.CallError as e:
                 if e.status != 409:          # not a member any more: nothing to leave
                     raise
 
@@ -468,7 +469,7 @@ def _phase(a, fed, member, session, span, note):
     base = a.theta.current(member)
     key, path, tokens = _train(a, session, span, base, note)
     time.sleep(a.train_s)
-    httpd.fault_point("site.trained")
+    testhooks.fault_point("site.trained")
     _round_trip(a, fed, member, session, span, key, path, tokens, note)
 
 
@@ -508,13 +509,13 @@ def _send_and_wait(a, fed, member, session, span, key, path, tokens, note):
     if not a.careless:                            # FedSite.round_trip's check (a careless site skips it)
         try:
             session.refresh()
-        except (httpd.CallError, OSError, http.client.HTTPException):
+        except (httpc.CallError, OSError, http.client.HTTPException):
             pass
         if span.lease not in session.held():
             note("lost", why="lease lost at DARL before the send", **key)
             session.span_done(span)
             return "lost"
-    httpd.fault_point("site.checked")
+    testhooks.fault_point("site.checked")
     record = {"id": span.lease, "start": span.start, "end": span.end}
     try:
         reply = _retry("send", lambda: fed.send_delta(path, base, tokens, [record], {"loss": 1.0},
@@ -523,14 +524,14 @@ def _send_and_wait(a, fed, member, session, span, key, path, tokens, note):
         note("stale", why=str(e), **key)
         session.release(span)
         return "stale"
-    except httpd.CallError as e:
+    except httpc.CallError as e:
         if e.status == 401:
             raise TokenRefused(f"send: {e}")
         note("refused", status=e.status, code=e.reply.get("code"), why=e.reply.get("error"), **key)
         session.release(span)
         return "refused"
     note("sent", custody=reply.get("custody"), duplicate=bool(reply.get("duplicate")), **key)
-    httpd.fault_point("site.sent")
+    testhooks.fault_point("site.sent")
     while True:
         got = _retry("outcome", lambda: fed.heartbeat(wait_round_after=base, wait_s=1.0))
         mine = [o for o in got.get("deltas") or () if o.get("incarnation") == session.incarnation
@@ -566,7 +567,7 @@ class Proc:
 
     def start(self, cmd=None, wait_url=True):
         mark = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
-        env = {**os.environ, httpd.FAULT_DIR_ENV: self.faults, httpd.CLOCK_OFFSET_ENV: self.run.clock_file,
+        env = {**os.environ, testhooks.FAULT_DIR_ENV: self.faults, testhooks.CLOCK_OFFSET_ENV: self.run.clock_file,
                "PYTHONPATH": ROOT, "PWW_TOKEN": ""}
         with open(self.log_path, "ab") as log:
             self.p = subprocess.Popen(cmd or self.cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -768,11 +769,11 @@ class Run:
             return
         self._observed = time.monotonic()
         try:
-            got = httpd.call(self.darl, "GET", "/custody?state=committed", token=self.agg_token, timeout=2)
+            got = httpc.call(self.darl, "GET", "/custody?state=committed", token=self.agg_token, timeout=2)
             self.committed_seen |= {c["delta"] for c in got["custody"]}
             self.max_round_seen = max(self.max_round_seen,
-                                      httpd.call(self.fedmom, "GET", "/round", token=self.token, timeout=2)["round"])
-        except (OSError, http.client.HTTPException, httpd.CallError, ValueError):
+                                      httpc.call(self.fedmom, "GET", "/round", token=self.token, timeout=2)["round"])
+        except (OSError, http.client.HTTPException, httpc.CallError, ValueError):
             pass
 
     # -- faults
@@ -905,15 +906,15 @@ class Run:
 
     def _fedmom_alarm(self):
         try:
-            alarm = httpd.call(self.fedmom, "GET", "/status", token=self.token, timeout=5)["darl"]["alarm"]
-        except (OSError, http.client.HTTPException, httpd.CallError, KeyError):
+            alarm = httpc.call(self.fedmom, "GET", "/status", token=self.token, timeout=5)["darl"]["alarm"]
+        except (OSError, http.client.HTTPException, httpc.CallError, KeyError):
             return ""
         return (alarm or {}).get("error", "")
 
     def _fedmom_epoch(self):
         try:
-            return httpd.call(self.fedmom, "GET", "/status", token=self.token, timeout=5)["epoch"]
-        except (OSError, http.client.HTTPException, httpd.CallError, KeyError):
+            return httpc.call(self.fedmom, "GET", "/status", token=self.token, timeout=5)["epoch"]
+        except (OSError, http.client.HTTPException, httpc.CallError, KeyError):
             return -1
 
     def _darl_flag(self, f):
@@ -923,7 +924,7 @@ class Run:
         self.procs["darl"].term()
         self.darl_flags[flag] = value
         refused = subprocess.run(self.darl_cmd(self.darl_port), cwd=ROOT, capture_output=True, text=True,
-                                 timeout=60, env={**os.environ, httpd.CLOCK_OFFSET_ENV: self.clock_file})
+                                 timeout=60, env={**os.environ, testhooks.CLOCK_OFFSET_ENV: self.clock_file})
         if refused.returncode == 0 or flag not in refused.stderr + refused.stdout:
             self.findings.append(f"DARL restarted with {flag} {value} changed: not refused naming the flag "
                                  f"(exit {refused.returncode}: {(refused.stderr or refused.stdout)[-300:]})")
@@ -940,9 +941,9 @@ class Run:
     def _settled(self):
         self.supervise()
         try:
-            st = httpd.call(self.fedmom, "GET", "/status", token=self.token, timeout=5)
-            darl = httpd.call(self.darl, "GET", "/status", token=self.token, timeout=5)
-        except (OSError, http.client.HTTPException, httpd.CallError):
+            st = httpc.call(self.fedmom, "GET", "/status", token=self.token, timeout=5)
+            darl = httpc.call(self.darl, "GET", "/status", token=self.token, timeout=5)
+        except (OSError, http.client.HTTPException, httpc.CallError):
             return False
         return st["pending_commits"] == 0 and st["pending_aborts"] == 0 and not st["pending"] and darl["done"]
 
@@ -953,7 +954,7 @@ class Run:
             if name in self.procs and self.procs[name].alive():
                 self.procs[name].term()
         for proc in self.procs.values():
-            port = httpd.split_url(getattr(self, proc.name, "http://x:0"))[2]
+            port = httpc.split_url(getattr(self, proc.name, "http://x:0"))[2]
             with PORT_LOCK:
                 PORTS_TAKEN.discard(port)
 

@@ -59,7 +59,7 @@ import durable  # noqa: E402
 from darl_rpc import closed_loop, quantile  # noqa: E402  (bench/ is this script's directory)
 import fedmom_client  # noqa: E402
 import http_fuzz  # noqa: E402
-import httpd  # noqa: E402
+import httpc  # noqa: E402
 import tensorio  # noqa: E402
 
 TOKEN = "bench-faults-token"
@@ -92,7 +92,7 @@ class Service:
                                          stderr=subprocess.STDOUT, env={**os.environ, **(self.env or {})})
         while True:
             try:
-                httpd.call(self.url, "GET", "/health", timeout=2, ca_file=self.ca)
+                httpc.call(self.url, "GET", "/health", timeout=2, ca_file=self.ca)
                 return time.monotonic() - t0
             except Exception:                       # not up yet: refused, reset, 5xx
                 if self.proc.poll() is not None:
@@ -138,7 +138,7 @@ def kills_darl(work, n):
     try:
         for k in range(n + 1):
             restarts.append(svc.start())
-            digest = digest or httpd.call(svc.url, "GET", "/health", ca_file=svc.ca)["digest"]
+            digest = digest or httpc.call(svc.url, "GET", "/health", ca_file=svc.ca)["digest"]
             checker = darl_client.LeaseClient(svc.url, TOKEN, retries=2, ca_file=svc.ca)
             for cluster, inc, lease, end in acked:    # every acknowledged commit is still committed
                 reply = checker.commit(cluster, inc, lease, end)
@@ -183,7 +183,7 @@ def kills_fedmom(work, n):
     try:
         for k in range(n + 1):
             restarts.append(svc.start())
-            st = httpd.call(svc.url, "GET", "/status", token=TOKEN, ca_file=svc.ca)
+            st = httpc.call(svc.url, "GET", "/status", token=TOKEN, ca_file=svc.ca)
             seen = {(o["cluster"], o["incarnation"], o["base_round"]) for o in st["outcomes"]
                     if o["outcome"] == "pending"} | {(o["cluster"], o["incarnation"], o["base_round"])
                                                      for r in st["recent"] for o in r["outcomes"]
@@ -257,7 +257,7 @@ def kills_blob(work, n):
                 info = blobstore.head(svc.url, b, TOKEN, ca_file=svc.ca)
                 lost += not (info and info["complete"] and info["sha256"] == sha)
             if len(done) > 3:                        # bound the disk: drop the oldest (checked n times)
-                httpd.call(svc.url, "DELETE", f"/blobs/{done.pop(0)}", token=TOKEN, ca_file=svc.ca)
+                httpc.call(svc.url, "DELETE", f"/blobs/{done.pop(0)}", token=TOKEN, ca_file=svc.ca)
     finally:
         svc.stop()
     return {"daemon": "blob store (mid-upload; the upload resumes)", "kills": n, "lost": lost, "restart": restarts}
@@ -388,7 +388,7 @@ def load(work, seconds):
     try:
         for s in (darl, fed, blob):
             s.start()
-        digest = httpd.call(darl.url, "GET", "/health", ca_file=darl.ca)["digest"]
+        digest = httpc.call(darl.url, "GET", "/health", ca_file=darl.ca)["digest"]
 
         def darl_cycle(i):
             c = darl_client.LeaseClient(darl.url, TOKEN, retries=0, ca_file=darl.ca)
@@ -405,15 +405,15 @@ def load(work, seconds):
 
         def keep_alive(svc, method, path, body=None):
             def factory(i):
-                conn = httpd.connect(svc.url, 30, svc.ca)
-                return lambda: httpd.call(svc.url, method, path, body, token=TOKEN, conn=conn)
+                conn = httpc.connect(svc.url, 30, svc.ca)
+                return lambda: httpc.call(svc.url, method, path, body, token=TOKEN, conn=conn)
             return factory
 
         def blob_get(i):
-            conn = httpd.connect(blob.url, 30, blob.ca)
+            conn = httpc.connect(blob.url, 30, blob.ca)
 
             def one():
-                conn.request("GET", "/blobs/load", headers=httpd.auth_headers(TOKEN))
+                conn.request("GET", "/blobs/load", headers=httpc.auth_headers(TOKEN))
                 r = conn.getresponse()
                 if len(r.read()) != 1 << 20:
                     raise IOError("short read")
@@ -449,7 +449,7 @@ def halfopen(work, held=2000, samples=300, rounds=3):
     svc.start()
     out = {"base": {"status": [], "cycle": []}, "loaded": {"status": [], "cycle": []}}
     try:
-        digest = httpd.call(svc.url, "GET", "/health", ca_file=svc.ca)["digest"]
+        digest = httpc.call(svc.url, "GET", "/health", ca_file=svc.ca)["digest"]
         c = darl_client.LeaseClient(svc.url, TOKEN, retries=0, ca_file=svc.ca)
         c.register("legit", "inc", digest)
 
@@ -493,7 +493,7 @@ def halfopen(work, held=2000, samples=300, rounds=3):
 def hold(port, n, ca_file):
     """(--hold) Open n connections to 127.0.0.1:port, every other one a TLS session stopped
     mid-headers; print one line, keep them until stdin closes."""
-    tls, socks = httpd.client_tls(ca_file), []
+    tls, socks = httpc.client_tls(ca_file), []
     for i in range(n):
         s = socket.create_connection(("127.0.0.1", port))
         if i % 2:
@@ -558,7 +558,7 @@ def diskfull(work):
         try:
             blobstore.put_file(blob.url, "x", src, token=TOKEN, ca_file=blob.ca, retries=0)
             reply = "accepted (!)"
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             reply = f"{e.status} {e.reply.get('code')}"
         left = files(os.path.join(disk, "blobs"))
         os.unlink(fill)
@@ -577,7 +577,7 @@ def diskfull(work):
         try:
             a.send_delta(delta, 0, 10, [], {}, transport="inline")
             reply = "accepted (!)"
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             reply = f"{e.status} {e.reply.get('code')}"
         left = files(os.path.join(disk, "fm")) - before
         os.unlink(fill)
@@ -587,9 +587,9 @@ def diskfull(work):
         try:
             fedmom_client.FedMomClient(fed.url, "c", "c-1", token=TOKEN, ca_file=fed.ca).join()
             reply = "joined (!)"
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             reply = f"{e.status} {e.reply.get('code')}"
-        members = [m["cluster"] for m in httpd.call(fed.url, "GET", "/status", token=TOKEN, ca_file=fed.ca)["members"]]
+        members = [m["cluster"] for m in httpc.call(fed.url, "GET", "/status", token=TOKEN, ca_file=fed.ca)["members"]]
         os.unlink(fill)
         rows.append(("join (disk full)", reply, f"members {members}", True))
         c = fedmom_client.FedMomClient(fed.url, "c", "c-1", token=TOKEN, ca_file=fed.ca)
@@ -598,19 +598,19 @@ def diskfull(work):
         fill = filler(256 << 10)
         c.leave()                                   # nobody left to wait for: the merge starts, cannot write
         deadline = time.monotonic() + 30
-        while not httpd.call(fed.url, "GET", "/status", token=TOKEN, ca_file=fed.ca)["merge_error"]:
+        while not httpc.call(fed.url, "GET", "/status", token=TOKEN, ca_file=fed.ca)["merge_error"]:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        st = httpd.call(fed.url, "GET", "/status", token=TOKEN, ca_file=fed.ca)
+        st = httpc.call(fed.url, "GET", "/status", token=TOKEN, ca_file=fed.ca)
         tmp_left = [f for f in os.listdir(os.path.join(disk, "fm")) if ".tmp-" in f]
         os.unlink(fill)
         deadline = time.monotonic() + 60                            # retried 30 s later
-        while httpd.call(fed.url, "GET", "/round", token=TOKEN, ca_file=fed.ca)["round"] < 1:
+        while httpc.call(fed.url, "GET", "/round", token=TOKEN, ca_file=fed.ca)["round"] < 1:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        back = httpd.call(fed.url, "GET", "/round", token=TOKEN, ca_file=fed.ca)["round"] == 1
+        back = httpc.call(fed.url, "GET", "/round", token=TOKEN, ca_file=fed.ca)["round"] == 1
         rows.append(("merge (256 KiB free for 1 MiB of theta + momentum)",
                      f"round {st['round']}, merge_error: {'disk full' if 'No space' in (st['merge_error'] or '') else st['merge_error']}",
                      f"{len(tmp_left)} temp files", back))
@@ -631,7 +631,7 @@ def darl_full(work, disk, filler):
     rows = []
     try:
         c = darl_client.LeaseClient(svc.url, TOKEN, retries=0, ca_file=svc.ca)
-        c.register("a", "i", httpd.call(svc.url, "GET", "/health", ca_file=svc.ca)["digest"])
+        c.register("a", "i", httpc.call(svc.url, "GET", "/health", ca_file=svc.ca)["digest"])
 
         def cycle():
             lease = c.acquire("a", "i", blocks=1)["lease"]
@@ -644,7 +644,7 @@ def darl_full(work, disk, filler):
         try:
             cycle()
             reply = "accepted (!)"
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             reply = f"{e.status} {e.reply.get('code')}"
         st = c.status()
         kept = "nothing" if (st["seq"], os.path.getsize(wal)) == (seq0, size0) else f"change {st['seq']} (!)"
@@ -659,7 +659,7 @@ def darl_full(work, disk, filler):
             try:
                 cycle()
                 answers["200"] += 1
-            except httpd.CallError as e:
+            except httpc.CallError as e:
                 answers[str(e.status)] += 1
                 break
             error = c.status()["snapshot_error"]

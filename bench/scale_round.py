@@ -89,7 +89,7 @@ import darl_client  # noqa: E402
 import durable  # noqa: E402
 import fedmom_client  # noqa: E402
 import harness  # noqa: E402
-import httpd  # noqa: E402
+import httpc  # noqa: E402
 import tensorio  # noqa: E402
 import wire  # noqa: E402
 from fedmom_disk_peak import dir_bytes  # noqa: E402
@@ -328,7 +328,7 @@ class Baton:
 def site_main(a):
     """One fake site: join, take theta, then --rounds round trips; a line per round in --records."""
     shapes = model_shapes(a.flavor)
-    token = httpd.load_token(a.token_file)
+    token = httpc.load_token(a.token_file)
     meter = Meter(int(p) for p in a.central_pids.split(","))
     inc = secrets.token_hex(6)
     os.makedirs(a.work, exist_ok=True)
@@ -664,10 +664,10 @@ def federate(L, cfg, root, init, shapes, base):
 
     def central():
         try:
-            st = httpd.call(urls["fedmom"], "GET", "/status", token=httpd.load_token(token), timeout=10, ca_file=ca)
+            st = httpc.call(urls["fedmom"], "GET", "/status", token=httpc.load_token(token), timeout=10, ca_file=ca)
             said = (f"the aggregator is at round {st['round']}, merging {st['merging']}, pending {st['pending']}, "
                     f"merge_error {st['merge_error']}")
-        except (OSError, httpd.CallError, ValueError) as e:
+        except (OSError, httpc.CallError, ValueError) as e:
             said = f"the aggregator does not answer GET /status ({e})"
         return said + "; its log ends:\n    " + "\n    ".join(procs["fedmom"].tail(6))
     try:

@@ -15,6 +15,7 @@ import threading
 import unittest
 
 import blobstore
+import httpc
 import httpd
 from harness import child_env, expect, listening_url
 
@@ -40,7 +41,7 @@ class CuttingProxy:
     `cut_after` bytes in direction `direction` ("up": client->server, "down")."""
 
     def __init__(self, upstream_url, cut_after, direction):
-        _, self.host, self.port_up, _ = httpd.split_url(upstream_url)
+        _, self.host, self.port_up, _ = httpc.split_url(upstream_url)
         self.cut_after, self.direction, self.cuts = cut_after, direction, 0
         self.total = {"up": 0, "down": 0}          # bytes forwarded, all connections
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -107,10 +108,10 @@ class LiveStoreTest(unittest.TestCase):
 
     def raw(self, method, path, headers=None, body=b"", auth=True):
         """One request with exactly these headers; returns (status, headers, body bytes)."""
-        conn = httpd.connect(self.url)
+        conn = httpc.connect(self.url)
         try:
             conn.putrequest(method, path, skip_accept_encoding=True)
-            for k, v in {**(httpd.auth_headers(TOKEN) if auth else {}), **(headers or {})}.items():
+            for k, v in {**(httpc.auth_headers(TOKEN) if auth else {}), **(headers or {})}.items():
                 conn.putheader(k, v)
             conn.endheaders()
             if body:
@@ -174,12 +175,12 @@ class LiveStoreTest(unittest.TestCase):
                          {"complete": True, "size": 5 * MB + 123, "total": 5 * MB + 123, "sha256": sha})
         self.assertEqual(blobstore.get_file(self.url, "delta-lumi.r7", self.p("dst"), token=TOKEN), sha)
         self.assertEqual(blobstore.sha256_file(self.p("dst")), sha)
-        listing = httpd.call(self.url, "GET", "/blobs", token=TOKEN)
+        listing = httpc.call(self.url, "GET", "/blobs", token=TOKEN)
         self.assertEqual(listing["blobs"], [{"id": "delta-lumi.r7", "size": 5 * MB + 123, "sha256": sha}])
         self.assertEqual(listing["used_bytes"], 5 * MB + 123)
         again = blobstore.put_file(self.url, "delta-lumi.r7", self.p("src"), token=TOKEN, sha256=sha)
         self.assertEqual(again["sent"], 0)                          # already there: nothing resent
-        self.assertEqual(httpd.call(self.url, "DELETE", "/blobs/delta-lumi.r7", token=TOKEN)["deleted"], True)
+        self.assertEqual(httpc.call(self.url, "DELETE", "/blobs/delta-lumi.r7", token=TOKEN)["deleted"], True)
         self.assertIsNone(blobstore.head(self.url, "delta-lumi.r7", TOKEN))
         self.assertEqual(self.visible_files(), [])
         self.assertEqual(sorted(os.listdir(self.dir)), ["dst", "root", "src"])
@@ -213,7 +214,7 @@ class LiveStoreTest(unittest.TestCase):
         self.assertEqual(info, {"complete": False, "offset": MB + 17, "total": 3 * MB, "sha256": sha})
         status, _, reply = self.raw("GET", "/blobs/cut")
         self.assert_refused(status, reply, 404, "still uploading")
-        self.assertEqual(httpd.call(self.url, "GET", "/blobs", token=TOKEN)["uploads"],
+        self.assertEqual(httpc.call(self.url, "GET", "/blobs", token=TOKEN)["uploads"],
                          [{"id": "cut", "offset": MB + 17, "total": 3 * MB, "uploading": False}])
         wrong = self.put_raw("cut", body[MB:], sha, {"Content-Range": f"bytes {MB}-{3 * MB - 1}/{3 * MB}"})
         self.assert_refused(wrong[0], wrong[2], 416, f"continues at byte {MB + 17}")
@@ -330,7 +331,7 @@ class LiveStoreTest(unittest.TestCase):
         self.assertEqual(self.put_raw("bad", body)[0], 200)         # same bytes again: idempotent
         with open(self.p("other"), "wb") as f:
             f.write(body[:-1])
-        with self.assertRaises(httpd.CallError) as cm:              # refused at once, not retried
+        with self.assertRaises(httpc.CallError) as cm:              # refused at once, not retried
             blobstore.put_file(self.url, "bad", self.p("other"), token=TOKEN)
         self.assertEqual(cm.exception.status, 409)
 
@@ -354,11 +355,11 @@ class LiveStoreTest(unittest.TestCase):
         self.assertEqual(resp.status, 201)
         src = self.p("src")
         make_file(src, 20 * MB)
-        with self.assertRaises(httpd.CallError) as cm:
+        with self.assertRaises(httpc.CallError) as cm:
             blobstore.put_file(self.url, "over", src, token=TOKEN)
         self.assertEqual(cm.exception.status, 413)
-        httpd.call(self.url, "DELETE", "/blobs/fill0", token=TOKEN)
-        httpd.call(self.url, "DELETE", "/blobs/fits", token=TOKEN)
+        httpc.call(self.url, "DELETE", "/blobs/fill0", token=TOKEN)
+        httpc.call(self.url, "DELETE", "/blobs/fits", token=TOKEN)
         self.assertEqual(blobstore.put_file(self.url, "over", src, token=TOKEN)["size"], 20 * MB)
 
     def test_status_lists_the_store_and_exits_1_once_it_is_full(self):
@@ -386,7 +387,7 @@ class LiveStoreTest(unittest.TestCase):
         self.assertIn("status: ", r.stderr)
 
     def test_get_file_refuses_a_missing_blob_and_leaves_nothing(self):
-        with self.assertRaises(httpd.CallError) as cm:
+        with self.assertRaises(httpc.CallError) as cm:
             blobstore.get_file(self.url, "absent", self.p("dst"), token=TOKEN, retries=0)
         self.assertEqual(cm.exception.status, 404)
         self.assertEqual(sorted(os.listdir(self.dir)), ["root"])

@@ -38,7 +38,9 @@ import durable
 import fedmom_client
 import fedmom_server as fm
 import fedmom_state as fs
+import httpc
 import httpd
+import testhooks
 from darl_table import LeaseError, LeaseTable, TableConfig
 from harness import expect
 from test_fedmom import SHAPES, FakeClock, Fixture, write_tensors
@@ -332,9 +334,9 @@ class AggregatorFixture(Fixture):
 
     def lease(self, url, coord, cluster, ttl=60, n=5):
         inc = f"{cluster}-inc"
-        httpd.call(url, "POST", "/register", {"cluster": cluster, "incarnation": inc, "digest": coord.digest},
+        httpc.call(url, "POST", "/register", {"cluster": cluster, "incarnation": inc, "digest": coord.digest},
                    token=TOKEN)
-        return httpd.call(url, "POST", "/acquire", {"cluster": cluster, "incarnation": inc, "blocks": n, "ttl": ttl},
+        return httpc.call(url, "POST", "/acquire", {"cluster": cluster, "incarnation": inc, "blocks": n, "ttl": ttl},
                           token=TOKEN)["lease"]
 
     def agg(self, link, name="st", init=True):
@@ -438,7 +440,7 @@ class SiteMistakesTest(AggregatorFixture):
         st.join("snellius", "snellius-inc")
         a = self.lease(url, coord, "lumi")
         self.assertTrue(self.send(st, "lumi", self.delta()[0], 100, leases=[a])["accepted"])
-        httpd.call(url, "POST", "/release", {"cluster": "lumi", "incarnation": "lumi-inc", "leave": True},
+        httpc.call(url, "POST", "/release", {"cluster": "lumi", "incarnation": "lumi-inc", "leave": True},
                    token=TOKEN)                                 # the site finishes (or its job is cancelled)
         b = self.lease(url, coord, "snellius")
         self.assertTrue(self.send(st, "snellius", self.delta()[0], 100, leases=[b])["accepted"])
@@ -575,7 +577,7 @@ class FencingAndRepairTest(AggregatorFixture):
             st = json.load(f)
         b = self.agg(fs.DarlLink(url, TOKEN), name="B", init=False)
         claim = json.loads(pathlib.Path(os.path.join(self.dir, "B", "state.json")).read_text())["fence_claim"]
-        lost = httpd.call(url, "POST", "/fence", {"aggregator": b.aggregator_id, "last_epoch": st["epoch"],
+        lost = httpc.call(url, "POST", "/fence", {"aggregator": b.aggregator_id, "last_epoch": st["epoch"],
                                                   "claim": claim}, token=TOKEN)
         self.assertEqual(lost["epoch"], 5)
         b = self.agg(fs.DarlLink(url, TOKEN), name="B", init=False)  # the restart repeats the same ask
@@ -599,7 +601,7 @@ class FencingAndRepairTest(AggregatorFixture):
             self.assertEqual(self.send(a, c, self.delta()[0], 100, leases=[leases[c]])["custody"], "confirmed")
         shutil.copytree(os.path.join(self.dir, "A"), os.path.join(self.dir, "B"), ignore=shutil.ignore_patterns("lock"))
         gone = a.pending[("snellius", "snellius-inc")].delta_id
-        httpd.call(url, "POST", "/custody/abort", {"aggregator": a.aggregator_id, "epoch": a.epoch, "delta": gone,
+        httpc.call(url, "POST", "/custody/abort", {"aggregator": a.aggregator_id, "epoch": a.epoch, "delta": gone,
                                                    "why": "excluded by the live process"}, token=TOKEN)
         del a
         b = self.agg(fs.DarlLink(url, TOKEN), name="B", init=False)
@@ -785,7 +787,7 @@ class BlobTransportTest(AggregatorFixture):
         a = self.lease(url, coord, "lumi", ttl=10)
         darl_clock.t += 11                                      # expired, and someone else trains it
         self.lease(url, coord, "other")
-        with self.assertRaises(httpd.CallError) as cm:
+        with self.assertRaises(httpc.CallError) as cm:
             site.send_delta(self.delta()[0], 0, 100, [a], {}, transport="blob")
         self.assertEqual(cm.exception.reply.get("code"), "lease_lost")
         b = self.lease(url, coord, "lumi", ttl=600)
@@ -795,7 +797,7 @@ class BlobTransportTest(AggregatorFixture):
         # a retried send whose reply was lost: a duplicate, although its blob is gone
         meta = {"cluster": "lumi", "incarnation": "lumi-inc", "base_round": 0, "tokens": 100,
                 "leases": [b], "blob": "delta-gone", "sha256": "0" * 64}
-        self.assertTrue(httpd.call(furl, "POST", "/delta_blob", meta, token=TOKEN)["duplicate"])
+        self.assertTrue(httpc.call(furl, "POST", "/delta_blob", meta, token=TOKEN)["duplicate"])
 
 
 class GoneFlagTest(unittest.TestCase):
@@ -808,7 +810,7 @@ class GoneFlagTest(unittest.TestCase):
 
 
 def urllib_page(url):
-    conn = httpd.connect(url)
+    conn = httpc.connect(url)
     try:
         conn.request("GET", "/")
         return conn.getresponse().read().decode()
@@ -820,7 +822,7 @@ def urllib_page(url):
 
 class ProcessFixture(unittest.TestCase):
     """Real darl_server.py and fedmom_server.py processes on loopback, each started with a
-    fault dir (httpd.fault_point): self.faults unless start() is given another."""
+    fault dir (testhooks.fault_point): self.faults unless start() is given another."""
 
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="custody-procs-")
@@ -841,7 +843,7 @@ class ProcessFixture(unittest.TestCase):
         mark = os.path.getsize(path) if os.path.exists(path) else 0
         with open(path, "ab") as log:
             proc = subprocess.Popen([sys.executable, script, "--port", "0", *map(str, args)], cwd=ROOT,
-                                    env={**os.environ, httpd.FAULT_DIR_ENV: faults or self.faults}, stdout=log,
+                                    env={**os.environ, testhooks.FAULT_DIR_ENV: faults or self.faults}, stdout=log,
                                     stderr=subprocess.STDOUT)
         self.procs.append(proc)
 
@@ -895,7 +897,7 @@ class RestartWithCommitsOwedTest(ProcessFixture):
         os.unlink(arm)
         fed, furl = self.start("fedmom_server.py", *fed_args)
         # DARL commits before the aggregator drops the entry from its books: wait for both
-        expect(lambda: client.status()["committed"] == 10 and httpd.call(furl, "GET", "/status")["pending_commits"]
+        expect(lambda: client.status()["committed"] == 10 and httpc.call(furl, "GET", "/status")["pending_commits"]
                == 0, "DARL to receive the owed commits and the aggregator to record it",
                timeout_s=DEADLINE_S, interval_s=0.02)
         books = client.status()
@@ -1014,7 +1016,7 @@ class CopyTakenWhileFencingTest(ProcessFixture):
             L = client.acquire("lumi", "lumi-inc", blocks=5)["lease"]
             site.send_delta(deltas, base, 50, [{"id": L["id"], "start": L["start"], "end": L["end"]}], {})
             expect(lambda: client.status()["committed"] == 5 * (base + 1)
-                   and httpd.call(furl, "GET", "/status")["pending_commits"] == 0,
+                   and httpc.call(furl, "GET", "/status")["pending_commits"] == 0,
                    f"A to merge round {base + 1} and DARL to commit it", timeout_s=DEADLINE_S, interval_s=0.02)
 
         round_of_5(0)                                      # A merged round 1, DARL committed 5 blocks

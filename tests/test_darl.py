@@ -21,6 +21,7 @@ import darl_client
 import darl_server
 import darl_table
 import durable
+import httpc
 import httpd
 from darl_server import Coordinator, LogError
 from darl_table import BlockSpace, InvariantError, LeaseError, LeaseTable, TableConfig
@@ -935,10 +936,10 @@ class HTTPTest(unittest.TestCase):
         self.addCleanup(self.client.close)
 
     def raw(self, path, body, token="tok"):
-        conn = httpd.connect(self.live.url)
+        conn = httpc.connect(self.live.url)
         try:
             data = body if isinstance(body, bytes) else json.dumps(body).encode()
-            conn.request("POST", path, body=data, headers=httpd.auth_headers(token))
+            conn.request("POST", path, body=data, headers=httpc.auth_headers(token))
             resp = conn.getresponse()
             return resp.status, json.loads(resp.read())
         finally:
@@ -972,7 +973,7 @@ class HTTPTest(unittest.TestCase):
         self.assertEqual(json.dumps(self.live.coord.table.to_dict()), before)
         self.assertEqual(self.live.coord.seq, seq)
         self.assertEqual(self.client.commit("a", "x", lease["id"])["committed"], 5)   # still serving
-        self.assertEqual(httpd.call(self.live.url, "GET", "/health")["service"], "darl")
+        self.assertEqual(httpc.call(self.live.url, "GET", "/health")["service"], "darl")
 
     def test_status_shows_clusters_and_quarantine_loudly(self):
         d = self.live.space.digest()

@@ -23,6 +23,7 @@ import numpy as np
 import blobstore
 import certs
 import durable
+import httpc
 import httpd
 import tensorio
 
@@ -91,7 +92,7 @@ class Served(unittest.TestCase):
         self.port = self.server.server_address[1]
 
     def call(self, method, path, body=None, token=TOKEN, **kw):
-        return httpd.call(self.server.url, method, path, body, token=token, **kw)
+        return httpc.call(self.server.url, method, path, body, token=token, **kw)
 
 
 class TLSTest(unittest.TestCase):
@@ -114,9 +115,9 @@ class TLSTest(unittest.TestCase):
 
     def test_json_calls_over_https_with_the_ca(self):
         self.assertTrue(self.url.startswith("https://127.0.0.1:"))
-        conn = httpd.connect(self.url, ca_file=self.ca)
+        conn = httpc.connect(self.url, ca_file=self.ca)
         for i in range(20):                     # keep-alive across requests, through the poller
-            self.assertEqual(httpd.call(self.url, "POST", "/echo", {"i": i}, token=TOKEN, conn=conn),
+            self.assertEqual(httpc.call(self.url, "POST", "/echo", {"i": i}, token=TOKEN, conn=conn),
                              {"got": {"i": i}})
         conn.close()
 
@@ -130,14 +131,14 @@ class TLSTest(unittest.TestCase):
             self.assertEqual(a.read(), b.read())
 
     def test_an_unknown_ca_is_a_clear_error_not_a_retry(self):
-        with self.assertRaises(httpd.TLSConfigError) as cm:
-            httpd.call(self.url, "GET", "/health")           # the system CAs do not know ours
+        with self.assertRaises(httpc.TLSConfigError) as cm:
+            httpc.call(self.url, "GET", "/health")           # the system CAs do not know ours
         self.assertNotIsInstance(cm.exception, OSError)      # callers retry OSErrors; this would never pass
         self.assertIn("--ca-file", str(cm.exception))
 
     def test_plain_http_on_the_tls_port_is_told_to_use_https(self):
-        with self.assertRaises(httpd.CallError) as cm:
-            httpd.call(self.url.replace("https://", "http://"), "GET", "/health")
+        with self.assertRaises(httpc.CallError) as cm:
+            httpc.call(self.url.replace("https://", "http://"), "GET", "/health")
         self.assertEqual(cm.exception.status, 400)
         self.assertIn("https://", cm.exception.reply["error"])
 
@@ -146,7 +147,7 @@ class TLSTest(unittest.TestCase):
         self.addCleanup(plain.server_close)
         self.addCleanup(plain.shutdown)
         with self.assertRaises(OSError):        # the server hangs up on the ClientHello at once
-            httpd.call(plain.url.replace("http://", "https://"), "GET", "/health", ca_file=self.ca, timeout=BOUND_S)
+            httpc.call(plain.url.replace("http://", "https://"), "GET", "/health", ca_file=self.ca, timeout=BOUND_S)
         self.assertEqual(plain.stats()["tls_on_plain_port"], 1)
 
 
@@ -189,8 +190,8 @@ class ProtocolEdgesTest(Served):
 
     def test_nan_and_infinity_literals_are_refused_by_field(self):
         for body in (b'{"x": NaN}', b'{"x": Infinity}', b'{"x": -Infinity}', b'{"x": 1e999}'):
-            conn = httpd.connect(self.server.url)
-            conn.request("POST", "/number", body=body, headers=httpd.auth_headers(TOKEN))
+            conn = httpc.connect(self.server.url)
+            conn.request("POST", "/number", body=body, headers=httpc.auth_headers(TOKEN))
             resp = conn.getresponse()
             self.assertEqual(resp.status, 400, body)
             self.assertIn("finite", json.loads(resp.read())["error"])
@@ -198,8 +199,8 @@ class ProtocolEdgesTest(Served):
         self.assertEqual(self.call("POST", "/number", {"x": 1.5}), {"x": 1.5})
 
     def test_a_full_disk_is_a_507_naming_the_disk_with_retry_after(self):
-        conn = httpd.connect(self.server.url)
-        conn.request("POST", "/full", body=b"{}", headers=httpd.auth_headers(TOKEN))
+        conn = httpc.connect(self.server.url)
+        conn.request("POST", "/full", body=b"{}", headers=httpc.auth_headers(TOKEN))
         resp = conn.getresponse()
         reply = json.loads(resp.read())
         self.assertEqual(resp.status, 507)
@@ -364,7 +365,7 @@ class DiskFullTest(unittest.TestCase):
         with open(src, "wb") as f:
             f.write(self.rng.bytes(6 << 20))
         filler = fill(self.disk, 3 << 20)
-        with self.assertRaises(httpd.CallError) as cm:
+        with self.assertRaises(httpc.CallError) as cm:
             blobstore.put_file(server.url, "delta", src, token=TOKEN, retries=0)
         self.assertEqual((cm.exception.status, cm.exception.reply["code"]), (507, "disk_full"))
         self.assertIn(self.disk, cm.exception.reply["error"])
@@ -394,12 +395,12 @@ class DiskFullTest(unittest.TestCase):
         import fedmom_state
         st, url, clock = self.fedmom()
         for c in ("a", "b"):
-            httpd.call(url, "POST", "/join", {"cluster": c, "incarnation": f"{c}-inc"}, token=TOKEN)
+            httpc.call(url, "POST", "/join", {"cluster": c, "incarnation": f"{c}-inc"}, token=TOKEN)
         da, db = (self.tensors(os.path.join(self.tmp, f"d{c}"), 0.01) for c in "ab")
         before = self.files(st.dir)
         # 1. the spool: a 507, no part file, nothing pending
         filler = fill(self.disk, 256 << 10)
-        with self.assertRaises(httpd.CallError) as cm:
+        with self.assertRaises(httpc.CallError) as cm:
             self.send(url, "a", da)
         self.assertEqual((cm.exception.status, cm.exception.reply["code"]), (507, "disk_full"))
         self.assertEqual(self.files(st.dir), before)
@@ -407,8 +408,8 @@ class DiskFullTest(unittest.TestCase):
         # 2. a join that cannot be made durable is no join
         os.unlink(filler)
         filler = fill(self.disk, 0)
-        with self.assertRaises(httpd.CallError) as cm:
-            httpd.call(url, "POST", "/join", {"cluster": "c", "incarnation": "c-inc"}, token=TOKEN)
+        with self.assertRaises(httpc.CallError) as cm:
+            httpc.call(url, "POST", "/join", {"cluster": "c", "incarnation": "c-inc"}, token=TOKEN)
         self.assertEqual(cm.exception.status, 507)
         self.assertEqual([m["cluster"] for m in st.status()["members"]], ["a", "b"])
         os.unlink(filler)
@@ -455,15 +456,15 @@ class DiskFullTest(unittest.TestCase):
         server = serve(darl_server.make_routes(coord), disk=state)
         self.addCleanup(server.server_close)
         self.addCleanup(server.shutdown)
-        httpd.call(server.url, "POST", "/register", {"cluster": "a", "incarnation": "i", "digest": space.digest()},
+        httpc.call(server.url, "POST", "/register", {"cluster": "a", "incarnation": "i", "digest": space.digest()},
                    token=TOKEN)
         return coord, server.url, state
 
     def cycle(self, url):
         """acquire + commit of one block; -> the commit's reply."""
-        lease = httpd.call(url, "POST", "/acquire", {"cluster": "a", "incarnation": "i", "blocks": 1},
+        lease = httpc.call(url, "POST", "/acquire", {"cluster": "a", "incarnation": "i", "blocks": 1},
                            token=TOKEN)["lease"]
-        return httpd.call(url, "POST", "/commit", {"cluster": "a", "incarnation": "i", "lease": lease["id"]},
+        return httpc.call(url, "POST", "/commit", {"cluster": "a", "incarnation": "i", "lease": lease["id"]},
                           token=TOKEN)
 
     def test_darl_refuses_a_change_while_its_disk_is_full(self):
@@ -472,13 +473,13 @@ class DiskFullTest(unittest.TestCase):
         self.cycle(url)
         before = (coord.seq, os.path.getsize(os.path.join(state, "darl", "wal.jsonl")), coord.table.to_dict())
         filler = fill(self.disk, 16 << 10)                  # under darl_server.DISK_MARGIN
-        with self.assertRaises(httpd.CallError) as cm:
+        with self.assertRaises(httpc.CallError) as cm:
             self.cycle(url)
         self.assertEqual((cm.exception.status, cm.exception.reply["code"]), (507, "disk_full"))
         self.assertIn(self.disk, cm.exception.reply["error"])
         self.assertEqual((coord.seq, os.path.getsize(os.path.join(state, "darl", "wal.jsonl")),
                           coord.table.to_dict()), before, "a refused change left a trace")
-        self.assertEqual(httpd.call(url, "GET", "/status", token=TOKEN)["committed"], 1, "reads still served")
+        self.assertEqual(httpc.call(url, "GET", "/status", token=TOKEN)["committed"], 1, "reads still served")
         os.unlink(filler)
         self.cycle(url)
         self.assertEqual(darl_server.load_state(state).table.to_dict(), coord.table.to_dict())
@@ -493,7 +494,7 @@ class DiskFullTest(unittest.TestCase):
         for _ in range(2000):                               # bounds the loop: a page holds ~30 records
             try:
                 self.cycle(url)
-            except httpd.CallError as e:
+            except httpc.CallError as e:
                 refused = e
                 break
             ok += 1

@@ -24,6 +24,7 @@ import fedmom_client
 import fedmom_merge
 import fedmom_server as fm
 import fedmom_state as fs
+import httpc
 import httpd
 import tensorio
 import wire
@@ -517,14 +518,14 @@ class LiveServerTest(Fixture):
         self.addCleanup(stop.set)
 
         def lease(cluster, inc):
-            httpd.call(darl_url, "POST", "/register", {"cluster": cluster, "incarnation": inc,
+            httpc.call(darl_url, "POST", "/register", {"cluster": cluster, "incarnation": inc,
                                                        "digest": coord.digest}, token=self.TOKEN)
-            return httpd.call(darl_url, "POST", "/acquire", {"cluster": cluster, "incarnation": inc, "blocks": 5},
+            return httpc.call(darl_url, "POST", "/acquire", {"cluster": cluster, "incarnation": inc, "blocks": 5},
                               token=self.TOKEN)["lease"]
 
         a = fedmom_client.FedMomClient(url, "lumi", "inc-a", token=self.TOKEN, blob_url=blob_url)
         b = fedmom_client.FedMomClient(url, "snellius", "inc-b", token=self.TOKEN, blob_url=blob_url)
-        self.assertEqual(httpd.call(url, "GET", "/status", token=self.TOKEN)["members"], [])   # 0 members
+        self.assertEqual(httpc.call(url, "GET", "/status", token=self.TOKEN)["members"], [])   # 0 members
         self.assertEqual(a.join()["members"], ["lumi"])                                        # 1
         theta_path = os.path.join(self.dir, "theta-a.safetensors")
         self.assertEqual(a.download_theta(theta_path), 0)
@@ -565,8 +566,8 @@ class LiveServerTest(Fixture):
         page = urllib_get(url + "/")                           # public, no token
         self.assertIn("<svg", page)
         self.assertIn("round 3", page)
-        with self.assertRaises(httpd.CallError) as cm:
-            httpd.call(url, "GET", "/status", token="wrong")
+        with self.assertRaises(httpc.CallError) as cm:
+            httpc.call(url, "GET", "/status", token="wrong")
         self.assertEqual(cm.exception.status, 401)
         before = self.snapshot(st)
         for headers, body, want in (({}, b"x" * 10, "X-Delta-Meta"),
@@ -575,8 +576,8 @@ class LiveServerTest(Fixture):
                                                                   "base_round": 3, "tokens": 5,
                                                                   "leases": [{"id": 1, "end": 5}]})},
                                      b"\x00" * 100, "not a tensor file")):
-            conn = httpd.connect(url)
-            conn.request("PUT", "/delta", body=body, headers={**headers, **httpd.auth_headers(self.TOKEN)})
+            conn = httpc.connect(url)
+            conn.request("PUT", "/delta", body=body, headers={**headers, **httpc.auth_headers(self.TOKEN)})
             resp = conn.getresponse()
             reply = json.loads(resp.read())
             conn.close()
@@ -611,8 +612,8 @@ class BlobRouteTest(Fixture):
     def post(self, url, body):
         """(status, reply) of one POST /delta_blob."""
         try:
-            return 200, httpd.call(url, "POST", "/delta_blob", body, token=self.TOKEN, timeout=120)
-        except httpd.CallError as e:
+            return 200, httpc.call(url, "POST", "/delta_blob", body, token=self.TOKEN, timeout=120)
+        except httpc.CallError as e:
             return e.status, e.reply
 
     def test_every_refusal_names_the_cause_and_stores_nothing(self):
@@ -670,10 +671,10 @@ class JsonRouteTest(Fixture):
     serve = LiveServerTest.serve
 
     def raw(self, url, path, body, headers=None):
-        conn = httpd.connect(url)
+        conn = httpc.connect(url)
         try:
             conn.putrequest("POST", path)
-            hdrs = {**httpd.auth_headers(self.TOKEN), **(headers or {})}
+            hdrs = {**httpc.auth_headers(self.TOKEN), **(headers or {})}
             if "Content-Length" not in hdrs and body is not None:
                 hdrs["Content-Length"] = str(len(body))
             for k, v in hdrs.items():
@@ -723,11 +724,11 @@ class JsonRouteTest(Fixture):
                 self.assertEqual((got, "Content-Length" in reply["error"]), (411, True), reply)
         self.assertEqual(self.snapshot(st), before)
         self.assertEqual(st.pending, {})
-        self.assertEqual(httpd.call(url, "POST", "/heartbeat", me, token=self.TOKEN)["round"], 0)   # still serving
+        self.assertEqual(httpc.call(url, "POST", "/heartbeat", me, token=self.TOKEN)["round"], 0)   # still serving
 
 
 def urllib_get(url):
-    conn = httpd.connect(url)
+    conn = httpc.connect(url)
     try:
         conn.request("GET", "/")
         resp = conn.getresponse()
@@ -763,9 +764,9 @@ class CrashTest(Fixture):
             deltas.append(d)
             fedmom_client.FedMomClient(url, c, f"{c}-inc").send_delta(path, 0, tok, [], {})
         deadline = time.monotonic() + 120                      # the merge runs in memory, paused mid-model
-        while not httpd.call(url, "GET", "/round")["merging"] and time.monotonic() < deadline:
+        while not httpc.call(url, "GET", "/round")["merging"] and time.monotonic() < deadline:
             time.sleep(0.01)
-        self.assertTrue(httpd.call(url, "GET", "/round")["merging"])
+        self.assertTrue(httpc.call(url, "GET", "/round")["merging"])
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         with open(os.path.join(sd, "state.json")) as f:        # the old round, intact
@@ -782,7 +783,7 @@ class CrashTest(Fixture):
         proc.send_signal(signal.SIGKILL)                       # and right after a merge: still round 1,
         proc.wait(timeout=30)                                  # replayed from round 0's checkpoint, same bits
         proc, url = self.start(sd)
-        self.assertEqual(httpd.call(url, "GET", "/round")["round"], 1)
+        self.assertEqual(httpc.call(url, "GET", "/round")["round"], 1)
         self.assertEqual(rel_err(read_all(self.served_theta(url)), theta1), 0)
         proc.kill()
         proc.wait(timeout=30)
@@ -814,7 +815,7 @@ class CrashTest(Fixture):
             self.assertIn(says, out.stderr)
             self.assertNotIn("Traceback", out.stderr)
             self.assertEqual(files(), before, f"a refused start on port {port_arg} changed the live state dir")
-        self.assertEqual(httpd.call(url, "GET", "/status")["pending"], ["a"])
+        self.assertEqual(httpc.call(url, "GET", "/status")["pending"], ["a"])
         proc.kill()
         proc.wait(timeout=30)
 
@@ -886,8 +887,8 @@ class DownstreamTest(Fixture):
                 self.assert_holds_server_theta(sd, path, rnd + 1)
             sizes.append(a.down["bytes"])
             self.assertEqual(b.down["bytes"], a.down["bytes"])
-        blobs = {x["id"]: x["size"] for x in httpd.call(blob_url, "GET", "/blobs")["blobs"]}
-        agg = httpd.call(url, "GET", "/status")["aggregator"]
+        blobs = {x["id"]: x["size"] for x in httpc.call(blob_url, "GET", "/blobs")["blobs"]}
+        agg = httpc.call(url, "GET", "/status")["aggregator"]
         self.assertEqual([blobs.get(fs.blob_name(agg, "update", r)) for r in (1, 2, 3)], sizes)  # b's came this way
         n = sum(int(np.prod(s)) for s in SHAPES.values())
         self.assertTrue(all(b / n < 0.6 for b in sizes), f"int4 update bytes/param {[b / n for b in sizes]}")
@@ -901,7 +902,7 @@ class DownstreamTest(Fixture):
         self.assertEqual(upd["digest"], wire.theta_digest(a_path))
         rec = durable.read_jsonl(os.path.join(sd, "rounds.jsonl"))[-1]
         self.assertEqual((rec["down_wire"], rec["update_bytes"]), ("int4", sizes[-1]))
-        self.assertEqual(httpd.call(url, "GET", "/status")["update"],
+        self.assertEqual(httpc.call(url, "GET", "/status")["update"],
                          {"round": 3, "format": "int4", "update_bytes": sizes[-1], "residual_norm": upd["residual_norm"]})
         # a site three rounds behind: the whole theta, the same bits
         self.assertEqual(late._fetch(late_path), 3)
@@ -930,8 +931,8 @@ class DownstreamTest(Fixture):
         self.assertEqual(a3._fetch(a_path), 5)
         self.assertEqual(a3.down["via"], "full")
         self.assert_holds_server_theta(sd, a_path, 5)
-        with self.assertRaises(httpd.CallError) as cm:
-            httpd.call(url, "GET", "/theta_update?from=4&digest=" + "0" * 64)
+        with self.assertRaises(httpc.CallError) as cm:
+            httpc.call(url, "GET", "/theta_update?from=4&digest=" + "0" * 64)
         self.assertEqual((cm.exception.status, cm.exception.reply.get("code")), (409, "no_update"))
         with open(os.path.join(sd, "state.json")) as f:
             ckpt = json.load(f)["checkpoint"]
@@ -1101,7 +1102,7 @@ class ImportTest(unittest.TestCase):
         """The central VM's modules (and fedsite.py, the site's torch-free half) import without torch."""
         code = ("import sys; sys.modules['torch'] = None\n"
                 "import fedmom_server, fedmom_state, fedmom_client, tensorio\n"
-                "import darl_server, blobstore, durable, httpd, wire, fedsite\n"  # the rest of the VM; fedsite
+                "import darl_server, blobstore, durable, httpd, httpc, testhooks, wire, fedsite\n"  # the rest of the VM; fedsite
                 "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
                 "print('ok', fedmom_server.DEFAULT_PORT)")
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -16,8 +16,9 @@ import numpy as np
 
 import fedmom_client
 import fedmom_state as fs
-import httpd
+import httpc
 import tensorio
+import testhooks
 from harness import expect, listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,7 +125,7 @@ class Live(unittest.TestCase):
     def spawn(self, *args, port=0):
         proc = subprocess.Popen([sys.executable, *args, "--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, httpd.FAULT_DIR_ENV: self.faults})
+                                env={**os.environ, testhooks.FAULT_DIR_ENV: self.faults})
         self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
         url, self.output = listening_url(proc, timeout=HANG_S)
         return proc, url
@@ -161,7 +162,7 @@ class Live(unittest.TestCase):
         return os.path.exists(os.path.join(self.faults, point + ".hit"))
 
     def blobs(self):
-        return {b["id"] for b in httpd.call(self.blob_url, "GET", "/blobs")["blobs"]}
+        return {b["id"] for b in httpc.call(self.blob_url, "GET", "/blobs")["blobs"]}
 
     def int4_deltas(self):
         """The deltas as a site with --wire int4 sends them (what the sizing is for)."""
@@ -204,7 +205,7 @@ class DiskBoundTest(Live):
     def test_the_disk_stays_bounded_over_61_rounds_and_a_site_60_rounds_behind_rejoins(self):
         self.blob_store, self.blob_url = self.spawn("blobstore.py", "--root", self.blob_root)
         self.start("--init", self.init, "--keep-rounds", str(self.K), "--checkpoint-rounds", str(self.C))
-        agg = httpd.call(self.url, "GET", "/status")["aggregator"]
+        agg = httpc.call(self.url, "GET", "/status")["aggregator"]
         for c in ("a", "b"):
             fedmom_client.FedMomClient(self.url, c, f"{c}-inc").join()
         self.int4_deltas()
@@ -231,7 +232,7 @@ class DiskBoundTest(Live):
                 self.fed.wait(30)
                 os.unlink(os.path.join(self.faults, "fedmom.blob_delete"))
                 self.assertIn(fs.blob_name(agg, "update", 31 - self.K), self.blobs(), "the kill left it")
-                self.start("--checkpoint-rounds", str(self.C), port=httpd.split_url(self.url)[2])  # same URL
+                self.start("--checkpoint-rounds", str(self.C), port=httpc.split_url(self.url)[2])  # same URL
                 # its first sweep deletes what the killed process owed
             want = self.expected(agg, rnd + 1)
             expect(lambda: self.kept() == want, f"round {rnd + 1}'s retention: {want}", timeout_s=HANG_S)
@@ -239,13 +240,13 @@ class DiskBoundTest(Live):
             self.assertLessEqual(used, bound, f"round {rnd + 1}: {used} bytes > (K + 2) models + C rounds' "
                                               f"deltas = {bound}")
             worst = max(worst, used)
-        st = httpd.call(self.url, "GET", "/status")["retention"]
+        st = httpc.call(self.url, "GET", "/status")["retention"]
         self.assertEqual(st["blobs"]["swept_round"], 61)
         self.assertEqual({b["blob"] for b in st["blobs"]["kept"]}, want[1])
         self.assertTrue(all(b["why"] for b in st["blobs"]["kept"]))
         # 60 rounds behind: the update it would need is long gone; 409 no_update, the full theta
-        with self.assertRaises(httpd.CallError) as cm:
-            httpd.call(self.url, "GET", "/theta_update?from=0&digest=" + sites["late"].held[1])
+        with self.assertRaises(httpc.CallError) as cm:
+            httpc.call(self.url, "GET", "/theta_update?from=0&digest=" + sites["late"].held[1])
         self.assertEqual((cm.exception.status, cm.exception.reply.get("code")), (409, "no_update"))
         self.assertEqual(sites["late"]._fetch(paths["late"]), 61)
         self.assertEqual(sites["late"].down["via"], "full")
@@ -332,7 +333,7 @@ class RestoredStateTest(Live):
         import blobstore
         self.blob_store, self.blob_url = self.spawn("blobstore.py", "--root", self.blob_root)
         self.start("--init", self.init)
-        agg = httpd.call(self.url, "GET", "/status")["aggregator"]
+        agg = httpc.call(self.url, "GET", "/status")["aggregator"]
         stale = os.path.join(self.dir, "stale.bin")
         with open(stale, "wb") as f:
             f.write(b"not this round's theta")
@@ -349,7 +350,7 @@ class LockTest(Live):
         """The old round's files and its blob, held mid-deletion: the state lock is free."""
         self.blob_store, self.blob_url = self.spawn("blobstore.py", "--root", self.blob_root)
         self.start("--init", self.init, "--keep-rounds", "1", "--checkpoint-rounds", "1")
-        agg = httpd.call(self.url, "GET", "/status")["aggregator"]
+        agg = httpc.call(self.url, "GET", "/status")["aggregator"]
         for c in ("a", "b"):
             fedmom_client.FedMomClient(self.url, c, f"{c}-inc").join()
         path = os.path.join(self.dir, "b.safetensors")
@@ -360,7 +361,7 @@ class LockTest(Live):
         expect(lambda: self.hit("fedmom.unlink") and self.hit("fedmom.blob_delete"),
                "both deletions to be held", timeout_s=HANG_S)
         # while both are held: the state answers (each call would wait on a held lock)
-        st = httpd.call(self.url, "GET", "/status", timeout=HANG_S)
+        st = httpc.call(self.url, "GET", "/status", timeout=HANG_S)
         self.assertEqual(st["round"], 1)
         reply = fedmom_client.FedMomClient(self.url, "a", "a-inc").heartbeat()
         self.assertEqual(reply["round"], 1)
@@ -371,7 +372,7 @@ class LockTest(Live):
         expect(lambda: "theta-0.safetensors" not in os.listdir(self.sd) and not os.listdir(
             os.path.join(self.sd, "spool")) and fs.blob_name(agg, "theta", 0) not in self.blobs(),
             "the held deletions to finish", timeout_s=HANG_S)
-        kept = httpd.call(self.url, "GET", "/status")["retention"]
+        kept = httpc.call(self.url, "GET", "/status")["retention"]
         self.assertEqual(sorted(f["file"] for f in kept["state"]),
                          ["momentum-1.safetensors", "residual-1.safetensors", "theta-1.safetensors",
                           "update-1.safetensors"])
