@@ -271,6 +271,7 @@ def wal_damage(work, last=8, flips=300, starts=3):
     back by load_state (what a restart runs) and its books compared with the table as it
     stood after each intact record; `starts` cases of each kind also start the real
     darl_server.py on the copy (exit status and first line of its refusal)."""
+    import darl_log
     import darl_server
     import darl_table
     space = darl_table.BlockSpace(10 ** 5, 1, 0)
@@ -309,8 +310,8 @@ def wal_damage(work, last=8, flips=300, starts=3):
         with open(copy, "wb") as f:
             f.write(damaged)
         try:
-            got = darl_server.load_state(copy_dir)
-        except darl_server.LogError as e:
+            got = darl_log.load_state(copy_dir)
+        except darl_log.LogError as e:
             return "refused", str(e)
         if got is None:
             return "empty", ""
