@@ -1,6 +1,6 @@
 """DARL: block space, lease state machine (injected clock), write-ahead log and
 snapshots, the HTTP coordinator on a loopback socket, sessions in threads, the
-coordinator SIGKILLed under load, and the end-to-end `simulate` audit."""
+coordinator SIGKILLed under load, and the end-to-end audit of darl_simulate.py."""
 import collections
 import json
 import os
@@ -20,6 +20,7 @@ import zlib
 import darl_client
 import darl_log
 import darl_server
+import darl_simulate
 import darl_table
 import durable
 import httpc
@@ -1155,7 +1156,7 @@ class ConcurrencyTest(unittest.TestCase):
 
 class SimulateTest(unittest.TestCase):
     def test_simulate_kills_a_cluster_mid_lease_and_prints_pass(self):
-        out = subprocess.run([sys.executable, "darl_client.py", "simulate", "--clusters", "3", "--kill", "1",
+        out = subprocess.run([sys.executable, "darl_simulate.py", "--clusters", "3", "--kill", "1",
                               "--late", "1", "--blocks", "150", "--fastest", "80", "--delay", "0.5"],
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
@@ -1167,11 +1168,18 @@ class SimulateTest(unittest.TestCase):
         self.assertGreater(int(rows["sim-1"][3]), 0, "the killed cluster lost the span it held")
         self.assertGreaterEqual(int(rows["sim-1"][1]), 2 * 4, "it committed two spans before the kill")
 
+    def test_help_is_the_docstring(self):
+        out = subprocess.run([sys.executable, "darl_simulate.py", "--help"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("--clusters", out.stdout)
+        self.assertIn("PASS: coverage is exactly once", out.stdout)
+
     def test_audit_reports_duplicates_and_missing(self):
         reports = {"x": [{"event": "commit", "t": 1.0, "lease": 1, "start": 0, "end": 2, "blocks": [0, 1]}],
                    "y": [{"event": "span", "t": 1.0, "lease": 2, "start": 2, "end": 4},
                          {"event": "commit", "t": 2.0, "lease": 2, "start": 2, "end": 4, "blocks": [1, 3]}]}
-        rows, dup, missing = darl_client.audit(5, reports)
+        rows, dup, missing = darl_simulate.audit(5, reports)
         self.assertEqual((dup, missing), ([1], [2, 4]))
         self.assertEqual([r["committed"] for r in rows], [2, 2])
 
