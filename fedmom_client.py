@@ -2,8 +2,8 @@
 
 Runs on: the sites, in rank 0 of a training job (diloco.py's HTTP carrier, through
 FedMomClient), or on any box that can reach the aggregator. Python standard library
-only (blobstore.py for the blob transport, imported when used); never torch, so it
-also runs in a plain Python 3 for tests and drills.
+only (httpc.py, durable.py, and blob_client.py for the blob transport); never torch, so
+it also runs in a plain Python 3 for tests and drills.
 
 One outer round, as a site runs it:
 
@@ -52,6 +52,7 @@ import threading
 import time
 import urllib.parse
 
+import blob_client
 import durable
 import httpc
 
@@ -143,9 +144,8 @@ class FedMomClient:
     def download_theta(self, path, transport="inline"):
         """Write the current theta_global to `path` (atomically); returns its round."""
         if transport == "blob":
-            import blobstore
             info = self._call("GET", "/theta_blob", timeout=3600)
-            sha = blobstore.get_file(self._blob_url(), info["blob"], path, token=self.token,
+            sha = blob_client.get_file(self._blob_url(), info["blob"], path, token=self.token,
                                      timeout=self.stall_s, ca_file=self.ca_file)
             if sha != info["sha256"]:
                 raise IOError(f"theta blob {info['blob']}: sha256 {sha} != {info['sha256']}")
@@ -163,9 +163,8 @@ class FedMomClient:
         query = urllib.parse.urlencode({"from": base_round, "digest": base_digest})
         try:
             if transport == "blob":
-                import blobstore
                 info = self._call("GET", f"/theta_update_blob?{query}", timeout=3600)
-                sha = blobstore.get_file(self._blob_url(), info["blob"], path, token=self.token,
+                sha = blob_client.get_file(self._blob_url(), info["blob"], path, token=self.token,
                                          timeout=self.stall_s, ca_file=self.ca_file)
                 if sha != info["sha256"]:
                     raise IOError(f"update blob {info['blob']}: sha256 {sha} != {info['sha256']}")
@@ -250,8 +249,7 @@ class FedMomClient:
             conn.close()
 
     def _send_blob(self, path, meta, blob):
-        import blobstore
-        info = blobstore.put_file(self._blob_url(), blob, path, token=self.token, timeout=self.stall_s,
+        info = blob_client.put_file(self._blob_url(), blob, path, token=self.token, timeout=self.stall_s,
                                   ca_file=self.ca_file)
         return self._call("POST", "/delta_blob", {**meta, "blob": blob, "sha256": info["sha256"]}, timeout=3600)
 

@@ -6,7 +6,7 @@ updates), fedmom_merge.py (the merge arithmetic and the delta checks), outer_sta
 state in memory), fedmom_checkpoint.py (its checkpoint and replay), fedmom_state.py (the durable
 state and round protocol), status_page.py (GET /) and this file onto a bare Python 3 with numpy
 is the whole install
-(blobstore.py too for the blob transport).
+(blob_client.py too, the client of the blob store: central.sh's CENTRAL_FILES list all).
 
     # first start: the initial model (any float dtype; theta_global is kept in fp32)
     python fedmom_server.py --state-dir state/fedmom --init init.safetensors
@@ -146,6 +146,7 @@ import sys
 import threading
 import time
 
+import blob_client
 import darl_table
 import durable
 import fedmom_checkpoint
@@ -235,11 +236,10 @@ def make_routes(state, blob_token=None, retention=None):
         dup = state.duplicate(meta)         # a retry whose reply was lost: its blob is already gone
         if dup is not None:
             return dup
-        import blobstore
         part = state.new_part_path()
         try:
             # few retries: the site holds this request open and retries a 502 itself
-            got = blobstore.get_file(cfg.blob_url, blob, part, token=blob_token, retries=BLOB_FETCH_RETRIES,
+            got = blob_client.get_file(cfg.blob_url, blob, part, token=blob_token, retries=BLOB_FETCH_RETRIES,
                                      ca_file=cfg.ca_file)
         except (httpc.CallError, ValueError) as e:
             unlink_with_parts(part)
@@ -276,14 +276,13 @@ def make_routes(state, blob_token=None, retention=None):
     def to_blob(blob, opened, rnd):
         """Put a file of round `rnd` the state opened into the blob store, once per round and
         name -> {blob, sha256, round}."""
-        import blobstore
         with state.publish_lock, opened as f:
             if blob in state.published:
                 return state.published[blob]
             # put_file reads by path; /proc/self/fd keeps it on the file we opened under the lock
             path = f"/proc/self/fd/{f.fileno()}"
             try:
-                info = blobstore.put_file(cfg.blob_url, blob, path, token=blob_token, ca_file=cfg.ca_file)
+                info = blob_client.put_file(cfg.blob_url, blob, path, token=blob_token, ca_file=cfg.ca_file)
             except httpc.CallError as e:
                 if e.status != 409 or e.reply.get("retry"):
                     raise
@@ -292,7 +291,7 @@ def make_routes(state, blob_token=None, retention=None):
                 log(f"fedmom: blob {blob} holds other bytes than round {rnd}'s file (a restored state dir?); "
                     "replacing it")
                 httpc.call(cfg.blob_url, "DELETE", f"/blobs/{blob}", token=blob_token, ca_file=cfg.ca_file)
-                info = blobstore.put_file(cfg.blob_url, blob, path, token=blob_token, ca_file=cfg.ca_file)
+                info = blob_client.put_file(cfg.blob_url, blob, path, token=blob_token, ca_file=cfg.ca_file)
             out = {"blob": blob, "sha256": info["sha256"], "round": rnd}
             if retention is not None:
                 retention.published(blob, rnd, info["size"])

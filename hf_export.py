@@ -52,7 +52,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models as tokenizer_mode
 from torchtitan.models.qwen3 import Qwen3Model
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
-import blobstore
+import blob_client
 import durable
 import models
 import tensorio
@@ -207,7 +207,7 @@ def write_byte_tokenizer(out_dir):
 def copy_hf_tokenizer(out_dir, manifest, tokenizer, data):
     """The run's tokenizer.json, after checking it is the one the corpus was tokenized with,
     and the files that sit beside it."""
-    have = blobstore.sha256_file(tokenizer)
+    have = blob_client.sha256_file(tokenizer)
     if have != manifest["tokenizer_sha256"]:
         raise ExportError(f"--tokenizer {tokenizer} has sha256 {have[:16]}..., but --data {data} was "
                           f"tokenized with {manifest['tokenizer']} of sha256 {manifest['tokenizer_sha256'][:16]}...; "

@@ -52,7 +52,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]   # run as `python bench/faul
 
 import numpy as np  # noqa: E402
 
-import blobstore  # noqa: E402
+import blob_client  # noqa: E402
 import certs  # noqa: E402
 import darl_client  # noqa: E402
 import durable  # noqa: E402
@@ -231,7 +231,7 @@ def kills_blob(work, n):
     src = os.path.join(work, "blob-src")
     with open(src, "wb") as f:
         f.write(os.urandom(24 << 20))
-    sha = blobstore.sha256_file(src)
+    sha = blob_client.sha256_file(src)
     restarts, done, lost, rng = [], [], 0, random.Random(2)
     try:
         svc.start()
@@ -241,7 +241,7 @@ def kills_blob(work, n):
             def upload():
                 try:
                     with contextlib.redirect_stderr(io.StringIO()):   # put_file narrates its retries
-                        result["out"] = blobstore.put_file(svc.url, blob, src, token=TOKEN, ca_file=svc.ca,
+                        result["out"] = blob_client.put_file(svc.url, blob, src, token=TOKEN, ca_file=svc.ca,
                                                            sha256=sha, retries=30, progress=False)
                 except Exception as e:
                     result["err"] = e
@@ -254,7 +254,7 @@ def kills_blob(work, n):
             if "out" in result:
                 done.append(blob)
             for b in done:                           # every finished blob, whole and with its checksum
-                info = blobstore.head(svc.url, b, TOKEN, ca_file=svc.ca)
+                info = blob_client.head(svc.url, b, TOKEN, ca_file=svc.ca)
                 lost += not (info and info["complete"] and info["sha256"] == sha)
             if len(done) > 3:                        # bound the disk: drop the oldest (checked n times)
                 httpc.call(svc.url, "DELETE", f"/blobs/{done.pop(0)}", token=TOKEN, ca_file=svc.ca)
@@ -402,7 +402,7 @@ def load(work, seconds):
         src = os.path.join(work, "load-blob")
         with open(src, "wb") as f:
             f.write(os.urandom(1 << 20))
-        blobstore.put_file(blob.url, "load", src, token=TOKEN, ca_file=blob.ca)
+        blob_client.put_file(blob.url, "load", src, token=TOKEN, ca_file=blob.ca)
 
         def keep_alive(svc, method, path, body=None):
             def factory(i):
@@ -557,13 +557,13 @@ def diskfull(work):
             f.write(os.urandom(6 << 20))
         fill = filler(3 << 20)
         try:
-            blobstore.put_file(blob.url, "x", src, token=TOKEN, ca_file=blob.ca, retries=0)
+            blob_client.put_file(blob.url, "x", src, token=TOKEN, ca_file=blob.ca, retries=0)
             reply = "accepted (!)"
         except httpc.CallError as e:
             reply = f"{e.status} {e.reply.get('code')}"
         left = files(os.path.join(disk, "blobs"))
         os.unlink(fill)
-        back = blobstore.put_file(blob.url, "x", src, token=TOKEN, ca_file=blob.ca, retries=0)["size"] == 6 << 20
+        back = blob_client.put_file(blob.url, "x", src, token=TOKEN, ca_file=blob.ca, retries=0)["size"] == 6 << 20
         rows.append(("blob upload (6 MiB, 3 MiB free)", reply, f"{left} files", back))
         blob.stop()
 

@@ -516,13 +516,13 @@ def epoch_fedmom(url, token, ca_file, workdir, rounds=2, deadline_s=180.0):
 
 
 def epoch_blob(url, token, ca_file, workdir):
-    import blobstore
+    import blob_client
     src, dst = os.path.join(workdir, "legit.bin"), os.path.join(workdir, "legit.back")
     with open(src, "wb") as f:
         f.write(os.urandom(1 << 20))
-    out = blobstore.put_file(url, "legit-blob", src, token=token, ca_file=ca_file, retries=2)
-    got = blobstore.get_file(url, "legit-blob", dst, token=token, ca_file=ca_file, retries=2)
-    problems = [] if got == out["sha256"] == blobstore.sha256_file(src) else ["the blob came back different"]
+    out = blob_client.put_file(url, "legit-blob", src, token=token, ca_file=ca_file, retries=2)
+    got = blob_client.get_file(url, "legit-blob", dst, token=token, ca_file=ca_file, retries=2)
+    problems = [] if got == out["sha256"] == blob_client.sha256_file(src) else ["the blob came back different"]
     httpc.call(url, "DELETE", "/blobs/legit-blob", token=token, ca_file=ca_file)
     return problems
 

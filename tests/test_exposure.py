@@ -20,6 +20,7 @@ import unittest
 
 import numpy as np
 
+import blob_client
 import blobstore
 import certs
 import durable
@@ -125,8 +126,8 @@ class TLSTest(unittest.TestCase):
         src, dst = os.path.join(self.root, "src"), os.path.join(self.root, "dst")
         with open(src, "wb") as f:
             f.write(np.random.default_rng(0).bytes(3 << 20))
-        out = blobstore.put_file(self.url, "d1", src, token=TOKEN, ca_file=self.ca)
-        self.assertEqual(blobstore.get_file(self.url, "d1", dst, token=TOKEN, ca_file=self.ca), out["sha256"])
+        out = blob_client.put_file(self.url, "d1", src, token=TOKEN, ca_file=self.ca)
+        self.assertEqual(blob_client.get_file(self.url, "d1", dst, token=TOKEN, ca_file=self.ca), out["sha256"])
         with open(src, "rb") as a, open(dst, "rb") as b:
             self.assertEqual(a.read(), b.read())
 
@@ -366,12 +367,12 @@ class DiskFullTest(unittest.TestCase):
             f.write(self.rng.bytes(6 << 20))
         filler = fill(self.disk, 3 << 20)
         with self.assertRaises(httpc.CallError) as cm:
-            blobstore.put_file(server.url, "delta", src, token=TOKEN, retries=0)
+            blob_client.put_file(server.url, "delta", src, token=TOKEN, retries=0)
         self.assertEqual((cm.exception.status, cm.exception.reply["code"]), (507, "disk_full"))
         self.assertIn(self.disk, cm.exception.reply["error"])
         self.assertEqual(self.files(store.root), [], "the unfinished upload gave its space back")
         os.unlink(filler)                                   # space returns: the same call succeeds
-        out = blobstore.put_file(server.url, "delta", src, token=TOKEN, retries=0)
+        out = blob_client.put_file(server.url, "delta", src, token=TOKEN, retries=0)
         self.assertEqual(out["size"], 6 << 20)
 
     def fedmom(self, **kw):

@@ -16,6 +16,7 @@ import unittest
 
 import numpy as np
 
+import blob_client
 import blobstore
 import darl_server
 import darl_table
@@ -619,7 +620,7 @@ class BlobRouteTest(Fixture):
     def test_every_refusal_names_the_cause_and_stores_nothing(self):
         st, url = self.aggregator("st", self.blob_url)
         path = self.delta()[0]
-        sha = blobstore.put_file(self.blob_url, "delta-lumi-r0", path, token=self.TOKEN)["sha256"]
+        sha = blob_client.put_file(self.blob_url, "delta-lumi-r0", path, token=self.TOKEN)["sha256"]
         meta = {"cluster": "lumi", "incarnation": "lumi-inc", "base_round": 0, "tokens": 100}
         before = self.snapshot(st)
         # refused before the fetch: the blob stays in place; refused after it (a wrong checksum): deleted
@@ -636,7 +637,7 @@ class BlobRouteTest(Fixture):
                 self.assertNotIn("\n", reply["error"])
                 self.assertEqual(self.snapshot(st), before)
                 self.assertEqual(self.store.complete("delta-lumi-r0") is not None, kept, "blob kept")
-        sha = blobstore.put_file(self.blob_url, "delta-lumi-r0", path, token=self.TOKEN)["sha256"]
+        sha = blob_client.put_file(self.blob_url, "delta-lumi-r0", path, token=self.TOKEN)["sha256"]
         # no blob store configured, and a store that is down: nothing stored either
         plain, plain_url = self.aggregator("plain", None)
         got, reply = self.post(plain_url, {**meta, "blob": "delta-lumi-r0", "sha256": sha})
@@ -1102,7 +1103,7 @@ class ImportTest(unittest.TestCase):
         """The central VM's modules (and fedsite.py, the site's torch-free half) import without torch."""
         code = ("import sys; sys.modules['torch'] = None\n"
                 "import fedmom_server, fedmom_state, fedmom_client, tensorio\n"
-                "import darl_server, darl_log, audit, blobstore, durable, httpd, httpc, testhooks, wire, fedsite\n"  # the rest of the VM; fedsite
+                "import darl_server, darl_log, audit, blobstore, blob_client, durable, httpd, httpc, testhooks, wire, fedsite\n"  # the rest of the VM; fedsite
                 "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
                 "print('ok', fedmom_server.DEFAULT_PORT)")
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -330,14 +330,14 @@ class RestoredStateTest(Live):
     def test_a_blob_of_this_round_with_other_bytes_is_replaced_not_served(self):
         """A state dir restored from an older copy meets the blobs its lost future published
         under the same names: the theta a site downloads is still this state's."""
-        import blobstore
+        import blob_client
         self.blob_store, self.blob_url = self.spawn("blobstore.py", "--root", self.blob_root)
         self.start("--init", self.init)
         agg = httpc.call(self.url, "GET", "/status")["aggregator"]
         stale = os.path.join(self.dir, "stale.bin")
         with open(stale, "wb") as f:
             f.write(b"not this round's theta")
-        blobstore.put_file(self.blob_url, fs.blob_name(agg, "theta", 0), stale)
+        blob_client.put_file(self.blob_url, fs.blob_name(agg, "theta", 0), stale)
         fedmom_client.FedMomClient(self.url, "b", "b-inc").join()
         path = os.path.join(self.dir, "b.safetensors")
         self.assertEqual(self.site("b", blob=True)._fetch(path), 0)
