@@ -656,8 +656,8 @@ def export(argv):
     p = argparse.ArgumentParser(prog="fedmom_server.py export", description=export.__doc__)
     p.add_argument("export")
     p.add_argument("--state-dir", required=True, help="the aggregator's --state-dir (the server stopped)")
-    p.add_argument("out", help="where theta_global goes (an F32 .safetensors file; tensorio.py export-hf "
-                               "turns it into a Hugging Face checkpoint)")
+    p.add_argument("out", help="where theta_global goes (an F32 .safetensors file; hf_export.py turns it "
+                               "into a Hugging Face checkpoint)")
     p.add_argument("--momentum", help="also write the momentum buffer here")
     p.add_argument("--residual", help="also write what the last update rounded away here (--down-wire)")
     p.add_argument("--threads", type=int, default=None, help="cores for the replay (default every core)")
