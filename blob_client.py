@@ -78,32 +78,6 @@ class Progress:
             self.update(done, final=True)
 
 
-def _retryable(e):
-    if isinstance(e, httpc.CallError):     # 409 only while another PUT holds the id; 416: re-HEAD
-        return (e.status == 409 and e.reply.get("retry")) or e.status == 416 or e.status >= 500
-    return isinstance(e, (OSError, http.client.HTTPException)) and not durable.is_disk_full(e)
-
-
-def _with_retries(what, attempt, retries, backoff_s=0.5, max_backoff_s=30.0):
-    """Run attempt() until it returns; back off exponentially between failures. The
-    count resets whenever an attempt made progress (it returns None to mean 'again')."""
-    failures, delay = 0, backoff_s
-    while True:
-        try:
-            out = attempt()
-            if out is not None:
-                return out
-            failures, delay = 0, backoff_s
-            continue
-        except Exception as e:
-            if not _retryable(e) or failures >= retries:
-                raise
-            failures += 1
-            sys.stderr.write(f"{what}: {type(e).__name__}: {e}; retry {failures}/{retries} in {delay:.1f} s\n")
-        time.sleep(delay)
-        delay = min(delay * 2, max_backoff_s)
-
-
 def _reply(resp):
     return _decode(resp.status, resp.read())
 
@@ -118,9 +92,15 @@ def _decode(status, raw):
     return body
 
 
-def head(url, blob_id, token=None, timeout=30.0, ca_file=None):
-    """The HEAD answer as a dict: {"complete": bool, "size"/"offset", "total", "sha256"} or None if absent."""
-    conn = httpc.connect(url, timeout, ca_file)
+def head(url, blob_id, token=None, timeout=30.0, ca_file=None, deadline=None):
+    """The HEAD answer as a dict: {"complete": bool, "size"/"offset", "total", "sha256"} or None
+    if absent. deadline: an httpc.Deadline to repeat it under (None: one attempt)."""
+    return httpc.retry(f"HEAD /blobs/{blob_id}", lambda: _head(url, blob_id, token, timeout, ca_file, deadline),
+                       deadline)
+
+
+def _head(url, blob_id, token, timeout, ca_file, deadline):
+    conn = httpc.connect(url, httpc.io_timeout(timeout, deadline), ca_file)
     try:
         conn.request("HEAD", f"{httpc.split_url(url)[3]}/blobs/{blob_id}", headers=httpc.auth_headers(token))
         resp = conn.getresponse()
@@ -139,67 +119,78 @@ def head(url, blob_id, token=None, timeout=30.0, ca_file=None):
         conn.close()
 
 
-def put_file(url, blob_id, path, token=None, progress=None, retries=8, sha256=None, timeout=120.0, ca_file=None):
-    """Upload `path` as blob `blob_id`; resumes after a dropped connection.
-    Returns {"id", "size", "sha256", "sent"} (sent: body bytes put on the wire, all attempts).
-    Pass sha256= if already known (saves a read of the file). `timeout`: seconds one
-    send or receive may stall before the attempt is abandoned (and resumed).
-    ca_file: the CA for an https:// url."""
-    size = os.path.getsize(path)
-    sha = sha256 or sha256_file(path)
-    bar = Progress(f"put {blob_id}", size, progress)
-    state = {"done": 0, "sent": 0}
+def put_file(url, blob_id, path, token=None, progress=None, sha256=None, timeout=120.0, ca_file=None,
+             deadline=None):
+    """Upload `path` as blob `blob_id`. Returns {"id", "size", "sha256", "sent"} (sent: body
+    bytes put on the wire, all attempts). Pass sha256= if already known (saves a read of
+    the file). `timeout`: seconds one send or receive may stall before the attempt is
+    abandoned. deadline: an httpc.Deadline under which a failed attempt is repeated,
+    continuing where the store's bytes end (None: one attempt). ca_file: the CA for https."""
+    up = Upload(url, blob_id, path, token, progress, sha256, timeout, ca_file)
+    out = httpc.retry(f"put {blob_id}", lambda: up.attempt(deadline), deadline)
+    up.close()
+    return out
 
-    def attempt():
-        info = head(url, blob_id, token, timeout, ca_file)
+
+class Upload:
+    """One file on its way to the store, across attempts: its size and checksum (read once),
+    the progress line, the bytes sent. attempt() is one try: HEAD, then PUT from the offset
+    the store holds (nothing when the blob is already there); the caller repeats it
+    (put_file, or FedMomClient.send_delta under its own Deadline)."""
+
+    def __init__(self, url, blob_id, path, token=None, progress=None, sha256=None, timeout=120.0, ca_file=None):
+        self.url, self.blob_id, self.path, self.token, self.timeout, self.ca_file = \
+            url, blob_id, path, token, timeout, ca_file
+        self.size = os.path.getsize(path)
+        self.sha = sha256 or sha256_file(path)
+        self.bar = Progress(f"put {blob_id}", self.size, progress)
+        self.sent = 0
+
+    def attempt(self, deadline=None):
+        """-> {"id", "size", "sha256", "sent"}; an OSError, HTTPException or CallError otherwise."""
+        info = _head(self.url, self.blob_id, self.token, self.timeout, self.ca_file, deadline)
+        size, sha = self.size, self.sha
         if info and info["complete"] and info["sha256"] == sha and info["size"] == size:
-            return {"id": blob_id, "size": size, "sha256": sha}
+            return {"id": self.blob_id, "size": size, "sha256": sha, "sent": self.sent}
         start = info["offset"] if info and not info["complete"] and info["total"] == size \
             and info["sha256"] == sha else 0
         if start == size and size > 0:
             start = 0                                  # every byte arrived but no finish: resend the last ones
-        state["done"] = start
-        return _put_from(url, blob_id, path, start, size, sha, token, timeout, bar, state, ca_file)
+        out = self._put_from(start, deadline)
+        return {"id": out["id"], "size": out["size"], "sha256": out["sha256"], "sent": self.sent}
 
-    def tracked():
-        before = state["done"]
+    def close(self):
+        self.bar.close(self.size)
+
+    def _put_from(self, start, deadline):
+        conn = httpc.connect(self.url, httpc.io_timeout(self.timeout, deadline), self.ca_file)
         try:
-            return attempt()
-        except Exception as e:
-            if state["done"] > before and _retryable(e):   # progress was made: not a failure
-                return None
-            raise
-    out = _with_retries(f"put {blob_id}", tracked, retries)
-    bar.close(size)
-    return {"id": out["id"], "size": out["size"], "sha256": out["sha256"], "sent": state["sent"]}
-
-
-def _put_from(url, blob_id, path, start, size, sha, token, timeout, bar, state, ca_file=None):
-    conn = httpc.connect(url, timeout, ca_file)
-    try:
-        conn.putrequest("PUT", f"{httpc.split_url(url)[3]}/blobs/{blob_id}", skip_accept_encoding=True)
-        headers = {"Content-Length": str(size - start), "X-Content-Sha256": sha, "Expect": "100-continue",
-                   "Content-Type": "application/octet-stream", **httpc.auth_headers(token)}
-        if start > 0:
-            headers["Content-Range"] = f"bytes {start}-{size - 1}/{size}"
-        for k, v in headers.items():
-            conn.putheader(k, v)
-        conn.endheaders()
-        refusal = _await_continue(conn)
-        if refusal is not None:                        # answered before we sent a byte of the body
-            return _decode(*refusal)
-        with open(path, "rb") as f:
-            pos = start
-            while pos < size:                          # zero-copy file -> socket, 8 MiB per step
-                n = conn.sock.sendfile(f, pos, min(8 << 20, size - pos))
-                if n == 0:
-                    raise OSError(f"{path} shrank during the upload")
-                pos += n
-                state["done"], state["sent"] = pos, state["sent"] + n
-                bar.update(pos)
-        return _reply(conn.getresponse())
-    finally:
-        conn.close()
+            conn.putrequest("PUT", f"{httpc.split_url(self.url)[3]}/blobs/{self.blob_id}", skip_accept_encoding=True)
+            size = self.size
+            headers = {"Content-Length": str(size - start), "X-Content-Sha256": self.sha,
+                       "Expect": "100-continue", "Content-Type": "application/octet-stream",
+                       **httpc.auth_headers(self.token)}
+            if start > 0:
+                headers["Content-Range"] = f"bytes {start}-{size - 1}/{size}"
+            for k, v in headers.items():
+                conn.putheader(k, v)
+            conn.endheaders()
+            refusal = _await_continue(conn)
+            if refusal is not None:                    # answered before we sent a byte of the body
+                return _decode(*refusal)
+            with open(self.path, "rb") as f:
+                pos = start
+                while pos < size:                      # zero-copy file -> socket, 8 MiB per step
+                    n = conn.sock.sendfile(f, pos, min(8 << 20, size - pos))
+                    if n == 0:
+                        raise OSError(f"{self.path} shrank during the upload")
+                    pos += n
+                    self.sent += n
+                    httpc.made_progress(deadline)
+                    self.bar.update(pos)
+            return _reply(conn.getresponse())
+        finally:
+            conn.close()
 
 
 def _await_continue(conn):
@@ -219,69 +210,79 @@ def _await_continue(conn):
         fp.close()
 
 
-def get_file(url, blob_id, path, token=None, progress=None, retries=8, timeout=120.0, ca_file=None):
+def get_file(url, blob_id, path, token=None, progress=None, timeout=120.0, ca_file=None, deadline=None):
     """Download blob `blob_id` to `path` atomically (temp + fsync + rename); resumes with
-    Range after a dropped connection, and across calls (the temp file names the checksum).
-    Returns the sha256, checked against the store's. `timeout` bounds a stalled read."""
-    info = _with_retries(f"head {blob_id}", lambda: head(url, blob_id, token, timeout, ca_file) or {}, retries)
-    if not info.get("complete"):
-        raise httpc.CallError(404, {"error": f"no complete blob {blob_id!r} at {url}"})
-    size, sha = info["size"], info["sha256"]
-    tmp = f"{path}.part-{sha[:16]}"
-    bar = Progress(f"get {blob_id}", size, progress)
-    state = {"h": None, "done": 0}
+    Range where the last attempt (or an earlier call: the temp file names the checksum)
+    stopped. Returns the sha256, checked against the store's. `timeout` bounds a stalled
+    read. deadline: an httpc.Deadline under which a failed attempt is repeated (None: one)."""
+    down = Download(url, blob_id, path, token, progress, timeout, ca_file)
+    httpc.retry(f"get {blob_id}", lambda: down.attempt(deadline), deadline)
+    return down.finish()
 
-    def attempt():
+
+class Download:
+    """One blob on its way to a file, across attempts: attempt() HEADs it (once it knows
+    the size and checksum, no more) and GETs the bytes after those the temp file holds;
+    finish() checks the checksum and renames the file into place."""
+
+    def __init__(self, url, blob_id, path, token=None, progress=None, timeout=120.0, ca_file=None):
+        self.url, self.blob_id, self.path, self.token, self.timeout, self.ca_file = \
+            url, blob_id, path, token, timeout, ca_file
+        self.progress, self.info, self.h, self.done = progress, None, None, 0
+
+    def attempt(self, deadline=None):
+        if self.info is None:
+            info = _head(self.url, self.blob_id, self.token, self.timeout, self.ca_file, deadline) or {}
+            if not info.get("complete"):
+                raise httpc.CallError(404, {"error": f"no complete blob {self.blob_id!r} at {self.url}"})
+            self.info, self.tmp = info, f"{self.path}.part-{info['sha256'][:16]}"
+            self.bar = Progress(f"get {self.blob_id}", info["size"], self.progress)
+        size, tmp = self.info["size"], self.tmp
         have = os.path.getsize(tmp) if os.path.exists(tmp) else 0
         if have > size:
             os.unlink(tmp)
             have = 0
-        if state["h"] is None or state["done"] != have:
-            state["h"] = sha256_file(tmp, 0, have, hashlib.sha256()) if have else hashlib.sha256()
-        state["done"] = have
-        before = have
+        if self.h is None or self.done != have:
+            self.h = sha256_file(tmp, 0, have, hashlib.sha256()) if have else hashlib.sha256()
+        self.done = have
+        if have < size:
+            self._get_from(have, deadline)
+
+    def finish(self):
+        """-> the sha256 of the file now at `path` (the store's: else ValueError, the temp removed)."""
+        got, sha, tmp = self.h.hexdigest(), self.info["sha256"], self.tmp
+        if got != sha:
+            os.unlink(tmp)
+            raise ValueError(f"downloaded {self.blob_id!r} has sha256 {got}, the store says {sha}; removed {tmp}")
+        with open(tmp, "ab") as f:                      # "ab": also creates an empty blob's file
+            os.fsync(f.fileno())
+        durable.rename(tmp, self.path)
+        self.bar.close(self.info["size"])
+        return got
+
+    def _get_from(self, have, deadline):
+        size, sha = self.info["size"], self.info["sha256"]
+        conn = httpc.connect(self.url, httpc.io_timeout(self.timeout, deadline), self.ca_file)
         try:
-            _get_from(url, blob_id, tmp, have, size, sha, token, timeout, bar, state, ca_file)
-        except Exception as e:
-            if state["done"] > before and _retryable(e):
-                return None
-            raise
-        return True
-    _with_retries(f"get {blob_id}", attempt, retries)
-    got = state["h"].hexdigest()
-    if got != sha:
-        os.unlink(tmp)
-        raise ValueError(f"downloaded {blob_id!r} has sha256 {got}, the store says {sha}; removed {tmp}")
-    with open(tmp, "ab") as f:                          # "ab": also creates an empty blob's file
-        os.fsync(f.fileno())
-    durable.rename(tmp, path)
-    bar.close(size)
-    return got
-
-
-def _get_from(url, blob_id, tmp, have, size, sha, token, timeout, bar, state, ca_file=None):
-    if have == size:
-        return
-    conn = httpc.connect(url, timeout, ca_file)
-    try:
-        headers = {**httpc.auth_headers(token), "Range": f"bytes={have}-"}
-        conn.request("GET", f"{httpc.split_url(url)[3]}/blobs/{blob_id}", headers=headers)
-        resp = conn.getresponse()
-        if resp.status != 206:
-            _reply(resp)
-            raise httpc.CallError(502, {"error": f"expected 206 for a Range GET, got {resp.status}"})
-        if resp.getheader("X-Content-Sha256") != sha:
-            raise ValueError(f"blob {blob_id!r} changed during the download; start again")
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
-        with open(tmp, "ab", buffering=0) as f:
-            while state["done"] < size:
-                n = resp.readinto(view)
-                if not n:
-                    raise ConnectionError(f"connection closed at byte {state['done']} of {size}")
-                f.write(view[:n])
-                state["h"].update(view[:n])
-                state["done"] += n
-                bar.update(state["done"])
-    finally:
-        conn.close()
+            headers = {**httpc.auth_headers(self.token), "Range": f"bytes={have}-"}
+            conn.request("GET", f"{httpc.split_url(self.url)[3]}/blobs/{self.blob_id}", headers=headers)
+            resp = conn.getresponse()
+            if resp.status != 206:
+                _reply(resp)
+                raise httpc.CallError(502, {"error": f"expected 206 for a Range GET, got {resp.status}"})
+            if resp.getheader("X-Content-Sha256") != sha:
+                raise ValueError(f"blob {self.blob_id!r} changed during the download; start again")
+            buf = bytearray(CHUNK)
+            view = memoryview(buf)
+            with open(self.tmp, "ab", buffering=0) as f:
+                while self.done < size:
+                    n = resp.readinto(view)
+                    if not n:
+                        raise ConnectionError(f"connection closed at byte {self.done} of {size}")
+                    f.write(view[:n])
+                    self.h.update(view[:n])
+                    self.done += n
+                    httpc.made_progress(deadline)
+                    self.bar.update(self.done)
+        finally:
+            conn.close()

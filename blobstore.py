@@ -37,9 +37,12 @@ HTTP (ids: [A-Za-z0-9._-]{1,200}, not starting with "."):
                           each delta blob once fetched; a site's delta blob it never fetched stays.
     GET    /blobs         {"blobs": [...], "uploads": [...], "used_bytes", "quota_bytes"}
     GET    /health        public liveness probe.
-Every refusal is a 4xx with a one-line JSON {"error": ...}. A full disk during an upload
-is a 507 {"code": "disk_full"} naming the disk: the unfinished upload is discarded (its
-space given back) and put_file starts it again from byte 0 after Retry-After.
+Every refusal is a 4xx with a one-line JSON {"error": ...}; the two that a client may
+send again say "retry": true (the 409 of an id another PUT holds: that PUT ends; the 416
+of an upload offset that moved: HEAD again and continue there), the rule of httpc.py's
+retry policy. A full disk during an upload is a 507 {"code": "disk_full"} naming the
+disk: the unfinished upload is discarded (its space given back) and a client under a
+deadline starts it again from byte 0.
 
 State directory (--root):
     partial/<id>          bytes of an unfinished upload, in order; its size IS the resume offset
@@ -252,10 +255,11 @@ class BlobStore:
         if start > 0:
             if part is None or part["total"] != total or part["sha256"] != sha:
                 raise httpd.HTTPError(416, f"no unfinished upload of {blob_id!r} with that size and checksum "
-                                           "to continue; start again at byte 0", offset=0)
+                                           "to continue; start again at byte 0", offset=0, retry=True)
             if part["offset"] != start:
                 raise httpd.HTTPError(416, f"upload of {blob_id!r} continues at byte {part['offset']}, "
-                                           f"not {start}; HEAD it for X-Upload-Offset", offset=part["offset"])
+                                           f"not {start}; HEAD it for X-Upload-Offset",
+                                      offset=part["offset"], retry=True)
             return None
         data, side = self._part(blob_id)
         with self.lock:                 # quota: a new upload reserves its declared total, atomically

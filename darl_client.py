@@ -28,7 +28,6 @@ Who may call the coordinator: anyone holding the shared token
 import collections
 import dataclasses
 import http.client
-import random
 import secrets
 import sys
 import threading
@@ -51,19 +50,19 @@ class LeaseLost(Exception):
 class LeaseClient:
     """The coordinator's RPCs over one keep-alive connection per thread.
 
-    Transport failures and 5xx replies are retried with exponential backoff
-    (with jitter); every call is safe to repeat: commit and release are
-    idempotent, heartbeat only extends, and acquire carries a request id the
-    coordinator answers a second time with the same lease. 4xx are not retried.
+    Every call takes `deadline`, an httpc.Deadline: under it a failed call is repeated by
+    httpc.retry's rule (transport errors, 5xx; a register also waits out a live previous
+    incarnation's 409); without it, one attempt. Every call is safe to repeat: commit and
+    release are idempotent, heartbeat only extends, and acquire carries a request id the
+    coordinator answers a second time with the same lease.
     A connection idle for REUSE_IDLE_S is not reused: the server closes keep-alive
     connections idle for --idle-timeout-s (60 s), and a request sent into one that
     is closing fails and costs a retry.
     """
     REUSE_IDLE_S = 30.0
 
-    def __init__(self, url, token=None, timeout=10.0, retries=6, backoff_s=0.2, max_backoff_s=4.0, ca_file=None):
+    def __init__(self, url, token=None, timeout=10.0, ca_file=None):
         self.url, self.token, self.timeout, self.ca_file = url, token, timeout, ca_file
-        self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
         self.rtt_s = None                   # smoothed round-trip time of successful calls
         self._local = threading.local()
         self._open = set()                  # every thread's connection: close() closes them all
@@ -98,55 +97,54 @@ class LeaseClient:
             self._open.discard(conn)
             conn.close()
 
-    def _rpc(self, method, path, body=None):
-        for attempt in range(self.retries + 1):
-            t0 = time.monotonic()
-            try:
-                reply = httpc.call(self.url, method, path, body, token=self.token, timeout=self.timeout,
-                                   conn=self._conn())
-                self._local.used = time.monotonic()
-                rtt = time.monotonic() - t0
-                self.rtt_s = rtt if self.rtt_s is None else 0.8 * self.rtt_s + 0.2 * rtt
-                return reply
-            except httpc.CallError as e:
-                if e.status < 500 or attempt == self.retries:
-                    raise
-            except (OSError, http.client.HTTPException):
-                self._drop_conn()
-                if attempt == self.retries:
-                    raise
-            delay = min(self.max_backoff_s, self.backoff_s * 2 ** attempt)
-            time.sleep(delay * (0.5 + 0.5 * random.random()))
-        raise AssertionError("unreachable")
+    def _rpc(self, method, path, body=None, deadline=None, waits=()):
+        return httpc.retry(f"DARL {path}", lambda: self._once(method, path, body, deadline), deadline, waits)
 
-    def register(self, cluster, incarnation, digest):
-        return self._rpc("POST", "/register", {"cluster": cluster, "incarnation": incarnation, "digest": digest})
+    def _once(self, method, path, body, deadline):
+        t0 = time.monotonic()
+        try:
+            conn = self._conn()
+            conn.sock.settimeout(httpc.io_timeout(self.timeout, deadline))
+            reply = httpc.call(self.url, method, path, body, token=self.token, conn=conn)
+        except (OSError, http.client.HTTPException):
+            self._drop_conn()               # its state is unknown: the next attempt opens a new one
+            raise
+        self._local.used = time.monotonic()
+        rtt = time.monotonic() - t0
+        self.rtt_s = rtt if self.rtt_s is None else 0.8 * self.rtt_s + 0.2 * rtt
+        return reply
 
-    def acquire(self, cluster, incarnation, blocks=None, ttl=None, request_id=None):
-        """{"status": "ok", "lease": {...}} | {"status": "wait", "retry_after": s} | {"status": "done"}."""
+    def register(self, cluster, incarnation, digest, deadline=None):
+        """Under a deadline this also waits while another live incarnation holds the cluster."""
+        return self._rpc("POST", "/register", {"cluster": cluster, "incarnation": incarnation, "digest": digest},
+                         deadline, waits=(httpc.INCARNATION_CONFLICT,))
+
+    def acquire(self, cluster, incarnation, blocks=None, ttl=None, request_id=None, deadline=None):
+        """{"status": "ok", "lease": {...}} | {"status": "wait", "retry_after": s} | {"status": "done"}.
+        A repeat with the same request_id gets the same lease (one id for all the attempts)."""
         body = {"cluster": cluster, "incarnation": incarnation,
                 "request_id": request_id or secrets.token_hex(8), "blocks": blocks, "ttl": ttl}
-        return self._rpc("POST", "/acquire", {k: v for k, v in body.items() if v is not None})
+        return self._rpc("POST", "/acquire", {k: v for k, v in body.items() if v is not None}, deadline)
 
-    def heartbeat(self, cluster, incarnation, leases=(), ttl=None, throughput=None):
+    def heartbeat(self, cluster, incarnation, leases=(), ttl=None, throughput=None, deadline=None):
         """leases: ids or {"lease": id, "cursor": pos} claims. The reply is an instruction."""
         body = {"cluster": cluster, "incarnation": incarnation, "leases": list(leases),
                 "ttl": ttl, "throughput": throughput}
-        return self._rpc("POST", "/heartbeat", {k: v for k, v in body.items() if v is not None})
+        return self._rpc("POST", "/heartbeat", {k: v for k, v in body.items() if v is not None}, deadline)
 
-    def commit(self, cluster, incarnation, lease_id, end=None):
+    def commit(self, cluster, incarnation, lease_id, end=None, deadline=None):
         body = {"cluster": cluster, "incarnation": incarnation, "lease": lease_id, "end": end}
-        return self._rpc("POST", "/commit", {k: v for k, v in body.items() if v is not None})
+        return self._rpc("POST", "/commit", {k: v for k, v in body.items() if v is not None}, deadline)
 
-    def release(self, cluster, incarnation, lease_ids=(), leave=False):
+    def release(self, cluster, incarnation, lease_ids=(), leave=False, deadline=None):
         return self._rpc("POST", "/release", {"cluster": cluster, "incarnation": incarnation,
-                                              "leases": list(lease_ids), "leave": leave})
+                                              "leases": list(lease_ids), "leave": leave}, deadline)
 
-    def status(self):
-        return self._rpc("GET", "/status")
+    def status(self, deadline=None):
+        return self._rpc("GET", "/status", deadline=deadline)
 
-    def health(self):
-        return self._rpc("GET", "/health")
+    def health(self, deadline=None):
+        return self._rpc("GET", "/health", deadline=deadline)
 
 
 # ------------------------------------------------------------------ session
@@ -210,14 +208,17 @@ class LeaseSession:
         self._done = self._stop = False
         self._error = None
         self._thread = None
+        self._acquire_id = None                # an acquire not answered yet: sent again with this id
+        self._said_unreachable = -1e9
 
     # ---- lifecycle
 
-    def start(self, register=True):
+    def start(self, register=True, deadline=None):
         """Register (unless the caller already did, e.g. while waiting out an older
-        incarnation) and start the background heartbeat/prefetch thread."""
+        incarnation; under `deadline` repeated by httpc's rule) and start the background
+        heartbeat/prefetch thread."""
         if register:
-            self.client.register(self.cluster, self.incarnation, self.digest)
+            self.client.register(self.cluster, self.incarnation, self.digest, deadline=deadline)
         self._thread = threading.Thread(target=self._run, name=f"darl-{self.cluster}", daemon=True)
         self._thread.start()
         return self
@@ -228,9 +229,10 @@ class LeaseSession:
     def __exit__(self, *exc):
         self.close()
 
-    def close(self, release=True):
+    def close(self, release=True, deadline=None):
         """Stop heartbeating; give back everything not committed and leave, so a
-        requeued job can register the stream at once."""
+        requeued job can register the stream at once (one attempt, or repeated under
+        `deadline`; if it fails the leases expire on their TTL)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
@@ -238,7 +240,8 @@ class LeaseSession:
             self._thread.join(timeout=60)
         if release and self._error is None:
             try:
-                self.client.release(self.cluster, self.incarnation, list(self._held), leave=True)
+                self.client.release(self.cluster, self.incarnation, list(self._held), leave=True,
+                                    deadline=deadline)
             except (OSError, http.client.HTTPException, httpc.CallError) as e:
                 self.log(f"release at close failed ({e}); the leases will expire on their TTL")
 
@@ -284,13 +287,14 @@ class LeaseSession:
         return {"cluster": self.cluster, "incarnation": self.incarnation, "lease": span.lease,
                 "start": span.start, "end": span.end}
 
-    def commit(self, span):
-        """Commit [lease start, span.end); raises LeaseLost if the lease was reclaimed."""
+    def commit(self, span, deadline=None):
+        """Commit [lease start, span.end); raises LeaseLost if the lease was reclaimed.
+        deadline: an httpc.Deadline to repeat it under (None: one attempt)."""
         t0 = self._handed_at.pop(span, None)
         if t0 is not None:
             self.end_phase(time.monotonic() - t0, len(span))
         try:
-            reply = self.client.commit(self.cluster, self.incarnation, span.lease, span.end)
+            reply = self.client.commit(self.cluster, self.incarnation, span.lease, span.end, deadline=deadline)
         except httpc.CallError as e:
             if e.status in (404, 409):
                 raise LeaseLost(f"span {span.as_ints()}: {e.reply.get('error')}") from e
@@ -311,7 +315,7 @@ class LeaseSession:
         if t0 is not None:
             self.end_phase(time.monotonic() - t0, len(span))
 
-    def release(self, span):
+    def release(self, span, deadline=None):
         """Give back what is uncommitted of the span's lease (a delta that was not merged:
         its blocks return to the pool and are trained again). Stop heartbeating it."""
         with self._cond:
@@ -320,7 +324,7 @@ class LeaseSession:
         if held is None:
             return {"released": 0}
         try:
-            return self.client.release(self.cluster, self.incarnation, [span.lease])
+            return self.client.release(self.cluster, self.incarnation, [span.lease], deadline=deadline)
         except httpc.CallError as e:
             if e.status in (404, 409):     # already expired or closed: nothing of ours left to give back
                 return {"released": 0, "error": e.reply.get("error")}
@@ -338,12 +342,14 @@ class LeaseSession:
         with self._cond:
             return set(self._held)
 
-    def refresh(self):
+    def refresh(self, deadline=None):
         """One heartbeat now (applied like the background ones): a lease the aggregator
-        took into custody or committed meanwhile leaves held()."""
-        self._heartbeat()
+        took into custody or committed meanwhile leaves held(). deadline: as commit's."""
+        self._heartbeat(deadline=deadline)
 
-    # ---- the background thread
+    # ---- the background thread: the renewal loop. Its calls are single attempts (the loop
+    # itself comes back 0.5 s later), and an acquire that failed is sent again with the same
+    # request id, so a lease granted to a lost reply is the one the next attempt gets.
 
     def _run(self):
         next_beat = 0.0
@@ -362,11 +368,13 @@ class LeaseSession:
                 if time.monotonic() >= next_beat:
                     self._heartbeat()
                     next_beat = time.monotonic() + max(0.1, (self.granted_ttl or self.ttl_s) / 3)
-            except httpc.CallError as e:     # 4xx: this incarnation is refused (stale, unknown): fatal
-                self._fail(e)
-                return
-            except (OSError, http.client.HTTPException) as e:
-                self.log(f"coordinator unreachable ({e}); holding on to the spans already claimed")
+            except (httpc.CallError, OSError, http.client.HTTPException) as e:
+                if not httpc.repeatable(e):  # a 4xx: this incarnation is refused (stale, unknown): fatal
+                    self._fail(e)
+                    return
+                if time.monotonic() - self._said_unreachable >= 10.0:
+                    self._said_unreachable = time.monotonic()
+                    self.log(f"coordinator unreachable ({e}); holding on to the spans already claimed")
                 next_beat = time.monotonic() + 0.5
                 with self._cond:
                     self._cond.wait(0.5)
@@ -376,14 +384,14 @@ class LeaseSession:
             self._error = err
             self._cond.notify_all()
 
-    def _heartbeat(self, claim=None):
+    def _heartbeat(self, claim=None, deadline=None):
         """One heartbeat for every held lease; `claim` = (lease, cursor). Applies the reply."""
         with self._rpc_lock:
             with self._cond:
                 ids = list(self._held)
             items = [{"lease": i, "cursor": claim[1]} if claim and claim[0] == i else i for i in ids]
             reply = self.client.heartbeat(self.cluster, self.incarnation, items, ttl=self.ttl_s,
-                                          throughput=self.throughput)
+                                          throughput=self.throughput, deadline=deadline)
             with self._cond:
                 self.granted_ttl = reply.get("ttl")
                 for r in reply["leases"]:
@@ -404,7 +412,10 @@ class LeaseSession:
         with self._cond:
             todo = [(i, h) for i, h in self._held.items() if h.handed < h.end]
         if not todo:
-            reply = self.client.acquire(self.cluster, self.incarnation, blocks=self.lease_blocks, ttl=self.ttl_s)
+            self._acquire_id = self._acquire_id or secrets.token_hex(8)
+            reply = self.client.acquire(self.cluster, self.incarnation, blocks=self.lease_blocks, ttl=self.ttl_s,
+                                        request_id=self._acquire_id)
+            self._acquire_id = None
             if reply["status"] == "done":
                 if reply.get("quarantined"):
                     self.log(f"epoch done with {reply['quarantined']} blocks QUARANTINED")

@@ -1,8 +1,8 @@
 """darl_simulate.py - the end-to-end check of DARL: a real coordinator, one process per
 simulated cluster, some killed mid-lease, some late, and an audit of exactly-once coverage.
 
-Runs on: any machine with Python 3 (standard library only; darl_client.py, darl_table.py
-and darl_server.py beside it). It starts its own darl_server.py on a free loopback port
+Runs on: any machine with Python 3 (standard library only; darl_client.py, darl_server.py
+and what they import beside it). It starts its own darl_server.py on a free loopback port
 with a state directory under /tmp (kept, with the workers' reports, when the check
 fails), and one process per cluster (this script's `worker` mode: a LeaseSession that
 "trains" by sleeping and commits each span itself, as a site without an aggregator would).
@@ -27,6 +27,9 @@ import time
 
 import darl_client
 import darl_table
+import httpc
+
+WORKER_CALL_S = 30.0     # a worker's call may go this long without an answer (the coordinator is local)
 
 def start_coordinator(state_dir, num_blocks, seed, extra=(), log_path=None):
     """A real darl_server.py process on a free loopback port: (Popen, url)."""
@@ -50,6 +53,11 @@ def start_coordinator(state_dir, num_blocks, seed, extra=(), log_path=None):
     raise RuntimeError(f"coordinator did not start within 60 s; see {log_path}")
 
 
+def call_deadline():
+    """A worker's calls to the coordinator: repeated by httpc's rule for up to WORKER_CALL_S."""
+    return httpc.Deadline(WORKER_CALL_S, log=httpc.quiet)
+
+
 def sim_worker(a):
     """One simulated cluster: trains `rate` blocks/s, reporting every span and commit."""
     space = darl_table.BlockSpace(a.blocks, 1, a.seed)
@@ -62,10 +70,10 @@ def sim_worker(a):
         report.write(json.dumps(rec) + "\n")
 
     time.sleep(a.delay)                                   # queued behind other jobs
-    client = darl_client.LeaseClient(a.url, retries=8)
-    session = darl_client.LeaseSession(client, a.cluster, space.digest(), span_blocks=a.span, phase_s=a.span / a.rate,
-                           log=lambda m: None)
-    with session:
+    client = darl_client.LeaseClient(a.url)
+    session = darl_client.LeaseSession(client, a.cluster, space.digest(), span_blocks=a.span,
+                                       phase_s=a.span / a.rate, log=lambda m: None)
+    with session.start(deadline=call_deadline()):
         note("start", incarnation=session.incarnation)
         commits = 0
         while (span := session.next_span(timeout=120)) is not None:
@@ -76,7 +84,7 @@ def sim_worker(a):
                     time.sleep(3600)
             time.sleep(len(span) / a.rate)                # "training"
             try:
-                session.commit(span)
+                session.commit(span, deadline=call_deadline())
             except darl_client.LeaseLost as e:
                 note("lost", span, reason=str(e))
                 continue

@@ -160,7 +160,9 @@ from fedmom_state import ServerConfig, FedMomState, DarlLink, Refused, log, form
 
 DEFAULT_PORT = 29511
 BLOB_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
-BLOB_FETCH_RETRIES = 3        # POST /delta_blob's download from the store: ~3.5 s of backoff, then 502
+BLOB_FETCH_S = 4.0            # POST /delta_blob's download from the store: s without progress, then 502 (the
+                              # site holds the request open and repeats a 502 under its own deadline)
+BLOB_PUBLISH_S = 90.0         # a theta/update blob put into the store: s without progress (a site's GET waits)
 SWEEP_RETRY_S = 30.0          # a sweep of the blob store that failed (store down) is tried again this often
 BLOB_CALL_TIMEOUT_S = 30.0    # one listing or DELETE of a sweep; on its own thread, so it delays no merge
 
@@ -238,25 +240,15 @@ def make_routes(state, blob_token=None, retention=None):
             return dup
         part = state.new_part_path()
         try:
-            # few retries: the site holds this request open and retries a 502 itself
-            got = blob_client.get_file(cfg.blob_url, blob, part, token=blob_token, retries=BLOB_FETCH_RETRIES,
-                                     ca_file=cfg.ca_file)
-        except (httpc.CallError, ValueError) as e:
+            got = blob_client.get_file(cfg.blob_url, blob, part, token=blob_token, ca_file=cfg.ca_file,
+                                       deadline=httpc.Deadline(BLOB_FETCH_S, what=f"fetch blob {blob}",
+                                                               log=blob_log))
+        except BaseException as e:
             unlink_with_parts(part)
-            if isinstance(e, httpc.CallError) and e.status == 507:
-                raise httpd.HTTPError(503, f"blob store: {e.reply.get('error')}", headers={"Retry-After": "30"},
-                                      code="disk_full", retry_after_s=30)
-            status = 400 if isinstance(e, ValueError) or e.status == 404 else 502
-            raise httpd.HTTPError(status, f"blob {blob!r}: {e}")
-        except (OSError, http.client.HTTPException) as e:
-            unlink_with_parts(part)
-            if durable.is_disk_full(e):        # our own spool is full, not the blob store unreachable: 507
+            refusal = fetch_refusal(blob, e.last if isinstance(e, httpc.GaveUp) else e)
+            if refusal is None:
                 raise
-            raise httpd.HTTPError(502, f"blob store {cfg.blob_url} unreachable fetching {blob!r} "
-                                       f"({type(e).__name__}: {e}); nothing was stored, send it again")
-        except BaseException:
-            unlink_with_parts(part)
-            raise
+            raise refusal from None
         try:
             if got != sha:
                 durable.unlink(part)
@@ -269,9 +261,30 @@ def make_routes(state, blob_token=None, retention=None):
             except (httpc.CallError, OSError, http.client.HTTPException):
                 pass
 
+    def fetch_refusal(blob, e):
+        """The answer to a delta blob the store would not give (what it said last, once
+        BLOB_FETCH_S passed without progress), or None: raise `e` as it is (our own spool's
+        full disk is a 507 naming our disk; anything else unexpected is a 500)."""
+        if isinstance(e, httpc.CallError) and e.status == 507:
+            return httpd.HTTPError(503, f"blob store: {e.reply.get('error')}", headers={"Retry-After": "30"},
+                                   code="disk_full", retry_after_s=30)
+        if isinstance(e, (httpc.CallError, ValueError)):
+            status = 400 if isinstance(e, ValueError) or e.status == 404 else 502
+            return httpd.HTTPError(status, f"blob {blob!r}: {e}")
+        if isinstance(e, (OSError, http.client.HTTPException)) and not durable.is_disk_full(e):
+            return httpd.HTTPError(502, f"blob store {cfg.blob_url} unreachable fetching {blob!r} "
+                                        f"({type(e).__name__}: {e}); nothing was stored, send it again")
+        return None
+
+    def blob_log(what, err, left):
+        log(f"fedmom: {what}: {type(err).__name__}: {err}; retrying ({left:.1f} s left)")
+
     def theta(req):
         f, rnd = state.open_theta()
         return httpd.Response(file=f, headers={"X-Round": str(rnd)})
+
+    def publish_deadline(blob):
+        return httpc.Deadline(BLOB_PUBLISH_S, what=f"publish blob {blob}", log=blob_log)
 
     def to_blob(blob, opened, rnd):
         """Put a file of round `rnd` the state opened into the blob store, once per round and
@@ -282,7 +295,8 @@ def make_routes(state, blob_token=None, retention=None):
             # put_file reads by path; /proc/self/fd keeps it on the file we opened under the lock
             path = f"/proc/self/fd/{f.fileno()}"
             try:
-                info = blob_client.put_file(cfg.blob_url, blob, path, token=blob_token, ca_file=cfg.ca_file)
+                info = blob_client.put_file(cfg.blob_url, blob, path, token=blob_token, ca_file=cfg.ca_file,
+                                            deadline=publish_deadline(blob))
             except httpc.CallError as e:
                 if e.status != 409 or e.reply.get("retry"):
                     raise
@@ -291,7 +305,8 @@ def make_routes(state, blob_token=None, retention=None):
                 log(f"fedmom: blob {blob} holds other bytes than round {rnd}'s file (a restored state dir?); "
                     "replacing it")
                 httpc.call(cfg.blob_url, "DELETE", f"/blobs/{blob}", token=blob_token, ca_file=cfg.ca_file)
-                info = blob_client.put_file(cfg.blob_url, blob, path, token=blob_token, ca_file=cfg.ca_file)
+                info = blob_client.put_file(cfg.blob_url, blob, path, token=blob_token, ca_file=cfg.ca_file,
+                                            deadline=publish_deadline(blob))
             out = {"blob": blob, "sha256": info["sha256"], "round": rnd}
             if retention is not None:
                 retention.published(blob, rnd, info["size"])

@@ -101,7 +101,7 @@ def cycles(url, clients, seconds, digest):
     """acquire(1 block) + heartbeat(claim it) + commit from `clients` closed-loop threads,
     each on its own keep-alive connection. -> (cycles/s, [cycle latency s], errors)."""
     def factory(i):
-        c, name = darl_client.LeaseClient(url, retries=0), f"bench-{i}"
+        c, name = darl_client.LeaseClient(url), f"bench-{i}"
         c.register(name, "inc", digest)
 
         def one():
@@ -139,7 +139,7 @@ def histogram(rows, lo_ms=0.25, buckets=15, width=40):
 
 
 def acquire_latency(url, n, digest):
-    c = darl_client.LeaseClient(url, retries=0)
+    c = darl_client.LeaseClient(url)
     c.register("lat", "inc", digest)
     times = []
     for _ in range(n):

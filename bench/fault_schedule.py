@@ -126,6 +126,7 @@ POINTS = {"darl_kill": ("darl.append", "darl.torn", "darl.synced"),
           "blob_kill": ("blob.chunk",), "site_kill": ("site.trained", "site.sent"),
           "site_stop": ("site.trained", "site.checked")}
 EXIT_TOKEN = 3                    # a fake site's exit status when a server refused its token
+CALL_S = 180.0                    # a fake site's call to a server: s without progress before it gives up
 STOP = threading.Event()          # SIGTERM / Ctrl-C: every running schedule stops its processes and ends
 
 
@@ -278,17 +279,17 @@ class SiteTheta:
     def _log(self, msg):
         self.note("update_mismatch" if msg.startswith("!!!") else "site_log", msg=msg)
 
-    def fetch(self, member):
+    def fetch(self):
         """Download theta_global now, as FedSite does at the end of every round trip -> its round."""
-        self.round = _retry("theta", lambda: self.site._fetch(self.path), member=member)
+        self.round = _call("theta", lambda d: self.site._fetch(self.path, d))
         self.note("theta", round=self.round, via=self.site.down.get("via"), digest=self.site.held[1])
         return self.round
 
-    def current(self, member):
+    def current(self):
         """The round of the theta held, fetched first if the aggregator has moved past it
         (a phase trains from the newest theta it can get)."""
-        if self.round is None or _retry("round", self.site.fed.current_round, member=member) != self.round:
-            self.fetch(member)
+        if self.round is None or _call("round", lambda d: self.site.fed.current_round(deadline=d)) != self.round:
+            self.fetch()
         return self.round
 
 
@@ -329,45 +330,26 @@ def site_main(a):
     return code
 
 
-def _retry(what, fn, deadline_s=180.0, member=None):
-    """fn() until it answers: transport errors and 5xx are retried, a 409 not_member joins
-    `member` again; a 401 is TokenRefused."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            return fn()
-        except httpc.CallError as e:
-            if e.status == 401:
-                raise TokenRefused(f"{what}: {e}")
-            if member is not None and e.status == 409 and e.reply.get("code") == "not_member":
-                member.member = False
-                member.join()
-                continue
-            if e.status < 500:
-                raise
-        except (OSError, http.client.HTTPException):
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what}: no answer for {deadline_s:.0f} s")
-        time.sleep(0.2)
+def _call(what, fn):
+    """fn(deadline): one httpc.Deadline of CALL_S per call, short pauses (the faults last
+    seconds); the client under fn repeats by httpc's rule, a 409 not_member joining again
+    inside it, as for a real site. A 401 is TokenRefused."""
+    try:
+        return fn(httpc.Deadline(CALL_S, what=what, max_wait_s=0.2, log=httpc.quiet))
+    except httpc.CallError as e:
+        if e.status == 401:
+            raise TokenRefused(f"{what}: {e}")
+        raise
 
 
 def _site_loop(a, token, inc, note):
-    client = darl_client.LeaseClient(a.darl, token=token, timeout=5.0, retries=30, backoff_s=0.1, max_backoff_s=0.5)
-    digest = _retry("DARL status", client.status)["digest"]
-    deadline = time.monotonic() + 180
-    while True:                                   # wait out a previous incarnation's leases
-        try:
-            _retry("register", lambda: client.register(a.cluster, inc, digest))
-            break
-        except httpc.CallError as e:
-            if e.reply.get("code") != "incarnation_conflict" or time.monotonic() > deadline:
-                raise
-            time.sleep(0.3)
+    client = darl_client.LeaseClient(a.darl, token=token, timeout=5.0)
+    digest = _call("DARL status", lambda d: client.status(deadline=d))["digest"]
+    _call("register", lambda d: client.register(a.cluster, inc, digest, deadline=d))   # waits out a predecessor
     session = darl_client.LeaseSession(client, a.cluster, digest, incarnation=inc, span_blocks=a.span,
                                        lease_blocks=a.span, prefetch=False, phase_s=a.phase_s, log=lambda m: None)
     session.start(register=False)
-    fed = fedmom_client.FedMomClient(a.fedmom, a.cluster, inc, token=token, blob_url=a.blob, timeout=10.0, retries=2)
+    fed = fedmom_client.FedMomClient(a.fedmom, a.cluster, inc, token=token, blob_url=a.blob, timeout=10.0)
     member = Membership(fed)
     member.join()
     a.theta, a.residual = SiteTheta(a, fed, inc, note), Residual() if a.wire == "int4" else None
@@ -410,7 +392,7 @@ def _span_loop(a, fed, member, session, note):
             if not a.overlap:
                 _phase(a, fed, member, session, span, note)
                 continue
-            base = a.theta.current(member)
+            base = a.theta.current()
         time.sleep(a.train_s)                      # "train" span k+1 while delta k is in flight
         if flight is not None:
             base = _join(flight)
@@ -442,7 +424,7 @@ class Membership:
         self.fed, self.keepalive, self.member = fed, None, False
 
     def join(self):
-        _retry("join", lambda: self.fed.join(wait_s=60.0))
+        _call("join", lambda d: self.fed.join(deadline=d))
         self.member = True
         if self.keepalive is None:
             self.keepalive = self.fed.keepalive(interval_s=0.5)
@@ -458,7 +440,7 @@ class Membership:
         if self.member:
             self.member = False
             try:
-                _retry("leave", self.fed.leave)
+                _call("leave", lambda d: self.fed.leave(deadline=d))
             except httpc.CallError as e:
                 if e.status != 409:          # not a member any more: nothing to leave
                     raise
@@ -466,7 +448,7 @@ class Membership:
 
 def _phase(a, fed, member, session, span, note):
     """Train (sleep), send the delta for `span`, learn what became of it, settle the lease."""
-    base = a.theta.current(member)
+    base = a.theta.current()
     key, path, tokens = _train(a, session, span, base, note)
     time.sleep(a.train_s)
     testhooks.fault_point("site.trained")
@@ -500,7 +482,7 @@ def _round_trip(a, fed, member, session, span, key, path, tokens, note):
     state = _send_and_wait(a, fed, member, session, span, key, path, tokens, note)
     if a.residual is not None:
         a.residual.settle(state)
-    return a.theta.fetch(member)
+    return a.theta.fetch()
 
 
 def _send_and_wait(a, fed, member, session, span, key, path, tokens, note):
@@ -518,22 +500,22 @@ def _send_and_wait(a, fed, member, session, span, key, path, tokens, note):
     testhooks.fault_point("site.checked")
     record = {"id": span.lease, "start": span.start, "end": span.end}
     try:
-        reply = _retry("send", lambda: fed.send_delta(path, base, tokens, [record], {"loss": 1.0},
-                                                      transport=a.transport), member=member)
+        reply = _call("send", lambda d: fed.send_delta(path, base, tokens, [record], {"loss": 1.0},
+                                                       transport=a.transport, deadline=d))
     except fedmom_client.StaleRound as e:
         note("stale", why=str(e), **key)
-        session.release(span)
+        _call("release", lambda d: session.release(span, deadline=d))
         return "stale"
     except httpc.CallError as e:
         if e.status == 401:
             raise TokenRefused(f"send: {e}")
         note("refused", status=e.status, code=e.reply.get("code"), why=e.reply.get("error"), **key)
-        session.release(span)
+        _call("release", lambda d: session.release(span, deadline=d))
         return "refused"
     note("sent", custody=reply.get("custody"), duplicate=bool(reply.get("duplicate")), **key)
     testhooks.fault_point("site.sent")
     while True:
-        got = _retry("outcome", lambda: fed.heartbeat(wait_round_after=base, wait_s=1.0))
+        got = _call("outcome", lambda d: fed.heartbeat(wait_round_after=base, wait_s=1.0, deadline=d))
         mine = [o for o in got.get("deltas") or () if o.get("incarnation") == session.incarnation
                 and o.get("base_round") == base]
         state = mine[0]["outcome"] if mine else None
@@ -545,7 +527,7 @@ def _send_and_wait(a, fed, member, session, span, key, path, tokens, note):
         note("merged", merged_into=mine[0]["merged_into"], **key)
     elif state == "excluded":
         note("excluded", why=mine[0].get("why"), **key)
-        session.release(span)
+        _call("release", lambda d: session.release(span, deadline=d))
     else:
         note("unknown", round=got["round"], **key)
         session.forget(span)

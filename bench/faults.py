@@ -34,8 +34,6 @@ Figures, each beside its baseline or target:
 """
 import argparse
 import collections
-import contextlib
-import io
 import os
 import random
 import shutil
@@ -139,9 +137,9 @@ def kills_darl(work, n):
         for k in range(n + 1):
             restarts.append(svc.start())
             digest = digest or httpc.call(svc.url, "GET", "/health", ca_file=svc.ca)["digest"]
-            checker = darl_client.LeaseClient(svc.url, TOKEN, retries=2, ca_file=svc.ca)
+            checker = darl_client.LeaseClient(svc.url, TOKEN, ca_file=svc.ca)
             for cluster, inc, lease, end in acked:    # every acknowledged commit is still committed
-                reply = checker.commit(cluster, inc, lease, end)
+                reply = checker.commit(cluster, inc, lease, end, deadline=httpc.Deadline(10, log=httpc.quiet))
                 lost += not reply.get("repeat")
             acked = []
             if k == n:
@@ -149,7 +147,7 @@ def kills_darl(work, n):
             stop = threading.Event()
 
             def load(i):
-                c = darl_client.LeaseClient(svc.url, TOKEN, retries=0, ca_file=svc.ca)
+                c = darl_client.LeaseClient(svc.url, TOKEN, ca_file=svc.ca)
                 cluster, inc = f"k{k}-c{i}", "inc"
                 try:
                     c.register(cluster, inc, digest)
@@ -192,7 +190,7 @@ def kills_fedmom(work, n):
             lost += sum(1 for a in acked if a not in seen and a[2] >= st["round"] - 150)
             if k == n:
                 break
-            clients = [fedmom_client.FedMomClient(svc.url, c, f"{c}-1", token=TOKEN, ca_file=svc.ca, retries=0)
+            clients = [fedmom_client.FedMomClient(svc.url, c, f"{c}-1", token=TOKEN, ca_file=svc.ca)
                        for c in ("a", "b")]
             for c in clients:
                 c.join()
@@ -240,9 +238,9 @@ def kills_blob(work, n):
 
             def upload():
                 try:
-                    with contextlib.redirect_stderr(io.StringIO()):   # put_file narrates its retries
-                        result["out"] = blob_client.put_file(svc.url, blob, src, token=TOKEN, ca_file=svc.ca,
-                                                           sha256=sha, retries=30, progress=False)
+                    result["out"] = blob_client.put_file(svc.url, blob, src, token=TOKEN, ca_file=svc.ca,
+                                                         sha256=sha, progress=False,
+                                                         deadline=httpc.Deadline(120, log=httpc.quiet))
                 except Exception as e:
                     result["err"] = e
             t = threading.Thread(target=upload)
@@ -392,7 +390,7 @@ def load(work, seconds):
         digest = httpc.call(darl.url, "GET", "/health", ca_file=darl.ca)["digest"]
 
         def darl_cycle(i):
-            c = darl_client.LeaseClient(darl.url, TOKEN, retries=0, ca_file=darl.ca)
+            c = darl_client.LeaseClient(darl.url, TOKEN, ca_file=darl.ca)
             c.register(f"load{i}", "inc", digest)
 
             def one():
@@ -451,7 +449,7 @@ def halfopen(work, held=2000, samples=300, rounds=3):
     out = {"base": {"status": [], "cycle": []}, "loaded": {"status": [], "cycle": []}}
     try:
         digest = httpc.call(svc.url, "GET", "/health", ca_file=svc.ca)["digest"]
-        c = darl_client.LeaseClient(svc.url, TOKEN, retries=0, ca_file=svc.ca)
+        c = darl_client.LeaseClient(svc.url, TOKEN, ca_file=svc.ca)
         c.register("legit", "inc", digest)
 
         def measure(into):
@@ -557,13 +555,13 @@ def diskfull(work):
             f.write(os.urandom(6 << 20))
         fill = filler(3 << 20)
         try:
-            blob_client.put_file(blob.url, "x", src, token=TOKEN, ca_file=blob.ca, retries=0)
+            blob_client.put_file(blob.url, "x", src, token=TOKEN, ca_file=blob.ca)
             reply = "accepted (!)"
         except httpc.CallError as e:
             reply = f"{e.status} {e.reply.get('code')}"
         left = files(os.path.join(disk, "blobs"))
         os.unlink(fill)
-        back = blob_client.put_file(blob.url, "x", src, token=TOKEN, ca_file=blob.ca, retries=0)["size"] == 6 << 20
+        back = blob_client.put_file(blob.url, "x", src, token=TOKEN, ca_file=blob.ca)["size"] == 6 << 20
         rows.append(("blob upload (6 MiB, 3 MiB free)", reply, f"{left} files", back))
         blob.stop()
 
@@ -571,7 +569,7 @@ def diskfull(work):
         delta = write_model(os.path.join(work, "full-delta.safetensors"), tensors=4, size=32768, value=1e-3)
         fed = Service(work, "fedmom-full", ["fedmom_server.py", "--state-dir", os.path.join(disk, "fm"), "--init", init])
         fed.start()
-        a, b = (fedmom_client.FedMomClient(fed.url, c, f"{c}-1", token=TOKEN, ca_file=fed.ca, retries=0) for c in "ab")
+        a, b = (fedmom_client.FedMomClient(fed.url, c, f"{c}-1", token=TOKEN, ca_file=fed.ca) for c in "ab")
         a.join(), b.join()
         before = files(os.path.join(disk, "fm"))
         fill = filler(256 << 10)
@@ -631,7 +629,7 @@ def darl_full(work, disk, filler):
     svc.start()
     rows = []
     try:
-        c = darl_client.LeaseClient(svc.url, TOKEN, retries=0, ca_file=svc.ca)
+        c = darl_client.LeaseClient(svc.url, TOKEN, ca_file=svc.ca)
         c.register("a", "i", httpc.call(svc.url, "GET", "/health", ca_file=svc.ca)["digest"])
 
         def cycle():

@@ -479,8 +479,8 @@ def epoch_darl(url, token, ca_file, deadline_s=120.0):
 def epoch_fedmom(url, token, ca_file, workdir, rounds=2, deadline_s=180.0):
     import fedmom_client
     import tensorio
-    c = fedmom_client.FedMomClient(url, "legit", "legit-1", token=token, ca_file=ca_file, retries=0)
-    c.join(wait_s=deadline_s)
+    c = fedmom_client.FedMomClient(url, "legit", "legit-1", token=token, ca_file=ca_file)
+    c.join(deadline=httpc.Deadline(deadline_s))
     problems, theta = [], os.path.join(workdir, "theta.safetensors")
     for _ in range(rounds):
         deadline = time.monotonic() + deadline_s
@@ -520,8 +520,8 @@ def epoch_blob(url, token, ca_file, workdir):
     src, dst = os.path.join(workdir, "legit.bin"), os.path.join(workdir, "legit.back")
     with open(src, "wb") as f:
         f.write(os.urandom(1 << 20))
-    out = blob_client.put_file(url, "legit-blob", src, token=token, ca_file=ca_file, retries=2)
-    got = blob_client.get_file(url, "legit-blob", dst, token=token, ca_file=ca_file, retries=2)
+    out = blob_client.put_file(url, "legit-blob", src, token=token, ca_file=ca_file, deadline=httpc.Deadline(5))
+    got = blob_client.get_file(url, "legit-blob", dst, token=token, ca_file=ca_file, deadline=httpc.Deadline(5))
     problems = [] if got == out["sha256"] == blob_client.sha256_file(src) else ["the blob came back different"]
     httpc.call(url, "DELETE", "/blobs/legit-blob", token=token, ca_file=ca_file)
     return problems

@@ -248,13 +248,13 @@ class TimedClient(fedmom_client.FedMomClient):
         super().__init__(*args, **kw)
         self.meter, self.calls = meter, []
 
-    def _call(self, method, path, body=None, timeout=None):
+    def _request(self, method, path, body=None, timeout=None, deadline=None):
         route = path.split("?")[0]
         if route not in self.timed:
-            return super()._call(method, path, body, timeout)
+            return super()._request(method, path, body, timeout, deadline)
         a = self.meter.now()
         try:
-            return super()._call(method, path, body, timeout)
+            return super()._request(method, path, body, timeout, deadline)
         finally:
             self.calls.append((route, a, self.meter.now()))
 
@@ -343,12 +343,12 @@ def site_main(a):
                                        prefetch=False, phase_s=PHASE_S, log=lambda m: say(f"darl: {m}"))
     session.start(register=False)
     fed = TimedClient(a.fedmom, a.name, inc, token=token, blob_url=a.blob, ca_file=a.ca_file, meter=meter)
-    fed.join(wait_s=60)
+    fed.join(deadline=httpc.Deadline(60))
     baton, pool = Baton(a.baton), Pool(shapes, [7, SITES.index(a.name)])
     theta, residual = os.path.join(a.work, "theta.safetensors"), Residual(a.work)
     with fed.keepalive(interval_s=10.0):
         deadline = time.monotonic() + 300
-        while len(fed._call("GET", "/status")["members"]) < a.sites:     # no round may close without us all
+        while len(fed._request("GET", "/status")["members"]) < a.sites:     # no round may close without us all
             if time.monotonic() > deadline:
                 raise RuntimeError("the other sites did not join within 300 s")
             time.sleep(0.2)

@@ -247,12 +247,14 @@ class LiveStoreTest(unittest.TestCase):
         sha = make_file(self.p("src"), 8 * MB, seed=1)
         up = CuttingProxy(self.url, 3 * MB, "up")
         self.addCleanup(up.close)
-        out = blob_client.put_file(up.url, "via-proxy", self.p("src"), token=TOKEN, progress=False)
+        out = blob_client.put_file(up.url, "via-proxy", self.p("src"), token=TOKEN, progress=False,
+                                   deadline=httpc.Deadline(60, log=httpc.quiet))
         self.assertEqual((out["sha256"], up.cuts), (sha, 1))
         self.assertLess(up.total["up"], 8 * MB + MB)                # resumed, not restarted (>= 11 MB)
         down = CuttingProxy(self.url, 5 * MB, "down")
         self.addCleanup(down.close)
-        self.assertEqual(blob_client.get_file(down.url, "via-proxy", self.p("dst"), token=TOKEN), sha)
+        self.assertEqual(blob_client.get_file(down.url, "via-proxy", self.p("dst"), token=TOKEN,
+                                              deadline=httpc.Deadline(60, log=httpc.quiet)), sha)
         self.assertEqual((down.cuts, blob_client.sha256_file(self.p("dst"))), (1, sha))
         self.assertLess(down.total["down"], 8 * MB + MB)
         self.assertEqual(sorted(os.listdir(self.dir)), ["dst", "root", "src"])
@@ -389,7 +391,7 @@ class LiveStoreTest(unittest.TestCase):
 
     def test_get_file_refuses_a_missing_blob_and_leaves_nothing(self):
         with self.assertRaises(httpc.CallError) as cm:
-            blob_client.get_file(self.url, "absent", self.p("dst"), token=TOKEN, retries=0)
+            blob_client.get_file(self.url, "absent", self.p("dst"), token=TOKEN)
         self.assertEqual(cm.exception.status, 404)
         self.assertEqual(sorted(os.listdir(self.dir)), ["root"])
 
@@ -443,7 +445,8 @@ class CrashResumeTest(unittest.TestCase):
 
         def upload():
             try:
-                result["out"] = blob_client.put_file(url, "big", src, token=TOKEN, sha256=sha, retries=12)
+                result["out"] = blob_client.put_file(url, "big", src, token=TOKEN, sha256=sha,
+                                                     deadline=httpc.Deadline(240, max_wait_s=1.0, log=httpc.quiet))
             except Exception as e:
                 result["error"] = e
         t = threading.Thread(target=upload)

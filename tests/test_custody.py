@@ -1065,7 +1065,7 @@ def read_json(*path):
 
 def darl_server_client(url):
     import darl_client
-    return darl_client.LeaseClient(url, retries=0)
+    return darl_client.LeaseClient(url)
 
 
 if __name__ == "__main__":

@@ -935,7 +935,7 @@ class HTTPTest(unittest.TestCase):
     def setUp(self):
         self.live = LiveServer(100, tmpdir(self), token="tok")
         self.addCleanup(self.live.close)
-        self.client = darl_client.LeaseClient(self.live.url, token="tok", retries=0)
+        self.client = darl_client.LeaseClient(self.live.url, token="tok")
         self.addCleanup(self.client.close)
 
     def raw(self, path, body, token="tok"):
@@ -998,7 +998,7 @@ class HTTPTest(unittest.TestCase):
         clock = Clock()
         self.live = LiveServer(100, tmpdir(self), token="tok", clock=clock)
         self.addCleanup(self.live.close)
-        self.client = darl_client.LeaseClient(self.live.url, token="tok", retries=0)
+        self.client = darl_client.LeaseClient(self.live.url, token="tok")
         self.addCleanup(self.client.close)
         d = self.live.space.digest()
         for reply in (self.client.register("a", "x", d), self.client.status()):
@@ -1059,12 +1059,16 @@ class HTTPTest(unittest.TestCase):
 
 
 class ConcurrencyTest(unittest.TestCase):
-    def run_sessions(self, url, digest, space, n, per_block_s, reports, clients_kw=None, before_commit=None):
+    def run_sessions(self, url, digest, space, n, per_block_s, reports, commit_s=None, before_commit=None):
         """n sessions in threads; each reports ("commit", blocks) or ("lost", span), and
-        ("error", traceback) if anything else ends it."""
+        ("error", traceback) if anything else ends it. commit_s: each commit is repeated
+        (httpc's rule) for that long without an answer (None: one attempt)."""
+        def deadline():
+            return None if commit_s is None else httpc.Deadline(commit_s, max_wait_s=1.0, log=httpc.quiet)
+
         def worker(i):
             try:
-                with darl_client.LeaseClient(url, **(clients_kw or {})) as client, \
+                with darl_client.LeaseClient(url) as client, \
                         darl_client.LeaseSession(client, f"c{i}", digest, span_blocks=2, phase_s=1.0,
                                                  log=lambda m: None) as s:
                     while (span := s.next_span(timeout=300)) is not None:
@@ -1072,7 +1076,7 @@ class ConcurrencyTest(unittest.TestCase):
                         if before_commit is not None:
                             before_commit()
                         try:
-                            s.commit(span)
+                            s.commit(span, deadline=deadline())
                         except darl_client.LeaseLost:
                             reports[i].append(("lost", span))
                             continue
@@ -1130,9 +1134,9 @@ class ConcurrencyTest(unittest.TestCase):
         def hold_at_half():          # nobody commits past half the epoch before the crash
             if committed() >= m // 2:
                 self.assertTrue(crashed.wait(timeout=300), "the coordinator was never killed")
-        # a retry budget (>= 0.5 s x 400 = 200 s) beyond any restart of the coordinator below
-        threads = self.run_sessions(url, space.digest(), space, 4, 0.004, reports,
-                                    {"retries": 400, "max_backoff_s": 1.0}, before_commit=hold_at_half)
+        # a commit's deadline (200 s without an answer) beyond any restart of the coordinator below
+        threads = self.run_sessions(url, space.digest(), space, 4, 0.004, reports, commit_s=200,
+                                    before_commit=hold_at_half)
         expect(lambda: committed() >= 100, "100 commits before the crash", timeout_s=60, interval_s=0.02)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)

@@ -367,12 +367,12 @@ class DiskFullTest(unittest.TestCase):
             f.write(self.rng.bytes(6 << 20))
         filler = fill(self.disk, 3 << 20)
         with self.assertRaises(httpc.CallError) as cm:
-            blob_client.put_file(server.url, "delta", src, token=TOKEN, retries=0)
+            blob_client.put_file(server.url, "delta", src, token=TOKEN)
         self.assertEqual((cm.exception.status, cm.exception.reply["code"]), (507, "disk_full"))
         self.assertIn(self.disk, cm.exception.reply["error"])
         self.assertEqual(self.files(store.root), [], "the unfinished upload gave its space back")
         os.unlink(filler)                                   # space returns: the same call succeeds
-        out = blob_client.put_file(server.url, "delta", src, token=TOKEN, retries=0)
+        out = blob_client.put_file(server.url, "delta", src, token=TOKEN)
         self.assertEqual(out["size"], 6 << 20)
 
     def fedmom(self, **kw):
@@ -389,7 +389,7 @@ class DiskFullTest(unittest.TestCase):
 
     def send(self, url, cluster, path, base_round=0):
         import fedmom_client
-        c = fedmom_client.FedMomClient(url, cluster, f"{cluster}-inc", token=TOKEN, retries=0)
+        c = fedmom_client.FedMomClient(url, cluster, f"{cluster}-inc", token=TOKEN)
         return c.send_delta(path, base_round, 10, [], {}, transport="inline")
 
     def test_a_delta_spool_a_merge_and_a_join_on_a_full_disk(self):
