@@ -42,9 +42,8 @@ not a thread per connection):
     request after a small response waits ~40 ms per call: ~23 requests/s).
 
 Clients use httpc.py (one JSON call, TLS with the caller's CA file, the bearer token, the
-retry policy);
-the test hooks the servers carry (fault points, the wall clock) are testhooks.py's, the
-lock on a state directory durable.lock_state_dir.
+retry policy); the test hooks the servers carry (fault points, the wall clock) are
+testhooks.py's; the lock on a state directory is durable.lock_state_dir.
 """
 import argparse
 import collections

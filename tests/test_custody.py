@@ -42,8 +42,8 @@ import httpc
 import httpd
 import testhooks
 from darl_table import LeaseError, LeaseTable, TableConfig
+from fixtures import SHAPES, FakeClock, FedMomFixture, serve_in_thread, write_tensors
 from harness import expect
-from test_fedmom import SHAPES, FakeClock, Fixture, write_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "t0ken"
@@ -302,19 +302,11 @@ class CustodyTableTest(unittest.TestCase):
 
 # ---------------------------------------------------------------- the aggregator against a real DARL
 
-def serve(test, routes, **kw):
-    server = httpd.make_server(routes, **kw)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    test.addCleanup(server.server_close)
-    test.addCleanup(server.shutdown)
-    return server.url
-
-
 def front(test, status):
     """A server that answers every call with `status`: a proxy, a gateway, an old route table."""
     def answer(req):
         raise httpd.HTTPError(status, f"front says {status}")
-    return serve(test, {("GET", "/*"): answer, ("POST", "/*"): answer}, token=TOKEN)
+    return serve_in_thread(test, {("GET", "/*"): answer, ("POST", "/*"): answer}, token=TOKEN)
 
 
 def silent(test):
@@ -326,11 +318,11 @@ def silent(test):
     return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-class AggregatorFixture(Fixture):
+class AggregatorFixture(FedMomFixture):
     def darl(self, blocks=100, clock=None):
         coord = darl_server.Coordinator(darl_table.BlockSpace(blocks, 1, 0), TableConfig(min_ttl=10.0),
                                         clock=clock or self.clock)
-        return coord, serve(self, darl_server.make_routes(coord), token=TOKEN)
+        return coord, serve_in_thread(self, darl_server.make_routes(coord), token=TOKEN)
 
     def lease(self, url, coord, cluster, ttl=60, n=5):
         inc = f"{cluster}-inc"
@@ -668,7 +660,7 @@ class FencingAndRepairTest(AggregatorFixture):
         self.assertEqual((books["in_custody"], books["free"]), (0, 100))
         self.assertEqual(books["violations"]["aborted_custody"], 2)
         self.assertEqual(st.violations["aborted_custody"], 2)
-        furl = serve(self, fm.make_routes(st), token=TOKEN, public=("/health", "/"))
+        furl = serve_in_thread(self, fm.make_routes(st), token=TOKEN, public=("/health", "/"))
         env = {**os.environ, "PWW_TOKEN": TOKEN}
         for script, url_ in (("fedmom_server.py", furl), ("darl_server.py", url)):
             out = subprocess.run([sys.executable, script, "status", "--url", url_], cwd=ROOT, env=env,
@@ -722,7 +714,7 @@ class FencingAndRepairTest(AggregatorFixture):
         self.assertTrue(st.darl_tick())
         self.assertEqual(fresh.status()["violations"]["blocks_trained_twice"], 0, "DARL cannot know")
         self.assertEqual(st.violations["blocks_trained_twice"], 5)
-        furl = serve(self, fm.make_routes(st), token=TOKEN, public=("/health", "/"))
+        furl = serve_in_thread(self, fm.make_routes(st), token=TOKEN, public=("/health", "/"))
         out = subprocess.run([sys.executable, "fedmom_server.py", "status", "--url", furl], cwd=ROOT,
                              env={**os.environ, "PWW_TOKEN": TOKEN}, capture_output=True, text=True, timeout=60)
         self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
@@ -778,10 +770,10 @@ class BlobTransportTest(AggregatorFixture):
         darl_clock = FakeClock()
         coord, url = self.darl(clock=darl_clock)
         store = blobstore.BlobStore(os.path.join(self.dir, "blobs"), 1 << 30, 1 << 28)
-        blob_url = serve(self, blobstore.make_routes(store), token=TOKEN)
+        blob_url = serve_in_thread(self, blobstore.make_routes(store), token=TOKEN)
         cfg = fs.ServerConfig(os.path.join(self.dir, "st"), init=self.init, blob_url=blob_url)
         st = fs.FedMomState(cfg.validate(), clock=self.clock, darl=fs.DarlLink(url, TOKEN))
-        furl = serve(self, fm.make_routes(st, blob_token=TOKEN), token=TOKEN)
+        furl = serve_in_thread(self, fm.make_routes(st, blob_token=TOKEN), token=TOKEN)
         site = fedmom_client.FedMomClient(furl, "lumi", "lumi-inc", token=TOKEN, blob_url=blob_url)
         site.join()
         a = self.lease(url, coord, "lumi", ttl=10)

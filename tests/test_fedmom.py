@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import unittest
@@ -29,11 +28,10 @@ import httpc
 import httpd
 import tensorio
 import wire
+from fixtures import SHAPES, FedMomFixture, read_all, write_tensors
 from harness import listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# one tensor bigger than fedmom_merge.CHUNK, so the chunk loop runs more than once
-SHAPES = {"embed": (300, 1000), "layer.w": (64, 48), "layer.b": (48,), "norm": (7,)}
 
 
 def naive_fedmom(theta, buf, deltas, tokens, lr, mu):
@@ -47,86 +45,11 @@ def naive_fedmom(theta, buf, deltas, tokens, lr, mu):
     return new_theta, new_buf
 
 
-def widened(arrays, dtype):
-    """What the server sees of a delta written in `dtype`, as float64."""
-    out = {}
-    for k, a in arrays.items():
-        if dtype == "BF16":
-            out[k] = tensorio.bf16_to_f32(tensorio.f32_to_bf16(a)).astype(np.float64)
-        else:
-            out[k] = a.astype(tensorio.DTYPES[dtype]).astype(np.float64)
-    return out
-
-
-def write_tensors(path, arrays, dtype):
-    with tensorio.TensorWriter(path, [(k, dtype, a.shape) for k, a in arrays.items()], fsync=False) as w:
-        for k, a in arrays.items():
-            w.write(k, a)
-
-
-def read_all(path):
-    with tensorio.TensorReader(path) as r:
-        return {k: r.read(k, as_float32=True).astype(np.float64) for k in r.names}
-
-
 def rel_err(a, b):
     return max(float(np.abs(a[k] - b[k]).max() / (np.abs(b[k]).max() + 1e-30)) for k in b)
 
 
-class FakeClock:
-    def __init__(self):
-        self.t = 1000.0
-
-    def __call__(self):
-        return self.t
-
-
-class Fixture(unittest.TestCase):
-    """A temp dir with an init model; helpers to run a state through rounds."""
-
-    def setUp(self):
-        self.dir = tempfile.mkdtemp(prefix="fedmom-")
-        self.addCleanup(shutil.rmtree, self.dir, True)
-        self.rng = np.random.default_rng(1)
-        self.theta0 = {k: self.rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
-        self.init = os.path.join(self.dir, "init.safetensors")
-        write_tensors(self.init, self.theta0, "BF16")       # init in bf16: theta_global is still fp32
-        self.theta0 = widened(self.theta0, "BF16")
-        self.clock = FakeClock()
-
-    def state(self, **kw):
-        cfg = fs.ServerConfig(os.path.join(self.dir, "st"), init=kw.pop("init", self.init), **kw)
-        return fs.FedMomState(cfg.validate(), clock=self.clock, darl=kw.get("darl"))
-
-    def delta(self, dtype="F16", scale=0.01, names=None, shapes=None):
-        shapes = shapes or SHAPES
-        arrays = {k: (scale * self.rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()
-                  if names is None or k in names}
-        path = os.path.join(self.dir, f"delta-{self.rng.integers(1 << 40)}.safetensors")
-        write_tensors(path, arrays, dtype)
-        return path, widened(arrays, dtype)
-
-    def send(self, st, cluster, path, tokens, base_round=None, **meta):
-        m = st.check_delta_meta({"cluster": cluster, "incarnation": f"{cluster}-inc", "tokens": tokens,
-                                 "base_round": st.round if base_round is None else base_round, **meta})
-        part = st.new_part_path()                              # as PUT /delta: metadata first, then the body
-        shutil.copyfile(path, part)
-        return st.accept_delta(m, part)
-
-    def theta(self, st):
-        return read_all(os.path.join(st.dir, st.theta_file))
-
-    def snapshot(self, st):
-        """Every file under the state dir with its bytes: 'nothing on disk changed' is this, equal."""
-        out = {}
-        for base, _, files in os.walk(st.dir):
-            for fn in files:
-                with open(os.path.join(base, fn), "rb") as f:
-                    out[os.path.relpath(os.path.join(base, fn), st.dir)] = f.read()
-        return out
-
-
-class MergeMathTest(Fixture):
+class MergeMathTest(FedMomFixture):
     def test_nesterov_matches_torch_sgd_and_the_naive_reference_over_rounds(self):
         import torch
         st = self.state(outer_lr=0.7, outer_momentum=0.9)
@@ -189,7 +112,7 @@ class MergeMathTest(Fixture):
         self.assertLess(rel_err(self.theta(st), mean), 1e-6)
 
 
-class ThreadedMergeTest(Fixture):
+class ThreadedMergeTest(FedMomFixture):
     """merge_files on threads: the chunks of a tensor split over a pool give the serial
     merge's bits, norms and NonFinite, for any number of threads."""
     BIG = {"big": (2100, 1024), "small": (7,)}           # 9 chunks of fedmom_merge.CHUNK: 3 thread tasks
@@ -256,7 +179,7 @@ class ThreadedMergeTest(Fixture):
         self.assertEqual(got[1], got[0])
 
 
-class ProtocolTest(Fixture):
+class ProtocolTest(FedMomFixture):
     def test_stale_base_round_is_rejected_with_the_current_round(self):
         st = self.state()
         st.join("lumi", "lumi-inc")
@@ -491,7 +414,7 @@ class ProtocolTest(Fixture):
         self.assertIn("--init", str(cm.exception))
 
 
-class LiveServerTest(Fixture):
+class LiveServerTest(FedMomFixture):
     """Threads serving fedmom, a real blob store and a real DARL coordinator on 127.0.0.1."""
     TOKEN = "t0ken"
 
@@ -593,7 +516,7 @@ class LiveServerTest(Fixture):
         self.assertIn("merge round 3", out.stdout)
 
 
-class BlobRouteTest(Fixture):
+class BlobRouteTest(FedMomFixture):
     """POST /delta_blob over HTTP: every refusal is a one-line JSON error and stores nothing;
     then the same delta with the right id and checksum is accepted."""
     TOKEN = LiveServerTest.TOKEN
@@ -664,7 +587,7 @@ class BlobRouteTest(Fixture):
         self.assertIsNone(self.store.complete("delta-lumi-r0"))
 
 
-class JsonRouteTest(Fixture):
+class JsonRouteTest(FedMomFixture):
     """Every JSON route of the aggregator (its own route table's POSTs), over HTTP, fed
     bodies no client should send: each a 4xx with a one-line error, nothing on disk changes,
     and the server goes on serving."""
@@ -738,7 +661,7 @@ def urllib_get(url):
         conn.close()
 
 
-class CrashTest(Fixture):
+class CrashTest(FedMomFixture):
     def start(self, state_dir, *extra, pause="0"):
         proc = subprocess.Popen([sys.executable, "fedmom_server.py", "--state-dir", state_dir, "--port", "0",
                                  *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -821,7 +744,7 @@ class CrashTest(Fixture):
         proc.wait(timeout=30)
 
 
-class DownstreamTest(Fixture):
+class DownstreamTest(FedMomFixture):
     """--down-wire against a real fedmom_server process: a site holding round r gets r+1 as
     an update and holds the server's theta bit for bit, through a server SIGKILL and a new
     site process; a new, behind or altered site downloads the whole theta."""
@@ -943,7 +866,7 @@ class DownstreamTest(Fixture):
         self.assertFalse(os.path.exists(os.path.join(self.dir, "a", "theta-update.safetensors")))
 
 
-class HostileDeltaTest(Fixture):
+class HostileDeltaTest(FedMomFixture):
     """Finite deltas that would wreck theta_global, and members that must not stall a round."""
 
     def huge(self, value=3e38):

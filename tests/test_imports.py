@@ -1,7 +1,9 @@
 """The module map (ARCHITECTURE.md section 2), read from the code: every `import` of a
 sibling, at the top of a file or inside a function, is an edge. No circle anywhere; the
 site's torch-free half and the clients import no server; the central VM's files import
-only each other (central.sh's CENTRAL_FILES). Nothing is run: the files are parsed."""
+only each other (central.sh's CENTRAL_FILES); test modules share fixtures through
+tests/fixtures.py and harness.py, never by importing each other. Nothing is run: the
+files are parsed."""
 import ast
 import os
 import re
@@ -11,21 +13,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVERS = {"httpd", "darl_server", "fedmom_server", "blobstore"}
 
 
+def imported(path):
+    """Every module name `path` imports, anywhere in the file (the first dotted part)."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
 def sibling_imports():
     """{module: {sibling modules it imports anywhere in the file}} of the top-level *.py."""
     mods = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
-    graph = {}
-    for m in sorted(mods):
-        with open(os.path.join(ROOT, m + ".py")) as f:
-            tree = ast.parse(f.read())
-        out = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                out |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                out.add(node.module.split(".")[0])
-        graph[m] = (out & mods) - {m}
-    return graph
+    return {m: (imported(os.path.join(ROOT, m + ".py")) & mods) - {m} for m in sorted(mods)}
 
 
 def reach(graph, start):
@@ -74,6 +78,14 @@ class ModuleMapTest(unittest.TestCase):
         for m in ("fedsite", "fedmom_client", "darl_client", "blob_client", "httpc", "darl_simulate"):
             with self.subTest(m):
                 self.assertEqual(reach(self.graph, m) & SERVERS, set(), f"{m} imports a server")
+
+    def test_no_test_module_imports_another(self):
+        tests = os.path.join(ROOT, "tests")
+        for fn in sorted(os.listdir(tests)):
+            if fn.startswith("test_") and fn.endswith(".py"):
+                with self.subTest(fn):
+                    others = {m for m in imported(os.path.join(tests, fn)) if m.startswith("test_")}
+                    self.assertEqual(others, set(), f"{fn} imports a test module: share it through fixtures.py")
 
     def test_the_central_files_import_only_each_other(self):
         with open(os.path.join(ROOT, "central.sh")) as f:
