@@ -104,7 +104,9 @@ class LeaseClient:
         t0 = time.monotonic()
         try:
             conn = self._conn()
-            conn.sock.settimeout(httpc.io_timeout(self.timeout, deadline))
+            conn.timeout = httpc.io_timeout(self.timeout, deadline)
+            if conn.sock is not None:        # None after a reply that closed it: http.client reconnects
+                conn.sock.settimeout(conn.timeout)
             reply = httpc.call(self.url, method, path, body, token=self.token, conn=conn)
         except (OSError, http.client.HTTPException):
             self._drop_conn()               # its state is unknown: the next attempt opens a new one

@@ -156,6 +156,21 @@ class RetryTest(unittest.TestCase):
         self.assertEqual(httpc.retry("GET /x", lambda: httpc.call(s.url, "GET", "/x"), d), {"ok": True})
         self.assertEqual((s.total(), d.attempts), (3, 3))
 
+    def test_a_lease_client_reopens_a_connection_the_server_closed(self):
+        """A reply that closes the keep-alive connection leaves the client's connection without
+        a socket; the next call (with its deadline's timeout) opens a new one."""
+        def close_after(req):
+            req.handler.close_connection = True
+            return {"ok": True}
+        server = httpd.make_server({("GET", "/status"): close_after})
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        self.addCleanup(server.server_close)
+        self.addCleanup(server.shutdown)
+        client = darl_client.LeaseClient(server.url)
+        self.addCleanup(client.close)
+        for d in (None, httpc.Deadline(60, log=httpc.quiet), None):
+            self.assertEqual(client.status(deadline=d), {"ok": True})
+
     def test_without_a_deadline_a_call_is_one_attempt(self):
         s = self.serve()
         client = darl_client.LeaseClient(s.url)
