@@ -10,8 +10,8 @@ Start it:
                                [--fedmom https://127.0.0.1:29511]     # + why the aggregator keeps each blob
 
 Callers: sites (through fedmom_client.FedMomClient) and fedmom_server.py itself, with
-the shared bearer token. Only GET /health is public. Clients use put_file() and
-get_file() below; they resume after a dropped connection and print progress.
+the shared bearer token. Only GET /health is public. Clients use blob_client.py's
+put_file() and get_file(); they resume after a dropped connection and print progress.
 
 Why it exists: a 1.7B model's delta is 3.6 GiB in fp16, a 32B one 60 GiB; that is
 too big for one JSON request and too slow to restart from zero at 90 %. Bodies go
@@ -37,9 +37,12 @@ HTTP (ids: [A-Za-z0-9._-]{1,200}, not starting with "."):
                           each delta blob once fetched; a site's delta blob it never fetched stays.
     GET    /blobs         {"blobs": [...], "uploads": [...], "used_bytes", "quota_bytes"}
     GET    /health        public liveness probe.
-Every refusal is a 4xx with a one-line JSON {"error": ...}. A full disk during an upload
-is a 507 {"code": "disk_full"} naming the disk: the unfinished upload is discarded (its
-space given back) and put_file starts it again from byte 0 after Retry-After.
+Every refusal is a 4xx with a one-line JSON {"error": ...}; the two that a client may
+send again say "retry": true (the 409 of an id another PUT holds: that PUT ends; the 416
+of an upload offset that moved: HEAD again and continue there), the rule of httpc.py's
+retry policy. A full disk during an upload is a 507 {"code": "disk_full"} naming the
+disk: the unfinished upload is discarded (its space given back) and a client under a
+deadline starts it again from byte 0.
 
 State directory (--root):
     partial/<id>          bytes of an unfinished upload, in order; its size IS the resume offset
@@ -71,8 +74,11 @@ import sys
 import threading
 import time
 
+import blob_client
 import durable
+import httpc
 import httpd
+import testhooks
 
 DEFAULT_PORT = 29512
 CHUNK = 4 << 20                       # bytes per read/write/hash step; 4 MiB keeps a PUT near disk speed
@@ -107,23 +113,6 @@ def check_id(blob_id):
         raise httpd.HTTPError(400, f"bad blob id {blob_id[:80]!r}: use [A-Za-z0-9._-], 1-200 chars, "
                                    "not starting with '.'")
     return blob_id
-
-
-def sha256_file(path, start=0, end=None, hasher=None):
-    """sha256 hex of a file (or of bytes [start, end) fed into `hasher`), read in chunks."""
-    h = hasher or hashlib.sha256()
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        f.seek(start)
-        left = (os.fstat(f.fileno()).st_size if end is None else end) - start
-        while left > 0:
-            n = f.readinto(view[:min(left, CHUNK)])
-            if not n:
-                raise OSError(f"{path} ended {left} bytes early")
-            h.update(view[:n])
-            left -= n
-    return h.hexdigest() if hasher is None else h
 
 
 def _read_json(path):
@@ -266,10 +255,11 @@ class BlobStore:
         if start > 0:
             if part is None or part["total"] != total or part["sha256"] != sha:
                 raise httpd.HTTPError(416, f"no unfinished upload of {blob_id!r} with that size and checksum "
-                                           "to continue; start again at byte 0", offset=0)
+                                           "to continue; start again at byte 0", offset=0, retry=True)
             if part["offset"] != start:
                 raise httpd.HTTPError(416, f"upload of {blob_id!r} continues at byte {part['offset']}, "
-                                           f"not {start}; HEAD it for X-Upload-Offset", offset=part["offset"])
+                                           f"not {start}; HEAD it for X-Upload-Offset",
+                                      offset=part["offset"], retry=True)
             return None
         data, side = self._part(blob_id)
         with self.lock:                 # quota: a new upload reserves its declared total, atomically
@@ -296,7 +286,7 @@ class BlobStore:
             for chunk in chunks:
                 h.update(chunk)
                 writer.put(chunk)
-                httpd.fault_point("blob.chunk")      # test hook (httpd.py): killed mid-upload
+                testhooks.fault_point("blob.chunk")      # test hook (testhooks.py): killed mid-upload
             writer.drain()
             if writer.offset == total:
                 os.fsync(fd)
@@ -313,7 +303,7 @@ class BlobStore:
         cached = self.hash_cache.pop(blob_id, None)
         if cached is not None and cached[0] == start:
             return cached[1]
-        return sha256_file(data, 0, start, hashlib.sha256())
+        return blob_client.sha256_file(data, 0, start, hashlib.sha256())
 
     def _finish(self, blob_id, total, got):
         data, side = self._part(blob_id)
@@ -401,7 +391,7 @@ def make_routes(store):
             length = req.content_length()
             out = store.receive(blob_id, start, total, req.stream(store.chunk, length))
         except OSError as e:
-            if not httpd.is_disk_full(e):
+            if not durable.is_disk_full(e):
                 raise
             # a full disk: the unfinished upload gives its space back (the client starts it again)
             store.discard(blob_id)
@@ -459,255 +449,15 @@ def serve(cfg, net):
     httpd.serve_forever(server, f"blobstore (root {cfg.root})")
 
 
-# ---------------------------------------------------------------- client side
-
-class Progress:
-    """Bytes done, MB/s and ETA on stderr, at most once a second. progress=None: only
-    once the transfer has run for more than `after_s` seconds; True: always; False: never."""
-
-    def __init__(self, label, total, enabled=None, after_s=2.0, clock=time.monotonic, out=None):
-        self.label, self.total, self.enabled, self.after_s, self.clock = label, total, enabled, after_s, clock
-        self.out = out or sys.stderr
-        self.t0 = self.last = clock()
-        self.base = None
-        self.printed = False
-
-    def update(self, done, final=False):
-        if self.base is None:
-            self.base = done                           # bytes already there when we (re)started
-        now = self.clock()
-        if self.enabled is False or (self.enabled is None and now - self.t0 < self.after_s):
-            return
-        if not final and now - self.last < 1.0 and self.printed:
-            return
-        self.last, self.printed = now, True
-        rate = (done - self.base) / max(now - self.t0, 1e-9)
-        eta = (self.total - done) / rate if rate > 0 else float("inf")
-        self.out.write(f"{self.label}: {done / 2**20:.1f}/{self.total / 2**20:.1f} MiB "
-                       f"{rate / 1e6:.0f} MB/s ETA {eta:.0f} s\n")
-        self.out.flush()
-
-    def close(self, done):
-        if self.printed:
-            self.update(done, final=True)
-
-
-def _retryable(e):
-    if isinstance(e, httpd.CallError):     # 409 only while another PUT holds the id; 416: re-HEAD
-        return (e.status == 409 and e.reply.get("retry")) or e.status == 416 or e.status >= 500
-    return isinstance(e, (OSError, http.client.HTTPException)) and not httpd.is_disk_full(e)
-
-
-def _with_retries(what, attempt, retries, backoff_s=0.5, max_backoff_s=30.0):
-    """Run attempt() until it returns; back off exponentially between failures. The
-    count resets whenever an attempt made progress (it returns None to mean 'again')."""
-    failures, delay = 0, backoff_s
-    while True:
-        try:
-            out = attempt()
-            if out is not None:
-                return out
-            failures, delay = 0, backoff_s
-            continue
-        except Exception as e:
-            if not _retryable(e) or failures >= retries:
-                raise
-            failures += 1
-            sys.stderr.write(f"{what}: {type(e).__name__}: {e}; retry {failures}/{retries} in {delay:.1f} s\n")
-        time.sleep(delay)
-        delay = min(delay * 2, max_backoff_s)
-
-
-def _reply(resp):
-    return _decode(resp.status, resp.read())
-
-
-def _decode(status, raw):
-    try:
-        body = json.loads(raw) if raw else {}
-    except ValueError:
-        body = {"error": raw[:200].decode("utf-8", "replace")}
-    if status >= 400:
-        raise httpd.CallError(status, body)
-    return body
-
-
-def head(url, blob_id, token=None, timeout=30.0, ca_file=None):
-    """The HEAD answer as a dict: {"complete": bool, "size"/"offset", "total", "sha256"} or None if absent."""
-    conn = httpd.connect(url, timeout, ca_file)
-    try:
-        conn.request("HEAD", f"{httpd.split_url(url)[3]}/blobs/{blob_id}", headers=httpd.auth_headers(token))
-        resp = conn.getresponse()
-        resp.read()
-        if resp.status == 404:
-            return None
-        if resp.status >= 400:
-            raise httpd.CallError(resp.status, {"error": f"HEAD /blobs/{blob_id} answered {resp.status}"})
-        sha = resp.getheader("X-Content-Sha256")
-        if resp.getheader("X-Upload-Complete") == "0":
-            return {"complete": False, "offset": int(resp.getheader("X-Upload-Offset")),
-                    "total": int(resp.getheader("X-Upload-Total")), "sha256": sha}
-        size = int(resp.getheader("Content-Length"))
-        return {"complete": True, "size": size, "total": size, "sha256": sha}
-    finally:
-        conn.close()
-
-
-def put_file(url, blob_id, path, token=None, progress=None, retries=8, sha256=None, timeout=120.0, ca_file=None):
-    """Upload `path` as blob `blob_id`; resumes after a dropped connection.
-    Returns {"id", "size", "sha256", "sent"} (sent: body bytes put on the wire, all attempts).
-    Pass sha256= if already known (saves a read of the file). `timeout`: seconds one
-    send or receive may stall before the attempt is abandoned (and resumed).
-    ca_file: the CA for an https:// url."""
-    size = os.path.getsize(path)
-    sha = sha256 or sha256_file(path)
-    bar = Progress(f"put {blob_id}", size, progress)
-    state = {"done": 0, "sent": 0}
-
-    def attempt():
-        info = head(url, blob_id, token, timeout, ca_file)
-        if info and info["complete"] and info["sha256"] == sha and info["size"] == size:
-            return {"id": blob_id, "size": size, "sha256": sha}
-        start = info["offset"] if info and not info["complete"] and info["total"] == size \
-            and info["sha256"] == sha else 0
-        if start == size and size > 0:
-            start = 0                                  # every byte arrived but no finish: resend the last ones
-        state["done"] = start
-        return _put_from(url, blob_id, path, start, size, sha, token, timeout, bar, state, ca_file)
-
-    def tracked():
-        before = state["done"]
-        try:
-            return attempt()
-        except Exception as e:
-            if state["done"] > before and _retryable(e):   # progress was made: not a failure
-                return None
-            raise
-    out = _with_retries(f"put {blob_id}", tracked, retries)
-    bar.close(size)
-    return {"id": out["id"], "size": out["size"], "sha256": out["sha256"], "sent": state["sent"]}
-
-
-def _put_from(url, blob_id, path, start, size, sha, token, timeout, bar, state, ca_file=None):
-    conn = httpd.connect(url, timeout, ca_file)
-    try:
-        conn.putrequest("PUT", f"{httpd.split_url(url)[3]}/blobs/{blob_id}", skip_accept_encoding=True)
-        headers = {"Content-Length": str(size - start), "X-Content-Sha256": sha, "Expect": "100-continue",
-                   "Content-Type": "application/octet-stream", **httpd.auth_headers(token)}
-        if start > 0:
-            headers["Content-Range"] = f"bytes {start}-{size - 1}/{size}"
-        for k, v in headers.items():
-            conn.putheader(k, v)
-        conn.endheaders()
-        refusal = _await_continue(conn)
-        if refusal is not None:                        # answered before we sent a byte of the body
-            return _decode(*refusal)
-        with open(path, "rb") as f:
-            pos = start
-            while pos < size:                          # zero-copy file -> socket, 8 MiB per step
-                n = conn.sock.sendfile(f, pos, min(8 << 20, size - pos))
-                if n == 0:
-                    raise OSError(f"{path} shrank during the upload")
-                pos += n
-                state["done"], state["sent"] = pos, state["sent"] + n
-                bar.update(pos)
-        return _reply(conn.getresponse())
-    finally:
-        conn.close()
-
-
-def _await_continue(conn):
-    """After `Expect: 100-continue`: None once the server says 100, else (status, raw body)
-    of its final answer. The server sends nothing after a 100 until it has the body, so
-    this buffered reader cannot swallow bytes that belong to the final response."""
-    fp = conn.sock.makefile("rb")
-    try:
-        parts = fp.readline(65537).decode("latin-1").split(None, 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
-            raise http.client.BadStatusLine(" ".join(parts))
-        headers = http.client.parse_headers(fp)
-        if int(parts[1]) == 100:
-            return None
-        return int(parts[1]), fp.read(int(headers.get("Content-Length") or 0))
-    finally:
-        fp.close()
-
-
-def get_file(url, blob_id, path, token=None, progress=None, retries=8, timeout=120.0, ca_file=None):
-    """Download blob `blob_id` to `path` atomically (temp + fsync + rename); resumes with
-    Range after a dropped connection, and across calls (the temp file names the checksum).
-    Returns the sha256, checked against the store's. `timeout` bounds a stalled read."""
-    info = _with_retries(f"head {blob_id}", lambda: head(url, blob_id, token, timeout, ca_file) or {}, retries)
-    if not info.get("complete"):
-        raise httpd.CallError(404, {"error": f"no complete blob {blob_id!r} at {url}"})
-    size, sha = info["size"], info["sha256"]
-    tmp = f"{path}.part-{sha[:16]}"
-    bar = Progress(f"get {blob_id}", size, progress)
-    state = {"h": None, "done": 0}
-
-    def attempt():
-        have = os.path.getsize(tmp) if os.path.exists(tmp) else 0
-        if have > size:
-            os.unlink(tmp)
-            have = 0
-        if state["h"] is None or state["done"] != have:
-            state["h"] = sha256_file(tmp, 0, have, hashlib.sha256()) if have else hashlib.sha256()
-        state["done"] = have
-        before = have
-        try:
-            _get_from(url, blob_id, tmp, have, size, sha, token, timeout, bar, state, ca_file)
-        except Exception as e:
-            if state["done"] > before and _retryable(e):
-                return None
-            raise
-        return True
-    _with_retries(f"get {blob_id}", attempt, retries)
-    got = state["h"].hexdigest()
-    if got != sha:
-        os.unlink(tmp)
-        raise ValueError(f"downloaded {blob_id!r} has sha256 {got}, the store says {sha}; removed {tmp}")
-    with open(tmp, "ab") as f:                          # "ab": also creates an empty blob's file
-        os.fsync(f.fileno())
-    durable.rename(tmp, path)
-    bar.close(size)
-    return got
-
-
-def _get_from(url, blob_id, tmp, have, size, sha, token, timeout, bar, state, ca_file=None):
-    if have == size:
-        return
-    conn = httpd.connect(url, timeout, ca_file)
-    try:
-        headers = {**httpd.auth_headers(token), "Range": f"bytes={have}-"}
-        conn.request("GET", f"{httpd.split_url(url)[3]}/blobs/{blob_id}", headers=headers)
-        resp = conn.getresponse()
-        if resp.status != 206:
-            _reply(resp)
-            raise httpd.CallError(502, {"error": f"expected 206 for a Range GET, got {resp.status}"})
-        if resp.getheader("X-Content-Sha256") != sha:
-            raise ValueError(f"blob {blob_id!r} changed during the download; start again")
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
-        with open(tmp, "ab", buffering=0) as f:
-            while state["done"] < size:
-                n = resp.readinto(view)
-                if not n:
-                    raise ConnectionError(f"connection closed at byte {state['done']} of {size}")
-                f.write(view[:n])
-                state["h"].update(view[:n])
-                state["done"] += n
-                bar.update(state["done"])
-    finally:
-        conn.close()
-
+# ---------------------------------------------------------------- the status command
 
 def kept_by(fedmom_url, token=None, ca_file=None):
     """{blob id: why} for the blobs the aggregator at `fedmom_url` keeps (its GET /status
     "retention"), and a line saying its rule. The store itself enforces no retention: the
     aggregator deletes its own theta/update blobs once no site can use them."""
     try:
-        st = httpd.call(fedmom_url, "GET", "/status", token=token, ca_file=ca_file)
-    except (httpd.CallError, OSError, http.client.HTTPException, ValueError) as e:
+        st = httpc.call(fedmom_url, "GET", "/status", token=token, ca_file=ca_file)
+    except (httpc.CallError, OSError, http.client.HTTPException, ValueError) as e:
         return {}, f"!!! the aggregator at {fedmom_url} does not say what it keeps ({type(e).__name__}: {e})"
     ret = ((st.get("retention") or {}).get("blobs")) if isinstance(st, dict) else None
     if not ret:
@@ -721,7 +471,7 @@ def kept_by(fedmom_url, token=None, ca_file=None):
 def print_status(url, token=None, ca_file=None, fedmom_url=None):
     """Print the store's contents and use; 1 when it is full (every new upload is refused).
     fedmom_url: also say why the aggregator there keeps each of its blobs."""
-    st = httpd.call(url, "GET", "/blobs", token=token, ca_file=ca_file)
+    st = httpc.call(url, "GET", "/blobs", token=token, ca_file=ca_file)
     used, quota = st["used_bytes"], st["quota_bytes"]
     print(f"{len(st['blobs'])} blobs, {len(st['uploads'])} unfinished uploads; "
           f"{used / GB:.2f} of {quota / GB:.2f} GB used ({100 * used / quota:.0f}%)")
@@ -756,11 +506,11 @@ def main(argv):
         p.add_argument("--fedmom", metavar="URL",
                        help="also ask the aggregator there (fedmom_server.py, :29511) why it keeps each of its "
                             "theta/update blobs (its GET /status; the same token and CA)")
-        httpd.add_client_args(p)
+        httpc.add_client_args(p)
         a = p.parse_args(argv)
         try:
-            return print_status(a.url, httpd.load_token(a.token_file), a.ca_file, a.fedmom)
-        except (httpd.CallError, httpd.TLSConfigError, OSError) as e:
+            return print_status(a.url, httpc.load_token(a.token_file), a.ca_file, a.fedmom)
+        except (httpc.CallError, httpc.TLSConfigError, OSError) as e:
             raise SystemExit(f"status: {a.url}: {e}")
     p = httpd.base_parser(__doc__)
     p.add_argument("--root", required=True, help="state directory holding blobs/ and partial/")

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 import durable
-import httpd
+import testhooks
 from outer_defaults import OUTER_LR, OUTER_MOMENTUM
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
@@ -546,7 +546,7 @@ class FedMomCarrier(OuterCarrier):
             self.residual.settle(result.base_round, result.merged_into if result.merged else None,
                                  result.reason or "")
         if self.site is not None:
-            httpd.fault_point("site.fold")    # test hook (httpd.py): error feedback settled, theta not folded in
+            testhooks.fault_point("site.fold")    # test hook (testhooks.py): error feedback settled, theta not folded in
         self.read_theta(outer.names, outer.params, outer.theta)
         for p, t, s in zip(outer.params, outer.theta, self.sent):
             fold(_local(p), t, s)

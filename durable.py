@@ -26,9 +26,12 @@ The rules every writer in this repository follows:
     durable.cut_torn_line(path)                    # at start, before the first append
     rows = durable.read_jsonl(path)                # [] when there is no file
     durable.unlink(path)                           # no error when it is already gone
+    durable.is_disk_full(err)                      # ENOSPC / EDQUOT: a full disk, not a bug
+    fd = durable.lock_state_dir(path, who)         # one process per state directory
 """
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import re
@@ -183,3 +186,29 @@ def unlink(path):
         return True
     except FileNotFoundError:
         return False
+
+
+def is_disk_full(err):
+    """A full disk (ENOSPC, EDQUOT): the servers answer 507 naming the disk, a client does not
+    repeat a call whose own download found its disk full."""
+    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def lock_state_dir(path, who):
+    """Hold an exclusive flock on <path>/lock for as long as the returned fd stays open (the
+    kernel drops it when the process dies, so a kill -9 never leaves a stale lock). A second
+    server on the same state directory would interleave its writes with the first one's;
+    it stops here instead, before reading or touching anything. SystemExit names the holder."""
+    os.makedirs(path, exist_ok=True)
+    lock = os.path.join(path, "lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise SystemExit(f"{who}: {path} is in use by another {who} (pid {holder}, holding {lock}); stop that "
+                         "process first, or give this one another --state-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd

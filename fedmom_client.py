@@ -2,8 +2,8 @@
 
 Runs on: the sites, in rank 0 of a training job (diloco.py's HTTP carrier, through
 FedMomClient), or on any box that can reach the aggregator. Python standard library
-only (blobstore.py for the blob transport, imported when used); never torch, so it
-also runs in a plain Python 3 for tests and drills.
+only (httpc.py, durable.py, and blob_client.py for the blob transport); never torch, so
+it also runs in a plain Python 3 for tests and drills.
 
 One outer round, as a site runs it:
 
@@ -11,13 +11,14 @@ One outer round, as a site runs it:
     c = fedmom_client.FedMomClient("http://central:29511", cluster="lumi",
                                    incarnation=secrets.token_hex(8), token=TOKEN,
                                    blob_url="http://central:29512")   # blob_url: optional
-    c.join(wait_s=600)                  # waits out an older incarnation of "lumi" timing out
+    d = lambda: httpc.Deadline(900)     # each call's budget: repeated under it (httpc.py's rule)
+    c.join(deadline=d())                # waits out an older incarnation of "lumi" timing out
     rnd = c.download_theta("theta.safetensors")         # atomic; returns theta's round
     with c.keepalive():                 # background heartbeats while the inner steps run
         train(H)                        # ... then write delta = theta_local - theta_global
     try:
         c.send_delta("delta.safetensors", base_round=rnd, tokens=n, leases=[{"id": 7, "end": 120}],
-                     metrics={"loss": 2.31, "tokens_per_s": 9.1e5})
+                     metrics={"loss": 2.31, "tokens_per_s": 9.1e5}, deadline=d())
         rnd = c.wait_round_after(rnd, timeout_s=3600)   # the merge of that round is durable
     except fedmom_client.StaleRound as e:
         rnd = e.current_round            # another round went by: reload theta, train again
@@ -28,10 +29,17 @@ One outer round, as a site runs it:
 
 Transports: "inline" streams the file as the PUT body; "blob" uploads it to the blob
 store (resumable) and names it; "auto" (default) uses the blob store for files of
-AUTO_BLOB_BYTES or more when blob_url is set. Retries: send_delta re-sends after a
-network error (the server treats a repeat of an accepted delta as a duplicate, not a
-second delta); every other call raises httpd.CallError (4xx/5xx, the server's reason
-in .reply) or OSError, and the caller decides.
+AUTO_BLOB_BYTES or more when blob_url is set.
+
+Repeats: every call takes `deadline`, an httpc.Deadline made by the caller (fedsite.py
+makes one per call); under it a failed call is repeated by httpc.py's rule, without it a
+call is one attempt and raises httpc.CallError (the server's reason in .reply) or an
+OSError. Nothing here repeats on its own. What makes each repeat safe: a join or a
+heartbeat of the same incarnation is the same membership; a delta is re-sent whole (its
+check, then the upload, continuing where the blob store's bytes end, under one blob name
+for all the attempts of one send_delta) and the aggregator answers a repeat of an
+accepted delta as a duplicate, never a second delta. A 409 not_member (dropped, e.g. after
+a network outage) joins again and sends the call once more, inside the same attempt.
 
 Whether a delta was merged: every join/heartbeat reply (so also the one that ends
 wait_round_after) carries "deltas", this cluster's outcome objects: merged (with
@@ -52,8 +60,9 @@ import threading
 import time
 import urllib.parse
 
+import blob_client
 import durable
-import httpd
+import httpc
 
 
 def log(msg):
@@ -75,63 +84,80 @@ class FedMomClient:
     """The site side of the protocol (stdlib + numpy; no torch).
 
     ca_file: the CA for https:// URLs (central.sh's ca.pem). stall_s: how long a theta
-    download or delta upload may make no progress before it is abandoned (an OSError,
-    so the caller retries); the blob transport resumes where it stopped."""
+    download or delta upload may make no progress before the attempt is abandoned (an
+    OSError, so a deadline repeats it); the blob transport resumes where it stopped."""
 
-    def __init__(self, url, cluster, incarnation, token=None, blob_url=None, timeout=60.0, retries=3,
-                 ca_file=None, stall_s=120.0):
+    def __init__(self, url, cluster, incarnation, token=None, blob_url=None, timeout=60.0, ca_file=None,
+                 stall_s=120.0):
         self.url, self.cluster, self.incarnation = url, cluster, incarnation
-        self.token, self.blob_url, self.timeout, self.retries = token, blob_url, timeout, retries
+        self.token, self.blob_url, self.timeout = token, blob_url, timeout
         self.ca_file, self.stall_s = ca_file, stall_s
         self.heartbeat_s = 30.0
 
-    def _call(self, method, path, body=None, timeout=None):
-        return httpd.call(self.url, method, path, body, token=self.token, timeout=timeout or self.timeout,
-                          ca_file=self.ca_file)
+    def _request(self, method, path, body=None, timeout=None, deadline=None):
+        """One JSON request (one attempt)."""
+        return httpc.call(self.url, method, path, body, token=self.token, ca_file=self.ca_file,
+                          timeout=httpc.io_timeout(timeout or self.timeout, deadline))
+
+    def _call(self, method, path, body=None, timeout=None, deadline=None):
+        """_request, repeated under `deadline` by httpc.retry."""
+        return httpc.retry(f"FedMom {method} {path}", lambda: self._request(method, path, body, timeout, deadline),
+                           deadline)
+
+    def _as_member(self, what, fn, deadline):
+        """fn(); after a 409 not_member (the aggregator dropped us: a network outage longer
+        than --member-timeout-s) join again and run fn() once more."""
+        try:
+            return fn()
+        except httpc.CallError as e:
+            if e.reply.get("code") != "not_member":
+                raise
+            log(f"fedmom client: {what}: the aggregator no longer counts us as a member ({e.reply.get('error')}); "
+                "joining again")
+        self._join_once(deadline)
+        return fn()
 
     def _ident(self, **extra):
         return {"cluster": self.cluster, "incarnation": self.incarnation, **extra}
 
-    def join(self, wait_s=0.0):
-        """Join; with wait_s, keep trying while an older incarnation of this cluster times out."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                reply = self._call("POST", "/join", self._ident())
-                self.heartbeat_s = reply.get("heartbeat_s", self.heartbeat_s)
-                return reply
-            except httpd.CallError as e:
-                if e.reply.get("code") != "incarnation_conflict" or time.monotonic() >= deadline:
-                    raise
-                time.sleep(min(max(1.0, e.reply.get("retry_after_s", 1.0)), max(0.0, deadline - time.monotonic())))
+    def join(self, deadline=None):
+        """Join; under `deadline`, also wait while an older incarnation of this cluster times out
+        (409 incarnation_conflict)."""
+        return httpc.retry("FedMom join", lambda: self._join_once(deadline), deadline,
+                           waits=(httpc.INCARNATION_CONFLICT,))
 
-    def heartbeat(self, metrics=None, wait_round_after=None, wait_s=0.0):
+    def _join_once(self, deadline):
+        reply = self._request("POST", "/join", self._ident(), deadline=deadline)
+        self.heartbeat_s = reply.get("heartbeat_s", self.heartbeat_s)
+        return reply
+
+    def heartbeat(self, metrics=None, wait_round_after=None, wait_s=0.0, deadline=None):
         body = self._ident(metrics=metrics or {})
         if wait_round_after is not None:
             body.update(wait_round_after=wait_round_after, wait_s=wait_s)
-        try:
-            return self._call("POST", "/heartbeat", body, timeout=self.timeout + wait_s)
-        except httpd.CallError as e:
-            if e.reply.get("code") != "not_member":
-                raise
-            self.join()                   # dropped (e.g. a network outage): come back
-            return self._call("POST", "/heartbeat", body, timeout=self.timeout + wait_s)
 
-    def leave(self):
-        return self._call("POST", "/leave", self._ident())
+        def once():
+            return self._request("POST", "/heartbeat", body, timeout=self.timeout + wait_s, deadline=deadline)
+        return httpc.retry("FedMom heartbeat", lambda: self._as_member("heartbeat", once, deadline), deadline)
 
-    def current_round(self):
-        return self._call("GET", "/round")["round"]
+    def leave(self, deadline=None):
+        return self._call("POST", "/leave", self._ident(), deadline=deadline)
 
-    def wait_round_after(self, base_round, timeout_s):
-        """Block until the server's round passes base_round (that merge is durable); heartbeats meanwhile."""
-        deadline = time.monotonic() + timeout_s
+    def current_round(self, deadline=None):
+        return self._call("GET", "/round", deadline=deadline)["round"]
+
+    def wait_round_after(self, base_round, timeout_s, deadline=None):
+        """Block until the server's round passes base_round (that merge is durable); heartbeats
+        meanwhile (each one repeated under `deadline` when given). A wait, not a retry:
+        TimeoutError after timeout_s with the round not passed."""
+        end = time.monotonic() + timeout_s
         while True:
-            left = deadline - time.monotonic()
-            reply = self.heartbeat(wait_round_after=base_round, wait_s=max(0.0, min(left, self.heartbeat_s)))
+            left = end - time.monotonic()
+            reply = self.heartbeat(wait_round_after=base_round, wait_s=max(0.0, min(left, self.heartbeat_s)),
+                                   deadline=deadline)
             if reply["round"] > base_round:
                 return reply["round"]
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= end:
                 raise TimeoutError(f"round still {reply['round']} after {timeout_s:.0f} s (waiting for > {base_round})")
 
     def keepalive(self, interval_s=None):
@@ -140,57 +166,67 @@ class FedMomClient:
 
     # ---- theta
 
-    def download_theta(self, path, transport="inline"):
+    def download_theta(self, path, transport="inline", deadline=None):
         """Write the current theta_global to `path` (atomically); returns its round."""
-        if transport == "blob":
-            import blobstore
-            info = self._call("GET", "/theta_blob", timeout=3600)
-            sha = blobstore.get_file(self._blob_url(), info["blob"], path, token=self.token,
-                                     timeout=self.stall_s, ca_file=self.ca_file)
+        if transport not in ("inline", "blob"):
+            raise ValueError(f"transport {transport!r}: use 'inline' or 'blob'")
+
+        def attempt():
+            if transport == "inline":
+                return int(self._get_file("/theta", path, deadline)["X-Round"])
+            info = self._request("GET", "/theta_blob", timeout=3600, deadline=deadline)
+            sha = self._get_blob(info["blob"], path, deadline)
             if sha != info["sha256"]:
                 raise IOError(f"theta blob {info['blob']}: sha256 {sha} != {info['sha256']}")
             return info["round"]
-        if transport != "inline":
-            raise ValueError(f"transport {transport!r}: use 'inline' or 'blob'")
-        return int(self._get_file("/theta", path)["X-Round"])
+        return httpc.retry("download theta_global", attempt, deadline)
 
-    def download_update(self, path, base_round, base_digest, transport="inline"):
+    def download_update(self, path, base_round, base_digest, transport="inline", deadline=None):
         """With the aggregator's --down-wire: write the update that takes our theta of
         `base_round` (wire.Digest `base_digest`) to the current round to `path` (inline, or
         through the blob store: resumable); returns (round, the digest theta must have after
         it), or None when there is no such update (409 no_update; 404 from an aggregator
         without the route): download theta instead."""
         query = urllib.parse.urlencode({"from": base_round, "digest": base_digest})
-        try:
+
+        def attempt():
             if transport == "blob":
-                import blobstore
-                info = self._call("GET", f"/theta_update_blob?{query}", timeout=3600)
-                sha = blobstore.get_file(self._blob_url(), info["blob"], path, token=self.token,
-                                         timeout=self.stall_s, ca_file=self.ca_file)
+                info = self._request("GET", f"/theta_update_blob?{query}", timeout=3600, deadline=deadline)
+                sha = self._get_blob(info["blob"], path, deadline)
                 if sha != info["sha256"]:
                     raise IOError(f"update blob {info['blob']}: sha256 {sha} != {info['sha256']}")
                 return info["round"], info["digest"]
-            h = self._get_file(f"/theta_update?{query}", path)
-        except httpd.CallError as e:
+            h = self._get_file(f"/theta_update?{query}", path, deadline)
+            return int(h["X-Round"]), h["X-Theta-Digest"]
+        try:
+            return httpc.retry("download the update of theta_global", attempt, deadline)
+        except httpc.CallError as e:
             if e.status == 404 or (e.status == 409 and e.reply.get("code") == "no_update"):
                 return None
             raise
-        return int(h["X-Round"]), h["X-Theta-Digest"]
 
-    def _get_file(self, route, path):
-        """GET route into `path` (atomically, fsync'd) -> the reply's headers."""
-        conn = httpd.connect(self.url, self.stall_s, self.ca_file)
+    def _get_blob(self, blob, path, deadline):
+        """One attempt at a blob into `path` (resumed from what an earlier attempt wrote) -> its sha256."""
+        down = blob_client.Download(self._blob_url(), blob, path, token=self.token, timeout=self.stall_s,
+                                    ca_file=self.ca_file)
+        down.attempt(deadline)
+        return down.finish()
+
+    def _get_file(self, route, path, deadline=None):
+        """GET route into `path` (atomically, fsync'd) -> the reply's headers. One attempt."""
+        conn = httpc.connect(self.url, httpc.io_timeout(self.stall_s, deadline), self.ca_file)
         try:
-            conn.request("GET", httpd.split_url(self.url)[3] + route, headers=httpd.auth_headers(self.token))
+            conn.request("GET", httpc.split_url(self.url)[3] + route, headers=httpc.auth_headers(self.token))
             resp = conn.getresponse()
             if resp.status != 200:
-                raise httpd.CallError(resp.status, _json_or_text(resp.read()))
+                raise httpc.CallError(resp.status, _json_or_text(resp.read()))
             want, got = int(resp.getheader("Content-Length")), 0
             with durable.replacing(path) as tmp:
                 with open(tmp, "wb") as f:
                     while chunk := resp.read(1 << 20):
                         f.write(chunk)
                         got += len(chunk)
+                        httpc.made_progress(deadline)
                     f.flush()
                     os.fsync(f.fileno())
                 if got != want:
@@ -201,59 +237,62 @@ class FedMomClient:
 
     # ---- deltas
 
-    def send_delta(self, path, base_round, tokens, leases, metrics, transport="auto"):
+    def send_delta(self, path, base_round, tokens, leases, metrics, transport="auto", deadline=None):
         """Send one delta file (theta_i - theta_global). Raises StaleRound if the server has
-        moved past base_round; CallError for any other refusal (the reply says why)."""
+        moved past base_round; CallError for any other refusal (the reply says why). Under
+        `deadline` a failed attempt (the check, the upload, the naming of the blob) is
+        repeated whole; the blob upload continues where the store's bytes end."""
         meta = self._ident(base_round=base_round, tokens=tokens, leases=list(leases), metrics=dict(metrics or {}))
         if transport == "auto":
             big = os.path.getsize(path) >= AUTO_BLOB_BYTES
             transport = "blob" if (self.blob_url and big) else "inline"
         if transport not in ("inline", "blob"):
             raise ValueError(f"transport {transport!r}: use 'inline', 'blob' or 'auto'")
-        # one blob name per send, kept across its retries (so an upload resumes): a second delta
-        # of the same round (after a refusal) must never meet the first one's blob
-        blob = f"delta-{self.cluster}-{self.incarnation}-r{base_round}-{secrets.token_hex(4)}"
-        for attempt in range(self.retries + 1):
-            self._stale_guard(lambda: self._call("POST", "/delta_check", meta))
-            try:
-                if transport == "blob":
-                    return self._stale_guard(lambda: self._send_blob(path, meta, blob))
-                return self._stale_guard(lambda: self._send_inline(path, meta))
-            except (OSError, http.client.HTTPException) as e:
-                if attempt == self.retries:
-                    raise
-                log(f"fedmom client: delta upload failed ({e}); retrying")
-                time.sleep(min(30.0, 2.0 ** attempt))
+        upload = None
+        if transport == "blob":
+            # one blob name per send, kept across its attempts (so an upload resumes): a second delta
+            # of the same round (after a refusal) must never meet the first one's blob
+            blob = f"delta-{self.cluster}-{self.incarnation}-r{base_round}-{secrets.token_hex(4)}"
+            upload = blob_client.Upload(self._blob_url(), blob, path, token=self.token, timeout=self.stall_s,
+                                        ca_file=self.ca_file)
+
+        def once():
+            self._stale_guard(lambda: self._request("POST", "/delta_check", meta, deadline=deadline))
+            if upload is None:
+                return self._stale_guard(lambda: self._send_inline(path, meta, deadline))
+            info = upload.attempt(deadline)
+            return self._stale_guard(lambda: self._request(
+                "POST", "/delta_blob", {**meta, "blob": upload.blob_id, "sha256": info["sha256"]}, timeout=3600,
+                deadline=deadline))
+        try:
+            return httpc.retry("send delta", lambda: self._as_member("send delta", once, deadline), deadline)
+        finally:
+            if upload is not None:
+                upload.close()
 
     def _stale_guard(self, fn):
         try:
             return fn()
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             if e.status == 409 and e.reply.get("code") == "stale_round":
                 raise StaleRound(e.reply["round"], e.reply.get("error", "")) from None
             raise
 
-    def _send_inline(self, path, meta):
-        prefix = httpd.split_url(self.url)[3]
-        conn = httpd.connect(self.url, self.stall_s, self.ca_file, blocksize=1 << 20)
+    def _send_inline(self, path, meta, deadline=None):
+        prefix = httpc.split_url(self.url)[3]
+        conn = httpc.connect(self.url, httpc.io_timeout(self.stall_s, deadline), self.ca_file, blocksize=1 << 20)
         try:
             headers = {"Content-Length": str(os.path.getsize(path)), "X-Delta-Meta": json.dumps(meta),
-                       "Content-Type": "application/octet-stream", **httpd.auth_headers(self.token)}
+                       "Content-Type": "application/octet-stream", **httpc.auth_headers(self.token)}
             with open(path, "rb") as f:
                 conn.request("PUT", prefix + "/delta", body=f, headers=headers)
             resp = conn.getresponse()
             reply = _json_or_text(resp.read())
             if resp.status >= 400:
-                raise httpd.CallError(resp.status, reply)
+                raise httpc.CallError(resp.status, reply)
             return reply
         finally:
             conn.close()
-
-    def _send_blob(self, path, meta, blob):
-        import blobstore
-        info = blobstore.put_file(self._blob_url(), blob, path, token=self.token, timeout=self.stall_s,
-                                  ca_file=self.ca_file)
-        return self._call("POST", "/delta_blob", {**meta, "blob": blob, "sha256": info["sha256"]}, timeout=3600)
 
     def _blob_url(self):
         if not self.blob_url:
@@ -278,7 +317,7 @@ class _KeepAlive:
         while not self.stop.wait(self.interval_s):
             try:
                 self.client.heartbeat()
-            except (httpd.CallError, OSError, http.client.HTTPException) as e:
+            except (httpc.CallError, OSError, http.client.HTTPException) as e:
                 log(f"fedmom client: heartbeat failed: {e}")
 
     def __enter__(self):

@@ -1,13 +1,13 @@
 """fedmom_server.py - the central FedMom aggregator: one global model, merged from the sites' deltas.
 
 Runs on: the central VM (CPU only). Python standard library + numpy; never imports
-torch, so copying httpd.py, durable.py, tensorio.py, wire.py (compressed deltas and
+torch, so copying httpd.py, httpc.py, testhooks.py, durable.py, tensorio.py, wire.py (compressed deltas and
 updates), fedmom_merge.py (the merge arithmetic and the delta checks), outer_defaults.py (the
 default outer lr and momentum), outer_state.py (the outer
 state in memory), fedmom_checkpoint.py (its checkpoint and replay), fedmom_state.py (the durable
 state and round protocol), status_page.py (GET /) and this file onto a bare Python 3 with numpy
 is the whole install
-(blobstore.py too for the blob transport).
+(blob_client.py too, the client of the blob store: central.sh's CENTRAL_FILES list all).
 
     # first start: the initial model (any float dtype; theta_global is kept in fp32)
     python fedmom_server.py --state-dir state/fedmom --init init.safetensors
@@ -131,11 +131,11 @@ why; RUNBOOK.md section 1 has the disk this bounds.
     python fedmom_server.py export --state-dir DIR theta.safetensors   # a stopped server's theta
     python fedmom_server.py checkpoint --state-dir DIR   # its round as the checkpoint: nothing to replay
 Violations (refused_commits, aborted_custody, blocks_trained_twice, refused_aborts), DARL's silence and
-fencing are shown on /status, the page and the status CLI. Test hooks (httpd.py): fault
+fencing are shown on /status, the page and the status CLI. Test hooks (testhooks.py): fault
 points fedmom.received, fedmom.spooled, fedmom.custody_held, fedmom.merge,
 fedmom.round_durable, fedmom.committed, fedmom.checkpoint (after each file of a
 checkpoint), fedmom.unlink (each file of an old round, outside the state lock) and fedmom.blob_delete (each DELETE of a retention sweep); the wall clock
-through httpd.wall_time().
+through testhooks.wall_time().
 """
 import argparse
 import collections
@@ -147,18 +147,23 @@ import sys
 import threading
 import time
 
+import blob_client
 import darl_table
 import durable
-import httpd
-import status_page
-import wire
 import fedmom_checkpoint
 import fedmom_state
+import httpc
+import httpd
+import status_page
+import testhooks
+import wire
 from fedmom_state import ServerConfig, FedMomState, DarlLink, Refused, log, format_record, unlink_with_parts
 
 DEFAULT_PORT = 29511
 BLOB_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
-BLOB_FETCH_RETRIES = 3        # POST /delta_blob's download from the store: ~3.5 s of backoff, then 502
+BLOB_FETCH_S = 4.0            # POST /delta_blob's download from the store: s without progress, then 502 (the
+                              # site holds the request open and repeats a 502 under its own deadline)
+BLOB_PUBLISH_S = 90.0         # a theta/update blob put into the store: s without progress (a site's GET waits)
 SWEEP_RETRY_S = 30.0          # a sweep of the blob store that failed (store down) is tried again this often
 BLOB_CALL_TIMEOUT_S = 30.0    # one listing or DELETE of a sweep; on its own thread, so it delays no merge
 
@@ -214,7 +219,7 @@ def make_routes(state, blob_token=None, retention=None):
             with open(part, "wb") as f:
                 for chunk in req.stream():
                     f.write(chunk)
-                    httpd.fault_point("fedmom.received")    # mid-upload: part of the body on disk
+                    testhooks.fault_point("fedmom.received")    # mid-upload: part of the body on disk
                 f.flush()
                 if cfg.fsync:
                     os.fsync(f.fileno())
@@ -234,28 +239,17 @@ def make_routes(state, blob_token=None, retention=None):
         dup = state.duplicate(meta)         # a retry whose reply was lost: its blob is already gone
         if dup is not None:
             return dup
-        import blobstore
         part = state.new_part_path()
         try:
-            # few retries: the site holds this request open and retries a 502 itself
-            got = blobstore.get_file(cfg.blob_url, blob, part, token=blob_token, retries=BLOB_FETCH_RETRIES,
-                                     ca_file=cfg.ca_file)
-        except (httpd.CallError, ValueError) as e:
+            got = blob_client.get_file(cfg.blob_url, blob, part, token=blob_token, ca_file=cfg.ca_file,
+                                       deadline=httpc.Deadline(BLOB_FETCH_S, what=f"fetch blob {blob}",
+                                                               log=blob_log))
+        except BaseException as e:
             unlink_with_parts(part)
-            if isinstance(e, httpd.CallError) and e.status == 507:
-                raise httpd.HTTPError(503, f"blob store: {e.reply.get('error')}", headers={"Retry-After": "30"},
-                                      code="disk_full", retry_after_s=30)
-            status = 400 if isinstance(e, ValueError) or e.status == 404 else 502
-            raise httpd.HTTPError(status, f"blob {blob!r}: {e}")
-        except (OSError, http.client.HTTPException) as e:
-            unlink_with_parts(part)
-            if httpd.is_disk_full(e):        # our own spool is full, not the blob store unreachable: 507
+            refusal = fetch_refusal(blob, e.last if isinstance(e, httpc.GaveUp) else e)
+            if refusal is None:
                 raise
-            raise httpd.HTTPError(502, f"blob store {cfg.blob_url} unreachable fetching {blob!r} "
-                                       f"({type(e).__name__}: {e}); nothing was stored, send it again")
-        except BaseException:
-            unlink_with_parts(part)
-            raise
+            raise refusal from None
         try:
             if got != sha:
                 durable.unlink(part)
@@ -264,34 +258,56 @@ def make_routes(state, blob_token=None, retention=None):
             return state.accept_delta(meta, part)
         finally:                            # fetched: its bytes are in the spool, or refused for good
             try:
-                httpd.call(cfg.blob_url, "DELETE", f"/blobs/{blob}", token=blob_token, ca_file=cfg.ca_file)
-            except (httpd.CallError, OSError, http.client.HTTPException):
+                httpc.call(cfg.blob_url, "DELETE", f"/blobs/{blob}", token=blob_token, ca_file=cfg.ca_file)
+            except (httpc.CallError, OSError, http.client.HTTPException):
                 pass
+
+    def fetch_refusal(blob, e):
+        """The answer to a delta blob the store would not give (what it said last, once
+        BLOB_FETCH_S passed without progress), or None: raise `e` as it is (our own spool's
+        full disk is a 507 naming our disk; anything else unexpected is a 500)."""
+        if isinstance(e, httpc.CallError) and e.status == 507:
+            return httpd.HTTPError(503, f"blob store: {e.reply.get('error')}", headers={"Retry-After": "30"},
+                                   code="disk_full", retry_after_s=30)
+        if isinstance(e, (httpc.CallError, ValueError)):
+            status = 400 if isinstance(e, ValueError) or e.status == 404 else 502
+            return httpd.HTTPError(status, f"blob {blob!r}: {e}")
+        if isinstance(e, (OSError, http.client.HTTPException)) and not durable.is_disk_full(e):
+            return httpd.HTTPError(502, f"blob store {cfg.blob_url} unreachable fetching {blob!r} "
+                                        f"({type(e).__name__}: {e}); nothing was stored, send it again")
+        return None
+
+    def blob_log(what, err, left):
+        log(f"fedmom: {what}: {type(err).__name__}: {err}; retrying ({left:.1f} s left)")
 
     def theta(req):
         f, rnd = state.open_theta()
         return httpd.Response(file=f, headers={"X-Round": str(rnd)})
 
+    def publish_deadline(blob):
+        return httpc.Deadline(BLOB_PUBLISH_S, what=f"publish blob {blob}", log=blob_log)
+
     def to_blob(blob, opened, rnd):
         """Put a file of round `rnd` the state opened into the blob store, once per round and
         name -> {blob, sha256, round}."""
-        import blobstore
         with state.publish_lock, opened as f:
             if blob in state.published:
                 return state.published[blob]
             # put_file reads by path; /proc/self/fd keeps it on the file we opened under the lock
             path = f"/proc/self/fd/{f.fileno()}"
             try:
-                info = blobstore.put_file(cfg.blob_url, blob, path, token=blob_token, ca_file=cfg.ca_file)
-            except httpd.CallError as e:
+                info = blob_client.put_file(cfg.blob_url, blob, path, token=blob_token, ca_file=cfg.ca_file,
+                                            deadline=publish_deadline(blob))
+            except httpc.CallError as e:
                 if e.status != 409 or e.reply.get("retry"):
                     raise
                 # a blob of this name with other bytes: left by a run of this state dir that was
                 # rolled back (restored from an older copy); this round's file replaces it
                 log(f"fedmom: blob {blob} holds other bytes than round {rnd}'s file (a restored state dir?); "
                     "replacing it")
-                httpd.call(cfg.blob_url, "DELETE", f"/blobs/{blob}", token=blob_token, ca_file=cfg.ca_file)
-                info = blobstore.put_file(cfg.blob_url, blob, path, token=blob_token, ca_file=cfg.ca_file)
+                httpc.call(cfg.blob_url, "DELETE", f"/blobs/{blob}", token=blob_token, ca_file=cfg.ca_file)
+                info = blob_client.put_file(cfg.blob_url, blob, path, token=blob_token, ca_file=cfg.ca_file,
+                                            deadline=publish_deadline(blob))
             out = {"blob": blob, "sha256": info["sha256"], "round": rnd}
             if retention is not None:
                 retention.published(blob, rnd, info["size"])
@@ -405,7 +421,7 @@ class BlobRetention:
         self.lock = threading.Lock()         # kept: written by the sweep and by to_blob's thread
 
     def _call(self, method, path):
-        return httpd.call(self.url, method, path, token=self.token, ca_file=self.ca_file,
+        return httpc.call(self.url, method, path, token=self.token, ca_file=self.ca_file,
                           timeout=BLOB_CALL_TIMEOUT_S)
 
     def due(self, round_, now):
@@ -423,7 +439,7 @@ class BlobRetention:
                 b["bytes"] = sizes[b["blob"]]
                 if not b["keep"]:
                     self._delete(b)
-        except (httpd.CallError, OSError, http.client.HTTPException, ValueError, KeyError, TypeError) as e:
+        except (httpc.CallError, OSError, http.client.HTTPException, ValueError, KeyError, TypeError) as e:
             self.error, self.retry_at = f"{type(e).__name__}: {e}", now + SWEEP_RETRY_S
             log(f"fedmom: retention sweep of the blob store at round {round_} failed ({self.error}); "
                 f"tried again in {SWEEP_RETRY_S:g} s")
@@ -434,10 +450,10 @@ class BlobRetention:
         return True
 
     def _delete(self, b):
-        httpd.fault_point("fedmom.blob_delete")        # test hook: a deletion held mid-sweep
+        testhooks.fault_point("fedmom.blob_delete")        # test hook: a deletion held mid-sweep
         try:
             self._call("DELETE", f"/blobs/{b['blob']}")
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             if e.status == 409:                        # still being uploaded: judged again next round
                 return
             if e.status != 404:                        # 404: already gone (a crash after the delete)
@@ -524,7 +540,7 @@ def retention_lines(ret):
 
 def print_status(url, token=None, last=10, ca_file=None):
     """Print the aggregator's status; 1 while a violation counter is non-zero or it is fenced."""
-    st = httpd.call(url, "GET", "/status", token=token, ca_file=ca_file)
+    st = httpc.call(url, "GET", "/status", token=token, ca_file=ca_file)
     if not isinstance(st, dict) or "round" not in st or "members" not in st:
         what = "DARL (darl_server.py status)" if isinstance(st, dict) and "num_blocks" in st else "not the aggregator"
         raise SystemExit(f"status: {url} answers /status like {what}: point --url at the aggregator "
@@ -556,14 +572,14 @@ def serve(cfg, a):
     """Bind (a refused public bind creates nothing), lock the state dir, build the state,
     serve until SIGTERM."""
     public = ("/health",) if a.private_page else ("/health", "/")
-    token = httpd.load_token(a.token_file)
-    darl_token = httpd.load_token(a.darl_token_file, env=None)
+    token = httpc.load_token(a.token_file)
+    darl_token = httpc.load_token(a.darl_token_file, env=None)
     darl = DarlLink(cfg.darl, darl_token or token, ca_file=cfg.ca_file) if cfg.darl else None
     # bind first, then lock the state dir, then read it: a second start (port taken, or
     # another port on the same dir) stops before it deletes or rewrites anything
     server = httpd.server_from_args(a, public=public, disk=cfg.state_dir)
     httpd.writable_dir(cfg.state_dir, "--state-dir")
-    lock_fd = httpd.lock_state_dir(cfg.state_dir, "fedmom_server")     # held until the process ends
+    lock_fd = durable.lock_state_dir(cfg.state_dir, "fedmom_server")     # held until the process ends
     state = FedMomState(cfg, darl=darl)
     retention = (BlobRetention(cfg.blob_url, state.aggregator_id, cfg.keep_rounds, token, cfg.ca_file)
                  if cfg.blob_url else None)
@@ -642,7 +658,7 @@ def _server_parser():
 def _offline(what, fn, a):
     """fn(state_dir, threads) on a stopped aggregator's state dir, holding its lock (never
     beside a running server); a state it cannot rebuild is a one-line SystemExit."""
-    fd = httpd.lock_state_dir(a.state_dir, "fedmom_server")
+    fd = durable.lock_state_dir(a.state_dir, "fedmom_server")
     try:
         return fn(a.state_dir, a.threads)
     except ValueError as e:
@@ -657,8 +673,8 @@ def export(argv):
     p = argparse.ArgumentParser(prog="fedmom_server.py export", description=export.__doc__)
     p.add_argument("export")
     p.add_argument("--state-dir", required=True, help="the aggregator's --state-dir (the server stopped)")
-    p.add_argument("out", help="where theta_global goes (an F32 .safetensors file; tensorio.py export-hf "
-                               "turns it into a Hugging Face checkpoint)")
+    p.add_argument("out", help="where theta_global goes (an F32 .safetensors file; hf_export.py turns it "
+                               "into a Hugging Face checkpoint)")
     p.add_argument("--momentum", help="also write the momentum buffer here")
     p.add_argument("--residual", help="also write what the last update rounded away here (--down-wire)")
     p.add_argument("--threads", type=int, default=None, help="cores for the replay (default every core)")
@@ -699,12 +715,12 @@ def main(argv):
         p.add_argument("status")
         p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}",
                        help=f"aggregator URL (default http://127.0.0.1:{DEFAULT_PORT}; https://... under TLS)")
-        httpd.add_client_args(p)
+        httpc.add_client_args(p)
         p.add_argument("--last", type=int, default=10, help="how many recent merges to print (default 10)")
         a = p.parse_args(argv)
         try:
-            sys.exit(print_status(a.url, httpd.load_token(a.token_file), a.last, a.ca_file))
-        except (httpd.CallError, OSError, http.client.HTTPException, ValueError, httpd.TLSConfigError) as e:
+            sys.exit(print_status(a.url, httpc.load_token(a.token_file), a.last, a.ca_file))
+        except (httpc.CallError, OSError, http.client.HTTPException, ValueError, httpc.TLSConfigError) as e:
             raise SystemExit(f"status: {a.url}: {e}")
     a = _server_parser().parse_args(argv)
     if a.darl_heartbeat_s is not None:

@@ -4,7 +4,7 @@ Runs on: the central VM, imported by fedmom_server.py (which owns the routes, th
 and DARL loops, the status page and the command line; its docstring says how to start
 it and what each endpoint does). Python standard library + numpy + tensorio.py +
 fedmom_merge.py + wire.py (a compressed delta is checked and merged as its decoded values) + darl_table.py
-(its position sets), and httpd.py's client call for the DARL custody calls (DarlLink);
+(its position sets), and httpc.py's client call for the DARL custody calls (DarlLink);
 never imports torch.
 
 FedMomState holds the outer state, the round number, membership, the deltas
@@ -117,10 +117,11 @@ import numpy as np
 
 import darl_table
 import durable
-import httpd
 import fedmom_checkpoint
 import fedmom_merge
+import httpc
 import outer_state
+import testhooks
 from outer_defaults import OUTER_LR, OUTER_MOMENTUM
 from fedmom_checkpoint import STATE_FORMAT, write_json
 import tensorio
@@ -326,13 +327,13 @@ class DarlLink:
 
     def _ask(self, method, path, body, key, want):
         try:
-            reply = httpd.call(self.url, method, path, body, token=self.token, timeout=self.timeout,
+            reply = httpc.call(self.url, method, path, body, token=self.token, timeout=self.timeout,
                                ca_file=self.ca_file)
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             if e.status == 409 and e.reply.get("code") in DEFINITIVE:
                 return Answer("refused", e.reply, str(e))
             return Answer("unknown", e.reply, f"HTTP {e.status}: {e.reply.get('error', e.reply)}")
-        except (OSError, http.client.HTTPException, ValueError, httpd.TLSConfigError) as e:
+        except (OSError, http.client.HTTPException, ValueError, httpc.TLSConfigError) as e:
             return Answer("unknown", {}, f"{type(e).__name__}: {e}")
         if not isinstance(reply, dict) or reply.get(key) != want:
             return Answer("unknown", {}, f"{path}: the reply is not DARL's ({str(reply)[:120]})")
@@ -370,11 +371,11 @@ class DarlLink:
         """The custody DARL holds for `aggregator`: an Answer whose reply has "custody"."""
         query = urllib.parse.urlencode({"aggregator": aggregator, "state": "held"})
         try:
-            reply = httpd.call(self.url, "GET", f"/custody?{query}", token=self.token, timeout=self.timeout,
+            reply = httpc.call(self.url, "GET", f"/custody?{query}", token=self.token, timeout=self.timeout,
                                ca_file=self.ca_file)
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             return Answer("unknown", e.reply, f"HTTP {e.status}: {e.reply.get('error', e.reply)}")
-        except (OSError, http.client.HTTPException, ValueError, httpd.TLSConfigError) as e:
+        except (OSError, http.client.HTTPException, ValueError, httpc.TLSConfigError) as e:
             return Answer("unknown", {}, f"{type(e).__name__}: {e}")
         if not isinstance(reply, dict) or not isinstance(reply.get("custody"), list):
             return Answer("unknown", {}, "GET /custody: the reply is not DARL's")
@@ -475,7 +476,7 @@ class FedMomState:
     """theta_global, momentum, round, membership, pending deltas and DARL commits.
     Plain methods, no HTTP; `clock` (monotonic seconds) and `wall` are injectable."""
 
-    def __init__(self, cfg, clock=time.monotonic, wall=httpd.wall_time, darl=None):
+    def __init__(self, cfg, clock=time.monotonic, wall=testhooks.wall_time, darl=None):
         self.cfg, self.clock, self.wall, self.darl = cfg, clock, wall, darl
         self.dir = os.path.abspath(cfg.state_dir)
         self.spool = os.path.join(self.dir, "spool")
@@ -916,7 +917,7 @@ class FedMomState:
                 if self.first_delta_at is None:
                     self.first_delta_at = self.clock()
             try:
-                httpd.fault_point("fedmom.spooled")     # accepted on disk, custody not asked yet
+                testhooks.fault_point("fedmom.spooled")     # accepted on disk, custody not asked yet
                 t0 = time.monotonic()
                 if p.custody == "unconfirmed" and (self.fenced_epoch or self._fence()):
                     self._take_custody(p, at_upload=True)
@@ -951,7 +952,7 @@ class FedMomState:
         refusal is the upload's 409 (nothing stays stored); later it excludes p, named."""
         ans = self.darl.custody(self.aggregator_id, self.epoch, p.delta_id, p.cluster, p.incarnation, p.leases)
         if ans.kind == "ok":
-            httpd.fault_point("fedmom.custody_held")   # DARL holds it, our spool does not say so yet
+            testhooks.fault_point("fedmom.custody_held")   # DARL holds it, our spool does not say so yet
             with self.lock:
                 if self.pending.get((p.cluster, p.incarnation)) is p:
                     p.custody, p.pieces = "confirmed", [x[:3] for x in ans.reply.get("pieces", [])]
@@ -1195,7 +1196,7 @@ class FedMomState:
     def _after_tensor(self, name):
         if self.merge_pause_s:
             time.sleep(self.merge_pause_s)
-        httpd.fault_point("fedmom.merge")
+        testhooks.fault_point("fedmom.merge")
 
     def _rebuild(self, at_start=False):
         """self.outer from the checkpoint's files and the Steps logged since, each replayed and
@@ -1289,7 +1290,7 @@ class FedMomState:
             t0 = time.monotonic()
             try:
                 record = fedmom_checkpoint.write_checkpoint(self.outer, self.dir, self.ckpt, self.cfg.fsync,
-                                                            after_file=lambda: httpd.fault_point("fedmom.checkpoint"))
+                                                            after_file=lambda: testhooks.fault_point("fedmom.checkpoint"))
             finally:
                 with self.lock:
                     self.checkpointing = False
@@ -1340,7 +1341,7 @@ class FedMomState:
         if twice:
             log(f"fedmom: !!! round {new} merged {twice} DARL position(s) that an earlier merged delta already "
                 "holds: those blocks are trained twice (blocks_trained_twice)")
-        httpd.fault_point("fedmom.round_durable")   # durable with its commits owed, none sent yet
+        testhooks.fault_point("fedmom.round_durable")   # durable with its commits owed, none sent yet
         self.records.append(rec)
         self._append_record(rec)
         log(format_record(rec))
@@ -1374,7 +1375,7 @@ class FedMomState:
         """Unlink files no round needs any more, OUTSIDE the state lock: freeing a multi-GB
         file takes the file system seconds, which heartbeats and GET /status would wait out."""
         for path in paths:
-            httpd.fault_point("fedmom.unlink")
+            testhooks.fault_point("fedmom.unlink")
             if os.path.isdir(path):          # an old checkpoint's directory, its files removed before it
                 os.rmdir(path)
             else:
@@ -1463,7 +1464,7 @@ class FedMomState:
                 self.epoch, self.holder, self.fence_claim = ans.reply["epoch"], self.process_id, None
                 self.darl_digest = self.darl_digest or digest
                 self._save()              # the issued epoch and its holder are durable before the confirm
-            httpd.fault_point("fedmom.epoch_durable")   # epoch and holder durable, the confirm not sent
+            testhooks.fault_point("fedmom.epoch_durable")   # epoch and holder durable, the confirm not sent
             # then bind it to this process: a copy of our state taken while the ask was in
             # flight holds the same claim and may have been given the same epoch. This state
             # names this process as the holder from now on, so if the copy confirms first,
@@ -1551,7 +1552,7 @@ class FedMomState:
         ans = self.darl.commit(self.aggregator_id, self.epoch, c["delta"], c.get("round"))
         if not self._definitive(ans, f"commit of {c['cluster']}'s delta {c['delta']} (round {c['round']})"):
             return False
-        httpd.fault_point("fedmom.committed")      # DARL committed it, our state still owes it
+        testhooks.fault_point("fedmom.committed")      # DARL committed it, our state still owes it
         with self.lock:
             self._darl_answered()
             if ans.kind == "refused":

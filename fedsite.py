@@ -28,6 +28,13 @@ The protocol these calls follow (what a phase leases, what the aggregator does w
 delta, who settles a lease, identity and requeues) is FEDERATION_GUIDE.md, sections 2-4;
 the path of a delta through train.py, diloco.py, here and fedmom_client.py is
 ARCHITECTURE.md section 3.
+
+How long a call waits: each call to the central VM gets ONE httpc.Deadline, made here
+(FedSite._call) and passed down to the client under it, which repeats a failure by
+httpc.py's rule (transport errors, 5xx; never a refusal); nothing here or under it
+repeats on its own. A call gives up (httpc.GaveUp, and the job ends) once it has gone
+httpc.RETRY_S (900 s) without progress; the first DARL register and FedMom join wait
+--register-wait-s instead (a requeued job's predecessor must expire first).
 """
 import dataclasses
 import http.client
@@ -43,12 +50,12 @@ import darl_table
 import data
 import durable
 import fedmom_client
-import httpd
+import httpc
 import tensorio
+import testhooks
 import wire
 
 SETTLE = "settle"           # next_span under --overlap: the round trip ended before DARL gave a span
-RETRY_S = 900.0             # how long the aggregator may stay unreachable (a restart) before we give up
 POLL_S = 5.0                # rank 0 reports "still waiting" to the other ranks this often
 OVERLAP_POLL_S = 0.2        # --overlap: how often a wait for a span looks whether the round trip ended
 TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
@@ -110,10 +117,10 @@ class FedSite:
     aggregator decides.
     """
 
-    def __init__(self, cfg, windows, model_bytes, log):
-        self.cfg, self.windows, self.log = cfg, windows, log
+    def __init__(self, cfg, windows, model_bytes, log, retry_s=httpc.RETRY_S):
+        self.cfg, self.windows, self.log, self.retry_s = cfg, windows, log, retry_s
         self.cluster, self.incarnation = cfg.cluster, secrets.token_hex(6)
-        token = httpd.load_token(cfg.token_file)
+        token = httpc.load_token(cfg.token_file)
         self.darl = darl_client.LeaseClient(cfg.darl_url, token=token, ca_file=cfg.ca_file)
         self.fed = fedmom_client.FedMomClient(cfg.federation, self.cluster, self.incarnation, token=token,
                                               blob_url=cfg.blob_url, ca_file=cfg.ca_file)
@@ -132,39 +139,32 @@ class FedSite:
             self._said[kind] = time.monotonic()
             self.log(msg)
 
-    def _retry(self, what, fn):
-        """fn() until it answers: transport errors and 5xx (a server restarting) are retried
-        for RETRY_S, a 409 not_member (dropped meanwhile) joins again; other 4xx raise.
-        fn runs on a thread while this yields every POLL_S: a theta download or a delta
-        upload may outlast the process group's timeout, the other ranks' polls do not."""
-        deadline, delay = time.monotonic() + RETRY_S, 1.0
-        while True:
-            try:
-                return (yield from _in_background(fn))
-            except httpd.CallError as e:
-                if e.status == 409 and e.reply.get("code") == "not_member":
-                    self.log(f"{what}: the aggregator no longer counts us as a member ({e.reply.get('error')}); joining again")
-                    self.member = False
-                    yield from self.join()
-                    continue
-                if e.status < 500:
-                    raise
-                err = e
-            except TRANSPORT_ERRORS as e:
-                err = e
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{what}: no answer for {RETRY_S:.0f} s ({err})")
-            self.say(f"{what}: {err}; retrying", every_s=10.0)
-            t_end = time.monotonic() + delay
-            yield
-            time.sleep(max(0.0, t_end - time.monotonic()))
-            delay = min(2 * delay, 10.0)
+    def _deadline(self, what, seconds=None):
+        """The one Deadline of a call: `seconds` (default retry_s) without progress; every
+        repeat under it is said at most every 10 s."""
+        return httpc.Deadline(self.retry_s if seconds is None else seconds, what=what, log=self._said_retry)
+
+    def _said_retry(self, what, err, left):
+        if isinstance(err, httpc.CallError) and err.reply.get("code") == httpc.INCARNATION_CONFLICT:
+            server = "DARL: {!r} is still held by the previous incarnation; waiting for the previous " \
+                     "incarnation's leases to expire" if what.startswith("DARL") else \
+                     "FedMom: {!r} is still live as the previous incarnation; waiting for it to time out"
+            self.say(f"{server.format(self.cluster)} ({left:.0f} s left)", every_s=10.0)
+        else:
+            self.say(f"{what}: {err}; retrying ({left:.0f} s left)", every_s=10.0)
+
+    def _call(self, what, fn, seconds=None):
+        """fn(deadline) with this call's one Deadline (_deadline), on a thread while this yields
+        every POLL_S: a theta download or a delta upload may outlast the process group's
+        timeout, the other ranks' polls do not. The client under fn repeats what fails."""
+        deadline = self._deadline(what, seconds)
+        return (yield from _in_background(lambda: fn(deadline)))
 
     # -- start: the block space, DARL registration, FedMom membership
     def connect(self, per_step):
         """-> (block size, seed, blocks per phase) of the coordinator's space, checked
         against our own manifest; registered at DARL, a member at FedMom."""
-        st = yield from self._retry("DARL status", self.darl.status)
+        st = yield from self._call("DARL status", lambda d: self.darl.status(deadline=d))
         sp = st["space"]
         space = darl_table.BlockSpace(self.windows.train_windows, sp["block_size"], sp["seed"],
                                       manifest_digest=self.windows.digest)
@@ -176,19 +176,8 @@ class FedSite:
         self.session = darl_client.LeaseSession(
             self.darl, self.cluster, space.digest(), incarnation=self.incarnation, span_blocks=blocks,
             lease_blocks=blocks, prefetch=False, log=lambda m: self.log(f"darl: {m}"))
-        deadline = time.monotonic() + self.cfg.register_wait_s
-        while True:
-            try:
-                self.darl.register(self.cluster, self.incarnation, space.digest())
-                break
-            except httpd.CallError as e:
-                left = deadline - time.monotonic()
-                if e.status != 409 or e.reply.get("code") != "incarnation_conflict" or left <= 0:
-                    raise
-                self.say(f"DARL: {self.cluster!r} is still held by the previous incarnation; waiting for the "
-                         f"previous incarnation's leases to expire ({left:.0f} s left)", every_s=10.0)
-                yield
-                time.sleep(1.0)
+        yield from self._call("DARL register", lambda d: self.darl.register(
+            self.cluster, self.incarnation, space.digest(), deadline=d), self.cfg.register_wait_s)
         self.session.start(register=False)
         yield from self.join()
         self.log(f"site {self.cluster} (incarnation {self.incarnation}): DARL {space.num_blocks} blocks of "
@@ -196,23 +185,9 @@ class FedSite:
         return sp["block_size"], sp["seed"], blocks
 
     def join(self):
-        deadline = time.monotonic() + self.cfg.register_wait_s
-        while True:
-            try:
-                reply = self.fed.join()
-                break
-            except httpd.CallError as e:
-                left = deadline - time.monotonic()
-                if e.reply.get("code") != "incarnation_conflict" or left <= 0:
-                    raise
-                self.say(f"FedMom: {self.cluster!r} is still live as the previous incarnation; waiting for "
-                         f"it to time out ({left:.0f} s left)", every_s=10.0)
-            except TRANSPORT_ERRORS as e:
-                if time.monotonic() > deadline:
-                    raise
-                self.say(f"FedMom join: {e}; retrying", every_s=10.0)
-            yield
-            time.sleep(1.0)
+        """Join FedMom's rounds, waiting up to --register-wait-s (a previous incarnation
+        timing out, the aggregator unreachable); start the keepalive."""
+        reply = yield from self._call("FedMom join", lambda d: self.fed.join(deadline=d), self.cfg.register_wait_s)
         self.fed_round, self.member = reply["round"], True
         if self.keepalive is None:
             self.keepalive = self.fed.keepalive()
@@ -227,7 +202,7 @@ class FedSite:
             self.member = False
             try:
                 self.fed.leave()
-            except (httpd.CallError, *TRANSPORT_ERRORS) as e:
+            except (httpc.CallError, *TRANSPORT_ERRORS) as e:
                 self.log(f"FedMom leave: {e} (the aggregator drops silent members on its own)")
 
     # -- per phase
@@ -271,7 +246,7 @@ class FedSite:
         return None if span is None else span.as_ints()
 
     def current_round(self):
-        return (yield from self._retry("FedMom round", self.fed.current_round))
+        return (yield from self._call("FedMom round", lambda d: self.fed.current_round(deadline=d)))
 
     def fetch_theta(self, path):
         """theta_global of the current round into `path` -> its round. With the aggregator's
@@ -279,14 +254,14 @@ class FedSite:
         it (wire.apply_update: the aggregator's exact bits, checked by their digest); any
         other site (new, requeued, behind) downloads the whole file (FEDERATION_GUIDE.md
         section 4, "Compressed downstream")."""
-        return (yield from self._retry("download theta_global", lambda: self._fetch(path)))
+        return (yield from self._call("download theta_global", lambda d: self._fetch(path, d)))
 
-    def _fetch(self, path):
+    def _fetch(self, path, deadline=None):
         held = self.held if self.held is not None else _held(path)
         if held is not None:
             upd = os.path.join(os.path.dirname(os.path.abspath(path)), "theta-update.safetensors")
             try:
-                got = self.fed.download_update(upd, *held, transport=self.theta_transport)
+                got = self.fed.download_update(upd, *held, transport=self.theta_transport, deadline=deadline)
                 if got is not None:
                     size = os.path.getsize(upd)
                     wire.apply_update(path, upd, path, got[1], {"round": str(got[0])})
@@ -298,7 +273,7 @@ class FedSite:
             finally:
                 durable.unlink(upd)
         self.held = None
-        rnd = self.fed.download_theta(path, transport=self.theta_transport)
+        rnd = self.fed.download_theta(path, transport=self.theta_transport, deadline=deadline)
         self.held, self.down = (rnd, wire.theta_digest(path)), {"via": "full", "bytes": os.path.getsize(path)}
         return rnd
 
@@ -325,10 +300,10 @@ class FedSite:
                           step=handoff.step, tokens=handoff.tokens)
         t0 = time.monotonic()
         sent = False
-        httpd.fault_point("site.trained")           # test hook (httpd.py): checkpointed, nothing sent
+        testhooks.fault_point("site.trained")           # test hook (testhooks.py): checkpointed, nothing sent
         try:
             self.session.refresh()                   # the coordinator's word on the lease, now
-        except (httpd.CallError, *TRANSPORT_ERRORS) as e:
+        except (httpc.CallError, *TRANSPORT_ERRORS) as e:
             self.log(f"DARL heartbeat before sending: {e}")
         if span.lease not in self.session.held():
             # reclaimed (expired) while we trained: its blocks are back in the pool and may be
@@ -339,19 +314,20 @@ class FedSite:
             yield from self._fetch_into(out, theta_path)
             return out
         try:
-            yield from self._retry("send delta", lambda: self.fed.send_delta(
+            yield from self._call("send delta", lambda d: self.fed.send_delta(
                 delta_path, base, handoff.tokens, [self.session.commit_record(span)],
-                {k: v for k, v in handoff.metrics.items() if v is not None}, transport=self.cfg.transport))
+                {k: v for k, v in handoff.metrics.items() if v is not None}, transport=self.cfg.transport,
+                deadline=d))
             sent = True
-            httpd.fault_point("site.sent")          # test hook: accepted, its outcome not known here yet
+            testhooks.fault_point("site.sent")          # test hook: accepted, its outcome not known here yet
         except fedmom_client.StaleRound as e:
             out.reason = f"stale: {e}"
-        except httpd.CallError as e:                  # refused (a bad delta): never merged
+        except httpc.CallError as e:                  # refused (a bad delta): never merged
             out.reason = f"refused: {e.reply.get('error', e)}"
         out.send_s = round(time.monotonic() - t0, 3)
         while True:          # until the round passed and the aggregator's books say what became of it
-            reply = yield from self._retry("wait for the round", lambda: self.fed.heartbeat(
-                wait_round_after=base, wait_s=min(POLL_S * 4, self.fed.heartbeat_s)))
+            reply = yield from self._call("wait for the round", lambda d: self.fed.heartbeat(
+                wait_round_after=base, wait_s=min(POLL_S * 4, self.fed.heartbeat_s), deadline=d))
             got = self._outcome(reply, base)
             state = got and got.get("outcome")
             if state == "pending" or (sent and got is None and reply["round"] <= base):
@@ -367,7 +343,7 @@ class FedSite:
             out.merged, out.merged_into = True, got.get("merged_into")
         elif state == "excluded" or not sent:
             out.reason = out.reason or f"excluded: {got.get('why')}"
-            self.session.release(span)               # its blocks go back to the pool
+            yield from self._call("DARL release", lambda d: self.session.release(span, deadline=d))   # back to the pool
         else:                                        # accepted, then no record: the aggregator decides
             out.reason = "outcome unknown: lease left to the aggregator (commit if merged, else expiry)"
             self.session.forget(span)
@@ -384,11 +360,11 @@ class FedSite:
     def finish(self):
         """DARL is done: wait until every lease handed to the aggregator has left this
         session (in custody or committed: "done"), then leave."""
-        deadline = time.monotonic() + RETRY_S
-        while self.session.held() and time.monotonic() < deadline:
+        deadline = httpc.Deadline(self.retry_s)        # a wait for the aggregator, not a retry
+        while self.session.held() and deadline.left() > 0:
             try:
                 self.session.refresh()
-            except (httpd.CallError, *TRANSPORT_ERRORS) as e:
+            except (httpc.CallError, *TRANSPORT_ERRORS) as e:
                 self.say(f"DARL heartbeat: {e}", every_s=10.0)
             if self.session.held():
                 self.say(f"waiting for the aggregator to take leases {sorted(self.session.held())} into custody "
@@ -400,7 +376,7 @@ class FedSite:
         self.leave()
         self.darl.close()
         if unsettled:
-            self.log(f"leases {sorted(unsettled)} were still uncommitted after {RETRY_S:.0f} s; left to expire")
+            self.log(f"leases {sorted(unsettled)} were still uncommitted after {self.retry_s:.0f} s; left to expire")
         return True
 
     def abort(self):

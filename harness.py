@@ -36,7 +36,7 @@ import threading
 import time
 import urllib.request
 
-import httpd
+import httpc
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PORTS = {"darl": 29510, "fedmom": 29511, "blob": 29512}
@@ -330,7 +330,7 @@ class Services:
 
     @property
     def token(self):
-        return httpd.load_token(self.token_file)
+        return httpc.load_token(self.token_file)
 
 
 def make_token(path):
@@ -370,7 +370,7 @@ def start_server(launcher, kind, args, log_path, port=None, ca_file=None, env=No
         proc = launcher.start(kind, [sys.executable, SCRIPTS[kind], *args, "--port", p], log_path, env)
         try:
             url = wait_listening(proc)
-            httpd.wait_healthy(url, 30, ca_file)
+            httpc.wait_healthy(url, 30, ca_file)
             return proc, url
         except (RuntimeError, TimeoutError):
             proc.stop(5)
@@ -407,8 +407,8 @@ def start_services(launcher, out_dir, manifest, init, *, block_size, seed=0, dar
 def get_json(url, path, token, timeout=10.0):
     """GET url+path -> dict, or None when the server does not answer."""
     try:
-        return httpd.call(url, "GET", path, token=token, timeout=timeout)
-    except (OSError, httpd.CallError, ValueError):
+        return httpc.call(url, "GET", path, token=token, timeout=timeout)
+    except (OSError, httpc.CallError, ValueError):
         return None
     except Exception:            # http.client.HTTPException and friends: treat as "no answer"
         return None
@@ -416,7 +416,7 @@ def get_json(url, path, token, timeout=10.0):
 
 def fetch_page(url, path, token=None):
     """Save the status page's keepsake copy (GET /?saved=1: stamped, no auto-refresh) to `path`."""
-    req = urllib.request.Request(url.rstrip("/") + "/?saved=1", headers=httpd.auth_headers(token))
+    req = urllib.request.Request(url.rstrip("/") + "/?saved=1", headers=httpc.auth_headers(token))
     with urllib.request.urlopen(req, timeout=30) as r, open(path, "wb") as f:
         f.write(r.read())
     return path

@@ -1,14 +1,14 @@
 """hf_export.py - the global model as a Hugging Face checkpoint directory (Qwen3ForCausalLM).
 
 Runs on: a login node or any CPU with the site environment (torch, torchtitan); never
-on the central VM, whose tensorio.py only hands this command over. No server, no port,
+on the central VM (numpy only there: this file alone needs torch). No server, no port,
 no state. Take the final theta off the central VM (`fedmom_server.py export --state-dir
 runs/central/fedmom theta-final.safetensors`, or GET /theta), then:
 
-    python tensorio.py export-hf theta-final.safetensors runs/hf/qwen3-0.6B \\
+    python hf_export.py theta-final.safetensors runs/hf/qwen3-0.6B \\
         --model qwen3-0.6B --data data/c4-qwen3-2048/manifest.json \\
         --tokenizer data/tokenizers/Qwen3-0.6B/tokenizer.json --dtype bf16
-    python tensorio.py export-hf theta-40.safetensors runs/hf/tiny --model qwen3-tiny \\
+    python hf_export.py theta-40.safetensors runs/hf/tiny --model qwen3-tiny \\
         --data data/stdlib-256/manifest.json        # the demo's model, byte tokenizer
 
 OUT_DIR then loads with `AutoModelForCausalLM.from_pretrained(OUT_DIR)` and
@@ -47,12 +47,19 @@ import sys
 import time
 
 import numpy as np
-import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models as tokenizer_models, pre_tokenizers
-from torchtitan.models.qwen3 import Qwen3Model
-from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
-import blobstore
+try:                  # a site's environment; run where they are missing, the command says so in one line
+    import torch
+    from tokenizers import AddedToken, Tokenizer, decoders, models as tokenizer_models, pre_tokenizers
+    from torchtitan.models.qwen3 import Qwen3Model
+    from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
+except ModuleNotFoundError as e:
+    if __name__ != "__main__" or (e.name or "").split(".")[0] not in ("torch", "torchtitan", "tokenizers"):
+        raise
+    sys.exit(f"hf_export.py: error: no module {e.name!r}: the export needs torch and torchtitan, a site's "
+             "environment (the central VM has numpy only); run it at a site")
+
+import blob_client
 import durable
 import models
 import tensorio
@@ -82,7 +89,7 @@ class ExportConfig:
     def validate(self):
         if not models.is_llm(self.model):
             llms = ", ".join(models.QWEN3_FLAVORS)
-            raise ExportError(f"--model {self.model!r}: export-hf writes Qwen3 causal LMs; use one of {llms}")
+            raise ExportError(f"--model {self.model!r}: hf_export.py writes Qwen3 causal LMs; use one of {llms}")
         if not os.path.isfile(self.theta):
             raise ExportError(f"{self.theta}: no such file; name the global model "
                               f"(fedmom_server.py export's file or train.py --export-init's file)")
@@ -142,7 +149,7 @@ def hf_names(model_args, names):
     unmapped = [n for n in names if n not in mapped]
     if unmapped:
         raise ExportError(f"tensor {unmapped[0]!r} has no Hugging Face name in torchtitan's Qwen3 "
-                          f"adapter; export-hf handles the dense Qwen3 flavors only")
+                          f"adapter; hf_export.py handles the dense Qwen3 flavors only")
     return mapped
 
 
@@ -150,7 +157,7 @@ def hf_config(model_args, dtype, manifest):
     """config.json for Qwen3ForCausalLM. rope_theta sits both at the top (transformers 4.x)
     and in rope_parameters (5.x reads that, and moves a top-level one there itself)."""
     if not model_args.qk_norm or model_args.moe_enabled:
-        raise ExportError("export-hf writes dense Qwen3 with qk-norm (what HF's Qwen3 is); this "
+        raise ExportError("hf_export.py writes dense Qwen3 with qk-norm (what HF's Qwen3 is); this "
                           "flavor has qk_norm off or experts")
     seq_len = int(manifest["seq_len"]) if manifest else DEFAULT_MAX_POSITIONS
     return {
@@ -207,7 +214,7 @@ def write_byte_tokenizer(out_dir):
 def copy_hf_tokenizer(out_dir, manifest, tokenizer, data):
     """The run's tokenizer.json, after checking it is the one the corpus was tokenized with,
     and the files that sit beside it."""
-    have = blobstore.sha256_file(tokenizer)
+    have = blob_client.sha256_file(tokenizer)
     if have != manifest["tokenizer_sha256"]:
         raise ExportError(f"--tokenizer {tokenizer} has sha256 {have[:16]}..., but --data {data} was "
                           f"tokenized with {manifest['tokenizer']} of sha256 {manifest['tokenizer_sha256'][:16]}...; "
@@ -258,7 +265,7 @@ def write_weights(reader, names, path, dtype, metadata, progress=True):
             done += reader.nbytes(n)
             if progress and (time.monotonic() - last > 2 or i == len(reader.names)):
                 last = time.monotonic()
-                print(f"export-hf: {i}/{len(reader.names)} tensors, {done / 1e9:.2f}/{total / 1e9:.2f} GB read",
+                print(f"hf_export.py: {i}/{len(reader.names)} tensors, {done / 1e9:.2f}/{total / 1e9:.2f} GB read",
                       file=sys.stderr, flush=True)
 
 
@@ -332,10 +339,10 @@ def export(cfg, model_args=None, progress=True):
 
 def main(argv=None):
     p = argparse.ArgumentParser(
-        prog="tensorio.py export-hf", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="hf_export.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Write the global model as a Hugging Face checkpoint directory (Qwen3ForCausalLM).\n"
-                    "Needs torch and torchtitan (the site environment), imported by this command\n"
-                    "alone: `python tensorio.py FILE` still needs numpy only.",
+                    "Needs torch and torchtitan (the site environment); `python tensorio.py FILE`\n"
+                    "(a tensor file's header) needs numpy only.",
         epilog="\n\n".join(__doc__.split("\n\n")[1:3]))
     p.add_argument("theta", metavar="THETA", help="the global model: the file fedmom_server.py export wrote "
                                  "(or train.py --export-init's file)")
@@ -353,7 +360,7 @@ def main(argv=None):
     try:
         print(export(ExportConfig(**vars(a))))
     except (ExportError, tensorio.FormatError, OSError) as e:
-        sys.exit(f"export-hf: error: {e}")
+        sys.exit(f"hf_export.py: error: {e}")
     return 0
 
 

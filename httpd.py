@@ -1,7 +1,7 @@
 """httpd.py - the HTTP plumbing shared by the three central servers.
 
 Runs on: the central VM, inside darl_server.py, fedmom_server.py and blobstore.py.
-Not started on its own. Python standard library only (no numpy, no torch).
+Not started on its own. Python standard library only (and durable.py, httpc.py beside it; no numpy, no torch).
 
 What every server gets from here, written once:
   - a route table: {("GET", "/status"): fn, ("PUT", "/blobs/*"): fn, ...}; a
@@ -41,34 +41,15 @@ not a thread per connection):
     TCP_NODELAY is set (with Nagle on, a keep-alive client that sends a small
     request after a small response waits ~40 ms per call: ~23 requests/s).
 
-Clients use `call()` below: one JSON request over http.client (https with the CA
-file the caller names: --ca-file, $PWW_CA_FILE), no retries (retry policy belongs
-to the caller, which knows what is safe to repeat).
-
-Test hooks, inert unless their variable is set (bench/fault_schedule.py, bench/chaos.py
-and the tests set them; a production start never does):
-  - PWW_TEST_CLOCK_OFFSET_FILE=FILE: wall_time() is time.time() plus the number of
-    seconds in FILE (re-read at every call; absent or empty = 0), so a test can step
-    the wall clock of a running server by +-1 h without touching the machine's clock.
-  - PWW_TEST_FAULT_DIR=DIR: fault_point(name) stops the calling thread at a named
-    protocol phase while DIR/<name> exists. The file holds how many hits to let pass
-    first; at the hit that stops, DIR/<name>.hit appears (holding the pid) and the
-    thread waits until DIR/<name> is removed. A test SIGKILLs the process there, or
-    removes the file to let it go on (the thread removes <name>.hit as it leaves, so
-    the point can be armed again): a crash or a stall at an exact phase, with no sleep.
-    The servers' points are named darl.*, fedmom.*, blob.*; train.py's sites have
-    site.trained and site.sent (fedsite.py, rank 0: before the send, after it was
-    accepted) and site.fold (diloco.py, --overlap: error feedback settled, theta_global
-    not yet folded in).
+Clients use httpc.py (one JSON call, TLS with the caller's CA file, the bearer token, the
+retry policy); the test hooks the servers carry (fault points, the wall clock) are
+testhooks.py's; the lock on a state directory is durable.lock_state_dir.
 """
 import argparse
 import collections
 import dataclasses
 import errno
-import fcntl
-import functools
 import hmac
-import http.client
 import http.server
 import io
 import ipaddress
@@ -88,6 +69,9 @@ import threading
 import time
 import traceback
 import urllib.parse
+
+import durable
+import httpc
 
 DEFAULT_MAX_BODY = 1 << 20        # 1 MiB: every JSON RPC is a few hundred bytes
 DRAIN_MAX = 64 << 10              # an unread body up to this size is read away to keep the connection
@@ -148,10 +132,6 @@ def disk_full(path, err=None):
                           "nothing of this request was kept: free space there and retry",
                      headers={"Retry-After": str(DISK_FULL_RETRY_S)}, code="disk_full", disk=mount,
                      retry_after_s=DISK_FULL_RETRY_S)
-
-
-def is_disk_full(err):
-    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 class Response:
@@ -475,7 +455,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.log_message("connection lost during %s %s: %s", method, url.path, e)
             return
         except Exception as e:
-            if is_disk_full(e):
+            if durable.is_disk_full(e):
                 err = disk_full(self.disk or ".", e)
                 self.log_message("%s %s: %s", method, url.path, err.reason)
                 self._send_json(507, {"error": err.reason, **err.extra}, err.headers)
@@ -976,7 +956,7 @@ def server_from_args(a, routes=None, public=("/health",), disk=None, scoped=None
         raise SystemExit("--tls-cert and --tls-key go together (a certificate and its private key)")
     tls = server_tls(a.tls_cert, a.tls_key) if a.tls_cert else None
     limits = Limits(a.workers, a.max_connections, a.header_timeout_s, a.idle_timeout_s, a.io_timeout_s)
-    return make_server(routes or {}, a.host, a.port, load_token(a.token_file), a.insecure, public=public,
+    return make_server(routes or {}, a.host, a.port, httpc.load_token(a.token_file), a.insecure, public=public,
                        max_body=int(a.max_body_mb * 2**20), quiet=not a.verbose, tls=tls, limits=limits,
                        disk=disk, scoped=scoped)
 
@@ -985,199 +965,6 @@ def with_http_stats(routes, server):
     """GET /status also reports the server's connections (httpd.Server.stats)."""
     status = routes[("GET", "/status")]
     return {**routes, ("GET", "/status"): lambda req: {**status(req), "http": server.stats()}}
-
-
-def add_client_args(parser):
-    """--token-file and --ca-file for a command that calls a central server."""
-    parser.add_argument("--token-file", default=os.environ.get("PWW_TOKEN_FILE"),
-                        help="bearer token file (default $PWW_TOKEN_FILE, or $PWW_TOKEN)")
-    parser.add_argument("--ca-file", default=os.environ.get("PWW_CA_FILE"),
-                        help="CA certificate for https:// URLs (default $PWW_CA_FILE, else the system's)")
-
-
-def load_token(path=None, env="PWW_TOKEN"):
-    """The shared token: from a file (first line), else $PWW_TOKEN (`env`; None: no
-    fallback), else None."""
-    if path:
-        try:
-            with open(path) as f:
-                tok = f.readline().strip()
-        except OSError as e:
-            raise SystemExit(f"cannot read token file {path}: {e.strerror}")
-        if not tok:
-            raise SystemExit(f"token file {path} is empty")
-        return tok
-    return (os.environ.get(env) if env else None) or None
-
-
-# ---------------------------------------------------------------- one process per state dir
-
-def lock_state_dir(path, who):
-    """Hold an exclusive flock on <path>/lock for as long as the returned fd stays open (the
-    kernel drops it when the process dies, so a kill -9 never leaves a stale lock). A second
-    server on the same state directory would interleave its writes with the first one's;
-    it stops here instead, before reading or touching anything. SystemExit names the holder."""
-    os.makedirs(path, exist_ok=True)
-    lock = os.path.join(path, "lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise SystemExit(f"{who}: {path} is in use by another {who} (pid {holder}, holding {lock}); stop that "
-                         "process first, or give this one another --state-dir") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-# ---------------------------------------------------------------- test hooks
-
-CLOCK_OFFSET_ENV = "PWW_TEST_CLOCK_OFFSET_FILE"
-FAULT_DIR_ENV = "PWW_TEST_FAULT_DIR"
-_fault_lock = threading.Lock()
-
-
-def wall_time():
-    """time.time(), plus the test offset of $PWW_TEST_CLOCK_OFFSET_FILE when set."""
-    path = os.environ.get(CLOCK_OFFSET_ENV)
-    if not path:
-        return time.time()
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-        return time.time() + (float(text) if text else 0.0)
-    except (OSError, ValueError):
-        return time.time()
-
-
-def fault_point(name, on_stop=None):
-    """A named protocol phase a test may stop this thread at ($PWW_TEST_FAULT_DIR; see the
-    module docstring). `on_stop` runs just before the thread stops (e.g. write half a log
-    line, for a torn write). A no-op without the variable."""
-    root = os.environ.get(FAULT_DIR_ENV)
-    if not root:
-        return
-    arm = os.path.join(root, name)
-    with _fault_lock:
-        try:
-            with open(arm) as f:
-                text = f.read().strip()
-        except OSError:
-            return
-        skip = int(text) if text.isdigit() else 0
-        if skip > 0:
-            with open(arm + ".tmp", "w") as f:
-                f.write(str(skip - 1))
-            os.replace(arm + ".tmp", arm)
-            return
-        if on_stop is not None:
-            on_stop()
-        with open(arm + ".hit.tmp", "w") as f:
-            f.write(str(os.getpid()))
-        os.replace(arm + ".hit.tmp", arm + ".hit")
-    while os.path.exists(arm):
-        time.sleep(0.01)
-    try:                                 # gone on: the test may arm this point again
-        os.unlink(arm + ".hit")
-    except FileNotFoundError:
-        pass
-
-
-# ---------------------------------------------------------------- client side
-
-class CallError(Exception):
-    """A reply with status >= 400 from a server: carries the status and the JSON reply."""
-
-    def __init__(self, status, reply):
-        super().__init__(f"HTTP {status}: {reply.get('error', reply)}")
-        self.status, self.reply = status, reply
-
-
-class TLSConfigError(Exception):
-    """The TLS setup cannot work (an unknown CA, a server that speaks no TLS): retrying
-    will not help, so this is not an OSError."""
-
-
-def split_url(url):
-    u = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
-    if u.scheme not in ("http", "https"):
-        raise ValueError(f"unsupported URL scheme in {url!r}")
-    return u.scheme, u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80), u.path.rstrip("/")
-
-
-@functools.lru_cache(maxsize=8)
-def client_tls(ca_file=None):
-    """Verify the server against `ca_file` (central.sh's ca.pem), or the system's CAs."""
-    try:
-        return ssl.create_default_context(cafile=ca_file)
-    except (OSError, ssl.SSLError) as e:
-        raise TLSConfigError(f"cannot load the CA file {ca_file} (--ca-file / $PWW_CA_FILE): {e}")
-
-
-def connect(url, timeout=30.0, ca_file=None, blocksize=8192):
-    scheme, host, port, _ = split_url(url)
-    if scheme == "https":
-        conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=client_tls(ca_file),
-                                           blocksize=blocksize)
-    else:
-        conn = http.client.HTTPConnection(host, port, timeout=timeout, blocksize=blocksize)
-    try:
-        conn.connect()
-    except ssl.SSLCertVerificationError as e:
-        raise TLSConfigError(f"{url}: the server's certificate is not trusted ({e.verify_message}): "
-                             "give the CA that signed it with --ca-file or $PWW_CA_FILE "
-                             "(`central.sh url` names it)") from None
-    except ssl.SSLError as e:
-        if e.reason in ("WRONG_VERSION_NUMBER", "UNKNOWN_PROTOCOL", "HTTP_REQUEST", "RECORD_LAYER_FAILURE"):
-            raise TLSConfigError(f"{url}: the server does not speak TLS ({e.reason}): use http://") from None
-        raise
-    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return conn
-
-
-def auth_headers(token):
-    return {"Authorization": f"Bearer {token}"} if token else {}
-
-
-def call(url, method, path, body=None, token=None, timeout=30.0, conn=None, ca_file=None):
-    """One JSON request. Returns the decoded reply; raises CallError on 4xx/5xx,
-    OSError/http.client errors when the server cannot be reached, TLSConfigError
-    when its certificate cannot be verified."""
-    own = conn is None
-    conn = conn or connect(url, timeout, ca_file)
-    try:
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json", **auth_headers(token)}
-        conn.request(method, split_url(url)[3] + path, body=data, headers=headers)
-        resp = conn.getresponse()
-        raw = resp.read()
-        try:
-            reply = json.loads(raw) if raw else {}
-        except ValueError:
-            reply = {"error": raw[:200].decode("utf-8", "replace")}
-        if not isinstance(reply, dict):
-            reply = {"reply": reply}
-        if resp.status >= 400:
-            raise CallError(resp.status, reply)
-        return reply
-    finally:
-        if own:
-            conn.close()
-
-
-def wait_healthy(url, timeout=30.0, ca_file=None):
-    """Poll GET /health until it answers 200 or `timeout` seconds pass."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return call(url, "GET", "/health", timeout=2.0, ca_file=ca_file)
-        except (OSError, http.client.HTTPException, CallError):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url}/health did not answer within {timeout:.0f} s")
-            time.sleep(0.05)
-
 
 def serve_forever(server, name):
     """Serve until SIGTERM/SIGINT; print the one line that says where.

@@ -65,8 +65,8 @@ import torch.distributed as dist
 
 import diloco
 import dist_env
-import httpd
 import models
+import testhooks
 
 # what may keep the first collective of a new group from hanging on LUMI (sites/lumi.sh sets
 # them; RUNBOOK.md section 2): dist_env's eager NCCL init (device_id), torch's non-blocking
@@ -151,7 +151,7 @@ class Watchdog:
 def _first_all_reduce(d, group, what, dog):
     """ms of one small all-reduce on `group` (its first, when the group is new); exact or raises."""
     dog.stage = f"the first all-reduce on {what}"
-    httpd.fault_point(f"smoke.first_collective.rank{d.rank}")     # test hook: a rank that never arrives
+    testhooks.fault_point(f"smoke.first_collective.rank{d.rank}")     # test hook: a rank that never arrives
     t0 = time.perf_counter()
     t = torch.ones(1, device=d.device)
     dist.all_reduce(t, group=group)

@@ -3,7 +3,7 @@
 Runs on: the central VM, imported by fedmom_server.py, which serves the page at GET /
 (public unless --private-page) and GET /?saved=1 (the copy to keep: no auto-refresh,
 stamped with the time it was captured; `make demo` saves that one). Python standard
-library + httpd.py's client call; never imports torch. No JavaScript: the plots are
+library + httpc.py's client call; never imports torch. No JavaScript: the plots are
 inline SVG, and every figure a plot shows is in a table too, so a text browser (lynx,
 w3m) reads the same numbers.
 
@@ -44,7 +44,7 @@ import threading
 import time
 
 import darl_table
-import httpd
+import httpc
 
 REFRESH_S = 10            # the live page reloads itself (a <meta> refresh, no script)
 PEER_TIMEOUT_S = 2.0      # DARL / blob store calls per page: a dead peer costs the page 2 s, not 30
@@ -118,8 +118,8 @@ def dir_bytes(path):
 def _peer(url, path, token, ca_file=None):
     """(reply, None) or (None, one-line reason)."""
     try:
-        return httpd.call(url, "GET", path, token=token, timeout=PEER_TIMEOUT_S, ca_file=ca_file), None
-    except (httpd.CallError, httpd.TLSConfigError) as e:
+        return httpc.call(url, "GET", path, token=token, timeout=PEER_TIMEOUT_S, ca_file=ca_file), None
+    except (httpc.CallError, httpc.TLSConfigError) as e:
         return None, str(e)
     except (OSError, http.client.HTTPException, ValueError) as e:
         return None, f"unreachable ({type(e).__name__}: {e})"

@@ -7,9 +7,9 @@ No server, no port, no state directory. Inspect a file from the shell:
 
     python tensorio.py FILE            # header: format, metadata, one line per tensor
     python tensorio.py FILE --check    # also read every tensor once (finds a truncated file)
-    python tensorio.py export-hf THETA OUT_DIR --model qwen3-0.6B --data manifest.json ...
-                                       # a Hugging Face checkpoint directory (hf_export.py; needs
-                                       # torch + torchtitan, imported by that command alone)
+
+The global model as a Hugging Face checkpoint directory is hf_export.py's (it needs torch
+and torchtitan; this file needs numpy only).
 
 Layout (the safetensors one, so `safetensors` and every tool that reads it opens
 our files, and we open theirs):
@@ -463,17 +463,8 @@ def describe(path, check=False):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["export-hf"]:
-        try:
-            import hf_export               # torch + torchtitan: only this command needs them
-        except ModuleNotFoundError as e:
-            if (e.name or "").split(".")[0] not in ("torch", "torchtitan", "tokenizers"):
-                raise
-            sys.exit(f"export-hf: error: no module {e.name!r}: the export needs torch and torchtitan, "
-                     f"a site's environment (the central VM has numpy only); run it at a site")
-        sys.exit(hf_export.main(sys.argv[2:]))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="python tensorio.py export-hf --help: the model as a Hugging Face "
+                                epilog="python hf_export.py --help: the model as a Hugging Face "
                                        "checkpoint directory (needs torch + torchtitan)")
     p.add_argument("file", help="tensor file (.safetensors layout)")
     p.add_argument("--check", action="store_true", help="also read every tensor once (default: header only)")

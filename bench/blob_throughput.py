@@ -34,8 +34,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-import blobstore  # noqa: E402
-import httpd  # noqa: E402
+import blob_client  # noqa: E402
+import httpc  # noqa: E402
 
 CHUNK = 4 << 20
 
@@ -112,14 +112,14 @@ def client(url, path, sha, out_path):
     size = os.path.getsize(path)
     res = {}
     t0 = time.perf_counter()
-    blobstore.sha256_file(path)
+    blob_client.sha256_file(path)
     res["client_hash_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    got = blobstore.put_file(url, "bench", path, sha256=sha, progress=False)
+    got = blob_client.put_file(url, "bench", path, sha256=sha, progress=False)
     res["put_s"] = time.perf_counter() - t0
     assert got["sha256"] == sha and got["size"] == size
     t0 = time.perf_counter()
-    conn = httpd.connect(url, 120)
+    conn = httpc.connect(url, 120)
     conn.request("GET", "/blobs/bench")
     resp = conn.getresponse()
     buf = memoryview(bytearray(CHUNK))
@@ -133,7 +133,7 @@ def client(url, path, sha, out_path):
     res["get_raw_s"] = time.perf_counter() - t0
     assert n == size
     t0 = time.perf_counter()
-    assert blobstore.get_file(url, "bench", out_path, progress=False) == sha
+    assert blob_client.get_file(url, "bench", out_path, progress=False) == sha
     res["get_file_s"] = time.perf_counter() - t0
     os.unlink(out_path)
     res["client_peak_mib"] = vmhwm_mib()

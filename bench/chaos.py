@@ -19,7 +19,7 @@ The faults, one at a time, at exponentially distributed gaps (--mean-gap-s), for
 or until DARL has no block left (kinds and weights: KINDS):
     site_kill      a site's whole torchrun tree SIGKILLed at a random moment (mostly
                    mid-phase: inner steps are most of a site's time), requeued after 0-3 s
-    site_kill_at   ... SIGKILLed at a fault point (httpd.fault_point, armed in the site's
+    site_kill_at   ... SIGKILLed at a fault point (testhooks.fault_point, armed in the site's
                    PWW_TEST_FAULT_DIR): site.trained (checkpointed, delta not sent),
                    site.sent (delta accepted, outcome unknown to the site), site.fold
                    (error feedback settled, theta_global not yet folded in)
@@ -73,12 +73,13 @@ import numpy as np  # noqa: E402
 import audit  # noqa: E402
 import certs  # noqa: E402
 import durable  # noqa: E402
-import fedmom_merge  # noqa: E402
 import fedmom_checkpoint  # noqa: E402
+import fedmom_merge  # noqa: E402
 import fedmom_state  # noqa: E402
 import harness  # noqa: E402
-import httpd  # noqa: E402
+import httpc  # noqa: E402
 import tensorio  # noqa: E402
+import testhooks  # noqa: E402
 
 # kind -> weight; the points of the *_at kinds
 KINDS = {"site_kill": 4, "site_kill_at": 4, "site_stop": 3, "fedmom_kill_at": 3, "fedmom_kill": 1, "fedmom_stop": 1,
@@ -157,7 +158,7 @@ class Federation:
     def env(self, role):
         d = os.path.join(self.faults, role)
         os.makedirs(d, exist_ok=True)
-        extra = {httpd.FAULT_DIR_ENV: d}
+        extra = {testhooks.FAULT_DIR_ENV: d}
         if role == "fedmom":
             extra[fedmom_state.KEEP_DELTAS_ENV] = self.kept
         return harness.child_env(**extra)
@@ -169,7 +170,7 @@ class Federation:
         os.makedirs(self.state, exist_ok=True)
         self.token_file = harness.make_token(os.path.join(root, "token"))
         agg = harness.make_token(os.path.join(root, "aggregator.token"))
-        self.token = httpd.load_token(self.token_file)
+        self.token = httpc.load_token(self.token_file)
         os.makedirs(os.path.join(root, "tls"))
         self.ca, cert, key = certs.make_tls(os.path.join(root, "tls"))
         common = ["--token-file", self.token_file, "--tls-cert", cert, "--tls-key", key]
@@ -206,7 +207,7 @@ class Federation:
         return url
 
     def restart(self, kind):
-        self._start(kind, httpd.split_url(self.urls[kind])[2])
+        self._start(kind, httpc.split_url(self.urls[kind])[2])
 
     def train_args(self):
         c = self.cfg
@@ -264,7 +265,7 @@ class Federation:
 
     def status(self, kind):
         try:
-            return httpd.call(self.urls[kind], "GET", "/status", token=self.token, timeout=10, ca_file=self.ca)
+            return httpc.call(self.urls[kind], "GET", "/status", token=self.token, timeout=10, ca_file=self.ca)
         except Exception:
             return None
 

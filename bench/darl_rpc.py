@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)      # run as `python bench/darl_rpc.py`: the siblings live one level up
 
 import darl_client  # noqa: E402
-import darl_server  # noqa: E402
+import darl_log  # noqa: E402
 import darl_table  # noqa: E402
 import httpd  # noqa: E402
 
@@ -101,7 +101,7 @@ def cycles(url, clients, seconds, digest):
     """acquire(1 block) + heartbeat(claim it) + commit from `clients` closed-loop threads,
     each on its own keep-alive connection. -> (cycles/s, [cycle latency s], errors)."""
     def factory(i):
-        c, name = darl_client.LeaseClient(url, retries=0), f"bench-{i}"
+        c, name = darl_client.LeaseClient(url), f"bench-{i}"
         c.register(name, "inc", digest)
 
         def one():
@@ -139,7 +139,7 @@ def histogram(rows, lo_ms=0.25, buckets=15, width=40):
 
 
 def acquire_latency(url, n, digest):
-    c = darl_client.LeaseClient(url, retries=0)
+    c = darl_client.LeaseClient(url)
     c.register("lat", "inc", digest)
     times = []
     for _ in range(n):
@@ -180,7 +180,7 @@ def disk_sync_ms(directory, n=200):
         for _ in range(n):
             t0 = time.perf_counter()
             os.write(fd, b"x" * 120 + b"\n")
-            darl_server._datasync(fd)
+            darl_log._datasync(fd)
             times.append(time.perf_counter() - t0)
     finally:
         os.close(fd)

@@ -34,8 +34,6 @@ Figures, each beside its baseline or target:
 """
 import argparse
 import collections
-import contextlib
-import io
 import os
 import random
 import shutil
@@ -52,14 +50,14 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]   # run as `python bench/faul
 
 import numpy as np  # noqa: E402
 
-import blobstore  # noqa: E402
+import blob_client  # noqa: E402
 import certs  # noqa: E402
 import darl_client  # noqa: E402
 import durable  # noqa: E402
 from darl_rpc import closed_loop, quantile  # noqa: E402  (bench/ is this script's directory)
 import fedmom_client  # noqa: E402
 import http_fuzz  # noqa: E402
-import httpd  # noqa: E402
+import httpc  # noqa: E402
 import tensorio  # noqa: E402
 
 TOKEN = "bench-faults-token"
@@ -92,7 +90,7 @@ class Service:
                                          stderr=subprocess.STDOUT, env={**os.environ, **(self.env or {})})
         while True:
             try:
-                httpd.call(self.url, "GET", "/health", timeout=2, ca_file=self.ca)
+                httpc.call(self.url, "GET", "/health", timeout=2, ca_file=self.ca)
                 return time.monotonic() - t0
             except Exception:                       # not up yet: refused, reset, 5xx
                 if self.proc.poll() is not None:
@@ -138,10 +136,10 @@ def kills_darl(work, n):
     try:
         for k in range(n + 1):
             restarts.append(svc.start())
-            digest = digest or httpd.call(svc.url, "GET", "/health", ca_file=svc.ca)["digest"]
-            checker = darl_client.LeaseClient(svc.url, TOKEN, retries=2, ca_file=svc.ca)
+            digest = digest or httpc.call(svc.url, "GET", "/health", ca_file=svc.ca)["digest"]
+            checker = darl_client.LeaseClient(svc.url, TOKEN, ca_file=svc.ca)
             for cluster, inc, lease, end in acked:    # every acknowledged commit is still committed
-                reply = checker.commit(cluster, inc, lease, end)
+                reply = checker.commit(cluster, inc, lease, end, deadline=httpc.Deadline(10, log=httpc.quiet))
                 lost += not reply.get("repeat")
             acked = []
             if k == n:
@@ -149,7 +147,7 @@ def kills_darl(work, n):
             stop = threading.Event()
 
             def load(i):
-                c = darl_client.LeaseClient(svc.url, TOKEN, retries=0, ca_file=svc.ca)
+                c = darl_client.LeaseClient(svc.url, TOKEN, ca_file=svc.ca)
                 cluster, inc = f"k{k}-c{i}", "inc"
                 try:
                     c.register(cluster, inc, digest)
@@ -183,7 +181,7 @@ def kills_fedmom(work, n):
     try:
         for k in range(n + 1):
             restarts.append(svc.start())
-            st = httpd.call(svc.url, "GET", "/status", token=TOKEN, ca_file=svc.ca)
+            st = httpc.call(svc.url, "GET", "/status", token=TOKEN, ca_file=svc.ca)
             seen = {(o["cluster"], o["incarnation"], o["base_round"]) for o in st["outcomes"]
                     if o["outcome"] == "pending"} | {(o["cluster"], o["incarnation"], o["base_round"])
                                                      for r in st["recent"] for o in r["outcomes"]
@@ -192,7 +190,7 @@ def kills_fedmom(work, n):
             lost += sum(1 for a in acked if a not in seen and a[2] >= st["round"] - 150)
             if k == n:
                 break
-            clients = [fedmom_client.FedMomClient(svc.url, c, f"{c}-1", token=TOKEN, ca_file=svc.ca, retries=0)
+            clients = [fedmom_client.FedMomClient(svc.url, c, f"{c}-1", token=TOKEN, ca_file=svc.ca)
                        for c in ("a", "b")]
             for c in clients:
                 c.join()
@@ -231,7 +229,7 @@ def kills_blob(work, n):
     src = os.path.join(work, "blob-src")
     with open(src, "wb") as f:
         f.write(os.urandom(24 << 20))
-    sha = blobstore.sha256_file(src)
+    sha = blob_client.sha256_file(src)
     restarts, done, lost, rng = [], [], 0, random.Random(2)
     try:
         svc.start()
@@ -240,9 +238,9 @@ def kills_blob(work, n):
 
             def upload():
                 try:
-                    with contextlib.redirect_stderr(io.StringIO()):   # put_file narrates its retries
-                        result["out"] = blobstore.put_file(svc.url, blob, src, token=TOKEN, ca_file=svc.ca,
-                                                           sha256=sha, retries=30, progress=False)
+                    result["out"] = blob_client.put_file(svc.url, blob, src, token=TOKEN, ca_file=svc.ca,
+                                                         sha256=sha, progress=False,
+                                                         deadline=httpc.Deadline(120, log=httpc.quiet))
                 except Exception as e:
                     result["err"] = e
             t = threading.Thread(target=upload)
@@ -254,10 +252,10 @@ def kills_blob(work, n):
             if "out" in result:
                 done.append(blob)
             for b in done:                           # every finished blob, whole and with its checksum
-                info = blobstore.head(svc.url, b, TOKEN, ca_file=svc.ca)
+                info = blob_client.head(svc.url, b, TOKEN, ca_file=svc.ca)
                 lost += not (info and info["complete"] and info["sha256"] == sha)
             if len(done) > 3:                        # bound the disk: drop the oldest (checked n times)
-                httpd.call(svc.url, "DELETE", f"/blobs/{done.pop(0)}", token=TOKEN, ca_file=svc.ca)
+                httpc.call(svc.url, "DELETE", f"/blobs/{done.pop(0)}", token=TOKEN, ca_file=svc.ca)
     finally:
         svc.stop()
     return {"daemon": "blob store (mid-upload; the upload resumes)", "kills": n, "lost": lost, "restart": restarts}
@@ -271,6 +269,7 @@ def wal_damage(work, last=8, flips=300, starts=3):
     back by load_state (what a restart runs) and its books compared with the table as it
     stood after each intact record; `starts` cases of each kind also start the real
     darl_server.py on the copy (exit status and first line of its refusal)."""
+    import darl_log
     import darl_server
     import darl_table
     space = darl_table.BlockSpace(10 ** 5, 1, 0)
@@ -309,8 +308,8 @@ def wal_damage(work, last=8, flips=300, starts=3):
         with open(copy, "wb") as f:
             f.write(damaged)
         try:
-            got = darl_server.load_state(copy_dir)
-        except darl_server.LogError as e:
+            got = darl_log.load_state(copy_dir)
+        except darl_log.LogError as e:
             return "refused", str(e)
         if got is None:
             return "empty", ""
@@ -388,10 +387,10 @@ def load(work, seconds):
     try:
         for s in (darl, fed, blob):
             s.start()
-        digest = httpd.call(darl.url, "GET", "/health", ca_file=darl.ca)["digest"]
+        digest = httpc.call(darl.url, "GET", "/health", ca_file=darl.ca)["digest"]
 
         def darl_cycle(i):
-            c = darl_client.LeaseClient(darl.url, TOKEN, retries=0, ca_file=darl.ca)
+            c = darl_client.LeaseClient(darl.url, TOKEN, ca_file=darl.ca)
             c.register(f"load{i}", "inc", digest)
 
             def one():
@@ -401,19 +400,19 @@ def load(work, seconds):
         src = os.path.join(work, "load-blob")
         with open(src, "wb") as f:
             f.write(os.urandom(1 << 20))
-        blobstore.put_file(blob.url, "load", src, token=TOKEN, ca_file=blob.ca)
+        blob_client.put_file(blob.url, "load", src, token=TOKEN, ca_file=blob.ca)
 
         def keep_alive(svc, method, path, body=None):
             def factory(i):
-                conn = httpd.connect(svc.url, 30, svc.ca)
-                return lambda: httpd.call(svc.url, method, path, body, token=TOKEN, conn=conn)
+                conn = httpc.connect(svc.url, 30, svc.ca)
+                return lambda: httpc.call(svc.url, method, path, body, token=TOKEN, conn=conn)
             return factory
 
         def blob_get(i):
-            conn = httpd.connect(blob.url, 30, blob.ca)
+            conn = httpc.connect(blob.url, 30, blob.ca)
 
             def one():
-                conn.request("GET", "/blobs/load", headers=httpd.auth_headers(TOKEN))
+                conn.request("GET", "/blobs/load", headers=httpc.auth_headers(TOKEN))
                 r = conn.getresponse()
                 if len(r.read()) != 1 << 20:
                     raise IOError("short read")
@@ -449,8 +448,8 @@ def halfopen(work, held=2000, samples=300, rounds=3):
     svc.start()
     out = {"base": {"status": [], "cycle": []}, "loaded": {"status": [], "cycle": []}}
     try:
-        digest = httpd.call(svc.url, "GET", "/health", ca_file=svc.ca)["digest"]
-        c = darl_client.LeaseClient(svc.url, TOKEN, retries=0, ca_file=svc.ca)
+        digest = httpc.call(svc.url, "GET", "/health", ca_file=svc.ca)["digest"]
+        c = darl_client.LeaseClient(svc.url, TOKEN, ca_file=svc.ca)
         c.register("legit", "inc", digest)
 
         def measure(into):
@@ -493,7 +492,7 @@ def halfopen(work, held=2000, samples=300, rounds=3):
 def hold(port, n, ca_file):
     """(--hold) Open n connections to 127.0.0.1:port, every other one a TLS session stopped
     mid-headers; print one line, keep them until stdin closes."""
-    tls, socks = httpd.client_tls(ca_file), []
+    tls, socks = httpc.client_tls(ca_file), []
     for i in range(n):
         s = socket.create_connection(("127.0.0.1", port))
         if i % 2:
@@ -556,13 +555,13 @@ def diskfull(work):
             f.write(os.urandom(6 << 20))
         fill = filler(3 << 20)
         try:
-            blobstore.put_file(blob.url, "x", src, token=TOKEN, ca_file=blob.ca, retries=0)
+            blob_client.put_file(blob.url, "x", src, token=TOKEN, ca_file=blob.ca)
             reply = "accepted (!)"
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             reply = f"{e.status} {e.reply.get('code')}"
         left = files(os.path.join(disk, "blobs"))
         os.unlink(fill)
-        back = blobstore.put_file(blob.url, "x", src, token=TOKEN, ca_file=blob.ca, retries=0)["size"] == 6 << 20
+        back = blob_client.put_file(blob.url, "x", src, token=TOKEN, ca_file=blob.ca)["size"] == 6 << 20
         rows.append(("blob upload (6 MiB, 3 MiB free)", reply, f"{left} files", back))
         blob.stop()
 
@@ -570,14 +569,14 @@ def diskfull(work):
         delta = write_model(os.path.join(work, "full-delta.safetensors"), tensors=4, size=32768, value=1e-3)
         fed = Service(work, "fedmom-full", ["fedmom_server.py", "--state-dir", os.path.join(disk, "fm"), "--init", init])
         fed.start()
-        a, b = (fedmom_client.FedMomClient(fed.url, c, f"{c}-1", token=TOKEN, ca_file=fed.ca, retries=0) for c in "ab")
+        a, b = (fedmom_client.FedMomClient(fed.url, c, f"{c}-1", token=TOKEN, ca_file=fed.ca) for c in "ab")
         a.join(), b.join()
         before = files(os.path.join(disk, "fm"))
         fill = filler(256 << 10)
         try:
             a.send_delta(delta, 0, 10, [], {}, transport="inline")
             reply = "accepted (!)"
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             reply = f"{e.status} {e.reply.get('code')}"
         left = files(os.path.join(disk, "fm")) - before
         os.unlink(fill)
@@ -587,9 +586,9 @@ def diskfull(work):
         try:
             fedmom_client.FedMomClient(fed.url, "c", "c-1", token=TOKEN, ca_file=fed.ca).join()
             reply = "joined (!)"
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             reply = f"{e.status} {e.reply.get('code')}"
-        members = [m["cluster"] for m in httpd.call(fed.url, "GET", "/status", token=TOKEN, ca_file=fed.ca)["members"]]
+        members = [m["cluster"] for m in httpc.call(fed.url, "GET", "/status", token=TOKEN, ca_file=fed.ca)["members"]]
         os.unlink(fill)
         rows.append(("join (disk full)", reply, f"members {members}", True))
         c = fedmom_client.FedMomClient(fed.url, "c", "c-1", token=TOKEN, ca_file=fed.ca)
@@ -598,19 +597,19 @@ def diskfull(work):
         fill = filler(256 << 10)
         c.leave()                                   # nobody left to wait for: the merge starts, cannot write
         deadline = time.monotonic() + 30
-        while not httpd.call(fed.url, "GET", "/status", token=TOKEN, ca_file=fed.ca)["merge_error"]:
+        while not httpc.call(fed.url, "GET", "/status", token=TOKEN, ca_file=fed.ca)["merge_error"]:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        st = httpd.call(fed.url, "GET", "/status", token=TOKEN, ca_file=fed.ca)
+        st = httpc.call(fed.url, "GET", "/status", token=TOKEN, ca_file=fed.ca)
         tmp_left = [f for f in os.listdir(os.path.join(disk, "fm")) if ".tmp-" in f]
         os.unlink(fill)
         deadline = time.monotonic() + 60                            # retried 30 s later
-        while httpd.call(fed.url, "GET", "/round", token=TOKEN, ca_file=fed.ca)["round"] < 1:
+        while httpc.call(fed.url, "GET", "/round", token=TOKEN, ca_file=fed.ca)["round"] < 1:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        back = httpd.call(fed.url, "GET", "/round", token=TOKEN, ca_file=fed.ca)["round"] == 1
+        back = httpc.call(fed.url, "GET", "/round", token=TOKEN, ca_file=fed.ca)["round"] == 1
         rows.append(("merge (256 KiB free for 1 MiB of theta + momentum)",
                      f"round {st['round']}, merge_error: {'disk full' if 'No space' in (st['merge_error'] or '') else st['merge_error']}",
                      f"{len(tmp_left)} temp files", back))
@@ -630,8 +629,8 @@ def darl_full(work, disk, filler):
     svc.start()
     rows = []
     try:
-        c = darl_client.LeaseClient(svc.url, TOKEN, retries=0, ca_file=svc.ca)
-        c.register("a", "i", httpd.call(svc.url, "GET", "/health", ca_file=svc.ca)["digest"])
+        c = darl_client.LeaseClient(svc.url, TOKEN, ca_file=svc.ca)
+        c.register("a", "i", httpc.call(svc.url, "GET", "/health", ca_file=svc.ca)["digest"])
 
         def cycle():
             lease = c.acquire("a", "i", blocks=1)["lease"]
@@ -644,7 +643,7 @@ def darl_full(work, disk, filler):
         try:
             cycle()
             reply = "accepted (!)"
-        except httpd.CallError as e:
+        except httpc.CallError as e:
             reply = f"{e.status} {e.reply.get('code')}"
         st = c.status()
         kept = "nothing" if (st["seq"], os.path.getsize(wal)) == (seq0, size0) else f"change {st['seq']} (!)"
@@ -659,7 +658,7 @@ def darl_full(work, disk, filler):
             try:
                 cycle()
                 answers["200"] += 1
-            except httpd.CallError as e:
+            except httpc.CallError as e:
                 answers[str(e.status)] += 1
                 break
             error = c.status()["snapshot_error"]

@@ -54,6 +54,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)      # run as `python bench/http_fuzz.py`: httpd.py lives one level up
 
+import httpc  # noqa: E402
 import httpd  # noqa: E402
 
 SERVERS = ("darl", "fedmom", "blob")
@@ -429,7 +430,7 @@ def _worst(statuses):
 
 def fuzz(ctx, count, seed=0, workers=8, timeout=10.0, slow_wait_s=30.0, ca_file=None, tls=False, only=None):
     """Send `count` cases; -> {"by_kind": {kind: Counter(outcome)}, "bad": [(index, kind, outcome, statuses)]}."""
-    ctx_tls = httpd.client_tls(ca_file) if tls else None
+    ctx_tls = httpc.client_tls(ca_file) if tls else None
     by_kind, bad = collections.defaultdict(collections.Counter), []
     indices = [only] if only is not None else range(count)
 
@@ -450,7 +451,7 @@ def fuzz(ctx, count, seed=0, workers=8, timeout=10.0, slow_wait_s=30.0, ca_file=
 def epoch_darl(url, token, ca_file, deadline_s=120.0):
     import darl_client
     with darl_client.LeaseClient(url, token=token, ca_file=ca_file) as c:
-        digest = httpd.call(url, "GET", "/health", ca_file=ca_file)["digest"]
+        digest = httpc.call(url, "GET", "/health", ca_file=ca_file)["digest"]
         c.register("legit", "legit-1", digest)
         deadline = time.monotonic() + deadline_s
         while time.monotonic() < deadline:
@@ -478,8 +479,8 @@ def epoch_darl(url, token, ca_file, deadline_s=120.0):
 def epoch_fedmom(url, token, ca_file, workdir, rounds=2, deadline_s=180.0):
     import fedmom_client
     import tensorio
-    c = fedmom_client.FedMomClient(url, "legit", "legit-1", token=token, ca_file=ca_file, retries=0)
-    c.join(wait_s=deadline_s)
+    c = fedmom_client.FedMomClient(url, "legit", "legit-1", token=token, ca_file=ca_file)
+    c.join(deadline=httpc.Deadline(deadline_s))
     problems, theta = [], os.path.join(workdir, "theta.safetensors")
     for _ in range(rounds):
         deadline = time.monotonic() + deadline_s
@@ -503,7 +504,7 @@ def epoch_fedmom(url, token, ca_file, workdir, rounds=2, deadline_s=180.0):
         mine = [o for o in c.heartbeat()["deltas"] if o["incarnation"] == "legit-1" and o["base_round"] == rnd]
         if not mine or mine[0]["outcome"] != "merged":
             problems.append(f"the legitimate delta of round {rnd} was not merged: {mine}")
-    st = httpd.call(url, "GET", "/status", token=token, ca_file=ca_file)
+    st = httpc.call(url, "GET", "/status", token=token, ca_file=ca_file)
     for rec in st["recent"]:
         if not isinstance(rec.get("round"), int) or "outcomes" not in rec:
             problems.append(f"a malformed round record: {str(rec)[:200]}")
@@ -515,26 +516,26 @@ def epoch_fedmom(url, token, ca_file, workdir, rounds=2, deadline_s=180.0):
 
 
 def epoch_blob(url, token, ca_file, workdir):
-    import blobstore
+    import blob_client
     src, dst = os.path.join(workdir, "legit.bin"), os.path.join(workdir, "legit.back")
     with open(src, "wb") as f:
         f.write(os.urandom(1 << 20))
-    out = blobstore.put_file(url, "legit-blob", src, token=token, ca_file=ca_file, retries=2)
-    got = blobstore.get_file(url, "legit-blob", dst, token=token, ca_file=ca_file, retries=2)
-    problems = [] if got == out["sha256"] == blobstore.sha256_file(src) else ["the blob came back different"]
-    httpd.call(url, "DELETE", "/blobs/legit-blob", token=token, ca_file=ca_file)
+    out = blob_client.put_file(url, "legit-blob", src, token=token, ca_file=ca_file, deadline=httpc.Deadline(5))
+    got = blob_client.get_file(url, "legit-blob", dst, token=token, ca_file=ca_file, deadline=httpc.Deadline(5))
+    problems = [] if got == out["sha256"] == blob_client.sha256_file(src) else ["the blob came back different"]
+    httpc.call(url, "DELETE", "/blobs/legit-blob", token=token, ca_file=ca_file)
     return problems
 
 
 def context(server, url, token, ca_file):
-    _, host, port, _ = httpd.split_url(url)
+    _, host, port, _ = httpc.split_url(url)
     ctx = Ctx(server, host, port, token)
     if server == "darl":
-        ctx.digest = httpd.call(url, "GET", "/health", ca_file=ca_file)["digest"]
+        ctx.digest = httpc.call(url, "GET", "/health", ca_file=ca_file)["digest"]
     if server == "fedmom":
         import tensorio
         import tempfile
-        ctx.round = httpd.call(url, "GET", "/round", token=token, ca_file=ca_file)["round"]
+        ctx.round = httpc.call(url, "GET", "/round", token=token, ca_file=ca_file)["round"]
         with tempfile.TemporaryDirectory() as tmp:
             import fedmom_client
             path = os.path.join(tmp, "theta")
@@ -554,8 +555,8 @@ def run(server, url, token, ca_file=None, count=10000, seed=0, workers=8, timeou
         def follow_round():
             while not stop.wait(0.5):
                 try:
-                    ctx.round = httpd.call(url, "GET", "/round", token=token, ca_file=ca_file, timeout=timeout)["round"]
-                except (OSError, http.client.HTTPException, httpd.CallError):
+                    ctx.round = httpc.call(url, "GET", "/round", token=token, ca_file=ca_file, timeout=timeout)["round"]
+                except (OSError, http.client.HTTPException, httpc.CallError):
                     pass
         threading.Thread(target=follow_round, daemon=True).start()
     t0 = time.monotonic()
@@ -566,9 +567,9 @@ def run(server, url, token, ca_file=None, count=10000, seed=0, workers=8, timeou
     out.update(server=server, requests=count if only is None else 1, seconds=round(time.monotonic() - t0, 1),
                seed=seed)
     try:
-        httpd.call(url, "GET", "/health", ca_file=ca_file, timeout=timeout)
+        httpc.call(url, "GET", "/health", ca_file=ca_file, timeout=timeout)
         out["healthy_after"] = True
-    except (OSError, http.client.HTTPException, httpd.CallError) as e:
+    except (OSError, http.client.HTTPException, httpc.CallError) as e:
         out["healthy_after"] = f"{type(e).__name__}: {e}"
     out["epoch_problems"] = []
     if epoch and out["healthy_after"] is True:
@@ -577,7 +578,7 @@ def run(server, url, token, ca_file=None, count=10000, seed=0, workers=8, timeou
                 out["epoch_problems"] = {"darl": lambda: epoch_darl(url, token, ca_file),
                                          "fedmom": lambda: epoch_fedmom(url, token, ca_file, tmp),
                                          "blob": lambda: epoch_blob(url, token, ca_file, tmp)}[server]()
-            except (OSError, http.client.HTTPException, httpd.CallError, TimeoutError) as e:
+            except (OSError, http.client.HTTPException, httpc.CallError, TimeoutError) as e:
                 out["epoch_problems"] = [f"{type(e).__name__}: {e}"]
     out["ok"] = not out["bad"] and out["healthy_after"] is True and not out["epoch_problems"]
     return out
@@ -602,7 +603,7 @@ def main(argv):
     p = httpd.base_parser(__doc__)
     p.add_argument("--server", choices=SERVERS, required=True, help="which server --url is")
     p.add_argument("--url", required=True, help="the server's URL (https://... under TLS)")
-    httpd.add_client_args(p)
+    httpc.add_client_args(p)
     p.add_argument("--count", type=int, default=10000, help="requests to send (default 10000)")
     p.add_argument("--seed", type=int, default=0, help="request i of seed s is always the same (default 0)")
     p.add_argument("--workers", type=int, default=8, help="concurrent connections (default 8)")
@@ -614,7 +615,7 @@ def main(argv):
     p.add_argument("--no-epoch", action="store_true", help="skip the legitimate epoch afterwards")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     a = p.parse_args(argv)
-    out = run(a.server, a.url, httpd.load_token(a.token_file), a.ca_file, a.count, a.seed, a.workers, a.timeout_s,
+    out = run(a.server, a.url, httpc.load_token(a.token_file), a.ca_file, a.count, a.seed, a.workers, a.timeout_s,
               a.slow_wait_s, not a.no_epoch, only=a.only)
     print(json.dumps(out, indent=1) if a.json else format_report(out))
     return 0 if out["ok"] else 1

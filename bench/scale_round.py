@@ -90,7 +90,7 @@ import darl_client  # noqa: E402
 import durable  # noqa: E402
 import fedmom_client  # noqa: E402
 import harness  # noqa: E402
-import httpd  # noqa: E402
+import httpc  # noqa: E402
 import tensorio  # noqa: E402
 import wire  # noqa: E402
 from fedmom_disk_peak import dir_bytes  # noqa: E402
@@ -262,13 +262,13 @@ class TimedClient(fedmom_client.FedMomClient):
         super().__init__(*args, **kw)
         self.meter, self.calls = meter, []
 
-    def _call(self, method, path, body=None, timeout=None):
+    def _request(self, method, path, body=None, timeout=None, deadline=None):
         route = path.split("?")[0]
         if route not in self.timed:
-            return super()._call(method, path, body, timeout)
+            return super()._request(method, path, body, timeout, deadline)
         a = self.meter.now()
         try:
-            return super()._call(method, path, body, timeout)
+            return super()._request(method, path, body, timeout, deadline)
         finally:
             self.calls.append((route, a, self.meter.now()))
 
@@ -342,7 +342,7 @@ class Baton:
 def site_main(a):
     """One fake site: join, take theta, then --rounds round trips; a line per round in --records."""
     shapes = model_shapes(a.flavor)
-    token = httpd.load_token(a.token_file)
+    token = httpc.load_token(a.token_file)
     meter = Meter(int(p) for p in a.central_pids.split(","))
     inc = secrets.token_hex(6)
     os.makedirs(a.work, exist_ok=True)
@@ -357,12 +357,12 @@ def site_main(a):
                                        prefetch=False, phase_s=PHASE_S, log=lambda m: say(f"darl: {m}"))
     session.start(register=False)
     fed = TimedClient(a.fedmom, a.name, inc, token=token, blob_url=a.blob, ca_file=a.ca_file, meter=meter)
-    fed.join(wait_s=60)
+    fed.join(deadline=httpc.Deadline(60))
     baton, pool = Baton(a.baton), Pool(shapes, [7, SITES.index(a.name)])
     theta, residual = os.path.join(a.work, "theta.safetensors"), Residual(a.work)
     with fed.keepalive(interval_s=10.0):
         deadline = time.monotonic() + 300
-        while len(fed._call("GET", "/status")["members"]) < a.sites:     # no round may close without us all
+        while len(fed._request("GET", "/status")["members"]) < a.sites:     # no round may close without us all
             if time.monotonic() > deadline:
                 raise RuntimeError("the other sites did not join within 300 s")
             time.sleep(0.2)
@@ -678,10 +678,10 @@ def federate(L, cfg, root, init, shapes, base):
 
     def central():
         try:
-            st = httpd.call(urls["fedmom"], "GET", "/status", token=httpd.load_token(token), timeout=10, ca_file=ca)
+            st = httpc.call(urls["fedmom"], "GET", "/status", token=httpc.load_token(token), timeout=10, ca_file=ca)
             said = (f"the aggregator is at round {st['round']}, merging {st['merging']}, pending {st['pending']}, "
                     f"merge_error {st['merge_error']}")
-        except (OSError, httpd.CallError, ValueError) as e:
+        except (OSError, httpc.CallError, ValueError) as e:
             said = f"the aggregator does not answer GET /status ({e})"
         return said + "; its log ends:\n    " + "\n    ".join(procs["fedmom"].tail(6))
     try:

@@ -13,15 +13,15 @@ import darl_server
 import darl_table
 import durable
 import fedmom_state as fs
-import httpd
-from test_custody import TOKEN, serve
-from test_fedmom import Fixture
+import httpc
+from fixtures import FedMomFixture, serve_in_thread
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCKS = 12
+TOKEN = "audit-token"
 
 
-class AuditTest(Fixture):
+class AuditTest(FedMomFixture):
     def setUp(self):
         super().setUp()
         self.central = os.path.join(self.dir, "central")
@@ -32,10 +32,10 @@ class AuditTest(Fixture):
         space = darl_table.BlockSpace(BLOCKS, 1, 0)
         self.coord = darl_server.Coordinator(space, darl_table.TableConfig(min_ttl=1.0, max_attempts=max_attempts),
                                              self.central, clock=self.clock)
-        url = self.darl_url = serve(self, darl_server.make_routes(self.coord), token=TOKEN)
+        url = self.darl_url = serve_in_thread(self, darl_server.make_routes(self.coord), token=TOKEN)
         cfg = fs.ServerConfig(os.path.join(self.central, "fedmom"), init=self.init, outer_lr=1.0, outer_momentum=0.0)
         st = self.st = fs.FedMomState(cfg.validate(), clock=self.clock, darl=fs.DarlLink(url, TOKEN))
-        call = lambda path, **body: httpd.call(url, "POST", path, body, token=TOKEN)
+        call = lambda path, **body: httpc.call(url, "POST", path, body, token=TOKEN)
         for c in ("alpha", "beta"):
             call("/register", cluster=c, incarnation=f"{c}-inc", digest=space.digest())
             st.join(c, f"{c}-inc")
@@ -115,7 +115,7 @@ class AuditTest(Fixture):
 
     def test_a_merged_delta_whose_custody_the_operator_aborted(self):
         self.run_(blocks_left=3)
-        L = httpd.call(self.darl_url, "POST", "/acquire", {"cluster": "alpha", "incarnation": "alpha-inc",
+        L = httpc.call(self.darl_url, "POST", "/acquire", {"cluster": "alpha", "incarnation": "alpha-inc",
                                                            "blocks": 3, "ttl": 60}, token=TOKEN)["lease"]
         self.send(self.st, "alpha", self.delta()[0], 30, leases=[L])
         self.st.leave("beta", "beta-inc")

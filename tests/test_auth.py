@@ -19,7 +19,7 @@ import darl_server
 import darl_table
 import fedmom_server
 import fedmom_state
-import httpd
+import httpc
 import tensorio
 from harness import listening_url
 
@@ -31,11 +31,11 @@ WRONG = (None, "wrong", TOKEN[:-1], TOKEN + "x", TOKEN.upper())
 
 def request(url, method, path, token):
     """(status, reply bytes) of one request, with a small body on PUT/POST."""
-    _, host, port, _ = httpd.split_url(url)
+    _, host, port, _ = httpc.split_url(url)
     conn = http.client.HTTPConnection(host, port, timeout=60)
     try:
         body = b"{}" if method in ("POST", "PUT") else None
-        headers = httpd.auth_headers(token)
+        headers = httpc.auth_headers(token)
         if body is not None:
             headers.update({"Content-Length": str(len(body)), "Content-Type": "application/json",
                             "X-Content-Sha256": "0" * 64, "X-Delta-Meta": "{}"})
@@ -111,16 +111,16 @@ class AuthSweepTest(unittest.TestCase):
                 site, agg = request(url, method, path, TOKEN)[0], request(url, method, path, AGG_TOKEN)[0]
                 self.assertEqual(site == 401, is_custody, f"sites' token: {site}")
                 self.assertEqual(agg == 401, not is_custody, f"aggregator's token: {agg}")
-        reply = httpd.call(url, "POST", "/fence", {"aggregator": "fedmom-x", "last_epoch": 0, "claim": "c"},
+        reply = httpc.call(url, "POST", "/fence", {"aggregator": "fedmom-x", "last_epoch": 0, "claim": "c"},
                            token=AGG_TOKEN)
         self.assertEqual(reply["epoch"], 1)
         for body, path in (({"aggregator": "fedmom-x", "last_epoch": 10**18, "claim": "d"}, "/fence"),
                            ({"aggregator": "fedmom-x", "reason": "hostile"}, "/custody/abort_orphaned"),
                            ({"aggregator": "fedmom-x", "epoch": 1, "delta": "d1"}, "/custody/abort")):
-            with self.assertRaises(httpd.CallError) as cm:
-                httpd.call(url, "POST", path, body, token=TOKEN)
+            with self.assertRaises(httpc.CallError) as cm:
+                httpc.call(url, "POST", path, body, token=TOKEN)
             self.assertEqual(cm.exception.status, 401)
-        self.assertEqual(httpd.call(url, "GET", "/status", token=TOKEN)["aggregators"][0]["retired"], None)
+        self.assertEqual(httpc.call(url, "GET", "/status", token=TOKEN)["aggregators"][0]["retired"], None)
 
     def test_every_route_needs_the_token_but_the_public_ones(self):
         swept = 0

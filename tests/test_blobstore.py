@@ -14,7 +14,9 @@ import tempfile
 import threading
 import unittest
 
+import blob_client
 import blobstore
+import httpc
 import httpd
 from harness import child_env, expect, listening_url
 
@@ -40,7 +42,7 @@ class CuttingProxy:
     `cut_after` bytes in direction `direction` ("up": client->server, "down")."""
 
     def __init__(self, upstream_url, cut_after, direction):
-        _, self.host, self.port_up, _ = httpd.split_url(upstream_url)
+        _, self.host, self.port_up, _ = httpc.split_url(upstream_url)
         self.cut_after, self.direction, self.cuts = cut_after, direction, 0
         self.total = {"up": 0, "down": 0}          # bytes forwarded, all connections
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -107,10 +109,10 @@ class LiveStoreTest(unittest.TestCase):
 
     def raw(self, method, path, headers=None, body=b"", auth=True):
         """One request with exactly these headers; returns (status, headers, body bytes)."""
-        conn = httpd.connect(self.url)
+        conn = httpc.connect(self.url)
         try:
             conn.putrequest(method, path, skip_accept_encoding=True)
-            for k, v in {**(httpd.auth_headers(TOKEN) if auth else {}), **(headers or {})}.items():
+            for k, v in {**(httpc.auth_headers(TOKEN) if auth else {}), **(headers or {})}.items():
                 conn.putheader(k, v)
             conn.endheaders()
             if body:
@@ -168,19 +170,19 @@ class LiveStoreTest(unittest.TestCase):
     # ---------------------------------------------------------------- happy paths
     def test_put_head_get_list_delete(self):
         sha = make_file(self.p("src"), 5 * MB + 123)
-        out = blobstore.put_file(self.url, "delta-lumi.r7", self.p("src"), token=TOKEN)
+        out = blob_client.put_file(self.url, "delta-lumi.r7", self.p("src"), token=TOKEN)
         self.assertEqual((out["id"], out["size"], out["sha256"]), ("delta-lumi.r7", 5 * MB + 123, sha))
-        self.assertEqual(blobstore.head(self.url, "delta-lumi.r7", TOKEN),
+        self.assertEqual(blob_client.head(self.url, "delta-lumi.r7", TOKEN),
                          {"complete": True, "size": 5 * MB + 123, "total": 5 * MB + 123, "sha256": sha})
-        self.assertEqual(blobstore.get_file(self.url, "delta-lumi.r7", self.p("dst"), token=TOKEN), sha)
-        self.assertEqual(blobstore.sha256_file(self.p("dst")), sha)
-        listing = httpd.call(self.url, "GET", "/blobs", token=TOKEN)
+        self.assertEqual(blob_client.get_file(self.url, "delta-lumi.r7", self.p("dst"), token=TOKEN), sha)
+        self.assertEqual(blob_client.sha256_file(self.p("dst")), sha)
+        listing = httpc.call(self.url, "GET", "/blobs", token=TOKEN)
         self.assertEqual(listing["blobs"], [{"id": "delta-lumi.r7", "size": 5 * MB + 123, "sha256": sha}])
         self.assertEqual(listing["used_bytes"], 5 * MB + 123)
-        again = blobstore.put_file(self.url, "delta-lumi.r7", self.p("src"), token=TOKEN, sha256=sha)
+        again = blob_client.put_file(self.url, "delta-lumi.r7", self.p("src"), token=TOKEN, sha256=sha)
         self.assertEqual(again["sent"], 0)                          # already there: nothing resent
-        self.assertEqual(httpd.call(self.url, "DELETE", "/blobs/delta-lumi.r7", token=TOKEN)["deleted"], True)
-        self.assertIsNone(blobstore.head(self.url, "delta-lumi.r7", TOKEN))
+        self.assertEqual(httpc.call(self.url, "DELETE", "/blobs/delta-lumi.r7", token=TOKEN)["deleted"], True)
+        self.assertIsNone(blob_client.head(self.url, "delta-lumi.r7", TOKEN))
         self.assertEqual(self.visible_files(), [])
         self.assertEqual(sorted(os.listdir(self.dir)), ["dst", "root", "src"])
 
@@ -209,11 +211,11 @@ class LiveStoreTest(unittest.TestCase):
         sock.close()
         expect(lambda: "cut" not in self.store.uploading, "the server to notice the dropped connection",
                timeout_s=60, interval_s=0.02)
-        info = blobstore.head(self.url, "cut", TOKEN)
+        info = blob_client.head(self.url, "cut", TOKEN)
         self.assertEqual(info, {"complete": False, "offset": MB + 17, "total": 3 * MB, "sha256": sha})
         status, _, reply = self.raw("GET", "/blobs/cut")
         self.assert_refused(status, reply, 404, "still uploading")
-        self.assertEqual(httpd.call(self.url, "GET", "/blobs", token=TOKEN)["uploads"],
+        self.assertEqual(httpc.call(self.url, "GET", "/blobs", token=TOKEN)["uploads"],
                          [{"id": "cut", "offset": MB + 17, "total": 3 * MB, "uploading": False}])
         wrong = self.put_raw("cut", body[MB:], sha, {"Content-Range": f"bytes {MB}-{3 * MB - 1}/{3 * MB}"})
         self.assert_refused(wrong[0], wrong[2], 416, f"continues at byte {MB + 17}")
@@ -245,13 +247,15 @@ class LiveStoreTest(unittest.TestCase):
         sha = make_file(self.p("src"), 8 * MB, seed=1)
         up = CuttingProxy(self.url, 3 * MB, "up")
         self.addCleanup(up.close)
-        out = blobstore.put_file(up.url, "via-proxy", self.p("src"), token=TOKEN, progress=False)
+        out = blob_client.put_file(up.url, "via-proxy", self.p("src"), token=TOKEN, progress=False,
+                                   deadline=httpc.Deadline(60, log=httpc.quiet))
         self.assertEqual((out["sha256"], up.cuts), (sha, 1))
         self.assertLess(up.total["up"], 8 * MB + MB)                # resumed, not restarted (>= 11 MB)
         down = CuttingProxy(self.url, 5 * MB, "down")
         self.addCleanup(down.close)
-        self.assertEqual(blobstore.get_file(down.url, "via-proxy", self.p("dst"), token=TOKEN), sha)
-        self.assertEqual((down.cuts, blobstore.sha256_file(self.p("dst"))), (1, sha))
+        self.assertEqual(blob_client.get_file(down.url, "via-proxy", self.p("dst"), token=TOKEN,
+                                              deadline=httpc.Deadline(60, log=httpc.quiet)), sha)
+        self.assertEqual((down.cuts, blob_client.sha256_file(self.p("dst"))), (1, sha))
         self.assertLess(down.total["down"], 8 * MB + MB)
         self.assertEqual(sorted(os.listdir(self.dir)), ["dst", "root", "src"])
 
@@ -261,7 +265,7 @@ class LiveStoreTest(unittest.TestCase):
 
         def upload(i):
             try:
-                results[i] = blobstore.put_file(self.url, i, self.p(i), token=TOKEN)["sha256"]
+                results[i] = blob_client.put_file(self.url, i, self.p(i), token=TOKEN)["sha256"]
             except Exception as e:            # pragma: no cover - reported below
                 errors.append(e)
         threads = [threading.Thread(target=upload, args=(i,)) for i in shas]
@@ -271,7 +275,7 @@ class LiveStoreTest(unittest.TestCase):
             t.join(120)
         self.assertEqual((errors, results), ([], shas))
         for i, sha in shas.items():
-            self.assertEqual(blobstore.get_file(self.url, i, self.p(i + ".back"), token=TOKEN), sha)
+            self.assertEqual(blob_client.get_file(self.url, i, self.p(i + ".back"), token=TOKEN), sha)
 
     def test_a_second_upload_to_the_same_id_is_refused_not_interleaved(self):
         body = os.urandom(2 * MB)
@@ -323,15 +327,15 @@ class LiveStoreTest(unittest.TestCase):
         body = os.urandom(2 * MB)
         status, _, reply = self.put_raw("bad", body, sha="0" * 64)
         self.assert_refused(status, reply, 400, "checksum mismatch.*discarded")
-        self.assertIsNone(blobstore.head(self.url, "bad", TOKEN))
+        self.assertIsNone(blob_client.head(self.url, "bad", TOKEN))
         self.assertEqual(self.visible_files(), [])
         self.assertEqual(self.put_raw("bad", body)[0], 201)
         self.assert_refused(*self.put_raw("bad", body[:10])[::2], 409, "already exists")
         self.assertEqual(self.put_raw("bad", body)[0], 200)         # same bytes again: idempotent
         with open(self.p("other"), "wb") as f:
             f.write(body[:-1])
-        with self.assertRaises(httpd.CallError) as cm:              # refused at once, not retried
-            blobstore.put_file(self.url, "bad", self.p("other"), token=TOKEN)
+        with self.assertRaises(httpc.CallError) as cm:              # refused at once, not retried
+            blob_client.put_file(self.url, "bad", self.p("other"), token=TOKEN)
         self.assertEqual(cm.exception.status, 409)
 
     def test_quota_and_size_limits_answer_before_the_body_is_sent(self):
@@ -354,12 +358,12 @@ class LiveStoreTest(unittest.TestCase):
         self.assertEqual(resp.status, 201)
         src = self.p("src")
         make_file(src, 20 * MB)
-        with self.assertRaises(httpd.CallError) as cm:
-            blobstore.put_file(self.url, "over", src, token=TOKEN)
+        with self.assertRaises(httpc.CallError) as cm:
+            blob_client.put_file(self.url, "over", src, token=TOKEN)
         self.assertEqual(cm.exception.status, 413)
-        httpd.call(self.url, "DELETE", "/blobs/fill0", token=TOKEN)
-        httpd.call(self.url, "DELETE", "/blobs/fits", token=TOKEN)
-        self.assertEqual(blobstore.put_file(self.url, "over", src, token=TOKEN)["size"], 20 * MB)
+        httpc.call(self.url, "DELETE", "/blobs/fill0", token=TOKEN)
+        httpc.call(self.url, "DELETE", "/blobs/fits", token=TOKEN)
+        self.assertEqual(blob_client.put_file(self.url, "over", src, token=TOKEN)["size"], 20 * MB)
 
     def test_status_lists_the_store_and_exits_1_once_it_is_full(self):
         token = self.p("token")
@@ -386,8 +390,8 @@ class LiveStoreTest(unittest.TestCase):
         self.assertIn("status: ", r.stderr)
 
     def test_get_file_refuses_a_missing_blob_and_leaves_nothing(self):
-        with self.assertRaises(httpd.CallError) as cm:
-            blobstore.get_file(self.url, "absent", self.p("dst"), token=TOKEN, retries=0)
+        with self.assertRaises(httpc.CallError) as cm:
+            blob_client.get_file(self.url, "absent", self.p("dst"), token=TOKEN)
         self.assertEqual(cm.exception.status, 404)
         self.assertEqual(sorted(os.listdir(self.dir)), ["root"])
 
@@ -396,7 +400,7 @@ class ProgressTest(unittest.TestCase):
     def test_quiet_for_short_transfers_then_bytes_rate_and_eta(self):
         now = [0.0]
         out = io.StringIO()
-        bar = blobstore.Progress("put d", 100 * 2**20, None, clock=lambda: now[0], out=out)
+        bar = blob_client.Progress("put d", 100 * 2**20, None, clock=lambda: now[0], out=out)
         bar.update(0)
         now[0] = 1.5
         bar.update(30 * 2**20)
@@ -410,7 +414,7 @@ class ProgressTest(unittest.TestCase):
         bar.close(100 * 2**20)
         self.assertTrue(out.getvalue().endswith("100.0/100.0 MiB 36 MB/s ETA 0 s\n"))
         quiet = io.StringIO()
-        off = blobstore.Progress("x", 10, False, clock=lambda: now[0], out=quiet)
+        off = blob_client.Progress("x", 10, False, clock=lambda: now[0], out=quiet)
         off.update(0)
         now[0] = 100.0
         off.update(5)
@@ -441,7 +445,8 @@ class CrashResumeTest(unittest.TestCase):
 
         def upload():
             try:
-                result["out"] = blobstore.put_file(url, "big", src, token=TOKEN, sha256=sha, retries=12)
+                result["out"] = blob_client.put_file(url, "big", src, token=TOKEN, sha256=sha,
+                                                     deadline=httpc.Deadline(240, max_wait_s=1.0, log=httpc.quiet))
             except Exception as e:
                 result["error"] = e
         t = threading.Thread(target=upload)
@@ -463,7 +468,7 @@ class CrashResumeTest(unittest.TestCase):
         self.assertLess(out["sent"], self.SIZE + on_disk // 2)        # resumed, not started over
         self.assertFalse(os.path.exists(partial))
         os.unlink(src)
-        self.assertEqual(blobstore.get_file(url, "big", os.path.join(tmp.name, "back"), token=TOKEN), sha)
+        self.assertEqual(blob_client.get_file(url, "big", os.path.join(tmp.name, "back"), token=TOKEN), sha)
 
 
 if __name__ == "__main__":

@@ -22,11 +22,11 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import chaos  # noqa: E402
 import durable  # noqa: E402
 import fedmom_state as fs  # noqa: E402
-import test_fedmom  # noqa: E402
+import fixtures  # noqa: E402
 import tensorio  # noqa: E402
 
 
-class ReplayTest(test_fedmom.Fixture):
+class ReplayTest(fixtures.FedMomFixture):
     def run_rounds(self):
         kept = os.path.join(self.dir, "kept")
         os.environ[fs.KEEP_DELTAS_ENV] = kept
@@ -65,7 +65,7 @@ class ReplayTest(test_fedmom.Fixture):
         first = next(iter(arrays))
         arrays[first].reshape(-1)[0] += 1e-5          # below int4's step: it shows in the residual, if not in theta
         os.unlink(victim)                                   # a hard link: write a new file, not through it
-        test_fedmom.write_tensors(victim, arrays, "F32")
+        fixtures.write_tensors(victim, arrays, "F32")
         final, _, _, residual = chaos.replay_theta(self.init, st.dir, kept, records,
                                                    os.path.join(self.dir, "replay"), st.cfg.down_codec())
         same = [chaos.same_bits(final, os.path.join(st.dir, st.theta_file))[0],

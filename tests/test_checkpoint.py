@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import checkpoint
 import diloco
-from test_diloco import spawn
+from fixtures import spawn
 
 H = 2
 ROWS = []                  # diloco rows of this process

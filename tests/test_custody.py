@@ -38,10 +38,12 @@ import durable
 import fedmom_client
 import fedmom_server as fm
 import fedmom_state as fs
+import httpc
 import httpd
+import testhooks
 from darl_table import LeaseError, LeaseTable, TableConfig
+from fixtures import SHAPES, FakeClock, FedMomFixture, serve_in_thread, write_tensors
 from harness import expect
-from test_fedmom import SHAPES, FakeClock, Fixture, write_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "t0ken"
@@ -300,19 +302,11 @@ class CustodyTableTest(unittest.TestCase):
 
 # ---------------------------------------------------------------- the aggregator against a real DARL
 
-def serve(test, routes, **kw):
-    server = httpd.make_server(routes, **kw)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    test.addCleanup(server.server_close)
-    test.addCleanup(server.shutdown)
-    return server.url
-
-
 def front(test, status):
     """A server that answers every call with `status`: a proxy, a gateway, an old route table."""
     def answer(req):
         raise httpd.HTTPError(status, f"front says {status}")
-    return serve(test, {("GET", "/*"): answer, ("POST", "/*"): answer}, token=TOKEN)
+    return serve_in_thread(test, {("GET", "/*"): answer, ("POST", "/*"): answer}, token=TOKEN)
 
 
 def silent(test):
@@ -324,17 +318,17 @@ def silent(test):
     return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-class AggregatorFixture(Fixture):
+class AggregatorFixture(FedMomFixture):
     def darl(self, blocks=100, clock=None):
         coord = darl_server.Coordinator(darl_table.BlockSpace(blocks, 1, 0), TableConfig(min_ttl=10.0),
                                         clock=clock or self.clock)
-        return coord, serve(self, darl_server.make_routes(coord), token=TOKEN)
+        return coord, serve_in_thread(self, darl_server.make_routes(coord), token=TOKEN)
 
     def lease(self, url, coord, cluster, ttl=60, n=5):
         inc = f"{cluster}-inc"
-        httpd.call(url, "POST", "/register", {"cluster": cluster, "incarnation": inc, "digest": coord.digest},
+        httpc.call(url, "POST", "/register", {"cluster": cluster, "incarnation": inc, "digest": coord.digest},
                    token=TOKEN)
-        return httpd.call(url, "POST", "/acquire", {"cluster": cluster, "incarnation": inc, "blocks": n, "ttl": ttl},
+        return httpc.call(url, "POST", "/acquire", {"cluster": cluster, "incarnation": inc, "blocks": n, "ttl": ttl},
                           token=TOKEN)["lease"]
 
     def agg(self, link, name="st", init=True):
@@ -438,7 +432,7 @@ class SiteMistakesTest(AggregatorFixture):
         st.join("snellius", "snellius-inc")
         a = self.lease(url, coord, "lumi")
         self.assertTrue(self.send(st, "lumi", self.delta()[0], 100, leases=[a])["accepted"])
-        httpd.call(url, "POST", "/release", {"cluster": "lumi", "incarnation": "lumi-inc", "leave": True},
+        httpc.call(url, "POST", "/release", {"cluster": "lumi", "incarnation": "lumi-inc", "leave": True},
                    token=TOKEN)                                 # the site finishes (or its job is cancelled)
         b = self.lease(url, coord, "snellius")
         self.assertTrue(self.send(st, "snellius", self.delta()[0], 100, leases=[b])["accepted"])
@@ -575,7 +569,7 @@ class FencingAndRepairTest(AggregatorFixture):
             st = json.load(f)
         b = self.agg(fs.DarlLink(url, TOKEN), name="B", init=False)
         claim = json.loads(pathlib.Path(os.path.join(self.dir, "B", "state.json")).read_text())["fence_claim"]
-        lost = httpd.call(url, "POST", "/fence", {"aggregator": b.aggregator_id, "last_epoch": st["epoch"],
+        lost = httpc.call(url, "POST", "/fence", {"aggregator": b.aggregator_id, "last_epoch": st["epoch"],
                                                   "claim": claim}, token=TOKEN)
         self.assertEqual(lost["epoch"], 5)
         b = self.agg(fs.DarlLink(url, TOKEN), name="B", init=False)  # the restart repeats the same ask
@@ -599,7 +593,7 @@ class FencingAndRepairTest(AggregatorFixture):
             self.assertEqual(self.send(a, c, self.delta()[0], 100, leases=[leases[c]])["custody"], "confirmed")
         shutil.copytree(os.path.join(self.dir, "A"), os.path.join(self.dir, "B"), ignore=shutil.ignore_patterns("lock"))
         gone = a.pending[("snellius", "snellius-inc")].delta_id
-        httpd.call(url, "POST", "/custody/abort", {"aggregator": a.aggregator_id, "epoch": a.epoch, "delta": gone,
+        httpc.call(url, "POST", "/custody/abort", {"aggregator": a.aggregator_id, "epoch": a.epoch, "delta": gone,
                                                    "why": "excluded by the live process"}, token=TOKEN)
         del a
         b = self.agg(fs.DarlLink(url, TOKEN), name="B", init=False)
@@ -666,7 +660,7 @@ class FencingAndRepairTest(AggregatorFixture):
         self.assertEqual((books["in_custody"], books["free"]), (0, 100))
         self.assertEqual(books["violations"]["aborted_custody"], 2)
         self.assertEqual(st.violations["aborted_custody"], 2)
-        furl = serve(self, fm.make_routes(st), token=TOKEN, public=("/health", "/"))
+        furl = serve_in_thread(self, fm.make_routes(st), token=TOKEN, public=("/health", "/"))
         env = {**os.environ, "PWW_TOKEN": TOKEN}
         for script, url_ in (("fedmom_server.py", furl), ("darl_server.py", url)):
             out = subprocess.run([sys.executable, script, "status", "--url", url_], cwd=ROOT, env=env,
@@ -720,7 +714,7 @@ class FencingAndRepairTest(AggregatorFixture):
         self.assertTrue(st.darl_tick())
         self.assertEqual(fresh.status()["violations"]["blocks_trained_twice"], 0, "DARL cannot know")
         self.assertEqual(st.violations["blocks_trained_twice"], 5)
-        furl = serve(self, fm.make_routes(st), token=TOKEN, public=("/health", "/"))
+        furl = serve_in_thread(self, fm.make_routes(st), token=TOKEN, public=("/health", "/"))
         out = subprocess.run([sys.executable, "fedmom_server.py", "status", "--url", furl], cwd=ROOT,
                              env={**os.environ, "PWW_TOKEN": TOKEN}, capture_output=True, text=True, timeout=60)
         self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
@@ -776,16 +770,16 @@ class BlobTransportTest(AggregatorFixture):
         darl_clock = FakeClock()
         coord, url = self.darl(clock=darl_clock)
         store = blobstore.BlobStore(os.path.join(self.dir, "blobs"), 1 << 30, 1 << 28)
-        blob_url = serve(self, blobstore.make_routes(store), token=TOKEN)
+        blob_url = serve_in_thread(self, blobstore.make_routes(store), token=TOKEN)
         cfg = fs.ServerConfig(os.path.join(self.dir, "st"), init=self.init, blob_url=blob_url)
         st = fs.FedMomState(cfg.validate(), clock=self.clock, darl=fs.DarlLink(url, TOKEN))
-        furl = serve(self, fm.make_routes(st, blob_token=TOKEN), token=TOKEN)
+        furl = serve_in_thread(self, fm.make_routes(st, blob_token=TOKEN), token=TOKEN)
         site = fedmom_client.FedMomClient(furl, "lumi", "lumi-inc", token=TOKEN, blob_url=blob_url)
         site.join()
         a = self.lease(url, coord, "lumi", ttl=10)
         darl_clock.t += 11                                      # expired, and someone else trains it
         self.lease(url, coord, "other")
-        with self.assertRaises(httpd.CallError) as cm:
+        with self.assertRaises(httpc.CallError) as cm:
             site.send_delta(self.delta()[0], 0, 100, [a], {}, transport="blob")
         self.assertEqual(cm.exception.reply.get("code"), "lease_lost")
         b = self.lease(url, coord, "lumi", ttl=600)
@@ -795,7 +789,7 @@ class BlobTransportTest(AggregatorFixture):
         # a retried send whose reply was lost: a duplicate, although its blob is gone
         meta = {"cluster": "lumi", "incarnation": "lumi-inc", "base_round": 0, "tokens": 100,
                 "leases": [b], "blob": "delta-gone", "sha256": "0" * 64}
-        self.assertTrue(httpd.call(furl, "POST", "/delta_blob", meta, token=TOKEN)["duplicate"])
+        self.assertTrue(httpc.call(furl, "POST", "/delta_blob", meta, token=TOKEN)["duplicate"])
 
 
 class GoneFlagTest(unittest.TestCase):
@@ -808,7 +802,7 @@ class GoneFlagTest(unittest.TestCase):
 
 
 def urllib_page(url):
-    conn = httpd.connect(url)
+    conn = httpc.connect(url)
     try:
         conn.request("GET", "/")
         return conn.getresponse().read().decode()
@@ -820,7 +814,7 @@ def urllib_page(url):
 
 class ProcessFixture(unittest.TestCase):
     """Real darl_server.py and fedmom_server.py processes on loopback, each started with a
-    fault dir (httpd.fault_point): self.faults unless start() is given another."""
+    fault dir (testhooks.fault_point): self.faults unless start() is given another."""
 
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="custody-procs-")
@@ -841,7 +835,7 @@ class ProcessFixture(unittest.TestCase):
         mark = os.path.getsize(path) if os.path.exists(path) else 0
         with open(path, "ab") as log:
             proc = subprocess.Popen([sys.executable, script, "--port", "0", *map(str, args)], cwd=ROOT,
-                                    env={**os.environ, httpd.FAULT_DIR_ENV: faults or self.faults}, stdout=log,
+                                    env={**os.environ, testhooks.FAULT_DIR_ENV: faults or self.faults}, stdout=log,
                                     stderr=subprocess.STDOUT)
         self.procs.append(proc)
 
@@ -895,7 +889,7 @@ class RestartWithCommitsOwedTest(ProcessFixture):
         os.unlink(arm)
         fed, furl = self.start("fedmom_server.py", *fed_args)
         # DARL commits before the aggregator drops the entry from its books: wait for both
-        expect(lambda: client.status()["committed"] == 10 and httpd.call(furl, "GET", "/status")["pending_commits"]
+        expect(lambda: client.status()["committed"] == 10 and httpc.call(furl, "GET", "/status")["pending_commits"]
                == 0, "DARL to receive the owed commits and the aggregator to record it",
                timeout_s=DEADLINE_S, interval_s=0.02)
         books = client.status()
@@ -1014,7 +1008,7 @@ class CopyTakenWhileFencingTest(ProcessFixture):
             L = client.acquire("lumi", "lumi-inc", blocks=5)["lease"]
             site.send_delta(deltas, base, 50, [{"id": L["id"], "start": L["start"], "end": L["end"]}], {})
             expect(lambda: client.status()["committed"] == 5 * (base + 1)
-                   and httpd.call(furl, "GET", "/status")["pending_commits"] == 0,
+                   and httpc.call(furl, "GET", "/status")["pending_commits"] == 0,
                    f"A to merge round {base + 1} and DARL to commit it", timeout_s=DEADLINE_S, interval_s=0.02)
 
         round_of_5(0)                                      # A merged round 1, DARL committed 5 blocks
@@ -1063,7 +1057,7 @@ def read_json(*path):
 
 def darl_server_client(url):
     import darl_client
-    return darl_client.LeaseClient(url, retries=0)
+    return darl_client.LeaseClient(url)
 
 
 if __name__ == "__main__":

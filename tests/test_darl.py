@@ -1,6 +1,6 @@
 """DARL: block space, lease state machine (injected clock), write-ahead log and
 snapshots, the HTTP coordinator on a loopback socket, sessions in threads, the
-coordinator SIGKILLed under load, and the end-to-end `simulate` audit."""
+coordinator SIGKILLed under load, and the end-to-end audit of darl_simulate.py."""
 import collections
 import json
 import os
@@ -18,11 +18,15 @@ import unittest
 import zlib
 
 import darl_client
+import darl_log
 import darl_server
+import darl_simulate
 import darl_table
 import durable
+import httpc
 import httpd
-from darl_server import Coordinator, LogError
+from darl_log import LogError
+from darl_server import Coordinator
 from darl_table import BlockSpace, InvariantError, LeaseError, LeaseTable, TableConfig
 from harness import expect, listening_url
 
@@ -440,7 +444,7 @@ class DurabilityTest(unittest.TestCase):
         self.assertTrue(os.path.exists(snap), "20 changes over 4 lives, --snapshot-every 10: no snapshot")
         with open(snap) as f:
             snap_seq = json.load(f)["seq"]
-        log = darl_server.WriteAheadLog.read(os.path.join(self.dir, "darl", "wal.jsonl"))
+        log = darl_log.WriteAheadLog.read(os.path.join(self.dir, "darl", "wal.jsonl"))
         last = log.records[-1]["seq"] if log.records else log.header["seq"]
         self.assertLess(last - snap_seq, 10, "the log holds more than --snapshot-every changes")
 
@@ -480,7 +484,7 @@ class DurabilityTest(unittest.TestCase):
             self.assertIn(f"byte {at} (line 4): {what} in a complete line", str(cm.exception))
             self.assertIn(f"truncate -s {at} {wal}", str(cm.exception))
         with open(wal, "wb") as f:
-            f.write(b"\n".join(lines[:3] + [darl_server._line({"v": 3, "seq": 3})] + lines[4:]))
+            f.write(b"\n".join(lines[:3] + [darl_log._line({"v": 3, "seq": 3})] + lines[4:]))
         with self.assertRaisesRegex(LogError, "version 3"):
             self.coord()
         with open(wal, "wb") as f:                      # an intact line of an older darl_server
@@ -511,7 +515,7 @@ class DurabilityTest(unittest.TestCase):
             self.coord()
         header = json.loads(saved[wal].split(b"\n")[0].rsplit(b"\t", 1)[0])
         with open(wal, "wb") as f:                        # a log of another snapshot
-            f.write(darl_server._line({**header, "log": "0" * 16}) + saved[wal].split(b"\n", 1)[1])
+            f.write(darl_log._line({**header, "log": "0" * 16}) + saved[wal].split(b"\n", 1)[1])
         with self.assertRaisesRegex(LogError, "is not the one the snapshot .* names"):
             self.coord()
         lines = saved[wal].split(b"\n")
@@ -539,7 +543,7 @@ class DurabilityTest(unittest.TestCase):
             snap, header, cut = c._capture()                  # the table at change 2
         later = c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5})["lease"]
         c.call("commit", {"cluster": "a", "incarnation": "x", "lease": first["id"]})
-        snap["crc"] = darl_server._snapshot_crc(snap)
+        snap["crc"] = darl_log._snapshot_crc(snap)
         durable.write_json(os.path.join(self.dir, "darl", "snapshot.json"), snap, separators=(",", ":"))
         want = self.books(c)
         c.wal.close()                                         # killed before the log restarts
@@ -548,7 +552,7 @@ class DurabilityTest(unittest.TestCase):
         self.assertIn(later["id"], again.table.leases)
         self.assertEqual(again.table.committed.total, 5)
         wal = os.path.join(self.dir, "darl", "wal.jsonl")
-        log = darl_server.WriteAheadLog.read(wal)
+        log = darl_log.WriteAheadLog.read(wal)
         self.assertEqual((log.header["seq"], log.header["log"]), (snap["seq"], snap["log"]))
         self.assertEqual([r["seq"] for r in log.records][:2], [snap["seq"] + 1, snap["seq"] + 2])
         again.call("heartbeat", {"cluster": "a", "incarnation": "x"})
@@ -578,9 +582,9 @@ class DurabilityTest(unittest.TestCase):
 
     def test_a_failed_fsync_stops_the_process(self):
         """EIO from fsync leaves the change in memory and maybe not on disk: exit 75, unanswered."""
-        code = ("import os, sys, darl_server, darl_table\n"
+        code = ("import os, sys, darl_log, darl_server, darl_table\n"
                 "def eio(fd): raise OSError(5, 'Input/output error')\n"
-                "darl_server._datasync = eio\n"
+                "darl_log._datasync = eio\n"
                 "s = darl_table.BlockSpace(10, 1, 0)\n"
                 "c = darl_server.Coordinator(s, state_dir=sys.argv[1])\n"
                 "c.call('register', {'cluster': 'a', 'incarnation': 'x', 'digest': s.digest()})\n"
@@ -614,13 +618,13 @@ class DurabilityTest(unittest.TestCase):
 
     def test_every_line_is_versioned_checksummed_and_fsynced_before_the_reply(self):
         synced = []                  # the log's size at each flush to disk: what that flush made durable
-        real = darl_server._datasync
+        real = darl_log._datasync
 
         def spy(fd):
             real(fd)
             synced.append(os.fstat(fd).st_size)
-        darl_server._datasync = spy
-        self.addCleanup(setattr, darl_server, "_datasync", real)
+        darl_log._datasync = spy
+        self.addCleanup(setattr, darl_log, "_datasync", real)
         c = self.coord()
         wal = os.path.join(self.dir, "darl", "wal.jsonl")
         call, replies = c.call, []
@@ -742,7 +746,7 @@ class LoggedDecisionsTest(unittest.TestCase):
                 self.assertIn(f"byte {line_start}", str(cm.exception))
         with open(wal, "wb") as f:              # intact checksum, unreplayable record (a bug, not damage)
             lines = data.split(b"\n")
-            lines[2] = darl_server._line({"v": 2, "seq": 2, "t": 1000.0, "op": "acquire", "args": {"nope": 1},
+            lines[2] = darl_log._line({"v": 2, "seq": 2, "t": 1000.0, "op": "acquire", "args": {"nope": 1},
                                           "out": "00000000"}).rstrip(b"\n")
             f.write(b"\n".join(lines))
         with self.assertRaisesRegex(LogError, "cannot be replayed"):
@@ -759,7 +763,7 @@ class LoggedDecisionsTest(unittest.TestCase):
             lines = f.read().split(b"\n")
         rec = json.loads(lines[2].rsplit(b"\t", 1)[0])
         rec["out"] = "deadbeef"                 # a log written under other rules
-        lines[2] = darl_server._line(rec).rstrip(b"\n")
+        lines[2] = darl_log._line(rec).rstrip(b"\n")
         with open(wal, "wb") as f:
             f.write(b"\n".join(lines))
         with self.assertRaisesRegex(LogError, "replays to another outcome than the one it recorded"):
@@ -931,14 +935,14 @@ class HTTPTest(unittest.TestCase):
     def setUp(self):
         self.live = LiveServer(100, tmpdir(self), token="tok")
         self.addCleanup(self.live.close)
-        self.client = darl_client.LeaseClient(self.live.url, token="tok", retries=0)
+        self.client = darl_client.LeaseClient(self.live.url, token="tok")
         self.addCleanup(self.client.close)
 
     def raw(self, path, body, token="tok"):
-        conn = httpd.connect(self.live.url)
+        conn = httpc.connect(self.live.url)
         try:
             data = body if isinstance(body, bytes) else json.dumps(body).encode()
-            conn.request("POST", path, body=data, headers=httpd.auth_headers(token))
+            conn.request("POST", path, body=data, headers=httpc.auth_headers(token))
             resp = conn.getresponse()
             return resp.status, json.loads(resp.read())
         finally:
@@ -972,7 +976,7 @@ class HTTPTest(unittest.TestCase):
         self.assertEqual(json.dumps(self.live.coord.table.to_dict()), before)
         self.assertEqual(self.live.coord.seq, seq)
         self.assertEqual(self.client.commit("a", "x", lease["id"])["committed"], 5)   # still serving
-        self.assertEqual(httpd.call(self.live.url, "GET", "/health")["service"], "darl")
+        self.assertEqual(httpc.call(self.live.url, "GET", "/health")["service"], "darl")
 
     def test_status_shows_clusters_and_quarantine_loudly(self):
         d = self.live.space.digest()
@@ -994,7 +998,7 @@ class HTTPTest(unittest.TestCase):
         clock = Clock()
         self.live = LiveServer(100, tmpdir(self), token="tok", clock=clock)
         self.addCleanup(self.live.close)
-        self.client = darl_client.LeaseClient(self.live.url, token="tok", retries=0)
+        self.client = darl_client.LeaseClient(self.live.url, token="tok")
         self.addCleanup(self.client.close)
         d = self.live.space.digest()
         for reply in (self.client.register("a", "x", d), self.client.status()):
@@ -1055,12 +1059,16 @@ class HTTPTest(unittest.TestCase):
 
 
 class ConcurrencyTest(unittest.TestCase):
-    def run_sessions(self, url, digest, space, n, per_block_s, reports, clients_kw=None, before_commit=None):
+    def run_sessions(self, url, digest, space, n, per_block_s, reports, commit_s=None, before_commit=None):
         """n sessions in threads; each reports ("commit", blocks) or ("lost", span), and
-        ("error", traceback) if anything else ends it."""
+        ("error", traceback) if anything else ends it. commit_s: each commit is repeated
+        (httpc's rule) for that long without an answer (None: one attempt)."""
+        def deadline():
+            return None if commit_s is None else httpc.Deadline(commit_s, max_wait_s=1.0, log=httpc.quiet)
+
         def worker(i):
             try:
-                with darl_client.LeaseClient(url, **(clients_kw or {})) as client, \
+                with darl_client.LeaseClient(url) as client, \
                         darl_client.LeaseSession(client, f"c{i}", digest, span_blocks=2, phase_s=1.0,
                                                  log=lambda m: None) as s:
                     while (span := s.next_span(timeout=300)) is not None:
@@ -1068,7 +1076,7 @@ class ConcurrencyTest(unittest.TestCase):
                         if before_commit is not None:
                             before_commit()
                         try:
-                            s.commit(span)
+                            s.commit(span, deadline=deadline())
                         except darl_client.LeaseLost:
                             reports[i].append(("lost", span))
                             continue
@@ -1126,9 +1134,9 @@ class ConcurrencyTest(unittest.TestCase):
         def hold_at_half():          # nobody commits past half the epoch before the crash
             if committed() >= m // 2:
                 self.assertTrue(crashed.wait(timeout=300), "the coordinator was never killed")
-        # a retry budget (>= 0.5 s x 400 = 200 s) beyond any restart of the coordinator below
-        threads = self.run_sessions(url, space.digest(), space, 4, 0.004, reports,
-                                    {"retries": 400, "max_backoff_s": 1.0}, before_commit=hold_at_half)
+        # a commit's deadline (200 s without an answer) beyond any restart of the coordinator below
+        threads = self.run_sessions(url, space.digest(), space, 4, 0.004, reports, commit_s=200,
+                                    before_commit=hold_at_half)
         expect(lambda: committed() >= 100, "100 commits before the crash", timeout_s=60, interval_s=0.02)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
@@ -1152,7 +1160,7 @@ class ConcurrencyTest(unittest.TestCase):
 
 class SimulateTest(unittest.TestCase):
     def test_simulate_kills_a_cluster_mid_lease_and_prints_pass(self):
-        out = subprocess.run([sys.executable, "darl_client.py", "simulate", "--clusters", "3", "--kill", "1",
+        out = subprocess.run([sys.executable, "darl_simulate.py", "--clusters", "3", "--kill", "1",
                               "--late", "1", "--blocks", "150", "--fastest", "80", "--delay", "0.5"],
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
@@ -1164,11 +1172,18 @@ class SimulateTest(unittest.TestCase):
         self.assertGreater(int(rows["sim-1"][3]), 0, "the killed cluster lost the span it held")
         self.assertGreaterEqual(int(rows["sim-1"][1]), 2 * 4, "it committed two spans before the kill")
 
+    def test_help_is_the_docstring(self):
+        out = subprocess.run([sys.executable, "darl_simulate.py", "--help"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("--clusters", out.stdout)
+        self.assertIn("PASS: coverage is exactly once", out.stdout)
+
     def test_audit_reports_duplicates_and_missing(self):
         reports = {"x": [{"event": "commit", "t": 1.0, "lease": 1, "start": 0, "end": 2, "blocks": [0, 1]}],
                    "y": [{"event": "span", "t": 1.0, "lease": 2, "start": 2, "end": 4},
                          {"event": "commit", "t": 2.0, "lease": 2, "start": 2, "end": 4, "blocks": [1, 3]}]}
-        rows, dup, missing = darl_client.audit(5, reports)
+        rows, dup, missing = darl_simulate.audit(5, reports)
         self.assertEqual((dup, missing), ([1], [2, 4]))
         self.assertEqual([r["committed"] for r in rows], [2, 2])
 

@@ -18,7 +18,7 @@ import audit
 import darl_client
 import demo
 import harness
-import httpd
+import httpc
 import tensorio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -176,11 +176,11 @@ class ServicesTest(unittest.TestCase):
             self.assertEqual(oct(os.stat(svc.token_file).st_mode & 0o777), "0o600")
             for url in (svc.darl, svc.fedmom, svc.blob):
                 self.assertTrue(url.startswith("http://127.0.0.1:"), url)
-                httpd.wait_healthy(url, 30)
+                httpc.wait_healthy(url, 30)
             for url in (svc.darl, svc.fedmom, svc.blob):       # the token is enforced
                 for token in (None, "not-" + svc.token):
-                    with self.assertRaises(httpd.CallError) as cm:
-                        httpd.call(url, "GET", "/status" if url != svc.blob else "/blobs", token=token)
+                    with self.assertRaises(httpc.CallError) as cm:
+                        httpc.call(url, "GET", "/status" if url != svc.blob else "/blobs", token=token)
                     self.assertEqual(cm.exception.status, 401, (url, cm.exception.reply))
             client = darl_client.LeaseClient(svc.darl, token=svc.token)
             self.addCleanup(client.close)

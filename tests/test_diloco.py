@@ -9,52 +9,18 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 import unittest
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import diloco
+from fixtures import spawn
 
 WORLD = 4
 H = 2                      # inner steps per outer step in the arithmetic check
 OUTER_STEPS = 3
-
-
-SPAWN_DEADLINE_S = 600      # a whole spawned group: generous on 2 loaded cores, but a hang ends
-
-
-def spawn(fn, world, tmp, *args, deadline_s=SPAWN_DEADLINE_S):
-    """Run fn(rank, world, tmp, *args) on `world` processes joined in one gloo group
-    (FileStore under tmp, traffic on the loopback interface only). A group still running
-    after deadline_s (a collective that never completes) is killed and the test fails."""
-    ctx = mp.start_processes(_entry, args=(fn, world, tmp) + args, nprocs=world, join=False,
-                             start_method="spawn")
-    end = time.monotonic() + deadline_s
-    try:
-        while not ctx.join(timeout=1.0):              # raises if a rank failed
-            if time.monotonic() > end:
-                raise AssertionError(f"{fn.__name__} on {world} ranks still running after {deadline_s} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(30)
-
-
-def _entry(rank, fn, world, tmp, *args):
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    store = os.path.join(tmp, f"store-{fn.__name__}-{world}")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        fn(rank, world, tmp, *args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 # --------------------------------------------------------------- prepared values

@@ -20,9 +20,11 @@ import unittest
 
 import numpy as np
 
+import blob_client
 import blobstore
 import certs
 import durable
+import httpc
 import httpd
 import tensorio
 
@@ -91,7 +93,7 @@ class Served(unittest.TestCase):
         self.port = self.server.server_address[1]
 
     def call(self, method, path, body=None, token=TOKEN, **kw):
-        return httpd.call(self.server.url, method, path, body, token=token, **kw)
+        return httpc.call(self.server.url, method, path, body, token=token, **kw)
 
 
 class TLSTest(unittest.TestCase):
@@ -114,9 +116,9 @@ class TLSTest(unittest.TestCase):
 
     def test_json_calls_over_https_with_the_ca(self):
         self.assertTrue(self.url.startswith("https://127.0.0.1:"))
-        conn = httpd.connect(self.url, ca_file=self.ca)
+        conn = httpc.connect(self.url, ca_file=self.ca)
         for i in range(20):                     # keep-alive across requests, through the poller
-            self.assertEqual(httpd.call(self.url, "POST", "/echo", {"i": i}, token=TOKEN, conn=conn),
+            self.assertEqual(httpc.call(self.url, "POST", "/echo", {"i": i}, token=TOKEN, conn=conn),
                              {"got": {"i": i}})
         conn.close()
 
@@ -124,20 +126,20 @@ class TLSTest(unittest.TestCase):
         src, dst = os.path.join(self.root, "src"), os.path.join(self.root, "dst")
         with open(src, "wb") as f:
             f.write(np.random.default_rng(0).bytes(3 << 20))
-        out = blobstore.put_file(self.url, "d1", src, token=TOKEN, ca_file=self.ca)
-        self.assertEqual(blobstore.get_file(self.url, "d1", dst, token=TOKEN, ca_file=self.ca), out["sha256"])
+        out = blob_client.put_file(self.url, "d1", src, token=TOKEN, ca_file=self.ca)
+        self.assertEqual(blob_client.get_file(self.url, "d1", dst, token=TOKEN, ca_file=self.ca), out["sha256"])
         with open(src, "rb") as a, open(dst, "rb") as b:
             self.assertEqual(a.read(), b.read())
 
     def test_an_unknown_ca_is_a_clear_error_not_a_retry(self):
-        with self.assertRaises(httpd.TLSConfigError) as cm:
-            httpd.call(self.url, "GET", "/health")           # the system CAs do not know ours
+        with self.assertRaises(httpc.TLSConfigError) as cm:
+            httpc.call(self.url, "GET", "/health")           # the system CAs do not know ours
         self.assertNotIsInstance(cm.exception, OSError)      # callers retry OSErrors; this would never pass
         self.assertIn("--ca-file", str(cm.exception))
 
     def test_plain_http_on_the_tls_port_is_told_to_use_https(self):
-        with self.assertRaises(httpd.CallError) as cm:
-            httpd.call(self.url.replace("https://", "http://"), "GET", "/health")
+        with self.assertRaises(httpc.CallError) as cm:
+            httpc.call(self.url.replace("https://", "http://"), "GET", "/health")
         self.assertEqual(cm.exception.status, 400)
         self.assertIn("https://", cm.exception.reply["error"])
 
@@ -146,7 +148,7 @@ class TLSTest(unittest.TestCase):
         self.addCleanup(plain.server_close)
         self.addCleanup(plain.shutdown)
         with self.assertRaises(OSError):        # the server hangs up on the ClientHello at once
-            httpd.call(plain.url.replace("http://", "https://"), "GET", "/health", ca_file=self.ca, timeout=BOUND_S)
+            httpc.call(plain.url.replace("http://", "https://"), "GET", "/health", ca_file=self.ca, timeout=BOUND_S)
         self.assertEqual(plain.stats()["tls_on_plain_port"], 1)
 
 
@@ -189,8 +191,8 @@ class ProtocolEdgesTest(Served):
 
     def test_nan_and_infinity_literals_are_refused_by_field(self):
         for body in (b'{"x": NaN}', b'{"x": Infinity}', b'{"x": -Infinity}', b'{"x": 1e999}'):
-            conn = httpd.connect(self.server.url)
-            conn.request("POST", "/number", body=body, headers=httpd.auth_headers(TOKEN))
+            conn = httpc.connect(self.server.url)
+            conn.request("POST", "/number", body=body, headers=httpc.auth_headers(TOKEN))
             resp = conn.getresponse()
             self.assertEqual(resp.status, 400, body)
             self.assertIn("finite", json.loads(resp.read())["error"])
@@ -198,8 +200,8 @@ class ProtocolEdgesTest(Served):
         self.assertEqual(self.call("POST", "/number", {"x": 1.5}), {"x": 1.5})
 
     def test_a_full_disk_is_a_507_naming_the_disk_with_retry_after(self):
-        conn = httpd.connect(self.server.url)
-        conn.request("POST", "/full", body=b"{}", headers=httpd.auth_headers(TOKEN))
+        conn = httpc.connect(self.server.url)
+        conn.request("POST", "/full", body=b"{}", headers=httpc.auth_headers(TOKEN))
         resp = conn.getresponse()
         reply = json.loads(resp.read())
         self.assertEqual(resp.status, 507)
@@ -364,13 +366,13 @@ class DiskFullTest(unittest.TestCase):
         with open(src, "wb") as f:
             f.write(self.rng.bytes(6 << 20))
         filler = fill(self.disk, 3 << 20)
-        with self.assertRaises(httpd.CallError) as cm:
-            blobstore.put_file(server.url, "delta", src, token=TOKEN, retries=0)
+        with self.assertRaises(httpc.CallError) as cm:
+            blob_client.put_file(server.url, "delta", src, token=TOKEN)
         self.assertEqual((cm.exception.status, cm.exception.reply["code"]), (507, "disk_full"))
         self.assertIn(self.disk, cm.exception.reply["error"])
         self.assertEqual(self.files(store.root), [], "the unfinished upload gave its space back")
         os.unlink(filler)                                   # space returns: the same call succeeds
-        out = blobstore.put_file(server.url, "delta", src, token=TOKEN, retries=0)
+        out = blob_client.put_file(server.url, "delta", src, token=TOKEN)
         self.assertEqual(out["size"], 6 << 20)
 
     def fedmom(self, **kw):
@@ -387,19 +389,19 @@ class DiskFullTest(unittest.TestCase):
 
     def send(self, url, cluster, path, base_round=0):
         import fedmom_client
-        c = fedmom_client.FedMomClient(url, cluster, f"{cluster}-inc", token=TOKEN, retries=0)
+        c = fedmom_client.FedMomClient(url, cluster, f"{cluster}-inc", token=TOKEN)
         return c.send_delta(path, base_round, 10, [], {}, transport="inline")
 
     def test_a_delta_spool_a_merge_and_a_join_on_a_full_disk(self):
         import fedmom_state
         st, url, clock = self.fedmom()
         for c in ("a", "b"):
-            httpd.call(url, "POST", "/join", {"cluster": c, "incarnation": f"{c}-inc"}, token=TOKEN)
+            httpc.call(url, "POST", "/join", {"cluster": c, "incarnation": f"{c}-inc"}, token=TOKEN)
         da, db = (self.tensors(os.path.join(self.tmp, f"d{c}"), 0.01) for c in "ab")
         before = self.files(st.dir)
         # 1. the spool: a 507, no part file, nothing pending
         filler = fill(self.disk, 256 << 10)
-        with self.assertRaises(httpd.CallError) as cm:
+        with self.assertRaises(httpc.CallError) as cm:
             self.send(url, "a", da)
         self.assertEqual((cm.exception.status, cm.exception.reply["code"]), (507, "disk_full"))
         self.assertEqual(self.files(st.dir), before)
@@ -407,8 +409,8 @@ class DiskFullTest(unittest.TestCase):
         # 2. a join that cannot be made durable is no join
         os.unlink(filler)
         filler = fill(self.disk, 0)
-        with self.assertRaises(httpd.CallError) as cm:
-            httpd.call(url, "POST", "/join", {"cluster": "c", "incarnation": "c-inc"}, token=TOKEN)
+        with self.assertRaises(httpc.CallError) as cm:
+            httpc.call(url, "POST", "/join", {"cluster": "c", "incarnation": "c-inc"}, token=TOKEN)
         self.assertEqual(cm.exception.status, 507)
         self.assertEqual([m["cluster"] for m in st.status()["members"]], ["a", "b"])
         os.unlink(filler)
@@ -455,45 +457,47 @@ class DiskFullTest(unittest.TestCase):
         server = serve(darl_server.make_routes(coord), disk=state)
         self.addCleanup(server.server_close)
         self.addCleanup(server.shutdown)
-        httpd.call(server.url, "POST", "/register", {"cluster": "a", "incarnation": "i", "digest": space.digest()},
+        httpc.call(server.url, "POST", "/register", {"cluster": "a", "incarnation": "i", "digest": space.digest()},
                    token=TOKEN)
         return coord, server.url, state
 
     def cycle(self, url):
         """acquire + commit of one block; -> the commit's reply."""
-        lease = httpd.call(url, "POST", "/acquire", {"cluster": "a", "incarnation": "i", "blocks": 1},
+        lease = httpc.call(url, "POST", "/acquire", {"cluster": "a", "incarnation": "i", "blocks": 1},
                            token=TOKEN)["lease"]
-        return httpd.call(url, "POST", "/commit", {"cluster": "a", "incarnation": "i", "lease": lease["id"]},
+        return httpc.call(url, "POST", "/commit", {"cluster": "a", "incarnation": "i", "lease": lease["id"]},
                           token=TOKEN)
 
     def test_darl_refuses_a_change_while_its_disk_is_full(self):
+        import darl_log
         import darl_server
         coord, url, state = self.darl()
         self.cycle(url)
         before = (coord.seq, os.path.getsize(os.path.join(state, "darl", "wal.jsonl")), coord.table.to_dict())
         filler = fill(self.disk, 16 << 10)                  # under darl_server.DISK_MARGIN
-        with self.assertRaises(httpd.CallError) as cm:
+        with self.assertRaises(httpc.CallError) as cm:
             self.cycle(url)
         self.assertEqual((cm.exception.status, cm.exception.reply["code"]), (507, "disk_full"))
         self.assertIn(self.disk, cm.exception.reply["error"])
         self.assertEqual((coord.seq, os.path.getsize(os.path.join(state, "darl", "wal.jsonl")),
                           coord.table.to_dict()), before, "a refused change left a trace")
-        self.assertEqual(httpd.call(url, "GET", "/status", token=TOKEN)["committed"], 1, "reads still served")
+        self.assertEqual(httpc.call(url, "GET", "/status", token=TOKEN)["committed"], 1, "reads still served")
         os.unlink(filler)
         self.cycle(url)
-        self.assertEqual(darl_server.load_state(state).table.to_dict(), coord.table.to_dict())
+        self.assertEqual(darl_log.load_state(state).table.to_dict(), coord.table.to_dict())
 
     def test_darl_log_append_and_snapshot_failing_mid_write(self):
         """No margin: the disk fills up inside the log's last page. Snapshots fail first (a new
         file): every change still answers 200. Then an append fails, maybe after part of its
         line went in: 507, the part cut away, the table rebuilt from the log."""
+        import darl_log
         import darl_server
         coord, url, state = self.darl(snapshot_every=3, disk_margin=0)
         filler, ok, snapshot_errors = fill(self.disk, 0), 0, set()
         for _ in range(2000):                               # bounds the loop: a page holds ~30 records
             try:
                 self.cycle(url)
-            except httpd.CallError as e:
+            except httpc.CallError as e:
                 refused = e
                 break
             ok += 1
@@ -505,8 +509,8 @@ class DiskFullTest(unittest.TestCase):
         said = darl_server.format_status({**coord.status(), "snapshot_error": next(e for e in snapshot_errors if e)})
         self.assertIn("!!! SNAPSHOT FAILED: ", said)            # darl_server.py status says it
         wal = os.path.join(state, "darl", "wal.jsonl")
-        self.assertEqual(darl_server.WriteAheadLog.read(wal).torn_bytes, 0, "a torn line was left in the log")
-        on_disk = darl_server.load_state(state)
+        self.assertEqual(darl_log.WriteAheadLog.read(wal).torn_bytes, 0, "a torn line was left in the log")
+        on_disk = darl_log.load_state(state)
         self.assertEqual((on_disk.seq, on_disk.table.to_dict()), (coord.seq, coord.table.to_dict()),
                          "memory ran ahead of the log")
         self.assertGreaterEqual(on_disk.table.status(coord.clock())["committed"], ok,
@@ -516,7 +520,7 @@ class DiskFullTest(unittest.TestCase):
             self.cycle(url)
         self.assertIsNone(coord.status()["snapshot_error"])
         self.assertTrue(os.path.exists(os.path.join(state, "darl", "snapshot.json")))
-        again = darl_server.load_state(state)               # what a restart rebuilds
+        again = darl_log.load_state(state)               # what a restart rebuilds
         self.assertEqual(again.table.to_dict(), coord.table.to_dict())
 
 # ---------------------------------------------------------------- long transfers

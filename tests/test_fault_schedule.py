@@ -1,4 +1,4 @@
-"""The fast subset of bench/fault_schedule.py: four fixed schedules that between them
+"""The fast subset of bench/fault_schedule.py, on fault_harness.py: four fixed schedules that between them
 inject every kind of fault (real darl_server.py, fedmom_server.py and blobstore.py
 processes, fake torch-free sites on the real clients) and run every kind of site (f32,
 int4 with error feedback, overlapped; an aggregator with --down-wire int4 whose sites
@@ -22,15 +22,14 @@ import sys
 import tempfile
 import unittest
 
+import numpy as np
+
+import durable
+import fault_harness as fsch
+import fedmom_checkpoint
+from fault_harness import Fault, Schedule
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-import numpy as np  # noqa: E402
-
-import durable  # noqa: E402
-import fedmom_checkpoint  # noqa: E402
-import fault_schedule as fsch  # noqa: E402
-from fault_schedule import Fault, Schedule  # noqa: E402
 
 INLINE, BLOB = "inline", "blob"
 SCHEDULES = {

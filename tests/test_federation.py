@@ -55,7 +55,7 @@ import dist_env
 import durable
 import fedsite
 import harness
-import httpd
+import httpc
 import tokenize_corpus as tc
 import train
 
@@ -364,9 +364,9 @@ class CarrierTest(unittest.TestCase):
             raise AssertionError(f"worker exited {rc}:\n" + "\n".join(w.tail(60)))
         with open(os.path.join(out, "report.json")) as f:
             cls.report = json.load(f)
-        harness.expect(lambda: httpd.call(cls.fedmom, "GET", "/status")["pending_commits"] == 0,
+        harness.expect(lambda: httpc.call(cls.fedmom, "GET", "/status")["pending_commits"] == 0,
                        "the aggregator's commits to reach DARL", [fed])
-        cls.darl_status = httpd.call(cls.darl, "GET", "/status")
+        cls.darl_status = httpc.call(cls.darl, "GET", "/status")
         cls.rounds = durable.read_jsonl(os.path.join(t, "fedmom", "rounds.jsonl"))
 
     @classmethod
@@ -408,7 +408,7 @@ class CarrierTest(unittest.TestCase):
         old_fed.leave()                                          # ... and its membership
         self.assertEqual(drive(lambda: False), (4, 0, 200))     # K=4, seed 0, H=100 x 8 windows / 4
         self.assertTrue(site.member)
-        st = httpd.call(self.darl, "GET", "/status")
+        st = httpc.call(self.darl, "GET", "/status")
         self.assertEqual([c["incarnation"] for c in st["clusters"] if c["cluster"] == "twin"], [site.incarnation])
         for _ in site.finish():
             pass
@@ -561,7 +561,7 @@ class FederationRunTest(unittest.TestCase):
         # 4. the aggregator dies mid-run and comes back on the same port and state
         fed.kill()
         cls.events["fedmom_killed_at_round"] = cls.records()[-1]["round"]
-        fed, _ = harness.start_server(L, "fedmom", fed_args, log_of(t, "fedmom"), port=httpd.split_url(cls.fedmom)[2],
+        fed, _ = harness.start_server(L, "fedmom", fed_args, log_of(t, "fedmom"), port=httpc.split_url(cls.fedmom)[2],
                                       ca_file=cls.ca)
         harness.expect(lambda: len(cls.merged_by(cls.records()[-1])) > 0 and
                        cls.records()[-1]["round"] > cls.events["fedmom_killed_at_round"] + 1,
@@ -572,8 +572,8 @@ class FederationRunTest(unittest.TestCase):
             if p.poll() != 0:
                 raise AssertionError(f"{p.name} exited {p.poll()}:\n" + "\n".join(p.tail(40)))
         assert cls.darl.startswith("https://") and cls.fedmom.startswith("https://") and cls.blob.startswith("https://")
-        cls.darl_status = httpd.call(cls.darl, "GET", "/status", token="test-token-0123456789", ca_file=cls.ca)
-        cls.fed_status = httpd.call(cls.fedmom, "GET", "/status", token="test-token-0123456789", ca_file=cls.ca)
+        cls.darl_status = httpc.call(cls.darl, "GET", "/status", token="test-token-0123456789", ca_file=cls.ca)
+        cls.fed_status = httpc.call(cls.fedmom, "GET", "/status", token="test-token-0123456789", ca_file=cls.ca)
         cls.rows = {n: durable.read_jsonl(os.path.join(t, "runs", n, "metrics.jsonl")) for n in ("alpha", "beta")}
 
     def test_every_block_committed_exactly_once(self):

@@ -9,13 +9,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import unittest
 
 import numpy as np
 
+import blob_client
 import blobstore
 import darl_server
 import darl_table
@@ -25,14 +25,14 @@ import fedmom_client
 import fedmom_merge
 import fedmom_server as fm
 import fedmom_state as fs
+import httpc
 import httpd
 import tensorio
 import wire
+from fixtures import SHAPES, FedMomFixture, read_all, write_tensors
 from harness import listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# one tensor bigger than fedmom_merge.CHUNK, so the chunk loop runs more than once
-SHAPES = {"embed": (300, 1000), "layer.w": (64, 48), "layer.b": (48,), "norm": (7,)}
 
 
 def naive_fedmom(theta, buf, deltas, tokens, lr, mu):
@@ -46,86 +46,11 @@ def naive_fedmom(theta, buf, deltas, tokens, lr, mu):
     return new_theta, new_buf
 
 
-def widened(arrays, dtype):
-    """What the server sees of a delta written in `dtype`, as float64."""
-    out = {}
-    for k, a in arrays.items():
-        if dtype == "BF16":
-            out[k] = tensorio.bf16_to_f32(tensorio.f32_to_bf16(a)).astype(np.float64)
-        else:
-            out[k] = a.astype(tensorio.DTYPES[dtype]).astype(np.float64)
-    return out
-
-
-def write_tensors(path, arrays, dtype):
-    with tensorio.TensorWriter(path, [(k, dtype, a.shape) for k, a in arrays.items()], fsync=False) as w:
-        for k, a in arrays.items():
-            w.write(k, a)
-
-
-def read_all(path):
-    with tensorio.TensorReader(path) as r:
-        return {k: r.read(k, as_float32=True).astype(np.float64) for k in r.names}
-
-
 def rel_err(a, b):
     return max(float(np.abs(a[k] - b[k]).max() / (np.abs(b[k]).max() + 1e-30)) for k in b)
 
 
-class FakeClock:
-    def __init__(self):
-        self.t = 1000.0
-
-    def __call__(self):
-        return self.t
-
-
-class Fixture(unittest.TestCase):
-    """A temp dir with an init model; helpers to run a state through rounds."""
-
-    def setUp(self):
-        self.dir = tempfile.mkdtemp(prefix="fedmom-")
-        self.addCleanup(shutil.rmtree, self.dir, True)
-        self.rng = np.random.default_rng(1)
-        self.theta0 = {k: self.rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
-        self.init = os.path.join(self.dir, "init.safetensors")
-        write_tensors(self.init, self.theta0, "BF16")       # init in bf16: theta_global is still fp32
-        self.theta0 = widened(self.theta0, "BF16")
-        self.clock = FakeClock()
-
-    def state(self, **kw):
-        cfg = fs.ServerConfig(os.path.join(self.dir, "st"), init=kw.pop("init", self.init), **kw)
-        return fs.FedMomState(cfg.validate(), clock=self.clock, darl=kw.get("darl"))
-
-    def delta(self, dtype="F16", scale=0.01, names=None, shapes=None):
-        shapes = shapes or SHAPES
-        arrays = {k: (scale * self.rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()
-                  if names is None or k in names}
-        path = os.path.join(self.dir, f"delta-{self.rng.integers(1 << 40)}.safetensors")
-        write_tensors(path, arrays, dtype)
-        return path, widened(arrays, dtype)
-
-    def send(self, st, cluster, path, tokens, base_round=None, **meta):
-        m = st.check_delta_meta({"cluster": cluster, "incarnation": f"{cluster}-inc", "tokens": tokens,
-                                 "base_round": st.round if base_round is None else base_round, **meta})
-        part = st.new_part_path()                              # as PUT /delta: metadata first, then the body
-        shutil.copyfile(path, part)
-        return st.accept_delta(m, part)
-
-    def theta(self, st):
-        return read_all(os.path.join(st.dir, st.theta_file))
-
-    def snapshot(self, st):
-        """Every file under the state dir with its bytes: 'nothing on disk changed' is this, equal."""
-        out = {}
-        for base, _, files in os.walk(st.dir):
-            for fn in files:
-                with open(os.path.join(base, fn), "rb") as f:
-                    out[os.path.relpath(os.path.join(base, fn), st.dir)] = f.read()
-        return out
-
-
-class MergeMathTest(Fixture):
+class MergeMathTest(FedMomFixture):
     def test_nesterov_matches_torch_sgd_and_the_naive_reference_over_rounds(self):
         import torch
         st = self.state(outer_lr=0.7, outer_momentum=0.9)
@@ -188,7 +113,7 @@ class MergeMathTest(Fixture):
         self.assertLess(rel_err(self.theta(st), mean), 1e-6)
 
 
-class ThreadedMergeTest(Fixture):
+class ThreadedMergeTest(FedMomFixture):
     """merge_files on threads: the chunks of a tensor split over a pool give the serial
     merge's bits, norms and NonFinite, for any number of threads."""
     BIG = {"big": (2100, 1024), "small": (7,)}           # 9 chunks of fedmom_merge.CHUNK: 3 thread tasks
@@ -255,7 +180,7 @@ class ThreadedMergeTest(Fixture):
         self.assertEqual(got[1], got[0])
 
 
-class ProtocolTest(Fixture):
+class ProtocolTest(FedMomFixture):
     def test_stale_base_round_is_rejected_with_the_current_round(self):
         st = self.state()
         st.join("lumi", "lumi-inc")
@@ -492,7 +417,7 @@ class ProtocolTest(Fixture):
         self.assertIn("--init", str(cm.exception))
 
 
-class LiveServerTest(Fixture):
+class LiveServerTest(FedMomFixture):
     """Threads serving fedmom, a real blob store and a real DARL coordinator on 127.0.0.1."""
     TOKEN = "t0ken"
 
@@ -520,14 +445,14 @@ class LiveServerTest(Fixture):
         self.addCleanup(stop.set)
 
         def lease(cluster, inc):
-            httpd.call(darl_url, "POST", "/register", {"cluster": cluster, "incarnation": inc,
+            httpc.call(darl_url, "POST", "/register", {"cluster": cluster, "incarnation": inc,
                                                        "digest": coord.digest}, token=self.TOKEN)
-            return httpd.call(darl_url, "POST", "/acquire", {"cluster": cluster, "incarnation": inc, "blocks": 5},
+            return httpc.call(darl_url, "POST", "/acquire", {"cluster": cluster, "incarnation": inc, "blocks": 5},
                               token=self.TOKEN)["lease"]
 
         a = fedmom_client.FedMomClient(url, "lumi", "inc-a", token=self.TOKEN, blob_url=blob_url)
         b = fedmom_client.FedMomClient(url, "snellius", "inc-b", token=self.TOKEN, blob_url=blob_url)
-        self.assertEqual(httpd.call(url, "GET", "/status", token=self.TOKEN)["members"], [])   # 0 members
+        self.assertEqual(httpc.call(url, "GET", "/status", token=self.TOKEN)["members"], [])   # 0 members
         self.assertEqual(a.join()["members"], ["lumi"])                                        # 1
         theta_path = os.path.join(self.dir, "theta-a.safetensors")
         self.assertEqual(a.download_theta(theta_path), 0)
@@ -568,8 +493,8 @@ class LiveServerTest(Fixture):
         page = urllib_get(url + "/")                           # public, no token
         self.assertIn("<svg", page)
         self.assertIn("round 3", page)
-        with self.assertRaises(httpd.CallError) as cm:
-            httpd.call(url, "GET", "/status", token="wrong")
+        with self.assertRaises(httpc.CallError) as cm:
+            httpc.call(url, "GET", "/status", token="wrong")
         self.assertEqual(cm.exception.status, 401)
         before = self.snapshot(st)
         for headers, body, want in (({}, b"x" * 10, "X-Delta-Meta"),
@@ -578,8 +503,8 @@ class LiveServerTest(Fixture):
                                                                   "base_round": 3, "tokens": 5,
                                                                   "leases": [{"id": 1, "end": 5}]})},
                                      b"\x00" * 100, "not a tensor file")):
-            conn = httpd.connect(url)
-            conn.request("PUT", "/delta", body=body, headers={**headers, **httpd.auth_headers(self.TOKEN)})
+            conn = httpc.connect(url)
+            conn.request("PUT", "/delta", body=body, headers={**headers, **httpc.auth_headers(self.TOKEN)})
             resp = conn.getresponse()
             reply = json.loads(resp.read())
             conn.close()
@@ -594,7 +519,7 @@ class LiveServerTest(Fixture):
         self.assertIn("merge round 3", out.stdout)
 
 
-class BlobRouteTest(Fixture):
+class BlobRouteTest(FedMomFixture):
     """POST /delta_blob over HTTP: every refusal is a one-line JSON error and stores nothing;
     then the same delta with the right id and checksum is accepted."""
     TOKEN = LiveServerTest.TOKEN
@@ -614,14 +539,14 @@ class BlobRouteTest(Fixture):
     def post(self, url, body):
         """(status, reply) of one POST /delta_blob."""
         try:
-            return 200, httpd.call(url, "POST", "/delta_blob", body, token=self.TOKEN, timeout=120)
-        except httpd.CallError as e:
+            return 200, httpc.call(url, "POST", "/delta_blob", body, token=self.TOKEN, timeout=120)
+        except httpc.CallError as e:
             return e.status, e.reply
 
     def test_every_refusal_names_the_cause_and_stores_nothing(self):
         st, url = self.aggregator("st", self.blob_url)
         path = self.delta()[0]
-        sha = blobstore.put_file(self.blob_url, "delta-lumi-r0", path, token=self.TOKEN)["sha256"]
+        sha = blob_client.put_file(self.blob_url, "delta-lumi-r0", path, token=self.TOKEN)["sha256"]
         meta = {"cluster": "lumi", "incarnation": "lumi-inc", "base_round": 0, "tokens": 100}
         before = self.snapshot(st)
         # refused before the fetch: the blob stays in place; refused after it (a wrong checksum): deleted
@@ -638,7 +563,7 @@ class BlobRouteTest(Fixture):
                 self.assertNotIn("\n", reply["error"])
                 self.assertEqual(self.snapshot(st), before)
                 self.assertEqual(self.store.complete("delta-lumi-r0") is not None, kept, "blob kept")
-        sha = blobstore.put_file(self.blob_url, "delta-lumi-r0", path, token=self.TOKEN)["sha256"]
+        sha = blob_client.put_file(self.blob_url, "delta-lumi-r0", path, token=self.TOKEN)["sha256"]
         # no blob store configured, and a store that is down: nothing stored either
         plain, plain_url = self.aggregator("plain", None)
         got, reply = self.post(plain_url, {**meta, "blob": "delta-lumi-r0", "sha256": sha})
@@ -665,7 +590,7 @@ class BlobRouteTest(Fixture):
         self.assertIsNone(self.store.complete("delta-lumi-r0"))
 
 
-class JsonRouteTest(Fixture):
+class JsonRouteTest(FedMomFixture):
     """Every JSON route of the aggregator (its own route table's POSTs), over HTTP, fed
     bodies no client should send: each a 4xx with a one-line error, nothing on disk changes,
     and the server goes on serving."""
@@ -673,10 +598,10 @@ class JsonRouteTest(Fixture):
     serve = LiveServerTest.serve
 
     def raw(self, url, path, body, headers=None):
-        conn = httpd.connect(url)
+        conn = httpc.connect(url)
         try:
             conn.putrequest("POST", path)
-            hdrs = {**httpd.auth_headers(self.TOKEN), **(headers or {})}
+            hdrs = {**httpc.auth_headers(self.TOKEN), **(headers or {})}
             if "Content-Length" not in hdrs and body is not None:
                 hdrs["Content-Length"] = str(len(body))
             for k, v in hdrs.items():
@@ -726,11 +651,11 @@ class JsonRouteTest(Fixture):
                 self.assertEqual((got, "Content-Length" in reply["error"]), (411, True), reply)
         self.assertEqual(self.snapshot(st), before)
         self.assertEqual(st.pending, {})
-        self.assertEqual(httpd.call(url, "POST", "/heartbeat", me, token=self.TOKEN)["round"], 0)   # still serving
+        self.assertEqual(httpc.call(url, "POST", "/heartbeat", me, token=self.TOKEN)["round"], 0)   # still serving
 
 
 def urllib_get(url):
-    conn = httpd.connect(url)
+    conn = httpc.connect(url)
     try:
         conn.request("GET", "/")
         resp = conn.getresponse()
@@ -739,7 +664,7 @@ def urllib_get(url):
         conn.close()
 
 
-class CrashTest(Fixture):
+class CrashTest(FedMomFixture):
     def start(self, state_dir, *extra, pause="0"):
         proc = subprocess.Popen([sys.executable, "fedmom_server.py", "--state-dir", state_dir, "--port", "0",
                                  *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -766,9 +691,9 @@ class CrashTest(Fixture):
             deltas.append(d)
             fedmom_client.FedMomClient(url, c, f"{c}-inc").send_delta(path, 0, tok, [], {})
         deadline = time.monotonic() + 120                      # the merge runs in memory, paused mid-model
-        while not httpd.call(url, "GET", "/round")["merging"] and time.monotonic() < deadline:
+        while not httpc.call(url, "GET", "/round")["merging"] and time.monotonic() < deadline:
             time.sleep(0.01)
-        self.assertTrue(httpd.call(url, "GET", "/round")["merging"])
+        self.assertTrue(httpc.call(url, "GET", "/round")["merging"])
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         with open(os.path.join(sd, "state.json")) as f:        # the old round, intact
@@ -786,7 +711,7 @@ class CrashTest(Fixture):
         proc.send_signal(signal.SIGKILL)                       # and right after a merge: still round 1,
         proc.wait(timeout=30)                                  # replayed from round 0's checkpoint, same bits
         proc, url = self.start(sd)
-        self.assertEqual(httpd.call(url, "GET", "/round")["round"], 1)
+        self.assertEqual(httpc.call(url, "GET", "/round")["round"], 1)
         self.assertEqual(rel_err(read_all(self.served_theta(url)), theta1), 0)
         proc.kill()
         proc.wait(timeout=30)
@@ -818,12 +743,12 @@ class CrashTest(Fixture):
             self.assertIn(says, out.stderr)
             self.assertNotIn("Traceback", out.stderr)
             self.assertEqual(files(), before, f"a refused start on port {port_arg} changed the live state dir")
-        self.assertEqual(httpd.call(url, "GET", "/status")["pending"], ["a"])
+        self.assertEqual(httpc.call(url, "GET", "/status")["pending"], ["a"])
         proc.kill()
         proc.wait(timeout=30)
 
 
-class DownstreamTest(Fixture):
+class DownstreamTest(FedMomFixture):
     """--down-wire against a real fedmom_server process: a site holding round r gets r+1 as
     an update and holds the server's theta bit for bit, through a server SIGKILL and a new
     site process; a new, behind or altered site downloads the whole theta."""
@@ -890,8 +815,8 @@ class DownstreamTest(Fixture):
                 self.assert_holds_server_theta(sd, path, rnd + 1)
             sizes.append(a.down["bytes"])
             self.assertEqual(b.down["bytes"], a.down["bytes"])
-        blobs = {x["id"]: x["size"] for x in httpd.call(blob_url, "GET", "/blobs")["blobs"]}
-        agg = httpd.call(url, "GET", "/status")["aggregator"]
+        blobs = {x["id"]: x["size"] for x in httpc.call(blob_url, "GET", "/blobs")["blobs"]}
+        agg = httpc.call(url, "GET", "/status")["aggregator"]
         self.assertEqual([blobs.get(fs.blob_name(agg, "update", r)) for r in (1, 2, 3)], sizes)  # b's came this way
         n = sum(int(np.prod(s)) for s in SHAPES.values())
         self.assertTrue(all(b / n < 0.6 for b in sizes), f"int4 update bytes/param {[b / n for b in sizes]}")
@@ -905,7 +830,7 @@ class DownstreamTest(Fixture):
         self.assertEqual(upd["digest"], wire.theta_digest(a_path))
         rec = durable.read_jsonl(os.path.join(sd, "rounds.jsonl"))[-1]
         self.assertEqual((rec["down_wire"], rec["update_bytes"]), ("int4", sizes[-1]))
-        self.assertEqual(httpd.call(url, "GET", "/status")["update"],
+        self.assertEqual(httpc.call(url, "GET", "/status")["update"],
                          {"round": 3, "format": "int4", "update_bytes": sizes[-1], "residual_norm": upd["residual_norm"]})
         # a site three rounds behind: the whole theta, the same bits
         self.assertEqual(late._fetch(late_path), 3)
@@ -934,8 +859,8 @@ class DownstreamTest(Fixture):
         self.assertEqual(a3._fetch(a_path), 5)
         self.assertEqual(a3.down["via"], "full")
         self.assert_holds_server_theta(sd, a_path, 5)
-        with self.assertRaises(httpd.CallError) as cm:
-            httpd.call(url, "GET", "/theta_update?from=4&digest=" + "0" * 64)
+        with self.assertRaises(httpc.CallError) as cm:
+            httpc.call(url, "GET", "/theta_update?from=4&digest=" + "0" * 64)
         self.assertEqual((cm.exception.status, cm.exception.reply.get("code")), (409, "no_update"))
         with open(os.path.join(sd, "state.json")) as f:
             ckpt = json.load(f)["checkpoint"]
@@ -945,7 +870,7 @@ class DownstreamTest(Fixture):
         self.assertFalse(os.path.exists(os.path.join(self.dir, "a", "theta-update.safetensors")))
 
 
-class HostileDeltaTest(Fixture):
+class HostileDeltaTest(FedMomFixture):
     """Finite deltas that would wreck theta_global, and members that must not stall a round."""
 
     def huge(self, value=3e38):
@@ -1105,7 +1030,7 @@ class ImportTest(unittest.TestCase):
         """The central VM's modules (and fedsite.py, the site's torch-free half) import without torch."""
         code = ("import sys; sys.modules['torch'] = None\n"
                 "import fedmom_server, fedmom_state, fedmom_client, tensorio\n"
-                "import darl_server, blobstore, durable, httpd, wire, fedsite\n"  # the rest of the VM; fedsite
+                "import darl_server, darl_log, audit, blobstore, blob_client, durable, httpd, httpc, testhooks, wire, fedsite\n"  # the rest of the VM; fedsite
                 "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
                 "print('ok', fedmom_server.DEFAULT_PORT)")
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

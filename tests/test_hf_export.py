@@ -31,7 +31,7 @@ TEXT = "\n".join(f"def f{i}(x):\n    return x * {i}  # héllo wörld €" for i 
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tensorio.py"), "export-hf", *args],
+    return subprocess.run([sys.executable, os.path.join(ROOT, "hf_export.py"), *args],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
 
 
@@ -170,7 +170,7 @@ class ExportTest(unittest.TestCase):
             with self.assertRaises(SystemExit) as e:
                 hf_export.main(list(args))
             return str(e.exception.code)
-        self.assertIn("export-hf writes Qwen3", error(self.theta, self.out("x"), "--model", "resnet18"))
+        self.assertIn("hf_export.py writes Qwen3", error(self.theta, self.out("x"), "--model", "resnet18"))
         self.assertIn("--tokenizer needs --data", error(self.theta, self.out("x"), "--model", "qwen3-tiny",
                                                         "--tokenizer", self.manifest))
         self.assertIn("drop --tokenizer", error(self.theta, self.out("x"), "--model", "qwen3-tiny",
@@ -246,11 +246,12 @@ class HFTokenizerTest(unittest.TestCase):
 
 
 class CentralVMTest(unittest.TestCase):
-    """tensorio.py stays numpy-only: run as on the central VM, with torch unimportable."""
+    """tensorio.py stays numpy-only: run as on the central VM, with torch unimportable; the
+    export there says where to run it."""
 
-    def run_without_torch(self, *argv):
+    def run_without_torch(self, *argv, script="tensorio.py"):
         code = ("import runpy, sys; sys.modules['torch'] = None; "
-                f"sys.argv = ['tensorio.py', *{list(argv)!r}]; runpy.run_path('tensorio.py', run_name='__main__')")
+                f"sys.argv = [{script!r}, *{list(argv)!r}]; runpy.run_path({script!r}, run_name='__main__')")
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
 
     def test_inspection_needs_no_torch(self):
@@ -263,7 +264,7 @@ class CentralVMTest(unittest.TestCase):
             self.assertIn("w  F32[2]", r.stdout)
 
     def test_export_without_torch_says_where_to_run_it(self):
-        r = self.run_without_torch("export-hf", "theta-3.safetensors", "out", "--model", "qwen3-tiny")
+        r = self.run_without_torch("theta-3.safetensors", "out", "--model", "qwen3-tiny", script="hf_export.py")
         self.assertNotEqual(r.returncode, 0)
         self.assertEqual(len(r.stderr.strip().splitlines()), 1, r.stderr)
         self.assertIn("needs torch and torchtitan", r.stderr)

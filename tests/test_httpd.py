@@ -11,6 +11,7 @@ import tempfile
 import threading
 import unittest
 
+import httpc
 import httpd
 from harness import listening_url
 
@@ -54,33 +55,33 @@ class HTTPPlumbingTest(unittest.TestCase):
         self.addCleanup(self.live.close)
 
     def call(self, method, path, body=None, token="s3cret"):
-        return httpd.call(self.live.url, method, path, body, token=token)
+        return httpc.call(self.live.url, method, path, body, token=token)
 
     def test_health_is_public_everything_else_needs_the_token(self):
-        self.assertEqual(httpd.call(self.live.url, "GET", "/health"), {"ok": True})
-        with self.assertRaises(httpd.CallError) as cm:
+        self.assertEqual(httpc.call(self.live.url, "GET", "/health"), {"ok": True})
+        with self.assertRaises(httpc.CallError) as cm:
             self.call("POST", "/echo", {"a": 1}, token="wrong")
         self.assertEqual(cm.exception.status, 401)
         self.assertEqual(self.call("POST", "/echo", {"a": 1}), {"got": {"a": 1}})
 
     def test_errors_are_one_line_json_and_the_server_keeps_serving(self):
         for path, status in (("/nowhere", 404), ("/boom", 500), ("/teapot", 418)):
-            with self.assertRaises(httpd.CallError) as cm:
+            with self.assertRaises(httpc.CallError) as cm:
                 self.call("GET", path)
             self.assertEqual(cm.exception.status, status)
             self.assertIsInstance(cm.exception.reply["error"], str)
             self.assertNotIn("\n", cm.exception.reply["error"])
         self.assertEqual(cm.exception.reply["hint"], "tip me over")
-        with self.assertRaises(httpd.CallError) as cm:
+        with self.assertRaises(httpc.CallError) as cm:
             self.call("GET", "/echo")
         self.assertEqual(cm.exception.status, 405)
         self.assertEqual(self.call("GET", "/health"), {"ok": True})
 
     def test_bad_bodies(self):
-        with self.assertRaises(httpd.CallError) as cm:
+        with self.assertRaises(httpc.CallError) as cm:
             self.call("POST", "/echo", {"x": "y" * 2000})
         self.assertEqual(cm.exception.status, 413)
-        conn = httpd.connect(self.live.url)
+        conn = httpc.connect(self.live.url)
         conn.request("POST", "/echo", body=b"{not json", headers={"Authorization": "Bearer s3cret"})
         resp = conn.getresponse()
         self.assertEqual(resp.status, 400)
@@ -94,13 +95,13 @@ class HTTPPlumbingTest(unittest.TestCase):
         self.addCleanup(server.shutdown)
         deep = {"x": None}
         body = "[" * 200000 + "]" * 200000              # json.loads raises RecursionError here
-        conn = httpd.connect(server.url)
+        conn = httpc.connect(server.url)
         conn.request("POST", "/echo", body=body.encode(), headers={"Authorization": "Bearer s3cret"})
         resp = conn.getresponse()
         self.assertEqual(resp.status, 400)
         self.assertIn("malformed JSON", json.loads(resp.read())["error"])
         conn.close()
-        self.assertEqual(httpd.call(server.url, "POST", "/echo", deep, token="s3cret"), {"got": deep})
+        self.assertEqual(httpc.call(server.url, "POST", "/echo", deep, token="s3cret"), {"got": deep})
 
     def test_keep_alive_and_wildcard_routes(self):
         # http.client opens a new connection by itself when the server closed the last one:
@@ -113,13 +114,13 @@ class HTTPPlumbingTest(unittest.TestCase):
             setup(h)
             accepted.append(h.client_address)
         handler.setup = counting
-        conn = httpd.connect(self.live.url)
+        conn = httpc.connect(self.live.url)
         for i in range(20):
-            reply = httpd.call(self.live.url, "PUT", f"/things/t{i}", {}, token="s3cret", conn=conn)
+            reply = httpc.call(self.live.url, "PUT", f"/things/t{i}", {}, token="s3cret", conn=conn)
             self.assertEqual(reply, {"tail": f"t{i}"})
-        with self.assertRaises(httpd.CallError):                   # an error reply keeps it open too
-            httpd.call(self.live.url, "GET", "/teapot", token="s3cret", conn=conn)
-        self.assertEqual(httpd.call(self.live.url, "GET", "/health", conn=conn), {"ok": True})
+        with self.assertRaises(httpc.CallError):                   # an error reply keeps it open too
+            httpc.call(self.live.url, "GET", "/teapot", token="s3cret", conn=conn)
+        self.assertEqual(httpc.call(self.live.url, "GET", "/health", conn=conn), {"ok": True})
         conn.close()
         self.assertEqual(len(accepted), 1, accepted)
 
@@ -156,14 +157,14 @@ class TokenTest(unittest.TestCase):
         return path
 
     def test_a_file_gives_its_first_line(self):
-        self.assertEqual(httpd.load_token(self.file("t", "  s3cret \nsecond line\n")), "s3cret")
+        self.assertEqual(httpc.load_token(self.file("t", "  s3cret \nsecond line\n")), "s3cret")
 
     def test_an_empty_or_unreadable_file_stops_naming_it(self):
         for path, why in ((self.file("empty", ""), "is empty"), (self.file("blank", "\n  \n"), "is empty"),
                           (os.path.join(self.dir, "absent"), "cannot read token file"),
                           (self.dir, "cannot read token file")):          # a directory: unreadable as a file
             with self.subTest(path=path), self.assertRaises(SystemExit) as cm:
-                httpd.load_token(path)
+                httpc.load_token(path)
             self.assertIn(path, str(cm.exception))
             self.assertIn(why, str(cm.exception))
             self.assertNotIn("\n", str(cm.exception))
@@ -175,7 +176,7 @@ class TokenTest(unittest.TestCase):
         def token(*argv):             # what a server gets: its parser reads $PWW_TOKEN_FILE when built
             parser = argparse.ArgumentParser()
             httpd.add_server_args(parser, 1)
-            return httpd.load_token(parser.parse_args(list(argv)).token_file)
+            return httpc.load_token(parser.parse_args(list(argv)).token_file)
         self.assertEqual(token("--token-file", flag), "from-flag")
         self.assertEqual(token(), "from-env-file")
         del os.environ["PWW_TOKEN_FILE"]
@@ -193,10 +194,10 @@ class TokenTest(unittest.TestCase):
                                 stderr=subprocess.STDOUT, text=True)
         self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
         url, _ = listening_url(proc, timeout=120)
-        self.assertIn("num_blocks", httpd.call(url, "GET", "/status", token="from-flag"))
+        self.assertIn("num_blocks", httpc.call(url, "GET", "/status", token="from-flag"))
         for wrong in ("from-env-file", "from-env", None):
-            with self.assertRaises(httpd.CallError) as cm:
-                httpd.call(url, "GET", "/status", token=wrong)
+            with self.assertRaises(httpc.CallError) as cm:
+                httpc.call(url, "GET", "/status", token=wrong)
             self.assertEqual(cm.exception.status, 401, wrong)
 
 

@@ -29,9 +29,8 @@ import signal
 import subprocess
 import unittest
 
-import test_pins
-
-ROOT = test_pins.ROOT
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LUMI_API = "requirements-lumi-api.txt"
 
 REQUIRED = os.environ.get("PWW_LUMI_API_VENV")
 VENV = os.path.join(ROOT, REQUIRED) if REQUIRED else os.path.join(ROOT, ".venv", "lumi-api")
@@ -54,9 +53,10 @@ SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed, (\d+) skipped$", re.M)
 
 
 def lumi_torch_pin():
-    with open(os.path.join(ROOT, test_pins.LUMI_API)) as f:
-        return next(p.version for p in test_pins.scan({test_pins.LUMI_API: f.read()})
-                    if p.name == "torch" and p.exact)
+    """The torch of requirements-lumi-api.txt: its one `torch==VERSION` line (test_pins.py
+    keeps that line equal to the LUMI image's torch)."""
+    with open(os.path.join(ROOT, LUMI_API)) as f:
+        return re.search(r"^torch==(\S+)\s*$", f.read(), re.M).group(1)
 
 
 class LumiTorchTest(unittest.TestCase):
@@ -72,13 +72,13 @@ class LumiTorchTest(unittest.TestCase):
                              capture_output=True, text=True, timeout=120).stdout.strip()
         want = lumi_torch_pin()
         if got.partition("+")[0] != want:
-            raise AssertionError(f"{VENV} holds torch {got!r}, {test_pins.LUMI_API} pins {want}: "
+            raise AssertionError(f"{VENV} holds torch {got!r}, {LUMI_API} pins {want}: "
                                  f"`make lumi-api` reinstalls")
 
     def run_part(self, name):
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "VIRTUAL_ENV"))}
-        env.update(PWW_STACK_REQUIREMENTS=test_pins.LUMI_API, PYTHONUNBUFFERED="1")
+        env.update(PWW_STACK_REQUIREMENTS=LUMI_API, PYTHONUNBUFFERED="1")
         cmd = [PYTHON, "tests/run.py", "--timeout", str(INNER_TIMEOUT_S), *PARTS[name]]
         # a session of its own: torchrun and spawned ranks go with it if the deadline passes
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -18,9 +18,10 @@ import fedmom_checkpoint
 import fedmom_client
 import fedmom_merge
 import fedmom_state as fs
-import httpd
+import httpc
 import outer_state
 import tensorio
+import testhooks
 import wire
 from harness import listening_url, wait_for
 
@@ -312,7 +313,7 @@ class KillTest(Case):
               ("fedmom.unlink", 0, 3)]
 
     def start(self, sd, faults, init=True):
-        env = {**os.environ, httpd.FAULT_DIR_ENV: faults}
+        env = {**os.environ, testhooks.FAULT_DIR_ENV: faults}
         cmd = [sys.executable, "fedmom_server.py", "--state-dir", sd, "--port", "0", "--down-wire", "int4",
                "--checkpoint-rounds", "2", "--threads", "2"] + (["--init", self.init] if init else [])
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -365,7 +366,7 @@ class KillTest(Case):
     def _send_quietly(self, url, rnd):
         try:
             self.send_round(url, rnd)
-        except (httpd.CallError, OSError, ConnectionError, Exception):
+        except (httpc.CallError, OSError, ConnectionError, Exception):
             pass                                      # the server was killed under it: sent again after the restart
 
     def test_a_sigkill_at_every_phase_of_a_round_ends_with_the_same_bits(self):

@@ -17,8 +17,9 @@ import numpy as np
 
 import fedmom_client
 import fedmom_state as fs
-import httpd
+import httpc
 import tensorio
+import testhooks
 import wire
 from harness import expect, listening_url
 
@@ -126,7 +127,7 @@ class Live(unittest.TestCase):
     def spawn(self, *args, port=0):
         proc = subprocess.Popen([sys.executable, *args, "--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, httpd.FAULT_DIR_ENV: self.faults})
+                                env={**os.environ, testhooks.FAULT_DIR_ENV: self.faults})
         self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
         url, self.output = listening_url(proc, timeout=HANG_S)
         return proc, url
@@ -163,7 +164,7 @@ class Live(unittest.TestCase):
         return os.path.exists(os.path.join(self.faults, point + ".hit"))
 
     def blobs(self):
-        return {b["id"] for b in httpd.call(self.blob_url, "GET", "/blobs")["blobs"]}
+        return {b["id"] for b in httpc.call(self.blob_url, "GET", "/blobs")["blobs"]}
 
     def int4_deltas(self):
         """The deltas as a site with --wire int4 sends them (what the sizing is for)."""
@@ -206,7 +207,7 @@ class DiskBoundTest(Live):
     def test_the_disk_stays_bounded_over_61_rounds_and_a_site_60_rounds_behind_rejoins(self):
         self.blob_store, self.blob_url = self.spawn("blobstore.py", "--root", self.blob_root)
         self.start("--init", self.init, "--keep-rounds", str(self.K), "--checkpoint-rounds", str(self.C))
-        agg = httpd.call(self.url, "GET", "/status")["aggregator"]
+        agg = httpc.call(self.url, "GET", "/status")["aggregator"]
         for c in ("a", "b"):
             fedmom_client.FedMomClient(self.url, c, f"{c}-inc").join()
         self.int4_deltas()
@@ -233,7 +234,7 @@ class DiskBoundTest(Live):
                 self.fed.wait(30)
                 os.unlink(os.path.join(self.faults, "fedmom.blob_delete"))
                 self.assertIn(fs.blob_name(agg, "update", 31 - self.K), self.blobs(), "the kill left it")
-                self.start("--checkpoint-rounds", str(self.C), port=httpd.split_url(self.url)[2])  # same URL
+                self.start("--checkpoint-rounds", str(self.C), port=httpc.split_url(self.url)[2])  # same URL
                 # its first sweep deletes what the killed process owed
             want = self.expected(agg, rnd + 1)
             expect(lambda: self.kept() == want, f"round {rnd + 1}'s retention: {want}", timeout_s=HANG_S)
@@ -241,13 +242,13 @@ class DiskBoundTest(Live):
             self.assertLessEqual(used, bound, f"round {rnd + 1}: {used} bytes > (K + 2) models + C rounds' "
                                               f"deltas = {bound}")
             worst = max(worst, used)
-        st = httpd.call(self.url, "GET", "/status")["retention"]
+        st = httpc.call(self.url, "GET", "/status")["retention"]
         self.assertEqual(st["blobs"]["swept_round"], 61)
         self.assertEqual({b["blob"] for b in st["blobs"]["kept"]}, want[1])
         self.assertTrue(all(b["why"] for b in st["blobs"]["kept"]))
         # 60 rounds behind: the update it would need is long gone; 409 no_update, the full theta
-        with self.assertRaises(httpd.CallError) as cm:
-            httpd.call(self.url, "GET", "/theta_update?from=0&digest=" + sites["late"].held[1])
+        with self.assertRaises(httpc.CallError) as cm:
+            httpc.call(self.url, "GET", "/theta_update?from=0&digest=" + sites["late"].held[1])
         self.assertEqual((cm.exception.status, cm.exception.reply.get("code")), (409, "no_update"))
         self.assertEqual(sites["late"]._fetch(paths["late"]), 61)
         self.assertEqual(sites["late"].down["via"], "full")
@@ -357,11 +358,11 @@ class BusyTest(Live):
         expect(lambda: self.hit("fedmom.merge"), "round 2's merge to reach its first tensor", timeout_s=HANG_S)
         self.assertFalse(os.path.exists(os.path.join(self.sd, "theta-1.safetensors")))
         for route in ("/theta", "/theta_blob"):
-            with self.assertRaises(httpd.CallError) as got:
-                httpd.call(self.url, "GET", route, timeout=HANG_S)
+            with self.assertRaises(httpc.CallError) as got:
+                httpc.call(self.url, "GET", route, timeout=HANG_S)
             self.assertEqual((got.exception.status, got.exception.reply.get("code")), (503, "busy"), route)
             self.assertEqual(got.exception.reply.get("retry_after_s"), fs.BUSY_RETRY_S)
-        self.assertEqual(httpd.call(self.url, "GET", "/status", timeout=HANG_S)["round"], 1)
+        self.assertEqual(httpc.call(self.url, "GET", "/status", timeout=HANG_S)["round"], 1)
         fedmom_client.FedMomClient(self.url, "a", "a-inc").heartbeat()
         os.unlink(os.path.join(self.faults, "fedmom.merge"))
         self.assertEqual(fedmom_client.FedMomClient(self.url, "a", "a-inc").wait_round_after(1, timeout_s=HANG_S), 2)
@@ -376,14 +377,14 @@ class RestoredStateTest(Live):
     def test_a_blob_of_this_round_with_other_bytes_is_replaced_not_served(self):
         """A state dir restored from an older copy meets the blobs its lost future published
         under the same names: the theta a site downloads is still this state's."""
-        import blobstore
+        import blob_client
         self.blob_store, self.blob_url = self.spawn("blobstore.py", "--root", self.blob_root)
         self.start("--init", self.init)
-        agg = httpd.call(self.url, "GET", "/status")["aggregator"]
+        agg = httpc.call(self.url, "GET", "/status")["aggregator"]
         stale = os.path.join(self.dir, "stale.bin")
         with open(stale, "wb") as f:
             f.write(b"not this round's theta")
-        blobstore.put_file(self.blob_url, fs.blob_name(agg, "theta", 0), stale)
+        blob_client.put_file(self.blob_url, fs.blob_name(agg, "theta", 0), stale)
         fedmom_client.FedMomClient(self.url, "b", "b-inc").join()
         path = os.path.join(self.dir, "b.safetensors")
         self.assertEqual(self.site("b", blob=True)._fetch(path), 0)
@@ -396,7 +397,7 @@ class LockTest(Live):
         """The old round's files and its blob, held mid-deletion: the state lock is free."""
         self.blob_store, self.blob_url = self.spawn("blobstore.py", "--root", self.blob_root)
         self.start("--init", self.init, "--keep-rounds", "1", "--checkpoint-rounds", "1")
-        agg = httpd.call(self.url, "GET", "/status")["aggregator"]
+        agg = httpc.call(self.url, "GET", "/status")["aggregator"]
         for c in ("a", "b"):
             fedmom_client.FedMomClient(self.url, c, f"{c}-inc").join()
         path = os.path.join(self.dir, "b.safetensors")
@@ -407,7 +408,7 @@ class LockTest(Live):
         expect(lambda: self.hit("fedmom.unlink") and self.hit("fedmom.blob_delete"),
                "both deletions to be held", timeout_s=HANG_S)
         # while both are held: the state answers (each call would wait on a held lock)
-        st = httpd.call(self.url, "GET", "/status", timeout=HANG_S)
+        st = httpc.call(self.url, "GET", "/status", timeout=HANG_S)
         self.assertEqual(st["round"], 1)
         reply = fedmom_client.FedMomClient(self.url, "a", "a-inc").heartbeat()
         self.assertEqual(reply["round"], 1)
@@ -418,7 +419,7 @@ class LockTest(Live):
         expect(lambda: "theta-0.safetensors" not in os.listdir(self.sd) and not os.listdir(
             os.path.join(self.sd, "spool")) and fs.blob_name(agg, "theta", 0) not in self.blobs(),
             "the held deletions to finish", timeout_s=HANG_S)
-        kept = httpd.call(self.url, "GET", "/status")["retention"]
+        kept = httpc.call(self.url, "GET", "/status")["retention"]
         self.assertEqual(sorted(f["file"] for f in kept["state"]), ["ckpt-0/", "update-1.safetensors"])
         out = subprocess.run([sys.executable, "fedmom_server.py", "status", "--url", self.url], cwd=ROOT,
                              capture_output=True, text=True, timeout=HANG_S)

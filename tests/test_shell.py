@@ -608,9 +608,9 @@ class CentralTest(unittest.TestCase):
                 for n in ("darl", "fedmom", "blob") if os.path.exists(os.path.join(self.state, f"{n}.pid"))}
 
     def get(self, port, path, token=None, ca_file=None):
-        import httpd
+        import httpc
         ca_file = ca_file or os.path.join(self.state, "tls", "ca.pem")
-        return httpd.call(f"https://127.0.0.1:{port}", "GET", path, token=token, timeout=10, ca_file=ca_file)
+        return httpc.call(f"https://127.0.0.1:{port}", "GET", path, token=token, timeout=10, ca_file=ca_file)
 
     def test_first_start_needs_the_corpus_and_the_model(self):
         r = self.central("start", {"INIT": self.make_init()}, check=False)
@@ -619,7 +619,7 @@ class CentralTest(unittest.TestCase):
         self.assertEqual(self.pids(), {})          # nothing left running
 
     def test_start_status_url_stop_and_restart(self):
-        import httpd
+        import httpc
         r = self.central("start", {"NUM_SAMPLES": "1000", "BLOCK_SIZE": "10", "INIT": self.make_init()})
         token_path = os.path.join(self.state, "token")
         self.assertEqual(stat.S_IMODE(os.stat(token_path).st_mode), 0o600)
@@ -635,13 +635,13 @@ class CentralTest(unittest.TestCase):
         ca = os.path.join(self.state, "tls", "ca.pem")
         for key in ("ca.key", "server.key"):
             self.assertEqual(stat.S_IMODE(os.stat(os.path.join(self.state, "tls", key)).st_mode), 0o600)
-        with self.assertRaises(httpd.TLSConfigError):          # not trusted without the CA
-            httpd.call(f"https://127.0.0.1:{self.ports['DARL_PORT']}", "GET", "/health", timeout=10)
-        with self.assertRaises(httpd.CallError) as e:          # plain http on a TLS port: told so
-            httpd.call(f"http://127.0.0.1:{self.ports['DARL_PORT']}", "GET", "/health", timeout=10)
+        with self.assertRaises(httpc.TLSConfigError):          # not trusted without the CA
+            httpc.call(f"https://127.0.0.1:{self.ports['DARL_PORT']}", "GET", "/health", timeout=10)
+        with self.assertRaises(httpc.CallError) as e:          # plain http on a TLS port: told so
+            httpc.call(f"http://127.0.0.1:{self.ports['DARL_PORT']}", "GET", "/health", timeout=10)
         self.assertIn("https://", e.exception.reply["error"])
         # the servers really run with the token: refused without it, answered with it
-        with self.assertRaises(httpd.CallError) as e:
+        with self.assertRaises(httpc.CallError) as e:
             self.get(self.ports["DARL_PORT"], "/status")
         self.assertEqual(e.exception.status, 401)
         self.assertIn("num_blocks", json.dumps(self.get(self.ports["DARL_PORT"], "/status", token)))

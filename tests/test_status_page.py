@@ -21,7 +21,7 @@ import numpy as np
 
 import certs
 import fedmom_client
-import httpd
+import httpc
 import status_page as sp
 import tensorio
 from harness import Output, listening_url
@@ -217,8 +217,8 @@ class LiveRun:
         return listening_url(p, timeout=120)[0]
 
     def lease(self, cluster, inc, blocks):
-        call = lambda path, body: httpd.call(self.darl, "POST", path, body, token=self.token)
-        digest = httpd.call(self.darl, "GET", "/status", token=self.token)["digest"]
+        call = lambda path, body: httpc.call(self.darl, "POST", path, body, token=self.token)
+        digest = httpc.call(self.darl, "GET", "/status", token=self.token)["digest"]
         call("/register", {"cluster": cluster, "incarnation": inc, "digest": digest})
         return call("/acquire", {"cluster": cluster, "incarnation": inc, "blocks": blocks})["lease"]
 
@@ -247,14 +247,14 @@ class LiveRun:
                     try:
                         c.send_delta(self.delta(nan=True), rnd, tokens, [self.lease(name, c.incarnation, 1)], {})
                         raise AssertionError("a NaN delta was accepted")
-                    except httpd.CallError as e:
+                    except httpc.CallError as e:
                         assert e.reply.get("code") == "bad_delta", e.reply
                 c.send_delta(self.delta(), rnd, tokens, [self.lease(name, c.incarnation, 2 - i)], metrics,
                              transport="inline" if i else "blob")
             for c in sites.values():
                 assert c.wait_round_after(rnd, timeout_s=120) == rnd + 1
         deadline = time.monotonic() + 120                     # the aggregator commits in DARL after each merge
-        while httpd.call(self.fedmom, "GET", "/status", token=self.token)["pending_commits"]:
+        while httpc.call(self.fedmom, "GET", "/status", token=self.token)["pending_commits"]:
             assert time.monotonic() < deadline, "DARL commits still owed after 120 s"
             time.sleep(0.05)
 

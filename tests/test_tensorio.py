@@ -5,7 +5,6 @@ import pathlib
 import struct
 import subprocess
 import sys
-import tempfile
 import unittest
 
 import numpy as np
@@ -13,6 +12,7 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 
+import fixtures
 import tensorio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,26 +39,12 @@ DTYPE_OF = {"embed.weight": "F32", "half": "F16", "bf": "BF16", "double": "F64",
             "i32": "I32", "i16": "I16", "i8": "I8", "u8": "U8", "mask": "BOOL", "empty": "F32"}
 
 
-class TmpDirTest(unittest.TestCase):
-    def setUp(self):
-        self._tmp = tempfile.TemporaryDirectory()
-        self.addCleanup(self._tmp.cleanup)
-        self.dir = self._tmp.name
-
-    def p(self, name):
-        return os.path.join(self.dir, name)
-
+class TensorFileTest(fixtures.TmpDirTest):
     def write_all(self, path, arrays, dtypes=DTYPE_OF, metadata=None):
-        specs = [(n, dtypes[n], a.shape) for n, a in arrays.items()]
-        with tensorio.TensorWriter(path, specs, metadata) as w:
-            for n, a in arrays.items():
-                w.write(n, a)
-
-    def assert_no_leftovers(self, keep=()):
-        self.assertEqual(sorted(set(os.listdir(self.dir)) - set(keep)), [])
+        super().write_all(path, arrays, dtypes, metadata)
 
 
-class RoundTripTest(TmpDirTest):
+class RoundTripTest(TensorFileTest):
     def test_every_dtype_round_trips_with_metadata_and_file_order(self):
         arrays = sample_arrays(np.random.default_rng(0))
         self.write_all(self.p("a.safetensors"), arrays, metadata={"round": "4", "producer": "test"})
@@ -181,7 +167,7 @@ class BFloat16Test(unittest.TestCase):
         np.testing.assert_array_equal(ours.view(np.uint32), theirs.view(np.uint32))
 
 
-class WriterRefusesTest(TmpDirTest):
+class WriterRefusesTest(TensorFileTest):
     SPECS = [("a", "F32", (2, 3)), ("b", "I32", (4,))]
 
     def test_wrong_order_size_dtype_and_count(self):
@@ -227,7 +213,7 @@ class WriterRefusesTest(TmpDirTest):
         self.assert_no_leftovers(keep=["f"])
 
 
-class DamagedFileTest(TmpDirTest):
+class DamagedFileTest(TensorFileTest):
     def setUp(self):
         super().setUp()
         self.arrays = {"a": np.arange(10, dtype=np.float32), "b": np.arange(6, dtype=np.int64)}
@@ -319,7 +305,7 @@ class DamagedFileTest(TmpDirTest):
         self.assertIn("not valid JSON", bad.stderr)
 
 
-class TorchBridgeTest(TmpDirTest):
+class TorchBridgeTest(TensorFileTest):
     def state(self):
         g = torch.Generator().manual_seed(0)
         return {"w": torch.randn(8, 4, generator=g), "bf": torch.randn(3, 5, generator=g).bfloat16(),

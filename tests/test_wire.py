@@ -19,7 +19,7 @@ import fedmom_merge
 import fedmom_state
 import tensorio
 import wire
-from test_tensorio import TmpDirTest
+from fixtures import TmpDirTest, hard_values
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -244,21 +244,6 @@ class RoundTripTest(Tmp):
                 tracemalloc.stop()
             one, model = 256 * 1024 * 4, 16 * 256 * 1024 * 4
             self.assertLess(peak, 6 * one, f"{codec.fmt}: peak {peak} bytes, one tensor {one}, all {model}")
-
-
-def hard_values(rng, shape):
-    """Finite float32 over the whole range: normals, subnormals, zeros of both signs, a zero
-    block, and blocks whose largest magnitude is a subnormal or below the bf16 range."""
-    x = rng.standard_normal(shape).astype(np.float32)
-    flat = x.reshape(-1)
-    flat *= (np.float32(10) ** rng.integers(-44, 37, flat.size)).astype(np.float32)
-    flat[::7] = 0
-    flat[::13] = -0.0
-    if flat.size >= 192 and shape[-1] >= 64:
-        flat[:64] = 0                                     # a zero block (any block size >= 64)
-        flat[64:128] = np.float32(1e-45) * rng.integers(-3, 4, 64)    # amax / L underflows to 0
-        flat[128:192] = rng.standard_normal(64).astype(np.float32) * np.float32(1e-40)
-    return x
 
 
 class FastPathTest(Tmp):

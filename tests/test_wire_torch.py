@@ -10,8 +10,7 @@ import torch
 import tensorio
 import wire
 import wire_torch
-from test_tensorio import TmpDirTest
-from test_wire import hard_values
+from fixtures import TmpDirTest, hard_values
 
 SHAPES = [(7, 301), (5,), (3, 3, 3), (2, 9001), (), (0, 4), (4, 0), (3, 129), (64, 1024), (1, 127),
           (129, 65), (9, 1), (300, 256)]

@@ -1,0 +1,74 @@
+"""testhooks.py - the test hooks: named fault points and a steppable wall clock.
+
+Runs on: everywhere (imported by the central servers, the site code and the tests).
+Standard library only. No state, no port. Inert unless their variable is set:
+fault_harness.py (bench/fault_schedule.py), bench/chaos.py and the tests set them; a
+production start never does.
+
+  - PWW_TEST_CLOCK_OFFSET_FILE=FILE: wall_time() is time.time() plus the number of
+    seconds in FILE (re-read at every call; absent or empty = 0), so a test can step
+    the wall clock of a running server by +-1 h without touching the machine's clock.
+  - PWW_TEST_FAULT_DIR=DIR: fault_point(name) stops the calling thread at a named
+    protocol phase while DIR/<name> exists. The file holds how many hits to let pass
+    first; at the hit that stops, DIR/<name>.hit appears (holding the pid) and the
+    thread waits until DIR/<name> is removed. A test SIGKILLs the process there, or
+    removes the file to let it go on (the thread removes <name>.hit as it leaves, so
+    the point can be armed again): a crash or a stall at an exact phase, with no sleep.
+    The servers' points are named darl.*, fedmom.*, blob.*; train.py's sites have
+    site.trained and site.sent (fedsite.py, rank 0: before the send, after it was
+    accepted) and site.fold (diloco.py, --overlap: error feedback settled, theta_global
+    not yet folded in); smoke.py has smoke.first_collective.rank<N>.
+"""
+import os
+import threading
+import time
+
+CLOCK_OFFSET_ENV = "PWW_TEST_CLOCK_OFFSET_FILE"
+FAULT_DIR_ENV = "PWW_TEST_FAULT_DIR"
+_fault_lock = threading.Lock()
+
+
+def wall_time():
+    """time.time(), plus the test offset of $PWW_TEST_CLOCK_OFFSET_FILE when set."""
+    path = os.environ.get(CLOCK_OFFSET_ENV)
+    if not path:
+        return time.time()
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        return time.time() + (float(text) if text else 0.0)
+    except (OSError, ValueError):
+        return time.time()
+
+
+def fault_point(name, on_stop=None):
+    """A named protocol phase a test may stop this thread at ($PWW_TEST_FAULT_DIR; see the
+    module docstring). `on_stop` runs just before the thread stops (e.g. write half a log
+    line, for a torn write). A no-op without the variable."""
+    root = os.environ.get(FAULT_DIR_ENV)
+    if not root:
+        return
+    arm = os.path.join(root, name)
+    with _fault_lock:
+        try:
+            with open(arm) as f:
+                text = f.read().strip()
+        except OSError:
+            return
+        skip = int(text) if text.isdigit() else 0
+        if skip > 0:
+            with open(arm + ".tmp", "w") as f:
+                f.write(str(skip - 1))
+            os.replace(arm + ".tmp", arm)
+            return
+        if on_stop is not None:
+            on_stop()
+        with open(arm + ".hit.tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(arm + ".hit.tmp", arm + ".hit")
+    while os.path.exists(arm):
+        time.sleep(0.01)
+    try:                                 # gone on: the test may arm this point again
+        os.unlink(arm + ".hit")
+    except FileNotFoundError:
+        pass

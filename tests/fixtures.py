@@ -1,0 +1,190 @@
+"""tests/fixtures.py - what several test modules share, in one place: test modules import
+this (and harness.py: processes, ports, services), never each other. Not a test module
+(tests/run.py collects tests/test_*.py only); nothing here runs at import, and torch is
+imported only by the helpers that need it.
+
+    FedMomFixture     a temp dir with an initial model and an aggregator state to drive
+                      through rounds (test_fedmom, test_custody, test_audit, test_chaos)
+    SHAPES, FakeClock, write_tensors, widened, read_all   its parts
+    serve_in_thread   an httpd server for a route table, in a thread, stopped at cleanup
+    TmpDirTest        a temp dir per test, self.p(name), write_all, assert_no_leftovers
+    hard_values       float32 over the whole range, for the wire codecs
+    spawn             fn on N processes in one gloo group (torch), killed at a deadline
+"""
+import os
+import shutil
+import tempfile
+import threading
+import time
+import unittest
+
+import numpy as np
+
+import fedmom_state as fs
+import httpd
+import tensorio
+
+# one tensor bigger than fedmom_merge.CHUNK, so the chunk loop runs more than once
+SHAPES = {"embed": (300, 1000), "layer.w": (64, 48), "layer.b": (48,), "norm": (7,)}
+SPAWN_DEADLINE_S = 600      # a whole spawned group: generous on 2 loaded cores, but a hang ends
+
+
+# ---------------------------------------------------------------- the aggregator's state
+
+def widened(arrays, dtype):
+    """What the server sees of a delta written in `dtype`, as float64."""
+    out = {}
+    for k, a in arrays.items():
+        if dtype == "BF16":
+            out[k] = tensorio.bf16_to_f32(tensorio.f32_to_bf16(a)).astype(np.float64)
+        else:
+            out[k] = a.astype(tensorio.DTYPES[dtype]).astype(np.float64)
+    return out
+
+
+def write_tensors(path, arrays, dtype):
+    with tensorio.TensorWriter(path, [(k, dtype, a.shape) for k, a in arrays.items()], fsync=False) as w:
+        for k, a in arrays.items():
+            w.write(k, a)
+
+
+def read_all(path):
+    with tensorio.TensorReader(path) as r:
+        return {k: r.read(k, as_float32=True).astype(np.float64) for k in r.names}
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+class FedMomFixture(unittest.TestCase):
+    """A temp dir with an init model; helpers to run a state through rounds."""
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="fedmom-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.rng = np.random.default_rng(1)
+        self.theta0 = {k: self.rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+        self.init = os.path.join(self.dir, "init.safetensors")
+        write_tensors(self.init, self.theta0, "BF16")       # init in bf16: theta_global is still fp32
+        self.theta0 = widened(self.theta0, "BF16")
+        self.clock = FakeClock()
+
+    def state(self, **kw):
+        cfg = fs.ServerConfig(os.path.join(self.dir, "st"), init=kw.pop("init", self.init), **kw)
+        return fs.FedMomState(cfg.validate(), clock=self.clock, darl=kw.get("darl"))
+
+    def delta(self, dtype="F16", scale=0.01, names=None, shapes=None):
+        shapes = shapes or SHAPES
+        arrays = {k: (scale * self.rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()
+                  if names is None or k in names}
+        path = os.path.join(self.dir, f"delta-{self.rng.integers(1 << 40)}.safetensors")
+        write_tensors(path, arrays, dtype)
+        return path, widened(arrays, dtype)
+
+    def send(self, st, cluster, path, tokens, base_round=None, **meta):
+        m = st.check_delta_meta({"cluster": cluster, "incarnation": f"{cluster}-inc", "tokens": tokens,
+                                 "base_round": st.round if base_round is None else base_round, **meta})
+        part = st.new_part_path()                              # as PUT /delta: metadata first, then the body
+        shutil.copyfile(path, part)
+        return st.accept_delta(m, part)
+
+    def theta(self, st):
+        return read_all(os.path.join(st.dir, st.theta_file))
+
+    def snapshot(self, st):
+        """Every file under the state dir with its bytes: 'nothing on disk changed' is this, equal."""
+        out = {}
+        for base, _, files in os.walk(st.dir):
+            for fn in files:
+                with open(os.path.join(base, fn), "rb") as f:
+                    out[os.path.relpath(os.path.join(base, fn), st.dir)] = f.read()
+        return out
+
+
+# ---------------------------------------------------------------- servers in a thread
+
+def serve_in_thread(test, routes, **kw):
+    """httpd.make_server(routes, **kw) on 127.0.0.1, served by a thread, stopped at `test`'s
+    cleanup -> its URL."""
+    server = httpd.make_server(routes, **kw)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    test.addCleanup(server.server_close)
+    test.addCleanup(server.shutdown)
+    return server.url
+
+
+# ---------------------------------------------------------------- files and values
+
+class TmpDirTest(unittest.TestCase):
+    def setUp(self):
+        self._tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self._tmp.cleanup)
+        self.dir = self._tmp.name
+
+    def p(self, name):
+        return os.path.join(self.dir, name)
+
+    def write_all(self, path, arrays, dtypes, metadata=None):
+        """A tensor file of `arrays`, each in dtypes[name]."""
+        specs = [(n, dtypes[n], a.shape) for n, a in arrays.items()]
+        with tensorio.TensorWriter(path, specs, metadata) as w:
+            for n, a in arrays.items():
+                w.write(n, a)
+
+    def assert_no_leftovers(self, keep=()):
+        self.assertEqual(sorted(set(os.listdir(self.dir)) - set(keep)), [])
+
+
+def hard_values(rng, shape):
+    """Finite float32 over the whole range: normals, subnormals, zeros of both signs, a zero
+    block, and blocks whose largest magnitude is a subnormal or below the bf16 range."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    flat = x.reshape(-1)
+    flat *= (np.float32(10) ** rng.integers(-44, 37, flat.size)).astype(np.float32)
+    flat[::7] = 0
+    flat[::13] = -0.0
+    if flat.size >= 192 and shape[-1] >= 64:
+        flat[:64] = 0                                     # a zero block (any block size >= 64)
+        flat[64:128] = np.float32(1e-45) * rng.integers(-3, 4, 64)    # amax / L underflows to 0
+        flat[128:192] = rng.standard_normal(64).astype(np.float32) * np.float32(1e-40)
+    return x
+
+
+# ---------------------------------------------------------------- process groups (torch)
+
+def spawn(fn, world, tmp, *args, deadline_s=SPAWN_DEADLINE_S):
+    """Run fn(rank, world, tmp, *args) on `world` processes joined in one gloo group
+    (FileStore under tmp, traffic on the loopback interface only). A group still running
+    after deadline_s (a collective that never completes) is killed and the test fails."""
+    import torch.multiprocessing as mp
+    ctx = mp.start_processes(_entry, args=(fn, world, tmp) + args, nprocs=world, join=False,
+                             start_method="spawn")
+    end = time.monotonic() + deadline_s
+    try:
+        while not ctx.join(timeout=1.0):              # raises if a rank failed
+            if time.monotonic() > end:
+                raise AssertionError(f"{fn.__name__} on {world} ranks still running after {deadline_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(30)
+
+
+def _entry(rank, fn, world, tmp, *args):
+    import torch
+    import torch.distributed as dist
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    store = os.path.join(tmp, f"store-{fn.__name__}-{world}")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, tmp, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
