@@ -11,7 +11,7 @@ One outer round, as a site runs it:
     c = fedmom_client.FedMomClient("http://central:29511", cluster="lumi",
                                    incarnation=secrets.token_hex(8), token=TOKEN,
                                    blob_url="http://central:29512")   # blob_url: optional
-    d = lambda: httpc.Deadline(900)     # each call's budget: repeated under it (httpc.py's rule)
+    d = lambda: httpc.Deadline(httpc.RETRY_S)     # each call's budget: repeated under it (httpc.py's rule)
     c.join(deadline=d())                # waits out an older incarnation of "lumi" timing out
     rnd = c.download_theta("theta.safetensors")         # atomic; returns theta's round
     with c.keepalive():                 # background heartbeats while the inner steps run

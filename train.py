@@ -751,7 +751,7 @@ def join_federation(run):
         raise ConfigError(f"{cfg.data} has no training windows (all are held out): tokenize more "
                           "text, or fewer --heldout-windows in tokenize_corpus.py")
     per_step = cfg.batch_size * d.world_size * cfg.grad_accum
-    site = fedsite.FedSite(cfg, windows, 4 * run.n_params, run.log.log) if d.is_main else None
+    site = fedsite.FedSite(cfg, windows, 4 * run.n_params, run.log.log, cfg.central_retry_s) if d.is_main else None
     if site is not None:
         run.log.incarnation = site.incarnation      # the one FedMom and DARL know this process by
     block_size, darl_seed, _ = diloco.on_rank0(lambda: site.connect(per_step))

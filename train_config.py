@@ -35,6 +35,7 @@ import typing
 
 import diloco
 import durable
+import httpc
 import models
 import wire
 import wire_torch
@@ -51,7 +52,7 @@ GROUPS = {"diloco": "DiLoCo (k replicas inside this allocation)",
 # --encode-on are refused by validate() from the YAML too, naming what they would have done)
 FEDERATION_ONLY = ("darl_url", "blob_url", "token_file", "ca_file", "site", "replica", "transport", "wire",
                    "wire_block", "wire_topk_chunk", "wire_topk_k", "wire_topk_bits", "error_feedback",
-                   "overlap_fold", "throttle_ms", "register_wait_s")
+                   "overlap_fold", "throttle_ms", "register_wait_s", "central_retry_s")
 EXPORT_READS = ("config", "model", "data", "seed", "export_init")     # all --export-init reads
 
 
@@ -185,6 +186,12 @@ class Config:
     register_wait_s: float = option(600.0, "how long to wait, in s, for a previous incarnation of this cluster "
                                            "id (a killed, requeued job) to expire at DARL and FedMom",
                                     group="federation")
+    central_retry_s: float = option(httpc.RETRY_S, "the one retry budget of every call to the central VM: "
+                                                   "a call is repeated (connection errors, 5xx; never a "
+                                                   "refusal) until this many s pass without progress, then "
+                                                   "the site stops with one error naming the call. Any call's "
+                                                   "worst-case wait is this number (a transfer that keeps "
+                                                   "moving bytes is progress)", group="federation")
     export_init: str | None = option(None, "write the model built from --seed as an fp32 tensor file "
                                            "(fedmom_server.py --init) and exit; needs --model and, for Qwen3, "
                                            "--data", shown="off", metavar="PATH", group="federation")
@@ -318,6 +325,9 @@ class Config:
             raise ConfigError(f"--diloco-inner-steps {self.diloco_inner_steps}: H must be >= 1")
         if self.throttle_ms < 0 or self.register_wait_s < 0:
             raise ConfigError("--throttle-ms and --register-wait-s must be >= 0")
+        if self.central_retry_s <= 0:
+            raise ConfigError(f"--central-retry-s {self.central_retry_s:g}: use a positive number of seconds "
+                              f"(default {httpc.RETRY_S:g})")
 
     def unread(self):
         """{field: why} of the options nothing reads in this config's mode; each why says the
