@@ -60,7 +60,9 @@ Outputs: runs/<run>/ holds
     --tensorboard DIR  the same rows as TensorBoard scalars: <split>/<key> against the
                     step, and <split>/loss_by_tokens against tokens_total
     checkpoints/    checkpoint.py's files; --resume auto continues from the newest
-    federation/     rank 0's delta.safetensors (the last one sent) and theta.safetensors
+    federation/     rank 0's delta.safetensors (the last one sent) and theta.safetensors;
+                    the error-feedback residual (--encode-on host: rank 0's residual.safetensors;
+                    device: residual-rank<r>.safetensors, one per rank; diloco.Residual)
 Who may run it: anyone with the venv (or the site container); it only writes under --runs-dir.
 """
 import argparse
@@ -384,10 +386,13 @@ def build_parser():
     f.add_argument("--wire-topk-bits", type=int, choices=(4, 8), default=Config.wire_topk_bits,
                    help="topk: bits per kept value (default 4)")
     f.add_argument("--encode-on", choices=("host", "device", "auto"), default=Config.encode_on,
-                   help="where rank 0 encodes the delta: host = numpy on its CPU (wire.py, the reference), "
-                        "device = wire_torch.py on the training device, the same bits, only the codes and "
-                        "scales copied to the host (int8/int4 only); auto = device for --wire int8/int4 on "
-                        "a GPU, else host (default auto)")
+                   help="where the site encodes its delta and adds theta_global's update: host = numpy on "
+                        "rank 0's CPU (wire.py, the reference; the update file to file); device = every rank "
+                        "on its training device, the same bits (int8/int4 only): each rank encodes its own "
+                        "FSDP shard (wire_torch.py, shard_wire.py), rank 0 gathers only codes and scales, "
+                        "error feedback is kept per rank, and an int8/int4 update (--down-wire) is added to "
+                        "each rank's shard, rank 0's host checking the aggregator's digest behind the "
+                        "training; auto = device for --wire int8/int4 on a GPU, else host (default auto)")
     f.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=Config.error_feedback,
                    help="add what the wire format dropped to the next round's delta; the buffer is kept "
                         "in runs/<run>/federation/ across --resume auto (default on; f32 drops nothing)")

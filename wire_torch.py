@@ -19,8 +19,11 @@ integer bit shifts), so torch on the CPU or a GPU and numpy produce the same bit
     theta = wire_torch.apply_(theta, codec, codes, sbits)       # theta += decode(...), in place
 
 A sharded tensor (FSDP2 shards along dim 0) encodes shard by shard with the same result
-as the whole tensor, provided each shard holds whole rows and, for int4, an even number
-of values (the packing pairs values across a shard boundary otherwise): shard_ok().
+as the whole tensor, provided it has two or more dimensions (the blocks run along the last
+one, so a dim-0 shard holds whole blocks; a 1-D tensor's blocks cross the shard boundary),
+and for int4 each shard holds an even number of values (the packing pairs values across a
+shard boundary otherwise): shard_ok(). decode_rows() decodes the rows of one shard from
+the whole tensor's parts (shard_wire.py: a site adds an update to each rank's rows).
 """
 import math
 
@@ -112,18 +115,50 @@ def decode(codec, codes, sbits, shape):
     `shape`, the bits of wire.Codec.decode. The parts are trusted: a site decodes only an
     update whose digest it checks, and a file goes through wire.WireReader's checks first."""
     _check(codec)
-    block, shape = codec.block, tuple(shape)
-    R, C, nb = as_blocks(shape, block)
-    scale = bits_to_f32(sbits.reshape(R, nb))
+    shape = tuple(shape)
     if codec.fmt == "int4":
         q = unpack4(codes.reshape(-1), math.prod(shape)).to(torch.float32) - 8
     else:
-        q = codes.to(torch.float32)
+        q = codes.reshape(-1).to(torch.float32)
+    return _values(codec, q, sbits, shape)
+
+
+def _values(codec, q, sbits, shape):
+    """q (float32, flat) x its block's scale, in float32: the one multiply of wire.py's decode."""
+    block = codec.block
+    R, C, nb = as_blocks(shape, block)
+    scale = bits_to_f32(sbits.reshape(R, nb))
     q = q.reshape(R, C)
     if nb * block != C:
         per = scale.repeat_interleave(block, dim=1)[:, :C]
         return (q * per).reshape(shape)
     return (q.reshape(R, nb, block) * scale[:, :, None]).reshape(shape)
+
+
+@torch.no_grad()
+def decode_rows(codec, codes, sbits, shape, start, stop):
+    """decode(codec, codes, sbits, shape)[start:stop], decoding only those rows of dim 0:
+    the parts are the whole tensor's (of two or more dimensions: its blocks lie inside its
+    rows, so the rows' scales are a slice of the whole's; int4 codes from the nibble of
+    value start x row size, which may be a high one). The same float32 bits as decode."""
+    _check(codec)
+    shape = tuple(shape)
+    if len(shape) < 2:
+        raise ValueError(f"decode_rows needs a tensor of two or more dimensions, not {shape}: a 1-D "
+                         "tensor's blocks cross its rows (decode it whole)")
+    local = (stop - start,) + shape[1:]
+    per = math.prod(shape[1:])
+    if math.prod(local) == 0:
+        return torch.zeros(local, dtype=torch.float32, device=codes.device)
+    frows = per // shape[-1]                      # rows of the [rows, cols] view per dim-0 row
+    sb = sbits.reshape(math.prod(shape[:-1]), -1)[start * frows:stop * frows]
+    v0, v1 = start * per, stop * per
+    if codec.fmt == "int4":
+        packed = codes.reshape(-1)[v0 // 2:(v1 + 1) // 2]
+        q = unpack4(packed, packed.numel() * 2)[v0 % 2:v0 % 2 + v1 - v0].to(torch.float32) - 8
+    else:
+        q = codes.reshape(-1)[v0:v1].to(torch.float32)
+    return _values(codec, q, sb, local)
 
 
 @torch.no_grad()
@@ -133,8 +168,10 @@ def apply_(theta, codec, codes, sbits):
 
 
 def shard_ok(codec, shard_shape, full_shape):
-    """True if a dim-0 shard of a tensor encodes to exactly its part of the whole tensor's parts."""
-    if not full_shape or len(shard_shape) != len(full_shape) or tuple(shard_shape[1:]) != tuple(full_shape[1:]):
+    """True if a dim-0 shard of a tensor encodes to exactly its part of the whole tensor's parts:
+    two or more dimensions (a 1-D tensor's blocks run along dim 0, across the shards), the
+    shard's rows whole, and for int4 an even number of values (an empty shard is fine)."""
+    if len(full_shape) < 2 or len(shard_shape) != len(full_shape) or tuple(shard_shape[1:]) != tuple(full_shape[1:]):
         return False
     return codec.fmt != "int4" or math.prod(shard_shape) % 2 == 0
 
