@@ -358,9 +358,9 @@ class FedMomCarrier(OuterCarrier):
     (int8/int4, the site's share on its devices, the same bits: shard_wire.py): in step 1
     each rank encodes its own rows of each FSDP-sharded tensor with wire_torch.py and rank
     0 gathers only their codes and scales (an eighth of the fp32 bytes for int4); a
-    tensor that cannot be split so (a 1-D norm weight, an odd int4 shard, a DDP replica)
-    is gathered and encoded on rank 0's device. Error feedback stays with the rank that
-    encoded each part (RankResidual, below: a file per rank). In step 3 an int8/int4
+    tensor that cannot be split so (a 1-D norm weight, an odd int4 shard before the last,
+    a DDP replica) is gathered and encoded on rank 0's device. Error feedback stays with
+    the rank that encoded each part (RankResidual, below: a file per rank). In step 3 an int8/int4
     update of theta_global (the aggregator's --down-wire) is not applied on rank 0's host:
     rank 0 broadcasts its codes and scales one tensor at a time and every rank adds its own
     rows to ex.theta on its device (wire.add_update's float32 bits); rank 0's host then

@@ -20,6 +20,10 @@ Callers: train.py's federated loop and diloco.FedMomCarrier, in this order per r
 With --overlap the carrier calls site.start_round_trip(...) instead (the same round trip
 on a Background thread), the loop asks next_span(busy) while it runs, and the carrier's
 settle() waits for it at the next phase's end (FEDERATION_GUIDE.md section 4, "Overlap").
+Under --encode-on device the carrier passes defer_update=True: an int8/int4 update of
+theta_global comes back unapplied (RoundResult.update), the carrier adds it on the
+devices and calls site.check_behind(theta), whose thread (the file's addition and the
+digest) the next round_trip and fetch_theta join first (join_check).
 Every method that can wait is a generator that yields while it waits: on_rank0 turns each
 yield into a small broadcast, so the other ranks never sit in one collective long enough
 to time out.

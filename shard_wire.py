@@ -16,12 +16,12 @@ bit on real gloo groups of 2 and 3 ranks; bench/gpu_check.sh does it on a GPU.
 
 Why rows: wire.py's blocks run along a tensor's last dimension, so a dim-0 shard of a
 tensor of two or more dimensions holds whole blocks and encodes to exactly its rows' part
-of the whole tensor's parts (int4: if every shard holds an even number of values, the
-packed bytes concatenate too): wire_torch.shard_ok. FSDP2 splits dim 0 in rank order
-(torch.chunk: ceil(rows / world) rows a rank, the last ones short or empty), so rank 0
-concatenates what it gathers in rank order. Anything else - a 1-D tensor (its blocks
-cross the shards: norm weights), an odd int4 shard, another mesh or placement, a DDP
-replica - is gathered whole and encoded on rank 0's device, as before.
+of the whole tensor's parts (int4: if every shard but the last holds an even number of
+values, the packed bytes concatenate too): wire_torch.shard_ok. FSDP2 splits dim 0 in
+rank order (torch.chunk: ceil(rows / world) rows a rank, the last ones short or empty),
+so rank 0 concatenates what it gathers in rank order. Anything else - a 1-D tensor (its
+blocks cross the shards: norm weights), an odd int4 shard before the last, another mesh
+or placement, a DDP replica - is gathered whole and encoded on rank 0's device, as before.
 
 What moves: per tensor, the codes and scales of each shard to rank 0 (an eighth of the
 fp32 bytes for int4, padded to the largest shard for the gather), and for an update the
@@ -85,7 +85,9 @@ def plan(codec, params, rank, world, group=None):
                 and sum(s[0] for s in locs) == shape[0]):
             starts = list(itertools.accumulate([0] + [s[0] for s in locs]))
             rows = list(zip(starts[:-1], starts[1:]))
-        per_rank = rows is not None and all(wire_torch.shard_ok(codec, s, shape) for s in locs)
+        ends = max([i for i, s in enumerate(locs) if math.prod(s)] + [0])     # the shard that ends the tensor
+        per_rank = rows is not None and all(wire_torch.shard_ok(codec, s, shape, last=i >= ends)
+                                            for i, s in enumerate(locs))
         places.append(Place(shape, locs, rows, True, per_rank))
     return places
 

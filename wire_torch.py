@@ -21,8 +21,8 @@ integer bit shifts), so torch on the CPU or a GPU and numpy produce the same bit
 A sharded tensor (FSDP2 shards along dim 0) encodes shard by shard with the same result
 as the whole tensor, provided it has two or more dimensions (the blocks run along the last
 one, so a dim-0 shard holds whole blocks; a 1-D tensor's blocks cross the shard boundary),
-and for int4 each shard holds an even number of values (the packing pairs values across a
-shard boundary otherwise): shard_ok(). decode_rows() decodes the rows of one shard from
+and for int4 each shard but the one that ends the tensor holds an even number of values
+(the packing pairs values across a shard boundary otherwise): shard_ok(). decode_rows() decodes the rows of one shard from
 the whole tensor's parts (shard_wire.py: a site adds an update to each rank's rows).
 """
 import math
@@ -167,13 +167,15 @@ def apply_(theta, codec, codes, sbits):
     return theta.add_(decode(codec, codes, sbits, tuple(theta.shape)).to(theta.device))
 
 
-def shard_ok(codec, shard_shape, full_shape):
+def shard_ok(codec, shard_shape, full_shape, last=False):
     """True if a dim-0 shard of a tensor encodes to exactly its part of the whole tensor's parts:
     two or more dimensions (a 1-D tensor's blocks run along dim 0, across the shards), the
-    shard's rows whole, and for int4 an even number of values (an empty shard is fine)."""
+    shard's rows whole, and for int4 an even number of values (an empty shard is fine) -
+    or any number for the shard that ends the tensor (last): its odd last nibble pads the
+    whole tensor's last byte too."""
     if len(full_shape) < 2 or len(shard_shape) != len(full_shape) or tuple(shard_shape[1:]) != tuple(full_shape[1:]):
         return False
-    return codec.fmt != "int4" or math.prod(shard_shape) % 2 == 0
+    return codec.fmt != "int4" or last or math.prod(shard_shape) % 2 == 0
 
 
 def to_numpy(parts):

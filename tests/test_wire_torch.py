@@ -109,6 +109,11 @@ class TorchCodecTest(TmpDirTest):
                 with self.subTest(codec=codec.fmt, shape=shape, part=k):
                     self.assertTrue(torch.equal(torch.cat([p[k].reshape(-1) for p in parts]), whole[k].reshape(-1)))
         self.assertFalse(wire_torch.shard_ok(wire.Codec("int4"), (3, 301), (34, 301)))     # odd values
+        self.assertTrue(wire_torch.shard_ok(wire.Codec("int4"), (3, 301), (34, 301), last=True))   # ... at the end
+        x = torch.from_numpy(hard_values(rng, (7, 301)))          # 4 + 3 rows: an odd last shard
+        whole, _ = wire_torch.encode(wire.Codec("int4"), x)
+        parts = [wire_torch.encode(wire.Codec("int4"), s)[0] for s in (x[:4], x[4:])]
+        self.assertTrue(torch.equal(torch.cat([p[""] for p in parts]), whole[""]))
 
     def test_formats_it_does_not_encode_say_where_they_go(self):
         with self.assertRaisesRegex(ValueError, "topk goes through wire.py"):
@@ -337,7 +342,8 @@ class ShardedShareTest(unittest.TestCase):
                     self.assertIn("embed", r[f"{label}_per_rank"])
                     self.assertIn("cube", r[f"{label}_per_rank"])
                     self.assertIn("norm", r[f"{label}_whole"])
-            self.assertIn("int4_odd", r["int4_whole"])         # 7 x 3 over 2 or 3 ranks: an odd shard
+            # 7 x 3 over 2 ranks: 4 + 3 rows, the odd shard last; over 3: 3 + 3 + 1, an odd one first
+            self.assertIn("int4_odd", r["int4_per_rank" if world == 2 else "int4_whole"])
             self.assertIn("int4_odd", r["int8_per_rank"])
 
     def test_the_update_added_on_the_devices_is_the_aggregators_theta(self):
