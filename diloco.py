@@ -462,7 +462,9 @@ class FedMomCarrier(OuterCarrier):
         writer = fb = None
         if self.rank == 0:
             shapes = [(n, tuple(p.shape)) for n, p in zip(names, params)]
-            writer = wire.WireWriter(self.delta_path, shapes, self.codec, {"base_round": str(self.round)})
+            # no fsync: the upload reads the file back at once, and nothing reads it after a restart
+            writer = wire.WireWriter(self.delta_path, shapes, self.codec, {"base_round": str(self.round)},
+                                     fsync=False)
             fb = self.residual.begin(shapes, self.round) if self.residual is not None else None
         try:
             for n, p, d in zip(names, params, deltas):
@@ -501,7 +503,7 @@ class FedMomCarrier(OuterCarrier):
         writer = None
         if self.rank == 0:
             writer = wire.WireWriter(self.delta_path, [(n, tuple(p.shape)) for n, p in zip(names, params)],
-                                     self.codec, {"base_round": str(self.round)})
+                                     self.codec, {"base_round": str(self.round)}, fsync=False)   # as above
         fb = self.residual.begin(self.round) if self.residual is not None else None
 
         def encode(name, x):
@@ -766,7 +768,7 @@ class Residual:
 class _ResidualWrite:
     """One delta's pass over Residual: owed in, new residual out, tensor by tensor."""
 
-    def __init__(self, res, shapes, base_round, metadata=None):
+    def __init__(self, res, shapes, base_round, metadata=None, fsync=True):
         import tensorio
         self.res = res
         self.owed = tensorio.TensorReader(res.path) if os.path.exists(res.path) else None
@@ -775,7 +777,7 @@ class _ResidualWrite:
                     f"merged delta of round {self.owed.metadata.get('base_round')} ({res.path})")
             res.told = True
         self.w = tensorio.TensorWriter(res.next_path, [(n, "F32", s) for n, s in shapes],
-                                       {"base_round": str(base_round), **(metadata or {})})
+                                       {"base_round": str(base_round), **(metadata or {})}, fsync=fsync)
         res.sq = 0.0
 
     def add_owed(self, name, x):
@@ -900,6 +902,11 @@ class RankResidual(Residual):
         self.log(f"error feedback reset (nothing owed from now on): {why}")
         self._drop(self.path, self.next_path, *(self._foreign() if self.rank == 0 else ()))
 
+    def settle(self, base_round, merged_into, reason):
+        if merged_into is not None and os.path.exists(self.next_path):
+            durable.fsync_file(self.next_path)      # written without fsync (_RankWrite): owed from now on
+        super().settle(base_round, merged_into, reason)
+
     def check(self, round_now, shapes=None):
         """Collective, at each download of theta_global: is what is owed still meaningful on every rank?"""
         why, base = self._read_check(round_now) if os.path.exists(self.path) else (None, None)
@@ -913,8 +920,11 @@ class _RankWrite(_ResidualWrite):
     """One delta's pass over a RankResidual: torch tensors on the device in and out, one at a time."""
 
     def __init__(self, res, base_round):
+        # no fsync on the way: the file is needed durable only once it becomes owed, which
+        # RankResidual.settle makes it, a round trip later (the kernel has written it back by
+        # then); a crash before that leaves a next file, which a restart resets anyway
         super().__init__(res, res.specs, base_round, {"world_size": str(res.world), "rank": str(res.rank),
-                                                      "layout": res.layout})
+                                                      "layout": res.layout}, fsync=False)
 
     def add_owed(self, name, x):
         if self.owed is None:

@@ -54,6 +54,10 @@ class TorchCodecTest(TmpDirTest):
                         parts, sent = wire_torch.encode(codec, torch.from_numpy(x.copy()))
                         same_parts(self, wire_torch.to_numpy(parts), want)
                         self.assertEqual(sent.numpy().tobytes(), want_sent.tobytes())
+                        # in passes of a few rows (a CPU's default for a large tensor): the same bits
+                        chunked, chunked_sent = wire_torch.encode(codec, torch.from_numpy(x.copy()), chunk=300)
+                        same_parts(self, wire_torch.to_numpy(chunked), want)
+                        self.assertEqual(chunked_sent.numpy().tobytes(), want_sent.tobytes())
                         back = wire_torch.decode(codec, parts[""], parts["#scale"], shape)
                         self.assertEqual(back.numpy().tobytes(), want_sent.tobytes())
                         got = wire_torch.from_numpy(want)
