@@ -820,7 +820,7 @@ class RankResidual(Residual):
     outcome is known, is more than the files cost); each rank reads its owed rows and
     writes its new ones one tensor at a time, 1/world of the model's fp32 bytes each way."""
 
-    FILE = re.compile(r"residual-rank\d+(-next)?\.safetensors")
+    FILE = re.compile(r"residual-rank(\d+)(-next)?\.safetensors")
 
     def __init__(self, workdir, names, places, rank, world, group=None, log=print, fresh=False):
         self.workdir, self.rank, self.world, self.group = workdir, rank, world, group
@@ -858,7 +858,7 @@ class RankResidual(Residual):
         """Files no rank of this job keeps: the host path's, and those of ranks >= world."""
         out = [os.path.join(self.workdir, n) for n in ("residual.safetensors", "residual-next.safetensors")]
         for n in os.listdir(self.workdir):
-            m = re.fullmatch(r"residual-rank(\d+)(-next)?\.safetensors", n)
+            m = self.FILE.fullmatch(n)
             if m and int(m[1]) >= self.world:
                 out.append(os.path.join(self.workdir, n))
         return [p for p in out if os.path.exists(p)]
