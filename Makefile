@@ -82,6 +82,8 @@ lint: setup
 # chaos.py runs its --quick setting here (3 min of faults, then the unfaulted run; ~10 min);
 # `make chaos` is the 15-minute setting. scale_round.py runs --quick here (a ~24M-param model,
 # 3 rounds, < 1 min); the sizes users train are `$(PY) bench/scale_round.py --flavor 0.6B` (~30 min).
+# site_share.py runs --quick here (0.6B's layer shapes, 2 layers, 8192 vocabulary rows, 2 ranks; < 1 min);
+# `$(PY) bench/site_share.py` is the 0.6B model (~9 GB of memory).
 bench: setup
 	@set -e; for b in bench/*.py; do \
 	  case $$b in bench/faults.py|bench/http_fuzz.py|bench/wan_relay.py) continue ;; esac; \
@@ -91,6 +93,7 @@ bench: setup
 	    bench/wire_speed.py) $(PY) $$b --quick ;; \
 	    bench/chaos.py) $(PY) $$b --quick ;; \
 	    bench/scale_round.py) $(PY) $$b --quick ;; \
+	    bench/site_share.py) $(PY) $$b --quick ;; \
 	    bench/fault_schedule.py) $(PY) $$b --schedules 40 --jobs 2 ;; \
 	    *) $(PY) $$b ;; \
 	  esac; \

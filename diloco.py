@@ -51,8 +51,10 @@ collective triggered by a per-rank counter): a ragged last batch or a rank-local
 """
 import contextlib
 import dataclasses
+import json
 import math
 import os
+import re
 import time
 
 import numpy as np
@@ -352,10 +354,20 @@ class FedMomCarrier(OuterCarrier):
     Residual (lossy formats only); fresh: a new run (--resume none), nothing owed from
     an earlier one.
     encode_on: "host" (the reference: rank 0 copies each gathered tensor to the host in
-    fp32 and wire.py encodes it with numpy) or "device" (int8/int4: wire_torch.py encodes
-    it where it was gathered, the same bits, and only the codes and scales, an eighth
-    of the bytes, come to the host; with error feedback the owed residual goes up and
-    the new one comes back in fp32, as Residual keeps them in files on rank 0's host).
+    fp32 and wire.py encodes it with numpy; Residual keeps error feedback in files on rank
+    0; theta_global comes down file to file, fedsite.FedSite.fetch_theta) or "device"
+    (int8/int4, the site's share on its devices, the same bits: shard_wire.py): in step 1
+    each rank encodes its own rows of each FSDP-sharded tensor with wire_torch.py and rank
+    0 gathers only their codes and scales (an eighth of the fp32 bytes for int4); a
+    tensor that cannot be split so (a 1-D norm weight, an odd int4 shard before the last,
+    a DDP replica) is gathered and encoded on rank 0's device. Error feedback stays with
+    the rank that encoded each part (RankResidual, below: a file per rank). In step 3 an int8/int4
+    update of theta_global (the aggregator's --down-wire) is not applied on rank 0's host:
+    rank 0 broadcasts its codes and scales one tensor at a time and every rank adds its own
+    rows to ex.theta on its device (wire.add_update's float32 bits); rank 0's host then
+    repeats the addition file to file behind the training and checks the aggregator's
+    digest (FedSite.check_behind), joined before the next delta is sent
+    (FEDERATION_GUIDE.md section 4, "Where the site encodes").
     overlap (train.py --overlap; FEDERATION_GUIDE.md section 4, "Overlap"): step 2 runs on
     a thread (site.start_round_trip) and outer_step returns at once, the model keeping its
     own weights ("keep_weights") and every rank its local shards as sent (`sent`, host
@@ -374,12 +386,23 @@ class FedMomCarrier(OuterCarrier):
         if encode_on == "device" and self.codec.fmt not in ("int8", "int4"):
             raise ValueError(f"encode_on='device' encodes int8 and int4; --wire {self.codec.fmt} is encoded on the host")
         self.encode_on = encode_on
-        self.site, self.workdir, self.group = site, workdir, group
+        self.site, self.workdir, self.group, self.log, self.fresh = site, workdir, group, log, fresh
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        # error feedback on rank 0 (which writes the delta); nothing to owe with a lossless format
+        if self.rank == 0:
+            os.makedirs(workdir, exist_ok=True)
+            # a job killed while it wrote a theta or delta file (the host's apply behind the
+            # training among them) left a model-sized temporary
+            for n in os.listdir(workdir):
+                if n.startswith(("theta", "delta")) and durable.is_tmp(n):
+                    durable.unlink(os.path.join(workdir, n))
+        # error feedback (nothing to owe with a lossless format): on rank 0, which writes the
+        # delta, under encode_on="host"; under "device" on every rank, built with the plan
+        self.error_feedback = error_feedback and self.codec.fmt != "f32"
         self.residual = Residual(workdir, log, fresh) if (
-            self.rank == 0 and error_feedback and self.codec.fmt != "f32") else None
+            self.rank == 0 and self.error_feedback and encode_on == "host") else None
+        self.places = None           # encode_on="device": shard_wire.plan, made at the first collective use
+        self.apply_on_device = False     # encode_on="device": an int8/int4 update is added on the devices
         self.wire_bytes = None       # rank 0: size of the last delta file sent, bytes
         self.round = None            # the round of the theta_global the model was loaded with
         self.delta_path = os.path.join(workdir, "delta.safetensors")
@@ -416,15 +439,33 @@ class FedMomCarrier(OuterCarrier):
         """Rank 0: the norm of what error feedback kept from the last delta (None without it)."""
         return math.sqrt(self.residual.sq) if self.residual is not None else None
 
+    def _prepare(self, names, params):
+        """encode_on="device", collective, once: which rank encodes which rows of each tensor
+        (shard_wire.plan) and, with error feedback, every rank's RankResidual."""
+        if self.encode_on != "device" or self.places is not None:
+            return
+        import shard_wire
+        self.places = shard_wire.plan(self.codec, params, self.rank, self.world, self.group)
+        # every DTensor's rows known: the update can be added where theta is, rank by rank
+        self.apply_on_device = all(p.rows is not None or not p.sharded for p in self.places)
+        if self.error_feedback:
+            self.residual = RankResidual(self.workdir, names, self.places, self.rank, self.world, self.group,
+                                         self.log, self.fresh)
+
     @torch.no_grad()
     def write_delta(self, names, params, deltas):
         """Rank 0 writes theta_i - theta_global (= -deltas) tensor by tensor in the wire
-        format, plus what error feedback owes; the new residual goes to Residual's file."""
+        format, plus what error feedback owes; the new residual goes to Residual's file
+        (encode_on="device": each rank's share, _write_on_device)."""
         import wire
+        if self.encode_on == "device":
+            return self._write_on_device(names, params, deltas)
         writer = fb = None
         if self.rank == 0:
             shapes = [(n, tuple(p.shape)) for n, p in zip(names, params)]
-            writer = wire.WireWriter(self.delta_path, shapes, self.codec, {"base_round": str(self.round)})
+            # no fsync: the upload reads the file back at once, and nothing reads it after a restart
+            writer = wire.WireWriter(self.delta_path, shapes, self.codec, {"base_round": str(self.round)},
+                                     fsync=False)
             fb = self.residual.begin(shapes, self.round) if self.residual is not None else None
         try:
             for n, p, d in zip(names, params, deltas):
@@ -433,15 +474,12 @@ class FedMomCarrier(OuterCarrier):
                     # a gathered tensor is ours to negate in place; a DDP delta is a view into
                     # DiLoCo's buffer, negated into one new tensor
                     full = full.neg_() if full is not d else full.neg()
-                    if self.encode_on == "device":
-                        self._write_on_device(writer, fb, n, full)
-                    else:
-                        x = full.float().cpu().numpy()
-                        if fb is not None:
-                            x = fb.add_owed(n, x)
-                        sent = writer.write(n, x)
-                        if fb is not None:
-                            fb.keep(n, x, sent)
+                    x = full.float().cpu().numpy()
+                    if fb is not None:
+                        x = fb.add_owed(n, x)
+                    sent = writer.write(n, x)
+                    if fb is not None:
+                        fb.keep(n, x, sent)
                 del full
         except BaseException:
             for w in (writer, fb):
@@ -454,17 +492,94 @@ class FedMomCarrier(OuterCarrier):
                 fb.close()
             self.wire_bytes = os.path.getsize(self.delta_path)
 
-    def _write_on_device(self, writer, fb, name, full):
-        """encode_on="device": x = full (+ what is owed) encoded by wire_torch where it is;
-        the same operations in float32 as the host path, so the same file and residual."""
+    def _write_on_device(self, names, params, deltas):
+        """encode_on="device" (collective): a tensor split by rows (shard_wire) is encoded by
+        every rank, x = its rows of -delta + what its RankResidual owes, and rank 0 gathers
+        the codes and scales; any other tensor is gathered whole and encoded on rank 0's
+        device. The same float32 operations as the host path: the same file and residual."""
+        import shard_wire
+        import wire
         import wire_torch
-        x = full.float()
-        if fb is not None and fb.owed is not None:
-            x = x + torch.from_numpy(fb.owed.read(name)).view(x.shape).to(x.device)
-        parts, sent = wire_torch.encode(self.codec, x)
-        writer.write_parts(name, wire_torch.to_numpy(parts))
+        self._prepare(names, params)
+        writer = None
+        if self.rank == 0:
+            writer = wire.WireWriter(self.delta_path, [(n, tuple(p.shape)) for n, p in zip(names, params)],
+                                     self.codec, {"base_round": str(self.round)}, fsync=False)   # as above
+        fb = self.residual.begin(self.round) if self.residual is not None else None
+
+        def encode(name, x):
+            if fb is not None:
+                x = fb.add_owed(name, x)
+            parts, sent = wire_torch.encode(self.codec, x)
+            if fb is not None:
+                fb.keep_left(name, x - sent)
+            return parts
+        try:
+            for n, p, d, place in zip(names, params, deltas, self.places):
+                if place.per_rank:
+                    parts = shard_wire.gather(self.codec, place, encode(n, d.neg()), self.rank, self.world,
+                                              self.group)
+                else:
+                    full = self._full(d, p)
+                    parts = None
+                    if self.rank == 0:
+                        parts = encode(n, (full.neg_() if full is not d else full.neg()).float())
+                    del full
+                if writer is not None:
+                    writer.write_parts(n, wire_torch.to_numpy(parts))
+        except BaseException:
+            for w in (writer, fb):
+                if w is not None:
+                    w.abort()
+            raise
         if fb is not None:
-            fb.keep_left(name, (x - sent).cpu().numpy())
+            fb.close()
+            sq = torch.tensor([self.residual.sq], dtype=torch.float64, device=_local(params[0]).device)
+            if self.world > 1:
+                dist.all_reduce(sq, group=self.group)
+            self.residual.sq = float(sq[0])           # the whole residual's, on every rank
+        if writer is not None:
+            writer.close()
+            self.wire_bytes = os.path.getsize(self.delta_path)
+
+    @torch.no_grad()
+    def apply_update(self, names, params, theta, update_path):
+        """encode_on="device" (collective): theta += the update file rank 0 downloaded, on
+        every rank's device: rank 0 reads one tensor's codes and scales at a time and
+        broadcasts them, every rank decodes its own rows (all of a replicated tensor) and
+        adds them in float32, wire.add_update's bits. The file's layout and shapes were
+        checked by FedSite before it handed the update over."""
+        import shard_wire
+        import wire
+        reader = None
+
+        def open_update():
+            nonlocal reader
+            reader = wire.WireReader(update_path)
+            return reader.codec
+        try:
+            codec = on_rank0(open_update, self.group)
+            for n, place, t in zip(names, self.places, theta):
+                parts = None
+                if reader is not None:
+                    parts = {part[len(n):]: reader.r.read(part) for part, _, _ in codec.parts(n, place.shape)}
+                buf = shard_wire.broadcast(codec, place.shape, parts, t.device, self.rank, self.world, self.group)
+                t.add_(shard_wire.local_values(codec, buf, place, self.rank).view(t.shape))
+                del buf
+        finally:
+            if reader is not None:
+                reader.close()
+
+    def _take_theta(self, result, names, params, theta):
+        """The theta_global a round trip brought, into `theta`: its update added on the
+        devices, then checked behind on rank 0's host (RoundResult.update), or the whole
+        file read and scattered."""
+        if result.update is not None:
+            self.apply_update(names, params, theta, result.update)
+            if self.site is not None:
+                self.site.check_behind(self.theta_path)
+        else:
+            self.read_theta(names, params, theta)
 
     @torch.no_grad()
     def read_theta(self, names, params, theta):
@@ -500,6 +615,7 @@ class FedMomCarrier(OuterCarrier):
     def load_global(self, outer):
         """Make the model and outer.theta equal theta_global of the aggregator's CURRENT
         round (collective). Returns that round."""
+        self._prepare(outer.names, outer.params)
         self.round = on_rank0(lambda: self.site.fetch_theta(self.theta_path), self.group)
         if self.residual is not None:
             self.residual.check(self.round, {n: tuple(p.shape) for n, p in zip(outer.names, outer.params)})
@@ -523,14 +639,15 @@ class FedMomCarrier(OuterCarrier):
             # the site trains on from its own weights; what the fold needs is kept on the host
             self.sent = [_local(p).detach().to("cpu", torch.float32, copy=True) for p in ex.params]
             if self.site is not None:
-                self.busy = self.site.start_round_trip(self.delta_path, base, ex.handoff, self.theta_path)
+                self.busy = self.site.start_round_trip(self.delta_path, base, ex.handoff, self.theta_path,
+                                                       defer_update=self.apply_on_device)
             self.in_flight = True
             return {"federation": None, "keep_weights": True}
-        result = on_rank0(lambda: self.site.round_trip(self.delta_path, base, ex.handoff, self.theta_path),
-                          self.group)
+        result = on_rank0(lambda: self.site.round_trip(self.delta_path, base, ex.handoff, self.theta_path,
+                                                       defer_update=self.apply_on_device), self.group)
         if self.residual is not None:
             self.residual.settle(base, result.merged_into if result.merged else None, result.reason or "")
-        self.read_theta(ex.names, ex.params, ex.theta)
+        self._take_theta(result, ex.names, ex.params, ex.theta)
         self.round = result.round
         return {"federation": result}
 
@@ -547,7 +664,7 @@ class FedMomCarrier(OuterCarrier):
                                  result.reason or "")
         if self.site is not None:
             testhooks.fault_point("site.fold")    # test hook (testhooks.py): error feedback settled, theta not folded in
-        self.read_theta(outer.names, outer.params, outer.theta)
+        self._take_theta(result, outer.names, outer.params, outer.theta)
         for p, t, s in zip(outer.params, outer.theta, self.sent):
             fold(_local(p), t, s)
         self.round, self.busy, self.sent, self.in_flight = result.round, None, None, False
@@ -584,7 +701,8 @@ class Residual:
                    risk sending one residual twice
       theta_global of a round R <= base_round (a new aggregator state), or other tensor
                    names or shapes: owed is meaningless now: reset, and said
-    A new run (--resume none) starts with nothing owed.
+    A new run (--resume none) starts with nothing owed; a job that finds the files a job of
+    this run left under --encode-on device (one per rank: RankResidual) resets, and says so.
     """
 
     def __init__(self, workdir, log=print, fresh=False):
@@ -595,6 +713,11 @@ class Residual:
         self.told = False               # the first use of a residual in this job is logged
         self._drop(*(os.path.join(workdir, n) for n in os.listdir(workdir)      # a killed write's temporary
                      if n.startswith("residual") and durable.is_tmp(n)))
+        ranked = [os.path.join(workdir, n) for n in os.listdir(workdir) if RankResidual.FILE.fullmatch(n)]
+        if ranked and not fresh:
+            self.log("error feedback reset (nothing owed from now on): the residual was kept per rank by a "
+                     "job with --encode-on device; this job encodes on the host")
+        self._drop(*ranked)
         if fresh:
             self._drop(self.path, self.next_path)
         elif os.path.exists(self.next_path):
@@ -646,7 +769,7 @@ class Residual:
 class _ResidualWrite:
     """One delta's pass over Residual: owed in, new residual out, tensor by tensor."""
 
-    def __init__(self, res, shapes, base_round):
+    def __init__(self, res, shapes, base_round, metadata=None, fsync=True):
         import tensorio
         self.res = res
         self.owed = tensorio.TensorReader(res.path) if os.path.exists(res.path) else None
@@ -655,7 +778,7 @@ class _ResidualWrite:
                     f"merged delta of round {self.owed.metadata.get('base_round')} ({res.path})")
             res.told = True
         self.w = tensorio.TensorWriter(res.next_path, [(n, "F32", s) for n, s in shapes],
-                                       {"base_round": str(base_round)})
+                                       {"base_round": str(base_round), **(metadata or {})}, fsync=fsync)
         res.sq = 0.0
 
     def add_owed(self, name, x):
@@ -678,6 +801,140 @@ class _ResidualWrite:
         self.w.abort()
         if self.owed is not None:
             self.owed.close()
+
+
+class RankResidual(Residual):
+    """Error feedback under encode_on="device" (FedMomCarrier, shard_wire.py): Residual's
+    rules, unchanged, with each rank keeping what it encoded - the residual of its own rows
+    of every tensor encoded per rank, and on rank 0 that of every tensor encoded whole - in
+    files of its own in the federation workdir:
+      residual-rank<r>.safetensors        owed now (residual-rank<r>-next renamed once merged)
+      residual-rank<r>-next.safetensors   what the delta in flight will leave owed
+    each with metadata base_round, world_size and layout (per tensor its rows [start, stop)
+    of dim 0, or "whole"). Every rank writes its file, with no tensor if it encodes none, and
+    settles it by the same RoundResult. What can differ between ranks - a file left by a
+    job killed between two ranks' renames, another world size or layout, a residual the
+    host path kept (--encode-on host), another base round - is decided by all ranks at
+    once (one all_gather of each rank's reason): any reason resets every rank, said once
+    by rank 0, since a partial reset would leave some rows owed and others not.
+    Device memory: none kept (4 B per parameter twice over, owed and next, until a delta's
+    outcome is known, is more than the files cost); each rank reads its owed rows and
+    writes its new ones one tensor at a time, 1/world of the model's fp32 bytes each way."""
+
+    FILE = re.compile(r"residual-rank(\d+)(-next)?\.safetensors")
+
+    def __init__(self, workdir, names, places, rank, world, group=None, log=print, fresh=False):
+        self.workdir, self.rank, self.world, self.group = workdir, rank, world, group
+        self.log = log if rank == 0 else (lambda msg: None)
+        self.path = os.path.join(workdir, f"residual-rank{rank}.safetensors")
+        self.next_path = os.path.join(workdir, f"residual-rank{rank}-next.safetensors")
+        self.sq = 0.0                   # squared norm of the whole residual the last delta left
+        self.told = False
+        os.makedirs(workdir, exist_ok=True)
+        self.specs = [(n, pl.locals[rank] if pl.per_rank else pl.shape) for n, pl in zip(names, places)
+                      if pl.per_rank or rank == 0]
+        self.layout = json.dumps({n: list(pl.rows[rank]) if pl.per_rank else "whole"
+                                  for n, pl in zip(names, places) if pl.per_rank or rank == 0},
+                                 separators=(",", ":"))
+        stem = os.path.basename(self.path)[:-len(".safetensors")]
+        self._drop(*(os.path.join(workdir, n) for n in os.listdir(workdir)       # a killed write's temporary
+                     if n.startswith(stem) and durable.is_tmp(n)))
+        if fresh:
+            self._drop(self.path, self.next_path, *self._foreign())
+            return
+        why = base = None
+        if os.path.exists(self.next_path):
+            why = (f"after a restart, the delta that left {os.path.basename(self.next_path)} may or may not "
+                   "have been merged")
+        elif os.path.exists(self.path):
+            why, base = self._read_check(None)
+        if self.rank == 0 and why is None:
+            foreign = [os.path.basename(p) for p in self._foreign()]
+            if foreign:
+                why = (f"{', '.join(sorted(foreign)[:3])} left by a job with --encode-on host or more ranks; "
+                       f"this job keeps the residual per rank over {world} ranks")
+        self._agree(why, base)
+
+    def _foreign(self):
+        """Files no rank of this job keeps: the host path's, and those of ranks >= world."""
+        out = [os.path.join(self.workdir, n) for n in ("residual.safetensors", "residual-next.safetensors")]
+        for n in os.listdir(self.workdir):
+            m = self.FILE.fullmatch(n)
+            if m and int(m[1]) >= self.world:
+                out.append(os.path.join(self.workdir, n))
+        return [p for p in out if os.path.exists(p)]
+
+    def _read_check(self, round_now):
+        """(why this rank's owed file must go, or None; its base_round)."""
+        import tensorio
+        try:
+            with tensorio.TensorReader(self.path) as r:
+                meta = r.metadata
+                base = int(meta.get("base_round", "-1"))
+                have = [(n, r.specs[n][1]) for n in r.names]
+                dtypes = {r.specs[n][0] for n in r.names}
+        except (tensorio.FormatError, ValueError) as e:
+            return f"{self.path} is unreadable ({e})", None
+        if meta.get("world_size") != str(self.world):
+            return (f"the residual was kept over {meta.get('world_size')} ranks, this job has {self.world} "
+                    "(another world size)"), base
+        if meta.get("layout") != self.layout or have != [(n, tuple(s)) for n, s in self.specs] or dtypes - {"F32"}:
+            return "the residual's tensors, shapes or rows differ from this job's layout", base
+        if round_now is not None and round_now <= base:
+            return (f"the aggregator is at round {round_now}, but this residual was left by a delta of round "
+                    f"{base} merged after it (a new aggregator state?)"), base
+        return None, base
+
+    def _agree(self, why, base):
+        """Collective: reset every rank if any rank has a reason, or if the ranks' owed files
+        are not all there or not all of one base round."""
+        got = [(why, base if os.path.exists(self.path) else None)]
+        if self.world > 1 and dist.is_initialized():
+            got = [None] * self.world
+            dist.all_gather_object(got, (why, base if os.path.exists(self.path) else None), group=self.group)
+        why = next((w for w, _ in got if w), None)
+        if why is None and len({b for _, b in got}) > 1:
+            why = ("the ranks' residual files disagree (some missing, or of other rounds: a job killed "
+                   "between their renames)")
+        if why is not None:
+            self.reset(why)
+
+    def reset(self, why):
+        self.log(f"error feedback reset (nothing owed from now on): {why}")
+        self._drop(self.path, self.next_path, *(self._foreign() if self.rank == 0 else ()))
+
+    def settle(self, base_round, merged_into, reason):
+        if merged_into is not None and os.path.exists(self.next_path):
+            durable.fsync_file(self.next_path)      # written without fsync (_RankWrite): owed from now on
+        super().settle(base_round, merged_into, reason)
+
+    def check(self, round_now, shapes=None):
+        """Collective, at each download of theta_global: is what is owed still meaningful on every rank?"""
+        why, base = self._read_check(round_now) if os.path.exists(self.path) else (None, None)
+        self._agree(why, base)
+
+    def begin(self, base_round):
+        return _RankWrite(self, base_round)
+
+
+class _RankWrite(_ResidualWrite):
+    """One delta's pass over a RankResidual: torch tensors on the device in and out, one at a time."""
+
+    def __init__(self, res, base_round):
+        # no fsync on the way: the file is needed durable only once it becomes owed, which
+        # RankResidual.settle makes it, a round trip later (the kernel has written it back by
+        # then); a crash before that leaves a next file, which a restart resets anyway
+        super().__init__(res, res.specs, base_round, {"world_size": str(res.world), "rank": str(res.rank),
+                                                      "layout": res.layout}, fsync=False)
+
+    def add_owed(self, name, x):
+        if self.owed is None:
+            return x
+        return x + torch.from_numpy(self.owed.read(name)).view(x.shape).to(x.device)
+
+    def keep_left(self, name, left):
+        self.res.sq += sq_norm(left.reshape(-1))
+        self.w.write(name, left.cpu().numpy())
 
 
 # ----------------------------------------------------------------------------- DiLoCo

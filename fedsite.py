@@ -20,6 +20,10 @@ Callers: train.py's federated loop and diloco.FedMomCarrier, in this order per r
 With --overlap the carrier calls site.start_round_trip(...) instead (the same round trip
 on a Background thread), the loop asks next_span(busy) while it runs, and the carrier's
 settle() waits for it at the next phase's end (FEDERATION_GUIDE.md section 4, "Overlap").
+Under --encode-on device the carrier passes defer_update=True: an int8/int4 update of
+theta_global comes back unapplied (RoundResult.update), the carrier adds it on the
+devices and calls site.check_behind(theta), whose thread (the file's addition and the
+digest) the next round_trip and fetch_theta join first (join_check).
 Every method that can wait is a generator that yields while it waits: on_rank0 turns each
 yield into a small broadcast, so the other ranks never sit in one collective long enough
 to time out.
@@ -83,7 +87,10 @@ class RoundResult:
     whatever became of the delta); merged_into: the round it went into, when merged;
     reason: why not, otherwise. The span it trained, and the Handoff's step and tokens,
     come back with it; theta_via ("update" or "full"), down_bytes and down_s say how the
-    new theta_global came down (FedSite.fetch_theta)."""
+    new theta_global came down (FedSite.fetch_theta). update: the path of an int8/int4
+    update downloaded but not applied (round_trip(defer_update=True)): the caller adds it
+    to the theta it holds on its devices, then calls FedSite.check_behind; None when the
+    theta file was brought up to date here."""
     base_round: int
     round: int = None
     merged: bool = False
@@ -99,6 +106,7 @@ class RoundResult:
     theta_via: str = None
     down_bytes: int = None
     down_s: float = 0.0
+    update: str = None
 
 
 class FedSite:
@@ -130,6 +138,8 @@ class FedSite:
         self._said = {}
         self.held = None             # (round, wire.Digest) of the theta file we hold, once known
         self.down = {}               # how the last theta came: {"via": "update" | "full", "bytes": n}
+        self.deferred = None         # (round, digest, update path): downloaded, applied by the caller
+        self.checking = None         # the Background of check_behind, until joined
 
     def say(self, msg, every_s=0.0):
         """Log a repeated waiting message at most once per every_s seconds (per message kind:
@@ -248,34 +258,84 @@ class FedSite:
     def current_round(self):
         return (yield from self._call("FedMom round", lambda d: self.fed.current_round(deadline=d)))
 
-    def fetch_theta(self, path):
+    def fetch_theta(self, path, defer_update=False):
         """theta_global of the current round into `path` -> its round. With the aggregator's
         --down-wire, a site holding the previous round's theta downloads the update and adds
         it (wire.apply_update: the aggregator's exact bits, checked by their digest); any
         other site (new, requeued, behind) downloads the whole file (FEDERATION_GUIDE.md
-        section 4, "Compressed downstream")."""
-        return (yield from self._call("download theta_global", lambda d: self._fetch(path, d)))
+        section 4, "Compressed downstream"). defer_update: an int8/int4 update is only
+        downloaded and checked against the theta file's names and shapes; the caller adds it
+        where its theta is, then check_behind() does the file's addition and the digest.
+        A check still running behind is joined first."""
+        yield from self.join_check()
+        return (yield from self._call("download theta_global", lambda d: self._fetch(path, d, defer_update)))
 
-    def _fetch(self, path, deadline=None):
+    def _fetch(self, path, deadline=None, defer_update=False):
         held = self.held if self.held is not None else _held(path)
+        self.deferred = None
         if held is not None:
             upd = os.path.join(os.path.dirname(os.path.abspath(path)), "theta-update.safetensors")
+            keep = False
             try:
                 got = self.fed.download_update(upd, *held, transport=self.theta_transport, deadline=deadline)
                 if got is not None:
                     size = os.path.getsize(upd)
-                    wire.apply_update(path, upd, path, got[1], {"round": str(got[0])})
-                    self.held, self.down = got, {"via": "update", "bytes": size}
+                    if defer_update and _device_update(upd, path):
+                        # theta is the file's until the check behind says otherwise: no held digest meanwhile
+                        self.held, self.deferred, keep = None, (got[0], got[1], upd), True
+                    else:
+                        wire.apply_update(path, upd, path, got[1], {"round": str(got[0])})
+                        self.held = got
+                    self.down = {"via": "update", "bytes": size}
                     return got[0]
             except (wire.WireError, tensorio.FormatError) as e:
                 self.log(f"!!! the update of theta_global did not give the aggregator's theta ({e}); "
                          "downloading the whole theta_global")
             finally:
-                durable.unlink(upd)
+                if not keep:
+                    durable.unlink(upd)
         self.held = None
         rnd = self.fed.download_theta(path, transport=self.theta_transport, deadline=deadline)
         self.held, self.down = (rnd, wire.theta_digest(path)), {"via": "full", "bytes": os.path.getsize(path)}
         return rnd
+
+    def check_behind(self, path):
+        """After the caller added the deferred update (fetch_theta(defer_update=True)) to its
+        theta on its devices: the same float32 addition file to file on this host, on a
+        thread (wire.apply_update), which checks the result against the digest the
+        aggregator published and leaves `path` at the new round for the next update request.
+        join_check() waits for it: before the next delta is sent (round_trip) and before
+        the next download (fetch_theta)."""
+        rnd, digest, upd = self.deferred
+        self.deferred = None
+
+        def check():
+            testhooks.fault_point("site.check")  # test hook (testhooks.py): the device holds the update, the file not yet
+            try:
+                wire.apply_update(path, upd, path, digest, {"round": str(rnd)})
+            finally:
+                durable.unlink(upd)
+            return rnd, digest
+        self.checking = Background(_call(check))
+
+    def join_check(self):
+        """Generator: wait for check_behind's thread -> None, or why the check failed. A
+        failure is said loudly: the theta the site holds on its devices is not the
+        aggregator's, so nothing trained from it may be sent, and the next theta_global is
+        downloaded whole (held is None)."""
+        if self.checking is None:
+            return None
+        try:
+            self.held = yield from self.checking.wait()
+            return None
+        except (wire.WireError, tensorio.FormatError, OSError) as e:
+            self.held = None
+            self.log(f"!!! theta_global as updated on the devices failed its check on the host ({e}): the site "
+                     "holds a theta that is not the aggregator's; nothing trained from it is sent, and "
+                     "theta_global is downloaded whole")
+            return f"{type(e).__name__}: {e}"
+        finally:
+            self.checking = None
 
     def _outcome(self, reply, base):
         """Our delta of `base_round` in a join/heartbeat reply's "deltas": merged |
@@ -285,22 +345,32 @@ class FedSite:
                 return o
         return None
 
-    def start_round_trip(self, delta_path, base, handoff, theta_path):
+    def start_round_trip(self, delta_path, base, handoff, theta_path, defer_update=False):
         """--overlap: round_trip() of the span just trained, on a thread of its own while
         the site trains its next phase. -> the Background handle (wait() for the RoundResult)."""
-        return Background(self.round_trip(delta_path, base, handoff, theta_path, self.span))
+        return Background(self.round_trip(delta_path, base, handoff, theta_path, self.span, defer_update))
 
-    def round_trip(self, delta_path, base, handoff, theta_path, span=None):
+    def round_trip(self, delta_path, base, handoff, theta_path, span=None, defer_update=False):
         """Send the delta file (theta_i - theta_global of round `base`) with the Handoff's
         tokens and metrics, wait for its round to pass, settle its lease, download
-        theta_global to theta_path. span: the one the delta trained (default: the last
-        next_span gave). -> RoundResult."""
+        theta_global to theta_path (defer_update: as fetch_theta). span: the one the delta
+        trained (default: the last next_span gave). -> RoundResult.
+        A delta trained from a theta whose check behind failed (join_check) is not sent:
+        its lease is released, as for a delta not merged, and theta_global comes whole."""
         span = span or self.span
         out = RoundResult(base_round=base, lease=span.lease, start=span.start, end=span.end,
                           step=handoff.step, tokens=handoff.tokens)
         t0 = time.monotonic()
         sent = False
         testhooks.fault_point("site.trained")           # test hook (testhooks.py): checkpointed, nothing sent
+        bad = yield from self.join_check()
+        if bad is not None:
+            out.reason = (f"not sent: it was trained from a theta_global that failed its check ({bad}); its "
+                          "blocks are trained again")
+            self.session.span_done(span)
+            self.session.release(span)
+            yield from self._fetch_into(out, theta_path, defer_update)
+            return out
         try:
             self.session.refresh()                   # the coordinator's word on the lease, now
         except (httpc.CallError, *TRANSPORT_ERRORS) as e:
@@ -311,7 +381,7 @@ class FedSite:
             out.reason = "lease lost at DARL before the send: delta dropped, its blocks are trained again"
             self.log(out.reason)
             self.session.span_done(span)
-            yield from self._fetch_into(out, theta_path)
+            yield from self._fetch_into(out, theta_path, defer_update)
             return out
         try:
             yield from self._call("send delta", lambda d: self.fed.send_delta(
@@ -347,13 +417,14 @@ class FedSite:
         else:                                        # accepted, then no record: the aggregator decides
             out.reason = "outcome unknown: lease left to the aggregator (commit if merged, else expiry)"
             self.session.forget(span)
-        yield from self._fetch_into(out, theta_path)
+        yield from self._fetch_into(out, theta_path, defer_update)
         return out
 
-    def _fetch_into(self, out, theta_path):
+    def _fetch_into(self, out, theta_path, defer_update=False):
         t0 = time.monotonic()
-        out.round = yield from self.fetch_theta(theta_path)
+        out.round = yield from self.fetch_theta(theta_path, defer_update)
         out.theta_via, out.down_bytes = self.down.get("via"), self.down.get("bytes")
+        out.update = self.deferred[2] if self.deferred is not None else None
         out.down_s = round(time.monotonic() - t0, 3)
 
     # -- end
@@ -389,6 +460,23 @@ class FedSite:
                 self.keepalive.__exit__(None, None, None)
                 self.keepalive = None
             self.darl.close()
+
+
+def _device_update(upd, theta_path):
+    """True if the update file is int8/int4 (a site's devices add those: wire_torch) and fits
+    the theta file's names and shapes; WireError if it does not fit."""
+    with wire.WireReader(upd, threads=1) as r:
+        if r.codec is None or r.codec.fmt not in wire.LEVELS:
+            return False
+        with tensorio.TensorReader(theta_path) as t:
+            wire.check_shapes(r, {n: t.specs[n][1] for n in t.names})
+    return True
+
+
+def _call(fn):
+    """fn() as a generator that returns its value (for Background)."""
+    return fn()
+    yield                                      # unreachable: makes this a generator function
 
 
 def _held(path):

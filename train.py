@@ -64,7 +64,9 @@ Outputs (metrics.py writes the logs and rows): runs/<run>/ holds
     --tensorboard DIR  the same rows as TensorBoard scalars: <split>/<key> against the
                     step, and <split>/loss_by_tokens against tokens_total
     checkpoints/    checkpoint.py's files; --resume auto continues from the newest
-    federation/     rank 0's delta.safetensors (the last one sent) and theta.safetensors
+    federation/     rank 0's delta.safetensors (the last one sent) and theta.safetensors;
+                    the error-feedback residual (--encode-on host: rank 0's residual.safetensors;
+                    device: residual-rank<r>.safetensors, one per rank; diloco.Residual)
 Who may run it: anyone with the venv (or the site container); it only writes under --runs-dir.
 """
 import contextlib

@@ -165,10 +165,14 @@ class Config:
     wire_topk_chunk: int = option(4096, "topk: values per chunk of each flattened tensor", group="federation")
     wire_topk_k: int = option(64, "topk: largest-magnitude values kept per chunk", group="federation")
     wire_topk_bits: int = option(4, "topk: bits per kept value", choices=(4, 8), group="federation")
-    encode_on: str = option("auto", "where rank 0 encodes the delta: host = numpy on its CPU (wire.py, the "
-                                    "reference), device = wire_torch.py on the training device, the same bits, "
-                                    "only the codes and scales copied to the host (int8/int4 only); auto = device "
-                                    "for --wire int8/int4 on a GPU, else host", choices=("host", "device", "auto"),
+    encode_on: str = option("auto", "where the site encodes its delta and adds theta_global's update: host = "
+                                    "numpy on rank 0's CPU (wire.py, the reference; the update file to file); "
+                                    "device = every rank on its training device, the same bits (int8/int4 only): "
+                                    "each rank encodes its own FSDP shard (wire_torch.py, shard_wire.py), rank 0 "
+                                    "gathers only codes and scales, error feedback is kept per rank, and an "
+                                    "int8/int4 update (--down-wire) is added to each rank's shard, rank 0's host "
+                                    "checking the aggregator's digest behind the training; auto = device for "
+                                    "--wire int8/int4 on a GPU, else host", choices=("host", "device", "auto"),
                             group="federation")
     error_feedback: bool = option(True, "add what the wire format dropped to the next round's delta; the buffer "
                                         "is kept in runs/<run>/federation/ across --resume auto (f32 drops "

@@ -19,8 +19,11 @@ integer bit shifts), so torch on the CPU or a GPU and numpy produce the same bit
     theta = wire_torch.apply_(theta, codec, codes, sbits)       # theta += decode(...), in place
 
 A sharded tensor (FSDP2 shards along dim 0) encodes shard by shard with the same result
-as the whole tensor, provided each shard holds whole rows and, for int4, an even number
-of values (the packing pairs values across a shard boundary otherwise): shard_ok().
+as the whole tensor, provided it has two or more dimensions (the blocks run along the last
+one, so a dim-0 shard holds whole blocks; a 1-D tensor's blocks cross the shard boundary),
+and for int4 each shard but the one that ends the tensor holds an even number of values
+(the packing pairs values across a shard boundary otherwise): shard_ok(). decode_rows() decodes the rows of one shard from
+the whole tensor's parts (shard_wire.py: a site adds an update to each rank's rows).
 """
 import math
 
@@ -55,41 +58,58 @@ def bits_to_f32(bits):
     return ((bits.to(torch.int32) & 0xFFFF) << 16).view(torch.float32)
 
 
-def _blocked(x, block):
-    """x as [R, nb, block] (a ragged row zero-padded to whole blocks) and (R, C, nb)."""
-    R, C, nb = as_blocks(tuple(x.shape), block)
-    X = x.reshape(R, C)
-    if nb * block != C:
-        X = torch.nn.functional.pad(X, (0, nb * block - C))
-    return X.reshape(R, nb, block), (R, C, nb)
+# encode's rows per pass on a CPU: temporaries of ~1 MB each stay in the allocator's reused
+# memory and in cache; whole-tensor passes fault in fresh pages for every temporary (a
+# 1024 x 8192 tensor measured 0.36 s whole, 0.08 s in chunks of 256 K values, on a
+# 2-core VM). A GPU takes each tensor in one pass: a chunk costs ~15 kernel launches.
+CPU_CHUNK = 1 << 18
 
 
 @torch.no_grad()
-def encode(codec, x):
+def encode(codec, x, chunk=None):
     """float32 tensor -> ({"": codes, "#scale": int16 scale bits [rows, nb]}, the decoded
-    values, float32 of x's shape), on x's device, the bits of wire.Codec.encode."""
+    values, float32 of x's shape), on x's device, the bits of wire.Codec.encode.
+    chunk: values per pass (default CPU_CHUNK on a CPU, the whole tensor elsewhere); every
+    pass takes whole blocks and, but for the last, an even number of values (int4 pairs)."""
     _check(codec)
-    levels, block = LEVELS[codec.fmt], codec.block
     x = x.detach().to(torch.float32).contiguous()
     shape = tuple(x.shape)
     cols = shape[-1] if shape else 1
     rows = math.prod(shape) // cols if cols else 0
-    xb, (R, C, nb) = _blocked(x, block)
-    amax = xb.abs().amax(dim=2) if xb.numel() else xb.new_zeros((R, nb))
+    R, C, nb = as_blocks(shape, codec.block)
+    X = x.reshape(R, C)
+    chunk = chunk or (CPU_CHUNK if x.device.type == "cpu" else None)
+    step = max(R, 1) if not chunk or not C else max(2, chunk // C // 2 * 2)
+    pieces = [_encode_rows(codec, X[a:a + step], nb) for a in range(0, R, step)] or [_encode_rows(codec, X, nb)]
+    codes, bits, sent = (torch.cat(t) if len(pieces) > 1 else t[0] for t in zip(*pieces))
+    if codec.fmt == "int8":
+        codes = codes.reshape(shape)
+    return {"": codes, SCALE: bits.to(torch.int16).reshape(rows, -(-cols // codec.block))}, sent.reshape(shape)
+
+
+def _encode_rows(codec, X, nb):
+    """Rows X [r, C] of as_blocks' view, nb blocks a row (a ragged row zero-padded) ->
+    (codes, flat: int4's q + 8 packed two a byte, int8's q; scale bits [r, nb] int32; decoded
+    values, flat)."""
+    levels, block = LEVELS[codec.fmt], codec.block
+    r, C = X.shape
+    if nb * block != C:
+        X = torch.nn.functional.pad(X, (0, nb * block - C))
+    xb = X.reshape(r, nb, block)
+    amax = xb.abs().amax(dim=2) if xb.numel() else xb.new_zeros((r, nb))
     bits = bf16_up(amax / levels)
     scale = bits_to_f32(bits)[:, :, None]
     q = torch.round(xb / scale)                  # round half to even, as numpy's rint
     q = torch.where(scale == 0, torch.zeros((), dtype=q.dtype, device=q.device), q)
     if codec.fmt == "int4":
         q = q + 8                                # codes 1..15; -0.0 + 8 - 8 is +0.0 (the reference's int8 pass)
-        c = q.to(torch.uint8).reshape(R, nb * block)[:, :C].reshape(-1)
+        codes = pack4(q.to(torch.uint8).reshape(r, nb * block)[:, :C].reshape(-1))
         q = q - 8
-        codes = pack4(c)
     else:
         q = q + 0.0                              # -0.0 -> +0.0
-        codes = q.to(torch.int8).reshape(R, nb * block)[:, :C].reshape(shape)
-    sent = (q * scale).reshape(R, nb * block)[:, :C].reshape(shape)
-    return {"": codes, SCALE: bits.to(torch.int16).reshape(rows, -(-cols // block))}, sent
+        codes = q.to(torch.int8).reshape(r, nb * block)[:, :C].reshape(-1)
+    sent = (q * scale).reshape(r, nb * block)[:, :C].reshape(-1)
+    return codes, bits, sent
 
 
 def pack4(c):
@@ -112,13 +132,19 @@ def decode(codec, codes, sbits, shape):
     `shape`, the bits of wire.Codec.decode. The parts are trusted: a site decodes only an
     update whose digest it checks, and a file goes through wire.WireReader's checks first."""
     _check(codec)
-    block, shape = codec.block, tuple(shape)
-    R, C, nb = as_blocks(shape, block)
-    scale = bits_to_f32(sbits.reshape(R, nb))
+    shape = tuple(shape)
     if codec.fmt == "int4":
         q = unpack4(codes.reshape(-1), math.prod(shape)).to(torch.float32) - 8
     else:
-        q = codes.to(torch.float32)
+        q = codes.reshape(-1).to(torch.float32)
+    return _values(codec, q, sbits, shape)
+
+
+def _values(codec, q, sbits, shape):
+    """q (float32, flat) x its block's scale, in float32: the one multiply of wire.py's decode."""
+    block = codec.block
+    R, C, nb = as_blocks(shape, block)
+    scale = bits_to_f32(sbits.reshape(R, nb))
     q = q.reshape(R, C)
     if nb * block != C:
         per = scale.repeat_interleave(block, dim=1)[:, :C]
@@ -127,16 +153,46 @@ def decode(codec, codes, sbits, shape):
 
 
 @torch.no_grad()
+def decode_rows(codec, codes, sbits, shape, start, stop):
+    """decode(codec, codes, sbits, shape)[start:stop], decoding only those rows of dim 0:
+    the parts are the whole tensor's (of two or more dimensions: its blocks lie inside its
+    rows, so the rows' scales are a slice of the whole's; int4 codes from the nibble of
+    value start x row size, which may be a high one). The same float32 bits as decode."""
+    _check(codec)
+    shape = tuple(shape)
+    if len(shape) < 2:
+        raise ValueError(f"decode_rows needs a tensor of two or more dimensions, not {shape}: a 1-D "
+                         "tensor's blocks cross its rows (decode it whole)")
+    local = (stop - start,) + shape[1:]
+    per = math.prod(shape[1:])
+    if math.prod(local) == 0:
+        return torch.zeros(local, dtype=torch.float32, device=codes.device)
+    frows = per // shape[-1]                      # rows of the [rows, cols] view per dim-0 row
+    sb = sbits.reshape(math.prod(shape[:-1]), -1)[start * frows:stop * frows]
+    v0, v1 = start * per, stop * per
+    if codec.fmt == "int4":
+        packed = codes.reshape(-1)[v0 // 2:(v1 + 1) // 2]
+        q = unpack4(packed, packed.numel() * 2)[v0 % 2:v0 % 2 + v1 - v0].to(torch.float32) - 8
+    else:
+        q = codes.reshape(-1)[v0:v1].to(torch.float32)
+    return _values(codec, q, sb, local)
+
+
+@torch.no_grad()
 def apply_(theta, codec, codes, sbits):
     """theta += decode(codes, sbits) in float32, in place: wire.add_update's bits."""
     return theta.add_(decode(codec, codes, sbits, tuple(theta.shape)).to(theta.device))
 
 
-def shard_ok(codec, shard_shape, full_shape):
-    """True if a dim-0 shard of a tensor encodes to exactly its part of the whole tensor's parts."""
-    if not full_shape or len(shard_shape) != len(full_shape) or tuple(shard_shape[1:]) != tuple(full_shape[1:]):
+def shard_ok(codec, shard_shape, full_shape, last=False):
+    """True if a dim-0 shard of a tensor encodes to exactly its part of the whole tensor's parts:
+    two or more dimensions (a 1-D tensor's blocks run along dim 0, across the shards), the
+    shard's rows whole, and for int4 an even number of values (an empty shard is fine) -
+    or any number for the shard that ends the tensor (last): its odd last nibble pads the
+    whole tensor's last byte too."""
+    if len(full_shape) < 2 or len(shard_shape) != len(full_shape) or tuple(shard_shape[1:]) != tuple(full_shape[1:]):
         return False
-    return codec.fmt != "int4" or math.prod(shard_shape) % 2 == 0
+    return codec.fmt != "int4" or last or math.prod(shard_shape) % 2 == 0
 
 
 def to_numpy(parts):

@@ -20,8 +20,10 @@
 #   diloco-cpu    DiLoCo's outer step with theta in pinned host memory equals the on-device one
 #                 (within 8 ulp: FMA contraction may differ between the CPU's and GPU's kernels)
 #   wire-torch    wire_torch.py's int8/int4 encode and apply on the device == wire.py's numpy, bit for bit
-#   encode-on     diloco.FedMomCarrier(encode_on="device"), train.py --encode-on device's path: two int4
-#                 rounds with error feedback write the host path's delta and residual files, byte for byte
+#   encode-on     diloco.FedMomCarrier(encode_on="device"), train.py --encode-on device's path, on whole
+#                 tensors (DDP) and on FSDP2 shards (one rank: shard_wire's per-shard encode): three int4
+#                 rounds with error feedback give the host path's delta file and residual, bit for bit,
+#                 and an int4 update added on the device gives wire.apply_update's digest
 #   resnet-bf16   ResNet-18, DDP path, bf16 autocast, a generated CIFAR-10
 #   resnet-fp16   the same in fp16 with a GradScaler
 #   resnet-fsdp   ResNet-18 under FSDP2, bf16 parameters (BatchNorm kept in fp32)
@@ -209,28 +211,71 @@ EOF
 sed 's/^/   /' "$OUT/wire-torch.log"
 
 run encode-on "$PYTHON" - "$DEVICE" "$OUT/encode-on" <<'EOF'
-import os, sys, torch, diloco, dist_env
+import os, sys, torch, diloco, dist_env, tensorio, wire
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 d = dist_env.init_distributed(sys.argv[1])
 g = torch.Generator().manual_seed(0)
 shapes = {"embed": (1031, 64), "wq": (256, 192), "odd": (7, 301), "norm": (64,)}
-params = [torch.empty(s, device=d.device) for s in shapes.values()]       # whole tensors, as under DDP
-deltas = [torch.randn(s, generator=g).to(d.device) for s in shapes.values()]
-files = {}
-for where in ("host", "device"):
-    wd = os.path.join(sys.argv[2], where)
+deltas = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+
+class Params(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        for n, s in shapes.items():
+            self.register_parameter(n, torch.nn.Parameter(torch.zeros(s, device=d.device)))
+
+    def forward(self, x):
+        return x
+
+def residual(wd):
+    """The residual the last delta left, whole: rank 0's file, or the per-rank file's tensors."""
+    name = "residual-next.safetensors" if os.path.exists(os.path.join(wd, "residual-next.safetensors")) \
+        else "residual-rank0-next.safetensors"
+    with tensorio.TensorReader(os.path.join(wd, name)) as r:
+        return {n: r.read(n).tobytes() for n in r.names}
+
+rounds = 0
+for label, sharded in (("replicated", False), ("fsdp2", True)):
+    m = Params()
+    if sharded:          # one rank: each shard is the whole tensor, and the per-shard path runs on it
+        fully_shard(m, mesh=DeviceMesh.from_group(dist.group.WORLD, d.device.type))
+    names, params = list(shapes), [dict(m.named_parameters())[n] for n in shapes]
+    local = [deltas[n].to(d.device) for n in names]
+    files = {}
+    for where in ("host", "device"):
+        wd = os.path.join(sys.argv[2], label, where)
+        c = diloco.FedMomCarrier(None, wd, "int4", fresh=True, log=lambda m: None, encode_on=where)
+        for rnd in (0, 1, 2):             # 1 and 2 carry what the one before left owed
+            c.round = rnd
+            c.write_delta(names, params, [x * (rnd + 1) for x in local])
+            files[where, rnd] = (open(c.delta_path, "rb").read(), residual(wd))
+            c.residual.settle(rnd, rnd + 1, "")
+    if sharded:
+        assert all(p.per_rank for n, p in zip(names, c.places) if n != "norm"), "2-D tensors are not encoded per shard"
+    for rnd in (0, 1, 2):
+        assert files["host", rnd][0] == files["device", rnd][0], f"{label} round {rnd}: the device's int4 delta differs"
+        assert files["host", rnd][1] == files["device", rnd][1], f"{label} round {rnd}: the device's residual differs"
+        rounds += 1
+    # theta_global's int4 update added on the device: the aggregator's bits (its digest)
+    wd = os.path.join(sys.argv[2], label, "apply")
     os.makedirs(wd)
-    c = diloco.FedMomCarrier(None, wd, "int4", fresh=True, log=lambda m: None, encode_on=where)
-    for rnd in (0, 1):                                # the second delta carries what the first left owed
-        c.round = rnd
-        c.write_delta(list(shapes), params, [x * (rnd + 1) for x in deltas])
-        files[where, rnd] = [open(os.path.join(wd, f), "rb").read()
-                             for f in ("delta.safetensors", "residual-next.safetensors")]
-        c.residual.settle(rnd, rnd + 1, "")
-for rnd in (0, 1):
-    assert files["host", rnd][0] == files["device", rnd][0], f"round {rnd}: the device's int4 delta file differs"
-    assert files["host", rnd][1] == files["device", rnd][1], f"round {rnd}: the device's residual file differs"
-print(f"2 int4 rounds with error feedback encoded on {d.device.type} (wire_torch): delta and residual "
-      f"files == the host path's (numpy), byte for byte")
+    theta = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    tensorio.save_torch(theta, os.path.join(wd, "theta.safetensors"))
+    want = wire.Digest()
+    with wire.WireWriter(os.path.join(wd, "update.safetensors"), list(shapes.items()), wire.Codec("int4")) as w:
+        for n in names:
+            want.add(n, wire.add_update(theta[n].numpy(), w.write(n, 1e-3 * theta[n].numpy() ** 3)))
+    on_dev = [theta[n].to(d.device) for n in names]
+    c.apply_update(names, params, on_dev, os.path.join(wd, "update.safetensors"))
+    have = wire.Digest()
+    for n, t in zip(names, on_dev):
+        have.add(n, t.cpu().numpy())
+    assert have.hexdigest() == want.hexdigest(), f"{label}: the update added on the device is not the aggregator's theta"
+print(f"{rounds} int4 rounds with error feedback encoded on {d.device.type}, replicated and FSDP2-sharded "
+      f"(wire_torch, shard_wire): delta and residual == the host path's (numpy), bit for bit; "
+      f"the int4 update added on {d.device.type} == wire.apply_update's digest")
 EOF
 sed 's/^/   /' "$OUT/encode-on.log"
 

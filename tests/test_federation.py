@@ -7,8 +7,9 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
     two sites as separate torchrun jobs: "alpha" (FSDP2, 2 ranks, inline transport, int4
     deltas with error feedback, --overlap --overlap-fold end: it trains its next phase
     while a delta is in flight, folds theta_global in at that phase's end, and is killed
-    and resumed with a delta in flight; the first job encodes with --encode-on device,
-    the resumed one on the host) and "beta" (DDP, 1 rank, blob transport, top-k
+    and resumed with a delta in flight; both jobs run --encode-on device: each rank
+    encodes its own rows, keeps its own residual, and adds theta_global's int4 update to
+    its rows, the host checking the digest behind) and "beta" (DDP, 1 rank, blob transport, top-k
     deltas, --throttle-ms: the slow one; --overlap, folding theta_global in on arrival);
     theta_global comes down as int4 updates (--down-wire).
     The scenario, each step waiting on a condition (never on a fixed sleep):
@@ -21,18 +22,23 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
     lease once (no window merged twice or never); both sites' phases started before their
     previous delta's round trip ended, and their merged deltas named the round they merged
     into - 1 (the server's rule, unchanged under overlap); the loss falls; the compressed deltas
-    crossed at their format's size, and alpha's error-feedback buffer came through the
-    kill (used by the restarted job, or reset with the reason said), each job's log and
-    rows naming the encoder it ran; the updates came down
+    crossed at their format's size, and alpha's error-feedback files (one per rank) came
+    through the kill (used by the restarted job, or reset with the reason said), each job's
+    log and rows naming the encoder it ran; the updates came down
     at int4's size and each site's last theta is the aggregator's, bit for bit. Everything runs over
     TLS (a CA and certificate made with openssl, as central.sh makes them): the three
     servers serve https, FedMom and both sites check them against the CA file.
   - CarrierTest: one torchrun job of 2 ranks (this file's `worker` mode): FSDP2's
     per-tensor gather (the delta file) and scatter (theta_global) against the unsharded
     state, including unevenly sharded tensors; the int4 delta and residual encoded on the
-    device (wire_torch) byte for byte those of the host path; and a stale delta - the site's base round
-    is overtaken before it sends - is refused (409), not merged, its lease released in
-    DARL, and the site ends on the current theta_global.
+    device (wire_torch, each rank its rows) bit for bit those of the host path; and a stale
+    delta - the site's base round is overtaken before it sends - is refused (409), not
+    merged, its lease released in DARL, and the site ends on the current theta_global.
+  - DeviceCheckTest: one site in this process (--encode-on device on CPU torch, int4 both
+    ways): the update added on the device is the aggregator's theta; then the host's file,
+    read by the check behind (held at the fault point site.check), is damaged: the check
+    fails loudly, the next delta is not sent, its lease goes back to the pool, and the
+    site reloads theta_global whole.
   - cheap checks in-process: the ragged-step arithmetic, identity and flag errors, and
     --export-init's names.
 """
@@ -56,6 +62,7 @@ import durable
 import fedsite
 import harness
 import httpc
+import testhooks
 import tokenize_corpus as tc
 import train
 
@@ -242,21 +249,32 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
             report[f"{label}_scatter_max_err"] = max(float((after[n] - known[n]).abs().max()) for n in names)
             report[f"{label}_uneven"] = any(p.shape[0] % 2 for p in params)
         # the same deltas in int4 with error feedback, encoded on the host (numpy) and on the
-        # device (wire_torch): the same files, two rounds (the second carries what is owed)
+        # device (wire_torch, each rank its own rows): the same delta file and the same residual
+        # (rank 0's file, or every rank's rows), two rounds (the second carries what is owed)
         files = {}
         for where in ("host", "device"):
             wd = os.path.join(out_dir, f"{label}-{where}")
-            if d.rank == 0:
-                os.makedirs(wd, exist_ok=True)
-            dist.barrier()
             c = diloco.FedMomCarrier(None, wd, "int4", fresh=True, encode_on=where)
-            c.round = 0
             for rnd in (0, 1):
                 c.round = rnd
                 c.write_delta(names, params, [x * (rnd + 1) for x in deltas])
+                dist.barrier()
                 if d.rank == 0:
-                    with open(c.delta_path, "rb") as f, open(os.path.join(wd, "residual-next.safetensors"), "rb") as g:
-                        files[(where, rnd)] = (f.read(), g.read())
+                    res = {}
+                    for fn in sorted(os.listdir(wd)):
+                        if fn.startswith("residual") and fn.endswith("next.safetensors"):
+                            with tensorio.TensorReader(os.path.join(wd, fn)) as r:
+                                rows = json.loads(r.metadata.get("layout", "{}"))
+                                for n in r.names:
+                                    a, whole = r.read(n), full[n].numpy()
+                                    if rows.get(n, "whole") == "whole":
+                                        res[n] = a
+                                    else:
+                                        res.setdefault(n, np.zeros(whole.shape, np.float32))[slice(*rows[n])] = a
+                    with open(c.delta_path, "rb") as f:
+                        files[(where, rnd)] = (f.read(), {n: res[n].tobytes() for n in names})
+                dist.barrier()
+                if c.residual is not None:
                     c.residual.settle(rnd, rnd + 1, "")
         if d.rank == 0:
             report[f"{label}_device_encode_same_files"] = all(
@@ -443,6 +461,113 @@ class CarrierTest(unittest.TestCase):
 
 
 # ---------------------------------------------------------------------------
+# --encode-on device: theta updated on the device, checked behind on the host
+# ---------------------------------------------------------------------------
+
+class DeviceCheckTest(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory(prefix="fed-devcheck-")
+        self.addCleanup(self.tmp.cleanup)
+        self.launcher = harness.Launcher()
+        self.addCleanup(self.launcher.kill_all)
+
+    def test_a_theta_that_fails_its_check_behind_stops_the_next_send(self):
+        import torch
+
+        import diloco
+        import tensorio
+        t = self.tmp.name
+        manifest = make_corpus(t, 12000)
+        g = torch.Generator().manual_seed(3)
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(torch.randn(16, 256, generator=g))
+        model.norm = torch.nn.Parameter(torch.randn(16, generator=g))
+        init = os.path.join(t, "init.safetensors")
+        tensorio.save_torch({n: p.detach() for n, p in model.named_parameters()}, init)
+        L = self.launcher
+        dproc, darl = harness.start_server(L, "darl", ["--manifest", manifest, "--block-size", 4, "--state-dir", t,
+                                                       "--default-ttl", 30, "--max-ttl", 30], log_of(t, "darl"), port=0)
+        fproc, fed = harness.start_server(L, "fedmom", [
+            "--state-dir", os.path.join(t, "fedmom"), "--init", init, "--darl", darl, "--darl-retry-s", 1,
+            "--member-timeout-s", 60, "--down-wire", "int4"], log_of(t, "fedmom"), port=0)
+        faults = os.path.join(t, "faults")
+        os.makedirs(faults)
+        os.environ[testhooks.FAULT_DIR_ENV] = faults
+        self.addCleanup(os.environ.pop, testhooks.FAULT_DIR_ENV)
+        cfg = train.parse_config(["--model", "qwen3-tiny", "--data", manifest, "--federation", fed, "--darl-url",
+                                  darl, "--site", "dev", "--diloco-inner-steps", "2"]).resolve("cpu")
+        said = []
+        site = fedsite.FedSite(cfg, data.TokenWindows(manifest), 0, said.append)
+        self.addCleanup(site.abort)
+        diloco.on_rank0(lambda: site.connect(8))
+        work = os.path.join(t, "site")
+        carrier = diloco.FedMomCarrier(site, work, "int4", fresh=True, log=said.append, encode_on="device")
+        outer = diloco.DiLoCo(model, diloco.ReplicaLayout.plan(1, 0, 1), diloco.DiLoCoConfig.fedavg(2), carrier)
+        carrier.load_global(outer)
+
+        def phase(step):
+            span = diloco.on_rank0(lambda: site.next_span())
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01 * step)
+            outer.count_inner_step()
+            row = outer.end_phase(fedsite.Handoff(tokens=100, metrics={"loss": 1.0}, step=step))
+            return span, row["federation"]
+
+        # 1. merged; the int4 update of round 1 is added on the device, its check held at the fault point
+        arm = os.path.join(faults, "site.check")
+        with open(arm, "w") as f:
+            f.write("0")
+        span1, first = phase(1)
+        self.assertTrue(first.merged, first)
+        self.assertEqual((first.theta_via, first.round), ("update", 1))
+        device_theta = {n: x.clone() for n, x in zip(outer.names, outer.theta)}
+        harness.expect(lambda: os.path.exists(arm + ".hit"), "the check behind at site.check", [fproc, dproc])
+        theta_file = os.path.join(work, "theta.safetensors")
+        with tensorio.TensorReader(theta_file) as r:        # the host's file, round 0, damaged under the check
+            arrays, meta = {n: r.read(n) for n in r.names}, dict(r.metadata)
+        arrays["norm"][3] += np.float32(1.0)
+        with tensorio.TensorWriter(theta_file, [(n, "F32", a.shape) for n, a in arrays.items()], meta) as w:
+            for n, a in arrays.items():
+                w.write(n, a)
+        os.unlink(arm)
+
+        # 2. the next phase's delta was trained from that theta: not sent, its lease released,
+        # theta_global (still round 1: nothing else merged) downloaded whole
+        span2, second = phase(2)
+        self.assertFalse(second.merged)
+        self.assertIn("not sent: it was trained from a theta_global that failed its check", second.reason)
+        self.assertEqual((second.theta_via, second.round, second.update), ("full", 1, None))
+        self.assertTrue(any(m.startswith("!!! theta_global as updated on the devices failed its check") for m in said),
+                        said)
+        self.assertEqual(httpc.call(fed, "GET", "/status")["round"], 1, "the delta of round 1 reached the aggregator")
+        self.assertEqual(len(durable.read_jsonl(os.path.join(t, "fedmom", "rounds.jsonl"))), 1)
+        harness.expect(lambda: httpc.call(fed, "GET", "/status")["pending_commits"] == 0, "round 1's commit",
+                       [fproc])
+        ds = httpc.call(darl, "GET", "/status")
+        n1 = span1[2] - span1[1]
+        self.assertEqual((ds["committed"], ds["leased"], ds["in_custody"]), (n1, 0, 0),
+                         "phase 2's blocks are back in the pool")
+        self.assertEqual(ds["free"], ds["num_blocks"] - n1)
+        # what the device added in round 1 was the aggregator's theta, bit for bit: the whole
+        # download of round 1 is the same, and the model holds it now
+        with tensorio.TensorReader(theta_file) as r:
+            self.assertEqual(r.metadata["round"], "1")
+            for n in r.names:
+                want = r.read(n)
+                self.assertEqual(device_theta[n].numpy().tobytes(), want.tobytes(), n)
+                self.assertEqual(dict(model.named_parameters())[n].detach().numpy().tobytes(), want.tobytes(), n)
+        self.assertNotEqual(span2[0], span1[0])
+
+        # 3. the next round trip runs as usual again: sent, merged, the update added on the device
+        _, third = phase(3)
+        self.assertTrue(third.merged, third)
+        self.assertEqual(third.theta_via, "update")
+        diloco.on_rank0(lambda: site.join_check())
+        self.assertIsNotNone(site.held, "the third update's check passed")
+
+
+# ---------------------------------------------------------------------------
 # two sites end to end, with a kill + resume and an aggregator restart
 # ---------------------------------------------------------------------------
 
@@ -530,9 +655,9 @@ class FederationRunTest(unittest.TestCase):
         services = [darl, blob]
 
         # 1. both sites merge together
-        # alpha's first job encodes its int4 deltas with wire_torch (--encode-on device, on CPU
-        # torch here), the restarted one with numpy (auto on a CPU): the aggregator takes both,
-        # and a residual left owed at the kill is added by the other encoder
+        # alpha's jobs encode their int4 deltas on the device (--encode-on device, CPU torch
+        # here: each rank its own rows, error feedback per rank) and add theta_global's int4
+        # updates there, the host checking each behind; beta (DDP, topk) on the host
         alpha = cls.site("alpha", "fsdp", 2, "--transport", "inline", "--wire", "int4", "--overlap",
                          "--overlap-fold", "end", "--encode-on", "device")
         beta = cls.site("beta", "ddp", 1, "--transport", "blob", "--wire", "topk", "--throttle-ms", "600",
@@ -543,15 +668,15 @@ class FederationRunTest(unittest.TestCase):
         alpha.kill()
         cls.events["killed_after_round"] = cls.records()[-1]["round"]
         fb = os.path.join(t, "runs", "alpha", "federation")          # what error feedback left behind
-        cls.events["residual_at_kill"] = ("in flight" if os.path.exists(os.path.join(fb, "residual-next.safetensors"))
-                                          else "owed" if os.path.exists(os.path.join(fb, "residual.safetensors"))
+        cls.events["residual_at_kill"] = ("in flight" if os.path.exists(os.path.join(fb, "residual-rank0-next.safetensors"))
+                                          else "owed" if os.path.exists(os.path.join(fb, "residual-rank0.safetensors"))
                                           else None)
         harness.expect(lambda: any(set(cls.merged_by(r)) == {"beta"} and r["round"] > cls.events["killed_after_round"]
                                    for r in cls.records()), "a round merged by beta alone", [beta, fed, *services])
         # 3. alpha comes back (same cluster id, new incarnation, --resume auto) and merges with beta
         mark = os.path.getsize(alpha.log_path)
         alpha2 = cls.site("alpha", "fsdp", 2, "--transport", "inline", "--wire", "int4", "--overlap",
-                          "--overlap-fold", "end", "--resume", "auto")
+                          "--overlap-fold", "end", "--resume", "auto", "--encode-on", "device")
         cls.events["alpha2_log_from"] = mark
         new_inc = harness.expect(lambda: cls.incarnation("alpha", mark), "alpha's new incarnation", [alpha2])
         cls.events["alpha2_incarnation"] = new_inc
@@ -665,20 +790,21 @@ class FederationRunTest(unittest.TestCase):
             self.assertTrue(first_use and int(first_use[2]) < self.events["killed_after_round"], log)
         else:
             self.assertTrue(reset, log)
-        self.assertTrue(os.path.exists(os.path.join(self.tmp.name, "runs", "alpha", "federation",
-                                                    "residual.safetensors")))
+        fb = os.path.join(self.tmp.name, "runs", "alpha", "federation")
+        self.assertEqual(sorted(f for f in os.listdir(fb) if f.startswith("residual")),
+                         ["residual-rank0.safetensors", "residual-rank1.safetensors"], "one file per rank")
 
     def test_each_job_names_its_delta_encoder_in_its_log_and_rows(self):
         with open(os.path.join(self.tmp.name, "alpha.log"), errors="replace") as f:
             log = f.read()
         first, second = log[:self.events["alpha2_log_from"]], log[self.events["alpha2_log_from"]:]
-        self.assertIn("deltas in int4, encoded on the device (wire_torch) (--encode-on)", first)
-        self.assertIn("deltas in int4, encoded on the host (numpy) (--encode-on)", second)
+        for job in (first, second):
+            self.assertIn("deltas in int4, encoded on the device (wire_torch) (--encode-on)", job)
+        self.assertNotIn("failed its check", log, "a theta updated on the devices is the aggregator's")
         fed = [r for r in self.rows["alpha"] if r["split"] == "federation"]
-        # the first job may die before its first row (under --overlap a row waits for its fold)
-        want = {self.events["alpha2_incarnation"]: "host"}
-        self.assertTrue(all(r["encode_on"] == want.get(r["incarnation"], "device") for r in fed), fed)
-        self.assertIn("host", {r["encode_on"] for r in fed}, "the restarted alpha wrote no federation row")
+        self.assertTrue(fed and all(r["encode_on"] == "device" for r in fed), fed)
+        self.assertIn(self.events["alpha2_incarnation"], {r["incarnation"] for r in fed},
+                      "the restarted alpha wrote no federation row")
         beta = [r for r in self.rows["beta"] if r["split"] == "federation"]
         self.assertTrue(beta and all(r["encode_on"] == "host" for r in beta), "topk is encoded on the host")
 

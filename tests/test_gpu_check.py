@@ -1,10 +1,10 @@
 """tests/test_gpu_check.py - bench/gpu_check.sh, run as on a lent GPU but tiny and on the CPU.
 
 GPU_CHECK_DEVICE=cpu GPU_CHECK_QUICK=1 takes every step of the script (preflight, smoke,
-staging, DiLoCo on the host, wire_torch and the carrier's device encode, the ResNet and
-Qwen3 runs, the DCP resume, --compile, both gradient-accumulation modes) with CPU-sized
-models, so the script's plumbing, summaries and failure handling are tested here; its
-GPU figures come only from a GPU.
+staging, DiLoCo on the host, wire_torch and the carrier's device encode and apply, whole
+tensors and FSDP2 shards, the ResNet and Qwen3 runs, the DCP resume, --compile, both
+gradient-accumulation modes) with CPU-sized models, so the script's plumbing, summaries
+and failure handling are tested here; its GPU figures come only from a GPU.
 Run: .venv/bin/python tests/run.py test_gpu_check
 """
 import os
@@ -40,8 +40,9 @@ class GpuCheckTest(unittest.TestCase):
         self.assertRegex(r.stdout, r"attention kernel\s+PASS")
         self.assertIn("16 batches staged", r.stdout)
         self.assertRegex(r.stdout, r"\d+ tensors: encode and apply on cpu == wire.py \(numpy\) bit for bit")
-        self.assertIn("2 int4 rounds with error feedback encoded on cpu (wire_torch): delta and residual "
-                      "files == the host path's (numpy), byte for byte", r.stdout)
+        self.assertIn("6 int4 rounds with error feedback encoded on cpu, replicated and FSDP2-sharded (wire_torch, "
+                      "shard_wire): delta and residual == the host path's (numpy), bit for bit; the int4 update "
+                      "added on cpu == wire.apply_update's digest", r.stdout)
         self.assertIn("== theta on the device", r.stdout)
 
     def test_shellcheck_clean(self):
