@@ -376,7 +376,8 @@ class CustodyBooks:
 
     def fence_confirmed(self, held):
         self.epoch_held = True
-        self.say(f"fedmom: DARL knows aggregator {self.aggregator} at epoch {self.epoch} ({held} custody record(s) held)")
+        self.say(f"fedmom: DARL knows aggregator {self.aggregator} at epoch {self.epoch} "
+                 f"({held} custody record(s) held)")
 
     def stop(self, why):
         if self.fenced is None:
@@ -507,12 +508,14 @@ class RoundTable:
     def mark(self):
         r = self.roster
         return (self._changes, self.round, self.last_record, r.changes, dict(r.members), list(r.events),
-                self.books.mark())
+                self.reconciled, set(self.inherited), self.books.mark())
 
     def rewind(self, m):
-        """The durable part as it was at mark() (its save failed)."""
+        """The durable part as it was at mark() (its save failed), and whether DARL's custody was
+        reconciled: a reconciliation whose save failed runs again (it finds what it left out)."""
         r = self.roster
-        self._changes, self.round, self.last_record, r.changes, r.members, events, books = m
+        self._changes, self.round, self.last_record, r.changes, r.members, events, \
+            self.reconciled, self.inherited, books = m
         r.events = collections.deque(events, maxlen=EVENTS_KEPT)
         self.books.rewind(books)
 

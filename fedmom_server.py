@@ -2,11 +2,17 @@
 
 Runs on: the central VM (CPU only). Python standard library + numpy; never imports
 torch, so copying httpd.py, durable.py, tensorio.py, wire.py (compressed deltas and
-updates), fedmom_merge.py (the merge arithmetic and the delta checks), outer_state.py (the outer
-state in memory), fedmom_checkpoint.py (its checkpoint and replay), fedmom_state.py (the durable
-state and round protocol), status_page.py (GET /) and this file onto a bare Python 3 with numpy
-is the whole install
-(blobstore.py too for the blob transport).
+updates), darl_table.py, fedmom_merge.py (the merge arithmetic and the delta checks),
+outer_state.py (the outer state in memory), fedmom_checkpoint.py (its checkpoint and replay),
+fedmom_records.py and fedmom_round.py (the round protocol, pure), fedmom_store.py (state.json
+and the spool), fedmom_outer.py (the outer state merged, checkpointed, rebuilt), fedmom_darl.py
+(the custody calls), fedmom_blobs.py with blobstore.py (the blob transport and retention),
+fedmom_state.py (all of it put together), status_page.py (GET /) and this file onto a bare
+Python 3 with numpy is the whole install (central.sh's CENTRAL_FILES).
+
+This file is the HTTP shell: each route reads its request and makes one call on the
+FedMomState, which knows nothing of HTTP (fedmom_round.Refused becomes the 4xx it names);
+the three loops below drive its rounds, its calls to DARL and the blob store's retention.
 
     # first start: the initial model (any float dtype; theta_global is kept in fp32)
     python fedmom_server.py --state-dir state/fedmom --init init.safetensors
@@ -53,7 +59,7 @@ Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."
     POST /delta_blob {...the same metadata..., blob, sha256}: the delta sits in blobstore
     GET  /theta      the current theta_global file (X-Round header names its round)
     GET  /theta_blob publishes it to the blob store once per round -> {blob, sha256, round};
-                     the blob is <aggregator id>.theta-<round> (BlobRetention deletes it later)
+                     the blob is <aggregator id>.theta-<round> (the retention sweep deletes it later)
     GET  /theta_update?from=R&digest=D   with --down-wire: the update file that takes the
                      theta of round R (wire.Digest D) to the current round (headers X-Round,
                      X-Theta-Digest: the digest the site must get); 409 {"code": "no_update"}
@@ -64,7 +70,7 @@ Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."
          /?saved=1 is the copy to keep, stamped and without the auto-refresh), GET /health
 A delta whose base_round is not the current round gets 409 {"error", "round": current}.
 With --darl, an accepted delta's leases go into DARL custody for this aggregator
-(fedmom_state.py's docstring has the two-phase commit): a lease DARL will not hold for
+(fedmom_round.py's docstring has the two-phase commit): a lease DARL will not hold for
 that incarnation (it expired and its blocks were leased again, or it was stolen) is a
 409 {"error", "code": "lease_lost", "leases": [...]} and nothing is stored; the site
 discards that work. While DARL gives no definitive answer the delta stays spooled but
@@ -120,7 +126,7 @@ aborts owed; fedmom_state.py's docstring has the layout. The outer state lives i
 --threads sets the cores its merge and codecs use.
 
 Retention (--keep-rounds K, default 3): the theta/update blobs of the last K rounds stay
-in the blob store (so a download begun before a merge can finish); BlobRetention deletes
+in the blob store (so a download begun before a merge can finish); fedmom_blobs.BlobRetention deletes
 older ones after every durable round and at start, from the store's listing, so a crash
 leaks nothing; a site further behind takes the full theta (409 no_update). GET /status
 "retention", the status CLI and the page say what the state dir and the store keep and
@@ -137,29 +143,27 @@ checkpoint), fedmom.unlink (each file of an old round, outside the state lock) a
 through httpd.wall_time().
 """
 import argparse
-import collections
 import http.client
 import json
 import os
-import re
 import sys
 import threading
 import time
 
 import darl_table
-import durable
+import fedmom_checkpoint
+import fedmom_state
 import httpd
 import status_page
 import wire
-import fedmom_checkpoint
-import fedmom_state
-from fedmom_state import ServerConfig, FedMomState, DarlLink, Refused, log, format_record, unlink_with_parts
+from fedmom_blobs import SWEEP_RETRY_S, BlobLink, BlobRetention
+from fedmom_darl import DarlLink
+from fedmom_records import format_record
+from fedmom_round import Refused
+from fedmom_state import FedMomState, ServerConfig
+from fedmom_store import log
 
 DEFAULT_PORT = 29511
-BLOB_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
-BLOB_FETCH_RETRIES = 3        # POST /delta_blob's download from the store: ~3.5 s of backoff, then 502
-SWEEP_RETRY_S = 30.0          # a sweep of the blob store that failed (store down) is tried again this often
-BLOB_CALL_TIMEOUT_S = 30.0    # one listing or DELETE of a sweep; on its own thread, so it delays no merge
 
 
 # ---------------------------------------------------------------- HTTP
@@ -175,167 +179,73 @@ def _refusal(fn):
     return wrapped
 
 
+def _ident(body):
+    return httpd.field(body, "cluster", str), httpd.field(body, "incarnation", str)
+
+
+def _delta_meta(req):
+    """PUT /delta's metadata: the X-Delta-Meta header, as JSON."""
+    raw = req.headers.get("X-Delta-Meta")
+    if not raw:
+        raise httpd.HTTPError(400, "missing X-Delta-Meta header (JSON: cluster, incarnation, base_round, "
+                                   "tokens, leases, metrics)")
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise httpd.HTTPError(400, f"X-Delta-Meta is not JSON: {e}")
+
+
+def _from_round(req):
+    """GET /theta_update(_blob)'s query: (round of the site's theta, its wire.Digest)."""
+    try:
+        return int(req.query.get("from", "")), req.query.get("digest", "")
+    except ValueError:
+        raise httpd.HTTPError(400, f"GET {req.path} needs ?from=<round of your theta>&digest=<its wire.Digest>")
+
+
 def make_routes(state, blob_token=None, retention=None):
+    """The route table: each route reads its request and makes one call on the state."""
     cfg = state.cfg
+    blobs = BlobLink(cfg.blob_url, blob_token, cfg.ca_file, retention) if cfg.blob_url else None
+    status_html = status_page.Page(state.rounds_path, state.dir, cfg.darl, cfg.blob_url, blob_token,
+                                   ca_file=cfg.ca_file)
 
-    def ident(body):
-        return httpd.field(body, "cluster", str), httpd.field(body, "incarnation", str)
-
-    def join(req):
-        return state.join(*ident(req.json()))
+    def blob_store(instead):
+        if blobs is None:
+            raise httpd.HTTPError(400, f"this server has no blob store: start it with --blob-url, or {instead}")
+        return blobs
 
     def heartbeat(req):
         b = req.json()
         after = httpd.field(b, "wait_round_after", int, required=False)
         wait = httpd.field(b, "wait_s", (int, float), required=False, default=0.0)
-        return state.heartbeat(*ident(b), b.get("metrics"), after, float(wait))
-
-    def leave(req):
-        return state.leave(*ident(req.json()))
+        return state.heartbeat(*_ident(b), b.get("metrics"), after, float(wait))
 
     def delta_check(req):
         meta = state.check_delta_meta(req.json())
         return {"ok": True, "round": state.round, "cluster": meta["cluster"]}
 
-    def put_delta(req):
-        raw = req.headers.get("X-Delta-Meta")
-        if not raw:
-            raise httpd.HTTPError(400, "missing X-Delta-Meta header (JSON: cluster, incarnation, base_round, "
-                                       "tokens, leases, metrics)")
-        try:
-            meta = json.loads(raw)
-        except ValueError as e:
-            raise httpd.HTTPError(400, f"X-Delta-Meta is not JSON: {e}")
-        meta = state.check_delta_meta(meta)
-        req.content_length()
-        part = state.new_part_path()
-        try:
-            with open(part, "wb") as f:
-                for chunk in req.stream():
-                    f.write(chunk)
-                    httpd.fault_point("fedmom.received")    # mid-upload: part of the body on disk
-                f.flush()
-                if cfg.fsync:
-                    os.fsync(f.fileno())
-        except BaseException:
-            durable.unlink(part)
-            raise
-        return state.accept_delta(meta, part)
-
     def delta_blob(req):
         b = req.json()
-        if not cfg.blob_url:
-            raise httpd.HTTPError(400, "this server has no blob store: start it with --blob-url, or send inline")
-        blob, sha = httpd.field(b, "blob", str), httpd.field(b, "sha256", str)
-        if not BLOB_ID_RE.fullmatch(blob):
-            raise httpd.HTTPError(400, f"blob id {blob!r} must match [A-Za-z0-9_-][A-Za-z0-9._-]{{0,199}}")
-        meta = state.check_delta_meta(b)
-        dup = state.duplicate(meta)         # a retry whose reply was lost: its blob is already gone
-        if dup is not None:
-            return dup
-        import blobstore
-        part = state.new_part_path()
-        try:
-            # few retries: the site holds this request open and retries a 502 itself
-            got = blobstore.get_file(cfg.blob_url, blob, part, token=blob_token, retries=BLOB_FETCH_RETRIES,
-                                     ca_file=cfg.ca_file)
-        except (httpd.CallError, ValueError) as e:
-            unlink_with_parts(part)
-            if isinstance(e, httpd.CallError) and e.status == 507:
-                raise httpd.HTTPError(503, f"blob store: {e.reply.get('error')}", headers={"Retry-After": "30"},
-                                      code="disk_full", retry_after_s=30)
-            status = 400 if isinstance(e, ValueError) or e.status == 404 else 502
-            raise httpd.HTTPError(status, f"blob {blob!r}: {e}")
-        except (OSError, http.client.HTTPException) as e:
-            unlink_with_parts(part)
-            if httpd.is_disk_full(e):        # our own spool is full, not the blob store unreachable: 507
-                raise
-            raise httpd.HTTPError(502, f"blob store {cfg.blob_url} unreachable fetching {blob!r} "
-                                       f"({type(e).__name__}: {e}); nothing was stored, send it again")
-        except BaseException:
-            unlink_with_parts(part)
-            raise
-        try:
-            if got != sha:
-                durable.unlink(part)
-                raise httpd.HTTPError(400, f"blob {blob!r} has sha256 {got[:16]}..., the request says "
-                                           f"{sha[:16]}...")
-            return state.accept_delta(meta, part)
-        finally:                            # fetched: its bytes are in the spool, or refused for good
-            try:
-                httpd.call(cfg.blob_url, "DELETE", f"/blobs/{blob}", token=blob_token, ca_file=cfg.ca_file)
-            except (httpd.CallError, OSError, http.client.HTTPException):
-                pass
+        store = blob_store("send inline")
+        return state.fetch_delta(b, httpd.field(b, "blob", str), httpd.field(b, "sha256", str), store)
 
     def theta(req):
         f, rnd = state.open_theta()
         return httpd.Response(file=f, headers={"X-Round": str(rnd)})
 
-    def to_blob(blob, opened, rnd):
-        """Put a file of round `rnd` the state opened into the blob store, once per round and
-        name -> {blob, sha256, round}."""
-        import blobstore
-        with state.publish_lock, opened as f:
-            if blob in state.published:
-                return state.published[blob]
-            # put_file reads by path; /proc/self/fd keeps it on the file we opened under the lock
-            path = f"/proc/self/fd/{f.fileno()}"
-            try:
-                info = blobstore.put_file(cfg.blob_url, blob, path, token=blob_token, ca_file=cfg.ca_file)
-            except httpd.CallError as e:
-                if e.status != 409 or e.reply.get("retry"):
-                    raise
-                # a blob of this name with other bytes: left by a run of this state dir that was
-                # rolled back (restored from an older copy); this round's file replaces it
-                log(f"fedmom: blob {blob} holds other bytes than round {rnd}'s file (a restored state dir?); "
-                    "replacing it")
-                httpd.call(cfg.blob_url, "DELETE", f"/blobs/{blob}", token=blob_token, ca_file=cfg.ca_file)
-                info = blobstore.put_file(cfg.blob_url, blob, path, token=blob_token, ca_file=cfg.ca_file)
-            out = {"blob": blob, "sha256": info["sha256"], "round": rnd}
-            if retention is not None:
-                retention.published(blob, rnd, info["size"])
-            with state.lock:
-                if state.round == rnd:
-                    state.published[blob] = out
-            return out
-
-    def no_blob_store(route):
-        if not cfg.blob_url:
-            raise httpd.HTTPError(400, f"this server has no blob store: start it with --blob-url, or use GET {route}")
-
-    def theta_blob(req):
-        no_blob_store("/theta")
-        f, rnd = state.open_theta()
-        return to_blob(fedmom_state.blob_name(state.aggregator_id, "theta", rnd), f, rnd)
-
-    def open_update(req):
-        try:
-            base = int(req.query.get("from", ""))
-        except ValueError:
-            raise httpd.HTTPError(400, f"GET {req.path} needs ?from=<round of your theta>&digest=<its wire.Digest>")
-        return state.open_update(base, req.query.get("digest", ""))
-
     def theta_update(req):
-        f, rnd, digest = open_update(req)
+        f, rnd, digest = state.open_update(*_from_round(req))
         return httpd.Response(file=f, headers={"X-Round": str(rnd), "X-Theta-Digest": digest})
 
     def theta_update_blob(req):
-        no_blob_store("/theta_update")
-        f, rnd, digest = open_update(req)
-        return {**to_blob(fedmom_state.blob_name(state.aggregator_id, "update", rnd), f, rnd), "digest": digest}
-
-    def round_(req):
-        with state.lock:
-            return {"round": state.round, "merging": state.merging}
-
-    status_html = status_page.Page(state.rounds_path, state.dir, cfg.darl, cfg.blob_url, blob_token,
-                                   ca_file=cfg.ca_file)
+        store = blob_store("use GET /theta_update")
+        return state.publish_update(*_from_round(req), store)
 
     def status(req=None):
         st = state.status()
         return {**st, "retention": {"keep_rounds": cfg.keep_rounds, "state": state.kept_files(),
-                                    "checkpoint": st["checkpoint"],
-                                                "blobs": retention and retention.view()}}
+                                    "checkpoint": st["checkpoint"], "blobs": retention and retention.view()}}
 
     def page(req):      # GET /?saved=1: the copy to keep (stamped, no auto-refresh)
         st = status()
@@ -343,11 +253,18 @@ def make_routes(state, blob_token=None, retention=None):
         return httpd.Response(body=body.encode(), content_type="text/html; charset=utf-8")
 
     routes = {("GET", "/health"): lambda req: {"ok": True, "round": state.round},
-              ("GET", "/"): page, ("GET", "/status"): status, ("GET", "/round"): round_,
-              ("POST", "/join"): join, ("POST", "/heartbeat"): heartbeat, ("POST", "/leave"): leave,
-              ("POST", "/delta_check"): delta_check, ("PUT", "/delta"): put_delta,
-              ("POST", "/delta_blob"): delta_blob, ("GET", "/theta"): theta, ("GET", "/theta_blob"): theta_blob,
-              ("GET", "/theta_update"): theta_update, ("GET", "/theta_update_blob"): theta_update_blob}
+              ("GET", "/"): page, ("GET", "/status"): status,
+              ("GET", "/round"): lambda req: state.round_info(),
+              ("POST", "/join"): lambda req: state.join(*_ident(req.json())),
+              ("POST", "/heartbeat"): heartbeat,
+              ("POST", "/leave"): lambda req: state.leave(*_ident(req.json())),
+              ("POST", "/delta_check"): delta_check,
+              ("PUT", "/delta"): lambda req: state.receive_delta(_delta_meta(req), req.stream()),
+              ("POST", "/delta_blob"): delta_blob,
+              ("GET", "/theta"): theta,
+              ("GET", "/theta_blob"): lambda req: state.publish_theta(blob_store("use GET /theta")),
+              ("GET", "/theta_update"): theta_update,
+              ("GET", "/theta_update_blob"): theta_update_blob}
     return {k: _refusal(v) for k, v in routes.items()}
 
 
@@ -358,8 +275,7 @@ def round_loop(state, stop, interval_s=0.5):
             state.tick()
         except Exception as e:       # keep the loop alive; the log says what went wrong
             log(f"fedmom: round loop error: {type(e).__name__}: {e}")
-        with state.lock:
-            state.cond.wait(timeout=interval_s)
+        state.wait(interval_s)
 
 
 def darl_loop(state, stop, interval_s=1.0, on_fenced=None):
@@ -381,96 +297,21 @@ def darl_loop(state, stop, interval_s=1.0, on_fenced=None):
             return
         if ok:
             backoff = interval_s
-            with state.lock:             # all answered: a new delta or round wakes the loop at once
-                state.cond.wait(timeout=interval_s)
+            state.wait(interval_s)       # all answered: a new delta or round wakes the loop at once
         else:                            # DARL owes an answer: back off (an upload still asks at once)
             backoff = min(max(2 * backoff, interval_s), state.cfg.darl_retry_s)
             stop.wait(backoff)
 
 
-class BlobRetention:
-    """The blob store side of the retention rule (fedmom_state.blob_plan): after each durable
-    round, and once at start, list the store (GET /blobs) and DELETE this aggregator's theta
-    and update blobs no site can use. Working from the listing makes it idempotent and
-    leak-free across crashes: nothing needs recording before a delete, a blob already gone is
-    a 404 that counts as done, and a start sweeps what the last process left. Only the round
-    number is read from the state; every call here is made outside the state lock."""
-
-    def __init__(self, url, aggregator, keep_rounds, token=None, ca_file=None):
-        self.url, self.aggregator, self.keep = url, aggregator, keep_rounds
-        self.token, self.ca_file = token, ca_file
-        self.swept_round, self.retry_at = None, 0.0
-        self.deleted, self.recent, self.error, self.kept = 0, collections.deque(maxlen=20), None, []
-        self.lock = threading.Lock()         # kept: written by the sweep and by to_blob's thread
-
-    def _call(self, method, path):
-        return httpd.call(self.url, method, path, token=self.token, ca_file=self.ca_file,
-                          timeout=BLOB_CALL_TIMEOUT_S)
-
-    def due(self, round_, now):
-        return round_ != self.swept_round and now >= self.retry_at
-
-    def sweep(self, round_, now=None):
-        """One pass at durable round `round_`; True when every blob the rule drops is gone."""
-        now = time.monotonic() if now is None else now
-        try:
-            listing = self._call("GET", "/blobs")
-            sizes = {b["id"]: b["size"] for b in listing["blobs"]}
-            sizes.update({u["id"]: u["total"] for u in listing["uploads"] if u["id"] not in sizes})
-            plan = fedmom_state.blob_plan(sizes, self.aggregator, round_, self.keep)
-            for b in plan:
-                b["bytes"] = sizes[b["blob"]]
-                if not b["keep"]:
-                    self._delete(b)
-        except (httpd.CallError, OSError, http.client.HTTPException, ValueError, KeyError, TypeError) as e:
-            self.error, self.retry_at = f"{type(e).__name__}: {e}", now + SWEEP_RETRY_S
-            log(f"fedmom: retention sweep of the blob store at round {round_} failed ({self.error}); "
-                f"tried again in {SWEEP_RETRY_S:g} s")
-            return False
-        with self.lock:
-            self.kept = [b for b in plan if b["keep"]]
-        self.swept_round, self.error = round_, None
-        return True
-
-    def _delete(self, b):
-        httpd.fault_point("fedmom.blob_delete")        # test hook: a deletion held mid-sweep
-        try:
-            self._call("DELETE", f"/blobs/{b['blob']}")
-        except httpd.CallError as e:
-            if e.status == 409:                        # still being uploaded: judged again next round
-                return
-            if e.status != 404:                        # 404: already gone (a crash after the delete)
-                raise
-        self.deleted += 1
-        self.recent.append({"blob": b["blob"], "bytes": b["bytes"], "why": b["why"]})
-        log(f"fedmom: deleted blob {b['blob']} ({b['bytes'] / 2**20:.1f} MiB): {b['why']}")
-
-    def published(self, blob, rnd, size):
-        """to_blob put `blob` of round `rnd` into the store: shown as kept until the next sweep judges it."""
-        with self.lock:
-            if all(b["blob"] != blob for b in self.kept):
-                plan = fedmom_state.blob_plan([blob], self.aggregator, rnd, self.keep)
-                self.kept = self.kept + [{**b, "bytes": size} for b in plan]
-
-    def view(self):
-        """/status "retention" "blobs": what the store keeps of ours and why, what went."""
-        with self.lock:
-            kept = [dict(b) for b in self.kept]
-        return {"keep_rounds": self.keep, "swept_round": self.swept_round, "error": self.error, "kept": kept, "deleted": self.deleted, "recent_deleted": list(self.recent)}
-
-
 def retention_loop(state, retention, stop, interval_s=1.0):
-    """Background thread 3: the blob store's retention sweep (BlobRetention) once per durable
-    round and once at start; apart from the round loop, so a store that does not answer
+    """Background thread 3: the blob store's retention sweep (fedmom_blobs.BlobRetention) once per
+    durable round and once at start; apart from the round loop, so a store that does not answer
     (30 s timeouts) never delays a merge."""
     while not stop.is_set():
-        with state.lock:
-            rnd = state.round
+        rnd = state.round
         if retention.due(rnd, time.monotonic()):
             retention.sweep(rnd)
-        with state.lock:
-            if state.round == rnd:
-                state.cond.wait(timeout=interval_s)
+        state.wait(interval_s, round=rnd)
 
 
 # ---------------------------------------------------------------- status

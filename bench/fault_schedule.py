@@ -102,7 +102,7 @@ import durable  # noqa: E402
 import fedmom_client  # noqa: E402
 import fedmom_merge  # noqa: E402
 import fedmom_checkpoint  # noqa: E402
-import fedmom_state  # noqa: E402
+import fedmom_records  # noqa: E402
 import fedsite  # noqa: E402
 import httpd  # noqa: E402
 import tensorio  # noqa: E402
@@ -1119,7 +1119,7 @@ def _replay_f32(run, records, by_round, tmp):
         shares = [o["tokens"] / total for _, o in batch]
         entry = {c["incarnation"]: c for c in rec["clusters"].values()}
         norms = [entry[o["incarnation"]]["delta_norm"] for _, o in batch]
-        history = [c["delta_norm"] for r in records[max(0, i - fedmom_state.CLIP_HISTORY_ROUNDS):i]
+        history = [c["delta_norm"] for r in records[max(0, i - fedmom_records.CLIP_HISTORY_ROUNDS):i]
                    for c in r.get("clusters", {}).values() if c.get("delta_norm")]
         scales, _ = fedmom_merge.clip_scales(norms, history, rec["clip"]["factor"])
         recorded = [entry[o["incarnation"]]["clip_scale"] for _, o in batch]
