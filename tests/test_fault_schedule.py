@@ -23,7 +23,7 @@ import tempfile
 import unittest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.append(os.path.join(ROOT, "bench"))     # last: bench/fedmom_merge.py must not shadow fedmom_merge.py
 
 import numpy as np  # noqa: E402
 
