@@ -138,9 +138,10 @@ why; RUNBOOK.md section 1 has the disk this bounds.
 Violations (refused_commits, aborted_custody, blocks_trained_twice, refused_aborts), DARL's silence and
 fencing are shown on /status, the page and the status CLI. Test hooks (httpd.py): fault
 points fedmom.received, fedmom.spooled, fedmom.custody_held, fedmom.merge,
-fedmom.round_durable, fedmom.committed, fedmom.checkpoint (after each file of a
-checkpoint), fedmom.unlink (each file of an old round, outside the state lock) and fedmom.blob_delete (each DELETE of a retention sweep); the wall clock
-through httpd.wall_time().
+fedmom.round_durable, fedmom.committed, fedmom.epoch_durable (the issued epoch durable, not
+confirmed), fedmom.checkpoint (after each file of a checkpoint), fedmom.unlink (each file of
+an old round, outside the state lock) and fedmom.blob_delete (each DELETE of a retention
+sweep); the wall clock through httpd.wall_time().
 """
 import argparse
 import http.client

@@ -82,9 +82,10 @@ definitively. DARL issues the aggregator's epoch (fencing) and refuses any call 
 another. The states, the fencing, the repair after a restart and the violation counters
 are fedmom_round.py's docstring; darl_server.py's docstring has DARL's calls.
 
-Test hooks (httpd.fault_point): fedmom.spooled (a delta accepted on disk, its custody not
-asked yet), fedmom.round_durable (a round durable with its commits owed, none sent); the
-other modules name theirs.
+Test hooks (httpd.fault_point; fedmom_server.py's docstring lists them all): fedmom.spooled
+(a delta accepted on disk, its custody not asked yet) and fedmom.round_durable (a round
+durable with its commits owed, none sent) are here; the others are in the module that does
+that step (fedmom_store, fedmom_outer, fedmom_darl, fedmom_blobs).
 """
 import dataclasses
 import math
