@@ -96,7 +96,7 @@ Protocol (POST, JSON bodies; replies are JSON; errors are 4xx with
                of that range sits unleased in the pool (or quarantine)
     /release   {cluster, incarnation, leases: [...], leave?}   gives back the live part of
                leases; positions in custody are not the site's to give
-  Custody, the aggregator's two-phase commit (fedmom_state.py is the coordinator):
+  Custody, the aggregator's two-phase commit (the aggregator coordinates: fedmom_darl.py):
     /fence     {aggregator, last_epoch, claim, last_holder?, round?}   a starting aggregator
                asks for an epoch: -> {aggregator, epoch, held, held_blocks, digest}. DARL
                issues it (one more than any it issued) only to the state holding the

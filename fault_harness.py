@@ -97,7 +97,7 @@ import durable
 import fedmom_checkpoint
 import fedmom_client
 import fedmom_merge
-import fedmom_state
+import fedmom_records
 import fedsite
 import httpc
 import tensorio
@@ -1098,7 +1098,7 @@ def _replay_f32(run, records, by_round, tmp):
         shares = [o["tokens"] / total for _, o in batch]
         entry = {c["incarnation"]: c for c in rec["clusters"].values()}
         norms = [entry[o["incarnation"]]["delta_norm"] for _, o in batch]
-        history = [c["delta_norm"] for r in records[max(0, i - fedmom_state.CLIP_HISTORY_ROUNDS):i]
+        history = [c["delta_norm"] for r in records[max(0, i - fedmom_records.CLIP_HISTORY_ROUNDS):i]
                    for c in r.get("clusters", {}).values() if c.get("delta_norm")]
         scales, _ = fedmom_merge.clip_scales(norms, history, rec["clip"]["factor"])
         recorded = [entry[o["incarnation"]]["clip_scale"] for _, o in batch]

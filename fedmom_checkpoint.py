@@ -1,7 +1,7 @@
 """fedmom_checkpoint.py - the aggregator's outer state on disk: its checkpoint, the log of the
 rounds since, and the rebuild from them.
 
-Runs on: the central VM, imported by fedmom_state.py (the running aggregator) and
+Runs on: the central VM, imported by fedmom_outer.py and fedmom_store.py (the running aggregator) and
 fedmom_server.py's `export` / `checkpoint` commands (a stopped one); standard library +
 numpy + outer_state.py; never torch. Not started on its own. Tested in tests/test_replay.py.
 

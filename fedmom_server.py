@@ -1,13 +1,19 @@
 """fedmom_server.py - the central FedMom aggregator: one global model, merged from the sites' deltas.
 
 Runs on: the central VM (CPU only). Python standard library + numpy; never imports
-torch, so copying httpd.py, httpc.py, testhooks.py, durable.py, tensorio.py, wire.py (compressed deltas and
-updates), fedmom_merge.py (the merge arithmetic and the delta checks), outer_defaults.py (the
-default outer lr and momentum), outer_state.py (the outer
-state in memory), fedmom_checkpoint.py (its checkpoint and replay), fedmom_state.py (the durable
-state and round protocol), status_page.py (GET /) and this file onto a bare Python 3 with numpy
-is the whole install
-(blob_client.py too, the client of the blob store: central.sh's CENTRAL_FILES list all).
+torch, so copying httpd.py, httpc.py, testhooks.py, durable.py, tensorio.py, wire.py
+(compressed deltas and updates), darl_table.py, fedmom_merge.py (the merge arithmetic and the
+delta checks), outer_defaults.py (the default outer lr and momentum), outer_state.py (the outer
+state in memory), fedmom_checkpoint.py (its checkpoint and replay),
+fedmom_records.py and fedmom_round.py (the round protocol, pure), fedmom_store.py (state.json
+and the spool), fedmom_outer.py (the outer state merged, checkpointed, rebuilt), fedmom_darl.py
+(the custody calls), fedmom_blobs.py with blob_client.py (the blob transport and retention),
+fedmom_state.py (all of it put together), status_page.py (GET /) and this file onto a bare
+Python 3 with numpy is the whole install (central.sh's CENTRAL_FILES).
+
+This file is the HTTP shell: each route reads its request and makes one call on the
+FedMomState, which knows nothing of HTTP (fedmom_round.Refused becomes the 4xx it names);
+the three loops below drive its rounds, its calls to DARL and the blob store's retention.
 
     # first start: the initial model (any float dtype; theta_global is kept in fp32)
     python fedmom_server.py --state-dir state/fedmom --init init.safetensors
@@ -54,7 +60,7 @@ Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."
     POST /delta_blob {...the same metadata..., blob, sha256}: the delta sits in blobstore
     GET  /theta      the current theta_global file (X-Round header names its round)
     GET  /theta_blob publishes it to the blob store once per round -> {blob, sha256, round};
-                     the blob is <aggregator id>.theta-<round> (BlobRetention deletes it later)
+                     the blob is <aggregator id>.theta-<round> (the retention sweep deletes it later)
     GET  /theta_update?from=R&digest=D   with --down-wire: the update file that takes the
                      theta of round R (wire.Digest D) to the current round (headers X-Round,
                      X-Theta-Digest: the digest the site must get); 409 {"code": "no_update"}
@@ -65,7 +71,7 @@ Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."
          /?saved=1 is the copy to keep, stamped and without the auto-refresh), GET /health
 A delta whose base_round is not the current round gets 409 {"error", "round": current}.
 With --darl, an accepted delta's leases go into DARL custody for this aggregator
-(fedmom_state.py's docstring has the two-phase commit): a lease DARL will not hold for
+(fedmom_round.py's docstring has the two-phase commit): a lease DARL will not hold for
 that incarnation (it expired and its blocks were leased again, or it was stolen) is a
 409 {"error", "code": "lease_lost", "leases": [...]} and nothing is stored; the site
 discards that work. While DARL gives no definitive answer the delta stays spooled but
@@ -121,7 +127,7 @@ aborts owed; fedmom_state.py's docstring has the layout. The outer state lives i
 --threads sets the cores its merge and codecs use.
 
 Retention (--keep-rounds K, default 3): the theta/update blobs of the last K rounds stay
-in the blob store (so a download begun before a merge can finish); BlobRetention deletes
+in the blob store (so a download begun before a merge can finish); fedmom_blobs.BlobRetention deletes
 older ones after every durable round and at start, from the store's listing, so a crash
 leaks nothing; a site further behind takes the full theta (409 no_update). GET /status
 "retention", the status CLI and the page say what the state dir and the store keep and
@@ -133,39 +139,36 @@ why; RUNBOOK.md section 1 has the disk this bounds.
 Violations (refused_commits, aborted_custody, blocks_trained_twice, refused_aborts), DARL's silence and
 fencing are shown on /status, the page and the status CLI. Test hooks (testhooks.py): fault
 points fedmom.received, fedmom.spooled, fedmom.custody_held, fedmom.merge,
-fedmom.round_durable, fedmom.committed, fedmom.checkpoint (after each file of a
-checkpoint), fedmom.unlink (each file of an old round, outside the state lock) and fedmom.blob_delete (each DELETE of a retention sweep); the wall clock
-through testhooks.wall_time().
+fedmom.round_durable, fedmom.committed, fedmom.epoch_durable (the issued epoch durable, not
+confirmed), fedmom.checkpoint (after each file of a checkpoint), fedmom.unlink (each file of
+an old round, outside the state lock) and fedmom.blob_delete (each DELETE of a retention
+sweep); the wall clock through testhooks.wall_time().
 """
 import argparse
-import collections
 import http.client
 import json
 import os
-import re
 import sys
 import threading
 import time
 
-import blob_client
 import darl_table
-import durable
 import fedmom_checkpoint
 import fedmom_state
+import durable
 import httpc
 import httpd
-import status_page
 import testhooks
+import status_page
 import wire
-from fedmom_state import ServerConfig, FedMomState, DarlLink, Refused, log, format_record, unlink_with_parts
+from fedmom_blobs import SWEEP_RETRY_S, BlobLink, BlobRetention
+from fedmom_darl import DarlLink
+from fedmom_records import format_record
+from fedmom_round import Refused
+from fedmom_state import FedMomState, ServerConfig
+from fedmom_store import log
 
 DEFAULT_PORT = 29511
-BLOB_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
-BLOB_FETCH_S = 4.0            # POST /delta_blob's download from the store: s without progress, then 502 (the
-                              # site holds the request open and repeats a 502 under its own deadline)
-BLOB_PUBLISH_S = 90.0         # a theta/update blob put into the store: s without progress (a site's GET waits)
-SWEEP_RETRY_S = 30.0          # a sweep of the blob store that failed (store down) is tried again this often
-BLOB_CALL_TIMEOUT_S = 30.0    # one listing or DELETE of a sweep; on its own thread, so it delays no merge
 
 
 # ---------------------------------------------------------------- HTTP
@@ -181,178 +184,73 @@ def _refusal(fn):
     return wrapped
 
 
+def _ident(body):
+    return httpd.field(body, "cluster", str), httpd.field(body, "incarnation", str)
+
+
+def _delta_meta(req):
+    """PUT /delta's metadata: the X-Delta-Meta header, as JSON."""
+    raw = req.headers.get("X-Delta-Meta")
+    if not raw:
+        raise httpd.HTTPError(400, "missing X-Delta-Meta header (JSON: cluster, incarnation, base_round, "
+                                   "tokens, leases, metrics)")
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise httpd.HTTPError(400, f"X-Delta-Meta is not JSON: {e}")
+
+
+def _from_round(req):
+    """GET /theta_update(_blob)'s query: (round of the site's theta, its wire.Digest)."""
+    try:
+        return int(req.query.get("from", "")), req.query.get("digest", "")
+    except ValueError:
+        raise httpd.HTTPError(400, f"GET {req.path} needs ?from=<round of your theta>&digest=<its wire.Digest>")
+
+
 def make_routes(state, blob_token=None, retention=None):
+    """The route table: each route reads its request and makes one call on the state."""
     cfg = state.cfg
+    blobs = BlobLink(cfg.blob_url, blob_token, cfg.ca_file, retention) if cfg.blob_url else None
+    status_html = status_page.Page(state.rounds_path, state.dir, cfg.darl, cfg.blob_url, blob_token,
+                                   ca_file=cfg.ca_file)
 
-    def ident(body):
-        return httpd.field(body, "cluster", str), httpd.field(body, "incarnation", str)
-
-    def join(req):
-        return state.join(*ident(req.json()))
+    def blob_store(instead):
+        if blobs is None:
+            raise httpd.HTTPError(400, f"this server has no blob store: start it with --blob-url, or {instead}")
+        return blobs
 
     def heartbeat(req):
         b = req.json()
         after = httpd.field(b, "wait_round_after", int, required=False)
         wait = httpd.field(b, "wait_s", (int, float), required=False, default=0.0)
-        return state.heartbeat(*ident(b), b.get("metrics"), after, float(wait))
-
-    def leave(req):
-        return state.leave(*ident(req.json()))
+        return state.heartbeat(*_ident(b), b.get("metrics"), after, float(wait))
 
     def delta_check(req):
         meta = state.check_delta_meta(req.json())
         return {"ok": True, "round": state.round, "cluster": meta["cluster"]}
 
-    def put_delta(req):
-        raw = req.headers.get("X-Delta-Meta")
-        if not raw:
-            raise httpd.HTTPError(400, "missing X-Delta-Meta header (JSON: cluster, incarnation, base_round, "
-                                       "tokens, leases, metrics)")
-        try:
-            meta = json.loads(raw)
-        except ValueError as e:
-            raise httpd.HTTPError(400, f"X-Delta-Meta is not JSON: {e}")
-        meta = state.check_delta_meta(meta)
-        req.content_length()
-        part = state.new_part_path()
-        try:
-            with open(part, "wb") as f:
-                for chunk in req.stream():
-                    f.write(chunk)
-                    testhooks.fault_point("fedmom.received")    # mid-upload: part of the body on disk
-                f.flush()
-                if cfg.fsync:
-                    os.fsync(f.fileno())
-        except BaseException:
-            durable.unlink(part)
-            raise
-        return state.accept_delta(meta, part)
-
     def delta_blob(req):
         b = req.json()
-        if not cfg.blob_url:
-            raise httpd.HTTPError(400, "this server has no blob store: start it with --blob-url, or send inline")
-        blob, sha = httpd.field(b, "blob", str), httpd.field(b, "sha256", str)
-        if not BLOB_ID_RE.fullmatch(blob):
-            raise httpd.HTTPError(400, f"blob id {blob!r} must match [A-Za-z0-9_-][A-Za-z0-9._-]{{0,199}}")
-        meta = state.check_delta_meta(b)
-        dup = state.duplicate(meta)         # a retry whose reply was lost: its blob is already gone
-        if dup is not None:
-            return dup
-        part = state.new_part_path()
-        try:
-            got = blob_client.get_file(cfg.blob_url, blob, part, token=blob_token, ca_file=cfg.ca_file,
-                                       deadline=httpc.Deadline(BLOB_FETCH_S, what=f"fetch blob {blob}",
-                                                               log=blob_log))
-        except BaseException as e:
-            unlink_with_parts(part)
-            refusal = fetch_refusal(blob, e.last if isinstance(e, httpc.GaveUp) else e)
-            if refusal is None:
-                raise
-            raise refusal from None
-        try:
-            if got != sha:
-                durable.unlink(part)
-                raise httpd.HTTPError(400, f"blob {blob!r} has sha256 {got[:16]}..., the request says "
-                                           f"{sha[:16]}...")
-            return state.accept_delta(meta, part)
-        finally:                            # fetched: its bytes are in the spool, or refused for good
-            try:
-                httpc.call(cfg.blob_url, "DELETE", f"/blobs/{blob}", token=blob_token, ca_file=cfg.ca_file)
-            except (httpc.CallError, OSError, http.client.HTTPException):
-                pass
-
-    def fetch_refusal(blob, e):
-        """The answer to a delta blob the store would not give (what it said last, once
-        BLOB_FETCH_S passed without progress), or None: raise `e` as it is (our own spool's
-        full disk is a 507 naming our disk; anything else unexpected is a 500)."""
-        if isinstance(e, httpc.CallError) and e.status == 507:
-            return httpd.HTTPError(503, f"blob store: {e.reply.get('error')}", headers={"Retry-After": "30"},
-                                   code="disk_full", retry_after_s=30)
-        if isinstance(e, (httpc.CallError, ValueError)):
-            status = 400 if isinstance(e, ValueError) or e.status == 404 else 502
-            return httpd.HTTPError(status, f"blob {blob!r}: {e}")
-        if isinstance(e, (OSError, http.client.HTTPException)) and not durable.is_disk_full(e):
-            return httpd.HTTPError(502, f"blob store {cfg.blob_url} unreachable fetching {blob!r} "
-                                        f"({type(e).__name__}: {e}); nothing was stored, send it again")
-        return None
-
-    def blob_log(what, err, left):
-        log(f"fedmom: {what}: {type(err).__name__}: {err}; retrying ({left:.1f} s left)")
+        store = blob_store("send inline")
+        return state.fetch_delta(b, httpd.field(b, "blob", str), httpd.field(b, "sha256", str), store)
 
     def theta(req):
         f, rnd = state.open_theta()
         return httpd.Response(file=f, headers={"X-Round": str(rnd)})
 
-    def publish_deadline(blob):
-        return httpc.Deadline(BLOB_PUBLISH_S, what=f"publish blob {blob}", log=blob_log)
-
-    def to_blob(blob, opened, rnd):
-        """Put a file of round `rnd` the state opened into the blob store, once per round and
-        name -> {blob, sha256, round}."""
-        with state.publish_lock, opened as f:
-            if blob in state.published:
-                return state.published[blob]
-            # put_file reads by path; /proc/self/fd keeps it on the file we opened under the lock
-            path = f"/proc/self/fd/{f.fileno()}"
-            try:
-                info = blob_client.put_file(cfg.blob_url, blob, path, token=blob_token, ca_file=cfg.ca_file,
-                                            deadline=publish_deadline(blob))
-            except httpc.CallError as e:
-                if e.status != 409 or e.reply.get("retry"):
-                    raise
-                # a blob of this name with other bytes: left by a run of this state dir that was
-                # rolled back (restored from an older copy); this round's file replaces it
-                log(f"fedmom: blob {blob} holds other bytes than round {rnd}'s file (a restored state dir?); "
-                    "replacing it")
-                httpc.call(cfg.blob_url, "DELETE", f"/blobs/{blob}", token=blob_token, ca_file=cfg.ca_file)
-                info = blob_client.put_file(cfg.blob_url, blob, path, token=blob_token, ca_file=cfg.ca_file,
-                                            deadline=publish_deadline(blob))
-            out = {"blob": blob, "sha256": info["sha256"], "round": rnd}
-            if retention is not None:
-                retention.published(blob, rnd, info["size"])
-            with state.lock:
-                if state.round == rnd:
-                    state.published[blob] = out
-            return out
-
-    def no_blob_store(route):
-        if not cfg.blob_url:
-            raise httpd.HTTPError(400, f"this server has no blob store: start it with --blob-url, or use GET {route}")
-
-    def theta_blob(req):
-        no_blob_store("/theta")
-        f, rnd = state.open_theta()
-        return to_blob(fedmom_state.blob_name(state.aggregator_id, "theta", rnd), f, rnd)
-
-    def open_update(req):
-        try:
-            base = int(req.query.get("from", ""))
-        except ValueError:
-            raise httpd.HTTPError(400, f"GET {req.path} needs ?from=<round of your theta>&digest=<its wire.Digest>")
-        return state.open_update(base, req.query.get("digest", ""))
-
     def theta_update(req):
-        f, rnd, digest = open_update(req)
+        f, rnd, digest = state.open_update(*_from_round(req))
         return httpd.Response(file=f, headers={"X-Round": str(rnd), "X-Theta-Digest": digest})
 
     def theta_update_blob(req):
-        no_blob_store("/theta_update")
-        f, rnd, digest = open_update(req)
-        return {**to_blob(fedmom_state.blob_name(state.aggregator_id, "update", rnd), f, rnd), "digest": digest}
-
-    def round_(req):
-        with state.lock:
-            return {"round": state.round, "merging": state.merging}
-
-    status_html = status_page.Page(state.rounds_path, state.dir, cfg.darl, cfg.blob_url, blob_token,
-                                   ca_file=cfg.ca_file)
+        store = blob_store("use GET /theta_update")
+        return state.publish_update(*_from_round(req), store)
 
     def status(req=None):
         st = state.status()
         return {**st, "retention": {"keep_rounds": cfg.keep_rounds, "state": state.kept_files(),
-                                    "checkpoint": st["checkpoint"],
-                                                "blobs": retention and retention.view()}}
+                                    "checkpoint": st["checkpoint"], "blobs": retention and retention.view()}}
 
     def page(req):      # GET /?saved=1: the copy to keep (stamped, no auto-refresh)
         st = status()
@@ -360,11 +258,18 @@ def make_routes(state, blob_token=None, retention=None):
         return httpd.Response(body=body.encode(), content_type="text/html; charset=utf-8")
 
     routes = {("GET", "/health"): lambda req: {"ok": True, "round": state.round},
-              ("GET", "/"): page, ("GET", "/status"): status, ("GET", "/round"): round_,
-              ("POST", "/join"): join, ("POST", "/heartbeat"): heartbeat, ("POST", "/leave"): leave,
-              ("POST", "/delta_check"): delta_check, ("PUT", "/delta"): put_delta,
-              ("POST", "/delta_blob"): delta_blob, ("GET", "/theta"): theta, ("GET", "/theta_blob"): theta_blob,
-              ("GET", "/theta_update"): theta_update, ("GET", "/theta_update_blob"): theta_update_blob}
+              ("GET", "/"): page, ("GET", "/status"): status,
+              ("GET", "/round"): lambda req: state.round_info(),
+              ("POST", "/join"): lambda req: state.join(*_ident(req.json())),
+              ("POST", "/heartbeat"): heartbeat,
+              ("POST", "/leave"): lambda req: state.leave(*_ident(req.json())),
+              ("POST", "/delta_check"): delta_check,
+              ("PUT", "/delta"): lambda req: state.receive_delta(_delta_meta(req), req.stream()),
+              ("POST", "/delta_blob"): delta_blob,
+              ("GET", "/theta"): theta,
+              ("GET", "/theta_blob"): lambda req: state.publish_theta(blob_store("use GET /theta")),
+              ("GET", "/theta_update"): theta_update,
+              ("GET", "/theta_update_blob"): theta_update_blob}
     return {k: _refusal(v) for k, v in routes.items()}
 
 
@@ -375,8 +280,7 @@ def round_loop(state, stop, interval_s=0.5):
             state.tick()
         except Exception as e:       # keep the loop alive; the log says what went wrong
             log(f"fedmom: round loop error: {type(e).__name__}: {e}")
-        with state.lock:
-            state.cond.wait(timeout=interval_s)
+        state.wait(interval_s)
 
 
 def darl_loop(state, stop, interval_s=1.0, on_fenced=None):
@@ -398,96 +302,21 @@ def darl_loop(state, stop, interval_s=1.0, on_fenced=None):
             return
         if ok:
             backoff = interval_s
-            with state.lock:             # all answered: a new delta or round wakes the loop at once
-                state.cond.wait(timeout=interval_s)
+            state.wait(interval_s)       # all answered: a new delta or round wakes the loop at once
         else:                            # DARL owes an answer: back off (an upload still asks at once)
             backoff = min(max(2 * backoff, interval_s), state.cfg.darl_retry_s)
             stop.wait(backoff)
 
 
-class BlobRetention:
-    """The blob store side of the retention rule (fedmom_state.blob_plan): after each durable
-    round, and once at start, list the store (GET /blobs) and DELETE this aggregator's theta
-    and update blobs no site can use. Working from the listing makes it idempotent and
-    leak-free across crashes: nothing needs recording before a delete, a blob already gone is
-    a 404 that counts as done, and a start sweeps what the last process left. Only the round
-    number is read from the state; every call here is made outside the state lock."""
-
-    def __init__(self, url, aggregator, keep_rounds, token=None, ca_file=None):
-        self.url, self.aggregator, self.keep = url, aggregator, keep_rounds
-        self.token, self.ca_file = token, ca_file
-        self.swept_round, self.retry_at = None, 0.0
-        self.deleted, self.recent, self.error, self.kept = 0, collections.deque(maxlen=20), None, []
-        self.lock = threading.Lock()         # kept: written by the sweep and by to_blob's thread
-
-    def _call(self, method, path):
-        return httpc.call(self.url, method, path, token=self.token, ca_file=self.ca_file,
-                          timeout=BLOB_CALL_TIMEOUT_S)
-
-    def due(self, round_, now):
-        return round_ != self.swept_round and now >= self.retry_at
-
-    def sweep(self, round_, now=None):
-        """One pass at durable round `round_`; True when every blob the rule drops is gone."""
-        now = time.monotonic() if now is None else now
-        try:
-            listing = self._call("GET", "/blobs")
-            sizes = {b["id"]: b["size"] for b in listing["blobs"]}
-            sizes.update({u["id"]: u["total"] for u in listing["uploads"] if u["id"] not in sizes})
-            plan = fedmom_state.blob_plan(sizes, self.aggregator, round_, self.keep)
-            for b in plan:
-                b["bytes"] = sizes[b["blob"]]
-                if not b["keep"]:
-                    self._delete(b)
-        except (httpc.CallError, OSError, http.client.HTTPException, ValueError, KeyError, TypeError) as e:
-            self.error, self.retry_at = f"{type(e).__name__}: {e}", now + SWEEP_RETRY_S
-            log(f"fedmom: retention sweep of the blob store at round {round_} failed ({self.error}); "
-                f"tried again in {SWEEP_RETRY_S:g} s")
-            return False
-        with self.lock:
-            self.kept = [b for b in plan if b["keep"]]
-        self.swept_round, self.error = round_, None
-        return True
-
-    def _delete(self, b):
-        testhooks.fault_point("fedmom.blob_delete")        # test hook: a deletion held mid-sweep
-        try:
-            self._call("DELETE", f"/blobs/{b['blob']}")
-        except httpc.CallError as e:
-            if e.status == 409:                        # still being uploaded: judged again next round
-                return
-            if e.status != 404:                        # 404: already gone (a crash after the delete)
-                raise
-        self.deleted += 1
-        self.recent.append({"blob": b["blob"], "bytes": b["bytes"], "why": b["why"]})
-        log(f"fedmom: deleted blob {b['blob']} ({b['bytes'] / 2**20:.1f} MiB): {b['why']}")
-
-    def published(self, blob, rnd, size):
-        """to_blob put `blob` of round `rnd` into the store: shown as kept until the next sweep judges it."""
-        with self.lock:
-            if all(b["blob"] != blob for b in self.kept):
-                plan = fedmom_state.blob_plan([blob], self.aggregator, rnd, self.keep)
-                self.kept = self.kept + [{**b, "bytes": size} for b in plan]
-
-    def view(self):
-        """/status "retention" "blobs": what the store keeps of ours and why, what went."""
-        with self.lock:
-            kept = [dict(b) for b in self.kept]
-        return {"keep_rounds": self.keep, "swept_round": self.swept_round, "error": self.error, "kept": kept, "deleted": self.deleted, "recent_deleted": list(self.recent)}
-
-
 def retention_loop(state, retention, stop, interval_s=1.0):
-    """Background thread 3: the blob store's retention sweep (BlobRetention) once per durable
-    round and once at start; apart from the round loop, so a store that does not answer
+    """Background thread 3: the blob store's retention sweep (fedmom_blobs.BlobRetention) once per
+    durable round and once at start; apart from the round loop, so a store that does not answer
     (30 s timeouts) never delays a merge."""
     while not stop.is_set():
-        with state.lock:
-            rnd = state.round
+        rnd = state.round
         if retention.due(rnd, time.monotonic()):
             retention.sweep(rnd)
-        with state.lock:
-            if state.round == rnd:
-                state.cond.wait(timeout=interval_s)
+        state.wait(interval_s, round=rnd)
 
 
 # ---------------------------------------------------------------- status
@@ -673,8 +502,8 @@ def export(argv):
     p = argparse.ArgumentParser(prog="fedmom_server.py export", description=export.__doc__)
     p.add_argument("export")
     p.add_argument("--state-dir", required=True, help="the aggregator's --state-dir (the server stopped)")
-    p.add_argument("out", help="where theta_global goes (an F32 .safetensors file; hf_export.py turns it "
-                               "into a Hugging Face checkpoint)")
+    p.add_argument("out", help="where theta_global goes (an F32 .safetensors file; tensorio.py export-hf "
+                               "turns it into a Hugging Face checkpoint)")
     p.add_argument("--momentum", help="also write the momentum buffer here")
     p.add_argument("--residual", help="also write what the last update rounded away here (--down-wire)")
     p.add_argument("--threads", type=int, default=None, help="cores for the replay (default every core)")

@@ -28,7 +28,7 @@ What the state dir keeps and when it is written (round by round, the checkpoint 
 
 A round that raises part way (NonFinite, a full disk) leaves the arrays half merged:
 state.dirty is set and the caller rebuilds the state from its checkpoint and the Steps
-since (fedmom_state.FedMomState._rebuild).
+since (fedmom_outer.OuterKeeper.rebuild).
 """
 import dataclasses
 import math

@@ -84,7 +84,7 @@ def main(argv):
                 write_delta(path, shapes, a.wire, rng)
                 delta_bytes = os.path.getsize(path)
                 m = st.check_delta_meta({"cluster": c, "incarnation": c + "-inc", "tokens": 10, "base_round": st.round})
-                part = st.new_part_path()
+                part = st.spool.part()
                 shutil.copyfile(path, part)
                 st.accept_delta(m, part)
             if rnd == 2:

@@ -89,7 +89,7 @@ class FedMomFixture(unittest.TestCase):
     def send(self, st, cluster, path, tokens, base_round=None, **meta):
         m = st.check_delta_meta({"cluster": cluster, "incarnation": f"{cluster}-inc", "tokens": tokens,
                                  "base_round": st.round if base_round is None else base_round, **meta})
-        part = st.new_part_path()                              # as PUT /delta: metadata first, then the body
+        part = st.spool.part()                              # as PUT /delta: metadata first, then the body
         shutil.copyfile(path, part)
         return st.accept_delta(m, part)
 

@@ -1,6 +1,7 @@
 """Custody: DARL holds an accepted delta's blocks for the aggregator until the aggregator
-commits or aborts them (a two-phase commit, DARL the participant, fedmom_state.py the
-coordinator), with fencing epochs, durable owed calls and loud violation counters.
+commits or aborts them (a two-phase commit, DARL the participant, the aggregator the
+coordinator: fedmom_round.py decides, fedmom_darl.py calls), with fencing epochs, durable
+owed calls and loud violation counters.
 
 What runs:
   - the LeaseTable's custody calls with an injected clock (no I/O);
@@ -36,6 +37,8 @@ import darl_server
 import darl_table
 import durable
 import fedmom_client
+import fedmom_darl
+import fedmom_round
 import fedmom_server as fm
 import fedmom_state as fs
 import httpc
@@ -353,7 +356,7 @@ class AggregatorOutageTest(AggregatorFixture):
         is SIGKILLed, so nobody keeps lumi's lease alive; it outlives its TTL. Before custody,
         DARL gave the same blocks to snellius and the restarted aggregator merged both."""
         coord, url = self.darl()
-        st = self.agg(fs.DarlLink(url, TOKEN))
+        st = self.agg(fedmom_darl.DarlLink(url, TOKEN))
         st.join("lumi", "lumi-inc")
         st.join("snellius", "snellius-inc")
         a = self.lease(url, coord, "lumi", ttl=10)
@@ -361,7 +364,7 @@ class AggregatorOutageTest(AggregatorFixture):
         del st                                                  # SIGKILL: no process, no heartbeat
         self.clock.t += 30                                      # 3 TTLs
         b = self.lease(url, coord, "snellius", ttl=600)
-        st = self.agg(fs.DarlLink(url, TOKEN), init=False)      # the restart
+        st = self.agg(fedmom_darl.DarlLink(url, TOKEN), init=False)      # the restart
         self.assertTrue(self.send(st, "snellius", self.delta()[0], 100, leases=[b])["accepted"])
         self.assertIsNone(st.tick(), "merged lumi's restored delta before DARL said it still holds its custody")
         st.darl_tick()                                          # the server's DARL loop: fence, reconcile
@@ -385,7 +388,7 @@ class NonDefinitiveAnswerTest(AggregatorFixture):
             with self.subTest(case):
                 coord, good = self.darl()
                 url = url or good
-                link = fs.DarlLink(url, "rotated" if case == "401" else TOKEN, timeout=0.5)
+                link = fedmom_darl.DarlLink(url, "rotated" if case == "401" else TOKEN, timeout=0.5)
                 st = self.agg(link, name=f"st-{case}")
                 cluster = f"c{i}"
                 st.join(cluster, f"{cluster}-inc")
@@ -405,7 +408,7 @@ class NonDefinitiveAnswerTest(AggregatorFixture):
                 link.url, link.token = url, ("rotated" if case == "401" else TOKEN)
                 self.assertFalse(st.darl_tick())                # ... and a commit DARL does not answer
                 self.assertEqual(len(st.pending_commits), 1, "a commit without DARL's word was dropped")
-                self.assertEqual(st.violations, {k: 0 for k in fs.VIOLATIONS})
+                self.assertEqual(st.violations, {k: 0 for k in fedmom_round.VIOLATIONS})
                 link.url, link.token = good, TOKEN
                 self.assertTrue(st.darl_tick())
                 self.assertIsNone(st.status()["darl"]["alarm"])
@@ -415,10 +418,10 @@ class NonDefinitiveAnswerTest(AggregatorFixture):
 class SiteMistakesTest(AggregatorFixture):
     def test_a_delta_naming_no_lease_is_refused_under_darl(self):
         coord, url = self.darl()
-        st = self.agg(fs.DarlLink(url, TOKEN))
+        st = self.agg(fedmom_darl.DarlLink(url, TOKEN))
         st.join("lumi", "lumi-inc")
         before = self.snapshot(st)
-        with self.assertRaises(fs.Refused) as cm:
+        with self.assertRaises(fedmom_round.Refused) as cm:
             self.send(st, "lumi", self.delta()[0], 100, leases=[])
         self.assertEqual(cm.exception.status, 400)
         self.assertIn("--darl", cm.exception.reason)
@@ -427,7 +430,7 @@ class SiteMistakesTest(AggregatorFixture):
 
     def test_a_release_with_leave_after_acceptance_gives_back_nothing_the_aggregator_holds(self):
         coord, url = self.darl()
-        st = self.agg(fs.DarlLink(url, TOKEN))
+        st = self.agg(fedmom_darl.DarlLink(url, TOKEN))
         st.join("lumi", "lumi-inc")
         st.join("snellius", "snellius-inc")
         a = self.lease(url, coord, "lumi")
@@ -445,7 +448,7 @@ class RoundRuleTest(AggregatorFixture):
     def test_the_round_waits_for_custody_and_a_late_refusal_excludes_the_delta_by_name(self):
         darl_clock = FakeClock()                 # the aggregator's clock runs on alone below
         coord, good = self.darl(clock=darl_clock)
-        link = fs.DarlLink(front(self, 503), TOKEN)
+        link = fedmom_darl.DarlLink(front(self, 503), TOKEN)
         st = self.agg(link)
         for c in ("lumi", "snellius"):
             st.join(c, f"{c}-inc")
@@ -483,7 +486,7 @@ class HostileMergeCustodyTest(AggregatorFixture):
         blocks sit in DARL custody; an exclusion must abort it (back to the pool, to be trained
         again), never leave it held for good or commit it."""
         coord, url = self.darl()
-        st = self.agg(fs.DarlLink(url, TOKEN))
+        st = self.agg(fedmom_darl.DarlLink(url, TOKEN))
         for c in ("a", "b", "c"):
             st.join(c, f"{c}-inc")
         leases = {c: self.lease(url, coord, c) for c in ("a", "b", "c")}
@@ -509,19 +512,19 @@ class HostileMergeCustodyTest(AggregatorFixture):
 class FencingAndRepairTest(AggregatorFixture):
     def test_a_newer_epoch_fences_the_older_process(self):
         coord, url = self.darl()
-        old = self.agg(fs.DarlLink(url, TOKEN))
+        old = self.agg(fedmom_darl.DarlLink(url, TOKEN))
         self.assertTrue(old.darl_tick())
-        new = self.agg(fs.DarlLink(url, TOKEN), init=False)    # a second process on the same state
+        new = self.agg(fedmom_darl.DarlLink(url, TOKEN), init=False)    # a second process on the same state
         self.assertTrue(new.darl_tick())
         self.assertEqual((new.aggregator_id, new.epoch), (old.aggregator_id, old.epoch + 1))
         old.join("lumi", "lumi-inc")
         a = self.lease(url, coord, "lumi")
-        with self.assertRaises(fs.Refused) as cm:
+        with self.assertRaises(fedmom_round.Refused) as cm:
             self.send(old, "lumi", self.delta()[0], 100, leases=[a])
         self.assertEqual(cm.exception.status, 503)
         self.assertIn("a newer process of this aggregator runs", old.status()["darl"]["fenced"])
         self.assertEqual(coord.status()["in_custody"], 0)
-        with self.assertRaises(fs.Refused):
+        with self.assertRaises(fedmom_round.Refused):
             self.send(old, "lumi", self.delta()[0], 100, leases=[a])
 
     def test_a_copy_taken_before_the_first_fence_is_fenced_once_the_live_one_holds_its_epoch(self):
@@ -529,12 +532,12 @@ class FencingAndRepairTest(AggregatorFixture):
         (a standby's copy of a state that never ran): both hold the same claim. The live one
         starts, is issued epoch 1 and confirms it; the copy, started beside it, is fenced."""
         coord, url = self.darl()
-        a = self.agg(fs.DarlLink(url, TOKEN), name="A")
+        a = self.agg(fedmom_darl.DarlLink(url, TOKEN), name="A")
         shutil.copytree(os.path.join(self.dir, "A"), os.path.join(self.dir, "B"), ignore=shutil.ignore_patterns("lock"))
         self.assertTrue(a.darl_tick())
         self.assertEqual((a.epoch, a.status()["epoch"]), (1, 1))
         for _ in range(2):
-            b = self.agg(fs.DarlLink(url, TOKEN), name="B", init=False)
+            b = self.agg(fedmom_darl.DarlLink(url, TOKEN), name="B", init=False)
             self.assertFalse(b.darl_tick())
             self.assertIsNotNone(b.fenced)
         a.join("lumi", "lumi-inc")                                  # A still acts
@@ -547,17 +550,17 @@ class FencingAndRepairTest(AggregatorFixture):
         B. Before, A climbed one epoch per restart, served beside B at an equal epoch, then
         fenced the live B."""
         coord, url = self.darl()
-        a = self.agg(fs.DarlLink(url, TOKEN), name="A")
+        a = self.agg(fedmom_darl.DarlLink(url, TOKEN), name="A")
         self.assertTrue(a.darl_tick())
         self.assertEqual(a.epoch, 1)
         del a
         shutil.copytree(os.path.join(self.dir, "A"), os.path.join(self.dir, "B"))
         for want in (2, 3, 4):
-            b = self.agg(fs.DarlLink(url, TOKEN), name="B", init=False)
+            b = self.agg(fedmom_darl.DarlLink(url, TOKEN), name="B", init=False)
             self.assertTrue(b.darl_tick())
             self.assertEqual(b.epoch, want)
         for _ in range(3):
-            a = self.agg(fs.DarlLink(url, TOKEN), name="A", init=False)
+            a = self.agg(fedmom_darl.DarlLink(url, TOKEN), name="A", init=False)
             self.assertFalse(a.darl_tick())
             self.assertIn("this one is stale", a.status()["darl"]["fenced"])
             self.assertEqual(a.epoch, 1, "a refused fence moved the stale copy's epoch")
@@ -567,12 +570,12 @@ class FencingAndRepairTest(AggregatorFixture):
         self.assertIsNone(b.fenced)
         with open(os.path.join(self.dir, "B", "state.json")) as f:   # B restarts; DARL's answer is lost
             st = json.load(f)
-        b = self.agg(fs.DarlLink(url, TOKEN), name="B", init=False)
+        b = self.agg(fedmom_darl.DarlLink(url, TOKEN), name="B", init=False)
         claim = json.loads(pathlib.Path(os.path.join(self.dir, "B", "state.json")).read_text())["fence_claim"]
         lost = httpc.call(url, "POST", "/fence", {"aggregator": b.aggregator_id, "last_epoch": st["epoch"],
                                                   "claim": claim}, token=TOKEN)
         self.assertEqual(lost["epoch"], 5)
-        b = self.agg(fs.DarlLink(url, TOKEN), name="B", init=False)  # the restart repeats the same ask
+        b = self.agg(fedmom_darl.DarlLink(url, TOKEN), name="B", init=False)  # the restart repeats the same ask
         self.assertTrue(b.darl_tick())
         self.assertEqual(b.epoch, 5)
 
@@ -584,7 +587,7 @@ class FencingAndRepairTest(AggregatorFixture):
         before, it merged both, and DARL refused the second commit (counted refused_commits)
         while those blocks were free to be trained again."""
         coord, url = self.darl()
-        a = self.agg(fs.DarlLink(url, TOKEN), name="A")
+        a = self.agg(fedmom_darl.DarlLink(url, TOKEN), name="A")
         self.assertTrue(a.darl_tick())
         leases = {}
         for c in ("lumi", "snellius"):
@@ -596,7 +599,7 @@ class FencingAndRepairTest(AggregatorFixture):
         httpc.call(url, "POST", "/custody/abort", {"aggregator": a.aggregator_id, "epoch": a.epoch, "delta": gone,
                                                    "why": "excluded by the live process"}, token=TOKEN)
         del a
-        b = self.agg(fs.DarlLink(url, TOKEN), name="B", init=False)
+        b = self.agg(fedmom_darl.DarlLink(url, TOKEN), name="B", init=False)
         self.assertTrue(b.darl_tick())
         self.assertEqual(b.epoch, 2)
         self.assertEqual([(e["cluster"], "no longer holds" in e["why"]) for e in b.status()["excluded"]],
@@ -614,7 +617,7 @@ class FencingAndRepairTest(AggregatorFixture):
         """Without --darl the owed commits would never be sent and new deltas would merge with
         no custody (their leases expire and are leased again); another DARL holds none of it."""
         coord, url = self.darl()
-        st = self.agg(fs.DarlLink(url, TOKEN))
+        st = self.agg(fedmom_darl.DarlLink(url, TOKEN))
         st.join("lumi", "lumi-inc")
         a = self.lease(url, coord, "lumi")
         self.assertTrue(self.send(st, "lumi", self.delta()[0], 100, leases=[a])["accepted"])
@@ -624,11 +627,11 @@ class FencingAndRepairTest(AggregatorFixture):
             with self.assertRaises(SystemExit) as cm:
                 self.agg(None, init=False)
             self.assertIn("restart with --darl URL", str(cm.exception))
-            st = self.agg(fs.DarlLink(url, TOKEN), init=False)
+            st = self.agg(fedmom_darl.DarlLink(url, TOKEN), init=False)
             self.assertEqual(len(st.pending_commits), owed)
             self.assertTrue(st.darl_tick())
         _, other = self.darl(blocks=50)                               # a DARL of another block space
-        st = self.agg(fs.DarlLink(other, TOKEN), init=False)
+        st = self.agg(fedmom_darl.DarlLink(other, TOKEN), init=False)
         self.assertFalse(st.darl_tick())
         self.assertIn("leases block space", st.status()["darl"]["fenced"])
         plain = fs.FedMomState(fs.ServerConfig(os.path.join(self.dir, "plain"), init=self.init).validate(),
@@ -638,21 +641,21 @@ class FencingAndRepairTest(AggregatorFixture):
 
     def test_lost_spool_entries_are_aborted_loudly_and_the_status_clis_exit_1(self):
         coord, url = self.darl()
-        st = self.agg(fs.DarlLink(url, TOKEN))
+        st = self.agg(fedmom_darl.DarlLink(url, TOKEN))
         for c in ("lumi", "snellius"):
             st.join(c, f"{c}-inc")
         a, b = self.lease(url, coord, "lumi"), self.lease(url, coord, "snellius")
         self.send(st, "lumi", self.delta()[0], 100, leases=[a])
         self.send(st, "snellius", self.delta()[0], 100, leases=[b])
         self.assertEqual(coord.status()["in_custody"], 10)
-        spool = st.spool
+        spool = st.spool.dir
         del st
         mine = [f for f in os.listdir(spool) if "_lumi_" in f]
         os.unlink(os.path.join(spool, [f for f in mine if f.endswith(".json")][0]))    # gone with a disk
         theirs = [f for f in os.listdir(spool) if "_snellius_" in f and f.endswith(".safetensors")][0]
         with open(os.path.join(spool, theirs), "r+b") as f:                           # cut short
             f.truncate(100)
-        st = self.agg(fs.DarlLink(url, TOKEN), init=False)
+        st = self.agg(fedmom_darl.DarlLink(url, TOKEN), init=False)
         self.assertEqual(st.pending, {})
         self.assertEqual([e["cluster"] for e in st.excluded], ["snellius"])
         self.assertTrue(st.darl_tick())
@@ -674,7 +677,7 @@ class FencingAndRepairTest(AggregatorFixture):
         """An abort owed for a delta whose custody DARL already committed: those blocks are
         committed but inside no merged delta; both sides count it and the status CLI exits 1."""
         coord, url = self.darl()
-        st = self.agg(fs.DarlLink(url, TOKEN))
+        st = self.agg(fedmom_darl.DarlLink(url, TOKEN))
         st.join("lumi", "lumi-inc")
         self.send(st, "lumi", self.delta()[0], 100, leases=[self.lease(url, coord, "lumi")])
         st.tick()
@@ -697,7 +700,7 @@ class FencingAndRepairTest(AggregatorFixture):
         merged round already holds, and takes their custody without objection (it has no
         record of them). The aggregator's own records count them, whatever DARL says."""
         coord, url = self.darl()
-        st = self.agg(fs.DarlLink(url, TOKEN))
+        st = self.agg(fedmom_darl.DarlLink(url, TOKEN))
         st.join("lumi", "lumi-inc")
         first = self.lease(url, coord, "lumi")
         self.send(st, "lumi", self.delta()[0], 100, leases=[first])
@@ -705,7 +708,7 @@ class FencingAndRepairTest(AggregatorFixture):
         self.assertTrue(st.darl_tick())
         self.assertEqual(st.violations["blocks_trained_twice"], 0)
         fresh, fresh_url = self.darl()                              # the same space, no memory of round 1
-        st = self.agg(fs.DarlLink(fresh_url, TOKEN), init=False)
+        st = self.agg(fedmom_darl.DarlLink(fresh_url, TOKEN), init=False)
         st.join("lumi", "lumi-inc")
         again = self.lease(fresh_url, fresh, "lumi")
         self.assertEqual((again["start"], again["end"]), (first["start"], first["end"]))
@@ -722,7 +725,7 @@ class FencingAndRepairTest(AggregatorFixture):
 
     def test_the_operator_returns_an_orphans_custody_and_the_orphan_is_fenced(self):
         coord, url = self.darl()
-        st = self.agg(fs.DarlLink(url, TOKEN))
+        st = self.agg(fedmom_darl.DarlLink(url, TOKEN))
         st.join("lumi", "lumi-inc")
         a = self.lease(url, coord, "lumi")
         self.send(st, "lumi", self.delta()[0], 100, leases=[a])
@@ -772,7 +775,7 @@ class BlobTransportTest(AggregatorFixture):
         store = blobstore.BlobStore(os.path.join(self.dir, "blobs"), 1 << 30, 1 << 28)
         blob_url = serve_in_thread(self, blobstore.make_routes(store), token=TOKEN)
         cfg = fs.ServerConfig(os.path.join(self.dir, "st"), init=self.init, blob_url=blob_url)
-        st = fs.FedMomState(cfg.validate(), clock=self.clock, darl=fs.DarlLink(url, TOKEN))
+        st = fs.FedMomState(cfg.validate(), clock=self.clock, darl=fedmom_darl.DarlLink(url, TOKEN))
         furl = serve_in_thread(self, fm.make_routes(st, blob_token=TOKEN), token=TOKEN)
         site = fedmom_client.FedMomClient(furl, "lumi", "lumi-inc", token=TOKEN, blob_url=blob_url)
         site.join()
@@ -894,7 +897,7 @@ class RestartWithCommitsOwedTest(ProcessFixture):
                timeout_s=DEADLINE_S, interval_s=0.02)
         books = client.status()
         self.assertEqual((books["in_custody"], books["custody"]["committed"], books["done"]), (0, 2, True))
-        self.assertEqual(books["violations"], {k: 0 for k in fs.VIOLATIONS})
+        self.assertEqual(books["violations"], {k: 0 for k in fedmom_round.VIOLATIONS})
         self.assertEqual(client.acquire("lumi", "lumi-inc")["status"], "done")
         out = subprocess.run([sys.executable, "audit.py", "--state-dir", self.dir], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)

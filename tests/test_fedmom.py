@@ -20,9 +20,14 @@ import blobstore
 import darl_server
 import darl_table
 import durable
+import fedmom_blobs
 import fedmom_checkpoint
 import fedmom_client
+import fedmom_darl
 import fedmom_merge
+import fedmom_outer
+import fedmom_records
+import fedmom_round
 import fedmom_server as fm
 import fedmom_state as fs
 import httpc
@@ -186,7 +191,7 @@ class ProtocolTest(FedMomFixture):
         st.join("lumi", "lumi-inc")
         self.send(st, "lumi", self.delta()[0], 10)
         st.tick()
-        with self.assertRaises(fs.Refused) as cm:
+        with self.assertRaises(fedmom_round.Refused) as cm:
             self.send(st, "lumi", self.delta()[0], 10, base_round=0)
         self.assertEqual((cm.exception.status, cm.exception.extra["round"]), (409, 1))
         self.assertIn("stale", cm.exception.reason)
@@ -201,7 +206,7 @@ class ProtocolTest(FedMomFixture):
         bpath = os.path.join(self.dir, "nan.safetensors")
         write_tensors(bpath, arrays, "F16")
         self.send(st, "good", gpath, 10, leases=[{"id": 7, "end": 20}])
-        with self.assertRaises(fs.Refused) as cm:
+        with self.assertRaises(fedmom_round.Refused) as cm:
             self.send(st, "bad", bpath, 10, leases=[{"id": 8, "end": 30}])
         self.assertEqual(cm.exception.status, 422)
         self.assertIn("layer.w", cm.exception.reason)
@@ -211,7 +216,7 @@ class ProtocolTest(FedMomFixture):
         self.assertEqual(sorted(rec["clusters"]), ["good"])
         self.assertEqual([(e["cluster"], "layer.w" in e["why"]) for e in rec["excluded"]], [("bad", True)])
         self.assertLess(rel_err(self.theta(st), {k: self.theta0[k] + g[k] for k in SHAPES}), 1e-6)
-        self.assertIn("excluded bad", fs.format_record(rec))
+        self.assertIn("excluded bad", fedmom_records.format_record(rec))
         # each delta's fate, with the leases it carried: in the record, on disk, and told to each site
         fates = {o["cluster"]: (o["outcome"], o["merged_into"], o["base_round"], o["leases"]) for o in rec["outcomes"]}
         self.assertEqual(fates, {"good": ("merged", 1, 0, [{"id": 7, "end": 20}]),
@@ -249,16 +254,16 @@ class ProtocolTest(FedMomFixture):
                  ("integer 'end'", lambda: self.send(st, "lumi", good, 5, leases=[{"id": 1, "end": 2.5}]), 400),
                  ("metrics.loss", lambda: self.send(st, "lumi", good, 5, metrics={"loss": "high"}), 400)]
         for what, fn, status in cases:
-            with self.subTest(what), self.assertRaises(fs.Refused) as cm:
+            with self.subTest(what), self.assertRaises(fedmom_round.Refused) as cm:
                 fn()
             self.assertEqual(cm.exception.status, status, cm.exception.reason)
             self.assertIn(what, cm.exception.reason)
             self.assertNotIn("\n", cm.exception.reason)
-        m = fs.parse_delta_meta({"cluster": "lumi", "incarnation": "other", "base_round": 0, "tokens": 5})
-        with self.assertRaises(fs.Refused) as cm:
-            st.accept_delta(m, st.new_part_path())
+        m = fedmom_round.parse_delta_meta({"cluster": "lumi", "incarnation": "other", "base_round": 0, "tokens": 5})
+        with self.assertRaises(fedmom_round.Refused) as cm:
+            st.accept_delta(m, st.spool.part())
         self.assertEqual(cm.exception.extra["code"], "stale_incarnation")
-        with self.assertRaises(fs.Refused) as cm:
+        with self.assertRaises(fedmom_round.Refused) as cm:
             st.join("lumi", "second-job")
         self.assertEqual((cm.exception.status, cm.exception.extra["code"]), (409, "incarnation_conflict"))
         self.assertIn("--replica", cm.exception.reason)
@@ -272,7 +277,7 @@ class ProtocolTest(FedMomFixture):
             st.join(cluster, inc)
             path, arrays = self.delta("F32")
             m = st.check_delta_meta({"cluster": cluster, "incarnation": inc, "tokens": 10, "base_round": 0})
-            part = st.new_part_path()
+            part = st.spool.part()
             shutil.copyfile(path, part)
             st.accept_delta(m, part)
             sent.append(arrays)
@@ -298,7 +303,7 @@ class ProtocolTest(FedMomFixture):
         self.assertEqual((rec["round"], sorted(rec["clusters"]), rec["late"]), (1, ["a"], ["b"]))
         self.assertEqual([d["cluster"] for d in rec["dropped"]], ["c"])
         self.assertIn("deadline", rec["reason"])
-        with self.assertRaises(fs.Refused) as cm:              # c may come back: told to join again
+        with self.assertRaises(fedmom_round.Refused) as cm:              # c may come back: told to join again
             st.heartbeat("c", "c-inc")
         self.assertEqual(cm.exception.extra["code"], "not_member")
         st.join("c", "c-inc")
@@ -338,13 +343,13 @@ class ProtocolTest(FedMomFixture):
         self.assertEqual(st2.round, 2)
         # round 0 is the checkpoint (--checkpoint-rounds 4); rounds 1 and 2 are their deltas, kept to replay
         self.assertEqual(sorted(os.listdir(st2.dir)), ["ckpt-0", "rounds.jsonl", "spool", "state.json"])
-        self.assertEqual(len([f for f in os.listdir(st2.spool) if f.endswith(".safetensors")]), 4)
+        self.assertEqual(len([f for f in os.listdir(st2.spool.dir) if f.endswith(".safetensors")]), 4)
         self.assertEqual(st2.checkpoint(force=True), 2)       # its segments rewritten: the log and its deltas go
         self.assertEqual(sorted(os.listdir(st2.dir)), ["ckpt-0", "rounds.jsonl", "spool", "state.json"])
         for fn in fedmom_checkpoint.checkpoint_files(st2.dir, st2.ckpt):
             with tensorio.TensorReader(os.path.join(st2.dir, fn)) as r:
                 self.assertEqual((r.metadata["round"], r.names), ("2", ["theta", "momentum"]), fn)
-        self.assertEqual(os.listdir(st2.spool), [])
+        self.assertEqual(os.listdir(st2.spool.dir), [])
 
     def test_a_torn_rounds_line_is_cut_and_its_record_put_back(self):
         """A crash mid-append of round 2's line (state.json, written first, says round 2): the
@@ -392,9 +397,9 @@ class ProtocolTest(FedMomFixture):
         for c in ("a", "b"):
             st.join(c, f"{c}-inc")
         p = self.send(st, "a", self.delta()[0], 10)
-        meta = [fn for fn in os.listdir(st.spool) if fn.endswith(".json")]
+        meta = [fn for fn in os.listdir(st.spool.dir) if fn.endswith(".json")]
         self.assertEqual(meta, ["r0_a_a-inc.json"])
-        with open(os.path.join(st.spool, meta[0]), "w") as f:
+        with open(os.path.join(st.spool.dir, meta[0]), "w") as f:
             f.write('{"cluster": "a", "incarn')                 # damaged on disk
         st = self.state(init=None)
         self.assertEqual(st.pending, {})
@@ -435,7 +440,7 @@ class LiveServerTest(FedMomFixture):
         blob_url = self.serve(blobstore.make_routes(store))
         cfg = fs.ServerConfig(os.path.join(self.dir, "st"), self.init, 0.7, 0.9, 600, 600, blob_url, darl_url,
                               darl_retry_s=0.1)
-        st = fs.FedMomState(cfg.validate(), darl=fs.DarlLink(darl_url, self.TOKEN))
+        st = fs.FedMomState(cfg.validate(), darl=fedmom_darl.DarlLink(darl_url, self.TOKEN))
         url = self.serve(fm.make_routes(st, blob_token=self.TOKEN), public=("/health", "/"))
         stop = threading.Event()
         for fn in (fm.round_loop, fm.darl_loop):
@@ -668,7 +673,7 @@ class CrashTest(FedMomFixture):
     def start(self, state_dir, *extra, pause="0"):
         proc = subprocess.Popen([sys.executable, "fedmom_server.py", "--state-dir", state_dir, "--port", "0",
                                  *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, fs.MERGE_PAUSE_ENV: pause})
+                                env={**os.environ, fedmom_outer.MERGE_PAUSE_ENV: pause})
         self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
         self.url = listening_url(proc, timeout=120)[0]
         return proc, self.url
@@ -817,7 +822,7 @@ class DownstreamTest(FedMomFixture):
             self.assertEqual(b.down["bytes"], a.down["bytes"])
         blobs = {x["id"]: x["size"] for x in httpc.call(blob_url, "GET", "/blobs")["blobs"]}
         agg = httpc.call(url, "GET", "/status")["aggregator"]
-        self.assertEqual([blobs.get(fs.blob_name(agg, "update", r)) for r in (1, 2, 3)], sizes)  # b's came this way
+        self.assertEqual([blobs.get(fedmom_blobs.blob_name(agg, "update", r)) for r in (1, 2, 3)], sizes)  # b's came this way
         n = sum(int(np.prod(s)) for s in SHAPES.values())
         self.assertTrue(all(b / n < 0.6 for b in sizes), f"int4 update bytes/param {[b / n for b in sizes]}")
         self.assertGreater(full / n, 3.99)
@@ -894,7 +899,7 @@ class HostileDeltaTest(FedMomFixture):
         whys = {e["cluster"]: e["why"] for e in st.status()["excluded"]}
         self.assertEqual(sorted(whys), ["a", "b"])
         self.assertTrue(all("not finite" in w for w in whys.values()), whys)
-        self.assertEqual(sorted(os.listdir(st.spool)), [], "the excluded deltas' files are gone")
+        self.assertEqual(sorted(os.listdir(st.spool.dir)), [], "the excluded deltas' files are gone")
         # the round goes on: a finite delta from a newcomer merges into a finite theta
         st.join("c", "c-inc")
         gpath, g = self.delta("F32")
@@ -998,7 +1003,7 @@ class HostileDeltaTest(FedMomFixture):
         st = self.state()
         for c in ("a", "b"):
             st.join(c, f"{c}-inc")
-        with self.assertRaises(fs.Refused) as cm:
+        with self.assertRaises(fedmom_round.Refused) as cm:
             self.send(st, "a", self.delta()[0], 0)
         self.assertEqual((cm.exception.status, cm.exception.extra["code"]), (400, "bad_delta"))
         self.send(st, "b", self.delta()[0], 10)

@@ -17,6 +17,7 @@ import numpy as np
 import fedmom_checkpoint
 import fedmom_client
 import fedmom_merge
+import fedmom_round
 import fedmom_state as fs
 import httpc
 import outer_state
@@ -172,7 +173,7 @@ class StateReplayTest(Case):
             st.join(c, f"{c}-inc")
             m = st.check_delta_meta({"cluster": c, "incarnation": f"{c}-inc", "tokens": 10 if c == "a" else 30,
                                      "base_round": st.round})
-            part = st.new_part_path()
+            part = st.spool.part()
             shutil.copyfile(path, part)
             st.accept_delta(m, part)
 
@@ -196,7 +197,7 @@ class StateReplayTest(Case):
                 self.assert_same_bits(getattr(want, which), getattr(st.outer, which), f"round {r}: {which}")
             self.assertEqual(st.ckpt["round"], r - r % 3)
             self.assertEqual([s.round for s in st.log], list(range(r - r % 3 + 1, r + 1)))
-            spooled = [f for f in os.listdir(st.spool) if f.endswith(".safetensors")]
+            spooled = [f for f in os.listdir(st.spool.dir) if f.endswith(".safetensors")]
             self.assertEqual(len(spooled), 2 * (r % 3), "the deltas of the logged rounds, no more")
             kept = [f["file"] for f in st.kept_files()]
             self.assertIn(st.ckpt["dir"] + "/", kept)
@@ -282,7 +283,7 @@ class StateReplayTest(Case):
         for fn in fedmom_checkpoint.checkpoint_files(st.dir, saved["checkpoint"]):
             with tensorio.TensorReader(os.path.join(st.dir, fn)) as r:
                 self.assertEqual((r.metadata["round"], r.names), ("3", ["theta", "momentum", "residual"]), fn)
-        self.assertEqual(os.listdir(st.spool), [])
+        self.assertEqual(os.listdir(st.spool.dir), [])
         again = self.state(init=None)                         # and a restart from it: the same bits
         for which in ("theta", "momentum", "residual"):
             self.assert_same_bits(getattr(want, which), getattr(again.outer, which), f"after checkpoint: {which}")
@@ -414,7 +415,7 @@ class RebuildCase(unittest.TestCase):
         st.join(cluster, f"{cluster}-inc")
         meta = st.check_delta_meta({"cluster": cluster, "incarnation": f"{cluster}-inc", "tokens": tokens,
                                     "base_round": st.round})
-        part = st.new_part_path()
+        part = st.spool.part()
         shutil.copyfile(path, part)
         st.accept_delta(meta, part)
 
@@ -436,6 +437,9 @@ class RebuildCase(unittest.TestCase):
 
 
 class FailedRebuildTest(RebuildCase):
+    """The schedules name the methods as they were when found: FedMomState's _merge, _rebuild and
+    _written are now fedmom_outer.OuterKeeper's merge, rebuild and copy."""
+
     def test_a_failed_rebuild_never_serves_the_half_merged_arrays_as_the_durable_theta(self):
         # Schedule: round 1 durable and logged; its delta a becomes unreadable (lost with a disk
         # error; here: removed); round 2's merge raises NonFinite at tensor "w" after merging
@@ -449,7 +453,7 @@ class FailedRebuildTest(RebuildCase):
         self.assertIsNotNone(st.replay_error)
         try:
             f, rnd = st.open_theta()
-        except fs.Refused:
+        except fedmom_round.Refused:
             return                                   # refusing to serve is a right answer
         f.close()
         served = wire.theta_digest(os.path.join(st.dir, f"theta-{rnd}.safetensors"))

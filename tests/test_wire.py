@@ -16,6 +16,7 @@ import safetensors.torch
 import torch
 
 import fedmom_merge
+import fedmom_round
 import fedmom_state
 import tensorio
 import wire
@@ -515,12 +516,12 @@ class AggregatorTest(Tmp):
         st = self.st
         m = st.check_delta_meta({"cluster": cluster, "incarnation": f"{cluster}-inc", "tokens": tokens,
                                  "base_round": st.round})
-        part = st.new_part_path()
+        part = st.spool.part()
         shutil.copyfile(path, part)
         return st.accept_delta(m, part)
 
     def spool(self):
-        return sorted(os.listdir(self.st.spool))
+        return sorted(os.listdir(self.st.spool.dir))
 
     def test_compressed_deltas_merge_as_their_decoded_values(self):
         sent = {}
@@ -533,8 +534,8 @@ class AggregatorTest(Tmp):
         self.assertEqual(len(spooled), 2)
         self.assertFalse([f for f in self.spool() if f.startswith(".part")])
         for f in spooled:                               # the spool holds the compressed files as they came
-            self.assertTrue(wire.is_wire(os.path.join(self.st.spool, f)))
-        self.assertEqual(sorted(os.path.getsize(os.path.join(self.st.spool, f)) for f in spooled),
+            self.assertTrue(wire.is_wire(os.path.join(self.st.spool.dir, f)))
+        self.assertEqual(sorted(os.path.getsize(os.path.join(self.st.spool.dir, f)) for f in spooled),
                          sorted(os.path.getsize(self.p(c)) for c in ("lumi", "snellius")))
         rec = self.st.tick()
         self.assertEqual(rec["round"], 1)
@@ -573,11 +574,11 @@ class AggregatorTest(Tmp):
         cases.append(("wrong shape", forge("shape", lambda p: None, {"wire_shapes": json.dumps(shapes)}),
                       400, "'norm'"))
         for what, path, status, words in cases:
-            with self.subTest(what), self.assertRaises(fedmom_state.Refused) as cm:
+            with self.subTest(what), self.assertRaises(fedmom_round.Refused) as cm:
                 self.send("lumi", path)
             self.assertEqual(cm.exception.status, status, cm.exception.reason)
             self.assertIn(words, cm.exception.reason)
-            self.assertNotIn(self.st.spool, cm.exception.reason)
+            self.assertNotIn(self.st.spool.dir, cm.exception.reason)
         self.assertEqual((sorted(os.listdir(self.st.dir)), self.spool()), before)
         self.assertIsNone(self.st.tick())
 

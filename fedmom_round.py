@@ -1,0 +1,842 @@
+"""fedmom_round.py - the aggregator's round and custody protocol with no I/O: who is a member,
+what the open round accepts, when it merges, what became of each delta, what is owed to DARL.
+
+Runs on: the central VM, imported by fedmom_state.py (FedMomState drives it: files, the
+merge arithmetic, the DARL calls and the locks are all there, none here). Python standard
+library + darl_table.py (its position sets) + fedmom_records.py (the round records); no
+files, no sockets, no threads, no numpy, no torch. Not run on its own. Tested alone in tests/test_fedmom_round.py.
+
+Time comes in as arguments: `now` (monotonic seconds: timeouts, the deadline) and `wall`
+(epoch seconds, stamped into events and records); random ids come in too (a delta's
+custody id). So the same calls with the same arguments give the same books, the same
+replies and refusals and the same log lines (`say`): a RoundTable can be replayed.
+
+The rules it enforces (FEDERATION_GUIDE.md sections 3, 4 and 7 tell them from the sites'
+side; darl_server.py's docstring has DARL's half of custody):
+
+Membership. A cluster joins with an incarnation; one incarnation per cluster is live: a
+  second is refused (409 incarnation_conflict, retry once the old one is silent for
+  --member-timeout-s). A member silent that long is dropped (named in the round's
+  "dropped"; its delta, if sent, stays). Joins, leaves and drops are durable.
+What the open round accepts. Only from the live incarnation of a member (409 not_member,
+  stale_incarnation), only trained from the current round (409 stale_round), never once
+  the round closed, never from a fenced process (503). A delta of 0 tokens is refused
+  AND counts as the member's answer (excluded), so the round does not wait for it; with
+  DARL custody a delta must name its leases. A retried upload of a delta the round holds
+  gets the first reply again (duplicate). A delta whose checks fail is excluded, named.
+When the round merges (Phase). It closes when it holds a delta and every live member has
+  sent one (or had it excluded), or --round-deadline-s after its first delta; and only
+  when every delta in it is in confirmed custody (the round WAITS for DARL, past the
+  deadline too, never merging around it), when deltas restored from the spool were
+  checked against DARL's custody (reconciliation), when the last failed merge has
+  backed off for MERGE_RETRY_S, and never in a fenced process. No delta, no round.
+A delta's custody (Custody, CUSTODY_MOVES; move() refuses any other step loudly):
+  none -> (no --darl: nothing to hold)
+  unconfirmed -> confirmed      DARL holds its leases for this aggregator
+  unconfirmed -> refused        DARL's definitive no (lease_lost, custody_aborted): at upload
+                                nothing stays stored, later the delta is excluded, named
+  unconfirmed -> abort_owed     excluded (its spool entry damaged): DARL may hold it
+  confirmed -> commit_owed      merged: the round and its commit owed are durable together
+  confirmed -> abort_owed       excluded at the merge (not finite), or its spool entry damaged
+  confirmed -> refused          restored, but DARL no longer holds it: excluded, never merged
+  commit_owed -> committed      DARL's definitive answer; a refusal is counted
+  abort_owed -> aborted         DARL's definitive answer; custody it returns is counted
+  Only a definitive answer settles a call (a 2xx, or a 409 with a DEFINITIVE code); any
+  other answer decides nothing: the call stays owed, oldest first, and the alarm is up.
+What each delta became: one outcome, "pending" (accepted, the round open), "merged"
+  (merged_into the record's round) or "excluded" (with why), in the round records, the
+  members' replies ("deltas") and the status.
+Violations, counted and durable (VIOLATIONS): refused_commits (a commit DARL refused),
+  aborted_custody (custody that went back to the pool), refused_aborts (an abort of
+  committed custody), blocks_trained_twice (DARL's count of refused commits' blocks, and
+  our own: positions of a merged delta inside an earlier merged one, or twice in one round).
+Repair after a start (restore, reconcile): a spooled delta whose file is gone or cut short
+  is excluded and the abort of its custody owed; an acceptance record that cannot be read
+  is excluded by its file's name; once DARL lists the custody it holds for us, custody no
+  delta of ours names is aborted, and a restored delta DARL no longer holds is excluded,
+  never merged (the round waits for that list).
+Fencing: DARL issues the epoch; the claim is durable before it is asked for, the issued
+  epoch and this process as its holder before it is confirmed; a reply from a DARL of
+  another block space, or a refusal, stops this process (fenced). FEDERATION_GUIDE.md
+  section 3 ("Fencing") has why each step is where it is.
+
+The durable part of the books (round, members, events, the calls owed, the violations,
+the identity and epoch, the last record) is to_json()'s, and every change of it bumps
+`changes`: the caller makes state.json say it before it lets anyone see the change, or
+puts the books back with mark()/rewind(). The open round's deltas themselves are the
+spool's, handed back at a start through restore().
+"""
+import collections
+import dataclasses
+import math
+import re
+
+import darl_table
+from fedmom_records import History, outcome, round_record
+
+VIOLATIONS = darl_table.VIOLATIONS
+EVENTS_KEPT = 500             # membership events kept in state.json (for the page and status)
+MERGE_RETRY_S = 30.0          # a merge that failed (a full disk) is tried again after this
+ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+METRIC_KEYS = ("loss", "tokens_per_s", "mfu", "tflops_per_rank", "peak_mem_gib", "inner_s",
+               "heldout_loss", "heldout_round")     # held-out: the site's last eval of theta_global <round>
+
+
+class Custody:
+    """A delta's custody state (strings: the spool's acceptance records keep the first three)."""
+    NONE = "none"                 # no --darl: no custody, nothing owed
+    UNCONFIRMED = "unconfirmed"   # spooled; DARL not asked yet, or no definitive answer
+    CONFIRMED = "confirmed"       # DARL holds its leases for this aggregator
+    REFUSED = "refused"           # DARL does not hold them for us: never merged, nothing owed
+    COMMIT_OWED = "commit_owed"   # merged into a durable round: the commit is owed
+    COMMITTED = "committed"       # DARL answered the commit
+    ABORT_OWED = "abort_owed"     # excluded while DARL may hold it: the abort is owed
+    ABORTED = "aborted"           # DARL answered the abort
+
+
+SPOOLED = (Custody.NONE, Custody.UNCONFIRMED, Custody.CONFIRMED)     # what an acceptance record may say
+CUSTODY_MOVES = {
+    Custody.UNCONFIRMED: (Custody.CONFIRMED, Custody.REFUSED, Custody.ABORT_OWED),
+    Custody.CONFIRMED: (Custody.COMMIT_OWED, Custody.ABORT_OWED, Custody.REFUSED),
+    Custody.COMMIT_OWED: (Custody.COMMITTED,),
+    Custody.ABORT_OWED: (Custody.ABORTED,),
+}                              # none, refused, committed, aborted: final
+
+
+class Phase:
+    """Where the open round stands (RoundTable.phase); only READY closes it."""
+    EMPTY = "empty"                          # no delta yet: nothing to merge
+    COLLECTING = "collecting"                # live members still owe a delta, the deadline not passed
+    WAITING_CUSTODY = "waiting_custody"      # a delta's custody is unconfirmed: waits for DARL's word
+    WAITING_RECONCILE = "waiting_reconcile"  # deltas restored from the spool not checked with DARL yet
+    BACKING_OFF = "backing_off"              # the last merge failed: tried again at retry_merge_at
+    FENCED = "fenced"                        # DARL fenced this process: nothing merges any more
+    READY = "ready"                          # closes at the next tick
+    MERGING = "merging"                      # closed: its deltas are being merged into round + 1
+
+
+class IllegalMove(AssertionError):
+    """A step the protocol does not have (a bug, never a site's mistake): loud, never absorbed."""
+
+
+def move(state, to, what="a delta"):
+    """The custody state after `state` -> `to`, or IllegalMove when CUSTODY_MOVES has no such step."""
+    if to not in CUSTODY_MOVES.get(state, ()):
+        raise IllegalMove(f"custody of {what}: {state} -> {to} is not a step of the protocol "
+                          f"(from {state}: {', '.join(CUSTODY_MOVES.get(state, ())) or 'none, it is final'})")
+    return to
+
+
+class Refused(Exception):
+    """A request the protocol refuses: HTTP status, one-line reason, extra reply fields."""
+
+    def __init__(self, status, reason, **extra):
+        super().__init__(reason)
+        self.status, self.reason, self.extra = status, reason, extra
+
+
+# ---------------------------------------------------------------- DARL's answers
+
+OK, REFUSED, UNKNOWN = "ok", "refused", "unknown"
+DEFINITIVE = frozenset({"lease_lost", "custody_aborted", "unknown_custody", "custody_committed", "fenced"})
+
+
+@dataclasses.dataclass
+class Answer:
+    """DARL's answer to one custody call: OK (the reply), REFUSED (a 409 whose code DARL
+    gives only for a decided lease state: DEFINITIVE) or UNKNOWN (anything else: DARL down,
+    a rotated token, a proxy's 404 or 5xx, a timeout) - never a decision."""
+    kind: str
+    reply: dict
+    error: str = ""
+
+    @property
+    def code(self):
+        return self.reply.get("code")
+
+
+# ---------------------------------------------------------------- members and deltas
+
+@dataclasses.dataclass
+class Member:
+    incarnation: str
+    joined: float          # wall time
+    last_seen: float       # `now` of its last call
+    metrics: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Pending:
+    """A delta accepted for the open round; its spool acceptance record is dataclasses.asdict of it."""
+    cluster: str
+    incarnation: str
+    base_round: int
+    tokens: int
+    leases: list
+    metrics: dict
+    path: str
+    meta_path: str
+    received: float        # wall time
+    delta_id: str = ""     # the custody key at DARL: r<round>.<random>
+    custody: str = Custody.NONE
+    pieces: list = dataclasses.field(default_factory=list)   # DARL's [[lease, start, end]] once confirmed
+    size: int = -1         # bytes of the spooled file, checked at a restart
+    norm: float | None = None     # L2 norm of the delta (float64), measured at acceptance
+    accept_s: float = 0.0  # seconds its checks took at acceptance (decoding a compressed delta)
+    custody_s: float = 0.0 # seconds DARL took to take its leases into custody at upload (not kept)
+
+    @classmethod
+    def from_json(cls, m):
+        """An acceptance record read back; TypeError/ValueError when it is not one."""
+        p = cls(**m)
+        if p.custody not in SPOOLED:
+            raise ValueError(f"custody {p.custody!r} is not one an acceptance records ({', '.join(SPOOLED)})")
+        return p
+
+    def ident(self):
+        return {"cluster": self.cluster, "incarnation": self.incarnation, "base_round": self.base_round,
+                "tokens": self.tokens, "leases": self.leases}
+
+
+def check_id(value, what):
+    if not isinstance(value, str) or not ID_RE.fullmatch(value):
+        raise Refused(400, f"{what} must match [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}, got {value!r}")
+    return value
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _lease_id(lease):
+    v = lease.get("id", lease.get("lease"))
+    return v if _is_int(v) else None
+
+
+def parse_delta_meta(meta):
+    """Check the metadata that comes with a delta; returns a clean dict or raises Refused(400)."""
+    if not isinstance(meta, dict):
+        raise Refused(400, "delta metadata must be a JSON object")
+    out = {"cluster": check_id(meta.get("cluster"), "cluster"),
+           "incarnation": check_id(meta.get("incarnation"), "incarnation")}
+    for key in ("base_round", "tokens"):
+        v = meta.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2 ** 63:
+            raise Refused(400, f"{key} must be a non-negative integer below 2**63, got {v!r}")
+        out[key] = v
+    leases = meta.get("leases", [])
+    if not isinstance(leases, list) or not all(isinstance(x, dict) and _lease_id(x) is not None
+                                               and all(x.get(k) is None or _is_int(x[k]) for k in ("start", "end"))
+                                               for x in leases):
+        raise Refused(400, "leases must be a list of DARL lease objects, each with an integer 'id' (or 'lease'), "
+                           "an optional integer 'start' and an optional integer 'end'")
+    out["leases"] = [{"id": _lease_id(x), "end": x.get("end"), **({"start": x["start"]} if _is_int(x.get("start"))
+                                                                   else {})} for x in leases]
+    if len({l["id"] for l in out["leases"]}) != len(out["leases"]):
+        raise Refused(400, "a lease is named twice in one delta's leases")
+    metrics = meta.get("metrics")
+    metrics = {} if metrics is None else metrics     # absent or null; [] or "" is refused below
+    if not isinstance(metrics, dict):
+        raise Refused(400, "metrics must be a JSON object")
+    clean = {}
+    for k in METRIC_KEYS:
+        v = metrics.get(k)
+        if v is None:
+            continue
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            raise Refused(400, f"metrics.{k} must be a finite number, got {v!r}")
+        clean[k] = float(v)
+    out["metrics"] = clean
+    return out
+
+
+# ---------------------------------------------------------------- the books owed to DARL
+
+class CustodyBooks:
+    """The coordinator's side of custody: the aggregator's identity and DARL-issued epoch,
+    the commits and aborts owed (each entry a dict, oldest first, until DARL answers
+    definitively), the violation counters, and DARL's silence (the alarm)."""
+
+    def __init__(self, retry_s=10.0, say=None):
+        self.retry_s, self.say = retry_s, say or (lambda msg: None)
+        self.aggregator, self.epoch, self.holder, self.loaded_epoch = None, 0, None, 0
+        self.fence_claim = None       # the epoch request in flight (durable before it is sent)
+        self.epoch_held = False       # DARL confirmed this process's epoch: calls may name it
+        self.fenced = None            # DARL's reason, once it refused this epoch: the process stops
+        self.darl_digest = None       # DARL's block-space digest, from its first fence reply
+        self.used = False             # sticky: once DARL held custody, always --darl
+        self.alarm = None             # {"since", "error", "calls"} while DARL gives no definitive answer
+        self.commits, self.aborts = [], []
+        self.violations = {k: 0 for k in VIOLATIONS}
+        self.changes = 0
+
+    def load(self, st):
+        self.aggregator, self.epoch = st["aggregator"], st["epoch"]
+        self.holder = st.get("holder")               # None: a state written before holders were kept
+        self.loaded_epoch = self.epoch
+        self.fence_claim = st.get("fence_claim")     # an ask whose answer may have been lost: repeat it
+        self.used = self.used or bool(st.get("custody") or st.get("pending_commits") or st.get("pending_aborts"))
+        self.darl_digest = st.get("darl_digest")
+        self.commits, self.aborts = st.get("pending_commits", []), st.get("pending_aborts", [])
+        self.violations = {k: int(st.get("violations", {}).get(k, 0)) for k in VIOLATIONS}
+
+    def to_json(self):
+        return {"aggregator": self.aggregator, "epoch": self.epoch, "holder": self.holder,
+                "fence_claim": self.fence_claim, "pending_commits": list(self.commits),
+                "pending_aborts": list(self.aborts), "violations": dict(self.violations), "custody": self.used,
+                "darl_digest": self.darl_digest}
+
+    def mark(self):
+        return (self.changes, self.epoch, self.holder, self.fence_claim, self.darl_digest, self.used,
+                list(self.commits), list(self.aborts), dict(self.violations))
+
+    def rewind(self, m):
+        (self.changes, self.epoch, self.holder, self.fence_claim, self.darl_digest, self.used,
+         self.commits, self.aborts, self.violations) = m
+
+    def shown_epoch(self, custody):
+        """The epoch this process holds once DARL confirmed it; until then the one its state had."""
+        return self.epoch if self.epoch_held or not custody else self.loaded_epoch
+
+    # ---- what is owed
+
+    def owe_commit(self, p, rnd, wall):
+        move(p.custody, Custody.COMMIT_OWED, f"{p.cluster}'s delta {p.delta_id}")
+        self.commits.append({"delta": p.delta_id, "round": rnd, "cluster": p.cluster, "incarnation": p.incarnation,
+                             "blocks": sum(x[2] - x[1] for x in p.pieces), "since": round(wall, 3)})
+        self.changes += 1
+
+    def owe_abort(self, delta, cluster, incarnation, why, wall):
+        self.aborts.append({"delta": delta, "cluster": cluster, "incarnation": incarnation, "why": why,
+                            "since": round(wall, 3)})
+        self.changes += 1
+
+    def settle(self, kind, entry, ans):
+        """DARL answered the commit or abort `entry` (kind "commit" | "abort") definitively:
+        commit_owed -> committed, abort_owed -> aborted (the entry leaves the books); a
+        refusal, or custody returned to the pool, is counted."""
+        books = "commits" if kind == "commit" else "aborts"
+        setattr(self, books, [c for c in getattr(self, books) if c["delta"] != entry["delta"]])
+        self.heard()
+        c, why = entry, ans.reply.get("error", ans.error)
+        if kind == "commit" and ans.kind == REFUSED:
+            self.violations["refused_commits"] += 1
+            self.violations["blocks_trained_twice"] += int(ans.reply.get("blocks") or 0)
+            self.say(f"fedmom: !!! DARL REFUSED the commit of {c['cluster']}'s delta {c['delta']} merged into round "
+                     f"{c['round']}: {why} (refused_commits)")
+        elif kind == "abort" and ans.kind == REFUSED:     # custody_committed: DARL counted blocks no round holds
+            self.violations["refused_aborts"] += 1
+            self.say(f"fedmom: !!! DARL refused to abort delta {c['delta']}: {why}; "
+                     "its blocks are committed but inside no merged delta (refused_aborts)")
+        elif kind == "abort" and ans.reply.get("returned"):
+            self.violations["aborted_custody"] += 1
+            self.say(f"fedmom: !!! aborted custody of {c['cluster']}'s delta {c['delta']}: {ans.reply['returned']} "
+                     f"blocks went back to the pool ({c['why']}) (aborted_custody)")
+        self.changes += 1
+
+    def silent(self, what, error, wall):
+        """No definitive answer from DARL: nothing is decided, the call stays owed, the alarm is up."""
+        if self.alarm is None:
+            self.alarm = {"since": round(wall, 3), "calls": 0}
+            self.say(f"fedmom: !!! DARL gives no definitive answer to the {what}: {error}; kept, re-sent every "
+                     f"{self.retry_s:g} s at most; no round with an unconfirmed delta merges meanwhile")
+        self.alarm.update(error=f"{what}: {error}", calls=self.alarm["calls"] + 1)
+
+    def heard(self):
+        if self.alarm is not None:
+            self.say(f"fedmom: DARL answers again (after {self.alarm['calls']} unanswered call(s))")
+            self.alarm = None
+
+    # ---- the epoch (darl_table.fence has DARL's side)
+
+    def not_fenced(self, ans):
+        """DARL has no epoch for us (it was restarted on another state dir): ask for one again."""
+        if ans.code == "not_fenced":
+            self.epoch_held = False
+
+    def fence_request(self, new_claim):
+        """(last_epoch, claim, last_holder) of the next /fence: the claim in flight, or `new_claim`
+        (durable before it is sent: a change)."""
+        if self.fence_claim is None:
+            self.fence_claim = new_claim
+            self.changes += 1
+        return self.epoch, self.fence_claim, self.holder
+
+    def fence_issued(self, epoch, digest, holder, where):
+        """DARL issued `epoch`: it and `holder` (this process) are durable before the confirm.
+        False (and fenced) when DARL's block space is not the one this state's custody is with."""
+        if digest and self.darl_digest and digest != self.darl_digest:
+            self.stop(f"DARL at {where} leases block space {digest}, but this state's custody is "
+                      f"with a DARL of block space {self.darl_digest}: restart with --darl URL of that DARL")
+            return False
+        self.epoch, self.holder, self.fence_claim = epoch, holder, None
+        self.darl_digest = self.darl_digest or digest
+        self.changes += 1
+        return True
+
+    def fence_confirmed(self, held):
+        self.epoch_held = True
+        self.say(f"fedmom: DARL knows aggregator {self.aggregator} at epoch {self.epoch} "
+                 f"({held} custody record(s) held)")
+
+    def stop(self, why):
+        if self.fenced is None:
+            self.fenced = why
+            self.say(f"fedmom: !!! FENCED by DARL: {why}. This process stops; everything it owes DARL stays in "
+                     "state.json for the aggregator that replaced it")
+
+
+# ---------------------------------------------------------------- the round
+
+# ---------------------------------------------------------------- the members
+
+class Roster:
+    """The live members (one incarnation per cluster) and the events of the run (joins,
+    leaves, drops, exclusions), both durable."""
+
+    def __init__(self, member_timeout_s, say):
+        self.timeout_s, self.say = member_timeout_s, say
+        self.members = {}                         # cluster -> Member
+        self.events = collections.deque(maxlen=EVENTS_KEPT)
+        self.changes = 0
+
+    def event(self, kind, cluster, incarnation, rnd, wall, why=""):
+        self.events.append({"t": round(wall, 3), "event": kind, "cluster": cluster,
+                            "incarnation": incarnation, "why": why, "round": rnd})
+
+    def join(self, cluster, incarnation, rnd, now, wall):
+        """A new member (durable), or a live one heard again; 409 incarnation_conflict while
+        another incarnation of the cluster is live."""
+        check_id(cluster, "cluster"), check_id(incarnation, "incarnation")
+        m = self.members.get(cluster)
+        if m and m.incarnation != incarnation:
+            ago = now - m.last_seen
+            raise Refused(409, f"cluster {cluster!r} is live as incarnation {m.incarnation} (heard "
+                               f"{ago:.0f} s ago): a second job at a site needs its own --replica; "
+                               f"a requeued job may join once the old one times out",
+                          code="incarnation_conflict", retry_after_s=round(max(0.0, self.timeout_s - ago), 1))
+        if m is not None:
+            m.last_seen = now
+            return
+        self.members[cluster] = Member(incarnation, wall, now)
+        self.event("join", cluster, incarnation, rnd, wall)
+        self.changes += 1
+        self.say(f"fedmom: {cluster} ({incarnation}) joined at round {rnd}; "
+                 f"{len(self.members)} live: {sorted(self.members)}")
+
+    def leave(self, cluster, incarnation, rnd, wall):
+        self.member(cluster, incarnation, rnd)
+        del self.members[cluster]
+        self.event("leave", cluster, incarnation, rnd, wall)
+        self.changes += 1
+        self.say(f"fedmom: {cluster} ({incarnation}) left; {len(self.members)} live: {sorted(self.members)}")
+
+    def member(self, cluster, incarnation, rnd):
+        """The live member (cluster, incarnation) or a 409 saying what to do."""
+        m = self.members.get(cluster)
+        if m is None:
+            raise Refused(409, f"{cluster!r} is not a member (never joined, left, or dropped after "
+                               f"{self.timeout_s:.0f} s without a heartbeat): join again",
+                          code="not_member", round=rnd)
+        if m.incarnation != incarnation:
+            raise Refused(409, f"{cluster!r} is live as incarnation {m.incarnation}, not {incarnation}: "
+                               "this process was replaced; stop it", code="stale_incarnation", round=rnd)
+        return m
+
+    def drop_silent(self, rnd, now, wall):
+        """Members silent for --member-timeout-s leave (durable) -> [{"cluster", "incarnation", "why"}]."""
+        out = []
+        for c, m in list(self.members.items()):
+            if now - m.last_seen > self.timeout_s:
+                why = f"no heartbeat for {now - m.last_seen:.0f} s (--member-timeout-s {self.timeout_s:g})"
+                del self.members[c]
+                self.event("drop", c, m.incarnation, rnd, wall, why)
+                out.append({"cluster": c, "incarnation": m.incarnation, "why": why})
+                self.changes += 1
+                self.say(f"fedmom: dropped {c} ({m.incarnation}): {why}")
+        return out
+
+
+# ---------------------------------------------------------------- the round
+
+class RoundTable:
+    """The round: its deltas and their custody, when it closes, its record; with `roster`
+    (the members), `books` (what is owed to DARL) and `history` (the merged rounds), all the
+    aggregator decides. The caller serialises the calls (one lock) and does the I/O each
+    decision asks for; the rules are the module docstring's."""
+
+    def __init__(self, member_timeout_s=300.0, round_deadline_s=1800.0, custody=False, retry_s=10.0, say=None):
+        self.round_deadline_s = round_deadline_s
+        self.custody = custody            # --darl: every delta's leases go into DARL custody
+        self.say = say or (lambda msg: None)
+        self.roster = Roster(member_timeout_s, self.say)
+        self.books = CustodyBooks(retry_s, self.say)
+        self.books.used = custody
+        self.history = History()
+        self.round, self.merging, self.last_record = 0, False, None
+        self.pending = {}                 # (cluster, incarnation) -> Pending
+        self.excluded, self.dropped = [], []
+        self.first_delta_at, self.retry_merge_at, self.round_opened_at = None, 0.0, 0.0
+        self.inherited = set()            # confirmed delta ids restored from the spool, not yet reconciled
+        self.requesting = set()           # delta ids whose custody an upload is asking DARL for now
+        self.reconciled = False
+        self._changes = 0
+
+    @property
+    def members(self):
+        return self.roster.members
+
+    # ---- the durable part
+
+    def load(self, st, now):
+        """The books of a state.json dict; its members are heard from `now` on."""
+        self.round, self.last_record = st["round"], st.get("last_record")
+        self.roster.members = {c: Member(m["incarnation"], m["joined"], now) for c, m in st["members"].items()}
+        self.roster.events.extend(st.get("events", []))
+        self.books.load(st)
+
+    def to_json(self):
+        return {"round": self.round, "last_record": self.last_record, "events": list(self.roster.events),
+                "members": {c: {"incarnation": m.incarnation, "joined": m.joined} for c, m in self.members.items()},
+                **self.books.to_json()}
+
+    @property
+    def changes(self):
+        """Bumped by every change to_json() would show."""
+        return self._changes + self.roster.changes + self.books.changes
+
+    def mark(self):
+        r = self.roster
+        return (self._changes, self.round, self.last_record, r.changes, dict(r.members), list(r.events),
+                self.reconciled, set(self.inherited), self.books.mark())
+
+    def rewind(self, m):
+        """The durable part as it was at mark() (its save failed), and whether DARL's custody was
+        reconciled: a reconciliation whose save failed runs again (it finds what it left out)."""
+        r = self.roster
+        self._changes, self.round, self.last_record, r.changes, r.members, events, \
+            self.reconciled, self.inherited, books = m
+        r.events = collections.deque(events, maxlen=EVENTS_KEPT)
+        self.books.rewind(books)
+
+    def event(self, kind, cluster, incarnation, wall, why=""):
+        self.roster.event(kind, cluster, incarnation, self.round, wall, why)
+
+    # ---- membership
+
+    def join(self, cluster, incarnation, now, wall):
+        check_id(cluster, "cluster"), check_id(incarnation, "incarnation")
+        self.drop_silent(now, wall)
+        self.roster.join(cluster, incarnation, self.round, now, wall)
+        return self.reply(cluster)
+
+    def heartbeat(self, cluster, incarnation, now, metrics=None):
+        """A member's heartbeat -> its Member (the caller may wait for the round while it stays one)."""
+        m = self.roster.member(cluster, incarnation, self.round)
+        m.last_seen = now
+        if isinstance(metrics, dict):
+            m.metrics = {k: v for k, v in metrics.items() if k in METRIC_KEYS and isinstance(v, (int, float))}
+        return m
+
+    def leave(self, cluster, incarnation, wall):
+        self.roster.leave(cluster, incarnation, self.round, wall)
+        return {"round": self.round, "left": True}
+
+    def drop_silent(self, now, wall):
+        self.dropped += self.roster.drop_silent(self.round, now, wall)
+
+    def reply(self, cluster):
+        """What a member's join or heartbeat is told (it may have left while its heartbeat waited)."""
+        return {"round": self.round, "merging": self.merging, "members": sorted(self.members),
+                "sent": cluster in self.members and self.responded(cluster),
+                "heartbeat_s": round(self.roster.timeout_s / 4, 3),
+                "deltas": self.history.outcomes_of(cluster) + [o for o in self.open_outcomes()
+                                                               if o["cluster"] == cluster]}
+
+    def responded(self, cluster):
+        """Has the live incarnation of `cluster` sent this round's delta (or had it excluded)?"""
+        inc = self.members[cluster].incarnation
+        return (cluster, inc) in self.pending or any(
+            e["cluster"] == cluster and e["incarnation"] == inc for e in self.excluded)
+
+    def open_outcomes(self):
+        """The current round's deltas so far: accepted ("pending") or "excluded"."""
+        out = [outcome(p.cluster, p.incarnation, p.base_round, p.tokens, p.leases, "pending")
+               for p in self.pending.values()]
+        return out + [outcome(e["cluster"], e["incarnation"], e["base_round"], e["tokens"], e["leases"],
+                              "excluded", why=e["why"]) for e in self.excluded]
+
+    # ---- deltas
+
+    def check_delta(self, meta, now, wall):
+        """Everything about a delta that can be checked before its bytes arrive -> its clean
+        metadata. A delta of 0 tokens is refused AND counted as this member's answer."""
+        meta = parse_delta_meta(meta)
+        self.check_current(meta, now)
+        if meta["tokens"] == 0:
+            why = "tokens is 0: a delta that trained on nothing has no weight"
+            self.exclude(meta, why, wall)
+            raise Refused(400, f"{why}; do not send it (this round no longer waits for it)",
+                          code="bad_delta", round=self.round)
+        if self.custody and not meta["leases"]:
+            raise Refused(400, "leases is empty: with --darl every delta names the DARL leases it trained on "
+                               "(DARL takes them into custody before the delta can be merged)")
+        return meta
+
+    def check_current(self, meta, now):
+        m = self.roster.member(meta["cluster"], meta["incarnation"], self.round)
+        m.last_seen = now
+        if meta["base_round"] != self.round:
+            raise Refused(409, f"stale delta: based on round {meta['base_round']}, the current round is "
+                               f"{self.round}; load theta_global of round {self.round} and train again",
+                          code="stale_round", round=self.round)
+        if self.merging:
+            raise Refused(409, f"round {self.round} is closed and being merged; wait for round "
+                               f"{self.round + 1}", code="stale_round", round=self.round)
+        if self.books.fenced:
+            raise Refused(503, f"this aggregator process was fenced by DARL ({self.books.fenced}) and is stopping; "
+                               "send to the aggregator that replaced it")
+
+    def duplicate(self, meta):
+        """The reply for a retried delta this round already holds (its first reply was lost), or None."""
+        dup = self.pending.get((meta["cluster"], meta["incarnation"]))
+        if dup is None:
+            return None
+        return {"accepted": True, "duplicate": True, "round": self.round, "custody": dup.custody}
+
+    def new_pending(self, meta, token, path, meta_path, size, norm, accept_s, wall):
+        """The acceptance of a checked delta (the caller spools it, then admit()s it); `token`
+        makes its custody id."""
+        return Pending(meta["cluster"], meta["incarnation"], meta["base_round"], meta["tokens"], meta["leases"],
+                       meta["metrics"], path, meta_path, wall, delta_id=f"r{self.round}.{token}",
+                       custody=Custody.UNCONFIRMED if self.custody else Custody.NONE, size=size, norm=norm,
+                       accept_s=round(accept_s, 3))
+
+    def admit(self, p, now):
+        """p (spooled) is in the round; its upload asks DARL for its custody itself, until asked()."""
+        self.pending[(p.cluster, p.incarnation)] = p
+        self.requesting.add(p.delta_id)
+        if self.first_delta_at is None:
+            self.first_delta_at = now
+
+    def asked(self, p):
+        self.requesting.discard(p.delta_id)
+
+    def accepted(self, p):
+        """The upload's reply (once its custody was asked for)."""
+        waiting = sorted(c for c in self.members if not self.responded(c))
+        self.say(f"fedmom: delta from {p.cluster} for round {self.round}: {p.tokens:,} tokens, "
+                 f"{len(p.leases)} lease(s), custody {p.custody}; waiting for {waiting or 'nobody'}")
+        return {"accepted": True, "round": self.round, "waiting_for": waiting, "custody": p.custody}
+
+    def exclude(self, meta, why, wall):
+        """A delta that will never be merged, named in the round (a retry of it counted once)."""
+        if any(e["cluster"] == meta["cluster"] and e["incarnation"] == meta["incarnation"] and e["why"] == why
+               for e in self.excluded):
+            return
+        self.excluded.append({"cluster": meta["cluster"], "incarnation": meta["incarnation"], "why": why,
+                              "base_round": meta["base_round"], "tokens": meta["tokens"], "leases": meta["leases"]})
+        self.event("excluded", meta["cluster"], meta["incarnation"], wall, why)
+        self.say(f"fedmom: EXCLUDED delta from {meta['cluster']} ({meta['incarnation']}) for round {self.round}: {why}")
+
+    def exclude_spooled(self, p, why, wall):
+        """An accepted delta that will never be merged: excluded, named, and the custody its
+        leases may be in owed an abort (its blocks go back to the pool)."""
+        self.exclude(p.ident(), why, wall)
+        if p.custody != Custody.NONE:
+            p.custody = move(p.custody, Custody.ABORT_OWED, f"{p.cluster}'s delta {p.delta_id}")
+            self.books.owe_abort(p.delta_id, p.cluster, p.incarnation, why, wall)
+
+    def _take_out(self, p):
+        del self.pending[(p.cluster, p.incarnation)]
+        if not self.pending:
+            self.first_delta_at = None
+
+    # ---- a start: the spool and the records handed back
+
+    def restore(self, p, now):
+        """A delta the spool kept for this round, whole: it merges, live member or not; one whose
+        custody was confirmed merges only once reconcile() saw DARL still holds it."""
+        self.pending[(p.cluster, p.incarnation)] = p
+        if p.custody == Custody.CONFIRMED and self.custody:
+            self.inherited.add(p.delta_id)
+        if self.first_delta_at is None:
+            self.first_delta_at = now
+
+    def restore_unreadable(self, fn, error, wall):
+        """A spool acceptance that cannot be read back (written atomically, so disk damage): its
+        delta is excluded and named from the file name, r<round>_<cluster>_<incarnation>.json
+        ("_" is in no id); custody DARL holds for it is aborted by reconcile()."""
+        parts = fn[:-len(".json")].split("_")
+        rnd = parts[0][1:] if len(parts) == 3 and parts[0].startswith("r") else ""
+        if not rnd.isdigit() or int(rnd) != self.round:
+            self.say(f"fedmom: !!! unreadable spool entry {fn} of another round removed "
+                     f"({type(error).__name__}: {error})")
+            return
+        self.exclude({"cluster": parts[1], "incarnation": parts[2], "base_round": self.round, "tokens": 0,
+                      "leases": []}, f"its spool entry {fn} cannot be read ({type(error).__name__}: {error}); "
+                                     "any custody DARL holds for it is aborted", wall)
+
+    def restore_records(self, records):
+        """rounds.jsonl's records -> state.json's last record if they lack it (the caller appends it)."""
+        for rec in records:
+            self.history.add(rec)
+        lost = self.history.missing(self.last_record)
+        if lost:
+            self.history.add(lost)
+        return lost
+
+    # ---- custody (the DARL calls are the caller's; these settle a delta by DARL's answer)
+
+    def unconfirmed(self):
+        """Deltas whose custody DARL must be asked for (not by their upload, which asks itself)."""
+        return [p for p in self.pending.values()
+                if p.custody == Custody.UNCONFIRMED and p.delta_id not in self.requesting]
+
+    def custody_waiting(self):
+        return sorted(p.cluster for p in self.pending.values() if p.custody == Custody.UNCONFIRMED)
+
+    def custody_held(self, p, pieces):
+        """DARL holds p's leases -> True when p is still in the round (its acceptance record then says so)."""
+        if self.pending.get((p.cluster, p.incarnation)) is not p:
+            return False
+        p.custody = move(p.custody, Custody.CONFIRMED, f"{p.cluster}'s delta {p.delta_id}")
+        p.pieces = [list(x[:3]) for x in pieces]
+        return True
+
+    def custody_refused(self, p, why, at_upload, wall):
+        """DARL will not hold p's leases: p leaves the round (at upload its refusal is the reply;
+        later it is excluded, named) -> True when it was still in the round (its files go)."""
+        if self.pending.get((p.cluster, p.incarnation)) is not p:
+            return False
+        p.custody = move(p.custody, Custody.REFUSED, f"{p.cluster}'s delta {p.delta_id}")
+        self._take_out(p)
+        if not at_upload:
+            self.exclude(p.ident(), why, wall)
+        return True
+
+    def reconcile(self, held, wall):
+        """DARL's list of the custody it holds for us (once, after a start) against our books ->
+        the restored deltas DARL no longer holds (another process of this aggregator, from
+        which this state was copied, aborted them since): excluded, never merged, their files
+        to go. Custody our books no longer name (a spool entry lost with a disk) would be held
+        forever: its abort is owed."""
+        ids = {c["delta"] for c in held}
+        gone = [p for p in self.pending.values() if p.delta_id in self.inherited and p.delta_id not in ids]
+        for p in gone:
+            p.custody = move(p.custody, Custody.REFUSED, f"{p.cluster}'s delta {p.delta_id}")
+            self._take_out(p)
+            self.exclude(p.ident(), "DARL no longer holds this delta's custody (another process of this "
+                                    "aggregator aborted it; its blocks went back to the pool)", wall)
+        known = ({p.delta_id for p in self.pending.values()} | {c["delta"] for c in self.books.commits}
+                 | {c["delta"] for c in self.books.aborts})
+        for c in held:
+            if c["delta"] not in known:
+                self.books.owe_abort(c["delta"], c["cluster"], c["incarnation"], "the aggregator's state no longer "
+                                     "names this delta (its spool entry is gone)", wall)
+                self.say(f"fedmom: !!! DARL holds custody of delta {c['delta']} ({c['cluster']}, {c['blocks']} "
+                         "blocks) that this aggregator has no record of: aborting it, its blocks go back to the pool")
+        self._changes += bool(gone)
+        self.reconciled, self.inherited = True, set()
+        return gone
+
+    # ---- closing, merging, finishing a round
+
+    def phase(self, now):
+        """Where the round stands (Phase), checked in the order of the rules."""
+        if self.merging:
+            return Phase.MERGING
+        if not self.pending:
+            return Phase.EMPTY
+        if now < self.retry_merge_at:
+            return Phase.BACKING_OFF
+        if self.books.fenced:
+            return Phase.FENCED
+        if self.custody_waiting():
+            return Phase.WAITING_CUSTODY
+        if self.inherited and not self.reconciled:
+            return Phase.WAITING_RECONCILE
+        if any(not self.responded(c) for c in self.members) and now - self.first_delta_at < self.round_deadline_s:
+            return Phase.COLLECTING
+        return Phase.READY
+
+    def ready(self, now):
+        """Why the round may merge now, or None (see phase())."""
+        if self.phase(now) != Phase.READY:
+            return None
+        waiting = [c for c in self.members if not self.responded(c)]
+        if not waiting:
+            return "every live member sent its delta"
+        return f"deadline of {self.round_deadline_s:g} s passed without {sorted(waiting)}"
+
+    def close(self, now):
+        """READY -> MERGING: (its deltas, the members that sent none, `now`)."""
+        if self.phase(now) != Phase.READY:
+            raise IllegalMove(f"round {self.round} closed in phase {self.phase(now)}, not {Phase.READY}")
+        self.merging = True
+        return list(self.pending.values()), sorted(c for c in self.members if not self.responded(c)), now
+
+    def drop_at_merge(self, p, why, wall):
+        """A delta the merge left out (it would make theta not finite): excluded, its custody aborted."""
+        self.exclude_spooled(p, why, wall)
+        self._take_out(p)
+
+    def reopen(self):
+        """MERGING -> open, the same round: nothing was left to merge."""
+        self.merging = False
+        if not self.pending:
+            self.first_delta_at = None
+
+    def merge_failed(self, now):
+        """MERGING -> open, the same round, tried again MERGE_RETRY_S from `now`."""
+        self.merging, self.retry_merge_at = False, now + MERGE_RETRY_S
+
+    def finish(self, batch, stats, reason, late, closed_at, wall):
+        """The round's merge of `batch` gave `stats`: round + 1, its record, a commit owed for
+        every delta in confirmed custody, positions merged twice counted -> the record. Durable
+        once the caller saved it (else rewind()); then opened() starts the next round."""
+        for p in batch:
+            if p.custody not in (Custody.NONE, Custody.CONFIRMED):
+                move(p.custody, Custody.COMMIT_OWED, f"{p.cluster}'s delta {p.delta_id}")   # raises
+        new = self.round + 1
+        rec = round_record(new, batch, stats, reason, late, round(closed_at - self.round_opened_at, 3), wall,
+                           self.excluded, self.dropped, sorted(self.members))
+        self.books.violations["blocks_trained_twice"] += self.history.trained_twice(rec)
+        for p in batch:
+            if p.custody == Custody.CONFIRMED:
+                self.books.owe_commit(p, new, wall)
+        self.round, self.last_record = new, rec
+        self._changes += 1
+        return rec
+
+    def opened(self, rec, now):
+        """The record's round is durable: it is the open round now, empty."""
+        twice = self.history.trained_twice(rec)
+        self.history.add(rec)
+        if twice:
+            self.say(f"fedmom: !!! round {rec['round']} merged {twice} DARL position(s) that an earlier merged delta "
+                     "already holds: those blocks are trained twice (blocks_trained_twice)")
+        for p in self.pending.values():      # the merged deltas (no delta joins a closed round)
+            if p.custody == Custody.CONFIRMED:
+                p.custody = move(p.custody, Custody.COMMIT_OWED)
+        self.pending, self.excluded, self.dropped = {}, [], []
+        self.first_delta_at, self.merging, self.round_opened_at = None, False, now
+
+    # ---- reading
+
+    def status(self, now):
+        """The round's part of GET /status."""
+        b = self.books
+        members = [{"cluster": c, "incarnation": m.incarnation, "heard_s_ago": round(now - m.last_seen, 1),
+                    "sent": self.responded(c), "metrics": m.metrics} for c, m in sorted(self.members.items())]
+        deadline = None if self.first_delta_at is None else round(self.first_delta_at + self.round_deadline_s - now, 1)
+        return {"round": self.round, "merging": self.merging, "members": members,
+                "pending": sorted(c for c, _ in self.pending), "deadline_in_s": deadline,
+                "outcomes": self.open_outcomes(), "excluded": list(self.excluded), "dropped": list(self.dropped),
+                "pending_commits": len(b.commits), "pending_aborts": len(b.aborts),
+                "aggregator": b.aggregator, "violations": dict(b.violations), "epoch": b.shown_epoch(self.custody),
+                "darl": {"alarm": b.alarm, "fenced": b.fenced,
+                         "custody_waiting": self.custody_waiting() if self.custody else [],
+                         "commits_owed": [dict(c) for c in b.commits[:50]],
+                         "aborts_owed": [dict(c) for c in b.aborts[:50]]},
+                "recent": list(self.history.records), "events": list(self.roster.events)[-100:]}
