@@ -16,7 +16,7 @@
 # "GPU CHECK FAILED: <run>" and the tail of that run's log, exit 1:
 #   preflight     torch, torchtitan and the device: versions, name, bf16 support
 #   smoke         smoke.py: device, exact all-reduce, network, the SDPA kernel of Qwen3's GQA
-#   staging       pinned host->device copies (train.HostToDevice) equal plain copies, 16 batches
+#   staging       pinned host->device copies (train_step.HostToDevice) equal plain copies, 16 batches
 #   diloco-cpu    DiLoCo's outer step with theta in pinned host memory equals the on-device one
 #                 (within 8 ulp: FMA contraction may differ between the CPU's and GPU's kernels)
 #   wire-torch    wire_torch.py's int8/int4 encode and apply on the device == wire.py's numpy, bit for bit
@@ -142,9 +142,9 @@ run smoke "$PYTHON" smoke.py --device "$DEVICE" --diloco-replicas 1
 grep -E "^(network|attention kernel|all-reduce exact)" "$OUT/smoke.log" | sed 's/^/   /'
 
 run staging "$PYTHON" - "$DEVICE" <<'EOF'
-import sys, numpy as np, torch, dist_env, train
+import sys, numpy as np, torch, dist_env, train_step
 d = dist_env.init_distributed(sys.argv[1])
-stage, rng = train.HostToDevice(d.device), np.random.default_rng(0)
+stage, rng = train_step.HostToDevice(d.device), np.random.default_rng(0)
 arrays = [rng.integers(0, 50000, size=(4, 2049 if i % 5 else 1025)) for i in range(16)]
 outs = [stage(a) for a in arrays]                  # all in flight before any is read
 for a, o in zip(arrays, outs):
