@@ -1,8 +1,8 @@
 """train_step.py - what every optimizer step of a site runs, in both of train.py's loops: the
-local loop (train.local_loop) and a federated site's phases (train.federated_loop).
+local loop (train.local_loop) and a federated site's phases (fedphase.py).
 
-Runs on: compute nodes and any CPU, imported by train.py; not started on its own. No port,
-no state.
+Runs on: compute nodes and any CPU, imported by train.py and fedphase.py; not started on its
+own. No port, no state.
 
     stepper = Stepper(run, step)           # run: train.Run (its cfg, d, opt, schedule, log)
     stepper.begin(step)                    # the LR of the schedule
