@@ -4,11 +4,12 @@ and each delta's round trip, and the leased windows every rank derives from them
 Runs on: compute nodes, inside `train.py --federation` (imported; not started on its own).
 FedSite lives on global rank 0 only; LeasedSource on every rank. Torch-free (stdlib, numpy,
 darl_client, fedmom_client, data, and wire for theta's compressed updates, file to file):
-the collectives that share rank 0's answers with the other ranks are diloco.on_rank0's,
-called by train.py. No port, no state of its own: the delta and theta files are the
-carrier's (runs/<run>/federation/), leases and membership live at the central services.
+the collectives that share rank 0's answers with the other ranks are fedphase.on_rank0's,
+called by fedphase.py, the torch half of a site's round. No port, no state of its own: the
+delta and theta files are the carrier's (runs/<run>/federation/), leases and membership
+live at the central services.
 
-Callers: train.py's federated loop and diloco.FedMomCarrier, in this order per run:
+Callers: fedphase.py's loop and its FedMomCarrier, in this order per run:
     site = FedSite(cfg, windows, model_bytes, log)            # rank 0
     block_size, seed, _ = on_rank0(lambda: site.connect(per_step))
     source = LeasedSource(cfg, windows, block_size, seed, rank, world)
@@ -19,7 +20,8 @@ Callers: train.py's federated loop and diloco.FedMomCarrier, in this order per r
     on_rank0(lambda: site.finish())
 With --overlap the carrier calls site.start_round_trip(...) instead (the same round trip
 on a Background thread), the loop asks next_span(busy) while it runs, and the carrier's
-settle() waits for it at the next phase's end (FEDERATION_GUIDE.md section 4, "Overlap").
+settle() waits for it once it has ended or at the next phase's end (--overlap-fold;
+FEDERATION_GUIDE.md section 4, "Overlap").
 Under --encode-on device the carrier passes defer_update=True: an int8/int4 update of
 theta_global comes back unapplied (RoundResult.update), the carrier adds it on the
 devices and calls site.check_behind(theta), whose thread (the file's addition and the
@@ -30,7 +32,7 @@ to time out.
 
 The protocol these calls follow (what a phase leases, what the aggregator does with a
 delta, who settles a lease, identity and requeues) is FEDERATION_GUIDE.md, sections 2-4;
-the path of a delta through train.py, diloco.py, here and fedmom_client.py is
+the path of a delta through fedphase.py, diloco.py, here and fedmom_client.py is
 ARCHITECTURE.md section 3.
 
 How long a call waits: each call to the central VM gets ONE httpc.Deadline, made here
@@ -533,7 +535,7 @@ class Background:
         return not self.thread.is_alive()
 
     def wait(self, poll_s=POLL_S):
-        """Generator (for diloco.on_rank0): yields every poll_s until the thread ended, then
+        """Generator (for fedphase.on_rank0): yields every poll_s until the thread ended, then
         returns its value (or raises its exception)."""
         while True:
             self.thread.join(poll_s)

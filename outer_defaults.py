@@ -3,8 +3,8 @@
 Runs on: everywhere, imported; imports nothing, so the central VM (no torch) reads it
 beside the sites. The aggregator's fedmom_server.py --outer-lr / --outer-momentum
 (fedmom_state.ServerConfig) and DiLoCo's --diloco-outer-lr / --diloco-outer-momentum
-inside one allocation (diloco.DiLoCoConfig, train.py) default to these, as do demo.py
-and bench/convergence.py's Nesterov arms.
+inside one allocation (train_config.py, which gives them to diloco.DiLoCoConfig) default
+to these, as do demo.py and bench/convergence.py's Nesterov arms.
 
 Source: DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training
 of Language Models"): outer Nesterov momentum 0.9 with an outer learning rate of 0.7

@@ -22,9 +22,9 @@ Command lines:
         --ca-file ~/.pww/central-ca.pem --site lumi --diloco-inner-steps 100 --resume auto
     # (jobs/*_titan.sh take the URLs, $PWW_TOKEN_FILE and $PWW_CA_FILE from central.env)
 
-Federation: rank 0 speaks for the site (fedsite.py), every rank trains the windows of
-the DARL span it shares, and the outer step goes through diloco.FedMomCarrier. One
-phase = one span; the local checkpoint is written before the delta leaves. The
+Federation (fedphase.py: the phases, the carrier, the federation rows): rank 0 speaks for
+the site (fedsite.py), every rank trains the windows of the DARL span it shares, and the
+outer step goes through fedphase.FedMomCarrier. One phase = one span; the local checkpoint is written before the delta leaves. The
 protocol, identity (cluster id, incarnation, requeues) and knobs are
 FEDERATION_GUIDE.md, sections 2-5. --eval-every counts phases there; --throttle-ms
 (a slower site) is for demos and tests. --overlap trains the next phase while the
@@ -66,7 +66,7 @@ Outputs (metrics.py writes the logs and rows): runs/<run>/ holds
     checkpoints/    checkpoint.py's files; --resume auto continues from the newest
     federation/     rank 0's delta.safetensors (the last one sent) and theta.safetensors;
                     the error-feedback residual (--encode-on host: rank 0's residual.safetensors;
-                    device: residual-rank<r>.safetensors, one per rank; diloco.Residual)
+                    device: residual-rank<r>.safetensors, one per rank; error_feedback.py)
 Who may run it: anyone with the venv (or the site container); it only writes under --runs-dir.
 """
 import contextlib
@@ -84,11 +84,13 @@ import torch.nn.functional as F
 import checkpoint
 import data
 import diloco
+import fedphase
 import fedsite
 import models
 from dist_env import ConfigError, DeviceError, Dist, init_distributed   # noqa: F401 (train.DeviceError)
-from metrics import RunLog, fmt_row, peak_flops, peak_memory_gib, provenance
+from metrics import RunLog, fmt_row, provenance
 from train_config import Config, parse_config, write_config_yaml
+from train_step import HostToDevice, Stepper, autocast_ctx, grad_sync
 
 # Stage 1, the process's place in the job, is dist_env.py; stage 2, the config (Config, its
 # flags and --config YAML), is train_config.py; the logs and metrics rows are metrics.py's.
@@ -115,14 +117,6 @@ def make_model(cfg, d, vocab_size, group=None, mesh=None):
 
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def autocast_ctx(cfg, d):
-    """DDP computes under autocast; FSDP2 casts through its MixedPrecisionPolicy instead."""
-    if cfg.parallel == "fsdp" or cfg.dtype == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float16
-    return torch.autocast(device_type=d.device.type, dtype=dtype)
 
 
 def make_optimizer(cfg, model, replica_ranks, device_type="cpu"):
@@ -181,35 +175,6 @@ class CifarSource:
             i = idx[b * self.batch:(b + 1) * self.batch]
             yield data.cifar_augment(self.x[i], self.gen), self.y[i]
 
-
-class HostToDevice:
-    """Token batches (numpy) to the device without stalling the host: each batch is copied
-    into one of two pinned host buffers and sent with non_blocking=True, so the copy
-    overlaps the GPU's work. A copy from pageable numpy memory would block (the driver
-    stages it through a pinned bounce buffer) whatever non_blocking says. A buffer is
-    refilled only once the event recorded after its last copy has passed, so an in-flight
-    copy never sees new data. On the CPU the array is used as it is."""
-
-    def __init__(self, device, slots=2):
-        self.device, self.gpu = device, device.type == "cuda"
-        self.bufs, self.events, self.next = [None] * slots, [None] * slots, 0
-
-    def __call__(self, arr):
-        t = torch.from_numpy(arr)
-        if not self.gpu:
-            return t
-        i, self.next = self.next, (self.next + 1) % len(self.bufs)
-        if self.events[i] is not None:
-            self.events[i].synchronize()      # the copy of two batches ago: long done
-        buf = self.bufs[i]
-        if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
-            buf = self.bufs[i] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
-        staged = buf[:t.numel()].view(t.shape)
-        staged.copy_(t)
-        out = staged.to(self.device, non_blocking=True)
-        self.events[i] = torch.cuda.Event()
-        self.events[i].record()
-        return out
 
 
 class WindowSource:
@@ -306,100 +271,9 @@ def export_init(cfg):
 
 
 # ---------------------------------------------------------------------------
-# Stage 5: the loops - the step body both share, the local loop, the federated loop
+# Stage 5: the loop - the local one here; a federated site's phases are fedphase.py's
+# (the step body both share is train_step.py)
 # ---------------------------------------------------------------------------
-
-def grad_sync(model, cfg, last):
-    """Gradient accumulation. DDP: all-reduce only on the last micro-batch (no_sync before;
-    DDP's gradients are whole either way). FSDP: by default reduce-scatter after every
-    micro-batch, so each rank only ever accumulates its gradient shard; with
-    --fsdp-defer-grad-sync only after the last one, holding the unsharded fp32 gradient in
-    between (bench/fsdp_grad_accum_memory.py measures both)."""
-    if cfg.grad_accum == 1:
-        return contextlib.nullcontext()
-    if cfg.parallel == "fsdp":
-        if cfg.fsdp_defer_grad_sync:
-            model.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
-    if last or not hasattr(model, "no_sync"):
-        return contextlib.nullcontext()
-    return model.no_sync()
-
-
-def _pooled_nll(nll, tokens, d):
-    """(nll sum, token count) summed over all ranks: one small all-reduce. nll is this
-    rank's device-side sum, tokens its host-side count (counted on the host, so that no
-    micro-batch pays a host-to-device copy for it)."""
-    t = torch.stack([nll.reshape(()), torch.tensor(float(tokens), dtype=torch.float64).to(d.device)])
-    dist.all_reduce(t)
-    total, count = t.tolist()
-    return total, count
-
-
-def _as_float(t):
-    if t is None:
-        return None
-    return float(t.full_tensor() if hasattr(t, "full_tensor") else t)
-
-
-class Stepper:
-    """The code every optimizer step runs in both loops, around the loop's own forward and
-    backward: begin() sets the LR of the schedule; end() unscales, clips, steps and zeroes;
-    train_row() logs the "train" row of the steps since the last one. Time spent inside
-    pause() (evals, checkpoints) is not counted as step time."""
-
-    def __init__(self, run, step):
-        self.run, self.peak = run, peak_flops(run.d)
-        self.lr = self.gnorm = None
-        self.mark(step)
-
-    def mark(self, step):
-        """Start the next row's interval here."""
-        self.t_mark, self.step_mark, self.paused = time.perf_counter(), step, 0.0
-
-    def begin(self, step):
-        self.lr = self.run.peak_lr * self.run.schedule(step)
-        for g in self.run.opt.param_groups:
-            g["lr"] = self.lr
-
-    def end(self):
-        opt, scaler, cfg = self.run.opt, self.run.scaler, self.run.cfg
-        if scaler:
-            scaler.unscale_(opt)
-        if cfg.grad_clip > 0:
-            self.gnorm = torch.nn.utils.clip_grad_norm_(self.run.model.parameters(), cfg.grad_clip)
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def due(self, step, last=False):
-        return step % self.run.cfg.log_every == 0 or last
-
-    def train_row(self, step, loss, samples, unit, **where):
-        """Log the row of the steps since mark(): `loss` pooled over ranks, `samples` (tokens or
-        images) trained by all ranks together; `where` ("epoch" or "round") follows "step"."""
-        d = self.run.d
-        dt = time.perf_counter() - self.t_mark - self.paused
-        per_s = samples / dt
-        row = {"split": "train", "step": step, **where, "loss": loss, "lr": self.lr,
-               "grad_norm": _as_float(self.gnorm), "step_ms": 1e3 * dt / (step - self.step_mark),
-               f"{unit}_per_s": per_s, "mfu": self.run.flops * per_s / d.world_size / self.peak if self.peak else None,
-               "peak_mem_gib": peak_memory_gib(d)}
-        self.run.log.metric(row)
-        self.run.log.log("train " + fmt_row(row))
-        self.mark(step)
-
-    @contextlib.contextmanager
-    def pause(self):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.paused += time.perf_counter() - t0
-
 
 def local_loop(run, start):
     """The job inside this allocation: --steps optimizer steps (or the epochs), DiLoCo's
@@ -462,160 +336,6 @@ def local_loop(run, start):
     if start < step or cfg.resume == "none":
         run.save(step)
     return step
-
-
-def federated_run(run, site, carrier, start):
-    """One site of the federation: theta_global of the current round (also after a resume),
-    phases until DARL has no blocks left, every merged lease committed; then the final
-    theta_global scored and saved. On an error rank 0 stops talking and releases nothing."""
-    try:
-        if start:
-            run.outer.phase_steps = 0            # a resumed site starts a fresh phase
-        carrier.load_global(run.outer)           # theta_global of the CURRENT round
-        where = "device (wire_torch)" if carrier.encode_on == "device" else "host (numpy)"
-        run.log.log(f"federation: cluster {run.cfg.cluster}, theta_global of round {carrier.round}; "
-                    f"LR schedule over {run.total} steps (--steps; default: the whole corpus at this site); "
-                    f"deltas in {run.cfg.wire}, encoded on the {where} (--encode-on)")
-        step = federated_loop(run, site, carrier, start)
-        diloco.on_rank0(lambda: site.finish())    # every merged lease committed, then leave
-        carrier.load_global(run.outer)           # the final global model
-    except BaseException:
-        if site is not None:
-            site.abort()
-        raise
-    run.log_eval(step, carrier.round, final=True)
-    run.save(step, carrier.round)
-    return step
-
-
-def federated_loop(run, site, carrier, start):
-    """Outer phases until DARL has no blocks left: one span, its inner steps, the checkpoint,
-    the round trip. Every rank runs this; returns the step count at the end."""
-    cfg, d, log, model, outer, source = run.cfg, run.d, run.log, run.model, run.outer, run.source
-    step, phases, seq, heldout = start, 0, run.windows.seq_len, {}
-    if not start:                        # the held-out loss before training, sent with the first delta
-        ev = run.log_eval(0, carrier.round, first=True)
-        heldout = {"heldout_loss": ev["loss"], "heldout_round": carrier.round}
-    since_nll, since_tok = torch.zeros((), dtype=torch.float64, device=d.device), 0   # this rank
-    to_device = HostToDevice(d.device)
-    stepper = Stepper(run, step)
-    model.train()
-    pending = None                       # --overlap: the row of the delta in flight, logged once it settles
-    while (span := diloco.on_rank0(lambda: site.next_span(carrier.busy))) is not None:
-        if span == fedsite.SETTLE:       # its round trip ended before DARL gave a span: take its theta in
-            log_federation_row(run, carrier, pending, carrier.settle(outer), step)
-            continue
-        phase = source.phase(*span)
-        if carrier.in_flight:            # overlap: the base stays the sent delta's until its round trip ends
-            pending["round_at_next_phase"] = carrier.current()
-        elif carrier.current() != carrier.round:
-            # round start: theta_global of the aggregator's CURRENT round, unconditionally
-            carrier.load_global(outer)
-            log.log(f"loaded theta_global of round {carrier.round}")
-        in_nll, in_tok = torch.zeros((), dtype=torch.float64, device=d.device), 0
-        t_phase, fold_s = time.perf_counter(), 0.0
-        stepper.mark(step)               # the first row's step_ms: inner steps only, not the lease and theta waits
-        for s in range(phase.steps):
-            stepper.begin(step)
-            micros = phase.micro_batches(s)
-            # the loss is normalised by the GLOBAL token count of the step: DDP and FSDP
-            # average gradients over ranks, so each rank scales its token sum by
-            # world/tokens, and a short (or empty) share of a ragged last step weighs right
-            scale = d.world_size / (len(phase.step_windows(s)) * seq)
-            for i, idx in enumerate(micros):
-                real = len(idx) > 0
-                t = to_device(run.windows.batch(idx if real else phase.windows[:1]))
-                with grad_sync(model, cfg, i == len(micros) - 1), autocast_ctx(cfg, d):
-                    logits = model(t[:, :-1])
-                    nll = F.cross_entropy(logits.flatten(0, 1).float(), t[:, 1:].flatten(), reduction="sum")
-                # an empty share still runs forward and backward (times 0): every rank makes
-                # the same collective calls, or FSDP/DDP wait forever for the missing one
-                (nll * (scale if real else 0.0)).backward()
-                if real:
-                    in_nll += nll.detach()
-                    since_nll += nll.detach()
-                    in_tok += idx.size * seq
-                    since_tok += idx.size * seq
-            stepper.end()
-            step += 1
-            outer.count_inner_step()
-            if cfg.throttle_ms:
-                time.sleep(cfg.throttle_ms / 1000)      # demo/test only: a slower site
-            if (carrier.in_flight and cfg.overlap_fold == "arrival" and s < phase.steps - 1
-                    and diloco.on_rank0(lambda: carrier.busy.done())):
-                t_fold = time.perf_counter()            # theta_global is here: fold it in now, not at the end
-                with stepper.pause():
-                    log_federation_row(run, carrier, pending, carrier.settle(outer), step)
-                fold_s += time.perf_counter() - t_fold
-            if stepper.due(step, s == phase.steps - 1):
-                row_nll, row_tok = _pooled_nll(since_nll, since_tok, d)
-                log.total += int(row_tok)
-                stepper.train_row(step, row_nll / row_tok, row_tok, "tokens", round=carrier.round)
-                since_nll.zero_()
-                since_tok = 0
-
-        # -- the phase's end: what the delta carries, the checkpoint, then the round trip
-        inner_s = time.perf_counter() - t_phase - fold_s      # a fold mid-phase is not an inner step
-        phase_nll, phase_tok = _pooled_nll(in_nll, in_tok, d)
-        tokens = len(phase) * seq
-        tps = tokens / inner_s
-        per_rank = run.flops * tps / d.world_size
-        handoff = fedsite.Handoff(tokens=tokens, step=step, metrics={
-            "loss": phase_nll / phase_tok, "tokens_per_s": tps, "mfu": per_rank / stepper.peak if stepper.peak else None,
-            "tflops_per_rank": per_rank / 1e12, "peak_mem_gib": peak_memory_gib(d), "inner_s": inner_s,
-            "steps": phase.steps, **heldout})
-        heldout = {}                             # each held-out loss goes with one delta
-        settled, out = end_phase(run, carrier, handoff)
-        if settled is not None:
-            log_federation_row(run, carrier, pending, settled, step)
-        phases += 1
-        row = {"split": "federation", "step": step, "loss": handoff.metrics["loss"], "lease": span[0],
-               "positions": [span[1], span[2]], "windows": len(phase), "steps": phase.steps,
-               "inner_s": round(inner_s, 3), "tokens_per_s": tps, "delta_norm": out["delta_norm"],
-               "outer_ms": out["outer_ms"], "wire": cfg.wire, "encode_on": carrier.encode_on,
-               "wire_bytes": carrier.wire_bytes, "residual_norm": carrier.residual_norm(), "overlap": cfg.overlap}
-        if out["federation"] is None:            # overlap: in flight, logged when it settles
-            pending = row
-        else:
-            log_federation_row(run, carrier, row, out["federation"], step)
-        if cfg.eval_every and phases % cfg.eval_every == 0:
-            ev = run.log_eval(step, carrier.round)       # reported with the next delta: the page plots it
-            heldout = {"heldout_loss": ev["loss"], "heldout_round": carrier.round}
-        stepper.mark(step)
-    if carrier.in_flight:                        # DARL is done: the last delta's round trip
-        log_federation_row(run, carrier, pending, carrier.settle(outer), step)
-    return step
-
-
-def log_federation_row(run, carrier, row, r, step):
-    """The "federation" row of one delta, once its round trip ended: what the phase trained
-    (row, from the phase's end) and what became of it (r, the fedsite.RoundResult); `step`
-    is the site's step now (under --overlap: when theta_global was folded in)."""
-    row = {**row, "round": r.round, "base_round": r.base_round, "tokens": r.tokens, "merged": r.merged,
-           "merged_into": r.merged_into, "reason": r.reason, "send_s": r.send_s, "wait_s": r.wait_s,
-           "theta_via": r.theta_via, "down_bytes": r.down_bytes, "down_s": r.down_s}
-    if row["overlap"]:
-        row["settle_s"] = carrier.wait_s         # its return outside inner steps: wait, theta_global, fold
-        row["fold_step"] = step
-    run.log.metric(row)
-    tps = row["tokens_per_s"]
-    run.log.log(f"round {r.base_round} -> {r.round}: " + ("merged" if r.merged else f"NOT merged ({r.reason})")
-                + f"; lease {r.lease} [{r.start}, {r.end}) = {row['windows']} windows in {row['steps']} steps, "
-                f"loss {row['loss']:.4f}, {tps:.4g} tokens/s, outer step {row['outer_ms'] / 1e3:.1f} s"
-                + (f", waited {carrier.wait_s:.1f} s for it" if row["overlap"] else ""))
-
-
-def end_phase(run, carrier, handoff):
-    """A federated phase's outer step (collective): the local checkpoint (model, optimizer,
-    step, round) first, THEN the delta leaves with the Handoff (FEDERATION_GUIDE.md
-    section 4, step 4), so a site killed during the round trip resumes at a step that
-    counts the phase its delta carried. Under --overlap the previous delta's round trip
-    settles and its theta_global is folded in between the two: the checkpoint never holds
-    a fold. Returns (the settled RoundResult or None, DiLoCo's row, with "federation": the
-    fedsite.RoundResult, or None while the delta is in flight)."""
-    run.save(handoff.step, carrier.round)
-    settled = carrier.settle(run.outer) if carrier.in_flight else None
-    return settled, run.outer.end_phase(handoff)
 
 
 # ---------------------------------------------------------------------------
@@ -744,28 +464,6 @@ def build_model(run):
     return layout
 
 
-def join_federation(run):
-    """One site = one stream: rank 0 connects to DARL and FedMom (fedsite.FedSite), every rank
-    gets the block space and will read the windows of the spans rank 0 leases; the outer
-    step goes through fedmom_server.py. Returns (site, carrier); site is None off rank 0."""
-    cfg, d, windows = run.cfg, run.d, run.windows
-    if windows.train_windows < 1:      # said before any call to the central VM
-        raise ConfigError(f"{cfg.data} has no training windows (all are held out): tokenize more "
-                          "text, or fewer --heldout-windows in tokenize_corpus.py")
-    per_step = cfg.batch_size * d.world_size * cfg.grad_accum
-    site = fedsite.FedSite(cfg, windows, 4 * run.n_params, run.log.log, cfg.central_retry_s) if d.is_main else None
-    if site is not None:
-        run.log.incarnation = site.incarnation      # the one FedMom and DARL know this process by
-    block_size, darl_seed, _ = diloco.on_rank0(lambda: site.connect(per_step))
-    run.source = fedsite.LeasedSource(cfg, windows, block_size, darl_seed, d.rank, d.world_size)
-    workdir = os.path.join(run.run_dir, "federation")
-    if d.is_main:
-        os.makedirs(workdir, exist_ok=True)
-    return site, diloco.FedMomCarrier(site, workdir, codec=cfg.wire_codec(), error_feedback=cfg.error_feedback,
-                                      fresh=cfg.resume == "none", log=run.log.log, overlap=cfg.overlap,
-                                      encode_on=cfg.encode_on)
-
-
 def plan_steps(run):
     """Steps per epoch, the total, warmup and the LR schedule; then config.yaml, every
     default resolved now (the config a rerun would need)."""
@@ -827,7 +525,7 @@ def train(cfg: Config):
     layout = build_model(run)
     site = carrier = None
     if cfg.federation:
-        site, carrier = join_federation(run)
+        site, carrier = fedphase.join(run)
     else:
         run.source = WindowSource(cfg, d, windows) if cfg.llm else CifarSource(cfg, d)
     plan_steps(run)
@@ -835,7 +533,7 @@ def train(cfg: Config):
         run.outer = make_outer(run, layout, carrier)
     start = resume(run)
     if cfg.federation:
-        step = federated_run(run, site, carrier, start)
+        step = fedphase.train_site(run, site, carrier, start)
     else:
         step = local_loop(run, start)
     run.log.log(f"done: {step} steps, run directory {run.run_dir}")
@@ -855,7 +553,7 @@ def main(argv=None):
         if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
             print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    except diloco.RankZeroFailed as e:          # rank 0 prints the real error and traceback
+    except fedphase.RankZeroFailed as e:          # rank 0 prints the real error and traceback
         print(f"train.py: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
 

@@ -60,6 +60,7 @@ def worker(rank, tmp, a, defer, out_path):
     sys.path.insert(0, ROOT)
     import dist_env
     import train
+    import train_step
     os.environ.update(GLOO_SOCKET_IFNAME="lo", LOCAL_RANK=str(rank))   # LOCAL_RANK: GPU `rank`
     torch.set_num_threads(1)
     dist.init_process_group("gloo" if a.device == "cpu" else "nccl",
@@ -74,7 +75,7 @@ def worker(rank, tmp, a, defer, out_path):
 
     def step():
         for i, b in enumerate(batches):
-            with train.grad_sync(model, cfg, i == len(batches) - 1):
+            with train_step.grad_sync(model, cfg, i == len(batches) - 1):
                 loss = F.cross_entropy(model(b[:, :-1]).flatten(0, 1).float(), b[:, 1:].flatten())
             (loss / len(batches)).backward()
         opt.step()

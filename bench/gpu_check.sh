@@ -16,11 +16,11 @@
 # "GPU CHECK FAILED: <run>" and the tail of that run's log, exit 1:
 #   preflight     torch, torchtitan and the device: versions, name, bf16 support
 #   smoke         smoke.py: device, exact all-reduce, network, the SDPA kernel of Qwen3's GQA
-#   staging       pinned host->device copies (train.HostToDevice) equal plain copies, 16 batches
+#   staging       pinned host->device copies (train_step.HostToDevice) equal plain copies, 16 batches
 #   diloco-cpu    DiLoCo's outer step with theta in pinned host memory equals the on-device one
 #                 (within 8 ulp: FMA contraction may differ between the CPU's and GPU's kernels)
 #   wire-torch    wire_torch.py's int8/int4 encode and apply on the device == wire.py's numpy, bit for bit
-#   encode-on     diloco.FedMomCarrier(encode_on="device"), train.py --encode-on device's path, on whole
+#   encode-on     fedphase.FedMomCarrier(encode_on="device"), train.py --encode-on device's path, on whole
 #                 tensors (DDP) and on FSDP2 shards (one rank: shard_wire's per-shard encode): three int4
 #                 rounds with error feedback give the host path's delta file and residual, bit for bit,
 #                 and an int4 update added on the device gives wire.apply_update's digest
@@ -142,9 +142,9 @@ run smoke "$PYTHON" smoke.py --device "$DEVICE" --diloco-replicas 1
 grep -E "^(network|attention kernel|all-reduce exact)" "$OUT/smoke.log" | sed 's/^/   /'
 
 run staging "$PYTHON" - "$DEVICE" <<'EOF'
-import sys, numpy as np, torch, dist_env, train
+import sys, numpy as np, torch, dist_env, train_step
 d = dist_env.init_distributed(sys.argv[1])
-stage, rng = train.HostToDevice(d.device), np.random.default_rng(0)
+stage, rng = train_step.HostToDevice(d.device), np.random.default_rng(0)
 arrays = [rng.integers(0, 50000, size=(4, 2049 if i % 5 else 1025)) for i in range(16)]
 outs = [stage(a) for a in arrays]                  # all in flight before any is read
 for a, o in zip(arrays, outs):
@@ -154,13 +154,15 @@ EOF
 sed 's/^/   /' "$OUT/staging.log"
 
 run diloco-cpu "$PYTHON" - "$DEVICE" <<'EOF'
-import sys, torch, diloco, dist_env, train
+import sys, torch, diloco, dist_env
+from outer_defaults import OUTER_LR, OUTER_MOMENTUM
 d = dist_env.init_distributed(sys.argv[1])
 lay = diloco.ReplicaLayout.build(1, 0, 1)
 def outer_run(where):
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8)).to(d.device)
-    o = diloco.DiLoCo(m, lay, diloco.DiLoCoConfig(inner_steps=2, outer_device=where))
+    o = diloco.DiLoCo(m, lay, diloco.DiLoCoConfig(inner_steps=2, outer_device=where, outer_lr=OUTER_LR,
+                                                 outer_momentum=OUTER_MOMENTUM))
     for step in range(6):
         with torch.no_grad():
             for p in m.parameters():
@@ -211,7 +213,7 @@ EOF
 sed 's/^/   /' "$OUT/wire-torch.log"
 
 run encode-on "$PYTHON" - "$DEVICE" "$OUT/encode-on" <<'EOF'
-import os, sys, torch, diloco, dist_env, tensorio, wire
+import os, sys, torch, dist_env, fedphase, tensorio, wire
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -246,7 +248,7 @@ for label, sharded in (("replicated", False), ("fsdp2", True)):
     files = {}
     for where in ("host", "device"):
         wd = os.path.join(sys.argv[2], label, where)
-        c = diloco.FedMomCarrier(None, wd, "int4", fresh=True, log=lambda m: None, encode_on=where)
+        c = fedphase.FedMomCarrier(None, wd, "int4", fresh=True, log=lambda m: None, encode_on=where)
         for rnd in (0, 1, 2):             # 1 and 2 carry what the one before left owed
             c.round = rnd
             c.write_delta(names, params, [x * (rnd + 1) for x in local])

@@ -45,6 +45,7 @@ def worker(rank, tmp, a):
     import diloco
     import dist_env
     import models
+    from outer_defaults import OUTER_LR, OUTER_MOMENTUM
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     dist.init_process_group("gloo" if a.device == "cpu" else "nccl",
@@ -66,7 +67,7 @@ def worker(rank, tmp, a):
             torch.cuda.synchronize()
 
     layout = diloco.ReplicaLayout.build(WORLD, rank, K)
-    outer = diloco.DiLoCo(model, layout, diloco.DiLoCoConfig(inner_steps=10))
+    outer = diloco.DiLoCo(model, layout, diloco.DiLoCoConfig(inner_steps=10, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM))
     timed_steps(step, 5)                                          # warm-up
     # The two arms alternate in blocks of H=10 steps, so a load change on this
     # shared machine hits both alike. Baseline steps never call DiLoCo.

@@ -5,8 +5,8 @@ Runs on: any CPU box (the central VM's size is projected, not needed); Python + 
 torch. It starts real darl_server.py, fedmom_server.py --down-wire int4 and blobstore.py
 processes over TLS (a throwaway CA, bearer tokens) on 127.0.0.1, and two fake sites: this
 file's --site mode, each a process of its own doing what a site's rank 0 does each round
-(fedsite.py, diloco.py): lease a span from DARL, write its delta with --wire int4
-(wire.WireWriter, with diloco.Residual's error feedback: owed in, the new residual out, both
+(fedsite.py, fedphase.py): lease a span from DARL, write its delta with --wire int4
+(wire.WireWriter, with error_feedback.Residual's error feedback: owed in, the new residual out, both
 F32 files), upload it through the blob store (FedMomClient.send_delta, transport blob), wait
 for the round (the heartbeat's long-poll), download the update and add it
 (FedMomClient.download_update, wire.apply_update: the digest the aggregator published is
@@ -28,7 +28,7 @@ its publish, download and apply, runs alone, so each phase is timed without the 
 on the same cores (on their own nodes they would not share any); the aggregator's merge runs
 while both wait. Each phase, per round (progress is printed as each round ends):
     encode    the site writes its delta: int4 encode + write + error feedback (owed read,
-              residual written), fsync'd, as diloco.py does; GB = the F32 values (4 B/param).
+              residual written), fsync'd, as fedphase.py does; GB = the F32 values (4 B/param).
               Its row "encode: feedback" is the error feedback's part alone (GB: 2 x 4 B/param)
     upload    send_delta up to the acceptance: the delta file's sha256, its PUT to the blob
               store (TLS), the /delta_check; GB = the delta file
@@ -281,7 +281,7 @@ class TimedClient(fedmom_client.FedMomClient):
 
 
 class Residual:
-    """diloco.Residual's files and rules (torch-free): residual.safetensors is owed now,
+    """error_feedback.Residual's files and rules (torch-free): residual.safetensors is owed now,
     residual-next.safetensors what the delta in flight leaves owed (renamed once merged).
     Every delta of this bench must merge (else it fails), so only that rule is needed."""
 
@@ -295,7 +295,7 @@ class Residual:
 
 def write_delta(path, shapes, base, pool, key, residual):
     """delta + owed -> the int4 delta file and the new residual, tensor by tensor, both
-    fsync'd (diloco.DiLoCo.write_delta with Residual) -> (seconds, of them the error
+    fsync'd (fedphase.FedMomCarrier.write_delta with Residual) -> (seconds, of them the error
     feedback's: the owed read and added, the residual subtracted and written), the draws
     of the delta not counted."""
     enc, fb_clock = Clock(), Clock()

@@ -91,7 +91,7 @@ def rank_main(rank, world, a, out):
 def share(rank, world, a, torch, dist):
     from torch.distributed.fsdp import fully_shard
 
-    import diloco
+    import fedphase
     shapes = shapes_for(a)
     model = Params(torch, shapes)
     fully_shard(model)
@@ -111,7 +111,7 @@ def share(rank, world, a, torch, dist):
 
     carriers = {}
     for where in ("host", "device"):
-        c = diloco.FedMomCarrier(None, os.path.join(a.dir, where), "int4", fresh=True, log=quiet, encode_on=where)
+        c = fedphase.FedMomCarrier(None, os.path.join(a.dir, where), "int4", fresh=True, log=quiet, encode_on=where)
         c.round = 0
         c.write_delta(names, params, local)                  # round 0 leaves a residual owed (not timed)
         if c.residual is not None:

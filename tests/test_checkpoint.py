@@ -13,6 +13,7 @@ import torch.distributed as dist
 import checkpoint
 import diloco
 from fixtures import spawn
+from outer_defaults import OUTER_LR, OUTER_MOMENTUM
 
 H = 2
 ROWS = []                  # diloco rows of this process
@@ -42,7 +43,8 @@ def build(rank, world, k, parallel, seed):
         model = torch.nn.parallel.DistributedDataParallel(net, process_group=layout.inner_group)
     else:
         model = net
-    outer = diloco.DiLoCo(model, layout, diloco.DiLoCoConfig(inner_steps=H))
+    config = diloco.DiLoCoConfig(inner_steps=H, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    outer = diloco.DiLoCo(model, layout, config)
     opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     return net, model, outer, opt
 

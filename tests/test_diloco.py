@@ -17,10 +17,12 @@ import torch.distributed as dist
 
 import diloco
 from fixtures import spawn
+from outer_defaults import OUTER_LR, OUTER_MOMENTUM
 
 WORLD = 4
 H = 2                      # inner steps per outer step in the arithmetic check
 OUTER_STEPS = 3
+NESTEROV = {"outer_lr": OUTER_LR, "outer_momentum": OUTER_MOMENTUM}    # train.py's defaults
 
 
 # --------------------------------------------------------------- prepared values
@@ -125,11 +127,11 @@ def worker(rank, world, tmp):
             "inner_sum": inner.item(), "outer_sum": outer.item()}
         out.setdefault("layout_objs", {})[k] = lay
     lays = out.pop("layout_objs")
-    nesterov = diloco.DiLoCoConfig(inner_steps=H)
+    nesterov = diloco.DiLoCoConfig(inner_steps=H, **NESTEROV)
     out["nesterov_k4"] = _arith(rank, lays[4], nesterov, OUTER_STEPS)
     out["nesterov_k2"] = _arith(rank, lays[2], nesterov, OUTER_STEPS)
     out["fedavg_k2"] = _arith(rank, lays[2], diloco.DiLoCoConfig.fedavg(H), 2)
-    out["cpu_k2"] = _arith(rank, lays[2], diloco.DiLoCoConfig(inner_steps=H, outer_device="cpu"), 2)
+    out["cpu_k2"] = _arith(rank, lays[2], diloco.DiLoCoConfig(inner_steps=H, outer_device="cpu", **NESTEROV), 2)
     out["ddp"] = _ddp_reconverge(rank, lays[2])
     # state round trip: a fresh DiLoCo restored from the arithmetic run's state
     fresh = TwoParams(*THETA0)
@@ -214,6 +216,75 @@ class OverlapFoldTest(unittest.TestCase):
         np.testing.assert_allclose(theta, want, rtol=0, atol=1e-12)
 
 
+class LaterCarrier(diloco.OuterCarrier):
+    """A carrier whose theta comes later, as FedMomCarrier's does under --overlap: its outer
+    step keeps the deltas it was given and answers theta_later."""
+
+    def __init__(self):
+        self.deltas = None
+
+    def broadcast_initial(self, tensors):
+        pass
+
+    def outer_step(self, ex):
+        self.deltas = [d.clone() for d in ex.deltas]
+        return diloco.OuterResult(theta_later=True, outcome="in flight")
+
+
+class ReceiveThetaTest(unittest.TestCase):
+    """DiLoCo.receive_theta, the one way a carrier sets theta outside an outer step (one
+    process, no group): the weights become theta and a phase starts there; after an outer
+    step whose theta came later, the replica trains on from its own weights and the theta
+    that comes is folded in, so the next delta is the progress since the send alone."""
+
+    def _outer(self):
+        model = TwoParams(*THETA0)
+        return model, diloco.DiLoCo(model, diloco.ReplicaLayout.plan(1, 0, 1), diloco.DiLoCoConfig.fedavg(H),
+                                    LaterCarrier())
+
+    def test_the_weights_become_theta_and_a_phase_starts(self):
+        model, outer = self._outer()
+        with torch.no_grad():
+            model.a.add_(1.0)
+        outer.count_inner_step()
+        new = [torch.full_like(t, 3.0) for t in outer.theta]
+        with outer.receive_theta() as theta:
+            for t, x in zip(theta, new):
+                t.copy_(x)
+        for p, x in zip(model.parameters(), new):
+            self.assertTrue(torch.equal(p.detach(), x))
+        self.assertEqual((outer.phase_steps, outer.ahead), (0, False))
+
+    def test_a_theta_that_comes_later_is_folded_into_the_weights(self):
+        model, outer = self._outer()
+        with torch.no_grad():
+            model.a.add_(0.25)                        # phase 1
+        outer.count_inner_step()
+        trained = [p.detach().clone() for p in model.parameters()]
+        row, outcome = outer.end_phase()
+        self.assertEqual((outcome, row["outer_step"], outer.ahead), ("in flight", 1, True))
+        for p, x in zip(model.parameters(), trained):   # theta_later: the weights stay the replica's
+            self.assertTrue(torch.equal(p.detach(), x))
+        with torch.no_grad():
+            model.b.add_(0.5)                         # trains on while the theta is on its way
+        outer.count_inner_step()
+        with outer.global_weights():                  # evals and checkpoints see theta, the old one
+            for p, x in zip(model.parameters(), THETA0):
+                self.assertTrue(torch.equal(p.detach(), x))
+        new = [x + 1.0 for x in THETA0]
+        with outer.receive_theta() as theta:
+            for t, x in zip(theta, new):
+                t.copy_(x)
+        a, b = (p.detach() for p in model.parameters())
+        self.assertTrue(torch.equal(a, new[0]), "nothing trained on a since the send: theta exactly")
+        self.assertTrue(torch.equal(b, new[1] + 0.5), "b keeps what it trained since the send")
+        self.assertEqual(outer.phase_steps, 1, "the phase in progress goes on")
+        outer.end_phase()
+        self.assertTrue(torch.equal(outer.carrier.deltas[0], torch.zeros(2, 3)))
+        self.assertTrue(torch.equal(outer.carrier.deltas[1], torch.full((4,), -0.5)),
+                        "the next delta is the progress since the send alone")
+
+
 class DiLoCoGlooTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -252,7 +323,7 @@ class DiLoCoGlooTest(unittest.TestCase):
                          ({"outer_momentum": 0.0}, "--diloco-outer-momentum"),
                          ({"outer_device": "gpu"}, "--diloco-outer-device")]:
             with self.assertRaisesRegex(ValueError, flag):
-                diloco.DiLoCoConfig(**kw)
+                diloco.DiLoCoConfig(**{**NESTEROV, **kw})
 
     def test_theta0_broadcast_from_replica_0(self):
         for case in ("nesterov_k4", "nesterov_k2"):
@@ -276,13 +347,13 @@ class DiLoCoGlooTest(unittest.TestCase):
                     np.testing.assert_allclose(g.numpy(), w64, rtol=1e-6, atol=1e-6)
 
     def test_nesterov_matches_torch_sgd_k4(self):
-        self._check_against_torch("nesterov_k4", 4, diloco.DiLoCoConfig(inner_steps=H), OUTER_STEPS)
+        self._check_against_torch("nesterov_k4", 4, diloco.DiLoCoConfig(inner_steps=H, **NESTEROV), OUTER_STEPS)
 
     def test_nesterov_matches_torch_sgd_k2(self):
-        self._check_against_torch("nesterov_k2", 2, diloco.DiLoCoConfig(inner_steps=H), OUTER_STEPS)
+        self._check_against_torch("nesterov_k2", 2, diloco.DiLoCoConfig(inner_steps=H, **NESTEROV), OUTER_STEPS)
 
     def test_outer_device_cpu_same_numbers(self):
-        self._check_against_torch("cpu_k2", 2, diloco.DiLoCoConfig(inner_steps=H), 2)
+        self._check_against_torch("cpu_k2", 2, diloco.DiLoCoConfig(inner_steps=H, **NESTEROV), 2)
 
     def test_fedavg_is_exact_mean(self):
         for rank in range(WORLD):

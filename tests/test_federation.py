@@ -202,6 +202,7 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
     import darl_client
     import diloco
     import fedmom_client
+    import fedphase
     import models
     import tensorio
     d = dist_env.init_distributed("cpu")
@@ -222,7 +223,7 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
                          ("odd", models.parallelize(Odd().to("meta"), "fsdp", d.device))):
         names = [n for n, _ in model.named_parameters()]
         params = [p for _, p in model.named_parameters()]
-        carrier = diloco.FedMomCarrier(None, out_dir, "F32")
+        carrier = fedphase.FedMomCarrier(None, out_dir, "F32")
         carrier.delta_path = os.path.join(out_dir, f"delta-{label}.safetensors")
         carrier.theta_path = os.path.join(out_dir, f"theta-{label}.safetensors")
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -254,7 +255,7 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
         files = {}
         for where in ("host", "device"):
             wd = os.path.join(out_dir, f"{label}-{where}")
-            c = diloco.FedMomCarrier(None, wd, "int4", fresh=True, encode_on=where)
+            c = fedphase.FedMomCarrier(None, wd, "int4", fresh=True, encode_on=where)
             for rnd in (0, 1):
                 c.round = rnd
                 c.write_delta(names, params, [x * (rnd + 1) for x in deltas])
@@ -288,13 +289,13 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
     cfg.seq_len = windows.seq_len
     model, _, _ = train.make_model(cfg, d, windows.vocab_size)
     site = fedsite.FedSite(cfg, windows, 0, print) if d.rank == 0 else None
-    block_size, seed, _ = diloco.on_rank0(lambda: site.connect(cfg.batch_size * d.world_size))
+    block_size, seed, _ = fedphase.on_rank0(lambda: site.connect(cfg.batch_size * d.world_size))
     source = fedsite.LeasedSource(cfg, windows, block_size, seed, d.rank, d.world_size)
-    carrier = diloco.FedMomCarrier(site, out_dir, "F32")
+    carrier = fedphase.FedMomCarrier(site, out_dir, "F32")
     outer = diloco.DiLoCo(model, diloco.ReplicaLayout.plan(d.world_size, d.rank, 1),
                           diloco.DiLoCoConfig.fedavg(2), carrier)
     base = carrier.load_global(outer)
-    phase = source.phase(*diloco.on_rank0(lambda: site.next_span()))
+    phase = source.phase(*fedphase.on_rank0(lambda: site.next_span()))
     if d.rank == 0:                  # another site merges round base+1 while we train
         site.leave()
         other = fedmom_client.FedMomClient(fedmom_url, "other", "inc-other")
@@ -313,24 +314,24 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
         report["other_round"] = other.wait_round_after(base, timeout_s=120)
         other.leave()
         darl_other.close()
-        diloco.on_rank0(lambda: site.join())
+        fedphase.on_rank0(lambda: site.join())
         report["held_before"] = sorted(site.session.held())
     else:
-        diloco.on_rank0(lambda: None)
+        fedphase.on_rank0(lambda: None)
     with torch.no_grad():                    # some training: the delta is not zero
         for p in model.parameters():
             p.to_local().add_(0.001)
-    # train.end_phase as the federated loop calls it; the checkpoint notes whether the delta
+    # fedphase.end_phase as the federated loop calls it; the checkpoint notes whether the delta
     # file (written, then sent, by the carrier) does not exist yet
     checkpointed = []
     delta_file = os.path.join(out_dir, "delta.safetensors")
     run = types.SimpleNamespace(outer=outer, save=lambda step, rnd: checkpointed.append(not os.path.exists(delta_file)))
     outer.count_inner_step()
-    settled, out = train.end_phase(run, carrier, fedsite.Handoff(tokens=len(phase) * windows.seq_len,
+    _, result = fedphase.end_phase(run, carrier, fedsite.Handoff(tokens=len(phase) * windows.seq_len,
                                                                  metrics={"loss": 1.0}, step=1))
-    assert settled is None, "no --overlap: nothing was in flight to settle"
+    assert result is not None and not carrier.in_flight, "no --overlap: the round trip ends inside the outer step"
     if d.rank == 0:
-        report.update(last=dataclasses.asdict(out["federation"]), checkpointed=checkpointed, lease=phase.lease,
+        report.update(last=dataclasses.asdict(result), checkpointed=checkpointed, lease=phase.lease,
                       held_after=sorted(site.session.held()), base=base)
         with tensorio.TensorReader(os.path.join(out_dir, "theta.safetensors")) as r:
             report["theta_round_file"] = r.metadata.get("round")
@@ -340,11 +341,11 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
         with tensorio.TensorReader(os.path.join(out_dir, "theta.safetensors")) as r:
             report["model_is_current_theta"] = max(
                 float((torch.from_numpy(r.read(n, as_float32=True)) - full[n]).abs().max()) for n in r.names)
-        diloco.on_rank0(lambda: site.finish())
+        fedphase.on_rank0(lambda: site.finish())
         with open(os.path.join(out_dir, "report.json"), "w") as f:
             json.dump(report, f)
     else:
-        diloco.on_rank0(lambda: None)
+        fedphase.on_rank0(lambda: None)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -475,6 +476,7 @@ class DeviceCheckTest(unittest.TestCase):
         import torch
 
         import diloco
+        import fedphase
         import tensorio
         t = self.tmp.name
         manifest = make_corpus(t, 12000)
@@ -499,20 +501,20 @@ class DeviceCheckTest(unittest.TestCase):
         said = []
         site = fedsite.FedSite(cfg, data.TokenWindows(manifest), 0, said.append)
         self.addCleanup(site.abort)
-        diloco.on_rank0(lambda: site.connect(8))
+        fedphase.on_rank0(lambda: site.connect(8))
         work = os.path.join(t, "site")
-        carrier = diloco.FedMomCarrier(site, work, "int4", fresh=True, log=said.append, encode_on="device")
+        carrier = fedphase.FedMomCarrier(site, work, "int4", fresh=True, log=said.append, encode_on="device")
         outer = diloco.DiLoCo(model, diloco.ReplicaLayout.plan(1, 0, 1), diloco.DiLoCoConfig.fedavg(2), carrier)
         carrier.load_global(outer)
 
         def phase(step):
-            span = diloco.on_rank0(lambda: site.next_span())
+            span = fedphase.on_rank0(lambda: site.next_span())
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(0.01 * step)
             outer.count_inner_step()
-            row = outer.end_phase(fedsite.Handoff(tokens=100, metrics={"loss": 1.0}, step=step))
-            return span, row["federation"]
+            _, result = outer.end_phase(fedsite.Handoff(tokens=100, metrics={"loss": 1.0}, step=step))
+            return span, result
 
         # 1. merged; the int4 update of round 1 is added on the device, its check held at the fault point
         arm = os.path.join(faults, "site.check")
@@ -563,7 +565,7 @@ class DeviceCheckTest(unittest.TestCase):
         _, third = phase(3)
         self.assertTrue(third.merged, third)
         self.assertEqual(third.theta_via, "update")
-        diloco.on_rank0(lambda: site.join_check())
+        fedphase.on_rank0(lambda: site.join_check())
         self.assertIsNotNone(site.held, "the third update's check passed")
 
 

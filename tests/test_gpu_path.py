@@ -30,6 +30,7 @@ import diloco
 import metrics
 import models
 import train
+import train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -113,7 +114,7 @@ def accum_worker(rank, world, tmp):
         cfg = train.Config(parallel="fsdp", grad_accum=2, fsdp_defer_grad_sync=defer)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         for i, b in enumerate(micro):
-            with train.grad_sync(model, cfg, i == len(micro) - 1):
+            with train_step.grad_sync(model, cfg, i == len(micro) - 1):
                 loss = _lm_loss(model, b) / len(micro)
             loss.backward()
         opt.step()
@@ -315,7 +316,7 @@ class FlagsTest(unittest.TestCase):
 
     def test_cpu_staging_hands_the_array_through(self):
         arr = np.arange(12, dtype=np.int64).reshape(3, 4)
-        t = train.HostToDevice(torch.device("cpu"))(arr)
+        t = train_step.HostToDevice(torch.device("cpu"))(arr)
         self.assertEqual(t.data_ptr(), torch.from_numpy(arr).data_ptr(), "no copy on the CPU")
 
 

@@ -1,9 +1,9 @@
 """The module map (ARCHITECTURE.md section 2), read from the code: every `import` of a
 sibling, at the top of a file or inside a function, is an edge. No circle anywhere; the
-site's torch-free half and the clients import no server; the central VM's files import
-only each other (central.sh's CENTRAL_FILES); test modules share fixtures through
-tests/fixtures.py and harness.py, never by importing each other. Nothing is run: the
-files are parsed."""
+site's torch-free half and the clients import no server; diloco.py imports no sibling; the
+central VM's files import only each other (central.sh's CENTRAL_FILES); test modules share
+fixtures through tests/fixtures.py and harness.py, never by importing each other. Nothing
+is run: the files are parsed."""
 import ast
 import os
 import re
@@ -78,6 +78,11 @@ class ModuleMapTest(unittest.TestCase):
         for m in ("fedsite", "fedmom_client", "darl_client", "blob_client", "httpc", "darl_simulate"):
             with self.subTest(m):
                 self.assertEqual(reach(self.graph, m) & SERVERS, set(), f"{m} imports a server")
+
+    def test_diloco_imports_no_project_module(self):
+        # DiLoCo inside one allocation stands alone: the federation's carrier, its error
+        # feedback and the outer step's defaults are given to it, never imported
+        self.assertEqual(self.graph["diloco"], set(), "diloco.py imports a module of the project")
 
     def test_no_test_module_imports_another(self):
         tests = os.path.join(ROOT, "tests")

@@ -288,6 +288,7 @@ def groups_worker(manifest, out_dir):
     import torch.distributed as dist
     import checkpoint
     import diloco
+    import fedphase
     cfg = train.parse_config(["--model", "qwen3-tiny", "--data", manifest, "--parallel", "fsdp",
                               "--federation", "http://127.0.0.1:9", "--darl-url", "http://127.0.0.1:9",
                               "--site", "groups", "--batch-size", "2", "--eval-windows", "4",
@@ -296,7 +297,7 @@ def groups_worker(manifest, out_dir):
     d = dist_env.init_distributed("cpu")
     run = train.open_run_dir(cfg, d, train.settle_config(cfg, d))
     layout = train.build_model(run)
-    carrier = diloco.FedMomCarrier(None, out_dir, "F32")          # site None: no round trip is made
+    carrier = fedphase.FedMomCarrier(None, out_dir, "F32")          # site None: no round trip is made
     run.outer = train.make_outer(run, layout, carrier)
     names = [n for n, _ in run.model.named_parameters()]
     params = [p for _, p in run.model.named_parameters()]
@@ -305,7 +306,7 @@ def groups_worker(manifest, out_dir):
         os.replace(carrier.delta_path, carrier.theta_path)
     dist.barrier()
     carrier.read_theta(names, params, [torch.empty_like(p.to_local()) for p in params])   # distribute_tensor()
-    diloco.on_rank0(lambda: None)
+    fedphase.on_rank0(lambda: None)
     t = torch.from_numpy(run.windows.batch([d.rank * 2, d.rank * 2 + 1]))
     train.forward_loss(run.model, cfg, (t[:, :-1], t[:, 1:])).backward()
     run.opt.step()

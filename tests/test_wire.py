@@ -584,7 +584,7 @@ class AggregatorTest(Tmp):
 
 
 class ResidualTest(Tmp):
-    """diloco.Residual, the site's error-feedback buffer: each rule of its docstring."""
+    """error_feedback.Residual, the site's error-feedback buffer: each rule of its docstring."""
     SHAPES = [("w", (3, 70)), ("b", (5,))]
 
     def setUp(self):
@@ -593,8 +593,8 @@ class ResidualTest(Tmp):
         self.rng = np.random.default_rng(30)
 
     def residual(self, fresh=False):
-        import diloco
-        return diloco.Residual(self.dir, self.said.append, fresh)
+        import error_feedback
+        return error_feedback.Residual(self.dir, self.said.append, fresh)
 
     def send(self, res, base_round, codec=wire.Codec("int4", block=64)):
         """One delta through the buffer as FedMomCarrier.write_delta does: -> (x sent, residual left)."""

@@ -2,7 +2,7 @@
 (bench/gpu_check.sh runs the same comparison on a GPU): the parts' bytes, the decoded
 values, the update applied to theta, the file written from torch parts, and dim-0 shards.
 
-ShardedShareTest: the site's share on its devices (diloco.FedMomCarrier(encode_on="device"),
+ShardedShareTest: the site's share on its devices (fedphase.FedMomCarrier(encode_on="device"),
 shard_wire.py) on real gloo groups of 2 and 3 CPU ranks under FSDP2 (fully_shard), uneven
 and empty shards included, int4 and int8: the delta file and the error-feedback residual
 (assembled from the per-rank files) equal, bit for bit, what the host path (numpy,
@@ -192,7 +192,7 @@ def _share_worker(rank, world, tmp):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    import diloco
+    import fedphase
     model = ShareModel()
     fully_shard(model)
     names = [n for n, _ in model.named_parameters()]
@@ -209,7 +209,7 @@ def _share_worker(rank, world, tmp):
         files = {}
         for where in ("host", "device"):
             wd = os.path.join(tmp, f"w{world}-{label}-{where}")
-            c = diloco.FedMomCarrier(None, wd, codec, fresh=True, log=log, encode_on=where)
+            c = fedphase.FedMomCarrier(None, wd, codec, fresh=True, log=log, encode_on=where)
             # round 0: nothing owed; 1: what 0 left (merged); 2: what 0 left still (1 was not merged)
             for rnd, scale, merged in ((0, 1.0, True), (1, 2.0, False), (2, -0.5, True)):
                 c.round = rnd
@@ -241,7 +241,7 @@ def _share_worker(rank, world, tmp):
     for label, codec in (("int4", wire.Codec("int4")), ("int8", wire.Codec("int8", block=64)),
                          ("int4b64", wire.Codec("int4", block=64))):
         wd = os.path.join(tmp, f"w{world}-apply-{label}")
-        c = diloco.FedMomCarrier(None, wd, "int4", fresh=True, log=log, encode_on="device")
+        c = fedphase.FedMomCarrier(None, wd, "int4", fresh=True, log=log, encode_on="device")
         c._prepare(names, params)
         theta_path, upd = os.path.join(wd, "theta.safetensors"), os.path.join(wd, "update.safetensors")
         step = {n: hard_values(rng, s) * np.float32(1e-3) for n, s in shapes.items()}
@@ -270,18 +270,18 @@ def _share_worker(rank, world, tmp):
     # a resume: the same layout keeps what is owed; another world size, or the host path, resets
     keep = os.path.join(tmp, "resume")
     if world == 2:
-        c = diloco.FedMomCarrier(None, keep, "int4", fresh=True, log=log, encode_on="device")
+        c = fedphase.FedMomCarrier(None, keep, "int4", fresh=True, log=log, encode_on="device")
         c.round = 0
         c.write_delta(names, params, [local[n] for n in names])
         c.residual.settle(0, 1, "")
         dist.barrier()
-        again = diloco.FedMomCarrier(None, keep, "int4", log=log, encode_on="device")
+        again = fedphase.FedMomCarrier(None, keep, "int4", log=log, encode_on="device")
         again._prepare(names, params)
         report["same_layout_kept"] = os.path.exists(again.residual.path)
         if rank == 0:
             report["said_w2"] = list(said)
     else:
-        c = diloco.FedMomCarrier(None, keep, "int4", log=log, encode_on="device")
+        c = fedphase.FedMomCarrier(None, keep, "int4", log=log, encode_on="device")
         c._prepare(names, params)
         dist.barrier()                       # every rank has decided before any looks, or writes
         report["other_world_kept"] = [os.path.basename(f) for f in sorted(os.listdir(keep))
@@ -293,7 +293,7 @@ def _share_worker(rank, world, tmp):
         c.write_delta(names, params, [local[n] for n in names])
         dist.barrier()
         if rank == 0:
-            diloco.FedMomCarrier(None, keep, "int4", log=log, encode_on="host")      # the host path after it
+            fedphase.FedMomCarrier(None, keep, "int4", log=log, encode_on="host")      # the host path after it
             report["said_host"] = said[-1]
             report["after_host"] = sorted(f for f in os.listdir(keep) if f.startswith("residual"))
     with open(os.path.join(tmp, f"report-w{world}-r{rank}.json"), "w") as f:

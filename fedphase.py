@@ -1,0 +1,638 @@
+"""fedphase.py - the site half of a federated round: the phases a site trains, the delta each
+one sends, the theta_global each one brings back.
+
+Runs on: compute nodes, every rank of `train.py --federation` (imported; not started on its
+own). No port. State: runs/<run>/federation/, rank 0's delta.safetensors (the last delta
+sent) and theta.safetensors (the theta_global the site holds), beside error_feedback.py's
+residual files; the phase's step and round ride in train.py's checkpoints. Rank 0 speaks to
+the central VM through fedsite.FedSite, the torch-free conversation; this file is the torch
+half around it: on_rank0 (rank 0's answers shared with the other ranks), FedMomCarrier (the
+delta and theta_global moved one tensor at a time) and the loop of phases.
+
+In train.py (stage 5 under --federation):
+    site, carrier = fedphase.join(run)             # rank 0 connects; every rank gets the block space
+    run.outer = diloco.DiLoCo(model, layout, diloco.DiLoCoConfig.fedavg(H), carrier)
+    start = resume(run)                            # the checkpoint, if any
+    step = fedphase.train_site(run, site, carrier, start)
+
+One phase, in the order it runs (ARCHITECTURE.md section 3 follows each call down):
+    span = on_rank0(site.next_span)         rank 0 leases a DARL span, every rank learns it
+    inner steps                             train_step.Stepper, DiLoCo.count_inner_step()
+    end_phase(...)                          run.save (the checkpoint, BEFORE the delta leaves);
+                                            --overlap: settle() the delta in flight; then
+                                            DiLoCo.end_phase -> FedMomCarrier.outer_step:
+                                            write_delta, site.round_trip, theta_global in
+    log_round(...)                          the delta's "federation" row of metrics.jsonl
+The protocol (leases, a round, who settles a lease) is FEDERATION_GUIDE.md sections 2-4;
+--overlap and --overlap-fold are its section 4, "Overlap".
+"""
+import dataclasses
+import inspect
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import durable
+import fedsite
+import shard_wire
+import tensorio
+import testhooks
+import wire
+import wire_torch
+from diloco import OuterCarrier, OuterResult, local
+from dist_env import ConfigError
+from error_feedback import RankResidual, Residual
+from metrics import peak_memory_gib
+from train_step import HostToDevice, Stepper, autocast_ctx, grad_sync, pooled_nll
+
+
+# ----------------------------------------------------------------------------- rank 0 speaks
+
+class RankZeroFailed(RuntimeError):
+    """Raised on the other ranks when rank 0's work in on_rank0 failed (rank 0 raises the original)."""
+
+
+def on_rank0(work, group=None):
+    """Run `work()` on rank 0 while the other ranks wait; every rank returns its value.
+
+    `work` may be a plain function, or a generator function that yields (anything)
+    whenever it is still busy - a long wait for a round, a server restart - and
+    returns its value at the end. Each yield is one small broadcast, so the other
+    ranks never sit in a single collective long enough to hit the process group's
+    timeout. An exception on rank 0 is raised on every rank: nobody hangs."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    gen = None
+    while True:
+        msg = [None]
+        if rank == 0:
+            try:
+                if gen is None:
+                    gen = work()
+                    if not inspect.isgenerator(gen):
+                        raise StopIteration(gen)
+                next(gen)
+                msg[0] = ("wait", None)
+            except StopIteration as e:
+                msg[0] = ("done", e.value)
+            except Exception as e:
+                if world == 1:
+                    raise
+                failure = e
+                msg[0] = ("error", f"{type(e).__name__}: {e}")
+        if world > 1:
+            dist.broadcast_object_list(msg, src=0, group=group)
+        kind, value = msg[0]
+        if kind == "done":
+            return value
+        if kind == "error":
+            if rank == 0:
+                raise failure
+            raise RankZeroFailed(value)
+
+
+# ----------------------------------------------------------------------------- the carrier
+
+class FedMomCarrier(OuterCarrier):
+    """The outer step across sites: this site's delta goes to fedmom_server.py, the
+    new theta_global comes back (FEDERATION_GUIDE.md section 4). Only rank 0 talks HTTP.
+
+    outer_step(ex), on every rank of the site, with ex.handoff the phase's
+    fedsite.Handoff (tokens, metrics, step; given to DiLoCo.end_phase after the local
+    checkpoint was written):
+      1. gather each delta tensor in turn (a DTensor's full_tensor() under FSDP; DDP
+         ranks hold it whole) and rank 0 streams theta_i - theta_global, plus what
+         error feedback owes (error_feedback.Residual), into one file in the wire format
+         `codec` (wire.py; ex.deltas hold theta - theta_i: the sign flips here);
+      2. rank 0 hands file and Handoff to `site.round_trip` (fedsite.FedSite): send,
+         wait for the round to pass, settle the lease, download the current
+         theta_global (whatever round it is: a stale delta still ends in the newest);
+      3. _arrived(): the residual settles by the RoundResult (owed once merged, dropped if
+         not, reset when the outcome is unknown); then theta_global is scattered one tensor
+         at a time into ex.theta.
+    No rank ever holds more than its shard plus one full tensor. What became of the delta
+    comes back to the loop as OuterResult.outcome, the fedsite.RoundResult, which
+    DiLoCo.end_phase returns beside its row.
+    `site` is None on the ranks other than 0.
+    codec: a wire.Codec or a format name ("f32", "bf16", ...); error_feedback: keep a
+    residual (lossy formats only); fresh: a new run (--resume none), nothing owed from
+    an earlier one.
+    encode_on: "host" (the reference: rank 0 copies each gathered tensor to the host in
+    fp32 and wire.py encodes it with numpy; Residual keeps error feedback in files on rank
+    0; theta_global comes down file to file, fedsite.FedSite.fetch_theta) or "device"
+    (int8/int4, the site's share on its devices, the same bits: shard_wire.py): in step 1
+    each rank encodes its own rows of each FSDP-sharded tensor with wire_torch.py and rank
+    0 gathers only their codes and scales (an eighth of the fp32 bytes for int4); a
+    tensor that cannot be split so (a 1-D norm weight, an odd int4 shard before the last,
+    a DDP replica) is gathered and encoded on rank 0's device. Error feedback stays with
+    the rank that encoded each part (error_feedback.RankResidual: a file per rank). In step 3
+    an int8/int4 update of theta_global (the aggregator's --down-wire) is not applied on rank
+    0's host: rank 0 broadcasts its codes and scales one tensor at a time and every rank adds
+    its own rows to theta on its device (wire.add_update's float32 bits); rank 0's host then
+    repeats the addition file to file behind the training and checks the aggregator's
+    digest (FedSite.check_behind), joined before the next delta is sent
+    (FEDERATION_GUIDE.md section 4, "Where the site encodes").
+    overlap (train.py --overlap; FEDERATION_GUIDE.md section 4, "Overlap"): step 2 runs on
+    a thread (site.start_round_trip) and outer_step returns at once with
+    OuterResult(theta_later=True): DiLoCo keeps the model's own weights and what they were
+    when the delta left. settle(outer), later, does step 3 into DiLoCo.receive_theta(),
+    which folds theta_global in (diloco.fold) before the next delta is computed.
+    Every theta set outside outer_step goes through DiLoCo.receive_theta (load_global, settle).
+    """
+
+    def __init__(self, site, workdir, codec=None, error_feedback=True, group=None, fresh=False, log=print,
+                 overlap=False, encode_on="host"):
+        if codec is None or isinstance(codec, str):        # a format name: "f32", "BF16", ...
+            codec = wire.Codec((codec or "f32").lower())
+        self.codec = codec.validate()
+        if encode_on not in ("host", "device"):
+            raise ValueError(f"encode_on={encode_on!r}: use 'host' (numpy, the reference) or 'device' (wire_torch)")
+        if encode_on == "device" and self.codec.fmt not in ("int8", "int4"):
+            raise ValueError(f"encode_on='device' encodes int8 and int4; --wire {self.codec.fmt} is encoded on the host")
+        self.encode_on = encode_on
+        self.site, self.workdir, self.group, self.log, self.fresh = site, workdir, group, log, fresh
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        if self.rank == 0:
+            os.makedirs(workdir, exist_ok=True)
+            # a job killed while it wrote a theta or delta file (the host's apply behind the
+            # training among them) left a model-sized temporary
+            for n in os.listdir(workdir):
+                if n.startswith(("theta", "delta")) and durable.is_tmp(n):
+                    durable.unlink(os.path.join(workdir, n))
+        # error feedback (nothing to owe with a lossless format): on rank 0, which writes the
+        # delta, under encode_on="host"; under "device" on every rank, built with the plan
+        self.error_feedback = error_feedback and self.codec.fmt != "f32"
+        self.residual = Residual(workdir, log, fresh) if (
+            self.rank == 0 and self.error_feedback and encode_on == "host") else None
+        self.places = None           # encode_on="device": shard_wire.plan, made at the first collective use
+        self.apply_on_device = False     # encode_on="device": an int8/int4 update is added on the devices
+        self.wire_bytes = None       # rank 0: size of the last delta file sent, bytes
+        self.round = None            # the round of the theta_global the model was loaded with
+        self.delta_path = os.path.join(workdir, "delta.safetensors")
+        self.theta_path = os.path.join(workdir, "theta.safetensors")
+        # --overlap (FEDERATION_GUIDE.md section 4, "Overlap"): the delta in flight
+        self.overlap = overlap
+        self.in_flight = False       # every rank: a round trip runs on rank 0 while the site trains on
+        self.busy = None             # rank 0: its fedsite.Background
+        self.wait_s = None           # how long the last settle() took (the wait, theta_global, the fold), s
+
+    def broadcast_initial(self, tensors):
+        """Nothing here: the site loads theta_global (load_global) before its first phase."""
+
+    # -- per-tensor movement
+    def _full(self, part, p):
+        """The whole tensor of a (possibly sharded) parameter's local part: collective under FSDP."""
+        if hasattr(p, "to_local"):
+            from torch.distributed.tensor import DTensor
+            return DTensor.from_local(part, p.device_mesh, p.placements, shape=p.shape,
+                                      stride=p.stride()).full_tensor()
+        return part
+
+    def _scatter(self, full, p):
+        """This rank's part of a whole tensor that rank 0 holds (`full` is an empty buffer elsewhere)."""
+        if hasattr(p, "to_local"):
+            from torch.distributed.tensor import distribute_tensor
+            return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=0).to_local()
+        if self.world > 1:
+            dist.broadcast(full, src=0, group=self.group)
+        return full
+
+    def residual_norm(self):
+        """Rank 0: the norm of what error feedback kept from the last delta (None without it)."""
+        return math.sqrt(self.residual.sq) if self.residual is not None else None
+
+    def _prepare(self, names, params):
+        """encode_on="device", collective, once: which rank encodes which rows of each tensor
+        (shard_wire.plan) and, with error feedback, every rank's RankResidual."""
+        if self.encode_on != "device" or self.places is not None:
+            return
+        self.places = shard_wire.plan(self.codec, params, self.rank, self.world, self.group)
+        # every DTensor's rows known: the update can be added where theta is, rank by rank
+        self.apply_on_device = all(p.rows is not None or not p.sharded for p in self.places)
+        if self.error_feedback:
+            self.residual = RankResidual(self.workdir, names, self.places, self.rank, self.world, self.group,
+                                         self.log, self.fresh)
+
+    @torch.no_grad()
+    def write_delta(self, names, params, deltas):
+        """Rank 0 writes theta_i - theta_global (= -deltas) tensor by tensor in the wire
+        format, plus what error feedback owes; the new residual goes to Residual's file
+        (encode_on="device": each rank's share, _write_on_device)."""
+        if self.encode_on == "device":
+            return self._write_on_device(names, params, deltas)
+        writer = fb = None
+        if self.rank == 0:
+            shapes = [(n, tuple(p.shape)) for n, p in zip(names, params)]
+            # no fsync: the upload reads the file back at once, and nothing reads it after a restart
+            writer = wire.WireWriter(self.delta_path, shapes, self.codec, {"base_round": str(self.round)},
+                                     fsync=False)
+            fb = self.residual.begin(shapes, self.round) if self.residual is not None else None
+        try:
+            for n, p, d in zip(names, params, deltas):
+                full = self._full(d, p)
+                if writer is not None:
+                    # a gathered tensor is ours to negate in place; a DDP delta is a view into
+                    # DiLoCo's buffer, negated into one new tensor
+                    full = full.neg_() if full is not d else full.neg()
+                    x = full.float().cpu().numpy()
+                    if fb is not None:
+                        x = fb.add_owed(n, x)
+                    sent = writer.write(n, x)
+                    if fb is not None:
+                        fb.keep(n, x, sent)
+                del full
+        except BaseException:
+            for w in (writer, fb):
+                if w is not None:
+                    w.abort()
+            raise
+        if writer is not None:
+            writer.close()
+            if fb is not None:
+                fb.close()
+            self.wire_bytes = os.path.getsize(self.delta_path)
+
+    def _write_on_device(self, names, params, deltas):
+        """encode_on="device" (collective): a tensor split by rows (shard_wire) is encoded by
+        every rank, x = its rows of -delta + what its RankResidual owes, and rank 0 gathers
+        the codes and scales; any other tensor is gathered whole and encoded on rank 0's
+        device. The same float32 operations as the host path: the same file and residual."""
+        self._prepare(names, params)
+        writer = None
+        if self.rank == 0:
+            writer = wire.WireWriter(self.delta_path, [(n, tuple(p.shape)) for n, p in zip(names, params)],
+                                     self.codec, {"base_round": str(self.round)}, fsync=False)   # as above
+        fb = self.residual.begin(self.round) if self.residual is not None else None
+
+        def encode(name, x):
+            if fb is not None:
+                x = fb.add_owed(name, x)
+            parts, sent = wire_torch.encode(self.codec, x)
+            if fb is not None:
+                fb.keep_left(name, x - sent)
+            return parts
+        try:
+            for n, p, d, place in zip(names, params, deltas, self.places):
+                if place.per_rank:
+                    parts = shard_wire.gather(self.codec, place, encode(n, d.neg()), self.rank, self.world,
+                                              self.group)
+                else:
+                    full = self._full(d, p)
+                    parts = None
+                    if self.rank == 0:
+                        parts = encode(n, (full.neg_() if full is not d else full.neg()).float())
+                    del full
+                if writer is not None:
+                    writer.write_parts(n, wire_torch.to_numpy(parts))
+        except BaseException:
+            for w in (writer, fb):
+                if w is not None:
+                    w.abort()
+            raise
+        if fb is not None:
+            fb.close()
+            sq = torch.tensor([self.residual.sq], dtype=torch.float64, device=local(params[0]).device)
+            if self.world > 1:
+                dist.all_reduce(sq, group=self.group)
+            self.residual.sq = float(sq[0])           # the whole residual's, on every rank
+        if writer is not None:
+            writer.close()
+            self.wire_bytes = os.path.getsize(self.delta_path)
+
+    @torch.no_grad()
+    def apply_update(self, names, params, theta, update_path):
+        """encode_on="device" (collective): theta += the update file rank 0 downloaded, on
+        every rank's device: rank 0 reads one tensor's codes and scales at a time and
+        broadcasts them, every rank decodes its own rows (all of a replicated tensor) and
+        adds them in float32, wire.add_update's bits. The file's layout and shapes were
+        checked by FedSite before it handed the update over."""
+        reader = None
+
+        def open_update():
+            nonlocal reader
+            reader = wire.WireReader(update_path)
+            return reader.codec
+        try:
+            codec = on_rank0(open_update, self.group)
+            for n, place, t in zip(names, self.places, theta):
+                parts = None
+                if reader is not None:
+                    parts = {part[len(n):]: reader.r.read(part) for part, _, _ in codec.parts(n, place.shape)}
+                buf = shard_wire.broadcast(codec, place.shape, parts, t.device, self.rank, self.world, self.group)
+                t.add_(shard_wire.local_values(codec, buf, place, self.rank).view(t.shape))
+                del buf
+        finally:
+            if reader is not None:
+                reader.close()
+
+    def _take_theta(self, result, names, params, theta):
+        """The theta_global a round trip brought, into `theta`: its update added on the
+        devices, then checked behind on rank 0's host (RoundResult.update), or the whole
+        file read and scattered."""
+        if result.update is not None:
+            self.apply_update(names, params, theta, result.update)
+            if self.site is not None:
+                self.site.check_behind(self.theta_path)
+        else:
+            self.read_theta(names, params, theta)
+
+    @torch.no_grad()
+    def read_theta(self, names, params, theta):
+        """theta_global from rank 0's file into `theta` (local parts), one tensor at a time."""
+        reader = tensorio.TensorReader(self.theta_path) if self.rank == 0 else None
+        try:
+            def check():
+                want = {n: tuple(p.shape) for n, p in zip(names, params)}
+                have = {n: reader.specs[n][1] for n in reader.names}
+                if want != have:
+                    miss = sorted(set(want) - set(have))[:5]
+                    extra = sorted(set(have) - set(want))[:5]
+                    diff = sorted(n for n in set(want) & set(have) if want[n] != have[n])[:5]
+                    raise ValueError(f"theta_global does not fit this model: missing {miss}, extra {extra}, "
+                                     f"other shapes {diff}; start fedmom_server.py with --init from this "
+                                     "train.py's --export-init (same --model and corpus)")
+            on_rank0(check, self.group)
+            for n, p, t in zip(names, params, theta):
+                dev = local(p).device
+                if reader is not None:
+                    full = torch.from_numpy(reader.read(n, as_float32=True)).view(p.shape).to(dev)
+                else:
+                    full = torch.empty(p.shape, dtype=torch.float32, device=dev)
+                t.copy_(self._scatter(full, p))
+                del full
+        finally:
+            if reader is not None:
+                reader.close()
+
+    # -- the round
+    def load_global(self, outer):
+        """Make DiLoCo's theta and the model equal theta_global of the aggregator's CURRENT
+        round (collective; DiLoCo.receive_theta: a phase starts there). Returns that round."""
+        self._prepare(outer.names, outer.params)
+        self.round = on_rank0(lambda: self.site.fetch_theta(self.theta_path), self.group)
+        if self.residual is not None:
+            self.residual.check(self.round, {n: tuple(p.shape) for n, p in zip(outer.names, outer.params)})
+        with outer.receive_theta() as theta:
+            self.read_theta(outer.names, outer.params, theta)
+        return self.round
+
+    def current(self):
+        """The aggregator's round now (collective: rank 0 asks, every rank learns it)."""
+        return on_rank0(lambda: self.site.current_round(), self.group)
+
+    def outer_step(self, ex):
+        if ex.handoff is None:
+            raise RuntimeError("FedMomCarrier: the outer step needs the phase's fedsite.Handoff "
+                               "(DiLoCo.end_phase(handoff))")
+        base = self.round
+        self.write_delta(ex.names, ex.params, ex.deltas)
+        if self.overlap:
+            # the site trains on from its own weights; DiLoCo keeps what the fold needs
+            if self.site is not None:
+                self.busy = self.site.start_round_trip(self.delta_path, base, ex.handoff, self.theta_path,
+                                                       defer_update=self.apply_on_device)
+            self.in_flight = True
+            return OuterResult(theta_later=True)
+        result = on_rank0(lambda: self.site.round_trip(self.delta_path, base, ex.handoff, self.theta_path,
+                                                       defer_update=self.apply_on_device), self.group)
+        self._arrived(result)
+        self._take_theta(result, ex.names, ex.params, ex.theta)
+        return OuterResult(outcome=result)
+
+    def arrived(self):
+        """--overlap, collective: has the round trip in flight ended (rank 0 looks, every rank learns it)?"""
+        return self.in_flight and on_rank0(lambda: self.busy.done(), self.group)
+
+    def settle(self, outer):
+        """--overlap, collective: wait for the round trip in flight (rank 0 polls, the other
+        ranks wait in small broadcasts), settle error feedback by its RoundResult, and hand
+        the theta_global it brought to DiLoCo.receive_theta, which folds it into the model:
+        every local tensor becomes theta_global + (what it trained since the send).
+        -> the RoundResult."""
+        t0 = time.monotonic()
+        result = on_rank0(lambda: self.busy.wait(), self.group)
+        self._arrived(result)
+        if self.site is not None:
+            testhooks.fault_point("site.fold")    # test hook (testhooks.py): error feedback settled, theta not folded in
+        with outer.receive_theta() as theta:
+            self._take_theta(result, outer.names, outer.params, theta)
+        self.busy, self.in_flight = None, False
+        self.wait_s = round(time.monotonic() - t0, 3)
+        return result
+
+    def _arrived(self, result):
+        """A round trip ended (every rank): error feedback settles by its RoundResult, and the
+        site's round is the theta_global it brought."""
+        if self.residual is not None:
+            self.residual.settle(result.base_round, result.merged_into if result.merged else None,
+                                 result.reason or "")
+        self.round = result.round
+
+
+# ----------------------------------------------------------------------------- the site's run
+
+def join(run):
+    """One site = one stream: rank 0 connects to DARL and FedMom (fedsite.FedSite), every rank
+    gets the block space and will read the windows of the spans rank 0 leases (run.source);
+    the outer step goes through fedmom_server.py. `run`: train.Run, its model built.
+    Returns (site, carrier); site is None off rank 0."""
+    cfg, d, windows = run.cfg, run.d, run.windows
+    if windows.train_windows < 1:      # said before any call to the central VM
+        raise ConfigError(f"{cfg.data} has no training windows (all are held out): tokenize more "
+                          "text, or fewer --heldout-windows in tokenize_corpus.py")
+    per_step = cfg.batch_size * d.world_size * cfg.grad_accum
+    site = fedsite.FedSite(cfg, windows, 4 * run.n_params, run.log.log, cfg.central_retry_s) if d.is_main else None
+    if site is not None:
+        run.log.incarnation = site.incarnation      # the one FedMom and DARL know this process by
+    block_size, darl_seed, _ = on_rank0(lambda: site.connect(per_step))
+    run.source = fedsite.LeasedSource(cfg, windows, block_size, darl_seed, d.rank, d.world_size)
+    workdir = os.path.join(run.run_dir, "federation")
+    if d.is_main:
+        os.makedirs(workdir, exist_ok=True)
+    return site, FedMomCarrier(site, workdir, codec=cfg.wire_codec(), error_feedback=cfg.error_feedback,
+                               fresh=cfg.resume == "none", log=run.log.log, overlap=cfg.overlap,
+                               encode_on=cfg.encode_on)
+
+
+def train_site(run, site, carrier, start):
+    """One site of the federation (every rank): theta_global of the current round, phases until
+    DARL has no blocks left, every merged lease committed; then the final theta_global scored
+    and saved. On an error rank 0 stops talking and releases nothing. Returns the step count."""
+    try:
+        # theta_global of the CURRENT round; a resumed site starts a fresh phase from it
+        carrier.load_global(run.outer)
+        where = "device (wire_torch)" if carrier.encode_on == "device" else "host (numpy)"
+        run.log.log(f"federation: cluster {run.cfg.cluster}, theta_global of round {carrier.round}; "
+                    f"LR schedule over {run.total} steps (--steps; default: the whole corpus at this site); "
+                    f"deltas in {run.cfg.wire}, encoded on the {where} (--encode-on)")
+        step = phase_loop(run, site, carrier, start)
+        on_rank0(lambda: site.finish())         # every merged lease committed, then leave
+        carrier.load_global(run.outer)          # the final global model
+    except BaseException:
+        if site is not None:
+            site.abort()
+        raise
+    run.log_eval(step, carrier.round, final=True)
+    run.save(step, carrier.round)
+    return step
+
+
+def phase_loop(run, site, carrier, start):
+    """Outer phases until DARL has no blocks left: one span, its inner steps, the checkpoint,
+    the round trip. Every rank runs this; returns the step count at the end."""
+    cfg, d, log, model, outer, source = run.cfg, run.d, run.log, run.model, run.outer, run.source
+    step, phases, seq, heldout = start, 0, run.windows.seq_len, {}
+    if not start:                        # the held-out loss before training, sent with the first delta
+        ev = run.log_eval(0, carrier.round, first=True)
+        heldout = {"heldout_loss": ev["loss"], "heldout_round": carrier.round}
+    since_nll, since_tok = torch.zeros((), dtype=torch.float64, device=d.device), 0   # this rank
+    to_device = HostToDevice(d.device)
+    stepper = Stepper(run, step)
+    model.train()
+    pending = None                       # --overlap: the Sent of the delta in flight, its row written at settle()
+    while (span := on_rank0(lambda: site.next_span(carrier.busy))) is not None:
+        if span == fedsite.SETTLE:       # its round trip ended before DARL gave a span: take its theta in
+            settle(run, carrier, pending, step)
+            continue
+        phase = source.phase(*span)
+        if carrier.in_flight:            # overlap: the base stays the sent delta's until its round trip ends
+            pending.round_at_next_phase = carrier.current()
+        elif carrier.current() != carrier.round:
+            # round start: theta_global of the aggregator's CURRENT round, unconditionally
+            carrier.load_global(outer)
+            log.log(f"loaded theta_global of round {carrier.round}")
+        in_nll, in_tok = torch.zeros((), dtype=torch.float64, device=d.device), 0
+        t_phase, fold_s = time.perf_counter(), 0.0
+        stepper.mark(step)               # the first row's step_ms: inner steps only, not the lease and theta waits
+        for s in range(phase.steps):
+            stepper.begin(step)
+            micros = phase.micro_batches(s)
+            # the loss is normalised by the GLOBAL token count of the step: DDP and FSDP
+            # average gradients over ranks, so each rank scales its token sum by
+            # world/tokens, and a short (or empty) share of a ragged last step weighs right
+            scale = d.world_size / (len(phase.step_windows(s)) * seq)
+            for i, idx in enumerate(micros):
+                real = len(idx) > 0
+                t = to_device(run.windows.batch(idx if real else phase.windows[:1]))
+                with grad_sync(model, cfg, i == len(micros) - 1), autocast_ctx(cfg, d):
+                    logits = model(t[:, :-1])
+                    nll = F.cross_entropy(logits.flatten(0, 1).float(), t[:, 1:].flatten(), reduction="sum")
+                # an empty share still runs forward and backward (times 0): every rank makes
+                # the same collective calls, or FSDP/DDP wait forever for the missing one
+                (nll * (scale if real else 0.0)).backward()
+                if real:
+                    in_nll += nll.detach()
+                    since_nll += nll.detach()
+                    in_tok += idx.size * seq
+                    since_tok += idx.size * seq
+            stepper.end()
+            step += 1
+            outer.count_inner_step()
+            if cfg.throttle_ms:
+                time.sleep(cfg.throttle_ms / 1000)      # demo/test only: a slower site
+            if cfg.overlap_fold == "arrival" and s < phase.steps - 1 and carrier.arrived():
+                t_fold = time.perf_counter()            # theta_global is here: fold it in now, not at the end
+                with stepper.pause():
+                    settle(run, carrier, pending, step)
+                fold_s += time.perf_counter() - t_fold
+            if stepper.due(step, s == phase.steps - 1):
+                row_nll, row_tok = pooled_nll(since_nll, since_tok, d)
+                log.total += int(row_tok)
+                stepper.train_row(step, row_nll / row_tok, row_tok, "tokens", round=carrier.round)
+                since_nll.zero_()
+                since_tok = 0
+
+        # -- the phase's end: what the delta carries, the checkpoint, then the round trip
+        inner_s = time.perf_counter() - t_phase - fold_s      # a fold mid-phase is not an inner step
+        phase_nll, phase_tok = pooled_nll(in_nll, in_tok, d)
+        tokens = len(phase) * seq
+        tps = tokens / inner_s
+        per_rank = run.flops * tps / d.world_size
+        handoff = fedsite.Handoff(tokens=tokens, step=step, metrics={
+            "loss": phase_nll / phase_tok, "tokens_per_s": tps, "mfu": per_rank / stepper.peak if stepper.peak else None,
+            "tflops_per_rank": per_rank / 1e12, "peak_mem_gib": peak_memory_gib(d), "inner_s": inner_s,
+            "steps": phase.steps, **heldout})
+        heldout = {}                             # each held-out loss goes with one delta
+        row, result = end_phase(run, carrier, handoff, pending)
+        phases += 1
+        sent = Sent(step=step, loss=handoff.metrics["loss"], span=span, windows=len(phase), steps=phase.steps,
+                    inner_s=inner_s, tokens_per_s=tps, delta_norm=row["delta_norm"], outer_ms=row["outer_ms"],
+                    wire_bytes=carrier.wire_bytes, residual_norm=carrier.residual_norm())
+        if result is None:                       # overlap: in flight, its row written when it settles
+            pending = sent
+        else:
+            log_round(run, carrier, sent, result, step)
+        if cfg.eval_every and phases % cfg.eval_every == 0:
+            ev = run.log_eval(step, carrier.round)       # reported with the next delta: the page plots it
+            heldout = {"heldout_loss": ev["loss"], "heldout_round": carrier.round}
+        stepper.mark(step)
+    if carrier.in_flight:                        # DARL is done: the last delta's round trip
+        settle(run, carrier, pending, step)
+    return step
+
+
+def end_phase(run, carrier, handoff, pending=None):
+    """A federated phase's outer step (collective): the local checkpoint (model, optimizer,
+    step, round) first, THEN the delta leaves with the Handoff (FEDERATION_GUIDE.md
+    section 4, step 4), so a site killed during the round trip resumes at a step that
+    counts the phase its delta carried. Under --overlap the previous delta (pending: its
+    Sent) settles and its theta_global is folded in between the two: the checkpoint never
+    holds a fold. Returns DiLoCo.end_phase's (row, fedsite.RoundResult or None while the
+    delta is in flight)."""
+    run.save(handoff.step, carrier.round)
+    if carrier.in_flight:
+        settle(run, carrier, pending, handoff.step)
+    return run.outer.end_phase(handoff)
+
+
+def settle(run, carrier, pending, step):
+    """--overlap (collective): the round trip in flight ends here - FedMomCarrier.settle waits
+    for it and folds its theta_global in - and its delta's row is written (`pending`: its Sent)."""
+    log_round(run, carrier, pending, carrier.settle(run.outer), step)
+
+
+@dataclasses.dataclass
+class Sent:
+    """What one phase's delta carried, from the phase's end until its round trip ended."""
+    step: int                    # the site's step at the phase's end (its checkpoint's)
+    loss: float                  # the phase's training loss, pooled over ranks
+    span: tuple                  # (lease, start, end) of the DARL span it trained
+    windows: int
+    steps: int
+    inner_s: float               # its inner steps' time, a fold mid-phase not counted
+    tokens_per_s: float
+    delta_norm: float            # DiLoCo's row of the outer step that sent it
+    outer_ms: float
+    wire_bytes: int              # rank 0: the delta file's size
+    residual_norm: float         # rank 0: what error feedback kept (None without it)
+    round_at_next_phase: int = None    # --overlap: the aggregator's round when the next phase began
+
+
+def log_round(run, carrier, sent, r, step):
+    """The "federation" row of one delta (FEDERATION_GUIDE.md section 6), built and written here
+    only, once its round trip ended: what the phase trained (sent) and what became of it (r, the
+    fedsite.RoundResult); `step` is the site's step now (under --overlap: at the fold)."""
+    cfg = run.cfg
+    row = {"split": "federation", "step": sent.step, "loss": sent.loss, "lease": sent.span[0],
+           "positions": [sent.span[1], sent.span[2]], "windows": sent.windows, "steps": sent.steps,
+           "inner_s": round(sent.inner_s, 3), "tokens_per_s": sent.tokens_per_s, "delta_norm": sent.delta_norm,
+           "outer_ms": sent.outer_ms, "wire": cfg.wire, "encode_on": carrier.encode_on,
+           "wire_bytes": sent.wire_bytes, "residual_norm": sent.residual_norm, "overlap": cfg.overlap}
+    if sent.round_at_next_phase is not None:
+        row["round_at_next_phase"] = sent.round_at_next_phase
+    row.update({"round": r.round, "base_round": r.base_round, "tokens": r.tokens, "merged": r.merged,
+                "merged_into": r.merged_into, "reason": r.reason, "send_s": r.send_s, "wait_s": r.wait_s,
+                "theta_via": r.theta_via, "down_bytes": r.down_bytes, "down_s": r.down_s})
+    if cfg.overlap:
+        row["settle_s"] = carrier.wait_s         # its return outside inner steps: wait, theta_global, fold
+        row["fold_step"] = step
+    run.log.metric(row)
+    run.log.log(f"round {r.base_round} -> {r.round}: " + ("merged" if r.merged else f"NOT merged ({r.reason})")
+                + f"; lease {r.lease} [{r.start}, {r.end}) = {sent.windows} windows in {sent.steps} steps, "
+                f"loss {sent.loss:.4f}, {sent.tokens_per_s:.4g} tokens/s, outer step {sent.outer_ms / 1e3:.1f} s"
+                + (f", waited {carrier.wait_s:.1f} s for it" if cfg.overlap else ""))
