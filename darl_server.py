@@ -30,7 +30,7 @@ set. The custody endpoints (/fence, /custody, /custody/commit, /custody/abort,
 /custody/abort_orphaned) take the aggregator's own credential instead when
 --aggregator-token-file is given (central.sh always gives it): the token every
 site holds then cannot fence the aggregator, abort its custody or retire it. Only
-the central VM has that file. Connection limits and timeouts: httpd.py.
+the central VM has that file. Connection limits and timeouts: httpd_loop.py.
 
 State: <state-dir>/darl/wal.jsonl and <state-dir>/darl/snapshot.json, their formats and
 their replay in darl_log.py (which audit.py reads too); what this server does with them:

@@ -26,6 +26,7 @@ import certs
 import durable
 import httpc
 import httpd
+import httpd_loop
 import tensorio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -213,7 +214,7 @@ class ProtocolEdgesTest(Served):
 
 
 class ConnectionCostTest(Served):
-    server_kw = {"limits": httpd.Limits(workers=4, max_connections=1000, header_timeout_s=600)}
+    server_kw = {"limits": httpd_loop.Limits(workers=4, max_connections=1000, header_timeout_s=600)}
 
     def test_idle_and_half_open_connections_take_no_thread(self):
         until(lambda: self.call("GET", "/health"), "the server answers")
@@ -230,7 +231,7 @@ class ConnectionCostTest(Served):
 
 
 class SlowClientTest(Served):
-    server_kw = {"limits": httpd.Limits(workers=2, max_connections=100, header_timeout_s=0.3,
+    server_kw = {"limits": httpd_loop.Limits(workers=2, max_connections=100, header_timeout_s=0.3,
                                         idle_timeout_s=0.3)}
 
     def closed_by_server(self, sock):
@@ -264,7 +265,7 @@ class SlowClientTest(Served):
 
 
 class ConnectionCapTest(Served):
-    server_kw = {"limits": httpd.Limits(workers=2, max_connections=20, header_timeout_s=600)}
+    server_kw = {"limits": httpd_loop.Limits(workers=2, max_connections=20, header_timeout_s=600)}
 
     def test_beyond_the_cap_the_longest_idle_connection_goes(self):
         socks = []

@@ -1030,7 +1030,7 @@ class ImportTest(unittest.TestCase):
         """The central VM's modules (and fedsite.py, the site's torch-free half) import without torch."""
         code = ("import sys; sys.modules['torch'] = None\n"
                 "import fedmom_server, fedmom_state, fedmom_client, tensorio\n"
-                "import darl_server, darl_log, audit, blobstore, blob_client, durable, httpd, httpc, testhooks, wire, wire_kernels, fedsite\n"  # the rest of the VM; fedsite
+                "import darl_server, darl_log, audit, blobstore, blob_client, durable, httpd, httpd_loop, httpc, testhooks, wire, wire_kernels, fedsite\n"  # the rest of the VM; fedsite
                 "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
                 "print('ok', fedmom_server.DEFAULT_PORT)")
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
