@@ -13,8 +13,9 @@
 #
 # Runs on: the central VM (no GPU, bare Python 3 + numpy; .venv/bin/python when present,
 # else python3; override with PYTHON). Nothing else is installed: copy this script and
-#   httpd.py httpd_loop.py httpc.py testhooks.py durable.py tensorio.py wire.py wire_kernels.py blobstore.py
-#   blob_client.py darl_table.py darl_log.py darl_server.py fedmom_merge.py outer_defaults.py outer_state.py fedmom_checkpoint.py
+#   httpd.py httpd_loop.py httpc.py testhooks.py durable.py tensorio.py wire.py wire_kernels.py
+#   blobstore.py blob_client.py block_space.py darl_table.py darl_custody.py darl_log.py
+#   darl_server.py fedmom_merge.py outer_defaults.py outer_state.py fedmom_checkpoint.py
 #   fedmom_state.py fedmom_server.py audit.py status_page.py
 # into one directory (start refuses, naming them, if any is missing).
 # State (default runs/central, or --state-dir / PWW_CENTRAL_STATE):
@@ -97,7 +98,7 @@ else
     CERT=$TLS_DIR/server.pem KEY=$TLS_DIR/server.key CA=$TLS_DIR/ca.pem
 fi
 DAEMONS="darl fedmom blob"
-CENTRAL_FILES="httpd.py httpd_loop.py httpc.py testhooks.py durable.py tensorio.py wire.py wire_kernels.py blobstore.py blob_client.py darl_table.py darl_log.py darl_server.py fedmom_merge.py outer_defaults.py outer_state.py fedmom_checkpoint.py fedmom_state.py fedmom_server.py audit.py status_page.py"
+CENTRAL_FILES="httpd.py httpd_loop.py httpc.py testhooks.py durable.py tensorio.py wire.py wire_kernels.py blobstore.py blob_client.py block_space.py darl_table.py darl_custody.py darl_log.py darl_server.py fedmom_merge.py outer_defaults.py outer_state.py fedmom_checkpoint.py fedmom_state.py fedmom_server.py audit.py status_page.py"
 
 script_of() { case "$1" in darl) echo darl_server.py ;; fedmom) echo fedmom_server.py ;; blob) echo blobstore.py ;; esac; }
 port_of() { case "$1" in darl) echo "$DARL_PORT" ;; fedmom) echo "$FEDMOM_PORT" ;; blob) echo "$BLOB_PORT" ;; esac; }

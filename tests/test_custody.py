@@ -3,7 +3,7 @@ commits or aborts them (a two-phase commit, DARL the participant, fedmom_state.p
 coordinator), with fencing epochs, durable owed calls and loud violation counters.
 
 What runs:
-  - the LeaseTable's custody calls with an injected clock (no I/O);
+  - the table's custody calls (darl_custody.CustodyTable) with an injected clock (no I/O);
   - the aggregator's state against a real DARL coordinator served on 127.0.0.1 in
     threads, injected clocks on both sides, and a "front" server that answers what a
     proxy or a rotated token would (401, 403, 404, 5xx) or never answers;
@@ -32,8 +32,8 @@ import unittest
 
 import numpy as np
 
+import block_space
 import darl_server
-import darl_table
 import durable
 import fedmom_client
 import fedmom_server as fm
@@ -41,7 +41,8 @@ import fedmom_state as fs
 import httpc
 import httpd
 import testhooks
-from darl_table import LeaseError, LeaseTable, TableConfig
+from darl_custody import CustodyTable
+from darl_table import LeaseError, TableConfig
 from fixtures import SHAPES, FakeClock, FedMomFixture, serve_in_thread, write_tensors
 from harness import expect
 
@@ -64,7 +65,7 @@ class Clock:
 class CustodyTableTest(unittest.TestCase):
     def setUp(self):
         self.clock = Clock()
-        self.t = LeaseTable(40, TableConfig(min_ttl=1.0, default_ttl=10.0, initial_grant=5), self.clock)
+        self.t = CustodyTable(40, TableConfig(min_ttl=1.0, default_ttl=10.0, initial_grant=5), self.clock)
         for c in ("a", "b"):
             self.t.register(c, f"{c}-inc")
         self.assertEqual(self.t.fence("agg", 0, "first")["epoch"], 1)
@@ -193,7 +194,7 @@ class CustodyTableTest(unittest.TestCase):
         is given the same epoch: the first to confirm holds it, the other is fenced, in
         either order; once confirmed, the claim is never answered again."""
         for first, second in (("A", "B"), ("B", "A")):
-            t = LeaseTable(100, TableConfig(min_ttl=1, default_ttl=10))
+            t = CustodyTable(100, TableConfig(min_ttl=1, default_ttl=10))
             self.assertEqual(t.fence("agg", 0, "c1")["epoch"], 1)        # A asks; its answer arrives or not
             self.assertEqual(t.fence("agg", 0, "c1")["epoch"], 1)        # the copy B repeats the ask
             self.assertEqual(t.confirm_fence("agg", 1, "c1", first)["epoch"], 1)
@@ -221,7 +222,7 @@ class CustodyTableTest(unittest.TestCase):
         served the aggregator's identity from its older state, fencing A."""
         for variant in ("refused, then restarted", "lost, asked again"):
             with self.subTest(variant):
-                t = LeaseTable(100, TableConfig(min_ttl=1, default_ttl=10))
+                t = CustodyTable(100, TableConfig(min_ttl=1, default_ttl=10))
                 self.assertEqual(t.fence("agg", 0, "c1", round=0)["epoch"], 1)      # A
                 self.assertEqual(t.fence("agg", 0, "c1", round=0)["epoch"], 1)      # the copy B
                 t.confirm_fence("agg", 1, "c1", "hA")
@@ -239,7 +240,7 @@ class CustodyTableTest(unittest.TestCase):
         a lost confirm (epoch never confirmed), after a lost fence reply (the same claim),
         a copy restarted before the other confirmed (it never acted), and a state written
         before holders (no last_holder: the holder is not compared)."""
-        t = LeaseTable(100, TableConfig(min_ttl=1, default_ttl=10))
+        t = CustodyTable(100, TableConfig(min_ttl=1, default_ttl=10))
         self.assertEqual(t.fence("agg", 0, "c1", round=0)["epoch"], 1)
         self.assertEqual(t.fence("agg", 0, "c1", round=0)["epoch"], 1, "the reply was lost: the same ask")
         # the state names (1, h1); h1's confirm never reached DARL: it asks again
@@ -320,7 +321,7 @@ def silent(test):
 
 class AggregatorFixture(FedMomFixture):
     def darl(self, blocks=100, clock=None):
-        coord = darl_server.Coordinator(darl_table.BlockSpace(blocks, 1, 0), TableConfig(min_ttl=10.0),
+        coord = darl_server.Coordinator(block_space.BlockSpace(blocks, 1, 0), TableConfig(min_ttl=10.0),
                                         clock=clock or self.clock)
         return coord, serve_in_thread(self, darl_server.make_routes(coord), token=TOKEN)
 

@@ -450,9 +450,10 @@ class DiskFullTest(unittest.TestCase):
     # ---- DARL: the log append and the snapshot
 
     def darl(self, **kw):
+        import block_space
         import darl_server
         import darl_table
-        space = darl_table.BlockSpace(100_000, 1, 0)
+        space = block_space.BlockSpace(100_000, 1, 0)
         state = os.path.join(self.disk, "central")
         coord = darl_server.Coordinator(space, darl_table.TableConfig(), state, **kw)
         server = serve(darl_server.make_routes(coord), disk=state)
