@@ -1,8 +1,8 @@
 """audit.py - the run audit: is every block of the corpus inside exactly one merged delta?
 
 Runs on: the central VM (or any copy of its state directory), with the servers running or
-stopped. Python + numpy, with darl_log.py, darl_table.py and durable.py (and what
-they import) beside it, as central.sh has them; never torch. It reads and changes nothing but what it prints:
+stopped. Python + numpy, with darl_log.py, darl_table.py, block_space.py and durable.py
+(and what they import) beside it, as central.sh has them; never torch. It reads and changes nothing but what it prints:
     <state-dir>/darl/       DARL's snapshot and log, replayed read-only as a restart would
     <state-dir>/fedmom/     the aggregator's state.json and rounds.jsonl
 
@@ -34,6 +34,7 @@ import json
 import os
 import sys
 
+import block_space
 import darl_log
 import darl_table
 import durable
@@ -53,7 +54,7 @@ class Report:
     def block_lines(self):
         """One line per block, in position order."""
         sp = self.space
-        bs = darl_table.BlockSpace(sp["num_samples"], sp["block_size"], sp["seed"])
+        bs = block_space.BlockSpace(sp["num_samples"], sp["block_size"], sp["seed"])
         where = {}
         for rnd, o, c in self.deltas:
             for _, a, b in (c or {}).get("pieces", ()):

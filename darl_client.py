@@ -2,11 +2,11 @@
 
 Where: on a site, in the one process per stream that talks to the
 coordinator (rank 0 of a replica; it broadcasts three integers per span:
-lease id, start, end). Python standard library only; imports darl_table for
-BlockSpace, never torch.
+lease id, start, end). Python standard library only, never torch; the block space
+whose positions a lease holds is block_space.py's.
 
 Use from code:
-    space = darl_table.BlockSpace(num_samples=N, block_size=K, seed=S)
+    space = block_space.BlockSpace(num_samples=N, block_size=K, seed=S)
     client = LeaseClient("http://central:29510", token=token)   # client.close() (or `with`) at the end
     with LeaseSession(client, "lumi", space.digest(), span_blocks=B) as session:
         while (span := session.next_span()) is not None:      # None: the epoch is done
@@ -33,10 +33,8 @@ import sys
 import threading
 import time
 
-import darl_table
 import httpc
 
-BlockSpace = darl_table.BlockSpace
 TTL_PHASE_FACTOR, TTL_RTT_FACTOR = 2.5, 10.0   # TTL = 2.5 x phase time + 10 x RTT
 
 

@@ -3,14 +3,14 @@ replay that rebuilds the lease table from them.
 
 Runs on: the central VM, imported by darl_server.py (which appends and snapshots) and by
 audit.py (which replays a state directory read-only, the servers running or not).
-Python standard library only, with darl_table.py and durable.py; no HTTP, no port, never
-torch. Files, under <state-dir>/darl/:
+Python standard library only, with darl_table.py, darl_custody.py and durable.py; no HTTP, no
+port, never torch. Files, under <state-dir>/darl/:
 
     wal.jsonl      one line per state change: `<JSON record><TAB><crc32 of the JSON, 8 hex>`.
                    The first line is a header {"v", "op": "header", "seq" (the snapshot the
                    log continues), "log" (its random id), "t", "digest", "space", "config"
                    (the leasing flags, darl_table.TableConfig)}; every other line is
-                   {"v", "seq", "t", "op", "args", "out"}: a LeaseTable call (OPS), its
+                   {"v", "seq", "t", "op", "args", "out"}: a table call (OPS), its
                    time, and outcome_digest() of what it decided.
     snapshot.json  {"v", "seq", "log", "t", "digest", "space", "config", "table", "crc"}:
                    the table at change `seq`, naming the log ("log") that continues it.
@@ -20,7 +20,7 @@ torch. Files, under <state-dir>/darl/:
     size = darl_log.write_snapshot(path, snap)   # atomic, with its checksum
 
 Reading back (load_state): the snapshot, then every record after it, each replayed
-through the same LeaseTable method at its logged time under the flags logged before it;
+through the same CustodyTable method at its logged time under the flags logged before it;
 a record that decides otherwise than its `out`, or that does not follow the one before
 (seq + 1), stops the read with a LogError naming the file, the byte offset and what to
 do. Only the bytes after the last newline are a crash mid-write (a line is one write(),
@@ -40,12 +40,14 @@ import sys
 import threading
 import zlib
 
+import darl_custody
 import darl_table
 import durable
 import testhooks
 
 WAL_VERSION = 2                # 2: checksummed lines, a config header, recorded outcomes, custody
-# The LeaseTable methods a record may name: replay calls them by name.
+# The table's methods a record may name (darl_table.LeaseTable's, darl_custody.CustodyTable's): replay
+# calls them by name.
 OPS = ("register", "acquire", "heartbeat", "commit", "release", "restore", "set_config", "fence",
        "confirm_fence", "take_custody", "commit_custody", "abort_custody", "abort_orphaned")
 # fdatasync flushes the appended bytes and the new file size, skipping the
@@ -274,7 +276,7 @@ def _read_snapshot(path):
 @dataclasses.dataclass
 class Loaded:
     """DARL's durable state as load_state() rebuilt it."""
-    table: darl_table.LeaseTable
+    table: darl_custody.CustodyTable
     seq: int
     t: float               # the time of the last change: the table clock never goes below it
     digest: str
@@ -309,9 +311,9 @@ def load_state(state_dir):
     try:
         config = darl_table.TableConfig.from_dict(base["config"])
         if snap:
-            table = darl_table.LeaseTable.from_dict(snap["table"], config)
+            table = darl_custody.CustodyTable.from_dict(snap["table"], config)
         else:
-            table = darl_table.LeaseTable(base["space"]["num_blocks"], config)
+            table = darl_custody.CustodyTable(base["space"]["num_blocks"], config)
         seq, t, digest, space, log_id = base["seq"], base["t"], base["digest"], base["space"], base["log"]
         snapshot_seq = seq
     except (KeyError, TypeError, ValueError) as e:

@@ -5,9 +5,11 @@ QUARANTINED. Sites lease contiguous runs of block *positions* under a TTL,
 keep them alive with heartbeats and commit them once the update trained on
 them is durable, so the corpus is covered exactly once even though sites
 start late, run at different speeds and die at walltime. The bookkeeping
-itself (BlockSpace, LeaseTable, verify) is darl_table.py, which does no I/O;
-darl_log.py is its write-ahead log and snapshot on disk; this file keeps the
-table behind one lock, logs every change before it answers, and serves it.
+itself does no I/O: the lease table and verify() are darl_table.py, the aggregator's
+custody and fencing on it darl_custody.py (CustodyTable, the table served here), and
+which samples a position means block_space.py; darl_log.py is the table's write-ahead
+log and snapshot on disk; this file keeps the table behind one lock, logs every change
+before it answers, and serves it.
 
 Where: the central VM (or a login node): it must outlive every job that
 leases from it. Python standard library only; never imports torch.
@@ -17,7 +19,7 @@ Run:
         --state-dir runs/central
     python darl_server.py --manifest /tmp/manifest.json --block-size 64 --seed 0
         # N = the manifest's TRAINING windows (num_windows - heldout_windows):
-        # the held-out tail is never leased (darl_table.py says how positions map)
+        # the held-out tail is never leased (block_space.py says how positions map)
     python darl_server.py status --url https://127.0.0.1:29510 --ca-file runs/central/tls/ca.pem
         # exit 1 while anything is wrong
     python darl_server.py abort-custody --aggregator ID --reason "state dir lost" [--yes --expect LISTING]
@@ -30,7 +32,7 @@ set. The custody endpoints (/fence, /custody, /custody/commit, /custody/abort,
 /custody/abort_orphaned) take the aggregator's own credential instead when
 --aggregator-token-file is given (central.sh always gives it): the token every
 site holds then cannot fence the aggregator, abort its custody or retire it. Only
-the central VM has that file. Connection limits and timeouts: httpd.py.
+the central VM has that file. Connection limits and timeouts: httpd_loop.py.
 
 State: <state-dir>/darl/wal.jsonl and <state-dir>/darl/snapshot.json, their formats and
 their replay in darl_log.py (which audit.py reads too); what this server does with them:
@@ -161,6 +163,8 @@ import time
 import urllib.parse
 import zlib
 
+import block_space
+import darl_custody
 import darl_log
 import darl_table
 import durable
@@ -195,9 +199,9 @@ class TableClock:
 
 
 class Coordinator:
-    """The LeaseTable (darl_table.py) behind one lock, with every change logged before the reply.
+    """The table (darl_custody.CustodyTable) behind one lock, with every change logged before the reply.
 
-    call(op, args) applies a LeaseTable method at the current time, appends
+    call(op, args) applies a table method at the current time, appends
     {op, args, t, out} to the log and waits for the fsync; replaying the same
     records at the same times under the same logged config rebuilds the same
     table, because the table is a pure function of its calls, their times and
@@ -212,7 +216,7 @@ class Coordinator:
         self.config = (config or darl_table.TableConfig()).validate()
         self.snapshot_every, self.lock = snapshot_every, threading.Lock()
         self.invariant_error, self.torn_bytes = None, 0
-        self.table, self.seq = darl_table.LeaseTable(space.num_blocks, self.config), 0
+        self.table, self.seq = darl_custody.CustodyTable(space.num_blocks, self.config), 0
         self.dir = self.wal = None
         self.log_id = secrets.token_hex(8)
         self.state_dir = state_dir
@@ -642,8 +646,8 @@ class ServerConfig:
 
     def space(self):
         if self.manifest:
-            return darl_table.BlockSpace.from_manifest(self.manifest, self.block_size, self.seed)
-        return darl_table.BlockSpace(self.num_samples, self.block_size, self.seed)
+            return block_space.BlockSpace.from_manifest(self.manifest, self.block_size, self.seed)
+        return block_space.BlockSpace(self.num_samples, self.block_size, self.seed)
 
 
 def serve_parser():

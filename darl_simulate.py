@@ -25,8 +25,8 @@ import sys
 import tempfile
 import time
 
+import block_space
 import darl_client
-import darl_table
 import httpc
 
 WORKER_CALL_S = 30.0     # a worker's call may go this long without an answer (the coordinator is local)
@@ -60,7 +60,7 @@ def call_deadline():
 
 def sim_worker(a):
     """One simulated cluster: trains `rate` blocks/s, reporting every span and commit."""
-    space = darl_table.BlockSpace(a.blocks, 1, a.seed)
+    space = block_space.BlockSpace(a.blocks, 1, a.seed)
     report = open(a.report, "a", buffering=1)
 
     def note(event, span=None, **kw):

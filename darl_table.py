@@ -1,169 +1,39 @@
-"""darl_table.py - DARL's bookkeeping with no I/O: the block space and the lease table.
+"""darl_table.py - DARL's lease table with no I/O: the books of every block position, and the
+sites' calls on them.
 
-What: BlockSpace says which samples a lease position means (the seeded block
-order every site computes on its own); LeaseTable is the state machine over
-those positions (UNASSIGNED -> LEASED -> COMMITTED, or QUARANTINED after
-repeated expiries; a leased run the aggregator accepted a delta for goes
-LEASED -> IN CUSTODY -> COMMITTED, or back to UNASSIGNED on an abort), with
-verify() checking the books. Neither touches a file, a socket or a thread, and
-time comes in as an argument (or an injected clock): the coordinator
-(darl_server.py) replays its write-ahead log through the same methods, at the
-logged times and under the logged TableConfig, and gets the same table back.
+What: LeaseTable is the state machine over positions [0, M) (UNASSIGNED -> LEASED ->
+COMMITTED, or QUARANTINED after repeated expiries; a leased run the aggregator accepted a
+delta for goes LEASED -> IN CUSTODY -> COMMITTED, or back to UNASSIGNED on an abort), with
+verify() checking the books. It touches no file, socket or thread, and time comes in as an
+argument (or an injected clock): the coordinator (darl_server.py) replays its write-ahead
+log through the same methods, at the logged times and under the logged TableConfig, and
+gets the same table back. The calls here are the sites' (register, acquire, heartbeat,
+commit, release) and the coordinator's (expire, restore, set_config); the aggregator's
+(custody of an accepted delta's positions, and the epochs that fence its processes) are
+darl_custody.py's CustodyTable, a LeaseTable with those calls and the table DARL runs.
+Which samples a position means is block_space.py's: the table only counts positions.
 
-Custody (the aggregator's two-phase commit; darl_server.py's docstring has the
-calls): custody() moves the positions a delta trained on out of their lease
-into a record owned by one aggregator. Nothing but that aggregator's
-custody_commit() or custody_abort() (or an operator's abort_orphaned()) ends
-it: no TTL, no steal, no release, no new incarnation touches it. Epochs are
-DARL's to issue: fence() gives an aggregator process the next one (one more
-than any issued), but only to the state that holds the current one: it names it
-as last_epoch, with the process it bound that epoch to (durable before that
-process's confirm_fence) as last_holder, and that epoch was never confirmed or
-was confirmed by that process; and its round is not below the highest round the
-aggregator committed custody for (a state missing merges DARL committed). So a
-stale copy of that state, or one taken while a fence was in flight, can never
-get in however often it restarts; every other call must name the current epoch,
-anything else is refused (code "fenced"). A commit that cannot stand (its
-custody was aborted, or never taken) is refused and COUNTED: `counters` are
-the loud books of what went wrong (refused_commits, aborted_custody,
-blocks_trained_twice; an abort of committed custody: refused_aborts), kept in
-the snapshot and rebuilt by the log replay.
+Also here, what the books are made of: Intervals (disjoint position runs; the aggregator
+and audit.py count with them too), Lease, Cluster and Custody records, TableConfig (the
+decision flags, each error naming its flag), LeaseError (a refusal: status, one-line
+reason; a `counted` one raises the violation counters, VIOLATIONS, whose loud status line
+is violations_line) and the checks of a request's fields.
 
-Where: imported by darl_server.py on the central VM, and by darl_client.py on
-the sites (a site builds the same BlockSpace to turn positions into samples).
-Python standard library only; never torch. Not run on its own.
+Where: the central VM, imported by darl_custody.py, darl_log.py, darl_server.py, audit.py
+and status_page.py (and the aggregator, fedmom_state.py and fedmom_server.py, for Intervals,
+the counters' names and their status line). Python standard library only; never torch. Not
+run on its own.
 
 Use:
-    space = darl_table.BlockSpace.from_manifest("data/c4-tokens/manifest.json", block_size=1, seed=0)
-    # or BlockSpace(num_samples=N, block_size=K, seed=S) for a corpus without a manifest
-    for p in range(lease_start, lease_end):
-        for sample in space.samples_of(space.block_at(p)): ...
     table = darl_table.LeaseTable(space.num_blocks, darl_table.TableConfig(), clock=time.time)
     table.register("lumi", "inc-1"); table.acquire("lumi", "inc-1", blocks=8); table.verify()
-
-A tokenized corpus (tokenize_corpus.py, read by data.py's TokenWindows) keeps
-its last `heldout_windows` windows as the held-out split. from_manifest takes
-N = num_windows - heldout_windows, so sample i is training window i and the
-positions cover exactly the training windows [0, N): DARL never leases a
-held-out window. The manifest's digest (which covers heldout_windows) joins
-the space's digest, so sites whose corpora or splits differ are refused at
-registration. The coordinator's GET /status and /register replies carry
-describe() (num_samples, block_size, seed, num_blocks, algorithm,
-manifest_digest) and the digest, so a site can check that its own manifest
-gives the same space.
 """
 import bisect
-import collections
 import dataclasses
-import hashlib
-import json
 import math
 import operator
 import time
 
-PERMUTATION_VERSION = "feistel-splitmix64/1"
-MASK64 = (1 << 64) - 1
-
-
-# ------------------------------------------------------------------ block space
-
-def splitmix64(x):
-    """One step of SplitMix64 (Steele, Lea, Flood 2014): a fixed, portable 64-bit mix."""
-    x = (x + 0x9E3779B97F4A7C15) & MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-    return x ^ (x >> 31)
-
-
-class BlockSpace:
-    """M = ceil(N/K) blocks of K consecutive samples, visited in a seeded order.
-
-    Position p (what leases are made of) maps to block block_at(p). The order
-    is a Feistel network over the smallest even-bit domain >= M, with cycle
-    walking to stay inside [0, M): O(1) per lookup, no O(M) table, and the
-    same on every Python version and machine (random.shuffle promises neither).
-    """
-    ROUNDS = 6
-
-    def __init__(self, num_samples, block_size, seed, manifest_digest=None):
-        if num_samples < 1:
-            raise ValueError(f"--num-samples must be >= 1, got {num_samples}")
-        if block_size < 1:
-            raise ValueError(f"--block-size must be >= 1, got {block_size}")
-        self.num_samples, self.block_size, self.seed = int(num_samples), int(block_size), int(seed)
-        self.manifest_digest = manifest_digest
-        self.num_blocks = -(-self.num_samples // self.block_size)
-        bits = max(2, (self.num_blocks - 1).bit_length())
-        self._half = (bits + 1) // 2
-        self._mask = (1 << self._half) - 1
-        self._keys = [splitmix64((self.seed & MASK64) ^ splitmix64(r + 1)) for r in range(self.ROUNDS)]
-
-    def _feistel(self, x):
-        left, right = x >> self._half, x & self._mask
-        for key in self._keys:
-            left, right = right, left ^ (splitmix64(key ^ right) & self._mask)
-        return (left << self._half) | right
-
-    def _feistel_inverse(self, x):
-        left, right = x >> self._half, x & self._mask
-        for key in reversed(self._keys):
-            left, right = right ^ (splitmix64(key ^ left) & self._mask), left
-        return (left << self._half) | right
-
-    def block_at(self, position):
-        """The block visited at `position` (0 <= position < num_blocks)."""
-        if not 0 <= position < self.num_blocks:
-            raise IndexError(f"position {position} outside [0, {self.num_blocks})")
-        x = self._feistel(position)
-        while x >= self.num_blocks:      # cycle walking: < 4 steps on average (domain < 4M)
-            x = self._feistel(x)
-        return x
-
-    def position_of(self, block):
-        """Inverse of block_at."""
-        if not 0 <= block < self.num_blocks:
-            raise IndexError(f"block {block} outside [0, {self.num_blocks})")
-        x = self._feistel_inverse(block)
-        while x >= self.num_blocks:
-            x = self._feistel_inverse(x)
-        return x
-
-    def samples_of(self, block):
-        """Sample indices of a block: range(block*K, min(N, (block+1)*K))."""
-        if not 0 <= block < self.num_blocks:
-            raise IndexError(f"block {block} outside [0, {self.num_blocks})")
-        return range(block * self.block_size, min(self.num_samples, (block + 1) * self.block_size))
-
-    def describe(self):
-        return {"num_samples": self.num_samples, "block_size": self.block_size, "seed": self.seed,
-                "num_blocks": self.num_blocks, "algorithm": PERMUTATION_VERSION,
-                "manifest_digest": self.manifest_digest}
-
-    def digest(self):
-        """Everything that decides which samples a position means, hashed."""
-        blob = json.dumps(self.describe(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:32]
-
-    @classmethod
-    def from_manifest(cls, path, block_size, seed):
-        """The training windows of a tokenized corpus' manifest.json (tokenize_corpus.py):
-        N = num_windows - heldout_windows, so positions never reach the held-out tail."""
-        try:
-            with open(path) as f:
-                m = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"--manifest {path}: cannot read it as JSON ({e})")
-        n, held, d = m.get("num_windows"), m.get("heldout_windows"), m.get("digest")
-        if not all(_is_int(v) for v in (n, held)) or not isinstance(d, str):
-            raise ValueError(f"--manifest {path}: needs integers 'num_windows' and 'heldout_windows' and a "
-                             "string 'digest' (written by tokenize_corpus.py; re-run it for an older manifest)")
-        if not 0 <= held < n:
-            raise ValueError(f"--manifest {path}: heldout_windows {held} leaves no training windows out of "
-                             f"num_windows {n}; re-run tokenize_corpus.py with a smaller --heldout-windows")
-        return cls(n - held, block_size, seed, manifest_digest=d)
-
-
-# ------------------------------------------------------------------ lease table
 
 class LeaseError(Exception):
     """A refused request: HTTP status + one-line reason. The table is unchanged, except for
@@ -358,6 +228,13 @@ _CUSTODY_ROW = operator.attrgetter(*(f.name for f in dataclasses.fields(Custody)
 _CUSTODY_PIECES = [f.name for f in dataclasses.fields(Custody)].index("pieces")
 
 
+def _custody_row(C):
+    """A Custody as a snapshot row, its pieces copied (the record keeps changing)."""
+    row = list(_CUSTODY_ROW(C))
+    row[_CUSTODY_PIECES] = [list(p) for p in C.pieces]
+    return row
+
+
 @dataclasses.dataclass
 class TableConfig:
     max_attempts: int = 3           # --max-attempts: reclaims before a run is quarantined; 0 = never
@@ -396,42 +273,14 @@ class TableConfig:
                 for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
 
 
-def _check_name(kind, value):
+def check_name(kind, value):
     ok = isinstance(value, str) and 0 < len(value) <= 64 and all(ch.isalnum() or ch in "._-" for ch in value)
     if not ok:
         raise LeaseError(400, f"{kind} must be 1-64 characters of [A-Za-z0-9._-], got {value!r}")
 
 
-def _is_int(v):
+def is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _custody_items(leases):
-    """[{"lease": id, "start"?: pos, "end"?: pos}] -> [(id, start|None, end|None)], or a 400."""
-    if not isinstance(leases, list) or not leases:
-        raise LeaseError(400, "field 'leases' must be a non-empty list of {lease, start?, end?} objects")
-    out = []
-    for item in leases:
-        if not isinstance(item, dict) or not _is_int(item.get("lease")) or not all(
-                item.get(k) is None or _is_int(item[k]) for k in ("start", "end")):
-            raise LeaseError(400, f"bad lease entry {item!r}: want an integer 'lease' and optional integer "
-                                  "'start' and 'end'")
-        out.append((item["lease"], item.get("start"), item.get("end")))
-    if len({lid for lid, _, _ in out}) != len(out):
-        raise LeaseError(400, "a lease is named twice in one custody request")
-    return out
-
-
-def _epoch(epoch):
-    if not _is_int(epoch) or epoch < 0:
-        raise LeaseError(400, f"epoch must be an integer >= 0, got {epoch!r}")
-    return epoch
-
-
-def _round(round):
-    if not _is_int(round) or round < 0:
-        raise LeaseError(400, f"round must be an integer >= 0, got {round!r}")
-    return round
 
 
 def _lease_items(leases):
@@ -441,7 +290,7 @@ def _lease_items(leases):
     out = []
     for item in leases:
         lid, cursor = (item.get("lease"), item.get("cursor")) if isinstance(item, dict) else (item, None)
-        if not _is_int(lid) or (cursor is not None and not _is_int(cursor)):
+        if not is_int(lid) or (cursor is not None and not is_int(cursor)):
             raise LeaseError(400, f"bad lease entry {item!r}: want an integer id and optional integer cursor")
         out.append((lid, cursor))
     return out
@@ -452,7 +301,9 @@ class LeaseTable:
     comes from `now` (or the injected clock), so tests and log replay drive it.
 
     Every position is in exactly one place: the free pool (UNASSIGNED, tagged
-    with its reclaim count), a live lease (LEASED), `committed` or `quarantined`.
+    with its reclaim count), a live lease (LEASED), a custody record (IN CUSTODY: the
+    calls that make and end one are darl_custody.CustodyTable's, the table DARL runs),
+    `committed` or `quarantined`.
     Every method validates before it changes anything, so a refused call
     (LeaseError) leaves the books as they were, apart from expiring leases
     whose time is up, which any call may do and which depends only on time.
@@ -499,8 +350,8 @@ class LeaseTable:
 
     def register(self, cluster, incarnation, now=None):
         now = self.clock() if now is None else now
-        _check_name("cluster", cluster)
-        _check_name("incarnation", incarnation)
+        check_name("cluster", cluster)
+        check_name("incarnation", incarnation)
         self.expire(now)
         c = self.clusters.get(cluster)
         if c is not None and c.incarnation != incarnation and self._live(c, now):
@@ -570,7 +421,7 @@ class LeaseTable:
 
     def acquire(self, cluster, incarnation, blocks=None, ttl=None, request_id=None, now=None):
         now = self.clock() if now is None else now
-        if blocks is not None and (not _is_int(blocks) or blocks < 1):
+        if blocks is not None and (not is_int(blocks) or blocks < 1):
             raise LeaseError(400, f"blocks must be a positive integer, got {blocks!r}")
         if request_id is not None and not isinstance(request_id, str):
             raise LeaseError(400, "request_id must be a string")
@@ -642,7 +493,7 @@ class LeaseTable:
     def commit(self, cluster, incarnation, lease, end=None, now=None):
         """Commit [lease.start, end): the update trained on them is durable."""
         now = self.clock() if now is None else now
-        if not _is_int(lease) or (end is not None and not _is_int(end)):
+        if not is_int(lease) or (end is not None and not is_int(end)):
             raise LeaseError(400, "lease and end must be integers")
         self.expire(now)
         L = self.leases.get(lease) or self.closed.get(lease)
@@ -728,274 +579,6 @@ class LeaseTable:
         L.state = state
         self.closed[L.id] = L
 
-    # ---- custody: the aggregator's two-phase commit of an accepted delta
-
-    def fence(self, aggregator, last_epoch, claim, last_holder=None, round=None, now=None):
-        """A starting aggregator process asks for an epoch. `last_epoch` is the one its state
-        held (0: none yet), `last_holder` the process its state bound that epoch to (written
-        durably before that process confirmed it; None from a state written before holders
-        existed), `round` the state's durable round, `claim` a random string it made durable
-        before asking. The next epoch goes only to the state that holds the current one:
-        it names it, and that epoch was never confirmed or was confirmed by `last_holder`.
-        A state naming it that some other process confirmed is a copy taken while that
-        epoch's fence was in flight (its own confirm refused or lost): fenced, at every
-        start. A state whose round is below the highest round whose custody commits DARL
-        took from this aggregator lacks merges whose blocks are committed (a copy taken
-        before them): fenced. A repeat of the same claim gets the same epoch until that
-        epoch is confirmed or used (the answer to the first ask was lost)."""
-        _check_name("aggregator", aggregator)
-        last_epoch = _epoch(last_epoch)
-        _check_name("claim", claim)
-        if last_holder is not None:
-            _check_name("last_holder", last_holder)
-        if round is not None:
-            round = _round(round)
-        a = self.aggregators.get(aggregator)
-        if a is not None and a["retired"]:
-            self._check_fence(aggregator, a["epoch"])
-        if a is None:                 # first ask (or a DARL that never heard of it): nothing to compare
-            a = {"epoch": last_epoch, "retired": None, "claim": None}
-        repeat = a.get("claim") == claim and a["epoch"] == last_epoch + 1 and not a.get("holder")
-        if not repeat and a["epoch"] != last_epoch:
-            raise LeaseError(409, f"aggregator {aggregator!r}: this state last held epoch {last_epoch}, DARL issued "
-                                  f"epoch {a['epoch']} since: a newer copy of this aggregator's state runs (or ran); "
-                                  "this one is stale and must stop", code="fenced")
-        if not repeat and a.get("holder") and last_holder is not None and a["holder"] != last_holder:
-            raise LeaseError(409, f"aggregator {aggregator!r}: epoch {last_epoch} is held by process "
-                                  f"{a['holder']}, and this state names process {last_holder}, whose confirm DARL "
-                                  "refused or never received: it is a copy of the state taken while that epoch's "
-                                  "fence was in flight; this one is stale and must stop", code="fenced")
-        if round is not None and round < a.get("round", 0):
-            raise LeaseError(409, f"aggregator {aggregator!r}: this state is at round {round}, but DARL committed "
-                                  f"custody for round {a['round']} of it: a copy of the state taken before those "
-                                  "merges; it lacks them and must stop", code="fenced")
-        self.aggregators[aggregator] = a
-        if not repeat:
-            a["epoch"], a["claim"], a["holder"] = last_epoch + 1, claim, None
-        held = [self.custody[k] for k in self.custody_held if k[0] == aggregator]
-        return {"aggregator": aggregator, "epoch": a["epoch"], "held": len(held),
-                "held_blocks": sum(C.blocks for C in held)}
-
-    def confirm_fence(self, aggregator, epoch, claim, holder, now=None):
-        """The process that fence() answered, its epoch now durable in its state, binds the
-        epoch to itself (`holder`: a random id of that process) before using it. A copy of
-        the aggregator's state taken while the ask was in flight holds the same claim and
-        may have been given the same epoch; whichever of the two confirms first holds it,
-        the other is fenced here, so two processes never act under one epoch. A repeat by
-        the holder gets the same answer (its answer was lost)."""
-        _check_name("aggregator", aggregator)
-        epoch = _epoch(epoch)
-        _check_name("claim", claim)
-        _check_name("holder", holder)
-        self._check_fence(aggregator, epoch)
-        a = self.aggregators[aggregator]
-        if a.get("holder") != holder:
-            if a.get("holder") or a.get("claim") != claim:
-                raise LeaseError(409, f"aggregator {aggregator!r}: epoch {epoch} is held by another process of this "
-                                      "aggregator (a copy of its state started beside it); this one must stop",
-                                 code="fenced")
-            a["holder"], a["claim"] = holder, None
-        return {"aggregator": aggregator, "epoch": epoch}
-
-    def take_custody(self, aggregator, epoch, delta, cluster, incarnation, leases, now=None):
-        """Move [lease start, end) of every named lease into one custody record, all or
-        nothing. A live lease of (cluster, incarnation) gives its positions; an expired or
-        released one only while every position still sits unleased in the pool (nobody else
-        holds or trained them). A repeat (same aggregator and delta) gets the same answer."""
-        now = self.clock() if now is None else now
-        for kind, value in (("aggregator", aggregator), ("delta", delta), ("cluster", cluster),
-                            ("incarnation", incarnation)):
-            _check_name(kind, value)
-        epoch, items = _epoch(epoch), _custody_items(leases)
-        self.expire(now)
-        self._check_fence(aggregator, epoch)
-        C = self.custody.get((aggregator, delta))
-        if C is not None:
-            if C.state == "aborted":
-                raise LeaseError(409, f"custody of delta {delta!r} was aborted ({C.why}); its blocks went back "
-                                      "to the pool: discard the delta", code="custody_aborted")
-            return {**C.wire(), "repeat": True}
-        plan, lost = [], []
-        for lid, start, end in items:
-            try:
-                plan.append(self._custody_plan(lid, start, end, cluster, incarnation))
-            except LeaseError as e:
-                lost.append((lid, e.reason))
-        runs = sorted((a, b) for _, _, src in plan for _, a, b, _ in src)
-        if any(b > a2 for (_, b), (a2, _) in zip(runs, runs[1:])):
-            lost.append((items[0][0], "the named leases cover the same positions"))
-        if lost:
-            raise LeaseError(409, "DARL cannot take this delta's leases into custody ("
-                             + "; ".join(f"lease {lid}: {why}" for lid, why in lost)
-                             + "): those blocks are not this delta's to merge; discard it",
-                             code="lease_lost", leases=[lid for lid, _ in lost])
-        pieces = []
-        for L, end, src in plan:
-            for pool, a, b, tag in src:
-                if pool is not None:
-                    pool.take(a, b)
-                pieces.append([L.id, a, b, tag, "quarantined" if pool is self.quarantined else "free"])
-            self._advance(L, end, now)
-        C = self.custody[(aggregator, delta)] = Custody(aggregator, delta, epoch, cluster, incarnation, pieces,
-                                                        "held", now)
-        self.custody_held.add((aggregator, delta))
-        self._used(aggregator)
-        return C.wire()
-
-    def _custody_plan(self, lid, start, end, cluster, incarnation):
-        """(lease, end, [(pool or None, a, b, tag)]) for one lease of a custody request, or LeaseError."""
-        L = self.leases.get(lid) or self.closed.get(lid)
-        if L is None:
-            raise LeaseError(409, "unknown lease")
-        if (L.cluster, L.incarnation) != (cluster, incarnation):
-            raise LeaseError(409, f"held by {L.cluster!r} incarnation {L.incarnation!r}")
-        end = L.end if end is None else end
-        if start is not None and start != L.start:
-            why = (f"[{start}, {L.start}) is committed or in custody already" if start < L.start else
-                   f"[{L.start}, {start}) comes first and is in no custody yet")
-            raise LeaseError(409, f"the delta starts at {start}, the lease's uncommitted part at {L.start}: {why}")
-        if end <= L.start:
-            raise LeaseError(409, f"nothing of it is left to take: [{L.first}, {L.start}) is committed or in custody")
-        if end > L.end:
-            why = "were stolen (the heartbeat reply shrank this lease)" if end <= L.granted_end else "were never in it"
-            raise LeaseError(409, f"positions [{L.end}, {end}) {why}")
-        if L.state == "live":
-            return L, end, [(None, L.start, end, L.attempts)]
-        src = self._unclaimed(L.start, end) if L.state in ("expired", "released") else None
-        if src is None:
-            raise LeaseError(409, f"the lease is {L.state} and positions of [{L.start}, {end}) were leased, "
-                                  "committed or taken into custody again since")
-        return L, end, src
-
-    def _advance(self, L, end, now):
-        """[L.start, end) left the lease for a custody record: the lease goes on after it."""
-        c = self.clusters[L.cluster]
-        if not c.reported:              # the commit-rate clock: the site finished these blocks now
-            sample = (end - L.start) / max(now - L.progress_at, 1e-3)
-            c.rate = sample if c.rate is None else 0.5 * c.rate + 0.5 * sample
-        L.start, L.progress_at = end, now
-        L.claimed = max(L.claimed, end) if L.state == "live" else end
-        if L.start == L.end:
-            if L.state == "live":
-                self._close(L, "done")
-            else:
-                L.state = "done"
-
-    def commit_custody(self, aggregator, epoch, delta, round=None, now=None):
-        """The aggregator's round with this delta is durable: its positions are COMMITTED.
-        `round`: the round that merged it (durable in the aggregator's state before this
-        call); the highest one is kept as the aggregator's watermark (see fence). A commit
-        of custody that was aborted, or never taken, is refused and counted."""
-        now = self.clock() if now is None else now
-        _check_name("aggregator", aggregator)
-        _check_name("delta", delta)
-        epoch = _epoch(epoch)
-        if round is not None:
-            round = _round(round)
-        self.expire(now)
-        self._check_fence(aggregator, epoch)
-        C = self.custody.get((aggregator, delta))
-        if C is None or C.state == "aborted":
-            self.counters["refused_commits"] += 1
-            if C is None:
-                raise LeaseError(409, f"no custody of delta {delta!r} by aggregator {aggregator!r}: DARL never "
-                                      "reserved its blocks for it, so they may be in other deltas too",
-                                 counted=True, code="unknown_custody", blocks=0)
-            self.counters["blocks_trained_twice"] += C.blocks
-            raise LeaseError(409, f"custody of delta {delta!r} was aborted ({C.why}): its {C.blocks} blocks went "
-                                  "back to the pool, so a merged delta holds blocks that are trained again",
-                             counted=True, code="custody_aborted", blocks=C.blocks)
-        if round is not None:
-            a = self.aggregators[aggregator]
-            a["round"] = max(a.get("round", 0), round)
-        if C.state == "committed":
-            return {**C.wire(), "repeat": True}
-        for _, a, b, _, _ in C.pieces:
-            self.committed.add(a, b)
-        c = self.clusters[C.cluster]
-        c.committed += C.blocks
-        c.last_commit = now
-        C.state = "committed"
-        self.custody_held.discard((aggregator, delta))
-        self._used(aggregator)
-        return C.wire()
-
-    def abort_custody(self, aggregator, epoch, delta, why=None, now=None):
-        """The aggregator will never merge this delta: its positions go back to the pool.
-        An abort of custody never taken leaves a tombstone, so a late custody request for
-        that delta (still in flight) is refused rather than held forever."""
-        now = self.clock() if now is None else now
-        _check_name("aggregator", aggregator)
-        _check_name("delta", delta)
-        epoch = _epoch(epoch)
-        why = why or "aborted by the aggregator"
-        self.expire(now)
-        self._check_fence(aggregator, epoch)
-        C = self.custody.get((aggregator, delta))
-        if C is not None and C.state == "committed":
-            self.counters["refused_aborts"] += 1      # committed blocks the aggregator says no round holds
-            raise LeaseError(409, f"custody of delta {delta!r} is committed: its blocks are counted and an abort "
-                                  "cannot take them back", counted=True, code="custody_committed", blocks=C.blocks)
-        if C is None:
-            C = self.custody[(aggregator, delta)] = Custody(aggregator, delta, epoch, "-", "-", [], "aborted", now,
-                                                            why)
-            self._used(aggregator)
-            return {**C.wire(), "returned": 0}
-        if C.state == "aborted":
-            return {**C.wire(), "returned": 0, "repeat": True}
-        self._return(C, why)
-        self._used(aggregator)
-        return {**C.wire(), "returned": C.blocks}
-
-    def abort_orphaned(self, aggregator, reason, expect=None, now=None):
-        """Operator: no aggregator will ever resolve `aggregator`'s custody (its state dir
-        is lost). Every custody it holds goes back to the pool, and the identity is retired:
-        whatever it sends from now on is refused (code "fenced"). `expect`: the delta ids the
-        operator was shown; if DARL holds another set now, nothing is done (code
-        "custody_changed")."""
-        now = self.clock() if now is None else now
-        _check_name("aggregator", aggregator)
-        if not isinstance(reason, str) or not reason.strip():
-            raise LeaseError(400, "reason must say why no aggregator will resolve this custody")
-        if aggregator not in self.aggregators:
-            raise LeaseError(404, f"no aggregator {aggregator!r} ever took custody here; known: "
-                                  f"{sorted(self.aggregators)}")
-        held = sorted((self.custody[k] for k in self.custody_held if k[0] == aggregator), key=lambda C: C.t)
-        if expect is not None and sorted(expect) != sorted(C.delta for C in held):
-            raise LeaseError(409, f"aggregator {aggregator!r} holds other custody now than the listing shown "
-                                  f"({len(held)} record(s)): nothing aborted; list it again", code="custody_changed")
-        for C in held:
-            self._return(C, f"aborted by the operator: {reason}")
-        self.aggregators[aggregator]["retired"] = reason
-        return {"aggregator": aggregator, "retired": reason, "aborted": [C.wire() for C in held],
-                "returned": sum(C.blocks for C in held)}
-
-    def _return(self, C, why):
-        for _, a, b, tag, pool in C.pieces:
-            getattr(self, pool).add(a, b, tag)
-        C.state, C.why = "aborted", why
-        self.custody_held.discard((C.aggregator, C.delta))
-        self.counters["aborted_custody"] += 1
-
-    def _check_fence(self, aggregator, epoch):
-        """Only the current epoch DARL issued to `aggregator` may act for it."""
-        a = self.aggregators.get(aggregator)
-        if a is None:
-            raise LeaseError(409, f"aggregator {aggregator!r} has no epoch here: POST /fence first (a DARL "
-                                  "restarted on another state dir also answers this)", code="not_fenced")
-        if a["retired"]:
-            raise LeaseError(409, f"aggregator {aggregator!r} was retired by the operator ({a['retired']}) and "
-                                  "its custody aborted: this aggregator must stop", code="fenced")
-        if epoch != a["epoch"]:
-            raise LeaseError(409, f"aggregator {aggregator!r} epoch {epoch} is not epoch {a['epoch']}, the one DARL "
-                                  "issued last: a newer process of this aggregator runs; this one must stop",
-                             code="fenced")
-
-    def _used(self, aggregator):
-        """The current epoch acted: its claim can no longer be repeated (by a copy of the state
-        taken while the fence was in flight)."""
-        self.aggregators[aggregator]["claim"] = None
-
     def set_config(self, config, now=None):
         """A logged change of the decision flags (darl_server.py --accept-config-change)."""
         try:
@@ -1075,24 +658,9 @@ class LeaseTable:
                          "leased": sum(self.leases[i].end - self.leases[i].start for i in self.held[c.name]),
                          "blocks_per_s": round(c.committed / span, 3) if span > 0 else None,
                          "rate": c.rate, "last_seen_s": round(now - c.last_seen, 1)})
-        aggs = []
-        for name, a in sorted(self.aggregators.items()):
-            held = [self.custody[k] for k in self.custody_held if k[0] == name]
-            aggs.append({"aggregator": name, "epoch": a["epoch"], "holder": a.get("holder"),
-                         "round": a.get("round", 0), "retired": a["retired"], "held": len(held),
-                         "held_blocks": sum(C.blocks for C in held)})
-        states = collections.Counter(C.state for C in self.custody.values())
         return {**books, "clusters": rows, "quarantined_runs": [[s, e] for s, e, _ in self.quarantined][:50],
                 "leases": [L.wire(now) for L in list(self.leases.values())[:200]],
-                "violations": dict(self.counters), "aggregators": aggs,
-                "custody": {"held": len(self.custody_held), "committed": states["committed"],
-                            "aborted": states["aborted"]},
-                "custody_held": [self.custody[k].wire() for k in sorted(self.custody_held)][:200]}
-
-    def custody_records(self, aggregator=None, state=None):
-        """Custody records (GET /custody), oldest first, optionally of one aggregator and state."""
-        return [C.wire() for C in sorted(self.custody.values(), key=lambda C: C.t)
-                if (aggregator is None or C.aggregator == aggregator) and (state is None or C.state == state)]
+                "violations": dict(self.counters)}
 
     # ---- snapshot form
 
@@ -1100,17 +668,13 @@ class LeaseTable:
         """The table as plain values, sharing nothing mutable with it (darl_server serializes
         it outside its lock). Rows by attrgetter: dataclasses.astuple deep-copies field by
         field, ~10x slower, and closed leases are kept for good, so this grows with the run."""
-        def custody_row(C):
-            row = list(_CUSTODY_ROW(C))
-            row[_CUSTODY_PIECES] = [list(p) for p in C.pieces]
-            return row
         return {"num_blocks": self.num_blocks, "next_id": self.next_id,
                 "free": [list(x) for x in self.free], "committed": [list(x) for x in self.committed],
                 "quarantined": [list(x) for x in self.quarantined],
                 "leases": [_LEASE_ROW(L) for L in self.leases.values()],
                 "closed": [_LEASE_ROW(L) for L in self.closed.values()],
                 "clusters": [dict(vars(c)) for c in self.clusters.values()],
-                "custody": [custody_row(C) for C in self.custody.values()],
+                "custody": [_custody_row(C) for C in self.custody.values()],
                 "aggregators": {k: dict(v) for k, v in self.aggregators.items()}, "counters": dict(self.counters)}
 
     @classmethod

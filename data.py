@@ -249,7 +249,7 @@ def shard_for_rank(order, rank, world, batch):
 
 def span_windows(space, start, end, seed, lease):
     """Training-window indices of block positions [start, end) of `space` (a
-    darl_table.BlockSpace over the training windows), shuffled with a seed derived
+    block_space.BlockSpace over the training windows), shuffled with a seed derived
     from (seed, lease, start): every rank computes the same list with no traffic."""
     idx = [w for pos in range(start, end) for w in space.samples_of(space.block_at(pos))]
     return np.random.default_rng([seed, lease, start]).permutation(np.asarray(idx, dtype=np.int64))

@@ -155,7 +155,7 @@ class Custodian:
             raise Refused(409, why, code="lease_lost", leases=ans.reply.get("leases", [l["id"] for l in p.leases]))
 
     def fence(self):
-        """Ask DARL for this process's epoch (DARL issues it; see darl_table.fence)."""
+        """Ask DARL for this process's epoch (DARL issues it; see darl_custody.CustodyTable.fence)."""
         with self.fence_lock:
             return self.books.epoch_held or self._ask_epoch()
 
@@ -181,7 +181,7 @@ class Custodian:
         # then bind it to this process: a copy of our state taken while the ask was in
         # flight holds the same claim and may have been given the same epoch. This state
         # names this process as the holder from now on, so if the copy confirms first,
-        # DARL fences this state at every later ask (darl_table.fence)
+        # DARL fences this state at every later ask (darl_custody.CustodyTable.fence)
         ans = self.link.confirm_fence(self.books.aggregator, self.books.epoch, claim, self.process_id)
         if ans.kind == REFUSED:
             return self._stop(ans.reply.get("error", ans.error))

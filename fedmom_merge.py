@@ -52,6 +52,7 @@ import numpy as np
 
 import tensorio
 import wire
+import wire_kernels
 
 DELTA_DTYPES = ("F16", "BF16", "F32")
 CHUNK = 1 << 18               # elements per arithmetic step: 1 MiB of f32 stays in cache
@@ -257,7 +258,7 @@ class DeltaReader:
             n = math.prod(shape)
             if self.codec.fmt == "int4" and not wire.padding_is_zero(codes, 4, n):
                 raise wire.WireError(f"{where}: the padding nibble after the last value is not 0")
-            R, C, nb = wire._as_blocks(shape, self.codec.block)
+            R, C, nb = wire_kernels.as_blocks(shape, self.codec.block)
             self.parts = (codes.reshape(-1) if self.codec.fmt == "int4" else codes.reshape(R, C),
                           tensorio.bf16_to_f32(sbits).reshape(R, nb), C)
         self.nread += self.w.nbytes(name)
@@ -282,9 +283,9 @@ class DeltaReader:
             return buf, dtype
         codes, scale, C = self.parts
         a, b = lo // C, hi // C
-        bad, block, fmt = [], self.codec.block, self.codec.fmt
-        src = codes[lo // 2:] if fmt == "int4" else codes[a:b]
-        wire._decode_span(src, scale[a:b], 0, b - a, C, block, fmt, out[:hi - lo].reshape(b - a, C), bad)
+        bad = []
+        src = codes[lo // 2:] if self.codec.fmt == "int4" else codes[a:b]
+        wire_kernels.decode_span(src, scale[a:b], 0, b - a, C, self.codec, out[:hi - lo].reshape(b - a, C), bad)
         if bad:
             raise wire.WireError(f"{self.path}: tensor {self.name!r}: {bad[0]}")
         return out[:hi - lo], "F32"
@@ -301,7 +302,7 @@ STEP = 1 << 16     # elements per fused step: its dozen float32 buffers stay in 
 
 def piece_unit(shape, codecs):
     """Elements per indivisible piece of a tensor: a piece starts and ends on a block boundary
-    of every block codec in `codecs` (wire._as_blocks: a block of the flattened tensor when
+    of every block codec in `codecs` (wire_kernels.as_blocks: a block of the flattened tensor when
     the last dimension is a multiple of it, else a whole row) and, for int4, on a byte."""
     cols = shape[-1] if shape else 1
     unit = 1
@@ -363,7 +364,7 @@ def merge_tensor(inputs, name, theta, buf, weights, lr, mu, sums, work, threads=
             mine = [np.empty(CHUNK, np.float32) for _ in range(2)]
             results[a:b] = _merge_chunks(inputs, name, theta, buf, weights, lr, mu, chunks[a:b], mine,
                                          inputs.new_scratch())
-        wire.run_spans(run, len(chunks), 1, CHUNK, threads)
+        wire_kernels.run_spans(run, len(chunks), 1, CHUNK, threads)
     for tsq, dsq, bad in results:
         sums["theta"] += tsq
         for i, v in enumerate(dsq):
@@ -472,10 +473,10 @@ def merge_files(theta_path, momentum_path, deltas, out_theta, out_momentum, lr, 
     (momentum 0). out_theta: a path, or a callable (specs, metadata) -> a writer such as
     Publisher, which gets each merged tensor instead of a file (its .result is returned as
     "published"). after_tensor(name): called after each merged tensor (the aggregator's
-    fault point). threads: the chunks of a tensor on threads (None: wire.default_threads(),
+    fault point). threads: the chunks of a tensor on threads (None: wire_kernels.default_threads(),
     $WIRE_THREADS or every core; the same bits and norms for any number).
     Returns {"theta_norm", "delta_norms", "bytes_read", "bytes_written", "published"}."""
-    threads = wire.resolve_threads(threads)
+    threads = wire_kernels.resolve_threads(threads)
     writers, inputs = [], None
     try:
         inputs = Inputs(theta_path, momentum_path, [p for p, _ in deltas])
@@ -683,7 +684,7 @@ def delta_sq_norm(d, name, threads=None):
         for i in range(a, b):
             x, dtype = d.read(*pieces[i], buf)
             results[i] = _finite_sq_norm(x, dtype)
-    wire.run_spans(run, len(pieces), 1, step, wire.resolve_threads(threads))
+    wire_kernels.run_spans(run, len(pieces), 1, step, wire_kernels.resolve_threads(threads))
     if any(r is None for r in results):
         return None
     total = sum(results)

@@ -347,7 +347,7 @@ class CustodyBooks:
             self.say(f"fedmom: DARL answers again (after {self.alarm['calls']} unanswered call(s))")
             self.alarm = None
 
-    # ---- the epoch (darl_table.fence has DARL's side)
+    # ---- the epoch (darl_custody.CustodyTable.fence has DARL's side)
 
     def not_fenced(self, ans):
         """DARL has no epoch for us (it was restarted on another state dir): ask for one again."""

@@ -1,15 +1,13 @@
 """fedmom_server.py - the central FedMom aggregator: one global model, merged from the sites' deltas.
 
 Runs on: the central VM (CPU only). Python standard library + numpy; never imports
-torch, so copying httpd.py, httpc.py, testhooks.py, durable.py, tensorio.py, wire.py
-(compressed deltas and updates), darl_table.py, fedmom_merge.py (the merge arithmetic and the
-delta checks), outer_defaults.py (the default outer lr and momentum), outer_state.py (the outer
-state in memory), fedmom_checkpoint.py (its checkpoint and replay),
-fedmom_records.py and fedmom_round.py (the round protocol, pure), fedmom_store.py (state.json
-and the spool), fedmom_outer.py (the outer state merged, checkpointed, rebuilt), fedmom_darl.py
-(the custody calls), fedmom_blobs.py with blob_client.py (the blob transport and retention),
-fedmom_state.py (all of it put together), status_page.py (GET /) and this file onto a bare
-Python 3 with numpy is the whole install (central.sh's CENTRAL_FILES).
+torch. What it imports, all of it numpy at most: the HTTP server (httpd.py, httpd_loop.py),
+the round protocol (fedmom_round.py, pure, with fedmom_records.py), the books
+(fedmom_store.py: state.json and the spool), the outer state (fedmom_outer.py over
+outer_state.py, fedmom_merge.py, fedmom_checkpoint.py, wire.py, wire_kernels.py), the custody
+calls (fedmom_darl.py), the blob transport and retention (fedmom_blobs.py, blob_client.py),
+fedmom_state.py putting them together and status_page.py (GET /). The files to copy onto a
+bare Python 3 with numpy are central.sh's CENTRAL_FILES (RUNBOOK.md section 1).
 
 This file is the HTTP shell: each route reads its request and makes one call on the
 FedMomState, which knows nothing of HTTP (fedmom_round.Refused becomes the 4xx it names);
@@ -27,7 +25,7 @@ the three loops below drive its rounds, its calls to DARL and the blob store's r
     python fedmom_server.py status --url https://127.0.0.1:29511 [--token-file FILE --ca-file ca.pem]
 
 Port 29511, bound to 127.0.0.1 unless --host says otherwise (a non-loopback bind
-needs a token and TLS, or --insecure; httpd.py has the connection limits). Callers: the sites' outer step (diloco.py's HTTP
+needs a token and TLS, or --insecure; httpd_loop.py has the connection limits). Callers: the sites' outer step (diloco.py's HTTP
 carrier, through fedmom_client.FedMomClient) and operators (`status`, a browser on GET /).
 Every endpoint needs `Authorization: Bearer <token>` when a token is set, except
 GET /health and GET / : the page is read-only, shows round numbers, cluster ids and

@@ -51,8 +51,8 @@ import secrets
 import threading
 import time
 
+import block_space
 import darl_client
-import darl_table
 import data
 import durable
 import fedmom_client
@@ -178,8 +178,8 @@ class FedSite:
         against our own manifest; registered at DARL, a member at FedMom."""
         st = yield from self._call("DARL status", lambda d: self.darl.status(deadline=d))
         sp = st["space"]
-        space = darl_table.BlockSpace(self.windows.train_windows, sp["block_size"], sp["seed"],
-                                      manifest_digest=self.windows.digest)
+        space = block_space.BlockSpace(self.windows.train_windows, sp["block_size"], sp["seed"],
+                                       manifest_digest=self.windows.digest)
         if space.digest() != st["digest"]:
             raise CorpusMismatch(f"--data {self.cfg.data}: this corpus gives block space {space.describe()}, "
                                  f"the coordinator has {sp}; start darl_server.py --manifest with the same "
@@ -555,8 +555,8 @@ class LeasedSource:
 
     def __init__(self, cfg, windows, block_size, seed, rank, world):
         self.cfg, self.windows, self.rank, self.world = cfg, windows, rank, world
-        self.space = darl_table.BlockSpace(windows.train_windows, block_size, seed,
-                                           manifest_digest=windows.digest)
+        self.space = block_space.BlockSpace(windows.train_windows, block_size, seed,
+                                            manifest_digest=windows.digest)
         self.per_step = cfg.batch_size * world * cfg.grad_accum
 
     def phase(self, lease, start, end):

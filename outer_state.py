@@ -39,6 +39,7 @@ import numpy as np
 import fedmom_merge
 import tensorio
 import wire
+import wire_kernels
 
 
 class ReplayMismatch(RuntimeError):
@@ -143,8 +144,8 @@ class _Tensor:
         self.blocks = self.codec is not None and self.codec.fmt in wire.LEVELS
         self.codes = self.sbits = self.x = None
         if self.blocks:                                    # the update's parts, filled piece by piece
-            R, C, nb = wire._as_blocks(shape, self.codec.block)
-            self.codes = (np.empty(wire.packed_bytes(self.n, 4), np.uint8) if self.codec.fmt == "int4"
+            R, C, nb = wire_kernels.as_blocks(shape, self.codec.block)
+            self.codes = (np.empty(wire_kernels.packed_bytes(self.n, 4), np.uint8) if self.codec.fmt == "int4"
                           else np.empty((R, C), np.int8))
             self.sbits, self.C = np.empty((R, nb), np.uint16), C
         elif self.codec is not None:                       # another format: encoded whole, after the merge
@@ -195,8 +196,8 @@ class _Tensor:
                 return tsq, dsq, rsq, None
             a, b = lo // self.C, hi // self.C
             codes = self.codes[lo // 2:] if self.codec.fmt == "int4" else self.codes[a:b]
-            wire._encode_span(x.reshape(b - a, self.C), 0, b - a, self.codec.block, self.codec.fmt, codes,
-                              self.sbits[a:b], sent.reshape(b - a, self.C))
+            wire_kernels.encode_span(x.reshape(b - a, self.C), 0, b - a, self.codec, codes, self.sbits[a:b],
+                                     sent.reshape(b - a, self.C))
             np.add(T, sent, out=T)                                   # theta = prev + sent (wire.add_update)
             if not np.isfinite(T).all():
                 return tsq, dsq, rsq, "theta"
@@ -220,7 +221,7 @@ class _Tensor:
 
     def update_parts(self):
         """The int8/int4 update of this tensor, as Codec.encode returns its parts."""
-        rows, cols = wire.rows_cols(self.shape)
+        rows, cols = wire_kernels.rows_cols(self.shape)
         codes = self.codes if self.codec.fmt == "int4" else self.codes.reshape(self.shape)
         return {"": codes, wire.SCALE: self.sbits.reshape(rows, -(-cols // self.codec.block))}
 
@@ -252,7 +253,7 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
     left as it is, nothing is written and no digest is made or checked (the state's round and
     digest are the caller's to set). Each run must start and end on a whole row (a pair of
     rows when a row is odd) and, with a topk --down-wire, on a chunk of it."""
-    threads = wire.resolve_threads(threads)
+    threads = wire_kernels.resolve_threads(threads)
     codec, mu, shapes = step.codec, step.mu, state.shapes
     fresh = step.fresh or state.momentum is None or mu == 0
     if only is not None and out_update is not None:
@@ -283,7 +284,7 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
         new_residual = {} if codec is not None else None
         sums = {"theta": 0.0, "delta": [0.0] * len(deltas)}
         base_digest, digest, rsq = state.digest, wire.Digest(), 0.0
-        behind, pending = wire.Behind(), []
+        behind, pending = wire_kernels.Behind(), []
         for n, sh in shapes.items():
             if n not in runs:
                 continue
@@ -299,7 +300,7 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
             def run(a, b, t=t, pieces=pieces, results=results):
                 done = t.run(pieces[a:b])                  # shorter after a bad piece: the rest stay None
                 results[a:a + len(done)] = done
-            wire.run_spans(run, len(pieces), 1, step_n, threads)
+            wire_kernels.run_spans(run, len(pieces), 1, step_n, threads)
             for r in results:
                 if r is None:                              # after a bad piece of its span: never reached
                     continue

@@ -5,8 +5,8 @@ Runs on: both ends. Upstream, sites encode (train.py --wire, through diloco.py's
 FedMomCarrier) and the central VM decodes (fedmom_state.py, at acceptance). Downstream
 (fedmom_server.py --down-wire), the VM encodes each round's update (fedmom_merge.Publisher)
 and a site that holds the previous round applies it (fedsite.py, apply_update). Python +
-numpy + tensorio.py only; never torch. No server, no port, no state directory. From the
-shell:
+numpy + tensorio.py + wire_kernels.py only; never torch. No server, no port, no state
+directory. From the shell:
 
     python wire.py FILE            # header: wire format, parameters, one line per tensor
     python wire.py FILE --check    # also decode every tensor once (finds bad scales, codes, indices)
@@ -58,28 +58,26 @@ it refuses a bad file with WireError naming the tensor. decode_file streams a wi
 file into a plain F32 file one tensor at a time: peak memory is a few times the
 largest tensor, never the model.
 
-Speed: int8/int4 encode and decode work CHUNK values at a time in reused buffers, the
-chunks of a tensor on a thread pool (threads=, default $WIRE_THREADS or every core:
-numpy releases the GIL); decode_file, apply_update and theta_digest reuse two buffers
+Speed: int8/int4 encode and decode run on wire_kernels.py (the block kernels, CHUNK values
+at a time in reused buffers, the chunks of a tensor on a thread pool: threads=, default
+$WIRE_THREADS or every core); decode_file, apply_update and theta_digest reuse two buffers
 the size of the largest tensor and run each tensor's sha256 and write on threads behind
-the next one (Pipeline). The Digest stays one sha256 over the tensors in order, so it
-is serial: it overlaps the rest instead. Codec.encode/decode(reference=True) keep the
-plain numpy version, the definition the fast path must match bit for bit
+the next one (wire_kernels.Pipeline). The Digest stays one sha256 over the tensors in
+order, so it is serial: it overlaps the rest instead. Codec.encode/decode(reference=True)
+keep the plain numpy version here, the definition the fast path must match bit for bit
 (tests/test_wire.py FastPathTest); bench/wire_speed.py times both. wire_torch.py is the
 same codec in torch for a site's device.
 """
 import argparse
-import concurrent.futures
 import dataclasses
 import json
 import math
-import os
 import sys
-import threading
 
 import numpy as np
 
 import tensorio
+import wire_kernels
 
 WIRE = "pww-wire/1"
 FORMATS = ("f32", "bf16", "int8", "int4", "topk")
@@ -112,10 +110,6 @@ def pack_bits(codes, nbits):
     return np.packbits(bits.reshape(-1), bitorder="little")
 
 
-def packed_bytes(count, nbits):
-    return (count * nbits + 7) // 8
-
-
 def unpack_bits(packed, nbits, count):
     """The inverse of pack_bits: `count` unsigned integers (uint32 or narrower)."""
     packed = np.asarray(packed, dtype=np.uint8).reshape(-1)
@@ -138,16 +132,7 @@ def padding_is_zero(packed, nbits, count):
     return int(packed[-1]) >> (used % 8) == 0
 
 
-# ---------------------------------------------------------------- scales
-
-def bf16_up(a):
-    """float32 >= 0 -> bfloat16 bits, rounded UP (toward +inf): the stored scale is never
-    smaller than the one asked for, so no value of its block leaves the grid."""
-    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-    hi = (u >> np.uint32(16)).astype(np.uint16)
-    hi[(u & np.uint32(0xFFFF)) != 0] += np.uint16(1)
-    return hi
-
+# ---------------------------------------------------------------- scales (how they are made: wire_kernels.bf16_up)
 
 def scales_ok(bits):
     """BF16 scale bits that are finite and >= 0 (-0 is taken as 0)."""
@@ -164,254 +149,7 @@ def _grid(x, scale, levels):
     return q.astype(np.int8 if levels <= 127 else np.int16)
 
 
-# ---------------------------------------------------------------- threads
-
-CHUNK = 1 << 16       # values per step of the block kernels: 256 KiB of f32, in L2 while it is worked on
-TASK = 1 << 20        # values per task handed to a thread (fewer, larger tasks: less Python per value)
-_pools, _pools_lock = {}, threading.Lock()
-
-
-def default_threads():
-    """Threads for encode/decode/apply: $WIRE_THREADS, else every core (numpy releases the GIL)."""
-    env = os.environ.get("WIRE_THREADS", "").strip()
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"WIRE_THREADS={env!r}: use a whole number of threads >= 1")
-        return int(env)
-    return os.cpu_count() or 1
-
-
-def resolve_threads(threads):
-    """None -> default_threads(); else a whole number >= 1 (the error names --threads)."""
-    if threads is None:
-        return default_threads()
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"--threads {threads!r}: use a whole number of threads >= 1")
-    return threads
-
-
-def _pool(threads):
-    """One shared pool per size and process, made on first use (nothing runs at import;
-    a forked child has none of its parent's threads, so it makes its own)."""
-    key = (os.getpid(), threads)
-    with _pools_lock:
-        if key not in _pools:
-            _pools[key] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="wire")
-        return _pools[key]
-
-
-def run_spans(fn, rows, unit, per_row, threads):
-    """fn(a, b) over [0, rows) in spans of whole `unit`s of rows, about TASK values each,
-    on `threads` threads (inline for one thread or one span). Spans never overlap, so each
-    writes its own slice of the outputs and the result does not depend on the threads.
-    Called from inside a span (the merge's chunks decode a compressed delta), it runs
-    inline: its spans would wait in the queue behind the very spans waiting for them."""
-    step = max(unit, -(-max(1, TASK // max(per_row, 1)) // unit) * unit)
-    spans = [(a, min(a + step, rows)) for a in range(0, rows, step)]
-    if threads <= 1 or len(spans) <= 1 or getattr(_in_span, "on", False):
-        for a, b in spans:
-            fn(a, b)
-        return
-    for f in [_pool(threads).submit(_span, fn, a, b) for a, b in spans]:
-        f.result()
-
-
-_in_span = threading.local()
-
-
-def _span(fn, a, b):
-    _in_span.on = True
-    try:
-        fn(a, b)
-    finally:
-        _in_span.on = False
-
-
-class Behind:
-    """Jobs run in submission order on one thread behind the caller (a write, a hash):
-    submit() returns a future; result() of a later one re-raises an earlier failure."""
-
-    def __init__(self):
-        self.ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wire-behind")
-
-    def submit(self, fn, *args):
-        return self.ex.submit(fn, *args)
-
-    def close(self):
-        self.ex.shutdown(wait=True)
-
-
-# ---------------------------------------------------------------- the block kernels (int8, int4)
-#
-# The fast path of Codec's int8/int4 encode and decode: the same float32 operations as
-# the reference (_encode_blocks_ref, _decode_blocks_ref; tests/test_wire.py checks them
-# bit for bit), done CHUNK values at a time in reused buffers, on threads. A tensor is
-# seen as X [R, C]: when its last dimension is a multiple of the block, X is [rows x
-# blocks, block] (one scale per row of X, the flattened order unchanged, no padding);
-# else X is [rows, cols] and each chunk is zero-padded to whole blocks in its buffer.
-
-def _as_blocks(shape, block):
-    """-> (R, C, nb): X's rows and columns and the blocks per row of X."""
-    rows, cols = rows_cols(shape)
-    if cols and cols % block == 0:
-        return rows * (cols // block), block, 1
-    return rows, cols, -(-cols // block)
-
-
-def _row_unit(C, fmt):
-    """int4 packs two values a byte over the flattened tensor: a span must start on an
-    even value, so with an odd C it takes rows in pairs."""
-    return 2 if fmt == "int4" and C % 2 else 1
-
-
-def _encode_span(X, a, b, block, fmt, codes, sbits, sent):
-    """Rows [a, b) of X -> their codes, scales (BF16 bits, [R, nb]) and decoded values."""
-    levels = LEVELS[fmt]
-    C, nb = X.shape[1], sbits.shape[1]
-    W, unit = nb * block, _row_unit(C, fmt)
-    step = max(unit, CHUNK // W // unit * unit)
-    buf = np.zeros((step, W), np.float32)           # q; the pad columns of a ragged row start at 0
-    mag = np.zeros((step, W), np.float32)
-    amax = np.empty((step, nb), np.float32)
-    u8 = np.empty((step, W), np.uint8) if fmt == "int4" else None
-    for r0 in range(a, b, step):
-        r1 = min(r0 + step, b)
-        r = r1 - r0
-        q, m, am = buf[:r], mag[:r], amax[:r]
-        qb = q.reshape(r, nb, block)
-        if W == C:
-            src = X[r0:r1].reshape(r, nb, block)
-            np.abs(X[r0:r1], out=m)
-        else:                                        # ragged: the row padded with zeros to whole blocks
-            q[:, :C] = X[r0:r1]
-            q[:, C:] = 0
-            src = qb
-            np.abs(q, out=m)
-        # the block's largest magnitude, reduced as int32 bits: the same order for floats
-        # >= 0, and numpy's integer reduction is the vectorised one (about 2x here)
-        np.maximum.reduce(m.reshape(r, nb, block).view(np.int32), axis=2, out=am.view(np.int32))
-        am /= np.float32(levels)
-        bits = bf16_up(am)
-        sbits[r0:r1] = bits
-        scale = tensorio.bf16_to_f32(bits)[:, :, None]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            np.divide(src, scale, out=qb)            # IEEE division, as the reference's x / scale
-        np.rint(qb, out=qb)
-        # no clip: |x| <= amax and scale >= fl(amax / L), so |x| / scale <= L (1 + 2^-17) and
-        # rint gives at most L (a subnormal fl(amax / L) rounds up to a bfloat16 >= 2^-133 first)
-        if not scale.all():                          # a zero block (or one below the bf16 range): codes 0
-            qb[scale[:, :, 0] == 0] = 0
-        if fmt == "int4":
-            qb += np.float32(8)                      # codes 1..15; and -0.0 + 8 - 8 is +0.0, as in the reference
-            np.copyto(u8[:r], q, casting="unsafe")
-            qb -= np.float32(8)
-            _pack4_rows(u8[:r, :C], r0 * C, codes)
-        else:
-            qb += np.float32(0)                      # -0.0 -> +0.0: the reference's codes pass through int8
-            np.copyto(codes[r0:r1], q[:, :C], casting="unsafe")
-        if W == C:
-            np.multiply(qb, scale, out=sent[r0:r1].reshape(r, nb, block))
-        else:
-            with np.errstate(over="ignore"):
-                np.multiply(qb, scale, out=qb)
-            sent[r0:r1] = q[:, :C]
-    # (an overflowing product is Inf, as in the reference: the receiver's finiteness check refuses it)
-
-
-def _pack4_rows(u8, start, packed):
-    """Codes (uint8 < 16, [r, C]) of values start.. into packed[start // 2 ..]: each pair is
-    one little-endian uint16 (lo, hi), so lo | hi << 4 is (v | v >> 4) & 0xFF."""
-    flat = np.ascontiguousarray(u8).reshape(-1)
-    even = flat.size // 2 * 2
-    v = flat[:even].view(np.uint16)
-    t = v >> np.uint16(4)
-    t |= v
-    np.copyto(packed[start // 2:start // 2 + even // 2], t, casting="unsafe")
-    if even < flat.size:                             # the tensor's odd last value: the high nibble is 0
-        packed[(start + even) // 2] = flat[-1]
-
-
-def _decode_span(codes, scale, a, b, C, block, fmt, out, bad):
-    """Rows [a, b) of X from codes and float32 scales [R, nb] into out [R, C]; a code
-    outside the symmetric range is put in `bad` (the caller raises)."""
-    nb = scale.shape[1]
-    W, unit = nb * block, _row_unit(C, fmt)
-    step = max(unit, CHUNK // W // unit * unit)
-    if fmt == "int4":
-        v = np.empty(-(-step * C // 2), np.uint16)
-        t = np.empty_like(v)
-    qf = np.empty((step, W), np.float32)
-    for r0 in range(a, b, step):
-        r1 = min(r0 + step, b)
-        r, cnt = r1 - r0, (r1 - r0) * C
-        if fmt == "int4":
-            src = codes[r0 * C // 2:(r0 * C + cnt + 1) // 2]
-            vv, tt = v[:src.size], t[:src.size]
-            np.copyto(vv, src)                       # byte (hi, lo) -> uint16 0x0h0l, little-endian: lo, hi
-            np.bitwise_and(vv, np.uint16(0xF0), out=tt)
-            tt <<= np.uint16(4)
-            vv &= np.uint16(0x0F)
-            vv |= tt
-            q8 = vv.view(np.uint8)[:cnt]
-            if cnt and q8.min() == 0:
-                bad.append("int4 code 0 (= -8) is outside the symmetric range [-7, 7]")
-                return
-            q = qf[:r, :C]
-            np.subtract(q8.reshape(r, C), np.float32(8), out=q)
-        else:
-            q8 = codes[r0:r1]
-            if cnt and q8.min() < -127:
-                bad.append("code -128 is outside the symmetric int8 range [-127, 127]")
-                return
-            q = q8                                   # int8 x float32 scale multiplies in float32
-        with np.errstate(over="ignore"):             # an overflow is Inf: the receiver's finiteness check refuses it
-            if W == C:
-                np.multiply(q.reshape(r, nb, block), scale[r0:r1, :, None], out=out[r0:r1].reshape(r, nb, block))
-            else:
-                np.multiply(q, np.repeat(scale[r0:r1], block, axis=1)[:, :C], out=out[r0:r1])
-
-
-def encode_blocks(codec, x, threads=1):
-    """int8/int4, the fast path: x (float32) -> (codes, scale bits [rows, nb], decoded x)."""
-    block, fmt = codec.block, codec.fmt
-    rows, cols = rows_cols(x.shape)
-    R, C, nb = _as_blocks(x.shape, block)
-    X = x.reshape(R, C)
-    sbits = np.empty((R, nb), np.uint16)
-    sent = np.empty(x.shape, np.float32)
-    codes = np.empty(x.shape, np.int8) if fmt == "int8" else np.empty(packed_bytes(x.size, 4), np.uint8)
-    cview = codes.reshape(R, C) if fmt == "int8" else codes
-    run_spans(lambda a, b: _encode_span(X, a, b, block, fmt, cview, sbits, sent.reshape(R, C)),
-              R, _row_unit(C, fmt), C, threads)
-    return codes, sbits.reshape(rows, -(-cols // block)), sent
-
-
-def decode_blocks(codec, codes, sbits, shape, where, threads=1, out=None):
-    """int8/int4, the fast path: parts as read -> float32 of `shape` (into `out` if given)."""
-    block, fmt, n = codec.block, codec.fmt, math.prod(shape)
-    if not scales_ok(sbits):
-        raise WireError(f"{where}: a scale is negative, NaN or Inf")
-    if fmt == "int4" and not padding_is_zero(codes, 4, n):
-        raise WireError(f"{where}: the padding nibble after the last value is not 0")
-    R, C, nb = _as_blocks(shape, block)
-    scale = tensorio.bf16_to_f32(sbits).reshape(R, nb)
-    out = np.empty(shape, np.float32) if out is None else out.reshape(-1)[:n].reshape(shape)
-    cview = codes.reshape(R, C) if fmt == "int8" else codes.reshape(-1)
-    bad = []
-    run_spans(lambda a, b: _decode_span(cview, scale, a, b, C, block, fmt, out.reshape(R, C), bad),
-              R, _row_unit(C, fmt), C, threads)
-    if bad:
-        raise WireError(f"{where}: {bad[0]}")
-    return out
-
-
 # ---------------------------------------------------------------- the codec
-
-def rows_cols(shape):
-    """A tensor as [rows, cols] along its last dimension (a scalar is one 1-value row)."""
-    cols = shape[-1] if shape else 1
-    return (math.prod(shape) // cols if cols else 0), cols
-
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
@@ -434,6 +172,11 @@ class Codec:
         if self.topk_bits not in (4, 8):
             raise ValueError(f"--wire-topk-bits {self.topk_bits}: use 4 or 8")
         return self
+
+    @property
+    def levels(self):
+        """int8/int4: the largest code magnitude L, 127 or 7 (LEVELS)."""
+        return LEVELS[self.fmt]
 
     @property
     def index_bits(self):
@@ -473,7 +216,7 @@ class Codec:
     def parts(self, name, shape):
         """[(part name, dtype, shape)] of one tensor in the file, codes first."""
         shape, n = tuple(shape), math.prod(shape)
-        rows, cols = rows_cols(shape)
+        rows, cols = wire_kernels.rows_cols(shape)
         nb = -(-cols // self.block)
         if self.fmt == "f32":
             return [(name, "F32", shape)]
@@ -482,15 +225,16 @@ class Codec:
         if self.fmt == "int8":
             return [(name, "I8", shape), (name + SCALE, "BF16", (rows, nb))]
         if self.fmt == "int4":
-            return [(name, "U8", (packed_bytes(n, 4),)), (name + SCALE, "BF16", (rows, nb))]
+            return [(name, "U8", (wire_kernels.packed_bytes(n, 4),)), (name + SCALE, "BF16", (rows, nb))]
         nch, m = self.chunks(n)
-        return [(name, "U8", (packed_bytes(m, self.topk_bits),)),
-                (name + INDEX, "U8", (packed_bytes(m, self.index_bits),)), (name + SCALE, "BF16", (nch,))]
+        return [(name, "U8", (wire_kernels.packed_bytes(m, self.topk_bits),)),
+                (name + INDEX, "U8", (wire_kernels.packed_bytes(m, self.index_bits),)),
+                (name + SCALE, "BF16", (nch,))]
 
     # -- one tensor
     def encode(self, x, threads=None, reference=False):
         """float32 array -> ({part name suffix: array}, what the receiver will decode, float32).
-        threads: for int8/int4 (None: default_threads()); reference: the plain numpy
+        threads: for int8/int4 (None: $WIRE_THREADS, else every core); reference: the plain numpy
         version of the block formats, kept as the definition the fast path is tested against."""
         x = np.require(x, np.float32, "C")        # (ascontiguousarray makes a scalar 1-d)
         if self.fmt == "f32":
@@ -502,12 +246,12 @@ class Codec:
             return self._encode_topk(x)
         if reference:
             return self._encode_blocks_ref(x)
-        codes, sbits, sent = encode_blocks(self, x, resolve_threads(threads))
+        codes, sbits, sent = wire_kernels.encode_blocks(self, x, wire_kernels.resolve_threads(threads))
         return {"": codes, SCALE: sbits}, sent
 
     def _blocked(self, x):
         """x as [rows, nblocks, block] (the short last block of a row zero-padded)."""
-        rows, cols = rows_cols(x.shape)
+        rows, cols = wire_kernels.rows_cols(x.shape)
         nb = -(-cols // self.block)
         x2 = x.reshape(rows, cols)
         if cols != nb * self.block:
@@ -517,7 +261,7 @@ class Codec:
     def _encode_blocks_ref(self, x):
         levels = LEVELS[self.fmt]
         xb, cols = self._blocked(x)
-        sbits = bf16_up(np.abs(xb).max(axis=2, initial=0.0) / np.float32(levels))
+        sbits = wire_kernels.bf16_up(np.abs(xb).max(axis=2, initial=0.0) / np.float32(levels))
         scale = tensorio.bf16_to_f32(sbits)
         q = _grid(xb, scale[:, :, None], levels)
         q = q.reshape(q.shape[0], q.shape[1] * self.block)[:, :cols].reshape(x.shape)
@@ -525,7 +269,7 @@ class Codec:
         return {"": codes, SCALE: sbits}, self._dequant_blocks(q, scale, x.shape)
 
     def _dequant_blocks(self, q, scale, shape):
-        rows, cols = rows_cols(shape)
+        rows, cols = wire_kernels.rows_cols(shape)
         per = np.repeat(scale, self.block, axis=1)[:, :cols]
         with np.errstate(over="ignore"):     # an overflow is Inf: the receiver's finiteness check refuses it
             return (q.reshape(rows, cols).astype(np.float32) * per).reshape(shape)
@@ -554,7 +298,7 @@ class Codec:
         owner = self._owners(n, m)
         amax = np.zeros(nch, np.float32)
         np.maximum.at(amax, owner, np.abs(v))
-        sbits = bf16_up(amax / np.float32(levels))
+        sbits = wire_kernels.bf16_up(amax / np.float32(levels))
         scale = tensorio.bf16_to_f32(sbits)
         q = _grid(v, scale[owner], levels)
         codes = pack_bits((q.astype(np.int16) + (levels + 1)).astype(np.uint32), self.topk_bits)
@@ -576,20 +320,23 @@ class Codec:
         shape, n = tuple(shape), math.prod(shape)
         if self.fmt == "topk":
             return self._decode_topk(parts, shape, n, where)
-        if not reference:
-            return decode_blocks(self, parts[""], parts[SCALE], shape, where, resolve_threads(threads), out)
-        sbits = parts[SCALE]
+        codes, sbits = parts[""], parts[SCALE]
         if not scales_ok(sbits):
             raise WireError(f"{where}: a scale is negative, NaN or Inf")
+        if self.fmt == "int4" and not padding_is_zero(codes, 4, n):
+            raise WireError(f"{where}: the padding nibble after the last value is not 0")
+        if not reference:
+            threads = wire_kernels.resolve_threads(threads)
+            out, bad = wire_kernels.decode_blocks(self, codes, sbits, shape, threads, out)
+            if bad:
+                raise WireError(f"{where}: {bad}")
+            return out
         scale = tensorio.bf16_to_f32(sbits)
         if self.fmt == "int8":
-            q = parts[""].reshape(shape)
+            q = codes.reshape(shape)
             if n and q.min() < -127:
                 raise WireError(f"{where}: code -128 is outside the symmetric int8 range [-127, 127]")
         else:
-            codes = parts[""]
-            if not padding_is_zero(codes, 4, n):
-                raise WireError(f"{where}: the padding nibble after the last value is not 0")
             q = unpack_bits(codes, 4, n)
             if n and q.min() == 0:
                 raise WireError(f"{where}: int4 code 0 (= -8) is outside the symmetric range [-7, 7]")
@@ -632,11 +379,11 @@ class WireWriter:
 
     f32 and bf16 write plain tensor files (no "wire" metadata); the others write the
     parts named in the module docstring. Atomic like tensorio.TensorWriter (which it uses).
-    threads: for the int8/int4 encode (None: default_threads())."""
+    threads: for the int8/int4 encode (None: $WIRE_THREADS, else every core)."""
 
     def __init__(self, path, specs, codec, metadata=None, fsync=True, threads=None):
         self.codec = codec.validate()
-        self.threads = resolve_threads(threads)
+        self.threads = wire_kernels.resolve_threads(threads)
         self.shapes = {n: tuple(int(d) for d in s) for n, s in specs}
         meta = dict(metadata or {})
         if codec.fmt not in ("f32", "bf16"):
@@ -678,10 +425,10 @@ class WireReader:
 
     The layout is checked when the file is opened; the values when each tensor is read.
     .names: the decoded tensors (file order), .shapes: {name: shape}, .codec: None for a
-    plain file, .path. threads: for the int8/int4 decode (None: default_threads())."""
+    plain file, .path. threads: for the int8/int4 decode (None: $WIRE_THREADS, else every core)."""
 
     def __init__(self, path, threads=None):
-        self.threads = resolve_threads(threads)
+        self.threads = wire_kernels.resolve_threads(threads)
         try:
             self.r = tensorio.TensorReader(path)
         except tensorio.FormatError as e:
@@ -792,47 +539,6 @@ def read_f32(reader, name, out=None):
     return view
 
 
-class Pipeline:
-    """The streaming loops below, one tensor after another with the slow serial parts behind:
-    tensor i is computed in buffer set i % 2 while the jobs submitted for tensor i - 1 (the
-    sha256 of a Digest, the write of the output file: each on its own thread, in order)
-    still read set (i - 1) % 2. Buffers are float32, the largest tensor's size, reused: peak
-    memory is 2 x `per_set` x the largest tensor, and no page is faulted in twice."""
-
-    def __init__(self, size, per_set, lanes):
-        self.sets = [[np.empty(size, np.float32) for _ in range(per_set)] for _ in range(2)]
-        self.lanes = [Behind() for _ in range(lanes)]
-        self.pending, self.i = [[], []], 0
-
-    def next(self):
-        """-> (the buffers of the next tensor, a token for behind()); waits for their last jobs."""
-        k = self.i % 2
-        self.i += 1
-        self._wait(k)
-        return self.sets[k], k
-
-    def behind(self, k, lane, fn, *args):
-        self.pending[k].append(self.lanes[lane].submit(fn, *args))
-
-    def _wait(self, k):
-        jobs, self.pending[k] = self.pending[k], []
-        for f in jobs:
-            f.result()
-
-    def finish(self):
-        """Wait for every job (re-raising the first failure)."""
-        for k in (self.i % 2, (self.i + 1) % 2):
-            self._wait(k)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        for lane in self.lanes:          # the jobs in flight end before a writer is aborted
-            lane.close()
-        return False
-
-
 def _largest(specs):
     return max([math.prod(s) for s in specs] + [1])
 
@@ -840,7 +546,7 @@ def _largest(specs):
 def add_into(theta, sent, threads=1):
     """theta += sent in float32, in place (add_update's bits), in spans on threads."""
     t, s = theta.reshape(-1), sent.reshape(-1)
-    run_spans(lambda a, b: np.add(t[a:b], s[a:b], out=t[a:b]), t.size, 1, 1, threads)
+    wire_kernels.run_spans(lambda a, b: np.add(t[a:b], s[a:b], out=t[a:b]), t.size, 1, 1, threads)
     return theta
 
 
@@ -849,7 +555,7 @@ def theta_digest(path, threads=None):
     sha256 of one tensor runs behind the read of the next)."""
     d = Digest()
     with tensorio.TensorReader(path) as r, \
-            Pipeline(_largest(s for _, s in r.specs.values()), 1, 1) as pipe:
+            wire_kernels.Pipeline(_largest(s for _, s in r.specs.values()), 1, 1) as pipe:
         for n in r.names:
             (buf,), k = pipe.next()
             pipe.behind(k, 0, d.add, n, read_f32(r, n, buf))
@@ -862,15 +568,15 @@ def apply_update(theta_path, update_path, out_path, want_digest, metadata=None, 
     one tensor at a time with add_update; out_path may be theta_path (replaced atomically).
     The result must have the Digest `want_digest` the aggregator published with it: else
     WireError, and out_path is left as it was. Returns the digest.
-    threads: the decode and the addition (None: default_threads()); the digest's sha256
+    threads: the decode and the addition (None: $WIRE_THREADS, else every core); the digest's sha256
     and the write of each tensor run behind the next tensor (Pipeline)."""
-    threads = resolve_threads(threads)
+    threads = wire_kernels.resolve_threads(threads)
     with tensorio.TensorReader(theta_path) as prev, WireReader(update_path, threads) as upd:
         check_shapes(upd, {n: prev.specs[n][1] for n in prev.names})
         d = Digest()
         with tensorio.TensorWriter(out_path, [(n, "F32", prev.specs[n][1]) for n in prev.names],
                                    metadata, fsync=fsync) as w, \
-                Pipeline(_largest(s for _, s in prev.specs.values()), 1, 2) as pipe:
+                wire_kernels.Pipeline(_largest(s for _, s in prev.specs.values()), 1, 2) as pipe:
             sbuf = np.empty(pipe.sets[0][0].size, np.float32)    # the decoded update: not needed behind
             for n in prev.names:
                 (tbuf,), k = pipe.next()
@@ -896,7 +602,7 @@ def decode_file(src, dst, fsync=True, specs=None, threads=None):
     file must hold, checked before anything is decoded (a forged wire_shapes could
     otherwise ask for any amount of memory). Raises WireError; nothing is left at `dst`
     then. Returns the codec of `src` (None: it was plain, and is copied as F32).
-    threads: the decode (None: default_threads()); each write runs behind the next decode."""
+    threads: the decode (None: $WIRE_THREADS, else every core); each write runs behind the next decode."""
     with WireReader(src, threads) as r:
         if specs is not None:
             check_shapes(r, specs)
@@ -904,7 +610,7 @@ def decode_file(src, dst, fsync=True, specs=None, threads=None):
         meta["wire_decoded_from"] = r.codec.fmt if r.codec else "plain"
         specs = [(n, "F32", r.shapes[n]) for n in r.names]
         with tensorio.TensorWriter(dst, specs, meta, fsync=fsync) as w, \
-                Pipeline(_largest(s for _, _, s in specs), 1, 1) as pipe:
+                wire_kernels.Pipeline(_largest(s for _, _, s in specs), 1, 1) as pipe:
             for n in r.names:
                 (buf,), k = pipe.next()
                 pipe.behind(k, 0, w.write, n, r.read(n, out=buf))

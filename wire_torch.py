@@ -39,7 +39,7 @@ def _check(codec):
 
 
 def as_blocks(shape, block):
-    """wire._as_blocks: (R, C, nb), X = x as [R, C] with nb blocks per row of X."""
+    """wire_kernels.as_blocks: (R, C, nb), X = x as [R, C] with nb blocks per row of X."""
     cols = shape[-1] if len(shape) else 1
     rows = math.prod(shape) // cols if cols else 0
     if cols and cols % block == 0:
@@ -48,7 +48,7 @@ def as_blocks(shape, block):
 
 
 def bf16_up(a):
-    """float32 >= 0 -> bfloat16 bits as int32 (< 0x8000), rounded UP: wire.bf16_up."""
+    """float32 >= 0 -> bfloat16 bits as int32 (< 0x8000), rounded UP: wire_kernels.bf16_up."""
     u = a.contiguous().view(torch.int32)
     return (u >> 16) + ((u & 0xFFFF) != 0).to(torch.int32)
 

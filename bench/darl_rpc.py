@@ -30,6 +30,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)      # run as `python bench/darl_rpc.py`: the siblings live one level up
 
+import block_space  # noqa: E402
 import darl_client  # noqa: E402
 import darl_log  # noqa: E402
 import darl_table  # noqa: E402
@@ -207,7 +208,7 @@ def main(argv):
     work = tempfile.mkdtemp(prefix="darl-", dir=os.path.join(ROOT, "runs", "bench"))
     procs, shm = [], None
     try:
-        big = darl_table.BlockSpace(10**6, 1, 0)
+        big = block_space.BlockSpace(10**6, 1, 0)
         noop, noop_url = start([sys.executable, os.path.abspath(__file__), "--serve-noop"])
         darl, darl_url = start(darl_cmd(10**6, os.path.join(work, "rate")))
         procs += [noop, darl]
@@ -248,7 +249,7 @@ def main(argv):
         for m in (10**3, 10**6):
             proc, url = start(darl_cmd(m, os.path.join(work, f"lat{m}")))
             procs.append(proc)
-            http_med, http_p90 = us(acquire_latency(url, a.cycles, darl_table.BlockSpace(m, 1, 0).digest()))
+            http_med, http_p90 = us(acquire_latency(url, a.cycles, block_space.BlockSpace(m, 1, 0).digest()))
             (tab_med, tab_p90), runs = (lambda r: (us(r[0]), r[1]))(table_latency(m, a.cycles))
             rows[m] = (http_med, tab_med)
             print(f"  M = {m:>9,}  HTTP+fsync {http_med:8.0f} / {http_p90:8.0f}   "

@@ -269,10 +269,11 @@ def wal_damage(work, last=8, flips=300, starts=3):
     back by load_state (what a restart runs) and its books compared with the table as it
     stood after each intact record; `starts` cases of each kind also start the real
     darl_server.py on the copy (exit status and first line of its refusal)."""
+    import block_space
     import darl_log
     import darl_server
     import darl_table
-    space = darl_table.BlockSpace(10 ** 5, 1, 0)
+    space = block_space.BlockSpace(10 ** 5, 1, 0)
     src = os.path.join(work, "wal-src")
     coord = darl_server.Coordinator(space, darl_table.TableConfig(min_ttl=1), src, snapshot_every=10 ** 9)
     books, rng = {coord.seq: coord.table.to_dict()}, random.Random(3)

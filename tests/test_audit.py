@@ -9,6 +9,7 @@ import sys
 import unittest
 
 import audit
+import block_space
 import darl_server
 import darl_table
 import durable
@@ -30,7 +31,7 @@ class AuditTest(FedMomFixture):
     def run_(self, blocks_left=0, max_attempts=3, quarantine=0):
         """Two sites train BLOCKS blocks 3 at a time through DARL and the aggregator until
         `blocks_left` remain; `quarantine` blocks die with their site first."""
-        space = darl_table.BlockSpace(BLOCKS, 1, 0)
+        space = block_space.BlockSpace(BLOCKS, 1, 0)
         self.coord = darl_server.Coordinator(space, darl_table.TableConfig(min_ttl=1.0, max_attempts=max_attempts),
                                              self.central, clock=self.clock)
         url = self.darl_url = serve_in_thread(self, darl_server.make_routes(self.coord), token=TOKEN)

@@ -15,8 +15,8 @@ import unittest
 import numpy as np
 
 import blobstore
+import block_space
 import darl_server
-import darl_table
 import fedmom_server
 import fedmom_state
 import httpc
@@ -84,7 +84,7 @@ class AuthSweepTest(unittest.TestCase):
     @classmethod
     def route_tables(cls):
         """{server: [(method, path)]} from each server's make_routes on a throwaway state."""
-        coord = darl_server.Coordinator(darl_table.BlockSpace(10, 1, 0))
+        coord = darl_server.Coordinator(block_space.BlockSpace(10, 1, 0))
         fed = fedmom_state.FedMomState(fedmom_state.ServerConfig(cls.path("tables-fedmom"), cls.init).validate())
         store = blobstore.BlobStore(cls.path("tables-blob"), 1 << 20, 1 << 20)
         tables = {"darl": darl_server.make_routes(coord), "fedmom": fedmom_server.make_routes(fed),

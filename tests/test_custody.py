@@ -4,7 +4,7 @@ coordinator: fedmom_round.py decides, fedmom_darl.py calls), with fencing epochs
 owed calls and loud violation counters.
 
 What runs:
-  - the LeaseTable's custody calls with an injected clock (no I/O);
+  - the table's custody calls (darl_custody.CustodyTable) with an injected clock (no I/O);
   - the aggregator's state against a real DARL coordinator served on 127.0.0.1 in
     threads, injected clocks on both sides, and a "front" server that answers what a
     proxy or a rotated token would (401, 403, 404, 5xx) or never answers;
@@ -33,8 +33,8 @@ import unittest
 
 import numpy as np
 
+import block_space
 import darl_server
-import darl_table
 import durable
 import fedmom_client
 import fedmom_darl
@@ -44,7 +44,8 @@ import fedmom_state as fs
 import httpc
 import httpd
 import testhooks
-from darl_table import LeaseError, LeaseTable, TableConfig
+from darl_custody import CustodyTable
+from darl_table import LeaseError, TableConfig
 from fixtures import SHAPES, FakeClock, FedMomFixture, serve_in_thread, write_tensors
 from harness import expect
 
@@ -67,7 +68,7 @@ class Clock:
 class CustodyTableTest(unittest.TestCase):
     def setUp(self):
         self.clock = Clock()
-        self.t = LeaseTable(40, TableConfig(min_ttl=1.0, default_ttl=10.0, initial_grant=5), self.clock)
+        self.t = CustodyTable(40, TableConfig(min_ttl=1.0, default_ttl=10.0, initial_grant=5), self.clock)
         for c in ("a", "b"):
             self.t.register(c, f"{c}-inc")
         self.assertEqual(self.t.fence("agg", 0, "first")["epoch"], 1)
@@ -196,7 +197,7 @@ class CustodyTableTest(unittest.TestCase):
         is given the same epoch: the first to confirm holds it, the other is fenced, in
         either order; once confirmed, the claim is never answered again."""
         for first, second in (("A", "B"), ("B", "A")):
-            t = LeaseTable(100, TableConfig(min_ttl=1, default_ttl=10))
+            t = CustodyTable(100, TableConfig(min_ttl=1, default_ttl=10))
             self.assertEqual(t.fence("agg", 0, "c1")["epoch"], 1)        # A asks; its answer arrives or not
             self.assertEqual(t.fence("agg", 0, "c1")["epoch"], 1)        # the copy B repeats the ask
             self.assertEqual(t.confirm_fence("agg", 1, "c1", first)["epoch"], 1)
@@ -224,7 +225,7 @@ class CustodyTableTest(unittest.TestCase):
         served the aggregator's identity from its older state, fencing A."""
         for variant in ("refused, then restarted", "lost, asked again"):
             with self.subTest(variant):
-                t = LeaseTable(100, TableConfig(min_ttl=1, default_ttl=10))
+                t = CustodyTable(100, TableConfig(min_ttl=1, default_ttl=10))
                 self.assertEqual(t.fence("agg", 0, "c1", round=0)["epoch"], 1)      # A
                 self.assertEqual(t.fence("agg", 0, "c1", round=0)["epoch"], 1)      # the copy B
                 t.confirm_fence("agg", 1, "c1", "hA")
@@ -242,7 +243,7 @@ class CustodyTableTest(unittest.TestCase):
         a lost confirm (epoch never confirmed), after a lost fence reply (the same claim),
         a copy restarted before the other confirmed (it never acted), and a state written
         before holders (no last_holder: the holder is not compared)."""
-        t = LeaseTable(100, TableConfig(min_ttl=1, default_ttl=10))
+        t = CustodyTable(100, TableConfig(min_ttl=1, default_ttl=10))
         self.assertEqual(t.fence("agg", 0, "c1", round=0)["epoch"], 1)
         self.assertEqual(t.fence("agg", 0, "c1", round=0)["epoch"], 1, "the reply was lost: the same ask")
         # the state names (1, h1); h1's confirm never reached DARL: it asks again
@@ -323,7 +324,7 @@ def silent(test):
 
 class AggregatorFixture(FedMomFixture):
     def darl(self, blocks=100, clock=None):
-        coord = darl_server.Coordinator(darl_table.BlockSpace(blocks, 1, 0), TableConfig(min_ttl=10.0),
+        coord = darl_server.Coordinator(block_space.BlockSpace(blocks, 1, 0), TableConfig(min_ttl=10.0),
                                         clock=clock or self.clock)
         return coord, serve_in_thread(self, darl_server.make_routes(coord), token=TOKEN)
 

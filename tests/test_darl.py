@@ -17,17 +17,18 @@ import traceback
 import unittest
 import zlib
 
+import block_space
 import darl_client
 import darl_log
 import darl_server
 import darl_simulate
-import darl_table
 import durable
 import httpc
 import httpd
+from block_space import BlockSpace
 from darl_log import LogError
 from darl_server import Coordinator
-from darl_table import BlockSpace, InvariantError, LeaseError, LeaseTable, TableConfig
+from darl_table import InvariantError, LeaseError, LeaseTable, TableConfig
 from harness import expect, listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,7 +68,7 @@ class BlockSpaceTest(unittest.TestCase):
     def test_order_is_pinned(self):
         # Sites must agree without talking: if this changes, PERMUTATION_VERSION must change too.
         self.assertEqual([BlockSpace(1000, 1, 0).block_at(p) for p in range(6)], [43, 519, 831, 640, 131, 786])
-        self.assertEqual(darl_table.PERMUTATION_VERSION, "feistel-splitmix64/1")
+        self.assertEqual(block_space.PERMUTATION_VERSION, "feistel-splitmix64/1")
 
     def test_blocks_samples_and_digest(self):
         space = BlockSpace(1003, 10, seed=0)
@@ -582,10 +583,10 @@ class DurabilityTest(unittest.TestCase):
 
     def test_a_failed_fsync_stops_the_process(self):
         """EIO from fsync leaves the change in memory and maybe not on disk: exit 75, unanswered."""
-        code = ("import os, sys, darl_log, darl_server, darl_table\n"
+        code = ("import os, sys, block_space, darl_log, darl_server\n"
                 "def eio(fd): raise OSError(5, 'Input/output error')\n"
                 "darl_log._datasync = eio\n"
-                "s = darl_table.BlockSpace(10, 1, 0)\n"
+                "s = block_space.BlockSpace(10, 1, 0)\n"
                 "c = darl_server.Coordinator(s, state_dir=sys.argv[1])\n"
                 "c.call('register', {'cluster': 'a', 'incarnation': 'x', 'digest': s.digest()})\n"
                 "print('answered')\n")
@@ -602,8 +603,8 @@ class DurabilityTest(unittest.TestCase):
     def test_a_failed_directory_fsync_after_the_log_restart_stops_the_process(self):
         """The restarted log is renamed into place but its directory's fsync fails (EIO):
         appending to it would acknowledge changes a power cut may take away, so exit 75."""
-        code = ("import os, sys, darl_server, darl_table, durable\n"
-                "s = darl_table.BlockSpace(10, 1, 0)\n"
+        code = ("import os, sys, block_space, darl_server, durable\n"
+                "s = block_space.BlockSpace(10, 1, 0)\n"
                 "c = darl_server.Coordinator(s, state_dir=sys.argv[1])\n"
                 "c.call('register', {'cluster': 'a', 'incarnation': 'x', 'digest': s.digest()})\n"
                 "calls, real = [], durable.fsync_dir\n"
@@ -1005,7 +1006,7 @@ class HTTPTest(unittest.TestCase):
             self.assertEqual(reply["digest"], d)
             sp = reply["space"]
             self.assertEqual((sp["num_samples"], sp["block_size"], sp["seed"], sp["algorithm"]),
-                             (100, 1, 0, darl_table.PERMUTATION_VERSION))
+                             (100, 1, 0, block_space.PERMUTATION_VERSION))
             self.assertIn("manifest_digest", sp)
             rebuilt = BlockSpace(sp["num_samples"], sp["block_size"], sp["seed"], sp["manifest_digest"])
             self.assertEqual(rebuilt.digest(), d)

@@ -26,6 +26,7 @@ import certs
 import durable
 import httpc
 import httpd
+import httpd_loop
 import tensorio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -213,7 +214,7 @@ class ProtocolEdgesTest(Served):
 
 
 class ConnectionCostTest(Served):
-    server_kw = {"limits": httpd.Limits(workers=4, max_connections=1000, header_timeout_s=600)}
+    server_kw = {"limits": httpd_loop.Limits(workers=4, max_connections=1000, header_timeout_s=600)}
 
     def test_idle_and_half_open_connections_take_no_thread(self):
         until(lambda: self.call("GET", "/health"), "the server answers")
@@ -230,7 +231,7 @@ class ConnectionCostTest(Served):
 
 
 class SlowClientTest(Served):
-    server_kw = {"limits": httpd.Limits(workers=2, max_connections=100, header_timeout_s=0.3,
+    server_kw = {"limits": httpd_loop.Limits(workers=2, max_connections=100, header_timeout_s=0.3,
                                         idle_timeout_s=0.3)}
 
     def closed_by_server(self, sock):
@@ -264,7 +265,7 @@ class SlowClientTest(Served):
 
 
 class ConnectionCapTest(Served):
-    server_kw = {"limits": httpd.Limits(workers=2, max_connections=20, header_timeout_s=600)}
+    server_kw = {"limits": httpd_loop.Limits(workers=2, max_connections=20, header_timeout_s=600)}
 
     def test_beyond_the_cap_the_longest_idle_connection_goes(self):
         socks = []
@@ -449,9 +450,10 @@ class DiskFullTest(unittest.TestCase):
     # ---- DARL: the log append and the snapshot
 
     def darl(self, **kw):
+        import block_space
         import darl_server
         import darl_table
-        space = darl_table.BlockSpace(100_000, 1, 0)
+        space = block_space.BlockSpace(100_000, 1, 0)
         state = os.path.join(self.disk, "central")
         coord = darl_server.Coordinator(space, darl_table.TableConfig(), state, **kw)
         server = serve(darl_server.make_routes(coord), disk=state)

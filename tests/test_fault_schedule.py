@@ -26,7 +26,10 @@ import numpy as np
 
 import durable
 import fault_harness as fsch
+import fault_oracle
 import fedmom_checkpoint
+import tensorio
+import wire
 from fault_harness import Fault, Schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -139,7 +142,7 @@ class OracleTest(unittest.TestCase):
 
     def test_the_clean_run_passes(self):
         self.assertEqual(self.res.findings, [])
-        self.assertEqual(fsch.oracle(self.tampered()), [])
+        self.assertEqual(fault_oracle.oracle(self.tampered()), [])
 
     def test_a_round_applied_twice_is_caught(self):
         run = self.tampered()
@@ -149,7 +152,7 @@ class OracleTest(unittest.TestCase):
         last = json.loads(lines[-1])
         with open(path, "a") as f:
             f.write(json.dumps({**last, "round": last["round"] + 1}) + "\n")
-        found = "\n".join(fsch.oracle(run))
+        found = "\n".join(fault_oracle.oracle(run))
         self.assertIn("DOUBLED", found)
         self.assertIn("rounds lost or repeated", found)
 
@@ -168,12 +171,12 @@ class OracleTest(unittest.TestCase):
         self.assertEqual(st["log"], [])
         for fn in fedmom_checkpoint.checkpoint_files(fed, st["checkpoint"]):
             path = os.path.join(fed, fn)
-            with fsch.tensorio.TensorReader(path) as r:
+            with tensorio.TensorReader(path) as r:
                 if r.metadata["tensor"] != tensor:
                     continue
                 arrays, meta = {k: np.array(r.read(k), np.float32) for k in r.names}, dict(r.metadata)
             change(arrays[what])
-            with fsch.tensorio.TensorWriter(path, [(k, "F32", a.shape) for k, a in arrays.items()], meta,
+            with tensorio.TensorWriter(path, [(k, "F32", a.shape) for k, a in arrays.items()], meta,
                                             fsync=False) as w:
                 for k, a in arrays.items():
                     w.write(k, a)
@@ -186,7 +189,7 @@ class OracleTest(unittest.TestCase):
     def test_a_wrong_theta_is_caught(self):
         run = self.tampered()
         self.tamper(run, "theta", "w", lambda a: a.__iadd__(np.float32(0.001)))
-        found = "\n".join(fsch.oracle(run))
+        found = "\n".join(fault_oracle.oracle(run))
         self.assertIn("theta differs from the float32 replay", found)
         if self.SCHED.down_wire == "f32":
             self.assertIn("theta_global differs from the float64 replay", found)
@@ -198,7 +201,7 @@ class OracleTest(unittest.TestCase):
             with self.subTest(what):
                 run = self.tampered()
                 self.tamper(run, what, "b", flip_low_bit)
-                found = "\n".join(fsch.oracle(run))
+                found = "\n".join(fault_oracle.oracle(run))
                 self.assertIn(f"{what} differs from the float32 replay", found)
                 self.assertIn("tensors ['b']", found)
                 self.assertNotIn("float64 replay", found)
@@ -212,14 +215,14 @@ class OracleTest(unittest.TestCase):
         with open(path, "w") as f:
             for r in recs:
                 f.write(json.dumps({**r, "digest": "0" * 64} if r["event"] == "theta" else r) + "\n")
-        self.assertIn("fetched a theta_global of round", "\n".join(fsch.oracle(run)))
+        self.assertIn("fetched a theta_global of round", "\n".join(fault_oracle.oracle(run)))
 
     def test_a_merged_delta_no_site_sent_is_caught(self):
         run = self.tampered()
         for fn in os.listdir(run.records):
             if fn.startswith("beta-") and fn.endswith(".jsonl"):
                 os.unlink(os.path.join(run.records, fn))
-        found = "\n".join(fsch.oracle(run))
+        found = "\n".join(fault_oracle.oracle(run))
         self.assertIn("merged a delta no site sent", found)
 
     def test_a_site_record_that_disagrees_with_darl_is_caught(self):
@@ -243,7 +246,7 @@ class OracleTest(unittest.TestCase):
                 if rec == beta:
                     rec = {**rec, "start": alpha["start"], "end": alpha["end"]}
                 f.write(json.dumps(rec) + "\n")
-        found = "\n".join(fsch.oracle(run))
+        found = "\n".join(fault_oracle.oracle(run))
         self.assertIn("DARL's custody holds", found)
         self.assertIn("are inside more than one merged delta", found)
         self.assertIn("are inside no merged delta", found)
@@ -251,7 +254,7 @@ class OracleTest(unittest.TestCase):
     def test_an_acknowledged_commit_lost_is_caught(self):
         run = self.tampered()
         run.committed_seen = {"r0.not-a-delta-we-merged"}
-        self.assertIn("no longer a merged delta's", "\n".join(fsch.oracle(run)))
+        self.assertIn("no longer a merged delta's", "\n".join(fault_oracle.oracle(run)))
 
 
 class DownWireOracleTest(OracleTest):
@@ -268,7 +271,7 @@ class DownWireOracleTest(OracleTest):
     def test_one_bit_of_the_residual_is_caught(self):
         run = self.tampered()
         self.tamper(run, "residual", "w", flip_low_bit)
-        self.assertIn("residual differs from the float32 replay", "\n".join(fsch.oracle(run)))
+        self.assertIn("residual differs from the float32 replay", "\n".join(fault_oracle.oracle(run)))
 
     def test_an_int4_delta_other_than_the_one_merged_is_caught(self):
         """beta's first merged delta file, one int4 code changed by one step: the replay
@@ -278,17 +281,17 @@ class DownWireOracleTest(OracleTest):
                    for r in durable.read_jsonl(os.path.join(run.records, fn)) if r["event"] == "trained"]
         self.assertEqual(trained[0]["wire"], "int4")
         path = os.path.join(run.records, trained[0]["file"])
-        with fsch.tensorio.TensorReader(path) as r:
+        with tensorio.TensorReader(path) as r:
             specs = [(k, r.specs[k][0], r.specs[k][1]) for k in r.names]
             parts, meta = {k: np.array(r.read(k)) for k in r.names}, dict(r.metadata)
         code = parts["w"].reshape(-1)[:1]
         low = code & np.uint8(0x0F)
         code[:] = (code & np.uint8(0xF0)) | np.where(low < 15, low + 1, low - 1).astype(np.uint8)
-        with fsch.tensorio.TensorWriter(path, specs, meta, fsync=False) as w:
+        with tensorio.TensorWriter(path, specs, meta, fsync=False) as w:
             for k, _, _ in specs:
                 w.write(k, parts[k])
-        fsch.wire.WireReader(path).read("w")            # still a valid int4 file
-        found = "\n".join(fsch.oracle(run))
+        wire.WireReader(path).read("w")            # still a valid int4 file
+        found = "\n".join(fault_oracle.oracle(run))
         self.assertIn("differs from the float32 replay", found)
 
 

@@ -54,8 +54,8 @@ import unittest
 
 import numpy as np
 
+import block_space
 import certs
-import darl_table
 import data
 import dist_env
 import durable
@@ -104,7 +104,7 @@ class LeasedPhaseTest(unittest.TestCase):
             self.assertEqual(phases[0].steps, -(-n // per_step))
 
     def test_span_windows_are_the_blocks_samples_shuffled_alike(self):
-        space = darl_table.BlockSpace(100, 8, seed=3)
+        space = block_space.BlockSpace(100, 8, seed=3)
         a = data.span_windows(space, 2, 5, seed=0, lease=7)
         want = sorted(w for p in range(2, 5) for w in space.samples_of(space.block_at(p)))
         self.assertEqual(sorted(a.tolist()), want)
@@ -399,7 +399,7 @@ class CarrierTest(unittest.TestCase):
         import darl_client
         import fedmom_client
         windows = data.TokenWindows(self.manifest)
-        digest = darl_table.BlockSpace(windows.train_windows, 4, 0, manifest_digest=windows.digest).digest()
+        digest = block_space.BlockSpace(windows.train_windows, 4, 0, manifest_digest=windows.digest).digest()
         old = darl_client.LeaseClient(self.darl)
         self.addCleanup(old.close)
         old.register("twin", "old-inc", digest)

@@ -17,8 +17,8 @@ import numpy as np
 
 import blob_client
 import blobstore
+import block_space
 import darl_server
-import darl_table
 import durable
 import fedmom_blobs
 import fedmom_checkpoint
@@ -434,7 +434,7 @@ class LiveServerTest(FedMomFixture):
         return server.url
 
     def test_membership_0_1_2_1_with_both_transports_and_darl_commits(self):
-        coord = darl_server.Coordinator(darl_table.BlockSpace(1000, 1, 0))
+        coord = darl_server.Coordinator(block_space.BlockSpace(1000, 1, 0))
         darl_url = self.serve(darl_server.make_routes(coord))
         store = blobstore.BlobStore(os.path.join(self.dir, "blobs"), 1 << 34, 1 << 32)
         blob_url = self.serve(blobstore.make_routes(store))
@@ -1035,7 +1035,7 @@ class ImportTest(unittest.TestCase):
         """The central VM's modules (and fedsite.py, the site's torch-free half) import without torch."""
         code = ("import sys; sys.modules['torch'] = None\n"
                 "import fedmom_server, fedmom_state, fedmom_client, tensorio\n"
-                "import darl_server, darl_log, audit, blobstore, blob_client, durable, httpd, httpc, testhooks, wire, fedsite\n"  # the rest of the VM; fedsite
+                "import darl_server, darl_custody, darl_table, block_space, darl_log, audit, blobstore, blob_client, durable, httpd, httpd_loop, httpc, testhooks, wire, wire_kernels, fedsite\n"  # the rest of the VM; fedsite
                 "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
                 "print('ok', fedmom_server.DEFAULT_PORT)")
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

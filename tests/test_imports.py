@@ -10,7 +10,7 @@ import re
 import unittest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SERVERS = {"httpd", "darl_server", "fedmom_server", "blobstore"}
+SERVERS = {"httpd", "httpd_loop", "darl_server", "fedmom_server", "blobstore"}
 
 
 def imported(path):

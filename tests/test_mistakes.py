@@ -13,8 +13,8 @@ import unittest
 
 import numpy as np
 
+import block_space
 import darl_server
-import darl_table
 import fedmom_server
 import fedmom_state
 import httpd
@@ -240,7 +240,7 @@ class CentralTest(OneLine):
         return server.url
 
     def test_each_status_command_pointed_at_the_other_server(self):
-        darl = self.serve(darl_server.make_routes(darl_server.Coordinator(darl_table.BlockSpace(10, 1, 0))))
+        darl = self.serve(darl_server.make_routes(darl_server.Coordinator(block_space.BlockSpace(10, 1, 0))))
         cfg = fedmom_state.ServerConfig(self.path("fm"), self.init_file()).validate()
         fedmom = self.serve(fedmom_server.make_routes(fedmom_state.FedMomState(cfg)))
         self.one_line([sys.executable, "fedmom_server.py", "status", "--url", darl],

@@ -1,0 +1,385 @@
+"""fault_site.py - a fake site of the fault schedules: the round protocol of train.py's FedSite
+on the real clients, without torch, training nothing.
+
+Runs on: this machine (CPU; Python + numpy, never torch), as a process that
+fault_harness.Run starts, one per incarnation of a site (a killed site is requeued as a
+new one); never by hand:
+
+    python fault_site.py --cluster alpha --darl URL --fedmom URL --blob URL --token-file F \
+        --records DIR --transport inline --seed 7 --span 2 [--careless] [--overlap] [--wire int4]
+
+It leases spans from DARL over the real darl_client.LeaseSession, sends a small seeded
+random delta for each real lease over the real fedmom_client.FedMomClient (inline or through
+the blob store), waits for the delta's outcome and settles the lease as FedSite does, and
+records every step as one JSON line in <records>/<cluster>-<incarnation>.jsonl (what it
+trained, sent, was told; the exit code), which fault_oracle.py reads. It stops at the fault
+points site.trained, site.checked and site.sent (testhooks.py) where the schedule arms them.
+
+Kinds of site (chosen by the schedule): a careless one skips the lease check before sending,
+as an older client would (the servers must be safe whatever a site does); an overlapped one
+keeps train.py --overlap's order (a delta's round trip on a thread while the next span is
+leased and "trained", that span's delta then naming as its base the round the trip ended
+on); an int4 one sends int4 deltas with error feedback (wire.WireWriter, as train.py --wire
+int4). Every site holds theta_global as a real site's rank 0 does: after each round trip it
+downloads it with fedsite.FedSite's own code (the update added to the theta it holds and
+checked by its digest, or on 409 no_update the whole theta), and notes the digest it now
+holds. A token the servers refuse (401) ends it with EXIT_TOKEN, and the harness requeues it
+with the new token.
+"""
+import argparse
+import http.client
+import json
+import os
+import secrets
+import sys
+import threading
+import time
+import types
+
+import numpy as np
+
+import darl_client
+import fedmom_client
+import fedsite
+import httpc
+import tensorio
+import testhooks
+import wire
+
+SHAPES = {"w": (48,), "b": (4, 3)}   # the model: the deltas here, the initial theta the harness writes
+EXIT_TOKEN = 3                    # a fake site's exit status when a server refused its token
+CALL_S = 180.0                    # a fake site's call to a server: s without progress before it gives up
+
+
+def delta_arrays(seed, incarnation, lease, start, base):
+    rng = np.random.default_rng([seed, int(incarnation, 16), lease, start, base])
+    return {k: (0.01 * rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}
+
+
+INT4 = wire.Codec("int4")           # a site's --wire int4, default block
+
+
+class Residual:
+    """An int4 site's error feedback, diloco.Residual's rules in memory (a new incarnation
+    starts with nothing owed, as a restart that cannot know whether its delta merged):
+    send x = delta + owed, next = x - decode(encode(x)); merged: next becomes owed; not
+    merged: next is dropped; outcome unknown: both reset."""
+
+    def __init__(self):
+        self.owed, self.next = None, None
+
+    def write(self, path, arrays, base):
+        x = {k: v + self.owed[k] if self.owed else v for k, v in arrays.items()}
+        self.next = {}
+        with wire.WireWriter(path, [(k, v.shape) for k, v in x.items()], INT4, {"base_round": str(base)},
+                             fsync=False) as w:
+            for k, v in x.items():
+                self.next[k] = v - w.write(k, v)
+
+    def settle(self, outcome):
+        if outcome == "merged":
+            self.owed = self.next
+        elif outcome == "unknown":
+            self.owed = None
+        self.next = None
+
+
+class SiteTheta:
+    """theta_global as a site's rank 0 holds it, fetched by fedsite.FedSite's own download
+    code: with the aggregator's --down-wire, a site holding the previous round downloads the
+    update (GET /theta_update, or /theta_update_blob for a blob site) and adds it, checked by
+    the digest the aggregator published (wire.apply_update); else (409 no_update: new,
+    behind, or an f32 aggregator) it downloads the whole theta. Each fetch is noted with
+    its round, how it came and the digest of what the site now holds; the oracle checks
+    that digest against its replay of that round. An update that failed its digest (FedSite
+    logs it and falls back to the whole theta) is noted as update_mismatch: a finding."""
+
+    def __init__(self, a, fed, inc, note):
+        cfg = types.SimpleNamespace(cluster=a.cluster, token_file=a.token_file, darl_url=a.darl, ca_file=None,
+                                    federation=a.fedmom, blob_url=a.blob, transport=a.transport)
+        self.site = fedsite.FedSite(cfg, None, 0, self._log)
+        self.site.fed, self.site.theta_transport = fed, a.transport
+        home = os.path.join(a.records, "theta", f"{a.cluster}-{inc}")    # a site's own dir: FedSite puts
+        os.makedirs(home, exist_ok=True)                                 # the update beside theta
+        self.path = os.path.join(home, "theta.safetensors")
+        self.note, self.round = note, None
+
+    def _log(self, msg):
+        self.note("update_mismatch" if msg.startswith("!!!") else "site_log", msg=msg)
+
+    def fetch(self):
+        """Download theta_global now, as FedSite does at the end of every round trip -> its round."""
+        self.round = _call("theta", lambda d: self.site._fetch(self.path, d))
+        self.note("theta", round=self.round, via=self.site.down.get("via"), digest=self.site.held[1])
+        return self.round
+
+    def current(self):
+        """The round of the theta held, fetched first if the aggregator has moved past it
+        (a phase trains from the newest theta it can get)."""
+        if self.round is None or _call("round", lambda d: self.site.fed.current_round(deadline=d)) != self.round:
+            self.fetch()
+        return self.round
+
+
+def write_tensors(path, arrays):
+    with tensorio.TensorWriter(path, [(k, "F32", a.shape) for k, a in arrays.items()], fsync=False) as w:
+        for k, a in arrays.items():
+            w.write(k, a)
+
+
+class TokenRefused(Exception):
+    pass
+
+
+def site_main(a):
+    """One incarnation of a fake site: the protocol of train.py's FedSite, no torch."""
+    token = httpc.load_token(a.token_file)
+    inc = secrets.token_hex(6)
+    records = open(os.path.join(a.records, f"{a.cluster}-{inc}.jsonl"), "a", buffering=1)
+
+    lock = threading.Lock()          # an overlapped site notes from its round trip's thread too
+
+    def note(event, **kw):
+        with lock:
+            records.write(json.dumps({"event": event, "t": time.time(), "cluster": a.cluster, "incarnation": inc,
+                                      **kw}) + "\n")
+    note("start")
+    try:
+        try:
+            code = _site_loop(a, token, inc, note)
+        except httpc.CallError as e:      # a 401 from any call: the token was rotated
+            if e.status != 401:
+                raise
+            raise TokenRefused(str(e))
+    except TokenRefused as e:
+        note("exit", code=EXIT_TOKEN, why=str(e))
+        return EXIT_TOKEN
+    note("exit", code=code)
+    return code
+
+
+def _call(what, fn):
+    """fn(deadline): one httpc.Deadline of CALL_S per call, short pauses (the faults last
+    seconds); the client under fn repeats by httpc's rule, a 409 not_member joining again
+    inside it, as for a real site. A 401 is TokenRefused."""
+    try:
+        return fn(httpc.Deadline(CALL_S, what=what, max_wait_s=0.2, log=httpc.quiet))
+    except httpc.CallError as e:
+        if e.status == 401:
+            raise TokenRefused(f"{what}: {e}")
+        raise
+
+
+def _site_loop(a, token, inc, note):
+    client = darl_client.LeaseClient(a.darl, token=token, timeout=5.0)
+    digest = _call("DARL status", lambda d: client.status(deadline=d))["digest"]
+    _call("register", lambda d: client.register(a.cluster, inc, digest, deadline=d))   # waits out a predecessor
+    session = darl_client.LeaseSession(client, a.cluster, digest, incarnation=inc, span_blocks=a.span,
+                                       lease_blocks=a.span, prefetch=False, phase_s=a.phase_s, log=lambda m: None)
+    session.start(register=False)
+    fed = fedmom_client.FedMomClient(a.fedmom, a.cluster, inc, token=token, blob_url=a.blob, timeout=10.0)
+    member = Membership(fed)
+    member.join()
+    a.theta, a.residual = SiteTheta(a, fed, inc, note), Residual() if a.wire == "int4" else None
+    try:
+        _span_loop(a, fed, member, session, note)
+        session.close()
+        member.leave()
+        return 0
+    finally:
+        member.stop()
+
+
+def _span_loop(a, fed, member, session, note):
+    """Spans until DARL is done. A plain site trains, sends and waits for each in turn
+    (_phase). An overlapped one keeps train.py --overlap's order: the round trip of span k
+    on a thread while span k+1 is leased and trained; span k+1's delta is written once
+    round trip k ended, with the round it ended on as its base. Nothing leaves or joins
+    FedMom while a trip is in flight."""
+    flight = None                                  # (thread, box) of the round trip in flight
+    while True:
+        try:
+            span = session.next_span(timeout=0.2 if flight else 1.0)
+        except TimeoutError:
+            if flight is not None and not flight[0].is_alive():
+                _join(flight)                      # it ended before a span came: settle it first
+                flight = None
+            elif flight is None and session.starved and member.member:
+                member.leave()                     # every block is someone else's: leave the rounds
+            continue
+        except httpc.CallError as e:
+            if e.status == 401:
+                raise TokenRefused(f"DARL: {e}")
+            raise
+        if span is None:
+            break
+        in_flight = flight is not None and flight[0].is_alive()
+        if flight is None:
+            if not member.member:
+                member.join()
+            if not a.overlap:
+                _phase(a, fed, member, session, span, note)
+                continue
+            base = a.theta.current()
+        time.sleep(a.train_s)                      # "train" span k+1 while delta k is in flight
+        if flight is not None:
+            base = _join(flight)
+        key, path, tokens = _train(a, session, span, base, note, while_in_flight=in_flight)
+        testhooks.fault_point("site.trained")
+        box = {}
+        t = threading.Thread(target=_trip, args=(a, fed, member, session, span, key, path, tokens, note, box),
+                             daemon=True)
+        flight = (t, box)
+        t.start()
+    if flight is not None:
+        _join(flight)
+
+
+def _join(flight):
+    """Wait for a round trip's thread: the round it ended on (its exception, re-raised here)."""
+    t, box = flight
+    t.join()
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
+
+
+class Membership:
+    """FedMom membership with its keepalive, as train.py's FedSite keeps it: leaving stops
+    the heartbeats (which would otherwise join again)."""
+
+    def __init__(self, fed):
+        self.fed, self.keepalive, self.member = fed, None, False
+
+    def join(self):
+        _call("join", lambda d: self.fed.join(deadline=d))
+        self.member = True
+        if self.keepalive is None:
+            self.keepalive = self.fed.keepalive(interval_s=0.5)
+            self.keepalive.__enter__()
+
+    def stop(self):
+        if self.keepalive is not None:
+            self.keepalive.__exit__(None, None, None)
+            self.keepalive = None
+
+    def leave(self):
+        self.stop()
+        if self.member:
+            self.member = False
+            try:
+                _call("leave", lambda d: self.fed.leave(deadline=d))
+            except httpc.CallError as e:
+                if e.status != 409:          # not a member any more: nothing to leave
+                    raise
+
+
+def _phase(a, fed, member, session, span, note):
+    """Train (sleep), send the delta for `span`, learn what became of it, settle the lease."""
+    base = a.theta.current()
+    key, path, tokens = _train(a, session, span, base, note)
+    time.sleep(a.train_s)
+    testhooks.fault_point("site.trained")
+    _round_trip(a, fed, member, session, span, key, path, tokens, note)
+
+
+def _train(a, session, span, base, note, **extra):
+    key = dict(lease=span.lease, start=span.start, end=span.end, base_round=base)
+    path = os.path.join(a.records, f"{a.cluster}-{session.incarnation}-l{span.lease}-s{span.start}-r{base}.safetensors")
+    arrays = delta_arrays(a.seed, session.incarnation, span.lease, span.start, base)
+    if a.residual is not None:
+        a.residual.write(path, arrays, base)
+    else:
+        write_tensors(path, arrays)
+    tokens = 100 * len(span)
+    note("trained", file=os.path.basename(path), tokens=tokens, wire=a.wire, **key, **extra)
+    return key, path, tokens
+
+
+def _trip(a, fed, member, session, span, key, path, tokens, note, box):
+    """An overlapped site's round trip (its thread): box["out"], the round it ended on, or box["err"]."""
+    try:
+        box["out"] = _round_trip(a, fed, member, session, span, key, path, tokens, note)
+    except BaseException as e:
+        box["err"] = e
+
+
+def _round_trip(a, fed, member, session, span, key, path, tokens, note):
+    """Check the lease, send, wait for the outcome, settle the lease and the residual,
+    download theta_global (as FedSite.round_trip) -> the round of that theta."""
+    state = _send_and_wait(a, fed, member, session, span, key, path, tokens, note)
+    if a.residual is not None:
+        a.residual.settle(state)
+    return a.theta.fetch()
+
+
+def _send_and_wait(a, fed, member, session, span, key, path, tokens, note):
+    """-> what became of the delta: merged, unknown, or another word for not merged."""
+    base = key["base_round"]
+    if not a.careless:                            # FedSite.round_trip's check (a careless site skips it)
+        try:
+            session.refresh()
+        except (httpc.CallError, OSError, http.client.HTTPException):
+            pass
+        if span.lease not in session.held():
+            note("lost", why="lease lost at DARL before the send", **key)
+            session.span_done(span)
+            return "lost"
+    testhooks.fault_point("site.checked")
+    record = {"id": span.lease, "start": span.start, "end": span.end}
+    try:
+        reply = _call("send", lambda d: fed.send_delta(path, base, tokens, [record], {"loss": 1.0},
+                                                       transport=a.transport, deadline=d))
+    except fedmom_client.StaleRound as e:
+        note("stale", why=str(e), **key)
+        _call("release", lambda d: session.release(span, deadline=d))
+        return "stale"
+    except httpc.CallError as e:
+        if e.status == 401:
+            raise TokenRefused(f"send: {e}")
+        note("refused", status=e.status, code=e.reply.get("code"), why=e.reply.get("error"), **key)
+        _call("release", lambda d: session.release(span, deadline=d))
+        return "refused"
+    note("sent", custody=reply.get("custody"), duplicate=bool(reply.get("duplicate")), **key)
+    testhooks.fault_point("site.sent")
+    while True:
+        got = _call("outcome", lambda d: fed.heartbeat(wait_round_after=base, wait_s=1.0, deadline=d))
+        mine = [o for o in got.get("deltas") or () if o.get("incarnation") == session.incarnation
+                and o.get("base_round") == base]
+        state = mine[0]["outcome"] if mine else None
+        if state == "pending" or (state is None and got["round"] <= base):
+            continue
+        break
+    session.span_done(span)
+    if state == "merged":
+        note("merged", merged_into=mine[0]["merged_into"], **key)
+    elif state == "excluded":
+        note("excluded", why=mine[0].get("why"), **key)
+        _call("release", lambda d: session.release(span, deadline=d))
+    else:
+        note("unknown", round=got["round"], **key)
+        session.forget(span)
+        state = "unknown"
+    return state
+
+
+def main(argv):
+    """One incarnation of a fake site (Run.start_site starts this file)."""
+    p = argparse.ArgumentParser(prog="fault_site.py", description="a fake site of fault_harness.py's schedules "
+                                "(started by the harness; the schedules run from bench/fault_schedule.py)")
+    for flag in ("--cluster", "--darl", "--fedmom", "--blob", "--token-file", "--records", "--transport"):
+        p.add_argument(flag, required=True)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--span", type=int, required=True)
+    p.add_argument("--train-s", type=float, default=0.15)
+    p.add_argument("--phase-s", type=float, default=0.5)
+    p.add_argument("--careless", action="store_true", help="send without checking the lease first")
+    p.add_argument("--overlap", action="store_true",
+                   help="train the next span while the delta's round trip runs (train.py --overlap)")
+    p.add_argument("--wire", choices=("f32", "int4"), default="f32",
+                   help="the deltas' wire format (train.py --wire): int4 with error feedback")
+    return site_main(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
