@@ -164,7 +164,7 @@ def _load_segments(state_dir, ckpt):
     return outer, segs
 
 
-def rebuild(state_dir, ckpt, log, threads=None):
+def rebuild(state_dir, ckpt, log, threads=None, pool=None):
     """The outer state the checkpoint and the logged Steps make (outer_state.replay: each
     Step checked against its digest; a checkpoint of segments of two rounds replays each from
     its own and checks the digest once they have met). Raises what went wrong
@@ -174,7 +174,7 @@ def rebuild(state_dir, ckpt, log, threads=None):
     if "dir" not in ckpt:
         outer = outer_state.OuterState.load(path(ckpt["theta"]), path(ckpt["momentum"]), path(ckpt["residual"]),
                                             ckpt["round"])
-        return outer_state.replay(outer, steps, threads)
+        return outer_state.replay(outer, steps, threads, pool=pool)
     outer, segs = _load_segments(state_dir, ckpt)
     rounds = {s.round for s in segs}
     behind = min(rounds)
@@ -188,12 +188,13 @@ def rebuild(state_dir, ckpt, log, threads=None):
             outer.round = s.round - 1
             outer.momentum = outer.momentum if "momentum" in segs[0].arrays else None
             outer.residual = outer.residual if "residual" in segs[0].arrays else None
-            outer_state.apply_round(outer, s, threads=threads)          # whole: its digest checked
+            outer_state.apply_round(outer, s, threads=threads, pool=pool)    # whole: its digest checked
         else:
             only = {}
             for g in todo:
                 only.setdefault(g.tensor, []).append((g.lo, g.hi, "momentum" in g.arrays, "residual" in g.arrays))
-            outer_state.apply_round(outer, dataclasses.replace(s, digest=None), threads=threads, only=only)
+            outer_state.apply_round(outer, dataclasses.replace(s, digest=None), threads=threads, only=only,
+                                    pool=pool)
         for g in todo:
             g.round = s.round
             g.arrays = {"theta"} | ({"momentum"} if s.mu > 0 else set()) | ({"residual"} if s.codec else set())

@@ -19,6 +19,7 @@ without the largest contribution (excluded), or with the momentum reset when the
 momentum alone overflows. fedmom_merge.py's docstring has the update rule.
 """
 import hashlib
+import math
 import json
 import os
 import threading
@@ -30,6 +31,7 @@ import durable
 import fedmom_checkpoint
 import fedmom_merge
 import fedmom_store
+import merge_pool
 import testhooks
 import outer_state
 import tensorio
@@ -97,6 +99,31 @@ class OuterKeeper:
         self.last_checkpoint = None   # {"round", "seconds", "bytes"} of the last one written
         self.checkpoint_retry_at = 0.0
         self.merge_pause_s = float(os.environ.get(MERGE_PAUSE_ENV, "0") or 0)
+        self._pool = None             # merge_pool.Pool, started at the first round or replay that needs it
+        merge_pool.sweep_stale()      # the shared arrays of an aggregator killed here before
+
+    def pool(self):
+        """The round's worker processes (--merge-procs; None: one process), started on first use:
+        an aggregator that never merges a model big enough for them starts none."""
+        procs = self.cfg.merge_procs or os.cpu_count() or 1
+        if procs <= 1:
+            return None
+        if self._pool is None:
+            self._pool = merge_pool.Pool(procs, outer_state.worker_argv())
+        return self._pool
+
+    def pool_for(self, steps):
+        """The pool when there is work for it: a round of a model of POOL_MIN_PARAMS or more
+        (a small one runs faster here than through the workers' pipes)."""
+        if not steps or sum(math.prod(sh) for sh in self.specs.values()) < merge_pool.min_params():
+            return None
+        return self.pool()
+
+    def close(self):
+        """Stop the merge workers (they also exit on their own when this process dies)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     # ---- a start
 
@@ -142,7 +169,7 @@ class OuterKeeper:
         and shows on /status. The caller holds mem_lock (or is starting)."""
         c, steps, rnd, t0 = self.ledger.ckpt, self.ledger.log, self.ledger.table.round, time.monotonic()
         try:
-            outer = fedmom_checkpoint.rebuild(self.dir, c, steps, self.cfg.threads)
+            outer = fedmom_checkpoint.rebuild(self.dir, c, steps, self.cfg.threads, pool=self.pool_for(steps))
         except Exception as e:         # a mismatch, a missing or damaged file, a non-finite replay
             if self.outer is not None:
                 self.outer.dirty = True    # whatever it holds is not a durable round: never served
@@ -184,7 +211,7 @@ class OuterKeeper:
                 stats = outer_state.apply_round(
                     self.outer, fedmom_checkpoint.resolved(step, self.dir),
                     codec and os.path.join(self.dir, f"update-{new}.safetensors"), {"round": str(new)}, cfg.fsync,
-                    cfg.threads, after_tensor=self._after_tensor)
+                    cfg.threads, after_tensor=self._after_tensor, pool=self.pool_for([step]))
             except fedmom_merge.NonFinite as e:
                 self.rebuild()                      # the arrays are half merged: back to round rnd
                 if not step.fresh and outer_state.momentum_alone_overflows(self.outer, e.name, cfg.outer_lr, mu):

@@ -426,6 +426,7 @@ def serve(cfg, a):
         httpd.serve_forever(server, f"fedmom round {state.round}")
     finally:
         stop.set()
+        state.keeper.close()                  # the merge workers (they exit on their own if we are killed)
         os.close(lock_fd)
 
 
@@ -472,8 +473,13 @@ def _server_parser():
                         "at a restart (at most this many merges). 1 writes them every round (default "
                         f"{fedmom_state.CHECKPOINT_ROUNDS})")
     p.add_argument("--threads", type=int, default=None,
-                   help="cores for the merge, the update's encode and a delta's decode (default $WIRE_THREADS, "
-                        "else every core); any number gives the same bits")
+                   help="threads for a delta's decode at acceptance and for a round run in this process "
+                        "(default $WIRE_THREADS, else every core); any number gives the same bits")
+    p.add_argument("--merge-procs", type=int, default=None,
+                   help="worker processes a round (and a restart's replay) runs on, the outer state in shared "
+                        "memory ($PWW_SHM_DIR, default /dev/shm: it needs the arrays' size free there): numpy "
+                        "threads share one interpreter lock and barely help, processes do (merge_pool.py); "
+                        "1 = this process alone; any number gives the same bits (default every core)")
     p.add_argument("--private-page", action="store_true", help="require the token for GET / too (default: public)")
     p.add_argument("--accept-config-change", action="store_true",
                    help="--outer-lr/--outer-momentum differ from those the state was run with: apply the new "
@@ -558,7 +564,7 @@ def main(argv):
                        clip_factor=a.clip_factor, accept_config_change=a.accept_config_change,
                        down_wire=a.down_wire, down_wire_block=a.down_wire_block,
                        keep_rounds=a.keep_rounds, checkpoint_rounds=a.checkpoint_rounds,
-                       threads=a.threads).validate()
+                       threads=a.threads, merge_procs=a.merge_procs).validate()
     serve(cfg, a)
 
 

@@ -137,6 +137,7 @@ class ServerConfig:
     keep_rounds: int = KEEP_ROUNDS    # the blob store keeps this many rounds' theta/update blobs
     checkpoint_rounds: int = CHECKPOINT_ROUNDS   # the outer state is written whole every this many rounds
     threads: int | None = None        # the merge's and the codec's threads (None: $WIRE_THREADS or every core)
+    merge_procs: int | None = None    # the round's worker processes (merge_pool.py; None: every core; 1: none)
 
     def down_codec(self):
         """The update's wire.Codec, or None (--down-wire f32: sites download the full theta)."""
@@ -174,6 +175,9 @@ class ServerConfig:
                              f"{CHECKPOINT_ROUNDS} rounds, the rounds between replayed at a restart)")
         if self.threads is not None and not (_is_int(self.threads) and self.threads >= 1):
             raise SystemExit(f"--threads {self.threads} must be an integer >= 1 (default: every core)")
+        if self.merge_procs is not None and not (_is_int(self.merge_procs) and self.merge_procs >= 1):
+            raise SystemExit(f"--merge-procs {self.merge_procs} must be an integer >= 1 (default: every core; 1 "
+                             "runs the round in the aggregator's own process)")
         if self.init is not None and not os.path.isfile(self.init):
             raise SystemExit(f"--init {self.init}: no such file")
         if self.init is not None:          # before the state dir exists: a bad --init leaves nothing behind

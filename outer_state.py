@@ -1,12 +1,16 @@
 """outer_state.py - the aggregator's outer state in memory, one round applied to it, and its replay.
 
 Runs on: the central VM, inside fedmom_server.py (numpy + tensorio.py + wire.py +
-fedmom_merge.py; never torch). Not started on its own. Tested bit for bit against
-fedmom_merge.merge_files + Publisher (the file-to-file merge) in tests/test_replay.py.
+fedmom_merge.py + merge_pool.py; never torch), and as the aggregator's merge workers:
+`python outer_state.py --merge-worker`, started by merge_pool.Pool (fedmom_server.py
+--merge-procs), answering the Tasks of a round on stdin. Tested bit for bit against
+fedmom_merge.merge_files + Publisher (the file-to-file merge) in tests/test_replay.py, and
+on worker processes against one thread in tests/test_merge_pool.py.
 
 OuterState holds what a round changes: theta_global (what the sites hold), the Nesterov
 momentum and, with --down-wire, the residual the updates rounded away (owed to the next
-update): one flat float32 array per tensor each, in memory (4 B/param each, 12 at most).
+update): one flat float32 array per tensor each, in memory (4 B/param each, 12 at most);
+share() moves them into shared memory (merge_pool.SharedArrays) for a round on workers.
 
 A round is a pure function of that state and of its Step, the round's recorded inputs:
 the accepted deltas' files with the weight each was merged with (token share x clip
@@ -33,11 +37,14 @@ since (fedmom_outer.OuterKeeper.rebuild).
 import dataclasses
 import math
 import os
+import sys
 
 import numpy as np
 
 import fedmom_merge
+import merge_pool
 import tensorio
+import testhooks
 import wire
 import wire_kernels
 
@@ -110,6 +117,14 @@ class OuterState:
                 w.write(n, arrays[n].reshape(sh))
         return path
 
+    def share(self):
+        """theta, momentum and residual into shared memory (merge_pool.SharedArrays), for a
+        round on worker processes; already shared arrays stay as they are."""
+        self.theta = merge_pool.share(self.theta, self.shapes)
+        self.momentum = merge_pool.share(self.momentum, self.shapes)
+        self.residual = merge_pool.share(self.residual, self.shapes)
+        return self
+
     def copy(self):
         """A deep copy (tests)."""
         dup = lambda d: d and {n: a.copy() for n, a in d.items()}
@@ -134,25 +149,35 @@ class _Tensor:
     A piece is (lo, hi, first, owed): first, the momentum starts afresh there (buf = g); owed,
     a residual is owed there (added to the update's x)."""
 
-    def __init__(self, name, shape, state, step, deltas, mu):
+    def __init__(self, name, shape, T, M, owed, residual, deltas, weights, lr, mu, codec, codes=None, sbits=None):
+        """T, M (None: no momentum this round), owed (the residual owed, or None), residual
+        (where the new one goes; None: a new array), flat float32; codes/sbits: where the
+        update's parts go, flat uint8/uint16 (None: new arrays)."""
         self.name, self.shape, self.n = name, shape, math.prod(shape)
-        self.T = state.theta[name]
-        self.M = state.momentum[name] if state.momentum is not None and mu > 0 else None
-        self.owed = state.residual[name] if state.residual is not None else None
-        self.deltas, self.weights = deltas, [w for _, w in step.deltas]
-        self.lr, self.mu, self.codec = step.lr, mu, step.codec
+        self.T, self.M, self.owed = T, M, owed
+        self.deltas, self.weights = deltas, weights
+        self.lr, self.mu, self.codec = lr, mu, codec
         self.blocks = self.codec is not None and self.codec.fmt in wire.LEVELS
         self.codes = self.sbits = self.x = None
         if self.blocks:                                    # the update's parts, filled piece by piece
             R, C, nb = wire_kernels.as_blocks(shape, self.codec.block)
-            self.codes = (np.empty(wire_kernels.packed_bytes(self.n, 4), np.uint8) if self.codec.fmt == "int4"
-                          else np.empty((R, C), np.int8))
-            self.sbits, self.C = np.empty((R, nb), np.uint16), C
+            codes = codes if codes is not None else np.empty(update_codes_size(self.codec, self.n), np.uint8)
+            codes = codes[:update_codes_size(self.codec, self.n)]
+            self.codes = codes if self.codec.fmt == "int4" else codes.view(np.int8).reshape(R, C)
+            self.sbits = (sbits if sbits is not None else np.empty(R * nb, np.uint16))[:R * nb].reshape(R, nb)
+            self.C = C
         elif self.codec is not None:                       # another format: encoded whole, after the merge
             self.x = np.empty(self.n, np.float32)
         self.residual = None
         if self.codec is not None:
-            self.residual = self.owed if self.owed is not None else np.empty(self.n, np.float32)
+            self.residual = residual if residual is not None else owed if owed is not None else \
+                np.empty(self.n, np.float32)
+
+    @classmethod
+    def of_state(cls, name, shape, state, step, deltas, mu):
+        pick = lambda d: d[name] if d is not None else None
+        return cls(name, shape, state.theta[name], pick(state.momentum) if mu > 0 else None, pick(state.residual),
+                   None, deltas, [w for _, w in step.deltas], step.lr, mu, step.codec)
 
     def run(self, pieces):
         """Merge (and publish) pieces [(lo, hi, first, owed)] in order, with this thread's own
@@ -221,13 +246,77 @@ class _Tensor:
 
     def update_parts(self):
         """The int8/int4 update of this tensor, as Codec.encode returns its parts."""
-        rows, cols = wire_kernels.rows_cols(self.shape)
-        codes = self.codes if self.codec.fmt == "int4" else self.codes.reshape(self.shape)
-        return {"": codes, wire.SCALE: self.sbits.reshape(rows, -(-cols // self.codec.block))}
+        return update_parts(self.codec, self.shape, self.codes, self.sbits)
+
+
+def update_codes_size(codec, n):
+    """Bytes of an int8/int4 update's codes for n values."""
+    return wire_kernels.packed_bytes(n, 4) if codec.fmt == "int4" else n
+
+
+def update_parts(codec, shape, codes, sbits):
+    """{part suffix: array} of one tensor's int8/int4 update, as Codec.encode returns them."""
+    rows, cols = wire_kernels.rows_cols(shape)
+    codes = codes.reshape(-1)[:update_codes_size(codec, math.prod(shape))]
+    codes = codes if codec.fmt == "int4" else codes.view(np.int8).reshape(shape)
+    nb = -(-cols // codec.block)
+    return {"": codes, wire.SCALE: sbits.reshape(-1)[:rows * nb].reshape(rows, nb)}
+
+
+# ---------------------------------------------------------------- the round on worker processes
+
+@dataclasses.dataclass
+class Task:
+    """One worker's share of one tensor of a round (merge_pool.py): the step, where the arrays
+    are ((block name, byte offset, count); None: none), where the update's parts go, and the
+    pieces [(lo, hi, first, owed)]."""
+    deltas: list
+    weights: list
+    lr: float
+    mu: float
+    codec: dict | None
+    name: str
+    shape: tuple
+    T: tuple
+    M: tuple | None
+    owed: tuple | None
+    residual: tuple | None
+    codes: tuple | None
+    sbits: tuple | None
+    pieces: list
+
+    def blocks(self):
+        return {w[0] for w in (self.T, self.M, self.owed, self.residual, self.codes, self.sbits) if w is not None}
+
+
+class WorkerSession:
+    """A worker's side of a round: the delta files kept open while a round's tasks come, each
+    tensor's parts read once (fedmom_merge.DeltaReader), the pieces run by _Tensor."""
+
+    def __init__(self):
+        self.paths, self.readers = None, []
+
+    def run(self, task, blocks):
+        testhooks.fault_point("merge.worker")           # test hook: a worker held (then killed) mid-round
+        if task.deltas != self.paths:
+            for d in self.readers:
+                d.close()
+            self.readers, self.paths = [], None
+            self.readers = [fedmom_merge.DeltaReader(p) for p in task.deltas]
+            self.paths = list(task.deltas)
+        for d in self.readers:
+            if d.name != task.name:
+                d.load(task.name, task.shape)
+        view = lambda w, dtype=np.float32: blocks[w[0]].view(w[1], w[2], dtype) if w is not None else None
+        codec = wire.Codec(**task.codec) if task.codec else None
+        t = _Tensor(task.name, task.shape, view(task.T), view(task.M), view(task.owed), view(task.residual),
+                    self.readers, task.weights, task.lr, task.mu, codec, view(task.codes, np.uint8),
+                    view(task.sbits, np.uint16))
+        return t.run(task.pieces)
 
 
 def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads=None, after_tensor=None,
-                only=None):
+                only=None, pool=None):
     """Merge step's deltas into `state` in place (module docstring). out_update: where the
     round's update goes (step.codec given); None writes nothing (a replay). after_tensor(name):
     called after each tensor (the aggregator's fault point). Raises fedmom_merge.NonFinite
@@ -252,35 +341,48 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
     with what it holds at the round before (a momentum buffer, a residual owed); the rest is
     left as it is, nothing is written and no digest is made or checked (the state's round and
     digest are the caller's to set). Each run must start and end on a whole row (a pair of
-    rows when a row is odd) and, with a topk --down-wire, on a chunk of it."""
+    rows when a row is odd) and, with a topk --down-wire, on a chunk of it.
+
+    pool: a merge_pool.Pool of 2 or more workers: the pieces of each tensor run in those
+    processes, one contiguous run each, on the state's arrays moved into shared memory
+    (state.share()); the same bits. A topk or bf16 --down-wire is encoded whole, here."""
     threads = wire_kernels.resolve_threads(threads)
     codec, mu, shapes = step.codec, step.mu, state.shapes
     fresh = step.fresh or state.momentum is None or mu == 0
     if only is not None and out_update is not None:
         raise ValueError("apply_round: a round applied to part of the state (only=) writes no update")
+    use_pool = pool is not None and pool.procs > 1 and (codec is None or codec.fmt in wire.LEVELS)
     state.dirty = True
-    deltas, uw, behind = [], None, None
+    deltas, uw, behind, scratch = [], None, None, None
     try:
         for p, _ in step.deltas:
             deltas.append(fedmom_merge.DeltaReader(p))
         _check_deltas(deltas, shapes)
-        zeros = lambda: {n: np.zeros(math.prod(sh), np.float32) for n, sh in shapes.items()}
+        if use_pool:
+            state.share()
+        alloc = (lambda zero: merge_pool.SharedArrays(shapes, zero)) if use_pool else \
+            (lambda zero: {n: (np.zeros if zero else np.empty)(math.prod(sh), np.float32) for n, sh in shapes.items()})
+        fresh_residual = None                              # the new residual's arrays when none is owed yet
         if only is None:
             if mu > 0 and state.momentum is None:
-                state.momentum = {n: np.empty(math.prod(sh), np.float32) for n, sh in shapes.items()}
+                state.momentum = alloc(False)
             if mu == 0:
                 state.momentum = None
+            if use_pool and codec is not None and state.residual is None:
+                fresh_residual = alloc(False)
             runs = {n: [(0, math.prod(sh), fresh, state.residual is not None)] for n, sh in shapes.items()}
         else:
             if mu > 0 and state.momentum is None:
-                state.momentum = zeros()
+                state.momentum = alloc(True)
             if codec is not None and state.residual is None:
-                state.residual = zeros()
+                state.residual = alloc(True)
             runs = {n: [(lo, hi, step.fresh or not has_m or mu == 0, owed) for lo, hi, has_m, owed in only[n]]
                     for n in shapes if n in only}
         if codec is not None and out_update is not None:
             meta = {k: str(v) for k, v in (metadata or {}).items()}
             uw = wire.WireWriter(out_update, list(shapes.items()), codec, meta, fsync=fsync, threads=threads)
+        if use_pool and codec is not None:
+            scratch = _Scratch(codec, shapes)
         new_residual = {} if codec is not None else None
         sums = {"theta": 0.0, "delta": [0.0] * len(deltas)}
         base_digest, digest, rsq = state.digest, wire.Digest(), 0.0
@@ -290,17 +392,23 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
                 continue
             for d in deltas:
                 d.load(n, sh)
-            t = _Tensor(n, sh, state, step, deltas, mu)
-            unit = fedmom_merge.piece_unit(sh, [d.codec for d in deltas if d.blocks] + [codec if t.blocks else None])
+            blocks = codec is not None and codec.fmt in wire.LEVELS
+            unit = fedmom_merge.piece_unit(sh, [d.codec for d in deltas if d.blocks] + [codec if blocks else None])
             step_n = max(unit, fedmom_merge.STEP // unit * unit)
             pieces = [(lo, min(lo + step_n, hi), first, owed)
                       for a, hi, first, owed in runs[n] for lo in range(a, hi, step_n)]
-            results = [None] * len(pieces)
+            if use_pool:
+                slot = scratch.take() if scratch is not None else None
+                results = _pool_tensor(pool, state, step, n, sh, mu, pieces, fresh_residual, slot)
+                t = None
+            else:
+                t = _Tensor.of_state(n, sh, state, step, deltas, mu)
+                results = [None] * len(pieces)
 
-            def run(a, b, t=t, pieces=pieces, results=results):
-                done = t.run(pieces[a:b])                  # shorter after a bad piece: the rest stay None
-                results[a:a + len(done)] = done
-            wire_kernels.run_spans(run, len(pieces), 1, step_n, threads)
+                def run(a, b, t=t, pieces=pieces, results=results):
+                    done = t.run(pieces[a:b])              # shorter after a bad piece: the rest stay None
+                    results[a:a + len(done)] = done
+                wire_kernels.run_spans(run, len(pieces), 1, step_n, threads)
             for r in results:
                 if r is None:                              # after a bad piece of its span: never reached
                     continue
@@ -312,18 +420,23 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
                 if bad:
                     raise fedmom_merge.NonFinite(bad, n, "deltas")
             parts = None
-            if t.x is not None:
+            if t is not None and t.x is not None:
                 for lo, hi, _, _ in runs[n]:
                     parts, r_sq = t.publish_whole(lo, hi, threads)
                     rsq += r_sq
-            elif t.blocks:
+            elif t is not None and t.blocks:
                 parts = t.update_parts()
+            elif use_pool and blocks:
+                parts = update_parts(codec, sh, *slot.views)
             if codec is not None:
-                new_residual[n] = t.residual
+                new_residual[n] = (t.residual if t is not None else
+                                   (fresh_residual or state.residual)[n])
             if only is None:
-                pending.append(behind.submit(digest.add, n, t.T.reshape(sh)))
+                pending.append(behind.submit(digest.add, n, state.theta[n].reshape(sh)))
             if uw is not None:
                 pending.append(behind.submit(uw.write_parts, n, parts))
+                if use_pool:
+                    slot.busy = pending[-1]                # reused once this write is done
             pending = [f for f in pending if not f.done() or f.result()]   # re-raise a failure behind
             if after_tensor is not None:
                 after_tensor(n)
@@ -336,6 +449,8 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
         if uw is not None:
             uw.close()
             uw = None
+        if codec is not None and use_pool:
+            new_residual = fresh_residual or state.residual     # the same arrays, shared
         state.residual, state.round, state.digest = new_residual, step.round, digest.hexdigest()
         if step.digest is not None and step.digest != state.digest:
             raise ReplayMismatch(f"round {step.round} replayed to theta digest {state.digest[:16]}..., but it "
@@ -355,6 +470,62 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
             uw.abort()
         for d in deltas:
             d.close()
+
+
+class _Scratch:
+    """Two slots of shared memory for one tensor's update parts (codes, scale bits), the
+    largest tensor's size: the workers fill one while the other is still being written out."""
+
+    class Slot:
+        def __init__(self, codes_bytes, sbits_count):
+            self.block = merge_pool.Block(codes_bytes + 2 * sbits_count)
+            self.codes_bytes, self.sbits_count = codes_bytes, sbits_count
+            self.views = (self.block.view(0, codes_bytes, np.uint8),
+                          self.block.view(codes_bytes, sbits_count, np.uint16))
+            self.busy = None
+
+        def where(self):
+            return (self.block.name, 0, self.codes_bytes), (self.block.name, self.codes_bytes, self.sbits_count)
+
+    def __init__(self, codec, shapes):
+        nb = lambda sh: wire_kernels.as_blocks(sh, codec.block)
+        codes = max((update_codes_size(codec, math.prod(sh)) for sh in shapes.values()), default=1)
+        sbits = max((nb(sh)[0] * nb(sh)[2] for sh in shapes.values()), default=1)
+        codes = -(-codes // 2) * 2                         # the scale bits start on an even byte
+        self.slots, self.i = [self.Slot(codes, sbits), self.Slot(codes, sbits)], 0
+
+    def take(self):
+        slot = self.slots[self.i]
+        self.i ^= 1
+        if slot.busy is not None:
+            slot.busy.result()                             # its last tensor's write is done
+            slot.busy = None
+        return slot
+
+    def __del__(self):
+        for s in getattr(self, "slots", ()):
+            s.block.release()
+
+
+def _pool_tensor(pool, state, step, n, sh, mu, pieces, fresh_residual, slot):
+    """One tensor's pieces on the pool's workers, one contiguous run each -> the pieces'
+    results in order (None after a bad piece of a run)."""
+    k = min(pool.procs, len(pieces))
+    cuts = [len(pieces) * i // k for i in range(k + 1)]
+    where = lambda d: d.where(n) if d is not None else None
+    codec = step.codec
+    owed = where(state.residual)
+    residual = where(fresh_residual) if fresh_residual is not None else owed
+    codes, sbits = slot.where() if slot is not None and codec is not None and codec.fmt in wire.LEVELS \
+        else (None, None)
+    tasks = [Task([p for p, _ in step.deltas], [w for _, w in step.deltas], step.lr, mu,
+                  codec and dataclasses.asdict(codec), n, tuple(sh), where(state.theta),
+                  where(state.momentum) if mu > 0 else None, owed, residual if codec is not None else None,
+                  codes, sbits, pieces[cuts[i]:cuts[i + 1]]) for i in range(k)]
+    out = []
+    for i, done in enumerate(pool.run(tasks)):
+        out += done + [None] * (cuts[i + 1] - cuts[i] - len(done))
+    return out
 
 
 def _check_deltas(deltas, shapes):
@@ -377,12 +548,24 @@ def momentum_alone_overflows(state, name, lr, mu):
         return fedmom_merge._momentum_alone_overflows(state.theta[name].copy(), state.momentum[name].copy(), lr, mu)
 
 
-def replay(state, steps, threads=None, progress=None):
+def replay(state, steps, threads=None, progress=None, pool=None):
     """Apply recorded Steps to a checkpoint's state, each checked against its digest."""
     for s in steps:
         if s.round != state.round + 1:
             raise ReplayMismatch(f"the log's round {s.round} does not follow the state's round {state.round}")
-        apply_round(state, s, threads=threads)
+        apply_round(state, s, threads=threads, pool=pool)
         if progress is not None:
             progress(s)
     return state
+
+
+def worker_argv():
+    """The command of a merge worker (merge_pool.Pool): this file, serving Tasks."""
+    return [sys.executable, os.path.abspath(__file__), "--merge-worker"]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--merge-worker"]:
+        sys.exit("outer_state.py is a module; the aggregator runs it as `outer_state.py --merge-worker`, its "
+                 "merge workers (fedmom_server.py --merge-procs)")
+    merge_pool.serve(WorkerSession())

@@ -17,6 +17,7 @@ import numpy as np
 import fedmom_checkpoint
 import fedmom_client
 import fedmom_merge
+import merge_pool
 import fedmom_round
 import fedmom_state as fs
 import httpc
@@ -314,9 +315,10 @@ class KillTest(Case):
               ("fedmom.unlink", 0, 3)]
 
     def start(self, sd, faults, init=True):
-        env = {**os.environ, testhooks.FAULT_DIR_ENV: faults}
+        # the round and the replay on two worker processes (merge_pool.py), however small the model
+        env = {**os.environ, testhooks.FAULT_DIR_ENV: faults, merge_pool.MIN_ENV: "0"}
         cmd = [sys.executable, "fedmom_server.py", "--state-dir", sd, "--port", "0", "--down-wire", "int4",
-               "--checkpoint-rounds", "2", "--threads", "2"] + (["--init", self.init] if init else [])
+               "--checkpoint-rounds", "2", "--threads", "2", "--merge-procs", "2"] + (["--init", self.init] if init else [])
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
         url, self.out = listening_url(proc, timeout=120)

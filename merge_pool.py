@@ -1,0 +1,307 @@
+"""merge_pool.py - the aggregator's round on every core: worker processes over shared memory.
+
+Runs on: the central VM, imported by outer_state.py and fedmom_outer.py; standard library +
+numpy; never torch. The workers are `python outer_state.py --merge-worker` (outer_state.py's
+piece code, this module's serve() loop), one process per fedmom_server.py --merge-procs,
+started by Pool. No port, no state of its own: its shared memory blocks are
+files in --shm-dir (default /dev/shm), named pww-fedmom-<aggregator pid>-<n>, removed when
+the aggregator lets go of them, and by the next start after a crash (sweep_stale).
+
+Why processes: a round is numpy work on cache-sized pieces (outer_state.apply_round), some 40
+numpy calls of ~10-60 us per 64K values. Threads share one interpreter lock between those
+calls, and measured here two threads ran a round no faster than one (12.9 vs 16.0 ns per
+parameter at 64K pieces; 14.5 vs 12.9 at 256K, where the pieces leave the cache): the
+cores sat idle. Processes each have their own.
+
+How: the outer state's arrays (theta, momentum, residual) live in shared memory blocks
+(SharedArrays, a dict of float32 views into one file mapping), so a worker writes its
+pieces where the aggregator reads them, nothing copied. Per tensor, the aggregator cuts the
+pieces into one contiguous run per worker and sends each a Task: the step (delta paths,
+weights, lr, mu, codec), where the tensor's arrays are, where its update's codes and scales
+go (a scratch block), and the pieces with their flags. The worker opens the delta files
+itself (fedmom_merge.DeltaReader, read once per tensor), runs outer_state's piece code and
+answers each piece's norms and whether it stayed finite. Every value is computed by the
+same float32 operations in the same process-independent order, so the bits are those of
+one thread (tests/test_merge_pool.py). A worker that dies fails the round (the aggregator
+rebuilds the state, as after any failed merge) and is started again; a worker whose
+aggregator dies reads EOF and exits.
+
+    pool = Pool(4, [sys.executable, "outer_state.py", "--merge-worker"])
+    state.share()                                   # theta, momentum, residual into shared memory
+    outer_state.apply_round(state, step, out_update, pool=pool)
+    pool.close()
+"""
+import atexit
+import math
+import mmap
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+SHM_ENV = "PWW_SHM_DIR"          # where the blocks live (a tmpfs: they are the arrays' memory)
+POOL_MIN_PARAMS = 4 << 20        # a smaller model's round runs in the aggregator alone: the pipes cost more
+MIN_ENV = "PWW_TEST_POOL_MIN_PARAMS"    # tests: the workers for a tiny model too
+
+
+def min_params():
+    env = os.environ.get(MIN_ENV, "").strip()
+    return int(env) if env else POOL_MIN_PARAMS
+PREFIX = "pww-fedmom-"
+_counter = iter(range(1 << 62))
+_counter_lock = threading.Lock()
+_owned = set()                   # the names this process made and has not removed yet (atexit removes them)
+
+
+def shm_dir():
+    return os.environ.get(SHM_ENV) or SHM_DIR
+
+
+class Block:
+    """One shared memory block: a file in shm_dir() mapped MAP_SHARED. The creator owns the
+    name and removes the file in release(); others attach by name."""
+
+    def __init__(self, nbytes=None, name=None):
+        self.owner = name is None
+        if self.owner:
+            with _counter_lock:
+                n = next(_counter)
+            name = f"{PREFIX}{os.getpid()}-{n}"
+            path = os.path.join(shm_dir(), name)
+            free = _free_bytes(shm_dir())
+            if free is not None and nbytes > free:
+                raise MemoryError(f"{shm_dir()} has {free / 2**30:.1f} GiB free, the outer state's shared "
+                                  f"arrays need {nbytes / 2**30:.1f} GiB more: enlarge it (mount -o remount,"
+                                  f"size=... {shm_dir()}), point ${SHM_ENV} at a larger tmpfs, or run with "
+                                  "--merge-procs 1 (the arrays in private memory, one core)")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            _owned.add(name)
+            try:
+                os.ftruncate(fd, max(nbytes, 1))
+            except BaseException:
+                os.close(fd)
+                _remove(name)
+                raise
+        else:
+            fd = os.open(os.path.join(shm_dir(), name), os.O_RDWR)
+        try:
+            self.size = os.fstat(fd).st_size
+            self.map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.name = name
+
+    def view(self, offset, count, dtype=np.float32):
+        """`count` items of `dtype` at byte `offset`."""
+        return np.frombuffer(self.map, dtype=dtype, count=count, offset=offset)
+
+    def release(self):
+        """The creator removes the name (the memory goes with the last mapping)."""
+        if self.owner:
+            _remove(self.name)
+            self.owner = False
+
+
+def _remove(name):
+    _owned.discard(name)
+    try:
+        os.unlink(os.path.join(shm_dir(), name))
+    except FileNotFoundError:
+        pass
+
+
+@atexit.register
+def _remove_all():
+    """At exit, whatever this process still names (a SIGKILL leaves them to sweep_stale)."""
+    for name in list(_owned):
+        _remove(name)
+
+
+def _free_bytes(d):
+    try:
+        st = os.statvfs(d)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def sweep_stale():
+    """Remove the blocks of aggregator processes that are gone (a SIGKILL leaves them) -> count."""
+    n = 0
+    try:
+        names = os.listdir(shm_dir())
+    except OSError:
+        return 0
+    for fn in names:
+        if not fn.startswith(PREFIX):
+            continue
+        try:
+            pid = int(fn[len(PREFIX):].split("-")[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+            try:
+                os.unlink(os.path.join(shm_dir(), fn))
+                n += 1
+            except OSError:
+                pass
+    return n
+
+
+class SharedArrays(dict):
+    """{name: flat float32 array} of `shapes`, in one Block, in the order of `shapes`; .where(n)
+    says where tensor n is, for a worker: (block name, byte offset, count)."""
+
+    def __init__(self, shapes, zero=False):
+        counts = {n: math.prod(sh) for n, sh in shapes.items()}
+        self.block = Block(4 * sum(counts.values()))
+        self.offsets, off = {}, 0
+        super().__init__()
+        for n, c in counts.items():
+            self.offsets[n] = off
+            self[n] = self.block.view(off, c)
+            off += 4 * c
+        if zero:
+            for a in self.values():
+                a.fill(0)
+
+    def where(self, n):
+        return self.block.name, self.offsets[n], self[n].size
+
+    def __del__(self):
+        block = getattr(self, "block", None)
+        if block is not None:
+            block.release()
+
+
+def share(arrays, shapes):
+    """A dict of private arrays (or None) as SharedArrays, copied tensor by tensor and each
+    private array dropped as soon as it is copied: the peak is the arrays plus one tensor."""
+    if arrays is None or isinstance(arrays, SharedArrays):
+        return arrays
+    out = SharedArrays(shapes)
+    for n in list(arrays):
+        np.copyto(out[n], arrays.pop(n))
+    return out
+
+
+# ---------------------------------------------------------------- the workers
+
+def _send(f, obj):
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    f.write(struct.pack("<Q", len(data)))
+    f.write(data)
+    f.flush()
+
+
+def _recv(f):
+    head = f.read(8)
+    if len(head) < 8:
+        raise EOFError("the other end closed")
+    (n,) = struct.unpack("<Q", head)
+    data = f.read(n)
+    if len(data) < n:
+        raise EOFError("the other end closed mid-message")
+    return pickle.loads(data)
+
+
+class WorkerDied(RuntimeError):
+    """A merge worker exited or answered nothing: the round fails, the state is rebuilt."""
+
+
+class Pool:
+    """`procs` worker processes (the command `argv`, which calls serve()), started at once. run(tasks)
+    sends task i to worker i and returns their answers in order; a worker's exception comes
+    back and is raised here. Not thread-safe: one round at a time (the aggregator's mem_lock)."""
+
+    def __init__(self, procs, argv):
+        if procs < 1:
+            raise ValueError(f"--merge-procs {procs}: use 1 or more")
+        self.procs, self.argv, self.workers = procs, list(argv), []
+        sweep_stale()
+        for _ in range(procs):
+            self.workers.append(self._start())
+
+    def _start(self):
+        env = {**os.environ, "WIRE_THREADS": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+        return subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                cwd=os.path.dirname(os.path.abspath(__file__)))
+
+    def run(self, tasks):
+        if len(tasks) > self.procs:
+            raise ValueError(f"{len(tasks)} tasks for {self.procs} workers")
+        for i, w in enumerate(self.workers[:len(tasks)]):
+            if w.poll() is not None:                     # died since the last round: a new one
+                self.workers[i] = w = self._start()
+        sent = []
+        try:
+            for w, t in zip(self.workers, tasks):
+                _send(w.stdin, t)
+                sent.append(w)
+            answers = [_recv(w.stdout) for w in sent]
+        except (EOFError, BrokenPipeError, OSError) as e:
+            for w in self.workers:                       # whatever a worker was doing is abandoned
+                self._stop(w)
+            self.workers = [self._start() for _ in range(self.procs)]
+            raise WorkerDied(f"a merge worker died mid-round ({type(e).__name__}: {e}); the workers were "
+                             "started again") from None
+        for a in answers:
+            if a[0] == "error":
+                raise a[1]
+        return [a[1] for a in answers]
+
+    @staticmethod
+    def _stop(w):
+        try:
+            w.kill()
+            w.wait(30)
+        except OSError:
+            pass
+        for f in (w.stdin, w.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+    def close(self):
+        for w in self.workers:
+            try:
+                w.stdin.close()                          # EOF: the worker exits
+                w.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            self._stop(w)
+        self.workers = []
+
+
+def serve(session):
+    """A worker's loop: answer Tasks from stdin with session.run(task, blocks) until EOF (the
+    aggregator closed the pipe, or died). Each task names the shared blocks it uses; they are
+    mapped on first use and dropped when a task no longer names them."""
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr                             # nothing but answers on the pipe
+    blocks = {}
+    while True:
+        try:
+            task = _recv(inp)
+        except EOFError:
+            return
+        try:
+            names = task.blocks()
+            for name in names:
+                if name not in blocks:
+                    blocks[name] = Block(name=name)
+            for name in [b for b in blocks if b not in names]:
+                del blocks[name]                        # unmapped once no view of it is left
+            _send(out, ("ok", session.run(task, blocks)))
+        except Exception as e:                          # sent back whole: the aggregator raises it
+            try:
+                pickle.dumps(e)
+            except Exception:
+                e = RuntimeError(f"{type(e).__name__}: {e}")
+            _send(out, ("error", e))
