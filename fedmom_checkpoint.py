@@ -45,7 +45,7 @@ READS_FORMATS = ("pww-fedmom-state/2", STATE_FORMAT)   # a /2 state is a checkpo
 ARRAYS = ("theta", "momentum", "residual")
 CKPT_DIR = "ckpt"             # a checkpoint of segments: ckpt-<the round it was first written at>/
 SEGMENT_FORMAT = "pww-fedmom-segment/1"
-SEGMENT_BYTES = 64 << 20      # fp32 bytes of one array of a segment at most: the checkpoint's extra disk is 3 x this
+SEGMENT_BYTES = 64 << 20      # fp32 bytes of one array of a segment (segments() says when one is larger): 3 x this extra disk
 SEGMENT_ENV = "PWW_TEST_SEGMENT_BYTES"   # tests: smaller segments, so that a small model has several
 TOPK_ALIGN = 4096             # segments also start on a multiple of this: whole chunks of a topk --down-wire
                               # (its chunk is wire.Codec's default: fedmom_server.py has no flag for it)
@@ -88,9 +88,12 @@ def segment_bytes():
 def segments(shapes, seg_bytes, d):
     """[(file name, tensor, lo, hi)] of a checkpoint of these {name: shape}: each tensor whole,
     or cut into runs of whole rows (pairs of rows when a row is odd: int4 packs two values a
-    byte) and whole TOPK_ALIGN elements, of SEGMENT_BYTES at most, so that every block or
-    chunk of every wire format lies inside one segment and a segment can be replayed alone
-    (outer_state.apply_round's `only`)."""
+    byte) and whole TOPK_ALIGN elements, so that every block or chunk of every wire format
+    lies inside one segment and a segment can be replayed alone (outer_state.apply_round's
+    `only`). A segment holds `seg_bytes` of fp32 per array at most, unless that one unit is
+    larger: a 1-D tensor is one segment, and so is an odd last dimension's lcm(2 x cols,
+    TOPK_ALIGN) when it exceeds the tensor (a (768, 50257) tensor: 147 MiB). Language
+    models' large tensors have even last dimensions (Qwen3: 1024 to 25600): 64 MiB there."""
     out = []
     for i, (name, sh) in enumerate(shapes.items()):
         n, cols = math.prod(sh), (sh[-1] if sh else 1)
@@ -134,6 +137,9 @@ def _load_segments(state_dir, ckpt):
     """-> (OuterState with every segment's arrays in place, [_Segment]). The arrays a segment
     lacks (no momentum or residual at its round) are zero and marked so in its _Segment."""
     shapes = read_shapes(state_dir, ckpt)
+    if not shapes:
+        raise ValueError(f"{state_dir}/{ckpt['dir']}: the checkpoint state.json names holds no segment "
+                         "(the directory is missing or empty): restore it, or the state dir, from a backup")
     want = segments(shapes, ckpt["segment_bytes"], ckpt["dir"])
     have = _segment_files(state_dir, ckpt["dir"])
     if [w[0] for w in want] != have:
@@ -225,6 +231,8 @@ def write_checkpoint(outer, state_dir, last=None, fsync=True, after_file=None):
     seg = segment_bytes()
     same = last is not None and "dir" in last and last.get("segment_bytes") == seg
     d = last["dir"] if same else f"{CKPT_DIR}-{outer.round}"
+    if not same and last is not None and d == last.get("dir"):    # the live one has this name: never touch it
+        d = f"{CKPT_DIR}-{outer.round}-{seg}"
     if not same and os.path.isdir(os.path.join(state_dir, d)):     # left by a layout change cut short
         for fn in _segment_files(state_dir, d):
             durable.unlink(os.path.join(state_dir, fn))

@@ -237,6 +237,9 @@ class _Tensor:
         x = self.x[lo:hi]
         parts, sent = self.codec.encode(x.reshape(self.shape) if hi - lo == self.n else x, threads)
         sent = np.asarray(sent, np.float32).reshape(-1)
+        if np.shares_memory(sent, x):                  # f32 "encodes" x as itself: keep the step as sent
+            sent = sent.copy()
+        parts = {k: p.copy() if np.shares_memory(p, x) else p for k, p in parts.items()}   # x is reused below
         wire.add_into(self.T[lo:hi], sent, threads)
         if not np.isfinite(self.T[lo:hi]).all():
             raise fedmom_merge.NonFinite("theta", self.name, "deltas")

@@ -122,8 +122,11 @@ def run_spans(fn, rows, unit, per_row, threads):
         for a, b in spans:
             fn(a, b)
         return
-    for f in [_pool(threads).submit(_span, fn, a, b) for a, b in spans]:
-        f.result()
+    futures = [_pool(threads).submit(_span, fn, a, b) for a, b in spans]
+    errors = [f.exception() for f in futures]          # every span ended before one is raised: nothing
+    for e in errors:                                   # writes the caller's arrays after this returns
+        if e is not None:
+            raise e
 
 
 _in_span = threading.local()
