@@ -393,8 +393,9 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
         for n, sh in shapes.items():
             if n not in runs:
                 continue
-            for d in deltas:
-                d.load(n, sh)
+            if not use_pool:                               # (each worker reads its own)
+                for d in deltas:
+                    d.load(n, sh)
             blocks = codec is not None and codec.fmt in wire.LEVELS
             unit = fedmom_merge.piece_unit(sh, [d.codec for d in deltas if d.blocks] + [codec if blocks else None])
             step_n = max(unit, fedmom_merge.STEP // unit * unit)
