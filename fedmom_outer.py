@@ -112,6 +112,22 @@ class OuterKeeper:
             self._pool = merge_pool.Pool(procs, outer_state.worker_argv())
         return self._pool
 
+    def check_shared_memory(self):
+        """At a start: the merge workers' shared memory has room for the outer state (12 B/param
+        with --down-wire, 8 without), or the start stops here, naming the fix, rather than
+        every round failing later."""
+        params = sum(math.prod(sh) for sh in self.specs.values())
+        if (self.cfg.merge_procs or os.cpu_count() or 1) <= 1 or params < merge_pool.min_params():
+            return
+        need = 4 * params * (3 if self.cfg.down_codec() is not None else 2)
+        free = merge_pool.free_bytes()
+        if free is not None and need > free:
+            raise SystemExit(f"fedmom_server: the merge workers (--merge-procs) share the outer state through "
+                             f"{merge_pool.shm_dir()}, which has {merge_pool.size(free)} free; it needs "
+                             f"{merge_pool.size(need)}: enlarge it (mount -o remount,size={-(-need // 2**30) + 1}G "
+                             f"{merge_pool.shm_dir()}), point ${merge_pool.SHM_ENV} at a larger tmpfs, or start "
+                             "with --merge-procs 1 (one core)")
+
     def pool_for(self, steps):
         """The pool when there is work for it: a round of a model of POOL_MIN_PARAMS or more
         (a small one runs faster here than through the workers' pipes)."""

@@ -287,6 +287,7 @@ class FedMomState:
         else:
             self._create()
         self.keeper.clean_dir()
+        self.keeper.check_shared_memory()
         self.spool.clean({f for p in self.pending.values() for f in (p.path, p.meta_path)}
                          | self.keeper.logged_files())
         if self.outer is None:                # (a new state dir holds it already: round 0 from --init)

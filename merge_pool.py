@@ -75,8 +75,8 @@ class Block:
             path = os.path.join(shm_dir(), name)
             free = _free_bytes(shm_dir())
             if free is not None and nbytes > free:
-                raise MemoryError(f"{shm_dir()} has {free / 2**30:.1f} GiB free, the outer state's shared "
-                                  f"arrays need {nbytes / 2**30:.1f} GiB more: enlarge it (mount -o remount,"
+                raise MemoryError(f"{shm_dir()} has {size(free)} free, the outer state's shared "
+                                  f"arrays need {size(nbytes)} more: enlarge it (mount -o remount,"
                                   f"size=... {shm_dir()}), point ${SHM_ENV} at a larger tmpfs, or run with "
                                   "--merge-procs 1 (the arrays in private memory, one core)")
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -120,6 +120,16 @@ def _remove_all():
     """At exit, whatever this process still names (a SIGKILL leaves them to sweep_stale)."""
     for name in list(_owned):
         _remove(name)
+
+
+def size(n):
+    """Bytes as GiB, or MiB below one GiB, for messages."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def free_bytes():
+    """Bytes free in shm_dir(), or None if it cannot be read."""
+    return _free_bytes(shm_dir())
 
 
 def _free_bytes(d):

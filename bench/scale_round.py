@@ -69,6 +69,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -91,6 +92,7 @@ import durable  # noqa: E402
 import fedmom_client  # noqa: E402
 import harness  # noqa: E402
 import httpc  # noqa: E402
+import fedmom_state  # noqa: E402
 import tensorio  # noqa: E402
 import wire  # noqa: E402
 from fedmom_disk_peak import dir_bytes  # noqa: E402
@@ -721,7 +723,23 @@ def federate(L, cfg, root, init, shapes, base):
         sampler.stop.set()
     return {"rounds": rounds, "failures": failures, "central_vm_hwm": vm_hwm,
             "site_vm_hwm": {s: recs[s].get("end", {}).get("vm_hwm") for s in SITES},
-            "initial": {s: recs[s]["start"] for s in SITES}}
+            "initial": {s: recs[s]["start"] for s in SITES},
+            "checkpoints": checkpoints(os.path.join(root, "logs", "fedmom.log"))}
+
+
+CHECKPOINT_RE = re.compile(r"checkpoint of round (\d+): ([0-9.]+) GiB in ([0-9.]+) s")
+
+
+def checkpoints(log_path):
+    """The aggregator's checkpoints as its log says them -> [{"round", "gib", "s"}] (every
+    --checkpoint-rounds rounds it writes the outer state, fsync'd: central time the round
+    records do not hold)."""
+    try:
+        with open(log_path) as f:
+            return [{"round": int(m.group(1)), "gib": float(m.group(2)), "s": float(m.group(3))}
+                    for m in CHECKPOINT_RE.finditer(f.read())]
+    except OSError:
+        return []
 
 
 def wait_records(sites, root, cond, bound_s, what, central=lambda: ""):
@@ -871,6 +889,9 @@ def summary(out, base, shapes):
             f"{cell(same['read'], 7, '.2f')} {cell(same['memcpy'], 8, '.2f')} "
             f"{cell(cpu / s if cpu is not None and s else None, 17, '.2f')}")
     central = med(central_per_round(r) for r in rounds)
+    ckpts = [c for c in out.get("checkpoints", []) if c["round"] > 0]
+    ckpt_s = med(c["s"] for c in ckpts) or 0.0
+    every = fedmom_state.CHECKPOINT_ROUNDS             # the aggregator runs with the default
     site = med(e["phases"]["encode"]["s"] + e["phases"]["apply"]["s"] for r in rounds for e in r["sites"].values()
                if "apply" in e["phases"])
     peak = max(r["state_peak"] for r in rounds) / M
@@ -878,6 +899,10 @@ def summary(out, base, shapes):
     say(f"central s/round ({'the record timings' if timed else 'both acceptances + merge + publish'}): "
         f"{central:.2f} s = {central / lim['write']:.2f} x the fsync'd F32 write of M (target <= 1.0: "
         f"{'met' if central <= lim['write'] else 'NOT met'})")
+    if ckpts:
+        say(f"checkpoints (every {every} rounds, not in the round records): {len(ckpts)}, median {ckpt_s:.2f} s for "
+            f"{med(c['gib'] for c in ckpts):.2f} GiB = {ckpt_s / lim['write']:.2f} x the write of M; amortized, central "
+            f"s/round {central + ckpt_s / every:.2f} = {(central + ckpt_s / every) / lim['write']:.2f} x the write")
     say(f"site encode + apply: {site:.2f} s = {site / lim['write']:.2f} x the write (target <= 0.5: "
         f"{'met' if site <= 0.5 * lim['write'] else 'NOT met'})")
     say(f"state-dir peak: {peak:.2f} M (target <= 3: {'met' if peak <= 3 else 'NOT met'}); after the last round "
@@ -886,9 +911,10 @@ def summary(out, base, shapes):
     say("peak RSS (VmHWM): " + ", ".join(f"{k} {gib(v)}" for k, v in out["central_vm_hwm"].items())
         + "; sites " + ", ".join(f"{k} {gib(v)}" for k, v in out["site_vm_hwm"].items()))
     out["summary"] = {"limits": lim, "phases": table, "central_s_per_round": central, "site_encode_apply_s": site,
+                      "checkpoint_s": ckpt_s, "central_s_per_round_with_checkpoints": central + ckpt_s / every,
                       "state_peak_models": peak, "central_over_write": central / lim["write"],
                       "site_over_write": site / lim["write"]}
-    out["projection"] = project(table, lim, P, central, site)
+    out["projection"] = project(table, lim, P, central, site, ckpt_s / every)
     for f in out["failures"]:
         say(f"!! {f}")
     say(f"checks: {len(rounds)} rounds complete, every delta merged, every theta's digest checked: "
@@ -896,7 +922,7 @@ def summary(out, base, shapes):
     return not out["failures"]
 
 
-def project(table, lim, P, central, site):
+def project(table, lim, P, central, site, ckpt_per_round=0.0):
     """Qwen3-8B and -32B, linear in parameters (k = their parameters / ours). A central phase:
     k x (its central CPU seconds / VM_CORES + the rest of its wall time), i.e. its per-core
     work spread over a 16-core VM and what was not on a CPU (disk, network: bytes) at the
@@ -936,9 +962,15 @@ def project(table, lim, P, central, site):
         say(f"{k:<10} {s:8.2f} " + (f"{cpu:7.2f} {(written or 0) / 1e9:9.3f}" if WHERE[k] == "central"
                                     else f"{'-':>7} {'-':>9}") + f" {bound:<10} "
             + " ".join(f"{proj[n]:9.1f}" for n in ks))
+    if ckpt_per_round:
+        say(f"{'checkpoint':<10} {ckpt_per_round:8.2f} {'-':>7} {'-':>9} {'write':<10} "
+            + " ".join(f"{kk * ckpt_per_round:9.1f}" for kk in ks.values()) + "   (per round: every "
+            f"{fedmom_state.CHECKPOINT_ROUNDS} rounds, 3 M fsync'd: k x its time here)")
+        for n, kk in ks.items():
+            per_round[n] += kk * ckpt_per_round
     for n, kk in ks.items():
         w = kk * lim["write"]
-        say(f"{n}: central s/round {per_round[n]:.1f} (2 x accept + merge + publish) vs the F32 write {w:.1f} s "
+        say(f"{n}: central s/round {per_round[n]:.1f} (2 x accept + merge + publish + checkpoint / C) vs the F32 write {w:.1f} s "
             f"(k x {lim['write']:.2f}, bytes-bound): {per_round[n] / w:.2f} x; site encode + apply {kk * site:.1f} s = "
             f"{site / lim['write']:.2f} x (linear: the same ratio); this machine, all linear: central {kk * central:.1f} s")
         out[n] = {"k": kk, "central_s_per_round": per_round[n], "write_s": w, "site_encode_apply_s": kk * site}

@@ -100,5 +100,22 @@ class ModuleMapTest(unittest.TestCase):
                 self.assertEqual(reach(self.graph, m) - central, set(), f"{m} needs a file central.sh does not copy")
 
 
+class SizeTest(unittest.TestCase):
+    """A newcomer reads a file in one sitting: no top-level module over 900 lines, no class over
+    400, train.py (the script a site runs) at most 700."""
+
+    def test_no_file_over_900_lines_no_class_over_400_and_train_py_at_most_700(self):
+        for fn in sorted(f for f in os.listdir(ROOT) if f.endswith(".py")):
+            with open(os.path.join(ROOT, fn)) as f:
+                src = f.read()
+            with self.subTest(fn):
+                lines = src.count("\n")
+                self.assertLessEqual(lines, 700 if fn == "train.py" else 900, f"{fn}: {lines} lines")
+                for node in ast.walk(ast.parse(src)):
+                    if isinstance(node, ast.ClassDef):
+                        n = node.end_lineno - node.lineno + 1
+                        self.assertLessEqual(n, 400, f"{fn}: class {node.name} is {n} lines")
+
+
 if __name__ == "__main__":
     unittest.main()

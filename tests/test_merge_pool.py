@@ -184,6 +184,36 @@ class BlocksTest(Case):
         self.assertGreaterEqual(merge_pool.sweep_stale(), 1)
         self.assertFalse(os.path.exists(os.path.join(merge_pool.shm_dir(), name)))
 
+    def test_an_aggregator_whose_shared_memory_is_too_small_stops_at_its_start_naming_the_fix(self):
+        """$PWW_SHM_DIR on a 16 MiB tmpfs and a model of 2M parameters with --down-wire int4
+        (24 MB of shared arrays): the start stops with the fix in one message, before any round
+        could fail on it; --merge-procs 1 starts."""
+        shm = os.path.join(self.dir, "shm")
+        os.makedirs(shm)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", shm], capture_output=True, text=True)
+        if r.returncode != 0:
+            self.skipTest(f"cannot mount a 16 MiB tmpfs ({r.stderr.strip() or r.returncode}); run as root")
+        self.addCleanup(subprocess.run, ["umount", "-l", shm])
+        init = os.path.join(self.dir, "init.safetensors")
+        with tensorio.TensorWriter(init, [("w", "F32", (2048, 1024))], fsync=False) as w:
+            w.write("w", np.zeros((2048, 1024), np.float32))
+        env = {**os.environ, merge_pool.SHM_ENV: shm, merge_pool.MIN_ENV: "1"}
+        cmd = [sys.executable, "fedmom_server.py", "--state-dir", os.path.join(self.dir, "st"), "--init", init,
+               "--down-wire", "int4", "--port", "0"]
+        out = subprocess.run(cmd + ["--merge-procs", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=HANG_S)
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("which has 16 MiB free; it needs 24 MiB", out.stderr)
+        self.assertIn("--merge-procs 1", out.stderr)
+        self.assertIn("mount -o remount,size=", out.stderr)
+        proc = subprocess.Popen(cmd + ["--merge-procs", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
+        from harness import listening_url
+        listening_url(proc, timeout=HANG_S)               # it serves
+        proc.terminate()
+        proc.wait(60)
+
     def test_too_little_shared_memory_is_refused_with_the_fix(self):
         with self.assertRaises(MemoryError) as cm:
             merge_pool.Block(1 << 60)
