@@ -61,7 +61,7 @@ def child_env(**extra):
 # Processes
 # ---------------------------------------------------------------------------
 
-def _ppids():
+def ppids():
     """{pid: parent pid} of every live process (Linux /proc), zombies excluded."""
     out = {}
     for entry in os.listdir("/proc"):
@@ -78,7 +78,7 @@ def _ppids():
 
 def process_tree(pid):
     """pid and all its live descendants."""
-    parents = _ppids()
+    parents = ppids()
     tree, todo = set(), [pid]
     while todo:
         p = todo.pop()

@@ -34,9 +34,9 @@ while both wait. Each phase, per round (progress is printed as each round ends):
               store (TLS), the /delta_check; GB = the delta file
     accept    POST /delta_blob: the aggregator fetches the delta from the blob store, checks
               it (decoded: values, norm), spools it and takes its lease into custody at DARL
-    merge     the aggregator's round record ("merge_s": the FedMom step and the int4 update
-              published from it, theta, momentum and residual written); GB = its bytes_read +
-              bytes_written. With "timings" in the record (accept_s, custody_s, merge_s,
+    merge     the aggregator's round record ("merge_s": the FedMom step on the outer state in
+              memory, on its merge workers, and the int4 update written from it); GB = its
+              bytes_read + bytes_written. With "timings" in the record (accept_s, custody_s, merge_s,
               publish_s, checkpoint_s), those are shown too and used for the central sum
     publish   the first GET /theta_update_blob of the round: the aggregator copies the
               update into the blob store (the other site finds it there)
@@ -49,14 +49,16 @@ the end, averaged; the machine is noisy, the ratios are what matter; the one-cor
 the model, the theta digest's serial floor, is measured beside them), and the central
 processes' CPU seconds over the phase's wall time. Per round also: the aggregator's state dir
 and the blob store's dir after the round, the state dir's peak during it (sampled every 50 ms),
-the central processes' CPU seconds and peak RSS (VmHWM of fedmom_server, darl_server,
+the central processes' CPU seconds (with the processes under them: the aggregator's merge workers) and peak RSS (VmHWM of fedmom_server, darl_server,
 blobstore). At the end, the summary: the median per phase; central seconds per round
 (both acceptances + merge + publish) over the fsync'd F32 write of the model (target <= 1.0);
 a site's encode + apply over it (target <= 0.5); the state dir's peak in M (target <= 3);
 and a projection to Qwen3-8B and -32B, linear in parameters: a central phase as k x (its
 central CPU seconds / 16 cores + the rest of its wall time at the measured GB/s), at least
 k x what it writes at the measured fsync'd write rate; the sites' phases and the transfers
-as k x their time here. Every site checks the digest of the theta
+as k x their time here. The checkpoints (3 M every --checkpoint-rounds rounds, read from the
+aggregator's log) are printed apart: they are written after their round is published, beside
+the sites' next phase. Every site checks the digest of the theta
 it holds after every round (the update's, or a whole theta against the other site's), and the
 bench exits 1 if any check fails, a delta does not merge, or a round does not complete.
 --json writes every figure. The run's files go under --dir (default $TMPDIR), removed at the
@@ -192,14 +194,35 @@ def sha256_f32(src, shapes, buf):
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def proc_cpu(pid):
-    """utime + stime of a process (all its threads), seconds; 0.0 once it is gone."""
+def _stat_cpu(pid, reaped=False):
+    """utime + stime of one process (all its threads), plus its reaped children's with
+    `reaped`, seconds; 0.0 once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / TICK
+        return sum(int(x) for x in fields[11:15 if reaped else 13]) / TICK
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def procs_cpu(pids):
+    """{key: CPU seconds} of each process in {key: pid} and every process under it: its own
+    threads, its live descendants (fedmom_server's merge workers, outer_state.py
+    --merge-worker, do a round's arithmetic), and the children it has reaped (a worker
+    replaced after it died). One walk of /proc for all."""
+    parents = harness.ppids()
+    kids = {}
+    for c, pp in parents.items():
+        kids.setdefault(pp, []).append(c)
+
+    def tree(p):
+        out, todo = [], list(kids.get(p, ()))
+        while todo:
+            c = todo.pop()
+            out.append(c)
+            todo += kids.get(c, ())
+        return out
+    return {k: _stat_cpu(p, reaped=True) + sum(_stat_cpu(c) for c in tree(p)) for k, p in pids.items()}
 
 
 def proc_status(pid, key):
@@ -239,7 +262,7 @@ class Meter:
 
     def now(self):
         t = os.times()
-        return (time.time(), time.perf_counter(), t.user + t.system, sum(proc_cpu(p) for p in self.pids))
+        return (time.time(), time.perf_counter(), t.user + t.system, sum(procs_cpu(dict(enumerate(self.pids))).values()))
 
     @staticmethod
     def span(a, b, nbytes, minus=None):
@@ -532,7 +555,7 @@ class Sampler:
     def _run(self):
         while not self.stop.is_set():
             sizes = {k: dir_bytes(d) for k, d in self.dirs.items()}
-            cpu = {k: proc_cpu(p) for k, p in self.pids.items()}
+            cpu = procs_cpu(self.pids)
             with self.lock:
                 for k, v in sizes.items():
                     self.peaks[k] = max(self.peaks[k], v)
@@ -676,7 +699,7 @@ def federate(L, cfg, root, init, shapes, base):
     sites = launch_sites(L, root, cfg, urls, token, ca, pids)
     bound_s = max(300.0, 150.0 * M / 1e9)             # a round slower than this is a stall
     rounds, failures, t_last = [], [], time.monotonic()
-    cpu_last = {k: proc_cpu(p) for k, p in pids.items()}
+    cpu_last = procs_cpu(pids)
 
     def central():
         try:
@@ -701,7 +724,7 @@ def federate(L, cfg, root, init, shapes, base):
                                 central)
             rec = wait_round_record(state_dir, r)
             peaks = sampler.take_peaks()
-            cpu_now = {k: proc_cpu(p) for k, p in pids.items()}
+            cpu_now = procs_cpu(pids)
             row = {"round": r, "wall_s": time.monotonic() - t_last, "sites": {s: recs[s][r] for s in SITES},
                    "record": {k: rec.get(k) for k in ("merge_s", "timings", "bytes_read", "bytes_written",
                                                       "update_bytes", "wall_s", "time", "outcomes")},
@@ -901,8 +924,9 @@ def summary(out, base, shapes):
         f"{'met' if central <= lim['write'] else 'NOT met'})")
     if ckpts:
         say(f"checkpoints (every {every} rounds, not in the round records): {len(ckpts)}, median {ckpt_s:.2f} s for "
-            f"{med(c['gib'] for c in ckpts):.2f} GiB = {ckpt_s / lim['write']:.2f} x the write of M; amortized, central "
-            f"s/round {central + ckpt_s / every:.2f} = {(central + ckpt_s / every) / lim['write']:.2f} x the write")
+            f"{med(c['gib'] for c in ckpts):.2f} GiB = {ckpt_s / lim['write']:.2f} x the write of M, written after "
+            f"their round is published, beside the sites' next phase; as if in the rounds, central s/round "
+            f"{central + ckpt_s / every:.2f} = {(central + ckpt_s / every) / lim['write']:.2f} x the write")
     say(f"site encode + apply: {site:.2f} s = {site / lim['write']:.2f} x the write (target <= 0.5: "
         f"{'met' if site <= 0.5 * lim['write'] else 'NOT met'})")
     say(f"state-dir peak: {peak:.2f} M (target <= 3: {'met' if peak <= 3 else 'NOT met'}); after the last round "
@@ -966,14 +990,21 @@ def project(table, lim, P, central, site, ckpt_per_round=0.0):
         say(f"{'checkpoint':<10} {ckpt_per_round:8.2f} {'-':>7} {'-':>9} {'write':<10} "
             + " ".join(f"{kk * ckpt_per_round:9.1f}" for kk in ks.values()) + "   (per round: every "
             f"{fedmom_state.CHECKPOINT_ROUNDS} rounds, 3 M fsync'd: k x its time here)")
-        for n, kk in ks.items():
-            per_round[n] += kk * ckpt_per_round
+    c, rare = fedmom_state.CHECKPOINT_ROUNDS, 4 * fedmom_state.CHECKPOINT_ROUNDS
     for n, kk in ks.items():
         w = kk * lim["write"]
-        say(f"{n}: central s/round {per_round[n]:.1f} (2 x accept + merge + publish + checkpoint / C) vs the F32 write {w:.1f} s "
-            f"(k x {lim['write']:.2f}, bytes-bound): {per_round[n] / w:.2f} x; site encode + apply {kk * site:.1f} s = "
-            f"{site / lim['write']:.2f} x (linear: the same ratio); this machine, all linear: central {kk * central:.1f} s")
+        say(f"{n}: central s/round {per_round[n]:.1f} on the round's path (2 x accept + merge + publish) vs the F32 "
+            f"write {w:.1f} s (k x {lim['write']:.2f}, bytes-bound): {per_round[n] / w:.2f} x; site encode + apply "
+            f"{kk * site:.1f} s = {site / lim['write']:.2f} x (linear: the same ratio); this machine, all linear: "
+            f"central {kk * central:.1f} s")
         out[n] = {"k": kk, "central_s_per_round": per_round[n], "write_s": w, "site_encode_apply_s": kk * site}
+        if ckpt_per_round:
+            one = kk * ckpt_per_round * c
+            say(f"{n}: the checkpoint, {one:.0f} s every {c} rounds, is written after its round is published, "
+                f"beside the sites' next phase (it delays a round only if that phase is shorter); as disk time "
+                f"{one / c:.1f} s a round, {one / rare:.1f} with --checkpoint-rounds {rare} (a restart then "
+                f"replays up to {rare} rounds: ~{rare * out['merge'][n] / 60 if 'merge' in out else 0:.1f} min)")
+            out[n].update(checkpoint_s=one, checkpoint_s_per_round=one / c)
     return out
 
 
