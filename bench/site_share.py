@@ -155,26 +155,12 @@ def share(rank, world, a, torch, dist):
         buf = np.empty(max(math.prod(s) for _, s in shapes), np.float32)
         buf[...] = 1
         times["write-f32"] = write_f32(theta_path, shapes, buf, os.path.join(a.dir, "base-write"))
-        times["write-f32 no fsync"] = write_nofsync(theta_path, shapes, buf, os.path.join(a.dir, "base-write"))
+        # what a file costs rank 0 when nothing waits for the disk (the delta, the residual's next file)
+        times["write-f32 no fsync"] = write_f32(theta_path, shapes, buf, os.path.join(a.dir, "base-write"),
+                                                fsync=False)
         times["read-f32"] = read_f32(theta_path, shapes, buf)
     return {"times": times, "same_delta": same, "device_theta_is_the_aggregators": agree,
             "wire_bytes": host.wire_bytes, "world": world, "threads": torch.get_num_threads()}
-
-
-def write_nofsync(src, shapes, buf, scratch):
-    """write_f32 without the fsync: what a file costs rank 0 when nothing waits for the disk
-    (the delta file, the residual's next file: RankResidual)."""
-    clock = Clock()
-    with tensorio.TensorReader(src) as r:
-        w = tensorio.TensorWriter(scratch, [(n, "F32", s) for n, s in shapes], fsync=False)
-        for n, _ in shapes:
-            a = r.read(n, out=buf)
-            with clock:
-                w.write(n, a)
-        with clock:
-            w.close()
-    os.unlink(scratch)
-    return clock.s
 
 
 def make_theta_and_update(theta_path, upd, shapes):

@@ -89,12 +89,12 @@ class Clock:
         self.s += time.perf_counter() - self.t0
 
 
-def write_f32(src, shapes, buf, scratch):
-    """Seconds to write the F32 tensors of file `src` to `scratch` with fsync (the reads of
-    src between the writes not timed); scratch is removed after."""
+def write_f32(src, shapes, buf, scratch, fsync=True):
+    """Seconds to write the F32 tensors of file `src` to `scratch`, with fsync unless told
+    not to (the reads of src between the writes not timed); scratch is removed after."""
     clock = Clock()
     with tensorio.TensorReader(src) as r:
-        w = tensorio.TensorWriter(scratch, [(n, "F32", s) for n, s in shapes])
+        w = tensorio.TensorWriter(scratch, [(n, "F32", s) for n, s in shapes], fsync=fsync)
         for n, _ in shapes:
             a = r.read(n, out=buf)
             with clock:
