@@ -24,6 +24,7 @@ import json
 import os
 import threading
 import time
+import traceback
 
 import numpy as np
 
@@ -184,6 +185,12 @@ class OuterKeeper:
         a mismatch stops the server; later (rebuilding after a failed merge) it stops the merges
         and shows on /status. The caller holds mem_lock (or is starting)."""
         c, steps, rnd, t0 = self.ledger.ckpt, self.ledger.log, self.ledger.table.round, time.monotonic()
+        if self.outer is not None and self.outer.dirty:
+            # the failed round's arrays go before the new ones are made (the caller dropped the
+            # failed try's frames): shared memory sized for the state once holds the rebuild,
+            # and the workers, which map them, are started afresh
+            self.outer.drop()
+            self.close()
         try:
             outer = fedmom_checkpoint.rebuild(self.dir, c, steps, self.cfg.threads, pool=self.pool_for(steps))
         except Exception as e:         # a mismatch, a missing or damaged file, a non-finite replay
@@ -229,6 +236,7 @@ class OuterKeeper:
                     codec and os.path.join(self.dir, f"update-{new}.safetensors"), {"round": str(new)}, cfg.fsync,
                     cfg.threads, after_tensor=self._after_tensor, pool=self.pool_for([step]))
             except fedmom_merge.NonFinite as e:
+                traceback.clear_frames(e.__traceback__)     # the failed try's arrays, let go before the rebuild
                 self.rebuild()                      # the arrays are half merged: back to round rnd
                 if not step.fresh and outer_state.momentum_alone_overflows(self.outer, e.name, cfg.outer_lr, mu):
                     reset = (f"{e}, with every delta zero: the momentum buffer of round {rnd} is reset "

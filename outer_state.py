@@ -125,6 +125,12 @@ class OuterState:
         self.residual = merge_pool.share(self.residual, self.shapes)
         return self
 
+    def drop(self):
+        """Let go of the arrays (a failed round's, before a rebuild makes new ones: shared
+        memory holds the outer state once, not twice); the state stays dirty, never served."""
+        self.theta = self.momentum = self.residual = None
+        self.dirty = True
+
     def copy(self):
         """A deep copy (tests)."""
         dup = lambda d: d and {n: a.copy() for n, a in d.items()}

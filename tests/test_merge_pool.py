@@ -14,12 +14,15 @@ import unittest
 import numpy as np
 
 import fedmom_checkpoint
+import fedmom_client
+import fedmom_state as fs
+import httpc
 import merge_pool
 import outer_state
 import tensorio
 import testhooks
 import wire
-from harness import wait_for
+from harness import listening_url, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # odd last dimensions, a ragged int4 row, a 1-D tensor, a scalar-like one, several pieces each
@@ -218,6 +221,118 @@ class BlocksTest(Case):
         with self.assertRaises(MemoryError) as cm:
             merge_pool.Block(1 << 60)
         self.assertIn("--merge-procs 1", str(cm.exception))
+
+
+
+class ServerCase(Case):
+    """A real fedmom_server --merge-procs 2 --down-wire int4, its shared memory on a tmpfs of
+    `SHM_MB` (the outer state of SHAPES is 5.2 MB: theta, momentum, residual)."""
+    SHM_MB = 8
+
+    def mount_shm(self):
+        shm = os.path.join(self.dir, "shm")
+        os.makedirs(shm)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.SHM_MB}m", "tmpfs", shm],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            self.skipTest(f"cannot mount a {self.SHM_MB} MiB tmpfs ({r.stderr.strip() or r.returncode}); run as root")
+        self.addCleanup(subprocess.run, ["umount", "-l", shm])
+        return shm
+
+    def start(self, sd, shm, faults, init=True, *flags):
+        env = {**os.environ, testhooks.FAULT_DIR_ENV: faults, merge_pool.SHM_ENV: shm, merge_pool.MIN_ENV: "0"}
+        cmd = [sys.executable, "fedmom_server.py", "--state-dir", sd, "--port", "0", "--down-wire", "int4",
+               "--checkpoint-rounds", "10", "--threads", "1", "--merge-procs", "2", *flags]
+        if init:
+            path = os.path.join(self.dir, "init.safetensors")
+            with tensorio.TensorWriter(path, [(n, "F32", s) for n, s in SHAPES.items()], fsync=False) as w:
+                for n, s in SHAPES.items():
+                    w.write(n, self.theta[n].reshape(s))
+            cmd += ["--init", path]
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
+        url, self.out = listening_url(proc, timeout=HANG_S)
+        return proc, url
+
+    def send_round(self, url, rnd, fmts=("int4", "int8"), paths=(None, None), tokens=(10, 30)):
+        clients = [fedmom_client.FedMomClient(url, c, f"{c}-inc") for c in ("a", "b")]
+        for c in clients if rnd == 0 else ():
+            c.join()
+        for i, c in enumerate(clients):
+            c.send_delta(paths[i] or self.delta(rnd, i, fmts[i]), rnd, tokens[i], [], {})
+
+    def status(self, url):
+        return httpc.call(url, "GET", "/status")
+
+    def wait_round(self, url, rnd):
+        got = fedmom_client.FedMomClient(url, "a", "a-inc").wait_round_after(rnd - 1, timeout_s=HANG_S)
+        self.assertEqual(got, rnd, f"round {rnd - 1} did not merge; the server said:\n" + self.out.text()[-3000:])
+
+    def replayed_in_one_thread(self, sd):
+        """The state dir rebuilt here, in one thread: every logged round checked against the
+        digest the server's workers published."""
+        cfg = fs.ServerConfig(sd, down_wire="int4", checkpoint_rounds=10, fsync=False, merge_procs=1).validate()
+        return fs.FedMomState(cfg, clock=lambda: 1000.0).outer
+
+
+class RebuildSharedMemoryTest(ServerCase):
+    def test_a_worker_killed_mid_round_is_retried_when_shared_memory_holds_the_state_once(self):
+        # Schedule: round 0 merged and logged (the checkpoint is round 0's, at the start); the
+        # shared memory holds the outer state once and a half (the start's check asks for once);
+        # round 1: a worker SIGKILLed at its first task. The round fails (WorkerDied) and the
+        # state is rebuilt: the checkpoint loaded and round 0 replayed on the workers, into new
+        # shared arrays while the failed round's arrays are still held: twice the state.
+        shm = self.mount_shm()
+        sd, faults = os.path.join(self.dir, "st"), os.path.join(self.dir, "faults")
+        os.makedirs(faults)
+        proc, url = self.start(sd, shm, faults)
+        self.send_round(url, 0)
+        self.wait_round(url, 1)
+        arm = os.path.join(faults, "merge.worker")
+        with open(arm, "w") as f:
+            f.write("0")
+        self.send_round(url, 1)
+        self.assertTrue(wait_for(lambda: os.path.exists(arm + ".hit"), HANG_S), "no worker reached the point")
+        with open(arm + ".hit") as f:
+            os.kill(int(f.read()), signal.SIGKILL)
+        os.unlink(arm)
+        st = wait_for(lambda: (lambda s: (s["merge_error"] or s["replay_error"]) and s)(self.status(url)), HANG_S)
+        self.assertTrue(st, "the failed round never showed on /status")
+        self.assertIsNone(st["replay_error"], "a worker's death stopped the merges for good; the server said:\n"
+                          + self.out.text()[-3000:])
+        self.assertIn("a merge worker died mid-round", st["merge_error"])
+        self.wait_round(url, 2)                          # the retry (fedmom_round.MERGE_RETRY_S later)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        self.assertEqual(self.replayed_in_one_thread(sd).round, 2)
+
+
+    def test_a_round_redone_without_an_overflowing_delta_fits_in_shared_memory_holding_the_state_once(self):
+        # Schedule: round 0 merged and logged; round 1's delta a overflows tensor "w" (3e38,
+        # --clip-factor 0): NonFinite, the state rebuilt (round 0 replayed on the workers, which
+        # still map the failed try's arrays: no worker died) and the round redone without a.
+        shm = self.mount_shm()
+        sd, faults = os.path.join(self.dir, "st"), os.path.join(self.dir, "faults")
+        os.makedirs(faults)
+        proc, url = self.start(sd, shm, faults, True, "--clip-factor", "0")
+        self.send_round(url, 0)
+        self.wait_round(url, 1)
+        rng = np.random.default_rng(5)
+        bad = {n: (0.01 * rng.standard_normal(s)).astype(np.float32) for n, s in SHAPES.items()}
+        bad["w"][:] = 3e38
+        path = os.path.join(self.dir, "overflowing.safetensors")
+        with tensorio.TensorWriter(path, [(n, "F32", s) for n, s in SHAPES.items()], fsync=False) as w:
+            for n, a in bad.items():
+                w.write(n, a)
+        self.send_round(url, 1, paths=(path, None), tokens=(1000, 10))
+        st = wait_for(lambda: (lambda s: (s["round"] == 2 or s["replay_error"]) and s)(self.status(url)), HANG_S)
+        self.assertTrue(st, "round 1 neither merged nor failed")
+        self.assertIsNone(st["replay_error"], "an excluded delta stopped the merges for good; the server said:\n"
+                          + self.out.text()[-3000:])
+        self.assertEqual(st["round"], 2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        self.assertEqual(self.replayed_in_one_thread(sd).round, 2)
 
 
 if __name__ == "__main__":
