@@ -4,8 +4,11 @@ Runs on: the central VM, imported by outer_state.py and fedmom_outer.py; standar
 numpy; never torch. The workers are `python outer_state.py --merge-worker` (outer_state.py's
 piece code, this module's serve() loop), one process per fedmom_server.py --merge-procs,
 started by Pool. No port, no state of its own: its shared memory blocks are
-files in --shm-dir (default /dev/shm), named pww-fedmom-<aggregator pid>-<n>, removed when
-the aggregator lets go of them, and by the next start after a crash (sweep_stale).
+files in $PWW_SHM_DIR (default /dev/shm), named pww-fedmom-<aggregator pid>-<random>-<n>,
+each held under a shared flock by the process that made it for as long as it lives (so
+whose a block is never rests on a pid, which another pid namespace does not see and a
+restart may get again); removed when the aggregator lets go of them, and after a crash by
+the next start's sweep, which removes only the blocks no live process holds (sweep_stale).
 
 Why processes: a round is numpy work on cache-sized pieces (outer_state.apply_round), some 40
 numpy calls of ~10-60 us per 64K values. Threads share one interpreter lock between those
@@ -32,10 +35,12 @@ aggregator dies reads EOF and exits.
     pool.close()
 """
 import atexit
+import fcntl
 import math
 import mmap
 import os
 import pickle
+import secrets
 import struct
 import subprocess
 import sys
@@ -56,6 +61,7 @@ PREFIX = "pww-fedmom-"
 _counter = iter(range(1 << 62))
 _counter_lock = threading.Lock()
 _owned = set()                   # the names this process made and has not removed yet (atexit removes them)
+_TOKEN = secrets.token_hex(4)    # in the names: a pid alone is not unique across pid namespaces and restarts
 
 
 def shm_dir():
@@ -64,36 +70,34 @@ def shm_dir():
 
 class Block:
     """One shared memory block: a file in shm_dir() mapped MAP_SHARED. The creator owns the
-    name and removes the file in release(); others attach by name."""
+    name, holds a shared flock on it while it lives (sweep_stale leaves a held block) and
+    removes the file in release(); others attach by name."""
 
     def __init__(self, nbytes=None, name=None):
-        self.owner = name is None
+        self.owner, self.fd = name is None, None
         if self.owner:
-            with _counter_lock:
-                n = next(_counter)
-            name = f"{PREFIX}{os.getpid()}-{n}"
-            path = os.path.join(shm_dir(), name)
             free = _free_bytes(shm_dir())
             if free is not None and nbytes > free:
                 raise MemoryError(f"{shm_dir()} has {size(free)} free, the outer state's shared "
                                   f"arrays need {size(nbytes)} more: enlarge it (mount -o remount,"
                                   f"size=... {shm_dir()}), point ${SHM_ENV} at a larger tmpfs, or run with "
                                   "--merge-procs 1 (the arrays in private memory, one core)")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            _owned.add(name)
+            name, fd = _create()
             try:
                 os.ftruncate(fd, max(nbytes, 1))
             except BaseException:
                 os.close(fd)
                 _remove(name)
                 raise
+            self.fd = fd                                 # kept open: the flock is this process's claim
         else:
             fd = os.open(os.path.join(shm_dir(), name), os.O_RDWR)
         try:
             self.size = os.fstat(fd).st_size
             self.map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
-            os.close(fd)
+            if not self.owner:
+                os.close(fd)
         self.name = name
 
     def view(self, offset, count, dtype=np.float32):
@@ -105,6 +109,31 @@ class Block:
         if self.owner:
             _remove(self.name)
             self.owner = False
+            os.close(self.fd)
+            self.fd = None
+
+
+def _create():
+    """A new block file in shm_dir(), flock'd (shared) by this process -> (name, fd). A sweep
+    may take a file between its creation and the flock (it is not held yet): then another."""
+    while True:
+        with _counter_lock:
+            n = next(_counter)
+        name = f"{PREFIX}{os.getpid()}-{_TOKEN}-{n}"
+        path = os.path.join(shm_dir(), name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            continue
+        _owned.add(name)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return name, fd
+        except FileNotFoundError:
+            pass
+        _owned.discard(name)                             # swept before the flock: not ours any more
+        os.close(fd)
 
 
 def _remove(name):
@@ -141,7 +170,8 @@ def _free_bytes(d):
 
 
 def sweep_stale():
-    """Remove the blocks of aggregator processes that are gone (a SIGKILL leaves them) -> count."""
+    """Remove the blocks no live process holds (a SIGKILLed aggregator's flocks went with it),
+    whatever pid namespace made them -> count."""
     n = 0
     try:
         names = os.listdir(shm_dir())
@@ -150,16 +180,20 @@ def sweep_stale():
     for fn in names:
         if not fn.startswith(PREFIX):
             continue
+        path = os.path.join(shm_dir(), fn)
         try:
-            pid = int(fn[len(PREFIX):].split("-")[0])
-        except ValueError:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
             continue
-        if pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
-            try:
-                os.unlink(os.path.join(shm_dir(), fn))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)          # held: its maker is alive
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                os.unlink(path)
                 n += 1
-            except OSError:
-                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
     return n
 
 

@@ -187,6 +187,60 @@ class BlocksTest(Case):
         self.assertGreaterEqual(merge_pool.sweep_stale(), 1)
         self.assertFalse(os.path.exists(os.path.join(merge_pool.shm_dir(), name)))
 
+    def in_pid_namespace(self, code, **kw):
+        """`code` run by a python that is pid 1 of a new pid namespace (a container's aggregator:
+        its own /proc), on the same shared memory directory."""
+        cmd = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable, "-c", code]
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+    def own_shm_dir(self):
+        shm = os.path.join(self.dir, "shm")
+        os.makedirs(shm)
+        os.environ[merge_pool.SHM_ENV] = shm              # here and in every process started
+        self.addCleanup(os.environ.pop, merge_pool.SHM_ENV)
+        probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            self.skipTest(f"cannot make a pid namespace ({probe.stderr.strip() or probe.returncode}); run as root")
+        return shm
+
+    def test_a_sweep_in_another_pid_namespace_leaves_a_live_aggregators_blocks(self):
+        # Schedule: this process (an aggregator, alive) holds a block; another aggregator starts
+        # in a container with its own pid namespace on the same shared memory (apptainer, or
+        # docker with --ipc=host) and sweeps: the live block's pid is not in its /proc.
+        shm = self.own_shm_dir()
+        live = merge_pool.Block(4096)
+        self.addCleanup(live.release)
+        proc = self.in_pid_namespace("import merge_pool\nprint(merge_pool.sweep_stale())\n")
+        out, err = proc.communicate(timeout=HANG_S)
+        self.assertEqual(proc.returncode, 0, err)
+        self.assertTrue(os.path.exists(os.path.join(shm, live.name)),
+                        f"a sweep in another pid namespace removed the live block {live.name}")
+        merge_pool.sweep_stale()                         # and one here, by its maker
+        self.assertTrue(os.path.exists(os.path.join(shm, live.name)), "a sweep removed its own process's block")
+
+    def test_a_block_left_by_a_killed_process_whose_pid_comes_back_is_swept(self):
+        # Schedule: an aggregator that is pid 1 of its container makes a block and is SIGKILLed;
+        # its restart is pid 1 again: its sweep skips the block (its own pid), which is never
+        # removed, and its first block takes the same name (O_EXCL: FileExistsError).
+        shm = self.own_shm_dir()
+        first = self.in_pid_namespace("import merge_pool, os, time\nb = merge_pool.Block(4096)\n"
+                                      "print(os.getpid(), b.name, flush=True)\ntime.sleep(600)\n")
+        self.addCleanup(lambda: first.poll() is None and (first.kill(), first.wait(30)))
+        pid, name = first.stdout.readline().split()
+        with open(f"/proc/{first.pid}/task/{first.pid}/children") as f:
+            child = int(f.read().split()[0])              # the python, as this namespace sees it
+        os.kill(child, signal.SIGKILL)
+        first.wait(30)
+        first.stdout.close()
+        first.stderr.close()
+        self.assertTrue(os.path.exists(os.path.join(shm, name)), "SIGKILL leaves it")
+        again = self.in_pid_namespace("import merge_pool, os\nmerge_pool.sweep_stale()\nb = merge_pool.Block(4096)\n"
+                                      "print(os.getpid(), b.name, flush=True)\n")
+        out, err = again.communicate(timeout=HANG_S)
+        self.assertEqual(again.returncode, 0, f"the restart could not make its block: {err[-2000:]}")
+        self.assertEqual(out.split()[0], pid, "the restart has the same pid")
+        self.assertFalse(os.path.exists(os.path.join(shm, name)), f"{name} of the killed process is never swept")
+
     def test_an_aggregator_whose_shared_memory_is_too_small_stops_at_its_start_naming_the_fix(self):
         """$PWW_SHM_DIR on a 16 MiB tmpfs and a model of 2M parameters with --down-wire int4
         (24 MB of shared arrays): the start stops with the fix in one message, before any round
