@@ -196,6 +196,10 @@ class OuterKeeper:
         except Exception as e:         # a mismatch, a missing or damaged file, a non-finite replay
             if self.outer is not None:
                 self.outer.dirty = True    # whatever it holds is not a durable round: never served
+            if isinstance(e, merge_pool.WorkerDied) and not at_start:
+                # nothing durable is wrong: the next merge rebuilds first (merge), on new workers
+                log(f"fedmom: the rebuild of round {rnd} FAILED ({e}); it runs again before the next merge")
+                raise
             why = (f"the outer state of round {rnd} cannot be rebuilt from the checkpoint of round "
                    f"{c['round']} and the {len(steps)} round(s) logged since: {type(e).__name__}: {e}")
             if at_start:
@@ -220,6 +224,8 @@ class OuterKeeper:
         holds mem_lock; the arrays become round + 1's (outer_state.apply_round), and a failed
         try rebuilds them first. -> (stats or None, the deltas merged, [(delta, why excluded)])."""
         cfg, rnd = self.cfg, self.ledger.table.round
+        if self.outer.dirty:                        # a rebuild cut short by a merge worker's death
+            self.rebuild()
         live, dropped, reset = list(batch), [], None
         new, mu, codec = rnd + 1, cfg.outer_momentum, cfg.down_codec()
         while live:

@@ -389,5 +389,63 @@ class RebuildSharedMemoryTest(ServerCase):
         self.assertEqual(self.replayed_in_one_thread(sd).round, 2)
 
 
+
+class WorkerDeathTest(ServerCase):
+    SHM_MB = 64
+
+    def workers(self, proc):
+        """The server's children: its merge workers."""
+        out = set()
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            with open(f"/proc/{proc.pid}/task/{tid}/children") as f:
+                out |= {int(p) for p in f.read().split()}
+        return out
+
+    def hit_by(self, arm, pids):
+        """The pid a worker stopped at `arm` wrote, once it is one of `pids` (the live workers)."""
+        try:
+            with open(arm + ".hit") as f:
+                pid = int(f.read() or 0)
+        except FileNotFoundError:
+            return None
+        return pid if pid in pids else None
+
+    def test_workers_killed_mid_round_and_again_in_the_rebuild_leave_the_round_to_its_retry(self):
+        # Schedule: round 0 merged and logged; round 1: every worker SIGKILLed at its first task
+        # (the round fails: WorkerDied), then the new workers SIGKILLed again at their first task
+        # of the rebuild's replay of round 0. Nothing durable is wrong: the round's retry must
+        # rebuild and merge it, not stop the merges as if the log could not be replayed.
+        shm = self.mount_shm()
+        sd, faults = os.path.join(self.dir, "st"), os.path.join(self.dir, "faults")
+        os.makedirs(faults)
+        proc, url = self.start(sd, shm, faults)
+        self.send_round(url, 0)
+        self.wait_round(url, 1)
+        arm = os.path.join(faults, "merge.worker")
+        with open(arm, "w") as f:
+            f.write("0")                                 # every worker task stops there until it is removed
+        self.send_round(url, 1)
+        killed = set()
+        for what in ("the round", "the rebuild's replay"):
+            self.assertTrue(wait_for(lambda: self.hit_by(arm, self.workers(proc) - killed), HANG_S),
+                            f"no worker reached the point in {what}; the server said:\n" + self.out.text()[-3000:])
+            for pid in self.workers(proc) - killed:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:               # a worker of a pool just closed, gone by itself
+                    pass
+                killed.add(pid)
+        st = wait_for(lambda: (lambda s: (s["merge_error"] or s["replay_error"]) and s)(self.status(url)), HANG_S)
+        os.unlink(arm)
+        self.assertTrue(st, "the failed round never showed on /status")
+        self.assertIsNone(st["replay_error"], "two workers' deaths stopped the merges for good; the server said:\n"
+                          + self.out.text()[-3000:])
+        self.assertIn("a merge worker died mid-round", st["merge_error"])
+        self.wait_round(url, 2)                          # the retry rebuilds, then merges
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        self.assertEqual(self.replayed_in_one_thread(sd).round, 2)
+
+
 if __name__ == "__main__":
     unittest.main()
