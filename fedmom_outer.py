@@ -114,13 +114,13 @@ class OuterKeeper:
         return self._pool
 
     def check_shared_memory(self):
-        """At a start: the merge workers' shared memory has room for the outer state (12 B/param
-        with --down-wire, 8 without), or the start stops here, naming the fix, rather than
-        every round failing later."""
+        """At a start: the merge workers' shared memory has room for a round (the outer state,
+        12 B/param with --down-wire, 8 without, and the update's scratch: outer_state.shared_bytes),
+        or the start stops here, naming the fix, rather than every round failing later."""
         params = sum(math.prod(sh) for sh in self.specs.values())
         if (self.cfg.merge_procs or os.cpu_count() or 1) <= 1 or params < merge_pool.min_params():
             return
-        need = 4 * params * (3 if self.cfg.down_codec() is not None else 2)
+        need = outer_state.shared_bytes(self.specs, self.cfg.down_codec())
         free = merge_pool.free_bytes()
         if free is not None and need > free:
             raise SystemExit(f"fedmom_server: the merge workers (--merge-procs) share the outer state through "

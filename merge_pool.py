@@ -35,6 +35,7 @@ aggregator dies reads EOF and exits.
     pool.close()
 """
 import atexit
+import errno
 import fcntl
 import math
 import mmap
@@ -78,16 +79,17 @@ class Block:
         if self.owner:
             free = _free_bytes(shm_dir())
             if free is not None and nbytes > free:
-                raise MemoryError(f"{shm_dir()} has {size(free)} free, the outer state's shared "
-                                  f"arrays need {size(nbytes)} more: enlarge it (mount -o remount,"
-                                  f"size=... {shm_dir()}), point ${SHM_ENV} at a larger tmpfs, or run with "
-                                  "--merge-procs 1 (the arrays in private memory, one core)")
+                raise _no_room(free, nbytes)
             name, fd = _create()
             try:
                 os.ftruncate(fd, max(nbytes, 1))
-            except BaseException:
+                # the pages taken now: a tmpfs that fills later would SIGBUS whoever writes there first
+                os.posix_fallocate(fd, 0, max(nbytes, 1))
+            except BaseException as e:
                 os.close(fd)
                 _remove(name)
+                if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                    raise _no_room(_free_bytes(shm_dir()) or 0, nbytes) from None
                 raise
             self.fd = fd                                 # kept open: the flock is this process's claim
         else:
@@ -111,6 +113,13 @@ class Block:
             self.owner = False
             os.close(self.fd)
             self.fd = None
+
+
+def _no_room(free, nbytes):
+    return MemoryError(f"{shm_dir()} has {size(free)} free, the outer state's shared arrays need "
+                       f"{size(nbytes)} more: enlarge it (mount -o remount,size=... {shm_dir()}), point "
+                       f"${SHM_ENV} at a larger tmpfs, or run with --merge-procs 1 (the arrays in private "
+                       "memory, one core)")
 
 
 def _create():

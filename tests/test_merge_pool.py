@@ -243,7 +243,7 @@ class BlocksTest(Case):
 
     def test_an_aggregator_whose_shared_memory_is_too_small_stops_at_its_start_naming_the_fix(self):
         """$PWW_SHM_DIR on a 16 MiB tmpfs and a model of 2M parameters with --down-wire int4
-        (24 MB of shared arrays): the start stops with the fix in one message, before any round
+        (24 MB of shared arrays, 2 MB of update scratch): the start stops with the fix in one message, before any round
         could fail on it; --merge-procs 1 starts."""
         shm = os.path.join(self.dir, "shm")
         os.makedirs(shm)
@@ -260,7 +260,7 @@ class BlocksTest(Case):
         out = subprocess.run(cmd + ["--merge-procs", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=HANG_S)
         self.assertNotEqual(out.returncode, 0)
-        self.assertIn("which has 16 MiB free; it needs 24 MiB", out.stderr)
+        self.assertIn("which has 16 MiB free; it needs 26 MiB", out.stderr)   # 24 MiB of arrays + the update's scratch
         self.assertIn("--merge-procs 1", out.stderr)
         self.assertIn("mount -o remount,size=", out.stderr)
         proc = subprocess.Popen(cmd + ["--merge-procs", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -280,16 +280,16 @@ class BlocksTest(Case):
 
 class ServerCase(Case):
     """A real fedmom_server --merge-procs 2 --down-wire int4, its shared memory on a tmpfs of
-    `SHM_MB` (the outer state of SHAPES is 5.2 MB: theta, momentum, residual)."""
-    SHM_MB = 8
+    SHM_SIZE (the outer state of SHAPES is 5.2 MB: theta, momentum, residual)."""
+    SHM_SIZE = "8m"
 
     def mount_shm(self):
         shm = os.path.join(self.dir, "shm")
         os.makedirs(shm)
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.SHM_MB}m", "tmpfs", shm],
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.SHM_SIZE}", "tmpfs", shm],
                            capture_output=True, text=True)
         if r.returncode != 0:
-            self.skipTest(f"cannot mount a {self.SHM_MB} MiB tmpfs ({r.stderr.strip() or r.returncode}); run as root")
+            self.skipTest(f"cannot mount a tmpfs of {self.SHM_SIZE} ({r.stderr.strip() or r.returncode}); run as root")
         self.addCleanup(subprocess.run, ["umount", "-l", shm])
         return shm
 
@@ -391,7 +391,7 @@ class RebuildSharedMemoryTest(ServerCase):
 
 
 class WorkerDeathTest(ServerCase):
-    SHM_MB = 64
+    SHM_SIZE = "64m"
 
     def workers(self, proc):
         """The server's children: its merge workers."""
@@ -445,6 +445,32 @@ class WorkerDeathTest(ServerCase):
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
         self.assertEqual(self.replayed_in_one_thread(sd).round, 2)
+
+
+
+class StartCheckTest(ServerCase):
+    SHM_SIZE = "5324800"                                 # bytes: 1300 pages
+
+    def test_shared_memory_that_holds_the_arrays_but_not_the_round_is_refused_at_the_start(self):
+        # Schedule: a tmpfs of 5.08 MiB; the outer state of SHAPES with --down-wire int4 is 4.97 MiB
+        # (what the start checks), and a round adds its update's two scratch slots (0.23 MiB,
+        # outer_state._Scratch): the start must refuse, or the round must merge; neither may be
+        # a round that fails at every try.
+        shm = self.mount_shm()
+        sd, faults = os.path.join(self.dir, "st"), os.path.join(self.dir, "faults")
+        os.makedirs(faults)
+        try:
+            proc, url = self.start(sd, shm, faults)
+        except AssertionError as e:                      # it stopped at its start: naming the fix
+            self.assertIn("it needs 5 MiB", str(e))
+            self.assertIn("--merge-procs 1", str(e))
+            self.assertIn("mount -o remount,size=", str(e))
+            return
+        self.send_round(url, 0)
+        st = wait_for(lambda: (lambda s: (s["round"] == 1 or s["merge_error"]) and s)(self.status(url)), HANG_S)
+        self.assertTrue(st, "round 0 neither merged nor failed")
+        self.assertIsNone(st["merge_error"], "the start was accepted, but the round cannot fit; the server said:\n"
+                          + self.out.text()[-3000:])
 
 
 if __name__ == "__main__":
