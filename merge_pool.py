@@ -26,8 +26,9 @@ itself (fedmom_merge.DeltaReader, read once per tensor), runs outer_state's piec
 answers each piece's norms and whether it stayed finite. Every value is computed by the
 same float32 operations in the same process-independent order, so the bits are those of
 one thread (tests/test_merge_pool.py). A worker that dies fails the round (the aggregator
-rebuilds the state, as after any failed merge) and is started again; a worker whose
-aggregator dies reads EOF and exits.
+rebuilds the state, as after any failed merge) and is started again, and so does one that
+answers nothing for TASK_TIMEOUT_S ($PWW_MERGE_TASK_TIMEOUT_S; stopped, or hung on a disk);
+a worker whose aggregator dies reads EOF and exits.
 
     pool = Pool(4, [sys.executable, "outer_state.py", "--merge-worker"])
     state.share()                                   # theta, momentum, residual into shared memory
@@ -42,10 +43,12 @@ import mmap
 import os
 import pickle
 import secrets
+import select
 import struct
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -53,6 +56,13 @@ SHM_DIR = "/dev/shm"
 SHM_ENV = "PWW_SHM_DIR"          # where the blocks live (a tmpfs: they are the arrays' memory)
 POOL_MIN_PARAMS = 4 << 20        # a smaller model's round runs in the aggregator alone: the pipes cost more
 MIN_ENV = "PWW_TEST_POOL_MIN_PARAMS"    # tests: the workers for a tiny model too
+TASK_TIMEOUT_S = 600.0           # a worker silent this long on one task (stopped, hung on a disk) fails the round
+TIMEOUT_ENV = "PWW_MERGE_TASK_TIMEOUT_S"   # (a task is one tensor's share: ~1 s at 32B on 16 workers)
+
+
+def task_timeout_s():
+    env = os.environ.get(TIMEOUT_ENV, "").strip()
+    return float(env) if env else TASK_TIMEOUT_S
 
 
 def min_params():
@@ -296,8 +306,13 @@ class Pool:
             for w, t in zip(self.workers, tasks):
                 _send(w.stdin, t)
                 sent.append(w)
-            answers = [_recv(w.stdout) for w in sent]
-        except (EOFError, BrokenPipeError, OSError) as e:
+            answers, deadline = [], time.monotonic() + task_timeout_s()
+            for w in sent:
+                if not select.select([w.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                    raise TimeoutError(f"worker {w.pid} answered nothing in {task_timeout_s():g} s (stopped or "
+                                       f"hung; ${TIMEOUT_ENV})")
+                answers.append(_recv(w.stdout))
+        except (EOFError, BrokenPipeError, OSError) as e:     # TimeoutError too
             for w in self.workers:                       # whatever a worker was doing is abandoned
                 self._stop(w)
             self.workers = [self._start() for _ in range(self.procs)]

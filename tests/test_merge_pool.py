@@ -322,6 +322,30 @@ class ServerCase(Case):
         got = fedmom_client.FedMomClient(url, "a", "a-inc").wait_round_after(rnd - 1, timeout_s=HANG_S)
         self.assertEqual(got, rnd, f"round {rnd - 1} did not merge; the server said:\n" + self.out.text()[-3000:])
 
+    def workers(self, proc):
+        """The server's children: its merge workers."""
+        out = set()
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            with open(f"/proc/{proc.pid}/task/{tid}/children") as f:
+                out |= {int(p) for p in f.read().split()}
+        return out
+
+    def hit_by(self, arm, pids):
+        """The pid a worker stopped at `arm` wrote, once it is one of `pids` (the live workers)."""
+        try:
+            with open(arm + ".hit") as f:
+                pid = int(f.read() or 0)
+        except FileNotFoundError:
+            return None
+        return pid if pid in pids else None
+
+    @staticmethod
+    def kill_quietly(pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:                       # the pool killed it already
+            pass
+
     def replayed_in_one_thread(self, sd):
         """The state dir rebuilt here, in one thread: every logged round checked against the
         digest the server's workers published."""
@@ -393,23 +417,6 @@ class RebuildSharedMemoryTest(ServerCase):
 class WorkerDeathTest(ServerCase):
     SHM_SIZE = "64m"
 
-    def workers(self, proc):
-        """The server's children: its merge workers."""
-        out = set()
-        for tid in os.listdir(f"/proc/{proc.pid}/task"):
-            with open(f"/proc/{proc.pid}/task/{tid}/children") as f:
-                out |= {int(p) for p in f.read().split()}
-        return out
-
-    def hit_by(self, arm, pids):
-        """The pid a worker stopped at `arm` wrote, once it is one of `pids` (the live workers)."""
-        try:
-            with open(arm + ".hit") as f:
-                pid = int(f.read() or 0)
-        except FileNotFoundError:
-            return None
-        return pid if pid in pids else None
-
     def test_workers_killed_mid_round_and_again_in_the_rebuild_leave_the_round_to_its_retry(self):
         # Schedule: round 0 merged and logged; round 1: every worker SIGKILLed at its first task
         # (the round fails: WorkerDied), then the new workers SIGKILLed again at their first task
@@ -446,6 +453,41 @@ class WorkerDeathTest(ServerCase):
         proc.wait(60)
         self.assertEqual(self.replayed_in_one_thread(sd).round, 2)
 
+
+
+class HungWorkerTest(ServerCase):
+    SHM_SIZE = "64m"
+
+    def test_a_worker_stopped_mid_round_fails_the_round_and_the_retry_merges_it(self):
+        # Schedule: round 0 merged and logged; round 1: a worker SIGSTOPped at its first task
+        # (hung: alive, silent). The round must fail loudly (merge_error), not hold the merge
+        # forever, and its retry merge on new workers.
+        shm = self.mount_shm()
+        sd, faults = os.path.join(self.dir, "st"), os.path.join(self.dir, "faults")
+        os.makedirs(faults)
+        os.environ[merge_pool.TIMEOUT_ENV] = "20"       # the server's (a task here takes milliseconds)
+        self.addCleanup(os.environ.pop, merge_pool.TIMEOUT_ENV)
+        proc, url = self.start(sd, shm, faults)
+        self.send_round(url, 0)
+        self.wait_round(url, 1)
+        arm = os.path.join(faults, "merge.worker")
+        with open(arm, "w") as f:
+            f.write("0")
+        self.send_round(url, 1)
+        self.assertTrue(wait_for(lambda: os.path.exists(arm + ".hit"), HANG_S), "no worker reached the point")
+        with open(arm + ".hit") as f:
+            stopped = int(f.read())
+        os.kill(stopped, signal.SIGSTOP)
+        self.addCleanup(self.kill_quietly, stopped)
+        os.unlink(arm)                                   # the other worker goes on; the stopped one cannot
+        st = wait_for(lambda: (lambda s: (s["merge_error"] or s["replay_error"]) and s)(self.status(url)), HANG_S)
+        self.assertTrue(st, "a stopped worker held the round: no merge_error")
+        self.assertIsNone(st["replay_error"])
+        self.assertIn("answered nothing", st["merge_error"])
+        self.wait_round(url, 2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        self.assertEqual(self.replayed_in_one_thread(sd).round, 2)
 
 
 class StartCheckTest(ServerCase):
