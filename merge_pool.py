@@ -28,7 +28,8 @@ same float32 operations in the same process-independent order, so the bits are t
 one thread (tests/test_merge_pool.py). A worker that dies fails the round (the aggregator
 rebuilds the state, as after any failed merge) and is started again, and so does one that
 answers nothing for TASK_TIMEOUT_S ($PWW_MERGE_TASK_TIMEOUT_S; stopped, or hung on a disk);
-a worker whose aggregator dies reads EOF and exits.
+a worker whose aggregator dies exits at once, mid-task too (it would hold the dead
+aggregator's shared memory that its restart needs).
 
     pool = Pool(4, [sys.executable, "outer_state.py", "--merge-worker"])
     state.share()                                   # theta, momentum, residual into shared memory
@@ -56,6 +57,8 @@ SHM_DIR = "/dev/shm"
 SHM_ENV = "PWW_SHM_DIR"          # where the blocks live (a tmpfs: they are the arrays' memory)
 POOL_MIN_PARAMS = 4 << 20        # a smaller model's round runs in the aggregator alone: the pipes cost more
 MIN_ENV = "PWW_TEST_POOL_MIN_PARAMS"    # tests: the workers for a tiny model too
+PARENT_ENV = "PWW_MERGE_PARENT"  # the aggregator's pid, for its workers (they exit when it is gone)
+PARENT_POLL_S = 0.2
 TASK_TIMEOUT_S = 600.0           # a worker silent this long on one task (stopped, hung on a disk) fails the round
 TIMEOUT_ENV = "PWW_MERGE_TASK_TIMEOUT_S"   # (a task is one tensor's share: ~1 s at 32B on 16 workers)
 
@@ -291,7 +294,8 @@ class Pool:
             self.workers.append(self._start())
 
     def _start(self):
-        env = {**os.environ, "WIRE_THREADS": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+        env = {**os.environ, "WIRE_THREADS": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+               PARENT_ENV: str(os.getpid())}
         return subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                 cwd=os.path.dirname(os.path.abspath(__file__)))
 
@@ -347,10 +351,25 @@ class Pool:
         self.workers = []
 
 
+def _exit_with_parent():
+    """A thread of the worker's: it exits as soon as its aggregator is gone, mid-task too
+    (between tasks the pipe's EOF says so as well), so that no worker of a killed aggregator
+    keeps its shared memory mapped: the restart's check (fedmom_outer.check_shared_memory)
+    needs that memory free."""
+    parent = int(os.environ.get(PARENT_ENV) or os.getppid())
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+    threading.Thread(target=watch, name="merge-worker-parent", daemon=True).start()
+
+
 def serve(session):
     """A worker's loop: answer Tasks from stdin with session.run(task, blocks) until EOF (the
     aggregator closed the pipe, or died). Each task names the shared blocks it uses; they are
     mapped on first use and dropped when a task no longer names them."""
+    _exit_with_parent()
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr                             # nothing but answers on the pipe
     blocks = {}
