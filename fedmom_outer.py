@@ -24,6 +24,7 @@ import json
 import os
 import threading
 import time
+import traceback
 
 import numpy as np
 
@@ -113,13 +114,13 @@ class OuterKeeper:
         return self._pool
 
     def check_shared_memory(self):
-        """At a start: the merge workers' shared memory has room for the outer state (12 B/param
-        with --down-wire, 8 without), or the start stops here, naming the fix, rather than
-        every round failing later."""
+        """At a start: the merge workers' shared memory has room for a round (the outer state,
+        12 B/param with --down-wire, 8 without, and the update's scratch: outer_state.shared_bytes),
+        or the start stops here, naming the fix, rather than every round failing later."""
         params = sum(math.prod(sh) for sh in self.specs.values())
         if (self.cfg.merge_procs or os.cpu_count() or 1) <= 1 or params < merge_pool.min_params():
             return
-        need = 4 * params * (3 if self.cfg.down_codec() is not None else 2)
+        need = outer_state.shared_bytes(self.specs, self.cfg.down_codec())
         free = merge_pool.free_bytes()
         if free is not None and need > free:
             raise SystemExit(f"fedmom_server: the merge workers (--merge-procs) share the outer state through "
@@ -184,11 +185,21 @@ class OuterKeeper:
         a mismatch stops the server; later (rebuilding after a failed merge) it stops the merges
         and shows on /status. The caller holds mem_lock (or is starting)."""
         c, steps, rnd, t0 = self.ledger.ckpt, self.ledger.log, self.ledger.table.round, time.monotonic()
+        if self.outer is not None and self.outer.dirty:
+            # the failed round's arrays go before the new ones are made (the caller dropped the
+            # failed try's frames): shared memory sized for the state once holds the rebuild,
+            # and the workers, which map them, are started afresh
+            self.outer.drop()
+            self.close()
         try:
             outer = fedmom_checkpoint.rebuild(self.dir, c, steps, self.cfg.threads, pool=self.pool_for(steps))
         except Exception as e:         # a mismatch, a missing or damaged file, a non-finite replay
             if self.outer is not None:
                 self.outer.dirty = True    # whatever it holds is not a durable round: never served
+            if isinstance(e, merge_pool.WorkerDied) and not at_start:
+                # nothing durable is wrong: the next merge rebuilds first (merge), on new workers
+                log(f"fedmom: the rebuild of round {rnd} FAILED ({e}); it runs again before the next merge")
+                raise
             why = (f"the outer state of round {rnd} cannot be rebuilt from the checkpoint of round "
                    f"{c['round']} and the {len(steps)} round(s) logged since: {type(e).__name__}: {e}")
             if at_start:
@@ -213,6 +224,8 @@ class OuterKeeper:
         holds mem_lock; the arrays become round + 1's (outer_state.apply_round), and a failed
         try rebuilds them first. -> (stats or None, the deltas merged, [(delta, why excluded)])."""
         cfg, rnd = self.cfg, self.ledger.table.round
+        if self.outer.dirty:                        # a rebuild cut short by a merge worker's death
+            self.rebuild()
         live, dropped, reset = list(batch), [], None
         new, mu, codec = rnd + 1, cfg.outer_momentum, cfg.down_codec()
         while live:
@@ -229,6 +242,7 @@ class OuterKeeper:
                     codec and os.path.join(self.dir, f"update-{new}.safetensors"), {"round": str(new)}, cfg.fsync,
                     cfg.threads, after_tensor=self._after_tensor, pool=self.pool_for([step]))
             except fedmom_merge.NonFinite as e:
+                traceback.clear_frames(e.__traceback__)     # the failed try's arrays, let go before the rebuild
                 self.rebuild()                      # the arrays are half merged: back to round rnd
                 if not step.fresh and outer_state.momentum_alone_overflows(self.outer, e.name, cfg.outer_lr, mu):
                     reset = (f"{e}, with every delta zero: the momentum buffer of round {rnd} is reset "

@@ -92,6 +92,7 @@ import math
 import os
 import secrets
 import time
+import traceback
 
 import fedmom_darl
 import fedmom_merge
@@ -489,6 +490,7 @@ class FedMomState:
         try:
             stats, merged, dropped = self.keeper.merge(batch, self.history.clip_norms())
         except Exception as e:
+            traceback.clear_frames(e.__traceback__)     # the failed try's arrays, let go before the rebuild
             return self._merge_failed(e)
         gone = []                            # files no round needs: unlinked once the lock is released
         try:

@@ -4,8 +4,11 @@ Runs on: the central VM, imported by outer_state.py and fedmom_outer.py; standar
 numpy; never torch. The workers are `python outer_state.py --merge-worker` (outer_state.py's
 piece code, this module's serve() loop), one process per fedmom_server.py --merge-procs,
 started by Pool. No port, no state of its own: its shared memory blocks are
-files in --shm-dir (default /dev/shm), named pww-fedmom-<aggregator pid>-<n>, removed when
-the aggregator lets go of them, and by the next start after a crash (sweep_stale).
+files in $PWW_SHM_DIR (default /dev/shm), named pww-fedmom-<aggregator pid>-<random>-<n>,
+each held under a shared flock by the process that made it for as long as it lives (so
+whose a block is never rests on a pid, which another pid namespace does not see and a
+restart may get again); removed when the aggregator lets go of them, and after a crash by
+the next start's sweep, which removes only the blocks no live process holds (sweep_stale).
 
 Why processes: a round is numpy work on cache-sized pieces (outer_state.apply_round), some 40
 numpy calls of ~10-60 us per 64K values. Threads share one interpreter lock between those
@@ -23,8 +26,10 @@ itself (fedmom_merge.DeltaReader, read once per tensor), runs outer_state's piec
 answers each piece's norms and whether it stayed finite. Every value is computed by the
 same float32 operations in the same process-independent order, so the bits are those of
 one thread (tests/test_merge_pool.py). A worker that dies fails the round (the aggregator
-rebuilds the state, as after any failed merge) and is started again; a worker whose
-aggregator dies reads EOF and exits.
+rebuilds the state, as after any failed merge) and is started again, and so does one that
+answers nothing for TASK_TIMEOUT_S ($PWW_MERGE_TASK_TIMEOUT_S; stopped, or hung on a disk);
+a worker whose aggregator dies exits at once, mid-task too (it would hold the dead
+aggregator's shared memory that its restart needs).
 
     pool = Pool(4, [sys.executable, "outer_state.py", "--merge-worker"])
     state.share()                                   # theta, momentum, residual into shared memory
@@ -32,14 +37,19 @@ aggregator dies reads EOF and exits.
     pool.close()
 """
 import atexit
+import errno
+import fcntl
 import math
 import mmap
 import os
 import pickle
+import secrets
+import select
 import struct
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -47,6 +57,15 @@ SHM_DIR = "/dev/shm"
 SHM_ENV = "PWW_SHM_DIR"          # where the blocks live (a tmpfs: they are the arrays' memory)
 POOL_MIN_PARAMS = 4 << 20        # a smaller model's round runs in the aggregator alone: the pipes cost more
 MIN_ENV = "PWW_TEST_POOL_MIN_PARAMS"    # tests: the workers for a tiny model too
+PARENT_ENV = "PWW_MERGE_PARENT"  # the aggregator's pid, for its workers (they exit when it is gone)
+PARENT_POLL_S = 0.2
+TASK_TIMEOUT_S = 600.0           # a worker silent this long on one task (stopped, hung on a disk) fails the round
+TIMEOUT_ENV = "PWW_MERGE_TASK_TIMEOUT_S"   # (a task is one tensor's share: ~1 s at 32B on 16 workers)
+
+
+def task_timeout_s():
+    env = os.environ.get(TIMEOUT_ENV, "").strip()
+    return float(env) if env else TASK_TIMEOUT_S
 
 
 def min_params():
@@ -56,6 +75,7 @@ PREFIX = "pww-fedmom-"
 _counter = iter(range(1 << 62))
 _counter_lock = threading.Lock()
 _owned = set()                   # the names this process made and has not removed yet (atexit removes them)
+_TOKEN = secrets.token_hex(4)    # in the names: a pid alone is not unique across pid namespaces and restarts
 
 
 def shm_dir():
@@ -64,36 +84,35 @@ def shm_dir():
 
 class Block:
     """One shared memory block: a file in shm_dir() mapped MAP_SHARED. The creator owns the
-    name and removes the file in release(); others attach by name."""
+    name, holds a shared flock on it while it lives (sweep_stale leaves a held block) and
+    removes the file in release(); others attach by name."""
 
     def __init__(self, nbytes=None, name=None):
-        self.owner = name is None
+        self.owner, self.fd = name is None, None
         if self.owner:
-            with _counter_lock:
-                n = next(_counter)
-            name = f"{PREFIX}{os.getpid()}-{n}"
-            path = os.path.join(shm_dir(), name)
             free = _free_bytes(shm_dir())
             if free is not None and nbytes > free:
-                raise MemoryError(f"{shm_dir()} has {size(free)} free, the outer state's shared "
-                                  f"arrays need {size(nbytes)} more: enlarge it (mount -o remount,"
-                                  f"size=... {shm_dir()}), point ${SHM_ENV} at a larger tmpfs, or run with "
-                                  "--merge-procs 1 (the arrays in private memory, one core)")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            _owned.add(name)
+                raise _no_room(free, nbytes)
+            name, fd = _create()
             try:
                 os.ftruncate(fd, max(nbytes, 1))
-            except BaseException:
+                # the pages taken now: a tmpfs that fills later would SIGBUS whoever writes there first
+                os.posix_fallocate(fd, 0, max(nbytes, 1))
+            except BaseException as e:
                 os.close(fd)
                 _remove(name)
+                if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                    raise _no_room(_free_bytes(shm_dir()) or 0, nbytes) from None
                 raise
+            self.fd = fd                                 # kept open: the flock is this process's claim
         else:
             fd = os.open(os.path.join(shm_dir(), name), os.O_RDWR)
         try:
             self.size = os.fstat(fd).st_size
             self.map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
-            os.close(fd)
+            if not self.owner:
+                os.close(fd)
         self.name = name
 
     def view(self, offset, count, dtype=np.float32):
@@ -105,6 +124,38 @@ class Block:
         if self.owner:
             _remove(self.name)
             self.owner = False
+            os.close(self.fd)
+            self.fd = None
+
+
+def _no_room(free, nbytes):
+    return MemoryError(f"{shm_dir()} has {size(free)} free, the outer state's shared arrays need "
+                       f"{size(nbytes)} more: enlarge it (mount -o remount,size=... {shm_dir()}), point "
+                       f"${SHM_ENV} at a larger tmpfs, or run with --merge-procs 1 (the arrays in private "
+                       "memory, one core)")
+
+
+def _create():
+    """A new block file in shm_dir(), flock'd (shared) by this process -> (name, fd). A sweep
+    may take a file between its creation and the flock (it is not held yet): then another."""
+    while True:
+        with _counter_lock:
+            n = next(_counter)
+        name = f"{PREFIX}{os.getpid()}-{_TOKEN}-{n}"
+        path = os.path.join(shm_dir(), name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            continue
+        _owned.add(name)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return name, fd
+        except FileNotFoundError:
+            pass
+        _owned.discard(name)                             # swept before the flock: not ours any more
+        os.close(fd)
 
 
 def _remove(name):
@@ -141,7 +192,8 @@ def _free_bytes(d):
 
 
 def sweep_stale():
-    """Remove the blocks of aggregator processes that are gone (a SIGKILL leaves them) -> count."""
+    """Remove the blocks no live process holds (a SIGKILLed aggregator's flocks went with it),
+    whatever pid namespace made them -> count."""
     n = 0
     try:
         names = os.listdir(shm_dir())
@@ -150,16 +202,20 @@ def sweep_stale():
     for fn in names:
         if not fn.startswith(PREFIX):
             continue
+        path = os.path.join(shm_dir(), fn)
         try:
-            pid = int(fn[len(PREFIX):].split("-")[0])
-        except ValueError:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
             continue
-        if pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
-            try:
-                os.unlink(os.path.join(shm_dir(), fn))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)          # held: its maker is alive
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                os.unlink(path)
                 n += 1
-            except OSError:
-                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
     return n
 
 
@@ -238,7 +294,8 @@ class Pool:
             self.workers.append(self._start())
 
     def _start(self):
-        env = {**os.environ, "WIRE_THREADS": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+        env = {**os.environ, "WIRE_THREADS": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+               PARENT_ENV: str(os.getpid())}
         return subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                 cwd=os.path.dirname(os.path.abspath(__file__)))
 
@@ -253,8 +310,13 @@ class Pool:
             for w, t in zip(self.workers, tasks):
                 _send(w.stdin, t)
                 sent.append(w)
-            answers = [_recv(w.stdout) for w in sent]
-        except (EOFError, BrokenPipeError, OSError) as e:
+            answers, deadline = [], time.monotonic() + task_timeout_s()
+            for w in sent:
+                if not select.select([w.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                    raise TimeoutError(f"worker {w.pid} answered nothing in {task_timeout_s():g} s (stopped or "
+                                       f"hung; ${TIMEOUT_ENV})")
+                answers.append(_recv(w.stdout))
+        except (EOFError, BrokenPipeError, OSError) as e:     # TimeoutError too
             for w in self.workers:                       # whatever a worker was doing is abandoned
                 self._stop(w)
             self.workers = [self._start() for _ in range(self.procs)]
@@ -289,10 +351,25 @@ class Pool:
         self.workers = []
 
 
+def _exit_with_parent():
+    """A thread of the worker's: it exits as soon as its aggregator is gone, mid-task too
+    (between tasks the pipe's EOF says so as well), so that no worker of a killed aggregator
+    keeps its shared memory mapped: the restart's check (fedmom_outer.check_shared_memory)
+    needs that memory free."""
+    parent = int(os.environ.get(PARENT_ENV) or os.getppid())
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+    threading.Thread(target=watch, name="merge-worker-parent", daemon=True).start()
+
+
 def serve(session):
     """A worker's loop: answer Tasks from stdin with session.run(task, blocks) until EOF (the
     aggregator closed the pipe, or died). Each task names the shared blocks it uses; they are
     mapped on first use and dropped when a task no longer names them."""
+    _exit_with_parent()
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr                             # nothing but answers on the pipe
     blocks = {}

@@ -125,6 +125,12 @@ class OuterState:
         self.residual = merge_pool.share(self.residual, self.shapes)
         return self
 
+    def drop(self):
+        """Let go of the arrays (a failed round's, before a rebuild makes new ones: shared
+        memory holds the outer state once, not twice); the state stays dirty, never served."""
+        self.theta = self.momentum = self.residual = None
+        self.dirty = True
+
     def copy(self):
         """A deep copy (tests)."""
         dup = lambda d: d and {n: a.copy() for n, a in d.items()}
@@ -492,11 +498,16 @@ class _Scratch:
             return (self.block.name, 0, self.codes_bytes), (self.block.name, self.codes_bytes, self.sbits_count)
 
     def __init__(self, codec, shapes):
+        codes, sbits = self.sizes(codec, shapes)
+        self.slots, self.i = [self.Slot(codes, sbits), self.Slot(codes, sbits)], 0
+
+    @staticmethod
+    def sizes(codec, shapes):
+        """(code bytes, scale bits count) of one slot: the largest tensor's."""
         nb = lambda sh: wire_kernels.as_blocks(sh, codec.block)
         codes = max((update_codes_size(codec, math.prod(sh)) for sh in shapes.values()), default=1)
         sbits = max((nb(sh)[0] * nb(sh)[2] for sh in shapes.values()), default=1)
-        codes = -(-codes // 2) * 2                         # the scale bits start on an even byte
-        self.slots, self.i = [self.Slot(codes, sbits), self.Slot(codes, sbits)], 0
+        return -(-codes // 2) * 2, sbits                   # the scale bits start on an even byte
 
     def take(self):
         slot = self.slots[self.i]
@@ -509,6 +520,19 @@ class _Scratch:
     def __del__(self):
         for s in getattr(self, "slots", ()):
             s.block.release()
+
+
+def shared_bytes(shapes, codec):
+    """The shared memory a round on the workers takes (merge_pool.py): theta and momentum, the
+    residual and the update's two scratch slots (_Scratch) with a --down-wire codec."""
+    params = sum(math.prod(sh) for sh in shapes.values())
+    if codec is None:
+        return 8 * params
+    scratch = 0
+    if codec.fmt in wire.LEVELS:
+        codes, sbits = _Scratch.sizes(codec, shapes)
+        scratch = 2 * (codes + 2 * sbits)
+    return 12 * params + scratch
 
 
 def _pool_tensor(pool, state, step, n, sh, mu, pieces, fresh_residual, slot):

@@ -19,6 +19,8 @@ production start never does.
     accepted) and site.fold (diloco.py, --overlap: error feedback settled, theta_global
     not yet folded in); smoke.py has smoke.first_collective.rank<N>.
 """
+import contextlib
+import fcntl
 import os
 import threading
 import time
@@ -41,6 +43,23 @@ def wall_time():
         return time.time()
 
 
+@contextlib.contextmanager
+def _dir_locked(root):
+    """An exclusive flock on the fault directory: the count and the .hit file are read and
+    replaced by one process at a time (several processes may pass one point: the merge
+    workers), never through each other's temporary file."""
+    try:
+        fd = os.open(root, os.O_RDONLY)
+    except OSError:                      # no such directory: nothing is armed there
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def fault_point(name, on_stop=None):
     """A named protocol phase a test may stop this thread at ($PWW_TEST_FAULT_DIR; see the
     module docstring). `on_stop` runs just before the thread stops (e.g. write half a log
@@ -49,7 +68,7 @@ def fault_point(name, on_stop=None):
     if not root:
         return
     arm = os.path.join(root, name)
-    with _fault_lock:
+    with _fault_lock, _dir_locked(root):   # one process at a time too: a point the merge workers share
         try:
             with open(arm) as f:
                 text = f.read().strip()

@@ -14,12 +14,15 @@ import unittest
 import numpy as np
 
 import fedmom_checkpoint
+import fedmom_client
+import fedmom_state as fs
+import httpc
 import merge_pool
 import outer_state
 import tensorio
 import testhooks
 import wire
-from harness import wait_for
+from harness import listening_url, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # odd last dimensions, a ragged int4 row, a 1-D tensor, a scalar-like one, several pieces each
@@ -184,9 +187,63 @@ class BlocksTest(Case):
         self.assertGreaterEqual(merge_pool.sweep_stale(), 1)
         self.assertFalse(os.path.exists(os.path.join(merge_pool.shm_dir(), name)))
 
+    def in_pid_namespace(self, code, **kw):
+        """`code` run by a python that is pid 1 of a new pid namespace (a container's aggregator:
+        its own /proc), on the same shared memory directory."""
+        cmd = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable, "-c", code]
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+    def own_shm_dir(self):
+        shm = os.path.join(self.dir, "shm")
+        os.makedirs(shm)
+        os.environ[merge_pool.SHM_ENV] = shm              # here and in every process started
+        self.addCleanup(os.environ.pop, merge_pool.SHM_ENV)
+        probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            self.skipTest(f"cannot make a pid namespace ({probe.stderr.strip() or probe.returncode}); run as root")
+        return shm
+
+    def test_a_sweep_in_another_pid_namespace_leaves_a_live_aggregators_blocks(self):
+        # Schedule: this process (an aggregator, alive) holds a block; another aggregator starts
+        # in a container with its own pid namespace on the same shared memory (apptainer, or
+        # docker with --ipc=host) and sweeps: the live block's pid is not in its /proc.
+        shm = self.own_shm_dir()
+        live = merge_pool.Block(4096)
+        self.addCleanup(live.release)
+        proc = self.in_pid_namespace("import merge_pool\nprint(merge_pool.sweep_stale())\n")
+        out, err = proc.communicate(timeout=HANG_S)
+        self.assertEqual(proc.returncode, 0, err)
+        self.assertTrue(os.path.exists(os.path.join(shm, live.name)),
+                        f"a sweep in another pid namespace removed the live block {live.name}")
+        merge_pool.sweep_stale()                         # and one here, by its maker
+        self.assertTrue(os.path.exists(os.path.join(shm, live.name)), "a sweep removed its own process's block")
+
+    def test_a_block_left_by_a_killed_process_whose_pid_comes_back_is_swept(self):
+        # Schedule: an aggregator that is pid 1 of its container makes a block and is SIGKILLed;
+        # its restart is pid 1 again: its sweep skips the block (its own pid), which is never
+        # removed, and its first block takes the same name (O_EXCL: FileExistsError).
+        shm = self.own_shm_dir()
+        first = self.in_pid_namespace("import merge_pool, os, time\nb = merge_pool.Block(4096)\n"
+                                      "print(os.getpid(), b.name, flush=True)\ntime.sleep(600)\n")
+        self.addCleanup(lambda: first.poll() is None and (first.kill(), first.wait(30)))
+        pid, name = first.stdout.readline().split()
+        with open(f"/proc/{first.pid}/task/{first.pid}/children") as f:
+            child = int(f.read().split()[0])              # the python, as this namespace sees it
+        os.kill(child, signal.SIGKILL)
+        first.wait(30)
+        first.stdout.close()
+        first.stderr.close()
+        self.assertTrue(os.path.exists(os.path.join(shm, name)), "SIGKILL leaves it")
+        again = self.in_pid_namespace("import merge_pool, os\nmerge_pool.sweep_stale()\nb = merge_pool.Block(4096)\n"
+                                      "print(os.getpid(), b.name, flush=True)\n")
+        out, err = again.communicate(timeout=HANG_S)
+        self.assertEqual(again.returncode, 0, f"the restart could not make its block: {err[-2000:]}")
+        self.assertEqual(out.split()[0], pid, "the restart has the same pid")
+        self.assertFalse(os.path.exists(os.path.join(shm, name)), f"{name} of the killed process is never swept")
+
     def test_an_aggregator_whose_shared_memory_is_too_small_stops_at_its_start_naming_the_fix(self):
         """$PWW_SHM_DIR on a 16 MiB tmpfs and a model of 2M parameters with --down-wire int4
-        (24 MB of shared arrays): the start stops with the fix in one message, before any round
+        (24 MB of shared arrays, 2 MB of update scratch): the start stops with the fix in one message, before any round
         could fail on it; --merge-procs 1 starts."""
         shm = os.path.join(self.dir, "shm")
         os.makedirs(shm)
@@ -203,7 +260,7 @@ class BlocksTest(Case):
         out = subprocess.run(cmd + ["--merge-procs", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=HANG_S)
         self.assertNotEqual(out.returncode, 0)
-        self.assertIn("which has 16 MiB free; it needs 24 MiB", out.stderr)
+        self.assertIn("which has 16 MiB free; it needs 26 MiB", out.stderr)   # 24 MiB of arrays + the update's scratch
         self.assertIn("--merge-procs 1", out.stderr)
         self.assertIn("mount -o remount,size=", out.stderr)
         proc = subprocess.Popen(cmd + ["--merge-procs", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -218,6 +275,284 @@ class BlocksTest(Case):
         with self.assertRaises(MemoryError) as cm:
             merge_pool.Block(1 << 60)
         self.assertIn("--merge-procs 1", str(cm.exception))
+
+
+
+class ServerCase(Case):
+    """A real fedmom_server --merge-procs 2 --down-wire int4, its shared memory on a tmpfs of
+    SHM_SIZE (the outer state of SHAPES is 5.2 MB: theta, momentum, residual)."""
+    SHM_SIZE = "8m"
+
+    def mount_shm(self):
+        shm = os.path.join(self.dir, "shm")
+        os.makedirs(shm)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.SHM_SIZE}", "tmpfs", shm],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            self.skipTest(f"cannot mount a tmpfs of {self.SHM_SIZE} ({r.stderr.strip() or r.returncode}); run as root")
+        self.addCleanup(subprocess.run, ["umount", "-l", shm])
+        return shm
+
+    def start(self, sd, shm, faults, init=True, *flags):
+        env = {**os.environ, testhooks.FAULT_DIR_ENV: faults, merge_pool.SHM_ENV: shm, merge_pool.MIN_ENV: "0"}
+        cmd = [sys.executable, "fedmom_server.py", "--state-dir", sd, "--port", "0", "--down-wire", "int4",
+               "--checkpoint-rounds", "10", "--threads", "1", "--merge-procs", "2", *flags]
+        if init:
+            path = os.path.join(self.dir, "init.safetensors")
+            with tensorio.TensorWriter(path, [(n, "F32", s) for n, s in SHAPES.items()], fsync=False) as w:
+                for n, s in SHAPES.items():
+                    w.write(n, self.theta[n].reshape(s))
+            cmd += ["--init", path]
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
+        url, self.out = listening_url(proc, timeout=HANG_S)
+        return proc, url
+
+    def send_round(self, url, rnd, fmts=("int4", "int8"), paths=(None, None), tokens=(10, 30)):
+        clients = [fedmom_client.FedMomClient(url, c, f"{c}-inc") for c in ("a", "b")]
+        for c in clients if rnd == 0 else ():
+            c.join()
+        for i, c in enumerate(clients):
+            c.send_delta(paths[i] or self.delta(rnd, i, fmts[i]), rnd, tokens[i], [], {})
+
+    def status(self, url):
+        return httpc.call(url, "GET", "/status")
+
+    def wait_round(self, url, rnd):
+        got = fedmom_client.FedMomClient(url, "a", "a-inc").wait_round_after(rnd - 1, timeout_s=HANG_S)
+        self.assertEqual(got, rnd, f"round {rnd - 1} did not merge; the server said:\n" + self.out.text()[-3000:])
+
+    def workers(self, proc):
+        """The server's children: its merge workers."""
+        out = set()
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            with open(f"/proc/{proc.pid}/task/{tid}/children") as f:
+                out |= {int(p) for p in f.read().split()}
+        return out
+
+    def hit_by(self, arm, pids):
+        """The pid a worker stopped at `arm` wrote, once it is one of `pids` (the live workers)."""
+        try:
+            with open(arm + ".hit") as f:
+                pid = int(f.read() or 0)
+        except FileNotFoundError:
+            return None
+        return pid if pid in pids else None
+
+    @staticmethod
+    def alive(pid):
+        """pid runs (a zombie, exited but not reaped yet, does not)."""
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return False
+
+    @staticmethod
+    def resume_quietly(pid):
+        """SIGCONT a worker this test stopped (if the pool has not killed it): it goes on, or exits."""
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+    def replayed_in_one_thread(self, sd):
+        """The state dir rebuilt here, in one thread: every logged round checked against the
+        digest the server's workers published."""
+        cfg = fs.ServerConfig(sd, down_wire="int4", checkpoint_rounds=10, fsync=False, merge_procs=1).validate()
+        return fs.FedMomState(cfg, clock=lambda: 1000.0).outer
+
+
+class RebuildSharedMemoryTest(ServerCase):
+    def test_a_worker_killed_mid_round_is_retried_when_shared_memory_holds_the_state_once(self):
+        # Schedule: round 0 merged and logged (the checkpoint is round 0's, at the start); the
+        # shared memory holds the outer state once and a half (the start's check asks for once);
+        # round 1: a worker SIGKILLed at its first task. The round fails (WorkerDied) and the
+        # state is rebuilt: the checkpoint loaded and round 0 replayed on the workers, into new
+        # shared arrays while the failed round's arrays are still held: twice the state.
+        shm = self.mount_shm()
+        sd, faults = os.path.join(self.dir, "st"), os.path.join(self.dir, "faults")
+        os.makedirs(faults)
+        proc, url = self.start(sd, shm, faults)
+        self.send_round(url, 0)
+        self.wait_round(url, 1)
+        arm = os.path.join(faults, "merge.worker")
+        with open(arm, "w") as f:
+            f.write("0")
+        self.send_round(url, 1)
+        self.assertTrue(wait_for(lambda: os.path.exists(arm + ".hit"), HANG_S), "no worker reached the point")
+        with open(arm + ".hit") as f:
+            os.kill(int(f.read()), signal.SIGKILL)
+        os.unlink(arm)
+        st = wait_for(lambda: (lambda s: (s["merge_error"] or s["replay_error"]) and s)(self.status(url)), HANG_S)
+        self.assertTrue(st, "the failed round never showed on /status")
+        self.assertIsNone(st["replay_error"], "a worker's death stopped the merges for good; the server said:\n"
+                          + self.out.text()[-3000:])
+        self.assertIn("a merge worker died mid-round", st["merge_error"])
+        self.wait_round(url, 2)                          # the retry (fedmom_round.MERGE_RETRY_S later)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        self.assertEqual(self.replayed_in_one_thread(sd).round, 2)
+
+
+    def test_a_round_redone_without_an_overflowing_delta_fits_in_shared_memory_holding_the_state_once(self):
+        # Schedule: round 0 merged and logged; round 1's delta a overflows tensor "w" (3e38,
+        # --clip-factor 0): NonFinite, the state rebuilt (round 0 replayed on the workers, which
+        # still map the failed try's arrays: no worker died) and the round redone without a.
+        shm = self.mount_shm()
+        sd, faults = os.path.join(self.dir, "st"), os.path.join(self.dir, "faults")
+        os.makedirs(faults)
+        proc, url = self.start(sd, shm, faults, True, "--clip-factor", "0")
+        self.send_round(url, 0)
+        self.wait_round(url, 1)
+        rng = np.random.default_rng(5)
+        bad = {n: (0.01 * rng.standard_normal(s)).astype(np.float32) for n, s in SHAPES.items()}
+        bad["w"][:] = 3e38
+        path = os.path.join(self.dir, "overflowing.safetensors")
+        with tensorio.TensorWriter(path, [(n, "F32", s) for n, s in SHAPES.items()], fsync=False) as w:
+            for n, a in bad.items():
+                w.write(n, a)
+        self.send_round(url, 1, paths=(path, None), tokens=(1000, 10))
+        st = wait_for(lambda: (lambda s: (s["round"] == 2 or s["replay_error"]) and s)(self.status(url)), HANG_S)
+        self.assertTrue(st, "round 1 neither merged nor failed")
+        self.assertIsNone(st["replay_error"], "an excluded delta stopped the merges for good; the server said:\n"
+                          + self.out.text()[-3000:])
+        self.assertEqual(st["round"], 2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        self.assertEqual(self.replayed_in_one_thread(sd).round, 2)
+
+
+
+class WorkerDeathTest(ServerCase):
+    SHM_SIZE = "64m"
+
+    def test_workers_killed_mid_round_and_again_in_the_rebuild_leave_the_round_to_its_retry(self):
+        # Schedule: round 0 merged and logged; round 1: every worker SIGKILLed at its first task
+        # (the round fails: WorkerDied), then the new workers SIGKILLed again at their first task
+        # of the rebuild's replay of round 0. Nothing durable is wrong: the round's retry must
+        # rebuild and merge it, not stop the merges as if the log could not be replayed.
+        shm = self.mount_shm()
+        sd, faults = os.path.join(self.dir, "st"), os.path.join(self.dir, "faults")
+        os.makedirs(faults)
+        proc, url = self.start(sd, shm, faults)
+        self.send_round(url, 0)
+        self.wait_round(url, 1)
+        arm = os.path.join(faults, "merge.worker")
+        with open(arm, "w") as f:
+            f.write("0")                                 # every worker task stops there until it is removed
+        self.send_round(url, 1)
+        killed = set()
+        for what in ("the round", "the rebuild's replay"):
+            self.assertTrue(wait_for(lambda: self.hit_by(arm, self.workers(proc) - killed), HANG_S),
+                            f"no worker reached the point in {what}; the server said:\n" + self.out.text()[-3000:])
+            for pid in self.workers(proc) - killed:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:               # a worker of a pool just closed, gone by itself
+                    pass
+                killed.add(pid)
+        st = wait_for(lambda: (lambda s: (s["merge_error"] or s["replay_error"]) and s)(self.status(url)), HANG_S)
+        os.unlink(arm)
+        self.assertTrue(st, "the failed round never showed on /status")
+        self.assertIsNone(st["replay_error"], "two workers' deaths stopped the merges for good; the server said:\n"
+                          + self.out.text()[-3000:])
+        self.assertIn("a merge worker died mid-round", st["merge_error"])
+        self.wait_round(url, 2)                          # the retry rebuilds, then merges
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        self.assertEqual(self.replayed_in_one_thread(sd).round, 2)
+
+
+
+class HungWorkerTest(ServerCase):
+    SHM_SIZE = "64m"
+
+    def test_a_worker_stopped_mid_round_fails_the_round_and_the_retry_merges_it(self):
+        # Schedule: round 0 merged and logged; round 1: a worker SIGSTOPped at its first task
+        # (hung: alive, silent). The round must fail loudly (merge_error), not hold the merge
+        # forever, and its retry merge on new workers.
+        shm = self.mount_shm()
+        sd, faults = os.path.join(self.dir, "st"), os.path.join(self.dir, "faults")
+        os.makedirs(faults)
+        os.environ[merge_pool.TIMEOUT_ENV] = "20"       # the server's (a task here takes milliseconds)
+        self.addCleanup(os.environ.pop, merge_pool.TIMEOUT_ENV)
+        proc, url = self.start(sd, shm, faults)
+        self.send_round(url, 0)
+        self.wait_round(url, 1)
+        arm = os.path.join(faults, "merge.worker")
+        with open(arm, "w") as f:
+            f.write("0")
+        self.send_round(url, 1)
+        self.assertTrue(wait_for(lambda: os.path.exists(arm + ".hit"), HANG_S), "no worker reached the point")
+        with open(arm + ".hit") as f:
+            stopped = int(f.read())
+        os.kill(stopped, signal.SIGSTOP)
+        self.addCleanup(self.resume_quietly, stopped)
+        os.unlink(arm)                                   # the other worker goes on; the stopped one cannot
+        st = wait_for(lambda: (lambda s: (s["merge_error"] or s["replay_error"]) and s)(self.status(url)), HANG_S)
+        self.assertTrue(st, "a stopped worker held the round: no merge_error")
+        self.assertIsNone(st["replay_error"])
+        self.assertIn("answered nothing", st["merge_error"])
+        self.wait_round(url, 2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        self.assertEqual(self.replayed_in_one_thread(sd).round, 2)
+
+
+class OrphanTest(ServerCase):
+    def test_a_killed_aggregators_worker_mid_task_exits_and_its_restart_starts(self):
+        # Schedule: the shared memory holds the state once and a half; round 1: a worker held at
+        # its first task (a long task, or hung) and the aggregator SIGKILLed; restarted at once.
+        # The orphan still maps the dead aggregator's arrays (unlinked by the restart's sweep,
+        # but not freed): the restart was refused as if /dev/shm were too small.
+        shm = self.mount_shm()
+        sd, faults = os.path.join(self.dir, "st"), os.path.join(self.dir, "faults")
+        os.makedirs(faults)
+        proc, url = self.start(sd, shm, faults)
+        self.send_round(url, 0)
+        self.wait_round(url, 1)
+        arm = os.path.join(faults, "merge.worker")
+        with open(arm, "w") as f:
+            f.write("0")
+        self.send_round(url, 1)
+        self.assertTrue(wait_for(lambda: os.path.exists(arm + ".hit"), HANG_S), "no worker reached the point")
+        workers = self.workers(proc)
+        proc.kill()
+        proc.wait(30)
+        gone = wait_for(lambda: not any(map(self.alive, workers)), HANG_S)
+        os.unlink(arm)
+        self.assertTrue(gone, "a worker of the killed aggregator is still alive, holding its shared memory")
+        proc, url = self.start(sd, shm, faults, False)   # at once: nothing left holds the memory
+        self.wait_round(url, 2)                          # round 1, spooled, merges after the restart
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        self.assertEqual(self.replayed_in_one_thread(sd).round, 2)
+
+
+class StartCheckTest(ServerCase):
+    SHM_SIZE = "5324800"                                 # bytes: 1300 pages
+
+    def test_shared_memory_that_holds_the_arrays_but_not_the_round_is_refused_at_the_start(self):
+        # Schedule: a tmpfs of 5.08 MiB; the outer state of SHAPES with --down-wire int4 is 4.97 MiB
+        # (what the start checks), and a round adds its update's two scratch slots (0.23 MiB,
+        # outer_state._Scratch): the start must refuse, or the round must merge; neither may be
+        # a round that fails at every try.
+        shm = self.mount_shm()
+        sd, faults = os.path.join(self.dir, "st"), os.path.join(self.dir, "faults")
+        os.makedirs(faults)
+        try:
+            proc, url = self.start(sd, shm, faults)
+        except AssertionError as e:                      # it stopped at its start: naming the fix
+            self.assertIn("it needs 5 MiB", str(e))
+            self.assertIn("--merge-procs 1", str(e))
+            self.assertIn("mount -o remount,size=", str(e))
+            return
+        self.send_round(url, 0)
+        st = wait_for(lambda: (lambda s: (s["round"] == 1 or s["merge_error"]) and s)(self.status(url)), HANG_S)
+        self.assertTrue(st, "round 0 neither merged nor failed")
+        self.assertIsNone(st["merge_error"], "the start was accepted, but the round cannot fit; the server said:\n"
+                          + self.out.text()[-3000:])
 
 
 if __name__ == "__main__":
