@@ -334,6 +334,9 @@ class Pool:
             w.wait(30)
         except OSError:
             pass
+        except subprocess.TimeoutExpired:         # stuck in the kernel (a hung disk): never a reason to raise here
+            print(f"merge_pool: merge worker {w.pid} has not exited 30 s after SIGKILL; left behind",
+                  file=sys.stderr, flush=True)
         for f in (w.stdin, w.stdout):
             try:
                 f.close()
@@ -343,9 +346,14 @@ class Pool:
     def close(self):
         for w in self.workers:
             try:
-                w.stdin.close()                          # EOF: the worker exits
-                w.wait(30)
-            except (OSError, subprocess.TimeoutExpired):
+                w.stdin.close()                          # EOF: every worker exits, all at once
+            except OSError:
+                pass
+        deadline = time.monotonic() + 30
+        for w in self.workers:
+            try:
+                w.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 pass
             self._stop(w)
         self.workers = []
