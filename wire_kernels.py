@@ -86,42 +86,19 @@ def code_start(fmt, v):
 
 # ---------------------------------------------------------------- int2's scale (wire.py's docstring: the rule)
 
-# measured on real deltas (wire.py's docstring): the 7/8 magnitude x 9/32 had the least error
-INT2_QUANTILE = (7, 8)           # the scale's order statistic: the magnitude at 7/8 of the block's sorted values
-INT2_FACTOR = np.float32(0.28125)   # scale = that magnitude x 9/32 (exact in float32), rounded UP to bfloat16
-
-
-TOPK2_QUANTILE = (1, 2)          # topk's 2-bit values (wire.py): the median kept magnitude ...
-TOPK2_FACTOR = np.float32(1 / 3)   # ... / 3, so that the outer level 3 x scale is that median
-
-
-def int2_stat(mag, quantile=None, factor=None):
-    """float32 magnitudes [..., n] -> [...] the unrounded int2 scale of each run of n along
-    the last axis: its order statistic (`quantile` of the sorted values) x `factor`;
-    absmax / 3 where that is 0 (a mostly zero block); absmax itself where absmax is not
-    finite (NaN or Inf: the scale is then refused by the receiver, as int4's would be)."""
-    quantile, factor = quantile or INT2_QUANTILE, INT2_FACTOR if factor is None else factor
-    n = mag.shape[-1]
-    i = min(n - 1, n * quantile[0] // quantile[1])
-    amax = mag.max(axis=-1)
-    stat = np.partition(mag, i, axis=-1)[..., i] * np.float32(factor)
-    stat = np.where(stat > 0, stat, amax / np.float32(3))
-    return np.where(amax <= np.finfo(np.float32).max, stat, amax).astype(np.float32)
-
-
 def int2_scale_bits(x2, block):
     """x as [r, C] (rows of whole blocks, the row's last block maybe short) -> bf16 scale
-    bits [r, nb]: int2_stat over each block's own values (a short block's too, no padding)."""
+    bits [r, nb]: each block's largest magnitude / 3, rounded UP (NaN if the block holds one)."""
     r, C = x2.shape
     nfull, tail = divmod(C, block)
     mag = np.abs(x2)
     parts = []
     if nfull:
-        parts.append(int2_stat(mag[:, :nfull * block].reshape(r, nfull, block)))
+        parts.append(mag[:, :nfull * block].reshape(r, nfull, block).max(axis=2))
     if tail:
-        parts.append(int2_stat(mag[:, nfull * block:].reshape(r, 1, tail)))
-    stat = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0] if parts else np.zeros((r, 0), np.float32)
-    return bf16_up(stat)
+        parts.append(mag[:, nfull * block:].max(axis=1, keepdims=True))
+    amax = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0] if parts else np.zeros((r, 0), np.float32)
+    return bf16_up(amax / np.float32(3))
 
 
 def int2_grid(t):

@@ -10,9 +10,8 @@ The formats are wire.py's (its module docstring is their one statement): per blo
 --wire-block values along the last dimension, scale = bf16 rounded UP of absmax / L
 (L = 127, 7), q = rint(x / scale) (0 in a zero-scale block), value = q x scale, all in
 float32; int4 codes q + 8, two a byte over the flattened tensor, element 2i in the low
-nibble. int2: scale = bf16 rounded UP of an order statistic of the block's magnitudes
-(a sort picks the same element as numpy's partition) x INT2_FACTOR, q = the nearest odd
-level 2 floor(x / 2s) + 1 clipped to [-3, 3], codes (q + 3) / 2 four a byte. Every step
+nibble. int2: scale = bf16 rounded UP of absmax / 3, q = the nearest odd level
+2 floor(x / 2s) + 1 clipped to [-3, 3], codes (q + 3) / 2 four a byte. Every step
 is one IEEE operation (a division, a round half to even or a floor, a multiply, integer
 bit shifts), so torch on the CPU or a GPU and numpy produce the same bits (no fused
 multiply-add: each product is rounded before it is added).
@@ -35,8 +34,6 @@ import torch
 
 LEVELS = {"int8": 127, "int4": 7, "int2": 3}
 CODE_BITS = {"int8": 8, "int4": 4, "int2": 2}     # wire_kernels.CODE_BITS
-# int2's scale rule (wire_kernels.INT2_QUANTILE, INT2_FACTOR; tests/test_wire_torch.py checks they agree)
-INT2_QUANTILE, INT2_FACTOR = (7, 8), 0.28125
 SCALE = "#scale"
 
 
@@ -123,21 +120,14 @@ def _encode_rows(codec, X, nb):
 
 def int2_bits(X, block):
     """wire_kernels.int2_scale_bits: bf16 scale bits (int32) [r, nb] of X [r, C], each block's
-    own values (a short last block too): its sorted magnitudes' INT2_QUANTILE x INT2_FACTOR,
-    absmax / 3 where that is 0, absmax where absmax is NaN or Inf."""
+    (a short last block's too) largest magnitude / 3, rounded UP."""
     r, C = X.shape
     nfull, tail = divmod(C, block)
     mag = X.abs()
-    stats = []
-    for m in ([mag[:, :nfull * block].reshape(r, nfull, block)] if nfull else []) + \
-             ([mag[:, nfull * block:].reshape(r, 1, tail)] if tail else []):
-        n = m.shape[-1]
-        amax = m.amax(dim=-1)
-        stat = torch.sort(m, dim=-1).values[..., min(n - 1, n * INT2_QUANTILE[0] // INT2_QUANTILE[1])] * INT2_FACTOR
-        stat = torch.where(stat > 0, stat, amax / 3)
-        stats.append(torch.where(amax <= torch.finfo(torch.float32).max, stat, amax))
-    stat = torch.cat(stats, dim=1) if stats else X.new_zeros((r, 0))
-    return bf16_up(stat)
+    parts = ([mag[:, :nfull * block].reshape(r, nfull, block).amax(dim=2)] if nfull else []) + \
+            ([mag[:, nfull * block:].amax(dim=1, keepdim=True)] if tail else [])
+    amax = torch.cat(parts, dim=1) if parts else X.new_zeros((r, 0))
+    return bf16_up(amax / 3)
 
 
 def _encode2_rows(codec, X, nb):

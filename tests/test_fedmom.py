@@ -913,7 +913,7 @@ class DownstreamTest(FedMomFixture):
                     step = r.read(k).view(np.float32) - before[k].view(np.float32)
                     merged = 0.25 * sent["a"][k] + 0.75 * sent["b"][k]
                     rel = np.linalg.norm(step - merged) / np.linalg.norm(merged)
-                    self.assertLess(rel, 0.6 if rnd == 0 else 1.0, k)
+                    self.assertLess(rel, 0.75 if rnd == 0 else 1.2, k)
         rec = durable.read_jsonl(os.path.join(sd, "rounds.jsonl"))[-1]
         self.assertEqual(rec["down_wire"], "int2")
         proc.terminate()

@@ -57,17 +57,13 @@ def naive_block_decode(codec, q, scale_bits, shape):
     return out.reshape(shape)
 
 
-def naive_int2_scale(x, quantile, factor):
+def naive_int2_scale(x):
     """int2's scale of one block (or topk chunk's kept values), as wire.py's docstring says it:
-    the magnitude at quantile[0]/quantile[1] of the sorted magnitudes x factor (absmax / 3 if
-    that is 0), rounded up to a bfloat16."""
-    mag = sorted(abs(float(v)) for v in np.asarray(x, np.float32).reshape(-1))
+    the largest magnitude / 3, rounded up to a bfloat16."""
+    mag = [abs(float(v)) for v in np.asarray(x, np.float32).reshape(-1)]
     if not mag:
         return 0.0
-    stat = np.float32(mag[min(len(mag) - 1, len(mag) * quantile[0] // quantile[1])]) * np.float32(factor)
-    if not stat > 0:
-        stat = np.float32(mag[-1]) / np.float32(3)
-    return float(tensorio.bf16_to_f32(wire_kernels.bf16_up(np.float32([stat])))[0])
+    return float(tensorio.bf16_to_f32(wire_kernels.bf16_up(np.float32([max(mag)]) / np.float32(3)))[0])
 
 
 def naive_bits(packed, nbits, count):
@@ -159,17 +155,17 @@ class RoundTripTest(Tmp):
         for b in range(0, cols, codec.block):
             for r in range(rows):
                 self.assert_nearest_level(x2[r, b:b + codec.block], g2[r, b:b + codec.block],
-                                          naive_int2_scale(x2[r, b:b + codec.block], (7, 8), 0.28125))
+                                          naive_int2_scale(x2[r, b:b + codec.block]))
 
     def assert_topk2_nearest(self, codec, x, got):
         """topk with 2-bit values: the kept values of a chunk at their nearest level of the int2
-        grid, whose scale is the median kept magnitude / 3."""
+        grid, whose scale is the largest kept magnitude / 3."""
         flat, g = x.reshape(-1), got.reshape(-1)
         for lo in range(0, flat.size, codec.topk_chunk):
             xc, gc = flat[lo:lo + codec.topk_chunk], g[lo:lo + codec.topk_chunk]
             kept = np.argsort(-np.abs(xc), kind="stable")[:min(codec.topk_k, xc.size)]
             if np.unique(np.abs(xc)).size == xc.size:         # no ties: the kept set is the one above
-                self.assert_nearest_level(xc[kept], gc[kept], naive_int2_scale(xc[kept], (1, 2), 1 / 3))
+                self.assert_nearest_level(xc[kept], gc[kept], naive_int2_scale(xc[kept]))
             self.assertLessEqual(np.count_nonzero(gc), kept.size)
 
     def assert_nearest_level(self, x, got, s):
@@ -213,19 +209,16 @@ class RoundTripTest(Tmp):
                     np.testing.assert_array_equal(r.read(n), naive_block_decode(codec, q, sbits, a.shape),
                                                   err_msg=f"{codec.fmt} {n}")
 
-    def test_int2_scale_rule_beats_the_absmax_rule_on_gaussian_blocks(self):
-        # the rule wire.py documents (an order statistic, outliers clipped into the error feedback)
-        # against int4's (absmax / L, no clipping) with L = 3: on normal values the absmax rule
-        # puts most values on the inner levels and wastes the outer ones
+    def test_int2_odd_levels_beat_a_grid_with_a_zero_level(self):
+        # {-3, -1, 1, 3} x absmax/3 against {-1, 0, 1} x absmax (the symmetric grid of int4's
+        # rule with L = 1): on normal values the zero level takes most of a block
         x = np.random.default_rng(7).standard_normal((256, 1024)).astype(np.float32)
         _, sent = wire.Codec("int2").encode(x)
         err = float(np.linalg.norm(x - sent) / np.linalg.norm(x))
         xb = x.reshape(-1, 128)
-        s = tensorio.bf16_to_f32(wire_kernels.bf16_up(np.abs(xb).max(axis=1) / np.float32(3)))[:, None]
-        absmax = np.clip(np.floor(xb / s / 2) * 2 + 1, -3, 3) * s
-        err_absmax = float(np.linalg.norm(xb - absmax) / np.linalg.norm(xb))
-        self.assertLess(err, 0.37)                     # Lloyd-Max's 4 levels for a normal: 0.34
-        self.assertLess(err, err_absmax - 0.05)
+        s = tensorio.bf16_to_f32(wire_kernels.bf16_up(np.abs(xb).max(axis=1)))[:, None]
+        ternary = np.clip(np.rint(xb / s), -1, 1) * s
+        self.assertLess(err, float(np.linalg.norm(xb - ternary) / np.linalg.norm(xb)) - 0.1)
 
     def test_topk_agrees_with_a_naive_decode(self):
         x = np.random.default_rng(5).standard_normal(1003).astype(np.float32)

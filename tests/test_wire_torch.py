@@ -120,11 +120,6 @@ class TorchCodecTest(TmpDirTest):
         self.assertFalse(wire_torch.shard_ok(wire.Codec("int2"), (2, 301), (36, 301)))     # 602: not whole bytes
         self.assertTrue(wire_torch.shard_ok(wire.Codec("int2"), (4, 301), (36, 301)))
 
-    def test_int2_scale_rule_is_wire_kernels(self):
-        import wire_kernels
-        self.assertEqual((wire_torch.INT2_QUANTILE, np.float32(wire_torch.INT2_FACTOR)),
-                         (wire_kernels.INT2_QUANTILE, wire_kernels.INT2_FACTOR))
-
     def test_formats_it_does_not_encode_say_where_they_go(self):
         with self.assertRaisesRegex(ValueError, "topk goes through wire.py"):
             wire_torch.encode(wire.Codec("topk"), torch.zeros(4))
