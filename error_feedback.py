@@ -38,7 +38,9 @@ class Residual:
       residual.safetensors       owed now: residual-next renamed once its delta was
                                  merged (into base_round + 1); theta_global lacks exactly this
     The rules (the residual follows the aggregator's merges, not the local step):
-      send:        x = delta + owed; sent = decode(encode(x)); next = x - sent
+      send:        x = delta + decay x owed; sent = decode(encode(x)); next = x - sent
+                   (decay: --wire-feedback-decay, beta; 1 carries all of it. The files
+                   keep the residual undecayed, so a restart decays it once, when it is used)
       merged:      next becomes owed (rename)
       not merged (stale, refused, excluded, lease lost): next is dropped and owed stays
                    owed: x never arrived, so neither did the owed part of it
@@ -51,8 +53,8 @@ class Residual:
     this run left under --encode-on device (one per rank: RankResidual) resets, and says so.
     """
 
-    def __init__(self, workdir, log=print, fresh=False):
-        self.log = log
+    def __init__(self, workdir, log=print, fresh=False, decay=1.0):
+        self.log, self.decay = log, float(decay)
         self.path = os.path.join(workdir, "residual.safetensors")
         self.next_path = os.path.join(workdir, "residual-next.safetensors")
         self.sq = 0.0                   # squared norm of the residual the last delta left
@@ -126,7 +128,11 @@ class _ResidualWrite:
         res.sq = 0.0
 
     def add_owed(self, name, x):
-        return x if self.owed is None else x + self.owed.read(name).reshape(x.shape)
+        """x + decay x owed (float32; decay 1: x + owed, no multiply)."""
+        if self.owed is None:
+            return x
+        owed = self.owed.read(name).reshape(x.shape)
+        return x + (owed if self.res.decay == 1 else owed * np.float32(self.res.decay))
 
     def keep(self, name, x, sent):
         self.keep_left(name, x - sent)
@@ -167,8 +173,9 @@ class RankResidual(Residual):
 
     FILE = re.compile(r"residual-rank(\d+)(-next)?\.safetensors")
 
-    def __init__(self, workdir, names, places, rank, world, group=None, log=print, fresh=False):
+    def __init__(self, workdir, names, places, rank, world, group=None, log=print, fresh=False, decay=1.0):
         self.workdir, self.rank, self.world, self.group = workdir, rank, world, group
+        self.decay = float(decay)
         self.log = log if rank == 0 else (lambda msg: None)
         self.path = os.path.join(workdir, f"residual-rank{rank}.safetensors")
         self.next_path = os.path.join(workdir, f"residual-rank{rank}-next.safetensors")
@@ -273,7 +280,8 @@ class _RankWrite(_ResidualWrite):
     def add_owed(self, name, x):
         if self.owed is None:
             return x
-        return x + torch.from_numpy(self.owed.read(name)).view(x.shape).to(x.device)
+        owed = torch.from_numpy(self.owed.read(name)).view(x.shape).to(x.device)
+        return x + (owed if self.res.decay == 1 else owed * self.res.decay)
 
     def keep_left(self, name, left):
         self.res.sq += sq_norm(left.reshape(-1))

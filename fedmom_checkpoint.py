@@ -88,7 +88,7 @@ def segment_bytes():
 def segments(shapes, seg_bytes, d):
     """[(file name, tensor, lo, hi)] of a checkpoint of these {name: shape}: each tensor whole,
     or cut into runs of whole rows (pairs of rows when a row is odd: int4 packs two values a
-    byte) and whole TOPK_ALIGN elements, so that every block or chunk of every wire format
+    byte, int2 four, and TOPK_ALIGN is a multiple of 4) and whole TOPK_ALIGN elements, so that every block or chunk of every wire format
     lies inside one segment and a segment can be replayed alone (outer_state.apply_round's
     `only`). A segment holds `seg_bytes` of fp32 per array at most, unless that one unit is
     larger: a 1-D tensor is one segment, and so is an odd last dimension's lcm(2 x cols,

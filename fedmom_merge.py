@@ -255,11 +255,11 @@ class DeltaReader:
             sbits = self.w.r.read(name + wire.SCALE)
             if not wire.scales_ok(sbits):
                 raise wire.WireError(f"{where}: a scale is negative, NaN or Inf")
-            n = math.prod(shape)
-            if self.codec.fmt == "int4" and not wire.padding_is_zero(codes, 4, n):
-                raise wire.WireError(f"{where}: the padding nibble after the last value is not 0")
+            n, bits = math.prod(shape), wire_kernels.CODE_BITS[self.codec.fmt]
+            if bits < 8 and not wire.padding_is_zero(codes, bits, n):
+                raise wire.WireError(f"{where}: the padding bits after the last value are not 0")
             R, C, nb = wire_kernels.as_blocks(shape, self.codec.block)
-            self.parts = (codes.reshape(-1) if self.codec.fmt == "int4" else codes.reshape(R, C),
+            self.parts = (codes.reshape(-1) if bits < 8 else codes.reshape(R, C),
                           tensorio.bf16_to_f32(sbits).reshape(R, nb), C)
         self.nread += self.w.nbytes(name)
 
@@ -284,7 +284,7 @@ class DeltaReader:
         codes, scale, C = self.parts
         a, b = lo // C, hi // C
         bad = []
-        src = codes[lo // 2:] if self.codec.fmt == "int4" else codes[a:b]
+        src = codes[wire_kernels.code_start(self.codec.fmt, lo):] if self.codec.fmt != "int8" else codes[a:b]
         wire_kernels.decode_span(src, scale[a:b], 0, b - a, C, self.codec, out[:hi - lo].reshape(b - a, C), bad)
         if bad:
             raise wire.WireError(f"{self.path}: tensor {self.name!r}: {bad[0]}")
@@ -303,15 +303,14 @@ STEP = 1 << 16     # elements per fused step: its dozen float32 buffers stay in 
 def piece_unit(shape, codecs):
     """Elements per indivisible piece of a tensor: a piece starts and ends on a block boundary
     of every block codec in `codecs` (wire_kernels.as_blocks: a block of the flattened tensor when
-    the last dimension is a multiple of it, else a whole row) and, for int4, on a byte."""
+    the last dimension is a multiple of it, else a whole row) and, for int4/int2, on a byte."""
     cols = shape[-1] if shape else 1
     unit = 1
     for c in codecs:
         if c is None or c.fmt not in wire.LEVELS:
             continue
         k = c.block if cols and cols % c.block == 0 else max(cols, 1)
-        if c.fmt == "int4" and k % 2:
-            k *= 2
+        k = math.lcm(k, 8 // wire_kernels.CODE_BITS[c.fmt])     # int4: 2 values a byte, int2: 4
         unit = math.lcm(unit, k)
     return unit
 

@@ -38,11 +38,11 @@ rule, exactly, is fedmom_merge.py's docstring. The merge streams one tensor at a
 from the delta files into tensorio writers for the new theta and momentum, so its
 memory is a few times the largest tensor, not the model.
 
-Compressed downstream (--down-wire int8|int4|topk|bf16; default f32 = off): after the
+Compressed downstream (--down-wire int8|int4|int2|topk|bf16; default f32 = off): after the
 merge, the step theta_merged - theta_r plus what the last update rounded away is encoded
 in that format (fedmom_merge.Publisher), and theta_{r+1} is DEFINED as theta_r plus the
 decoded update: that is the theta this server serves and merges into next. A site holding
-theta_r downloads the update (~0.52 B/param in int4) and adds it (wire.apply_update) to the
+theta_r downloads the update (~0.52 B/param in int4, ~0.27 in int2) and adds it (wire.apply_update) to the
 same bits; one without it (new, requeued, more than one round behind) downloads theta.
 
 Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."}):
@@ -461,7 +461,7 @@ def _server_parser():
                    help="publish each round as an update in this wire format, with error feedback; sites "
                         "holding the previous round download it instead of theta (default f32: theta only)")
     p.add_argument("--down-wire-block", type=int, default=128,
-                   help="int8/int4 update: values per scale along the last dimension, 64-256 (default 128)")
+                   help="int8/int4/int2 update: values per scale along the last dimension, 64-256 (default 128)")
     p.add_argument("--keep-rounds", type=int, default=fedmom_state.KEEP_ROUNDS,
                    help="the blob store keeps the theta and update blobs of the current round and the "
                         "keep-rounds - 1 before it (so a download begun before a merge can finish); older "

@@ -134,7 +134,7 @@ class ServerConfig:
     ca_file: str | None = None        # CA for https:// darl and blob_url
     clip_factor: float = 10.0         # a delta is scaled to at most this x the median norm (0 = off)
     down_wire: str = "f32"            # f32: sites download theta; else each round's update in this format
-    down_wire_block: int = 128        # int8/int4 block of the update (wire.Codec)
+    down_wire_block: int = 128        # int8/int4/int2 block of the update (wire.Codec)
     keep_rounds: int = KEEP_ROUNDS    # the blob store keeps this many rounds' theta/update blobs
     checkpoint_rounds: int = CHECKPOINT_ROUNDS   # the outer state is written whole every this many rounds
     threads: int | None = None        # the merge's and the codec's threads (None: $WIRE_THREADS or every core)

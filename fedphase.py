@@ -119,18 +119,19 @@ class FedMomCarrier(OuterCarrier):
     DiLoCo.end_phase returns beside its row.
     `site` is None on the ranks other than 0.
     codec: a wire.Codec or a format name ("f32", "bf16", ...); error_feedback: keep a
-    residual (lossy formats only); fresh: a new run (--resume none), nothing owed from
-    an earlier one.
+    residual (lossy formats only); feedback_decay (--wire-feedback-decay): beta, the part of
+    what the last delta left that the next one carries (error_feedback.Residual); fresh: a
+    new run (--resume none), nothing owed from an earlier one.
     encode_on: "host" (the reference: rank 0 copies each gathered tensor to the host in
     fp32 and wire.py encodes it with numpy; Residual keeps error feedback in files on rank
     0; theta_global comes down file to file, fedsite.FedSite.fetch_theta) or "device"
-    (int8/int4, the site's share on its devices, the same bits: shard_wire.py): in step 1
+    (int8/int4/int2, the site's share on its devices, the same bits: shard_wire.py): in step 1
     each rank encodes its own rows of each FSDP-sharded tensor with wire_torch.py and rank
     0 gathers only their codes and scales (an eighth of the fp32 bytes for int4); a
     tensor that cannot be split so (a 1-D norm weight, an odd int4 shard before the last,
     a DDP replica) is gathered and encoded on rank 0's device. Error feedback stays with
     the rank that encoded each part (error_feedback.RankResidual: a file per rank). In step 3
-    an int8/int4 update of theta_global (the aggregator's --down-wire) is not applied on rank
+    an int8/int4/int2 update of theta_global (the aggregator's --down-wire) is not applied on rank
     0's host: rank 0 broadcasts its codes and scales one tensor at a time and every rank adds
     its own rows to theta on its device (wire.add_update's float32 bits); rank 0's host then
     repeats the addition file to file behind the training and checks the aggregator's
@@ -145,14 +146,15 @@ class FedMomCarrier(OuterCarrier):
     """
 
     def __init__(self, site, workdir, codec=None, error_feedback=True, group=None, fresh=False, log=print,
-                 overlap=False, encode_on="host"):
+                 overlap=False, encode_on="host", feedback_decay=1.0):
         if codec is None or isinstance(codec, str):        # a format name: "f32", "BF16", ...
             codec = wire.Codec((codec or "f32").lower())
         self.codec = codec.validate()
         if encode_on not in ("host", "device"):
             raise ValueError(f"encode_on={encode_on!r}: use 'host' (numpy, the reference) or 'device' (wire_torch)")
-        if encode_on == "device" and self.codec.fmt not in ("int8", "int4"):
-            raise ValueError(f"encode_on='device' encodes int8 and int4; --wire {self.codec.fmt} is encoded on the host")
+        if encode_on == "device" and self.codec.fmt not in wire_torch.LEVELS:
+            raise ValueError(f"encode_on='device' encodes int8, int4 and int2; --wire {self.codec.fmt} is encoded "
+                             "on the host")
         self.encode_on = encode_on
         self.site, self.workdir, self.group, self.log, self.fresh = site, workdir, group, log, fresh
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -167,10 +169,11 @@ class FedMomCarrier(OuterCarrier):
         # error feedback (nothing to owe with a lossless format): on rank 0, which writes the
         # delta, under encode_on="host"; under "device" on every rank, built with the plan
         self.error_feedback = error_feedback and self.codec.fmt != "f32"
-        self.residual = Residual(workdir, log, fresh) if (
+        self.feedback_decay = feedback_decay
+        self.residual = Residual(workdir, log, fresh, decay=feedback_decay) if (
             self.rank == 0 and self.error_feedback and encode_on == "host") else None
         self.places = None           # encode_on="device": shard_wire.plan, made at the first collective use
-        self.apply_on_device = False     # encode_on="device": an int8/int4 update is added on the devices
+        self.apply_on_device = False     # encode_on="device": an int8/int4/int2 update is added on the devices
         self.wire_bytes = None       # rank 0: size of the last delta file sent, bytes
         self.round = None            # the round of the theta_global the model was loaded with
         self.delta_path = os.path.join(workdir, "delta.safetensors")
@@ -216,7 +219,7 @@ class FedMomCarrier(OuterCarrier):
         self.apply_on_device = all(p.rows is not None or not p.sharded for p in self.places)
         if self.error_feedback:
             self.residual = RankResidual(self.workdir, names, self.places, self.rank, self.world, self.group,
-                                         self.log, self.fresh)
+                                         self.log, self.fresh, decay=self.feedback_decay)
 
     @torch.no_grad()
     def write_delta(self, names, params, deltas):
@@ -456,7 +459,7 @@ def join(run):
         os.makedirs(workdir, exist_ok=True)
     return site, FedMomCarrier(site, workdir, codec=cfg.wire_codec(), error_feedback=cfg.error_feedback,
                                fresh=cfg.resume == "none", log=run.log.log, overlap=cfg.overlap,
-                               encode_on=cfg.encode_on)
+                               encode_on=cfg.encode_on, feedback_decay=cfg.wire_feedback_decay)
 
 
 def train_site(run, site, carrier, start):

@@ -22,7 +22,7 @@ With --overlap the carrier calls site.start_round_trip(...) instead (the same ro
 on a Background thread), the loop asks next_span(busy) while it runs, and the carrier's
 settle() waits for it once it has ended or at the next phase's end (--overlap-fold;
 FEDERATION_GUIDE.md section 4, "Overlap").
-Under --encode-on device the carrier passes defer_update=True: an int8/int4 update of
+Under --encode-on device the carrier passes defer_update=True: an int8/int4/int2 update of
 theta_global comes back unapplied (RoundResult.update), the carrier adds it on the
 devices and calls site.check_behind(theta), whose thread (the file's addition and the
 digest) the next round_trip and fetch_theta join first (join_check).
@@ -89,7 +89,7 @@ class RoundResult:
     whatever became of the delta); merged_into: the round it went into, when merged;
     reason: why not, otherwise. The span it trained, and the Handoff's step and tokens,
     come back with it; theta_via ("update" or "full"), down_bytes and down_s say how the
-    new theta_global came down (FedSite.fetch_theta). update: the path of an int8/int4
+    new theta_global came down (FedSite.fetch_theta). update: the path of an int8/int4/int2
     update downloaded but not applied (round_trip(defer_update=True)): the caller adds it
     to the theta it holds on its devices, then calls FedSite.check_behind; None when the
     theta file was brought up to date here."""
@@ -265,7 +265,7 @@ class FedSite:
         --down-wire, a site holding the previous round's theta downloads the update and adds
         it (wire.apply_update: the aggregator's exact bits, checked by their digest); any
         other site (new, requeued, behind) downloads the whole file (FEDERATION_GUIDE.md
-        section 4, "Compressed downstream"). defer_update: an int8/int4 update is only
+        section 4, "Compressed downstream"). defer_update: an int8/int4/int2 update is only
         downloaded and checked against the theta file's names and shapes; the caller adds it
         where its theta is, then check_behind() does the file's addition and the digest.
         A check still running behind is joined first."""
@@ -465,7 +465,7 @@ class FedSite:
 
 
 def _device_update(upd, theta_path):
-    """True if the update file is int8/int4 (a site's devices add those: wire_torch) and fits
+    """True if the update file is int8/int4/int2 (a site's devices add those: wire_torch) and fits
     the theta file's names and shapes; WireError if it does not fit."""
     with wire.WireReader(upd, threads=1) as r:
         if r.codec is None or r.codec.fmt not in wire.LEVELS:

@@ -169,7 +169,7 @@ class _Tensor:
             R, C, nb = wire_kernels.as_blocks(shape, self.codec.block)
             codes = codes if codes is not None else np.empty(update_codes_size(self.codec, self.n), np.uint8)
             codes = codes[:update_codes_size(self.codec, self.n)]
-            self.codes = codes if self.codec.fmt == "int4" else codes.view(np.int8).reshape(R, C)
+            self.codes = codes if self.codec.fmt != "int8" else codes.view(np.int8).reshape(R, C)
             self.sbits = (sbits if sbits is not None else np.empty(R * nb, np.uint16))[:R * nb].reshape(R, nb)
             self.C = C
         elif self.codec is not None:                       # another format: encoded whole, after the merge
@@ -226,7 +226,8 @@ class _Tensor:
                 np.copyto(self.x[lo:hi], x)
                 return tsq, dsq, rsq, None
             a, b = lo // self.C, hi // self.C
-            codes = self.codes[lo // 2:] if self.codec.fmt == "int4" else self.codes[a:b]
+            fmt = self.codec.fmt
+            codes = self.codes[wire_kernels.code_start(fmt, lo):] if fmt != "int8" else self.codes[a:b]
             wire_kernels.encode_span(x.reshape(b - a, self.C), 0, b - a, self.codec, codes, self.sbits[a:b],
                                      sent.reshape(b - a, self.C))
             np.add(T, sent, out=T)                                   # theta = prev + sent (wire.add_update)
@@ -259,15 +260,15 @@ class _Tensor:
 
 
 def update_codes_size(codec, n):
-    """Bytes of an int8/int4 update's codes for n values."""
-    return wire_kernels.packed_bytes(n, 4) if codec.fmt == "int4" else n
+    """Bytes of an int8/int4/int2 update's codes for n values."""
+    return wire_kernels.packed_bytes(n, wire_kernels.CODE_BITS[codec.fmt])
 
 
 def update_parts(codec, shape, codes, sbits):
     """{part suffix: array} of one tensor's int8/int4 update, as Codec.encode returns them."""
     rows, cols = wire_kernels.rows_cols(shape)
     codes = codes.reshape(-1)[:update_codes_size(codec, math.prod(shape))]
-    codes = codes if codec.fmt == "int4" else codes.view(np.int8).reshape(shape)
+    codes = codes if codec.fmt != "int8" else codes.view(np.int8).reshape(shape)
     nb = -(-cols // codec.block)
     return {"": codes, wire.SCALE: sbits.reshape(-1)[:rows * nb].reshape(rows, nb)}
 

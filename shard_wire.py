@@ -16,11 +16,11 @@ bit on real gloo groups of 2 and 3 ranks; bench/gpu_check.sh does it on a GPU.
 
 Why rows: wire.py's blocks run along a tensor's last dimension, so a dim-0 shard of a
 tensor of two or more dimensions holds whole blocks and encodes to exactly its rows' part
-of the whole tensor's parts (int4: if every shard but the last holds an even number of
-values, the packed bytes concatenate too): wire_torch.shard_ok. FSDP2 splits dim 0 in
+of the whole tensor's parts (int4, int2: if every shard but the last holds an even number
+of values, a multiple of 4 for int2, the packed bytes concatenate too): wire_torch.shard_ok. FSDP2 splits dim 0 in
 rank order (torch.chunk: ceil(rows / world) rows a rank, the last ones short or empty),
 so rank 0 concatenates what it gathers in rank order. Anything else - a 1-D tensor (its
-blocks cross the shards: norm weights), an odd int4 shard before the last, another mesh
+blocks cross the shards: norm weights), an odd int4 shard (int2: not a multiple of 4) before the last, another mesh
 or placement, a DDP replica - is gathered whole and encoded on rank 0's device, as before.
 
 What moves: per tensor, the codes and scales of each shard to rank 0 (an eighth of the
@@ -93,11 +93,11 @@ def plan(codec, params, rank, world, group=None):
 
 
 def part_bytes(codec, shape):
-    """(bytes of the scale bits, bytes of the codes) of one tensor of `shape` in int8/int4."""
+    """(bytes of the scale bits, bytes of the codes) of one tensor of `shape` in int8/int4/int2."""
     n = math.prod(shape)
     cols = shape[-1] if shape else 1
     rows = n // cols if cols else 0
-    return 2 * rows * -(-cols // codec.block), n if codec.fmt == "int8" else (n + 1) // 2
+    return 2 * rows * -(-cols // codec.block), (n * wire_torch.CODE_BITS[codec.fmt] + 7) // 8
 
 
 def to_bytes(parts):

@@ -55,6 +55,7 @@ GROUPS = {"diloco": "DiLoCo (k replicas inside this allocation)",
 # --encode-on are refused by validate() from the YAML too, naming what they would have done)
 FEDERATION_ONLY = ("darl_url", "blob_url", "token_file", "ca_file", "site", "replica", "transport", "wire",
                    "wire_block", "wire_topk_chunk", "wire_topk_k", "wire_topk_bits", "error_feedback",
+                   "wire_feedback_decay",
                    "overlap_fold", "throttle_ms", "register_wait_s", "central_retry_s")
 EXPORT_READS = ("config", "model", "data", "seed", "export_init")     # all --export-init reads
 
@@ -161,25 +162,30 @@ class Config:
                                     "above 256 MiB when --blob-url is set", choices=("inline", "blob", "auto"),
                             group="federation")
     wire: str = option("f32", "format of the delta sent each round (wire.py; FEDERATION_GUIDE.md section 4, "
-                              "'Wire formats'): f32 4 B/param, bf16 2, int8 1.02, int4 0.52, topk 0.03",
+                              "'Wire formats'): f32 4 B/param, bf16 2, int8 1.02, int4 0.52, int2 0.27, topk 0.03",
                        choices=wire.FORMATS, aliases=("--delta-dtype",), group="federation")
-    wire_block: int = option(128, "int8/int4: values per scale along the last dimension, 64-256",
+    wire_block: int = option(128, "int8/int4/int2: values per scale along the last dimension, 64-256",
                              group="federation")
     wire_topk_chunk: int = option(4096, "topk: values per chunk of each flattened tensor", group="federation")
     wire_topk_k: int = option(64, "topk: largest-magnitude values kept per chunk", group="federation")
-    wire_topk_bits: int = option(4, "topk: bits per kept value", choices=(4, 8), group="federation")
+    wire_topk_bits: int = option(4, "topk: bits per kept value (2: the int2 grid, SparseLoCo's 2-bit values)",
+                                 choices=(2, 4, 8), group="federation")
     encode_on: str = option("auto", "where the site encodes its delta and adds theta_global's update: host = "
                                     "numpy on rank 0's CPU (wire.py, the reference; the update file to file); "
-                                    "device = every rank on its training device, the same bits (int8/int4 only): "
+                                    "device = every rank on its training device, the same bits (int8/int4/int2 only): "
                                     "each rank encodes its own FSDP shard (wire_torch.py, shard_wire.py), rank 0 "
                                     "gathers only codes and scales, error feedback is kept per rank, and an "
-                                    "int8/int4 update (--down-wire) is added to each rank's shard, rank 0's host "
+                                    "int8/int4/int2 update (--down-wire) is added to each rank's shard, rank 0's host "
                                     "checking the aggregator's digest behind the training; auto = device for "
-                                    "--wire int8/int4 on a GPU, else host", choices=("host", "device", "auto"),
+                                    "--wire int8/int4/int2 on a GPU, else host", choices=("host", "device", "auto"),
                             group="federation")
     error_feedback: bool = option(True, "add what the wire format dropped to the next round's delta; the buffer "
                                         "is kept in runs/<run>/federation/ across --resume auto (f32 drops "
                                         "nothing)", negatable=True, group="federation")
+    wire_feedback_decay: float = option(1.0, "error feedback: the residual carried into the next delta is this x "
+                                             "what the last one left (beta: delta + beta x e is encoded; 1 = "
+                                             "all of it; SparseLoCo runs 0.95, with --wire topk "
+                                             "--wire-topk-bits 2)", group="federation")
     overlap: bool = option(False, "train the next phase while the delta's round trip runs, and fold the new "
                                   "theta_global in when it arrives (one-step-delayed outer update; "
                                   "FEDERATION_GUIDE.md section 4, 'Overlap'); costs 4 B/param of host memory "
@@ -234,7 +240,7 @@ class Config:
                 if getattr(self, name) is None:
                     setattr(self, name, getattr(_DILOCO, name.removeprefix("diloco_")))
         elif self.encode_on == "auto":
-            # on a GPU, int8/int4 encode where the delta was gathered: only the codes and
+            # on a GPU, int8/int4/int2 encode where the delta was gathered: only the codes and
             # scales (an eighth of fp32 for int4) cross to the host, not the fp32 tensor,
             # and rank 0's CPU does not run the numpy codec; the bits are the same
             self.encode_on = "device" if gpu and self.wire in wire_torch.LEVELS else "host"
@@ -297,8 +303,11 @@ class Config:
     def validate_federation(self):
         self.wire_codec()
         if self.encode_on == "device" and self.wire not in wire_torch.LEVELS:
-            raise ConfigError(f"--encode-on device encodes int8 and int4 (wire_torch.py); --wire {self.wire} "
-                              f"is encoded on the host: use --encode-on host or auto, or --wire int8/int4")
+            raise ConfigError(f"--encode-on device encodes int8, int4 and int2 (wire_torch.py); --wire {self.wire} "
+                              f"is encoded on the host: use --encode-on host or auto, or --wire int8/int4/int2")
+        if not 0 < self.wire_feedback_decay <= 1:
+            raise ConfigError(f"--wire-feedback-decay {self.wire_feedback_decay:g}: use a factor in (0, 1] "
+                              "(1 = the residual carried whole; SparseLoCo runs 0.95)")
         given = [name for name in OUTER_STEP_FLAGS if getattr(self, name) is not None]
         if given:
             flags = ", ".join(f"--{n.replace('_', '-')} {getattr(self, n)}" for n in given)
@@ -356,8 +365,8 @@ class Config:
             out["ckpt_every"] = ("with --federation: a site checkpoints at the end of every phase, before "
                                  "its delta leaves; drop it")
             if self.wire not in wire.LEVELS:
-                out["wire_block"] = (f"with --wire {self.wire}: only int8 and int4 have scale blocks; use "
-                                     f"--wire int8 or int4, or drop it")
+                out["wire_block"] = (f"with --wire {self.wire}: only int8, int4 and int2 have scale blocks; use "
+                                     f"--wire int8, int4 or int2, or drop it")
             if self.wire != "topk":
                 out.update(dict.fromkeys(("wire_topk_chunk", "wire_topk_k", "wire_topk_bits"),
                                          f"with --wire {self.wire}: it shapes the topk format; use --wire "
@@ -365,6 +374,11 @@ class Config:
             if self.wire == "f32":
                 out["error_feedback"] = ("with --wire f32: f32 drops nothing, so there is no error to feed "
                                          "back; drop it")
+            if self.wire == "f32" or not self.error_feedback:
+                out["wire_feedback_decay"] = (f"with --wire {self.wire}: " + (
+                    "f32 drops nothing, so there is no residual to decay; drop it" if self.wire == "f32" else
+                    "without error feedback (--no-error-feedback) there is no residual to decay; drop it, or "
+                    "drop --no-error-feedback"))
             if not self.overlap:
                 out["overlap_fold"] = ("without --overlap: each round trip ends before the next phase "
                                        "starts, so nothing is folded in; add --overlap or drop it")

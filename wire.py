@@ -22,10 +22,14 @@ The formats (one flag at the site, --wire):
     int4   NAME   U8 [ceil(n/2)]: code = q + 8 (q in [-7, 7]) two per byte over the
            flattened tensor, element 2i in the low nibble of byte i; an odd tensor's
            last high nibble is 0.  NAME#scale as for int8: 0.5 + 2/block B/param
+    int2   NAME   U8 [ceil(n/4)]: code = (q + 3) / 2 for q in {-3, -1, 1, 3} (no zero
+           level), four per byte over the flattened tensor, element 4i + j in bits 2j of
+           byte i; the last byte's unused bits 0.  NAME#scale as for int8 (its own rule,
+           below): 0.25 + 2/block B/param
     topk   the flattened tensor in chunks of --wire-topk-chunk values, the k largest
            magnitudes of each kept (k = --wire-topk-k, all of a chunk shorter than k):
-           NAME      U8, the kept values' codes (q + 2^(bits-1), --wire-topk-bits 4 or 8)
-                     packed little-endian bit by bit
+           NAME      U8, the kept values' codes (q + 2^(bits-1), --wire-topk-bits 4 or 8;
+                     bits 2: int2's grid and code, (q + 3) / 2), packed little-endian bit by bit
            NAME#idx  U8, their positions in the chunk, ceil(log2 chunk) bits each,
                      strictly increasing within a chunk, packed the same way
            NAME#scale BF16 [nchunks]: one scale per chunk
@@ -34,20 +38,34 @@ The formats (one flag at the site, --wire):
 A value is q x scale, computed in float32 (one IEEE multiply: numpy here and torch at
 a site get the same bits, so a site knows exactly what the aggregator will merge).
 
-The clipping rule: none. Each block's scale is its largest magnitude / L (L = 127, 7),
-rounded UP to the next bfloat16, so every value of the block is inside the grid and
-the error of each value is at most half a step (scale / 2). Clipping outliers would
-shrink the step for the rest of the block, but the outliers of a pseudo-gradient are
-its largest, most useful coordinates; deferring them to the error-feedback buffer
-round after round delays exactly what matters. Blocks of 64-256 values along the last
-dimension keep an outlier's cost local: it coarsens its own block, not its row.
+The clipping rule: none. Each block's scale is its largest magnitude / L (L = 127, 7, 3
+for int8, int4, int2; the same per chunk of topk's kept values, L = 2^(bits-1) - 1, 3 for
+2 bits), rounded UP to the next bfloat16, so every value of the block is inside the grid.
+Clipping outliers would shrink the step for the rest of the block, but the outliers of a
+pseudo-gradient are its largest, most useful coordinates; deferring them to the
+error-feedback buffer round after round delays exactly what matters. Blocks of 64-256
+values along the last dimension keep an outlier's cost local: it coarsens its own block,
+not its row.
 
-Error feedback (the site's side, diloco.py): residual = x - decode(encode(x)) is what
-this round dropped; it is added to the next round's delta.
+int2's four levels are {-3, -1, 1, 3} x s (s = absmax / 3, so 3s is the block's largest
+magnitude): no zero level, which would spend a code on the values nearest 0; q = the
+nearest odd integer to x / s (2 floor(x / 2s) + 1, a tie going up; clipped to [-3, 3]),
+so a value is off by at most s. Measured over the last deltas of both sites of
+bench/wire_formats.py's f32 arm (qwen3-tiny, 238K values, heavy-tailed: kurtosis 7.2),
+||x - sent|| / ||x|| is 0.414 (int4: 0.086, int8: 0.005). A clipped scale has less
+error there - the best of 45 rules tried, the magnitude at 7/8 of the block's sorted
+values x 9/32, 0.284 - but costs more loss: int2 up and down measured +4.2% held-out
+loss over f32 with it and +1.0% and +1.5% (two runs) with absmax / 3 (10 rounds; two
+runs of one arm differ by ~0.3-0.5%). The error a clipped scale saves is the small values'; what it defers is
+the largest ones. topk with 2-bit values uses the same grid over its kept values.
+
+Error feedback (the site's side, error_feedback.py): residual = x - decode(encode(x)) is
+what this round dropped; it is added to the next round's delta, times beta
+(--wire-feedback-decay, default 1).
 
 Files stay in the safetensors layout (tensorio.py), so any safetensors tool lists them.
 The header's __metadata__ declares the convention:
-    "wire": "pww-wire/1", "wire_format": "int4", "wire_block": "128", (topk: "wire_topk_chunk",
+    "wire": "pww-wire/1", "wire_format": "int4", "wire_block": "128" (int8/int4/int2), (topk: "wire_topk_chunk",
     "wire_topk_k", "wire_topk_bits"), "wire_shapes": JSON {NAME: shape of the decoded tensor},
     "wire_parts": a one-line statement of the naming convention above
 A file without "wire" in its metadata is a plain tensor file (F32/F16/BF16) and is
@@ -58,7 +76,7 @@ it refuses a bad file with WireError naming the tensor. decode_file streams a wi
 file into a plain F32 file one tensor at a time: peak memory is a few times the
 largest tensor, never the model.
 
-Speed: int8/int4 encode and decode run on wire_kernels.py (the block kernels, CHUNK values
+Speed: int8/int4/int2 encode and decode run on wire_kernels.py (the block kernels, CHUNK values
 at a time in reused buffers, the chunks of a tensor on a thread pool: threads=, default
 $WIRE_THREADS or every core); decode_file, apply_update and theta_digest reuse two buffers
 the size of the largest tensor and run each tensor's sha256 and write on threads behind
@@ -66,7 +84,7 @@ the next one (wire_kernels.Pipeline). The Digest stays one sha256 over the tenso
 order, so it is serial: it overlaps the rest instead. Codec.encode/decode(reference=True)
 keep the plain numpy version here, the definition the fast path must match bit for bit
 (tests/test_wire.py FastPathTest); bench/wire_speed.py times both. wire_torch.py is the
-same codec in torch for a site's device.
+same codec (int8/int4/int2) in torch for a site's device.
 """
 import argparse
 import dataclasses
@@ -80,13 +98,13 @@ import tensorio
 import wire_kernels
 
 WIRE = "pww-wire/1"
-FORMATS = ("f32", "bf16", "int8", "int4", "topk")
+FORMATS = ("f32", "bf16", "int8", "int4", "int2", "topk")
 LOSSLESS = ("f32",)
 SCALE, INDEX = "#scale", "#idx"       # part suffixes: '#' is in no parameter name
-PARTS_DOC = ("NAME: codes (int8: I8, NAME's shape; int4/topk: packed U8); NAME#scale: BF16 scales "
-             "(int8/int4: [rows, ceil(cols/block)] along the last dim; topk: one per chunk); "
+PARTS_DOC = ("NAME: codes (int8: I8, NAME's shape; int4/int2/topk: packed U8); NAME#scale: BF16 scales "
+             "(int8/int4/int2: [rows, ceil(cols/block)] along the last dim; topk: one per chunk); "
              "NAME#idx: topk positions in the chunk, packed U8")
-LEVELS = {"int8": 127, "int4": 7}
+LEVELS = {"int8": 127, "int4": 7, "int2": 3}      # the block formats: their largest |q|
 
 
 class WireError(ValueError):
@@ -140,6 +158,13 @@ def scales_ok(bits):
     return not np.any((bits & np.uint16(0x7F80)) == np.uint16(0x7F80)) and not np.any(negative)
 
 
+def _odd_grid(x, scale):
+    """int2's q: the nearest odd integer to x / scale (a tie goes up) in [-3, 3]; 1 where scale is 0."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):     # beyond 3 x scale: clipped
+        t = np.where(scale == 0, np.float32(0), x / np.where(scale == 0, np.float32(1), scale)).astype(np.float32)
+    return np.clip(np.floor(t / np.float32(2)) * np.float32(2) + np.float32(1), -3, 3).astype(np.int8)
+
+
 def _grid(x, scale, levels):
     """q = rint(x / scale) in [-levels, levels]; 0 where scale is 0."""
     safe = np.where(scale > 0, scale, np.float32(1))
@@ -155,7 +180,7 @@ def _grid(x, scale, levels):
 class Codec:
     """One wire format and its parameters; encode/decode one tensor, say its parts."""
     fmt: str = "f32"
-    block: int = 128          # int8/int4: values per scale along the last dimension
+    block: int = 128          # int8/int4/int2: values per scale along the last dimension
     topk_chunk: int = 4096    # topk: values per chunk of the flattened tensor
     topk_k: int = 64          # topk: values kept per chunk
     topk_bits: int = 4        # topk: bits per kept value
@@ -169,13 +194,13 @@ class Codec:
             raise ValueError(f"--wire-topk-chunk {self.topk_chunk}: use 2 to 65536 values per chunk")
         if not 1 <= self.topk_k <= self.topk_chunk:
             raise ValueError(f"--wire-topk-k {self.topk_k}: use 1 to --wire-topk-chunk ({self.topk_chunk})")
-        if self.topk_bits not in (4, 8):
-            raise ValueError(f"--wire-topk-bits {self.topk_bits}: use 4 or 8")
+        if self.topk_bits not in (2, 4, 8):
+            raise ValueError(f"--wire-topk-bits {self.topk_bits}: use 2, 4 or 8")
         return self
 
     @property
     def levels(self):
-        """int8/int4: the largest code magnitude L, 127 or 7 (LEVELS)."""
+        """int8/int4/int2: the largest code magnitude L, 127, 7 or 3 (LEVELS)."""
         return LEVELS[self.fmt]
 
     @property
@@ -224,8 +249,9 @@ class Codec:
             return [(name, "BF16", shape)]
         if self.fmt == "int8":
             return [(name, "I8", shape), (name + SCALE, "BF16", (rows, nb))]
-        if self.fmt == "int4":
-            return [(name, "U8", (wire_kernels.packed_bytes(n, 4),)), (name + SCALE, "BF16", (rows, nb))]
+        if self.fmt in ("int4", "int2"):
+            return [(name, "U8", (wire_kernels.packed_bytes(n, wire_kernels.CODE_BITS[self.fmt]),)),
+                    (name + SCALE, "BF16", (rows, nb))]
         nch, m = self.chunks(n)
         return [(name, "U8", (wire_kernels.packed_bytes(m, self.topk_bits),)),
                 (name + INDEX, "U8", (wire_kernels.packed_bytes(m, self.index_bits),)),
@@ -234,7 +260,7 @@ class Codec:
     # -- one tensor
     def encode(self, x, threads=None, reference=False):
         """float32 array -> ({part name suffix: array}, what the receiver will decode, float32).
-        threads: for int8/int4 (None: $WIRE_THREADS, else every core); reference: the plain numpy
+        threads: for int8/int4/int2 (None: $WIRE_THREADS, else every core); reference: the plain numpy
         version of the block formats, kept as the definition the fast path is tested against."""
         x = np.require(x, np.float32, "C")        # (ascontiguousarray makes a scalar 1-d)
         if self.fmt == "f32":
@@ -259,6 +285,8 @@ class Codec:
         return x2.reshape(rows, nb, self.block), cols
 
     def _encode_blocks_ref(self, x):
+        if self.fmt == "int2":
+            return self._encode_int2_ref(x)
         levels = LEVELS[self.fmt]
         xb, cols = self._blocked(x)
         sbits = wire_kernels.bf16_up(np.abs(xb).max(axis=2, initial=0.0) / np.float32(levels))
@@ -267,6 +295,20 @@ class Codec:
         q = q.reshape(q.shape[0], q.shape[1] * self.block)[:, :cols].reshape(x.shape)
         codes = q if self.fmt == "int8" else pack_bits((q.reshape(-1) + 8).astype(np.uint8), 4)
         return {"": codes, SCALE: sbits}, self._dequant_blocks(q, scale, x.shape)
+
+    def _encode_int2_ref(self, x):
+        """int2, plainly: each block's scale absmax / 3 (its own values), q the nearest odd level."""
+        rows, cols = wire_kernels.rows_cols(x.shape)
+        x2 = x.reshape(rows, cols)
+        nb = -(-cols // self.block)
+        stat = np.zeros((rows, nb), np.float32)
+        for j in range(nb):
+            stat[:, j] = np.abs(x2[:, j * self.block:(j + 1) * self.block]).max(axis=1) / np.float32(3)
+        sbits = wire_kernels.bf16_up(stat)
+        scale = tensorio.bf16_to_f32(sbits)
+        q = _odd_grid(x2, np.repeat(scale, self.block, axis=1)[:, :cols])
+        codes = pack_bits(((q.reshape(-1) + 3) // 2).astype(np.uint8), 2)
+        return {"": codes, SCALE: sbits}, self._dequant_blocks(q.reshape(x.shape), scale, x.shape)
 
     def _dequant_blocks(self, q, scale, shape):
         rows, cols = wire_kernels.rows_cols(shape)
@@ -292,7 +334,7 @@ class Codec:
             sel = np.sort(np.argpartition(-np.abs(tail), kk - 1)[:kk]) if kk < tail.size else np.arange(tail.size)
             idx.append(sel)
             vals.append(tail[sel])
-        levels = (1 << (self.topk_bits - 1)) - 1
+        levels = 3 if self.topk_bits == 2 else (1 << (self.topk_bits - 1)) - 1
         pos = np.concatenate(idx) if idx else np.zeros(0, np.int64)
         v = np.concatenate([a.reshape(-1) for a in vals]) if vals else np.zeros(0, np.float32)
         owner = self._owners(n, m)
@@ -300,8 +342,12 @@ class Codec:
         np.maximum.at(amax, owner, np.abs(v))
         sbits = wire_kernels.bf16_up(amax / np.float32(levels))
         scale = tensorio.bf16_to_f32(sbits)
-        q = _grid(v, scale[owner], levels)
-        codes = pack_bits((q.astype(np.int16) + (levels + 1)).astype(np.uint32), self.topk_bits)
+        if self.topk_bits == 2:                          # int2's grid: the nearest odd level, code (q + 3) / 2
+            q = _odd_grid(v, scale[owner])
+            codes = pack_bits(((q + 3) // 2).astype(np.uint32), 2)
+        else:
+            q = _grid(v, scale[owner], levels)
+            codes = pack_bits((q.astype(np.int16) + (levels + 1)).astype(np.uint32), self.topk_bits)
         out = np.zeros(n, np.float32)
         out[owner * c + pos] = q.astype(np.float32) * scale[owner]
         return {"": codes, INDEX: pack_bits(pos, self.index_bits), SCALE: sbits}, out.reshape(x.shape)
@@ -315,7 +361,7 @@ class Codec:
 
     def decode(self, parts, shape, where="tensor", threads=None, out=None, reference=False):
         """{suffix: array} as read from the file -> float32 of `shape`; WireError if hostile.
-        int8/int4: on `threads` threads, into `out` (a float32 buffer of at least the
+        int8/int4/int2: on `threads` threads, into `out` (a float32 buffer of at least the
         tensor's size, reused: no page faults) if given; reference: the plain version."""
         shape, n = tuple(shape), math.prod(shape)
         if self.fmt == "topk":
@@ -323,8 +369,8 @@ class Codec:
         codes, sbits = parts[""], parts[SCALE]
         if not scales_ok(sbits):
             raise WireError(f"{where}: a scale is negative, NaN or Inf")
-        if self.fmt == "int4" and not padding_is_zero(codes, 4, n):
-            raise WireError(f"{where}: the padding nibble after the last value is not 0")
+        if self.fmt in ("int4", "int2") and not padding_is_zero(codes, wire_kernels.CODE_BITS[self.fmt], n):
+            raise WireError(f"{where}: the padding bits after the last value are not 0")
         if not reference:
             threads = wire_kernels.resolve_threads(threads)
             out, bad = wire_kernels.decode_blocks(self, codes, sbits, shape, threads, out)
@@ -332,7 +378,9 @@ class Codec:
                 raise WireError(f"{where}: {bad}")
             return out
         scale = tensorio.bf16_to_f32(sbits)
-        if self.fmt == "int8":
+        if self.fmt == "int2":
+            q = (unpack_bits(codes, 2, n).astype(np.int8) * np.int8(2) - np.int8(3)).reshape(shape)
+        elif self.fmt == "int8":
             q = codes.reshape(shape)
             if n and q.min() < -127:
                 raise WireError(f"{where}: code -128 is outside the symmetric int8 range [-127, 127]")
@@ -354,7 +402,9 @@ class Codec:
                 raise WireError(f"{where}{part}: the padding bits after the last value are not 0")
         levels = (1 << (vb - 1)) - 1
         codes = unpack_bits(parts[""], vb, m).astype(np.int32)
-        if m and codes.min() == 0:
+        if vb == 2:                                      # the int2 grid: q = 2 code - 3, every code a level
+            codes = codes * 2 - 3 + (levels + 1)
+        elif m and codes.min() == 0:
             raise WireError(f"{where}: top-k code 0 is outside the symmetric range")
         pos = unpack_bits(parts[INDEX], ib, m).astype(np.int64)
         owner = self._owners(n, m)
@@ -379,7 +429,7 @@ class WireWriter:
 
     f32 and bf16 write plain tensor files (no "wire" metadata); the others write the
     parts named in the module docstring. Atomic like tensorio.TensorWriter (which it uses).
-    threads: for the int8/int4 encode (None: $WIRE_THREADS, else every core)."""
+    threads: for the int8/int4/int2 encode (None: $WIRE_THREADS, else every core)."""
 
     def __init__(self, path, specs, codec, metadata=None, fsync=True, threads=None):
         self.codec = codec.validate()
@@ -425,7 +475,7 @@ class WireReader:
 
     The layout is checked when the file is opened; the values when each tensor is read.
     .names: the decoded tensors (file order), .shapes: {name: shape}, .codec: None for a
-    plain file, .path. threads: for the int8/int4 decode (None: $WIRE_THREADS, else every core)."""
+    plain file, .path. threads: for the int8/int4/int2 decode (None: $WIRE_THREADS, else every core)."""
 
     def __init__(self, path, threads=None):
         self.threads = wire_kernels.resolve_threads(threads)
@@ -650,7 +700,7 @@ if __name__ == "__main__":
     p.add_argument("file", help="delta file (safetensors layout, wire or plain)")
     p.add_argument("--check", action="store_true", help="also decode every tensor once (default: header only)")
     p.add_argument("--threads", type=int, default=None,
-                   help="threads of the int8/int4 decode (default: $WIRE_THREADS, else every core)")
+                   help="threads of the int8/int4/int2 decode (default: $WIRE_THREADS, else every core)")
     a = p.parse_args()
     try:
         describe(a.file, a.check, a.threads)

@@ -1,4 +1,4 @@
-"""wire_kernels.py - the fast path under wire.py: the int8/int4 block kernels in numpy, and the
+"""wire_kernels.py - the fast path under wire.py: the int8/int4/int2 block kernels in numpy, and the
 threads they and wire.py's streaming loops run on.
 
 Runs on: both ends, wherever wire.py runs: a site encodes, the central VM decodes, merges and
@@ -9,7 +9,7 @@ checks it bit for bit against the plain numpy reference kept in wire.py
 (Codec.encode/decode(reference=True)), and bench/wire_speed.py times both.
 
 The formats are wire.py's (its module docstring is their one statement); what is here is
-how their int8/int4 blocks are computed fast:
+how their int8/int4/int2 blocks are computed fast:
   - a tensor seen as X [R, C] (as_blocks): when its last dimension is a multiple of the
     block, X is [rows x blocks, block] (one scale per row of X, the flattened order
     unchanged, no padding); else X is [rows, cols] and each chunk is zero-padded to whole
@@ -68,10 +68,47 @@ def as_blocks(shape, block):
     return rows, cols, -(-cols // block)
 
 
+CODE_BITS = {"int8": 8, "int4": 4, "int2": 2}      # bits of one block code; int4/int2 are packed
+
+
 def row_unit(C, fmt):
-    """int4 packs two values a byte over the flattened tensor: a span must start on an
-    even value, so with an odd C it takes rows in pairs."""
-    return 2 if fmt == "int4" and C % 2 else 1
+    """int4 packs two values a byte over the flattened tensor, int2 four: a span must start
+    on a byte, so it takes rows in pairs (int4, odd C) or in fours (int2, C not a multiple of 4)."""
+    per_byte = 8 // CODE_BITS[fmt]
+    return per_byte // math.gcd(C, per_byte) if per_byte > 1 else 1
+
+
+def code_start(fmt, v):
+    """The index into a tensor's codes of value v (int4/int2: a byte of the packed codes;
+    v on a byte boundary; int8: the value itself)."""
+    return v * CODE_BITS[fmt] // 8
+
+
+# ---------------------------------------------------------------- int2's scale (wire.py's docstring: the rule)
+
+def int2_scale_bits(x2, block):
+    """x as [r, C] (rows of whole blocks, the row's last block maybe short) -> bf16 scale
+    bits [r, nb]: each block's largest magnitude / 3, rounded UP (NaN if the block holds one)."""
+    r, C = x2.shape
+    nfull, tail = divmod(C, block)
+    mag = np.abs(x2)
+    parts = []
+    if nfull:
+        parts.append(mag[:, :nfull * block].reshape(r, nfull, block).max(axis=2))
+    if tail:
+        parts.append(mag[:, nfull * block:].max(axis=1, keepdims=True))
+    amax = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0] if parts else np.zeros((r, 0), np.float32)
+    return bf16_up(amax / np.float32(3))
+
+
+def int2_grid(t):
+    """t = x / scale (float32) -> q, the nearest odd level in {-3, -1, 1, 3} (a tie, t even,
+    goes up): 2 floor(t / 2) + 1, clipped. Every step is exact in float32."""
+    q = np.floor(t * np.float32(0.5))
+    q *= np.float32(2)
+    q += np.float32(1)
+    np.clip(q, -3, 3, out=q)
+    return q
 
 
 # ---------------------------------------------------------------- threads
@@ -197,12 +234,14 @@ class Pipeline:
 
 # ---------------------------------------------------------------- the block kernels (int8, int4)
 #
-# The fast path of wire.Codec's int8/int4 encode and decode: the same float32 operations as
+# The fast path of wire.Codec's int8/int4/int2 encode and decode: the same float32 operations as
 # its reference (Codec._encode_blocks_ref, and decode(reference=True)), done CHUNK values at
 # a time in reused buffers, on threads, over X [R, C] as as_blocks() sees the tensor.
 
 def encode_span(X, a, b, codec, codes, sbits, sent):
     """Rows [a, b) of X -> their codes, scales (BF16 bits, [R, nb]) and decoded values."""
+    if codec.fmt == "int2":
+        return encode2_span(X, a, b, codec, codes, sbits, sent)
     block, fmt, levels = codec.block, codec.fmt, codec.levels
     C, nb = X.shape[1], sbits.shape[1]
     W, unit = nb * block, row_unit(C, fmt)
@@ -255,6 +294,51 @@ def encode_span(X, a, b, codec, codes, sbits, sent):
     # (an overflowing product is Inf, as in the reference: the receiver's finiteness check refuses it)
 
 
+def encode2_span(X, a, b, codec, codes, sbits, sent):
+    """int2: rows [a, b) of X -> packed codes (from value a x C, a byte boundary: row_unit),
+    scales and decoded values; the same float32 operations as wire.Codec's reference."""
+    block, C, nb = codec.block, X.shape[1], sbits.shape[1]
+    unit = row_unit(C, "int2")
+    step = max(unit, CHUNK // max(C, 1) // unit * unit)
+    for r0 in range(a, b, step):
+        r1 = min(r0 + step, b)
+        x = X[r0:r1]
+        bits = int2_scale_bits(x, block)
+        sbits[r0:r1] = bits
+        per = np.repeat(tensorio.bf16_to_f32(bits), block, axis=1)[:, :C]
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):    # beyond 3s: clipped below
+            t = np.divide(x, per)                    # IEEE division, as the reference's x / scale
+        t[np.broadcast_to(per == 0, t.shape)] = 0    # a zero block: q = 1, and 1 x 0 = +0.0
+        q = int2_grid(t)
+        pack2_rows(((q + np.float32(3)) * np.float32(0.5)).astype(np.uint8), r0 * C, codes)
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.multiply(q, per, out=sent[r0:r1])
+
+
+def pack2_rows(u8, start, packed):
+    """Codes (uint8 < 4) of values start.. (start a multiple of 4) into packed[start // 4 ..]:
+    value 4i + j at bits 2j of byte i; the tensor's last byte's unused high bits 0."""
+    flat = np.ascontiguousarray(u8).reshape(-1)
+    whole = flat.size // 4 * 4
+    v = flat[:whole].reshape(-1, 4)
+    out = packed[start // 4:start // 4 + whole // 4]
+    np.copyto(out, v[:, 0])
+    for j in (1, 2, 3):
+        out |= v[:, j] << np.uint8(2 * j)
+    if whole < flat.size:                            # the tensor's last values
+        tail = flat[whole:]
+        packed[(start + whole) // 4] = sum(int(c) << (2 * j) for j, c in enumerate(tail))
+
+
+def unpack2(packed, count):
+    """The inverse of pack2_rows: `count` codes (uint8 < 4) from packed bytes."""
+    out = np.empty((packed.size, 4), np.uint8)
+    for j in range(4):
+        np.right_shift(packed, np.uint8(2 * j), out=out[:, j])
+    out &= np.uint8(3)
+    return out.reshape(-1)[:count]
+
+
 def pack4_rows(u8, start, packed):
     """Codes (uint8 < 16, [r, C]) of values start.. into packed[start // 2 ..]: each pair is
     one little-endian uint16 (lo, hi), so lo | hi << 4 is (v | v >> 4) & 0xFF."""
@@ -274,6 +358,16 @@ def decode_span(codes, scale, a, b, C, codec, out, bad):
     block, fmt, nb = codec.block, codec.fmt, scale.shape[1]
     W, unit = nb * block, row_unit(C, fmt)
     step = max(unit, CHUNK // W // unit * unit)
+    if fmt == "int2":                                # every code 0..3 is a level: nothing to refuse
+        for r0 in range(a, b, step):
+            r1 = min(r0 + step, b)
+            cnt = (r1 - r0) * C
+            q = unpack2(codes[r0 * C // 4:(r0 * C + cnt + 3) // 4], cnt).astype(np.float32)
+            q *= np.float32(2)
+            q -= np.float32(3)                       # q = 2 code - 3: -3, -1, 1, 3
+            with np.errstate(over="ignore"):
+                np.multiply(q.reshape(r1 - r0, C), np.repeat(scale[r0:r1], block, axis=1)[:, :C], out=out[r0:r1])
+        return
     if fmt == "int4":
         v = np.empty(-(-step * C // 2), np.uint16)
         t = np.empty_like(v)
@@ -309,14 +403,14 @@ def decode_span(codes, scale, a, b, C, codec, out, bad):
 
 
 def encode_blocks(codec, x, threads=1):
-    """int8/int4, the fast path: x (float32) -> (codes, scale bits [rows, nb], decoded x)."""
+    """int8/int4/int2, the fast path: x (float32) -> (codes, scale bits [rows, nb], decoded x)."""
     block, fmt = codec.block, codec.fmt
     rows, cols = rows_cols(x.shape)
     R, C, nb = as_blocks(x.shape, block)
     X = x.reshape(R, C)
     sbits = np.empty((R, nb), np.uint16)
     sent = np.empty(x.shape, np.float32)
-    codes = np.empty(x.shape, np.int8) if fmt == "int8" else np.empty(packed_bytes(x.size, 4), np.uint8)
+    codes = np.empty(x.shape, np.int8) if fmt == "int8" else np.empty(packed_bytes(x.size, CODE_BITS[fmt]), np.uint8)
     cview = codes.reshape(R, C) if fmt == "int8" else codes
     run_spans(lambda a, b: encode_span(X, a, b, codec, cview, sbits, sent.reshape(R, C)),
               R, row_unit(C, fmt), C, threads)
@@ -324,7 +418,7 @@ def encode_blocks(codec, x, threads=1):
 
 
 def decode_blocks(codec, codes, sbits, shape, threads=1, out=None):
-    """int8/int4, the fast path: parts as read (their scales and padding already checked,
+    """int8/int4/int2, the fast path: parts as read (their scales and padding already checked,
     as wire.Codec.decode does) -> (float32 of `shape`, into `out` if given; None, or why a
     code is out of range: the caller raises)."""
     block, fmt, n = codec.block, codec.fmt, math.prod(shape)

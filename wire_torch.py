@@ -1,4 +1,4 @@
-"""wire_torch.py - wire.py's int8/int4 codec in torch, on the device: a site encodes its
+"""wire_torch.py - wire.py's int8/int4/int2 codec in torch, on the device: a site encodes its
 delta and applies a downloaded update where the tensors already are.
 
 Runs on: a site (train.py's side; imported only there: wire.py stays numpy-only and
@@ -10,9 +10,11 @@ The formats are wire.py's (its module docstring is their one statement): per blo
 --wire-block values along the last dimension, scale = bf16 rounded UP of absmax / L
 (L = 127, 7), q = rint(x / scale) (0 in a zero-scale block), value = q x scale, all in
 float32; int4 codes q + 8, two a byte over the flattened tensor, element 2i in the low
-nibble. Every step is one IEEE operation (a division, a round half to even, a multiply,
-integer bit shifts), so torch on the CPU or a GPU and numpy produce the same bits
-(no fused multiply-add: each product is rounded before it is added).
+nibble. int2: scale = bf16 rounded UP of absmax / 3, q = the nearest odd level
+2 floor(x / 2s) + 1 clipped to [-3, 3], codes (q + 3) / 2 four a byte. Every step
+is one IEEE operation (a division, a round half to even or a floor, a multiply, integer
+bit shifts), so torch on the CPU or a GPU and numpy produce the same bits (no fused
+multiply-add: each product is rounded before it is added).
 
     parts, sent = wire_torch.encode(codec, x)          # x float32 on any device
     wire_writer.write_parts(name, wire_torch.to_numpy(parts))   # the bytes wire.WireWriter writes
@@ -21,21 +23,23 @@ integer bit shifts), so torch on the CPU or a GPU and numpy produce the same bit
 A sharded tensor (FSDP2 shards along dim 0) encodes shard by shard with the same result
 as the whole tensor, provided it has two or more dimensions (the blocks run along the last
 one, so a dim-0 shard holds whole blocks; a 1-D tensor's blocks cross the shard boundary),
-and for int4 each shard but the one that ends the tensor holds an even number of values
-(the packing pairs values across a shard boundary otherwise): shard_ok(). decode_rows() decodes the rows of one shard from
-the whole tensor's parts (shard_wire.py: a site adds an update to each rank's rows).
+and for int4 (int2) each shard but the one that ends the tensor holds an even number of
+values (a multiple of 4: the packing joins values across a shard boundary otherwise):
+shard_ok(). decode_rows() decodes the rows of one shard from the whole tensor's parts
+(shard_wire.py: a site adds an update to each rank's rows).
 """
 import math
 
 import torch
 
-LEVELS = {"int8": 127, "int4": 7}
+LEVELS = {"int8": 127, "int4": 7, "int2": 3}
+CODE_BITS = {"int8": 8, "int4": 4, "int2": 2}     # wire_kernels.CODE_BITS
 SCALE = "#scale"
 
 
 def _check(codec):
     if codec.fmt not in LEVELS:
-        raise ValueError(f"wire_torch encodes int8 and int4; --wire {codec.fmt} goes through wire.py (numpy)")
+        raise ValueError(f"wire_torch encodes int8, int4 and int2; --wire {codec.fmt} goes through wire.py (numpy)")
 
 
 def as_blocks(shape, block):
@@ -70,7 +74,7 @@ def encode(codec, x, chunk=None):
     """float32 tensor -> ({"": codes, "#scale": int16 scale bits [rows, nb]}, the decoded
     values, float32 of x's shape), on x's device, the bits of wire.Codec.encode.
     chunk: values per pass (default CPU_CHUNK on a CPU, the whole tensor elsewhere); every
-    pass takes whole blocks and, but for the last, an even number of values (int4 pairs)."""
+    pass takes whole blocks and whole rows in fours (the int4/int2 packed bytes never straddle two passes)."""
     _check(codec)
     x = x.detach().to(torch.float32).contiguous()
     shape = tuple(x.shape)
@@ -79,7 +83,7 @@ def encode(codec, x, chunk=None):
     R, C, nb = as_blocks(shape, codec.block)
     X = x.reshape(R, C)
     chunk = chunk or (CPU_CHUNK if x.device.type == "cpu" else None)
-    step = max(R, 1) if not chunk or not C else max(2, chunk // C // 2 * 2)
+    step = max(R, 1) if not chunk or not C else max(4, chunk // C // 4 * 4)
     pieces = [_encode_rows(codec, X[a:a + step], nb) for a in range(0, R, step)] or [_encode_rows(codec, X, nb)]
     codes, bits, sent = (torch.cat(t) if len(pieces) > 1 else t[0] for t in zip(*pieces))
     if codec.fmt == "int8":
@@ -93,6 +97,8 @@ def _encode_rows(codec, X, nb):
     values, flat)."""
     levels, block = LEVELS[codec.fmt], codec.block
     r, C = X.shape
+    if codec.fmt == "int2":
+        return _encode2_rows(codec, X, nb)
     if nb * block != C:
         X = torch.nn.functional.pad(X, (0, nb * block - C))
     xb = X.reshape(r, nb, block)
@@ -110,6 +116,42 @@ def _encode_rows(codec, X, nb):
         codes = q.to(torch.int8).reshape(r, nb * block)[:, :C].reshape(-1)
     sent = (q * scale).reshape(r, nb * block)[:, :C].reshape(-1)
     return codes, bits, sent
+
+
+def int2_bits(X, block):
+    """wire_kernels.int2_scale_bits: bf16 scale bits (int32) [r, nb] of X [r, C], each block's
+    (a short last block's too) largest magnitude / 3, rounded UP."""
+    r, C = X.shape
+    nfull, tail = divmod(C, block)
+    mag = X.abs()
+    parts = ([mag[:, :nfull * block].reshape(r, nfull, block).amax(dim=2)] if nfull else []) + \
+            ([mag[:, nfull * block:].amax(dim=1, keepdim=True)] if tail else [])
+    amax = torch.cat(parts, dim=1) if parts else X.new_zeros((r, 0))
+    return bf16_up(amax / 3)
+
+
+def _encode2_rows(codec, X, nb):
+    """int2: rows X [r, C] -> (codes packed four a byte, scale bits [r, nb], decoded values), flat."""
+    r, C = X.shape
+    bits = int2_bits(X, codec.block)
+    per = bits_to_f32(bits).repeat_interleave(codec.block, dim=1)[:, :C]
+    t = torch.where(per == 0, torch.zeros((), dtype=X.dtype, device=X.device), X / per)
+    q = (torch.floor(t * 0.5) * 2 + 1).clamp_(-3, 3)       # the nearest odd level; exact in float32
+    codes = pack2(((q + 3) * 0.5).to(torch.uint8).reshape(-1))
+    return codes, bits, (q * per).reshape(-1)
+
+
+def pack2(c):
+    """uint8 codes < 4 -> bytes: value 4i + j at bits 2j of byte i (a last byte's unused bits 0)."""
+    if c.numel() % 4:
+        c = torch.cat([c, c.new_zeros(4 - c.numel() % 4)])
+    c = c.reshape(-1, 4)
+    return c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)
+
+
+def unpack2(packed, count):
+    out = torch.stack([(packed >> (2 * j)) & 3 for j in range(4)], dim=1)
+    return out.reshape(-1)[:count]
 
 
 def pack4(c):
@@ -135,6 +177,8 @@ def decode(codec, codes, sbits, shape):
     shape = tuple(shape)
     if codec.fmt == "int4":
         q = unpack4(codes.reshape(-1), math.prod(shape)).to(torch.float32) - 8
+    elif codec.fmt == "int2":
+        q = unpack2(codes.reshape(-1), math.prod(shape)).to(torch.float32) * 2 - 3
     else:
         q = codes.reshape(-1).to(torch.float32)
     return _values(codec, q, sbits, shape)
@@ -173,6 +217,9 @@ def decode_rows(codec, codes, sbits, shape, start, stop):
     if codec.fmt == "int4":
         packed = codes.reshape(-1)[v0 // 2:(v1 + 1) // 2]
         q = unpack4(packed, packed.numel() * 2)[v0 % 2:v0 % 2 + v1 - v0].to(torch.float32) - 8
+    elif codec.fmt == "int2":
+        packed = codes.reshape(-1)[v0 // 4:(v1 + 3) // 4]
+        q = unpack2(packed, packed.numel() * 4)[v0 % 4:v0 % 4 + v1 - v0].to(torch.float32) * 2 - 3
     else:
         q = codes.reshape(-1)[v0:v1].to(torch.float32)
     return _values(codec, q, sb, local)
@@ -187,12 +234,12 @@ def apply_(theta, codec, codes, sbits):
 def shard_ok(codec, shard_shape, full_shape, last=False):
     """True if a dim-0 shard of a tensor encodes to exactly its part of the whole tensor's parts:
     two or more dimensions (a 1-D tensor's blocks run along dim 0, across the shards), the
-    shard's rows whole, and for int4 an even number of values (an empty shard is fine) -
-    or any number for the shard that ends the tensor (last): its odd last nibble pads the
-    whole tensor's last byte too."""
+    shard's rows whole, and for int4 an even number of values, for int2 a multiple of 4 (an
+    empty shard is fine) - or any number for the shard that ends the tensor (last): its last
+    codes pad the whole tensor's last byte too."""
     if len(full_shape) < 2 or len(shard_shape) != len(full_shape) or tuple(shard_shape[1:]) != tuple(full_shape[1:]):
         return False
-    return codec.fmt != "int4" or last or math.prod(shard_shape) % 2 == 0
+    return last or math.prod(shard_shape) % (8 // CODE_BITS[codec.fmt]) == 0
 
 
 def to_numpy(parts):

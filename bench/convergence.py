@@ -31,7 +31,6 @@ runs out (the last) is weighted by its tokens alone. Target: (c) within 1% of (b
 """
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -42,6 +41,7 @@ sys.path.insert(0, ROOT)                           # bench/ imports the reposito
 
 import audit                                       # noqa: E402  (after the path line above)
 import durable                                     # noqa: E402
+import fedmom_client                               # noqa: E402
 import harness                                     # noqa: E402
 from outer_defaults import OUTER_LR, OUTER_MOMENTUM  # noqa: E402
 
@@ -155,11 +155,13 @@ def federated(cfg, arm, ctx, launcher, site_args=(), outer=None, fed_args=()):
             raise RuntimeError(f"{arm}: site {p.name} {'timed out' if done is None else f'failed (exit {p.poll()})'}; "
                                f"see {p.log_path}:\n  " + "\n  ".join(p.tail()))
     harness.wait_for(lambda: (harness.get_json(svc.fedmom, "/status", svc.token) or {}).get("pending_commits") == 0, 60)
+    # the final theta_global as the aggregator serves it (its state dir keeps segments and
+    # per-round files, not one theta file to read)
+    theta = os.path.join(arm_dir, "theta-final.safetensors")
+    fedmom_client.FedMomClient(svc.fedmom, "bench", "bench-final", svc.token).download_theta(theta)
     for p in svc.procs.values():
         p.stop(20)
     state = os.path.join(svc.state_dir, "fedmom")
-    with open(os.path.join(state, "state.json")) as f:
-        theta = os.path.join(state, json.load(f)["theta"])
     records = durable.read_jsonl(os.path.join(state, "rounds.jsonl"))
     coverage = audit.audit(svc.state_dir, manifest=ctx["manifest"]).ok
     site_evals = [final_eval(os.path.join(arm_dir, "sites", n)) for n in ("alpha", "beta")]

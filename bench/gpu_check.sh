@@ -19,7 +19,7 @@
 #   staging       pinned host->device copies (train_step.HostToDevice) equal plain copies, 16 batches
 #   diloco-cpu    DiLoCo's outer step with theta in pinned host memory equals the on-device one
 #                 (within 8 ulp: FMA contraction may differ between the CPU's and GPU's kernels)
-#   wire-torch    wire_torch.py's int8/int4 encode and apply on the device == wire.py's numpy, bit for bit
+#   wire-torch    wire_torch.py's int8/int4/int2 encode and apply on the device == wire.py's numpy, bit for bit
 #   encode-on     fedphase.FedMomCarrier(encode_on="device"), train.py --encode-on device's path, on whole
 #                 tensors (DDP) and on FSDP2 shards (one rank: shard_wire's per-shard encode): three int4
 #                 rounds with error feedback give the host path's delta file and residual, bit for bit,
@@ -188,7 +188,8 @@ import sys, time, numpy as np, torch, dist_env, wire, wire_torch
 d = dist_env.init_distributed(sys.argv[1])
 rng, cases, t_dev = np.random.default_rng(0), 0, 0.0
 shapes = [(7, 301), (2, 9001), (3, 129), (1, 127), (), (0, 4), (3072, 1024), (4099, 257)]
-for codec in (wire.Codec("int4"), wire.Codec("int8"), wire.Codec("int4", block=65)):
+for codec in (wire.Codec("int4"), wire.Codec("int8"), wire.Codec("int4", block=65), wire.Codec("int2"),
+              wire.Codec("int2", block=65)):
     for shape in shapes:
         x = rng.standard_normal(shape).astype(np.float32)
         x.reshape(-1)[::5] *= np.float32(1e-40)                       # subnormals

@@ -4,7 +4,7 @@ error, and the held-out loss of a short CPU federation relative to the uncompres
 measured in the same run.
 
 Runs on: this machine's CPU (two 1-rank sites at a time), from the repository root:
-    .venv/bin/python bench/wire_formats.py                     # 25 runs on ~1 MB of corpus, ~32 minutes here
+    .venv/bin/python bench/wire_formats.py                     # 28 runs on ~1 MB of corpus, ~36 minutes here
     .venv/bin/python bench/wire_formats.py --arms f32,int4 --no-sweep --no-ddp     # 2 runs
     .venv/bin/python bench/wire_formats.py --corpus-mb 4.2     # bench/convergence.py's full size (~4x longer)
 It prints its estimated time first, one line per arm as it finishes, then the table.
@@ -34,6 +34,11 @@ held-out loss function on FedMom's final theta. Only the sites' --wire flags dif
                  arrives (FEDERATION_GUIDE.md section 4, "Overlap")
     f32-overlap-end, int4-both-overlap-end
                  the same with --overlap-fold end: the fold waits for the end of that phase
+    int2         2-bit codes, levels {-3, -1, 1, 3} x a block scale (--wire-block 128), error feedback on
+    int2-both    int2 up, and theta down as int2 updates (--down-wire int2)
+    sparseloco   SparseLoCo's compression up: topk, 128 of every 4096 values, 2-bit values
+                 (--wire-topk-bits 2), the residual decayed by 0.95 before each selection
+                 (--wire-feedback-decay 0.95); int4 down
 Figures, per arm:
     up B/param   the delta files the sites uploaded (train.py's "wire_bytes" row field, the
                  file's size), per parameter, mean over both sites' rounds
@@ -73,6 +78,9 @@ import harness                                     # noqa: E402
 import tensorio                                    # noqa: E402
 import wire                                        # noqa: E402
 
+# SparseLoCo's settings (FEDERATION_GUIDE.md section 4, "Wire formats and error feedback"):
+# chunks of 4096 (their 64 x 64 tiles), k kept per chunk, 2-bit values, the residual decayed by beta
+SPARSELOCO = (4096, 128, 0.95)
 # arm -> (train.py flags of both sites, the codec that makes them, for the error column,
 # fedmom_server.py flags)
 ARMS = {"f32": ([], wire.Codec("f32"), []),
@@ -90,7 +98,13 @@ ARMS = {"f32": ([], wire.Codec("f32"), []),
         "int4-both-overlap": (["--wire", "int4", "--overlap"], wire.Codec("int4"), ["--down-wire", "int4"]),
         "f32-overlap-end": (["--overlap", "--overlap-fold", "end"], wire.Codec("f32"), []),
         "int4-both-overlap-end": (["--wire", "int4", "--overlap", "--overlap-fold", "end"], wire.Codec("int4"),
-                                  ["--down-wire", "int4"])}
+                                  ["--down-wire", "int4"]),
+        "int2": (["--wire", "int2"], wire.Codec("int2"), []),
+        "int2-both": (["--wire", "int2"], wire.Codec("int2"), ["--down-wire", "int2"]),
+        "sparseloco": (["--wire", "topk", "--wire-topk-bits", "2", "--wire-topk-chunk", str(SPARSELOCO[0]),
+                        "--wire-topk-k", str(SPARSELOCO[1]), "--wire-feedback-decay", str(SPARSELOCO[2])],
+                       wire.Codec("topk", topk_chunk=SPARSELOCO[0], topk_k=SPARSELOCO[1], topk_bits=2),
+                       ["--down-wire", "int4"])}
 SWEEP_LR, SWEEP_MU = (0.4, 0.7, 1.0), (0.0, 0.5, 0.9)
 TARGETS = {"int4": (0.5, 1.005), "int4-both": (0.5, 1.005), "topk": (0.1, 1.01), "topk-both": (0.1, 1.01)}
 OVERLAP_TARGET = (0.95, 1.01)      # -overlap arms: utilisation at least, held-out ratio to f32 at most

@@ -43,6 +43,7 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
     --export-init's names.
 """
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -132,7 +133,9 @@ class FlagsTest(unittest.TestCase):
         for extra, flag in ((["--diloco-replicas", "2"], "--replica"), (["--site", "a b"], "--site"),
                             (["--transport", "blob"], "--blob-url"), (["--model", "resnet18"], "qwen3"),
                             (["--wire", "int4", "--wire-block", "512"], "--wire-block 512"),
-                            (["--wire", "topk", "--wire-topk-k", "5000"], "--wire-topk-k 5000")):
+                            (["--wire", "topk", "--wire-topk-k", "5000"], "--wire-topk-k 5000"),
+                            (["--wire", "topk", "--wire-feedback-decay", "0"], "--wire-feedback-decay 0"),
+                            (["--wire", "int2", "--wire-feedback-decay", "1.5"], "--wire-feedback-decay 1.5")):
             with self.subTest(extra=extra), self.assertRaises(train.ConfigError) as e:
                 self.cfg("--site", "lumi", *extra).validate()
             self.assertIn(flag, str(e.exception))
@@ -157,6 +160,7 @@ class FlagsTest(unittest.TestCase):
         # auto: wire_torch on the training device for int8/int4 on a GPU (ROCm is "cuda" to
         # torch), the numpy reference otherwise; on the CPU, auto is the host
         for wire, accel, want in (("int4", "cpu", "host"), ("int8", "cpu", "host"), ("int4", "cuda", "device"),
+                                  ("int2", "cuda", "device"), ("int2", "cpu", "host"),
                                   ("int8", "rocm", "device"), ("f32", "cuda", "host"), ("bf16", "rocm", "host"),
                                   ("topk", "cuda", "host")):
             with self.subTest(wire=wire, accel=accel):
@@ -168,10 +172,11 @@ class FlagsTest(unittest.TestCase):
             cfg = self.cfg("--site", "lumi", "--wire", "int4", "--encode-on", given, accel=accel)
             cfg.validate()
             self.assertEqual(cfg.encode_on, given)
-        for wire in ("f32", "bf16", "topk"):             # wire_torch encodes int8 and int4 only
+        for wire in ("f32", "bf16", "topk"):             # wire_torch encodes int8, int4 and int2 only
             with self.subTest(wire=wire), self.assertRaises(train.ConfigError) as e:
                 self.cfg("--site", "lumi", "--wire", wire, "--encode-on", "device").validate()
-            self.assertIn(f"--encode-on device encodes int8 and int4 (wire_torch.py); --wire {wire}", str(e.exception))
+            self.assertIn(f"--encode-on device encodes int8, int4 and int2 (wire_torch.py); --wire {wire}",
+                          str(e.exception))
         local = ["--model", "qwen3-tiny", "--data", "x/manifest.json"]
         for given in ("device", "host"):                 # no --federation: no delta is encoded
             with self.subTest(given=given), self.assertRaises(train.ConfigError) as e:
@@ -182,7 +187,7 @@ class FlagsTest(unittest.TestCase):
         self.assertEqual(cfg.encode_on, "auto", "inside one allocation auto stays auto: nothing is encoded")
         with tempfile.TemporaryDirectory() as d:         # from --config too, checked like the flag
             durable.write_text(os.path.join(d, "c.yaml"), "encode_on: device\n", fsync=False)
-            with self.assertRaisesRegex(train.ConfigError, "--encode-on device encodes int8 and int4"):
+            with self.assertRaisesRegex(train.ConfigError, "--encode-on device encodes int8, int4 and int2"):
                 self.cfg("--site", "lumi", "--config", os.path.join(d, "c.yaml")).validate()
             durable.write_text(os.path.join(d, "c.yaml"), "encode_on: gpu\n", fsync=False)
             with self.assertRaisesRegex(train.ConfigError, "'gpu' is not one of host, device, auto \\(--encode-on\\)"):
@@ -249,13 +254,14 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
                     float((torch.from_numpy(r.read(n, as_float32=True)) - full[n]).abs().max()) for n in names)
             report[f"{label}_scatter_max_err"] = max(float((after[n] - known[n]).abs().max()) for n in names)
             report[f"{label}_uneven"] = any(p.shape[0] % 2 for p in params)
-        # the same deltas in int4 with error feedback, encoded on the host (numpy) and on the
-        # device (wire_torch, each rank its own rows): the same delta file and the same residual
+        # the same deltas in int4 with error feedback, and in int2 with a decayed one
+        # (--wire-feedback-decay 0.95), encoded on the host (numpy) and on the device
+        # (wire_torch, each rank its own rows): the same delta file and the same residual
         # (rank 0's file, or every rank's rows), two rounds (the second carries what is owed)
         files = {}
-        for where in ("host", "device"):
-            wd = os.path.join(out_dir, f"{label}-{where}")
-            c = fedphase.FedMomCarrier(None, wd, "int4", fresh=True, encode_on=where)
+        for (fmt, decay), where in itertools.product((("int4", 1.0), ("int2", 0.95)), ("host", "device")):
+            wd = os.path.join(out_dir, f"{label}-{fmt}-{where}")
+            c = fedphase.FedMomCarrier(None, wd, fmt, fresh=True, encode_on=where, feedback_decay=decay)
             for rnd in (0, 1):
                 c.round = rnd
                 c.write_delta(names, params, [x * (rnd + 1) for x in deltas])
@@ -273,13 +279,13 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
                                     else:
                                         res.setdefault(n, np.zeros(whole.shape, np.float32))[slice(*rows[n])] = a
                     with open(c.delta_path, "rb") as f:
-                        files[(where, rnd)] = (f.read(), {n: res[n].tobytes() for n in names})
+                        files[(fmt, where, rnd)] = (f.read(), {n: res[n].tobytes() for n in names})
                 dist.barrier()
                 if c.residual is not None:
                     c.residual.settle(rnd, rnd + 1, "")
         if d.rank == 0:
             report[f"{label}_device_encode_same_files"] = all(
-                files[("host", rnd)] == files[("device", rnd)] for rnd in (0, 1))
+                files[(fmt, "host", rnd)] == files[(fmt, "device", rnd)] for fmt in ("int4", "int2") for rnd in (0, 1))
 
     # 2. a stale delta: the round moves on between our download and our send
     cfg = train.parse_config(["--model", "qwen3-tiny", "--data", manifest, "--federation", fedmom_url,

@@ -874,6 +874,51 @@ class DownstreamTest(FedMomFixture):
                           and not f.endswith(("-5.safetensors", "-4.safetensors"))], "files of older rounds are left")
         self.assertFalse(os.path.exists(os.path.join(self.dir, "a", "theta-update.safetensors")))
 
+    def test_int2_deltas_up_and_int2_updates_down(self):
+        # two sites send int2 deltas (train.py --wire int2) to a server with --down-wire int2:
+        # the server merges their decoded values, and a site holding round r adds the int2
+        # update of r+1 to the server's theta bit for bit, at ~0.27 B/param each way
+        import wire
+        self.said = []
+        sd = os.path.join(self.dir, "st")
+        proc, url = self.start(sd, "--init", self.init, "--down-wire", "int2", "--outer-lr", "1", "--outer-momentum", "0")
+        for c in ("a", "b"):
+            fedmom_client.FedMomClient(url, c, f"{c}-inc").join()
+        a_path = os.path.join(self.dir, "a", "theta.safetensors")
+        os.makedirs(os.path.dirname(a_path))
+        a = self.site(url, "a")
+        self.assertEqual(a._fetch(a_path), 0)
+        n = sum(int(np.prod(s)) for s in SHAPES.values())
+        codec = wire.Codec("int2")
+        for rnd in range(2):
+            before = self.bits(a_path)
+            sent = {}
+            for c, tok in (("a", 10), ("b", 30)):
+                path = os.path.join(self.dir, f"{c}-{rnd}.safetensors")
+                with wire.WireWriter(path, list(SHAPES.items()), codec, {"base_round": str(rnd)}) as w:
+                    sent[c] = {k: w.write(k, (0.01 * self.rng.standard_normal(s)).astype(np.float32))
+                               for k, s in SHAPES.items()}
+                self.assertLess(os.path.getsize(path) / n, 0.3)
+                fedmom_client.FedMomClient(url, c, f"{c}-inc").send_delta(path, rnd, tok, [], {})
+            self.assertEqual(fedmom_client.FedMomClient(url, "a", "a-inc").wait_round_after(rnd, timeout_s=120),
+                             rnd + 1)
+            self.assertEqual(a._fetch(a_path), rnd + 1)
+            self.assertEqual(a.down["via"], "update", self.said)
+            self.assert_holds_server_theta(sd, a_path, rnd + 1)
+            self.assertLess(a.down["bytes"] / n, 0.3)
+            # the merge (FedAvg, tokens 10 : 30) of the decoded deltas, then int2 on the way down:
+            # theta moved by that merge to within the update's error (what it owes)
+            with tensorio.TensorReader(a_path) as r:
+                for k in SHAPES:
+                    step = r.read(k).view(np.float32) - before[k].view(np.float32)
+                    merged = 0.25 * sent["a"][k] + 0.75 * sent["b"][k]
+                    rel = np.linalg.norm(step - merged) / np.linalg.norm(merged)
+                    self.assertLess(rel, 0.75 if rnd == 0 else 1.2, k)
+        rec = durable.read_jsonl(os.path.join(sd, "rounds.jsonl"))[-1]
+        self.assertEqual(rec["down_wire"], "int2")
+        proc.terminate()
+        proc.wait(timeout=30)
+
 
 class HostileDeltaTest(FedMomFixture):
     """Finite deltas that would wreck theta_global, and members that must not stall a round."""

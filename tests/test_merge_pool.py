@@ -51,14 +51,15 @@ class Case(unittest.TestCase):
         arrays = {n: (0.01 * rng.standard_normal(s)).astype(np.float32) for n, s in SHAPES.items()}
         path = os.path.join(self.dir, f"d{rnd}-{i}-{fmt}.safetensors")
         codec = {"int4": wire.Codec("int4"), "int8": wire.Codec("int8", block=64), "topk": wire.Codec("topk"),
-                 "bf16": wire.Codec("bf16"), "f32": wire.Codec("f32")}[fmt]
+                 "bf16": wire.Codec("bf16"), "f32": wire.Codec("f32"), "int2": wire.Codec("int2")}[fmt]
         with wire.WireWriter(path, list(SHAPES.items()), codec, {}, fsync=False, threads=1) as w:
             for n, a in arrays.items():
                 w.write(n, a)
         return path
 
     def step(self, rnd, codec, mu=0.9, fresh=None):
-        ds = [(self.delta(rnd, 0, "int4"), 0.5), (self.delta(rnd, 1, "int8"), 0.3), (self.delta(rnd, 2, "bf16"), 0.2)]
+        ds = [(self.delta(rnd, 0, "int4"), 0.4), (self.delta(rnd, 1, "int8"), 0.3), (self.delta(rnd, 2, "bf16"), 0.2),
+              (self.delta(rnd, 3, "int2"), 0.1)]
         return outer_state.Step(rnd, ds, 0.7, mu, rnd == 1 if fresh is None else fresh, codec)
 
     def assert_same(self, a, b, what):
@@ -75,7 +76,7 @@ class Case(unittest.TestCase):
 class BitsTest(Case):
     def test_a_round_on_workers_is_the_round_in_one_thread_bit_for_bit(self):
         pool = self.pool(3)
-        for codec in (wire.Codec("int4"), wire.Codec("int8", block=64), None, wire.Codec("topk")):
+        for codec in (wire.Codec("int4"), wire.Codec("int8", block=64), None, wire.Codec("topk"), wire.Codec("int2")):
             for mu in (0.9, 0.0):
                 what = f"down {codec and codec.fmt}, momentum {mu}"
                 one = outer_state.OuterState(SHAPES, {n: a.copy() for n, a in self.theta.items()})

@@ -40,8 +40,9 @@ def sample(rng):
 
 
 CODECS = [wire.Codec(f) for f in wire.FORMATS] + [
-    wire.Codec("int8", block=64), wire.Codec("int4", block=256),
-    wire.Codec("topk", topk_chunk=100, topk_k=7, topk_bits=8), wire.Codec("topk", topk_chunk=4096, topk_k=4096)]
+    wire.Codec("int8", block=64), wire.Codec("int4", block=256), wire.Codec("int2", block=64),
+    wire.Codec("topk", topk_chunk=100, topk_k=7, topk_bits=8), wire.Codec("topk", topk_chunk=4096, topk_k=4096),
+    wire.Codec("topk", topk_chunk=100, topk_k=7, topk_bits=2)]
 
 
 def naive_block_decode(codec, q, scale_bits, shape):
@@ -54,6 +55,15 @@ def naive_block_decode(codec, q, scale_bits, shape):
         for c in range(cols):
             out[r, c] = np.float32(int(q[r, c])) * scale[r, c // codec.block]
     return out.reshape(shape)
+
+
+def naive_int2_scale(x):
+    """int2's scale of one block (or topk chunk's kept values), as wire.py's docstring says it:
+    the largest magnitude / 3, rounded up to a bfloat16."""
+    mag = [abs(float(v)) for v in np.asarray(x, np.float32).reshape(-1)]
+    if not mag:
+        return 0.0
+    return float(tensorio.bf16_to_f32(wire_kernels.bf16_up(np.float32([max(mag)]) / np.float32(3)))[0])
 
 
 def naive_bits(packed, nbits, count):
@@ -118,8 +128,12 @@ class RoundTripTest(Tmp):
                         self.assertEqual(err.max(initial=0), 0)
                     elif codec.fmt == "bf16":
                         self.assertTrue(np.all(err <= np.abs(x) * 2 ** -8))
+                    elif codec.fmt == "int2":
+                        self.assert_int2_nearest(codec, x, sent[n])
                     elif codec.fmt in wire.LEVELS:
                         self.assert_block_bound(codec, x, err)
+                    elif codec.topk_bits == 2:
+                        self.assert_topk2_nearest(codec, x, sent[n])
                     else:
                         self.assert_topk_bound(codec, x, sent[n])
 
@@ -132,6 +146,36 @@ class RoundTripTest(Tmp):
             amax = np.abs(x2[:, b:b + codec.block]).max(axis=1)
             step = amax / levels * (1 + 2 ** -7)
             self.assertTrue(np.all(e2[:, b:b + codec.block].max(axis=1) <= step / 2 * (1 + 1e-6)))
+
+    def assert_int2_nearest(self, codec, x, got):
+        """Per element: the decoded value is the level of {-3, -1, 1, 3} x s nearest to x (a tie
+        goes up), s the block's scale by the rule said in wire.py, computed here naively."""
+        rows, cols = wire_kernels.rows_cols(x.shape)
+        x2, g2 = x.reshape(rows, cols), got.reshape(rows, cols)
+        for b in range(0, cols, codec.block):
+            for r in range(rows):
+                self.assert_nearest_level(x2[r, b:b + codec.block], g2[r, b:b + codec.block],
+                                          naive_int2_scale(x2[r, b:b + codec.block]))
+
+    def assert_topk2_nearest(self, codec, x, got):
+        """topk with 2-bit values: the kept values of a chunk at their nearest level of the int2
+        grid, whose scale is the largest kept magnitude / 3."""
+        flat, g = x.reshape(-1), got.reshape(-1)
+        for lo in range(0, flat.size, codec.topk_chunk):
+            xc, gc = flat[lo:lo + codec.topk_chunk], g[lo:lo + codec.topk_chunk]
+            kept = np.argsort(-np.abs(xc), kind="stable")[:min(codec.topk_k, xc.size)]
+            if np.unique(np.abs(xc)).size == xc.size:         # no ties: the kept set is the one above
+                self.assert_nearest_level(xc[kept], gc[kept], naive_int2_scale(xc[kept]))
+            self.assertLessEqual(np.count_nonzero(gc), kept.size)
+
+    def assert_nearest_level(self, x, got, s):
+        for xv, gv in zip(x.tolist(), got.tolist()):
+            if s == 0:
+                self.assertEqual(gv, 0)
+                continue
+            dist = [(abs(xv - q * s), -q) for q in (-3, -1, 1, 3)]
+            q = -min(dist)[1]
+            self.assertEqual(gv, np.float32(np.float32(q) * np.float32(s)), (xv, s))
 
     def assert_topk_bound(self, codec, x, got):
         """Per chunk: min(k, len) values kept, each within half a step; every dropped value is
@@ -165,6 +209,17 @@ class RoundTripTest(Tmp):
                     np.testing.assert_array_equal(r.read(n), naive_block_decode(codec, q, sbits, a.shape),
                                                   err_msg=f"{codec.fmt} {n}")
 
+    def test_int2_odd_levels_beat_a_grid_with_a_zero_level(self):
+        # {-3, -1, 1, 3} x absmax/3 against {-1, 0, 1} x absmax (the symmetric grid of int4's
+        # rule with L = 1): on normal values the zero level takes most of a block
+        x = np.random.default_rng(7).standard_normal((256, 1024)).astype(np.float32)
+        _, sent = wire.Codec("int2").encode(x)
+        err = float(np.linalg.norm(x - sent) / np.linalg.norm(x))
+        xb = x.reshape(-1, 128)
+        s = tensorio.bf16_to_f32(wire_kernels.bf16_up(np.abs(xb).max(axis=1)))[:, None]
+        ternary = np.clip(np.rint(xb / s), -1, 1) * s
+        self.assertLess(err, float(np.linalg.norm(xb - ternary) / np.linalg.norm(xb)) - 0.1)
+
     def test_topk_agrees_with_a_naive_decode(self):
         x = np.random.default_rng(5).standard_normal(1003).astype(np.float32)
         codec = wire.Codec("topk", topk_chunk=100, topk_k=9, topk_bits=4)
@@ -195,6 +250,7 @@ class RoundTripTest(Tmp):
         self.assertEqual(sizes["bf16"], 2)
         self.assertAlmostEqual(sizes["int8"], 1 + 2 / 128)
         self.assertAlmostEqual(sizes["int4"], 0.5 + 2 / 128)
+        self.assertAlmostEqual(sizes["int2"], 0.25 + 2 / 128)
         self.assertAlmostEqual(sizes["topk"], 64 / 4096 * (12 + 4) / 8 + 2 / 4096)
 
     def test_plain_files_are_read_as_float32(self):
@@ -257,7 +313,7 @@ class FastPathTest(Tmp):
     def test_encode_and_decode_match_the_reference_bit_for_bit_on_any_threads(self):
         rng = np.random.default_rng(40)
         for codec in (wire.Codec("int4"), wire.Codec("int8"), wire.Codec("int4", block=65),
-                      wire.Codec("int8", block=256)):
+                      wire.Codec("int8", block=256), wire.Codec("int2"), wire.Codec("int2", block=65)):
             for shape in self.SHAPES:
                 x = hard_values(rng, shape)
                 want, want_sent = codec.encode(x, reference=True)
@@ -307,7 +363,7 @@ class FastPathTest(Tmp):
         with tensorio.TensorWriter(self.p("theta"), [(n, "F32", s) for n, s in specs]) as w:
             for n, a in theta.items():
                 w.write(n, a)
-        for codec in (wire.Codec("int4"), wire.Codec("int8", block=64)):
+        for codec in (wire.Codec("int4"), wire.Codec("int8", block=64), wire.Codec("int2", block=96)):
             upd = {n: hard_values(rng, a.shape) * np.float32(1e-3) for n, a in theta.items()}
             self.write(self.p("upd"), upd, codec)
             want_digest, want, sents = self.naive_apply(self.p("theta"), self.p("upd"))
@@ -447,6 +503,11 @@ class HostileTest(Tmp):
         parts = self.good_parts(codec, x)
         parts["w"] = parts["w"].copy()
         parts["w"][-1] |= np.uint8(0x90)
+        self.assert_refused(self.forge(codec, {"w": [7]}, parts), "'w'", "padding")
+        codec = wire.Codec("int2", block=64)                                  # 7 values: 2 padding bits
+        parts = self.good_parts(codec, x)
+        parts["w"] = parts["w"].copy()
+        parts["w"][-1] |= np.uint8(0x40)
         self.assert_refused(self.forge(codec, {"w": [7]}, parts), "'w'", "padding")
 
     def test_topk_positions_outside_the_chunk_repeated_or_unsorted(self):
@@ -593,9 +654,9 @@ class ResidualTest(Tmp):
         self.said = []
         self.rng = np.random.default_rng(30)
 
-    def residual(self, fresh=False):
+    def residual(self, fresh=False, decay=1.0):
         import error_feedback
-        return error_feedback.Residual(self.dir, self.said.append, fresh)
+        return error_feedback.Residual(self.dir, self.said.append, fresh, decay=decay)
 
     def send(self, res, base_round, codec=wire.Codec("int4", block=64)):
         """One delta through the buffer as FedMomCarrier.write_delta does: -> (x sent, residual left)."""
@@ -608,7 +669,9 @@ class ResidualTest(Tmp):
                 sent = w.write(n, xs[n])
                 fb.keep(n, xs[n], sent)
                 left[n] = xs[n] - sent
-                np.testing.assert_array_equal(xs[n], d + self.owed().get(n, np.zeros(s, np.float32)))
+                owed = self.owed().get(n, np.zeros(s, np.float32))
+                want = d + (owed if res.decay == 1 else owed * np.float32(res.decay))
+                np.testing.assert_array_equal(xs[n], want)
         fb.close()
         return xs, left
 
@@ -657,6 +720,20 @@ class ResidualTest(Tmp):
                 self.assertLess(abs(drift_ef - np.linalg.norm(owed)), 1e-4)          # exactly what is owed
                 self.assertLess(np.linalg.norm(total["d"] - total["ef"] - owed), 1e-4)
                 self.assertLess(drift_ef, 0.5 * np.linalg.norm(total["d"] - total["plain"]))
+
+    def test_a_decayed_residual_is_carried_times_beta_and_kept_whole_across_a_restart(self):
+        # --wire-feedback-decay 0.5 with SparseLoCo's 2-bit topk: the next delta carries
+        # 0.5 x what the last one left (send() asserts it, tensor by tensor); the file keeps
+        # the residual itself, so a new job (a restart) finds it and decays it once, when used
+        codec = wire.Codec("topk", topk_chunk=64, topk_k=4, topk_bits=2)
+        res = self.residual(decay=0.5)
+        _, left = self.send(res, 0, codec)
+        res.settle(0, 1, "")
+        again = self.residual(decay=0.5)                 # a requeued job
+        again.check(1, dict(self.SHAPES))
+        for n, a in left.items():
+            np.testing.assert_array_equal(self.owed()[n], a)
+        self.send(again, 1, codec)                       # asserts x = delta + 0.5 x owed
 
     def test_a_delta_not_merged_leaves_what_was_owed_owed(self):
         res = self.residual()
@@ -754,8 +831,9 @@ class DownstreamTest(Tmp):
         # theta_R + residual_R = theta_0 + the sum of every round's step (float rounding aside):
         # what the updates rounded away is owed, not lost; without the residual the gap is the
         # residual itself, which for topk is most of each step
-        for codec in (wire.Codec("int4"), wire.Codec("topk")):
-            with self.subTest(codec=codec.fmt):
+        for codec in (wire.Codec("int4"), wire.Codec("int2"), wire.Codec("topk"),
+                      wire.Codec("topk", topk_bits=2)):
+            with self.subTest(codec=codec.fmt, bits=codec.topk_bits):
                 exact, theta, res, outs = self.run_rounds(codec, rounds=5)
                 for n in exact:
                     scale = float(np.abs(exact[n]).max(initial=0)) + 1e-30

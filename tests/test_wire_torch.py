@@ -4,7 +4,7 @@ values, the update applied to theta, the file written from torch parts, and dim-
 
 ShardedShareTest: the site's share on its devices (fedphase.FedMomCarrier(encode_on="device"),
 shard_wire.py) on real gloo groups of 2 and 3 CPU ranks under FSDP2 (fully_shard), uneven
-and empty shards included, int4 and int8: the delta file and the error-feedback residual
+and empty shards included, int4, int8 and int2 (its residual decayed, --wire-feedback-decay): the delta file and the error-feedback residual
 (assembled from the per-rank files) equal, bit for bit, what the host path (numpy,
 encode_on="host") writes over three rounds (nothing owed, owed, owed after a delta not
 merged), and the update of theta_global added on the devices equals wire.apply_update's
@@ -29,7 +29,7 @@ from fixtures import TmpDirTest, hard_values
 SHAPES = [(7, 301), (5,), (3, 3, 3), (2, 9001), (), (0, 4), (4, 0), (3, 129), (64, 1024), (1, 127),
           (129, 65), (9, 1), (300, 256)]
 CODECS = [wire.Codec("int4"), wire.Codec("int8"), wire.Codec("int4", block=64), wire.Codec("int4", block=65),
-          wire.Codec("int8", block=256)]
+          wire.Codec("int8", block=256), wire.Codec("int2"), wire.Codec("int2", block=65)]
 
 
 def same_parts(test, got, want):
@@ -71,7 +71,7 @@ class TorchCodecTest(TmpDirTest):
         with tensorio.TensorWriter(self.p("theta"), [(n, "F32", s) for n, s in shapes.items()]) as w:
             for n, a in theta.items():
                 w.write(n, a)
-        for codec in (wire.Codec("int4"), wire.Codec("int8", block=64)):
+        for codec in (wire.Codec("int4"), wire.Codec("int8", block=64), wire.Codec("int2")):
             with self.subTest(codec=codec.fmt):
                 with wire.WireWriter(self.p("upd"), list(shapes.items()), codec) as w:
                     for n, a in upd.items():
@@ -89,20 +89,20 @@ class TorchCodecTest(TmpDirTest):
         rng = np.random.default_rng(52)
         arrays = {f"t{i}": hard_values(rng, s) for i, s in enumerate(SHAPES)}
         specs = [(n, a.shape) for n, a in arrays.items()]
-        codec = wire.Codec("int4")
-        with wire.WireWriter(self.p("numpy"), specs, codec) as w:
-            for n, a in arrays.items():
-                w.write(n, a)
-        with wire.WireWriter(self.p("torch"), specs, codec) as w:
-            for n, a in arrays.items():
-                w.write_parts(n, wire_torch.to_numpy(wire_torch.encode(codec, torch.from_numpy(a.copy()))[0]))
-        with open(self.p("numpy"), "rb") as f, open(self.p("torch"), "rb") as g:
-            self.assertEqual(f.read(), g.read())
+        for codec in (wire.Codec("int4"), wire.Codec("int2")):
+            with wire.WireWriter(self.p("numpy"), specs, codec) as w:
+                for n, a in arrays.items():
+                    w.write(n, a)
+            with wire.WireWriter(self.p("torch"), specs, codec) as w:
+                for n, a in arrays.items():
+                    w.write_parts(n, wire_torch.to_numpy(wire_torch.encode(codec, torch.from_numpy(a.copy()))[0]))
+            with open(self.p("numpy"), "rb") as f, open(self.p("torch"), "rb") as g:
+                self.assertEqual(f.read(), g.read(), codec.fmt)
 
     def test_dim0_shards_encode_to_their_part_of_the_whole(self):
         rng = np.random.default_rng(53)
         for codec, shape, cuts in ((wire.Codec("int4"), (64, 1024), (16, 40)), (wire.Codec("int8"), (33, 301), (5, 6)),
-                                   (wire.Codec("int4"), (34, 301), (10, 24))):
+                                   (wire.Codec("int4"), (34, 301), (10, 24)), (wire.Codec("int2"), (36, 301), (8, 20))):
             x = torch.from_numpy(hard_values(rng, shape))
             whole, _ = wire_torch.encode(codec, x)
             shards = [x[a:b] for a, b in zip((0,) + cuts, cuts + (shape[0],))]
@@ -117,6 +117,8 @@ class TorchCodecTest(TmpDirTest):
         whole, _ = wire_torch.encode(wire.Codec("int4"), x)
         parts = [wire_torch.encode(wire.Codec("int4"), s)[0] for s in (x[:4], x[4:])]
         self.assertTrue(torch.equal(torch.cat([p[""] for p in parts]), whole[""]))
+        self.assertFalse(wire_torch.shard_ok(wire.Codec("int2"), (2, 301), (36, 301)))     # 602: not whole bytes
+        self.assertTrue(wire_torch.shard_ok(wire.Codec("int2"), (4, 301), (36, 301)))
 
     def test_formats_it_does_not_encode_say_where_they_go(self):
         with self.assertRaisesRegex(ValueError, "topk goes through wire.py"):
@@ -126,7 +128,8 @@ class TorchCodecTest(TmpDirTest):
     def test_decode_rows_is_the_rows_of_the_whole_decode(self):
         rng = np.random.default_rng(54)
         for codec, shape in ((wire.Codec("int4"), (7, 3)), (wire.Codec("int4"), (5, 3, 129)),
-                             (wire.Codec("int8", block=64), (9, 256)), (wire.Codec("int4", block=64), (4, 0))):
+                             (wire.Codec("int8", block=64), (9, 256)), (wire.Codec("int4", block=64), (4, 0)),
+                             (wire.Codec("int2"), (7, 3)), (wire.Codec("int2", block=64), (5, 3, 129))):
             parts, sent = wire_torch.encode(codec, torch.from_numpy(hard_values(rng, shape)))
             for a, b in ((0, 1), (1, 2), (1, shape[0]), (3, 3), (shape[0] - 1, shape[0])):
                 with self.subTest(codec=codec.fmt, shape=shape, rows=(a, b)):
@@ -145,7 +148,8 @@ class TorchCodecTest(TmpDirTest):
 
 SHARE_SHAPES = {"embed": (37, 130), "wq": (16, 256), "odd": (5, 3), "few": (2, 6), "cube": (6, 4, 9),
                 "norm": (7,), "int4_odd": (7, 3)}
-SHARE_CODECS = {"int4": wire.Codec("int4"), "int8": wire.Codec("int8", block=64)}
+SHARE_CODECS = {"int4": wire.Codec("int4"), "int8": wire.Codec("int8", block=64), "int2": wire.Codec("int2", block=64)}
+SHARE_DECAY = {"int2": 0.95}          # int2's rounds with a decayed residual (--wire-feedback-decay)
 SPAWN_DEADLINE_S = 600
 
 
@@ -209,7 +213,8 @@ def _share_worker(rank, world, tmp):
         files = {}
         for where in ("host", "device"):
             wd = os.path.join(tmp, f"w{world}-{label}-{where}")
-            c = fedphase.FedMomCarrier(None, wd, codec, fresh=True, log=log, encode_on=where)
+            c = fedphase.FedMomCarrier(None, wd, codec, fresh=True, log=log, encode_on=where,
+                                       feedback_decay=SHARE_DECAY.get(label, 1.0))
             # round 0: nothing owed; 1: what 0 left (merged); 2: what 0 left still (1 was not merged)
             for rnd, scale, merged in ((0, 1.0, True), (1, 2.0, False), (2, -0.5, True)):
                 c.round = rnd
@@ -239,7 +244,7 @@ def _share_worker(rank, world, tmp):
 
     # theta_global's update added on the devices: the aggregator's bits and digest
     for label, codec in (("int4", wire.Codec("int4")), ("int8", wire.Codec("int8", block=64)),
-                         ("int4b64", wire.Codec("int4", block=64))):
+                         ("int4b64", wire.Codec("int4", block=64)), ("int2", wire.Codec("int2"))):
         wd = os.path.join(tmp, f"w{world}-apply-{label}")
         c = fedphase.FedMomCarrier(None, wd, "int4", fresh=True, log=log, encode_on="device")
         c._prepare(names, params)
@@ -342,7 +347,8 @@ class ShardedShareTest(unittest.TestCase):
                         self.assertAlmostEqual(host, device, delta=1e-6 * host)
                     # 2-D+ tensors encode per rank; 1-D ones (blocks across the shards), and an
                     # odd int4 shard, whole on rank 0
-                    self.assertIn("embed", r[f"{label}_per_rank"])
+                    # (int2: 19 of embed's 130-value rows are not whole bytes of codes: whole on rank 0)
+                    self.assertIn("embed" if label != "int2" else "wq", r[f"{label}_per_rank"])
                     self.assertIn("cube", r[f"{label}_per_rank"])
                     self.assertIn("norm", r[f"{label}_whole"])
             # 7 x 3 over 2 ranks: 4 + 3 rows, the odd shard last; over 3: 3 + 3 + 1, an odd one first
@@ -351,7 +357,7 @@ class ShardedShareTest(unittest.TestCase):
 
     def test_the_update_added_on_the_devices_is_the_aggregators_theta(self):
         for world in (2, 3):
-            for label in ("int4", "int8", "int4b64"):
+            for label in ("int4", "int8", "int4b64", "int2"):
                 with self.subTest(world=world, update=label):
                     r = self.reports[world, 0]
                     self.assertTrue(r[f"apply_{label}_digest"], "the device's theta has another digest")
