@@ -190,6 +190,7 @@ class ConfigTest(unittest.TestCase):
             (fed + ["--wire", "int4", "--wire-topk-k", "8"], "--wire-topk-k 8 with --wire int4"),
             (fed + ["--error-feedback"], "--error-feedback with --wire f32: f32 drops nothing"),
             (fed + ["--overlap-fold", "end"], "--overlap-fold end without --overlap"),
+            (fed + ["--overlap-fold", "eager"], "--overlap-fold eager without --overlap"),
             (local + ["--epochs", "3"], "--epochs 3 with --model qwen3-tiny"),
             (cifar + ["--seq-len", "64"], "--seq-len 64 with --model resnet18"),
             (cifar + ["--eval-windows", "8"], "--eval-windows 8 with --model resnet18"),
@@ -206,6 +207,7 @@ class ConfigTest(unittest.TestCase):
         # the same flags where the run reads them
         for argv in (fed + ["--wire", "int4", "--wire-block", "64", "--no-error-feedback", "--throttle-ms", "5"],
                      fed + ["--wire", "topk", "--wire-topk-k", "8", "--overlap", "--overlap-fold", "end"],
+                     fed + ["--wire", "int4", "--overlap", "--overlap-fold", "eager"],
                      fed + ["--diloco-inner-steps", "4", "--token-file", "/t", "--register-wait-s", "5"],
                      local + ["--diloco-replicas", "2", "--diloco-inner-steps", "50", "--diloco-outer-lr", "0.5"],
                      local + ["--steps", "5", "--ckpt-every", "5", "--eval-windows", "8", "--seq-len", "16"],
