@@ -232,7 +232,7 @@ class LaterCarrier(diloco.OuterCarrier):
         return diloco.OuterResult(theta_later=True, outcome="in flight", eager=self.eager)
 
 
-def numpy_nesterov(theta, m, g, lr, mu):
+def naive_step(theta, m, g, lr, mu):
     """The naive reference: one step of SGD(lr, momentum=mu, nesterov=True, dampening=0) in
     float64 -> (new theta, new buffer)."""
     buf = mu * m + g
@@ -250,7 +250,7 @@ class EagerTest(unittest.TestCase):
     def test_eager_step_is_a_nesterov_step_of_the_own_delta(self):
         rng = np.random.default_rng(2)
         theta, g, m = (rng.normal(size=(5, 7)) for _ in range(3))
-        want, _ = numpy_nesterov(theta, m, g, self.LR, self.MU)
+        want, _ = naive_step(theta, m, g, self.LR, self.MU)
         t32 = [torch.from_numpy(x.astype(np.float32)) for x in (theta, g, m)]
         got = diloco.eager_step(*t32, self.LR, self.MU)
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
@@ -279,7 +279,7 @@ class EagerTest(unittest.TestCase):
         m = [np.zeros_like(x) for x in theta]
         for r in range(6):
             gs = [rng.normal(scale=0.1, size=x.shape) for x in theta]
-            theta, m = map(list, zip(*(numpy_nesterov(t, b, g, self.LR, self.MU) for t, b, g in zip(theta, m, gs))))
+            theta, m = map(list, zip(*(naive_step(t, b, g, self.LR, self.MU) for t, b, g in zip(theta, m, gs))))
             with outer.receive_theta(steps=1) as held:
                 for h, x in zip(held, theta):
                     h.copy_(torch.from_numpy(x))
@@ -311,7 +311,7 @@ class EagerTest(unittest.TestCase):
         outer.count_inner_step()
         trained = [p.detach().double().numpy().copy() for p in model.parameters()]
         outer.end_phase()                                          # delta k leaves
-        proxy = [numpy_nesterov(t.double().numpy(), m.double().numpy(), t.double().numpy() - w, self.LR, self.MU)[0]
+        proxy = [naive_step(t.double().numpy(), m.double().numpy(), t.double().numpy() - w, self.LR, self.MU)[0]
                  for t, m, w in zip(THETA0, m0, trained)]
         for p, want in zip(model.parameters(), proxy):             # phase k+1 starts from the proxy
             np.testing.assert_allclose(p.detach().numpy(), want, rtol=1e-6, atol=1e-6)

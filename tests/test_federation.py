@@ -306,7 +306,7 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
     cfg.seq_len = windows.seq_len
     model, _, _ = train.make_model(cfg, d, windows.vocab_size)
     site = fedsite.FedSite(cfg, windows, 0, print) if d.rank == 0 else None
-    block_size, seed, _ = fedphase.on_rank0(lambda: site.connect(cfg.batch_size * d.world_size))
+    block_size, seed, _, _ = fedphase.on_rank0(lambda: site.connect(cfg.batch_size * d.world_size))
     source = fedsite.LeasedSource(cfg, windows, block_size, seed, d.rank, d.world_size)
     carrier = fedphase.FedMomCarrier(site, out_dir, "F32")
     outer = diloco.DiLoCo(model, diloco.ReplicaLayout.plan(d.world_size, d.rank, 1),
@@ -442,7 +442,8 @@ class CarrierTest(unittest.TestCase):
         old.release("twin", "old-inc", leave=True)             # the old job's leases are gone
         drive(lambda: any("still live as the previous incarnation" in m for m in said))
         old_fed.leave()                                          # ... and its membership
-        self.assertEqual(drive(lambda: False), (4, 0, 200))     # K=4, seed 0, H=100 x 8 windows / 4
+        self.assertEqual(drive(lambda: False), (4, 0, 200,      # K=4, seed 0, H=100 x 8 windows / 4
+                                                {"lr": 0.7, "momentum": 0.9, "nesterov": True}))   # the merge's step
         self.assertTrue(site.member)
         st = httpc.call(self.darl, "GET", "/status")
         self.assertEqual([c["incarnation"] for c in st["clusters"] if c["cluster"] == "twin"], [site.incarnation])
@@ -642,6 +643,15 @@ class FederationRunTest(unittest.TestCase):
         return got[-1] if got else None
 
     @classmethod
+    def eager_lines(cls, verb, after, before=None):
+        """(step, round, norm) of alpha's "--overlap-fold eager: the checkpoint of step S <verb>
+        the estimate ..." lines between byte offsets `after` and `before` of its log."""
+        with open(os.path.join(cls.tmp.name, "alpha.log"), errors="replace") as f:
+            text = f.read()[after:before]
+        return re.findall(rf"checkpoint of step (\d+) {verb} the estimate of the aggregator's momentum at "
+                          r"round (\d+), norm (\S+)", text)
+
+    @classmethod
     def run_scenario(cls, t):
         # Margins for a loaded 2-core machine. Leases live 15-20 s (heartbeats every third:
         # a site may stall ~13 s) and members 20 s (heartbeats every 5 s); the restarted
@@ -683,7 +693,11 @@ class FederationRunTest(unittest.TestCase):
                         "--overlap", "--overlap-fold", "end")
         harness.expect(lambda: any(len(cls.merged_by(r)) == 2 for r in cls.records()),
                        "a round merged from both sites", [alpha, beta, fed, *services])
-        # 2. alpha dies (SIGKILL: a node failure); beta merges alone
+        # 2. alpha dies (SIGKILL: a node failure) once a checkpoint holds an estimate of the
+        # aggregator's momentum (--overlap-fold eager) from a merged round; beta merges alone
+        # (two such lines: each is said before its save, so the first one's save has ended)
+        harness.expect(lambda: sum(float(n) > 0 for _, _, n in cls.eager_lines("holds", 0)) >= 2,
+                       "two checkpoints of alpha holding a non-zero momentum estimate", [alpha, beta, fed, *services])
         alpha.kill()
         cls.events["killed_after_round"] = cls.records()[-1]["round"]
         fb = os.path.join(t, "runs", "alpha", "federation")          # what error feedback left behind
@@ -867,14 +881,11 @@ class FederationRunTest(unittest.TestCase):
         # (the same step, round and norm, non-zero: rounds had been merged)
         with open(os.path.join(self.tmp.name, "alpha.log"), errors="replace") as f:
             log = f.read()
-        first, second = log[:self.events["alpha2_log_from"]], log[self.events["alpha2_log_from"]:]
-        for job in (first, second):
+        mark = self.events["alpha2_log_from"]
+        for job in (log[:mark], log[mark:]):
             self.assertIn("the aggregator's outer step is Nesterov, lr 0.7, momentum 0.9", job)
-        saved = re.findall(r"checkpoint of step (\d+) holds the estimate of the aggregator's momentum at round "
-                           r"(\d+), norm (\S+)", first)
-        restored = re.findall(r"checkpoint of step (\d+) restored the estimate of the aggregator's momentum at "
-                              r"round (\d+), norm (\S+)", second)
-        self.assertEqual(len(restored), 1, second[-3000:])
+        saved, restored = self.eager_lines("holds", 0, mark), self.eager_lines("restored", mark)
+        self.assertEqual(len(restored), 1, log[mark:][-3000:])
         self.assertIn(restored[0], saved, "the restarted job's estimate is the one the killed job checkpointed")
         self.assertGreater(float(restored[0][2]), 0.0, restored)
 
