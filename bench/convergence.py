@@ -31,7 +31,6 @@ runs out (the last) is weighted by its tokens alone. Target: (c) within 1% of (b
 """
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -42,6 +41,7 @@ sys.path.insert(0, ROOT)                           # bench/ imports the reposito
 
 import audit                                       # noqa: E402  (after the path line above)
 import durable                                     # noqa: E402
+import fedmom_checkpoint                           # noqa: E402
 import harness                                     # noqa: E402
 from outer_defaults import OUTER_LR, OUTER_MOMENTUM  # noqa: E402
 
@@ -158,8 +158,10 @@ def federated(cfg, arm, ctx, launcher, site_args=(), outer=None, fed_args=()):
     for p in svc.procs.values():
         p.stop(20)
     state = os.path.join(svc.state_dir, "fedmom")
-    with open(os.path.join(state, "state.json")) as f:
-        theta = os.path.join(state, json.load(f)["theta"])
+    # the final theta_global, rebuilt from the stopped aggregator's checkpoint and the rounds
+    # logged since (fedmom_server.py export; state.json names no theta file of its own)
+    theta = os.path.join(arm_dir, "theta-final.safetensors")
+    fedmom_checkpoint.load_outer(state).write("theta", theta, fsync=False)
     records = durable.read_jsonl(os.path.join(state, "rounds.jsonl"))
     coverage = audit.audit(svc.state_dir, manifest=ctx["manifest"]).ok
     site_evals = [final_eval(os.path.join(arm_dir, "sites", n)) for n in ("alpha", "beta")]
