@@ -16,7 +16,8 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
     in at the end of the phase it arrived in);
     theta_global comes down as int4 updates (--down-wire).
     The scenario, each step waiting on a condition (never on a fixed sleep):
-      both merge -> alpha SIGKILLed, beta merges alone (membership 2 -> 1) -> alpha
+      both merge -> alpha SIGKILLed (once two of its checkpoints hold a non-zero momentum
+      estimate), beta merges alone (membership 2 -> 1) -> alpha
       restarted with --resume auto (its leases and membership expire first) and merges
       with beta again (1 -> 2) -> fedmom_server SIGKILLed and restarted on the same
       port and state dir, the sites carry on -> DARL runs out of blocks, both exit 0.
@@ -27,7 +28,9 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
     into - 1 (the server's rule, unchanged under overlap); the loss falls; the compressed deltas
     crossed at their format's size, and alpha's error-feedback files (one per rank) came
     through the kill (used by the restarted job, or reset with the reason said), each job's
-    log and rows naming the encoder it ran; the updates came down
+    log and rows naming the encoder it ran; alpha's restarted job restored, from the
+    checkpoint it resumed at, the momentum estimate the killed job wrote there (the same
+    step, round and non-zero norm); the updates came down
     at int4's size and each site's last theta is the aggregator's, bit for bit. Everything runs over
     TLS (a CA and certificate made with openssl, as central.sh makes them): the three
     servers serve https, FedMom and both sites check them against the CA file.
