@@ -224,6 +224,9 @@ class OuterResult:
                                      # weights meanwhile (FedMomCarrier under --overlap)
     outcome: object = None           # what became of the step, for end_phase's caller (FedMomCarrier:
                                      # the fedsite.RoundResult; None while theta_later)
+    eager: bool = False              # with theta_later: the replica trains on from eager_step(), one
+                                     # local outer step of its own delta with this DiLoCo's outer lr and
+                                     # momentum, not from its own weights (FedMomCarrier, --overlap-fold eager)
 
 
 class OuterCarrier:
@@ -284,6 +287,33 @@ def fold(weight, theta, sent):
     progress alone. One temporary of weight's size."""
     d = weight.to(theta.dtype) - sent.to(weight.device, theta.dtype)    # fp32: theta's precision
     weight.copy_(d.add_(theta.to(weight.device)))
+
+
+def eager_step(theta, g, m, lr, mu, nesterov=True):
+    """The eager proxy of an outer step whose theta comes later (Kale et al. 2025, "eager
+    updates"): one step of torch.optim.SGD(lr, momentum=mu, nesterov) from `theta` with this
+    replica's own outer gradient `g` (theta - its weights) standing in for the merged one,
+    `m` the momentum buffer the step would start from (None with momentum 0). Returns the
+    proxy, a new tensor on theta's device; `m` is left as it is (the aggregator's step, when
+    it comes, replaces this one). Temporaries: two of theta's size."""
+    g = g.to(theta.device, theta.dtype)
+    if m is None:
+        return theta - g * lr
+    buf = m * mu + g                                     # the step's own momentum buffer
+    step = buf.mul_(mu).add_(g) if nesterov else buf     # g + mu * buf: Nesterov's look-ahead
+    return theta - step.mul_(lr)
+
+
+def momentum_from_update(lr, mu, steps):
+    """How the momentum buffer m of SGD(lr, momentum=mu, nesterov=True) follows from an update
+    u = new - old of theta it made in `steps` steps, the buffer itself never being sent:
+        m' = mu*m + g,  u = -lr*(g + mu*m')   =>   m' = (mu*m - u/lr) / (1 + mu)
+    exact for one step. For k > 1 steps none of which was seen, each is taken as u/k:
+    k applications give a^k*m - (1 - a^k)*u/(k*lr), a = mu/(1+mu), exact when the k steps
+    moved theta equally. Returns (keep, c): m' = keep*m + c*old - c*new, linear in old and
+    new, so it is computed around an in-place write of theta with no copy of it."""
+    a = mu / (1.0 + mu)
+    return a ** steps, (1.0 - a ** steps) / (steps * lr)
 
 
 # ----------------------------------------------------------------------------- DiLoCo
@@ -375,18 +405,29 @@ class DiLoCo:
         return self._outer_step()[0] if self.phase_steps else None
 
     @contextlib.contextmanager
-    def receive_theta(self):
+    def receive_theta(self, steps=0):
         """The one way a carrier sets theta outside an outer step. Inside: the carrier writes
         this rank's part of the new theta into the list it is given, in place, in parameter
         order (DiLoCo's own tensors: one tensor at a time, no copy of the model; collective
-        if the carrier's writes are). On leaving, the model's weights follow:
+        if the carrier's writes are). `steps`: how many outer steps of the optimizer that made
+        the new theta lie between the old and the new (a federated site: rounds); with momentum
+        buffers (the estimate eager_step starts from) and steps > 0, they follow the update
+        (momentum_from_update; 0: left as they are). On leaving, the model's weights follow:
           - after an outer step whose theta came later (OuterResult.theta_later), fold():
             each weight becomes theta + (weight - what it was at that step), the replica's
             progress since then on the new theta (the weights stay ahead of theta);
           - otherwise the weights become theta and a phase starts there (phase_steps 0):
             a download of the global model (a federated site's start, resume or round)."""
+        track = self.momentum() if steps > 0 else []
+        if track:
+            keep, c = momentum_from_update(self.config.outer_lr, self.config.outer_momentum, steps)
+            with torch.no_grad():
+                for m, t in zip(track, self.theta):
+                    m.mul_(keep).add_(t, alpha=c)
         yield self.theta
         with torch.no_grad():
+            for m, t in zip(track, self.theta):
+                m.sub_(t, alpha=c)
             if self.sent is not None:
                 for p, t, s in zip(self.params, self.theta, self.sent):
                     fold(local(p), t, s)
@@ -441,6 +482,8 @@ class DiLoCo:
             if self.sent is not None:
                 raise RuntimeError("DiLoCo: an outer step's theta is still to come (receive_theta) "
                                    "and another outer step defers its theta too")
+            if got.eager:             # ... from one local outer step of its own delta instead
+                self._eager_start(deltas)
             self.sent = [local(p).detach().to("cpu", torch.float32, copy=True) for p in self.params]
             self.ahead = True
         else:
@@ -463,6 +506,24 @@ class DiLoCo:
                             if row["avg_delta_norm"] is not None and row["delta_norm"] > 0 else None)
         self.phase_steps = 0
         return row, got.outcome
+
+    def _eager_start(self, deltas):
+        """OuterResult.eager: the weights become eager_step's proxy, tensor by tensor (the
+        deltas are still this phase's: theta - weights); theta and the momentum stay as they
+        are until the real step's theta comes (receive_theta)."""
+        cfg, ms = self.config, self.momentum() or [None] * len(self.theta)
+        for t, d, m, p in zip(self.theta, deltas, ms, self.params):
+            local(p).copy_(eager_step(t, d, m, cfg.outer_lr, cfg.outer_momentum,
+                                      cfg.outer_optimizer == "nesterov"))
+
+    def momentum_norm(self):
+        """The L2 norm of the outer momentum buffers over the replica (collective under FSDP), 0 without."""
+        sq = sum((sq_norm(m.reshape(-1).float()) for m in self.momentum()), 0.0)
+        if self.sharded and self.layout.replica_size > 1:
+            sq_t = torch.tensor([sq], dtype=torch.float64, device=self.device)
+            dist.all_reduce(sq_t, group=self.layout.inner_group)
+            sq = float(sq_t[0])
+        return math.sqrt(sq)
 
     # -- theta for eval and checkpoints
     @contextlib.contextmanager

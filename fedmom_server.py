@@ -46,7 +46,8 @@ theta_r downloads the update (~0.52 B/param in int4, ~0.27 in int2) and adds it 
 same bits; one without it (new, requeued, more than one round behind) downloads theta.
 
 Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."}):
-    POST /join       {cluster, incarnation}          -> {round, heartbeat_s, ...}; 409 if
+    POST /join       {cluster, incarnation}          -> {round, heartbeat_s, outer, ...} (outer: {lr,
+                     momentum, nesterov}, the merge's step, for a site's --overlap-fold eager); 409 if
                      another incarnation of that cluster is live (second job: --replica)
     POST /heartbeat  {cluster, incarnation, metrics?, wait_round_after?, wait_s?}
                      -> {round, deltas, ...}; with wait_round_after it long-polls until the round

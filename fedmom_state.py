@@ -352,8 +352,11 @@ class FedMomState:
     # ---- membership
 
     def join(self, cluster, incarnation):
+        """POST /join: the member's reply, and the outer step the merge takes (a site's
+        --overlap-fold eager repeats it locally: FEDERATION_GUIDE.md section 4, "Overlap")."""
         with self.ledger.change() as t:
-            return t.join(cluster, incarnation, self.clock(), self.wall())
+            reply = t.join(cluster, incarnation, self.clock(), self.wall())
+        return {**reply, "outer": {"lr": self.cfg.outer_lr, "momentum": self.cfg.outer_momentum, "nesterov": True}}
 
     def heartbeat(self, cluster, incarnation, metrics=None, wait_round_after=None, wait_s=0.0):
         """A member's heartbeat; with wait_round_after it long-polls until the round passes it,

@@ -43,7 +43,7 @@ import tensorio
 import testhooks
 import wire
 import wire_torch
-from diloco import OuterCarrier, OuterResult, local
+from diloco import DiLoCoConfig, OuterCarrier, OuterResult, local
 from dist_env import ConfigError
 from error_feedback import RankResidual, Residual
 from metrics import peak_memory_gib
@@ -142,11 +142,16 @@ class FedMomCarrier(OuterCarrier):
     OuterResult(theta_later=True): DiLoCo keeps the model's own weights and what they were
     when the delta left. settle(outer), later, does step 3 into DiLoCo.receive_theta(),
     which folds theta_global in (diloco.fold) before the next delta is computed.
+    eager (--overlap-fold eager): the same, but the outer step answers OuterResult(eager=True):
+    DiLoCo, built with the aggregator's outer lr and momentum (outer_config), starts the next
+    phase from one local Nesterov step of the site's own delta (diloco.eager_step) and the fold
+    replaces that proxy by theta_global; every theta taken in updates DiLoCo's estimate of the
+    aggregator's momentum (receive_theta's `steps`: the rounds between the old theta and the new).
     Every theta set outside outer_step goes through DiLoCo.receive_theta (load_global, settle).
     """
 
     def __init__(self, site, workdir, codec=None, error_feedback=True, group=None, fresh=False, log=print,
-                 overlap=False, encode_on="host", feedback_decay=1.0):
+                 overlap=False, encode_on="host", feedback_decay=1.0, eager=None):
         if codec is None or isinstance(codec, str):        # a format name: "f32", "BF16", ...
             codec = wire.Codec((codec or "f32").lower())
         self.codec = codec.validate()
@@ -180,12 +185,23 @@ class FedMomCarrier(OuterCarrier):
         self.theta_path = os.path.join(workdir, "theta.safetensors")
         # --overlap (FEDERATION_GUIDE.md section 4, "Overlap"): the delta in flight
         self.overlap = overlap
+        self.eager = eager           # --overlap-fold eager: the aggregator's {"lr", "momentum", "nesterov"}
         self.in_flight = False       # every rank: a round trip runs on rank 0 while the site trains on
         self.busy = None             # rank 0: its fedsite.Background
         self.wait_s = None           # how long the last settle() took (the wait, theta_global, the fold), s
 
     def broadcast_initial(self, tensors):
         """Nothing here: the site loads theta_global (load_global) before its first phase."""
+
+    def outer_config(self, inner_steps):
+        """The site's DiLoCo outer step: plain replacement (sgd, lr 1, momentum 0: no momentum
+        buffers; the aggregator owns the momentum), or under --overlap-fold eager the
+        aggregator's own lr and momentum, for the proxy step and the momentum estimate."""
+        if self.eager is None:
+            return DiLoCoConfig.fedavg(inner_steps)
+        lr, mu = self.eager["lr"], self.eager["momentum"]
+        return DiLoCoConfig(inner_steps=inner_steps, outer_lr=lr, outer_momentum=mu,
+                            outer_optimizer="nesterov" if mu > 0 else "sgd")
 
     # -- per-tensor movement
     def _full(self, part, p):
@@ -373,14 +389,17 @@ class FedMomCarrier(OuterCarrier):
                 reader.close()
 
     # -- the round
-    def load_global(self, outer):
+    def load_global(self, outer, held=None):
         """Make DiLoCo's theta and the model equal theta_global of the aggregator's CURRENT
-        round (collective; DiLoCo.receive_theta: a phase starts there). Returns that round."""
+        round (collective; DiLoCo.receive_theta: a phase starts there). Returns that round.
+        held: the round of the theta DiLoCo holds (default the last one loaded; a resumed
+        site: its checkpoint's), for the momentum estimate of --overlap-fold eager."""
         self._prepare(outer.names, outer.params)
+        held = self.round if held is None else held
         self.round = on_rank0(lambda: self.site.fetch_theta(self.theta_path), self.group)
         if self.residual is not None:
             self.residual.check(self.round, {n: tuple(p.shape) for n, p in zip(outer.names, outer.params)})
-        with outer.receive_theta() as theta:
+        with outer.receive_theta(self._steps(held, self.round)) as theta:
             self.read_theta(outer.names, outer.params, theta)
         return self.round
 
@@ -400,7 +419,7 @@ class FedMomCarrier(OuterCarrier):
                 self.busy = self.site.start_round_trip(self.delta_path, base, ex.handoff, self.theta_path,
                                                        defer_update=self.apply_on_device)
             self.in_flight = True
-            return OuterResult(theta_later=True)
+            return OuterResult(theta_later=True, eager=self.eager is not None)
         result = on_rank0(lambda: self.site.round_trip(self.delta_path, base, ex.handoff, self.theta_path,
                                                        defer_update=self.apply_on_device), self.group)
         self._arrived(result)
@@ -419,14 +438,20 @@ class FedMomCarrier(OuterCarrier):
         -> the RoundResult."""
         t0 = time.monotonic()
         result = on_rank0(lambda: self.busy.wait(), self.group)
+        held = self.round
         self._arrived(result)
         if self.site is not None:
             testhooks.fault_point("site.fold")    # test hook (testhooks.py): error feedback settled, theta not folded in
-        with outer.receive_theta() as theta:
+        with outer.receive_theta(self._steps(held, result.round)) as theta:
             self._take_theta(result, outer.names, outer.params, theta)
         self.busy, self.in_flight = None, False
         self.wait_s = round(time.monotonic() - t0, 3)
         return result
+
+    def _steps(self, held, new):
+        """Rounds from the theta held to the new one, for DiLoCo's momentum estimate (eager
+        only; 0: none known, the estimate stays as it is)."""
+        return new - held if self.eager is not None and held is not None and new > held else 0
 
     def _arrived(self, result):
         """A round trip ended (every rank): error feedback settles by its RoundResult, and the
@@ -452,14 +477,30 @@ def join(run):
     site = fedsite.FedSite(cfg, windows, 4 * run.n_params, run.log.log, cfg.central_retry_s) if d.is_main else None
     if site is not None:
         run.log.incarnation = site.incarnation      # the one FedMom and DARL know this process by
-    block_size, darl_seed, _ = on_rank0(lambda: site.connect(per_step))
+    block_size, darl_seed, _, outer = on_rank0(lambda: site.connect(per_step))
+    eager = eager_settings(cfg, outer, run.log.log) if cfg.overlap and cfg.overlap_fold == "eager" else None
     run.source = fedsite.LeasedSource(cfg, windows, block_size, darl_seed, d.rank, d.world_size)
     workdir = os.path.join(run.run_dir, "federation")
     if d.is_main:
         os.makedirs(workdir, exist_ok=True)
     return site, FedMomCarrier(site, workdir, codec=cfg.wire_codec(), error_feedback=cfg.error_feedback,
                                fresh=cfg.resume == "none", log=run.log.log, overlap=cfg.overlap,
-                               encode_on=cfg.encode_on, feedback_decay=cfg.wire_feedback_decay)
+                               encode_on=cfg.encode_on, feedback_decay=cfg.wire_feedback_decay, eager=eager)
+
+
+def eager_settings(cfg, outer, log):
+    """--overlap-fold eager: the aggregator's outer step as its join answer says it (every rank
+    got it from rank 0). An aggregator that does not say it (older than --overlap-fold eager)
+    is refused: the proxy would be a guess at its step."""
+    if not outer or not outer.get("nesterov") or not {"lr", "momentum"} <= set(outer):
+        raise ConfigError(f"--overlap-fold eager needs the aggregator's outer lr and Nesterov momentum, and "
+                          f"{cfg.federation}'s /join answer does not give them ({outer!r}): update "
+                          "fedmom_server.py on the central VM, or run --overlap-fold arrival")
+    log(f"--overlap-fold eager: the aggregator's outer step is Nesterov, lr {outer['lr']:g}, momentum "
+        f"{outer['momentum']:g}; each phase after a send starts from that step of this site's own delta"
+        + (" (FedAvg: lr 1 and momentum 0 make that proxy the site's own weights, as --overlap-fold arrival)"
+           if outer["lr"] == 1 and outer["momentum"] == 0 else ""))
+    return {k: outer[k] for k in ("lr", "momentum", "nesterov")}
 
 
 def train_site(run, site, carrier, start):
@@ -468,7 +509,10 @@ def train_site(run, site, carrier, start):
     and saved. On an error rank 0 stops talking and releases nothing. Returns the step count."""
     try:
         # theta_global of the CURRENT round; a resumed site starts a fresh phase from it
-        carrier.load_global(run.outer)
+        if carrier.eager is not None and start:
+            run.log.log(f"--overlap-fold eager: the checkpoint of step {start} restored the estimate of the "
+                        f"aggregator's momentum at round {run.fed_round}, norm {run.outer.momentum_norm():.6g}")
+        carrier.load_global(run.outer, held=run.fed_round if start else None)
         where = "device (wire_torch)" if carrier.encode_on == "device" else "host (numpy)"
         run.log.log(f"federation: cluster {run.cfg.cluster}, theta_global of round {carrier.round}; "
                     f"LR schedule over {run.total} steps (--steps; default: the whole corpus at this site); "
@@ -538,7 +582,7 @@ def phase_loop(run, site, carrier, start):
             outer.count_inner_step()
             if cfg.throttle_ms:
                 time.sleep(cfg.throttle_ms / 1000)      # demo/test only: a slower site
-            if cfg.overlap_fold == "arrival" and s < phase.steps - 1 and carrier.arrived():
+            if cfg.overlap_fold != "end" and s < phase.steps - 1 and carrier.arrived():
                 t_fold = time.perf_counter()            # theta_global is here: fold it in now, not at the end
                 with stepper.pause():
                     settle(run, carrier, pending, step)
@@ -587,6 +631,9 @@ def end_phase(run, carrier, handoff, pending=None):
     Sent) settles and its theta_global is folded in between the two: the checkpoint never
     holds a fold. Returns DiLoCo.end_phase's (row, fedsite.RoundResult or None while the
     delta is in flight)."""
+    if carrier.eager is not None:         # said first: a kill mid-save resumes from an earlier one, also said
+        run.log.log(f"--overlap-fold eager: the checkpoint of step {handoff.step} holds the estimate of the "
+                    f"aggregator's momentum at round {carrier.round}, norm {run.outer.momentum_norm():.6g}")
     run.save(handoff.step, carrier.round)
     if carrier.in_flight:
         settle(run, carrier, pending, handoff.step)

@@ -11,7 +11,7 @@ live at the central services.
 
 Callers: fedphase.py's loop and its FedMomCarrier, in this order per run:
     site = FedSite(cfg, windows, model_bytes, log)            # rank 0
-    block_size, seed, _ = on_rank0(lambda: site.connect(per_step))
+    block_size, seed, _, outer = on_rank0(lambda: site.connect(per_step))
     source = LeasedSource(cfg, windows, block_size, seed, rank, world)
     while (span := on_rank0(lambda: site.next_span())) is not None:
         phase = source.phase(*span)                            # every rank, no traffic
@@ -175,7 +175,9 @@ class FedSite:
     # -- start: the block space, DARL registration, FedMom membership
     def connect(self, per_step):
         """-> (block size, seed, blocks per phase) of the coordinator's space, checked
-        against our own manifest; registered at DARL, a member at FedMom."""
+        against our own manifest, and the aggregator's outer step as its join answer gives it
+        ({"lr", "momentum", "nesterov"}; None from an aggregator that does not say it);
+        registered at DARL, a member at FedMom."""
         st = yield from self._call("DARL status", lambda d: self.darl.status(deadline=d))
         sp = st["space"]
         space = block_space.BlockSpace(self.windows.train_windows, sp["block_size"], sp["seed"],
@@ -191,10 +193,10 @@ class FedSite:
         yield from self._call("DARL register", lambda d: self.darl.register(
             self.cluster, self.incarnation, space.digest(), deadline=d), self.cfg.register_wait_s)
         self.session.start(register=False)
-        yield from self.join()
+        reply = yield from self.join()
         self.log(f"site {self.cluster} (incarnation {self.incarnation}): DARL {space.num_blocks} blocks of "
                  f"{sp['block_size']} windows, {blocks} per phase; FedMom round {self.fed_round}")
-        return sp["block_size"], sp["seed"], blocks
+        return sp["block_size"], sp["seed"], blocks, reply.get("outer")
 
     def join(self):
         """Join FedMom's rounds, waiting up to --register-wait-s (a previous incarnation

@@ -28,8 +28,10 @@ outer step goes through fedphase.FedMomCarrier. One phase = one span; the local 
 protocol, identity (cluster id, incarnation, requeues) and knobs are
 FEDERATION_GUIDE.md, sections 2-5. --eval-every counts phases there; --throttle-ms
 (a slower site) is for demos and tests. --overlap trains the next phase while the
-delta's round trip runs and folds the new theta_global in at that phase's end, after its
-checkpoint (FEDERATION_GUIDE.md section 4, "Overlap").
+delta's round trip runs and folds the new theta_global in when it arrives (--overlap-fold
+arrival) or at that phase's end, after its checkpoint (end); --overlap-fold eager starts that
+phase from a local step of the aggregator's outer optimizer on the site's own delta
+(FEDERATION_GUIDE.md section 4, "Overlap" and "Eager").
 
 Device dispatch, rank/world and the rendezvous (ROCm, CUDA or CPU; torchrun or srun;
 MASTER_PORT from SLURM_JOB_ID): dist_env.py, called once at the start of train().
@@ -363,6 +365,7 @@ class Run:
     units_per_step: int = 0            # tokens (images) one optimizer step trains, all ranks
     schedule: object = None            # step -> LR factor
     outer: object = None               # diloco.DiLoCo with --diloco-replicas > 1 or --federation
+    fed_round: int = None              # --federation, resumed: the round of the theta_global the checkpoint holds
 
     def save(self, step, fed_round=None):
         cfg = self.cfg
@@ -489,10 +492,10 @@ def plan_steps(run):
 
 def make_outer(run, layout, carrier):
     """DiLoCo over the replicas of this allocation, or (federation) over one replica whose
-    outer step goes through the carrier. Federation's local outer step is plain replacement
-    (sgd, lr 1, momentum 0: no local momentum buffers); the aggregator owns the momentum."""
+    outer step goes through the carrier, which says the local outer step (FedMomCarrier.outer_config:
+    plain replacement, or under --overlap-fold eager the aggregator's lr and momentum)."""
     cfg, d = run.cfg, run.d
-    dcfg = diloco.DiLoCoConfig.fedavg(cfg.diloco_inner_steps) if cfg.federation \
+    dcfg = carrier.outer_config(cfg.diloco_inner_steps) if cfg.federation \
         else diloco.DiLoCoConfig.from_args(cfg)
     return diloco.DiLoCo(run.model, layout or diloco.ReplicaLayout.plan(d.world_size, d.rank, 1), dcfg, carrier)
 
@@ -512,6 +515,7 @@ def resume(run):
     if w is not None and extra.get("digest") not in (None, w.digest):
         raise ConfigError(f"--data {cfg.data}: corpus digest {w.digest[:12]} differs "
                           f"from the checkpoint's {extra['digest'][:12]}; resume on the same corpus")
+    run.fed_round = (extra.get("federation") or {}).get("round")
     log.total = extra.get("units_total", extra["step"] * run.units_per_step)
     log.log(f"resumed at step {extra['step']} from {cfg.resume} ({run.run_dir})")
     return extra["step"]

@@ -192,8 +192,12 @@ class Config:
                                   "per rank", group="federation")
     overlap_fold: str = option("arrival", "with --overlap, when the new theta_global is folded in: at the first "
                                           "inner step after it arrived (one small broadcast per step while a "
-                                          "round trip runs), or at the end of the phase it arrived in",
-                               choices=("arrival", "end"), group="federation")
+                                          "round trip runs), or at the end of the phase it arrived in; eager: "
+                                          "on arrival, and each phase after a send starts from a local "
+                                          "step of the aggregator's outer optimizer on the site's own delta "
+                                          "(eager updates), which the fold replaces by theta_global; costs "
+                                          "4 B/param more per rank, on the device (the momentum estimate)",
+                               choices=("arrival", "end", "eager"), group="federation")
     throttle_ms: int = option(0, "sleep this many ms after every inner step: for demos and tests only, to make "
                                  "one site slower", group="federation")
     register_wait_s: float = option(600.0, "how long to wait, in s, for a previous incarnation of this cluster "

@@ -41,7 +41,7 @@ sys.path.insert(0, ROOT)                           # bench/ imports the reposito
 
 import audit                                       # noqa: E402  (after the path line above)
 import durable                                     # noqa: E402
-import fedmom_client                               # noqa: E402
+import fedmom_checkpoint                           # noqa: E402
 import harness                                     # noqa: E402
 from outer_defaults import OUTER_LR, OUTER_MOMENTUM  # noqa: E402
 
@@ -155,13 +155,13 @@ def federated(cfg, arm, ctx, launcher, site_args=(), outer=None, fed_args=()):
             raise RuntimeError(f"{arm}: site {p.name} {'timed out' if done is None else f'failed (exit {p.poll()})'}; "
                                f"see {p.log_path}:\n  " + "\n  ".join(p.tail()))
     harness.wait_for(lambda: (harness.get_json(svc.fedmom, "/status", svc.token) or {}).get("pending_commits") == 0, 60)
-    # the final theta_global as the aggregator serves it (its state dir keeps segments and
-    # per-round files, not one theta file to read)
-    theta = os.path.join(arm_dir, "theta-final.safetensors")
-    fedmom_client.FedMomClient(svc.fedmom, "bench", "bench-final", svc.token).download_theta(theta)
     for p in svc.procs.values():
         p.stop(20)
     state = os.path.join(svc.state_dir, "fedmom")
+    # the final theta_global, rebuilt from the stopped aggregator's checkpoint and the rounds
+    # logged since (fedmom_server.py export; state.json names no theta file of its own)
+    theta = os.path.join(arm_dir, "theta-final.safetensors")
+    fedmom_checkpoint.load_outer(state).write("theta", theta, fsync=False)
     records = durable.read_jsonl(os.path.join(state, "rounds.jsonl"))
     coverage = audit.audit(svc.state_dir, manifest=ctx["manifest"]).ok
     site_evals = [final_eval(os.path.join(arm_dir, "sites", n)) for n in ("alpha", "beta")]

@@ -12,7 +12,7 @@ Work files: --out (default runs/bench-wire/, wiped first).
 
 First the outer settings: f32 arms over --outer-lr {0.4, 0.7, 1.0} x --outer-momentum
 {0, 0.5, 0.9} (same tokens, same init), printed with their merged rounds; the best is the
-setting of every arm below (--no-sweep: FedAvg, lr 1 momentum 0). Then DDP on 2 ranks
+setting of every arm below (--no-sweep: FedAvg, lr 1 momentum 0, or --outer-lr/--outer-momentum). Then DDP on 2 ranks
 (bench/convergence.py's (a); --no-ddp skips it) for the vs-DDP column. Then the arms,
 each bench/convergence.py's (c): two federated sites through darl_server, fedmom_server
 and blobstore, the same init, corpus, inner optimizer and schedule, one epoch, and one
@@ -39,6 +39,11 @@ held-out loss function on FedMom's final theta. Only the sites' --wire flags dif
     sparseloco   SparseLoCo's compression up: topk, 128 of every 4096 values, 2-bit values
                  (--wire-topk-bits 2), the residual decayed by 0.95 before each selection
                  (--wire-feedback-decay 0.95); int4 down
+    f32-eager, int4-both-eager
+                 f32-overlap and int4-both-overlap with --overlap-fold eager: each phase after a send starts from one local
+                 step of the aggregator's outer optimizer on the site's own delta, which the fold
+                 on arrival replaces by theta_global (under FedAvg, --no-sweep's default, that step
+                 is the site's own weights: the -overlap arm again; --outer-lr/--outer-momentum)
 Figures, per arm:
     up B/param   the delta files the sites uploaded (train.py's "wire_bytes" row field, the
                  file's size), per parameter, mean over both sites' rounds
@@ -104,7 +109,10 @@ ARMS = {"f32": ([], wire.Codec("f32"), []),
         "sparseloco": (["--wire", "topk", "--wire-topk-bits", "2", "--wire-topk-chunk", str(SPARSELOCO[0]),
                         "--wire-topk-k", str(SPARSELOCO[1]), "--wire-feedback-decay", str(SPARSELOCO[2])],
                        wire.Codec("topk", topk_chunk=SPARSELOCO[0], topk_k=SPARSELOCO[1], topk_bits=2),
-                       ["--down-wire", "int4"])}
+                       ["--down-wire", "int4"]),
+        "f32-eager": (["--overlap", "--overlap-fold", "eager"], wire.Codec("f32"), []),
+        "int4-both-eager": (["--wire", "int4", "--overlap", "--overlap-fold", "eager"], wire.Codec("int4"),
+                            ["--down-wire", "int4"])}
 SWEEP_LR, SWEEP_MU = (0.4, 0.7, 1.0), (0.0, 0.5, 0.9)
 TARGETS = {"int4": (0.5, 1.005), "int4-both": (0.5, 1.005), "topk": (0.1, 1.01), "topk-both": (0.1, 1.01)}
 OVERLAP_TARGET = (0.95, 1.01)      # -overlap arms: utilisation at least, held-out ratio to f32 at most
@@ -120,8 +128,16 @@ class WireBenchConfig(convergence.BenchConfig):
     ddp: bool = True
     link_mbit: float = 0.0
     link_latency_ms: float = 50.0
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
     timeout_min: float = 30.0
     known_arms = tuple(ARMS)
+
+    def validate(self):
+        if self.sweep and (self.outer_lr, self.outer_momentum) != (1.0, 0.0):
+            raise SystemExit("--outer-lr/--outer-momentum set the outer step of --no-sweep; the sweep picks "
+                             "its own: add --no-sweep, or drop them")
+        return super().validate()
 
     @property
     def arm_list(self):
@@ -239,7 +255,7 @@ def report(cfg, ctx, results):
         ok = r["up"] <= most and got <= ratio and (not both or r["down"] <= most)
         lines.append(f"  target {arm}: <= {most} B/param up{' and down' if both else ''} at a ratio <= {ratio}: "
                      f"{r['up']:.4f} up, {r['down']:.4f} down B/param, {got:.4f} -> {'met' if ok else 'NOT met'}")
-    for arm in (a for a in cfg.arm_list if "-overlap" in a):
+    for arm in (a for a in cfg.arm_list if "-overlap" in a or a.endswith("-eager")):
         r, (least, ratio) = results.get(arm), OVERLAP_TARGET
         if r is None or ref is None:
             continue
@@ -268,7 +284,7 @@ def run(cfg: WireBenchConfig):
                                           cfg.model, cfg.seed, os.path.join(out, "logs", "export-init.log"))
         with tensorio.TensorReader(ctx["init"]) as r:
             ctx["params"] = sum(math.prod(r.specs[n][1]) for n in r.names)
-        ctx["outer"] = (1.0, 0.0)
+        ctx["outer"] = (cfg.outer_lr, cfg.outer_momentum)
         if cfg.link_mbit > 0:
             ctx["link"] = (cfg.link_mbit, cfg.link_latency_ms)
             print(f"WAN-shaped link per site: {cfg.link_mbit:g} Mbit/s each way, {cfg.link_latency_ms:g} ms; an "
@@ -300,7 +316,12 @@ def main(argv=None):
     convergence.add_run_flags(p, d)
     p.add_argument("--arms", default=d.arms, help=f"comma-separated subset of {','.join(ARMS)} (default all)")
     p.add_argument("--no-sweep", dest="sweep", action="store_false",
-                   help="skip the outer lr x momentum sweep (9 f32 arms) and use FedAvg (lr 1, momentum 0)")
+                   help="skip the outer lr x momentum sweep (9 f32 arms) and use --outer-lr/--outer-momentum "
+                        "(default FedAvg: lr 1, momentum 0)")
+    p.add_argument("--outer-lr", type=float, default=d.outer_lr,
+                   help=f"with --no-sweep: the aggregator's outer lr (default {d.outer_lr:g}: FedAvg)")
+    p.add_argument("--outer-momentum", type=float, default=d.outer_momentum,
+                   help=f"with --no-sweep: its Nesterov momentum (default {d.outer_momentum:g}: FedAvg)")
     p.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the DDP arm (the vs-DDP column)")
     p.add_argument("--link-mbit", type=float, default=d.link_mbit,
                    help="a WAN-shaped link per site, Mbit/s each way (default 0: plain loopback); "

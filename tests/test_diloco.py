@@ -218,17 +218,119 @@ class OverlapFoldTest(unittest.TestCase):
 
 class LaterCarrier(diloco.OuterCarrier):
     """A carrier whose theta comes later, as FedMomCarrier's does under --overlap: its outer
-    step keeps the deltas it was given and answers theta_later."""
+    step keeps the deltas it was given and answers theta_later (eager: and the eager proxy,
+    as under --overlap-fold eager)."""
 
-    def __init__(self):
-        self.deltas = None
+    def __init__(self, eager=False):
+        self.deltas, self.eager = None, eager
 
     def broadcast_initial(self, tensors):
         pass
 
     def outer_step(self, ex):
         self.deltas = [d.clone() for d in ex.deltas]
-        return diloco.OuterResult(theta_later=True, outcome="in flight")
+        return diloco.OuterResult(theta_later=True, outcome="in flight", eager=self.eager)
+
+
+def naive_step(theta, m, g, lr, mu):
+    """The naive reference: one step of SGD(lr, momentum=mu, nesterov=True, dampening=0) in
+    float64 -> (new theta, new buffer)."""
+    buf = mu * m + g
+    return theta - lr * (g + mu * buf), buf
+
+
+class EagerTest(unittest.TestCase):
+    """--overlap-fold eager (FEDERATION_GUIDE.md section 4, "Overlap"): the proxy a site starts
+    its next phase from is one Nesterov step of its own delta (against the numpy reference);
+    the site's estimate of the aggregator's momentum, recovered from the thetas it receives,
+    is the aggregator's buffer; and the fold replaces the proxy by the real theta, keeping only
+    what was trained since the send."""
+    LR, MU = 0.7, 0.9
+
+    def test_eager_step_is_a_nesterov_step_of_the_own_delta(self):
+        rng = np.random.default_rng(2)
+        theta, g, m = (rng.normal(size=(5, 7)) for _ in range(3))
+        want, _ = naive_step(theta, m, g, self.LR, self.MU)
+        t32 = [torch.from_numpy(x.astype(np.float32)) for x in (theta, g, m)]
+        got = diloco.eager_step(*t32, self.LR, self.MU)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+        self.assertTrue(torch.equal(t32[2], torch.from_numpy(m.astype(np.float32))), "the buffer is left as it is")
+        # torch's own optimizer agrees, and momentum 0 is a plain step
+        p = torch.nn.Parameter(t32[0].clone())
+        opt = torch.optim.SGD([p], lr=self.LR, momentum=self.MU, nesterov=True)
+        opt.state[p]["momentum_buffer"] = t32[2].clone()
+        p.grad = t32[1].clone()
+        opt.step()
+        np.testing.assert_allclose(got.numpy(), p.detach().numpy(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(diloco.eager_step(t32[0], t32[1], None, 1.0, 0.0).numpy(), theta - g,
+                                   rtol=1e-6, atol=1e-6)
+
+    def _site(self):
+        model = TwoParams(*THETA0)
+        cfg = diloco.DiLoCoConfig(inner_steps=H, outer_lr=self.LR, outer_momentum=self.MU)
+        return model, diloco.DiLoCo(model, diloco.ReplicaLayout.plan(1, 0, 1), cfg, LaterCarrier(eager=True))
+
+    def test_the_momentum_estimate_follows_the_aggregators_buffer(self):
+        # an aggregator's rounds in float64 (its first buffer is g: a zero buffer's step); the
+        # site sees each new theta (steps=1), then three rounds at once whose steps were equal
+        rng = np.random.default_rng(3)
+        model, outer = self._site()
+        theta = [t.double().numpy() for t in THETA0]
+        m = [np.zeros_like(x) for x in theta]
+        for r in range(6):
+            gs = [rng.normal(scale=0.1, size=x.shape) for x in theta]
+            theta, m = map(list, zip(*(naive_step(t, b, g, self.LR, self.MU) for t, b, g in zip(theta, m, gs))))
+            with outer.receive_theta(steps=1) as held:
+                for h, x in zip(held, theta):
+                    h.copy_(torch.from_numpy(x))
+            for est, want in zip(outer.momentum(), m):
+                np.testing.assert_allclose(est.numpy(), want, rtol=1e-4, atol=1e-5, err_msg=f"round {r + 1}")
+        gs = [rng.normal(scale=0.1, size=x.shape) for x in theta]
+        for _ in range(3):       # the same update three times: u = -lr*(g + mu*buf) equal in each round
+            u = [-0.05 * g for g in gs]
+            m = [(self.MU * b - x / self.LR) / (1 + self.MU) for b, x in zip(m, u)]
+            theta = [t + x for t, x in zip(theta, u)]
+        with outer.receive_theta(steps=3) as held:
+            for h, x in zip(held, theta):
+                h.copy_(torch.from_numpy(x))
+        for est, want in zip(outer.momentum(), m):
+            np.testing.assert_allclose(est.numpy(), want, rtol=1e-4, atol=1e-5)
+        before = [x.clone() for x in outer.momentum()]
+        with outer.receive_theta(steps=0) as held:      # the same round again: nothing to learn
+            pass
+        self.assertTrue(all(torch.equal(a, b) for a, b in zip(before, outer.momentum())))
+
+    def test_the_fold_replaces_the_proxy_and_keeps_what_was_trained_since(self):
+        model, outer = self._site()
+        m0 = [torch.full_like(t, 0.125) for t in outer.theta]     # an estimate from earlier rounds
+        for b, x in zip(outer.momentum(), m0):
+            b.copy_(x)
+        with torch.no_grad():
+            model.a.add_(0.25)                                     # phase k
+            model.b.sub_(0.5)
+        outer.count_inner_step()
+        trained = [p.detach().double().numpy().copy() for p in model.parameters()]
+        outer.end_phase()                                          # delta k leaves
+        proxy = [naive_step(t.double().numpy(), m.double().numpy(), t.double().numpy() - w, self.LR, self.MU)[0]
+                 for t, m, w in zip(THETA0, m0, trained)]
+        for p, want in zip(model.parameters(), proxy):             # phase k+1 starts from the proxy
+            np.testing.assert_allclose(p.detach().numpy(), want, rtol=1e-6, atol=1e-6)
+        with outer.global_weights():                               # evals and checkpoints: theta_r still
+            for p, x in zip(model.parameters(), THETA0):
+                self.assertTrue(torch.equal(p.detach(), x))
+        with torch.no_grad():
+            model.b.add_(0.75)                                     # phase k+1 trains on the proxy
+        outer.count_inner_step()
+        new = [x + 1.0 for x in THETA0]                            # theta_{r+1} arrives: the fold
+        with outer.receive_theta(steps=1) as theta:
+            for t, x in zip(theta, new):
+                t.copy_(x)
+        a, b = (p.detach() for p in model.parameters())
+        torch.testing.assert_close(a, new[0], rtol=0, atol=1e-6, msg="nothing trained on a since the send")
+        torch.testing.assert_close(b, new[1] + 0.75, rtol=0, atol=1e-6, msg="b keeps phase k+1's progress alone")
+        outer.end_phase()                                          # delta k+1: phase k+1's progress alone
+        torch.testing.assert_close(outer.carrier.deltas[0], torch.zeros(2, 3), rtol=0, atol=1e-6)
+        torch.testing.assert_close(outer.carrier.deltas[1], torch.full((4,), -0.75), rtol=0, atol=1e-6)
 
 
 class ReceiveThetaTest(unittest.TestCase):

@@ -5,15 +5,19 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
   - FederationRunTest: darl_server.py, fedmom_server.py (--darl) and blobstore.py as
     subprocesses on free loopback ports; the initial model from `train.py --export-init`;
     two sites as separate torchrun jobs: "alpha" (FSDP2, 2 ranks, inline transport, int4
-    deltas with error feedback, --overlap --overlap-fold end: it trains its next phase
-    while a delta is in flight, folds theta_global in at that phase's end, and is killed
-    and resumed with a delta in flight; both jobs run --encode-on device: each rank
+    deltas with error feedback, --overlap --overlap-fold eager: it trains its next phase
+    while a delta is in flight, from one local Nesterov step of its own delta with the
+    aggregator's lr 0.7 and momentum 0.9, folds theta_global in on arrival, and is killed
+    and resumed with a delta in flight and its estimate of the aggregator's momentum in
+    its checkpoint; both jobs run --encode-on device: each rank
     encodes its own rows, keeps its own residual, and adds theta_global's int4 update to
     its rows, the host checking the digest behind) and "beta" (DDP, 1 rank, blob transport, top-k
-    deltas, --throttle-ms: the slow one; --overlap, folding theta_global in on arrival);
+    deltas, --throttle-ms: the slow one; --overlap --overlap-fold end, folding theta_global
+    in at the end of the phase it arrived in);
     theta_global comes down as int4 updates (--down-wire).
     The scenario, each step waiting on a condition (never on a fixed sleep):
-      both merge -> alpha SIGKILLed, beta merges alone (membership 2 -> 1) -> alpha
+      both merge -> alpha SIGKILLed (once two of its checkpoints hold a non-zero momentum
+      estimate), beta merges alone (membership 2 -> 1) -> alpha
       restarted with --resume auto (its leases and membership expire first) and merges
       with beta again (1 -> 2) -> fedmom_server SIGKILLed and restarted on the same
       port and state dir, the sites carry on -> DARL runs out of blocks, both exit 0.
@@ -24,7 +28,9 @@ What runs (the expensive part is two launches, ~2-3 minutes on 2 busy cores):
     into - 1 (the server's rule, unchanged under overlap); the loss falls; the compressed deltas
     crossed at their format's size, and alpha's error-feedback files (one per rank) came
     through the kill (used by the restarted job, or reset with the reason said), each job's
-    log and rows naming the encoder it ran; the updates came down
+    log and rows naming the encoder it ran; alpha's restarted job restored, from the
+    checkpoint it resumed at, the momentum estimate the killed job wrote there (the same
+    step, round and non-zero norm); the updates came down
     at int4's size and each site's last theta is the aggregator's, bit for bit. Everything runs over
     TLS (a CA and certificate made with openssl, as central.sh makes them): the three
     servers serve https, FedMom and both sites check them against the CA file.
@@ -60,6 +66,7 @@ import certs
 import data
 import dist_env
 import durable
+import fedphase
 import fedsite
 import harness
 import httpc
@@ -155,6 +162,19 @@ class FlagsTest(unittest.TestCase):
         with self.assertRaisesRegex(train.ConfigError, "--overlap is for federated sites"):
             train.parse_config(["--model", "qwen3-tiny", "--data", "x/manifest.json", "--overlap"]
                                ).resolve("cpu").validate()
+
+    def test_eager_takes_the_aggregators_outer_step_and_refuses_one_that_does_not_say_it(self):
+        cfg = self.cfg("--site", "lumi", "--overlap", "--overlap-fold", "eager")
+        said = []
+        got = fedphase.eager_settings(cfg, {"lr": 0.7, "momentum": 0.9, "nesterov": True, "more": 1}, said.append)
+        self.assertEqual(got, {"lr": 0.7, "momentum": 0.9, "nesterov": True})
+        self.assertIn("Nesterov, lr 0.7, momentum 0.9", said[0])
+        for old in (None, {}, {"lr": 0.7}, {"lr": 0.7, "momentum": 0.9}):     # an older fedmom_server.py
+            with self.subTest(outer=old), self.assertRaises(train.ConfigError) as e:
+                fedphase.eager_settings(cfg, old, said.append)
+            self.assertIn("--overlap-fold eager", str(e.exception))
+            self.assertIn("update fedmom_server.py", str(e.exception))
+            self.assertIn("--overlap-fold arrival", str(e.exception))
 
     def test_encode_on_auto_picks_the_device_for_int8_int4_on_a_gpu_and_device_is_refused_elsewhere(self):
         # auto: wire_torch on the training device for int8/int4 on a GPU (ROCm is "cuda" to
@@ -295,7 +315,7 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
     cfg.seq_len = windows.seq_len
     model, _, _ = train.make_model(cfg, d, windows.vocab_size)
     site = fedsite.FedSite(cfg, windows, 0, print) if d.rank == 0 else None
-    block_size, seed, _ = fedphase.on_rank0(lambda: site.connect(cfg.batch_size * d.world_size))
+    block_size, seed, _, _ = fedphase.on_rank0(lambda: site.connect(cfg.batch_size * d.world_size))
     source = fedsite.LeasedSource(cfg, windows, block_size, seed, d.rank, d.world_size)
     carrier = fedphase.FedMomCarrier(site, out_dir, "F32")
     outer = diloco.DiLoCo(model, diloco.ReplicaLayout.plan(d.world_size, d.rank, 1),
@@ -431,7 +451,8 @@ class CarrierTest(unittest.TestCase):
         old.release("twin", "old-inc", leave=True)             # the old job's leases are gone
         drive(lambda: any("still live as the previous incarnation" in m for m in said))
         old_fed.leave()                                          # ... and its membership
-        self.assertEqual(drive(lambda: False), (4, 0, 200))     # K=4, seed 0, H=100 x 8 windows / 4
+        self.assertEqual(drive(lambda: False), (4, 0, 200,      # K=4, seed 0, H=100 x 8 windows / 4
+                                                {"lr": 0.7, "momentum": 0.9, "nesterov": True}))   # the merge's step
         self.assertTrue(site.member)
         st = httpc.call(self.darl, "GET", "/status")
         self.assertEqual([c["incarnation"] for c in st["clusters"] if c["cluster"] == "twin"], [site.incarnation])
@@ -631,6 +652,15 @@ class FederationRunTest(unittest.TestCase):
         return got[-1] if got else None
 
     @classmethod
+    def eager_lines(cls, verb, after, before=None):
+        """(step, round, norm) of alpha's "--overlap-fold eager: the checkpoint of step S <verb>
+        the estimate ..." lines between byte offsets `after` and `before` of its log."""
+        with open(os.path.join(cls.tmp.name, "alpha.log"), errors="replace") as f:
+            text = f.read()[after:before]
+        return re.findall(rf"checkpoint of step (\d+) {verb} the estimate of the aggregator's momentum at "
+                          r"round (\d+), norm (\S+)", text)
+
+    @classmethod
     def run_scenario(cls, t):
         # Margins for a loaded 2-core machine. Leases live 15-20 s (heartbeats every third:
         # a site may stall ~13 s) and members 20 s (heartbeats every 5 s); the restarted
@@ -667,12 +697,16 @@ class FederationRunTest(unittest.TestCase):
         # here: each rank its own rows, error feedback per rank) and add theta_global's int4
         # updates there, the host checking each behind; beta (DDP, topk) on the host
         alpha = cls.site("alpha", "fsdp", 2, "--transport", "inline", "--wire", "int4", "--overlap",
-                         "--overlap-fold", "end", "--encode-on", "device")
+                         "--overlap-fold", "eager", "--encode-on", "device")
         beta = cls.site("beta", "ddp", 1, "--transport", "blob", "--wire", "topk", "--throttle-ms", "600",
-                        "--overlap")
+                        "--overlap", "--overlap-fold", "end")
         harness.expect(lambda: any(len(cls.merged_by(r)) == 2 for r in cls.records()),
                        "a round merged from both sites", [alpha, beta, fed, *services])
-        # 2. alpha dies (SIGKILL: a node failure); beta merges alone
+        # 2. alpha dies (SIGKILL: a node failure) once a checkpoint holds an estimate of the
+        # aggregator's momentum (--overlap-fold eager) from a merged round; beta merges alone
+        # (two such lines: each is said before its save, so the first one's save has ended)
+        harness.expect(lambda: sum(float(n) > 0 for _, _, n in cls.eager_lines("holds", 0)) >= 2,
+                       "two checkpoints of alpha holding a non-zero momentum estimate", [alpha, beta, fed, *services])
         alpha.kill()
         cls.events["killed_after_round"] = cls.records()[-1]["round"]
         fb = os.path.join(t, "runs", "alpha", "federation")          # what error feedback left behind
@@ -684,7 +718,7 @@ class FederationRunTest(unittest.TestCase):
         # 3. alpha comes back (same cluster id, new incarnation, --resume auto) and merges with beta
         mark = os.path.getsize(alpha.log_path)
         alpha2 = cls.site("alpha", "fsdp", 2, "--transport", "inline", "--wire", "int4", "--overlap",
-                          "--overlap-fold", "end", "--resume", "auto", "--encode-on", "device")
+                          "--overlap-fold", "eager", "--resume", "auto", "--encode-on", "device")
         cls.events["alpha2_log_from"] = mark
         new_inc = harness.expect(lambda: cls.incarnation("alpha", mark), "alpha's new incarnation", [alpha2])
         cls.events["alpha2_incarnation"] = new_inc
@@ -825,10 +859,10 @@ class FederationRunTest(unittest.TestCase):
     def test_overlapped_sites_trained_on_while_their_delta_was_in_flight(self):
         # Both sites run --overlap: each phase starts right after its delta left, on the same base,
         # and the delta's federation row is written when its theta_global was folded in (fold_step:
-        # at the next phase's end for alpha, --overlap-fold end; on arrival for beta), after at
-        # least one step of the next phase. Train rows written before that row (file order) and
-        # after the delta's phase are still on the sent delta's base round.
-        for name, fold in (("alpha", "end"), ("beta", "arrival")):
+        # on arrival for alpha, --overlap-fold eager; at the next phase's end for beta, --overlap-fold
+        # end), after at least one step of the next phase. Train rows written before that row (file
+        # order) and after the delta's phase are still on the sent delta's base round.
+        for name, fold in (("alpha", "eager"), ("beta", "end")):
             rows = [r for r in self.rows[name] if r["split"] in ("train", "federation")]
             fed = [i for i, r in enumerate(rows) if r["split"] == "federation"]
             self.assertTrue(fed and all(rows[i]["overlap"] and rows[i]["settle_s"] >= 0 for i in fed), name)
@@ -848,6 +882,21 @@ class FederationRunTest(unittest.TestCase):
             merged = [(rec["round"], o["base_round"]) for rec in self.records() for o in rec["outcomes"]
                       if o["outcome"] == "merged" and o["cluster"] == name]
             self.assertTrue(merged and all(b == r - 1 for r, b in merged), (name, merged))
+
+    def test_eager_state_came_through_the_kill(self):
+        # alpha (--overlap-fold eager) learned the aggregator's outer step from its join answer,
+        # and its estimate of the aggregator's momentum rides in its checkpoints: the restarted
+        # job restored, from the checkpoint it resumed at, the estimate the killed job had there
+        # (the same step, round and norm, non-zero: rounds had been merged)
+        with open(os.path.join(self.tmp.name, "alpha.log"), errors="replace") as f:
+            log = f.read()
+        mark = self.events["alpha2_log_from"]
+        for job in (log[:mark], log[mark:]):
+            self.assertIn("the aggregator's outer step is Nesterov, lr 0.7, momentum 0.9", job)
+        saved, restored = self.eager_lines("holds", 0, mark), self.eager_lines("restored", mark)
+        self.assertEqual(len(restored), 1, log[mark:][-3000:])
+        self.assertIn(restored[0], saved, "the restarted job's estimate is the one the killed job checkpointed")
+        self.assertGreater(float(restored[0][2]), 0.0, restored)
 
     def test_loss_falls_and_rows_are_written(self):
         recs = [r for r in self.records() if r.get("loss") is not None]

@@ -186,6 +186,12 @@ class ThreadedMergeTest(FedMomFixture):
 
 
 class ProtocolTest(FedMomFixture):
+    def test_the_join_answer_says_the_outer_step_of_the_merge(self):
+        # what a site's --overlap-fold eager repeats locally (FEDERATION_GUIDE.md section 4, "Overlap")
+        got = self.state(outer_lr=0.5, outer_momentum=0.8).join("lumi", "lumi-inc")
+        self.assertEqual(got["outer"], {"lr": 0.5, "momentum": 0.8, "nesterov": True})
+        self.assertEqual(got["round"], 0)
+
     def test_stale_base_round_is_rejected_with_the_current_round(self):
         st = self.state()
         st.join("lumi", "lumi-inc")
