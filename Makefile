@@ -78,7 +78,10 @@ lint: setup
 # operator points at a test deployment), not a figure; wan_relay.py is the WAN-shaped link
 # the benches import (wire_formats.py --link-mbit).
 # wire_formats.py (the wire formats, up and down, overlap off and on) runs 25 short federations,
-# ~32 min on a quiet 2-core machine; `--no-sweep --no-ddp` runs 15.
+# ~32 min on a quiet 2-core machine; `--no-sweep --no-ddp` runs 15. wan_tricks.py runs --quick here
+# (2 seeds of f32 and int4 both ways and DDP, 8 rounds, ~5 min); the measurement the guide quotes
+# (3 seeds, 40+ rounds, every arm with its own outer setting, a second model size) is
+# `$(PY) bench/wan_tricks.py --json wan.json` (~75 min).
 # chaos.py runs its --quick setting here (3 min of faults, then the unfaulted run; ~10 min);
 # `make chaos` is the 15-minute setting. scale_round.py runs --quick here (a ~24M-param model,
 # 3 rounds, < 1 min); the sizes users train are `$(PY) bench/scale_round.py --flavor 0.6B` (~30 min).
@@ -90,6 +93,7 @@ bench: setup
 	  echo "== $$b"; \
 	  case "$$b" in \
 	    bench/convergence.py) $(PY) $$b --quick ;; \
+	    bench/wan_tricks.py) $(PY) $$b --quick ;; \
 	    bench/wire_speed.py) $(PY) $$b --quick ;; \
 	    bench/chaos.py) $(PY) $$b --quick ;; \
 	    bench/scale_round.py) $(PY) $$b --quick ;; \

@@ -10,6 +10,8 @@ Every model is built the same way, so a 32B model never exists unsharded anywher
 Names (train.py --model):
     resnet18 resnet34 resnet50          CIFAR stem: 3x3 conv, stride 1, no max-pool (32x32 inputs)
     qwen3-tiny                          2 layers, dim 64, byte vocabulary: tests and the local demo
+    qwen3-mini                          4 layers, dim 256 (3.2M parameters at the byte vocabulary):
+                                        bench/wan_tricks.py's second size, still trainable on a CPU
     qwen3-debugmodel qwen3-0.6B qwen3-1.7B qwen3-8B qwen3-14B qwen3-32B   torchtitan's flavors
 The Qwen3 vocabulary comes from the tokenizer (the corpus manifest), padded up to a
 multiple of 64 rows. Attention is SDPA through our own GQAAttention: configure_attention()
@@ -143,10 +145,17 @@ RESNETS = {"resnet18": (BasicBlock, [2, 2, 2, 2]),
 # ---------------------------------------------------------------------------
 
 # --model name -> torchtitan 0.2.2 flavor in torchtitan.models.qwen3.qwen3_args
-# ("tiny" is ours, below). 4B and the MoE flavors exist there too; add a row to use them.
-QWEN3_FLAVORS = {"qwen3-tiny": "tiny", "qwen3-debugmodel": "debugmodel", "qwen3-0.6B": "0.6B",
+# ("tiny" and "mini" are ours, OWN_FLAVORS below). 4B and the MoE flavors exist there too;
+# add a row to use them.
+QWEN3_FLAVORS = {"qwen3-tiny": "tiny", "qwen3-mini": "mini", "qwen3-debugmodel": "debugmodel", "qwen3-0.6B": "0.6B",
                  "qwen3-1.7B": "1.7B", "qwen3-8B": "8B", "qwen3-14B": "14B", "qwen3-32B": "32B"}
 MODEL_NAMES = tuple(RESNETS) + tuple(QWEN3_FLAVORS)
+
+
+# Our flavors for CPU runs on a byte vocabulary (320 rows): tiny for the tests and the demo
+# (119,168 parameters), mini for a second model size in bench/wan_tricks.py (~27x tiny).
+OWN_FLAVORS = {"tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=192),
+               "mini": dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, hidden_dim=768)}
 
 
 def is_llm(name):
@@ -162,10 +171,8 @@ def qwen3_args(name, vocab_size, seq_len):
     """torchtitan Qwen3ModelArgs for --model NAME with the tokenizer's (padded) vocabulary."""
     from torchtitan.models.qwen3 import qwen3_args as flavors, Qwen3ModelArgs
     flavor = QWEN3_FLAVORS[name]
-    if flavor == "tiny":
-        base = Qwen3ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                              hidden_dim=192, qk_norm=True, rope_theta=10000,
-                              enable_weight_tying=True)
+    if flavor in OWN_FLAVORS:
+        base = Qwen3ModelArgs(**OWN_FLAVORS[flavor], qk_norm=True, rope_theta=10000, enable_weight_tying=True)
     else:
         base = flavors[flavor]
     return dataclasses.replace(base, vocab_size=pad_vocab(vocab_size), max_seq_len=seq_len,

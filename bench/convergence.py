@@ -87,11 +87,12 @@ class BenchConfig:
         return [a for a in self.arms.split(",") if a]
 
 
-def common_args(cfg, steps, warmup):
-    """train.py flags every arm shares: the same schedule, steps and evaluation."""
+def common_args(cfg, steps, warmup, outer=True):
+    """train.py flags every arm shares: the same schedule, steps and evaluation; H for the arms
+    with an outer step (train.py refuses --diloco-inner-steps on plain DDP)."""
     return ["--model", cfg.model, "--batch-size", cfg.batch_size, "--lr", cfg.lr, "--min-lr", cfg.min_lr,
             "--warmup-steps", warmup, "--steps", steps, "--seed", cfg.seed, "--log-every", 50,
-            "--eval-windows", cfg.heldout_windows, "--diloco-inner-steps", cfg.inner_steps]
+            "--eval-windows", cfg.heldout_windows] + (["--diloco-inner-steps", cfg.inner_steps] if outer else [])
 
 
 def final_eval(run_dir):
@@ -114,7 +115,7 @@ def in_allocation(cfg, arm, ctx, launcher):
     run_dir = os.path.join(ctx["out"], arm)
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", 2,
            "train.py", "--device", "cpu", "--data", ctx["manifest"], "--parallel", "ddp",
-           "--runs-dir", ctx["out"], "--run-name", arm, *common_args(cfg, ctx["steps"], ctx["warmup"])]
+           "--runs-dir", ctx["out"], "--run-name", arm, *common_args(cfg, ctx["steps"], ctx["warmup"], arm != "ddp")]
     if arm != "ddp":
         opt, lr, mom = OUTER[arm.split("-")[1]]
         cmd += ["--diloco-replicas", 2, "--diloco-outer-optimizer", opt, "--diloco-outer-lr", lr,
@@ -301,7 +302,8 @@ def add_run_flags(p, d):
     p.add_argument("--model", default=d.model, help=f"model (default {d.model})")
     p.add_argument("--batch-size", type=int, default=d.batch_size,
                    help=f"windows per rank (= per replica, per site) per step (default {d.batch_size})")
-    p.add_argument("--inner-steps", type=int, default=d.inner_steps, help=f"H (default {d.inner_steps})")
+    p.add_argument("--inner-steps", type=int, default=d.inner_steps,
+                   help=f"H (default {d.inner_steps or 'the epoch steps // --rounds'})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"inner AdamW peak LR (default {d.lr})")
     p.add_argument("--min-lr", type=float, default=d.min_lr, help=f"LR at the end of the cosine (default {d.min_lr})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"model init and DARL seed (default {d.seed})")
