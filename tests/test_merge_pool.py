@@ -284,6 +284,17 @@ class ServerCase(Case):
     SHM_SIZE (the outer state of SHAPES is 5.2 MB: theta, momentum, residual)."""
     SHM_SIZE = "8m"
 
+    def hold_first_task(self, url, faults, rnd):
+        """Arm merge.worker (every worker task stops there until the file is removed), send
+        round `rnd`, wait for a worker to reach the point -> (the arm file, that worker's pid)."""
+        arm = os.path.join(faults, "merge.worker")
+        with open(arm, "w") as f:
+            f.write("0")
+        self.send_round(url, rnd)
+        self.assertTrue(wait_for(lambda: os.path.exists(arm + ".hit"), HANG_S), "no worker reached the point")
+        with open(arm + ".hit") as f:
+            return arm, int(f.read())
+
     def mount_shm(self):
         shm = os.path.join(self.dir, "shm")
         os.makedirs(shm)
@@ -377,13 +388,8 @@ class RebuildSharedMemoryTest(ServerCase):
         proc, url = self.start(sd, shm, faults)
         self.send_round(url, 0)
         self.wait_round(url, 1)
-        arm = os.path.join(faults, "merge.worker")
-        with open(arm, "w") as f:
-            f.write("0")
-        self.send_round(url, 1)
-        self.assertTrue(wait_for(lambda: os.path.exists(arm + ".hit"), HANG_S), "no worker reached the point")
-        with open(arm + ".hit") as f:
-            os.kill(int(f.read()), signal.SIGKILL)
+        arm, pid = self.hold_first_task(url, faults, 1)
+        os.kill(pid, signal.SIGKILL)
         os.unlink(arm)
         st = wait_for(lambda: (lambda s: (s["merge_error"] or s["replay_error"]) and s)(self.status(url)), HANG_S)
         self.assertTrue(st, "the failed round never showed on /status")
@@ -481,13 +487,7 @@ class HungWorkerTest(ServerCase):
         proc, url = self.start(sd, shm, faults)
         self.send_round(url, 0)
         self.wait_round(url, 1)
-        arm = os.path.join(faults, "merge.worker")
-        with open(arm, "w") as f:
-            f.write("0")
-        self.send_round(url, 1)
-        self.assertTrue(wait_for(lambda: os.path.exists(arm + ".hit"), HANG_S), "no worker reached the point")
-        with open(arm + ".hit") as f:
-            stopped = int(f.read())
+        arm, stopped = self.hold_first_task(url, faults, 1)
         os.kill(stopped, signal.SIGSTOP)
         self.addCleanup(self.resume_quietly, stopped)
         os.unlink(arm)                                   # the other worker goes on; the stopped one cannot
@@ -513,11 +513,7 @@ class OrphanTest(ServerCase):
         proc, url = self.start(sd, shm, faults)
         self.send_round(url, 0)
         self.wait_round(url, 1)
-        arm = os.path.join(faults, "merge.worker")
-        with open(arm, "w") as f:
-            f.write("0")
-        self.send_round(url, 1)
-        self.assertTrue(wait_for(lambda: os.path.exists(arm + ".hit"), HANG_S), "no worker reached the point")
+        arm, _ = self.hold_first_task(url, faults, 1)
         workers = self.workers(proc)
         proc.kill()
         proc.wait(30)
