@@ -284,6 +284,23 @@ class ServerCase(Case):
     SHM_SIZE (the outer state of SHAPES is 5.2 MB: theta, momentum, residual)."""
     SHM_SIZE = "8m"
 
+    def at_round_1(self):
+        """A server on a fresh state dir and its own tmpfs with round 0 merged -> (state dir,
+        fault dir, process, url)."""
+        shm = self.mount_shm()
+        sd, faults = os.path.join(self.dir, "st"), os.path.join(self.dir, "faults")
+        os.makedirs(faults)
+        proc, url = self.start(sd, shm, faults)
+        self.send_round(url, 0)
+        self.wait_round(url, 1)
+        return sd, faults, proc, url
+
+    def stop_at_round_2(self, proc, sd):
+        """SIGTERM, then the state dir replayed in one thread: round 2, every logged round's digest checked."""
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        self.assertEqual(self.replayed_in_one_thread(sd).round, 2)
+
     def hold_first_task(self, url, faults, rnd):
         """Arm merge.worker (every worker task stops there until the file is removed), send
         round `rnd`, wait for a worker to reach the point -> (the arm file, that worker's pid)."""
@@ -382,12 +399,7 @@ class RebuildSharedMemoryTest(ServerCase):
         # round 1: a worker SIGKILLed at its first task. The round fails (WorkerDied) and the
         # state is rebuilt: the checkpoint loaded and round 0 replayed on the workers, into new
         # shared arrays while the failed round's arrays are still held: twice the state.
-        shm = self.mount_shm()
-        sd, faults = os.path.join(self.dir, "st"), os.path.join(self.dir, "faults")
-        os.makedirs(faults)
-        proc, url = self.start(sd, shm, faults)
-        self.send_round(url, 0)
-        self.wait_round(url, 1)
+        sd, faults, proc, url = self.at_round_1()
         arm, pid = self.hold_first_task(url, faults, 1)
         os.kill(pid, signal.SIGKILL)
         os.unlink(arm)
@@ -397,9 +409,7 @@ class RebuildSharedMemoryTest(ServerCase):
                           + self.out.text()[-3000:])
         self.assertIn("a merge worker died mid-round", st["merge_error"])
         self.wait_round(url, 2)                          # the retry (fedmom_round.MERGE_RETRY_S later)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-        self.assertEqual(self.replayed_in_one_thread(sd).round, 2)
+        self.stop_at_round_2(proc, sd)
 
 
     def test_a_round_redone_without_an_overflowing_delta_fits_in_shared_memory_holding_the_state_once(self):
@@ -425,9 +435,7 @@ class RebuildSharedMemoryTest(ServerCase):
         self.assertIsNone(st["replay_error"], "an excluded delta stopped the merges for good; the server said:\n"
                           + self.out.text()[-3000:])
         self.assertEqual(st["round"], 2)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-        self.assertEqual(self.replayed_in_one_thread(sd).round, 2)
+        self.stop_at_round_2(proc, sd)
 
 
 
@@ -439,12 +447,7 @@ class WorkerDeathTest(ServerCase):
         # (the round fails: WorkerDied), then the new workers SIGKILLed again at their first task
         # of the rebuild's replay of round 0. Nothing durable is wrong: the round's retry must
         # rebuild and merge it, not stop the merges as if the log could not be replayed.
-        shm = self.mount_shm()
-        sd, faults = os.path.join(self.dir, "st"), os.path.join(self.dir, "faults")
-        os.makedirs(faults)
-        proc, url = self.start(sd, shm, faults)
-        self.send_round(url, 0)
-        self.wait_round(url, 1)
+        sd, faults, proc, url = self.at_round_1()
         arm = os.path.join(faults, "merge.worker")
         with open(arm, "w") as f:
             f.write("0")                                 # every worker task stops there until it is removed
@@ -466,9 +469,7 @@ class WorkerDeathTest(ServerCase):
                           + self.out.text()[-3000:])
         self.assertIn("a merge worker died mid-round", st["merge_error"])
         self.wait_round(url, 2)                          # the retry rebuilds, then merges
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-        self.assertEqual(self.replayed_in_one_thread(sd).round, 2)
+        self.stop_at_round_2(proc, sd)
 
 
 
@@ -496,9 +497,7 @@ class HungWorkerTest(ServerCase):
         self.assertIsNone(st["replay_error"])
         self.assertIn("answered nothing", st["merge_error"])
         self.wait_round(url, 2)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-        self.assertEqual(self.replayed_in_one_thread(sd).round, 2)
+        self.stop_at_round_2(proc, sd)
 
 
 class OrphanTest(ServerCase):
@@ -507,12 +506,7 @@ class OrphanTest(ServerCase):
         # its first task (a long task, or hung) and the aggregator SIGKILLed; restarted at once.
         # The orphan still maps the dead aggregator's arrays (unlinked by the restart's sweep,
         # but not freed): the restart was refused as if /dev/shm were too small.
-        shm = self.mount_shm()
-        sd, faults = os.path.join(self.dir, "st"), os.path.join(self.dir, "faults")
-        os.makedirs(faults)
-        proc, url = self.start(sd, shm, faults)
-        self.send_round(url, 0)
-        self.wait_round(url, 1)
+        sd, faults, proc, url = self.at_round_1()
         arm, _ = self.hold_first_task(url, faults, 1)
         workers = self.workers(proc)
         proc.kill()
@@ -522,9 +516,7 @@ class OrphanTest(ServerCase):
         self.assertTrue(gone, "a worker of the killed aggregator is still alive, holding its shared memory")
         proc, url = self.start(sd, shm, faults, False)   # at once: nothing left holds the memory
         self.wait_round(url, 2)                          # round 1, spooled, merges after the restart
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-        self.assertEqual(self.replayed_in_one_thread(sd).round, 2)
+        self.stop_at_round_2(proc, sd)
 
 
 class StartCheckTest(ServerCase):
