@@ -285,14 +285,15 @@ class ServerCase(Case):
     SHM_SIZE = "8m"
 
     def at_round_1(self):
-        """A server on a fresh state dir and its own tmpfs with round 0 merged -> (state dir,
-        fault dir, process, url)."""
+        """A server on a fresh state dir and its own tmpfs (self.shm) with round 0 merged ->
+        (state dir, fault dir, process, url)."""
         shm = self.mount_shm()
         sd, faults = os.path.join(self.dir, "st"), os.path.join(self.dir, "faults")
         os.makedirs(faults)
         proc, url = self.start(sd, shm, faults)
         self.send_round(url, 0)
         self.wait_round(url, 1)
+        self.shm = shm
         return sd, faults, proc, url
 
     def stop_at_round_2(self, proc, sd):
@@ -514,7 +515,7 @@ class OrphanTest(ServerCase):
         gone = wait_for(lambda: not any(map(self.alive, workers)), HANG_S)
         os.unlink(arm)
         self.assertTrue(gone, "a worker of the killed aggregator is still alive, holding its shared memory")
-        proc, url = self.start(sd, shm, faults, False)   # at once: nothing left holds the memory
+        proc, url = self.start(sd, self.shm, faults, False)   # at once: nothing left holds the memory
         self.wait_round(url, 2)                          # round 1, spooled, merges after the restart
         self.stop_at_round_2(proc, sd)
 
