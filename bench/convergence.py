@@ -145,7 +145,8 @@ def federated(cfg, arm, ctx, launcher, site_args=(), outer=None, fed_args=()):
         sites = [harness.launch_site(launcher, name, shaped(svc, ctx.get("link"), links), ctx["manifest"],
                                      log_dir=os.path.join(arm_dir, "logs"), nproc=1, parallel="ddp",
                                      runs_dir=os.path.join(arm_dir, "sites"),
-                                     train_args=common_args(cfg, ctx["steps"], ctx["warmup"]) + list(site_args))
+                                     train_args=common_args(cfg, ctx["steps"], ctx["warmup"]) + list(site_args)
+                                     + list(ctx.get("site_args", ())))
                  for name in ("alpha", "beta")]
         done = harness.wait_for(lambda: all(p.poll() is not None for p in sites), ctx["timeout_s"], 0.5)
     finally:

@@ -41,6 +41,13 @@ An arm whose sites run --overlap reaches FedMom and the blob store through a WAN
 per site (--link-mbit, --link-latency-ms: bench/wan_relay.py), so its utilisation says what
 overlap hides; the others run on plain loopback, where the loss is the same and a round
 costs less (--link-all: every arm on the link).
+Where an overlapped site folds theta_global in decides what overlap costs (the fold column and
+the "Overlap alone" table): at H = 12 this model's phase is ~0.3 s, shorter than any WAN round
+trip's fixed latencies (polls, the wait for the other site, the merge), so every fold lands a
+whole phase late; a real site's phase is minutes. --step-ms N makes every inner step last at
+least N ms on every arm (train.py --throttle-ms; a sleep: the loss does not move) so that the
+round trip is the share of a phase it would be at a real site: e.g. --step-ms 100 with the
+default 5 Mbit/s link, where an fp32 exchange takes about one phase (1.5 s).
 Figures, per arm: its outer setting; up and down B/param per site and round (the files as
 sent, headers included: bench/wire_formats.py's columns); util = time in inner steps /
 (that + the round trip outside them), both sites, and idle s per site and round; merged
@@ -96,6 +103,7 @@ class TricksConfig(convergence.BenchConfig):
     link_mbit: float = 5.0
     link_latency_ms: float = 50.0
     link_all: bool = False
+    step_ms: int = 0
     gap_model: str | None = None         # default GAP_MODEL; --quick none
     gap_seeds: int = 1
     timeout_min: float = 30.0
@@ -129,6 +137,8 @@ class TricksConfig(convergence.BenchConfig):
                              f"so 0 to {self.seeds}")
         if not 0 < self.sweep_frac <= 1:
             raise SystemExit(f"--sweep-frac {self.sweep_frac}: a share of the corpus, in (0, 1]")
+        if self.step_ms < 0:
+            raise SystemExit(f"--step-ms {self.step_ms}: a duration, >= 0")
         if self.corpus_mb <= 0 or self.batch_size < 1:
             raise SystemExit("--corpus-mb and --batch-size must be positive")
         return self
@@ -178,7 +188,7 @@ def arm_summary(runs, arm, kind="main", model=None):
     return {"seeds": [r["seed"] for r in mine], "heldout": {r["seed"]: r["heldout"] for r in mine},
             "vs_f32": spread(paired(runs, arm, "f32", kind, model).values()),
             "vs_ddp": spread(paired(runs, arm, "ddp", kind, model).values()),
-            **{k: mean(k) for k in ("up", "down", "phase_s", "util", "idle", "rounds", "wall_s")}}
+            **{k: mean(k) for k in ("up", "down", "phase_s", "util", "idle", "fold", "rounds", "wall_s")}}
 
 
 def num(v, spec):
@@ -229,6 +239,15 @@ def phase_s(r):
     return statistics.fmean(x["inner_s"] for x in rows) if rows else None
 
 
+def fold_at(r, h):
+    """An --overlap run's mean share of the next phase trained before theta_global came and was
+    folded in (0.1: after a tenth of it; 1.0: at its end, the whole phase a round late), over
+    both sites' deltas but the last ones (no next phase); None without --overlap."""
+    rows = wire_formats.site_rows(r["sites"]) if r.get("sites") else []
+    late = [(x["fold_step"] - x["step"]) / h for x in rows if x.get("fold_step") and x["fold_step"] > x["step"]]
+    return statistics.fmean(late) if late else None
+
+
 def corpus(cfg, out, name, mb):
     """One tokenized share of the stdlib corpus -> the ctx fields its runs read."""
     m = harness.tokenize(os.path.join(out, name), mb * 1e6, cfg.seq_len, cfg.heldout_windows)
@@ -270,7 +289,8 @@ class Bench:
                              *(["twin"] if arm == TWIN else []))
         link = (cfg.link_mbit, cfg.link_latency_ms) if self.on_link(arm) else None
         ctx = dict(data, out=where, init=self.init(cfg.model, seed), params=self.params[cfg.model],
-                   timeout_s=cfg.timeout_min * 60, link=link)
+                   timeout_s=cfg.timeout_min * 60, link=link,
+                   site_args=["--throttle-ms", str(cfg.step_ms)] if cfg.step_ms else [])
         label = f"{kind} {cfg.model} {arm} seed {seed}" + (f" outer {fmt_outer(outer)}" if kind == "sweep" else "")
         r = convergence.timed_arm(label, lambda: wire_formats.run_arm(cfg, "f32" if arm == TWIN else arm, ctx,
                                                                       self.launcher, outer), cfg, ctx)
@@ -292,7 +312,8 @@ class Bench:
             row.update(heldout=r["heldout"], wall_s=round(r["wall_s"], 1), train_eval=r.get("train_eval"),
                        rounds=len(r["rounds"]) if r.get("rounds") is not None else None,
                        coverage=r.get("coverage"),
-                       phase_s=phase_s(r), **{k: r.get(k) for k in ("up", "down", "payload", "util", "idle")})
+                       phase_s=phase_s(r), fold=fold_at(r, self.cfg.inner_steps),
+                       **{k: r.get(k) for k in ("up", "down", "payload", "util", "idle")})
         self.runs.append(row)
         self.est_done += self.plan.pop(0) if self.plan else 0.0
         spent = time.monotonic() - self.t0
@@ -322,7 +343,8 @@ def sweep(bench):
 def plan(cfg, main, sweep_data, speeds):
     """[estimated seconds of each run, in the order they run] and its breakdown as text."""
     def fed(data, model):
-        return OVERHEAD_S + ROUND_S * rounds_of(cfg, data) + tokens(cfg, data) / speeds[model][1]
+        return (OVERHEAD_S + ROUND_S * rounds_of(cfg, data) + tokens(cfg, data) / speeds[model][1]
+                + data["steps"] * cfg.step_ms / 1e3)
 
     def ddp(model):
         return OVERHEAD_S / 2 + tokens(cfg, main) / speeds[model][1]
@@ -374,6 +396,9 @@ def run(cfg: TricksConfig):
             print(f"WAN-shaped link per site ({'every arm' if cfg.link_all else 'the --overlap arms'}): "
                   f"{cfg.link_mbit:g} Mbit/s each way, {cfg.link_latency_ms:g} ms; an fp32 delta or theta of "
                   f"{cfg.model} ({4 * n / 1e6:.2f} MB) takes {4 * n * 8 / (cfg.link_mbit * 1e6):.2f} s", flush=True)
+        if cfg.step_ms:
+            print(f"every inner step lasts at least {cfg.step_ms} ms (train.py --throttle-ms): a phase of H = "
+                  f"{cfg.inner_steps} steps at least {cfg.inner_steps * cfg.step_ms / 1e3:.2f} s", flush=True)
         if cfg.sweep:
             sweep(bench)
         else:
@@ -446,7 +471,7 @@ def report(cfg, bench):
                   f"{main['train_windows']:,} windows x {cfg.seq_len} tokens; link: WAN-shaped ({link} per site) or "
                   f"lo(opback); ratios to the f32 arm and to DDP of the SAME seed, in % (mean, min, max, std):", "",
               f"  {'arm':<18} {'outer':>7} {'link':>4} {'up B/p':>7} {'down B/p':>8} {'phase s':>7} {'util':>5} "
-              f"{'idle s':>6} {'rounds':>6}  {'vs f32':>8} {'min':>8} {'max':>8} {'std':>6}  {'vs DDP':>8} {'min':>8} "
+              f"{'idle s':>6} {'fold':>4} {'rounds':>6}  {'vs f32':>8} {'min':>8} {'max':>8} {'std':>6}  {'vs DDP':>8} {'min':>8} "
               f"{'max':>8} {'std':>6} {'min/run':>7}"]
     for arm in (["ddp"] if cfg.ddp else []) + cfg.arm_list:
         s = arm_summary(bench.runs, arm)
@@ -458,19 +483,45 @@ def report(cfg, bench):
         vs_f32, vs_ddp = (s["vs_f32"] if arm != "f32" else None), (s["vs_ddp"] if arm != "ddp" else None)
         lines.append(f"  {arm:<18} {outer:>7} {lk:>4} {num(s['up'], '.3f'):>7} {num(s['down'], '.3f'):>8} "
                      f"{num(s['phase_s'], '.2f'):>7} {num(s['util'], '.2f'):>5} {num(s['idle'], '.2f'):>6} "
+                     f"{num(s.get('fold'), '.2f'):>4} "
                      f"{num(s['rounds'], '.0f'):>6}  "
                      f"{fmt_spread(vs_f32)}  {fmt_spread(vs_ddp)} {num(s['wall_s'] and s['wall_s'] / 60, '.1f'):>7}")
     lines += ["", "  held-out loss per seed:" + "".join(f"{f'seed {s}':>10}" for s in cfg.seed_list)]
     for arm in (["ddp"] if cfg.ddp else []) + cfg.arm_list:
         h = arm_summary(bench.runs, arm)["heldout"]
         lines.append(f"  {arm:<23}" + "".join(f"{h[s]:>10.4f}" if s in h else f"{'-':>10}" for s in cfg.seed_list))
+    lines += overlap_lines(cfg, bench)
     lines += gap_lines(cfg, bench)
     lines += ["", "  up/down: the files as sent per site and round (headers included); phase s: a phase's inner steps;",
               "  util: time in inner steps / (that + send + wait + download; under --overlap the settle time",
-              "  instead), both sites; idle s: that remainder per site and round. f32-twin, where run: the f32",
-              "  arm again on the same seed (what a rerun alone moves: the leases' split between the sites",
-              "  follows their timing)."]
+              "  instead), both sites; idle s: that remainder per site and round; fold (--overlap): the share",
+              "  of the next phase trained before theta_global came and was folded in (1.00: the whole phase",
+              "  a round late). f32-twin, where run: the f32 arm again on the same seed (what a rerun alone",
+              "  moves: the leases' split between the sites follows their timing)."]
     return "\n".join(lines)
+
+
+def unlapped(arm):
+    """The arm an --overlap arm is the overlapped twin of (same formats, no overlap), or None."""
+    for tail in ("-overlap-end", "-overlap", "-eager"):
+        if arm.endswith(tail):
+            return arm[:-len(tail)]
+    return None
+
+
+def overlap_lines(cfg, bench):
+    """Each --overlap arm against its own non-overlapped arm of the same seed (where both ran):
+    what overlap alone costs, beside where its folds landed."""
+    pairs = [(a, unlapped(a)) for a in cfg.arm_list if unlapped(a) in cfg.arm_list]
+    if not pairs:
+        return []
+    lines = ["", "Overlap alone: each --overlap arm against the same formats not overlapped, same seed:", "",
+             f"  {'arm':<20} {'against':<12} {'util':>5} {'fold':>4}  {'cost':>8} {'min':>8} {'max':>8} {'std':>6}"]
+    for arm, base in pairs:
+        s = arm_summary(bench.runs, arm)
+        lines.append(f"  {arm:<20} {base:<12} {num(s['util'], '.2f'):>5} {num(s.get('fold'), '.2f'):>4}  "
+                     f"{fmt_spread(spread(paired(bench.runs, arm, base).values()))}")
+    return lines
 
 
 def gap_lines(cfg, bench):
@@ -539,6 +590,10 @@ def main(argv=None):
     p.add_argument("--link-latency-ms", type=float, default=d.link_latency_ms,
                    help=f"its added one-way latency, ms (default {d.link_latency_ms:g})")
     p.add_argument("--link-all", action="store_true", help="every federated arm on the link, not only --overlap's")
+    p.add_argument("--step-ms", type=int, default=d.step_ms,
+                   help="every site's inner step lasts at least this long (train.py --throttle-ms; default 0): "
+                        "a phase as long, next to the round trip's fixed latencies, as a real site's (the loss "
+                        "does not move; where an --overlap arm's fold lands does: the fold column)")
     p.add_argument("--gap-model", help=f"the second model size for the DiLoCo-vs-DDP gap (default {GAP_MODEL}; "
                                        "--quick none; none: skip)")
     p.add_argument("--gap-seeds", type=int, default=d.gap_seeds, help=f"its seeds, the first N (default {d.gap_seeds})")

@@ -3,8 +3,10 @@
 second model size's runs stay out of the main table, and the flags that cannot go
 together are refused naming them. The runs themselves are bench/wire_formats.py's and
 bench/convergence.py's (run by `make bench`); these are the figures made from them."""
+import json
 import os
 import sys
+import tempfile
 import unittest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,14 +81,62 @@ class TableTest(unittest.TestCase):
         self.assertIn("1.6200 (22)*", swept["int4-both"])                       # not the diverged one
         int4 = next(line for line in lines if line.startswith("  int4-both ") and "(22)" not in line)
         self.assertEqual(int4.split()[1:4], ["1/0", "lo", "0.570"])             # its setting, loopback, up B/param
-        self.assertEqual(int4.split()[9:12], ["+0.60%", "+0.20%", "+1.00%"])     # vs f32: mean, min, max
+        self.assertEqual(int4.split()[8], "-")                                  # no fold: not overlapped
+        self.assertEqual(int4.split()[10:13], ["+0.60%", "+0.20%", "+1.00%"])    # vs f32: mean, min, max
         gap = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith("  qwen3-")}
         self.assertEqual(gap["qwen3-mini"][6], "+5.00%")
         self.assertEqual(gap["qwen3-tiny"][3], "3")                             # seeds of the tiny gap
         self.assertNotIn("nan", text.split("WAN tricks")[1])                   # the diverged setting stays in the sweep
 
 
+class OverlapTest(unittest.TestCase):
+    def write_rows(self, d, rows_by_site):
+        for site, rows in rows_by_site.items():
+            os.makedirs(os.path.join(d, site))
+            with open(os.path.join(d, site, "metrics.jsonl"), "w") as f:
+                for r in rows:
+                    f.write(json.dumps(dict(r, split="federation")) + "\n")
+                f.write(json.dumps({"split": "train", "step": 99, "fold_step": 1}) + "\n")   # not a federation row
+
+    def test_the_fold_is_the_share_of_the_next_phase_trained_before_theta_came(self):
+        with tempfile.TemporaryDirectory() as d:
+            # alpha folded 3 and 6 steps into its next phases (H = 12), beta at a phase's end;
+            # the last deltas (fold_step == step: no next phase) and rows without overlap count nothing
+            self.write_rows(d, {"alpha": [{"step": 12, "fold_step": 15}, {"step": 24, "fold_step": 30},
+                                          {"step": 36, "fold_step": 36}],
+                                "beta": [{"step": 12, "fold_step": 24}, {"step": 24}]})
+            self.assertAlmostEqual(wan_tricks.fold_at({"sites": d}, 12), (0.25 + 0.5 + 1.0) / 3)
+        with tempfile.TemporaryDirectory() as d:
+            self.write_rows(d, {"alpha": [{"step": 12}], "beta": [{"step": 12}]})
+            self.assertIsNone(wan_tricks.fold_at({"sites": d}, 12))
+        self.assertIsNone(wan_tricks.fold_at({"sites": None}, 12))
+
+    def test_each_overlap_arm_is_paired_with_its_own_non_overlapped_arm(self):
+        self.assertEqual([wan_tricks.unlapped(a) for a in ("int4-both-overlap", "f32-eager", "f32-overlap-end",
+                                                          "int4-both", "sparseloco")],
+                         ["int4-both", "f32", "f32", None, None])
+        cfg = wan_tricks.TricksConfig(arms="f32,int4-both,int4-both-overlap,f32-eager", gap_model="none",
+                                      sweep=False).validate()
+        bench = wan_tricks.Bench(cfg, "unused", None, {"train_windows": 1, "steps": 1}, None)
+        bench.runs = [run("main", "f32", 0, 1.50), run("main", "int4-both", 0, 1.50),
+                      run("main", "int4-both-overlap", 0, 1.53, util=0.99, fold=0.4),
+                      run("main", "f32", 1, 1.60), run("main", "int4-both", 1, 1.58),
+                      run("main", "int4-both-overlap", 1, 1.58 * 1.01, util=0.97, fold=0.2),
+                      run("main", "f32-eager", 1, 1.60 * 1.1)]
+        lines = {line.split()[0]: line.split() for line in wan_tricks.overlap_lines(cfg, bench)[3:]}
+        self.assertEqual(lines["int4-both-overlap"][1:4], ["int4-both", "0.98", "0.30"])
+        self.assertEqual(lines["int4-both-overlap"][4:7], ["+1.50%", "+1.00%", "+2.00%"])   # to int4-both, not f32
+        self.assertEqual(lines["f32-eager"][4], "+10.00%")
+        self.assertEqual(wan_tricks.overlap_lines(wan_tricks.TricksConfig(arms="f32,int4-both", gap_model="none")
+                                                  .validate(), bench), [])
+
+
 class ConfigTest(unittest.TestCase):
+    def test_a_negative_step_time_is_refused(self):
+        with self.assertRaises(SystemExit) as e:
+            wan_tricks.TricksConfig(step_ms=-1, gap_model="none").validate()
+        self.assertIn("--step-ms -1", str(e.exception))
+
     def test_rounds_and_inner_steps_together_are_refused_naming_both(self):
         with self.assertRaises(SystemExit) as e:
             wan_tricks.TricksConfig(rounds=40, inner_steps=12).validate()
