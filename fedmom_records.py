@@ -60,6 +60,22 @@ class History:
             return last
         return None
 
+    def last_tokens(self, cluster):
+        """The tokens of `cluster`'s merged delta in the last record that merged one, or None
+        (the quorum rule's expectation of what it brings to a round)."""
+        for rec in reversed(self.records):
+            mine = [o["tokens"] for o in rec.get("outcomes", ()) if o["cluster"] == cluster
+                    and o.get("outcome") == "merged"]
+            if mine:
+                return mine[-1]
+        return None
+
+    def round_lengths(self, last):
+        """Seconds each of the last `last` records took from its round's opening to its merge's
+        end (wall_s + merge_s); records without wall_s are skipped."""
+        return [r["wall_s"] + (r.get("merge_s") or 0.0) for r in list(self.records)[-last:]
+                if isinstance(r.get("wall_s"), (int, float))]
+
     def outcomes_of(self, cluster):
         """`cluster`'s outcomes in the last merged round that had one of its deltas."""
         for rec in reversed(self.records):
@@ -83,16 +99,21 @@ class History:
         return twice
 
 
-def round_record(new, batch, stats, reason, late, wall_s, wall, excluded, dropped, members):
+def round_record(new, batch, stats, reason, late, wall_s, wall, excluded, dropped, members, period_s=None,
+                 quorum=None):
     """Round `new`'s record: its merged deltas (`batch`, fedmom_round.Pending) with the merge's
     `stats`, why it closed, the live members that sent nothing (`late`), the seconds it was
-    open, the deltas it excluded and the members it dropped."""
+    open, the deltas it excluded and the members it dropped; the seconds since the round
+    before closed (`period_s`, None for the first round of a process) and the quorum rule
+    it closed under (`quorum`, None when the rule did not apply)."""
     clusters = {}
     for p, w, c, dn in zip(batch, stats["weights"], stats["scales"], stats["delta_norms"]):
         drift = dn / stats["theta_norm"] if stats["theta_norm"] > 0 else None
         key = p.cluster if p.cluster not in clusters else f"{p.cluster}@{p.incarnation}"
+        waited = None if p.arrived_s is None else round(max(0.0, wall_s - p.arrived_s), 3)
         clusters[key] = {"incarnation": p.incarnation, "tokens": p.tokens, "weight": round(w, 6),
-                         "drift": drift, "delta_norm": p.norm, "clip_scale": round(c, 6), **p.metrics}
+                         "drift": drift, "delta_norm": p.norm, "clip_scale": round(c, 6),
+                         "arrived_s": p.arrived_s, "waited_s": waited, **p.metrics}
     losses = [(p.tokens, p.metrics["loss"]) for p in batch if "loss" in p.metrics]
     ltok = sum(t for t, _ in losses)
     loss = sum(t * l for t, l in losses) / ltok if ltok else None
@@ -109,7 +130,7 @@ def round_record(new, batch, stats, reason, late, wall_s, wall, excluded, droppe
             "drift_mean": sum(drifts) / len(drifts) if drifts else None,
             "drift_max": max(drifts) if drifts else None,
             "tokens_per_s": sum(tps) if tps else None,
-            "wall_s": wall_s, "merge_s": round(stats["merge_s"], 3),
+            "wall_s": wall_s, "merge_s": round(stats["merge_s"], 3), "period_s": period_s, "quorum": quorum,
             "timings": {"accept_s": [p.accept_s for p in batch], "custody_s": [round(p.custody_s, 3) for p in batch],
                         "merge_s": round(stats["merge_s"], 3)},
             "outcomes": outcomes, "clip": stats["clip"], "momentum_reset": stats["momentum_reset"],

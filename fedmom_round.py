@@ -25,11 +25,17 @@ What the open round accepts. Only from the live incarnation of a member (409 not
   DARL custody a delta must name its leases. A retried upload of a delta the round holds
   gets the first reply again (duplicate). A delta whose checks fail is excluded, named.
 When the round merges (Phase). It closes when it holds a delta and every live member has
-  sent one (or had it excluded), or --round-deadline-s after its first delta; and only
-  when every delta in it is in confirmed custody (the round WAITS for DARL, past the
-  deadline too, never merging around it), when deltas restored from the spool were
-  checked against DARL's custody (reconciliation), when the last failed merge has
-  backed off for MERGE_RETRY_S, and never in a fenced process. No delta, no round.
+  sent one (or had it excluded), or --round-deadline-s after its first delta, or a grace
+  after its quorum (below); and only when every delta in it is in confirmed custody (the
+  round WAITS for DARL, past the deadline too, never merging around it), when deltas
+  restored from the spool were checked against DARL's custody (reconciliation), when the
+  last failed merge has backed off for MERGE_RETRY_S, and never in a fenced process. No
+  delta, no round. The quorum (--quorum Q < 1): the tokens that arrived reach Q x the
+  tokens expected (those, plus for each live member still owing the tokens of its last
+  merged delta, or the mean of the members that have one), and stay so for the grace,
+  --grace-frac x the median length of the last QUORUM_RECORDS rounds (x --phase-s while
+  fewer than QUORUM_MIN_RECORDS exist). No member with a merged delta, or no grace known:
+  no quorum, the round waits as without it. The straggler's delta is then stale, as ever.
 A delta's custody (Custody, CUSTODY_MOVES; move() refuses any other step loudly):
   none -> (no --darl: nothing to hold)
   unconfirmed -> confirmed      DARL holds its leases for this aggregator
@@ -79,7 +85,11 @@ EVENTS_KEPT = 500             # membership events kept in state.json (for the pa
 MERGE_RETRY_S = 30.0          # a merge that failed (a full disk) is tried again after this
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 METRIC_KEYS = ("loss", "tokens_per_s", "mfu", "tflops_per_rank", "peak_mem_gib", "inner_s",
-               "heldout_loss", "heldout_round")     # held-out: the site's last eval of theta_global <round>
+               "heldout_loss", "heldout_round",     # held-out: the site's last eval of theta_global <round>
+               "steps", "step_s", "budget_s", "cycle_s", "util", "wait_s")     # a time-budgeted phase's figures
+ENDED_BY = ("clock", "lease", "data", "steps")     # metrics.ended_by: what ended the site's phase (a string)
+QUORUM_RECORDS = 8            # the grace is a fraction of the median round length of this many last records
+QUORUM_MIN_RECORDS = 3        # fewer records than this: the grace is a fraction of --phase-s, if given
 
 
 class Custody:
@@ -184,6 +194,7 @@ class Pending:
     norm: float | None = None     # L2 norm of the delta (float64), measured at acceptance
     accept_s: float = 0.0  # seconds its checks took at acceptance (decoding a compressed delta)
     custody_s: float = 0.0 # seconds DARL took to take its leases into custody at upload (not kept)
+    arrived_s: float | None = None   # seconds after its round opened that it was admitted (restored: 0)
 
     @classmethod
     def from_json(cls, m):
@@ -238,16 +249,32 @@ def parse_delta_meta(meta):
     metrics = {} if metrics is None else metrics     # absent or null; [] or "" is refused below
     if not isinstance(metrics, dict):
         raise Refused(400, "metrics must be a JSON object")
+    try:
+        out["metrics"] = clean_metrics(metrics, strict=True)
+    except ValueError as e:
+        raise Refused(400, str(e))
+    return out
+
+
+def clean_metrics(metrics, strict):
+    """The metrics we keep of a site's dict: METRIC_KEYS as floats and "ended_by" as one of
+    ENDED_BY; anything else is left out. strict (a delta's metadata): a known key with a bad
+    value is a ValueError naming what it may be; else (a heartbeat) it is left out too."""
     clean = {}
     for k in METRIC_KEYS:
         v = metrics.get(k)
         if v is None:
             continue
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-            raise Refused(400, f"metrics.{k} must be a finite number, got {v!r}")
-        clean[k] = float(v)
-    out["metrics"] = clean
-    return out
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            clean[k] = float(v)
+        elif strict:
+            raise ValueError(f"metrics.{k} must be a finite number, got {v!r}")
+    v = metrics.get("ended_by")
+    if v in ENDED_BY:
+        clean["ended_by"] = v
+    elif v is not None and strict:
+        raise ValueError(f"metrics.ended_by must be one of {', '.join(ENDED_BY)}, got {v!r}")
+    return clean
 
 
 # ---------------------------------------------------------------- the books owed to DARL
@@ -465,8 +492,10 @@ class RoundTable:
     aggregator decides. The caller serialises the calls (one lock) and does the I/O each
     decision asks for; the rules are the module docstring's."""
 
-    def __init__(self, member_timeout_s=300.0, round_deadline_s=1800.0, custody=False, retry_s=10.0, say=None):
+    def __init__(self, member_timeout_s=300.0, round_deadline_s=1800.0, custody=False, retry_s=10.0, say=None,
+                 quorum=1.0, grace_frac=0.2, phase_s=None):
         self.round_deadline_s = round_deadline_s
+        self.quorum, self.grace_frac, self.phase_s = quorum, grace_frac, phase_s    # --quorum, --grace-frac, --phase-s
         self.custody = custody            # --darl: every delta's leases go into DARL custody
         self.say = say or (lambda msg: None)
         self.roster = Roster(member_timeout_s, self.say)
@@ -477,6 +506,10 @@ class RoundTable:
         self.pending = {}                 # (cluster, incarnation) -> Pending
         self.excluded, self.dropped = [], []
         self.first_delta_at, self.retry_merge_at, self.round_opened_at = None, 0.0, 0.0
+        self.quorum_at = None             # when the open round last reached its quorum (None: not reached)
+        self.closing_quorum = None        # the quorum rule as it stood at close(): the record's "quorum"
+        self.last_closed_at = None        # when the last merged round closed (None: none since this start)
+        self.closing_at = None            # close time of the round finish() made a record of
         self.inherited = set()            # confirmed delta ids restored from the spool, not yet reconciled
         self.requesting = set()           # delta ids whose custody an upload is asking DARL for now
         self.reconciled = False
@@ -528,14 +561,14 @@ class RoundTable:
         check_id(cluster, "cluster"), check_id(incarnation, "incarnation")
         self.drop_silent(now, wall)
         self.roster.join(cluster, incarnation, self.round, now, wall)
-        return self.reply(cluster)
+        return {**self.reply(cluster, now), "phase_s": self.phase_s}
 
     def heartbeat(self, cluster, incarnation, now, metrics=None):
         """A member's heartbeat -> its Member (the caller may wait for the round while it stays one)."""
         m = self.roster.member(cluster, incarnation, self.round)
         m.last_seen = now
         if isinstance(metrics, dict):
-            m.metrics = {k: v for k, v in metrics.items() if k in METRIC_KEYS and isinstance(v, (int, float))}
+            m.metrics = clean_metrics(metrics, strict=False)
         return m
 
     def leave(self, cluster, incarnation, wall):
@@ -545,13 +578,21 @@ class RoundTable:
     def drop_silent(self, now, wall):
         self.dropped += self.roster.drop_silent(self.round, now, wall)
 
-    def reply(self, cluster):
-        """What a member's join or heartbeat is told (it may have left while its heartbeat waited)."""
+    def reply(self, cluster, now):
+        """What a member's join or heartbeat is told (it may have left while its heartbeat waited):
+        round_age_s, how long the open round has been open, and waiting_on, the live members it
+        still waits for (none while it merges), let a site see whether it is the straggler."""
         return {"round": self.round, "merging": self.merging, "members": sorted(self.members),
                 "sent": cluster in self.members and self.responded(cluster),
                 "heartbeat_s": round(self.roster.timeout_s / 4, 3),
+                "round_age_s": round(now - self.round_opened_at, 3),
+                "waiting_on": [] if self.merging else self.waiting(),
                 "deltas": self.history.outcomes_of(cluster) + [o for o in self.open_outcomes()
                                                                if o["cluster"] == cluster]}
+
+    def waiting(self):
+        """The live members that have not answered the open round, sorted."""
+        return sorted(c for c in self.members if not self.responded(c))
 
     def responded(self, cluster):
         """Has the live incarnation of `cluster` sent this round's delta (or had it excluded)?"""
@@ -576,6 +617,7 @@ class RoundTable:
         if meta["tokens"] == 0:
             why = "tokens is 0: a delta that trained on nothing has no weight"
             self.exclude(meta, why, wall)
+            self.note_quorum(now)
             raise Refused(400, f"{why}; do not send it (this round no longer waits for it)",
                           code="bad_delta", round=self.round)
         if self.custody and not meta["leases"]:
@@ -614,17 +656,19 @@ class RoundTable:
 
     def admit(self, p, now):
         """p (spooled) is in the round; its upload asks DARL for its custody itself, until asked()."""
+        p.arrived_s = round(now - self.round_opened_at, 3)
         self.pending[(p.cluster, p.incarnation)] = p
         self.requesting.add(p.delta_id)
         if self.first_delta_at is None:
             self.first_delta_at = now
+        self.note_quorum(now)
 
     def asked(self, p):
         self.requesting.discard(p.delta_id)
 
     def accepted(self, p):
         """The upload's reply (once its custody was asked for)."""
-        waiting = sorted(c for c in self.members if not self.responded(c))
+        waiting = self.waiting()
         self.say(f"fedmom: delta from {p.cluster} for round {self.round}: {p.tokens:,} tokens, "
                  f"{len(p.leases)} lease(s), custody {p.custody}; waiting for {waiting or 'nobody'}")
         return {"accepted": True, "round": self.round, "waiting_for": waiting, "custody": p.custody}
@@ -654,9 +698,17 @@ class RoundTable:
 
     # ---- a start: the spool and the records handed back
 
+    def started(self, now):
+        """A start: the open round counts from `now`, and the deltas restore() handed back
+        arrived at its opening (their arrived_s is 0)."""
+        self.round_opened_at = now
+        for p in self.pending.values():
+            p.arrived_s = 0.0
+
     def restore(self, p, now):
         """A delta the spool kept for this round, whole: it merges, live member or not; one whose
-        custody was confirmed merges only once reconcile() saw DARL still holds it."""
+        custody was confirmed merges only once reconcile() saw DARL still holds it (started()
+        then dates its arrival)."""
         self.pending[(p.cluster, p.incarnation)] = p
         if p.custody == Custody.CONFIRMED and self.custody:
             self.inherited.add(p.delta_id)
@@ -740,12 +792,60 @@ class RoundTable:
         self.reconciled, self.inherited = True, set()
         return gone
 
+    # ---- the quorum rule (--quorum, --grace-frac, --phase-s)
+
+    def expected_tokens(self):
+        """cluster -> the tokens each live member is expected to bring to a round: those of its
+        delta in the last record that merged one, else the mean of the members known so; None
+        when no live member has a merged delta on record (the quorum rule cannot apply)."""
+        known = {c: t for c in self.members if (t := self.history.last_tokens(c)) is not None}
+        if not known:
+            return None
+        mean = sum(known.values()) / len(known)
+        return {c: known.get(c, mean) for c in self.members}
+
+    def grace_s(self):
+        """The quorum's grace: --grace-frac x the median length (wall_s + merge_s) of the last
+        QUORUM_RECORDS records, once QUORUM_MIN_RECORDS exist; before, x --phase-s; else None."""
+        lengths = sorted(self.history.round_lengths(QUORUM_RECORDS))
+        if len(lengths) >= QUORUM_MIN_RECORDS:
+            n = len(lengths)
+            return self.grace_frac * (lengths[n // 2] + lengths[(n - 1) // 2]) / 2
+        return None if self.phase_s is None else self.grace_frac * self.phase_s
+
+    def quorum_view(self):
+        """The quorum rule as the open round stands, or None where it does not apply (--quorum
+        1, no grace known yet, no history): {"fraction", "grace_s", "expected_tokens" (what
+        arrived + what each live member still owing is expected to bring), "arrived_tokens",
+        "reached"}."""
+        grace, expect = (self.grace_s(), self.expected_tokens()) if self.quorum < 1.0 else (None, None)
+        if grace is None or expect is None:
+            return None
+        arrived = sum(p.tokens for p in self.pending.values())
+        total = arrived + sum(expect[c] for c in self.waiting())
+        return {"fraction": self.quorum, "grace_s": round(grace, 3), "expected_tokens": round(total),
+                "arrived_tokens": arrived, "reached": arrived > 0 and arrived >= self.quorum * total}
+
+    def note_quorum(self, now):
+        """quorum_at: `now` when the round reaches its quorum, kept while it holds, None once it
+        does not (a delta gone, a member joined); called on every arrival and at every phase()."""
+        view = self.quorum_view()
+        if not (view and view["reached"]):
+            self.quorum_at = None
+        elif self.quorum_at is None:
+            self.quorum_at = now
+
+    def grace_passed(self, now):
+        view = self.quorum_view()
+        return self.quorum_at is not None and view is not None and now >= self.quorum_at + view["grace_s"]
+
     # ---- closing, merging, finishing a round
 
     def phase(self, now):
         """Where the round stands (Phase), checked in the order of the rules."""
         if self.merging:
             return Phase.MERGING
+        self.note_quorum(now)
         if not self.pending:
             return Phase.EMPTY
         if now < self.retry_merge_at:
@@ -756,7 +856,8 @@ class RoundTable:
             return Phase.WAITING_CUSTODY
         if self.inherited and not self.reconciled:
             return Phase.WAITING_RECONCILE
-        if any(not self.responded(c) for c in self.members) and now - self.first_delta_at < self.round_deadline_s:
+        if (self.waiting() and now - self.first_delta_at < self.round_deadline_s
+                and not self.grace_passed(now)):
             return Phase.COLLECTING
         return Phase.READY
 
@@ -764,17 +865,24 @@ class RoundTable:
         """Why the round may merge now, or None (see phase())."""
         if self.phase(now) != Phase.READY:
             return None
-        waiting = [c for c in self.members if not self.responded(c)]
+        waiting = self.waiting()
         if not waiting:
             return "every live member sent its delta"
-        return f"deadline of {self.round_deadline_s:g} s passed without {sorted(waiting)}"
+        if now - self.first_delta_at >= self.round_deadline_s:
+            return f"deadline of {self.round_deadline_s:g} s passed without {waiting}"
+        q = self.quorum_view()
+        return (f"quorum: {100 * q['arrived_tokens'] / q['expected_tokens']:.0f}% of the "
+                f"{q['expected_tokens']:,} tokens expected arrived; grace {round(q['grace_s'], 2):g} s "
+                f"passed without {waiting}")
 
     def close(self, now):
         """READY -> MERGING: (its deltas, the members that sent none, `now`)."""
         if self.phase(now) != Phase.READY:
             raise IllegalMove(f"round {self.round} closed in phase {self.phase(now)}, not {Phase.READY}")
         self.merging = True
-        return list(self.pending.values()), sorted(c for c in self.members if not self.responded(c)), now
+        q = self.quorum_view()
+        self.closing_quorum = q and {k: q[k] for k in ("fraction", "grace_s", "expected_tokens")}
+        return list(self.pending.values()), self.waiting(), now
 
     def drop_at_merge(self, p, why, wall):
         """A delta the merge left out (it would make theta not finite): excluded, its custody aborted."""
@@ -782,8 +890,8 @@ class RoundTable:
         self._take_out(p)
 
     def reopen(self):
-        """MERGING -> open, the same round: nothing was left to merge."""
-        self.merging = False
+        """MERGING -> open, the same round: nothing was left to merge; its quorum is counted anew."""
+        self.merging, self.quorum_at = False, None
         if not self.pending:
             self.first_delta_at = None
 
@@ -799,8 +907,10 @@ class RoundTable:
             if p.custody not in (Custody.NONE, Custody.CONFIRMED):
                 move(p.custody, Custody.COMMIT_OWED, f"{p.cluster}'s delta {p.delta_id}")   # raises
         new = self.round + 1
+        period = None if self.last_closed_at is None else round(closed_at - self.last_closed_at, 3)
         rec = round_record(new, batch, stats, reason, late, round(closed_at - self.round_opened_at, 3), wall,
-                           self.excluded, self.dropped, sorted(self.members))
+                           self.excluded, self.dropped, sorted(self.members), period, self.closing_quorum)
+        self.closing_at = closed_at
         self.books.violations["blocks_trained_twice"] += self.history.trained_twice(rec)
         for p in batch:
             if p.custody == Custody.CONFIRMED:
@@ -821,6 +931,7 @@ class RoundTable:
                 p.custody = move(p.custody, Custody.COMMIT_OWED)
         self.pending, self.excluded, self.dropped = {}, [], []
         self.first_delta_at, self.merging, self.round_opened_at = None, False, now
+        self.quorum_at, self.last_closed_at = None, self.closing_at
 
     # ---- reading
 
@@ -830,8 +941,12 @@ class RoundTable:
         members = [{"cluster": c, "incarnation": m.incarnation, "heard_s_ago": round(now - m.last_seen, 1),
                     "sent": self.responded(c), "metrics": m.metrics} for c, m in sorted(self.members.items())]
         deadline = None if self.first_delta_at is None else round(self.first_delta_at + self.round_deadline_s - now, 1)
+        q = self.quorum_view()
+        if q is not None:
+            q["reached_s_ago"] = None if self.quorum_at is None else round(now - self.quorum_at, 1)
         return {"round": self.round, "merging": self.merging, "members": members,
                 "pending": sorted(c for c, _ in self.pending), "deadline_in_s": deadline,
+                "phase_s": self.phase_s, "quorum": q, "round_age_s": round(now - self.round_opened_at, 1),
                 "outcomes": self.open_outcomes(), "excluded": list(self.excluded), "dropped": list(self.dropped),
                 "pending_commits": len(b.commits), "pending_aborts": len(b.aborts),
                 "aggregator": b.aggregator, "violations": dict(b.violations), "epoch": b.shown_epoch(self.custody),

@@ -20,7 +20,7 @@ the three loops below drive its rounds, its calls to DARL and the blob store's r
         --round-deadline-s 1800 --member-timeout-s 300 --blob-url https://127.0.0.1:29512
         --darl https://127.0.0.1:29510 --ca-file ca.pem --token-file FILE
         --darl-token-file AGGREGATOR_TOKEN_FILE --tls-cert server.pem --tls-key server.key
-        --down-wire int4 --down-wire-block 128 --keep-rounds 3]
+        --down-wire int4 --down-wire-block 128 --keep-rounds 3 --phase-s 600 --quorum 0.5 --grace-frac 0.2]
     # what is it doing?
     python fedmom_server.py status --url https://127.0.0.1:29511 [--token-file FILE --ca-file ca.pem]
 
@@ -46,16 +46,23 @@ theta_r downloads the update (~0.52 B/param in int4, ~0.27 in int2) and adds it 
 same bits; one without it (new, requeued, more than one round behind) downloads theta.
 
 Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."}):
-    POST /join       {cluster, incarnation}          -> {round, heartbeat_s, outer, ...} (outer: {lr,
-                     momentum, nesterov}, the merge's step, for a site's --overlap-fold eager); 409 if
-                     another incarnation of that cluster is live (second job: --replica)
+    POST /join       {cluster, incarnation}          -> {round, heartbeat_s, outer, phase_s, ...} (outer:
+                     {lr, momentum, nesterov}, the merge's step, for a site's --overlap-fold eager;
+                     phase_s: --phase-s, the seconds a phase should train, null when not offered);
+                     409 if another incarnation of that cluster is live (second job: --replica)
     POST /heartbeat  {cluster, incarnation, metrics?, wait_round_after?, wait_s?}
                      -> {round, deltas, ...}; with wait_round_after it long-polls until the round
                      passes it (or wait_s). 409 {"code": "not_member"}: join again.
+                     Both replies carry round_age_s (seconds the open round has been open) and
+                     waiting_on (the live members it still waits for, sorted; [] while it merges).
     POST /leave      {cluster, incarnation}
     POST /delta_check  the delta's metadata alone: the same 4xx a real upload would get
     PUT  /delta      body = the delta file; metadata in the X-Delta-Meta header (JSON):
                      {cluster, incarnation, base_round, tokens, leases: [...], metrics: {...}}
+                     metrics: the numbers fedmom_round.METRIC_KEYS (loss, tokens_per_s, ..., steps,
+                     step_s, budget_s, cycle_s, util, wait_s) and ended_by, one of "clock", "lease",
+                     "data", "steps"; another value is a 400 (a heartbeat's metrics drop it instead).
+                     A delta's land in its record's "clusters" entry, a heartbeat's in /status "members"
     POST /delta_blob {...the same metadata..., blob, sha256}: the delta sits in blobstore
     GET  /theta      the current theta_global file (X-Round header names its round)
     GET  /theta_blob publishes it to the blob store once per round -> {blob, sha256, round};
@@ -78,10 +85,13 @@ unconfirmed, and its round waits: it never merges a delta whose blocks DARL has 
 reserved for it. Under --darl a delta must name its leases (400 otherwise).
 A round closes when every live member has sent its delta (or had it excluded: a delta
 of tokens 0 is refused with 400 bad_delta AND counts as the member's answer), or
---round-deadline-s after its first delta, and every delta in it is in confirmed
-custody; it merges what arrived. A member silent for --member-timeout-s is dropped (it
-may join again). No live member, or a round with no delta, is normal: nothing is
-merged and the round number stays.
+--round-deadline-s after its first delta, or --grace-frac x the recent round length after
+its quorum (the tokens arrived reach --quorum x those expected; fedmom_round.py's docstring
+has the rule, FEDERATION_GUIDE.md how to choose the three flags), and every delta in it is
+in confirmed custody; it merges what arrived, and a delta for it sent later is a 409
+stale_round. A member silent for --member-timeout-s is dropped (it may join again). No
+live member, or a round with no delta, is normal: nothing is merged and the round number
+stays.
 
 The merge is robust to finite but hostile deltas (fedmom_merge.py): each delta is
 scaled to at most --clip-factor (10) x the median delta norm of the round and of the
@@ -103,13 +113,19 @@ each delta is one outcome object
     excluded (NaN/Inf, wrong names, shapes or dtypes, tokens 0, a merge that would not
     be finite, custody refused or lost) with why; "excluded" keeps its v1 shape plus
     base_round, tokens and leases. Records of v 1 have no "outcomes", of v 2 no
-    "delta"/"pieces".
+    "delta"/"pieces". Each "clusters" entry has "arrived_s" (seconds after the round
+    opened that its delta was admitted; 0 for one restored at a start) and "waited_s"
+    (seconds it then waited for the close); the record has "period_s" (seconds since the
+    round before closed, null for the first round of a process) and "quorum" ({"fraction",
+    "grace_s", "expected_tokens"} when the quorum rule applied, else null).
   - POST /join and /heartbeat replies: "deltas" = this cluster's outcomes in the last
     merged round that had one, then the current round's (pending or excluded). After
     wait_round_after(base_round) returns, the entry with that base_round says merged
     (the server commits its custody in DARL) or excluded (the site releases what is
     left of its leases in DARL, so the blocks are trained again).
-  - GET /status: "outcomes" of the current round, and "recent" round records.
+  - GET /status: "outcomes" of the current round, and "recent" round records; also
+    "phase_s", "round_age_s" and "quorum" (the rule as the open round stands: fraction,
+    grace_s, expected_tokens, arrived_tokens, reached, reached_s_ago; null where it does not apply).
 An excluded delta is also refused at upload (400 or 422, code "bad_delta"); that reply
 is the first word, since an exclusion not yet in a record lives in memory only (one
 excluded at the merge is told through the heartbeat's "deltas").
@@ -163,7 +179,7 @@ import wire
 from fedmom_blobs import SWEEP_RETRY_S, BlobLink, BlobRetention
 from fedmom_darl import DarlLink
 from fedmom_records import format_record
-from fedmom_round import Refused
+from fedmom_round import QUORUM_MIN_RECORDS, QUORUM_RECORDS, Refused
 from fedmom_state import FedMomState, ServerConfig
 from fedmom_store import log
 
@@ -385,6 +401,10 @@ def print_status(url, token=None, last=10, ca_file=None):
               f"{'sent' if m['sent'] else 'training'}")
     if st["deadline_in_s"] is not None:
         print(f"round closes by deadline in {st['deadline_in_s']:.0f} s")
+    q = st.get("quorum")
+    if q and q["reached_s_ago"] is not None:
+        print(f"quorum reached {q['reached_s_ago']:.0f} s ago ({q['arrived_tokens']:,} of {q['expected_tokens']:,} "
+              f"tokens expected); the round closes {q['grace_s']:g} s after it")
     print("last merges:")
     for r in st["recent"][-last:]:
         print("  " + format_record(r).removeprefix("fedmom: "))
@@ -443,6 +463,17 @@ def _server_parser():
                    help="seconds after a round's first delta before it merges without the rest (default 1800)")
     p.add_argument("--member-timeout-s", type=float, default=300.0,
                    help="seconds without a heartbeat before a member is dropped (default 300)")
+    p.add_argument("--phase-s", type=float, default=None,
+                   help="the round cadence offered to every site: seconds a phase should train, told in the "
+                        "join reply (default: none offered)")
+    p.add_argument("--quorum", type=float, default=None,
+                   help="a round closes a grace after the tokens that arrived reach this fraction, in (0, 1], of "
+                        f"the tokens it expects (default {fedmom_state.QUORUM_WITH_PHASE} with --phase-s, else "
+                        "1: wait for every live member)")
+    p.add_argument("--grace-frac", type=float, default=fedmom_state.GRACE_FRAC,
+                   help="the grace after a round's quorum, as a fraction in (0, 1] of the median length of the "
+                        f"last {QUORUM_RECORDS} rounds (of --phase-s before {QUORUM_MIN_RECORDS} rounds merged; "
+                        f"default {fedmom_state.GRACE_FRAC})")
     p.add_argument("--blob-url", help="blob store URL (blobstore.py, :29512) for the blob transport (default: none)")
     p.add_argument("--darl", help="DARL coordinator URL (:29510): every accepted delta's leases go into custody "
                                   "there, and are committed once merged (default: none, no accounting)")
@@ -565,7 +596,8 @@ def main(argv):
                        clip_factor=a.clip_factor, accept_config_change=a.accept_config_change,
                        down_wire=a.down_wire, down_wire_block=a.down_wire_block,
                        keep_rounds=a.keep_rounds, checkpoint_rounds=a.checkpoint_rounds,
-                       threads=a.threads, merge_procs=a.merge_procs).validate()
+                       threads=a.threads, merge_procs=a.merge_procs, phase_s=a.phase_s, quorum=a.quorum,
+                       grace_frac=a.grace_frac).validate()
     serve(cfg, a)
 
 

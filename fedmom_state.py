@@ -110,6 +110,8 @@ from outer_defaults import OUTER_LR, OUTER_MOMENTUM
 
 KEEP_ROUNDS = 3               # --keep-rounds default: blobs of the current round and the 2 before it
 CHECKPOINT_ROUNDS = 4         # --checkpoint-rounds default: theta, momentum, residual written every 4 rounds
+QUORUM_WITH_PHASE = 0.5       # --quorum default once --phase-s is given (without it: 1, wait for everyone)
+GRACE_FRAC = 0.2              # --grace-frac default: the grace is a fifth of the recent round length
 
 
 def _is_int(v):
@@ -139,6 +141,16 @@ class ServerConfig:
     checkpoint_rounds: int = CHECKPOINT_ROUNDS   # the outer state is written whole every this many rounds
     threads: int | None = None        # the merge's and the codec's threads (None: $WIRE_THREADS or every core)
     merge_procs: int | None = None    # the round's worker processes (merge_pool.py; None: every core; 1: none)
+    phase_s: float | None = None      # the round cadence offered to every site (None: not offered)
+    quorum: float | None = None       # fraction of a round's expected tokens that closes it after the grace
+    grace_frac: float = GRACE_FRAC    # the quorum's grace, as a fraction of the recent round length
+
+    def round_quorum(self):
+        """--quorum as the rounds use it: given, else 0.5 with --phase-s (sites on a cadence:
+        a straggler costs the others a grace, not a round), else 1 (wait for every live member)."""
+        if self.quorum is not None:
+            return self.quorum
+        return QUORUM_WITH_PHASE if self.phase_s is not None else 1.0
 
     def down_codec(self):
         """The update's wire.Codec, or None (--down-wire f32: sites download the full theta)."""
@@ -166,6 +178,7 @@ class ServerConfig:
             raise SystemExit(f"--clip-factor {self.clip_factor} must be 0 (off) or >= 1 (10: clip a delta "
                              "to 10 x the median norm)")
         self.down_codec()
+        self.validate_cadence()
         if not (_is_int(self.keep_rounds) and self.keep_rounds >= 1):
             raise SystemExit(f"--keep-rounds {self.keep_rounds} must be an integer >= 1 (default {KEEP_ROUNDS}: the "
                              "blob store keeps the theta and update blobs of the current round and the "
@@ -188,6 +201,17 @@ class ServerConfig:
                 raise SystemExit(f"--init {e}; pass the file `train.py --export-init` wrote") from None
         return self
 
+    def validate_cadence(self):
+        """--phase-s, --quorum, --grace-frac (the quorum rule: fedmom_round.py's docstring)."""
+        if self.phase_s is not None and not (self.phase_s > 0 and math.isfinite(self.phase_s)):
+            raise SystemExit(f"--phase-s {self.phase_s} must be a positive number of seconds (the round cadence "
+                             "offered to every site), or left out")
+        if self.quorum is not None and not 0 < self.quorum <= 1:
+            raise SystemExit(f"--quorum {self.quorum} must be a fraction in (0, 1] of the tokens a round expects "
+                             f"(default {QUORUM_WITH_PHASE} with --phase-s, else 1: wait for every live member)")
+        if not 0 < self.grace_frac <= 1:
+            raise SystemExit(f"--grace-frac {self.grace_frac} must be in (0, 1] (default {GRACE_FRAC}: the grace "
+                             "after a round's quorum is that fraction of the recent round length)")
 
 
 # ---------------------------------------------------------------- a start: what a state dir may be resumed with
@@ -274,7 +298,8 @@ class FedMomState:
         self.cfg, self.clock, self.wall, self.darl = cfg, clock, wall, darl
         self.dir = os.path.abspath(cfg.state_dir)
         self.table = fedmom_round.RoundTable(cfg.member_timeout_s, cfg.round_deadline_s, custody=darl is not None,
-                                             retry_s=cfg.darl_retry_s, say=log)
+                                             retry_s=cfg.darl_retry_s, say=log, quorum=cfg.round_quorum(),
+                                             grace_frac=cfg.grace_frac, phase_s=cfg.phase_s)
         self.books, self.history = self.table.books, self.table.history
         self.ledger = fedmom_store.Ledger(self.dir, self.table, cfg.fsync)
         self.ledger.outer_step = (cfg.outer_lr, cfg.outer_momentum)
@@ -294,7 +319,7 @@ class FedMomState:
         if self.outer is None:                # (a new state dir holds it already: round 0 from --init)
             self.keeper.rebuild(at_start=True)
         self.ledger.read_records()
-        self.table.round_opened_at = self.clock()
+        self.table.started(self.clock())
         if darl is not None:
             self.books.fence_request(secrets.token_hex(8))
         self.ledger.save()          # the fence claim is durable before DARL is asked for an epoch
@@ -372,7 +397,7 @@ class FedMomState:
                 self.ledger.cond.wait(timeout=min(left, 1.0))
             if t.members.get(cluster) is m:
                 m.last_seen = self.clock()
-            return t.reply(cluster)
+            return t.reply(cluster, self.clock())
 
     def leave(self, cluster, incarnation):
         with self.ledger.change() as t:
@@ -613,5 +638,6 @@ class FedMomState:
             return {**self.table.status(self.clock()), **self.keeper.status(), "merge_error": self.merge_error,
                     "config": {"outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum,
                                "round_deadline_s": cfg.round_deadline_s, "member_timeout_s": cfg.member_timeout_s,
+                               "phase_s": cfg.phase_s, "quorum": cfg.round_quorum(), "grace_frac": cfg.grace_frac,
                                "blob": bool(cfg.blob_url), "darl": bool(cfg.darl),
                                "darl_retry_s": cfg.darl_retry_s, "down_wire": cfg.down_wire}}

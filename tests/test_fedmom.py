@@ -759,6 +759,56 @@ class CrashTest(FedMomFixture):
         proc.wait(timeout=30)
 
 
+class QuorumServerTest(FedMomFixture):
+    """fedmom_server.py with --phase-s and --quorum: a round whose quorum arrived merges a grace
+    later without the straggler, whose delta for it is then stale; the replies say the cadence,
+    the round's age and whom it waits on."""
+    start = CrashTest.start
+
+    def test_a_round_merges_without_the_straggler_once_its_quorum_arrived(self):
+        # the grace is 0.001 x --phase-s = 0.06 s: the first round-loop tick after alpha's delta closes it
+        proc, url = self.start(os.path.join(self.dir, "st"), "--init", self.init, "--phase-s", "60",
+                               "--quorum", "0.5", "--grace-frac", "0.001")
+        alpha, beta = (fedmom_client.FedMomClient(url, c, f"{c}-inc") for c in ("alpha", "beta"))
+        self.assertEqual(alpha.join()["phase_s"], 60.0)
+        beta.join()
+        for client, tokens in ((alpha, 30), (beta, 10)):        # round 0: no history, so it waits for both
+            client.send_delta(self.delta()[0], 0, tokens, [], {"ended_by": "clock", "util": 0.9})
+        self.assertEqual(alpha.wait_round_after(0, timeout_s=120), 1)
+        reply = beta.heartbeat()
+        self.assertEqual(reply["waiting_on"], ["alpha", "beta"])
+        self.assertIsInstance(reply["round_age_s"], float)
+        alpha.send_delta(self.delta()[0], 1, 30, [], {})        # 30 of 30 + beta's 10 expected: 75%
+        self.assertEqual(alpha.wait_round_after(1, timeout_s=120), 2)
+        with self.assertRaises(fedmom_client.StaleRound) as cm:   # the client's name for 409 stale_round
+            beta.send_delta(self.delta()[0], 1, 10, [], {})
+        self.assertEqual(cm.exception.current_round, 2)
+        first, second = httpc.call(url, "GET", "/status")["recent"]
+        self.assertEqual((first["reason"], first["quorum"], first["period_s"]),
+                         ("every live member sent its delta", None, None))
+        self.assertEqual({k: first["clusters"]["alpha"][k] for k in ("ended_by", "util")},
+                         {"ended_by": "clock", "util": 0.9})
+        self.assertEqual(second["reason"], "quorum: 75% of the 40 tokens expected arrived; "
+                                           "grace 0.06 s passed without ['beta']")
+        self.assertEqual((second["late"], second["quorum"], list(second["clusters"])),
+                         (["beta"], {"fraction": 0.5, "grace_s": 0.06, "expected_tokens": 40}, ["alpha"]))
+        self.assertIsInstance(second["period_s"], float)
+        self.assertIsInstance(second["clusters"]["alpha"]["waited_s"], float)
+        proc.kill()
+        proc.wait(timeout=30)
+
+    def test_the_cadence_flags_are_checked_and_the_quorum_defaults_with_phase_s(self):
+        cfg = lambda **kw: fs.ServerConfig(os.path.join(self.dir, "st"), **kw)
+        self.assertEqual((cfg().round_quorum(), cfg(phase_s=60.0).round_quorum(),
+                          cfg(phase_s=60.0, quorum=0.25).round_quorum()), (1.0, 0.5, 0.25))
+        for kw, flag in (({"phase_s": 0.0}, "--phase-s"), ({"phase_s": float("inf")}, "--phase-s"),
+                         ({"quorum": 0.0}, "--quorum"), ({"quorum": 1.5}, "--quorum"),
+                         ({"grace_frac": 0.0}, "--grace-frac"), ({"grace_frac": float("nan")}, "--grace-frac")):
+            with self.subTest(kw=kw), self.assertRaises(SystemExit) as cm:
+                cfg(**kw).validate()
+            self.assertTrue(str(cm.exception.code).startswith(flag), cm.exception.code)
+
+
 class DownstreamTest(FedMomFixture):
     """--down-wire against a real fedmom_server process: a site holding round r gets r+1 as
     an update and holds the server's theta bit for bit, through a server SIGKILL and a new

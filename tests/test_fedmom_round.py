@@ -30,10 +30,11 @@ class Table:
     """A RoundTable driven the way FedMomState drives it, minus the files: deltas are admitted
     as if spooled, custody answers are handed in. Every reply and log line is kept."""
 
-    def __init__(self, custody=True, members=("lumi", "snellius"), deadline_s=100.0, timeout_s=60.0):
+    def __init__(self, custody=True, members=("lumi", "snellius"), deadline_s=100.0, timeout_s=60.0, **rule):
         self.said, self.now, self.wall = [], T0, WALL0
-        self.t = RoundTable(timeout_s, deadline_s, custody=custody, say=self.said.append)
+        self.t = RoundTable(timeout_s, deadline_s, custody=custody, say=self.said.append, **rule)
         self.t.books.aggregator = "fedmom-test"
+        self.t.started(self.now)
         self.n = 0
         for c in members:
             self.t.join(c, f"{c}-inc", self.now, self.wall)
@@ -42,11 +43,11 @@ class Table:
         self.now += s
         self.wall += s
 
-    def send(self, cluster, tokens=10, leases=None, base_round=None):
+    def send(self, cluster, tokens=10, leases=None, base_round=None, metrics=None):
         meta = self.t.check_delta({"cluster": cluster, "incarnation": f"{cluster}-inc", "tokens": tokens,
                                    "base_round": self.t.round if base_round is None else base_round,
-                                   "leases": [{"id": 7, "start": 0, "end": 5}] if leases is None else leases},
-                                  self.now, self.wall)
+                                   "leases": [{"id": 7, "start": 0, "end": 5}] if leases is None else leases,
+                                   "metrics": metrics}, self.now, self.wall)
         self.n += 1
         p = self.t.new_pending(meta, f"{self.n:04d}", f"/spool/{cluster}.safetensors", f"/spool/{cluster}.json",
                                1000, 0.5, 0.01, self.wall)
@@ -202,6 +203,176 @@ class PhaseTest(unittest.TestCase):
         self.assertEqual(x.t.phase(x.now), Phase.READY)
         x.t.books.stop("fenced")
         self.assertEqual(x.t.phase(x.now), Phase.FENCED)
+
+
+class QuorumTest(unittest.TestCase):
+    """--quorum, --grace-frac, --phase-s: a round closes a grace after the deltas that arrived
+    hold Q of the tokens it expects, never earlier, and not at all without the history to expect from."""
+
+    def table(self, members=("alpha", "beta"), **rule):
+        return Table(custody=False, members=members, **{"quorum": 0.5, "grace_frac": 0.2, "phase_s": 10.0, **rule})
+
+    def full_round(self, x, tokens, length_s=1.0):
+        """Every member sends (tokens: cluster -> tokens), `length_s` after the round opened -> its record."""
+        x.tick(length_s)
+        for c, n in tokens.items():
+            x.send(c, tokens=n)
+        return x.merge()
+
+    def test_quorum_reached_closes_the_round_once_the_grace_passed(self):
+        x = self.table()
+        self.full_round(x, {"alpha": 8192, "beta": 4096})
+        self.assertEqual(x.t.grace_s(), 2.0)                      # 0.2 x --phase-s: fewer than 3 records
+        x.tick(1)
+        x.send("alpha", tokens=8192)                              # 8192 of 8192 + 4096 expected: 67%
+        self.assertEqual(x.t.quorum_at, x.now)
+        x.tick(1.999)
+        self.assertEqual((x.t.phase(x.now), x.t.ready(x.now)), (Phase.COLLECTING, None))
+        x.tick(0.001)
+        self.assertEqual(x.t.ready(x.now), "quorum: 67% of the 12,288 tokens expected arrived; "
+                                           "grace 2 s passed without ['beta']")
+        rec = x.merge()
+        self.assertEqual((rec["late"], rec["quorum"]),
+                         (["beta"], {"fraction": 0.5, "grace_s": 2.0, "expected_tokens": 12288}))
+        self.assertEqual((rec["clusters"]["alpha"]["arrived_s"], rec["clusters"]["alpha"]["waited_s"]), (1.0, 2.0))
+        self.assertEqual(rec["period_s"], 3.0)                    # close to close
+        self.assertIsNone(x.t.quorum_at, "a new round counts its quorum anew")
+        with self.assertRaises(Refused) as cm:                    # beta's delta for the merged round
+            x.send("beta", tokens=4096, base_round=1)
+        self.assertEqual(cm.exception.extra["code"], "stale_round")
+
+    def test_below_the_quorum_the_round_waits_for_the_deadline(self):
+        x = self.table(quorum=0.7)
+        self.full_round(x, {"alpha": 8192, "beta": 4096})
+        x.send("alpha", tokens=8192)                              # 67% < 70%
+        x.tick(99.9)
+        self.assertIsNone(x.t.quorum_at)
+        self.assertEqual(x.t.phase(x.now), Phase.COLLECTING)
+        x.tick(0.1)
+        self.assertIn("deadline of 100 s passed", x.t.ready(x.now))
+
+    def test_quorum_1_never_closes_early(self):
+        x = self.table(quorum=1.0)
+        self.full_round(x, {"alpha": 8192, "beta": 4096})
+        x.send("alpha", tokens=100_000)                           # far more than expected: still waits
+        x.tick(99.9)
+        self.assertEqual((x.t.phase(x.now), x.t.quorum_view()), (Phase.COLLECTING, None))
+        x.tick(0.1)
+        self.assertEqual(x.merge()["quorum"], None)
+
+    def test_no_history_no_early_close(self):
+        x = self.table()
+        x.send("alpha", tokens=8192)
+        x.tick(99.9)
+        self.assertEqual((x.t.expected_tokens(), x.t.quorum_view(), x.t.phase(x.now)), (None, None, Phase.COLLECTING))
+        y = self.table(phase_s=None)                              # history but no grace known yet
+        for _ in range(2):
+            self.full_round(y, {"alpha": 8192, "beta": 4096})
+        y.send("alpha", tokens=8192)
+        y.tick(99.9)
+        self.assertEqual((y.t.grace_s(), y.t.phase(y.now)), (None, Phase.COLLECTING))
+
+    def test_a_member_that_left_does_not_count(self):
+        x = self.table(members=("alpha", "beta", "gamma"))
+        self.full_round(x, {"alpha": 4096, "beta": 4096, "gamma": 8192})
+        x.send("alpha", tokens=4096)                              # 4096 of 16384: 25%
+        x.tick(5)
+        self.assertEqual((x.t.phase(x.now), x.t.quorum_at), (Phase.COLLECTING, None))
+        x.t.leave("gamma", "gamma-inc", x.wall)                   # 4096 of 8192: 50%
+        self.assertEqual(x.t.phase(x.now), Phase.COLLECTING)
+        self.assertEqual(x.t.quorum_at, x.now)
+        x.tick(2)
+        self.assertEqual(x.t.ready(x.now), "quorum: 50% of the 8,192 tokens expected arrived; "
+                                           "grace 2 s passed without ['beta']")
+
+    def test_a_quorum_lost_is_counted_anew(self):
+        x = self.table()
+        self.full_round(x, {"alpha": 8192, "beta": 4096})
+        x.send("alpha", tokens=8192)
+        x.tick(1)
+        x.t.join("gamma", "gamma-inc", x.now, x.wall)             # expected 6144 more: 8192 of 18432
+        self.assertEqual((x.t.phase(x.now), x.t.quorum_at), (Phase.COLLECTING, None))
+        x.t.leave("gamma", "gamma-inc", x.wall)
+        x.tick(1)
+        self.assertEqual((x.t.phase(x.now), x.t.quorum_at), (Phase.COLLECTING, x.now))
+        x.tick(2)
+        self.assertEqual(x.t.phase(x.now), Phase.READY)
+
+    def test_expected_tokens_come_from_the_last_merged_delta_and_a_newcomer_gets_the_mean(self):
+        x = self.table()
+        self.full_round(x, {"alpha": 8192, "beta": 4096})
+        self.full_round(x, {"alpha": 1000, "beta": 4096})
+        x.t.join("gamma", "gamma-inc", x.now, x.wall)
+        self.assertEqual(x.t.expected_tokens(), {"alpha": 1000, "beta": 4096, "gamma": 2548.0})
+        x.send("beta", tokens=4096)
+        view = x.t.quorum_view()
+        self.assertEqual((view["expected_tokens"], view["arrived_tokens"]), (4096 + 1000 + 2548, 4096))
+
+    def test_the_grace_is_a_fraction_of_the_median_round_once_three_merged(self):
+        x = self.table(grace_frac=0.5)
+        for length in (10.0, 30.0, 20.0):
+            self.assertEqual(x.t.grace_s(), 5.0)                  # 0.5 x --phase-s until 3 records
+            self.full_round(x, {"alpha": 8192, "beta": 4096}, length_s=length)
+        self.assertEqual(x.t.grace_s(), 0.5 * 20.25)              # wall_s 20 + merge_s 0.25
+        self.full_round(x, {"alpha": 8192, "beta": 4096}, length_s=40.0)
+        self.assertEqual(x.t.grace_s(), 0.5 * 25.25)              # the median of four: (20.25 + 30.25) / 2
+
+    def test_a_reopened_round_counts_its_quorum_anew(self):
+        x = self.table()
+        self.full_round(x, {"alpha": 8192, "beta": 4096})
+        p = x.send("alpha", tokens=8192)
+        x.tick(2)
+        x.t.close(x.now)
+        x.t.drop_at_merge(p, "not finite", x.wall)                # nothing left to merge
+        x.t.reopen()
+        self.assertIsNone(x.t.quorum_at)
+
+    def test_replies_say_how_old_the_round_is_and_whom_it_waits_on(self):
+        x = self.table()
+        self.assertEqual(x.t.join("alpha", "alpha-inc", x.now, x.wall)["phase_s"], 10.0)
+        self.assertIsNone(Table(members=("a",)).t.join("a", "a-inc", T0, WALL0)["phase_s"])
+        x.tick(1.5)
+        x.send("alpha")
+        reply = x.t.reply("alpha", x.now)
+        self.assertEqual((reply["round_age_s"], reply["waiting_on"], reply["sent"]), (1.5, ["beta"], True))
+        x.send("beta")
+        x.t.close(x.now)
+        self.assertEqual(x.t.reply("beta", x.now)["waiting_on"], [])
+        st = x.t.status(x.now)
+        self.assertEqual((st["phase_s"], st["quorum"]), (10.0, None))        # no history yet
+
+    def test_a_restored_delta_arrived_at_the_start(self):
+        x = self.table()
+        p = x.send("alpha")
+        x.tick(5)
+        y = self.table()
+        y.t.restore(p, y.now)
+        y.t.started(y.now)
+        y.send("beta")
+        y.tick(1)
+        rec = y.merge()
+        self.assertEqual((rec["clusters"]["alpha"]["arrived_s"], rec["clusters"]["alpha"]["waited_s"]), (0.0, 1.0))
+        self.assertIsNone(rec["period_s"], "the first round of a process")
+
+    def test_phase_metrics_are_kept_and_ended_by_names_what_it_may_be(self):
+        x = self.table()
+        metrics = {"steps": 120, "step_s": 0.5, "budget_s": 60, "cycle_s": 75.5, "util": 0.8, "wait_s": 15.5,
+                   "ended_by": "clock"}
+        kept = {**{k: float(v) for k, v in metrics.items() if k != "ended_by"}, "ended_by": "clock"}
+        for bad, says in (({"ended_by": "tired"}, "metrics.ended_by must be one of clock, lease, data, steps"),
+                          ({"ended_by": 3}, "metrics.ended_by must be one of"),
+                          ({"util": "high"}, "metrics.util must be a finite number")):
+            with self.subTest(bad=bad), self.assertRaises(Refused) as cm:
+                x.send("alpha", metrics=bad)
+            self.assertEqual(cm.exception.status, 400)
+            self.assertIn(says, cm.exception.reason)
+        m = x.t.heartbeat("alpha", "alpha-inc", x.now, {**metrics, "ended_by": "tired", "junk": 1, "util": True})
+        self.assertEqual(m.metrics, {k: v for k, v in kept.items() if k not in ("ended_by", "util")})
+        x.t.heartbeat("alpha", "alpha-inc", x.now, metrics)
+        self.assertEqual(x.t.members["alpha"].metrics, kept)
+        self.assertEqual(x.send("alpha", metrics=metrics).metrics, kept)
+        x.send("beta")
+        self.assertEqual({k: v for k, v in x.merge()["clusters"]["alpha"].items() if k in kept}, kept)
 
 
 class CustodyTest(unittest.TestCase):
@@ -362,7 +533,7 @@ class ReplayTest(unittest.TestCase):
             x.t.heartbeat("lumi", "lumi-inc", x.now)
             x.t.heartbeat("snellius", "snellius-inc", x.now)
             x.t.drop_silent(x.now, x.wall)
-            out.append(x.t.reply("lumi"))
+            out.append(x.t.reply("lumi", x.now))
             out.append(x.merge())
             for c in list(x.t.books.commits):
                 x.t.books.settle("commit", c, Answer(OK, {"state": "committed"}))
