@@ -137,6 +137,7 @@ class LeaseClient:
         return self._rpc("POST", "/commit", {k: v for k, v in body.items() if v is not None}, deadline)
 
     def release(self, cluster, incarnation, lease_ids=(), leave=False, deadline=None):
+        """lease_ids: ids, or {"lease": id, "from": pos} to give back only [pos, end) of one."""
         return self._rpc("POST", "/release", {"cluster": cluster, "incarnation": incarnation,
                                               "leases": list(lease_ids), "leave": leave}, deadline)
 
@@ -306,6 +307,39 @@ class LeaseSession:
                 if h.start >= h.end:
                     del self._held[span.lease]
         return reply
+
+    def trim(self, span, end, deadline=None):
+        """The phase trained only [span.start, end) of `span` (train.py --diloco-phase-s: the
+        clock ended it on a block boundary): give [end, span's lease end) back to the pool
+        now (DARL's release with "from"), keep [span.start, end) live in the lease, and
+        -> that Span, to send and settle in the span's place. Nobody trained the tail, so
+        it may be anybody's next; the part kept is settled like any span (custody and commit
+        by the aggregator, or released). deadline: as commit's."""
+        if not span.start < end <= span.end:
+            raise ValueError(f"trim: {end} is not inside span {span.as_ints()}")
+        cut = Span(span.lease, span.start, end)
+        with self._cond:
+            t0 = self._handed_at.pop(span, None)
+            if t0 is not None:
+                self._handed_at[cut] = t0
+        # under the heartbeat lock: a heartbeat answered before the release and applied after it
+        # would put the old end back, and next_span would hand out blocks already in the pool
+        with self._rpc_lock:
+            with self._cond:
+                if span.lease not in self._held:     # lost meanwhile: nothing of it is ours to give back
+                    return cut
+            try:
+                self.client.release(self.cluster, self.incarnation, [{"lease": span.lease, "from": end}],
+                                    deadline=deadline)
+            except httpc.CallError as e:
+                if e.status not in (404, 409):       # expired or closed: the tail is in the pool anyway
+                    raise
+            with self._cond:
+                h = self._held.get(span.lease)
+                if h is not None:
+                    h.end, h.claimed, h.handed = min(h.end, end), min(h.claimed, end), min(h.handed, end)
+                self._ready = collections.deque(s for s in self._ready if s.lease != span.lease)
+        return cut
 
     def span_done(self, span):
         """Feed the TTL estimate with the time the span has been out (handed out until now),

@@ -296,6 +296,19 @@ def _lease_items(leases):
     return out
 
 
+def _release_items(leases):
+    """[id | {"lease": id, "from": pos}] -> [(id, pos or None)], or a 400."""
+    if not isinstance(leases, list):
+        raise LeaseError(400, "field 'leases' must be a list of lease ids or {lease, from} objects")
+    out = []
+    for item in leases:
+        lid, cut = (item.get("lease"), item.get("from")) if isinstance(item, dict) else (item, None)
+        if not is_int(lid) or (cut is not None and not is_int(cut)):
+            raise LeaseError(400, f"bad lease entry {item!r}: want an integer id and optional integer 'from'")
+        out.append((lid, cut))
+    return out
+
+
 class LeaseTable:
     """The lease state machine over positions [0, M). No I/O, no threads; time
     comes from `now` (or the injected clock), so tests and log replay drive it.
@@ -551,9 +564,14 @@ class LeaseTable:
 
     def release(self, cluster, incarnation, leases=(), leave=False, now=None):
         """Give back the uncommitted part of leases (no attempt counted); leave=True
-        also ends the incarnation, so a requeued job can register at once."""
+        also ends the incarnation, so a requeued job can register at once. A lease named
+        as {"lease": id, "from": pos} gives back only [pos, end): the holder trained up to
+        pos and keeps [start, pos) live (a phase the clock ended early, train.py
+        --diloco-phase-s); pos at or before its start gives back all of it."""
         now = self.clock() if now is None else now
-        ids = [lid for lid, _ in _lease_items(list(leases))]
+        items = _release_items(list(leases))
+        cuts = {lid: cut for lid, cut in items if cut is not None}
+        ids = [lid for lid, _ in items]
         self.expire(now)
         c = self._member(cluster, incarnation)
         for lid in ids:
@@ -565,7 +583,13 @@ class LeaseTable:
         returned = 0
         for lid in ids:
             L = self.leases.get(lid)
-            if L is not None:
+            cut = None if leave else cuts.get(lid)
+            if L is not None and cut is not None and cut > L.start:
+                if cut < L.end:           # the tail only: the lease goes on, shorter
+                    returned += L.end - cut
+                    self.free.add(cut, L.end, L.attempts)
+                    L.end, L.claimed = cut, min(L.claimed, cut)
+            elif L is not None:
                 returned += L.end - L.start
                 self._close(L, "released")
                 self.free.add(L.start, L.end, L.attempts)

@@ -179,6 +179,7 @@ class DemoConfig:
     model: str = "qwen3-tiny"
     batch_size: int = 8
     inner_steps: int = 30
+    phase_s: float = 3.0
     lr: float = 3e-3
     ranks: int = 2
     throttle_ms: int = 40
@@ -197,6 +198,7 @@ class DemoConfig:
                   (self.seq_len >= 8, "--seq-len must be >= 8"),
                   (self.block_size >= 1, "--block-size must be >= 1 window"),
                   (self.inner_steps >= 1, "--inner-steps must be >= 1"),
+                  (self.phase_s >= 0, "--phase-s must be >= 0 (0: phases of --inner-steps steps)"),
                   (self.ranks >= 1, "--ranks must be >= 1"),
                   (self.kill_site in ("alpha", "beta", "none"), "--kill-site must be alpha, beta or none"),
                   (self.kill_after_round >= 1, "--kill-after-round must be >= 1"),
@@ -249,8 +251,10 @@ class Demo:
             f"{c.outer_lr}/{c.outer_momentum}), blob store, on 127.0.0.1")
         say(f"  sites     alpha: torchrun {c.ranks} ranks FSDP2;  beta: torchrun {c.ranks} ranks DDP, "
             f"{c.throttle_ms} ms slower per step")
-        say(f"            each round: {c.inner_steps} inner steps on leased blocks, then the delta "
-            f"goes to FedMom")
+        say(f"            each round: " + (f"{c.phase_s:g} s (FedMom's --phase-s, offered to both sites): each "
+                                      f"trains as many inner steps as fit, then its delta goes to FedMom"
+                                      if c.phase_s else f"{c.inner_steps} inner steps on leased blocks, then the "
+                                      f"delta goes to FedMom"))
         say(f"  fault     {kill}")
         say(f"  ends      when DARL has no block left; then the summary and PASS/FAIL per check")
         say(f"  files     {self.out}/  (wiped first)")
@@ -282,7 +286,7 @@ class Demo:
             darl_args=["--min-ttl", 5, "--default-ttl", ttl, "--max-ttl", ttl, "--restore-grace", ttl],
             fedmom_args=["--outer-lr", c.outer_lr, "--outer-momentum", c.outer_momentum,
                          "--round-deadline-s", c.round_deadline_s, "--member-timeout-s", c.member_timeout_s,
-                         "--darl-retry-s", 2])
+                         "--darl-retry-s", 2] + (["--phase-s", c.phase_s] if c.phase_s else []))
         self.token = self.svc.token
         self.log(f"services: DARL {self.svc.darl}  FedMom {self.svc.fedmom}  blobs {self.svc.blob}")
         self.log(f"status page (while the demo runs): {self.svc.fedmom}/")
@@ -373,8 +377,10 @@ class Demo:
         if c.kill_site == "none" or self.killed is not None or fed.get("round", 0) < c.kill_after_round:
             return
         victim = c.kill_site
-        if not any((r.get("round") or 0) >= c.kill_after_round and r["step"] % c.inner_steps
-                   for r in self.train_rows(victim)):
+        phase_ends = {r["step"] for r in durable.read_jsonl(os.path.join(self.sites_dir, victim, "metrics.jsonl"))
+                      if r.get("split") == "federation"}
+        if not any((r.get("round") or 0) >= c.kill_after_round and r["step"] not in phase_ends
+                   and (c.phase_s or r["step"] % c.inner_steps) for r in self.train_rows(victim)):
             return
         inc = next((m["incarnation"] for m in fed.get("members", []) if m["cluster"] == victim), None)
         self.sites[victim].signal_tree(signal.SIGKILL)
@@ -494,6 +500,7 @@ class Demo:
         out.append(f"Deltas not merged: {len(excluded)} excluded by FedMom, {len(unmerged)} reported unmerged by "
                    f"the sites" + (" (their blocks went back to the pool and were trained again)"
                                    if excluded or unmerged else ""))
+        out += utilisation_lines(site_rows)
         lost = {c["cluster"]: c.get("lost", 0) for c in darl.get("clusters", []) if c.get("lost")}
         if lost:
             out.append("Blocks reclaimed from dead leases (trained again by a live incarnation): "
@@ -516,6 +523,26 @@ class Demo:
         with open(os.path.join(self.out, "summary.txt"), "w") as f:
             f.write(text + "\n")
         return 1 if failed else 0
+
+
+def utilisation_lines(site_rows):
+    """Each site's compute utilisation (its inner steps' seconds over its wall seconds, from the
+    "phase" rows of its metrics.jsonl), its phases' step counts and what ended them."""
+    out = ["Compute utilisation (inner training s / wall s, per phase; a restarted site's jobs together):"]
+    for name, rows in sorted(site_rows.items()):
+        ph = [r for r in rows if r.get("split") == "phase" and r.get("util") is not None]
+        if not ph:
+            out.append(f"  {name}: no phase rows")
+            continue
+        utils = sorted(r["util"] for r in ph)
+        whole = sum(r["inner_s"] for r in ph) / max(sum(r["cycle_s"] for r in ph), 1e-9)
+        ends = {}
+        for r in ph:
+            ends[r.get("ended_by")] = ends.get(r.get("ended_by"), 0) + 1
+        out.append(f"  {name}: median {utils[len(utils) // 2]:.2f}, whole run {whole:.2f} over {len(ph)} phases; "
+                   f"steps per phase {min(r['steps'] for r in ph)}-{max(r['steps'] for r in ph)}; ended by "
+                   + ", ".join(f"{k} {v}" for k, v in sorted(ends.items(), key=lambda kv: str(kv[0]))))
+    return out
 
 
 def run_demo(cfg: DemoConfig):
@@ -554,7 +581,11 @@ def build_parser():
     a("--block-size", type=int, default=d.block_size, help=f"windows per DARL block (default {d.block_size})")
     a("--model", default=d.model, help=f"model (default {d.model})")
     a("--batch-size", type=int, default=d.batch_size, help=f"windows per rank per step (default {d.batch_size})")
-    a("--inner-steps", type=int, default=d.inner_steps, help=f"H, inner steps per round (default {d.inner_steps})")
+    a("--inner-steps", type=int, default=d.inner_steps, help=f"H, inner steps per round with --phase-s 0, and the "
+      f"first phase's lease otherwise (default {d.inner_steps})")
+    a("--phase-s", type=float, default=d.phase_s, help=f"the round's length in s that FedMom offers the sites "
+      f"(fedmom_server.py --phase-s): each site trains as many steps as fit; 0 = H steps a phase "
+      f"(default {d.phase_s:g})")
     a("--lr", type=float, default=d.lr, help=f"inner AdamW peak learning rate (default {d.lr})")
     a("--ranks", type=int, default=d.ranks, help=f"ranks per site (default {d.ranks})")
     a("--throttle-ms", type=int, default=d.throttle_ms, help=f"extra ms per step of site beta (default {d.throttle_ms})")

@@ -318,6 +318,77 @@ def momentum_from_update(lr, mu, steps):
 
 # ----------------------------------------------------------------------------- DiLoCo
 
+class PhaseClock:
+    """Phases measured in time (train.py --diloco-phase-s): a phase runs as many inner steps
+    as fit in its budget, judged from the step time measured on global rank 0, and ends on
+    the same step on every rank by construction. Rank 0 alone judges; after every inner step
+    every rank calls share() once (one broadcast of one integer over `group`), so no rank
+    can leave the phase while another waits in a collective, whatever its own clock says.
+
+    Use (every rank):
+        clock.begin(budget_s)                 # the phase starts
+        ... an inner step ...
+        if clock.after_step(): end the phase  # collective
+        clock.end()                           # the phase's step time feeds the next estimate
+    A caller that ends phases on its own terms (fedphase: on a block boundary) calls
+    share(value) with rank 0's verdict instead of after_step(), and estimate()/elapsed() on
+    rank 0 to make it. `clock`: the time source (seconds; tests give one rank a faster one).
+    """
+
+    def __init__(self, group=None, device=None, clock=None):
+        self.group, self.device = group, torch.device("cpu") if device is None else device
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.clock = clock or time.perf_counter
+        self.step_s = None           # seconds an inner step took in the phases before (a running mean)
+        self.budget_s, self.t0, self.steps, self.first_s, self.paused = None, None, 0, None, 0.0
+
+    def begin(self, budget_s):
+        self.budget_s, self.t0, self.steps, self.first_s, self.paused = budget_s, self.clock(), 0, None, 0.0
+
+    def pause(self, seconds):
+        """`seconds` of the phase that were not inner steps (a fold of theta_global mid-phase)."""
+        self.paused += seconds
+
+    def elapsed(self):
+        return self.clock() - self.t0 - self.paused
+
+    def count(self):
+        """An inner step ended (every rank)."""
+        self.steps += 1
+        if self.steps == 1:
+            self.first_s = self.elapsed()
+
+    def estimate(self):
+        """Seconds the next inner step will take: this phase's mean after its first step (the
+        first may carry a warm-up), else the earlier phases', else the first step's."""
+        if self.steps >= 2:
+            return (self.elapsed() - self.first_s) / (self.steps - 1)
+        return self.step_s if self.step_s is not None else (self.first_s or 0.0)
+
+    def share(self, value):
+        """Rank 0's integer, on every rank (collective over the group)."""
+        if self.world == 1:
+            return int(value)
+        t = torch.tensor([int(value) if self.rank == 0 else 0], dtype=torch.int64, device=self.device)
+        dist.broadcast(t, src=0, group=self.group)
+        return int(t.item())
+
+    def after_step(self):
+        """Collective: True when the phase ends after this step (the next would overrun the budget)."""
+        self.count()
+        stop = self.rank == 0 and self.elapsed() + self.estimate() > self.budget_s
+        return bool(self.share(stop))
+
+    def end(self):
+        """The phase is over: its measured step time moves the estimate for the next phase."""
+        if self.steps >= 2 or (self.steps and self.step_s is None):
+            self.step_s = self.estimate()          # this phase's, its first step left out: a speed-up shows at once
+        elif self.steps:
+            self.step_s = 0.5 * self.step_s + 0.5 * self.elapsed()
+        return self.step_s
+
+
 def _unwrap(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
@@ -330,8 +401,12 @@ class DiLoCo:
     model trains to nothing while every metric looks healthy.
     """
 
-    def __init__(self, model, layout, config: DiLoCoConfig, carrier: OuterCarrier | None = None):
+    def __init__(self, model, layout, config: DiLoCoConfig, carrier: OuterCarrier | None = None,
+                 phase_clock: PhaseClock | None = None, phase_s: float | None = None):
         self.model, self.layout, self.config = _unwrap(model), layout, config
+        # --diloco-phase-s inside one allocation: each phase lasts phase_s seconds of inner
+        # steps, ended on the same step by every rank of every replica (PhaseClock)
+        self.phase_clock, self.phase_s = (phase_clock, phase_s) if phase_s else (None, None)
         self.carrier = carrier if carrier is not None else AllReduceCarrier(layout)
         named = [(n, p) for n, p in self.model.named_parameters()]
         self.names = [n for n, _ in named]
@@ -381,9 +456,24 @@ class DiLoCo:
         """Call after every optimizer step on every rank; returns a metrics row at outer
         steps, which come every H inner steps."""
         self.count_inner_step()
+        if self.phase_clock is not None:
+            if self.phase_clock.t0 is None:
+                self.phase_clock.begin(self.phase_s)
+            if not self.phase_clock.after_step():     # collective: every rank, every step
+                return None
+            self.phase_clock.end()
+            row = self._outer_step()[0]
+            row["step_s"], row["ended_by"] = self.phase_clock.step_s, "clock"
+            self.phase_clock.begin(self.phase_s)
+            return row
         if self.phase_steps >= self.config.inner_steps:
             return self._outer_step()[0]
         return None
+
+    def begin_phase(self):
+        """--diloco-phase-s: the first phase's clock starts now (the loop's first step)."""
+        if self.phase_clock is not None:
+            self.phase_clock.begin(self.phase_s)
 
     def count_inner_step(self):
         """Count an optimizer step without an outer step: for a caller that says itself

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import data
 import durable
 import fedsite
 import shard_wire
@@ -43,7 +44,7 @@ import tensorio
 import testhooks
 import wire
 import wire_torch
-from diloco import DiLoCoConfig, OuterCarrier, OuterResult, local
+from diloco import DiLoCoConfig, OuterCarrier, OuterResult, PhaseClock, local
 from dist_env import ConfigError
 from error_feedback import RankResidual, Residual
 from metrics import peak_memory_gib
@@ -189,6 +190,7 @@ class FedMomCarrier(OuterCarrier):
         self.in_flight = False       # every rank: a round trip runs on rank 0 while the site trains on
         self.busy = None             # rank 0: its fedsite.Background
         self.wait_s = None           # how long the last settle() took (the wait, theta_global, the fold), s
+        self.cadence = None          # phases measured in time: fedphase.Cadence (join); None: H steps
 
     def broadcast_initial(self, tensors):
         """Nothing here: the site loads theta_global (load_global) before its first phase."""
@@ -477,15 +479,84 @@ def join(run):
     site = fedsite.FedSite(cfg, windows, 4 * run.n_params, run.log.log, cfg.central_retry_s) if d.is_main else None
     if site is not None:
         run.log.incarnation = site.incarnation      # the one FedMom and DARL know this process by
-    block_size, darl_seed, _, outer = on_rank0(lambda: site.connect(per_step))
+    block_size, darl_seed, _, outer, offered = on_rank0(lambda: site.connect(per_step))
     eager = eager_settings(cfg, outer, run.log.log) if cfg.overlap and cfg.overlap_fold == "eager" else None
+    phase_s = phase_length(cfg, offered, run.log.log)
     run.source = fedsite.LeasedSource(cfg, windows, block_size, darl_seed, d.rank, d.world_size)
     workdir = os.path.join(run.run_dir, "federation")
     if d.is_main:
         os.makedirs(workdir, exist_ok=True)
-    return site, FedMomCarrier(site, workdir, codec=cfg.wire_codec(), error_feedback=cfg.error_feedback,
-                               fresh=cfg.resume == "none", log=run.log.log, overlap=cfg.overlap,
-                               encode_on=cfg.encode_on, feedback_decay=cfg.wire_feedback_decay, eager=eager)
+    carrier = FedMomCarrier(site, workdir, codec=cfg.wire_codec(), error_feedback=cfg.error_feedback,
+                            fresh=cfg.resume == "none", log=run.log.log, overlap=cfg.overlap,
+                            encode_on=cfg.encode_on, feedback_decay=cfg.wire_feedback_decay, eager=eager)
+    carrier.cadence = Cadence(phase_s, cfg.diloco_inner_steps, per_step, block_size, cfg.overlap,
+                              d.device, d.rank) if phase_s else None
+    return site, carrier
+
+
+def phase_length(cfg, offered, log):
+    """T of phases measured in time: --diloco-phase-s when given (0: off), else the aggregator's
+    offer in its join answer (fedmom_server.py --phase-s), else None (H steps a phase)."""
+    if cfg.diloco_phase_s is not None:
+        t, whence = cfg.diloco_phase_s or None, "--diloco-phase-s"
+    else:
+        t, whence = offered, "the aggregator's --phase-s"
+    if t:
+        log(f"phases measured in time: {t:g} s a round ({whence}), the site's own round trip counted in it; "
+            f"the first phase leases {cfg.diloco_inner_steps} steps' blocks (--diloco-inner-steps) and the "
+            "clock ends it")
+    else:
+        log(f"phases of {cfg.diloco_inner_steps} inner steps (--diloco-inner-steps; "
+            + ("--diloco-phase-s 0)" if cfg.diloco_phase_s == 0 else "the aggregator offers no --phase-s)"))
+    return t
+
+
+class Cadence:
+    """Phases measured in time on a federated site (--diloco-phase-s T, or the aggregator's
+    --phase-s): what the next phase may spend, and how many blocks to lease for it.
+
+    The aim is that every site's delta reaches the aggregator T s after the round opened,
+    whatever the site's speed and link (FEDERATION_GUIDE.md, "Phases measured in time"):
+    a phase that starts `age` s into the open round (the replies say how long it has been
+    open) gets budget = T - age - pre_send, where pre_send is the measured time from the
+    last inner step to the delta's acceptance (checkpoint, encode, upload). Without an age
+    (--overlap: the next phase starts before the round closes; an aggregator that does not
+    say it) the budget is T minus the site's own measured overhead per round (the cycle less
+    its inner steps and its waits). Never below MIN_SHARE x T: a site that starts late still
+    brings something. The lease is sized from budget / the measured step time
+    (diloco.PhaseClock); the clock still ends the phase if the steps slow down.
+    Rank 0 plans (plan(), learn()); every rank holds the PhaseClock, which shares rank 0's
+    verdict after every step."""
+    MIN_SHARE = 0.25
+
+    def __init__(self, phase_s, inner_steps, per_step, block_size, overlap, device, rank):
+        self.phase_s, self.inner_steps, self.per_step, self.block_size = phase_s, inner_steps, per_step, block_size
+        self.overlap = overlap
+        self.clock = PhaseClock(device=device, clock=testhooks.phase_clock(rank))
+        self.pre_send_s = None       # last inner step -> delta accepted, s (running mean)
+        self.overhead_s = None       # a cycle less its inner steps and waits, s (running mean)
+        self.budget_s = self.predicted = None
+
+    def budget(self, site, held_round):
+        age = None if self.overlap else site.round_age(held_round)
+        if age is not None:
+            b = self.phase_s - age - (self.pre_send_s or 0.0)
+        else:
+            b = self.phase_s - (self.overhead_s or 0.0)
+        return max(b, self.MIN_SHARE * self.phase_s)
+
+    def plan(self, site, held_round):
+        """Rank 0, before the lease: -> blocks to lease for the next phase."""
+        self.budget_s = self.budget(site, held_round)
+        step_s = self.clock.step_s
+        self.predicted = max(1, math.floor(self.budget_s / step_s)) if step_s else self.inner_steps
+        return data.blocks_per_phase(self.predicted, self.per_step, self.block_size)
+
+    def learn(self, pre_send_s, overhead_s):
+        for name, v in (("pre_send_s", pre_send_s), ("overhead_s", overhead_s)):
+            if v is not None and v >= 0:
+                old = getattr(self, name)
+                setattr(self, name, v if old is None else 0.5 * old + 0.5 * v)
 
 
 def eager_settings(cfg, outer, log):
@@ -531,9 +602,14 @@ def train_site(run, site, carrier, start):
 
 def phase_loop(run, site, carrier, start):
     """Outer phases until DARL has no blocks left: one span, its inner steps, the checkpoint,
-    the round trip. Every rank runs this; returns the step count at the end."""
+    the round trip. Every rank runs this; returns the step count at the end.
+    With carrier.cadence (phases measured in time) rank 0 sizes each lease from its plan and,
+    after every inner step, says whether the phase ends on the next block boundary
+    (PhaseClock.share: every rank ends on the same step); the part of the span not trained
+    goes back to DARL's pool (FedSite.trim), and the next phase leases afresh."""
     cfg, d, log, model, outer, source = run.cfg, run.d, run.log, run.model, run.outer, run.source
     step, phases, seq, heldout = start, 0, run.windows.seq_len, {}
+    cadence = carrier.cadence
     if not start:                        # the held-out loss before training, sent with the first delta
         ev = run.log_eval(0, carrier.round, first=True)
         heldout = {"heldout_loss": ev["loss"], "heldout_round": carrier.round}
@@ -542,11 +618,14 @@ def phase_loop(run, site, carrier, start):
     stepper = Stepper(run, step)
     model.train()
     pending = None                       # --overlap: the Sent of the delta in flight, its row written at settle()
-    while (span := on_rank0(lambda: site.next_span(carrier.busy))) is not None:
+    last = {}                            # the last cycle's utilisation, length and wait, sent with the next delta
+    t_cycle = time.perf_counter()
+    while (span := on_rank0(lambda: site.next_span(
+            carrier.busy, cadence.plan(site, carrier.round) if cadence and d.is_main else None))) is not None:
         if span == fedsite.SETTLE:       # its round trip ended before DARL gave a span: take its theta in
             settle(run, carrier, pending, step)
             continue
-        phase = source.phase(*span)
+        phase = source.phase(*span, timed=cadence is not None)
         if carrier.in_flight:            # overlap: the base stays the sent delta's until its round trip ends
             pending.round_at_next_phase = carrier.current()
         elif carrier.current() != carrier.round:
@@ -555,8 +634,13 @@ def phase_loop(run, site, carrier, start):
             log.log(f"loaded theta_global of round {carrier.round}")
         in_nll, in_tok = torch.zeros((), dtype=torch.float64, device=d.device), 0
         t_phase, fold_s = time.perf_counter(), 0.0
+        budget = cadence.budget(site, carrier.round) if cadence and d.is_main else None
+        if cadence:
+            cadence.clock.begin(budget)
+        decided = cadence is None        # phases measured in time: until the clock has spoken
         stepper.mark(step)               # the first row's step_ms: inner steps only, not the lease and theta waits
-        for s in range(phase.steps):
+        s = 0
+        while s < phase.steps:
             stepper.begin(step)
             micros = phase.micro_batches(s)
             # the loss is normalised by the GLOBAL token count of the step: DDP and FSDP
@@ -582,20 +666,30 @@ def phase_loop(run, site, carrier, start):
             outer.count_inner_step()
             if cfg.throttle_ms:
                 time.sleep(cfg.throttle_ms / 1000)      # demo/test only: a slower site
+            if not decided:
+                decided = clock_verdict(cadence.clock, phase, s, budget)   # collective, every rank
             if cfg.overlap_fold != "end" and s < phase.steps - 1 and carrier.arrived():
                 t_fold = time.perf_counter()            # theta_global is here: fold it in now, not at the end
                 with stepper.pause():
                     settle(run, carrier, pending, step)
                 fold_s += time.perf_counter() - t_fold
+                if cadence:
+                    cadence.clock.pause(time.perf_counter() - t_fold)
             if stepper.due(step, s == phase.steps - 1):
                 row_nll, row_tok = pooled_nll(since_nll, since_tok, d)
                 log.total += int(row_tok)
                 stepper.train_row(step, row_nll / row_tok, row_tok, "tokens", round=carrier.round)
                 since_nll.zero_()
                 since_tok = 0
+            s += 1
 
         # -- the phase's end: what the delta carries, the checkpoint, then the round trip
-        inner_s = time.perf_counter() - t_phase - fold_s      # a fold mid-phase is not an inner step
+        t_inner_end, mono_inner_end = time.perf_counter(), time.monotonic()
+        inner_s = t_inner_end - t_phase - fold_s      # a fold mid-phase is not an inner step
+        ended_by = ended_how(cadence, phase, site, d)
+        if phase.cut:                    # the clock ended it: the rest of the span goes back to DARL
+            span = on_rank0(lambda: site.trim(phase.end))
+        step_s = cadence.clock.end() if cadence else inner_s / max(phase.steps, 1)
         phase_nll, phase_tok = pooled_nll(in_nll, in_tok, d)
         tokens = len(phase) * seq
         tps = tokens / inner_s
@@ -603,7 +697,8 @@ def phase_loop(run, site, carrier, start):
         handoff = fedsite.Handoff(tokens=tokens, step=step, metrics={
             "loss": phase_nll / phase_tok, "tokens_per_s": tps, "mfu": per_rank / stepper.peak if stepper.peak else None,
             "tflops_per_rank": per_rank / 1e12, "peak_mem_gib": peak_memory_gib(d), "inner_s": inner_s,
-            "steps": phase.steps, **heldout})
+            "steps": phase.steps, "step_s": inner_s / max(phase.steps, 1), "budget_s": budget,
+            "ended_by": ended_by, **last, **heldout})
         heldout = {}                             # each held-out loss goes with one delta
         row, result = end_phase(run, carrier, handoff, pending)
         phases += 1
@@ -617,10 +712,66 @@ def phase_loop(run, site, carrier, start):
         if cfg.eval_every and phases % cfg.eval_every == 0:
             ev = run.log_eval(step, carrier.round)       # reported with the next delta: the page plots it
             heldout = {"heldout_loss": ev["loss"], "heldout_round": carrier.round}
+        now = time.perf_counter()
+        last = log_phase(run, carrier, sent, result, step, step_s, budget, ended_by, now - t_cycle, now - t_inner_end)
+        if cadence and d.is_main:
+            wait = result.wait_s if result is not None else (carrier.wait_s or 0.0)
+            cadence.learn(result.sent_at - mono_inner_end if result is not None and result.sent_at else None,
+                          (now - t_cycle) - inner_s - wait)
+        t_cycle = now
         stepper.mark(step)
     if carrier.in_flight:                        # DARL is done: the last delta's round trip
         settle(run, carrier, pending, step)
     return step
+
+
+def clock_verdict(clock, phase, s, budget):
+    """After inner step `s` of a phase measured in time (every rank, collective): rank 0 says
+    where the phase ends (the first block boundary at or after what it trained, when the one
+    after would overrun the budget: data.LeasedPhase.cut_point) or that it goes on, and every
+    rank cuts the phase alike. -> True once decided (the phase's end is known)."""
+    clock.count()
+    trained = min((s + 1) * phase.per_step, len(phase))
+    verdict = -1
+    if clock.rank == 0:
+        n = phase.cut_point(trained, budget - clock.elapsed(), clock.estimate())
+        verdict = -1 if n is None else n
+    verdict = clock.share(verdict)
+    if verdict < 0:
+        return s >= phase.steps - 1
+    if verdict < len(phase):
+        phase.cut_at(verdict)
+    if os.environ.get(testhooks.PHASE_CLOCK_RATE_ENV):      # a test's skewed clocks: every rank says it
+        print(f"phase clock: rank {clock.rank} ends the phase after {phase.steps} steps, {verdict} windows",
+              flush=True)
+    return True
+
+
+def ended_how(cadence, phase, site, d):
+    """What ended the phase: "steps" (H steps), "clock" (cut on a block boundary), "lease" (its
+    span, as planned), "data" (DARL gave fewer blocks than asked: the corpus's last ones, or a
+    lease cut short). Rank 0's word; the other ranks say "lease" where rank 0 may say "data"."""
+    if cadence is None:
+        return "steps"
+    if phase.cut:
+        return "clock"
+    asked = site.asked if d.is_main and site is not None else None
+    return "data" if asked and phase.end - phase.start < asked else "lease"
+
+
+def log_phase(run, carrier, sent, result, step, step_s, budget, ended_by, cycle_s, after_s):
+    """The "phase" row of metrics.jsonl (FEDERATION_GUIDE.md section 6): how the phase ended and
+    how busy the site was over its whole cycle (lease, inner steps, checkpoint, round trip)
+    -> what the next delta reports of it."""
+    wait = result.wait_s if result is not None else carrier.wait_s
+    util = sent.inner_s / cycle_s if cycle_s > 0 else None
+    row = {"split": "phase", "step": step, "steps": sent.steps, "step_s": step_s, "budget_s": budget,
+           "predicted_steps": carrier.cadence.predicted if carrier.cadence and run.d.is_main else None,
+           "ended_by": ended_by, "inner_s": round(sent.inner_s, 3), "cycle_s": round(cycle_s, 3),
+           "after_s": round(after_s, 3), "util": util, "wait_s": wait,
+           "waited_on": result.waiting_on if result is not None else None, "round": carrier.round}
+    run.log.metric(row)
+    return {"util": util, "cycle_s": cycle_s, "wait_s": wait}
 
 
 def end_phase(run, carrier, handoff, pending=None):

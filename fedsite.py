@@ -11,7 +11,7 @@ live at the central services.
 
 Callers: fedphase.py's loop and its FedMomCarrier, in this order per run:
     site = FedSite(cfg, windows, model_bytes, log)            # rank 0
-    block_size, seed, _, outer = on_rank0(lambda: site.connect(per_step))
+    block_size, seed, _, outer, phase_s = on_rank0(lambda: site.connect(per_step))
     source = LeasedSource(cfg, windows, block_size, seed, rank, world)
     while (span := on_rank0(lambda: site.next_span())) is not None:
         phase = source.phase(*span)                            # every rank, no traffic
@@ -109,6 +109,8 @@ class RoundResult:
     down_bytes: int = None
     down_s: float = 0.0
     update: str = None
+    sent_at: float = None        # time.monotonic() when the aggregator accepted the delta (None: not sent)
+    waiting_on: list = None      # the members the round still waited for, as the last wait saw them
 
 
 class FedSite:
@@ -142,6 +144,9 @@ class FedSite:
         self.down = {}               # how the last theta came: {"via": "update" | "full", "bytes": n}
         self.deferred = None         # (round, digest, update path): downloaded, applied by the caller
         self.checking = None         # the Background of check_behind, until joined
+        self.phase_s = None          # the aggregator's offered cadence (fedmom_server.py --phase-s), if any
+        self.age = None              # (round, its age in s, time.monotonic() then) from the last reply
+        self.asked = None            # blocks the last next_span asked for (a shorter span: the data ran out)
 
     def say(self, msg, every_s=0.0):
         """Log a repeated waiting message at most once per every_s seconds (per message kind:
@@ -196,17 +201,31 @@ class FedSite:
         reply = yield from self.join()
         self.log(f"site {self.cluster} (incarnation {self.incarnation}): DARL {space.num_blocks} blocks of "
                  f"{sp['block_size']} windows, {blocks} per phase; FedMom round {self.fed_round}")
-        return sp["block_size"], sp["seed"], blocks, reply.get("outer")
+        return sp["block_size"], sp["seed"], blocks, reply.get("outer"), self.phase_s
 
     def join(self):
         """Join FedMom's rounds, waiting up to --register-wait-s (a previous incarnation
         timing out, the aggregator unreachable); start the keepalive."""
         reply = yield from self._call("FedMom join", lambda d: self.fed.join(deadline=d), self.cfg.register_wait_s)
         self.fed_round, self.member = reply["round"], True
+        self.phase_s = reply.get("phase_s")
+        self.heard(reply)
         if self.keepalive is None:
             self.keepalive = self.fed.keepalive()
             self.keepalive.__enter__()
         return reply
+
+    def heard(self, reply):
+        """Keep how long the open round had been open when this join/heartbeat reply was made."""
+        if isinstance(reply.get("round_age_s"), (int, float)):
+            self.age = (reply["round"], float(reply["round_age_s"]), time.monotonic())
+
+    def round_age(self, rnd):
+        """Seconds round `rnd` has been open now, from the last reply that saw it open; None if
+        no reply did (an aggregator that does not say it, or the site holds another round)."""
+        if self.age is None or self.age[0] != rnd:
+            return None
+        return self.age[1] + time.monotonic() - self.age[2]
 
     def leave(self):
         if self.keepalive is not None:
@@ -220,14 +239,19 @@ class FedSite:
                 self.log(f"FedMom leave: {e} (the aggregator drops silent members on its own)")
 
     # -- per phase
-    def next_span(self, busy=None):
+    def next_span(self, busy=None, blocks=None):
         """-> (lease, start, end) of the next span, or None when DARL has no blocks left.
         While every block is leased elsewhere, the site leaves FedMom's rounds so that
         the others do not wait for a delta that cannot come; it joins again with work.
         busy: the Background round trip of the delta in flight (--overlap), or None. While
         it runs, the site only asks DARL (no leave, no join: the round trip talks to FedMom
         meanwhile); if it ends before a span comes, -> SETTLE: the caller takes its theta in
-        first, then asks again without it."""
+        first, then asks again without it.
+        blocks: how many blocks this phase should lease (a phase measured in time sizes it from
+        its predicted step count; None: as before). A tail carried from the last phase comes
+        first, up to that many blocks."""
+        if blocks is not None:
+            self.session.span_blocks = self.session.lease_blocks = self.asked = max(1, int(blocks))
         if busy is not None:
             return (yield from self._span_while(busy))
         while True:
@@ -258,6 +282,16 @@ class FedSite:
                 yield
         self.span = span
         return None if span is None else span.as_ints()
+
+    def trim(self, end):
+        """The phase trained only positions [start, end) of its span (the clock ended it on a
+        block boundary): that part is what the delta names and settles; the rest of the
+        lease goes back to DARL's pool at once (darl_client.LeaseSession.trim), and the next
+        phase leases afresh. -> (lease, start, end) of the part trained."""
+        span = self.span
+        self.span = yield from self._call("DARL release (the tail the clock left)",
+                                          lambda d: self.session.trim(span, end, deadline=d))
+        return self.span.as_ints()
 
     def current_round(self):
         return (yield from self._call("FedMom round", lambda d: self.fed.current_round(deadline=d)))
@@ -393,6 +427,7 @@ class FedSite:
                 {k: v for k, v in handoff.metrics.items() if v is not None}, transport=self.cfg.transport,
                 deadline=d))
             sent = True
+            out.sent_at = time.monotonic()
             testhooks.fault_point("site.sent")          # test hook: accepted, its outcome not known here yet
         except fedmom_client.StaleRound as e:
             out.reason = f"stale: {e}"
@@ -404,6 +439,9 @@ class FedSite:
                 wait_round_after=base, wait_s=min(POLL_S * 4, self.fed.heartbeat_s), deadline=d))
             got = self._outcome(reply, base)
             state = got and got.get("outcome")
+            if reply["round"] <= base and reply.get("waiting_on") is not None:
+                out.waiting_on = reply["waiting_on"]
+            self.heard(reply)
             if state == "pending" or (sent and got is None and reply["round"] <= base):
                 self.say(f"round {base}: waiting for the other sites' deltas (members {reply.get('members')})",
                          every_s=30.0)
@@ -561,6 +599,12 @@ class LeasedSource:
                                             manifest_digest=windows.digest)
         self.per_step = cfg.batch_size * world * cfg.grad_accum
 
-    def phase(self, lease, start, end):
-        w = data.span_windows(self.space, start, end, self.cfg.seed, lease)
-        return data.LeasedPhase(lease, start, end, w, self.per_step, self.world, self.rank, self.cfg.batch_size)
+    def phase(self, lease, start, end, timed=False):
+        """The phase of span (lease, start, end); timed (a phase the clock may end): its windows in
+        block order, so that it can end on any block boundary (data.span_windows_blocked)."""
+        if timed:
+            w, bounds = data.span_windows_blocked(self.space, start, end, self.cfg.seed, lease)
+        else:
+            w, bounds = data.span_windows(self.space, start, end, self.cfg.seed, lease), None
+        return data.LeasedPhase(lease, start, end, w, self.per_step, self.world, self.rank, self.cfg.batch_size,
+                                bounds=bounds)

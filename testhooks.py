@@ -8,6 +8,9 @@ production start never does.
   - PWW_TEST_CLOCK_OFFSET_FILE=FILE: wall_time() is time.time() plus the number of
     seconds in FILE (re-read at every call; absent or empty = 0), so a test can step
     the wall clock of a running server by +-1 h without touching the machine's clock.
+  - PWW_TEST_PHASE_CLOCK_RATE="RANK:RATE,...": phase_clock(rank) runs RATE times as fast
+    as time.perf_counter() on that rank (diloco.PhaseClock's time source), so a test can
+    make the ranks of one site disagree on how long a phase has lasted.
   - PWW_TEST_FAULT_DIR=DIR: fault_point(name) stops the calling thread at a named
     protocol phase while DIR/<name> exists. The file holds how many hits to let pass
     first; at the hit that stops, DIR/<name>.hit appears (holding the pid) and the
@@ -28,6 +31,20 @@ import time
 CLOCK_OFFSET_ENV = "PWW_TEST_CLOCK_OFFSET_FILE"
 FAULT_DIR_ENV = "PWW_TEST_FAULT_DIR"
 _fault_lock = threading.Lock()
+
+
+PHASE_CLOCK_RATE_ENV = "PWW_TEST_PHASE_CLOCK_RATE"
+
+
+def phase_clock(rank):
+    """The time source of a phase measured in time on `rank`: time.perf_counter, or a faster
+    one where $PWW_TEST_PHASE_CLOCK_RATE names this rank."""
+    rates = dict(x.split(":") for x in os.environ.get(PHASE_CLOCK_RATE_ENV, "").split(",") if ":" in x)
+    rate = float(rates.get(str(rank), 1.0))
+    if rate == 1.0:
+        return time.perf_counter
+    t0 = time.perf_counter()
+    return lambda: t0 + (time.perf_counter() - t0) * rate
 
 
 def wall_time():

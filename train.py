@@ -88,6 +88,7 @@ import data
 import diloco
 import fedphase
 import fedsite
+import testhooks
 import models
 from dist_env import ConfigError, DeviceError, Dist, init_distributed   # noqa: F401 (train.DeviceError)
 from metrics import RunLog, fmt_row, provenance
@@ -290,6 +291,8 @@ def local_loop(run, start):
     step, (epoch, skip) = start, divmod(start, per_epoch)
     loss_sum = torch.zeros((), device=d.device)
     model.train()
+    if outer:
+        outer.begin_phase()                      # --diloco-phase-s: the first phase's clock
     while step < total:
         micro = source.micro_batches(epoch, skip * cfg.grad_accum)
         skip = 0
@@ -319,11 +322,14 @@ def local_loop(run, start):
                                   n * cfg.grad_accum * source.samples_per_micro * d.world_size, unit,
                                   epoch=round(step / per_epoch, 4))
                 loss_sum.zero_()
+            t_pause = time.perf_counter()
             with stepper.pause():
                 if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
                     run.log_eval(step)
                 if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < total:
                     run.save(step)
+            if outer and outer.phase_clock is not None:     # evals and checkpoints are not inner steps
+                outer.phase_clock.pause(time.perf_counter() - t_pause)
         epoch += 1
         if not cfg.llm and cfg.eval_every == 0 and step < total:
             with stepper.pause():
@@ -497,7 +503,12 @@ def make_outer(run, layout, carrier):
     cfg, d = run.cfg, run.d
     dcfg = carrier.outer_config(cfg.diloco_inner_steps) if cfg.federation \
         else diloco.DiLoCoConfig.from_args(cfg)
-    return diloco.DiLoCo(run.model, layout or diloco.ReplicaLayout.plan(d.world_size, d.rank, 1), dcfg, carrier)
+    # --diloco-phase-s inside one allocation: DiLoCo ends each phase by the clock; a federated
+    # site's phases are fedphase's (one DARL span, ended on a block boundary)
+    timed = cfg.diloco_phase_s if not cfg.federation and cfg.diloco_phase_s else None
+    clock = diloco.PhaseClock(device=d.device, clock=testhooks.phase_clock(d.rank)) if timed else None
+    return diloco.DiLoCo(run.model, layout or diloco.ReplicaLayout.plan(d.world_size, d.rank, 1), dcfg, carrier,
+                         phase_clock=clock, phase_s=timed)
 
 
 def resume(run):

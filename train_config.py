@@ -125,6 +125,14 @@ class Config:
                                      "count; 1 = plain data parallel, no outer step", group="diloco")
     diloco_inner_steps: int = option(_DILOCO.inner_steps, "H: inner steps between outer steps (with "
                                                           "--federation: per phase)", group="diloco")
+    diloco_phase_s: float | None = option(
+        None, "T: phases measured in time instead of steps: each phase runs as many inner steps as fit in "
+              "T s of training, judged from the measured step time, ended on the same step by every rank. "
+              "With --federation the default is the aggregator's offer (fedmom_server.py --phase-s: one "
+              "cadence for every site) and a site counts its own round trip in T; 0 = off (H steps a phase). "
+              "Use it when sites (or replicas) differ in speed or the speed changes; use "
+              "--diloco-inner-steps for a fixed, reproducible phase (FEDERATION_GUIDE.md, 'Phases measured "
+              "in time')", shown="the aggregator's --phase-s, else off", metavar="T", group="diloco")
     # None = not given: resolve() fills DiLoCo's defaults inside one allocation; with
     # --federation the outer step is the aggregator's, and validate() refuses a given value
     diloco_outer_optimizer: str | None = option(
@@ -269,6 +277,7 @@ class Config:
         if self.llm and not self.data.endswith(".json"):
             raise ConfigError(f"--data {self.data}: --model {self.model} reads a tokenized corpus; "
                               f"give its manifest.json (python tokenize_corpus.py --out DIR)")
+        self.check_phase_s()
         if self.federation is not None:
             self.validate_federation()
         elif self.overlap:
@@ -349,6 +358,12 @@ class Config:
             raise ConfigError(f"--central-retry-s {self.central_retry_s:g}: use a positive number of seconds "
                               f"(default {httpc.RETRY_S:g})")
 
+    def check_phase_s(self):
+        v = self.diloco_phase_s
+        if v is not None and not (v == 0 or (v > 0 and v == v and v != float("inf"))):
+            raise ConfigError(f"--diloco-phase-s {v:g}: use a positive number of seconds (a phase's length; "
+                              "several times the step time and the round trip), or 0 for H steps a phase")
+
     def unread(self):
         """{field: why} of the options nothing reads in this config's mode; each why says the
         mode and the fix. parse_config refuses those among the flags given on the command line."""
@@ -362,7 +377,8 @@ class Config:
                                      "(FEDERATION_GUIDE.md section 5) and a run inside one allocation sends "
                                      "nothing to the central VM; add --federation URL or drop it"))
             if self.diloco_replicas == 1:
-                out.update(dict.fromkeys(("diloco_inner_steps", "diloco_outer_device") + OUTER_STEP_FLAGS,
+                out.update(dict.fromkeys(("diloco_inner_steps", "diloco_phase_s", "diloco_outer_device")
+                                         + OUTER_STEP_FLAGS,
                                          "without --diloco-replicas > 1: one replica has no outer step; add "
                                          "--diloco-replicas k (k divides the rank count) or drop it"))
         else:

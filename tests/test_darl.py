@@ -344,6 +344,30 @@ class LeaseTableTest(unittest.TestCase):
         t.register("a", "i2")                              # a clean exit frees the stream at once
         self.assertEqual(t.verify()["leased"], 0)
 
+    def test_a_release_from_a_position_gives_back_only_the_tail(self):
+        # a phase the clock ended early (train.py --diloco-phase-s) keeps [start, cut) and gives
+        # the rest back; the part kept is committed as any lease's, the tail goes to someone else
+        t = table(100, self.clock)
+        t.register("a", "i1")
+        t.register("b", "i1")
+        lease = t.acquire("a", "i1", blocks=10)["lease"]
+        t.heartbeat("a", "i1", [{"lease": lease["id"], "cursor": 10}])      # all of it claimed
+        self.assertEqual(t.release("a", "i1", [{"lease": lease["id"], "from": 6}])["released"], 4)
+        books = t.verify()
+        self.assertEqual((books["leased"], books["free"]), (6, 94))
+        beat = t.heartbeat("a", "i1", [lease["id"]])["leases"][0]
+        self.assertEqual((beat["valid"], beat["start"], beat["claimed"], beat["end"]), (True, 0, 6, 6))
+        with self.assertRaisesRegex(LeaseError, r"\[6, 10\)"):
+            t.commit("a", "i1", lease["id"], end=10)      # the tail is not a's any more
+        t.commit("a", "i1", lease["id"], end=6)
+        self.assertEqual(t.release("a", "i1", [{"lease": lease["id"], "from": 3}])["released"], 0)   # closed
+        other = t.acquire("b", "i1", blocks=100)["lease"]
+        self.assertEqual(other["start"], 6)                                   # the tail went back to the pool
+        t.commit("b", "i1", other["id"])
+        self.assertEqual(t.verify()["committed"], other["end"])
+        with self.assertRaises(LeaseError):
+            t.release("a", "i1", [{"lease": lease["id"], "from": "6"}])
+
     def test_verify_catches_broken_books(self):
         t = table(20, self.clock)
         t.register("a", "x")
@@ -398,6 +422,8 @@ class DurabilityTest(unittest.TestCase):
             c.call("heartbeat", {"cluster": who, "incarnation": inc, "leases": [{"lease": lease["id"], "cursor": lease["end"]}]})
             if i % 3:
                 c.call("commit", {"cluster": who, "incarnation": inc, "lease": lease["id"], "end": lease["end"] - 1})
+        part = c.call("acquire", {"cluster": "b", "incarnation": "y", "blocks": 6})["lease"]
+        c.call("release", {"cluster": "b", "incarnation": "y", "leases": [{"lease": part["id"], "from": part["start"] + 2}]})
         late = c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 3, "ttl": 1})["lease"]
         self.clock.advance(60)          # every lease expires; then a late commit takes `late` back from the pool
         c.call("commit", {"cluster": "a", "incarnation": "x", "lease": late["id"]})

@@ -122,6 +122,32 @@ class LeasedPhaseTest(unittest.TestCase):
         self.assertEqual(data.blocks_per_phase(4, 6, 8), 3)    # 24 windows -> 3 blocks, no step dropped
 
 
+    def test_a_phase_the_clock_ends_stops_on_a_block_boundary_and_names_only_what_it_trained(self):
+        space = block_space.BlockSpace(num_samples=53, block_size=5, seed=3)    # the last block is short
+        w, bounds = data.span_windows_blocked(space, 7, 11, seed=0, lease=2)
+        sizes = [len(space.samples_of(space.block_at(p))) for p in range(7, 11)]
+        self.assertEqual(sorted(sizes), [3, 5, 5, 5])
+        self.assertEqual(bounds.tolist(), np.cumsum(sizes).tolist())
+        for i in range(4):       # every prefix ending on a bound is exactly the windows of its positions
+            want = sorted(x for p in range(7, 8 + i) for x in space.samples_of(space.block_at(p)))
+            self.assertEqual(sorted(w[:bounds[i]].tolist()), want)
+        self.assertEqual(w.tolist(), data.span_windows_blocked(space, 7, 11, seed=0, lease=2)[0].tolist())
+        ph = data.LeasedPhase(2, 7, 11, w, per_step=4, world=2, rank=0, batch=2, bounds=bounds)
+        self.assertEqual(ph.steps, 5)
+        b0, b1 = int(bounds[0]), int(bounds[1])
+        # b0 - 1 windows trained: reaching the bound after b0 takes `need` steps of 0.5 s; with a
+        # little less time left the phase stops at the first bound (one short step more)
+        need = -(-(b1 - b0 + 1) // 4) * 0.5
+        self.assertEqual(ph.cut_point(b0 - 1, need - 0.1, 0.5), b0)
+        self.assertIsNone(ph.cut_point(b0 - 1, need, 0.5))          # time enough: go on
+        self.assertIsNone(ph.cut_point(16, 0.0, 0.5))               # the span's last position: its end anyway
+        self.assertEqual(ph.cut_at(b0), 8)                          # positions [7, 8) trained
+        self.assertEqual((ph.steps, len(ph), ph.cut), (-(-b0 // 4), b0, True))
+        with self.assertRaisesRegex(ValueError, "block boundary"):
+            data.LeasedPhase(2, 7, 11, w, 4, 2, 0, 2, bounds=bounds).cut_at(b0 + 1)
+        self.assertIsNone(data.LeasedPhase(2, 7, 11, w, 4, 2, 0, 2).cut_point(4, 0.0, 1.0))   # H steps: never
+
+
 class FlagsTest(unittest.TestCase):
     def cfg(self, *extra, accel="cpu"):
         return train.parse_config(["--model", "qwen3-tiny", "--data", "x/manifest.json",
