@@ -15,13 +15,14 @@ Where each figure comes from:
                      incrementally (a page costs the new lines only); plots decimate
                      to their width, keeping each bucket's minimum and maximum
     per site         merged deltas' metrics (fedmom_round.METRIC_KEYS): tokens/s, MFU,
-                     peak memory, loss, held-out loss when a site reports one, and the
-                     compute utilisation = inner training time / round wall time
-                     (the rest is waiting for the other sites, transfers and the merge);
-                     membership spans from the aggregator's join/leave/drop events
+                     peak memory, loss, held-out loss when a site reports one; its last
+                     phase (steps, what ended it, step time), compute utilisation (its
+                     own util, inner_s over round periods: the page's note defines them)
+                     and waited_s; membership spans from the aggregator's join/leave/drop events
     loud             excluded deltas, DARL commits refused, members dropped, blocks
                      lost with expired leases, quarantined blocks, DARL invariant
-                     errors, unreachable peers
+                     errors, unreachable peers; then, in amber, a site that waited in
+                     over a fifth of its rounds, and on what (site_waits)
     disk             the aggregator's state dir (and the free space on its file
                      system); the blob store's used bytes and quota (GET /blobs)
 The page shows round numbers, cluster ids and metrics only: no token, no file path.
@@ -34,6 +35,7 @@ above the plot area, never on the data or the tick labels.
 render(view) is a pure function of plain dicts (tests call it directly); Page.view()
 does the reading.
 """
+import collections
 import html
 import http.client
 import json
@@ -86,20 +88,26 @@ class RoundsTail:
             return list(self.rows)
 
 
+SITE_KEYS = ("loss", "tokens_per_s", "mfu", "peak_mem_gib", "inner_s", "heldout_loss", "heldout_round",
+             "incarnation", "steps", "step_s", "ended_by", "util", "arrived_s", "waited_s")
+
+
 def compact(rec, cum_before):
-    """What the page needs of one round record (v1 or v2); cum_tokens = tokens merged so far."""
+    """What the page needs of one round record (any version; a field it lacks is None);
+    cum_tokens = tokens merged so far. A site with two deltas in a round (a new incarnation:
+    "name@incarnation") is one site: the later one's figures where it has them, the tokens of both."""
     sites = {}
     for key, c in (rec.get("clusters") or {}).items():
         s = sites.setdefault(key.split("@")[0], {"tokens": 0})
         s["tokens"] += c.get("tokens") or 0
-        for k in ("loss", "tokens_per_s", "mfu", "peak_mem_gib", "inner_s", "heldout_loss", "heldout_round",
-                  "incarnation"):
+        for k in SITE_KEYS:
             if c.get(k) is not None:
                 s[k] = c[k]
     return {"round": rec.get("round"), "time": rec.get("time"), "tokens": rec.get("tokens") or 0,
             "cum_tokens": cum_before + (rec.get("tokens") or 0), "loss": rec.get("loss"),
             "drift_mean": rec.get("drift_mean"), "drift_max": rec.get("drift_max"),
-            "wall_s": rec.get("wall_s"), "reason": rec.get("reason"), "sites": sites,
+            "wall_s": rec.get("wall_s"), "merge_s": rec.get("merge_s"), "period_s": rec.get("period_s"),
+            "reason": rec.get("reason"), "sites": sites,
             "excluded": [{"cluster": d.get("cluster"), "why": d.get("why")} for d in rec.get("excluded") or ()],
             "dropped": [{"cluster": d.get("cluster"), "why": d.get("why")} for d in rec.get("dropped") or ()]}
 
@@ -211,12 +219,27 @@ def coverage(darl, now):
             "complete": bool(darl.get("complete"))}
 
 
+def period(r):
+    """A round's period: the seconds from the round before's close to its own (period_s); the
+    first round after a start has none, and counts from its opening to its merge's end."""
+    if r.get("period_s"):
+        return r["period_s"]
+    return r["wall_s"] + (r.get("merge_s") or 0.0) if r.get("wall_s") else None
+
+
+LAST_PHASE = ("steps", "step_s", "ended_by", "waited_s")    # as its latest merged delta says, or None
+
+
 def site_table(rows, status, darl):
-    """One dict per site: the last merged delta's figures, run totals, membership, DARL books."""
+    """One dict per site: the last merged delta's figures, run totals, membership, DARL books.
+    util_last: the utilisation the site reported with its latest merged delta (of its cycle
+    before), else that delta's inner_s over its round's period; util_run: its inner_s summed
+    over the `util_rounds` rounds that merged a delta of it with inner_s, over their periods."""
     sites = {}
+    new = lambda: {"deltas": 0, "tokens": 0, "inner_s": 0.0, "period_s": 0.0, "util_rounds": 0, "peak_mem_gib": None}
     for r in rows:
         for name, s in r["sites"].items():
-            t = sites.setdefault(name, {"deltas": 0, "tokens": 0, "inner_s": 0.0, "wall_s": 0.0, "peak_mem_gib": None})
+            t = sites.setdefault(name, new())
             t["deltas"] += 1
             t["tokens"] += s.get("tokens", 0)
             for k in ("loss", "tokens_per_s", "mfu", "heldout_loss", "heldout_round", "incarnation"):
@@ -224,23 +247,71 @@ def site_table(rows, status, darl):
                     t[k] = s[k]
             if s.get("peak_mem_gib") is not None:
                 t["peak_mem_gib"] = max(t["peak_mem_gib"] or 0.0, s["peak_mem_gib"])
-            if s.get("inner_s") is not None and r.get("wall_s"):
+            t.update({k: s.get(k) for k in LAST_PHASE})
+            t["util_last"] = s.get("util")
+            if s.get("inner_s") is not None and period(r):
                 t["inner_s"] += s["inner_s"]
-                t["wall_s"] += r["wall_s"]
-                t["util_last"] = min(1.0, s["inner_s"] / r["wall_s"])
+                t["period_s"] += period(r)
+                t["util_rounds"] += 1
+                if t["util_last"] is None:
+                    t["util_last"] = min(1.0, s["inner_s"] / period(r))
             t["last_round"] = r["round"]
     for m in status.get("members", ()):
-        t = sites.setdefault(m["cluster"], {"deltas": 0, "tokens": 0, "inner_s": 0.0, "wall_s": 0.0,
-                                            "peak_mem_gib": None})
+        t = sites.setdefault(m["cluster"], new())
         t.update(member=True, heard_s_ago=m["heard_s_ago"], incarnation=m["incarnation"], sent=m["sent"])
     for c in (darl or {}).get("clusters", ()):
-        t = sites.setdefault(c["cluster"], {"deltas": 0, "tokens": 0, "inner_s": 0.0, "wall_s": 0.0,
-                                            "peak_mem_gib": None})
+        t = sites.setdefault(c["cluster"], new())
         t.update(darl_committed=c.get("committed"), darl_leased=c.get("leased"), darl_lost=c.get("lost"),
                  blocks_per_s=c.get("blocks_per_s"), darl_live=c.get("live"))
-    for t in sites.values():
-        t["util_run"] = min(1.0, t["inner_s"] / t["wall_s"]) if t["wall_s"] else None
+    for name, t in sites.items():
+        t["util_run"] = min(1.0, t["inner_s"] / t["period_s"]) if t["period_s"] else None
+        t["waits"] = site_waits(rows, name)
     return dict(sorted(sites.items()))
+
+
+WAIT_FRAC = 0.1         # a round counts as a wait for a site whose delta waited over this share of its period
+WAIT_ALARM_FRAC = 0.2   # a site that waited in more than this share of its rounds is a line at the top
+
+
+def site_waits(rows, name):
+    """How `name` waited in the rounds that merged its delta and record waited_s (from its
+    delta's arrival to the round's close): {"rounds": how many such rounds, "waits":
+    [(waited_s, on what) for each of them where it waited over WAIT_FRAC of the period]}."""
+    n, waits = 0, []
+    for r in rows:
+        s = r["sites"].get(name)
+        if s is None or s.get("waited_s") is None or not period(r):
+            continue
+        n += 1
+        if s["waited_s"] > WAIT_FRAC * period(r):
+            waits.append((s["waited_s"], waited_on(r, name)))
+    return {"rounds": n, "waits": waits}
+
+
+def waited_on(r, name):
+    """What a round kept `name` waiting for: the quorum's grace or the deadline when the round
+    closed without someone (its reason says so), else the delta that arrived last."""
+    reason = r.get("reason") or ""
+    if reason.startswith("quorum"):
+        return "the quorum grace"
+    if reason.startswith("deadline"):
+        return "the deadline"
+    last = max(((s["arrived_s"], n) for n, s in r["sites"].items() if s.get("arrived_s") is not None), default=None)
+    if last is None or last[1] == name:      # its own delta came last: no site kept the round open
+        return "the aggregator after its own delta (custody at DARL, a merge retried)"
+    return f"{last[1]}'s delta"
+
+
+def wait_lines(sites):
+    """A line per site that waited in more than WAIT_ALARM_FRAC of its rounds, and on what, mostly."""
+    out = []
+    for name, t in sites.items():
+        n, waits = t["waits"]["rounds"], t["waits"]["waits"]
+        if waits and len(waits) > WAIT_ALARM_FRAC * n:
+            on = collections.Counter(w for _, w in waits).most_common(1)[0][0]
+            out.append(f"{name} waited in {len(waits)} of {n} rounds ({100 * len(waits) / n:.0f}%), "
+                       f"{_secs(sum(s for s, _ in waits) / len(waits))} on average, mostly on {on}")
+    return out
 
 
 def alarms(view, cov):
@@ -527,23 +598,57 @@ def _sites_html(sites):
     if not sites:
         return "<p>no site yet</p>"
     head = ("<tr><th>site</th><th>member</th><th>deltas merged</th><th>tokens merged</th><th>tokens/s</th>"
-            "<th>MFU</th><th>peak memory</th><th>compute utilisation (last / run)</th><th>train loss</th>"
+            "<th>MFU</th><th>peak memory</th><th>train loss</th>"
             "<th>held-out loss</th><th>DARL blocks committed</th><th>blocks/s</th><th>blocks lost</th></tr>")
     body = []
     for name, t in sites.items():
         member = (f"yes ({t['heard_s_ago']:.0f} s ago, {'sent' if t.get('sent') else 'training'})"
                   if t.get("member") else "no")
-        util = (f"{fmt(t.get('util_last'), '.0%')} / {fmt(t.get('util_run'), '.0%')}")
         held = (f"{t['heldout_loss']:.4f} (theta of round {_round(t.get('heldout_round'))})"
                 if t.get("heldout_loss") is not None else "-")
         body.append(f"<tr><td>{ESC(name)}</td><td>{member}</td><td>{t['deltas']}</td><td>{si(t['tokens'])}</td>"
                     f"<td>{si(t.get('tokens_per_s'))}</td>"
                     f"<td>{fmt(t.get('mfu'), '.1%', 'n/a (CPU)')}</td>"
-                    f"<td>{fmt(t.get('peak_mem_gib'), '.2f')} GiB</td><td>{util}</td>"
+                    f"<td>{fmt(t.get('peak_mem_gib'), '.2f')} GiB</td>"
                     f"<td>{fmt(t.get('loss'), '.4f')}</td><td>{held}</td>"
                     f"<td>{fmt(t.get('darl_committed'), ',')}</td><td>{fmt(t.get('blocks_per_s'), '.3g')}</td>"
                     f"<td{BAD if t.get('darl_lost') else ''}>{fmt(t.get('darl_lost'), 'd')}</td></tr>")
     return f"<table>{head}{''.join(body)}</table>"
+
+
+UTIL_HEAD = (("utilisation, last round", "inner training time / the site's whole previous cycle, as it reported "
+                                         "(else its inner training time / the round's period)"),
+             ("utilisation, whole run", "inner training time summed / round periods summed, over the rounds "
+                                        "that merged its delta"),
+             ("last phase: steps (ended by)", "inner steps of its latest merged delta's phase, and what ended it"),
+             ("last step time", "seconds per inner step, as the site measured them in that phase"),
+             ("waited, last round", "from its delta's arrival to the close of its latest merged round"),
+             ("rounds waited", "rounds where it waited over a tenth of the round's period, of those with a "
+                               "wait recorded"))
+
+
+def _compute_html(sites):
+    """Each site's compute utilisation and waits; the figures defined in a note under the table."""
+    if not sites:
+        return ""
+    head = "<tr><th>site</th>" + "".join(f'<th title="{ESC(tip)}">{h}</th>' for h, tip in UTIL_HEAD) + "</tr>"
+    body = []
+    for name, t in sites.items():
+        run = f"{fmt(t['util_run'], '.0%')} ({t['util_rounds']} rounds)" if t["util_run"] is not None else "-"
+        steps = "-" if t.get("steps") is None else f"{t['steps']:.0f} ({ESC(t.get('ended_by') or '-')})"
+        n, waits = t["waits"]["rounds"], len(t["waits"]["waits"])
+        body.append(f"<tr><td>{ESC(name)}</td><td>{fmt(t.get('util_last'), '.0%')}</td><td>{run}</td>"
+                    f"<td>{steps}</td><td>{_secs(t.get('step_s'), '.3g')}</td><td>{_secs(t.get('waited_s'))}</td>"
+                    f"<td{BAD if waits > WAIT_ALARM_FRAC * n else ''}>{f'{waits} of {n}' if n else '-'}</td></tr>")
+    note = ("<p class=\"note\">Utilisation, last round: the share of its cycle before (phase, round trip, wait) "
+            "a site spent in inner training steps, as it reported with its latest merged delta; a site that "
+            "reports none: that delta's inner training time over its round's period. Whole run: inner "
+            "training time summed over the rounds that merged a delta of it (counted in brackets), over those "
+            "rounds' periods summed. A round's period runs from the close of the round before to its own; the "
+            "first round after the aggregator starts counts from its opening to its merge's end. Waited: from "
+            f"its delta's arrival to the round's close; a round counts as waited in over {WAIT_FRAC:.0%} of its "
+            "period. A figure an older site or aggregator did not record is shown as -.</p>")
+    return f"<div class=\"scroll\"><table>{head}{''.join(body)}</table></div>{note}"
 
 
 def _rounds_html(rows, last=20):
@@ -606,7 +711,9 @@ tr:nth-child(even){background:#f4f4f4} .scroll{overflow-x:auto} .scroll td{white
 .bar{display:flex;height:1.4em;border:1px solid #888;background:#ddd;max-width:60em}
 .bar .seg{display:block;height:100%} .big{font-size:1.1em}
 .alarm{border:3px solid #c00;background:#fee;color:#900;padding:.5em 1em;font-weight:bold}
+.warn{border:3px solid #c60;background:#fff3e0;color:#7a3c00;padding:.5em 1em;font-weight:bold}
 .ok{border:1px solid #2a7;background:#efe;padding:.3em 1em} .bad{color:#b00;font-weight:bold}
+.note{color:#444;font-size:.9em;max-width:60em}
 .stamp{color:#555}"""
 
 
@@ -616,6 +723,7 @@ def render(view):
     cov = coverage(view["darl"], now)
     loud, quiet = alarms(view, cov)
     sites = site_table(rows, st, view["darl"])
+    waits = wait_lines(sites)
     if view["saved"]:
         stamp = f"Saved copy, captured {utc(now)}; it does not refresh."
         refresh = ""
@@ -636,7 +744,8 @@ def render(view):
 <body>
 <h1>pww central VM: round {st['round']}</h1>
 <p class="stamp">{ESC(stamp)}</p>
-{''.join(f'<p class="alarm">{ESC(x)}</p>' for x in loud)}{''.join(f'<p class="ok">{ESC(x)}</p>' for x in quiet)}
+{''.join(f'<p class="alarm">{ESC(x)}</p>' for x in loud)}{''.join(f'<p class="warn">{ESC(x)}</p>' for x in waits)}
+{''.join(f'<p class="ok">{ESC(x)}</p>' for x in quiet)}
 <p>{summary}</p>
 <p>{st.get('parameters', 0):,} parameters in {st.get('tensors', 0)} tensors; outer lr {cfg.get('outer_lr')},
 momentum {cfg.get('outer_momentum')}; held-out loss: {_heldout_text(held)}</p>
@@ -646,12 +755,20 @@ momentum {cfg.get('outer_momentum')}; held-out loss: {_heldout_text(held)}</p>
 <div class="plots">{''.join(f'<figure>{_spaced(p)}</figure>' for p in plots(view))}</div>
 <h2>Sites</h2>
 <div class="scroll">{_sites_html(sites)}</div>
+{_compute_html(sites)}
 <h2>Last merged rounds</h2>
 <div class="scroll">{_rounds_html(rows)}</div>
 <h2>Disk</h2>
 {_disk_html(view)}
 </body></html>
 """
+
+
+def _secs(v, spec=None):
+    """Seconds as text: 2.1 s, 0.012 s (a wait on loopback is milliseconds), 0.117 s with spec .3g."""
+    if v is None:
+        return "-"
+    return f"{v:{spec or ('.1f' if v >= 0.95 else '.2g')}} s"
 
 
 def _round(v):

@@ -46,6 +46,39 @@ def record(rnd, t, tokens, loss, sites, excluded=()):
             "dropped": [], "late": []}
 
 
+def waiting_rows(first=1, cum=0):
+    """12 rounds of sites with time-budgeted phases (the record fields of quorum rounds): alpha
+    sends early and waits for beta in rounds 1-8, alone at the quorum's grace in 9-10 (beta
+    left out), and last in 11-12 (then beta waits: 2 of its 10 rounds, a fifth, not more).
+    alpha's periods: 18 + 2 (round 1: wall + merge, no period_s), 20 x 7, 18 x 2, 20 x 2.
+    Round numbers from `first`, tokens counted on from `cum`."""
+    rows = []
+    for r in range(1, 13):
+        alpha = {"incarnation": "a", "tokens": 1000, "loss": 3.0, "tokens_per_s": 70.0, "inner_s": 14.0, "util": 0.7,
+                 "steps": 110.0, "step_s": 0.12, "ended_by": "clock", "cycle_s": 20.0, "wait_s": 6.0}
+        beta = {"incarnation": "b", "tokens": 500, "loss": 3.1, "tokens_per_s": 30.0, "inner_s": 16.0}  # no util
+        if r <= 8:
+            sites, reason, wall = {"alpha": alpha, "beta": beta}, "every live member sent its delta", 18.0
+            alpha.update(arrived_s=5.0, waited_s=13.0)
+            beta.update(arrived_s=17.0, waited_s=1.0)
+        elif r <= 10:
+            sites, wall = {"alpha": alpha}, 16.0
+            reason = "quorum: 67% of the 1,500 tokens expected arrived; grace 4 s passed without ['beta']"
+            alpha.update(arrived_s=10.0, waited_s=6.0)
+        else:
+            sites, reason, wall = {"alpha": alpha, "beta": beta}, "every live member sent its delta", 18.0
+            alpha.update(arrived_s=17.0, waited_s=1.0)
+            beta.update(arrived_s=3.0, waited_s=15.0)
+        if r == 12:
+            alpha.update(util=0.65, steps=120.0, step_s=0.117, ended_by="lease")
+        rec = dict(record(first - 1 + r, 1.9e9 + 20 * r, sum(s["tokens"] for s in sites.values()), 3.0, sites), v=3,
+                   reason=reason, wall_s=wall, merge_s=2.0, period_s=None if r == 1 else wall + 2.0,
+                   late=[] if "beta" in sites else ["beta"])
+        rows.append(sp.compact(rec, cum))
+        cum = rows[-1]["cum_tokens"]
+    return rows
+
+
 def status(rnd, members=(), events=()):
     return {"round": rnd, "merging": False, "members": list(members), "pending": [], "events": list(events),
             "excluded": [], "dropped": [], "pending_commits": 0, "parameters": 1000, "tensors": 2,
@@ -133,11 +166,60 @@ class PureTest(unittest.TestCase):
         text = text_outside_svg(page)
         for want in ("40.0 % of 1,000 blocks committed", "ETA 4 min 00 s", "2.5 blocks/s", "committed 400",
                      "quarantined 10", "10 block(s) QUARANTINED", "2 block(s) LOST", "lumi", "snellius",
-                     "41.0%", "30.50 GiB", "80% / 80%", "50% / 50%",   # utilisation: 8 s and 5 s of 10 s rounds
+                     "41.0%", "30.50 GiB",
+                     # utilisation: 8 s and 5 s of 10 s rounds; records without the phase's fields: "-"
+                     "lumi 80% 80% (300 rounds) - - - -", "snellius 50% 50% (300 rounds) - - - -",
                      "1.84M tokens merged", "first 8.0000 (lumi, theta of round 49), last 5.5000 (lumi, theta of round 299)",
                      "3.00 GiB", "quota 64.00 GiB", "5.00 MiB", "Live page, rendered 2033-05-18 03:33:20 UTC"):
             self.assertIn(want, text)
         self.assertIn("n/a (CPU)", text)                          # snellius sent no MFU
+        self.assertNotIn('class="warn"', page)                    # no waited_s recorded: no round counts
+
+    def test_a_site_that_waits_in_most_rounds_is_a_line_naming_what_it_waited_on(self):
+        rows = waiting_rows()
+        page = sp.render(view(rows, darl=dict(DARL, quarantined=0, clusters=[])))
+        warns = re.findall(r'<p class="warn">(.*?)</p>', page)
+        # 10 waits: 8 x 13 s on beta's delta, 2 x 6 s on the grace; beta waited in 2 of 10 rounds: no line
+        self.assertEqual(warns, ["alpha waited in 10 of 12 rounds (83%), 11.6 s on average, "
+                                 "mostly on beta&#x27;s delta"])
+        self.assertIn("no delta excluded", page)                  # a wait loses no work: the quiet line stays
+        self.assertNotIn('class="alarm"', page)
+        text = text_outside_svg(page)
+        # last round: alpha's own util; beta reports none: 16 s / 20 s. Whole run: alpha 168 s / 236 s,
+        # beta 160 s / 200 s. alpha's last phase, step time and wait; beta's wait of round 12
+        self.assertIn("alpha 65% 71% (12 rounds) 120 (lease) 0.117 s 1.0 s 10 of 12", text)
+        self.assertIn("beta 80% 80% (10 rounds) - - 15.0 s 2 of 10", text)
+        self.assertIn("Utilisation, last round: the share of its cycle before", text)   # the figures defined
+        self.assertIn('title="inner training time summed / round periods summed', page)
+
+    def test_what_a_round_kept_a_site_waiting_for(self):
+        both = {"alpha": {"arrived_s": 2.0}, "beta": {"arrived_s": 9.0}}
+        self.assertEqual(sp.waited_on({"reason": "every live member sent its delta", "sites": both}, "alpha"),
+                         "beta's delta")
+        self.assertEqual(sp.waited_on({"reason": "deadline of 1800 s passed without ['beta']",
+                                       "sites": {"alpha": {"arrived_s": 2.0}}}, "alpha"), "the deadline")
+        self.assertEqual(sp.waited_on({"reason": "quorum: 90% of ...; grace 3 s passed without ['gamma']",
+                                       "sites": both}, "alpha"), "the quorum grace")
+        self.assertIn("the aggregator after its own delta",
+                      sp.waited_on({"reason": "every live member sent its delta", "sites": both}, "beta"))
+        # a round counts as a wait over a tenth of its period: period_s, else wall_s + merge_s
+        row = {"period_s": None, "wall_s": 18.0, "merge_s": 2.0, "reason": "", "sites": {"alpha": {"waited_s": 2.0}}}
+        self.assertEqual(sp.site_waits([row], "alpha"), {"rounds": 1, "waits": []})
+        row = dict(row, period_s=19.0)                      # alpha alone: no other delta kept it waiting
+        self.assertEqual(sp.site_waits([row], "alpha"),
+                         {"rounds": 1, "waits": [(2.0, "the aggregator after its own delta (custody at DARL, a merge "
+                                                       "retried)")]})
+
+    def test_old_records_render_beside_new_ones(self):
+        old = [sp.compact(record(r, 1.8e9 + r, 100, 4.0, {"alpha": {"tokens": 100, "inner_s": 5.0}}), 100 * (r - 1))
+               for r in (1, 2)]
+        rows = old + waiting_rows(first=3, cum=200)
+        text = text_outside_svg(sp.render(view(rows)))
+        # the old rounds add 5 s of 10 s each to the run's utilisation (178 s / 256 s) and no round to the waits
+        self.assertIn("alpha 65% 70% (14 rounds) 120 (lease) 0.117 s 1.0 s 10 of 12", text)
+        self.assertIn("alpha waited in 10 of 12 rounds (83%)", text)
+        only_old = text_outside_svg(sp.render(view(old)))
+        self.assertIn("alpha 50% 50% (2 rounds) - - - -", only_old)
 
     def test_a_saved_copy_says_when_and_does_not_refresh(self):
         page = sp.render(view([], saved=True, now=1.7e9))
@@ -240,7 +322,8 @@ class LiveRun:
             for i, (name, c) in enumerate(sites.items()):
                 tokens = (2 - i) * 4 * 64
                 metrics = {"loss": 6.0 - 0.5 * rnd - 0.2 * i, "tokens_per_s": 1000.0 / (i + 1),
-                           "peak_mem_gib": 1.5 + i, "inner_s": 4.0 + i}
+                           "peak_mem_gib": 1.5 + i, "inner_s": 4.0 + i, "util": 0.8 - 0.1 * i, "steps": 10.0 + i,
+                           "step_s": 0.4 + 0.1 * i, "ended_by": "clock" if i else "lease"}
                 if rnd == 2 and i == 0:
                     metrics.update(heldout_loss=5.5, heldout_round=1)
                 if rnd == 1 and i == 1:                       # a NaN delta: refused, and excluded in the record
@@ -297,6 +380,9 @@ class LivePageTest(unittest.TestCase):
             self.assertTrue(any(want in l for l in lines), f"w3m shows no line with {want!r}:\n{p.stdout}")
         self.assertTrue(any(l.startswith("lumi ") and "2.05k" in l for l in lines), p.stdout)   # a row per site
         self.assertTrue(any(l.startswith("snellius ") and "1.02k" in l for l in lines), p.stdout)
+        # the compute table: each site's own util of its last cycle, its last phase's steps and what ended it
+        self.assertTrue(any(l.startswith("lumi 80% ") and "10 (lease) 0.4 s" in l for l in lines), p.stdout)
+        self.assertTrue(any(l.startswith("snellius 70% ") and "11 (clock) 0.5 s" in l for l in lines), p.stdout)
 
     def test_rounds_jsonl_exports_to_csv_and_tensorboard(self):
         import csv
@@ -439,20 +525,23 @@ class BrowserTest(unittest.TestCase):
         os.makedirs(SHOTS, exist_ok=True)
         cls.wd = WebDriver(cls, os.path.join(SHOTS, "chromedriver.log"))
 
-    def render(self, width):
+    def render(self, width, url=None, title="pww round 4", name="status"):
         wd = self.wd
         wd.s("POST", "/window/rect", {"width": width, "height": 900})
-        wd.s("POST", "/url", {"url": self.run_.fedmom + "/"})
-        self.assertTrue(wd.s("GET", "/title").startswith("pww round 4"))
+        wd.s("POST", "/url", {"url": url or self.run_.fedmom + "/"})
+        self.assertTrue(wd.s("GET", "/title").startswith(title))
         inner = wd.js("return window.innerWidth")
         height = wd.js("return document.documentElement.scrollHeight")
         wd.s("POST", "/window/rect", {"width": width, "height": min(height + 200, 8000)})  # the whole page
-        shot = os.path.join(SHOTS, f"status-{width}px.png")
+        shot = os.path.join(SHOTS, f"{name}-{width}px.png")
         with open(shot, "wb") as f:
             f.write(base64.b64decode(wd.s("GET", "/screenshot")))
         facts = wd.js("""
             const plots = [...document.querySelectorAll('svg.plot')];
+            const box = e => { const r = e.getBoundingClientRect(); return {left: r.left, right: r.right}; };
             return {inner: window.innerWidth, scrollW: document.documentElement.scrollWidth,
+                    warns: [...document.querySelectorAll('p.warn')].map(box),
+                    notes: [...document.querySelectorAll('p.note')].map(box),
                     plots: plots.map(p => ({w: p.getBoundingClientRect().width, h: p.getBoundingClientRect().height,
                         x: p.querySelectorAll('g.axis.x line.tick').length,
                         y: p.querySelectorAll('g.axis.y line.tick, g.axis.y text.tick-label').length,
@@ -485,6 +574,21 @@ class BrowserTest(unittest.TestCase):
         wide, narrow = (widths[w] for w in self.WIDTHS)
         self.assertGreater(wide, narrow)                                # the plots follow the window
         self.assertLessEqual(narrow, self.WIDTHS[1])
+
+    def test_a_waiting_site_s_line_and_the_utilisation_note_wrap_at_both_widths(self):
+        path = os.path.join(self.dir, "waiting.html")
+        with open(path, "w") as f:
+            f.write(sp.render(view(waiting_rows(), saved=True, now=1.9e9 + 300)))   # a page just after round 12
+        for width in self.WIDTHS:
+            with self.subTest(width=width):
+                inner, facts, logs, _ = self.render(width, "file://" + path, "pww round 12", "waiting")
+                self.assertEqual([e for e in logs if e.get("level") in ("SEVERE", "ERROR")], [])
+                self.assertEqual(len(facts["warns"]), 1, facts)
+                self.assertEqual(len(facts["notes"]), 1, facts)
+                for box in facts["warns"] + facts["notes"]:
+                    self.assertGreaterEqual(box["left"], 0, facts)
+                    self.assertLessEqual(box["right"], facts["inner"] + 1, facts)
+                self.assertLessEqual(facts["scrollW"], facts["inner"] + 1, "the page scrolls sideways")
 
 
 if __name__ == "__main__":
