@@ -136,6 +136,25 @@ class Intervals:
         self.total -= take
         return s, s + take, tag
 
+    def pop_fit(self, n):
+        """Take n positions from the lowest run that holds n, else as many as the longest run
+        holds (the lowest of equals): (start, end, tag) or None. A short run left by a phase
+        the clock ended (a released tail) is not handed to someone who asked for more."""
+        if not self.items:
+            return None
+        i = next((k for k, (s, e, _) in enumerate(self.items) if e - s >= n), None)
+        if i is None:
+            i = max(range(len(self.items)), key=lambda k: (self.items[k][1] - self.items[k][0], -k))
+        s, e, tag = self.items[i]
+        take = min(n, e - s)
+        if s + take == e:
+            del self.starts[i], self.items[i]
+        else:
+            self.starts[i] = s + take
+            self.items[i] = (s + take, e, tag)
+        self.total -= take
+        return s, s + take, tag
+
     def __iter__(self):
         return iter(self.items)
 
@@ -244,6 +263,8 @@ class TableConfig:
     grant_seconds: float = 600.0    # --grant-seconds: a grant is this much of the holder's measured work
     initial_grant: int = 1          # --initial-grant blocks, before a cluster's rate is known
     max_grant: int = 0              # --max-grant blocks; 0 = no cap
+    fit_grants: bool = True         # a grant comes from the lowest free run that holds it (False: the
+                                    # lowest run, cut short; what a log written before this field did)
 
     def validate(self):
         checks = [(self.max_attempts >= 0, "--max-attempts must be >= 0 (0 = never quarantine)"),
@@ -263,6 +284,8 @@ class TableConfig:
     @classmethod
     def from_dict(cls, d):
         names = {f.name for f in dataclasses.fields(cls)}
+        if isinstance(d, dict) and "fit_grants" not in d:
+            d = {**d, "fit_grants": False}        # logged before grants were fitted: replayed as decided then
         if not isinstance(d, dict) or set(d) != names:
             raise ValueError(f"a table config needs exactly the keys {sorted(names)}, got {d!r}")
         return cls(**d).validate()
@@ -270,7 +293,8 @@ class TableConfig:
     def changes(self, other):
         """[(flag, value here, value in other)] for every field that differs."""
         return [("--" + f.name.replace("_", "-"), getattr(self, f.name), getattr(other, f.name))
-                for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+                for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)
+                and f.name != "fit_grants"]      # no flag: a run keeps the rule its log began with
 
 
 def check_name(kind, value):
@@ -451,7 +475,8 @@ class LeaseTable:
             idle = sum(1 for x in self.clusters.values()
                        if x is not c and not self.held[x.name] and self._live(x, now))
             share = -(-self.free.total // (1 + idle))          # leave some for every idle cluster that is up
-            start, end, attempts = self.free.pop_front(min(want, share))
+            pop = self.free.pop_fit if self.config.fit_grants else self.free.pop_front
+            start, end, attempts = pop(min(want, share))
             lease = self._new_lease(c, start, end, attempts, now, ttl)
         else:
             lease = self._steal(c, want, now, ttl)

@@ -687,6 +687,9 @@ def phase_loop(run, site, carrier, start):
         t_inner_end, mono_inner_end = time.perf_counter(), time.monotonic()
         inner_s = t_inner_end - t_phase - fold_s      # a fold mid-phase is not an inner step
         ended_by = ended_how(cadence, phase, site, d)
+        if cadence and os.environ.get(testhooks.PHASE_CLOCK_RATE_ENV):   # a test's skewed clocks: every rank says
+            print(f"phase clock: rank {d.rank} ends the phase after {phase.steps} steps, {len(phase)} windows "
+                  f"(cut: {phase.cut})", flush=True)
         if phase.cut:                    # the clock ended it: the rest of the span goes back to DARL
             span = on_rank0(lambda: site.trim(phase.end))
         step_s = cadence.clock.end() if cadence else inner_s / max(phase.steps, 1)
@@ -741,9 +744,6 @@ def clock_verdict(clock, phase, s, budget):
         return s >= phase.steps - 1
     if verdict < len(phase):
         phase.cut_at(verdict)
-    if os.environ.get(testhooks.PHASE_CLOCK_RATE_ENV):      # a test's skewed clocks: every rank says it
-        print(f"phase clock: rank {clock.rank} ends the phase after {phase.steps} steps, {verdict} windows",
-              flush=True)
     return True
 
 

@@ -966,3 +966,106 @@ if __name__ == "__main__":
         worker(*sys.argv[2:6])
     else:
         unittest.main()
+
+
+# ---------------------------------------------------------------------------
+# phases measured in time: sites of different speeds, one cadence
+# ---------------------------------------------------------------------------
+
+class PhasesInTimeRunTest(unittest.TestCase):
+    """Two sites whose steps differ about 1:3 in time (--throttle-ms) train one model on the
+    cadence the aggregator offers (fedmom_server.py --phase-s): alpha (FSDP2, 2 ranks, rank 1's
+    clock running 5x fast: $PWW_TEST_PHASE_CLOCK_RATE) and beta (DDP, 1 rank). Every round
+    that merged both holds a different step count from each; every phase of alpha ended on
+    the same step on both ranks although they disagree on the time; some phases were ended
+    by the clock (their lease's tail given back to DARL); the run audit passes: every block
+    inside exactly one merged delta."""
+    T = 2.5
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory(prefix="fed-timed-")
+        cls.launcher = harness.Launcher()
+        try:
+            cls.run_scenario(cls.tmp.name)
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.launcher.kill_all()
+        if KEEP:
+            kept = cls.tmp.name + "-kept"
+            os.rename(cls.tmp.name, kept)
+            print(f"kept {kept}")
+        cls.tmp.cleanup()
+
+    @classmethod
+    def run_scenario(cls, t):
+        cls.manifest = make_corpus(t, 60000)
+        init = os.path.join(t, "init.safetensors")
+        subprocess.run([sys.executable, "train.py", "--export-init", init, "--model", "qwen3-tiny",
+                        "--data", cls.manifest], cwd=ROOT, env=harness.child_env(), check=True,
+                       capture_output=True, timeout=300)
+        L = cls.launcher
+        svc = cls.svc = harness.start_services(
+            L, t, cls.manifest, init, block_size=4, default_ports=False,
+            darl_args=["--min-ttl", 15, "--default-ttl", 20, "--max-ttl", 20],
+            fedmom_args=["--darl-retry-s", 1, "--member-timeout-s", 30, "--round-deadline-s", 120,
+                         "--phase-s", cls.T])
+        common = ["--model", "qwen3-tiny", "--batch-size", "2", "--lr", "3e-3", "--diloco-inner-steps", "8", "--eval-windows", "16",
+                  "--eval-every", "0", "--log-every", "4", "--register-wait-s", "120"]
+        runs = os.path.join(t, "runs")
+        env = {**harness.child_env(), testhooks.PHASE_CLOCK_RATE_ENV: "1:5"}
+        alpha = L.start("alpha", harness.site_command("alpha", svc, cls.manifest, nproc=2, parallel="fsdp",
+                                                      runs_dir=runs, train_args=[*common, "--throttle-ms", "40"]),
+                        log_of(t, "alpha"), env=env)
+        beta = L.start("beta", harness.site_command("beta", svc, cls.manifest, nproc=1, parallel="ddp",
+                                                    runs_dir=runs, train_args=[*common, "--throttle-ms", "300"]),
+                       log_of(t, "beta"))
+        for p in (alpha, beta):
+            harness.expect(lambda: not p.alive(), f"{p.name} to finish", list(svc.procs.values()), timeout_s=600)
+            if p.poll() != 0:
+                raise AssertionError(f"{p.name} exited {p.poll()}:\n" + "\n".join(p.tail(40)))
+        for p in svc.procs.values():
+            p.stop(20)
+        cls.records = durable.read_jsonl(os.path.join(svc.state_dir, "fedmom", "rounds.jsonl"))
+        cls.rows = {n: durable.read_jsonl(os.path.join(runs, n, "metrics.jsonl")) for n in ("alpha", "beta")}
+        with open(log_of(t, "alpha"), errors="replace") as f:
+            cls.alpha_log = f.read()
+
+    def test_the_audit_passes(self):
+        import audit
+        report = audit.audit(self.svc.state_dir, manifest=self.manifest)
+        self.assertTrue(report.ok, "\n".join(report.lines))
+
+    def test_both_sites_step_counts_differ_in_every_joint_round(self):
+        joint = [r for r in self.records if {"alpha", "beta"} <= set(r["clusters"])]
+        self.assertGreaterEqual(len(joint), 3, [sorted(r["clusters"]) for r in self.records])
+        for r in joint:
+            a, b = r["clusters"]["alpha"]["steps"], r["clusters"]["beta"]["steps"]
+            self.assertNotEqual(a, b, f"round {r['round']}: both sites ran {a} steps")
+        # the faster site does more steps in a round, not the same H
+        self.assertGreater(sum(r["clusters"]["alpha"]["steps"] for r in joint),
+                           2 * sum(r["clusters"]["beta"]["steps"] for r in joint))
+
+    def test_the_phases_were_planned_from_the_offered_cadence_and_some_ended_by_the_clock(self):
+        for name in ("alpha", "beta"):
+            phases = [r for r in self.rows[name] if r.get("split") == "phase"]
+            self.assertTrue(phases, name)
+            self.assertTrue(all(r["ended_by"] in ("clock", "lease", "data") for r in phases), phases)
+            self.assertTrue(all(0 < r["budget_s"] <= self.T for r in phases), phases)
+        ends = [r["ended_by"] for n in ("alpha", "beta") for r in self.rows[n] if r.get("split") == "phase"]
+        self.assertIn("clock", ends)
+        self.assertIn("phases measured in time: 2.5 s a round (the aggregator's --phase-s)", self.alpha_log)
+
+    def test_ranks_that_disagree_on_the_clock_end_every_phase_on_the_same_step(self):
+        said = re.findall(r"phase clock: rank (\d) ends the phase after (\d+) steps, (\d+) windows \(cut: (\w+)\)",
+                          self.alpha_log)
+        by_rank = {r: [x[1:] for x in said if x[0] == r] for r in ("0", "1")}
+        phases = [r for r in self.rows["alpha"] if r.get("split") == "phase"]
+        self.assertEqual(len(by_rank["0"]), len(phases))
+        self.assertEqual(by_rank["0"], by_rank["1"])
+        self.assertEqual([int(s) for s, _, _ in by_rank["0"]], [r["steps"] for r in phases])
+        self.assertIn("True", [c for _, _, c in by_rank["0"]], "no phase of alpha was cut by the clock")

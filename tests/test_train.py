@@ -25,6 +25,7 @@ import data
 import dist_env
 import models
 import tokenize_corpus as tc
+import testhooks
 import train
 import train_config
 import harness
@@ -453,6 +454,22 @@ class TrainRunTest(unittest.TestCase):
         self.assertTrue(all(0 < r["agreement"] <= 1 + 1e-9 for r in outer))
         self.assertEqual(rows[-1]["split"], "eval")
         self.assertEqual(rows[-2]["split"], "diloco", "the trailing phase is flushed before the eval")
+
+
+    def test_diloco_phases_measured_in_time_end_on_the_same_step_on_every_rank(self):
+        # --diloco-phase-s inside one allocation: 2 replicas of 1 rank, rank 1's clock 4x fast
+        # (it would end each phase 4x sooner on its own and the outer all-reduce would hang)
+        env = {**_env(), testhooks.PHASE_CLOCK_RATE_ENV: "1:4"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "train.py",
+               "--device", "cpu", *self.llm_args("timed", "--parallel", "ddp", "--steps", "30", "--log-every", "10",
+                                                  "--diloco-replicas", "2", "--diloco-phase-s", "0.3")]
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        self.assertEqual(p.returncode, 0, (p.stdout + p.stderr)[-4000:])
+        outer = [r for r in _rows(os.path.join(self.runs, "timed")) if r["split"] == "diloco"]
+        timed = [r for r in outer if r.get("ended_by") == "clock"]
+        self.assertGreaterEqual(len(timed), 2, outer)      # never H's default 100 steps: 30 in all
+        self.assertEqual(sum(r["phase_steps"] for r in outer), 30)
+        self.assertTrue(all(r["phase_steps"] >= 1 and r["step_s"] > 0 for r in timed), outer)
 
 
 class FederationCorpusTest(unittest.TestCase):
