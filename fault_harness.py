@@ -47,7 +47,10 @@ named phase, and is SIGKILLed there):
 Some sites (chosen by the seed) are careless (they send without checking the lease
 first), some overlapped (train.py --overlap), some send int4 deltas with error feedback
 (drawn after the rest, so older seeds keep their schedules), and half the seeds run the
-aggregator with --down-wire int4: fault_site.py says what each does.
+aggregator with --down-wire int4; drawn after those, half offer --phase-s with the quorum
+rule on (--quorum, --grace-frac: a round closes without a straggler, whose delta is then
+stale), most of their sites time-budgeted (leases sized by a clock that trims a span where
+it runs out): fault_site.py says what each does.
 The oracle (fault_oracle.py) then judges the final durable state of both servers against
 the sites' records: audit.py's verdict, every position inside exactly one merged delta a
 site sent, no acknowledged commit lost, theta_global and the outer state bit for bit a
@@ -82,6 +85,7 @@ import testhooks
 ROOT = os.path.dirname(os.path.abspath(__file__))
 TTL = (3.0, 4.0)                  # DARL --min-ttl / --max-ttl: every lease lives 3-4 s unless renewed
 MEMBER_TIMEOUT_S, ROUND_DEADLINE_S = 10, 20   # longer than a stop, so a stopped site's round waits for it
+                                              # (unless --phase-s's quorum rule closes it without the site)
 PORTS = (12000, 28000)            # server ports: below the kernel's ephemeral range, so no other socket takes a
                                   # killed server's port before it comes back on it
 SCHEDULE_DEADLINE_S = 300         # a schedule still running after this is a stall (a liveness failure)
@@ -132,6 +136,10 @@ class Schedule:
     overlapped: list = dataclasses.field(default_factory=list)  # sites that train on while a delta is in flight
     int4: list = dataclasses.field(default_factory=list)        # sites that send int4 deltas (train.py --wire int4)
     down_wire: str = "f32"        # the aggregator's --down-wire: f32 (sites download theta) or int4 (updates)
+    phase_s: float | None = None  # the aggregator's --phase-s offer, with the quorum rule on (None: neither)
+    quorum: float = 0.5           # its --quorum and --grace-frac (with phase_s only)
+    grace_frac: float = 0.2
+    timed: dict = dataclasses.field(default_factory=dict)       # time-budgeted sites: name -> s per fake step
 
     @property
     def checkpoint_rounds(self):
@@ -145,6 +153,9 @@ class Schedule:
                 + (f", overlapped {self.overlapped}" if self.overlapped else "")
                 + (f", int4 {self.int4}" if self.int4 else "")
                 + (f", aggregator --down-wire {self.down_wire}" if self.down_wire != "f32" else "")
+                + (f", aggregator --phase-s {self.phase_s} --quorum {self.quorum} --grace-frac {self.grace_frac}"
+                   if self.phase_s else "")
+                + (f", time-budgeted {self.timed} (s per step)" if self.timed else "")
                 + f", --checkpoint-rounds {self.checkpoint_rounds}")
         return "\n".join([head] + [f"  {i + 1}. {f.describe()}" for i, f in enumerate(self.faults)])
 
@@ -185,7 +196,13 @@ def make_schedule(seed):
     overlapped = sorted(name for name, _ in sites if rng.random() < 0.4)     # drawn after the rest: older
     int4 = sorted(name for name, _ in sites if rng.random() < 0.4)           # seeds keep their schedules
     down_wire = rng.choice(("f32", "int4"))
-    return Schedule(seed, sites, blocks, span, attempts, faults, careless, overlapped, int4, down_wire)
+    phase_s, quorum, grace_frac, timed = None, 0.5, 0.2, {}
+    if rng.random() < 0.5:                   # drawn last too: time-budgeted sites, rounds closed by quorum
+        phase_s, quorum = rng.choice((0.3, 0.4, 0.5)), rng.choice((0.3, 0.5, 0.5))
+        grace_frac = rng.choice((0.1, 0.2, 0.5))
+        timed = {name: round(phase_s / rng.choice((2, 3, 4)), 3) for name, _ in sites if rng.random() < 0.8}
+    return Schedule(seed, sites, blocks, span, attempts, faults, careless, overlapped, int4, down_wire,
+                    phase_s, quorum, grace_frac, timed)
 
 
 # ---------------------------------------------------------------- one schedule's processes
@@ -312,7 +329,9 @@ class Run:
                "--outer-lr", str(fault_oracle.LR), "--outer-momentum", str(fault_oracle.MU),
                "--round-deadline-s", str(ROUND_DEADLINE_S),
                "--member-timeout-s", str(MEMBER_TIMEOUT_S), "--darl-retry-s", "0.5", "--port", str(pick_port()),
-               "--down-wire", self.s.down_wire, "--checkpoint-rounds", str(self.s.checkpoint_rounds)]
+               "--down-wire", self.s.down_wire, "--checkpoint-rounds", str(self.s.checkpoint_rounds)] + (
+            ["--phase-s", str(self.s.phase_s), "--quorum", str(self.s.quorum), "--grace-frac", str(self.s.grace_frac)]
+            if self.s.phase_s else [])
         self.procs["fedmom"] = Proc(self, "fedmom", fed)
         self.fedmom = self.procs["fedmom"].start()
 
@@ -324,7 +343,8 @@ class Run:
                "--transport", transport, "--train-s", "0.15", "--phase-s", "0.5"] + (
             ["--careless"] if name in self.s.careless else []) + (
             ["--overlap"] if name in self.s.overlapped else []) + (
-            ["--wire", "int4"] if name in self.s.int4 else [])
+            ["--wire", "int4"] if name in self.s.int4 else []) + (
+            ["--step-s", str(self.s.timed[name])] if name in self.s.timed else [])
         proc = self.sites.get(name) or Proc(self, f"site-{name}", cmd)
         proc.cmd = cmd
         proc.start(wait_url=False)
@@ -633,7 +653,8 @@ class Result:
     quarantined: int = 0
     seconds: float = 0.0
     workdir: str = ""
-    seen: collections.Counter = dataclasses.field(default_factory=collections.Counter)   # site events by kind
+    seen: collections.Counter = dataclasses.field(default_factory=collections.Counter)   # site events by kind;
+    # also trimmed (spans a clock ended early), trimmed_merged (of those, merged), quorum_closed (rounds)
     kinds: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # sites by kind
 
 
@@ -677,10 +698,17 @@ def run_schedule(seed, work_root, keep=False, sched=None):
     for e in events:
         if e["event"] == "theta":
             seen[f"theta_via_{e['via']}"] += 1
+    trimmed = {(e["incarnation"], e["base_round"], e["lease"]) for e in events
+               if e["event"] == "trained" and e.get("trimmed")}
+    seen["trimmed"] = len(trimmed)
+    seen["trimmed_merged"] = sum(1 for e in events if e["event"] == "merged"
+                                 and (e["incarnation"], e["base_round"], e["lease"]) in trimmed)
+    seen["quorum_closed"] = sum(1 for r in recs if str(r.get("reason", "")).startswith("quorum"))
     names = [n for n, _ in sched.sites]
     kinds = collections.Counter(f32=sum(n not in sched.int4 for n in names), int4=sum(n in sched.int4 for n in names),
                                 overlapped=sum(n in sched.overlapped for n in names),
-                                down_wire_int4=int(sched.down_wire == "int4"))
+                                down_wire_int4=int(sched.down_wire == "int4"),
+                                timed=sum(n in sched.timed for n in names), phase_s=int(bool(sched.phase_s)))
     res = Result(seed, findings, injected, armed, len(recs), report_q, time.monotonic() - t0, workdir, seen, kinds)
     if not findings and not keep:
         shutil.rmtree(workdir, ignore_errors=True)

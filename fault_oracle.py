@@ -17,7 +17,9 @@ while it ran).
 What it checks:
     - audit.py's judgement (every block inside exactly one merged delta, or quarantined
       and said; custody committed; rounds consecutive; no violation counter above 0);
-    - every merged delta is one a site sent, its DARL positions the ones it trained;
+    - every merged delta is one a site sent, its DARL positions the ones it trained (a
+      span its clock trimmed: the prefix only), from the round before the one it merged
+      into (a delta that came after its round closed, by quorum or otherwise, is stale);
       every position inside exactly one of them by the sites' own records;
     - no acknowledged commit lost (custody DARL reported committed during the run is
       still committed) and no merge a site was told of lost;
@@ -77,6 +79,9 @@ def oracle(run):
                 out.append(f"round {r['round']} merged a delta no site sent: {o['cluster']} {o['incarnation']} "
                            f"base {o['base_round']} lease {lease['id']}")
                 continue
+            if o["base_round"] != r["round"] - 1:
+                out.append(f"round {r['round']} merged {o['cluster']}'s delta trained from round {o['base_round']}: "
+                           "a delta of a round already closed must be refused (409 stale_round)")
             darl_pos = sorted(p for _, a, b in o.get("pieces") or () for p in range(a, b))
             if darl_pos != list(range(site["start"], site["end"])):
                 out.append(f"round {r['round']}: {o['cluster']}'s delta trained positions [{site['start']}, "

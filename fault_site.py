@@ -6,7 +6,8 @@ fault_harness.Run starts, one per incarnation of a site (a killed site is requeu
 new one); never by hand:
 
     python fault_site.py --cluster alpha --darl URL --fedmom URL --blob URL --token-file F \
-        --records DIR --transport inline --seed 7 --span 2 [--careless] [--overlap] [--wire int4]
+        --records DIR --transport inline --seed 7 --span 2 [--careless] [--overlap] [--wire int4] \
+        [--step-s 0.12]
 
 It leases spans from DARL over the real darl_client.LeaseSession, sends a small seeded
 random delta for each real lease over the real fedmom_client.FedMomClient (inline or through
@@ -20,21 +21,28 @@ as an older client would (the servers must be safe whatever a site does); an ove
 keeps train.py --overlap's order (a delta's round trip on a thread while the next span is
 leased and "trained", that span's delta then naming as its base the round the trip ended
 on); an int4 one sends int4 deltas with error feedback (wire.WireWriter, as train.py --wire
-int4). Every site holds theta_global as a real site's rank 0 does: after each round trip it
-downloads it with fedsite.FedSite's own code (the update added to the theta it holds and
-checked by its digest, or on 409 no_update the whole theta), and notes the digest it now
-holds. A token the servers refuse (401) ends it with EXIT_TOKEN, and the harness requeues it
-with the new token.
+int4); a time-budgeted one (--step-s, train.py --diloco-phase-s under the aggregator's
+--phase-s offer) sizes each lease from that offer and its measured step time, and when its
+clock runs out first trains only a prefix of the span and trims it (LeaseSession.trim: the
+tail back to DARL's pool, the delta naming the prefix only; PhaseClock). Every site holds
+theta_global as a real site's rank 0 does: after each round trip it downloads it with
+fedsite.FedSite's own code (the update added to the theta it holds and checked by its
+digest, or on 409 no_update the whole theta), and notes the digest it now holds. A token
+the servers refuse (401) ends it with EXIT_TOKEN, and the harness requeues it with the new
+token.
 """
 import argparse
+import dataclasses
 import http.client
 import json
+import math
 import os
 import secrets
 import sys
 import threading
 import time
 import types
+import zlib
 
 import numpy as np
 
@@ -121,6 +129,65 @@ class SiteTheta:
         return self.round
 
 
+class PhaseClock:
+    """A time-budgeted site's phases (--step-s), fedphase.Cadence's rule without its measured
+    send time: a phase that starts `age` s into the open round (the last reply that said
+    it) may spend T - age, T with --overlap or no age known, never below MIN_SHARE x T; T is
+    the aggregator's --phase-s offer (the join reply). The lease is sized from that budget
+    over the measured step time, one fake step per block. Each step sleeps the site's step
+    time x the phase's speed, drawn per site from the seed (every incarnation replays its
+    site's speeds): a SLOW share of phases run 1.5-2.5x slow, as on a shared node. After a
+    step, if the next one would overrun the budget, the phase ends on that block boundary:
+    the rest of the span goes back to DARL (LeaseSession.trim) and the delta names the
+    prefix (data.LeasedPhase.cut_point's rule)."""
+    MIN_SHARE, SLOW = 0.25, 0.4
+
+    def __init__(self, a, phase_s):
+        if not phase_s:
+            raise SystemExit(f"fault_site.py --step-s: the aggregator offers no --phase-s ({phase_s!r}); a "
+                             "time-budgeted site needs one (fault_harness starts it with the schedule's phase_s)")
+        self.a, self.phase_s, self.step_s = a, float(phase_s), a.step_s
+        self.rng = np.random.default_rng([a.seed, zlib.crc32(a.cluster.encode())])
+        self.est = None                 # measured s per step, running mean over phases
+        self.age = None                 # (round, its age in s, time.monotonic()) from the last reply
+
+    def heard(self, reply):
+        if isinstance(reply.get("round_age_s"), (int, float)):
+            self.age = (reply["round"], float(reply["round_age_s"]), time.monotonic())
+
+    def budget(self, held_round):
+        if self.a.overlap or self.age is None or self.age[0] != held_round:
+            return self.phase_s
+        age = self.age[1] + time.monotonic() - self.age[2]
+        return max(self.phase_s - age, self.MIN_SHARE * self.phase_s)
+
+    def plan(self, session, held_round):
+        """Before the lease: size the next span from the budget (--span until a step was measured)."""
+        blocks = self.a.span if self.est is None else max(1, math.floor(self.budget(held_round) / self.est))
+        session.span_blocks = session.lease_blocks = blocks
+
+    def run(self, session, span, held_round):
+        """The phase's fake steps -> (the span trained, trimmed where the clock ended it; its figures)."""
+        budget = self.budget(held_round)
+        speed = self.rng.uniform(1.5, 2.5) if self.rng.random() < self.SLOW else self.rng.uniform(0.8, 1.05)
+        t0, n, cut = time.monotonic(), 0, None
+        while True:
+            time.sleep(self.step_s * speed * self.rng.uniform(0.9, 1.1))
+            n += 1
+            elapsed = time.monotonic() - t0
+            if n >= len(span):
+                break
+            if elapsed + elapsed / n > budget:
+                cut = span.start + n
+                break
+        self.est = elapsed / n if self.est is None else 0.5 * self.est + 0.5 * elapsed / n
+        figures = {"steps": n, "step_s": elapsed / n, "inner_s": elapsed, "budget_s": budget,
+                   "ended_by": "lease" if cut is None else "clock"}
+        if cut is not None:
+            span = _call("trim", lambda d: session.trim(span, cut, deadline=d))
+        return span, figures
+
+
 def write_tensors(path, arrays):
     with tensorio.TensorWriter(path, [(k, "F32", a.shape) for k, a in arrays.items()], fsync=False) as w:
         for k, a in arrays.items():
@@ -179,7 +246,12 @@ def _site_loop(a, token, inc, note):
     session.start(register=False)
     fed = fedmom_client.FedMomClient(a.fedmom, a.cluster, inc, token=token, blob_url=a.blob, timeout=10.0)
     member = Membership(fed)
-    member.join()
+    joined = member.join()
+    a.clock = None
+    if a.step_s:
+        a.clock = PhaseClock(a, joined.get("phase_s"))
+        member.heard = a.clock.heard
+        a.clock.heard(joined)
     a.theta, a.residual = SiteTheta(a, fed, inc, note), Residual() if a.wire == "int4" else None
     try:
         _span_loop(a, fed, member, session, note)
@@ -195,9 +267,14 @@ def _span_loop(a, fed, member, session, note):
     (_phase). An overlapped one keeps train.py --overlap's order: the round trip of span k
     on a thread while span k+1 is leased and trained; span k+1's delta is written once
     round trip k ended, with the round it ended on as its base. Nothing leaves or joins
-    FedMom while a trip is in flight."""
+    FedMom while a trip is in flight. A time-budgeted site sizes each lease before asking
+    for it (PhaseClock.plan)."""
     flight = None                                  # (thread, box) of the round trip in flight
+    planned = False
     while True:
+        if a.clock is not None and not planned:
+            a.clock.plan(session, a.theta.round)
+            planned = True
         try:
             span = session.next_span(timeout=0.2 if flight else 1.0)
         except TimeoutError:
@@ -213,6 +290,7 @@ def _span_loop(a, fed, member, session, note):
             raise
         if span is None:
             break
+        planned = False
         in_flight = flight is not None and flight[0].is_alive()
         if flight is None:
             if not member.member:
@@ -221,14 +299,13 @@ def _span_loop(a, fed, member, session, note):
                 _phase(a, fed, member, session, span, note)
                 continue
             base = a.theta.current()
-        time.sleep(a.train_s)                      # "train" span k+1 while delta k is in flight
+        span, steps = _steps(a, session, span, None)   # "train" span k+1 while delta k is in flight
         if flight is not None:
             base = _join(flight)
-        key, path, tokens = _train(a, session, span, base, note, while_in_flight=in_flight)
+        done = _train(a, session, span, base, note, steps, while_in_flight=in_flight)
         testhooks.fault_point("site.trained")
         box = {}
-        t = threading.Thread(target=_trip, args=(a, fed, member, session, span, key, path, tokens, note, box),
-                             daemon=True)
+        t = threading.Thread(target=_trip, args=(a, fed, member, session, span, done, note, box), daemon=True)
         flight = (t, box)
         t.start()
     if flight is not None:
@@ -250,13 +327,16 @@ class Membership:
 
     def __init__(self, fed):
         self.fed, self.keepalive, self.member = fed, None, False
+        self.heard = lambda reply: None          # a time-budgeted site's PhaseClock.heard
 
     def join(self):
-        _call("join", lambda d: self.fed.join(deadline=d))
+        reply = _call("join", lambda d: self.fed.join(deadline=d))
+        self.heard(reply)
         self.member = True
         if self.keepalive is None:
             self.keepalive = self.fed.keepalive(interval_s=0.5)
             self.keepalive.__enter__()
+        return reply
 
     def stop(self):
         if self.keepalive is not None:
@@ -275,15 +355,36 @@ class Membership:
 
 
 def _phase(a, fed, member, session, span, note):
-    """Train (sleep), send the delta for `span`, learn what became of it, settle the lease."""
+    """Train (sleep, or a time-budgeted site's steps), send the delta for `span` (or for the
+    part of it the clock left), learn what became of it, settle the lease."""
     base = a.theta.current()
-    key, path, tokens = _train(a, session, span, base, note)
-    time.sleep(a.train_s)
+    span, steps = _steps(a, session, span, base)
+    done = _train(a, session, span, base, note, steps)
     testhooks.fault_point("site.trained")
-    _round_trip(a, fed, member, session, span, key, path, tokens, note)
+    _round_trip(a, fed, member, session, span, done, note)
 
 
-def _train(a, session, span, base, note, **extra):
+def _steps(a, session, span, base):
+    """A phase's "training" -> (the span trained, the phase's figures): a plain site sleeps
+    --train-s (no figures); a time-budgeted one takes its steps (PhaseClock.run), and the
+    span comes back trimmed where its clock ended it."""
+    if a.clock is None:
+        time.sleep(a.train_s)
+        return span, None
+    cut, figures = a.clock.run(session, span, base)
+    return cut, {**figures, "trimmed": span.end if cut.end < span.end else None}
+
+
+@dataclasses.dataclass
+class Trained:
+    """A span's delta, written: what the notes name it by, its file, its tokens, its metrics."""
+    key: dict
+    path: str
+    tokens: int
+    metrics: dict
+
+
+def _train(a, session, span, base, note, steps=None, **extra):
     key = dict(lease=span.lease, start=span.start, end=span.end, base_round=base)
     path = os.path.join(a.records, f"{a.cluster}-{session.incarnation}-l{span.lease}-s{span.start}-r{base}.safetensors")
     arrays = delta_arrays(a.seed, session.incarnation, span.lease, span.start, base)
@@ -292,30 +393,34 @@ def _train(a, session, span, base, note, **extra):
     else:
         write_tensors(path, arrays)
     tokens = 100 * len(span)
+    metrics = {"loss": 1.0}
+    if steps is not None:            # a time-budgeted phase: its figures go with the delta, as train.py's do
+        extra.update(trimmed=steps["trimmed"], ended_by=steps["ended_by"], budget_s=round(steps["budget_s"], 3))
+        metrics.update({k: v for k, v in steps.items() if k != "trimmed"})
     note("trained", file=os.path.basename(path), tokens=tokens, wire=a.wire, **key, **extra)
-    return key, path, tokens
+    return Trained(key, path, tokens, metrics)
 
 
-def _trip(a, fed, member, session, span, key, path, tokens, note, box):
+def _trip(a, fed, member, session, span, done, note, box):
     """An overlapped site's round trip (its thread): box["out"], the round it ended on, or box["err"]."""
     try:
-        box["out"] = _round_trip(a, fed, member, session, span, key, path, tokens, note)
+        box["out"] = _round_trip(a, fed, member, session, span, done, note)
     except BaseException as e:
         box["err"] = e
 
 
-def _round_trip(a, fed, member, session, span, key, path, tokens, note):
+def _round_trip(a, fed, member, session, span, done, note):
     """Check the lease, send, wait for the outcome, settle the lease and the residual,
     download theta_global (as FedSite.round_trip) -> the round of that theta."""
-    state = _send_and_wait(a, fed, member, session, span, key, path, tokens, note)
+    state = _send_and_wait(a, fed, member, session, span, done, note)
     if a.residual is not None:
         a.residual.settle(state)
     return a.theta.fetch()
 
 
-def _send_and_wait(a, fed, member, session, span, key, path, tokens, note):
+def _send_and_wait(a, fed, member, session, span, done, note):
     """-> what became of the delta: merged, unknown, or another word for not merged."""
-    base = key["base_round"]
+    key, base = done.key, done.key["base_round"]
     if not a.careless:                            # FedSite.round_trip's check (a careless site skips it)
         try:
             session.refresh()
@@ -328,7 +433,7 @@ def _send_and_wait(a, fed, member, session, span, key, path, tokens, note):
     testhooks.fault_point("site.checked")
     record = {"id": span.lease, "start": span.start, "end": span.end}
     try:
-        reply = _call("send", lambda d: fed.send_delta(path, base, tokens, [record], {"loss": 1.0},
+        reply = _call("send", lambda d: fed.send_delta(done.path, base, done.tokens, [record], done.metrics,
                                                        transport=a.transport, deadline=d))
     except fedmom_client.StaleRound as e:
         note("stale", why=str(e), **key)
@@ -344,6 +449,7 @@ def _send_and_wait(a, fed, member, session, span, key, path, tokens, note):
     testhooks.fault_point("site.sent")
     while True:
         got = _call("outcome", lambda d: fed.heartbeat(wait_round_after=base, wait_s=1.0, deadline=d))
+        member.heard(got)
         mine = [o for o in got.get("deltas") or () if o.get("incarnation") == session.incarnation
                 and o.get("base_round") == base]
         state = mine[0]["outcome"] if mine else None
@@ -378,6 +484,9 @@ def main(argv):
                    help="train the next span while the delta's round trip runs (train.py --overlap)")
     p.add_argument("--wire", choices=("f32", "int4"), default="f32",
                    help="the deltas' wire format (train.py --wire): int4 with error feedback")
+    p.add_argument("--step-s", type=float, default=None,
+                   help="a time-budgeted site: each fake inner step (one block) takes about this many s, each "
+                        "phase the aggregator's --phase-s offer (PhaseClock; default: none, --train-s a span)")
     return site_main(p.parse_args(argv))
 
 

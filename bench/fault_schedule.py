@@ -13,8 +13,9 @@ judgement of the outcome.
 
 A failing seed prints its schedule and the oracle's findings; its directory is kept.
 The closing lines: faults injected by kind, the site kinds run (f32, int4, overlapped),
-the schedules with --down-wire int4, what the sites saw, and the summary: schedules,
-faults injected, violations.
+the schedules with --down-wire int4, those with --phase-s and the quorum rule (their
+time-budgeted sites, the spans their clocks trimmed, the rounds closed by quorum), what
+the sites saw, and the summary: schedules, faults injected, violations.
 """
 import argparse
 import collections
@@ -48,6 +49,10 @@ def summary(results, seconds):
         f"site kinds: f32 {kinds['f32']}, int4 {kinds['int4']}, overlapped {kinds['overlapped']} (sites); aggregator "
         f"--down-wire int4 in {kinds['down_wire_int4']} of {len(results)} schedules; {seen['sent_int4']} int4 deltas "
         f"sent; theta fetched via update {seen['theta_via_update']}, in full {seen['theta_via_full']}",
+        f"phases measured in time: aggregator --phase-s with the quorum rule in {kinds['phase_s']} of {len(results)} "
+        f"schedules, {kinds['timed']} time-budgeted sites; {seen['trimmed']} spans trimmed by a site's clock "
+        f"({seen['trimmed_merged']} of them merged), {seen['quorum_closed']} rounds closed by quorum, "
+        f"{seen['stale']} late deltas refused stale",
         f"sites: {sites} (deltas); {sum(r.rounds for r in results)} rounds merged, "
         f"{sum(r.quarantined for r in results)} blocks quarantined (said)",
         f"fault schedules: {len(results)} run, {sum(injected.values())} faults injected, violations: {len(bad)}"

@@ -1,9 +1,10 @@
-"""The fast subset of bench/fault_schedule.py, on fault_harness.py: four fixed schedules that between them
+"""The fast subset of bench/fault_schedule.py, on fault_harness.py: five fixed schedules that between them
 inject every kind of fault (real darl_server.py, fedmom_server.py and blobstore.py
 processes, fake torch-free sites on the real clients) and run every kind of site (f32,
-int4 with error feedback, overlapped; an aggregator with --down-wire int4 whose sites
-fetch theta by its updates, inline and through the blob store), each judged by the
-oracle; and the oracle itself shown to catch a tampered run, of either aggregator. The full run (>= 500 random schedules) is
+int4 with error feedback, overlapped, time-budgeted; an aggregator with --down-wire int4
+whose sites fetch theta by its updates, inline and through the blob store, and one with
+--phase-s and the quorum rule), each judged by the oracle; and the oracle itself shown to
+catch a tampered run, of either aggregator. The full run (>= 500 random schedules) is
 `python bench/fault_schedule.py`.
 
 Deterministic: the schedules are fixed, and what the oracle requires holds for every
@@ -12,7 +13,11 @@ or a count of deltas sent), never for a time. The only clocks are the lease TTLs
 outages and stops must outlast, and a deadline that bounds a hang. Each schedule puts
 its long pauses (an outage, a stopped site) last and triggers early, so the other
 sites cannot finish the corpus before every fault was injected, however slow the
-machine.
+machine. Where a time-budgeted site trims a span and where a round closes by quorum
+do follow clocks, so the time-budgeted schedule asks only that both happen: its sites'
+seeded slow phases end on their clocks however fast the machine is (a slower one trims
+more), and a site stopped after its lease check, past the first round (which every
+member's tokens must reach), leaves the others' rounds only the quorum to close by.
 """
 import json
 import os
@@ -63,6 +68,12 @@ SCHEDULES = {
                   Fault("clock_step", 1, value=-3600),
                   Fault("site_stop", 2, point="site.trained", target="alpha"),
                   Fault("stale_aggregator", 2, value=2)], int4=["beta"], down_wire="int4"),
+    "time-budgeted sites under --phase-s and the quorum rule: spans trimmed where a clock ran out, DARL killed "
+    "while it logs, a site stopped after its lease check while rounds close by quorum without it":
+        Schedule(107, [("alpha", INLINE), ("beta", BLOB), ("gamma", INLINE)], 30, 2, 0,
+                 [Fault("darl_kill", 1, point="darl.append", skip=1, pause=0.3),
+                  Fault("site_stop", 3, point="site.checked", target="gamma")], overlapped=["beta"],
+                 phase_s=0.4, quorum=0.5, grace_frac=0.2, timed={"alpha": 0.1, "beta": 0.13, "gamma": 0.08}),
 }
 
 
@@ -105,6 +116,14 @@ class FaultScheduleTest(unittest.TestCase):
 
     def test_synced_kill_merge_kill_clock_back_stale_aggregator_and_stop(self):
         self.assert_down_wire(self.run_one(list(SCHEDULES)[3]))
+
+    def test_trims_and_quorum_closes_under_faults(self):
+        res = self.run_one(list(SCHEDULES)[4])
+        self.assertEqual(res.kinds["timed"], 3)
+        self.assertGreaterEqual(res.seen["trimmed_merged"], 1, "no span a site's clock trimmed was merged")
+        self.assertGreaterEqual(res.seen["quorum_closed"], 1, "no round closed by quorum")
+        # gamma's delta, for a round the others closed by quorum while it was stopped
+        self.assertGreaterEqual(res.seen["stale"], 1, "no late delta was refused stale")
 
     def test_every_fault_kind_is_in_the_fast_subset(self):
         kinds = {f.kind for s in SCHEDULES.values() for f in s.faults}
@@ -250,6 +269,29 @@ class OracleTest(unittest.TestCase):
         self.assertIn("DARL's custody holds", found)
         self.assertIn("are inside more than one merged delta", found)
         self.assertIn("are inside no merged delta", found)
+
+    def test_a_delta_merged_after_its_round_closed_is_caught(self):
+        """A late delta (its round closed, by quorum or otherwise) must be refused stale: one
+        merged into the round after the next, the site's record and the round's made to agree."""
+        run = self.tampered()
+        path = os.path.join(run.central, "fedmom", "rounds.jsonl")
+        recs = durable.read_jsonl(path)
+        o = next(o for o in recs[1]["outcomes"] if o["outcome"] == "merged")
+        key = (o["incarnation"], o["base_round"], o["leases"][0]["id"])
+        o["base_round"] -= 1
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in recs)
+        for fn in os.listdir(run.records):
+            if fn.endswith(".jsonl"):
+                events = durable.read_jsonl(os.path.join(run.records, fn))
+                with open(os.path.join(run.records, fn), "w") as f:
+                    for e in events:
+                        if (e.get("incarnation"), e.get("base_round"), e.get("lease")) == key:
+                            e = {**e, "base_round": e["base_round"] - 1}
+                        f.write(json.dumps(e) + "\n")
+        found = "\n".join(fault_oracle.oracle(run))
+        self.assertIn(f"round {recs[1]['round']} merged {o['cluster']}'s delta trained from round "
+                      f"{o['base_round']}", found)
 
     def test_an_acknowledged_commit_lost_is_caught(self):
         run = self.tampered()
