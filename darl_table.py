@@ -320,6 +320,16 @@ def _lease_items(leases):
     return out
 
 
+def _give_back_tail(free, L, cut):
+    """[cut, L.end) of live lease L back to the free pool; the lease goes on, shorter. -> how many."""
+    if cut >= L.end:
+        return 0
+    n = L.end - cut
+    free.add(cut, L.end, L.attempts)
+    L.end, L.claimed = cut, min(L.claimed, cut)
+    return n
+
+
 def _release_items(leases):
     """[id | {"lease": id, "from": pos}] -> [(id, pos or None)], or a 400."""
     if not isinstance(leases, list):
@@ -588,15 +598,11 @@ class LeaseTable:
         return pieces
 
     def release(self, cluster, incarnation, leases=(), leave=False, now=None):
-        """Give back the uncommitted part of leases (no attempt counted); leave=True
-        also ends the incarnation, so a requeued job can register at once. A lease named
-        as {"lease": id, "from": pos} gives back only [pos, end): the holder trained up to
-        pos and keeps [start, pos) live (a phase the clock ended early, train.py
-        --diloco-phase-s); pos at or before its start gives back all of it."""
+        """Give back the uncommitted part of leases (no attempt counted; {"lease": id, "from": pos}:
+        [pos, end) only, _give_back_tail); leave=True also ends the incarnation (a requeue registers at once)."""
         now = self.clock() if now is None else now
         items = _release_items(list(leases))
-        cuts = {lid: cut for lid, cut in items if cut is not None}
-        ids = [lid for lid, _ in items]
+        cuts, ids = {lid: cut for lid, cut in items if cut is not None and not leave}, [lid for lid, _ in items]
         self.expire(now)
         c = self._member(cluster, incarnation)
         for lid in ids:
@@ -608,18 +614,13 @@ class LeaseTable:
         returned = 0
         for lid in ids:
             L = self.leases.get(lid)
-            cut = None if leave else cuts.get(lid)
-            if L is not None and cut is not None and cut > L.start:
-                if cut < L.end:           # the tail only: the lease goes on, shorter
-                    returned += L.end - cut
-                    self.free.add(cut, L.end, L.attempts)
-                    L.end, L.claimed = cut, min(L.claimed, cut)
+            if L is not None and cuts.get(lid, L.start) > L.start:
+                returned += _give_back_tail(self.free, L, cuts[lid])
             elif L is not None:
                 returned += L.end - L.start
                 self._close(L, "released")
                 self.free.add(L.start, L.end, L.attempts)
-        c.last_seen = now
-        c.left = bool(leave)
+        c.last_seen, c.left = now, bool(leave)
         return {"released": returned, "left": c.left}
 
     def _close(self, L, state):

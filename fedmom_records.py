@@ -20,6 +20,12 @@ import darl_table
 RECORD_VERSION = 3             # 2: per-delta "outcomes" with their leases; 3: + "delta" and DARL "pieces"
 RECORDS_KEPT = 200            # round records kept in memory (the file keeps all)
 CLIP_HISTORY_ROUNDS = 4       # the clip's median also counts the deltas merged in these last rounds
+METRIC_KEYS = ("loss", "tokens_per_s", "mfu", "tflops_per_rank", "peak_mem_gib", "inner_s",
+               "heldout_loss", "heldout_round",     # held-out: the site's last eval of theta_global <round>
+               "steps", "step_s", "budget_s", "cycle_s", "util", "wait_s")     # a time-budgeted phase's figures
+ENDED_BY = ("clock", "lease", "data", "steps")     # metrics.ended_by: what ended the site's phase (a string)
+QUORUM_RECORDS = 8            # the grace is a fraction of the median round length of this many last records
+QUORUM_MIN_RECORDS = 3        # fewer records than this: the grace is a fraction of --phase-s, if given
 
 
 def outcome(cluster, incarnation, base_round, tokens, leases, fate, merged_into=None, why=None,
@@ -70,6 +76,38 @@ class History:
                 return mine[-1]
         return None
 
+    def expected_tokens(self, members):
+        """cluster -> the tokens each of `members` is expected to bring to a round: those of its
+        delta in the last record that merged one, else the mean of the members known so; None
+        when none has a merged delta on record (the quorum rule cannot apply)."""
+        known = {c: t for c in members if (t := self.last_tokens(c)) is not None}
+        if not known:
+            return None
+        mean = sum(known.values()) / len(known)
+        return {c: known.get(c, mean) for c in members}
+
+    def grace_s(self, frac, phase_s):
+        """The quorum's grace: `frac` (--grace-frac) x the median length of the last QUORUM_RECORDS
+        records, once QUORUM_MIN_RECORDS exist; before, x `phase_s` (--phase-s); else None."""
+        lengths = sorted(self.round_lengths(QUORUM_RECORDS))
+        if len(lengths) >= QUORUM_MIN_RECORDS:
+            n = len(lengths)
+            return frac * (lengths[n // 2] + lengths[(n - 1) // 2]) / 2
+        return None if phase_s is None else frac * phase_s
+
+    def quorum(self, members, waiting, arrived, fraction, grace_frac, phase_s):
+        """The quorum rule for an open round whose `waiting` members still owe a delta and whose
+        deltas hold `arrived` tokens: {"fraction", "grace_s", "expected_tokens" (arrived + what
+        each waiting member is expected to bring), "arrived_tokens", "reached"}, or None where it
+        does not apply (--quorum 1, no grace known yet, no member on record)."""
+        grace, expect = (self.grace_s(grace_frac, phase_s), self.expected_tokens(members)) \
+            if fraction < 1.0 else (None, None)
+        if grace is None or expect is None:
+            return None
+        total = arrived + sum(expect[c] for c in waiting)
+        return {"fraction": fraction, "grace_s": round(grace, 3), "expected_tokens": round(total),
+                "arrived_tokens": arrived, "reached": arrived > 0 and arrived >= fraction * total}
+
     def round_lengths(self, last):
         """Seconds each of the last `last` records took from its round's opening to its merge's
         end (wall_s + merge_s); records without wall_s are skipped."""
@@ -97,6 +135,66 @@ class History:
             for _, a, b in o.get("pieces") or ():
                 twice += self.merged.count(a, b) + seen.union(a, b)
         return twice
+
+
+def clean_metrics(metrics, strict):
+    """The metrics we keep of a site's dict: METRIC_KEYS as floats and "ended_by" as one of
+    ENDED_BY; anything else is left out. strict (a delta's metadata): a known key with a bad
+    value is a ValueError naming what it may be; else (a heartbeat) it is left out too."""
+    clean = {}
+    for k in METRIC_KEYS:
+        v = metrics.get(k)
+        if v is None:
+            continue
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            clean[k] = float(v)
+        elif strict:
+            raise ValueError(f"metrics.{k} must be a finite number, got {v!r}")
+    v = metrics.get("ended_by")
+    if v in ENDED_BY:
+        clean["ended_by"] = v
+    elif v is not None and strict:
+        raise ValueError(f"metrics.ended_by must be one of {', '.join(ENDED_BY)}, got {v!r}")
+    return clean
+
+
+class Quorum:
+    """The quorum rule (--quorum `fraction`, --grace-frac, --phase-s): when the open round reached
+    its quorum (`at`), whether its grace has passed, and what the record says of it. Pure: the
+    view of a round is History.quorum's, made by fedmom_round.RoundTable."""
+
+    def __init__(self, fraction=1.0, grace_frac=0.2, phase_s=None):
+        self.fraction, self.grace_frac, self.phase_s = fraction, grace_frac, phase_s
+        self.at = None               # when the open round last reached its quorum (None: not reached)
+        self.closing = None          # the rule as it stood at close(): the record's "quorum"
+
+    def view(self, history, members, waiting, arrived):
+        return history.quorum(members, waiting, arrived, self.fraction, self.grace_frac, self.phase_s)
+
+    def note(self, now, view):
+        """`at`: `now` when the round reaches its quorum, kept while it holds, None once it does not
+        (a delta gone, a member joined); called on every arrival and at every phase()."""
+        if not (view and view["reached"]):
+            self.at = None
+        elif self.at is None:
+            self.at = now
+
+    def passed(self, now, view):
+        return self.at is not None and view is not None and now >= self.at + view["grace_s"]
+
+    def close(self, view):
+        self.closing = view and {k: view[k] for k in ("fraction", "grace_s", "expected_tokens")}
+
+    def status(self, now, view):
+        if view is not None:
+            view["reached_s_ago"] = None if self.at is None else round(now - self.at, 1)
+        return view
+
+    @staticmethod
+    def reason(q, waiting):
+        return (f"quorum: {100 * q['arrived_tokens'] / q['expected_tokens']:.0f}% of the "
+                f"{q['expected_tokens']:,} tokens expected arrived; grace {round(q['grace_s'], 2):g} s "
+                f"passed without {waiting}")
 
 
 def round_record(new, batch, stats, reason, late, wall_s, wall, excluded, dropped, members, period_s=None,

@@ -30,12 +30,9 @@ When the round merges (Phase). It closes when it holds a delta and every live me
   round WAITS for DARL, past the deadline too, never merging around it), when deltas
   restored from the spool were checked against DARL's custody (reconciliation), when the
   last failed merge has backed off for MERGE_RETRY_S, and never in a fenced process. No
-  delta, no round. The quorum (--quorum Q < 1): the tokens that arrived reach Q x the
-  tokens expected (those, plus for each live member still owing the tokens of its last
-  merged delta, or the mean of the members that have one), and stay so for the grace,
-  --grace-frac x the median length of the last QUORUM_RECORDS rounds (x --phase-s while
-  fewer than QUORUM_MIN_RECORDS exist). No member with a merged delta, or no grace known:
-  no quorum, the round waits as without it. The straggler's delta is then stale, as ever.
+  delta, no round. The quorum (--quorum Q < 1): the deltas that arrived hold Q of the tokens
+  expected (fedmom_records.History.expected_tokens) for a grace (History.grace_s); without
+  a member on record or a grace, the round waits as without it. A straggler's delta is stale.
 A delta's custody (Custody, CUSTODY_MOVES; move() refuses any other step loudly):
   none -> (no --darl: nothing to hold)
   unconfirmed -> confirmed      DARL holds its leases for this aggregator
@@ -74,22 +71,15 @@ spool's, handed back at a start through restore().
 """
 import collections
 import dataclasses
-import math
 import re
 
 import darl_table
-from fedmom_records import History, outcome, round_record
+from fedmom_records import History, Quorum, clean_metrics, outcome, round_record
 
 VIOLATIONS = darl_table.VIOLATIONS
 EVENTS_KEPT = 500             # membership events kept in state.json (for the page and status)
 MERGE_RETRY_S = 30.0          # a merge that failed (a full disk) is tried again after this
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-METRIC_KEYS = ("loss", "tokens_per_s", "mfu", "tflops_per_rank", "peak_mem_gib", "inner_s",
-               "heldout_loss", "heldout_round",     # held-out: the site's last eval of theta_global <round>
-               "steps", "step_s", "budget_s", "cycle_s", "util", "wait_s")     # a time-budgeted phase's figures
-ENDED_BY = ("clock", "lease", "data", "steps")     # metrics.ended_by: what ended the site's phase (a string)
-QUORUM_RECORDS = 8            # the grace is a fraction of the median round length of this many last records
-QUORUM_MIN_RECORDS = 3        # fewer records than this: the grace is a fraction of --phase-s, if given
 
 
 class Custody:
@@ -254,27 +244,6 @@ def parse_delta_meta(meta):
     except ValueError as e:
         raise Refused(400, str(e))
     return out
-
-
-def clean_metrics(metrics, strict):
-    """The metrics we keep of a site's dict: METRIC_KEYS as floats and "ended_by" as one of
-    ENDED_BY; anything else is left out. strict (a delta's metadata): a known key with a bad
-    value is a ValueError naming what it may be; else (a heartbeat) it is left out too."""
-    clean = {}
-    for k in METRIC_KEYS:
-        v = metrics.get(k)
-        if v is None:
-            continue
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            clean[k] = float(v)
-        elif strict:
-            raise ValueError(f"metrics.{k} must be a finite number, got {v!r}")
-    v = metrics.get("ended_by")
-    if v in ENDED_BY:
-        clean["ended_by"] = v
-    elif v is not None and strict:
-        raise ValueError(f"metrics.ended_by must be one of {', '.join(ENDED_BY)}, got {v!r}")
-    return clean
 
 
 # ---------------------------------------------------------------- the books owed to DARL
@@ -495,7 +464,7 @@ class RoundTable:
     def __init__(self, member_timeout_s=300.0, round_deadline_s=1800.0, custody=False, retry_s=10.0, say=None,
                  quorum=1.0, grace_frac=0.2, phase_s=None):
         self.round_deadline_s = round_deadline_s
-        self.quorum, self.grace_frac, self.phase_s = quorum, grace_frac, phase_s    # --quorum, --grace-frac, --phase-s
+        self.q = Quorum(quorum, grace_frac, phase_s)
         self.custody = custody            # --darl: every delta's leases go into DARL custody
         self.say = say or (lambda msg: None)
         self.roster = Roster(member_timeout_s, self.say)
@@ -506,8 +475,6 @@ class RoundTable:
         self.pending = {}                 # (cluster, incarnation) -> Pending
         self.excluded, self.dropped = [], []
         self.first_delta_at, self.retry_merge_at, self.round_opened_at = None, 0.0, 0.0
-        self.quorum_at = None             # when the open round last reached its quorum (None: not reached)
-        self.closing_quorum = None        # the quorum rule as it stood at close(): the record's "quorum"
         self.last_closed_at = None        # when the last merged round closed (None: none since this start)
         self.closing_at = None            # close time of the round finish() made a record of
         self.inherited = set()            # confirmed delta ids restored from the spool, not yet reconciled
@@ -579,9 +546,8 @@ class RoundTable:
         self.dropped += self.roster.drop_silent(self.round, now, wall)
 
     def reply(self, cluster, now):
-        """What a member's join or heartbeat is told (it may have left while its heartbeat waited):
-        round_age_s, how long the open round has been open, and waiting_on, the live members it
-        still waits for (none while it merges), let a site see whether it is the straggler."""
+        """What a member's join or heartbeat is told (it may have left while its heartbeat waited);
+        round_age_s and waiting_on let a site time its phase and see who the round waits for."""
         return {"round": self.round, "merging": self.merging, "members": sorted(self.members),
                 "sent": cluster in self.members and self.responded(cluster),
                 "heartbeat_s": round(self.roster.timeout_s / 4, 3),
@@ -617,7 +583,7 @@ class RoundTable:
         if meta["tokens"] == 0:
             why = "tokens is 0: a delta that trained on nothing has no weight"
             self.exclude(meta, why, wall)
-            self.note_quorum(now)
+            self.q.note(now, self.quorum_view())
             raise Refused(400, f"{why}; do not send it (this round no longer waits for it)",
                           code="bad_delta", round=self.round)
         if self.custody and not meta["leases"]:
@@ -661,7 +627,7 @@ class RoundTable:
         self.requesting.add(p.delta_id)
         if self.first_delta_at is None:
             self.first_delta_at = now
-        self.note_quorum(now)
+        self.q.note(now, self.quorum_view())
 
     def asked(self, p):
         self.requesting.discard(p.delta_id)
@@ -699,8 +665,7 @@ class RoundTable:
     # ---- a start: the spool and the records handed back
 
     def started(self, now):
-        """A start: the open round counts from `now`, and the deltas restore() handed back
-        arrived at its opening (their arrived_s is 0)."""
+        """A start: the open round counts from `now`, the deltas restore() handed back arrived then."""
         self.round_opened_at = now
         for p in self.pending.values():
             p.arrived_s = 0.0
@@ -792,52 +757,12 @@ class RoundTable:
         self.reconciled, self.inherited = True, set()
         return gone
 
-    # ---- the quorum rule (--quorum, --grace-frac, --phase-s)
-
-    def expected_tokens(self):
-        """cluster -> the tokens each live member is expected to bring to a round: those of its
-        delta in the last record that merged one, else the mean of the members known so; None
-        when no live member has a merged delta on record (the quorum rule cannot apply)."""
-        known = {c: t for c in self.members if (t := self.history.last_tokens(c)) is not None}
-        if not known:
-            return None
-        mean = sum(known.values()) / len(known)
-        return {c: known.get(c, mean) for c in self.members}
-
-    def grace_s(self):
-        """The quorum's grace: --grace-frac x the median length (wall_s + merge_s) of the last
-        QUORUM_RECORDS records, once QUORUM_MIN_RECORDS exist; before, x --phase-s; else None."""
-        lengths = sorted(self.history.round_lengths(QUORUM_RECORDS))
-        if len(lengths) >= QUORUM_MIN_RECORDS:
-            n = len(lengths)
-            return self.grace_frac * (lengths[n // 2] + lengths[(n - 1) // 2]) / 2
-        return None if self.phase_s is None else self.grace_frac * self.phase_s
+    # ---- the quorum rule (fedmom_records.Quorum)
+    phase_s = property(lambda self: self.q.phase_s)
+    quorum_at = property(lambda self: self.q.at)
 
     def quorum_view(self):
-        """The quorum rule as the open round stands, or None where it does not apply (--quorum
-        1, no grace known yet, no history): {"fraction", "grace_s", "expected_tokens" (what
-        arrived + what each live member still owing is expected to bring), "arrived_tokens",
-        "reached"}."""
-        grace, expect = (self.grace_s(), self.expected_tokens()) if self.quorum < 1.0 else (None, None)
-        if grace is None or expect is None:
-            return None
-        arrived = sum(p.tokens for p in self.pending.values())
-        total = arrived + sum(expect[c] for c in self.waiting())
-        return {"fraction": self.quorum, "grace_s": round(grace, 3), "expected_tokens": round(total),
-                "arrived_tokens": arrived, "reached": arrived > 0 and arrived >= self.quorum * total}
-
-    def note_quorum(self, now):
-        """quorum_at: `now` when the round reaches its quorum, kept while it holds, None once it
-        does not (a delta gone, a member joined); called on every arrival and at every phase()."""
-        view = self.quorum_view()
-        if not (view and view["reached"]):
-            self.quorum_at = None
-        elif self.quorum_at is None:
-            self.quorum_at = now
-
-    def grace_passed(self, now):
-        view = self.quorum_view()
-        return self.quorum_at is not None and view is not None and now >= self.quorum_at + view["grace_s"]
+        return self.q.view(self.history, self.members, self.waiting(), sum(p.tokens for p in self.pending.values()))
 
     # ---- closing, merging, finishing a round
 
@@ -845,7 +770,7 @@ class RoundTable:
         """Where the round stands (Phase), checked in the order of the rules."""
         if self.merging:
             return Phase.MERGING
-        self.note_quorum(now)
+        self.q.note(now, self.quorum_view())
         if not self.pending:
             return Phase.EMPTY
         if now < self.retry_merge_at:
@@ -857,7 +782,7 @@ class RoundTable:
         if self.inherited and not self.reconciled:
             return Phase.WAITING_RECONCILE
         if (self.waiting() and now - self.first_delta_at < self.round_deadline_s
-                and not self.grace_passed(now)):
+                and not self.q.passed(now, self.quorum_view())):
             return Phase.COLLECTING
         return Phase.READY
 
@@ -870,18 +795,14 @@ class RoundTable:
             return "every live member sent its delta"
         if now - self.first_delta_at >= self.round_deadline_s:
             return f"deadline of {self.round_deadline_s:g} s passed without {waiting}"
-        q = self.quorum_view()
-        return (f"quorum: {100 * q['arrived_tokens'] / q['expected_tokens']:.0f}% of the "
-                f"{q['expected_tokens']:,} tokens expected arrived; grace {round(q['grace_s'], 2):g} s "
-                f"passed without {waiting}")
+        return Quorum.reason(self.quorum_view(), waiting)
 
     def close(self, now):
         """READY -> MERGING: (its deltas, the members that sent none, `now`)."""
         if self.phase(now) != Phase.READY:
             raise IllegalMove(f"round {self.round} closed in phase {self.phase(now)}, not {Phase.READY}")
         self.merging = True
-        q = self.quorum_view()
-        self.closing_quorum = q and {k: q[k] for k in ("fraction", "grace_s", "expected_tokens")}
+        self.q.close(self.quorum_view())
         return list(self.pending.values()), self.waiting(), now
 
     def drop_at_merge(self, p, why, wall):
@@ -891,7 +812,7 @@ class RoundTable:
 
     def reopen(self):
         """MERGING -> open, the same round: nothing was left to merge; its quorum is counted anew."""
-        self.merging, self.quorum_at = False, None
+        self.merging, self.q.at = False, None
         if not self.pending:
             self.first_delta_at = None
 
@@ -909,7 +830,7 @@ class RoundTable:
         new = self.round + 1
         period = None if self.last_closed_at is None else round(closed_at - self.last_closed_at, 3)
         rec = round_record(new, batch, stats, reason, late, round(closed_at - self.round_opened_at, 3), wall,
-                           self.excluded, self.dropped, sorted(self.members), period, self.closing_quorum)
+                           self.excluded, self.dropped, sorted(self.members), period, self.q.closing)
         self.closing_at = closed_at
         self.books.violations["blocks_trained_twice"] += self.history.trained_twice(rec)
         for p in batch:
@@ -931,27 +852,24 @@ class RoundTable:
                 p.custody = move(p.custody, Custody.COMMIT_OWED)
         self.pending, self.excluded, self.dropped = {}, [], []
         self.first_delta_at, self.merging, self.round_opened_at = None, False, now
-        self.quorum_at, self.last_closed_at = None, self.closing_at
+        self.q.at, self.last_closed_at = None, self.closing_at
 
-    # ---- reading
 
-    def status(self, now):
-        """The round's part of GET /status."""
-        b = self.books
-        members = [{"cluster": c, "incarnation": m.incarnation, "heard_s_ago": round(now - m.last_seen, 1),
-                    "sent": self.responded(c), "metrics": m.metrics} for c, m in sorted(self.members.items())]
-        deadline = None if self.first_delta_at is None else round(self.first_delta_at + self.round_deadline_s - now, 1)
-        q = self.quorum_view()
-        if q is not None:
-            q["reached_s_ago"] = None if self.quorum_at is None else round(now - self.quorum_at, 1)
-        return {"round": self.round, "merging": self.merging, "members": members,
-                "pending": sorted(c for c, _ in self.pending), "deadline_in_s": deadline,
-                "phase_s": self.phase_s, "quorum": q, "round_age_s": round(now - self.round_opened_at, 1),
-                "outcomes": self.open_outcomes(), "excluded": list(self.excluded), "dropped": list(self.dropped),
-                "pending_commits": len(b.commits), "pending_aborts": len(b.aborts),
-                "aggregator": b.aggregator, "violations": dict(b.violations), "epoch": b.shown_epoch(self.custody),
-                "darl": {"alarm": b.alarm, "fenced": b.fenced,
-                         "custody_waiting": self.custody_waiting() if self.custody else [],
-                         "commits_owed": [dict(c) for c in b.commits[:50]],
-                         "aborts_owed": [dict(c) for c in b.aborts[:50]]},
-                "recent": list(self.history.records), "events": list(self.roster.events)[-100:]}
+def round_status(t, now):
+    """The round's part of GET /status (RoundTable.status)."""
+    b = t.books
+    members = [{"cluster": c, "incarnation": m.incarnation, "heard_s_ago": round(now - m.last_seen, 1),
+                "sent": t.responded(c), "metrics": m.metrics} for c, m in sorted(t.members.items())]
+    deadline = None if t.first_delta_at is None else round(t.first_delta_at + t.round_deadline_s - now, 1)
+    q = t.q.status(now, t.quorum_view())
+    return {"round": t.round, "merging": t.merging, "members": members,
+            "pending": sorted(c for c, _ in t.pending), "deadline_in_s": deadline,
+            "phase_s": t.phase_s, "quorum": q, "round_age_s": round(now - t.round_opened_at, 1),
+            "outcomes": t.open_outcomes(), "excluded": list(t.excluded), "dropped": list(t.dropped),
+            "pending_commits": len(b.commits), "pending_aborts": len(b.aborts),
+            "aggregator": b.aggregator, "violations": dict(b.violations), "epoch": b.shown_epoch(t.custody),
+            "darl": {"alarm": b.alarm, "fenced": b.fenced,
+                     "custody_waiting": t.custody_waiting() if t.custody else [],
+                     "commits_owed": [dict(c) for c in b.commits[:50]],
+                     "aborts_owed": [dict(c) for c in b.aborts[:50]]},
+            "recent": list(t.history.records), "events": list(t.roster.events)[-100:]}

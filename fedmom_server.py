@@ -59,7 +59,7 @@ Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."
     POST /delta_check  the delta's metadata alone: the same 4xx a real upload would get
     PUT  /delta      body = the delta file; metadata in the X-Delta-Meta header (JSON):
                      {cluster, incarnation, base_round, tokens, leases: [...], metrics: {...}}
-                     metrics: the numbers fedmom_round.METRIC_KEYS (loss, tokens_per_s, ..., steps,
+                     metrics: the numbers fedmom_records.METRIC_KEYS (loss, tokens_per_s, ..., steps,
                      step_s, budget_s, cycle_s, util, wait_s) and ended_by, one of "clock", "lease",
                      "data", "steps"; another value is a 400 (a heartbeat's metrics drop it instead).
                      A delta's land in its record's "clusters" entry, a heartbeat's in /status "members"
@@ -178,8 +178,8 @@ import status_page
 import wire
 from fedmom_blobs import SWEEP_RETRY_S, BlobLink, BlobRetention
 from fedmom_darl import DarlLink
-from fedmom_records import format_record
-from fedmom_round import QUORUM_MIN_RECORDS, QUORUM_RECORDS, Refused
+from fedmom_records import QUORUM_MIN_RECORDS, QUORUM_RECORDS, format_record
+from fedmom_round import Refused
 from fedmom_state import FedMomState, ServerConfig
 from fedmom_store import log
 

@@ -635,7 +635,7 @@ class FedMomState:
         """GET /status, less what the server adds (the blob store's retention)."""
         cfg = self.cfg
         with self.ledger.lock:
-            return {**self.table.status(self.clock()), **self.keeper.status(), "merge_error": self.merge_error,
+            return {**fedmom_round.round_status(self.table, self.clock()), **self.keeper.status(), "merge_error": self.merge_error,
                     "config": {"outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum,
                                "round_deadline_s": cfg.round_deadline_s, "member_timeout_s": cfg.member_timeout_s,
                                "phase_s": cfg.phase_s, "quorum": cfg.round_quorum(), "grace_frac": cfg.grace_frac,

@@ -552,6 +552,18 @@ class Cadence:
         self.predicted = max(1, math.floor(self.budget_s / step_s)) if step_s else self.inner_steps
         return data.blocks_per_phase(self.predicted, self.per_step, self.block_size)
 
+    def more(self):
+        """Rank 0, at the end of a span with time left: blocks for the steps that still fit in
+        the budget, or None when fewer than a block's steps do."""
+        clock = self.clock
+        est = clock.estimate()
+        if est <= 0:
+            return None
+        steps = math.floor((self.budget_s - clock.elapsed()) / est)
+        if steps < max(1, math.ceil(self.block_size / self.per_step)):
+            return None
+        return data.blocks_per_phase(steps, self.per_step, self.block_size)
+
     def learn(self, pre_send_s, overhead_s):
         for name, v in (("pre_send_s", pre_send_s), ("overhead_s", overhead_s)):
             if v is not None and v >= 0:
@@ -625,7 +637,8 @@ def phase_loop(run, site, carrier, start):
         if span == fedsite.SETTLE:       # its round trip ended before DARL gave a span: take its theta in
             settle(run, carrier, pending, step)
             continue
-        phase = source.phase(*span, timed=cadence is not None)
+        phase = part = source.phase(*span, timed=cadence is not None)
+        parts = [part]                   # a phase measured in time may go on into more spans
         if carrier.in_flight:            # overlap: the base stays the sent delta's until its round trip ends
             pending.round_at_next_phase = carrier.current()
         elif carrier.current() != carrier.round:
@@ -639,73 +652,95 @@ def phase_loop(run, site, carrier, start):
             cadence.clock.begin(budget)
         decided = cadence is None        # phases measured in time: until the clock has spoken
         stepper.mark(step)               # the first row's step_ms: inner steps only, not the lease and theta waits
-        s = 0
-        while s < phase.steps:
-            stepper.begin(step)
-            micros = phase.micro_batches(s)
-            # the loss is normalised by the GLOBAL token count of the step: DDP and FSDP
-            # average gradients over ranks, so each rank scales its token sum by
-            # world/tokens, and a short (or empty) share of a ragged last step weighs right
-            scale = d.world_size / (len(phase.step_windows(s)) * seq)
-            for i, idx in enumerate(micros):
-                real = len(idx) > 0
-                t = to_device(run.windows.batch(idx if real else phase.windows[:1]))
-                with grad_sync(model, cfg, i == len(micros) - 1), autocast_ctx(cfg, d):
-                    logits = model(t[:, :-1])
-                    nll = F.cross_entropy(logits.flatten(0, 1).float(), t[:, 1:].flatten(), reduction="sum")
-                # an empty share still runs forward and backward (times 0): every rank makes
-                # the same collective calls, or FSDP/DDP wait forever for the missing one
-                (nll * (scale if real else 0.0)).backward()
-                if real:
-                    in_nll += nll.detach()
-                    since_nll += nll.detach()
-                    in_tok += idx.size * seq
-                    since_tok += idx.size * seq
-            stepper.end()
-            step += 1
-            outer.count_inner_step()
-            if cfg.throttle_ms:
-                time.sleep(cfg.throttle_ms / 1000)      # demo/test only: a slower site
-            if not decided:
-                decided = clock_verdict(cadence.clock, phase, s, budget)   # collective, every rank
-            if cfg.overlap_fold != "end" and s < phase.steps - 1 and carrier.arrived():
-                t_fold = time.perf_counter()            # theta_global is here: fold it in now, not at the end
+        s, ended_by = 0, None
+        while True:
+            while s < part.steps:
+                phase = part
+                stepper.begin(step)
+                micros = phase.micro_batches(s)
+                # the loss is normalised by the GLOBAL token count of the step: DDP and FSDP
+                # average gradients over ranks, so each rank scales its token sum by
+                # world/tokens, and a short (or empty) share of a ragged last step weighs right
+                scale = d.world_size / (len(phase.step_windows(s)) * seq)
+                for i, idx in enumerate(micros):
+                    real = len(idx) > 0
+                    t = to_device(run.windows.batch(idx if real else phase.windows[:1]))
+                    with grad_sync(model, cfg, i == len(micros) - 1), autocast_ctx(cfg, d):
+                        logits = model(t[:, :-1])
+                        nll = F.cross_entropy(logits.flatten(0, 1).float(), t[:, 1:].flatten(), reduction="sum")
+                    # an empty share still runs forward and backward (times 0): every rank makes
+                    # the same collective calls, or FSDP/DDP wait forever for the missing one
+                    (nll * (scale if real else 0.0)).backward()
+                    if real:
+                        in_nll += nll.detach()
+                        since_nll += nll.detach()
+                        in_tok += idx.size * seq
+                        since_tok += idx.size * seq
+                stepper.end()
+                step += 1
+                outer.count_inner_step()
+                if cfg.throttle_ms:
+                    time.sleep(cfg.throttle_ms / 1000)      # demo/test only: a slower site
+                if not decided:
+                    decided = clock_verdict(cadence.clock, phase, s, budget)   # collective, every rank
+                if cfg.overlap_fold != "end" and s < phase.steps - 1 and carrier.arrived():
+                    t_fold = time.perf_counter()            # theta_global is here: fold it in now, not at the end
+                    with stepper.pause():
+                        settle(run, carrier, pending, step)
+                    fold_s += time.perf_counter() - t_fold
+                    if cadence:
+                        cadence.clock.pause(time.perf_counter() - t_fold)
+                if stepper.due(step, s == phase.steps - 1):
+                    row_nll, row_tok = pooled_nll(since_nll, since_tok, d)
+                    log.total += int(row_tok)
+                    stepper.train_row(step, row_nll / row_tok, row_tok, "tokens", round=carrier.round)
+                    since_nll.zero_()
+                    since_tok = 0
+                s += 1
+            if cadence is None or part.cut:
+                break
+            # the span ended with time left: rank 0 says whether another fits, and leases it
+            t_more = time.perf_counter()
+            with stepper.pause():
+                kind, more = on_rank0(lambda: more_span(site, cadence, carrier.busy))
+            if kind == "span":
+                part = source.phase(*more, timed=True)
+                parts.append(part)
+                s, decided = 0, False
+            elif kind == fedsite.SETTLE:        # --overlap: the delta in flight came back meanwhile
                 with stepper.pause():
                     settle(run, carrier, pending, step)
-                fold_s += time.perf_counter() - t_fold
-                if cadence:
-                    cadence.clock.pause(time.perf_counter() - t_fold)
-            if stepper.due(step, s == phase.steps - 1):
-                row_nll, row_tok = pooled_nll(since_nll, since_tok, d)
-                log.total += int(row_tok)
-                stepper.train_row(step, row_nll / row_tok, row_tok, "tokens", round=carrier.round)
-                since_nll.zero_()
-                since_tok = 0
-            s += 1
+            else:
+                ended_by = kind                   # "clock": no time for a block more; "data": DARL is done
+                break
+            cadence.clock.pause(time.perf_counter() - t_more)
+            fold_s += time.perf_counter() - t_more
 
         # -- the phase's end: what the delta carries, the checkpoint, then the round trip
         t_inner_end, mono_inner_end = time.perf_counter(), time.monotonic()
         inner_s = t_inner_end - t_phase - fold_s      # a fold mid-phase is not an inner step
-        ended_by = ended_how(cadence, phase, site, d)
+        ended_by = "steps" if cadence is None else "clock" if part.cut else ended_by
         if cadence and os.environ.get(testhooks.PHASE_CLOCK_RATE_ENV):   # a test's skewed clocks: every rank says
-            print(f"phase clock: rank {d.rank} ends the phase after {phase.steps} steps, {len(phase)} windows "
-                  f"(cut: {phase.cut})", flush=True)
-        if phase.cut:                    # the clock ended it: the rest of the span goes back to DARL
-            span = on_rank0(lambda: site.trim(phase.end))
-        step_s = cadence.clock.end() if cadence else inner_s / max(phase.steps, 1)
+            print(f"phase clock: rank {d.rank} ends the phase after {sum(p.steps for p in parts)} steps, "
+                  f"{sum(len(p) for p in parts)} windows (cut: {part.cut})", flush=True)
+        if part.cut:                     # the clock ended it: the rest of the span goes back to DARL
+            on_rank0(lambda: site.trim(part.end))
+        spans = [(p.lease, p.start, p.end) for p in parts]
+        steps, windows = sum(p.steps for p in parts), sum(len(p) for p in parts)
+        step_s = cadence.clock.end() if cadence else inner_s / max(steps, 1)
         phase_nll, phase_tok = pooled_nll(in_nll, in_tok, d)
-        tokens = len(phase) * seq
+        tokens = windows * seq
         tps = tokens / inner_s
         per_rank = run.flops * tps / d.world_size
         handoff = fedsite.Handoff(tokens=tokens, step=step, metrics={
             "loss": phase_nll / phase_tok, "tokens_per_s": tps, "mfu": per_rank / stepper.peak if stepper.peak else None,
             "tflops_per_rank": per_rank / 1e12, "peak_mem_gib": peak_memory_gib(d), "inner_s": inner_s,
-            "steps": phase.steps, "step_s": inner_s / max(phase.steps, 1), "budget_s": budget,
+            "steps": steps, "step_s": inner_s / max(steps, 1), "budget_s": budget,
             "ended_by": ended_by, **last, **heldout})
         heldout = {}                             # each held-out loss goes with one delta
         row, result = end_phase(run, carrier, handoff, pending)
         phases += 1
-        sent = Sent(step=step, loss=handoff.metrics["loss"], span=span, windows=len(phase), steps=phase.steps,
+        sent = Sent(step=step, loss=handoff.metrics["loss"], span=spans, windows=windows, steps=steps,
                     inner_s=inner_s, tokens_per_s=tps, delta_norm=row["delta_norm"], outer_ms=row["outer_ms"],
                     wire_bytes=carrier.wire_bytes, residual_norm=carrier.residual_norm())
         if result is None:                       # overlap: in flight, its row written when it settles
@@ -747,16 +782,18 @@ def clock_verdict(clock, phase, s, budget):
     return True
 
 
-def ended_how(cadence, phase, site, d):
-    """What ended the phase: "steps" (H steps), "clock" (cut on a block boundary), "lease" (its
-    span, as planned), "data" (DARL gave fewer blocks than asked: the corpus's last ones, or a
-    lease cut short). Rank 0's word; the other ranks say "lease" where rank 0 may say "data"."""
-    if cadence is None:
-        return "steps"
-    if phase.cut:
-        return "clock"
-    asked = site.asked if d.is_main and site is not None else None
-    return "data" if asked and phase.end - phase.start < asked else "lease"
+def more_span(site, cadence, busy):
+    """Rank 0, when a span of a phase measured in time ended with time left: ("span", the next
+    span, leased for what is left of the budget), ("clock", None) when not even a block more
+    fits, ("data", None) when DARL has no block left, or (SETTLE, None) under --overlap when the
+    delta in flight came back first (take its theta in, then ask again)."""
+    blocks = cadence.more()
+    if blocks is None:
+        return "clock", None
+    got = yield from site.next_span(busy, blocks, more=True)
+    if got == fedsite.SETTLE:
+        return fedsite.SETTLE, None
+    return ("data", None) if got is None else ("span", got)
 
 
 def log_phase(run, carrier, sent, result, step, step_s, budget, ended_by, cycle_s, after_s):
@@ -802,7 +839,8 @@ class Sent:
     """What one phase's delta carried, from the phase's end until its round trip ended."""
     step: int                    # the site's step at the phase's end (its checkpoint's)
     loss: float                  # the phase's training loss, pooled over ranks
-    span: tuple                  # (lease, start, end) of the DARL span it trained
+    span: list                   # [(lease, start, end)] of the DARL spans it trained (more than one: a
+                                 # phase measured in time that went on past a span's end)
     windows: int
     steps: int
     inner_s: float               # its inner steps' time, a fold mid-phase not counted
@@ -819,8 +857,9 @@ def log_round(run, carrier, sent, r, step):
     only, once its round trip ended: what the phase trained (sent) and what became of it (r, the
     fedsite.RoundResult); `step` is the site's step now (under --overlap: at the fold)."""
     cfg = run.cfg
-    row = {"split": "federation", "step": sent.step, "loss": sent.loss, "lease": sent.span[0],
-           "positions": [sent.span[1], sent.span[2]], "windows": sent.windows, "steps": sent.steps,
+    row = {"split": "federation", "step": sent.step, "loss": sent.loss, "lease": sent.span[0][0],
+           "positions": [sent.span[0][1], sent.span[-1][2]], "spans": [list(x) for x in sent.span],
+           "windows": sent.windows, "steps": sent.steps,
            "inner_s": round(sent.inner_s, 3), "tokens_per_s": sent.tokens_per_s, "delta_norm": sent.delta_norm,
            "outer_ms": sent.outer_ms, "wire": cfg.wire, "encode_on": carrier.encode_on,
            "wire_bytes": sent.wire_bytes, "residual_norm": sent.residual_norm, "overlap": cfg.overlap}

@@ -110,6 +110,7 @@ class RoundResult:
     down_s: float = 0.0
     update: str = None
     sent_at: float = None        # time.monotonic() when the aggregator accepted the delta (None: not sent)
+    spans: list = None           # (lease, start, end) of every span the phase trained (lease..end: the first and last)
     waiting_on: list = None      # the members the round still waited for, as the last wait saw them
 
 
@@ -139,6 +140,7 @@ class FedSite:
         self.theta_transport = "blob" if cfg.transport == "blob" or (
             cfg.transport == "auto" and cfg.blob_url and model_bytes >= fedmom_client.AUTO_BLOB_BYTES) else "inline"
         self.session, self.span, self.keepalive, self.member = None, None, None, False
+        self.spans = []              # every span of the phase now training (the last: self.span)
         self._said = {}
         self.held = None             # (round, wire.Digest) of the theta file we hold, once known
         self.down = {}               # how the last theta came: {"via": "update" | "full", "bytes": n}
@@ -146,7 +148,6 @@ class FedSite:
         self.checking = None         # the Background of check_behind, until joined
         self.phase_s = None          # the aggregator's offered cadence (fedmom_server.py --phase-s), if any
         self.age = None              # (round, its age in s, time.monotonic() then) from the last reply
-        self.asked = None            # blocks the last next_span asked for (a shorter span: the data ran out)
 
     def say(self, msg, every_s=0.0):
         """Log a repeated waiting message at most once per every_s seconds (per message kind:
@@ -215,14 +216,12 @@ class FedSite:
             self.keepalive.__enter__()
         return reply
 
-    def heard(self, reply):
-        """Keep how long the open round had been open when this join/heartbeat reply was made."""
+    def heard(self, reply):       # how long the open round had been open when a reply was made
         if isinstance(reply.get("round_age_s"), (int, float)):
             self.age = (reply["round"], float(reply["round_age_s"]), time.monotonic())
 
     def round_age(self, rnd):
-        """Seconds round `rnd` has been open now, from the last reply that saw it open; None if
-        no reply did (an aggregator that does not say it, or the site holds another round)."""
+        """Seconds round `rnd` has been open now (from the last reply that saw it open), or None."""
         if self.age is None or self.age[0] != rnd:
             return None
         return self.age[1] + time.monotonic() - self.age[2]
@@ -239,21 +238,20 @@ class FedSite:
                 self.log(f"FedMom leave: {e} (the aggregator drops silent members on its own)")
 
     # -- per phase
-    def next_span(self, busy=None, blocks=None):
+    def next_span(self, busy=None, blocks=None, more=False):
         """-> (lease, start, end) of the next span, or None when DARL has no blocks left.
         While every block is leased elsewhere, the site leaves FedMom's rounds so that
         the others do not wait for a delta that cannot come; it joins again with work.
         busy: the Background round trip of the delta in flight (--overlap), or None. While
         it runs, the site only asks DARL (no leave, no join: the round trip talks to FedMom
         meanwhile); if it ends before a span comes, -> SETTLE: the caller takes its theta in
-        first, then asks again without it.
-        blocks: how many blocks this phase should lease (a phase measured in time sizes it from
-        its predicted step count; None: as before). A tail carried from the last phase comes
-        first, up to that many blocks."""
+        first, then asks again without it. blocks: what to lease (a phase measured in time: from
+        its plan); more: one more span of the phase (its delta names them all: self.spans)."""
         if blocks is not None:
-            self.session.span_blocks = self.session.lease_blocks = self.asked = max(1, int(blocks))
+            self.session.span_blocks = self.session.lease_blocks = max(1, int(blocks))
         if busy is not None:
-            return (yield from self._span_while(busy))
+            got = yield from self._span_while(busy)
+            return self._took(got, more) if got != SETTLE else got
         while True:
             try:
                 span = self.session.next_span(timeout=POLL_S)
@@ -264,12 +262,17 @@ class FedSite:
                              "until blocks come back (or the epoch ends)")
                     self.leave()
                 yield
-        self.span = span
         if span is None:
             return None
         if not self.member:
             yield from self.join()
-        return span.as_ints()
+        return self._took(span.as_ints(), more)
+
+    def _took(self, got, more):
+        if got is not None:
+            self.span = darl_client.Span(*got)
+            self.spans = [*self.spans, self.span] if more else [self.span]
+        return got
 
     def _span_while(self, busy):
         while True:
@@ -280,17 +283,15 @@ class FedSite:
                 if busy.done():
                     return SETTLE
                 yield
-        self.span = span
         return None if span is None else span.as_ints()
 
     def trim(self, end):
-        """The phase trained only positions [start, end) of its span (the clock ended it on a
-        block boundary): that part is what the delta names and settles; the rest of the
-        lease goes back to DARL's pool at once (darl_client.LeaseSession.trim), and the next
-        phase leases afresh. -> (lease, start, end) of the part trained."""
+        """The clock ended the phase on block `end` of its last span: the delta names [start, end),
+        the lease's rest goes back to DARL's pool at once (LeaseSession.trim). -> that span."""
         span = self.span
         self.span = yield from self._call("DARL release (the tail the clock left)",
                                           lambda d: self.session.trim(span, end, deadline=d))
+        self.spans[-1] = self.span
         return self.span.as_ints()
 
     def current_round(self):
@@ -386,18 +387,19 @@ class FedSite:
     def start_round_trip(self, delta_path, base, handoff, theta_path, defer_update=False):
         """--overlap: round_trip() of the span just trained, on a thread of its own while
         the site trains its next phase. -> the Background handle (wait() for the RoundResult)."""
-        return Background(self.round_trip(delta_path, base, handoff, theta_path, self.span, defer_update))
+        return Background(self.round_trip(delta_path, base, handoff, theta_path, list(self.spans), defer_update))
 
-    def round_trip(self, delta_path, base, handoff, theta_path, span=None, defer_update=False):
+    def round_trip(self, delta_path, base, handoff, theta_path, spans=None, defer_update=False):
         """Send the delta file (theta_i - theta_global of round `base`) with the Handoff's
         tokens and metrics, wait for its round to pass, settle its lease, download
-        theta_global to theta_path (defer_update: as fetch_theta). span: the one the delta
-        trained (default: the last next_span gave). -> RoundResult.
+        theta_global to theta_path (defer_update: as fetch_theta). spans: the ones the delta
+        trained (default: the phase's, next_span and more_span's). -> RoundResult.
         A delta trained from a theta whose check behind failed (join_check) is not sent:
         its lease is released, as for a delta not merged, and theta_global comes whole."""
-        span = span or self.span
-        out = RoundResult(base_round=base, lease=span.lease, start=span.start, end=span.end,
-                          step=handoff.step, tokens=handoff.tokens)
+        spans = list(spans or self.spans)
+        span = spans[0]
+        out = RoundResult(base_round=base, lease=span.lease, start=span.start, end=spans[-1].end,
+                          step=handoff.step, tokens=handoff.tokens, spans=[s.as_ints() for s in spans])
         t0 = time.monotonic()
         sent = False
         testhooks.fault_point("site.trained")           # test hook (testhooks.py): checkpointed, nothing sent
@@ -405,25 +407,32 @@ class FedSite:
         if bad is not None:
             out.reason = (f"not sent: it was trained from a theta_global that failed its check ({bad}); its "
                           "blocks are trained again")
-            self.session.span_done(span)
-            self.session.release(span)
+            for sp in spans:
+                self.session.span_done(sp)
+                self.session.release(sp)
             yield from self._fetch_into(out, theta_path, defer_update)
             return out
         try:
             self.session.refresh()                   # the coordinator's word on the lease, now
         except (httpc.CallError, *TRANSPORT_ERRORS) as e:
             self.log(f"DARL heartbeat before sending: {e}")
-        if span.lease not in self.session.held():
+        lost = [sp.lease for sp in spans if sp.lease not in self.session.held()]
+        if lost:
             # reclaimed (expired) while we trained: its blocks are back in the pool and may be
-            # someone else's already, so merging this delta would train them twice
-            out.reason = "lease lost at DARL before the send: delta dropped, its blocks are trained again"
+            # someone else's already, so merging this delta would train them twice; the phase's
+            # other leases go back to the pool too (their blocks are trained again)
+            out.reason = (f"lease {', '.join(map(str, lost))} lost at DARL before the send: delta dropped, its "
+                          "blocks are trained again")
             self.log(out.reason)
-            self.session.span_done(span)
+            for sp in spans:
+                self.session.span_done(sp)
+                if sp.lease not in lost:
+                    yield from self._call("DARL release", lambda d, sp=sp: self.session.release(sp, deadline=d))
             yield from self._fetch_into(out, theta_path, defer_update)
             return out
         try:
             yield from self._call("send delta", lambda d: self.fed.send_delta(
-                delta_path, base, handoff.tokens, [self.session.commit_record(span)],
+                delta_path, base, handoff.tokens, commit_records(self.session, spans),
                 {k: v for k, v in handoff.metrics.items() if v is not None}, transport=self.cfg.transport,
                 deadline=d))
             sent = True
@@ -450,15 +459,18 @@ class FedSite:
             break
         out.wait_s = round(time.monotonic() - t0 - out.send_s, 3)
         # the lease TTL we ask for follows this whole time (phase + round trip), not the phase
-        self.session.span_done(span)
+        for sp in spans:
+            self.session.span_done(sp)
         if state == "merged":
             out.merged, out.merged_into = True, got.get("merged_into")
         elif state == "excluded" or not sent:
             out.reason = out.reason or f"excluded: {got.get('why')}"
-            yield from self._call("DARL release", lambda d: self.session.release(span, deadline=d))   # back to the pool
+            for sp in spans:                           # back to the pool
+                yield from self._call("DARL release", lambda d, sp=sp: self.session.release(sp, deadline=d))
         else:                                        # accepted, then no record: the aggregator decides
             out.reason = "outcome unknown: lease left to the aggregator (commit if merged, else expiry)"
-            self.session.forget(span)
+            for sp in spans:
+                self.session.forget(sp)
         yield from self._fetch_into(out, theta_path, defer_update)
         return out
 
@@ -502,6 +514,18 @@ class FedSite:
                 self.keepalive.__exit__(None, None, None)
                 self.keepalive = None
             self.darl.close()
+
+
+def commit_records(session, spans):
+    """A delta's leases for the aggregator's custody: one record per lease, a lease's spans of
+    one phase joined (they follow each other: the session hands them in order)."""
+    out = []
+    for sp in spans:
+        if out and out[-1]["lease"] == sp.lease and out[-1]["end"] == sp.start:
+            out[-1]["end"] = sp.end
+        else:
+            out.append(session.commit_record(sp))
+    return out
 
 
 def _device_update(upd, theta_path):

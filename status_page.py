@@ -14,7 +14,7 @@ Where each figure comes from:
     rounds           the aggregator's status and its WHOLE rounds.jsonl, read
                      incrementally (a page costs the new lines only); plots decimate
                      to their width, keeping each bucket's minimum and maximum
-    per site         merged deltas' metrics (fedmom_round.METRIC_KEYS): tokens/s, MFU,
+    per site         merged deltas' metrics (fedmom_records.METRIC_KEYS): tokens/s, MFU,
                      peak memory, loss, held-out loss when a site reports one; its last
                      phase (steps, what ended it, step time), compute utilisation (its
                      own util, inner_s over round periods: the page's note defines them)

@@ -222,7 +222,7 @@ class QuorumTest(unittest.TestCase):
     def test_quorum_reached_closes_the_round_once_the_grace_passed(self):
         x = self.table()
         self.full_round(x, {"alpha": 8192, "beta": 4096})
-        self.assertEqual(x.t.grace_s(), 2.0)                      # 0.2 x --phase-s: fewer than 3 records
+        self.assertEqual(x.t.history.grace_s(x.t.q.grace_frac, x.t.q.phase_s), 2.0)                      # 0.2 x --phase-s: fewer than 3 records
         x.tick(1)
         x.send("alpha", tokens=8192)                              # 8192 of 8192 + 4096 expected: 67%
         self.assertEqual(x.t.quorum_at, x.now)
@@ -264,13 +264,13 @@ class QuorumTest(unittest.TestCase):
         x = self.table()
         x.send("alpha", tokens=8192)
         x.tick(99.9)
-        self.assertEqual((x.t.expected_tokens(), x.t.quorum_view(), x.t.phase(x.now)), (None, None, Phase.COLLECTING))
+        self.assertEqual((x.t.history.expected_tokens(x.t.members), x.t.quorum_view(), x.t.phase(x.now)), (None, None, Phase.COLLECTING))
         y = self.table(phase_s=None)                              # history but no grace known yet
         for _ in range(2):
             self.full_round(y, {"alpha": 8192, "beta": 4096})
         y.send("alpha", tokens=8192)
         y.tick(99.9)
-        self.assertEqual((y.t.grace_s(), y.t.phase(y.now)), (None, Phase.COLLECTING))
+        self.assertEqual((y.t.history.grace_s(y.t.q.grace_frac, y.t.q.phase_s), y.t.phase(y.now)), (None, Phase.COLLECTING))
 
     def test_a_member_that_left_does_not_count(self):
         x = self.table(members=("alpha", "beta", "gamma"))
@@ -303,7 +303,7 @@ class QuorumTest(unittest.TestCase):
         self.full_round(x, {"alpha": 8192, "beta": 4096})
         self.full_round(x, {"alpha": 1000, "beta": 4096})
         x.t.join("gamma", "gamma-inc", x.now, x.wall)
-        self.assertEqual(x.t.expected_tokens(), {"alpha": 1000, "beta": 4096, "gamma": 2548.0})
+        self.assertEqual(x.t.history.expected_tokens(x.t.members), {"alpha": 1000, "beta": 4096, "gamma": 2548.0})
         x.send("beta", tokens=4096)
         view = x.t.quorum_view()
         self.assertEqual((view["expected_tokens"], view["arrived_tokens"]), (4096 + 1000 + 2548, 4096))
@@ -311,11 +311,11 @@ class QuorumTest(unittest.TestCase):
     def test_the_grace_is_a_fraction_of_the_median_round_once_three_merged(self):
         x = self.table(grace_frac=0.5)
         for length in (10.0, 30.0, 20.0):
-            self.assertEqual(x.t.grace_s(), 5.0)                  # 0.5 x --phase-s until 3 records
+            self.assertEqual(x.t.history.grace_s(x.t.q.grace_frac, x.t.q.phase_s), 5.0)                  # 0.5 x --phase-s until 3 records
             self.full_round(x, {"alpha": 8192, "beta": 4096}, length_s=length)
-        self.assertEqual(x.t.grace_s(), 0.5 * 20.25)              # wall_s 20 + merge_s 0.25
+        self.assertEqual(x.t.history.grace_s(x.t.q.grace_frac, x.t.q.phase_s), 0.5 * 20.25)              # wall_s 20 + merge_s 0.25
         self.full_round(x, {"alpha": 8192, "beta": 4096}, length_s=40.0)
-        self.assertEqual(x.t.grace_s(), 0.5 * 25.25)              # the median of four: (20.25 + 30.25) / 2
+        self.assertEqual(x.t.history.grace_s(x.t.q.grace_frac, x.t.q.phase_s), 0.5 * 25.25)              # the median of four: (20.25 + 30.25) / 2
 
     def test_a_reopened_round_counts_its_quorum_anew(self):
         x = self.table()
@@ -338,7 +338,7 @@ class QuorumTest(unittest.TestCase):
         x.send("beta")
         x.t.close(x.now)
         self.assertEqual(x.t.reply("beta", x.now)["waiting_on"], [])
-        st = x.t.status(x.now)
+        st = fedmom_round.round_status(x.t, x.now)
         self.assertEqual((st["phase_s"], st["quorum"]), (10.0, None))        # no history yet
 
     def test_a_restored_delta_arrived_at_the_start(self):
@@ -539,7 +539,7 @@ class ReplayTest(unittest.TestCase):
                 x.t.books.settle("commit", c, Answer(OK, {"state": "committed"}))
             x.t.join("c", "c-inc", x.now, x.wall)
         x.t.books.owe_abort("r9.x", "c", "c-inc", "lost", x.wall)
-        out.append(x.t.status(x.now))
+        out.append(fedmom_round.round_status(x.t, x.now))
         return x.t.to_json(), out, x.said
 
     def test_the_same_calls_give_the_same_books_decisions_and_log(self):
