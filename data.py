@@ -297,18 +297,20 @@ class LeasedPhase:
 
     def cut_point(self, trained, budget_left_s, step_s):
         """Where a phase the clock ends should stop (rank 0 decides, fedphase shares it): the
-        window count of the first position bound at or after `trained` windows when the bound
-        after that one would not be reached within `budget_left_s` at `step_s` seconds a step;
+        window count of the first position bound at or after `trained` windows, when the bound
+        after it would overrun `budget_left_s` (at `step_s` s a step) by more than stopping at
+        the first falls short of it, so the phase ends as near its budget as blocks allow;
         None to go on. Only a bound ends a phase: DARL's custody takes whole positions."""
         if self.bounds is None or not len(self.bounds):
             return None
         i = int(np.searchsorted(self.bounds, trained, side="left"))
         if i >= len(self.bounds) - 1:
             return None                       # the span's last position: it ends there anyway
-        after = int(self.bounds[i + 1])
-        if -(-(after - trained) // self.per_step) * step_s <= budget_left_s:
+        first, after = int(self.bounds[i]), int(self.bounds[i + 1])
+        t1, t2 = (-(-(b - trained) // self.per_step) * step_s for b in (first, after))
+        if t2 <= budget_left_s or t2 - budget_left_s <= budget_left_s - t1:
             return None
-        return int(self.bounds[i])
+        return first
 
     def cut_at(self, n):
         """End the phase after its first `n` windows (a bound, see cut_point): the last step may

@@ -64,6 +64,7 @@ import wire
 SETTLE = "settle"           # next_span under --overlap: the round trip ended before DARL gave a span
 POLL_S = 5.0                # rank 0 reports "still waiting" to the other ranks this often
 OVERLAP_POLL_S = 0.2        # --overlap: how often a wait for a span looks whether the round trip ended
+MORE_WAIT_S = 2.0           # a phase measured in time waits this long for one more span, then ends
 TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
 
 
@@ -238,7 +239,7 @@ class FedSite:
                 self.log(f"FedMom leave: {e} (the aggregator drops silent members on its own)")
 
     # -- per phase
-    def next_span(self, busy=None, blocks=None, more=False):
+    def next_span(self, busy=None, blocks=None):
         """-> (lease, start, end) of the next span, or None when DARL has no blocks left.
         While every block is leased elsewhere, the site leaves FedMom's rounds so that
         the others do not wait for a delta that cannot come; it joins again with work.
@@ -246,12 +247,12 @@ class FedSite:
         it runs, the site only asks DARL (no leave, no join: the round trip talks to FedMom
         meanwhile); if it ends before a span comes, -> SETTLE: the caller takes its theta in
         first, then asks again without it. blocks: what to lease (a phase measured in time: from
-        its plan); more: one more span of the phase (its delta names them all: self.spans)."""
+        its plan)."""
         if blocks is not None:
             self.session.span_blocks = self.session.lease_blocks = max(1, int(blocks))
         if busy is not None:
             got = yield from self._span_while(busy)
-            return self._took(got, more) if got != SETTLE else got
+            return self._took(got, False) if got != SETTLE else got
         while True:
             try:
                 span = self.session.next_span(timeout=POLL_S)
@@ -266,7 +267,7 @@ class FedSite:
             return None
         if not self.member:
             yield from self.join()
-        return self._took(span.as_ints(), more)
+        return self._took(span.as_ints(), False)
 
     def _took(self, got, more):
         if got is not None:
@@ -284,15 +285,6 @@ class FedSite:
                     return SETTLE
                 yield
         return None if span is None else span.as_ints()
-
-    def trim(self, end):
-        """The clock ended the phase on block `end` of its last span: the delta names [start, end),
-        the lease's rest goes back to DARL's pool at once (LeaseSession.trim). -> that span."""
-        span = self.span
-        self.span = yield from self._call("DARL release (the tail the clock left)",
-                                          lambda d: self.session.trim(span, end, deadline=d))
-        self.spans[-1] = self.span
-        return self.span.as_ints()
 
     def current_round(self):
         return (yield from self._call("FedMom round", lambda d: self.fed.current_round(deadline=d)))
@@ -514,6 +506,37 @@ class FedSite:
                 self.keepalive.__exit__(None, None, None)
                 self.keepalive = None
             self.darl.close()
+
+
+def more_span(site, busy, blocks):
+    """One more span of `blocks` for the phase now training (its last span ended with time
+    left; the delta names them all: FedSite.spans) -> (lease, start, end); SETTLE (--overlap: the
+    round trip in flight ended first); or None when DARL has none within MORE_WAIT_S (or is
+    done): the phase ends. It never waits longer mid-phase: the spans it trained stay
+    unsent meanwhile, and two sites each waiting on the other's blocks would wait forever."""
+    site.session.span_blocks = site.session.lease_blocks = max(1, int(blocks))
+    deadline = time.monotonic() + MORE_WAIT_S
+    while True:
+        try:
+            span = site.session.next_span(timeout=max(0.0, min(OVERLAP_POLL_S, deadline - time.monotonic())))
+            break
+        except TimeoutError:
+            if busy is not None and busy.done():
+                return SETTLE
+            if time.monotonic() >= deadline:
+                return None
+            yield
+    return None if span is None else site._took(span.as_ints(), True)
+
+
+def trim(site, end):
+    """The clock ended the phase on block `end` of its last span: the delta names [start, end),
+    the lease's rest goes back to DARL's pool at once (LeaseSession.trim). -> that span."""
+    span = site.span
+    site.span = yield from site._call("DARL release (the tail the clock left)",
+                                      lambda d: site.session.trim(span, end, deadline=d))
+    site.spans[-1] = site.span
+    return site.span.as_ints()
 
 
 def commit_records(session, spans):

@@ -135,10 +135,13 @@ class LeasedPhaseTest(unittest.TestCase):
         ph = data.LeasedPhase(2, 7, 11, w, per_step=4, world=2, rank=0, batch=2, bounds=bounds)
         self.assertEqual(ph.steps, 5)
         b0, b1 = int(bounds[0]), int(bounds[1])
-        # b0 - 1 windows trained: reaching the bound after b0 takes `need` steps of 0.5 s; with a
-        # little less time left the phase stops at the first bound (one short step more)
+        # b0 - 1 windows trained: b0 is one step of 0.5 s away, the bound after it `need` s (>= 1 s);
+        # with 0.6 s left the first bound is nearer the budget: the phase stops there (one short step
+        # more); with need - 0.1 s left the next one overruns less than b0 falls short: go on
         need = -(-(b1 - b0 + 1) // 4) * 0.5
-        self.assertEqual(ph.cut_point(b0 - 1, need - 0.1, 0.5), b0)
+        self.assertGreaterEqual(need, 1.0)
+        self.assertEqual(ph.cut_point(b0 - 1, 0.6, 0.5), b0)
+        self.assertIsNone(ph.cut_point(b0 - 1, need - 0.1, 0.5))
         self.assertIsNone(ph.cut_point(b0 - 1, need, 0.5))          # time enough: go on
         self.assertIsNone(ph.cut_point(16, 0.0, 0.5))               # the span's last position: its end anyway
         self.assertEqual(ph.cut_at(b0), 8)                          # positions [7, 8) trained
