@@ -279,7 +279,10 @@ class TableConfig:
         return self
 
     def to_dict(self):
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.fit_grants:      # as a log from before the key said it: its recorded outcomes replay
+            del d["fit_grants"]
+        return d
 
     @classmethod
     def from_dict(cls, d):

@@ -559,7 +559,7 @@ class Cadence:
         est = clock.estimate()
         if est <= 0:
             return None
-        steps = round((self.budget_s - clock.elapsed()) / est)      # as near the budget as blocks allow
+        steps = round((clock.budget_s - clock.elapsed()) / est)     # as near the budget as blocks allow
         if steps < max(1, math.ceil(self.block_size / self.per_step)):
             return None
         return data.blocks_per_phase(steps, self.per_step, self.block_size)
@@ -702,7 +702,9 @@ def phase_loop(run, site, carrier, start):
             # the span ended with time left: rank 0 says whether another fits, and leases it
             t_more = time.perf_counter()
             with stepper.pause():
-                kind, more = on_rank0(lambda: more_span(site, cadence, carrier.busy))
+                # --overlap-fold end: the delta in flight settles at the phase's end, never mid-phase
+              busy = carrier.busy if cfg.overlap_fold != "end" else None
+              kind, more = on_rank0(lambda: more_span(site, cadence, busy))
             if kind == "span":
                 part = source.phase(*more, timed=True)
                 parts.append(part)
@@ -723,8 +725,8 @@ def phase_loop(run, site, carrier, start):
         if cadence and os.environ.get(testhooks.PHASE_CLOCK_RATE_ENV):   # a test's skewed clocks: every rank says
             print(f"phase clock: rank {d.rank} ends the phase after {sum(p.steps for p in parts)} steps, "
                   f"{sum(len(p) for p in parts)} windows (cut: {part.cut})", flush=True)
-        if part.cut:                     # the clock ended it: the rest of the span goes back to DARL
-            on_rank0(lambda: fedsite.trim(site, part.end))
+        if cadence:                      # the rest of its leases goes back to DARL: none outlives the phase
+            on_rank0(lambda: fedsite.close_phase(site, part.end if part.cut else None))
         spans = [(p.lease, p.start, p.end) for p in parts]
         steps, windows = sum(p.steps for p in parts), sum(len(p) for p in parts)
         step_s = cadence.clock.end() if cadence else inner_s / max(steps, 1)

@@ -529,14 +529,22 @@ def more_span(site, busy, blocks):
     return None if span is None else site._took(span.as_ints(), True)
 
 
-def trim(site, end):
-    """The clock ended the phase on block `end` of its last span: the delta names [start, end),
-    the lease's rest goes back to DARL's pool at once (LeaseSession.trim). -> that span."""
-    span = site.span
-    site.span = yield from site._call("DARL release (the tail the clock left)",
-                                      lambda d: site.session.trim(span, end, deadline=d))
-    site.spans[-1] = site.span
-    return site.span.as_ints()
+def close_phase(site, cut=None):
+    """Rank 0, at the end of a phase measured in time: what its leases hold past what it
+    trained goes back to DARL's pool now (LeaseSession.trim): [cut, ...) of its last span when
+    the clock ended it on block `cut`, and the rest of any lease it drew a span from. So the
+    delta names only what it trained, and no lease outlives its phase (a lease two phases
+    drew from would be released with the first one's delta while the second trains on it)."""
+    if cut is not None:
+        last = site.spans[-1]
+        site.span = site.spans[-1] = yield from site._call(
+            "DARL release (the tail the clock left)", lambda d: site.session.trim(last, cut, deadline=d))
+    for i, sp in enumerate(site.spans):
+        end = site.session.lease_end(sp.lease)
+        if end is not None and end > sp.end and all(x.lease != sp.lease for x in site.spans[i + 1:]):
+            yield from site._call("DARL release (a lease's untrained rest)",
+                                  lambda d, sp=sp: site.session.trim(sp, sp.end, deadline=d))
+    return [s.as_ints() for s in site.spans]
 
 
 def commit_records(session, spans):
