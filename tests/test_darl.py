@@ -387,12 +387,12 @@ class LeaseTableTest(unittest.TestCase):
             t.verify()
 
     def test_a_log_written_before_fitted_grants_replays_as_decided_then(self):
-        # tests/data/darl-before-fit-grants/wal.jsonl: a coordinator of the code before the rule
+        # tests/old-logs/darl-before-fit-grants.wal.jsonl: a coordinator of the code before the rule
         # (its config has no fit_grants), restarted once with --accept-config-change (a set_config
         # record, whose recorded outcome is that config): it replays, and keeps the old rule
         d = tmpdir(self)
         os.makedirs(os.path.join(d, "darl"))
-        shutil.copy(os.path.join(os.path.dirname(__file__), "data", "darl-before-fit-grants", "wal.jsonl"),
+        shutil.copy(os.path.join(os.path.dirname(__file__), "old-logs", "darl-before-fit-grants.wal.jsonl"),
                     os.path.join(d, "darl", "wal.jsonl"))
         loaded = darl_log.load_state(d)
         self.assertFalse(loaded.table.config.fit_grants)
