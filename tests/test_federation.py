@@ -89,6 +89,14 @@ def make_corpus(tmp, max_bytes):
     return os.path.join(out, "manifest.json")
 
 
+def export_init(t, manifest):
+    """train.py --export-init of qwen3-tiny into t/init.safetensors -> its path."""
+    init = os.path.join(t, "init.safetensors")
+    subprocess.run([sys.executable, "train.py", "--export-init", init, "--model", "qwen3-tiny", "--data", manifest],
+                   cwd=ROOT, env=harness.child_env(), check=True, capture_output=True, timeout=300)
+    return init
+
+
 # ---------------------------------------------------------------------------
 # in-process: arithmetic, flags, identity, --export-init
 # ---------------------------------------------------------------------------
@@ -419,10 +427,7 @@ class CarrierTest(unittest.TestCase):
     @classmethod
     def start(cls, t):
         cls.manifest = make_corpus(t, 12000)
-        init = os.path.join(t, "init.safetensors")
-        subprocess.run([sys.executable, "train.py", "--export-init", init, "--model", "qwen3-tiny",
-                        "--data", cls.manifest], cwd=ROOT, env=harness.child_env(), check=True,
-                       capture_output=True, timeout=300)
+        init = export_init(t, cls.manifest)
         L = cls.launcher
         _, cls.darl = harness.start_server(L, "darl", ["--manifest", cls.manifest, "--block-size", 4, "--state-dir", t,
                                                        "--default-ttl", 30, "--max-ttl", 30], log_of(t, "darl"), port=0)
@@ -629,16 +634,17 @@ class DeviceCheckTest(unittest.TestCase):
 # two sites end to end, with a kill + resume and an aggregator restart
 # ---------------------------------------------------------------------------
 
-class FederationRunTest(unittest.TestCase):
-    H = 4
+class ScenarioCase(unittest.TestCase):
+    """A class whose run_scenario(tmp) sets up real processes once; its tests read what they left.
+    PWW_TEST_KEEP keeps the temp dir."""
+    PREFIX = "fed-"
 
     @classmethod
     def setUpClass(cls):
-        cls.tmp = tempfile.TemporaryDirectory(prefix="fed-run-")
-        t = cls.tmp.name
+        cls.tmp = tempfile.TemporaryDirectory(prefix=cls.PREFIX)
         cls.launcher, cls.events = harness.Launcher(), {}
         try:
-            cls.run_scenario(t)
+            cls.run_scenario(cls.tmp.name)
         except BaseException:
             cls.tearDownClass()
             raise
@@ -651,6 +657,11 @@ class FederationRunTest(unittest.TestCase):
             os.rename(cls.tmp.name, kept)
             print(f"kept {kept}")
         cls.tmp.cleanup()
+
+
+class FederationRunTest(ScenarioCase):
+    H = 4
+    PREFIX = "fed-run-"
 
     @classmethod
     def site(cls, name, parallel, nproc, *extra):
@@ -702,10 +713,7 @@ class FederationRunTest(unittest.TestCase):
         cls.token = os.path.join(t, "token")
         with open(cls.token, "w") as f:
             f.write("test-token-0123456789\n")
-        init = os.path.join(t, "init.safetensors")
-        subprocess.run([sys.executable, "train.py", "--export-init", init, "--model", "qwen3-tiny",
-                        "--data", cls.manifest], cwd=ROOT, env=harness.child_env(), check=True,
-                       capture_output=True, timeout=300)
+        init = export_init(t, cls.manifest)
         central = os.path.join(t, "central")
         cls.ca, cert, key = certs.make_tls(t)
         common = ["--token-file", cls.token, "--tls-cert", cert, "--tls-key", key]
@@ -975,7 +983,7 @@ if __name__ == "__main__":
 # phases measured in time: sites of different speeds, one cadence
 # ---------------------------------------------------------------------------
 
-class PhasesInTimeRunTest(unittest.TestCase):
+class PhasesInTimeRunTest(ScenarioCase):
     """Two sites whose steps differ about 1:3 in time (--throttle-ms) train one model on the
     cadence the aggregator offers (fedmom_server.py --phase-s): alpha (FSDP2, 2 ranks, rank 1's
     clock running 5x fast: $PWW_TEST_PHASE_CLOCK_RATE) and beta (DDP, 1 rank). Every round
@@ -984,33 +992,12 @@ class PhasesInTimeRunTest(unittest.TestCase):
     by the clock (their lease's tail given back to DARL); the run audit passes: every block
     inside exactly one merged delta."""
     T = 2.5
-
-    @classmethod
-    def setUpClass(cls):
-        cls.tmp = tempfile.TemporaryDirectory(prefix="fed-timed-")
-        cls.launcher = harness.Launcher()
-        try:
-            cls.run_scenario(cls.tmp.name)
-        except BaseException:
-            cls.tearDownClass()
-            raise
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.launcher.kill_all()
-        if KEEP:
-            kept = cls.tmp.name + "-kept"
-            os.rename(cls.tmp.name, kept)
-            print(f"kept {kept}")
-        cls.tmp.cleanup()
+    PREFIX = "fed-timed-"
 
     @classmethod
     def run_scenario(cls, t):
         cls.manifest = make_corpus(t, 60000)
-        init = os.path.join(t, "init.safetensors")
-        subprocess.run([sys.executable, "train.py", "--export-init", init, "--model", "qwen3-tiny",
-                        "--data", cls.manifest], cwd=ROOT, env=harness.child_env(), check=True,
-                       capture_output=True, timeout=300)
+        init = export_init(t, cls.manifest)
         L = cls.launcher
         svc = cls.svc = harness.start_services(
             L, t, cls.manifest, init, block_size=4, default_ports=False,
