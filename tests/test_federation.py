@@ -352,7 +352,7 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
     cfg.seq_len = windows.seq_len
     model, _, _ = train.make_model(cfg, d, windows.vocab_size)
     site = fedsite.FedSite(cfg, windows, 0, print) if d.rank == 0 else None
-    block_size, seed, _, _ = fedphase.on_rank0(lambda: site.connect(cfg.batch_size * d.world_size))
+    block_size, seed, _, _, _ = fedphase.on_rank0(lambda: site.connect(cfg.batch_size * d.world_size))
     source = fedsite.LeasedSource(cfg, windows, block_size, seed, d.rank, d.world_size)
     carrier = fedphase.FedMomCarrier(site, out_dir, "F32")
     outer = diloco.DiLoCo(model, diloco.ReplicaLayout.plan(d.world_size, d.rank, 1),
@@ -486,7 +486,8 @@ class CarrierTest(unittest.TestCase):
         drive(lambda: any("still live as the previous incarnation" in m for m in said))
         old_fed.leave()                                          # ... and its membership
         self.assertEqual(drive(lambda: False), (4, 0, 200,      # K=4, seed 0, H=100 x 8 windows / 4
-                                                {"lr": 0.7, "momentum": 0.9, "nesterov": True}))   # the merge's step
+                                                {"lr": 0.7, "momentum": 0.9, "nesterov": True},   # the merge's step
+                                                None))          # no --phase-s offered
         self.assertTrue(site.member)
         st = httpc.call(self.darl, "GET", "/status")
         self.assertEqual([c["incarnation"] for c in st["clusters"] if c["cluster"] == "twin"], [site.incarnation])
