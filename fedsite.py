@@ -64,6 +64,7 @@ import wire
 SETTLE = "settle"           # next_span under --overlap: the round trip ended before DARL gave a span
 POLL_S = 5.0                # rank 0 reports "still waiting" to the other ranks this often
 OVERLAP_POLL_S = 0.2        # --overlap: how often a wait for a span looks whether the round trip ended
+MIX_BLOCKS = 8              # a timed phase's runs of positions shuffled together (small steps only)
 MORE_WAIT_S = 2.0           # a phase measured in time waits this long for one more span, then ends
 TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
 
@@ -653,13 +654,16 @@ class LeasedSource:
         self.space = block_space.BlockSpace(windows.train_windows, block_size, seed,
                                             manifest_digest=windows.digest)
         self.per_step = cfg.batch_size * world * cfg.grad_accum
+        # a phase measured in time shuffles runs of MIX_BLOCKS positions together when a step
+        # holds fewer than MIX_BLOCKS blocks' windows: a step of one block is one stretch of text
+        self.group = MIX_BLOCKS if self.per_step < MIX_BLOCKS * block_size else 1
 
     def phase(self, lease, start, end, timed=False):
         """The phase of span (lease, start, end); timed (a phase the clock may end): its windows in
-        block order, so that it can end on any block boundary (data.span_windows_blocked)."""
+        runs of positions, so that it can end where a run ends (data.span_windows_blocked)."""
         if timed:
-            w, bounds = data.span_windows_blocked(self.space, start, end, self.cfg.seed, lease)
+            w, bounds, ends = data.span_windows_blocked(self.space, start, end, self.cfg.seed, lease, self.group)
         else:
-            w, bounds = data.span_windows(self.space, start, end, self.cfg.seed, lease), None
+            w, bounds, ends = data.span_windows(self.space, start, end, self.cfg.seed, lease), None, None
         return data.LeasedPhase(lease, start, end, w, self.per_step, self.world, self.rank, self.cfg.batch_size,
-                                bounds=bounds)
+                                bounds=bounds, ends=ends)

@@ -132,7 +132,8 @@ class LeasedPhaseTest(unittest.TestCase):
 
     def test_a_phase_the_clock_ends_stops_on_a_block_boundary_and_names_only_what_it_trained(self):
         space = block_space.BlockSpace(num_samples=53, block_size=5, seed=3)    # the last block is short
-        w, bounds = data.span_windows_blocked(space, 7, 11, seed=0, lease=2)
+        w, bounds, ends = data.span_windows_blocked(space, 7, 11, seed=0, lease=2)
+        self.assertEqual(ends.tolist(), [8, 9, 10, 11])
         sizes = [len(space.samples_of(space.block_at(p))) for p in range(7, 11)]
         self.assertEqual(sorted(sizes), [3, 5, 5, 5])
         self.assertEqual(bounds.tolist(), np.cumsum(sizes).tolist())
@@ -140,7 +141,7 @@ class LeasedPhaseTest(unittest.TestCase):
             want = sorted(x for p in range(7, 8 + i) for x in space.samples_of(space.block_at(p)))
             self.assertEqual(sorted(w[:bounds[i]].tolist()), want)
         self.assertEqual(w.tolist(), data.span_windows_blocked(space, 7, 11, seed=0, lease=2)[0].tolist())
-        ph = data.LeasedPhase(2, 7, 11, w, per_step=4, world=2, rank=0, batch=2, bounds=bounds)
+        ph = data.LeasedPhase(2, 7, 11, w, per_step=4, world=2, rank=0, batch=2, bounds=bounds, ends=ends)
         self.assertEqual(ph.steps, 5)
         b0, b1 = int(bounds[0]), int(bounds[1])
         # b0 - 1 windows trained: b0 is one step of 0.5 s away, the bound after it `need` s (>= 1 s);
@@ -155,7 +156,18 @@ class LeasedPhaseTest(unittest.TestCase):
         self.assertEqual(ph.cut_at(b0), 8)                          # positions [7, 8) trained
         self.assertEqual((ph.steps, len(ph), ph.cut), (-(-b0 // 4), b0, True))
         with self.assertRaisesRegex(ValueError, "block boundary"):
-            data.LeasedPhase(2, 7, 11, w, 4, 2, 0, 2, bounds=bounds).cut_at(b0 + 1)
+            data.LeasedPhase(2, 7, 11, w, 4, 2, 0, 2, bounds=bounds, ends=ends).cut_at(b0 + 1)
+        # runs of 4 positions mixed together, the last quarter single positions: a cut ends only
+        # where a run ends, and a prefix to a bound is exactly the windows of its positions
+        space = block_space.BlockSpace(num_samples=400, block_size=5, seed=1)
+        w, bounds, ends = data.span_windows_blocked(space, 10, 30, seed=0, lease=3, group=4)
+        self.assertEqual(ends.tolist(), [14, 18, 22, 25, 26, 27, 28, 29, 30])
+        for b, e in zip(bounds, ends):
+            want = sorted(x for p in range(10, int(e)) for x in space.samples_of(space.block_at(p)))
+            self.assertEqual(sorted(w[:b].tolist()), want)
+        first = w[:5].tolist()          # the first run's windows come from its 4 blocks, shuffled
+        self.assertGreater(len({space.block_at(p) for p in range(10, 14)
+                                for x in first if x in space.samples_of(space.block_at(p))}), 1)
         self.assertIsNone(data.LeasedPhase(2, 7, 11, w, 4, 2, 0, 2).cut_point(4, 0.0, 1.0))   # H steps: never
 
 
