@@ -637,7 +637,10 @@ def phase_loop(run, site, carrier, start):
         if span == fedsite.SETTLE:       # its round trip ended before DARL gave a span: take its theta in
             settle(run, carrier, pending, step)
             continue
-        phase = part = source.phase(*span, timed=cadence is not None)
+        # runs of blocks mixed together once the step time is known (every rank: None until the first
+        # phase ended), single blocks before, where the clock's cut may fall anywhere
+        mix = cadence is not None and cadence.clock.step_s is not None
+        phase = part = source.phase(*span, timed=cadence is not None, mix=mix)
         parts = [part]                   # a phase measured in time may go on into more spans
         if carrier.in_flight:            # overlap: the base stays the sent delta's until its round trip ends
             pending.round_at_next_phase = carrier.current()
@@ -706,7 +709,7 @@ def phase_loop(run, site, carrier, start):
               busy = carrier.busy if cfg.overlap_fold != "end" else None
               kind, more = on_rank0(lambda: more_span(site, cadence, busy))
             if kind == "span":
-                part = source.phase(*more, timed=True)
+                part = source.phase(*more, timed=True, mix=mix)
                 parts.append(part)
                 s, decided = 0, False
             elif kind == fedsite.SETTLE:        # --overlap: the delta in flight came back meanwhile

@@ -658,11 +658,14 @@ class LeasedSource:
         # holds fewer than MIX_BLOCKS blocks' windows: a step of one block is one stretch of text
         self.group = MIX_BLOCKS if self.per_step < MIX_BLOCKS * block_size else 1
 
-    def phase(self, lease, start, end, timed=False):
+    def phase(self, lease, start, end, timed=False, mix=True):
         """The phase of span (lease, start, end); timed (a phase the clock may end): its windows in
-        runs of positions, so that it can end where a run ends (data.span_windows_blocked)."""
+        runs of positions, so that it can end where a run ends (data.span_windows_blocked); mix:
+        runs of self.group positions before the last quarter (False: single positions, for a
+        phase whose step time is not known yet, which the clock may end anywhere)."""
         if timed:
-            w, bounds, ends = data.span_windows_blocked(self.space, start, end, self.cfg.seed, lease, self.group)
+            w, bounds, ends = data.span_windows_blocked(self.space, start, end, self.cfg.seed, lease,
+                                                        self.group if mix else 1)
         else:
             w, bounds, ends = data.span_windows(self.space, start, end, self.cfg.seed, lease), None, None
         return data.LeasedPhase(lease, start, end, w, self.per_step, self.world, self.rank, self.cfg.batch_size,

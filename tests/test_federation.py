@@ -1047,6 +1047,8 @@ class PhasesInTimeRunTest(ScenarioCase):
         joint = [r for r in self.records if {"alpha", "beta"} <= set(r["clusters"])]
         self.assertGreaterEqual(len(joint), 3, [sorted(r["clusters"]) for r in self.records])
         for r in joint:
+            if "data" in (r["clusters"]["alpha"]["ended_by"], r["clusters"]["beta"]["ended_by"]):
+                continue            # the corpus's last blocks decided that phase's length, not the clock
             a, b = r["clusters"]["alpha"]["steps"], r["clusters"]["beta"]["steps"]
             self.assertNotEqual(a, b, f"round {r['round']}: both sites ran {a} steps")
         # the faster site does more steps in a round, not the same H
