@@ -92,7 +92,7 @@ class BitsTest(Case):
                             self.assertEqual(f1.read(), f2.read(), f"{what}, round {rnd}: the update file")
                     self.assertAlmostEqual(got1["theta_norm"], got2["theta_norm"], delta=1e-9 * got1["theta_norm"])
                 if codec is None or codec.fmt in wire.LEVELS:
-                    self.assertIsInstance(many.theta, merge_pool.SharedArrays, what)
+                    self.assertIsInstance(many.theta, merge_pool.BlockArrays, what)
 
     def test_a_replay_of_segments_of_two_rounds_on_workers_is_the_same(self):
         """A checkpoint cut after two of its segments (fedmom_checkpoint.rebuild's `only`
