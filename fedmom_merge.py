@@ -253,6 +253,10 @@ class DeltaReader:
         _, C, nb = wire_kernels.as_blocks(shape, self.codec.block)
         return wire_kernels.CODE_BITS[self.codec.fmt] / 8 + 6 * nb / max(C, 1)
 
+    def whole_bytes(self, shape):
+        """Bytes load() holds whatever the span: a topk tensor decoded whole (0 otherwise)."""
+        return 4 * math.prod(shape) if self.codec is not None and not self.blocks else 0
+
     def load(self, name, shape, lo=0, hi=None):
         """Make elements [lo, hi) of tensor `name` (default: all of it) the current ones: a block
         format's codes and scales of those rows are read into memory and checked as wire.py

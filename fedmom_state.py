@@ -91,6 +91,7 @@ import dataclasses
 import math
 import os
 import secrets
+import threading
 import time
 import traceback
 
@@ -144,6 +145,8 @@ class ServerConfig:
     phase_s: float | None = None      # the round cadence offered to every site (None: not offered)
     quorum: float | None = None       # fraction of a round's expected tokens that closes it after the grace
     grace_frac: float = GRACE_FRAC    # the quorum's grace, as a fraction of the recent round length
+    memory_gb: float | None = None    # what the aggregator and its workers may hold (None: the machine's)
+    outer_dir: str | None = None      # the outer state's file blocks (None: outer_budget.OUTER_DIR in the state dir)
 
     def round_quorum(self):
         """--quorum as the rounds use it: given, else 0.5 with --phase-s (sites on a cadence:
@@ -189,6 +192,9 @@ class ServerConfig:
                              f"{CHECKPOINT_ROUNDS} rounds, the rounds between replayed at a restart)")
         if self.threads is not None and not (_is_int(self.threads) and self.threads >= 1):
             raise SystemExit(f"--threads {self.threads} must be an integer >= 1 (default: every core)")
+        if self.memory_gb is not None and not (self.memory_gb > 0 and math.isfinite(self.memory_gb)):
+            raise SystemExit(f"--memory-gb {self.memory_gb} must be a positive number of GB (default: 3/4 of the "
+                             "machine's memory; `fedmom_server.py plan` says what a run needs)")
         if self.merge_procs is not None and not (_is_int(self.merge_procs) and self.merge_procs >= 1):
             raise SystemExit(f"--merge-procs {self.merge_procs} must be an integer >= 1 (default: every core; 1 "
                              "runs the round in the aggregator's own process)")
@@ -308,12 +314,12 @@ class FedMomState:
         self.keeper = fedmom_outer.OuterKeeper(cfg, self.dir, self.ledger, clock)
         self.custodian = None if darl is None else fedmom_darl.Custodian(darl, self.ledger, self.spool, wall)
         self.merge_error = None       # the last merge's failure (a full disk), until one succeeds
+        self.check_lock = threading.Lock()
         if os.path.exists(self.ledger.path):
             self._load()
         else:
             self._create()
         self.keeper.clean_dir()
-        self.keeper.check_shared_memory()
         self.spool.clean({f for p in self.pending.values() for f in (p.path, p.meta_path)}
                          | self.keeper.logged_files())
         if self.outer is None:                # (a new state dir holds it already: round 0 from --init)
@@ -456,8 +462,11 @@ class FedMomState:
                 return dup
             t0 = time.monotonic()
             try:
-                # a compressed delta is checked as its decoded values and spooled as it came
-                norm = fedmom_merge.check_delta_file(part, self.keeper.specs, self.cfg.threads)
+                # a compressed delta is checked as its decoded values and spooled as it came; one
+                # at a time: --memory-gb counts one check's parts (outer_budget.CHECK_BYTES), and
+                # each already uses every core
+                with self.check_lock:
+                    norm = fedmom_merge.check_delta_file(part, self.keeper.specs, self.cfg.threads)
             except fedmom_merge.DeltaRejected as e:
                 with self.ledger.lock:
                     t.exclude(meta, e.reason, self.wall())

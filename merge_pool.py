@@ -22,12 +22,13 @@ How: the outer state's arrays (theta, momentum, residual) live in blocks (BlockA
 dict of float32 views into one shared memory mapping, and of FileTensors for the tensors
 kept on disk), so a worker writes its pieces where the aggregator reads them. A file block
 is never mapped: its pieces are read and written with pread/pwrite, so a disk error is an
-OSError that fails the round (a mapped page would kill the process with SIGBUS), and the
-aggregator fdatasyncs the file blocks before a round is published (a write-back error too). Per tensor, the aggregator cuts the
-pieces into one contiguous run per worker and sends each a Task: the step (delta paths,
-weights, lr, mu, codec), where the tensor's arrays are, where its update's codes and scales
-go (a scratch block), and the pieces with their flags. The worker opens the delta files
-itself (fedmom_merge.DeltaReader, read once per tensor), runs outer_state's piece code and
+DiskError that fails the round (a mapped page would kill the process with SIGBUS), and the
+aggregator fdatasyncs the file blocks before a round is published (a write-back error too).
+Per tensor, the aggregator cuts the pieces into one contiguous run per worker and sends each
+a Task: the step (delta paths, weights, lr, mu, codec), where the tensor's arrays are, where
+its update's codes and scales go (a scratch block), and the pieces with their flags. The
+worker opens the delta files itself (fedmom_merge.DeltaReader: the parts of its own run of
+the tensor, not the whole tensor's), runs outer_state's piece code and
 answers each piece's norms and whether it stayed finite. Every value is computed by the
 same float32 operations in the same process-independent order, so the bits are those of
 one thread (tests/test_merge_pool.py). A worker that dies fails the round (the aggregator
@@ -145,8 +146,8 @@ class FileBlock:
         return FileTensor(self, offset, count)
 
     def sync(self):
-        """fdatasync: a write-back error of anything written to it so far raises here (EIO)."""
-        os.fdatasync(self.fd)
+        """fdatasync: a write-back error of anything written to it so far raises here (DiskError)."""
+        _disk(lambda: os.fdatasync(self.fd), self)
 
     def release(self):
         if self.fd is None:
@@ -154,8 +155,27 @@ class FileBlock:
         if self.owner:
             _remove(self.path)
             self.owner = False
-        os.close(self.fd)
+        try:
+            os.close(self.fd)
+        except OSError:                                  # a failed disk's last write-back error
+            pass
         self.fd = None
+
+
+class DiskError(OSError):
+    """An I/O error of a file block (EIO, a disk gone): the round fails and the state is
+    rebuilt; nothing durable is wrong (a state dir file that cannot be read is another OSError)."""
+
+
+def _disk(fn, block):
+    """fn() with an OSError of the file block raised as DiskError, naming the file."""
+    try:
+        return fn()
+    except DiskError:
+        raise
+    except OSError as e:
+        raise DiskError(e.errno, f"{block.path}: {e.strerror or e} (a file block of the outer state, "
+                                 "--outer-dir)") from None
 
 
 class FileTensor:
@@ -172,9 +192,9 @@ class FileTensor:
         out = np.empty(hi - lo, np.float32) if out is None else out[:hi - lo]
         view, pos, done = memoryview(out).cast("B"), self.offset + 4 * lo, 0
         while done < len(view):
-            got = os.preadv(self.block.fd, [view[done:]], pos + done)
+            got = _disk(lambda: os.preadv(self.block.fd, [view[done:]], pos + done), self.block)
             if got == 0:
-                raise OSError(errno.EIO, f"{self.block.path}: ends early (truncated under the aggregator?)")
+                raise DiskError(errno.EIO, f"{self.block.path}: ends early (truncated under the aggregator?)")
             done += got
         return out
 
@@ -184,7 +204,7 @@ class FileTensor:
         if len(view) != 4 * (hi - lo):
             raise ValueError(f"{self.block.path}: {len(view) // 4} values for elements [{lo}, {hi})")
         while done < len(view):
-            done += os.pwritev(self.block.fd, [view[done:]], pos + done)
+            done += _disk(lambda: os.pwritev(self.block.fd, [view[done:]], pos + done), self.block)
 
     def whole(self):
         return self.read(0, self.size)
@@ -208,6 +228,17 @@ def whole(a):
 
 
 CHUNK_BYTES = 16 << 20           # a FileTensor copied to or from a file this much at a time
+
+
+def zero(a, lo=0, hi=None):
+    """Elements [lo, hi) of an array or FileTensor set to 0."""
+    hi = a.size if hi is None else hi
+    if isinstance(a, np.ndarray):
+        a[lo:hi].fill(0)
+        return
+    z = np.zeros(min(max(hi - lo, 1), CHUNK_BYTES // 4), np.float32)
+    for s in range(lo, hi, z.size):
+        a.write(s, min(s + z.size, hi), z[:min(z.size, hi - s)])
 
 
 def chunks(a, lo=0, hi=None, buf=None):
@@ -282,7 +313,7 @@ def _remove(path):
     _owned.discard(path)
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except OSError:                                      # gone, or its disk failed: the next sweep's
         pass
 
 
@@ -364,15 +395,9 @@ class BlockArrays(dict):
         if zero:
             self.zero()
 
-    def zero(self, names=None):
-        for n in self if names is None else names:
-            a = self[n]
-            if isinstance(a, np.ndarray):
-                a.fill(0)
-            else:
-                z = np.zeros(min(a.size, CHUNK_BYTES // 4), np.float32)
-                for s in range(0, a.size, z.size):
-                    a.write(s, min(s + z.size, a.size), z[:min(z.size, a.size - s)])
+    def zero(self):
+        for a in self.values():
+            zero(a)
 
     def where(self, n):
         a = self[n]

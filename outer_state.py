@@ -33,7 +33,7 @@ ends elsewhere raises ReplayMismatch.
 What the state dir keeps and when it is written (round by round, the checkpoint every
 --checkpoint-rounds) is fedmom_state.py's docstring.
 
-A round that raises part way (NonFinite, a full disk, a file block's EIO) leaves the arrays half merged:
+A round that raises part way (NonFinite, a full disk, merge_pool.DiskError) leaves the arrays half merged:
 state.dirty is set and the caller rebuilds the state from its checkpoint and the Steps
 since (fedmom_outer.OuterKeeper.rebuild).
 """
@@ -138,7 +138,7 @@ class OuterState:
         return self
 
     def sync(self):
-        """The file blocks' writes on disk (fdatasync): a write-back error raises here (EIO)."""
+        """The file blocks' writes on disk (fdatasync): a write-back error raises here (DiskError)."""
         if self.store is not None:
             self.store.sync()
 
@@ -396,8 +396,8 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
     round's update goes (step.codec given); None writes nothing (a replay). after_tensor(name):
     called after each tensor (the aggregator's fault point). Raises fedmom_merge.NonFinite
     (its cause is only a guess here: the old values are gone; see momentum_alone_overflows),
-    ReplayMismatch when step.digest is set and the result differs, or OSError (a file block's
-    disk failed; the state's file blocks are fdatasync'd before it returns, so a write-back
+    ReplayMismatch when step.digest is set and the result differs, or merge_pool.DiskError (a
+    file block's disk failed; the file blocks are fdatasync'd before it returns, so a write-back
     error is one too); either way state.dirty.
     -> {"theta_norm" (of the old theta), "delta_norms", "bytes_read", "bytes_written",
         "published": {"base_digest", "digest", "update_bytes", "residual_norm"} or None}.
@@ -481,9 +481,12 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
             pieces = [(lo, min(lo + step_n, hi), first, owed)
                       for a, hi, first, owed in runs[n] for lo in range(a, hi, step_n)]
             waves = _waves(pieces, sum(d.part_bytes(sh) for d in deltas), delta_bytes)
+            whole = sum(d.whole_bytes(sh) for d in deltas)         # topk deltas: decoded whole by each worker
+            procs = max(1, delta_bytes // whole) if delta_bytes and whole else None
             slot = scratch.take() if scratch is not None else None
             if use_pool:
-                results = [r for w in waves for r in _pool_tensor(pool, state, step, n, sh, mu, w, residual, slot)]
+                results = [r for w in waves for r in _pool_tensor(pool, state, step, n, sh, mu, w, residual, slot,
+                                                                   procs)]
                 t = None
             else:
                 t = _Tensor.of_state(n, sh, state, step, deltas, mu, residual)
@@ -630,11 +633,11 @@ def scratch_bytes(shapes, codec):
     return 2 * (codes + 2 * sbits)
 
 
-def _pool_tensor(pool, state, step, n, sh, mu, pieces, residual, slot):
-    """One wave of a tensor's pieces on the pool's workers, one contiguous run each -> the
-    pieces' results in order (None after a bad piece of a run). residual: the arrays the new
-    residual goes to (the owed ones, in place, or new ones)."""
-    k = min(pool.procs, len(pieces))
+def _pool_tensor(pool, state, step, n, sh, mu, pieces, residual, slot, procs=None):
+    """One wave of a tensor's pieces on the pool's workers (`procs` of them at most), one
+    contiguous run each -> the pieces' results in order (None after a bad piece of a run).
+    residual: the arrays the new residual goes to (the owed ones, in place, or new ones)."""
+    k = min(pool.procs, len(pieces), procs or pool.procs)
     cuts = [len(pieces) * i // k for i in range(k + 1)]
     where = lambda d: d.where(n) if d is not None else None
     codec = step.codec
@@ -673,12 +676,12 @@ def momentum_alone_overflows(state, name, lr, mu):
                                                        merge_pool.whole(state.momentum[name]).copy(), lr, mu)
 
 
-def replay(state, steps, threads=None, progress=None, pool=None):
+def replay(state, steps, threads=None, progress=None, pool=None, delta_bytes=None):
     """Apply recorded Steps to a checkpoint's state, each checked against its digest."""
     for s in steps:
         if s.round != state.round + 1:
             raise ReplayMismatch(f"the log's round {s.round} does not follow the state's round {state.round}")
-        apply_round(state, s, threads=threads, pool=pool)
+        apply_round(state, s, threads=threads, pool=pool, delta_bytes=delta_bytes)
         if progress is not None:
             progress(s)
     return state
