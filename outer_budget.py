@@ -289,8 +289,8 @@ class Store:
 # CPU seconds per parameter of a merge (the workers', all cores), of one delta's acceptance
 # and of the publish; the one-core sha256 of theta per byte; the fsync'd write of the checkpoint.
 RATES = {"source": "bench/scale_round.py --flavor 0.6B (2 cores)", "merge_cpu_s_per_param": 2.0e-8,
-         "accept_s_per_param": 3.6e-9, "publish_s_per_param": 1.8e-9, "sha256_s_per_byte": 5.6e-10,
-         "checkpoint_write_bps": 0.35e9}
+         "merge_disk_cpu_s_per_param": 2.4e-8, "accept_s_per_param": 4.0e-10, "publish_s_per_param": 4.0e-10,
+         "sha256_s_per_byte": 5.6e-10, "checkpoint_write_bps": 0.35e9}
 NVME = {"read_bps": 3.0e9, "write_bps": 2.0e9}      # a VM's local NVMe disk, assumed (plan --disk-gbs)
 
 
@@ -307,8 +307,9 @@ def round_seconds(b, sites, cores, rates, disk):
     """Central seconds of one round at this budget: the acceptances, the merge (its CPU over
     the cores, or the disk's reads and writes of the part on disk, whichever is longer, and
     never under the one-core theta digest), the publish."""
-    P, (_, on_disk) = b.params, b.split()
-    cpu = rates["merge_cpu_s_per_param"] * P / cores
+    P, (in_mem, on_disk) = b.params, b.split()
+    f = on_disk / max(in_mem + on_disk, 1)
+    cpu = P * (rates["merge_cpu_s_per_param"] * (1 - f) + rates["merge_disk_cpu_s_per_param"] * f) / cores
     io = on_disk / disk["read_bps"] + on_disk / disk["write_bps"]
     merge = max(cpu, io, rates["sha256_s_per_byte"] * 4 * P)
     return {"accept": sites * rates["accept_s_per_param"] * P, "merge": merge, "merge_io": io,
