@@ -3,13 +3,16 @@ rounds since, and the rebuild from them.
 
 Runs on: the central VM, imported by fedmom_outer.py and fedmom_store.py (the running aggregator) and
 fedmom_server.py's `export` / `checkpoint` commands (a stopped one); standard library +
-numpy + outer_state.py; never torch. Not started on its own. Tested in tests/test_replay.py.
+numpy + outer_state.py + merge_pool.py; never torch. Not started on its own. Tested in
+tests/test_replay.py and tests/test_outer_budget.py.
 
 state.json names a checkpoint and a "log": the outer_state.Step of every round since, its
 delta paths relative to the state dir. The outer state of the current round is the
 checkpoint with the logged Steps replayed on top (rebuild), the result checked against the
-theta digest the last of them published. fedmom_state.py's docstring has the whole state
-dir and when each file is written and removed.
+theta digest the last of them published. The segments are read straight into the arrays'
+blocks (a store's: in memory, or file blocks on disk past --memory-gb; outer_budget.py), a
+bounded piece at a time, never into private arrays first. fedmom_state.py's docstring has
+the whole state dir and when each file is written and removed.
 
 The checkpoint is a directory of segments, ckpt/<tensor>-<part>.safetensors: each holds
 theta, momentum and residual (those kept) of one tensor, or of a run of its whole rows
@@ -26,15 +29,13 @@ A checkpoint of the older layout {"round", "theta", "momentum", "residual"} (who
 named in state.json) is still read; the next checkpoint writes segments and removes them.
 
     ckpt, log = read_record(json.load(open("state.json")), "state.json")
-    outer = rebuild(state_dir, ckpt, log)                    # raises on a mismatch or a bad file
+    outer = rebuild(state_dir, ckpt, log, store=store)       # raises on a mismatch or a bad file
     record = write_checkpoint(outer, state_dir, fsync=True)  # ckpt/*: every segment at outer.round
 """
 import dataclasses
 import json
 import math
 import os
-
-import numpy as np
 
 import durable
 import merge_pool

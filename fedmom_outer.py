@@ -1,11 +1,13 @@
 """fedmom_outer.py - the aggregator's outer state in use: theta_global, the momentum buffer and
-the residual of --down-wire in memory, a round merged into them robustly, checkpointed,
+the residual of --down-wire in the blocks --memory-gb gives them (outer_budget.Store: memory,
+and file blocks in --outer-dir past it), a round merged into them robustly, checkpointed,
 rebuilt, and copied to files for downloads.
 
 Runs on: the central VM, imported by fedmom_state.py (FedMomState holds one OuterKeeper);
 Python standard library + numpy + tensorio.py + outer_state.py (the arrays and a round
-applied to them) + fedmom_checkpoint.py (the checkpoint and the replay) + fedmom_merge.py
-(the clip, a delta's norm) + fedmom_store.py; never torch, no HTTP. Not run on its own.
+applied to them) + outer_budget.py (where they live) + fedmom_checkpoint.py (the checkpoint
+and the replay) + fedmom_merge.py (the clip, a delta's norm) + fedmom_store.py; never torch,
+no HTTP. Not run on its own.
 
 The arrays belong to `mem_lock`: a merge, a checkpoint and writing a copy hold it, for
 seconds to minutes; the bookkeeping beside them (the round, the checkpoint's record, the
@@ -463,7 +465,11 @@ class OuterKeeper:
     def status(self):
         """The outer state's part of GET /status (the caller holds the ledger's lock)."""
         L, cfg = self.ledger, self.cfg
+        mem, disk = self.budget.split() if self.budget else (0, 0)
         return {"replay_error": self.replay_error,
+                "memory": self.budget and {"budget_bytes": self.budget.memory, "fixed_bytes": self.budget.minimum(),
+                                           "in_memory_bytes": mem, "on_disk_bytes": disk,
+                                           "outer_dir": self.outer_dir if disk else None},
                 "checkpoint": {"round": L.ckpt["round"], "every": cfg.checkpoint_rounds,
                                "logged_rounds": [s.round for s in L.log], "last": self.last_checkpoint},
                 "parameters": sum(int(np.prod(s)) for s in self.specs.values()), "tensors": len(self.specs),

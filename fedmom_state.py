@@ -13,7 +13,8 @@ FedMomState is put together from (ARCHITECTURE.md section 2 draws it):
                               the violation counters (its docstring states the rules)
     fedmom_store.Ledger       state.json and rounds.jsonl, and the lock over the books
     fedmom_store.Spool        the accepted deltas' files
-    fedmom_outer.OuterKeeper  theta, momentum and residual in memory: merged, checkpointed, rebuilt
+    fedmom_outer.OuterKeeper  theta, momentum and residual (in memory, or on disk past --memory-gb):
+                              merged, checkpointed, rebuilt
     fedmom_darl.Custodian     the custody calls to DARL (with --darl)
 Each of its methods (join, heartbeat, leave, check_delta_meta, receive_delta, fetch_delta,
 accept_delta, tick, darl_tick, status, ...) asks the RoundTable for the decision and does
@@ -22,9 +23,10 @@ fedmom_round.Refused(status, reason, **extra) for a request they refuse, which
 fedmom_server.py turns into the HTTP reply.
 
 State dir (everything replaced atomically: temp file, fsync, rename, fsync the dir).
-The outer state (theta_global, momentum, the residual of --down-wire) lives in memory
-(outer_state.OuterState, 4 B/param each); what is durable is what a restart needs to
-rebuild it bit for bit:
+The outer state (theta_global, momentum, the residual of --down-wire; outer_state.OuterState,
+4 B/param each) lives in memory as far as --memory-gb goes and in scratch file blocks in
+--outer-dir (default outer/ here) beyond it (outer_budget.py); what is durable is what a
+restart needs to rebuild it bit for bit:
     ckpt-<r>/                 the checkpoint: theta_global, momentum and residual, fp32, in
                               segments of 64 MiB per array (fedmom_checkpoint.py), each with
                               its round; written every --checkpoint-rounds rounds (and round 0

@@ -671,9 +671,18 @@ def momentum_alone_overflows(state, name, lr, mu):
     delta zero (the old momentum alone)? Then the round resets the momentum (fedmom_merge)."""
     if state.momentum is None:
         return False
+    T, M = state.theta[name], state.momentum[name]
+    step = merge_pool.CHUNK_BYTES // 4                     # elementwise: a piece at a time, never a whole copy
+    tb, mb = np.empty(min(step, max(T.size, 1)), np.float32), np.empty(min(step, max(T.size, 1)), np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
-        return fedmom_merge._momentum_alone_overflows(merge_pool.whole(state.theta[name]).copy(),
-                                                       merge_pool.whole(state.momentum[name]).copy(), lr, mu)
+        for lo in range(0, T.size, step):
+            hi = min(lo + step, T.size)
+            t, m = tb[:hi - lo], mb[:hi - lo]
+            np.copyto(t, merge_pool.piece(T, lo, hi, t))
+            np.copyto(m, merge_pool.piece(M, lo, hi, m))
+            if fedmom_merge._momentum_alone_overflows(t, m, lr, mu):
+                return True
+    return False
 
 
 def replay(state, steps, threads=None, progress=None, pool=None, delta_bytes=None):

@@ -12,16 +12,24 @@ for the round (the heartbeat's long-poll), download the update and add it
 (FedMomClient.download_update, wire.apply_update: the digest the aggregator published is
 checked), or take the whole theta when the update path answers no_update.
 
-    python bench/scale_round.py --quick                      # make bench: a ~24M-param model, 3 rounds, ~30 s
-    python bench/scale_round.py --flavor 0.6B [--rounds 10]  # Qwen3-0.6B's shapes, 709M params: 45 GB, ~30 min
-    python bench/scale_round.py --flavor 1.7B --dir /scratch --server-arg=--threads=4 --json 1.7B.json
+    python bench/scale_round.py --quick                      # make bench: a ~24M-param model, 3 rounds, ~1 min
+    python bench/scale_round.py --flavor 0.6B [--rounds 10]  # Qwen3-0.6B's shapes, 709M params: 57 GB, ~1 h
+    python bench/scale_round.py --flavor 0.6B --rounds 4 --memory-gb 3 --json 0.6B.json   # plan --rates 0.6B.json
+    python bench/scale_round.py --flavor 1.7B --dir /scratch --server-arg=--threads=4 --memory-gb off
+
+Two arms, one after the other, each on fresh central processes and a fresh state dir: the
+memory arm (fedmom_server.py's default --memory-gb: the outer state in memory) and the
+budget arm (--memory-gb, default "quarter": a quarter of the outer state, 12 B/param, or the
+aggregator's fixed part plus a quarter when that is more; the rest of the outer state in file
+blocks in the arm's central/outer/). --memory-gb off runs the memory arm alone.
 
 Models (random F32 tensors; the shapes are what matters): tiny (wire_speed.py's, ~0.15M
 params, for the tests), small (0.6B's first layer with a 4,096-row vocabulary, ~24M
 params), 0.6B and 1.7B (torchtitan's Qwen3 shapes, the vocabulary padded to 131,328, both
 embedding and output in the file: wire_speed.qwen3_shapes). M below is the model's F32
-bytes (4 B/param). A real flavor is refused up front, said why, when --dir has not 16 M free
-or the machine has not the memory (12 x the largest tensor + 1 GiB: 0.6B 7.5 GB, 1.7B 14 GB).
+bytes (4 B/param). A real flavor is refused up front, said why, when --dir has not 20 M free
+or the machine has not the memory (need(): the aggregator's outer state and fixed part in the
+memory arm, 7 x the largest tensor for the sites, 1 GiB: 0.6B 14.5 GB, 1.7B 35 GB).
 
 The sites take turns (a lock file, the baton): one site's encode, upload and acceptance, or
 its publish, download and apply, runs alone, so each phase is timed without the other site
@@ -48,9 +56,15 @@ memcpy of the same bytes take here (x write, x read, x memcpy: measured at the s
 the end, averaged; the machine is noisy, the ratios are what matter; the one-core sha256 of
 the model, the theta digest's serial floor, is measured beside them), and the central
 processes' CPU seconds over the phase's wall time. Per round also: the aggregator's state dir
-and the blob store's dir after the round, the state dir's peak during it (sampled every 50 ms),
-the central processes' CPU seconds (with the processes under them: the aggregator's merge workers) and peak RSS (VmHWM of fedmom_server, darl_server,
-blobstore). At the end, the summary: the median per phase; central seconds per round
+and the blob store's dir after the round, the state dir's and --outer-dir's peaks during it
+(sampled every 50 ms), the central processes' CPU seconds (with the processes under them: the
+aggregator's merge workers), peak RSS (VmHWM of fedmom_server, darl_server, blobstore), and
+the aggregator's memory as --memory-gb counts it, measured (agg_memory, sampled every 50 ms:
+the RssAnon of it and its workers plus the shared memory blocks it made; a peak shorter than
+that can be missed), and the bytes its and its workers' reads and writes moved, and of them
+what the disk read and was sent (/proc/<pid>/io). Once the sites are done, the aggregator is
+restarted on its state dir and its memory peak until it answers is taken (restart_peak). At
+the end of each arm, the summary: the median per phase; central seconds per round
 (both acceptances + merge + publish) over the fsync'd F32 write of the model (target <= 1.0);
 a site's encode + apply over it (target <= 0.5); the state dir's peak in M (target <= 3);
 and a projection to Qwen3-8B and -32B, linear in parameters: a central phase as k x (its
@@ -61,8 +75,15 @@ aggregator's log) are printed apart: they are written after their round is publi
 the sites' next phase. Every site checks the digest of the theta
 it holds after every round (the update's, or a whole theta against the other site's), and the
 bench exits 1 if any check fails, a delta does not merge, or a round does not complete.
---json writes every figure. The run's files go under --dir (default $TMPDIR), removed at the
-end unless --keep (after a failure only logs/ and records/ are kept).
+Then the arms side by side (compare): the budget arm's central round against the memory
+arm's (target <= 3 x), its memory peak against --memory-gb + 4 x the largest F32 tensor, a
+restart's peak against the rounds' (no 16 B/param at a start), each mode projected to 8B and
+32B on a 16-core VM with a local NVMe disk (outer_budget.NVME, assumed: the merge no faster
+than that disk reads and writes the part of the outer state on disk), and the fixed part
+with nothing in memory at 32B against the original design's ~10 GiB. --json writes every
+figure, and under "rates" what `fedmom_server.py plan --rates FILE` projects from. The run's
+files go under --dir (default $TMPDIR), each arm's sites and central dirs removed when the
+arm ends, the rest at the end unless --keep (after a failure only logs/ and records/ are kept).
 """
 import argparse
 import collections
@@ -813,7 +834,8 @@ def federate(L, cfg, root, init, shapes, base, arm):
     outer_dir = os.path.join(root, "central", "outer")
     say(f"central: fedmom {urls['fedmom']} (pid {pids['fedmom']}), darl {urls['darl']} (pid {pids['darl']}), "
         f"blob store {urls['blob']} (pid {pids['blob']}), TLS")
-    say("  " + procs["fedmom"].tail(3)[0].split("fedmom: ", 1)[-1])
+    said = [line for line in procs["fedmom"].output().splitlines() if "memory budget" in line]
+    say("  " + (said[-1].split("fedmom: ", 1)[-1] if said else "(the aggregator said nothing of its memory budget)"))
     sampler = Sampler({"state": state_dir, "blobs": blob_dir, "run": root, "outer": outer_dir}, pids)
     sampler.thread.start()
     sites = launch_sites(L, root, cfg, urls, token, ca, pids)
