@@ -284,13 +284,14 @@ class Store:
 
 # ---------------------------------------------------------------- the plan of a run
 
-# Rates bench/scale_round.py measured (`--flavor 0.6B --rounds 4 --memory-gb 2.1`, 2 cores,
-# this repository's bench machine; `plan --rates FILE` takes a run's --json instead): central
-# CPU seconds per parameter of a merge (the workers', all cores), of one delta's acceptance
-# and of the publish; the one-core sha256 of theta per byte; the fsync'd write of the checkpoint.
-RATES = {"source": "bench/scale_round.py --flavor 0.6B (2 cores)", "merge_cpu_s_per_param": 2.0e-8,
-         "merge_disk_cpu_s_per_param": 2.4e-8, "accept_s_per_param": 4.0e-10, "publish_s_per_param": 4.0e-10,
-         "sha256_s_per_byte": 5.6e-10, "checkpoint_write_bps": 0.35e9}
+# Rates bench/scale_round.py measured (`--flavor 0.6B --rounds 4`, both arms, 2 cores shared
+# with other work; `plan --rates FILE` takes a run's --json instead): the merge's CPU seconds
+# per parameter (all its workers) with the outer state in memory and on disk, one delta's
+# acceptance and the publish per parameter projected to a 16-core VM (bench/scale_round.py's
+# project()), the one-core sha256 of theta per byte, the checkpoint's fsync'd write rate.
+RATES = {"source": "bench/scale_round.py --flavor 0.6B --rounds 4 (2 cores)", "merge_cpu_s_per_param": 1.34e-8,
+         "merge_disk_cpu_s_per_param": 1.77e-8, "accept_s_per_param": 9.0e-10, "publish_s_per_param": 1.03e-9,
+         "sha256_s_per_byte": 7.4e-10, "checkpoint_write_bps": 0.37e9}
 NVME = {"read_bps": 3.0e9, "write_bps": 2.0e9}      # a VM's local NVMe disk, assumed (plan --disk-gbs)
 
 
@@ -368,13 +369,15 @@ def plan(shapes, how, sites, wire_codec, down_codec, memory_gb, procs, cores, ou
     out.append(f"  {'in all':<58} {gb(sum(needs.values())):>11}")
     out.append(f"seconds per round, central (rates: {rates['source']}; {cores} cores; disk read "
                f"{disk['read_bps'] / GB:.1f} GB/s, write {disk['write_bps'] / GB:.1f} GB/s):")
-    out.append(f"  {'mode':<26} {'in memory':>10} {'accept':>8} {'merge':>8} {'(disk)':>8} {'publish':>8} {'central':>8}")
+    out.append(f"  {'mode':<26} {'in memory':>10} {f'accept x{sites}':>9} {'merge':>8} {'(disk)':>8} {'publish':>8} "
+               f"{'central':>8}")
     modes = [("all in memory", at(full)), (f"--memory-gb {b.memory / GB:.2f}", b), ("nothing in memory", at(low))]
     for name, m in modes:
         r = round_seconds(m, sites, cores, rates, disk)
-        out.append(f"  {name:<26} {gb(m.split()[0]):>10} {r['accept']:8.1f} {r['merge']:8.1f} {r['merge_io']:8.1f} "
+        out.append(f"  {name:<26} {gb(m.split()[0]):>10} {r['accept']:9.1f} {r['merge']:8.1f} {r['merge_io']:8.1f} "
                    f"{r['publish']:8.1f} {r['accept'] + r['merge'] + r['publish']:8.1f}")
-    ck = needs["state dir: checkpoint"] / rates["checkpoint_write_bps"]
+    ck = needs["state dir: checkpoint"] / disk["write_bps"]
     out.append(f"  the checkpoint, every {checkpoint_rounds} rounds after its round is published: {ck:.0f} s "
-               f"({gb(needs['state dir: checkpoint'])} at {rates['checkpoint_write_bps'] / GB:.2f} GB/s)")
+               f"({gb(needs['state dir: checkpoint'])} at the disk's {disk['write_bps'] / GB:.1f} GB/s; measured "
+               f"{rates['checkpoint_write_bps'] / GB:.2f} GB/s where the rates were)")
     return out
