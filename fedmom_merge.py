@@ -280,7 +280,8 @@ class DeltaReader:
             raise wire.WireError(f"{where}: a scale is negative, NaN or Inf")
         if bits < 8 and hi == n and not wire.padding_is_zero(codes, bits, hi - lo):
             raise wire.WireError(f"{where}: the padding bits after the last value are not 0")
-        self.parts = (codes if bits < 8 else codes.reshape(b - a, C), tensorio.bf16_to_f32(sbits).reshape(b - a, nb), C)
+        self.parts = (codes if bits < 8 else codes.reshape(b - a, C), tensorio.bf16_to_f32(sbits).reshape(b - a, nb),
+                      C)
         self.nread += codes.nbytes + sbits.nbytes
 
     def read(self, lo, hi, out):

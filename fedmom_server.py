@@ -640,9 +640,9 @@ def plan(argv):
                    help=f"as the server's (default {fedmom_state.KEEP_ROUNDS})")
     p.add_argument("--rates", help="a bench/scale_round.py --json file: its measured rates (default: "
                                    f"{outer_budget.RATES['source']})")
-    p.add_argument("--disk-gbs", default=f"{outer_budget.NVME['read_bps'] / 1e9:g},{outer_budget.NVME['write_bps'] / 1e9:g}",
-                   help="READ,WRITE GB/s of the --outer-dir disk (default: a local NVMe's, "
-                        f"{outer_budget.NVME['read_bps'] / 1e9:g},{outer_budget.NVME['write_bps'] / 1e9:g})")
+    nvme = f"{outer_budget.NVME['read_bps'] / 1e9:g},{outer_budget.NVME['write_bps'] / 1e9:g}"
+    p.add_argument("--disk-gbs", default=nvme,
+                   help=f"READ,WRITE GB/s of the --outer-dir disk (default: a local NVMe's, {nvme})")
     a = p.parse_args(argv)
     codec = lambda fmt: None if fmt == "f32" else wire.Codec(fmt).validate()
     if a.init:

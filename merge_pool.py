@@ -21,7 +21,7 @@ cores sat idle. Processes each have their own.
 How: the outer state's arrays (theta, momentum, residual) live in blocks (BlockArrays, a
 dict of float32 views into one shared memory mapping, and of FileTensors for the tensors
 kept on disk), so a worker writes its pieces where the aggregator reads them. A file block
-is never mapped: its pieces are read and written with pread/pwrite, so a disk error is an
+is never mapped: its pieces are read and written with pread/pwrite, so a disk error is a
 DiskError that fails the round (a mapped page would kill the process with SIGBUS), and the
 aggregator fdatasyncs the file blocks before a round is published (a write-back error too).
 Per tensor, the aggregator cuts the pieces into one contiguous run per worker and sends each

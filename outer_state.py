@@ -33,9 +33,9 @@ ends elsewhere raises ReplayMismatch.
 What the state dir keeps and when it is written (round by round, the checkpoint every
 --checkpoint-rounds) is fedmom_state.py's docstring.
 
-A round that raises part way (NonFinite, a full disk, merge_pool.DiskError) leaves the arrays half merged:
-state.dirty is set and the caller rebuilds the state from its checkpoint and the Steps
-since (fedmom_outer.OuterKeeper.rebuild).
+A round that raises part way (NonFinite, a full disk, merge_pool.DiskError) leaves the
+arrays half merged: state.dirty is set and the caller rebuilds the state from its checkpoint
+and the Steps since (fedmom_outer.OuterKeeper.rebuild).
 """
 import dataclasses
 import math
@@ -191,7 +191,10 @@ def fill(dest, reader, name, lo=0):
         reader.read(name, out=dest[lo:lo + n])
     elif dtype != "F32":                                # an --init in BF16/F16: one tensor converted
         a = np.ascontiguousarray(reader.read(name, as_float32=True), np.float32).reshape(-1)
-        merge_pool.put(dest, lo, lo + n, a) if not isinstance(dest, np.ndarray) else np.copyto(dest[lo:lo + n], a)
+        if isinstance(dest, np.ndarray):
+            np.copyto(dest[lo:lo + n], a)
+        else:
+            dest.write(lo, lo + n, a)
     else:
         step = merge_pool.CHUNK_BYTES // 4
         buf = np.empty(min(step, max(n, 1)), np.float32)
@@ -316,7 +319,7 @@ class _Tensor:
         if isinstance(self.residual, np.ndarray):
             np.copyto(self.residual[lo:hi], x)
         else:
-            merge_pool.put(self.residual, lo, hi, x)
+            self.residual.write(lo, hi, x)
         return parts, fedmom_merge.sq_norm(x)
 
     def update_parts(self):

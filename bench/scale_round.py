@@ -1244,8 +1244,8 @@ def compare(out, arms, shapes, cfg, base):
         judged.append(f"the budget arm's peak {gib(b['memory_peak'])} vs --memory-gb {b['budget']:.3f} GB + 4 x the "
                       f"largest F32 tensor ({largest / 1e9:.2f} GB) = {cap / 1e9:.2f} GB: "
                       f"{'met' if b['memory_peak'] <= cap else 'NOT met'}; without its outer state in memory "
-                      f"({b['in_memory'] / 1e9:.2f} GB) the measured rest is {(b['memory_peak'] - b['in_memory']) / 1e9:.2f} "
-                      f"GB, the budget's fixed part {b['fixed'] / 1e9:.2f} GB")
+                      f"({b['in_memory'] / 1e9:.2f} GB) the measured rest is "
+                      f"{(b['memory_peak'] - b['in_memory']) / 1e9:.2f} GB, the budget's fixed part {b['fixed'] / 1e9:.2f} GB")
     for line in judged:
         say(line)
     out["compare"] = rows
