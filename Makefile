@@ -87,6 +87,9 @@ lint: setup
 # 3 rounds, < 1 min); the sizes users train are `$(PY) bench/scale_round.py --flavor 0.6B` (~30 min).
 # site_share.py runs --quick here (0.6B's layer shapes, 2 layers, 8192 vocabulary rows, 2 ranks; < 1 min);
 # `$(PY) bench/site_share.py` is the 0.6B model (~9 GB of memory).
+# hetero.py runs --quick here (1 seed: sites at 1:2, fixed H against phases in time, and a stalled
+# site with and without the quorum; ~5 min); `$(PY) bench/hetero.py` is 3 seeds of 1:1, 1:2, 1:3,
+# 1:2:3 and the stall at 30+ rounds (~3 h).
 bench: setup
 	@set -e; for b in bench/*.py; do \
 	  case $$b in bench/faults.py|bench/http_fuzz.py|bench/wan_relay.py) continue ;; esac; \
@@ -98,6 +101,7 @@ bench: setup
 	    bench/chaos.py) $(PY) $$b --quick ;; \
 	    bench/scale_round.py) $(PY) $$b --quick ;; \
 	    bench/site_share.py) $(PY) $$b --quick ;; \
+	    bench/hetero.py) $(PY) $$b --quick ;; \
 	    bench/fault_schedule.py) $(PY) $$b --schedules 40 --jobs 2 ;; \
 	    *) $(PY) $$b ;; \
 	  esac; \

@@ -341,6 +341,12 @@ class LeaseSession:
                 self._ready = collections.deque(s for s in self._ready if s.lease != span.lease)
         return cut
 
+    def lease_end(self, lease):
+        """Where a held lease ends now (None: not held)."""
+        with self._cond:
+            h = self._held.get(lease)
+            return None if h is None else h.end
+
     def span_done(self, span):
         """Feed the TTL estimate with the time the span has been out (handed out until now),
         for a span that is not committed here: under federation its lease must outlive the

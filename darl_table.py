@@ -279,7 +279,10 @@ class TableConfig:
         return self
 
     def to_dict(self):
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.fit_grants:      # as a log from before the key said it: its recorded outcomes replay
+            del d["fit_grants"]
+        return d
 
     @classmethod
     def from_dict(cls, d):
@@ -307,16 +310,17 @@ def is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _lease_items(leases):
-    """[id | {"lease": id, "cursor": pos}] -> [(id, cursor or None)], or a 400."""
+def _lease_items(leases, key="cursor"):
+    """[id | {"lease": id, key: pos}] -> [(id, pos or None)], or a 400 (key: a heartbeat's
+    "cursor", a release's "from")."""
     if not isinstance(leases, list):
-        raise LeaseError(400, "field 'leases' must be a list of lease ids or {lease, cursor} objects")
+        raise LeaseError(400, f"field 'leases' must be a list of lease ids or {{lease, {key}}} objects")
     out = []
     for item in leases:
-        lid, cursor = (item.get("lease"), item.get("cursor")) if isinstance(item, dict) else (item, None)
-        if not is_int(lid) or (cursor is not None and not is_int(cursor)):
-            raise LeaseError(400, f"bad lease entry {item!r}: want an integer id and optional integer cursor")
-        out.append((lid, cursor))
+        lid, pos = (item.get("lease"), item.get(key)) if isinstance(item, dict) else (item, None)
+        if not is_int(lid) or (pos is not None and not is_int(pos)):
+            raise LeaseError(400, f"bad lease entry {item!r}: want an integer id and optional integer {key}")
+        out.append((lid, pos))
     return out
 
 
@@ -328,19 +332,6 @@ def _give_back_tail(free, L, cut):
     free.add(cut, L.end, L.attempts)
     L.end, L.claimed = cut, min(L.claimed, cut)
     return n
-
-
-def _release_items(leases):
-    """[id | {"lease": id, "from": pos}] -> [(id, pos or None)], or a 400."""
-    if not isinstance(leases, list):
-        raise LeaseError(400, "field 'leases' must be a list of lease ids or {lease, from} objects")
-    out = []
-    for item in leases:
-        lid, cut = (item.get("lease"), item.get("from")) if isinstance(item, dict) else (item, None)
-        if not is_int(lid) or (cut is not None and not is_int(cut)):
-            raise LeaseError(400, f"bad lease entry {item!r}: want an integer id and optional integer 'from'")
-        out.append((lid, cut))
-    return out
 
 
 class LeaseTable:
@@ -601,7 +592,7 @@ class LeaseTable:
         """Give back the uncommitted part of leases (no attempt counted; {"lease": id, "from": pos}:
         [pos, end) only, _give_back_tail); leave=True also ends the incarnation (a requeue registers at once)."""
         now = self.clock() if now is None else now
-        items = _release_items(list(leases))
+        items = _lease_items(list(leases), "from")
         cuts, ids = {lid: cut for lid, cut in items if cut is not None and not leave}, [lid for lid, _ in items]
         self.expire(now)
         c = self._member(cluster, incarnation)

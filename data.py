@@ -255,16 +255,24 @@ def span_windows(space, start, end, seed, lease):
     return np.random.default_rng([seed, lease, start]).permutation(np.asarray(idx, dtype=np.int64))
 
 
-def span_windows_blocked(space, start, end, seed, lease):
-    """(windows, bounds) of positions [start, end) for a phase the clock may end early
-    (train.py --diloco-phase-s): each block's samples shuffled within the block (seed
-    from (seed, lease, position)), the blocks in position order, so every prefix of the
-    list that ends on a bound is exactly the windows of positions [start, start + i).
-    bounds[i]: windows in the first i + 1 positions. The same list on every rank."""
-    parts = [np.random.default_rng([seed, lease, pos]).permutation(
-        np.asarray(space.samples_of(space.block_at(pos)), dtype=np.int64)) for pos in range(start, end)]
+def span_windows_blocked(space, start, end, seed, lease, group=1):
+    """(windows, bounds, ends) of positions [start, end) for a phase the clock may end early
+    (train.py --diloco-phase-s): the positions cut into runs, each run's windows shuffled
+    together (seed from (seed, lease, its first position)), the runs in position order, so
+    every prefix of the list that ends on a bound is exactly the windows of positions
+    [start, ends[i]). bounds[i]: windows in the first i + 1 runs. Runs of `group` positions
+    mix a step's windows over that many blocks (a block is consecutive text); the last
+    quarter of the span, where the clock ends a phase its lease fits, is single positions,
+    for a fine cut. The same lists on every rank."""
+    n = end - start
+    head = n - max(1, n // 4) if group > 1 else 0
+    firsts = list(range(start, start + head, group)) + list(range(start + head, end))
+    lasts = firsts[1:] + [end]
+    parts = [np.random.default_rng([seed, lease, a]).permutation(np.asarray(
+        [w for pos in range(a, b) for w in space.samples_of(space.block_at(pos))], dtype=np.int64))
+        for a, b in zip(firsts, lasts)]
     windows = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    return windows, np.cumsum([len(x) for x in parts], dtype=np.int64)
+    return windows, np.cumsum([len(x) for x in parts], dtype=np.int64), np.asarray(lasts, dtype=np.int64)
 
 
 def step_shares(n, world, batch):
@@ -287,28 +295,31 @@ class LeasedPhase:
     Every leased window is trained exactly once (no drop_last here: a dropped
     window would be committed in DARL without ever being trained)."""
 
-    def __init__(self, lease, start, end, windows, per_step, world, rank, batch, bounds=None):
+    def __init__(self, lease, start, end, windows, per_step, world, rank, batch, bounds=None, ends=None):
         self.lease, self.start, self.end = lease, start, end
         self.windows = windows
         self.per_step, self.world, self.rank, self.batch = per_step, world, rank, batch
         self.steps = -(-len(windows) // per_step)
-        self.bounds = bounds         # span_windows_blocked's: where the clock may end the phase
+        self.bounds = bounds         # span_windows_blocked's: where the clock may end the phase,
+        self.ends = ends             # and the position each of those ends at
         self.cut = False             # cut_at() ended it before the span's end
 
     def cut_point(self, trained, budget_left_s, step_s):
         """Where a phase the clock ends should stop (rank 0 decides, fedphase shares it): the
-        window count of the first position bound at or after `trained` windows when the bound
-        after that one would not be reached within `budget_left_s` at `step_s` seconds a step;
+        window count of the first position bound at or after `trained` windows, when the bound
+        after it would overrun `budget_left_s` (at `step_s` s a step) by more than stopping at
+        the first falls short of it, so the phase ends as near its budget as blocks allow;
         None to go on. Only a bound ends a phase: DARL's custody takes whole positions."""
         if self.bounds is None or not len(self.bounds):
             return None
         i = int(np.searchsorted(self.bounds, trained, side="left"))
         if i >= len(self.bounds) - 1:
             return None                       # the span's last position: it ends there anyway
-        after = int(self.bounds[i + 1])
-        if -(-(after - trained) // self.per_step) * step_s <= budget_left_s:
+        first, after = int(self.bounds[i]), int(self.bounds[i + 1])
+        t1, t2 = (-(-(b - trained) // self.per_step) * step_s for b in (first, after))
+        if t2 <= budget_left_s or t2 - budget_left_s <= budget_left_s - t1:
             return None
-        return int(self.bounds[i])
+        return first
 
     def cut_at(self, n):
         """End the phase after its first `n` windows (a bound, see cut_point): the last step may
@@ -318,8 +329,8 @@ class LeasedPhase:
             raise ValueError(f"{n} windows is not a block boundary of span [{self.start}, {self.end})")
         self.windows = self.windows[:n]
         self.steps = -(-n // self.per_step)
-        self.end, self.cut = self.start + i + 1, True
-        self.bounds = self.bounds[:i + 1]
+        self.end, self.cut = int(self.ends[i]), True
+        self.bounds, self.ends = self.bounds[:i + 1], self.ends[:i + 1]
         return self.end
 
     def __len__(self):

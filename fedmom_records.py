@@ -137,6 +137,13 @@ class History:
         return twice
 
 
+def _finite(v):
+    try:
+        return math.isfinite(v)
+    except OverflowError:            # an int too large for a float: not a figure we keep
+        return False
+
+
 def clean_metrics(metrics, strict):
     """The metrics we keep of a site's dict: METRIC_KEYS as floats and "ended_by" as one of
     ENDED_BY; anything else is left out. strict (a delta's metadata): a known key with a bad
@@ -146,7 +153,7 @@ def clean_metrics(metrics, strict):
         v = metrics.get(k)
         if v is None:
             continue
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v):
             clean[k] = float(v)
         elif strict:
             raise ValueError(f"metrics.{k} must be a finite number, got {v!r}")

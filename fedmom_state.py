@@ -113,7 +113,8 @@ from outer_defaults import OUTER_LR, OUTER_MOMENTUM
 
 KEEP_ROUNDS = 3               # --keep-rounds default: blobs of the current round and the 2 before it
 CHECKPOINT_ROUNDS = 4         # --checkpoint-rounds default: theta, momentum, residual written every 4 rounds
-QUORUM_WITH_PHASE = 0.5       # --quorum default once --phase-s is given (without it: 1, wait for everyone)
+QUORUM_WITH_PHASE = 0.25      # --quorum default once --phase-s is given (without it: 1, wait for everyone):
+                              # the stall of a site of up to 3/4 of the tokens still closes the round
 GRACE_FRAC = 0.2              # --grace-frac default: the grace is a fifth of the recent round length
 
 
@@ -151,7 +152,7 @@ class ServerConfig:
     outer_dir: str | None = None      # the outer state's file blocks (None: outer_budget.OUTER_DIR in the state dir)
 
     def round_quorum(self):
-        """--quorum as the rounds use it: given, else 0.5 with --phase-s (sites on a cadence:
+        """--quorum as the rounds use it: given, else QUORUM_WITH_PHASE with --phase-s (sites on a cadence:
         a straggler costs the others a grace, not a round), else 1 (wait for every live member)."""
         if self.quorum is not None:
             return self.quorum

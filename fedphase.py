@@ -549,7 +549,7 @@ class Cadence:
         """Rank 0, before the lease: -> blocks to lease for the next phase."""
         self.budget_s = self.budget(site, held_round)
         step_s = self.clock.step_s
-        self.predicted = max(1, math.floor(self.budget_s / step_s)) if step_s else self.inner_steps
+        self.predicted = max(1, round(self.budget_s / step_s)) if step_s else self.inner_steps
         return data.blocks_per_phase(self.predicted, self.per_step, self.block_size)
 
     def more(self):
@@ -559,7 +559,7 @@ class Cadence:
         est = clock.estimate()
         if est <= 0:
             return None
-        steps = math.floor((self.budget_s - clock.elapsed()) / est)
+        steps = round((clock.budget_s - clock.elapsed()) / est)     # as near the budget as blocks allow
         if steps < max(1, math.ceil(self.block_size / self.per_step)):
             return None
         return data.blocks_per_phase(steps, self.per_step, self.block_size)
@@ -618,7 +618,7 @@ def phase_loop(run, site, carrier, start):
     With carrier.cadence (phases measured in time) rank 0 sizes each lease from its plan and,
     after every inner step, says whether the phase ends on the next block boundary
     (PhaseClock.share: every rank ends on the same step); the part of the span not trained
-    goes back to DARL's pool (FedSite.trim), and the next phase leases afresh."""
+    goes back to DARL's pool (fedsite.trim), and the next phase leases afresh."""
     cfg, d, log, model, outer, source = run.cfg, run.d, run.log, run.model, run.outer, run.source
     step, phases, seq, heldout = start, 0, run.windows.seq_len, {}
     cadence = carrier.cadence
@@ -702,7 +702,9 @@ def phase_loop(run, site, carrier, start):
             # the span ended with time left: rank 0 says whether another fits, and leases it
             t_more = time.perf_counter()
             with stepper.pause():
-                kind, more = on_rank0(lambda: more_span(site, cadence, carrier.busy))
+                # --overlap-fold end: the delta in flight settles at the phase's end, never mid-phase
+              busy = carrier.busy if cfg.overlap_fold != "end" else None
+              kind, more = on_rank0(lambda: more_span(site, cadence, busy))
             if kind == "span":
                 part = source.phase(*more, timed=True)
                 parts.append(part)
@@ -723,8 +725,8 @@ def phase_loop(run, site, carrier, start):
         if cadence and os.environ.get(testhooks.PHASE_CLOCK_RATE_ENV):   # a test's skewed clocks: every rank says
             print(f"phase clock: rank {d.rank} ends the phase after {sum(p.steps for p in parts)} steps, "
                   f"{sum(len(p) for p in parts)} windows (cut: {part.cut})", flush=True)
-        if part.cut:                     # the clock ended it: the rest of the span goes back to DARL
-            on_rank0(lambda: site.trim(part.end))
+        if cadence:                      # the rest of its leases goes back to DARL: none outlives the phase
+            on_rank0(lambda: fedsite.close_phase(site, part.end if part.cut else None))
         spans = [(p.lease, p.start, p.end) for p in parts]
         steps, windows = sum(p.steps for p in parts), sum(len(p) for p in parts)
         step_s = cadence.clock.end() if cadence else inner_s / max(steps, 1)
@@ -785,12 +787,12 @@ def clock_verdict(clock, phase, s, budget):
 def more_span(site, cadence, busy):
     """Rank 0, when a span of a phase measured in time ended with time left: ("span", the next
     span, leased for what is left of the budget), ("clock", None) when not even a block more
-    fits, ("data", None) when DARL has no block left, or (SETTLE, None) under --overlap when the
+    fits, ("data", None) when DARL has no block for it now (fedsite.more_span), or (SETTLE, None) under --overlap when the
     delta in flight came back first (take its theta in, then ask again)."""
     blocks = cadence.more()
     if blocks is None:
         return "clock", None
-    got = yield from site.next_span(busy, blocks, more=True)
+    got = yield from fedsite.more_span(site, busy, blocks)
     if got == fedsite.SETTLE:
         return fedsite.SETTLE, None
     return ("data", None) if got is None else ("span", got)

@@ -64,6 +64,8 @@ import wire
 SETTLE = "settle"           # next_span under --overlap: the round trip ended before DARL gave a span
 POLL_S = 5.0                # rank 0 reports "still waiting" to the other ranks this often
 OVERLAP_POLL_S = 0.2        # --overlap: how often a wait for a span looks whether the round trip ended
+MIX_BLOCKS = 8              # a timed phase's runs of positions shuffled together (small steps only)
+MORE_WAIT_S = 2.0           # a phase measured in time waits this long for one more span, then ends
 TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
 
 
@@ -238,7 +240,7 @@ class FedSite:
                 self.log(f"FedMom leave: {e} (the aggregator drops silent members on its own)")
 
     # -- per phase
-    def next_span(self, busy=None, blocks=None, more=False):
+    def next_span(self, busy=None, blocks=None):
         """-> (lease, start, end) of the next span, or None when DARL has no blocks left.
         While every block is leased elsewhere, the site leaves FedMom's rounds so that
         the others do not wait for a delta that cannot come; it joins again with work.
@@ -246,12 +248,12 @@ class FedSite:
         it runs, the site only asks DARL (no leave, no join: the round trip talks to FedMom
         meanwhile); if it ends before a span comes, -> SETTLE: the caller takes its theta in
         first, then asks again without it. blocks: what to lease (a phase measured in time: from
-        its plan); more: one more span of the phase (its delta names them all: self.spans)."""
+        its plan)."""
         if blocks is not None:
             self.session.span_blocks = self.session.lease_blocks = max(1, int(blocks))
         if busy is not None:
             got = yield from self._span_while(busy)
-            return self._took(got, more) if got != SETTLE else got
+            return self._took(got, False) if got != SETTLE else got
         while True:
             try:
                 span = self.session.next_span(timeout=POLL_S)
@@ -266,7 +268,7 @@ class FedSite:
             return None
         if not self.member:
             yield from self.join()
-        return self._took(span.as_ints(), more)
+        return self._took(span.as_ints(), False)
 
     def _took(self, got, more):
         if got is not None:
@@ -284,15 +286,6 @@ class FedSite:
                     return SETTLE
                 yield
         return None if span is None else span.as_ints()
-
-    def trim(self, end):
-        """The clock ended the phase on block `end` of its last span: the delta names [start, end),
-        the lease's rest goes back to DARL's pool at once (LeaseSession.trim). -> that span."""
-        span = self.span
-        self.span = yield from self._call("DARL release (the tail the clock left)",
-                                          lambda d: self.session.trim(span, end, deadline=d))
-        self.spans[-1] = self.span
-        return self.span.as_ints()
 
     def current_round(self):
         return (yield from self._call("FedMom round", lambda d: self.fed.current_round(deadline=d)))
@@ -516,6 +509,45 @@ class FedSite:
             self.darl.close()
 
 
+def more_span(site, busy, blocks):
+    """One more span of `blocks` for the phase now training (its last span ended with time
+    left; the delta names them all: FedSite.spans) -> (lease, start, end); SETTLE (--overlap: the
+    round trip in flight ended first); or None when DARL has none within MORE_WAIT_S (or is
+    done): the phase ends. It never waits longer mid-phase: the spans it trained stay
+    unsent meanwhile, and two sites each waiting on the other's blocks would wait forever."""
+    site.session.span_blocks = site.session.lease_blocks = max(1, int(blocks))
+    deadline = time.monotonic() + MORE_WAIT_S
+    while True:
+        try:
+            span = site.session.next_span(timeout=max(0.0, min(OVERLAP_POLL_S, deadline - time.monotonic())))
+            break
+        except TimeoutError:
+            if busy is not None and busy.done():
+                return SETTLE
+            if time.monotonic() >= deadline:
+                return None
+            yield
+    return None if span is None else site._took(span.as_ints(), True)
+
+
+def close_phase(site, cut=None):
+    """Rank 0, at the end of a phase measured in time: what its leases hold past what it
+    trained goes back to DARL's pool now (LeaseSession.trim): [cut, ...) of its last span when
+    the clock ended it on block `cut`, and the rest of any lease it drew a span from. So the
+    delta names only what it trained, and no lease outlives its phase (a lease two phases
+    drew from would be released with the first one's delta while the second trains on it)."""
+    if cut is not None:
+        last = site.spans[-1]
+        site.span = site.spans[-1] = yield from site._call(
+            "DARL release (the tail the clock left)", lambda d: site.session.trim(last, cut, deadline=d))
+    for i, sp in enumerate(site.spans):
+        end = site.session.lease_end(sp.lease)
+        if end is not None and end > sp.end and all(x.lease != sp.lease for x in site.spans[i + 1:]):
+            yield from site._call("DARL release (a lease's untrained rest)",
+                                  lambda d, sp=sp: site.session.trim(sp, sp.end, deadline=d))
+    return [s.as_ints() for s in site.spans]
+
+
 def commit_records(session, spans):
     """A delta's leases for the aggregator's custody: one record per lease, a lease's spans of
     one phase joined (they follow each other: the session hands them in order)."""
@@ -622,13 +654,16 @@ class LeasedSource:
         self.space = block_space.BlockSpace(windows.train_windows, block_size, seed,
                                             manifest_digest=windows.digest)
         self.per_step = cfg.batch_size * world * cfg.grad_accum
+        # a phase measured in time shuffles runs of MIX_BLOCKS positions together when a step
+        # holds fewer than MIX_BLOCKS blocks' windows: a step of one block is one stretch of text
+        self.group = MIX_BLOCKS if self.per_step < MIX_BLOCKS * block_size else 1
 
     def phase(self, lease, start, end, timed=False):
         """The phase of span (lease, start, end); timed (a phase the clock may end): its windows in
-        block order, so that it can end on any block boundary (data.span_windows_blocked)."""
+        runs of positions, so that it can end where a run ends (data.span_windows_blocked)."""
         if timed:
-            w, bounds = data.span_windows_blocked(self.space, start, end, self.cfg.seed, lease)
+            w, bounds, ends = data.span_windows_blocked(self.space, start, end, self.cfg.seed, lease, self.group)
         else:
-            w, bounds = data.span_windows(self.space, start, end, self.cfg.seed, lease), None
+            w, bounds, ends = data.span_windows(self.space, start, end, self.cfg.seed, lease), None, None
         return data.LeasedPhase(lease, start, end, w, self.per_step, self.world, self.rank, self.cfg.batch_size,
-                                bounds=bounds)
+                                bounds=bounds, ends=ends)

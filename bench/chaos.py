@@ -48,6 +48,14 @@ seconds that ended in a merged delta / all inner-step seconds. Lost work is spli
 it went: refused stale, lease lost (a stopped site), excluded, refused, and killed (trained
 by an incarnation that died before its delta was accepted). A killed incarnation's step in
 progress is not in its rows (< 1 step per kill is not counted as trained).
+Beside it, each site's compute utilisation, from its "phase" rows (inner_s, cycle_s of
+every phase that ended): inner-step seconds over the seconds the site was up (its
+torchrun trees alive, from each launch to its exit or kill; a SIGSTOPped site is up, a
+killed one waiting for its requeue is not), and over the phases' cycles (lease, steps,
+checkpoint, round trip); the goodput counts work lost, this the seconds a site spent not
+training. A phase cut by a kill has no row: its steps are up-time not counted as inner;
+a SIGSTOP that lands mid-phase is inside that phase's inner_s (a wall-clock interval, as in
+the step times the goodput sums), so a stopped site can look busier than unfaulted.
 
 Everything goes under --out (default runs/chaos/, wiped first): data/ (corpus, init),
 chaos/ and baseline/ (central/ state, sites/<site>/ metrics, logs/, faults/, kept-deltas/),
@@ -153,6 +161,7 @@ class Federation:
         for d in (self.logs, self.sites_dir, self.faults):
             os.makedirs(d, exist_ok=True)
         self.sites, self.requeue_at, self.ours = {}, {}, set()    # ours: Procs we killed
+        self.up, self.up_since = collections.Counter(), {}        # site -> s its trees were alive; since when
         self.finished, self.findings = set(), []
         self.injected, self.not_reached, self.launches = collections.Counter(), collections.Counter(), collections.Counter()
         self.at_points, self.point = collections.Counter(), None
@@ -223,6 +232,7 @@ class Federation:
     def launch(self, name, resume=False):
         s, c = SITES[name], self.cfg
         self.launches[name] += 1
+        self.up_since[name] = time.monotonic()
         self.sites[name] = harness.launch_site(
             self.L, name, self.services, self.data["manifest"], log_dir=self.logs, nproc=c.ranks,
             parallel=s["parallel"], runs_dir=self.sites_dir, train_args=self.train_args() + s["extra"], resume=resume,
@@ -242,6 +252,7 @@ class Federation:
             rc = p.poll()
             if rc is None or name in self.finished:
                 continue
+            self.went_down(name)
             if rc == 0:
                 self.finished.add(name)
             elif p in self.ours:
@@ -250,6 +261,11 @@ class Federation:
                 self.findings.append(f"site {name} exited {rc} by itself; see {p.log_path}")
                 say(f"  !! site {name} exited {rc} by itself; last lines:\n      " + "\n      ".join(p.tail(8)))
                 self.requeue_at[name] = now + 1.0
+
+    def went_down(self, name):
+        """Site `name`'s tree is gone (exited, or killed by us): its up-time ends now."""
+        if name in self.up_since:
+            self.up[name] += time.monotonic() - self.up_since.pop(name)
 
     def done(self):
         return self.finished == set(SITES)
@@ -295,6 +311,7 @@ class Federation:
             self.ours.add(p)
             p.signal_tree(signal.SIGKILL)
             harness.wait_for(p.gone, 60, 0.05)
+            self.went_down(name)
             self._disarm(f"site-{name}", point)
             pause = round(rng.uniform(0.0, 3.0), 1)
             self.requeue_at[name] = time.monotonic() + pause
@@ -375,6 +392,8 @@ class Federation:
                 json.dump(self.status(kind), f, indent=1)
         for p in list(self.sites.values()) + [self.procs[k] for k in ("fedmom", "blob", "darl")]:
             p.stop(20)
+        for name in list(self.up_since):      # still up at a timeout: counted until stopped
+            self.went_down(name)
 
 
 # ---------------------------------------------------------------- the judgement
@@ -500,6 +519,23 @@ def goodput(records, rows):
             "incarnations": len(trained), "lost": lost, "merged_deltas": len(merged), "told_merged_missing": told}
 
 
+def utilisation(rows, up):
+    """Each site's compute utilisation from its "phase" rows (one per phase that ended, every
+    incarnation's) and `up` (site -> seconds its trees were alive): {site: {"phases", "inner_s",
+    "cycle_s", "up_s", "of_up" (inner_s / up_s), "of_cycles" (inner_s / cycle_s), "median"
+    (the median phase's inner_s / cycle_s)}}; a ratio is None where its divisor is 0."""
+    out = {}
+    for name, rs in rows.items():
+        phases = [r for r in rs if r.get("split") == "phase" and r.get("cycle_s")]
+        inner, cycles = sum(r["inner_s"] for r in phases), sum(r["cycle_s"] for r in phases)
+        each = sorted(r["inner_s"] / r["cycle_s"] for r in phases)
+        out[name] = {"phases": len(phases), "inner_s": inner, "cycle_s": cycles, "up_s": up.get(name, 0.0),
+                     "of_up": inner / up[name] if up.get(name) else None,
+                     "of_cycles": inner / cycles if cycles else None,
+                     "median": (each[len(each) // 2] + each[(len(each) - 1) // 2]) / 2 if each else None}
+    return out
+
+
 def judge(fed, data, cfg, wall):
     """-> (checks [(name, ok, detail)], figures dict) of one finished run."""
     fed_dir = os.path.join(fed.state, "fedmom")
@@ -521,7 +557,9 @@ def judge(fed, data, cfg, wall):
         detail += f"; its residual: {d}"
     checks.append((f"theta_global = replay of the {len(records)} recorded merges", ok and not problems,
                    detail + ("; " + "; ".join(problems[:3]) if problems else "")))
-    figures = goodput(records, site_rows(fed.sites_dir))
+    rows = site_rows(fed.sites_dir)
+    figures = goodput(records, rows)
+    figures["util"] = utilisation(rows, fed.up)
     told = figures["told_merged_missing"]
     checks.append(("every delta a site was told merged is in the round records", not told, "; ".join(told[:3])))
     figures.update(rounds=len(records), wall_s=wall, final=final,
@@ -598,12 +636,30 @@ def table(cfg, chaos, base, init_loss):
         checks += [(f"unfaulted run: {n}", ok, d) for n, ok, d in bchecks]
     else:
         lines.append(f"held-out loss: initial {init_loss:.4f}, chaos {f['heldout']:.4f} (no unfaulted run: --no-baseline)")
+    lines += util_lines(f["util"], base[2]["util"] if base else None)
     lines.append("anchor: Decoupled DiLoCo reports 88% goodput under heavy failures (DDP 27%)")
     lines.append("checks:")
     lines += [f"  {'PASS' if ok else 'FAIL'}  {n}" + (f": {d}" if d else "") for n, ok, d in checks]
     failed = [n for n, ok, _ in checks if not ok]
     lines.append(f"{'FAIL: ' + '; '.join(failed) if failed else 'PASS: all checks'}")
     return lines, bool(failed)
+
+
+def util_lines(chaos, unfaulted=None):
+    """The utilisation table: per site, the chaos run's row and the unfaulted run's under it."""
+    def pct(x):
+        return "-" if x is None else f"{x:.1%}"
+    lines = ["compute utilisation (phase rows: inner-step s over the s the site was up, and over its phases' cycles):",
+             f"  {'site':<6} {'run':<10} {'phases':>6} {'inner s':>9} {'up s':>9} {'inner/up':>9} {'cycles s':>9} "
+             f"{'inner/cycles':>12} {'median phase':>12}"]
+    for name in sorted(chaos):
+        for label, runs in (("chaos", chaos), ("unfaulted", unfaulted)):
+            u = (runs or {}).get(name)
+            if u is not None:
+                lines.append(f"  {name:<6} {label:<10} {u['phases']:>6} {u['inner_s']:>9.1f} {u['up_s']:>9.1f} "
+                             f"{pct(u['of_up']):>9} {u['cycle_s']:>9.1f} {pct(u['of_cycles']):>12} "
+                             f"{pct(u['median']):>12}")
+    return lines
 
 
 def main(argv=None):

@@ -8,7 +8,10 @@ its --quick size on 2 cores) is not run here; what it concludes from is:
     kept delta does not;
   - its goodput accounting: lost work keyed by lease (two deltas of one incarnation may
     share a base round), a killed incarnation's steps counted as killed, a merged delta
-    whose site died before learning its outcome counted as merged.
+    whose site died before learning its outcome counted as merged;
+  - its compute utilisation: every incarnation's phase rows summed per site, over the
+    seconds the site was up and over the phases' cycles, and the table that puts the
+    unfaulted run's row under the chaos run's.
 """
 import os
 import sys
@@ -122,6 +125,28 @@ class GoodputTest(unittest.TestCase):
         self.assertEqual(g["told_merged_missing"], [])
         records[1]["outcomes"] = []                      # a merge a site was told of, not in the records
         self.assertEqual(chaos.goodput(records, rows)["told_merged_missing"], ["alpha a1 lease 3"])
+
+
+class UtilisationTest(unittest.TestCase):
+    def test_inner_seconds_over_up_seconds_and_over_cycles_per_site(self):
+        phase = lambda inc, inner, cycle: {"split": "phase", "incarnation": inc, "inner_s": inner, "cycle_s": cycle}
+        rows = {"alpha": train_rows("a1", (1, 2)) + [phase("a1", 3.0, 4.0), phase("a1", 2.0, 5.0),
+                                                      phase("a2", 1.0, 2.0)],
+                "beta": train_rows("b1", (1,))}            # killed before a phase ended: no phase row
+        u = chaos.utilisation(rows, {"alpha": 20.0, "beta": 6.0})
+        self.assertEqual(u["alpha"]["phases"], 3)
+        self.assertAlmostEqual(u["alpha"]["of_up"], 6.0 / 20.0)
+        self.assertAlmostEqual(u["alpha"]["of_cycles"], 6.0 / 11.0)
+        self.assertAlmostEqual(u["alpha"]["median"], 0.5)              # of 0.75, 0.4 and 0.5
+        self.assertEqual((u["beta"]["phases"], u["beta"]["of_up"], u["beta"]["of_cycles"], u["beta"]["median"]),
+                         (0, 0.0, None, None))
+        lines = chaos.util_lines(u, chaos.utilisation(rows, {"alpha": 8.0}))
+        alpha = [line.split() for line in lines if line.split()[:1] == ["alpha"]]
+        self.assertEqual([r[1] for r in alpha], ["chaos", "unfaulted"])
+        self.assertEqual([r[5] for r in alpha], ["30.0%", "75.0%"])     # inner/up: 6 s of 20 s, of 8 s
+        self.assertEqual(alpha[0][7], "54.5%")                          # inner/cycles: 6 s of 11 s
+        beta = [line.split() for line in lines if line.split()[:1] == ["beta"]]
+        self.assertEqual(beta[1][5], "-")                               # the unfaulted run never saw it up
 
 
 if __name__ == "__main__":

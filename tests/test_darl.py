@@ -386,6 +386,20 @@ class LeaseTableTest(unittest.TestCase):
                 self.assertEqual((small["start"], small["end"]), (7, 9))     # the tail serves a small ask
             t.verify()
 
+    def test_a_log_written_before_fitted_grants_replays_as_decided_then(self):
+        # tests/old-logs/darl-before-fit-grants.wal.jsonl: a coordinator of the code before the rule
+        # (its config has no fit_grants), restarted once with --accept-config-change (a set_config
+        # record, whose recorded outcome is that config): it replays, and keeps the old rule
+        d = tmpdir(self)
+        os.makedirs(os.path.join(d, "darl"))
+        shutil.copy(os.path.join(os.path.dirname(__file__), "old-logs", "darl-before-fit-grants.wal.jsonl"),
+                    os.path.join(d, "darl", "wal.jsonl"))
+        loaded = darl_log.load_state(d)
+        self.assertFalse(loaded.table.config.fit_grants)
+        self.assertEqual(loaded.table.config.max_attempts, 0)
+        self.assertEqual(loaded.table.verify()["leased"], 10)
+        self.assertNotIn("fit_grants", loaded.table.config.to_dict())
+
     def test_verify_catches_broken_books(self):
         t = table(20, self.clock)
         t.register("a", "x")

@@ -89,6 +89,14 @@ def make_corpus(tmp, max_bytes):
     return os.path.join(out, "manifest.json")
 
 
+def export_init(t, manifest):
+    """train.py --export-init of qwen3-tiny into t/init.safetensors -> its path."""
+    init = os.path.join(t, "init.safetensors")
+    subprocess.run([sys.executable, "train.py", "--export-init", init, "--model", "qwen3-tiny", "--data", manifest],
+                   cwd=ROOT, env=harness.child_env(), check=True, capture_output=True, timeout=300)
+    return init
+
+
 # ---------------------------------------------------------------------------
 # in-process: arithmetic, flags, identity, --export-init
 # ---------------------------------------------------------------------------
@@ -124,7 +132,8 @@ class LeasedPhaseTest(unittest.TestCase):
 
     def test_a_phase_the_clock_ends_stops_on_a_block_boundary_and_names_only_what_it_trained(self):
         space = block_space.BlockSpace(num_samples=53, block_size=5, seed=3)    # the last block is short
-        w, bounds = data.span_windows_blocked(space, 7, 11, seed=0, lease=2)
+        w, bounds, ends = data.span_windows_blocked(space, 7, 11, seed=0, lease=2)
+        self.assertEqual(ends.tolist(), [8, 9, 10, 11])
         sizes = [len(space.samples_of(space.block_at(p))) for p in range(7, 11)]
         self.assertEqual(sorted(sizes), [3, 5, 5, 5])
         self.assertEqual(bounds.tolist(), np.cumsum(sizes).tolist())
@@ -132,19 +141,33 @@ class LeasedPhaseTest(unittest.TestCase):
             want = sorted(x for p in range(7, 8 + i) for x in space.samples_of(space.block_at(p)))
             self.assertEqual(sorted(w[:bounds[i]].tolist()), want)
         self.assertEqual(w.tolist(), data.span_windows_blocked(space, 7, 11, seed=0, lease=2)[0].tolist())
-        ph = data.LeasedPhase(2, 7, 11, w, per_step=4, world=2, rank=0, batch=2, bounds=bounds)
+        ph = data.LeasedPhase(2, 7, 11, w, per_step=4, world=2, rank=0, batch=2, bounds=bounds, ends=ends)
         self.assertEqual(ph.steps, 5)
         b0, b1 = int(bounds[0]), int(bounds[1])
-        # b0 - 1 windows trained: reaching the bound after b0 takes `need` steps of 0.5 s; with a
-        # little less time left the phase stops at the first bound (one short step more)
+        # b0 - 1 windows trained: b0 is one step of 0.5 s away, the bound after it `need` s (>= 1 s);
+        # with 0.6 s left the first bound is nearer the budget: the phase stops there (one short step
+        # more); with need - 0.1 s left the next one overruns less than b0 falls short: go on
         need = -(-(b1 - b0 + 1) // 4) * 0.5
-        self.assertEqual(ph.cut_point(b0 - 1, need - 0.1, 0.5), b0)
+        self.assertGreaterEqual(need, 1.0)
+        self.assertEqual(ph.cut_point(b0 - 1, 0.6, 0.5), b0)
+        self.assertIsNone(ph.cut_point(b0 - 1, need - 0.1, 0.5))
         self.assertIsNone(ph.cut_point(b0 - 1, need, 0.5))          # time enough: go on
         self.assertIsNone(ph.cut_point(16, 0.0, 0.5))               # the span's last position: its end anyway
         self.assertEqual(ph.cut_at(b0), 8)                          # positions [7, 8) trained
         self.assertEqual((ph.steps, len(ph), ph.cut), (-(-b0 // 4), b0, True))
         with self.assertRaisesRegex(ValueError, "block boundary"):
-            data.LeasedPhase(2, 7, 11, w, 4, 2, 0, 2, bounds=bounds).cut_at(b0 + 1)
+            data.LeasedPhase(2, 7, 11, w, 4, 2, 0, 2, bounds=bounds, ends=ends).cut_at(b0 + 1)
+        # runs of 4 positions mixed together, the last quarter single positions: a cut ends only
+        # where a run ends, and a prefix to a bound is exactly the windows of its positions
+        space = block_space.BlockSpace(num_samples=400, block_size=5, seed=1)
+        w, bounds, ends = data.span_windows_blocked(space, 10, 30, seed=0, lease=3, group=4)
+        self.assertEqual(ends.tolist(), [14, 18, 22, 25, 26, 27, 28, 29, 30])
+        for b, e in zip(bounds, ends):
+            want = sorted(x for p in range(10, int(e)) for x in space.samples_of(space.block_at(p)))
+            self.assertEqual(sorted(w[:b].tolist()), want)
+        first = w[:5].tolist()          # the first run's windows come from its 4 blocks, shuffled
+        self.assertGreater(len({space.block_at(p) for p in range(10, 14)
+                                for x in first if x in space.samples_of(space.block_at(p))}), 1)
         self.assertIsNone(data.LeasedPhase(2, 7, 11, w, 4, 2, 0, 2).cut_point(4, 0.0, 1.0))   # H steps: never
 
 
@@ -341,7 +364,7 @@ def worker(manifest, darl_url, fedmom_url, out_dir):
     cfg.seq_len = windows.seq_len
     model, _, _ = train.make_model(cfg, d, windows.vocab_size)
     site = fedsite.FedSite(cfg, windows, 0, print) if d.rank == 0 else None
-    block_size, seed, _, _ = fedphase.on_rank0(lambda: site.connect(cfg.batch_size * d.world_size))
+    block_size, seed, _, _, _ = fedphase.on_rank0(lambda: site.connect(cfg.batch_size * d.world_size))
     source = fedsite.LeasedSource(cfg, windows, block_size, seed, d.rank, d.world_size)
     carrier = fedphase.FedMomCarrier(site, out_dir, "F32")
     outer = diloco.DiLoCo(model, diloco.ReplicaLayout.plan(d.world_size, d.rank, 1),
@@ -416,10 +439,7 @@ class CarrierTest(unittest.TestCase):
     @classmethod
     def start(cls, t):
         cls.manifest = make_corpus(t, 12000)
-        init = os.path.join(t, "init.safetensors")
-        subprocess.run([sys.executable, "train.py", "--export-init", init, "--model", "qwen3-tiny",
-                        "--data", cls.manifest], cwd=ROOT, env=harness.child_env(), check=True,
-                       capture_output=True, timeout=300)
+        init = export_init(t, cls.manifest)
         L = cls.launcher
         _, cls.darl = harness.start_server(L, "darl", ["--manifest", cls.manifest, "--block-size", 4, "--state-dir", t,
                                                        "--default-ttl", 30, "--max-ttl", 30], log_of(t, "darl"), port=0)
@@ -478,7 +498,8 @@ class CarrierTest(unittest.TestCase):
         drive(lambda: any("still live as the previous incarnation" in m for m in said))
         old_fed.leave()                                          # ... and its membership
         self.assertEqual(drive(lambda: False), (4, 0, 200,      # K=4, seed 0, H=100 x 8 windows / 4
-                                                {"lr": 0.7, "momentum": 0.9, "nesterov": True}))   # the merge's step
+                                                {"lr": 0.7, "momentum": 0.9, "nesterov": True},   # the merge's step
+                                                None))          # no --phase-s offered
         self.assertTrue(site.member)
         st = httpc.call(self.darl, "GET", "/status")
         self.assertEqual([c["incarnation"] for c in st["clusters"] if c["cluster"] == "twin"], [site.incarnation])
@@ -626,16 +647,17 @@ class DeviceCheckTest(unittest.TestCase):
 # two sites end to end, with a kill + resume and an aggregator restart
 # ---------------------------------------------------------------------------
 
-class FederationRunTest(unittest.TestCase):
-    H = 4
+class ScenarioCase(unittest.TestCase):
+    """A class whose run_scenario(tmp) sets up real processes once; its tests read what they left.
+    PWW_TEST_KEEP keeps the temp dir."""
+    PREFIX = "fed-"
 
     @classmethod
     def setUpClass(cls):
-        cls.tmp = tempfile.TemporaryDirectory(prefix="fed-run-")
-        t = cls.tmp.name
+        cls.tmp = tempfile.TemporaryDirectory(prefix=cls.PREFIX)
         cls.launcher, cls.events = harness.Launcher(), {}
         try:
-            cls.run_scenario(t)
+            cls.run_scenario(cls.tmp.name)
         except BaseException:
             cls.tearDownClass()
             raise
@@ -648,6 +670,11 @@ class FederationRunTest(unittest.TestCase):
             os.rename(cls.tmp.name, kept)
             print(f"kept {kept}")
         cls.tmp.cleanup()
+
+
+class FederationRunTest(ScenarioCase):
+    H = 4
+    PREFIX = "fed-run-"
 
     @classmethod
     def site(cls, name, parallel, nproc, *extra):
@@ -699,10 +726,7 @@ class FederationRunTest(unittest.TestCase):
         cls.token = os.path.join(t, "token")
         with open(cls.token, "w") as f:
             f.write("test-token-0123456789\n")
-        init = os.path.join(t, "init.safetensors")
-        subprocess.run([sys.executable, "train.py", "--export-init", init, "--model", "qwen3-tiny",
-                        "--data", cls.manifest], cwd=ROOT, env=harness.child_env(), check=True,
-                       capture_output=True, timeout=300)
+        init = export_init(t, cls.manifest)
         central = os.path.join(t, "central")
         cls.ca, cert, key = certs.make_tls(t)
         common = ["--token-file", cls.token, "--tls-cert", cert, "--tls-key", key]
@@ -972,7 +996,7 @@ if __name__ == "__main__":
 # phases measured in time: sites of different speeds, one cadence
 # ---------------------------------------------------------------------------
 
-class PhasesInTimeRunTest(unittest.TestCase):
+class PhasesInTimeRunTest(ScenarioCase):
     """Two sites whose steps differ about 1:3 in time (--throttle-ms) train one model on the
     cadence the aggregator offers (fedmom_server.py --phase-s): alpha (FSDP2, 2 ranks, rank 1's
     clock running 5x fast: $PWW_TEST_PHASE_CLOCK_RATE) and beta (DDP, 1 rank). Every round
@@ -981,33 +1005,12 @@ class PhasesInTimeRunTest(unittest.TestCase):
     by the clock (their lease's tail given back to DARL); the run audit passes: every block
     inside exactly one merged delta."""
     T = 2.5
-
-    @classmethod
-    def setUpClass(cls):
-        cls.tmp = tempfile.TemporaryDirectory(prefix="fed-timed-")
-        cls.launcher = harness.Launcher()
-        try:
-            cls.run_scenario(cls.tmp.name)
-        except BaseException:
-            cls.tearDownClass()
-            raise
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.launcher.kill_all()
-        if KEEP:
-            kept = cls.tmp.name + "-kept"
-            os.rename(cls.tmp.name, kept)
-            print(f"kept {kept}")
-        cls.tmp.cleanup()
+    PREFIX = "fed-timed-"
 
     @classmethod
     def run_scenario(cls, t):
         cls.manifest = make_corpus(t, 60000)
-        init = os.path.join(t, "init.safetensors")
-        subprocess.run([sys.executable, "train.py", "--export-init", init, "--model", "qwen3-tiny",
-                        "--data", cls.manifest], cwd=ROOT, env=harness.child_env(), check=True,
-                       capture_output=True, timeout=300)
+        init = export_init(t, cls.manifest)
         L = cls.launcher
         svc = cls.svc = harness.start_services(
             L, t, cls.manifest, init, block_size=4, default_ports=False,

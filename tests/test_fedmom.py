@@ -802,7 +802,7 @@ class QuorumServerTest(FedMomFixture):
     def test_the_cadence_flags_are_checked_and_the_quorum_defaults_with_phase_s(self):
         cfg = lambda **kw: fs.ServerConfig(os.path.join(self.dir, "st"), **kw)
         self.assertEqual((cfg().round_quorum(), cfg(phase_s=60.0).round_quorum(),
-                          cfg(phase_s=60.0, quorum=0.25).round_quorum()), (1.0, 0.5, 0.25))
+                          cfg(phase_s=60.0, quorum=0.5).round_quorum()), (1.0, 0.25, 0.5))
         for kw, flag in (({"phase_s": 0.0}, "--phase-s"), ({"phase_s": float("inf")}, "--phase-s"),
                          ({"quorum": 0.0}, "--quorum"), ({"quorum": 1.5}, "--quorum"),
                          ({"grace_frac": 0.0}, "--grace-frac"), ({"grace_frac": float("nan")}, "--grace-frac")):

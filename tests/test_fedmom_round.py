@@ -361,13 +361,15 @@ class QuorumTest(unittest.TestCase):
         kept = {**{k: float(v) for k, v in metrics.items() if k != "ended_by"}, "ended_by": "clock"}
         for bad, says in (({"ended_by": "tired"}, "metrics.ended_by must be one of clock, lease, data, steps"),
                           ({"ended_by": 3}, "metrics.ended_by must be one of"),
-                          ({"util": "high"}, "metrics.util must be a finite number")):
+                          ({"util": "high"}, "metrics.util must be a finite number"),
+                          ({"inner_s": 10 ** 400}, "metrics.inner_s must be a finite number")):
             with self.subTest(bad=bad), self.assertRaises(Refused) as cm:
                 x.send("alpha", metrics=bad)
             self.assertEqual(cm.exception.status, 400)
             self.assertIn(says, cm.exception.reason)
-        m = x.t.heartbeat("alpha", "alpha-inc", x.now, {**metrics, "ended_by": "tired", "junk": 1, "util": True})
-        self.assertEqual(m.metrics, {k: v for k, v in kept.items() if k not in ("ended_by", "util")})
+        m = x.t.heartbeat("alpha", "alpha-inc", x.now, {**metrics, "ended_by": "tired", "junk": 1, "util": True,
+                                                        "wait_s": 10 ** 400})
+        self.assertEqual(m.metrics, {k: v for k, v in kept.items() if k not in ("ended_by", "util", "wait_s")})
         x.t.heartbeat("alpha", "alpha-inc", x.now, metrics)
         self.assertEqual(x.t.members["alpha"].metrics, kept)
         self.assertEqual(x.send("alpha", metrics=metrics).metrics, kept)
