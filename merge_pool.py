@@ -547,7 +547,7 @@ class Pool:
 def _exit_with_parent():
     """A thread of the worker's: it exits as soon as its aggregator is gone, mid-task too
     (between tasks the pipe's EOF says so as well), so that no worker of a killed aggregator
-    keeps its shared memory mapped: the restart's check (fedmom_outer.check_shared_memory)
+    keeps its shared memory mapped: the restart's check (outer_budget.check_machine)
     needs that memory free."""
     parent = int(os.environ.get(PARENT_ENV) or os.getppid())
 
