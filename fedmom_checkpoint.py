@@ -3,13 +3,16 @@ rounds since, and the rebuild from them.
 
 Runs on: the central VM, imported by fedmom_outer.py and fedmom_store.py (the running aggregator) and
 fedmom_server.py's `export` / `checkpoint` commands (a stopped one); standard library +
-numpy + outer_state.py; never torch. Not started on its own. Tested in tests/test_replay.py.
+numpy + outer_state.py + merge_pool.py; never torch. Not started on its own. Tested in
+tests/test_replay.py and tests/test_outer_budget.py.
 
 state.json names a checkpoint and a "log": the outer_state.Step of every round since, its
 delta paths relative to the state dir. The outer state of the current round is the
 checkpoint with the logged Steps replayed on top (rebuild), the result checked against the
-theta digest the last of them published. fedmom_state.py's docstring has the whole state
-dir and when each file is written and removed.
+theta digest the last of them published. The segments are read straight into the arrays'
+blocks (a store's: in memory, or file blocks on disk past --memory-gb; outer_budget.py), a
+bounded piece at a time, never into private arrays first. fedmom_state.py's docstring has
+the whole state dir and when each file is written and removed.
 
 The checkpoint is a directory of segments, ckpt/<tensor>-<part>.safetensors: each holds
 theta, momentum and residual (those kept) of one tensor, or of a run of its whole rows
@@ -26,7 +29,7 @@ A checkpoint of the older layout {"round", "theta", "momentum", "residual"} (who
 named in state.json) is still read; the next checkpoint writes segments and removes them.
 
     ckpt, log = read_record(json.load(open("state.json")), "state.json")
-    outer = rebuild(state_dir, ckpt, log)                    # raises on a mismatch or a bad file
+    outer = rebuild(state_dir, ckpt, log, store=store)       # raises on a mismatch or a bad file
     record = write_checkpoint(outer, state_dir, fsync=True)  # ckpt/*: every segment at outer.round
 """
 import dataclasses
@@ -34,9 +37,8 @@ import json
 import math
 import os
 
-import numpy as np
-
 import durable
+import merge_pool
 import outer_state
 import tensorio
 
@@ -133,9 +135,11 @@ class _Segment:
         self.fn, self.tensor, self.lo, self.hi, self.round, self.arrays = fn, tensor, lo, hi, rnd, arrays
 
 
-def _load_segments(state_dir, ckpt):
-    """-> (OuterState with every segment's arrays in place, [_Segment]). The arrays a segment
-    lacks (no momentum or residual at its round) are zero and marked so in its _Segment."""
+def _load_segments(state_dir, ckpt, store=None):
+    """-> (OuterState with every segment's arrays in place, [_Segment]). Each segment is read
+    straight into the arrays' place (a store's blocks, in memory or on disk: no private copy
+    first); the arrays a segment lacks (no momentum or residual at its round) are zero there
+    and marked so in its _Segment."""
     shapes = read_shapes(state_dir, ckpt)
     if not shapes:
         raise ValueError(f"{state_dir}/{ckpt['dir']}: the checkpoint state.json names holds no segment "
@@ -146,10 +150,8 @@ def _load_segments(state_dir, ckpt):
         missing, extra = sorted({w[0] for w in want} - set(have)), sorted(set(have) - {w[0] for w in want})
         raise ValueError(f"{state_dir}/{ckpt['dir']}: the checkpoint's segments are not the model's: missing "
                          f"{missing[:3]}, unexpected {extra[:3]}")
-    theta = {n: np.empty(math.prod(sh), np.float32) for n, sh in shapes.items()}
-    extra = {k: None for k in ARRAYS[1:]}
     segs = []
-    for fn, name, lo, hi in want:
+    for fn, name, lo, hi in want:                          # the headers first: which arrays are kept
         with tensorio.TensorReader(os.path.join(state_dir, fn)) as r:
             m = r.metadata
             if (m.get("segment") != SEGMENT_FORMAT or m.get("tensor") != name or int(m["lo"]) != lo
@@ -158,30 +160,36 @@ def _load_segments(state_dir, ckpt):
             rnd = int(m["round"])
             if not ckpt["round"] <= rnd:
                 raise ValueError(f"{state_dir}/{fn}: round {rnd}, older than the checkpoint's {ckpt['round']}")
-            r.read("theta", out=theta[name][lo:hi])
-            kept = set(r.names)
-            for k in ARRAYS[1:]:
-                if k in kept:
-                    if extra[k] is None:
-                        extra[k] = {n: np.zeros(math.prod(sh), np.float32) for n, sh in shapes.items()}
-                    r.read(k, out=extra[k][name][lo:hi])
-        segs.append(_Segment(fn, name, lo, hi, rnd, kept))
-    outer = outer_state.OuterState(shapes, theta, extra["momentum"], extra["residual"], ckpt["round"], digest="")
+            segs.append(_Segment(fn, name, lo, hi, rnd, set(r.names)))
+    kept = {k: outer_state.alloc(shapes, store, k, False) if any(k in g.arrays for g in segs) else None
+            for k in ARRAYS}
+    for g in segs:
+        with tensorio.TensorReader(os.path.join(state_dir, g.fn)) as r:
+            for k, arrays in kept.items():
+                if arrays is None:
+                    continue
+                if k in g.arrays:
+                    outer_state.fill(arrays[g.tensor], r, k, g.lo)
+                else:
+                    merge_pool.zero(arrays[g.tensor], g.lo, g.hi)
+    outer = outer_state.OuterState(shapes, kept["theta"], kept["momentum"], kept["residual"], ckpt["round"],
+                                   digest="", store=store)
     return outer, segs
 
 
-def rebuild(state_dir, ckpt, log, threads=None, pool=None):
+def rebuild(state_dir, ckpt, log, threads=None, pool=None, store=None, delta_bytes=None):
     """The outer state the checkpoint and the logged Steps make (outer_state.replay: each
     Step checked against its digest; a checkpoint of segments of two rounds replays each from
-    its own and checks the digest once they have met). Raises what went wrong
-    (ReplayMismatch, a missing or damaged file, a NonFinite replay)."""
+    its own and checks the digest once they have met), in `store`'s blocks when given
+    (outer_budget.Store). Raises what went wrong (ReplayMismatch, a missing or damaged file,
+    a NonFinite replay, an OSError of a file block)."""
     path = lambda fn: fn and os.path.join(state_dir, fn)
     steps = [resolved(s, state_dir) for s in log]
     if "dir" not in ckpt:
         outer = outer_state.OuterState.load(path(ckpt["theta"]), path(ckpt["momentum"]), path(ckpt["residual"]),
-                                            ckpt["round"])
-        return outer_state.replay(outer, steps, threads, pool=pool)
-    outer, segs = _load_segments(state_dir, ckpt)
+                                            ckpt["round"], store=store)
+        return outer_state.replay(outer, steps, threads, pool=pool, delta_bytes=delta_bytes)
+    outer, segs = _load_segments(state_dir, ckpt, store)
     rounds = {s.round for s in segs}
     behind = min(rounds)
     for s in steps:
@@ -194,13 +202,13 @@ def rebuild(state_dir, ckpt, log, threads=None, pool=None):
             outer.round = s.round - 1
             outer.momentum = outer.momentum if "momentum" in segs[0].arrays else None
             outer.residual = outer.residual if "residual" in segs[0].arrays else None
-            outer_state.apply_round(outer, s, threads=threads, pool=pool)    # whole: its digest checked
+            outer_state.apply_round(outer, s, threads=threads, pool=pool, delta_bytes=delta_bytes)   # digest checked
         else:
             only = {}
             for g in todo:
                 only.setdefault(g.tensor, []).append((g.lo, g.hi, "momentum" in g.arrays, "residual" in g.arrays))
             outer_state.apply_round(outer, dataclasses.replace(s, digest=None), threads=threads, only=only,
-                                    pool=pool)
+                                    pool=pool, delta_bytes=delta_bytes)
         for g in todo:
             g.round = s.round
             g.arrays = {"theta"} | ({"momentum"} if s.mu > 0 else set()) | ({"residual"} if s.codec else set())
@@ -244,7 +252,7 @@ def write_checkpoint(outer, state_dir, last=None, fsync=True, after_file=None):
         with tensorio.TensorWriter(os.path.join(state_dir, fn), [(k, "F32", (hi - lo,)) for k in kept], meta,
                                    fsync=fsync) as w:
             for k in kept:
-                w.write(k, getattr(outer, k)[name][lo:hi])
+                w.write_chunks(k, merge_pool.chunks(getattr(outer, k)[name], lo, hi))
         if after_file is not None:
             after_file()
     if fsync:
@@ -262,7 +270,7 @@ def stale_files(state_dir, old, new):
     return files + ([old["dir"]] if "dir" in old else [])
 
 
-def _read_state(sd):
+def read_state(sd):
     try:
         with open(os.path.join(sd, "state.json")) as f:
             return json.load(f)
@@ -270,15 +278,16 @@ def _read_state(sd):
         raise ValueError(f"{sd}: no readable state.json ({e})") from None
 
 
-def load_outer(state_dir, threads=None):
+def load_outer(state_dir, threads=None, store=None):
     """The outer state (outer_state.OuterState) of a stopped aggregator's state dir: rebuild
-    from what its state.json names. Reads only (a running aggregator removes logged files as
-    it checkpoints: download its theta with GET /theta). Raises ValueError naming the problem."""
+    from what its state.json names (into `store`'s blocks when given: outer_budget.Store). Reads
+    only (a running aggregator removes logged files as it checkpoints: download its theta with
+    GET /theta). Raises ValueError naming the problem."""
     sd = os.path.abspath(state_dir)
-    st = _read_state(sd)
+    st = read_state(sd)
     ckpt, log = read_record(st, f"{sd}/state.json")
     try:
-        outer = rebuild(sd, ckpt, log, threads)
+        outer = rebuild(sd, ckpt, log, threads, store=store)
     except Exception as e:
         raise ValueError(f"{sd}: the outer state of round {st['round']} cannot be rebuilt: "
                          f"{type(e).__name__}: {e}") from None
@@ -287,13 +296,13 @@ def load_outer(state_dir, threads=None):
     return outer
 
 
-def checkpoint_offline(state_dir, threads=None, fsync=True):
+def checkpoint_offline(state_dir, threads=None, fsync=True, store=None):
     """Make the current round of a stopped aggregator's state dir its checkpoint (load_outer,
     write_checkpoint, state.json's log emptied, the files it no longer needs removed): a
     restart then replays nothing. -> the round."""
     sd = os.path.abspath(state_dir)
-    outer = load_outer(sd, threads)
-    st = _read_state(sd)
+    outer = load_outer(sd, threads, store)
+    st = read_state(sd)
     old, logged = read_record(st, f"{sd}/state.json")
     record = write_checkpoint(outer, sd, old, fsync)
     st.update(format=STATE_FORMAT, checkpoint=record, log=[])

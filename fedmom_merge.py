@@ -217,9 +217,10 @@ class DecodedDelta:
 class DeltaReader:
     """One spooled delta as the round reads it: elements [lo, hi) of a tensor into the
     caller's float32 buffer. A plain file (F32/BF16/F16) by positioned reads of just those
-    bytes; an int8/int4 file decodes just those blocks from the tensor's parts, which are
-    read once per tensor (load(), on the caller's thread) and stay compressed in memory;
-    any other wire format (topk) decodes the whole tensor at load(). Nothing here writes."""
+    bytes; an int8/int4/int2 file decodes just those blocks from the parts load() read (on
+    the caller's thread: the rows of the span it names, or the whole tensor), which stay
+    compressed in memory, so a merge worker holds the codes of its own share of a tensor,
+    not the whole tensor's; topk decodes the whole tensor at load(). Nothing here writes."""
 
     def __init__(self, path):
         self.path, self.nread = path, 0
@@ -229,6 +230,7 @@ class DeltaReader:
         self.specs = {n: self.w.r.specs[n] if self.codec is None else ("F32", tuple(self.w.shapes[n]))
                       for n in self.w.names}
         self.name = self.parts = self.whole = None
+        self.lo = 0                                        # the first element load() read
         self.sq = 0.0                                      # delta_sq_norm's running ||delta||^2
 
     def __enter__(self):
@@ -242,30 +244,49 @@ class DeltaReader:
     def blocks(self):
         return self.codec is not None and self.codec.fmt in wire.LEVELS
 
-    def load(self, name, shape):
-        """Make tensor `name` the current one (its parts in memory, checked as wire.py checks them)."""
-        self.name, self.parts, self.whole = name, None, None
+    def part_bytes(self, shape):
+        """Bytes per element that load() holds in memory for a span of a tensor of `shape`: a
+        block format's codes and scales (as read and as float32); 0 for a plain file (read a
+        piece at a time) and for topk (decoded whole whatever the span: outer_budget counts it)."""
+        if not self.blocks:
+            return 0.0
+        _, C, nb = wire_kernels.as_blocks(shape, self.codec.block)
+        return wire_kernels.CODE_BITS[self.codec.fmt] / 8 + 6 * nb / max(C, 1)
+
+    def whole_bytes(self, shape):
+        """Bytes load() holds whatever the span: a topk tensor decoded whole (0 otherwise)."""
+        return 4 * math.prod(shape) if self.codec is not None and not self.blocks else 0
+
+    def load(self, name, shape, lo=0, hi=None):
+        """Make elements [lo, hi) of tensor `name` (default: all of it) the current ones: a block
+        format's codes and scales of those rows are read into memory and checked as wire.py
+        checks them. lo and hi on this file's block boundaries (piece_unit), or hi the end."""
+        n = math.prod(shape)
+        hi = n if hi is None else hi
+        self.name, self.parts, self.whole, self.lo = name, None, None, lo
         if self.codec is None:
             return
         where = f"{self.path}: tensor {name!r}"
         if not self.blocks:
-            self.whole = self.w.read(name).reshape(-1)
-        else:
-            codes = self.w.r.read(name)
-            sbits = self.w.r.read(name + wire.SCALE)
-            if not wire.scales_ok(sbits):
-                raise wire.WireError(f"{where}: a scale is negative, NaN or Inf")
-            n, bits = math.prod(shape), wire_kernels.CODE_BITS[self.codec.fmt]
-            if bits < 8 and not wire.padding_is_zero(codes, bits, n):
-                raise wire.WireError(f"{where}: the padding bits after the last value are not 0")
-            R, C, nb = wire_kernels.as_blocks(shape, self.codec.block)
-            self.parts = (codes.reshape(-1) if bits < 8 else codes.reshape(R, C),
-                          tensorio.bf16_to_f32(sbits).reshape(R, nb), C)
-        self.nread += self.w.nbytes(name)
+            self.whole, self.lo = self.w.read(name).reshape(-1), 0
+            self.nread += self.w.nbytes(name)
+            return
+        fmt, bits = self.codec.fmt, wire_kernels.CODE_BITS[self.codec.fmt]
+        R, C, nb = wire_kernels.as_blocks(shape, self.codec.block)
+        a, b = lo // C, -(-hi // C)
+        codes = self.w.r.read_range(name, wire_kernels.code_start(fmt, lo), wire_kernels.packed_bytes(hi, bits))
+        sbits = self.w.r.read_range(name + wire.SCALE, a * nb, b * nb)
+        if not wire.scales_ok(sbits):
+            raise wire.WireError(f"{where}: a scale is negative, NaN or Inf")
+        if bits < 8 and hi == n and not wire.padding_is_zero(codes, bits, hi - lo):
+            raise wire.WireError(f"{where}: the padding bits after the last value are not 0")
+        self.parts = (codes if bits < 8 else codes.reshape(b - a, C), tensorio.bf16_to_f32(sbits).reshape(b - a, nb),
+                      C)
+        self.nread += codes.nbytes + sbits.nbytes
 
     def read(self, lo, hi, out):
         """Elements [lo, hi) of the current tensor -> (array, dtype) for fedmom_merge.scaled_sum;
-        lo and hi on this file's block boundaries (piece_unit)."""
+        lo and hi on this file's block boundaries (piece_unit), inside the span load() read."""
         if self.whole is not None:
             return self.whole[lo:hi], "F32"
         if self.parts is None:                             # a plain file: its own dtype, widened later
@@ -282,9 +303,11 @@ class DeltaReader:
             self.nread += done                             # (threads: an approximate count)
             return buf, dtype
         codes, scale, C = self.parts
-        a, b = lo // C, hi // C
+        fmt, a0 = self.codec.fmt, self.lo // C
+        a, b = lo // C - a0, -(-hi // C) - a0
         bad = []
-        src = codes[wire_kernels.code_start(self.codec.fmt, lo):] if self.codec.fmt != "int8" else codes[a:b]
+        src = codes[wire_kernels.code_start(fmt, lo) - wire_kernels.code_start(fmt, self.lo):] if fmt != "int8" \
+            else codes[a:b]
         wire_kernels.decode_span(src, scale[a:b], 0, b - a, C, self.codec, out[:hi - lo].reshape(b - a, C), bad)
         if bad:
             raise wire.WireError(f"{self.path}: tensor {self.name!r}: {bad[0]}")
@@ -298,6 +321,8 @@ class DeltaReader:
 
 
 STEP = 1 << 16     # elements per fused step: its dozen float32 buffers stay in a core's L2 cache
+CHECK_SPAN = 1 << 24   # elements of a block-format delta checked at a time: its parts in memory (int4:
+                       # 8.5 MB), never a whole tensor's (0.6B's embedding: 71 MB; 32B's: 356 MB)
 
 
 def piece_unit(shape, codecs):
@@ -671,21 +696,28 @@ def delta_sq_norm(d, name, threads=None):
     Each piece is decoded into a buffer that stays in cache: nothing the size of a tensor is
     made (a fresh array costs a page fault per 4 KiB, more than the decode itself)."""
     shape = tuple(d.w.shapes[name])
-    d.load(name, shape)
     n = math.prod(shape)
     unit = piece_unit(shape, [d.codec] if d.blocks else [])
     step = max(unit, STEP // unit * unit)
-    pieces = [(lo, min(lo + step, n)) for lo in range(0, n, step)]
-    results = [None] * len(pieces)
+    span = max(step, CHECK_SPAN // step * step) if d.blocks else max(n, 1)
+    results = []
+    for s0 in range(0, n, span):                       # a block format's parts read a span at a time
+        s1 = min(s0 + span, n)
+        d.load(name, shape, s0, s1)
+        pieces = [(lo, min(lo + step, s1)) for lo in range(s0, s1, step)]
+        got = [None] * len(pieces)
 
-    def run(a, b):
-        buf = np.empty(step, np.float32)
-        for i in range(a, b):
-            x, dtype = d.read(*pieces[i], buf)
-            results[i] = _finite_sq_norm(x, dtype)
-    wire_kernels.run_spans(run, len(pieces), 1, step, wire_kernels.resolve_threads(threads))
-    if any(r is None for r in results):
-        return None
+        def run(a, b, pieces=pieces, got=got):
+            buf = np.empty(step, np.float32)
+            for i in range(a, b):
+                x, dtype = d.read(*pieces[i], buf)
+                got[i] = _finite_sq_norm(x, dtype)
+        wire_kernels.run_spans(run, len(pieces), 1, step, wire_kernels.resolve_threads(threads))
+        if any(r is None for r in got):
+            return None
+        results += got
+    if n == 0:
+        d.load(name, shape)
     total = sum(results)
     d.sq += total
     return total

@@ -1,11 +1,13 @@
 """fedmom_outer.py - the aggregator's outer state in use: theta_global, the momentum buffer and
-the residual of --down-wire in memory, a round merged into them robustly, checkpointed,
+the residual of --down-wire in the blocks --memory-gb gives them (outer_budget.Store: memory,
+and file blocks in --outer-dir past it), a round merged into them robustly, checkpointed,
 rebuilt, and copied to files for downloads.
 
 Runs on: the central VM, imported by fedmom_state.py (FedMomState holds one OuterKeeper);
 Python standard library + numpy + tensorio.py + outer_state.py (the arrays and a round
-applied to them) + fedmom_checkpoint.py (the checkpoint and the replay) + fedmom_merge.py
-(the clip, a delta's norm) + fedmom_store.py; never torch, no HTTP. Not run on its own.
+applied to them) + outer_budget.py (where they live) + fedmom_checkpoint.py (the checkpoint
+and the replay) + fedmom_merge.py (the clip, a delta's norm) + fedmom_store.py; never torch,
+no HTTP. Not run on its own.
 
 The arrays belong to `mem_lock`: a merge, a checkpoint and writing a copy hold it, for
 seconds to minutes; the bookkeeping beside them (the round, the checkpoint's record, the
@@ -33,6 +35,7 @@ import fedmom_checkpoint
 import fedmom_merge
 import fedmom_store
 import merge_pool
+import outer_budget
 import testhooks
 import outer_state
 import tensorio
@@ -56,22 +59,29 @@ def structure_digest(specs):
     return hashlib.sha256(json.dumps(sorted((n, list(s)) for n, s in specs.items())).encode()).hexdigest()
 
 
-def init_outer(init_path):
-    """theta of round 0 (outer_state.OuterState, no momentum or residual yet) from the init
-    file, every tensor as fp32, checked: floating point and finite."""
+def init_shapes(init_path):
+    """{name: shape} of the init file (its header), checked: every tensor floating point."""
     with tensorio.TensorReader(init_path) as r:
         bad = [n for n in r.names if r.specs[n][0] not in tensorio.FLOAT_DTYPES]
         if bad:
             raise SystemExit(f"--init {init_path}: tensors {bad[:5]} are not floating point; "
                              "only float tensors can be merged (save the parameters alone)")
-        shapes, theta = {n: tuple(r.specs[n][1]) for n in r.names}, {}
+        return {n: tuple(r.specs[n][1]) for n in r.names}
+
+
+def init_outer(init_path, store=None):
+    """theta of round 0 (outer_state.OuterState, no momentum or residual yet) from the init
+    file, every tensor as fp32 straight into its place (the store's blocks), checked: floating
+    point and finite."""
+    shapes = init_shapes(init_path)
+    theta = outer_state.alloc(shapes, store, "theta", False)
+    with tensorio.TensorReader(init_path) as r:
         for n in r.names:
-            t = np.ascontiguousarray(r.read(n, as_float32=True), np.float32).reshape(-1)
-            if not np.isfinite(t).all():
+            outer_state.fill(theta[n], r, n)
+            if not all(np.isfinite(c).all() for c in merge_pool.chunks(theta[n])):
                 raise SystemExit(f"--init {init_path}: tensor {n!r} holds NaN or Inf; a global model "
                                  "must start finite")
-            theta[n] = t
-    return outer_state.OuterState(shapes, theta)
+    return outer_state.OuterState(shapes, theta, store=store)
 
 
 def init_theta(init_path, out_path, fsync=True):
@@ -92,8 +102,10 @@ class OuterKeeper:
 
     def __init__(self, cfg, state_dir, ledger, clock=time.monotonic):
         self.cfg, self.dir, self.ledger, self.clock = cfg, state_dir, ledger, clock
-        self.outer = None             # theta, momentum, residual of the ledger's round, in memory
+        self.outer = None             # theta, momentum, residual of the ledger's round, in its store's blocks
         self.specs = {}               # tensor -> shape
+        self.budget = self.store = None   # outer_budget.Budget and Store, once the shapes are known (place())
+        self.outer_dir = cfg.outer_dir or os.path.join(state_dir, outer_budget.OUTER_DIR)
         self.mem_lock = threading.Lock()
         self.checkpointing = False    # a checkpoint holds mem_lock (writing the arrays out)
         self.replay_error = None      # a rebuild that gave other bits than the round recorded: merges stop
@@ -103,56 +115,58 @@ class OuterKeeper:
         self._pool = None             # merge_pool.Pool, started at the first round or replay that needs it
         merge_pool.sweep_stale()      # the shared arrays of an aggregator killed here before
 
-    def pool(self):
-        """The round's worker processes (--merge-procs; None: one process), started on first use:
-        an aggregator that never merges a model big enough for them starts none."""
+    def procs(self):
+        """The merge workers a round runs on (0: in this process): --merge-procs, for a model
+        of POOL_MIN_PARAMS or more (a smaller one runs faster here than through the pipes)."""
         procs = self.cfg.merge_procs or os.cpu_count() or 1
-        if procs <= 1:
+        params = sum(math.prod(sh) for sh in self.specs.values())
+        return procs if procs > 1 and params >= merge_pool.min_params() else 0
+
+    def pool(self):
+        """The round's worker processes (None: this process), started on first use: an
+        aggregator that never merges starts none."""
+        if not self.procs():
             return None
         if self._pool is None:
-            self._pool = merge_pool.Pool(procs, outer_state.worker_argv())
+            self._pool = merge_pool.Pool(self.procs(), outer_state.worker_argv())
         return self._pool
 
-    def check_shared_memory(self):
-        """At a start: the merge workers' shared memory has room for a round (the outer state,
-        12 B/param with --down-wire, 8 without, and the update's scratch: outer_state.shared_bytes),
-        or the start stops here, naming the fix, rather than every round failing later."""
-        params = sum(math.prod(sh) for sh in self.specs.values())
-        if (self.cfg.merge_procs or os.cpu_count() or 1) <= 1 or params < merge_pool.min_params():
-            return
-        need = outer_state.shared_bytes(self.specs, self.cfg.down_codec())
-        free = merge_pool.free_bytes()
-        if free is not None and need > free:
-            raise SystemExit(f"fedmom_server: the merge workers (--merge-procs) share the outer state through "
-                             f"{merge_pool.shm_dir()}, which has {merge_pool.size(free)} free; it needs "
-                             f"{merge_pool.size(need)}: enlarge it (mount -o remount,size={-(-need // 2**30) + 1}G "
-                             f"{merge_pool.shm_dir()}), point ${merge_pool.SHM_ENV} at a larger tmpfs, or start "
-                             "with --merge-procs 1 (one core)")
+    def place(self, kinds=None):
+        """Once the shapes are known, at a start: the budget, the start's checks and the store
+        the outer state is loaded into (outer_budget.make_store), for the arrays of `kinds`
+        (default: those this run keeps)."""
+        cfg = self.cfg
+        kinds = kinds or outer_budget.kinds_of(cfg.outer_momentum, cfg.down_codec())
+        self.budget, self.store = outer_budget.make_store(self.specs, kinds, cfg.down_codec(), self.procs(),
+                                                          cfg.memory_gb, self.outer_dir, lambda m: log(f"fedmom: {m}"))
 
     def pool_for(self, steps):
-        """The pool when there is work for it: a round of a model of POOL_MIN_PARAMS or more
-        (a small one runs faster here than through the workers' pipes)."""
-        if not steps or sum(math.prod(sh) for sh in self.specs.values()) < merge_pool.min_params():
-            return None
-        return self.pool()
+        """The pool when there is work for it."""
+        return self.pool() if steps else None
 
     def close(self):
-        """Stop the merge workers (they also exit on their own when this process dies)."""
+        """Stop the merge workers (they also exit on their own when this process dies) and let
+        go of the outer state's blocks."""
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        if self.store is not None:
+            self.outer = None
+            self.store.release()
 
     # ---- a start
 
     def create(self, init_path):
-        """Round 0 from --init, written as the first checkpoint -> its record (the rebuild at the
-        start finds the arrays in memory: no second copy)."""
-        self.outer = init_outer(init_path)
-        self.specs = dict(self.outer.shapes)
+        """Round 0 from --init, read into the store's blocks and written as the first
+        checkpoint -> its record (the rebuild at the start finds the arrays in place)."""
+        self.specs = init_shapes(init_path)
+        self.place()
+        self.outer = init_outer(init_path, self.store)
         return fedmom_checkpoint.write_checkpoint(self.outer, self.dir, None, self.cfg.fsync)
 
     def read_shapes(self):
         self.specs = fedmom_checkpoint.read_shapes(self.dir, self.ledger.ckpt)
+        self.place()
 
     def logged_files(self):
         """The spool files of the rounds logged since the checkpoint (a restart replays them)."""
@@ -186,19 +200,20 @@ class OuterKeeper:
         and shows on /status. The caller holds mem_lock (or is starting)."""
         c, steps, rnd, t0 = self.ledger.ckpt, self.ledger.log, self.ledger.table.round, time.monotonic()
         if self.outer is not None and self.outer.dirty:
-            # the failed round's arrays go before the new ones are made (the caller dropped the
-            # failed try's frames): shared memory sized for the state once holds the rebuild,
-            # and the workers, which map them, are started afresh
+            # the failed round's arrays are the store's blocks: the checkpoint is loaded into
+            # them again (the caller dropped the failed try's frames), the state held once
             self.outer.drop()
-            self.close()
         try:
-            outer = fedmom_checkpoint.rebuild(self.dir, c, steps, self.cfg.threads, pool=self.pool_for(steps))
-        except Exception as e:         # a mismatch, a missing or damaged file, a non-finite replay
+            outer = fedmom_checkpoint.rebuild(self.dir, c, steps, self.cfg.threads, pool=self.pool_for(steps),
+                                              store=self.store, delta_bytes=self.budget.delta_bytes())
+        except Exception as e:         # a mismatch, a missing or damaged file, a non-finite replay, a disk
             if self.outer is not None:
                 self.outer.dirty = True    # whatever it holds is not a durable round: never served
-            if isinstance(e, merge_pool.WorkerDied) and not at_start:
-                # nothing durable is wrong: the next merge rebuilds first (merge), on new workers
-                log(f"fedmom: the rebuild of round {rnd} FAILED ({e}); it runs again before the next merge")
+            if isinstance(e, (merge_pool.WorkerDied, merge_pool.DiskError)) and not at_start:
+                # nothing durable is wrong (a worker died, a file block's disk failed): the next
+                # merge rebuilds first (merge), on new workers
+                log(f"fedmom: the rebuild of round {rnd} FAILED ({type(e).__name__}: {e}); it runs again before "
+                    "the next merge")
                 raise
             why = (f"the outer state of round {rnd} cannot be rebuilt from the checkpoint of round "
                    f"{c['round']} and the {len(steps)} round(s) logged since: {type(e).__name__}: {e}")
@@ -240,7 +255,8 @@ class OuterKeeper:
                 stats = outer_state.apply_round(
                     self.outer, fedmom_checkpoint.resolved(step, self.dir),
                     codec and os.path.join(self.dir, f"update-{new}.safetensors"), {"round": str(new)}, cfg.fsync,
-                    cfg.threads, after_tensor=self._after_tensor, pool=self.pool_for([step]))
+                    cfg.threads, after_tensor=self._after_tensor, pool=self.pool_for([step]),
+                    delta_bytes=self.budget.delta_bytes())
             except fedmom_merge.NonFinite as e:
                 traceback.clear_frames(e.__traceback__)     # the failed try's arrays, let go before the rebuild
                 self.rebuild()                      # the arrays are half merged: back to round rnd
@@ -449,7 +465,11 @@ class OuterKeeper:
     def status(self):
         """The outer state's part of GET /status (the caller holds the ledger's lock)."""
         L, cfg = self.ledger, self.cfg
+        mem, disk = self.budget.split() if self.budget else (0, 0)
         return {"replay_error": self.replay_error,
+                "memory": self.budget and {"budget_bytes": self.budget.memory, "fixed_bytes": self.budget.minimum(),
+                                           "in_memory_bytes": mem, "on_disk_bytes": disk,
+                                           "outer_dir": self.outer_dir if disk else None},
                 "checkpoint": {"round": L.ckpt["round"], "every": cfg.checkpoint_rounds,
                                "logged_rounds": [s.round for s in L.log], "last": self.last_checkpoint},
                 "parameters": sum(int(np.prod(s)) for s in self.specs.values()), "tensors": len(self.specs),

@@ -16,13 +16,16 @@ the three loops below drive its rounds, its calls to DARL and the blob store's r
     # first start: the initial model (any float dtype; theta_global is kept in fp32)
     python fedmom_server.py --state-dir state/fedmom --init init.safetensors
     # every later start resumes from the state dir (--init is then optional)
-    python fedmom_server.py --state-dir state/fedmom [--outer-lr 0.7 --outer-momentum 0.9
+    python fedmom_server.py --state-dir state/fedmom [--memory-gb 48 --outer-dir /nvme/outer
+        --outer-lr 0.7 --outer-momentum 0.9
         --round-deadline-s 1800 --member-timeout-s 300 --blob-url https://127.0.0.1:29512
         --darl https://127.0.0.1:29510 --ca-file ca.pem --token-file FILE
         --darl-token-file AGGREGATOR_TOKEN_FILE --tls-cert server.pem --tls-key server.key
         --down-wire int4 --down-wire-block 128 --keep-rounds 3 --phase-s 600 --quorum 0.5 --grace-frac 0.2]
     # what is it doing?
     python fedmom_server.py status --url https://127.0.0.1:29511 [--token-file FILE --ca-file ca.pem]
+    # what will a run need (RAM at a budget, disk, seconds a round)?
+    python fedmom_server.py plan --params 8e9 --sites 2 --down-wire int4 [--memory-gb 48 | --init FILE]
 
 Port 29511, bound to 127.0.0.1 unless --host says otherwise (a non-loopback bind
 needs a token and TLS, or --insecure; httpd_loop.py has the connection limits). Callers: the sites' outer step (diloco.py's HTTP
@@ -34,9 +37,17 @@ cannot send a bearer header. --private-page puts GET / behind the token as well.
 
 The outer step: the deltas d_i = theta_i - theta_global of a round, weighted by the
 tokens each site trained on, take one Nesterov-momentum step of theta_global; the
-rule, exactly, is fedmom_merge.py's docstring. The merge streams one tensor at a time
-from the delta files into tensorio writers for the new theta and momentum, so its
-memory is a few times the largest tensor, not the model.
+rule, exactly, is fedmom_merge.py's docstring. It runs on the outer state (theta, the
+momentum, the --down-wire residual: 4 B/param each), tensor by tensor, in cache-sized
+pieces on --merge-procs worker processes (outer_state.apply_round).
+
+Memory (--memory-gb G, default 3/4 of the machine's; outer_budget.py has the arithmetic):
+the aggregator and its workers hold at most G, shared memory included. Its fixed part
+(the processes, a round's working memory: a few times the largest tensor) comes first; the
+outer state stays in memory as far as the rest of G goes and lives in file blocks in
+--outer-dir beyond it, read and written a piece at a time by the same workers, the same
+bits. A start refuses in one line, naming the flag, when RAM, shared memory or --outer-dir
+cannot hold what G asks; `plan` says what a run needs before it starts.
 
 Compressed downstream (--down-wire int8|int4|int2|topk|bf16; default f32 = off): after the
 merge, the step theta_merged - theta_r plus what the last update rounded away is encoded
@@ -136,10 +147,10 @@ is retried every 30 s.
 State dir (--state-dir): a checkpoint of theta, momentum and residual (every
 --checkpoint-rounds rounds; between them a round's durable record is its deltas, its
 update and its line in state.json, and a restart replays the rounds since the checkpoint
-in memory, bit for bit), state.json, rounds.jsonl and spool/, and the DARL commits and
-aborts owed; fedmom_state.py's docstring has the layout. The outer state lives in memory
-(4 B/param for theta, and as much for the momentum and for the residual of --down-wire);
---threads sets the cores its merge and codecs use.
+into the outer state's blocks, bit for bit), state.json, rounds.jsonl and spool/, and the
+DARL commits and aborts owed; fedmom_state.py's docstring has the layout. --outer-dir
+(default outer/ in it) holds only scratch: the file blocks of the outer state kept out of
+memory, swept at a start. --threads sets the cores its merge and codecs use.
 
 Retention (--keep-rounds K, default 3): the theta/update blobs of the last K rounds stay
 in the blob store (so a download begun before a merge can finish); fedmom_blobs.BlobRetention deletes
@@ -169,10 +180,13 @@ import time
 
 import darl_table
 import fedmom_checkpoint
+import fedmom_outer
 import fedmom_state
 import durable
 import httpc
+import outer_budget
 import httpd
+import outer_state
 import testhooks
 import status_page
 import wire
@@ -395,6 +409,11 @@ def print_status(url, token=None, last=10, ca_file=None):
           f"aborts owed {st['pending_aborts']}")
     for line in alarm_lines(st):
         print(line)
+    m = st.get("memory")
+    if m:
+        print(f"memory budget {outer_budget.gb(m['budget_bytes'])} (fixed {outer_budget.gb(m['fixed_bytes'])}): "
+              f"outer state {outer_budget.gb(m['in_memory_bytes'])} in memory, {outer_budget.gb(m['on_disk_bytes'])} "
+              f"on disk" + (f" in {m['outer_dir']}" if m["outer_dir"] else ""))
     print(f"members ({len(st['members'])}):" + ("" if st["members"] else " none"))
     for m in st["members"]:
         print(f"  {m['cluster']:<16} {m['incarnation']:<20} heard {m['heard_s_ago']:>6.1f} s ago  "
@@ -508,10 +527,20 @@ def _server_parser():
                    help="threads for a delta's decode at acceptance and for a round run in this process "
                         "(default $WIRE_THREADS, else every core); any number gives the same bits")
     p.add_argument("--merge-procs", type=int, default=None,
-                   help="worker processes a round (and a restart's replay) runs on, the outer state in shared "
-                        "memory ($PWW_SHM_DIR, default /dev/shm: it needs the arrays' size free there): numpy "
+                   help="worker processes a round (and a restart's replay) runs on, the outer state's memory "
+                        "part in shared memory ($PWW_SHM_DIR, default /dev/shm; --memory-gb counts it): numpy "
                         "threads share one interpreter lock and barely help, processes do (merge_pool.py); "
                         "1 = this process alone; any number gives the same bits (default every core)")
+    p.add_argument("--memory-gb", type=float, default=None,
+                   help="GB the aggregator and its merge workers may hold, shared memory included: the outer "
+                        "state (12 B/param with --down-wire) stays in memory as far as it fits, the rest in file "
+                        "blocks in --outer-dir; below the fixed part (its processes, a round's working memory) the "
+                        "start refuses. Default: 3/4 of the machine's memory, at most 9/10 of what is available "
+                        "and, with --merge-procs, what shared memory holds (outer_budget.py; `plan` prints a run's)")
+    p.add_argument("--outer-dir", default=None,
+                   help="where the outer state that --memory-gb leaves out of memory lives, as scratch file blocks "
+                        "(never a checkpoint; a start sweeps them): a local disk, the faster the better "
+                        f"(default {outer_budget.OUTER_DIR}/ in --state-dir)")
     p.add_argument("--private-page", action="store_true", help="require the token for GET / too (default: public)")
     p.add_argument("--accept-config-change", action="store_true",
                    help="--outer-lr/--outer-momentum differ from those the state was run with: apply the new "
@@ -521,15 +550,32 @@ def _server_parser():
 
 
 def _offline(what, fn, a):
-    """fn(state_dir, threads) on a stopped aggregator's state dir, holding its lock (never
-    beside a running server); a state it cannot rebuild is a one-line SystemExit."""
+    """fn(state_dir, threads, store) on a stopped aggregator's state dir, holding its lock (never
+    beside a running server), its outer state placed by --memory-gb as a server's is (no merge
+    workers); a state it cannot rebuild is a one-line SystemExit."""
     fd = durable.lock_state_dir(a.state_dir, "fedmom_server")
+    store = None
     try:
-        return fn(a.state_dir, a.threads)
+        sd = os.path.abspath(a.state_dir)
+        ckpt, _ = fedmom_checkpoint.read_record(fedmom_checkpoint.read_state(sd), f"{sd}/state.json")
+        _, store = outer_budget.make_store(fedmom_checkpoint.read_shapes(sd, ckpt), outer_state.ARRAYS, None, 0,
+                                           a.memory_gb, a.outer_dir or os.path.join(sd, outer_budget.OUTER_DIR),
+                                           lambda m: print(f"{what}: {m}", file=sys.stderr))
+        return fn(a.state_dir, a.threads, store)
     except ValueError as e:
         raise SystemExit(f"{what}: {e}")
     finally:
+        if store is not None:
+            store.release()
         os.close(fd)
+
+
+def _offline_args(p):
+    p.add_argument("--threads", type=int, default=None, help="cores for the replay (default every core)")
+    p.add_argument("--memory-gb", type=float, default=None,
+                   help="GB the outer state may take in memory, the rest in file blocks in --outer-dir (default: "
+                        "the machine's, as the server's)")
+    p.add_argument("--outer-dir", default=None, help=f"(default {outer_budget.OUTER_DIR}/ in --state-dir)")
 
 
 def export(argv):
@@ -542,7 +588,7 @@ def export(argv):
                                "turns it into a Hugging Face checkpoint)")
     p.add_argument("--momentum", help="also write the momentum buffer here")
     p.add_argument("--residual", help="also write what the last update rounded away here (--down-wire)")
-    p.add_argument("--threads", type=int, default=None, help="cores for the replay (default every core)")
+    _offline_args(p)
     a = p.parse_args(argv)
     outer = _offline("export", fedmom_checkpoint.load_outer, a)
     for which, path in (("theta", a.out), ("momentum", a.momentum), ("residual", a.residual)):
@@ -563,14 +609,61 @@ def checkpoint(argv):
     p = argparse.ArgumentParser(prog="fedmom_server.py checkpoint", description=checkpoint.__doc__)
     p.add_argument("checkpoint")
     p.add_argument("--state-dir", required=True, help="the aggregator's --state-dir (the server stopped)")
-    p.add_argument("--threads", type=int, default=None, help="cores for the replay (default every core)")
+    _offline_args(p)
     a = p.parse_args(argv)
-    rnd = _offline("checkpoint", fedmom_checkpoint.checkpoint_offline, a)
+    rnd = _offline("checkpoint", lambda sd, threads, store: fedmom_checkpoint.checkpoint_offline(sd, threads,
+                                                                                              store=store), a)
     print(f"{a.state_dir}: round {rnd} is the checkpoint; nothing is left to replay")
     return 0
 
 
+def plan(argv):
+    """fedmom_server.py plan: what a run needs (outer_budget.plan): RAM at the budget, the disk,
+    and the central seconds of a round in memory, at the budget and with nothing in memory."""
+    p = argparse.ArgumentParser(prog="fedmom_server.py plan", description=plan.__doc__)
+    p.add_argument("plan")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--params", type=float, help="parameters of the model (8e9); its largest tensor is taken as "
+                                                   "the embedding of the Qwen3 flavor nearest in size")
+    size.add_argument("--init", help="the model's --init file (its header gives every tensor's shape)")
+    p.add_argument("--sites", type=int, default=2, help="sites sending a delta each round (default 2)")
+    p.add_argument("--wire", choices=wire.FORMATS, default="int4", help="the sites' delta format (default int4)")
+    p.add_argument("--down-wire", choices=wire.FORMATS, default="int4", help="as the server's (default int4 here)")
+    p.add_argument("--memory-gb", type=float, default=None, help="the budget (default: all in memory)")
+    p.add_argument("--merge-procs", type=int, default=16, help="merge workers (default 16)")
+    p.add_argument("--cores", type=int, default=16, help="the central VM's cores (default 16)")
+    p.add_argument("--outer-momentum", type=float, default=ServerConfig.outer_momentum,
+                   help=f"as the server's (default {ServerConfig.outer_momentum}; 0 keeps no momentum)")
+    p.add_argument("--checkpoint-rounds", type=int, default=fedmom_state.CHECKPOINT_ROUNDS,
+                   help=f"as the server's (default {fedmom_state.CHECKPOINT_ROUNDS})")
+    p.add_argument("--keep-rounds", type=int, default=fedmom_state.KEEP_ROUNDS,
+                   help=f"as the server's (default {fedmom_state.KEEP_ROUNDS})")
+    p.add_argument("--rates", help="a bench/scale_round.py --json file: its measured rates (default: "
+                                   f"{outer_budget.RATES['source']})")
+    nvme = f"{outer_budget.NVME['read_bps'] / 1e9:g},{outer_budget.NVME['write_bps'] / 1e9:g}"
+    p.add_argument("--disk-gbs", default=nvme,
+                   help=f"READ,WRITE GB/s of the --outer-dir disk (default: a local NVMe's, {nvme})")
+    a = p.parse_args(argv)
+    codec = lambda fmt: None if fmt == "f32" else wire.Codec(fmt).validate()
+    if a.init:
+        shapes, how = fedmom_outer.init_shapes(a.init), f"--init {a.init}"
+    else:
+        shapes, how = outer_budget.shapes_of(int(a.params)), "--params: the largest tensor a Qwen3 embedding"
+    try:
+        read, write = (float(x) * 1e9 for x in a.disk_gbs.split(","))
+    except ValueError:
+        raise SystemExit(f"plan: --disk-gbs {a.disk_gbs}: give READ,WRITE in GB/s, e.g. 3,2")
+    rates = outer_budget.rates_from(a.rates) if a.rates else outer_budget.RATES
+    for line in outer_budget.plan(shapes, how, a.sites, codec(a.wire), codec(a.down_wire), a.memory_gb,
+                                  a.merge_procs, a.cores, a.outer_momentum, a.checkpoint_rounds, a.keep_rounds,
+                                  rates, {"read_bps": read, "write_bps": write}):
+        print(line)
+    return 0
+
+
 def main(argv):
+    if argv[:1] == ["plan"]:
+        return plan(argv)
     if argv[:1] == ["export"]:
         return export(argv)
     if argv[:1] == ["checkpoint"]:
@@ -597,7 +690,7 @@ def main(argv):
                        down_wire=a.down_wire, down_wire_block=a.down_wire_block,
                        keep_rounds=a.keep_rounds, checkpoint_rounds=a.checkpoint_rounds,
                        threads=a.threads, merge_procs=a.merge_procs, phase_s=a.phase_s, quorum=a.quorum,
-                       grace_frac=a.grace_frac).validate()
+                       grace_frac=a.grace_frac, memory_gb=a.memory_gb, outer_dir=a.outer_dir).validate()
     serve(cfg, a)
 
 

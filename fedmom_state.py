@@ -13,7 +13,8 @@ FedMomState is put together from (ARCHITECTURE.md section 2 draws it):
                               the violation counters (its docstring states the rules)
     fedmom_store.Ledger       state.json and rounds.jsonl, and the lock over the books
     fedmom_store.Spool        the accepted deltas' files
-    fedmom_outer.OuterKeeper  theta, momentum and residual in memory: merged, checkpointed, rebuilt
+    fedmom_outer.OuterKeeper  theta, momentum and residual (in memory, or on disk past --memory-gb):
+                              merged, checkpointed, rebuilt
     fedmom_darl.Custodian     the custody calls to DARL (with --darl)
 Each of its methods (join, heartbeat, leave, check_delta_meta, receive_delta, fetch_delta,
 accept_delta, tick, darl_tick, status, ...) asks the RoundTable for the decision and does
@@ -22,9 +23,10 @@ fedmom_round.Refused(status, reason, **extra) for a request they refuse, which
 fedmom_server.py turns into the HTTP reply.
 
 State dir (everything replaced atomically: temp file, fsync, rename, fsync the dir).
-The outer state (theta_global, momentum, the residual of --down-wire) lives in memory
-(outer_state.OuterState, 4 B/param each); what is durable is what a restart needs to
-rebuild it bit for bit:
+The outer state (theta_global, momentum, the residual of --down-wire; outer_state.OuterState,
+4 B/param each) lives in memory as far as --memory-gb goes and in scratch file blocks in
+--outer-dir (default outer/ here) beyond it (outer_budget.py); what is durable is what a
+restart needs to rebuild it bit for bit:
     ckpt-<r>/                 the checkpoint: theta_global, momentum and residual, fp32, in
                               segments of 64 MiB per array (fedmom_checkpoint.py), each with
                               its round; written every --checkpoint-rounds rounds (and round 0
@@ -91,6 +93,7 @@ import dataclasses
 import math
 import os
 import secrets
+import threading
 import time
 import traceback
 
@@ -145,6 +148,8 @@ class ServerConfig:
     phase_s: float | None = None      # the round cadence offered to every site (None: not offered)
     quorum: float | None = None       # fraction of a round's expected tokens that closes it after the grace
     grace_frac: float = GRACE_FRAC    # the quorum's grace, as a fraction of the recent round length
+    memory_gb: float | None = None    # what the aggregator and its workers may hold (None: the machine's)
+    outer_dir: str | None = None      # the outer state's file blocks (None: outer_budget.OUTER_DIR in the state dir)
 
     def round_quorum(self):
         """--quorum as the rounds use it: given, else QUORUM_WITH_PHASE with --phase-s (sites on a cadence:
@@ -190,6 +195,9 @@ class ServerConfig:
                              f"{CHECKPOINT_ROUNDS} rounds, the rounds between replayed at a restart)")
         if self.threads is not None and not (_is_int(self.threads) and self.threads >= 1):
             raise SystemExit(f"--threads {self.threads} must be an integer >= 1 (default: every core)")
+        if self.memory_gb is not None and not (self.memory_gb > 0 and math.isfinite(self.memory_gb)):
+            raise SystemExit(f"--memory-gb {self.memory_gb} must be a positive number of GB (default: 3/4 of the "
+                             "machine's memory; `fedmom_server.py plan` says what a run needs)")
         if self.merge_procs is not None and not (_is_int(self.merge_procs) and self.merge_procs >= 1):
             raise SystemExit(f"--merge-procs {self.merge_procs} must be an integer >= 1 (default: every core; 1 "
                              "runs the round in the aggregator's own process)")
@@ -309,12 +317,12 @@ class FedMomState:
         self.keeper = fedmom_outer.OuterKeeper(cfg, self.dir, self.ledger, clock)
         self.custodian = None if darl is None else fedmom_darl.Custodian(darl, self.ledger, self.spool, wall)
         self.merge_error = None       # the last merge's failure (a full disk), until one succeeds
+        self.check_lock = threading.Lock()
         if os.path.exists(self.ledger.path):
             self._load()
         else:
             self._create()
         self.keeper.clean_dir()
-        self.keeper.check_shared_memory()
         self.spool.clean({f for p in self.pending.values() for f in (p.path, p.meta_path)}
                          | self.keeper.logged_files())
         if self.outer is None:                # (a new state dir holds it already: round 0 from --init)
@@ -457,8 +465,11 @@ class FedMomState:
                 return dup
             t0 = time.monotonic()
             try:
-                # a compressed delta is checked as its decoded values and spooled as it came
-                norm = fedmom_merge.check_delta_file(part, self.keeper.specs, self.cfg.threads)
+                # a compressed delta is checked as its decoded values and spooled as it came; one
+                # at a time: --memory-gb counts one check's parts (outer_budget.CHECK_BYTES), and
+                # each already uses every core
+                with self.check_lock:
+                    norm = fedmom_merge.check_delta_file(part, self.keeper.specs, self.cfg.threads)
             except fedmom_merge.DeltaRejected as e:
                 with self.ledger.lock:
                     t.exclude(meta, e.reason, self.wall())

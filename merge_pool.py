@@ -1,14 +1,16 @@
-"""merge_pool.py - the aggregator's round on every core: worker processes over shared memory.
+"""merge_pool.py - the aggregator's round on every core: worker processes over blocks they share.
 
 Runs on: the central VM, imported by outer_state.py and fedmom_outer.py; standard library +
 numpy; never torch. The workers are `python outer_state.py --merge-worker` (outer_state.py's
 piece code, this module's serve() loop), one process per fedmom_server.py --merge-procs,
-started by Pool. No port, no state of its own: its shared memory blocks are
-files in $PWW_SHM_DIR (default /dev/shm), named pww-fedmom-<aggregator pid>-<random>-<n>,
-each held under a shared flock by the process that made it for as long as it lives (so
-whose a block is never rests on a pid, which another pid namespace does not see and a
-restart may get again); removed when the aggregator lets go of them, and after a crash by
-the next start's sweep, which removes only the blocks no live process holds (sweep_stale).
+started by Pool. No port, no state of its own. Its blocks are files named
+pww-fedmom-<aggregator pid>-<random>-<n>: shared memory blocks in $PWW_SHM_DIR (default
+/dev/shm, mapped), and file blocks in fedmom_server.py --outer-dir (on disk, for the part of
+the outer state --memory-gb leaves out of memory: outer_budget.py). Each is held under a
+shared flock by the process that made it for as long as it lives (so whose a block is never
+rests on a pid, which another pid namespace does not see and a restart may get again);
+removed when the aggregator lets go of it, and after a crash by the next start's sweep,
+which removes only the blocks no live process holds (sweep_stale).
 
 Why processes: a round is numpy work on cache-sized pieces (outer_state.apply_round), some 40
 numpy calls of ~10-60 us per 64K values. Threads share one interpreter lock between those
@@ -16,13 +18,17 @@ calls, and measured here two threads ran a round no faster than one (12.9 vs 16.
 parameter at 64K pieces; 14.5 vs 12.9 at 256K, where the pieces leave the cache): the
 cores sat idle. Processes each have their own.
 
-How: the outer state's arrays (theta, momentum, residual) live in shared memory blocks
-(SharedArrays, a dict of float32 views into one file mapping), so a worker writes its
-pieces where the aggregator reads them, nothing copied. Per tensor, the aggregator cuts the
-pieces into one contiguous run per worker and sends each a Task: the step (delta paths,
-weights, lr, mu, codec), where the tensor's arrays are, where its update's codes and scales
-go (a scratch block), and the pieces with their flags. The worker opens the delta files
-itself (fedmom_merge.DeltaReader, read once per tensor), runs outer_state's piece code and
+How: the outer state's arrays (theta, momentum, residual) live in blocks (BlockArrays, a
+dict of float32 views into one shared memory mapping, and of FileTensors for the tensors
+kept on disk), so a worker writes its pieces where the aggregator reads them. A file block
+is never mapped: its pieces are read and written with pread/pwrite, so a disk error is a
+DiskError that fails the round (a mapped page would kill the process with SIGBUS), and the
+aggregator fdatasyncs the file blocks before a round is published (a write-back error too).
+Per tensor, the aggregator cuts the pieces into one contiguous run per worker and sends each
+a Task: the step (delta paths, weights, lr, mu, codec), where the tensor's arrays are, where
+its update's codes and scales go (a scratch block), and the pieces with their flags. The
+worker opens the delta files itself (fedmom_merge.DeltaReader: the parts of its own run of
+the tensor, not the whole tensor's), runs outer_state's piece code and
 answers each piece's norms and whether it stayed finite. Every value is computed by the
 same float32 operations in the same process-independent order, so the bits are those of
 one thread (tests/test_merge_pool.py). A worker that dies fails the round (the aggregator
@@ -35,6 +41,7 @@ aggregator's shared memory that its restart needs).
     state.share()                                   # theta, momentum, residual into shared memory
     outer_state.apply_round(state, step, out_update, pool=pool)
     pool.close()
+    arrays = BlockArrays(shapes, on_disk={"embed"}, disk_dir="state/outer")   # "embed" in a file
 """
 import atexit
 import errno
@@ -74,7 +81,7 @@ def min_params():
 PREFIX = "pww-fedmom-"
 _counter = iter(range(1 << 62))
 _counter_lock = threading.Lock()
-_owned = set()                   # the names this process made and has not removed yet (atexit removes them)
+_owned = set()                   # the block paths this process made and has not removed yet (atexit removes them)
 _TOKEN = secrets.token_hex(4)    # in the names: a pid alone is not unique across pid namespaces and restarts
 
 
@@ -90,20 +97,7 @@ class Block:
     def __init__(self, nbytes=None, name=None):
         self.owner, self.fd = name is None, None
         if self.owner:
-            free = _free_bytes(shm_dir())
-            if free is not None and nbytes > free:
-                raise _no_room(free, nbytes)
-            name, fd = _create()
-            try:
-                os.ftruncate(fd, max(nbytes, 1))
-                # the pages taken now: a tmpfs that fills later would SIGBUS whoever writes there first
-                os.posix_fallocate(fd, 0, max(nbytes, 1))
-            except BaseException as e:
-                os.close(fd)
-                _remove(name)
-                if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-                    raise _no_room(_free_bytes(shm_dir()) or 0, nbytes) from None
-                raise
+            name, fd = _allocate(shm_dir(), nbytes, _no_room)
             self.fd = fd                                 # kept open: the flock is this process's claim
         else:
             fd = os.open(os.path.join(shm_dir(), name), os.O_RDWR)
@@ -122,55 +116,212 @@ class Block:
     def release(self):
         """The creator removes the name (the memory goes with the last mapping)."""
         if self.owner:
-            _remove(self.name)
+            _remove(os.path.join(shm_dir(), self.name))
             self.owner = False
             os.close(self.fd)
             self.fd = None
 
 
+class FileBlock:
+    """One block of the outer state on disk: a file in `dir` (fedmom_server.py --outer-dir),
+    made, flock'd and swept like a Block, its blocks taken at once (posix_fallocate: a full
+    disk refuses here, never mid-round). Never mapped: its tensors (FileTensor) are read and
+    written with pread/pwrite, so a disk error is an OSError (EIO) that fails the round where
+    a mapped page would SIGBUS the process. Its key, in a worker's Task, is its path (a shared
+    memory Block's is its bare name)."""
+
+    def __init__(self, nbytes=None, path=None, dir=None):
+        self.owner = path is None
+        if self.owner:
+            name, self.fd = _allocate(dir, nbytes, lambda free, n: _no_disk(dir, free, n))
+            path = os.path.join(dir, name)
+        else:
+            self.fd = os.open(path, os.O_RDWR)
+        self.name = self.path = path
+        self.size = os.fstat(self.fd).st_size
+
+    def view(self, offset, count, dtype=np.float32):
+        if np.dtype(dtype) != np.float32:
+            raise ValueError(f"{self.path}: a file block holds float32 arrays only")
+        return FileTensor(self, offset, count)
+
+    def sync(self):
+        """fdatasync: a write-back error of anything written to it so far raises here (DiskError)."""
+        _disk(lambda: os.fdatasync(self.fd), self)
+
+    def release(self):
+        if self.fd is None:
+            return
+        if self.owner:
+            _remove(self.path)
+            self.owner = False
+        try:
+            os.close(self.fd)
+        except OSError:                                  # a failed disk's last write-back error
+            pass
+        self.fd = None
+
+
+class DiskError(OSError):
+    """An I/O error of a file block (EIO, a disk gone): the round fails and the state is
+    rebuilt; nothing durable is wrong (a state dir file that cannot be read is another OSError)."""
+
+
+def _disk(fn, block):
+    """fn() with an OSError of the file block raised as DiskError, naming the file."""
+    try:
+        return fn()
+    except DiskError:
+        raise
+    except OSError as e:
+        raise DiskError(e.errno, f"{block.path}: {e.strerror or e} (a file block of the outer state, "
+                                 "--outer-dir)") from None
+
+
+class FileTensor:
+    """`count` float32 values at byte `offset` of a FileBlock, read and written by ranges of
+    elements; `whole()` reads all of it (the caller's memory: a tensor, never the model)."""
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, block, offset, count):
+        self.block, self.offset, self.size = block, offset, count
+        self.nbytes, self.shape = 4 * count, (count,)
+
+    def read(self, lo, hi, out=None):
+        """Elements [lo, hi) -> out[:hi - lo] (a new array without out)."""
+        out = np.empty(hi - lo, np.float32) if out is None else out[:hi - lo]
+        view, pos, done = memoryview(out).cast("B"), self.offset + 4 * lo, 0
+        while done < len(view):
+            got = _disk(lambda: os.preadv(self.block.fd, [view[done:]], pos + done), self.block)
+            if got == 0:
+                raise DiskError(errno.EIO, f"{self.block.path}: ends early (truncated under the aggregator?)")
+            done += got
+        return out
+
+    def write(self, lo, hi, a):
+        """Elements [lo, hi) <- a (float32, hi - lo of them)."""
+        view, pos, done = memoryview(np.ascontiguousarray(a, np.float32)).cast("B"), self.offset + 4 * lo, 0
+        if len(view) != 4 * (hi - lo):
+            raise ValueError(f"{self.block.path}: {len(view) // 4} values for elements [{lo}, {hi})")
+        while done < len(view):
+            done += _disk(lambda: os.pwritev(self.block.fd, [view[done:]], pos + done), self.block)
+
+    def whole(self):
+        return self.read(0, self.size)
+
+
+def piece(a, lo, hi, buf):
+    """Elements [lo, hi) of a flat float32 array (a view: nothing copied) or of a FileTensor
+    (read into buf). put() writes a piece back where it came from."""
+    return a[lo:hi] if isinstance(a, np.ndarray) else a.read(lo, hi, buf)
+
+
+def put(a, lo, hi, x):
+    """The piece x of elements [lo, hi) back into a FileTensor (an array's piece is a view of it already)."""
+    if not isinstance(a, np.ndarray):
+        a.write(lo, hi, x)
+
+
+def whole(a):
+    """A flat float32 array, or a FileTensor read whole (one tensor in the caller's memory)."""
+    return a if isinstance(a, np.ndarray) else a.whole()
+
+
+CHUNK_BYTES = 16 << 20           # a FileTensor copied to or from a file this much at a time
+
+
+def zero(a, lo=0, hi=None):
+    """Elements [lo, hi) of an array or FileTensor set to 0."""
+    hi = a.size if hi is None else hi
+    if isinstance(a, np.ndarray):
+        a[lo:hi].fill(0)
+        return
+    z = np.zeros(min(max(hi - lo, 1), CHUNK_BYTES // 4), np.float32)
+    for s in range(lo, hi, z.size):
+        a.write(s, min(s + z.size, hi), z[:min(z.size, hi - s)])
+
+
+def chunks(a, lo=0, hi=None, buf=None):
+    """Elements [lo, hi) of an array or FileTensor as flat float32 pieces of CHUNK_BYTES at
+    most (views of an array; reads of a FileTensor into one reused buffer: each piece is
+    overwritten by the next)."""
+    hi = a.size if hi is None else hi
+    if isinstance(a, np.ndarray):
+        yield a[lo:hi]
+        return
+    step = CHUNK_BYTES // 4
+    buf = np.empty(min(step, max(hi - lo, 1)), np.float32) if buf is None else buf
+    for s in range(lo, hi, len(buf)):
+        yield a.read(s, min(s + len(buf), hi), buf)
+
+
+def _allocate(d, nbytes, no_room):
+    """A new block file of nbytes in d, its blocks taken now, flock'd -> (name, fd). A tmpfs
+    that fills later would SIGBUS whoever writes there first; a disk, fail a write mid-round."""
+    free = _free_bytes(d)
+    if free is not None and nbytes > free:
+        raise no_room(free, nbytes)
+    name, fd = _create(d)
+    try:
+        os.ftruncate(fd, max(nbytes, 1))
+        os.posix_fallocate(fd, 0, max(nbytes, 1))
+    except BaseException as e:
+        os.close(fd)
+        _remove(os.path.join(d, name))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise no_room(_free_bytes(d) or 0, nbytes) from None
+        raise
+    return name, fd
+
+
 def _no_room(free, nbytes):
     return MemoryError(f"{shm_dir()} has {size(free)} free, the outer state's shared arrays need "
                        f"{size(nbytes)} more: enlarge it (mount -o remount,size=... {shm_dir()}), point "
-                       f"${SHM_ENV} at a larger tmpfs, or run with --merge-procs 1 (the arrays in private "
-                       "memory, one core)")
+                       f"${SHM_ENV} at a larger tmpfs, or lower --memory-gb (the rest of the outer state "
+                       "on disk, in --outer-dir)")
 
 
-def _create():
-    """A new block file in shm_dir(), flock'd (shared) by this process -> (name, fd). A sweep
-    may take a file between its creation and the flock (it is not held yet): then another."""
+def _no_disk(d, free, nbytes):
+    return OSError(errno.ENOSPC, f"{d} has {size(free)} free, the outer state's file blocks need {size(nbytes)} "
+                                 "more: point --outer-dir at a larger disk, or raise --memory-gb")
+
+
+def _create(d):
+    """A new block file in d, flock'd (shared) by this process -> (name, fd). A sweep may
+    take a file between its creation and the flock (it is not held yet): then another."""
     while True:
         with _counter_lock:
             n = next(_counter)
         name = f"{PREFIX}{os.getpid()}-{_TOKEN}-{n}"
-        path = os.path.join(shm_dir(), name)
+        path = os.path.join(d, name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
             continue
-        _owned.add(name)
+        _owned.add(path)
         fcntl.flock(fd, fcntl.LOCK_SH)
         try:
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
                 return name, fd
         except FileNotFoundError:
             pass
-        _owned.discard(name)                             # swept before the flock: not ours any more
+        _owned.discard(path)                             # swept before the flock: not ours any more
         os.close(fd)
 
 
-def _remove(name):
-    _owned.discard(name)
+def _remove(path):
+    _owned.discard(path)
     try:
-        os.unlink(os.path.join(shm_dir(), name))
-    except FileNotFoundError:
+        os.unlink(path)
+    except OSError:                                      # gone, or its disk failed: the next sweep's
         pass
 
 
 @atexit.register
 def _remove_all():
     """At exit, whatever this process still names (a SIGKILL leaves them to sweep_stale)."""
-    for name in list(_owned):
-        _remove(name)
+    for path in list(_owned):
+        _remove(path)
 
 
 def size(n):
@@ -178,9 +329,9 @@ def size(n):
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def free_bytes():
-    """Bytes free in shm_dir(), or None if it cannot be read."""
-    return _free_bytes(shm_dir())
+def free_bytes(d=None):
+    """Bytes free in d (default shm_dir()), or None if it cannot be read."""
+    return _free_bytes(d or shm_dir())
 
 
 def _free_bytes(d):
@@ -191,18 +342,18 @@ def _free_bytes(d):
     return st.f_bavail * st.f_frsize
 
 
-def sweep_stale():
-    """Remove the blocks no live process holds (a SIGKILLed aggregator's flocks went with it),
-    whatever pid namespace made them -> count."""
-    n = 0
+def sweep_stale(d=None):
+    """Remove the blocks in d (default shm_dir()) no live process holds (a SIGKILLed
+    aggregator's flocks went with it), whatever pid namespace made them -> count."""
+    n, d = 0, d or shm_dir()
     try:
-        names = os.listdir(shm_dir())
+        names = os.listdir(d)
     except OSError:
         return 0
     for fn in names:
         if not fn.startswith(PREFIX):
             continue
-        path = os.path.join(shm_dir(), fn)
+        path = os.path.join(d, fn)
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
@@ -219,38 +370,72 @@ def sweep_stale():
     return n
 
 
-class SharedArrays(dict):
-    """{name: flat float32 array} of `shapes`, in one Block, in the order of `shapes`; .where(n)
-    says where tensor n is, for a worker: (block name, byte offset, count)."""
+class BlockArrays(dict):
+    """{name: flat float32 array} of `shapes`, in the order of `shapes`: the tensors in memory
+    in one shared memory Block (private numpy arrays with shared=False: a round in one
+    process), those in `on_disk` as FileTensors of one FileBlock in `disk_dir`. .where(n) says
+    where tensor n is, for a worker: (block key, byte offset, count)."""
 
-    def __init__(self, shapes, zero=False):
+    def __init__(self, shapes, zero=False, on_disk=(), disk_dir=None, shared=True):
         counts = {n: math.prod(sh) for n, sh in shapes.items()}
-        self.block = Block(4 * sum(counts.values()))
-        self.offsets, off = {}, 0
+        mem = [n for n in counts if n not in on_disk]
+        disk = [n for n in counts if n in on_disk]
+        self.block = Block(4 * sum(counts[n] for n in mem)) if shared and mem else None
+        self.file = FileBlock(4 * sum(counts[n] for n in disk), dir=disk_dir) if disk else None
+        self.offsets = {}
         super().__init__()
-        for n, c in counts.items():
-            self.offsets[n] = off
-            self[n] = self.block.view(off, c)
-            off += 4 * c
+        for where, names in ((self.block, mem), (self.file, disk)):
+            off = 0
+            for n in names:
+                self.offsets[n] = off
+                self[n] = where.view(off, counts[n]) if where is not None else np.empty(counts[n], np.float32)
+                off += 4 * counts[n]
+        for n in shapes:                                  # in the order of shapes
+            self[n] = self.pop(n)
         if zero:
-            for a in self.values():
-                a.fill(0)
+            self.zero()
+
+    def zero(self):
+        for a in self.values():
+            zero(a)
 
     def where(self, n):
-        return self.block.name, self.offsets[n], self[n].size
+        a = self[n]
+        if isinstance(a, FileTensor):
+            return self.file.path, self.offsets[n], a.size
+        if self.block is None:
+            raise ValueError(f"tensor {n!r} is in private memory (shared=False): a round on workers needs "
+                             "shared arrays")
+        return self.block.name, self.offsets[n], a.size
+
+    def memory_bytes(self):
+        return sum(a.nbytes for a in self.values() if isinstance(a, np.ndarray))
+
+    def disk_bytes(self):
+        return sum(a.nbytes for a in self.values() if isinstance(a, FileTensor))
+
+    def sync(self):
+        if self.file is not None:
+            self.file.sync()
+
+    def release(self):
+        """Let go of the blocks now (the arrays must not be used after)."""
+        for b in (self.block, self.file):
+            if b is not None:
+                b.release()
 
     def __del__(self):
-        block = getattr(self, "block", None)
-        if block is not None:
-            block.release()
+        if getattr(self, "block", None) is not None or getattr(self, "file", None) is not None:
+            self.release()
 
 
 def share(arrays, shapes):
-    """A dict of private arrays (or None) as SharedArrays, copied tensor by tensor and each
-    private array dropped as soon as it is copied: the peak is the arrays plus one tensor."""
-    if arrays is None or isinstance(arrays, SharedArrays):
+    """A dict of private arrays (or None) as BlockArrays in shared memory, copied tensor by
+    tensor and each private array dropped as soon as it is copied: the peak is the arrays plus
+    one tensor. Arrays already in blocks stay as they are."""
+    if arrays is None or isinstance(arrays, BlockArrays):
         return arrays
-    out = SharedArrays(shapes)
+    out = BlockArrays(shapes)
     for n in list(arrays):
         np.copyto(out[n], arrays.pop(n))
     return out
@@ -362,7 +547,7 @@ class Pool:
 def _exit_with_parent():
     """A thread of the worker's: it exits as soon as its aggregator is gone, mid-task too
     (between tasks the pipe's EOF says so as well), so that no worker of a killed aggregator
-    keeps its shared memory mapped: the restart's check (fedmom_outer.check_shared_memory)
+    keeps its shared memory mapped: the restart's check (outer_budget.check_machine)
     needs that memory free."""
     parent = int(os.environ.get(PARENT_ENV) or os.getppid())
 
@@ -389,9 +574,11 @@ def serve(session):
         try:
             names = task.blocks()
             for name in names:
-                if name not in blocks:
-                    blocks[name] = Block(name=name)
+                if name not in blocks:                  # a file block's key is its path
+                    blocks[name] = FileBlock(path=name) if os.path.isabs(name) else Block(name=name)
             for name in [b for b in blocks if b not in names]:
+                if isinstance(blocks[name], FileBlock):
+                    blocks[name].release()
                 del blocks[name]                        # unmapped once no view of it is left
             _send(out, ("ok", session.run(task, blocks)))
         except Exception as e:                          # sent back whole: the aggregator raises it

@@ -1,4 +1,4 @@
-"""outer_state.py - the aggregator's outer state in memory, one round applied to it, and its replay.
+"""outer_state.py - the aggregator's outer state, one round applied to it, and its replay.
 
 Runs on: the central VM, inside fedmom_server.py (numpy + tensorio.py + wire.py +
 fedmom_merge.py + merge_pool.py; never torch), and as the aggregator's merge workers:
@@ -9,8 +9,11 @@ on worker processes against one thread in tests/test_merge_pool.py.
 
 OuterState holds what a round changes: theta_global (what the sites hold), the Nesterov
 momentum and, with --down-wire, the residual the updates rounded away (owed to the next
-update): one flat float32 array per tensor each, in memory (4 B/param each, 12 at most);
-share() moves them into shared memory (merge_pool.SharedArrays) for a round on workers.
+update): one flat float32 array per tensor each (4 B/param each, 12 at most). Where each
+lives is its store's (outer_budget.Store, from fedmom_server.py --memory-gb): in memory,
+shared with the merge workers (merge_pool.BlockArrays), or in a file block on disk, read and
+written a piece at a time by the same code; without a store, private arrays, which share()
+moves into shared memory for a round on workers.
 
 A round is a pure function of that state and of its Step, the round's recorded inputs:
 the accepted deltas' files with the weight each was merged with (token share x clip
@@ -25,14 +28,14 @@ ends elsewhere raises ReplayMismatch.
     state = OuterState.load("theta-8.safetensors", "momentum-8.safetensors", "residual-8.safetensors", 8)
     stats = apply_round(state, Step(9, [("spool/a", 0.25), ("spool/b", 0.75)], 0.7, 0.9, False,
                                     wire.Codec("int4")), out_update="update-9.safetensors")
-    state.save(dirname, fsync=True)       # a checkpoint: theta-9, momentum-9, residual-9
+    state.write("theta", "theta-9.safetensors")        # (fedmom_checkpoint.write_checkpoint: all three)
 
 What the state dir keeps and when it is written (round by round, the checkpoint every
 --checkpoint-rounds) is fedmom_state.py's docstring.
 
-A round that raises part way (NonFinite, a full disk) leaves the arrays half merged:
-state.dirty is set and the caller rebuilds the state from its checkpoint and the Steps
-since (fedmom_outer.OuterKeeper.rebuild).
+A round that raises part way (NonFinite, a full disk, merge_pool.DiskError) leaves the
+arrays half merged: state.dirty is set and the caller rebuilds the state from its checkpoint
+and the Steps since (fedmom_outer.OuterKeeper.rebuild).
 """
 import dataclasses
 import math
@@ -78,21 +81,29 @@ class Step:
 class OuterState:
     """theta, momentum (None: none kept yet, or --outer-momentum 0) and residual (None:
     nothing owed) as {name: flat float32 array}, in the order of `shapes`; `digest` is
-    theta's wire.Digest. A round changes them in place (apply_round)."""
+    theta's wire.Digest. A round changes them in place (apply_round).
 
-    def __init__(self, shapes, theta, momentum=None, residual=None, round=0, digest=None):
+    store: where the arrays live (outer_budget.Store: in memory, shared with the merge
+    workers, or in file blocks on disk, as --memory-gb places each tensor): the arrays are
+    its merge_pool.BlockArrays, made once and reused by every load, round and rebuild, and a
+    tensor on disk is a merge_pool.FileTensor, read and written a piece at a time. None:
+    private arrays, made as needed (tests, the offline commands)."""
+
+    def __init__(self, shapes, theta, momentum=None, residual=None, round=0, digest=None, store=None):
         self.shapes = dict(shapes)
         self.theta, self.momentum, self.residual = theta, momentum, residual
-        self.round, self.dirty = round, False
+        self.round, self.dirty, self.store = round, False, store
         self.digest = digest if digest is not None else self.theta_digest()
 
     @classmethod
-    def load(cls, theta_path, momentum_path=None, residual_path=None, round=0):
-        """The arrays from a checkpoint's files (momentum/residual None: not kept)."""
+    def load(cls, theta_path, momentum_path=None, residual_path=None, round=0, store=None):
+        """The arrays from a checkpoint's files (momentum/residual None: not kept), read
+        straight into their place (the store's blocks: no second copy)."""
         with tensorio.TensorReader(theta_path) as r:
             shapes = {n: tuple(r.specs[n][1]) for n in r.names}
-        arrays = [_read_all(p, shapes) if p else None for p in (theta_path, momentum_path, residual_path)]
-        return cls(shapes, *arrays, round=round)
+        arrays = [_read_all(p, shapes, alloc(shapes, store, k, False)) if p else None
+                  for k, p in zip(ARRAYS, (theta_path, momentum_path, residual_path))]
+        return cls(shapes, *arrays, round=round, store=store)
 
     @property
     def names(self):
@@ -104,50 +115,92 @@ class OuterState:
     def theta_digest(self):
         d = wire.Digest()
         for n, sh in self.shapes.items():
-            d.add(n, self.theta[n].reshape(sh))
+            d.add_chunks(n, sh, merge_pool.chunks(self.theta[n]))
         return d.hexdigest()
 
     def write(self, which, path, metadata=None, fsync=True):
-        """One of "theta", "momentum", "residual" as an F32 tensor file (atomic; durable with fsync)."""
+        """One of "theta", "momentum", "residual" as an F32 tensor file (atomic; durable with
+        fsync); a tensor on disk is copied a bounded piece at a time."""
         arrays = getattr(self, which)
         specs = [(n, "F32", sh) for n, sh in self.shapes.items()]
         meta = {"round": str(self.round), **{k: str(v) for k, v in (metadata or {}).items()}}
         with tensorio.TensorWriter(path, specs, meta, fsync=fsync) as w:
-            for n, sh in self.shapes.items():
-                w.write(n, arrays[n].reshape(sh))
+            for n in self.shapes:
+                w.write_chunks(n, merge_pool.chunks(arrays[n]))
         return path
 
     def share(self):
-        """theta, momentum and residual into shared memory (merge_pool.SharedArrays), for a
-        round on worker processes; already shared arrays stay as they are."""
+        """theta, momentum and residual into shared memory (merge_pool.BlockArrays), for a
+        round on worker processes; arrays already in blocks (a store's) stay as they are."""
         self.theta = merge_pool.share(self.theta, self.shapes)
         self.momentum = merge_pool.share(self.momentum, self.shapes)
         self.residual = merge_pool.share(self.residual, self.shapes)
         return self
 
+    def sync(self):
+        """The file blocks' writes on disk (fdatasync): a write-back error raises here (DiskError)."""
+        if self.store is not None:
+            self.store.sync()
+
     def drop(self):
-        """Let go of the arrays (a failed round's, before a rebuild makes new ones: shared
-        memory holds the outer state once, not twice); the state stays dirty, never served."""
+        """Let go of the arrays (a failed round's, before a rebuild: private or shared memory
+        holds the outer state once, not twice; a store keeps its blocks, which the rebuild
+        loads into); the state stays dirty, never served."""
         self.theta = self.momentum = self.residual = None
         self.dirty = True
 
     def copy(self):
-        """A deep copy (tests)."""
-        dup = lambda d: d and {n: a.copy() for n, a in d.items()}
+        """A deep copy in private memory (tests)."""
+        dup = lambda d: d and {n: merge_pool.whole(a).copy() for n, a in d.items()}
         return OuterState(self.shapes, dup(self.theta), dup(self.momentum), dup(self.residual), self.round,
                           self.digest)
 
 
-def _read_all(path, shapes):
-    out = {}
+ARRAYS = ("theta", "momentum", "residual")
+
+
+def alloc(shapes, store, kind, zero, shared=False):
+    """The arrays of one of ARRAYS: the store's blocks (made once, reused), else new ones,
+    in shared memory for a round on workers, or private."""
+    if store is not None:
+        arrays = store.arrays(kind)
+        if zero:
+            arrays.zero()
+        return arrays
+    if shared:
+        return merge_pool.BlockArrays(shapes, zero)
+    return {n: (np.zeros if zero else np.empty)(math.prod(sh), np.float32) for n, sh in shapes.items()}
+
+
+def _read_all(path, shapes, into):
     with tensorio.TensorReader(path) as r:
         if sorted(r.names) != sorted(shapes):
             raise ValueError(f"{path}: its tensors are not theta's")
         for n in shapes:
-            a = np.empty(math.prod(shapes[n]), np.float32)
-            wire.read_f32(r, n, out=a)
-            out[n] = a
-    return out
+            fill(into[n], r, n)
+    return into
+
+
+def fill(dest, reader, name, lo=0):
+    """Tensor `name` of a tensorio.TensorReader (any float dtype, as float32) into elements
+    [lo, lo + its size) of dest, a flat float32 array or merge_pool.FileTensor: an F32
+    tensor straight into an array, or a bounded piece at a time into a file block."""
+    dtype, shape = reader.specs[name]
+    n = math.prod(shape)
+    if isinstance(dest, np.ndarray) and dtype == "F32":
+        reader.read(name, out=dest[lo:lo + n])
+    elif dtype != "F32":                                # an --init in BF16/F16: one tensor converted
+        a = np.ascontiguousarray(reader.read(name, as_float32=True), np.float32).reshape(-1)
+        if isinstance(dest, np.ndarray):
+            np.copyto(dest[lo:lo + n], a)
+        else:
+            dest.write(lo, lo + n, a)
+    else:
+        step = merge_pool.CHUNK_BYTES // 4
+        buf = np.empty(min(step, max(n, 1)), np.float32)
+        for s in range(0, n, step):
+            e = min(s + step, n)
+            dest.write(lo + s, lo + e, reader.read_range(name, s, e, buf))
 
 
 class _Tensor:
@@ -157,8 +210,9 @@ class _Tensor:
 
     def __init__(self, name, shape, T, M, owed, residual, deltas, weights, lr, mu, codec, codes=None, sbits=None):
         """T, M (None: no momentum this round), owed (the residual owed, or None), residual
-        (where the new one goes; None: a new array), flat float32; codes/sbits: where the
-        update's parts go, flat uint8/uint16 (None: new arrays)."""
+        (where the new one goes; None: a new array): flat float32 arrays, or
+        merge_pool.FileTensors (a tensor on disk: each piece read, merged, written back);
+        codes/sbits: where the update's parts go, flat uint8/uint16 (None: new arrays)."""
         self.name, self.shape, self.n = name, shape, math.prod(shape)
         self.T, self.M, self.owed = T, M, owed
         self.deltas, self.weights = deltas, weights
@@ -178,30 +232,34 @@ class _Tensor:
         if self.codec is not None:
             self.residual = residual if residual is not None else owed if owed is not None else \
                 np.empty(self.n, np.float32)
+        self.on_disk = any(isinstance(a, merge_pool.FileTensor) for a in (T, M, owed, self.residual))
 
     @classmethod
-    def of_state(cls, name, shape, state, step, deltas, mu):
+    def of_state(cls, name, shape, state, step, deltas, mu, residual):
         pick = lambda d: d[name] if d is not None else None
         return cls(name, shape, state.theta[name], pick(state.momentum) if mu > 0 else None, pick(state.residual),
-                   None, deltas, [w for _, w in step.deltas], step.lr, mu, step.codec)
+                   pick(residual), deltas, [w for _, w in step.deltas], step.lr, mu, step.codec)
 
     def run(self, pieces):
         """Merge (and publish) pieces [(lo, hi, first, owed)] in order, with this thread's own
         buffers. -> [(||old theta||^2, [||delta_i||^2], ||residual||^2, None or "theta"/"momentum")]."""
         k = len(self.deltas)
         size = max(p[1] - p[0] for p in pieces)
-        s, tmp, mg, sent = (np.empty(size, np.float32) for _ in range(4))
+        bufs = [np.empty(size, np.float32) for _ in range(8 if self.on_disk else 4)]
         dbuf = [np.empty(size, np.float32) for _ in range(k)]
         out = []
         for lo, hi, first, owed in pieces:
             n = hi - lo
-            out.append(self._piece(lo, hi, first, owed, s[:n], tmp[:n], mg[:n], sent[:n], dbuf))
+            out.append(self._piece(lo, hi, first, owed, [b[:n] for b in bufs], dbuf))
             if out[-1][3]:
                 break
         return out
 
-    def _piece(self, lo, hi, first, owed, s, tmp, mg, sent, dbuf):
-        T, M = self.T[lo:hi], (self.M[lo:hi] if self.M is not None else None)
+    def _piece(self, lo, hi, first, owed, bufs, dbuf):
+        s, tmp, mg, sent = bufs[:4]
+        tb, mb, ob, rb = bufs[4:] if self.on_disk else (None,) * 4
+        T = merge_pool.piece(self.T, lo, hi, tb)
+        M = merge_pool.piece(self.M, lo, hi, mb) if self.M is not None else None
         tsq, dsq, rsq = fedmom_merge.sq_norm(T), [0.0] * len(self.deltas), 0.0
         ds = [d.read(lo, hi, b) for d, b in zip(self.deltas, dbuf)]
         with np.errstate(over="ignore", invalid="ignore"):          # overflow is checked just below
@@ -212,14 +270,17 @@ class _Tensor:
                 return tsq, dsq, rsq, "theta"
             if M is not None and not np.isfinite(M).all():
                 return tsq, dsq, rsq, "momentum"
+            if M is not None:
+                merge_pool.put(self.M, lo, hi, M)
             if self.codec is None:
+                merge_pool.put(self.T, lo, hi, T)
                 return tsq, dsq, rsq, None
             # Publisher.write, piece by piece. A non-finite merged value needs no check of its
             # own here: x is then Inf or NaN, so is its block's scale, and theta's check below fails
             x = mg
             np.subtract(x, T, out=x)                                 # x = (merged - prev) + residual
             if owed:
-                x += self.owed[lo:hi]
+                x += merge_pool.piece(self.owed, lo, hi, ob)
             if not self.blocks:                                      # encoded whole after the merge
                 if not np.isfinite(x).all():
                     return tsq, dsq, rsq, "theta"
@@ -233,9 +294,11 @@ class _Tensor:
             np.add(T, sent, out=T)                                   # theta = prev + sent (wire.add_update)
             if not np.isfinite(T).all():
                 return tsq, dsq, rsq, "theta"
-            res = self.residual[lo:hi]
+            res = merge_pool.piece(self.residual, lo, hi, rb)        # (its old values are not read)
             np.subtract(x, sent, out=res)                            # residual = x - sent
             rsq = fedmom_merge.sq_norm(res)
+            merge_pool.put(self.T, lo, hi, T)
+            merge_pool.put(self.residual, lo, hi, res)
         return tsq, dsq, rsq, None
 
     def publish_whole(self, lo, hi, threads):
@@ -247,11 +310,16 @@ class _Tensor:
         if np.shares_memory(sent, x):                  # f32 "encodes" x as itself: keep the step as sent
             sent = sent.copy()
         parts = {k: p.copy() if np.shares_memory(p, x) else p for k, p in parts.items()}   # x is reused below
-        wire.add_into(self.T[lo:hi], sent, threads)
-        if not np.isfinite(self.T[lo:hi]).all():
+        T = merge_pool.piece(self.T, lo, hi, None)
+        wire.add_into(T, sent, threads)
+        if not np.isfinite(T).all():
             raise fedmom_merge.NonFinite("theta", self.name, "deltas")
+        merge_pool.put(self.T, lo, hi, T)
         x -= sent
-        np.copyto(self.residual[lo:hi], x)
+        if isinstance(self.residual, np.ndarray):
+            np.copyto(self.residual[lo:hi], x)
+        else:
+            self.residual.write(lo, hi, x)
         return parts, fedmom_merge.sq_norm(x)
 
     def update_parts(self):
@@ -278,8 +346,8 @@ def update_parts(codec, shape, codes, sbits):
 @dataclasses.dataclass
 class Task:
     """One worker's share of one tensor of a round (merge_pool.py): the step, where the arrays
-    are ((block name, byte offset, count); None: none), where the update's parts go, and the
-    pieces [(lo, hi, first, owed)]."""
+    are ((block key, byte offset, count); None: none; the key of a file block is its path),
+    where the update's parts go, and the pieces [(lo, hi, first, owed)], one contiguous run."""
     deltas: list
     weights: list
     lr: float
@@ -300,8 +368,9 @@ class Task:
 
 
 class WorkerSession:
-    """A worker's side of a round: the delta files kept open while a round's tasks come, each
-    tensor's parts read once (fedmom_merge.DeltaReader), the pieces run by _Tensor."""
+    """A worker's side of a round: the delta files kept open while a round's tasks come, the
+    parts of its own run of each tensor read (fedmom_merge.DeltaReader.load: the codes of
+    that span, not of the whole tensor), the pieces run by _Tensor."""
 
     def __init__(self):
         self.paths, self.readers = None, []
@@ -315,8 +384,7 @@ class WorkerSession:
             self.readers = [fedmom_merge.DeltaReader(p) for p in task.deltas]
             self.paths = list(task.deltas)
         for d in self.readers:
-            if d.name != task.name:
-                d.load(task.name, task.shape)
+            d.load(task.name, task.shape, task.pieces[0][0], task.pieces[-1][1])
         view = lambda w, dtype=np.float32: blocks[w[0]].view(w[1], w[2], dtype) if w is not None else None
         codec = wire.Codec(**task.codec) if task.codec else None
         t = _Tensor(task.name, task.shape, view(task.T), view(task.M), view(task.owed), view(task.residual),
@@ -326,12 +394,14 @@ class WorkerSession:
 
 
 def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads=None, after_tensor=None,
-                only=None, pool=None):
+                only=None, pool=None, delta_bytes=None):
     """Merge step's deltas into `state` in place (module docstring). out_update: where the
     round's update goes (step.codec given); None writes nothing (a replay). after_tensor(name):
     called after each tensor (the aggregator's fault point). Raises fedmom_merge.NonFinite
     (its cause is only a guess here: the old values are gone; see momentum_alone_overflows),
-    or ReplayMismatch when step.digest is set and the result differs; either way state.dirty.
+    ReplayMismatch when step.digest is set and the result differs, or merge_pool.DiskError (a
+    file block's disk failed; the file blocks are fdatasync'd before it returns, so a write-back
+    error is one too); either way state.dirty.
     -> {"theta_norm" (of the old theta), "delta_norms", "bytes_read", "bytes_written",
         "published": {"base_digest", "digest", "update_bytes", "residual_norm"} or None}.
 
@@ -340,11 +410,17 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
     cache: the deltas' blocks decoded, the weighted sum, the Nesterov step, and with a block
     --down-wire the update's blocks encoded, theta advanced by what they decode to and the
     residual kept; the pieces run on wire.py's thread pool, their norms added in piece order.
+    A tensor on disk (a store's file block) is read a piece at a time and written back.
     Every value is computed by the same float32 operations as fedmom_merge.merge_files +
-    Publisher, so the bits are theirs whatever the pieces or threads (tests/test_replay.py);
-    the norms (float64 sums of float32 dots, reported only) may differ from theirs in the
-    last digits. The theta digest (one sha256, serial) and the update file's writes run
-    behind, on a thread of their own, while the next tensor merges.
+    Publisher, so the bits are theirs whatever the pieces, threads or placement
+    (tests/test_replay.py, tests/test_outer_budget.py); the norms (float64 sums of float32
+    dots, reported only) may differ from theirs in the last digits. The theta digest (one
+    sha256, serial) and the update file's writes run behind, on a thread of their own, while
+    the next tensor merges.
+
+    delta_bytes: the most the deltas' parts may hold in memory at once (outer_budget.Budget:
+    the merge's share of --memory-gb); a tensor whose parts of every delta would hold more
+    runs in waves of pieces that fit, each wave's parts read then dropped. None: one wave.
 
     only: {name: [(lo, hi, has_momentum, owed)]}: the round applied to those runs of elements
     alone (a checkpoint's segments still behind this round: fedmom_checkpoint.rebuild), each
@@ -353,9 +429,10 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
     digest are the caller's to set). Each run must start and end on a whole row (a pair of
     rows when a row is odd) and, with a topk --down-wire, on a chunk of it.
 
-    pool: a merge_pool.Pool of 2 or more workers: the pieces of each tensor run in those
-    processes, one contiguous run each, on the state's arrays moved into shared memory
-    (state.share()); the same bits. A topk or bf16 --down-wire is encoded whole, here."""
+    pool: a merge_pool.Pool of 2 or more workers: the pieces of each wave run in those
+    processes, one contiguous run each, on the state's arrays in blocks they share (a
+    store's, or private arrays moved into shared memory: state.share()); the same bits. A
+    topk or bf16 --down-wire is encoded whole, here."""
     threads = wire_kernels.resolve_threads(threads)
     codec, mu, shapes = step.codec, step.mu, state.shapes
     fresh = step.fresh or state.momentum is None or mu == 0
@@ -370,22 +447,23 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
         _check_deltas(deltas, shapes)
         if use_pool:
             state.share()
-        alloc = (lambda zero: merge_pool.SharedArrays(shapes, zero)) if use_pool else \
-            (lambda zero: {n: (np.zeros if zero else np.empty)(math.prod(sh), np.float32) for n, sh in shapes.items()})
-        fresh_residual = None                              # the new residual's arrays when none is owed yet
+        new = lambda kind, zero: alloc(shapes, state.store, kind, zero, shared=use_pool)
+        residual = None                                    # where the new residual goes
         if only is None:
             if mu > 0 and state.momentum is None:
-                state.momentum = alloc(False)
+                state.momentum = new("momentum", False)
             if mu == 0:
                 state.momentum = None
-            if use_pool and codec is not None and state.residual is None:
-                fresh_residual = alloc(False)
+            if codec is not None:
+                residual = state.residual if state.residual is not None else \
+                    new("residual", False) if use_pool or state.store is not None else None
             runs = {n: [(0, math.prod(sh), fresh, state.residual is not None)] for n, sh in shapes.items()}
         else:
             if mu > 0 and state.momentum is None:
-                state.momentum = alloc(True)
+                state.momentum = new("momentum", True)
             if codec is not None and state.residual is None:
-                state.residual = alloc(True)
+                state.residual = new("residual", True)
+            residual = state.residual
             runs = {n: [(lo, hi, step.fresh or not has_m or mu == 0, owed) for lo, hi, has_m, owed in only[n]]
                     for n in shapes if n in only}
         if codec is not None and out_update is not None:
@@ -400,26 +478,22 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
         for n, sh in shapes.items():
             if n not in runs:
                 continue
-            if not use_pool:                               # (each worker reads its own)
-                for d in deltas:
-                    d.load(n, sh)
             blocks = codec is not None and codec.fmt in wire.LEVELS
             unit = fedmom_merge.piece_unit(sh, [d.codec for d in deltas if d.blocks] + [codec if blocks else None])
             step_n = max(unit, fedmom_merge.STEP // unit * unit)
             pieces = [(lo, min(lo + step_n, hi), first, owed)
                       for a, hi, first, owed in runs[n] for lo in range(a, hi, step_n)]
+            waves = _waves(pieces, sum(d.part_bytes(sh) for d in deltas), delta_bytes)
+            whole = sum(d.whole_bytes(sh) for d in deltas)         # topk deltas: decoded whole by each worker
+            procs = max(1, delta_bytes // whole) if delta_bytes and whole else None
+            slot = scratch.take() if scratch is not None else None
             if use_pool:
-                slot = scratch.take() if scratch is not None else None
-                results = _pool_tensor(pool, state, step, n, sh, mu, pieces, fresh_residual, slot)
+                results = [r for w in waves for r in _pool_tensor(pool, state, step, n, sh, mu, w, residual, slot,
+                                                                   procs)]
                 t = None
             else:
-                t = _Tensor.of_state(n, sh, state, step, deltas, mu)
-                results = [None] * len(pieces)
-
-                def run(a, b, t=t, pieces=pieces, results=results):
-                    done = t.run(pieces[a:b])              # shorter after a bad piece: the rest stay None
-                    results[a:a + len(done)] = done
-                wire_kernels.run_spans(run, len(pieces), 1, step_n, threads)
+                t = _Tensor.of_state(n, sh, state, step, deltas, mu, residual)
+                results = [r for w in waves for r in _run_wave(t, deltas, n, sh, w, step_n, threads)]
             for r in results:
                 if r is None:                              # after a bad piece of its span: never reached
                     continue
@@ -440,10 +514,10 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
             elif use_pool and blocks:
                 parts = update_parts(codec, sh, *slot.views)
             if codec is not None:
-                new_residual[n] = (t.residual if t is not None else
-                                   (fresh_residual or state.residual)[n])
+                new_residual[n] = t.residual if t is not None else residual[n]
             if only is None:
-                pending.append(behind.submit(digest.add, n, state.theta[n].reshape(sh)))
+                pending.append(behind.submit(lambda n=n, sh=sh: digest.add_chunks(n, sh, merge_pool.chunks(
+                    state.theta[n]))))
             if uw is not None:
                 pending.append(behind.submit(uw.write_parts, n, parts))
                 if use_pool:
@@ -453,6 +527,7 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
                 after_tensor(n)
         for f in pending:
             f.result()
+        state.sync()                                       # a file block's write-back error: the round fails
         if only is not None:
             state.dirty = False
             return {"theta_norm": math.sqrt(sums["theta"]), "delta_norms": [math.sqrt(s) for s in sums["delta"]],
@@ -460,8 +535,8 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
         if uw is not None:
             uw.close()
             uw = None
-        if codec is not None and use_pool:
-            new_residual = fresh_residual or state.residual     # the same arrays, shared
+        if residual is not None:
+            new_residual = residual                        # the same arrays, in place
         state.residual, state.round, state.digest = new_residual, step.round, digest.hexdigest()
         if step.digest is not None and step.digest != state.digest:
             raise ReplayMismatch(f"round {step.round} replayed to theta digest {state.digest[:16]}..., but it "
@@ -481,6 +556,35 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
             uw.abort()
         for d in deltas:
             d.close()
+
+
+def _waves(pieces, per_elem, delta_bytes):
+    """pieces cut into runs of consecutive pieces whose deltas' parts (per_elem bytes per
+    element, all deltas) fit delta_bytes; one wave when there is no bound or nothing to hold."""
+    if not delta_bytes or not per_elem:
+        return [pieces]
+    cap, out, size = max(1, int(delta_bytes // per_elem)), [[]], 0
+    for p in pieces:
+        if out[-1] and size + (p[1] - p[0]) > cap:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += p[1] - p[0]
+    return out
+
+
+def _run_wave(t, deltas, n, sh, pieces, step_n, threads):
+    """One wave of a tensor in this process: each delta's parts of its span read, its pieces
+    run on wire.py's threads -> their results in order (None after a bad piece of a span)."""
+    for d in deltas:
+        d.load(n, sh, pieces[0][0], pieces[-1][1])
+    results = [None] * len(pieces)
+
+    def run(a, b):
+        done = t.run(pieces[a:b])                          # shorter after a bad piece: the rest stay None
+        results[a:a + len(done)] = done
+    wire_kernels.run_spans(run, len(pieces), 1, step_n, threads)
+    return results
 
 
 class _Scratch:
@@ -523,28 +627,25 @@ class _Scratch:
             s.block.release()
 
 
-def shared_bytes(shapes, codec):
-    """The shared memory a round on the workers takes (merge_pool.py): theta and momentum, the
-    residual and the update's two scratch slots (_Scratch) with a --down-wire codec."""
-    params = sum(math.prod(sh) for sh in shapes.values())
-    if codec is None:
-        return 8 * params
-    scratch = 0
-    if codec.fmt in wire.LEVELS:
-        codes, sbits = _Scratch.sizes(codec, shapes)
-        scratch = 2 * (codes + 2 * sbits)
-    return 12 * params + scratch
+def scratch_bytes(shapes, codec):
+    """The shared memory a round on the workers takes besides the outer state: the update's
+    two scratch slots (_Scratch) with an int8/int4/int2 --down-wire codec, else nothing."""
+    if codec is None or codec.fmt not in wire.LEVELS:
+        return 0
+    codes, sbits = _Scratch.sizes(codec, shapes)
+    return 2 * (codes + 2 * sbits)
 
 
-def _pool_tensor(pool, state, step, n, sh, mu, pieces, fresh_residual, slot):
-    """One tensor's pieces on the pool's workers, one contiguous run each -> the pieces'
-    results in order (None after a bad piece of a run)."""
-    k = min(pool.procs, len(pieces))
+def _pool_tensor(pool, state, step, n, sh, mu, pieces, residual, slot, procs=None):
+    """One wave of a tensor's pieces on the pool's workers (`procs` of them at most), one
+    contiguous run each -> the pieces' results in order (None after a bad piece of a run).
+    residual: the arrays the new residual goes to (the owed ones, in place, or new ones)."""
+    k = min(pool.procs, len(pieces), procs or pool.procs)
     cuts = [len(pieces) * i // k for i in range(k + 1)]
     where = lambda d: d.where(n) if d is not None else None
     codec = step.codec
     owed = where(state.residual)
-    residual = where(fresh_residual) if fresh_residual is not None else owed
+    residual = where(residual)
     codes, sbits = slot.where() if slot is not None and codec is not None and codec.fmt in wire.LEVELS \
         else (None, None)
     tasks = [Task([p for p, _ in step.deltas], [w for _, w in step.deltas], step.lr, mu,
@@ -573,16 +674,26 @@ def momentum_alone_overflows(state, name, lr, mu):
     delta zero (the old momentum alone)? Then the round resets the momentum (fedmom_merge)."""
     if state.momentum is None:
         return False
+    T, M = state.theta[name], state.momentum[name]
+    step = merge_pool.CHUNK_BYTES // 4                     # elementwise: a piece at a time, never a whole copy
+    tb, mb = np.empty(min(step, max(T.size, 1)), np.float32), np.empty(min(step, max(T.size, 1)), np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
-        return fedmom_merge._momentum_alone_overflows(state.theta[name].copy(), state.momentum[name].copy(), lr, mu)
+        for lo in range(0, T.size, step):
+            hi = min(lo + step, T.size)
+            t, m = tb[:hi - lo], mb[:hi - lo]
+            np.copyto(t, merge_pool.piece(T, lo, hi, t))
+            np.copyto(m, merge_pool.piece(M, lo, hi, m))
+            if fedmom_merge._momentum_alone_overflows(t, m, lr, mu):
+                return True
+    return False
 
 
-def replay(state, steps, threads=None, progress=None, pool=None):
+def replay(state, steps, threads=None, progress=None, pool=None, delta_bytes=None):
     """Apply recorded Steps to a checkpoint's state, each checked against its digest."""
     for s in steps:
         if s.round != state.round + 1:
             raise ReplayMismatch(f"the log's round {s.round} does not follow the state's round {state.round}")
-        apply_round(state, s, threads=threads, pool=pool)
+        apply_round(state, s, threads=threads, pool=pool, delta_bytes=delta_bytes)
         if progress is not None:
             progress(s)
     return state

@@ -161,7 +161,8 @@ class TensorWriter:
             self.abort()
             raise
 
-    def write(self, name, array):
+    def _next(self, name):
+        """(dtype, shape) of the tensor to write next, which must be `name`."""
         if self._f is None:
             raise ValueError(f"{self.path}: writer is already closed")
         if self.written >= len(self.specs):
@@ -169,11 +170,29 @@ class TensorWriter:
         want, dtype, shape = self.specs[self.written]
         if name != want:
             raise ValueError(f"{self.path}: tensors go in header order: expected {want!r} next, got {name!r}")
+        return dtype, shape
+
+    def write(self, name, array):
+        dtype, shape = self._next(name)
         a = np.asarray(array)
         if a.shape != shape and not (a.ndim == 1 and a.size == _numel(shape)):
             raise ValueError(f"{self.path}: tensor {name!r} has shape {a.shape}, the header says {shape}")
         flat = np.ascontiguousarray(a).reshape(-1)
         self._write_data(name, dtype, flat)
+        self.written += 1
+
+    def write_chunks(self, name, chunks):
+        """write() of the next tensor given as consecutive flat pieces (a tensor read from disk
+        a bounded piece at a time, never whole in memory); they must add up to its size."""
+        dtype, shape = self._next(name)
+        done = 0
+        for c in chunks:
+            flat = np.ascontiguousarray(c).reshape(-1)
+            self._write_data(name, dtype, flat)
+            done += flat.size
+        if done != _numel(shape):
+            self.abort()
+            raise ValueError(f"{self.path}: tensor {name!r} got {done} values, the header says {shape}")
         self.written += 1
 
     def _write_data(self, name, dtype, flat):
@@ -353,6 +372,28 @@ class TensorReader:
             done += got
         if as_float32 and dtype == "BF16":
             return bf16_to_f32(out)
+        return out
+
+    def read_range(self, name, lo, hi, out=None):
+        """Elements [lo, hi) of the flattened tensor, in the file's dtype (raw uint16 for BF16),
+        into `out` (a C-contiguous array of that dtype, at least hi - lo long; its front is
+        returned) or a new array: a part of a tensor, never the whole of it in memory."""
+        if self._fd is None:
+            raise ValueError(f"{self.path}: reader is closed")
+        begin, _ = self._span(name)
+        dtype, shape = self.specs[name]
+        if not 0 <= lo <= hi <= _numel(shape):
+            raise ValueError(f"{self.path}: elements [{lo}, {hi}) of {name!r}, which has {_numel(shape)}")
+        item = DTYPES[dtype]
+        out = np.empty(hi - lo, item) if out is None else out.reshape(-1)[:hi - lo]
+        if out.dtype != item or not out.flags.c_contiguous:
+            raise ValueError(f"out= for {name!r} must be a C-contiguous {item} array")
+        buf, pos, done = memoryview(out).cast("B"), self.data_start + begin + lo * item.itemsize, 0
+        while done < len(buf):
+            got = os.preadv(self._fd, [buf[done:]], pos + done)
+            if got == 0:
+                self._fail(f"tensor {name!r} ends early: the file shrank while being read")
+            done += got
         return out
 
     def items(self, as_float32=False):

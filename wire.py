@@ -568,8 +568,14 @@ class Digest:
 
     def add(self, name, a):
         a = np.ascontiguousarray(a, dtype="<f4")
-        self.h.update(json.dumps([name, list(a.shape)]).encode() + b"\0")
-        self.h.update(a.reshape(-1).view(np.uint8).data)
+        self.add_chunks(name, a.shape, [a])
+
+    def add_chunks(self, name, shape, chunks):
+        """add() of a tensor of `shape` given as consecutive flat pieces (a tensor on disk,
+        read a bounded piece at a time): the same digest."""
+        self.h.update(json.dumps([name, list(shape)]).encode() + b"\0")
+        for c in chunks:
+            self.h.update(np.ascontiguousarray(c, dtype="<f4").reshape(-1).view(np.uint8).data)
 
     def hexdigest(self):
         return self.h.hexdigest()

@@ -12,16 +12,24 @@ for the round (the heartbeat's long-poll), download the update and add it
 (FedMomClient.download_update, wire.apply_update: the digest the aggregator published is
 checked), or take the whole theta when the update path answers no_update.
 
-    python bench/scale_round.py --quick                      # make bench: a ~24M-param model, 3 rounds, ~30 s
-    python bench/scale_round.py --flavor 0.6B [--rounds 10]  # Qwen3-0.6B's shapes, 709M params: 45 GB, ~30 min
-    python bench/scale_round.py --flavor 1.7B --dir /scratch --server-arg=--threads=4 --json 1.7B.json
+    python bench/scale_round.py --quick                      # make bench: a ~24M-param model, 3 rounds, ~1 min
+    python bench/scale_round.py --flavor 0.6B [--rounds 10]  # Qwen3-0.6B's shapes, 709M params: 57 GB, ~1 h
+    python bench/scale_round.py --flavor 0.6B --rounds 4 --memory-gb 3 --json 0.6B.json   # plan --rates 0.6B.json
+    python bench/scale_round.py --flavor 1.7B --dir /scratch --server-arg=--threads=4 --memory-gb off
+
+Two arms, one after the other, each on fresh central processes and a fresh state dir: the
+memory arm (fedmom_server.py's default --memory-gb: the outer state in memory) and the
+budget arm (--memory-gb, default "quarter": a quarter of the outer state, 12 B/param, or the
+aggregator's fixed part plus a quarter when that is more; the rest of the outer state in file
+blocks in the arm's central/outer/). --memory-gb off runs the memory arm alone.
 
 Models (random F32 tensors; the shapes are what matters): tiny (wire_speed.py's, ~0.15M
 params, for the tests), small (0.6B's first layer with a 4,096-row vocabulary, ~24M
 params), 0.6B and 1.7B (torchtitan's Qwen3 shapes, the vocabulary padded to 131,328, both
 embedding and output in the file: wire_speed.qwen3_shapes). M below is the model's F32
-bytes (4 B/param). A real flavor is refused up front, said why, when --dir has not 16 M free
-or the machine has not the memory (12 x the largest tensor + 1 GiB: 0.6B 7.5 GB, 1.7B 14 GB).
+bytes (4 B/param). A real flavor is refused up front, said why, when --dir has not 20 M free
+or the machine has not the memory (need(): the aggregator's outer state and fixed part in the
+memory arm, 7 x the largest tensor for the sites, 1 GiB: 0.6B 14.5 GB, 1.7B 35 GB).
 
 The sites take turns (a lock file, the baton): one site's encode, upload and acceptance, or
 its publish, download and apply, runs alone, so each phase is timed without the other site
@@ -48,9 +56,15 @@ memcpy of the same bytes take here (x write, x read, x memcpy: measured at the s
 the end, averaged; the machine is noisy, the ratios are what matter; the one-core sha256 of
 the model, the theta digest's serial floor, is measured beside them), and the central
 processes' CPU seconds over the phase's wall time. Per round also: the aggregator's state dir
-and the blob store's dir after the round, the state dir's peak during it (sampled every 50 ms),
-the central processes' CPU seconds (with the processes under them: the aggregator's merge workers) and peak RSS (VmHWM of fedmom_server, darl_server,
-blobstore). At the end, the summary: the median per phase; central seconds per round
+and the blob store's dir after the round, the state dir's and --outer-dir's peaks during it
+(sampled every 50 ms), the central processes' CPU seconds (with the processes under them: the
+aggregator's merge workers), peak RSS (VmHWM of fedmom_server, darl_server, blobstore), and
+the aggregator's memory as --memory-gb counts it, measured (agg_memory, sampled every 50 ms:
+the RssAnon of it and its workers plus the shared memory blocks it made; a peak shorter than
+that can be missed), and the bytes its and its workers' reads and writes moved, and of them
+what the disk read and was sent (/proc/<pid>/io). Once the sites are done, the aggregator is
+restarted on its state dir and its memory peak until it answers is taken (restart_peak). At
+the end of each arm, the summary: the median per phase; central seconds per round
 (both acceptances + merge + publish) over the fsync'd F32 write of the model (target <= 1.0);
 a site's encode + apply over it (target <= 0.5); the state dir's peak in M (target <= 3);
 and a projection to Qwen3-8B and -32B, linear in parameters: a central phase as k x (its
@@ -61,8 +75,15 @@ aggregator's log) are printed apart: they are written after their round is publi
 the sites' next phase. Every site checks the digest of the theta
 it holds after every round (the update's, or a whole theta against the other site's), and the
 bench exits 1 if any check fails, a delta does not merge, or a round does not complete.
---json writes every figure. The run's files go under --dir (default $TMPDIR), removed at the
-end unless --keep (after a failure only logs/ and records/ are kept).
+Then the arms side by side (compare): the budget arm's central round against the memory
+arm's (target <= 3 x), its memory peak against --memory-gb + 4 x the largest F32 tensor, a
+restart's peak against the rounds' (no 16 B/param at a start), each mode projected to 8B and
+32B on a 16-core VM with a local NVMe disk (outer_budget.NVME, assumed: the merge no faster
+than that disk reads and writes the part of the outer state on disk), and the fixed part
+with nothing in memory at 32B against the original design's ~10 GiB. --json writes every
+figure, and under "rates" what `fedmom_server.py plan --rates FILE` projects from. The run's
+files go under --dir (default $TMPDIR), each arm's sites and central dirs removed when the
+arm ends, the rest at the end unless --keep (after a failure only logs/ and records/ are kept).
 """
 import argparse
 import collections
@@ -95,6 +116,8 @@ import fedmom_client  # noqa: E402
 import harness  # noqa: E402
 import httpc  # noqa: E402
 import fedmom_state  # noqa: E402
+import merge_pool  # noqa: E402
+import outer_budget  # noqa: E402
 import tensorio  # noqa: E402
 import wire  # noqa: E402
 from fedmom_disk_peak import dir_bytes  # noqa: E402
@@ -487,47 +510,65 @@ class Config:
     keep: bool
     server_args: list
     json: str | None
+    memory_gb: str = "quarter"        # the budget arm's --memory-gb: quarter, off, or GB
 
     def validate(self):
         if self.rounds < 1:
             raise SystemExit(f"--rounds {self.rounds}: at least 1")
+        if self.memory_gb not in ("quarter", "off"):
+            try:
+                ok = float(self.memory_gb) > 0
+            except ValueError:
+                ok = False
+            if not ok:
+                raise SystemExit(f"--memory-gb {self.memory_gb}: give GB (> 0), quarter or off")
         return self
 
 
-def need(shapes):
-    """(disk bytes, memory bytes) a run needs, from the peaks measured on 0.6B and small:
-    the disk 16 M (the run's own peak was 13.8 M: each site's theta, the theta an update is
-    applied into and the owed and next residuals, 4 M a site; the aggregator's state at its
-    merge, 6.5 M; the blob store, 1.4 M), the memory 12 x the largest tensor + 1 GiB
-    (VmHWM: the aggregator's merge 8.1 x, a site's encode 4.8 x; the sites wait while the
-    aggregator merges, and each keeps its pool of 1 x)."""
+def need(shapes, aggregator=None):
+    """(disk bytes, memory bytes) a run needs. The disk: 20 M (M = the model's F32 bytes) at
+    the arms' peak: each site's theta, the theta an update is applied into and the owed and
+    next residuals, 4 M a site; the aggregator's state dir at its merge, 6.5 M; the blob
+    store, 1.4 M (the run's own peak was 13.8 M before the arms); the budget arm's file
+    blocks, 3 M at most; the initial model, kept for every arm, 1 M. The memory: the
+    aggregator's (`aggregator`; default its outer state in memory, 12 B/param, plus its fixed
+    part: outer_budget.Budget), a site's encode (4.8 x the largest tensor, measured VmHWM)
+    and both sites' pools (1 x each: the sites wait while the aggregator merges, and take
+    turns), and 1 GiB for DARL, the blob store and this process."""
     m = 4 * nparams(shapes)
     largest = 4 * max(math.prod(s) for _, s in shapes)
-    return int(16 * m), int(12 * largest + (1 << 30))
+    if aggregator is None:
+        b = outer_budget.Budget(0, dict(shapes), ("theta", "momentum", "residual"), INT4, os.cpu_count() or 1)
+        aggregator = b.minimum() + b.state_bytes()
+    return int(20 * m), int(aggregator + 7 * largest + (1 << 30))
 
 
-def room_problems(flavor, shapes, free, avail):
+def room_problems(flavor, shapes, free, avail, aggregator=None):
     """What keeps a run from fitting `free` bytes of disk and `avail` of memory: [reasons]."""
-    disk_need, mem_need = need(shapes)
+    disk_need, mem_need = need(shapes, aggregator)
     gb, why = 1e9, []
     if free < disk_need:
         why.append(f"--dir has {free / gb:.1f} GB free, --flavor {flavor} needs ~{disk_need / gb:.1f} GB (each "
-                   "site's theta, next theta and two residuals; the aggregator's merge peak; the blob store): "
-                   "point --dir at a larger disk")
+                   "site's theta, next theta and two residuals; the aggregator's merge peak; the blob store; the "
+                   "budget arm's file blocks): point --dir at a larger disk")
     if avail < mem_need:
         why.append(f"this machine has {avail / gb:.1f} GB of memory available, --flavor {flavor} needs "
-                   f"~{mem_need / gb:.1f} GB (a site's encode and the aggregator's merge hold several copies of the "
-                   "largest tensor): run it on a larger machine")
+                   f"~{mem_need / gb:.1f} GB (the aggregator's outer state in memory, 12 B/param, in the memory arm; "
+                   "a site's encode holds several copies of the largest tensor): run it on a larger machine, or "
+                   "only the budget arm's (--memory-gb GB)")
     return why
 
 
-def check_room(cfg, shapes, root):
-    """Say what the run needs and has; a real flavor that cannot fit stops here (SystemExit)."""
-    disk_need, mem_need = need(shapes)
+def check_room(cfg, shapes, root, arms):
+    """Say what the run needs and has; a real flavor that cannot fit stops here (SystemExit).
+    The aggregator's memory is the larger arm's: its outer state in memory (the memory arm)."""
+    agg = max(fixed_budget(cfg, shapes).minimum() + fixed_budget(cfg, shapes).state_bytes(),
+              max((a["memory_gb"] or 0) * outer_budget.GB for a in arms))
+    disk_need, mem_need = need(shapes, agg)
     free, avail = shutil.disk_usage(root).free, proc_meminfo("MemAvailable")
     say(f"room: --dir {os.path.abspath(root)}: {free / 1e9:.1f} GB free, this run needs ~{disk_need / 1e9:.1f} GB; memory "
-        f"{avail / 1e9:.1f} GB available, needs ~{mem_need / 1e9:.1f} GB")
-    why = room_problems(cfg.flavor, shapes, free, avail)
+        f"{avail / 1e9:.1f} GB available, needs ~{mem_need / 1e9:.1f} GB (the aggregator ~{agg / 1e9:.1f} GB)")
+    why = room_problems(cfg.flavor, shapes, free, avail, agg)
     if why and cfg.flavor in REAL:
         raise SystemExit("scale_round: cannot fit: " + "; ".join(why))
 
@@ -540,15 +581,59 @@ def proc_meminfo(key):
     return 0
 
 
+def agg_memory(pid):
+    """(private, shared) bytes the aggregator holds now, measured: the anonymous resident
+    memory (RssAnon) of it and of every process under it (its merge workers), and the
+    allocated bytes of the shared memory blocks it made (merge_pool's files named after its
+    pid in $PWW_SHM_DIR; counted once, however many workers map them). Its file blocks on
+    disk are neither: page cache the kernel may drop."""
+    private = sum(proc_status(p, "RssAnon") or 0 for p in harness.process_tree(pid))
+    shm, d = 0, merge_pool.shm_dir()
+    try:
+        names = [fn for fn in os.listdir(d) if fn.startswith(f"{merge_pool.PREFIX}{pid}-")]
+    except OSError:
+        names = []
+    for fn in names:
+        try:
+            shm += os.stat(os.path.join(d, fn)).st_blocks * 512
+        except OSError:
+            pass
+    return private, shm
+
+
+IO_KEYS = ("rchar", "wchar", "read_bytes", "write_bytes")
+
+
+def tree_io(pid):
+    """{rchar, wchar, read_bytes, write_bytes} summed over the aggregator and its workers
+    (/proc/<pid>/io): the bytes their read and write calls moved, and of them what the disk
+    itself read and was sent to write (page cache misses and write-back)."""
+    out = dict.fromkeys(IO_KEYS, 0)
+    for p in harness.process_tree(pid):
+        try:
+            with open(f"/proc/{p}/io") as f:
+                for line in f:
+                    k, v = line.split(":")
+                    if k in out:
+                        out[k] += int(v)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 class Sampler:
-    """A thread that samples, every SAMPLE_S, the bytes of the aggregator's state dir and
-    the blob store's dir (walked: no file layout assumed) and the central processes' CPU
-    seconds; peak() and the CPU of a past interval come from it."""
+    """A thread that samples, every SAMPLE_S, the bytes of the aggregator's state dir, its
+    --outer-dir and the blob store's dir (walked: no file layout assumed), the central
+    processes' CPU seconds and the aggregator's memory (agg_memory: private + shared); peak()
+    and the CPU of a past interval come from it. `agg` (the aggregator's pid) may be replaced
+    by a callable that finds a restarted one's."""
 
     def __init__(self, dirs, pids):
         self.dirs, self.pids = dirs, pids
+        self.agg = lambda: pids["fedmom"]
         self.stop, self.lock = threading.Event(), threading.Lock()
-        self.peaks = {k: 0 for k in dirs}
+        self.peaks = {k: 0 for k in list(dirs) + ["memory"]}
+        self.at_peak = (0, 0)                     # (private, shared) at the memory peak
         self.series = []                          # (time.time(), {kind: cpu s})
         self.thread = threading.Thread(target=self._run, name="sampler", daemon=True)
 
@@ -556,16 +641,21 @@ class Sampler:
         while not self.stop.is_set():
             sizes = {k: dir_bytes(d) for k, d in self.dirs.items()}
             cpu = procs_cpu(self.pids)
+            pid = self.agg()
+            mem = agg_memory(pid) if pid else (0, 0)
             with self.lock:
                 for k, v in sizes.items():
                     self.peaks[k] = max(self.peaks[k], v)
+                if sum(mem) > self.peaks["memory"]:
+                    self.peaks["memory"], self.at_peak = sum(mem), mem
                 self.series.append((time.time(), cpu))
             self.stop.wait(SAMPLE_S)
 
     def take_peaks(self):
-        """The peaks since the last call (then reset)."""
+        """The peaks since the last call (then reset), with "private" and "shared" at the memory peak."""
         with self.lock:
-            out, self.peaks = dict(self.peaks), {k: 0 for k in self.dirs}
+            out = {**self.peaks, "private": self.at_peak[0], "shared": self.at_peak[1]}
+            self.peaks, self.at_peak = dict.fromkeys(self.peaks, 0), (0, 0)
         return out
 
     def cpu_between(self, t0, t1):
@@ -586,8 +676,9 @@ class Sampler:
         return max(0.0, at(t1) - at(t0))
 
 
-def start_central(L, root, cfg, init):
-    """The three servers over TLS on 127.0.0.1 -> (urls, Procs, token file, CA)."""
+def start_central(L, root, cfg, init, arm_args=()):
+    """The three servers over TLS on 127.0.0.1 -> (urls, Procs, token file, CA); arm_args: the
+    arm's flags for fedmom_server.py (--memory-gb, --outer-dir)."""
     central, logs = os.path.join(root, "central"), os.path.join(root, "logs")
     os.makedirs(os.path.join(root, "tls"))
     import certs
@@ -602,10 +693,12 @@ def start_central(L, root, cfg, init):
     procs["blob"], urls["blob"] = harness.start_server(
         L, "blob", ["--root", os.path.join(central, "blobs"), *common], os.path.join(logs, "blob.log"), port=0,
         ca_file=ca)
-    procs["fedmom"], urls["fedmom"] = harness.start_server(
-        L, "fedmom", ["--state-dir", os.path.join(central, "fedmom"), "--init", init, "--darl", urls["darl"],
-                      "--blob-url", urls["blob"], "--darl-token-file", agg, "--ca-file", ca, "--down-wire", "int4",
-                      *common, *cfg.server_args], os.path.join(logs, "fedmom.log"), port=0, ca_file=ca)
+    fed_args = ["--state-dir", os.path.join(central, "fedmom"), "--init", init, "--darl", urls["darl"],
+                "--blob-url", urls["blob"], "--darl-token-file", agg, "--ca-file", ca, "--down-wire", "int4",
+                *common, *cfg.server_args, *arm_args]
+    procs["fedmom"], urls["fedmom"] = harness.start_server(L, "fedmom", fed_args, os.path.join(logs, "fedmom.log"),
+                                                           port=0, ca_file=ca)
+    procs["fedmom"].args = fed_args                   # restart_peak starts it again with the same flags
     return urls, procs, token, ca
 
 
@@ -629,6 +722,35 @@ def read_records(root):
     return out
 
 
+def arms_of(cfg, shapes, root):
+    """The arms of the run, one after the other on fresh central processes: "memory" (the
+    aggregator's default budget: its outer state in memory, as before --memory-gb), then
+    "budget" at --memory-gb (quarter: a quarter of the outer state, or the fixed part plus a
+    quarter when that is more) -> [{"name", "args", "memory_gb"}]."""
+    arms = [{"name": "memory", "args": [], "memory_gb": None}]
+    if cfg.memory_gb == "off":
+        return arms
+    b = fixed_budget(cfg, shapes)
+    if cfg.memory_gb == "quarter":
+        g = b.state_bytes() / 4 if b.state_bytes() / 4 > b.minimum() else b.minimum() + b.state_bytes() / 4
+    else:
+        g = float(cfg.memory_gb) * outer_budget.GB
+    outer = os.path.join(root, "budget", "central", "outer")
+    return arms + [{"name": "budget", "args": ["--memory-gb", f"{g / outer_budget.GB:.6f}", "--outer-dir", outer],
+                    "memory_gb": g / outer_budget.GB}]
+
+
+def fixed_budget(cfg, shapes, memory=0):
+    """outer_budget.Budget of the bench's aggregator: --down-wire int4, momentum, its merge
+    workers (--merge-procs from --server-arg, else every core; none under the pool's minimum)."""
+    procs = os.cpu_count() or 1
+    for arg in cfg.server_args:
+        if arg.startswith("--merge-procs="):
+            procs = int(arg.split("=", 1)[1])
+    procs = procs if procs > 1 and nparams(shapes) >= merge_pool.min_params() else 0
+    return outer_budget.Budget(int(memory), dict(shapes), ("theta", "momentum", "residual"), INT4, procs)
+
+
 def run(cfg):
     shapes = model_shapes(cfg.flavor)
     P, M = nparams(shapes), 4 * nparams(shapes)
@@ -636,12 +758,13 @@ def run(cfg):
     say(f"scale_round: --flavor {cfg.flavor}: {len(shapes)} tensors, {P:,} parameters, M = {M / 1e9:.3f} GB (F32); "
         f"{cfg.rounds} round{'s' if cfg.rounds > 1 else ''}, {len(SITES)} sites (int4, error feedback), aggregator "
         "--down-wire int4" + (f" {' '.join(cfg.server_args)}" if cfg.server_args else "") + f"; {os.cpu_count()} cores")
-    check_room(cfg, shapes, cfg.dir)
     root = tempfile.mkdtemp(prefix="scale-round-", dir=cfg.dir)
-    say(f"files in {root}")
-    for sub in ("logs", "records", "sites"):
-        os.makedirs(os.path.join(root, sub))
-    ok, out = False, {"config": dataclasses.asdict(cfg), "parameters": P, "model_bytes": M, "cores": os.cpu_count()}
+    arms = arms_of(cfg, shapes, root)
+    check_room(cfg, shapes, cfg.dir, arms)
+    say(f"files in {root}; arms: " + ", ".join(a["name"] + (f" (--memory-gb {a['memory_gb']:.3f})" if a["memory_gb"]
+                                                            else " (the default budget)") for a in arms))
+    ok, out = False, {"config": dataclasses.asdict(cfg), "parameters": P, "model_bytes": M, "cores": os.cpu_count(),
+                      "arms": {}}
     try:
         init = os.path.join(root, "init.safetensors")
         t0 = time.monotonic()
@@ -649,14 +772,25 @@ def run(cfg):
         say(f"made the initial model in {time.monotonic() - t0:.1f} s; measuring the I/O limits of M ...")
         base = [baselines(init, shapes, os.path.join(root, "baseline.safetensors"))]
         say("  " + limits_line(base[0], M))
-        with harness.Launcher() as L:
-            out.update(federate(L, cfg, root, init, shapes, base))
-            L.stop_all()
-        src = os.path.join(root, "sites", SITES[0], "theta.safetensors")
-        base.append(baselines(src, shapes, os.path.join(root, "baseline.safetensors")))
+        for arm in arms:
+            say(f"\n=== arm {arm['name']}: fedmom_server.py {' '.join(arm['args']) or '(its default --memory-gb)'}")
+            adir = os.path.join(root, arm["name"])
+            for sub in ("logs", "records", "sites"):
+                os.makedirs(os.path.join(adir, sub))
+            with harness.Launcher() as L:
+                out["arms"][arm["name"]] = {**federate(L, cfg, adir, init, shapes, base, arm), "arm": arm}
+                L.stop_all()
+            if not cfg.keep:
+                for sub in ("sites", "central"):              # the next arm's disk: only logs and records stay
+                    shutil.rmtree(os.path.join(adir, sub), ignore_errors=True)
+        base.append(baselines(init, shapes, os.path.join(root, "baseline.safetensors")))
         say("I/O limits again at the end: " + limits_line(base[1], M))
         out["baselines"] = base
-        ok = summary(out, base, shapes)
+        ok = True
+        for arm in arms:
+            say(f"\n=== summary of arm {arm['name']}")
+            ok = summary(out["arms"][arm["name"]], base, shapes, P, M) and ok
+        compare(out, arms, shapes, cfg, base)
     finally:
         if cfg.json:
             with open(cfg.json, "w") as f:
@@ -678,28 +812,36 @@ def cleanup(root, keep, ok):
     if ok:
         shutil.rmtree(root, ignore_errors=True)
         return
-    for entry in os.listdir(root):                  # a failure: the logs and the sites' records stay
-        if entry not in ("logs", "records"):
-            p = os.path.join(root, entry)
-            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.unlink(p)
+    for arm in os.listdir(root):                   # a failure: each arm's logs and the sites' records stay
+        p = os.path.join(root, arm)
+        if not os.path.isdir(p):
+            os.unlink(p)
+            continue
+        for entry in os.listdir(p):
+            if entry not in ("logs", "records"):
+                q = os.path.join(p, entry)
+                shutil.rmtree(q, ignore_errors=True) if os.path.isdir(q) else os.unlink(q)
     say(f"FAILED: logs and records kept in {root}")
 
 
-def federate(L, cfg, root, init, shapes, base):
-    """Start the servers and the sites, watch every round -> the figures."""
+def federate(L, cfg, root, init, shapes, base, arm):
+    """Start the servers and the sites, watch every round, restart the aggregator once the
+    sites are done (restart_peak) -> the figures. arm: {"name", "args"} (fedmom_server.py flags)."""
     M = 4 * nparams(shapes)
-    urls, procs, token, ca = start_central(L, root, cfg, init)
+    urls, procs, token, ca = start_central(L, root, cfg, init, arm["args"])
     pids = {k: real_pid(procs[k], CENTRAL[k]) for k in CENTRAL}
-    os.unlink(init)                                   # theta-0 is the aggregator's now: one M less on disk
     state_dir, blob_dir = os.path.join(root, "central", "fedmom"), os.path.join(root, "central", "blobs")
+    outer_dir = os.path.join(root, "central", "outer")
     say(f"central: fedmom {urls['fedmom']} (pid {pids['fedmom']}), darl {urls['darl']} (pid {pids['darl']}), "
         f"blob store {urls['blob']} (pid {pids['blob']}), TLS")
-    sampler = Sampler({"state": state_dir, "blobs": blob_dir, "run": root}, pids)
+    said = [line for line in procs["fedmom"].output().splitlines() if "memory budget" in line]
+    say("  " + (said[-1].split("fedmom: ", 1)[-1] if said else "(the aggregator said nothing of its memory budget)"))
+    sampler = Sampler({"state": state_dir, "blobs": blob_dir, "run": root, "outer": outer_dir}, pids)
     sampler.thread.start()
     sites = launch_sites(L, root, cfg, urls, token, ca, pids)
     bound_s = max(300.0, 150.0 * M / 1e9)             # a round slower than this is a stall
     rounds, failures, t_last = [], [], time.monotonic()
-    cpu_last = procs_cpu(pids)
+    cpu_last, io_last = procs_cpu(pids), tree_io(pids["fedmom"])
 
     def central():
         try:
@@ -718,36 +860,68 @@ def federate(L, cfg, root, init, shapes, base):
             + ", ".join(f"{s['download_full']['s']:.2f} s" for s in starts))
         if len({s["digest"] for s in starts}) != 1:
             failures.append("the sites hold different thetas of round 0")
+        sampler.take_peaks()                          # the rounds' peaks from here (the start's apart)
         for i in range(1, cfg.rounds + 1):
             r = first["round"] + i
             recs = wait_records(sites, root, lambda rr: all(r in rr[s] for s in SITES), bound_s, f"round {r}",
                                 central)
             rec = wait_round_record(state_dir, r)
             peaks = sampler.take_peaks()
-            cpu_now = procs_cpu(pids)
+            cpu_now, io_now = procs_cpu(pids), tree_io(pids["fedmom"])
             row = {"round": r, "wall_s": time.monotonic() - t_last, "sites": {s: recs[s][r] for s in SITES},
                    "record": {k: rec.get(k) for k in ("merge_s", "timings", "bytes_read", "bytes_written",
                                                       "update_bytes", "wall_s", "time", "outcomes")},
                    "state_bytes": dir_bytes(state_dir), "blob_bytes": dir_bytes(blob_dir),
                    "state_peak": peaks["state"], "blob_peak": peaks["blobs"], "run_peak": peaks["run"],
+                   "outer_peak": peaks["outer"], "memory_peak": peaks["memory"],
+                   "memory_private": peaks["private"], "memory_shared": peaks["shared"],
+                   "io": {k: io_now[k] - io_last[k] for k in IO_KEYS},
                    "central_cpu": {k: cpu_now[k] - cpu_last[k] for k in pids},
                    "vm_hwm": {k: proc_status(p, "VmHWM") for k, p in pids.items()}}
             row["merge_central_cpu"] = sampler.cpu_between(rec["time"] - rec["merge_s"], rec["time"])
             failures += judge(row, recs, r)
             rounds.append(row)
             print_round(row, i, cfg.rounds, M)
-            t_last, cpu_last = time.monotonic(), cpu_now
+            t_last, cpu_last, io_last = time.monotonic(), cpu_now, io_now
         for name, p in sites.items():
             if harness.wait_for(lambda: not p.alive(), bound_s) is None or p.poll() != 0:
                 failures.append(f"site {name} exited {p.poll()}:\n    " + "\n    ".join(p.tail(20)))
         recs = read_records(root)
         vm_hwm = {k: proc_status(p, "VmHWM") for k, p in pids.items()}
+        restart = restart_peak(L, root, procs, sampler, ca, bound_s)
     finally:
         sampler.stop.set()
-    return {"rounds": rounds, "failures": failures, "central_vm_hwm": vm_hwm,
+    return {"rounds": rounds, "failures": failures, "central_vm_hwm": vm_hwm, "restart": restart,
             "site_vm_hwm": {s: recs[s].get("end", {}).get("vm_hwm") for s in SITES},
             "initial": {s: recs[s]["start"] for s in SITES},
             "checkpoints": checkpoints(os.path.join(root, "logs", "fedmom.log"))}
+
+
+def restart_peak(L, root, procs, sampler, ca, bound_s):
+    """The aggregator stopped (SIGTERM) and started again on its state dir, with the same
+    flags: its memory peak (private + shared, sampled) from the start until it answers, the
+    checkpoint loaded and the logged rounds replayed -> {"s", "memory_peak", "private", "shared"}."""
+    procs["fedmom"].stop()
+    sampler.take_peaks()
+    t0 = time.monotonic()
+    proc = L.start("fedmom", [sys.executable, os.path.join(ROOT, CENTRAL["fedmom"]), *procs["fedmom"].args,
+                              "--port", 0], os.path.join(root, "logs", "fedmom.log"))
+
+    def find():
+        try:
+            return real_pid(proc, CENTRAL["fedmom"])
+        except RuntimeError:                          # not exec'd yet
+            return None
+    sampler.agg = find
+    url = harness.wait_listening(proc, bound_s)
+    httpc.wait_healthy(url, 60, ca)
+    peaks = sampler.take_peaks()
+    out = {"s": time.monotonic() - t0, "memory_peak": peaks["memory"], "private": peaks["private"],
+           "shared": peaks["shared"]}
+    say(f"restart: the aggregator answers {out['s']:.1f} s after its start; memory peak {gib(out['memory_peak'])} "
+        f"({gib(out['private'])} private, {gib(out['shared'])} shared)")
+    proc.stop()
+    return out
 
 
 CHECKPOINT_RE = re.compile(r"checkpoint of round (\d+): ([0-9.]+) GiB in ([0-9.]+) s")
@@ -831,6 +1005,11 @@ def print_round(row, i, n, M):
         f"{row['blob_bytes'] / M:.2f} M (peak {row['blob_peak'] / M:.2f} M)")
     say("    central CPU s " + ", ".join(f"{k} {v:.1f}" for k, v in row["central_cpu"].items())
         + "; VmHWM " + ", ".join(f"{k} {gib(v)}" for k, v in row["vm_hwm"].items()))
+    io = row["io"]
+    say(f"    aggregator + workers: memory peak {gib(row['memory_peak'])} ({gib(row['memory_private'])} private, "
+        f"{gib(row['memory_shared'])} shared); read {io['rchar'] / 1e9:.2f} GB, wrote {io['wchar'] / 1e9:.2f} GB "
+        f"(of it the disk read {io['read_bytes'] / 1e9:.2f} GB, was sent {io['write_bytes'] / 1e9:.2f} GB); "
+        f"--outer-dir peak {row['outer_peak'] / M:.2f} M")
     for s, e in row["sites"].items():
         ph = e["phases"]
         bits = [f"{k} {ph[k]['s']:.2f} s" + (f" ({ph[k]['bytes'] / 1e9 / ph[k]['s']:.2f} GB/s)"
@@ -882,9 +1061,9 @@ def central_per_round(row):
     return sum(e["phases"]["accept"]["s"] for e in row["sites"].values()) + row["record"]["merge_s"] + pub
 
 
-def summary(out, base, shapes):
-    """The closing table and judgement -> True when every check passed."""
-    rounds, M, P = out["rounds"], out["model_bytes"], out["parameters"]
+def summary(out, base, shapes, P, M):
+    """The closing table and judgement of one arm -> True when every check passed."""
+    rounds = out["rounds"]
     lim = {k: statistics.mean(b[k] for b in base) for k in ("write", "read", "memcpy", "sha256")}   # s for M bytes
     rows = phase_rows(rounds)
     say("")
@@ -934,10 +1113,23 @@ def summary(out, base, shapes):
         f"the whole run (sites, central) peak {max(r['run_peak'] for r in rounds) / M:.2f} M")
     say("peak RSS (VmHWM): " + ", ".join(f"{k} {gib(v)}" for k, v in out["central_vm_hwm"].items())
         + "; sites " + ", ".join(f"{k} {gib(v)}" for k, v in out["site_vm_hwm"].items()))
-    out["summary"] = {"limits": lim, "phases": table, "central_s_per_round": central, "site_encode_apply_s": site,
+    mem = max(rounds, key=lambda r: r["memory_peak"])
+    io = {k: med(r["io"][k] for r in rounds) for k in IO_KEYS}
+    say(f"aggregator + merge workers, sampled every {SAMPLE_S * 1000:.0f} ms: memory peak over the rounds "
+        f"{gib(mem['memory_peak'])} ({gib(mem['memory_private'])} private, {gib(mem['memory_shared'])} shared); "
+        f"a restart's peak {gib(out['restart']['memory_peak'])} ({out['restart']['s']:.1f} s to its first answer); "
+        f"per round (median) read {io['rchar'] / 1e9:.2f} GB and wrote {io['wchar'] / 1e9:.2f} GB, the disk "
+        f"{io['read_bytes'] / 1e9:.2f} GB and {io['write_bytes'] / 1e9:.2f} GB of it; --outer-dir peak "
+        f"{max(r['outer_peak'] for r in rounds) / M:.2f} M")
+    out["summary"] = {"memory_peak": mem["memory_peak"], "memory_private": mem["memory_private"],
+                      "memory_shared": mem["memory_shared"], "io_per_round": io,
+                      "merge_s": med(r["record"]["merge_s"] for r in rounds),
+                      "merge_central_cpu": med(r["merge_central_cpu"] for r in rounds),
+                      "outer_peak": max(r["outer_peak"] for r in rounds)}
+    out["summary"].update({"limits": lim, "phases": table, "central_s_per_round": central, "site_encode_apply_s": site,
                       "checkpoint_s": ckpt_s, "central_s_per_round_with_checkpoints": central + ckpt_s / every,
                       "state_peak_models": peak, "central_over_write": central / lim["write"],
-                      "site_over_write": site / lim["write"]}
+                      "site_over_write": site / lim["write"]})
     out["projection"] = project(table, lim, P, central, site, ckpt_s / every)
     for f in out["failures"]:
         say(f"!! {f}")
@@ -1008,6 +1200,112 @@ def project(table, lim, P, central, site, ckpt_per_round=0.0):
     return out
 
 
+# ---------------------------------------------------------------- the arms side by side
+
+NVME = outer_budget.NVME          # the disk of the projected VM (assumed: a local NVMe; plan --disk-gbs)
+
+
+def compare(out, arms, shapes, cfg, base):
+    """The arms side by side against the targets (the budget arm's central round <= 3 x the
+    memory arm's; its memory peak <= --memory-gb + 4 x the largest F32 tensor; a restart's
+    peak <= the rounds' peak), each mode projected to 8B and 32B, and the rates
+    `fedmom_server.py plan --rates FILE` reads (out["rates"])."""
+    P, M = out["parameters"], out["model_bytes"]
+    largest = 4 * max(math.prod(s) for _, s in shapes)
+    lim = {k: statistics.mean(b[k] for b in base) for k in ("write", "read", "memcpy", "sha256")}
+    say("\n=== the arms side by side (aggregator + merge workers; memory sampled, private + shared)")
+    say(f"{'arm':<8} {'--memory-gb':>11} {'in memory':>10} {'on disk':>9} {'central s':>9} {'merge s':>8} "
+        f"{'merge CPU':>9} {'peak':>10} {'restart':>10} {'disk I/O GB/round':>18}")
+    rows = {}
+    for arm in arms:
+        a = out["arms"][arm["name"]]
+        sm = a["summary"]
+        b = fixed_budget(cfg, shapes, arm["memory_gb"] * outer_budget.GB if arm["memory_gb"] else 0)
+        mem, disk = b.split() if arm["memory_gb"] else (b.state_bytes(), 0)
+        rows[arm["name"]] = {"budget": arm["memory_gb"], "in_memory": mem, "on_disk": disk, **sm,
+                             "restart_peak": a["restart"]["memory_peak"], "fixed": b.minimum()}
+        io = sm["io_per_round"]
+        say(f"{arm['name']:<8} {arm['memory_gb'] or 0:11.3f} {gib(mem):>10} {gib(disk):>9} "
+            f"{sm['central_s_per_round']:9.2f} {sm['merge_s']:8.2f} {sm['merge_central_cpu'] or 0:9.1f} "
+            f"{gib(sm['memory_peak']):>10} {gib(a['restart']['memory_peak']):>10} "
+            f"{io['read_bytes'] / 1e9:8.2f}r {io['write_bytes'] / 1e9:7.2f}w")
+    judged = []
+    for name, r in rows.items():
+        ok = r["restart_peak"] <= r["memory_peak"]
+        judged.append(f"{name}: a restart's peak {gib(r['restart_peak'])} <= the rounds' {gib(r['memory_peak'])} "
+                      f"(no 16 B/param at a start): {'met' if ok else 'NOT met'}")
+    if "budget" in rows:
+        m, b = rows["memory"], rows["budget"]
+        ratio = b["central_s_per_round"] / m["central_s_per_round"]
+        judged.append(f"the budget arm's central round {b['central_s_per_round']:.2f} s = {ratio:.2f} x the memory "
+                      f"arm's {m['central_s_per_round']:.2f} s (target <= 3: {'met' if ratio <= 3 else 'NOT met'}); "
+                      f"merge {b['merge_s']:.2f} s vs {m['merge_s']:.2f} s")
+        cap = b["budget"] * outer_budget.GB + 4 * largest
+        judged.append(f"the budget arm's peak {gib(b['memory_peak'])} vs --memory-gb {b['budget']:.3f} GB + 4 x the "
+                      f"largest F32 tensor ({largest / 1e9:.2f} GB) = {cap / 1e9:.2f} GB: "
+                      f"{'met' if b['memory_peak'] <= cap else 'NOT met'}; without its outer state in memory "
+                      f"({b['in_memory'] / 1e9:.2f} GB) the measured rest is "
+                      f"{(b['memory_peak'] - b['in_memory']) / 1e9:.2f} GB, the budget's fixed part {b['fixed'] / 1e9:.2f} GB")
+    for line in judged:
+        say(line)
+    out["compare"] = rows
+    out["rates"] = rates(out, rows, lim, P, M)
+    project_modes(rows, out["rates"], P, M, lim)
+
+
+def rates(out, rows, lim, P, M):
+    """The rates `plan` projects from (outer_budget.RATES' keys): the merge's CPU seconds per
+    parameter in memory and on disk, the acceptance and publish projected to VM_CORES cores
+    per parameter, the one-core sha256 per byte, the checkpoint's write rate."""
+    mem = out["arms"]["memory"]
+    k8 = mem["projection"]["8B"]["k"]
+    cpu_mem = (rows["memory"]["merge_central_cpu"] or 0) / P
+    cpu_disk = cpu_mem
+    if "budget" in rows and rows["budget"]["on_disk"]:
+        b = rows["budget"]
+        f_disk = b["on_disk"] / (b["on_disk"] + b["in_memory"])
+        cpu_disk = max(cpu_mem, ((b["merge_central_cpu"] or 0) / P - cpu_mem * (1 - f_disk)) / f_disk)
+    ck = [c for c in mem.get("checkpoints", []) if c["round"] > 0]
+    ck_bps = med(c["gib"] * 2**30 / c["s"] for c in ck) if ck else outer_budget.RATES["checkpoint_write_bps"]
+    return {"source": f"bench/scale_round.py --flavor {out['config']['flavor']} ({out['cores']} cores)",
+            "merge_cpu_s_per_param": cpu_mem, "merge_disk_cpu_s_per_param": cpu_disk,
+            "accept_s_per_param": mem["projection"]["accept"]["8B"] / (k8 * P),
+            "publish_s_per_param": mem["projection"]["publish"]["8B"] / (k8 * P),
+            "sha256_s_per_byte": lim["sha256"] / M, "checkpoint_write_bps": ck_bps}
+
+
+def project_modes(rows, r, P, M, lim):
+    """Each arm's mode at 8B and 32B on a VM_CORES-core VM with an NVMe disk: a round's
+    central seconds = 2 x accept + merge + publish at the rates measured, the merge no less
+    than the disk's reads and writes of the part on disk (the arm's fraction of the outer
+    state: read and written once a round) nor the one-core sha256; and the memory with
+    nothing in memory at 32B (outer_budget.Budget's fixed part) against the original design's
+    ~10 GiB."""
+    targets = {"8B": sum(math.prod(s) for _, s in qwen3_shapes("8B")), "32B": qwen3_params(QWEN3_32B)}
+    say(f"\nprojection per mode ({VM_CORES} cores, NVMe read {NVME['read_bps'] / 1e9:.1f} GB/s, write "
+        f"{NVME['write_bps'] / 1e9:.1f} GB/s; rates: merge CPU {r['merge_cpu_s_per_param'] * 1e9:.1f} ns/param in "
+        f"memory, {r['merge_disk_cpu_s_per_param'] * 1e9:.1f} on disk; accept {r['accept_s_per_param'] * 1e9:.2f}, "
+        f"publish {r['publish_s_per_param'] * 1e9:.2f} ns/param on {VM_CORES} cores; sha256 "
+        f"{r['sha256_s_per_byte'] * 1e9:.2f} s/GB)")
+    for name, row in rows.items():
+        f_disk = row["on_disk"] / (row["on_disk"] + row["in_memory"])
+        for n, Pn in targets.items():
+            disk = 12 * Pn * f_disk
+            cpu = Pn * (r["merge_cpu_s_per_param"] * (1 - f_disk) + r["merge_disk_cpu_s_per_param"] * f_disk) / VM_CORES
+            io = disk / NVME["read_bps"] + disk / NVME["write_bps"]
+            sha = r["sha256_s_per_byte"] * 4 * Pn
+            merge = max(cpu, io, sha)
+            acc, pub = r["accept_s_per_param"] * Pn, r["publish_s_per_param"] * Pn
+            say(f"  {name} ({1 - f_disk:.0%} of the outer state in memory) at {n}: merge max(CPU {cpu:.1f} s, disk "
+                f"{disk / 1e9:.0f} GB read + written {io:.1f} s, sha256 {sha:.1f} s) = {merge:.1f} s; central "
+                f"2 x {acc:.1f} + {merge:.1f} + {pub:.1f} = {2 * acc + merge + pub:.1f} s a round")
+    b32 = outer_budget.Budget(0, outer_budget.shapes_of(qwen3_params(QWEN3_32B)), ("theta", "momentum", "residual"),
+                              INT4, VM_CORES)
+    say(f"  nothing in memory at 32B: the budget's fixed part {b32.minimum() / 2**30:.2f} GiB "
+        f"({outer_budget.describe_fixed(b32)}), against the original design's ~10 GiB merge peak: "
+        f"{'met' if b32.minimum() <= 10 * 2**30 else 'NOT met'}")
+
+
 # ---------------------------------------------------------------- command line
 
 def site_parser():
@@ -1039,10 +1337,15 @@ def main(argv):
                    help="one more argument for fedmom_server.py, repeatable; write it with '=': "
                         "--server-arg=--threads=2")
     p.add_argument("--json", metavar="PATH", help="write every figure (per round, per site, summary, projection) here")
+    p.add_argument("--memory-gb", default="quarter",
+                   help="the budget arm's fedmom_server.py --memory-gb, run after the memory arm (the default "
+                        "budget: the outer state in memory) on fresh central processes: GB, 'quarter' (a quarter of "
+                        "the outer state, or the fixed part plus a quarter when that is more) or 'off' (the memory arm "
+                        "alone); default quarter")
     a = p.parse_args(argv)
     flavor = a.flavor or ("small" if a.quick else "0.6B")
     rounds = a.rounds if a.rounds is not None else (10 if flavor in REAL else 3)
-    cfg = Config(flavor, rounds, a.dir, a.keep, a.server_arg, a.json).validate()
+    cfg = Config(flavor, rounds, a.dir, a.keep, a.server_arg, a.json, a.memory_gb).validate()
 
     def on_term(signum, frame):
         raise KeyboardInterrupt

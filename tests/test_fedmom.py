@@ -528,6 +528,8 @@ class LiveServerTest(FedMomFixture):
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertIn("round 3", out.stdout)
         self.assertIn("merge round 3", out.stdout)
+        self.assertRegex(out.stdout, r"memory budget [0-9.]+ GB \(fixed [0-9.]+ MB\): outer state [0-9.]+ MB in memory, "
+                                     r"0.0 MB on disk")
 
 
 class BlobRouteTest(FedMomFixture):

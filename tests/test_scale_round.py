@@ -1,8 +1,9 @@
 """bench/scale_round.py end to end at its smallest: the real servers over TLS, two fake
-int4 sites, two rounds of the tiny model; it must exit 0 (every round complete, every
-delta merged, every theta's digest checked) and print its summary. No figure is judged:
-the timings are the machine's. The sizes users train are `python bench/scale_round.py
---flavor 0.6B`."""
+int4 sites, two rounds of the tiny model in each arm (the outer state in memory, then under a
+--memory-gb that keeps most of it on disk); it must exit 0 (every round complete, every
+delta merged, every theta's digest checked) and print its summary and the arms side by side.
+No figure is judged: the timings are the machine's. The sizes users train are `python
+bench/scale_round.py --flavor 0.6B`."""
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import unittest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+import outer_budget  # noqa: E402
 import scale_round  # noqa: E402
 
 
@@ -26,14 +28,24 @@ class ScaleRoundTest(unittest.TestCase):
                             "tiny", "--rounds", "2", "--dir", work, "--json", figures],
                            capture_output=True, text=True, timeout=600, cwd=ROOT)
         self.assertEqual(p.returncode, 0, p.stdout[-3000:] + p.stderr[-3000:])
-        for line in ("round 1 (1/2)", "round 2 (2/2)", "central s/round", "site encode + apply:", "state-dir peak:",
-                     "projection, linear in parameters", "all passed"):
+        for line in ("=== arm memory", "=== arm budget", "round 1 (1/2)", "round 2 (2/2)", "central s/round",
+                     "site encode + apply:", "state-dir peak:", "projection, linear in parameters", "all passed",
+                     "a restart's peak", "the arms side by side", "projection per mode", "nothing in memory at 32B"):
             self.assertIn(line, p.stdout)
         with open(figures) as f:
             out = json.load(f)
-        self.assertEqual([r["round"] for r in out["rounds"]], [1, 2])
-        self.assertEqual(out["failures"], [])
-        self.assertLessEqual(set(scale_round.PHASES), set(out["summary"]["phases"]))
+        for arm in ("memory", "budget"):
+            a = out["arms"][arm]
+            self.assertEqual([r["round"] for r in a["rounds"]], [1, 2])
+            self.assertEqual(a["failures"], [])
+            self.assertLessEqual(set(scale_round.PHASES), set(a["summary"]["phases"]))
+            self.assertGreater(a["summary"]["memory_peak"], 0)
+        self.assertGreater(out["arms"]["budget"]["summary"]["outer_peak"], 0, "the budget arm kept nothing on disk")
+        self.assertLessEqual(set(outer_budget.RATES), set(out["rates"]))
+        plan = subprocess.run([sys.executable, "fedmom_server.py", "plan", "--params", "8e9", "--rates", figures],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        self.assertEqual(plan.returncode, 0, plan.stderr)
+        self.assertIn("bench/scale_round.py --flavor tiny", plan.stdout)
         self.assertEqual(sorted(os.listdir(work)), ["figures.json"])      # the run's directory removed
 
     def test_a_flavor_that_cannot_fit_is_refused_naming_the_flag_and_the_fix(self):
