@@ -22,6 +22,7 @@ import numpy as np
 
 import fedmom_state as fs
 import httpd
+import merge_pool
 import tensorio
 
 # one tensor bigger than fedmom_merge.CHUNK, so the chunk loop runs more than once
@@ -188,3 +189,21 @@ def _entry(rank, fn, world, tmp, *args):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def outer_bits(arrays):
+    """{name: the float32 bits, flat} of an outer state's arrays (in memory or FileTensors)."""
+    return {n: np.ascontiguousarray(merge_pool.whole(a), np.float32).reshape(-1).view(np.uint32).copy()
+            for n, a in arrays.items()}
+
+
+def assert_same_outer(test, a, b, names, what):
+    """Two outer_state.OuterStates hold the same theta, momentum and residual, bit for bit, and digest."""
+    for which in ("theta", "momentum", "residual"):
+        x, y = getattr(a, which), getattr(b, which)
+        test.assertEqual(x is None, y is None, f"{what}: {which}")
+        if x is not None:
+            bx, by = outer_bits(x), outer_bits(y)
+            for n in names:
+                test.assertTrue(np.array_equal(bx[n], by[n]), f"{what}: {which} of {n} differs")
+    test.assertEqual(a.digest, b.digest, what)

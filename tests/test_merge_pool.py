@@ -17,6 +17,7 @@ import fedmom_checkpoint
 import fedmom_client
 import fedmom_state as fs
 import httpc
+import fixtures
 import merge_pool
 import outer_state
 import tensorio
@@ -28,10 +29,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # odd last dimensions, a ragged int4 row, a 1-D tensor, a scalar-like one, several pieces each
 SHAPES = {"embed": (700, 320), "w": (96, 131), "b": (1001,), "one": (1,), "big": (256, 768)}
 HANG_S = 120
-
-
-def bits(arrays):
-    return {n: np.ascontiguousarray(a, np.float32).reshape(-1).view(np.uint32).copy() for n, a in arrays.items()}
 
 
 class Case(unittest.TestCase):
@@ -63,14 +60,7 @@ class Case(unittest.TestCase):
         return outer_state.Step(rnd, ds, 0.7, mu, rnd == 1 if fresh is None else fresh, codec)
 
     def assert_same(self, a, b, what):
-        for which in ("theta", "momentum", "residual"):
-            x, y = getattr(a, which), getattr(b, which)
-            self.assertEqual(x is None, y is None, f"{what}: {which}")
-            if x is not None:
-                bx, by = bits(x), bits(y)
-                for n in SHAPES:
-                    self.assertTrue(np.array_equal(bx[n], by[n]), f"{what}: {which} of {n} differs")
-        self.assertEqual(a.digest, b.digest, what)
+        fixtures.assert_same_outer(self, a, b, SHAPES, what)
 
 
 class BitsTest(Case):

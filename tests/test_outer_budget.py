@@ -24,6 +24,7 @@ import fedmom_client
 import fedmom_merge
 import fedmom_state as fs
 import httpc
+import fixtures
 import merge_pool
 import outer_budget
 import outer_state
@@ -38,11 +39,6 @@ KINDS = ("theta", "momentum", "residual")
 INT4 = wire.Codec("int4")
 HANG_S = 120
 FS_IOC_SHUTDOWN = 0x8004587D     # ext4/xfs: every later I/O on the file system fails with EIO
-
-
-def bits(arrays):
-    return {n: np.ascontiguousarray(merge_pool.whole(a), np.float32).view(np.uint32).copy()
-            for n, a in arrays.items()}
 
 
 class Case(unittest.TestCase):
@@ -89,14 +85,7 @@ class Case(unittest.TestCase):
         return outer_state.OuterState(SHAPES, theta, store=store)
 
     def assert_same(self, a, b, what):
-        for which in KINDS:
-            x, y = getattr(a, which), getattr(b, which)
-            self.assertEqual(x is None, y is None, f"{what}: {which}")
-            if x is not None:
-                bx, by = bits(x), bits(y)
-                for n in SHAPES:
-                    self.assertTrue(np.array_equal(bx[n], by[n]), f"{what}: {which} of {n} differs")
-        self.assertEqual(a.digest, b.digest, what)
+        fixtures.assert_same_outer(self, a, b, SHAPES, what)
 
 
 class BitsTest(Case):
