@@ -207,3 +207,23 @@ def assert_same_outer(test, a, b, names, what):
             for n in names:
                 test.assertTrue(np.array_equal(bx[n], by[n]), f"{what}: {which} of {n} differs")
     test.assertEqual(a.digest, b.digest, what)
+
+
+def checkpoint_and_log(test, shapes, theta, step, codec, rounds=(1, 2, 3)):
+    """A checkpoint in segments of 64 KiB (fedmom_checkpoint.SEGMENT_ENV, for the test) of an outer state
+    from `theta`, then `rounds` applied with their logged Steps (test.step(rnd, codec)) ->
+    (the state after them, the checkpoint, the log as state.json keeps it)."""
+    import dataclasses
+    import fedmom_checkpoint
+    import outer_state
+    os.environ[fedmom_checkpoint.SEGMENT_ENV] = str(1 << 16)
+    test.addCleanup(os.environ.pop, fedmom_checkpoint.SEGMENT_ENV)
+    state = outer_state.OuterState(shapes, {n: a.copy() for n, a in theta.items()})
+    ckpt = fedmom_checkpoint.write_checkpoint(state, test.dir, None, fsync=False)
+    log = []
+    for rnd in rounds:
+        s = step(rnd, codec)
+        outer_state.apply_round(state, s, fsync=False, threads=1)
+        s.digest = state.digest
+        log.append(dataclasses.replace(s, deltas=[(os.path.relpath(p, test.dir), w) for p, w in s.deltas]))
+    return state, ckpt, log

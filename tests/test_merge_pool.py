@@ -2,7 +2,6 @@
 (every codec, mixed delta formats, momentum 0 and 0.9, a replay of segments of two rounds);
 a worker killed mid-round fails the round loudly and the next one runs on new workers; the
 shared blocks are removed when let go, at exit, and after a SIGKILL by the next start."""
-import dataclasses
 import os
 import shutil
 import signal
@@ -87,17 +86,8 @@ class BitsTest(Case):
     def test_a_replay_of_segments_of_two_rounds_on_workers_is_the_same(self):
         """A checkpoint cut after two of its segments (fedmom_checkpoint.rebuild's `only`
         rounds) replayed with and without the workers: the same bits."""
-        os.environ[fedmom_checkpoint.SEGMENT_ENV] = str(1 << 16)
-        self.addCleanup(os.environ.pop, fedmom_checkpoint.SEGMENT_ENV)
         codec = wire.Codec("int4")
-        state = outer_state.OuterState(SHAPES, {n: a.copy() for n, a in self.theta.items()})
-        ckpt = fedmom_checkpoint.write_checkpoint(state, self.dir, None, fsync=False)
-        log = []
-        for rnd in (1, 2, 3):
-            s = self.step(rnd, codec)
-            outer_state.apply_round(state, s, fsync=False, threads=1)
-            s.digest = state.digest
-            log.append(dataclasses.replace(s, deltas=[(os.path.relpath(p, self.dir), w) for p, w in s.deltas]))
+        state, ckpt, log = fixtures.checkpoint_and_log(self, SHAPES, self.theta, self.step, codec)
         n = [0]
 
         class Cut(Exception):

@@ -5,7 +5,6 @@ worker reads only its own part of a delta; a restart loads the checkpoint straig
 blocks (no private copy of the model); the start's checks refuse in one line naming the flag;
 a disk error on a file block fails the round loudly with nothing published; real servers
 under two budgets end with the same theta and momentum; `plan` prints what a run needs."""
-import dataclasses
 import fcntl
 import json
 import os
@@ -131,16 +130,7 @@ class BitsTest(Case):
     def test_a_replay_into_a_store_on_disk_is_the_replay_in_memory(self):
         """A checkpoint cut after two of its segments (segments of two rounds), replayed into
         private arrays and into file blocks (with and without workers): the same bits."""
-        os.environ[fedmom_checkpoint.SEGMENT_ENV] = str(1 << 16)
-        self.addCleanup(os.environ.pop, fedmom_checkpoint.SEGMENT_ENV)
-        state = outer_state.OuterState(SHAPES, {n: a.copy() for n, a in self.theta.items()})
-        ckpt = fedmom_checkpoint.write_checkpoint(state, self.dir, None, fsync=False)
-        log = []
-        for rnd in (1, 2, 3):
-            s = self.step(rnd, INT4)
-            outer_state.apply_round(state, s, fsync=False, threads=1)
-            s.digest = state.digest
-            log.append(dataclasses.replace(s, deltas=[(os.path.relpath(p, self.dir), w) for p, w in s.deltas]))
+        state, ckpt, log = fixtures.checkpoint_and_log(self, SHAPES, self.theta, self.step, INT4)
 
         class Cut(Exception):
             pass
