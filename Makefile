@@ -67,7 +67,7 @@ demo: setup
 	$(PY) demo.py
 
 lint: setup
-	$(PY) -m compileall -q *.py tests bench
+	$(PY) -m compileall -q *.py testbed tests bench
 	$(VENV)/bin/shellcheck -x env.sh central.sh sites/*.sh jobs/*.sh prep/*.sh tests/*.sh
 
 # Every figure of bench/, each against a baseline measured in the same run.

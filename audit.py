@@ -1,7 +1,7 @@
 """audit.py - the run audit: is every block of the corpus inside exactly one merged delta?
 
 Runs on: the central VM (or any copy of its state directory), with the servers running or
-stopped. Python + numpy, with darl_log.py, darl_table.py, block_space.py and durable.py
+stopped. Python + numpy, with darl_server.py, darl_table.py, block_space.py and durable.py
 (and what they import) beside it, as central.sh has them; never torch. It reads and changes nothing but what it prints:
     <state-dir>/darl/       DARL's snapshot and log, replayed read-only as a restart would
     <state-dir>/fedmom/     the aggregator's state.json and rounds.jsonl
@@ -35,7 +35,7 @@ import os
 import sys
 
 import block_space
-import darl_log
+import darl_server
 import darl_table
 import durable
 
@@ -84,7 +84,7 @@ def audit(state_dir, partial=False, manifest=None):
     """The audit of a state dir: a Report (nothing printed, nothing changed)."""
     problems, notes = [], []
     try:
-        loaded = darl_log.load_state(state_dir)
+        loaded = darl_server.load_state(state_dir)
     except SystemExit as e:                     # LogError: the message names the file and the fix
         return Report(False, [f"FAIL: DARL's state cannot be read: {e}"], {}, [])
     if loaded is None:

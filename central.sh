@@ -13,11 +13,9 @@
 #
 # Runs on: the central VM (no GPU, bare Python 3 + numpy; .venv/bin/python when present,
 # else python3; override with PYTHON). Nothing else is installed: copy this script and
-#   httpd.py httpd_loop.py httpc.py testhooks.py durable.py tensorio.py wire.py wire_kernels.py
-#   blobstore.py blob_client.py block_space.py darl_table.py darl_custody.py darl_log.py
-#   darl_server.py fedmom_merge.py outer_defaults.py outer_state.py merge_pool.py outer_budget.py fedmom_checkpoint.py
-#   fedmom_records.py fedmom_round.py fedmom_store.py fedmom_outer.py fedmom_darl.py
-#   fedmom_blobs.py fedmom_state.py fedmom_server.py audit.py status_page.py
+#   httpd.py httpc.py testhooks.py durable.py tensorio.py wire.py blobstore.py blob_client.py
+#   block_space.py darl_table.py darl_server.py fedmom_round.py fedmom_merge.py outer_state.py
+#   fedmom_state.py fedmom_server.py audit.py status_page.py   (18 files)
 # into one directory (start refuses, naming them, if any is missing).
 # State (default runs/central, or --state-dir / PWW_CENTRAL_STATE):
 #   token          the shared bearer token, made on first start (mode 600): copy it to
@@ -99,7 +97,7 @@ else
     CERT=$TLS_DIR/server.pem KEY=$TLS_DIR/server.key CA=$TLS_DIR/ca.pem
 fi
 DAEMONS="darl fedmom blob"
-CENTRAL_FILES="httpd.py httpd_loop.py httpc.py testhooks.py durable.py tensorio.py wire.py wire_kernels.py blobstore.py blob_client.py block_space.py darl_table.py darl_custody.py darl_log.py darl_server.py fedmom_merge.py outer_defaults.py outer_state.py merge_pool.py outer_budget.py fedmom_checkpoint.py fedmom_records.py fedmom_round.py fedmom_store.py fedmom_outer.py fedmom_darl.py fedmom_blobs.py fedmom_state.py fedmom_server.py audit.py status_page.py"
+CENTRAL_FILES="httpd.py httpc.py testhooks.py durable.py tensorio.py wire.py blobstore.py blob_client.py block_space.py darl_table.py darl_server.py fedmom_round.py fedmom_merge.py outer_state.py fedmom_state.py fedmom_server.py audit.py status_page.py"
 
 script_of() { case "$1" in darl) echo darl_server.py ;; fedmom) echo fedmom_server.py ;; blob) echo blobstore.py ;; esac; }
 port_of() { case "$1" in darl) echo "$DARL_PORT" ;; fedmom) echo "$FEDMOM_PORT" ;; blob) echo "$BLOB_PORT" ;; esac; }

@@ -72,10 +72,10 @@ import time
 
 import audit
 import durable
-import fedmom_checkpoint
-import harness
+import outer_state
+from testbed import harness
 import status_page
-from outer_defaults import OUTER_LR, OUTER_MOMENTUM
+from outer_state import OUTER_LR, OUTER_MOMENTUM
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -472,7 +472,7 @@ class Demo:
         out.append(f"  training loss per round: {sparkline(losses)}  {spark_scale(losses)}")
         first, last, trend_ok = loss_trend(records)
         try:                # as `fedmom_server.py export` writes it: the checkpoint and the rounds since
-            outer = fedmom_checkpoint.load_outer(state_fed)
+            outer = outer_state.load_outer(state_fed)
             theta = outer.write("theta", os.path.join(self.out, f"theta-{outer.round}.safetensors"), fsync=False)
         except (OSError, ValueError) as e:
             theta = None

@@ -24,7 +24,7 @@ The outer step (DiLoCo, Douillard et al. 2023):
     delta_i = theta - theta_i          this replica's drift over the phase
     g       = mean_i delta_i           the pseudo-gradient
     theta  <- OuterOpt(theta, g)       torch.optim.SGD(lr, momentum, nesterov=True)
-train.py's defaults: Nesterov, lr 0.7, momentum 0.9 (outer_defaults.py; DiLoCoConfig is
+train.py's defaults: Nesterov, lr 0.7, momentum 0.9 (outer_state.py; DiLoCoConfig is
 given them). `sgd` with lr 1.0 and momentum 0 makes theta = mean_i theta_i exactly, i.e.
 FederatedAveraging (the control arm).
 
@@ -160,7 +160,7 @@ class ReplicaLayout:
 @dataclasses.dataclass(kw_only=True)
 class DiLoCoConfig:
     """The outer step's settings. outer_lr and outer_momentum have no default here: the
-    caller gives them (train_config.py, from outer_defaults.py: lr 0.7, momentum 0.9, the
+    caller gives them (train_config.py, from outer_state.py: lr 0.7, momentum 0.9, the
     values the aggregator's --outer-lr/--outer-momentum default to too), so that this file
     imports nothing of the project and the defaults are said in one place."""
     outer_lr: float

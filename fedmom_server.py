@@ -1,11 +1,11 @@
 """fedmom_server.py - the central FedMom aggregator: one global model, merged from the sites' deltas.
 
 Runs on: the central VM (CPU only). Python standard library + numpy; never imports
-torch. What it imports, all of it numpy at most: the HTTP server (httpd.py, httpd_loop.py),
-the round protocol (fedmom_round.py, pure, with fedmom_records.py), the books
-(fedmom_store.py: state.json and the spool), the outer state (fedmom_outer.py over
-outer_state.py, fedmom_merge.py, fedmom_checkpoint.py, wire.py, wire_kernels.py), the custody
-calls (fedmom_darl.py), the blob transport and retention (fedmom_blobs.py, blob_client.py),
+torch. What it imports, all of it numpy at most: the HTTP server (httpd.py, httpd.py),
+the round protocol (fedmom_round.py, pure, with fedmom_round.py), the books
+(fedmom_state.py: state.json and the spool), the outer state (outer_state.py over
+outer_state.py, fedmom_merge.py, outer_state.py, wire.py, wire.py), the custody
+calls (fedmom_state.py), the blob transport and retention (fedmom_state.py, blob_client.py),
 fedmom_state.py putting them together and status_page.py (GET /). The files to copy onto a
 bare Python 3 with numpy are central.sh's CENTRAL_FILES (RUNBOOK.md section 1).
 
@@ -28,7 +28,7 @@ the three loops below drive its rounds, its calls to DARL and the blob store's r
     python fedmom_server.py plan --params 8e9 --sites 2 --down-wire int4 [--memory-gb 48 | --init FILE]
 
 Port 29511, bound to 127.0.0.1 unless --host says otherwise (a non-loopback bind
-needs a token and TLS, or --insecure; httpd_loop.py has the connection limits). Callers: the sites' outer step (diloco.py's HTTP
+needs a token and TLS, or --insecure; httpd.py has the connection limits). Callers: the sites' outer step (diloco.py's HTTP
 carrier, through fedmom_client.FedMomClient) and operators (`status`, a browser on GET /).
 Every endpoint needs `Authorization: Bearer <token>` when a token is set, except
 GET /health and GET / : the page is read-only, shows round numbers, cluster ids and
@@ -41,7 +41,7 @@ rule, exactly, is fedmom_merge.py's docstring. It runs on the outer state (theta
 momentum, the --down-wire residual: 4 B/param each), tensor by tensor, in cache-sized
 pieces on --merge-procs worker processes (outer_state.apply_round).
 
-Memory (--memory-gb G, default 3/4 of the machine's; outer_budget.py has the arithmetic):
+Memory (--memory-gb G, default 3/4 of the machine's; outer_state.py has the arithmetic):
 the aggregator and its workers hold at most G, shared memory included. Its fixed part
 (the processes, a round's working memory: a few times the largest tensor) comes first; the
 outer state stays in memory as far as the rest of G goes and lives in file blocks in
@@ -70,7 +70,7 @@ Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."
     POST /delta_check  the delta's metadata alone: the same 4xx a real upload would get
     PUT  /delta      body = the delta file; metadata in the X-Delta-Meta header (JSON):
                      {cluster, incarnation, base_round, tokens, leases: [...], metrics: {...}}
-                     metrics: the numbers fedmom_records.METRIC_KEYS (loss, tokens_per_s, ..., steps,
+                     metrics: the numbers fedmom_round.METRIC_KEYS (loss, tokens_per_s, ..., steps,
                      step_s, budget_s, cycle_s, util, wait_s) and ended_by, one of "clock", "lease",
                      "data", "steps"; another value is a 400 (a heartbeat's metrics drop it instead).
                      A delta's land in its record's "clusters" entry, a heartbeat's in /status "members"
@@ -153,7 +153,7 @@ DARL commits and aborts owed; fedmom_state.py's docstring has the layout. --oute
 memory, swept at a start. --threads sets the cores its merge and codecs use.
 
 Retention (--keep-rounds K, default 3): the theta/update blobs of the last K rounds stay
-in the blob store (so a download begun before a merge can finish); fedmom_blobs.BlobRetention deletes
+in the blob store (so a download begun before a merge can finish); fedmom_state.BlobRetention deletes
 older ones after every durable round and at start, from the store's listing, so a crash
 leaks nothing; a site further behind takes the full theta (409 no_update). GET /status
 "retention", the status CLI and the page say what the state dir and the store keep and
@@ -179,23 +179,20 @@ import threading
 import time
 
 import darl_table
-import fedmom_checkpoint
-import fedmom_outer
+import outer_state
 import fedmom_state
 import durable
 import httpc
-import outer_budget
 import httpd
-import outer_state
 import testhooks
 import status_page
 import wire
-from fedmom_blobs import SWEEP_RETRY_S, BlobLink, BlobRetention
-from fedmom_darl import DarlLink
-from fedmom_records import QUORUM_MIN_RECORDS, QUORUM_RECORDS, format_record
+from fedmom_state import SWEEP_RETRY_S, BlobLink, BlobRetention
+from fedmom_state import DarlLink
+from fedmom_round import QUORUM_MIN_RECORDS, QUORUM_RECORDS, format_record
 from fedmom_round import Refused
 from fedmom_state import FedMomState, ServerConfig
-from fedmom_store import log
+from fedmom_state import log
 
 DEFAULT_PORT = 29511
 
@@ -338,7 +335,7 @@ def darl_loop(state, stop, interval_s=1.0, on_fenced=None):
 
 
 def retention_loop(state, retention, stop, interval_s=1.0):
-    """Background thread 3: the blob store's retention sweep (fedmom_blobs.BlobRetention) once per
+    """Background thread 3: the blob store's retention sweep (fedmom_state.BlobRetention) once per
     durable round and once at start; apart from the round loop, so a store that does not answer
     (30 s timeouts) never delays a merge."""
     while not stop.is_set():
@@ -411,8 +408,8 @@ def print_status(url, token=None, last=10, ca_file=None):
         print(line)
     m = st.get("memory")
     if m:
-        print(f"memory budget {outer_budget.gb(m['budget_bytes'])} (fixed {outer_budget.gb(m['fixed_bytes'])}): "
-              f"outer state {outer_budget.gb(m['in_memory_bytes'])} in memory, {outer_budget.gb(m['on_disk_bytes'])} "
+        print(f"memory budget {outer_state.gb(m['budget_bytes'])} (fixed {outer_state.gb(m['fixed_bytes'])}): "
+              f"outer state {outer_state.gb(m['in_memory_bytes'])} in memory, {outer_state.gb(m['on_disk_bytes'])} "
               f"on disk" + (f" in {m['outer_dir']}" if m["outer_dir"] else ""))
     print(f"members ({len(st['members'])}):" + ("" if st["members"] else " none"))
     for m in st["members"]:
@@ -529,18 +526,18 @@ def _server_parser():
     p.add_argument("--merge-procs", type=int, default=None,
                    help="worker processes a round (and a restart's replay) runs on, the outer state's memory "
                         "part in shared memory ($PWW_SHM_DIR, default /dev/shm; --memory-gb counts it): numpy "
-                        "threads share one interpreter lock and barely help, processes do (merge_pool.py); "
+                        "threads share one interpreter lock and barely help, processes do (fedmom_merge.py); "
                         "1 = this process alone; any number gives the same bits (default every core)")
     p.add_argument("--memory-gb", type=float, default=None,
                    help="GB the aggregator and its merge workers may hold, shared memory included: the outer "
                         "state (12 B/param with --down-wire) stays in memory as far as it fits, the rest in file "
                         "blocks in --outer-dir; below the fixed part (its processes, a round's working memory) the "
                         "start refuses. Default: 3/4 of the machine's memory, at most 9/10 of what is available "
-                        "and, with --merge-procs, what shared memory holds (outer_budget.py; `plan` prints a run's)")
+                        "and, with --merge-procs, what shared memory holds (outer_state.py; `plan` prints a run's)")
     p.add_argument("--outer-dir", default=None,
                    help="where the outer state that --memory-gb leaves out of memory lives, as scratch file blocks "
                         "(never a checkpoint; a start sweeps them): a local disk, the faster the better "
-                        f"(default {outer_budget.OUTER_DIR}/ in --state-dir)")
+                        f"(default {outer_state.OUTER_DIR}/ in --state-dir)")
     p.add_argument("--private-page", action="store_true", help="require the token for GET / too (default: public)")
     p.add_argument("--accept-config-change", action="store_true",
                    help="--outer-lr/--outer-momentum differ from those the state was run with: apply the new "
@@ -557,9 +554,9 @@ def _offline(what, fn, a):
     store = None
     try:
         sd = os.path.abspath(a.state_dir)
-        ckpt, _ = fedmom_checkpoint.read_record(fedmom_checkpoint.read_state(sd), f"{sd}/state.json")
-        _, store = outer_budget.make_store(fedmom_checkpoint.read_shapes(sd, ckpt), outer_state.ARRAYS, None, 0,
-                                           a.memory_gb, a.outer_dir or os.path.join(sd, outer_budget.OUTER_DIR),
+        ckpt, _ = outer_state.read_record(outer_state.read_state(sd), f"{sd}/state.json")
+        _, store = outer_state.make_store(outer_state.read_shapes(sd, ckpt), outer_state.ARRAYS, None, 0,
+                                           a.memory_gb, a.outer_dir or os.path.join(sd, outer_state.OUTER_DIR),
                                            lambda m: print(f"{what}: {m}", file=sys.stderr))
         return fn(a.state_dir, a.threads, store)
     except ValueError as e:
@@ -575,7 +572,7 @@ def _offline_args(p):
     p.add_argument("--memory-gb", type=float, default=None,
                    help="GB the outer state may take in memory, the rest in file blocks in --outer-dir (default: "
                         "the machine's, as the server's)")
-    p.add_argument("--outer-dir", default=None, help=f"(default {outer_budget.OUTER_DIR}/ in --state-dir)")
+    p.add_argument("--outer-dir", default=None, help=f"(default {outer_state.OUTER_DIR}/ in --state-dir)")
 
 
 def export(argv):
@@ -590,7 +587,7 @@ def export(argv):
     p.add_argument("--residual", help="also write what the last update rounded away here (--down-wire)")
     _offline_args(p)
     a = p.parse_args(argv)
-    outer = _offline("export", fedmom_checkpoint.load_outer, a)
+    outer = _offline("export", outer_state.load_outer, a)
     for which, path in (("theta", a.out), ("momentum", a.momentum), ("residual", a.residual)):
         if path is None:
             continue
@@ -611,14 +608,14 @@ def checkpoint(argv):
     p.add_argument("--state-dir", required=True, help="the aggregator's --state-dir (the server stopped)")
     _offline_args(p)
     a = p.parse_args(argv)
-    rnd = _offline("checkpoint", lambda sd, threads, store: fedmom_checkpoint.checkpoint_offline(sd, threads,
+    rnd = _offline("checkpoint", lambda sd, threads, store: outer_state.checkpoint_offline(sd, threads,
                                                                                               store=store), a)
     print(f"{a.state_dir}: round {rnd} is the checkpoint; nothing is left to replay")
     return 0
 
 
 def plan(argv):
-    """fedmom_server.py plan: what a run needs (outer_budget.plan): RAM at the budget, the disk,
+    """fedmom_server.py plan: what a run needs (outer_state.plan): RAM at the budget, the disk,
     and the central seconds of a round in memory, at the budget and with nothing in memory."""
     p = argparse.ArgumentParser(prog="fedmom_server.py plan", description=plan.__doc__)
     p.add_argument("plan")
@@ -639,22 +636,22 @@ def plan(argv):
     p.add_argument("--keep-rounds", type=int, default=fedmom_state.KEEP_ROUNDS,
                    help=f"as the server's (default {fedmom_state.KEEP_ROUNDS})")
     p.add_argument("--rates", help="a bench/scale_round.py --json file: its measured rates (default: "
-                                   f"{outer_budget.RATES['source']})")
-    nvme = f"{outer_budget.NVME['read_bps'] / 1e9:g},{outer_budget.NVME['write_bps'] / 1e9:g}"
+                                   f"{outer_state.RATES['source']})")
+    nvme = f"{outer_state.NVME['read_bps'] / 1e9:g},{outer_state.NVME['write_bps'] / 1e9:g}"
     p.add_argument("--disk-gbs", default=nvme,
                    help=f"READ,WRITE GB/s of the --outer-dir disk (default: a local NVMe's, {nvme})")
     a = p.parse_args(argv)
     codec = lambda fmt: None if fmt == "f32" else wire.Codec(fmt).validate()
     if a.init:
-        shapes, how = fedmom_outer.init_shapes(a.init), f"--init {a.init}"
+        shapes, how = outer_state.init_shapes(a.init), f"--init {a.init}"
     else:
-        shapes, how = outer_budget.shapes_of(int(a.params)), "--params: the largest tensor a Qwen3 embedding"
+        shapes, how = outer_state.shapes_of(int(a.params)), "--params: the largest tensor a Qwen3 embedding"
     try:
         read, write = (float(x) * 1e9 for x in a.disk_gbs.split(","))
     except ValueError:
         raise SystemExit(f"plan: --disk-gbs {a.disk_gbs}: give READ,WRITE in GB/s, e.g. 3,2")
-    rates = outer_budget.rates_from(a.rates) if a.rates else outer_budget.RATES
-    for line in outer_budget.plan(shapes, how, a.sites, codec(a.wire), codec(a.down_wire), a.memory_gb,
+    rates = outer_state.rates_from(a.rates) if a.rates else outer_state.RATES
+    for line in outer_state.plan(shapes, how, a.sites, codec(a.wire), codec(a.down_wire), a.memory_gb,
                                   a.merge_procs, a.cores, a.outer_momentum, a.checkpoint_rounds, a.keep_rounds,
                                   rates, {"read_bps": read, "write_bps": write}):
         print(line)

@@ -11,11 +11,11 @@ FedMomState is put together from (ARCHITECTURE.md section 2 draws it):
     fedmom_round.RoundTable   the protocol, pure: membership, what the open round accepts, when
                               it closes, each delta's custody and outcome, what is owed to DARL,
                               the violation counters (its docstring states the rules)
-    fedmom_store.Ledger       state.json and rounds.jsonl, and the lock over the books
-    fedmom_store.Spool        the accepted deltas' files
-    fedmom_outer.OuterKeeper  theta, momentum and residual (in memory, or on disk past --memory-gb):
+    Ledger       state.json and rounds.jsonl, and the lock over the books
+    Spool        the accepted deltas' files
+    outer_state.OuterKeeper  theta, momentum and residual (in memory, or on disk past --memory-gb):
                               merged, checkpointed, rebuilt
-    fedmom_darl.Custodian     the custody calls to DARL (with --darl)
+    Custodian     the custody calls to DARL (with --darl)
 Each of its methods (join, heartbeat, leave, check_delta_meta, receive_delta, fetch_delta,
 accept_delta, tick, darl_tick, status, ...) asks the RoundTable for the decision and does
 the I/O the decision needs; they take and return plain values and raise
@@ -25,10 +25,10 @@ fedmom_server.py turns into the HTTP reply.
 State dir (everything replaced atomically: temp file, fsync, rename, fsync the dir).
 The outer state (theta_global, momentum, the residual of --down-wire; outer_state.OuterState,
 4 B/param each) lives in memory as far as --memory-gb goes and in scratch file blocks in
---outer-dir (default outer/ here) beyond it (outer_budget.py); what is durable is what a
+--outer-dir (default outer/ here) beyond it (outer_state.py); what is durable is what a
 restart needs to rebuild it bit for bit:
     ckpt-<r>/                 the checkpoint: theta_global, momentum and residual, fp32, in
-                              segments of 64 MiB per array (fedmom_checkpoint.py), each with
+                              segments of 64 MiB per array (outer_state.py), each with
                               its round; written every --checkpoint-rounds rounds (and round 0
                               from --init) over the last one's, one segment at a time (<r>: the
                               round the directory was first written at); momentum absent before
@@ -68,11 +68,11 @@ another digest than the round published stops the start; segments of two rounds,
 checkpoint cut short, are each replayed from their own). A checkpoint, once durable
 (state.json names it), removes the deltas of the rounds it covers; a round removes the round
 before's update and copy of theta; both remove files after the state lock is released
-(fedmom_store.remove; a crash first leaves them to the next start's clean-up). The state dir
+(remove; a crash first leaves them to the next start's clean-up). The state dir
 therefore holds one checkpoint (and one segment more while the next is written), at most
 --checkpoint-rounds rounds of deltas, one update and the open round's spool; what is kept and
 why: kept_files(). The blob store's copies of theta and the updates are
-fedmom_blobs.BlobRetention's (blob_plan, --keep-rounds).
+BlobRetention's (blob_plan, --keep-rounds).
 
 Custody (with --darl): the aggregator is the coordinator of a two-phase commit, DARL the
 participant. A delta accepted for the round is spooled with custody "unconfirmed", then DARL
@@ -87,29 +87,33 @@ are fedmom_round.py's docstring; darl_server.py's docstring has DARL's calls.
 Test hooks (testhooks.fault_point; fedmom_server.py's docstring lists them all): fedmom.spooled
 (a delta accepted on disk, its custody not asked yet) and fedmom.round_durable (a round
 durable with its commits owed, none sent) are here; the others are in the module that does
-that step (fedmom_store, fedmom_outer, fedmom_darl, fedmom_blobs).
+that step (fedmom_state, outer_state, fedmom_state, fedmom_state).
 """
+import collections
+import contextlib
 import dataclasses
+import http.client
+import json
 import math
 import os
+import re
 import secrets
 import threading
 import time
 import traceback
+import urllib.parse
 
-import fedmom_darl
+import blob_client
+import durable
 import fedmom_merge
-import fedmom_outer
 import fedmom_round
-import fedmom_store
-import testhooks
+import httpc
+import outer_state
 import tensorio
+import testhooks
 import wire
-from fedmom_blobs import blob_name
-from fedmom_records import format_record
-from fedmom_round import Custody, Refused
-from fedmom_store import KEEP_DELTAS_ENV, log
-from outer_defaults import OUTER_LR, OUTER_MOMENTUM
+from fedmom_round import DEFINITIVE, OK, REFUSED, UNKNOWN, Answer, Custody, Pending, Refused, format_record
+from outer_state import OUTER_LR, OUTER_MOMENTUM, STATE_FORMAT, log, write_json
 
 KEEP_ROUNDS = 3               # --keep-rounds default: blobs of the current round and the 2 before it
 CHECKPOINT_ROUNDS = 4         # --checkpoint-rounds default: theta, momentum, residual written every 4 rounds
@@ -144,12 +148,12 @@ class ServerConfig:
     keep_rounds: int = KEEP_ROUNDS    # the blob store keeps this many rounds' theta/update blobs
     checkpoint_rounds: int = CHECKPOINT_ROUNDS   # the outer state is written whole every this many rounds
     threads: int | None = None        # the merge's and the codec's threads (None: $WIRE_THREADS or every core)
-    merge_procs: int | None = None    # the round's worker processes (merge_pool.py; None: every core; 1: none)
+    merge_procs: int | None = None    # the round's worker processes (fedmom_merge.py; None: every core; 1: none)
     phase_s: float | None = None      # the round cadence offered to every site (None: not offered)
     quorum: float | None = None       # fraction of a round's expected tokens that closes it after the grace
     grace_frac: float = GRACE_FRAC    # the quorum's grace, as a fraction of the recent round length
     memory_gb: float | None = None    # what the aggregator and its workers may hold (None: the machine's)
-    outer_dir: str | None = None      # the outer state's file blocks (None: outer_budget.OUTER_DIR in the state dir)
+    outer_dir: str | None = None      # the outer state's file blocks (None: outer_state.OUTER_DIR in the state dir)
 
     def round_quorum(self):
         """--quorum as the rounds use it: given, else QUORUM_WITH_PHASE with --phase-s (sites on a cadence:
@@ -260,9 +264,9 @@ def check_init_matches(init, recorded, state_dir, rnd):
     with tensorio.TensorReader(init) as r:
         specs = {n: r.specs[n][1] for n in r.names}
     st = os.stat(init)
-    same = fedmom_outer.structure_digest(specs) == recorded["structure"] and (
+    same = outer_state.structure_digest(specs) == recorded["structure"] and (
         (st.st_size, st.st_mtime_ns) == (recorded["size"], recorded["mtime_ns"])
-        or fedmom_outer.file_sha256(init) == recorded["sha256"])
+        or outer_state.file_sha256(init) == recorded["sha256"])
     if not same:
         raise SystemExit(f"--init {init} is not the model {state_dir} was started from "
                          f"(sha256 {recorded['sha256'][:12]}...): drop --init to resume this run, "
@@ -310,12 +314,12 @@ class FedMomState:
                                              retry_s=cfg.darl_retry_s, say=log, quorum=cfg.round_quorum(),
                                              grace_frac=cfg.grace_frac, phase_s=cfg.phase_s)
         self.books, self.history = self.table.books, self.table.history
-        self.ledger = fedmom_store.Ledger(self.dir, self.table, cfg.fsync)
+        self.ledger = Ledger(self.dir, self.table, cfg.fsync)
         self.ledger.outer_step = (cfg.outer_lr, cfg.outer_momentum)
-        self.spool = fedmom_store.Spool(os.path.join(self.dir, "spool"), cfg.fsync,
+        self.spool = Spool(os.path.join(self.dir, "spool"), cfg.fsync,
                                         os.environ.get(KEEP_DELTAS_ENV) or None)
-        self.keeper = fedmom_outer.OuterKeeper(cfg, self.dir, self.ledger, clock)
-        self.custodian = None if darl is None else fedmom_darl.Custodian(darl, self.ledger, self.spool, wall)
+        self.keeper = outer_state.OuterKeeper(cfg, self.dir, self.ledger, clock)
+        self.custodian = None if darl is None else Custodian(darl, self.ledger, self.spool, wall)
         self.merge_error = None       # the last merge's failure (a full disk), until one succeeds
         self.check_lock = threading.Lock()
         if os.path.exists(self.ledger.path):
@@ -340,7 +344,7 @@ class FedMomState:
             raise SystemExit(f"{self.dir} holds no state yet: pass --init MODEL.safetensors for the first start")
         L = self.ledger
         L.ckpt, L.log = self.keeper.create(self.cfg.init), []
-        L.init_id = fedmom_outer.init_id(self.cfg.init, self.keeper.specs)
+        L.init_id = outer_state.init_id(self.cfg.init, self.keeper.specs)
         self.books.aggregator = f"fedmom-{secrets.token_hex(6)}"     # DARL issues epoch 1
         self.table.event("init", "-", "-", self.wall(), f"theta-0 from {os.path.basename(self.cfg.init)}")
         L.save()
@@ -431,7 +435,7 @@ class FedMomState:
 
     def fetch_delta(self, meta, blob, sha256, blobs):
         """POST /delta_blob: the metadata checked first, then the delta fetched from the blob
-        store (`blobs`, fedmom_blobs.BlobLink) into a part file and accepted; once fetched the
+        store (`blobs`, BlobLink) into a part file and accepted; once fetched the
         blob is deleted, accepted or refused. A retry of a delta this round holds is a
         duplicate (its blob is already gone)."""
         blobs.check_id(blob)
@@ -466,7 +470,7 @@ class FedMomState:
             t0 = time.monotonic()
             try:
                 # a compressed delta is checked as its decoded values and spooled as it came; one
-                # at a time: --memory-gb counts one check's parts (outer_budget.CHECK_BYTES), and
+                # at a time: --memory-gb counts one check's parts (outer_state.CHECK_BYTES), and
                 # each already uses every core
                 with self.check_lock:
                     norm = fedmom_merge.check_delta_file(part, self.keeper.specs, self.cfg.threads)
@@ -538,7 +542,7 @@ class FedMomState:
                 self.merge_error = None
                 for p, why in dropped:           # excluded at the merge: never merged, its custody aborted
                     self.table.drop_at_merge(p, why, self.wall())
-                    gone += fedmom_store.bury([p.path, p.meta_path])
+                    gone += outer_state.bury([p.path, p.meta_path])
                 if dropped:
                     try:
                         self.ledger.save()       # the aborts owed
@@ -554,7 +558,7 @@ class FedMomState:
                     self.outer.dirty = True
                     failed = e
         finally:
-            fedmom_store.remove(gone)
+            outer_state.remove(gone)
         return self._merge_failed(failed)
 
     def _finish(self, batch, stats, reason, late, closed_at, gone):
@@ -598,7 +602,7 @@ class FedMomState:
         return self.keeper.checkpoint(force)
 
     def darl_tick(self):
-        """One pass of the custody calls owed (fedmom_darl.Custodian.tick); True without --darl."""
+        """One pass of the custody calls owed (Custodian.tick); True without --darl."""
         return self.custodian is None or self.custodian.tick()
 
     # ---- reading
@@ -620,7 +624,7 @@ class FedMomState:
         return self.keeper.copy("momentum")[0]
 
     def publish_theta(self, blobs):
-        """GET /theta_blob: the current theta in the blob store (`blobs`, fedmom_blobs.BlobLink)."""
+        """GET /theta_blob: the current theta in the blob store (`blobs`, BlobLink)."""
         f, rnd = self.open_theta()
         return blobs.publish(blob_name(self.aggregator_id, "theta", rnd), f, rnd)
 
@@ -653,3 +657,634 @@ class FedMomState:
                                "phase_s": cfg.phase_s, "quorum": cfg.round_quorum(), "grace_frac": cfg.grace_frac,
                                "blob": bool(cfg.blob_url), "darl": bool(cfg.darl),
                                "darl_retry_s": cfg.darl_retry_s, "down_wire": cfg.down_wire}}
+
+
+# ==============================================================================================
+# what the aggregator keeps on disk besides its arrays
+# ==============================================================================================
+
+KEEP_DELTAS_ENV = "PWW_TEST_KEEP_DELTAS_DIR"   # bench/chaos.py: a hard link of every accepted delta,
+                                               # <custody id>.safetensors, for its replay of the merges
+
+
+class Ledger:
+    """state.json and rounds.jsonl, and the lock (`lock`, `cond`) that guards what they hold:
+    `table` (fedmom_round.RoundTable), `ckpt`, `log`, `update` (outer_state's record of
+    the outer state), `init_id` and `outer_step` (what this run was started from and with)."""
+
+    def __init__(self, state_dir, table, fsync=True):
+        self.dir, self.table, self.fsync = state_dir, table, fsync
+        self.path = os.path.join(state_dir, "state.json")
+        self.rounds_path = os.path.join(state_dir, "rounds.jsonl")
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.ckpt, self.log, self.update = None, [], None
+        self.init_id, self.outer_step = None, (None, None)     # (--outer-lr, --outer-momentum) saved
+        self.records_owed = []        # round records not yet in rounds.jsonl (its append failed)
+
+    def read(self):
+        """state.json -> its dict, the outer state's record taken from it (a file that is not
+        this code's is a SystemExit saying what to do)."""
+        try:
+            with open(self.path) as f:
+                st = json.load(f)
+        except ValueError as e:
+            raise SystemExit(f"{self.path} is not valid JSON ({e}); restore it from a backup")
+        try:
+            self.ckpt, self.log = outer_state.read_record(st, self.path)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        self.update, self.init_id = st.get("update"), st["init"]
+        return st
+
+    def save(self):
+        """state.json, atomically; the caller holds the lock (or is starting the state)."""
+        lr, mu = self.outer_step
+        write_json(self.path, {"format": STATE_FORMAT, **self.table.to_json(), "checkpoint": self.ckpt,
+                               "log": [s.to_json() for s in self.log], "init": self.init_id,
+                               "outer_lr": lr, "outer_momentum": mu, "update": self.update}, self.fsync)
+
+    def mark(self):
+        return self.table.mark(), self.ckpt, list(self.log), self.update
+
+    def rewind(self, m):
+        table, self.ckpt, self.log, self.update = m
+        self.table.rewind(table)
+
+    def save_or_rewind(self, mark):
+        """save(); if it fails, everything as it was at `mark` (mark()) and the failure raised."""
+        try:
+            self.save()
+        except BaseException:
+            self.rewind(mark)
+            raise
+
+    @contextlib.contextmanager
+    def change(self):
+        """with ledger.change() as table: ... - under the lock; a durable change is saved when
+        the block ends (also when it raises a refusal), or undone if the save fails; waiters
+        (long-polls, the loops) are woken after a save."""
+        with self.lock:
+            mark, before = self.mark(), self.table.changes
+            try:
+                yield self.table
+            finally:
+                if self.table.changes != before:
+                    self.save_or_rewind(mark)
+                    self.cond.notify_all()
+
+    def wake(self):
+        """Wake the waiters on the lock's condition (the caller holds the lock)."""
+        self.cond.notify_all()
+
+    # ---- rounds.jsonl
+
+    def read_records(self):
+        """rounds.jsonl at a start: an unfinished last line (a crash mid-append) cut, the records
+        handed to the books, and state.json's last record appended if the file lacks it."""
+        torn = durable.cut_torn_line(self.rounds_path)
+        if torn:
+            log(f"fedmom: cut the unfinished last line of {self.rounds_path} ({torn} bytes: a crash mid-append; "
+                "state.json, written first, puts that round's record back)")
+        lost = self.table.restore_records(durable.read_jsonl(self.rounds_path))
+        if lost:
+            durable.append_json_line(self.rounds_path, lost, self.fsync, sort_keys=True)
+
+    def append_record(self, rec=None):
+        """rounds.jsonl after the round is durable (state.json holds it as last_record). A
+        failed append (a full disk) is owed, appended before the next one."""
+        if rec is not None:
+            self.records_owed.append(rec)
+        while self.records_owed:
+            try:
+                durable.append_json_line(self.rounds_path, self.records_owed[0], self.fsync, sort_keys=True)
+            except OSError as e:
+                log(f"fedmom: cannot append to {self.rounds_path} ({e}); {len(self.records_owed)} record(s) "
+                    "kept for later (the rounds themselves are durable in state.json)")
+                return
+            self.records_owed.pop(0)
+
+
+class Spool:
+    """spool/: the open round's accepted deltas and their acceptance records; uploads' part files."""
+
+    def __init__(self, spool_dir, fsync=True, keep_dir=None):
+        self.dir, self.fsync = spool_dir, fsync
+        self.keep_dir = keep_dir      # $PWW_TEST_KEEP_DELTAS_DIR: a hard link of every accepted delta
+        os.makedirs(self.dir, exist_ok=True)
+
+    def part(self):
+        return os.path.join(self.dir, f".part-{secrets.token_hex(8)}")
+
+    def receive(self, chunks):
+        """An upload's body (an iterable of bytes) -> the part file it is in, fsync'd; nothing
+        is left behind when the body breaks off or the disk is full (the error is raised)."""
+        part = self.part()
+        try:
+            with open(part, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                    testhooks.fault_point("fedmom.received")    # mid-upload: part of the body on disk
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+        except BaseException:
+            durable.unlink(part)
+            raise
+        return part
+
+    def discard(self, part):
+        if part and os.path.exists(part):
+            os.unlink(part)
+
+    def names(self, rnd, cluster, incarnation):
+        """(delta file, acceptance record) of a delta of round `rnd`."""
+        base = os.path.join(self.dir, f"r{rnd}_{cluster}_{incarnation}")
+        return base + ".safetensors", base + ".json"
+
+    def keep(self, part, p):
+        """The part file becomes p's delta file, then p's acceptance record is written (the
+        acceptance); a failure (a full disk) leaves neither and raises."""
+        os.replace(part, p.path)
+        if self.keep_dir:              # linked before the acceptance is written: no merged delta without it
+            os.makedirs(self.keep_dir, exist_ok=True)
+            try:
+                os.link(p.path, os.path.join(self.keep_dir, p.delta_id + ".safetensors"))
+            except FileExistsError:
+                pass
+        try:
+            self.record(p)
+        except BaseException:
+            durable.unlink(p.path)
+            raise
+
+    def record(self, p):
+        """p's acceptance record, as it stands now (its custody)."""
+        write_json(p.meta_path, dataclasses.asdict(p), self.fsync)
+
+    def accepted(self):
+        """Every acceptance record -> [(file name, Pending or the error reading it)], by name."""
+        out = []
+        for fn in sorted(os.listdir(self.dir)):
+            if not fn.endswith(".json"):
+                continue
+            try:
+                with open(os.path.join(self.dir, fn)) as f:
+                    out.append((fn, Pending.from_json(json.load(f))))
+            except (ValueError, TypeError) as e:
+                out.append((fn, e))
+        return out
+
+    def clean(self, live):
+        """Remove every spool file but those in `live` (full paths): part files of uploads a
+        crash cut, entries of other rounds, tombs of bury()."""
+        for fn in os.listdir(self.dir):
+            path = os.path.join(self.dir, fn)
+            if path not in live:
+                os.unlink(path)
+
+
+# ==============================================================================================
+# the aggregator's side of the blob store
+# ==============================================================================================
+
+BLOB_KINDS = ("theta", "update")
+BLOB_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
+BLOB_FETCH_S = 4.0            # POST /delta_blob's download from the store: s without progress, then 502 (the
+                              # site holds the request open and repeats a 502 under its own deadline)
+BLOB_PUBLISH_S = 90.0         # a theta/update blob put into the store: s without progress (a site's GET waits)
+SWEEP_RETRY_S = 30.0          # a sweep of the blob store that failed (store down) is tried again this often
+BLOB_CALL_TIMEOUT_S = 30.0    # one listing or DELETE of a sweep; on its own thread, so it delays no merge
+
+
+def blob_name(aggregator, kind, rnd):
+    """The blob store id under which this aggregator publishes round `rnd`'s theta or update."""
+    return f"{aggregator}.{kind}-{rnd}"
+
+
+def blob_plan(ids, aggregator, round_, keep_rounds):
+    """The retention rule for the blobs `aggregator` published, at durable round `round_`:
+    round s's theta and update are kept while s > round_ - keep_rounds (--keep-rounds), so a
+    download that began up to keep_rounds - 1 merges ago can finish or resume; older ones no
+    site can use (the server serves only the current round's update, and a site further
+    behind takes the full theta: 409 no_update) and go. A round after round_ is kept: one
+    published since round_ was read (or, after a state dir was restored from an older copy,
+    one this run will replace under its name: BlobLink.publish). Other ids (other
+    aggregators', the sites' deltas) are not this aggregator's to judge and are left out.
+    -> [{"blob", "kind", "round", "keep", "why"}], oldest round first."""
+    pat = re.compile(rf"{re.escape(aggregator)}\.({'|'.join(BLOB_KINDS)})-(\d+)")
+    out = []
+    for i in ids:
+        m = pat.fullmatch(i)
+        if not m:
+            continue
+        kind, s = m.group(1), int(m.group(2))
+        if s > round_:
+            keep, why = True, f"newer than round {round_}, which this sweep read"
+        elif s == round_:
+            keep, why = True, f"the current round's {kind}"
+        elif s > round_ - keep_rounds:
+            keep, why = True, (f"{kind} of one of the last {keep_rounds} rounds (--keep-rounds): a download "
+                               f"begun before round {s + 1} merged can finish")
+        else:
+            keep, why = False, (f"older than the last {keep_rounds} rounds (--keep-rounds): no site can use it, "
+                                "one that far behind takes the full theta")
+        out.append({"blob": i, "kind": kind, "round": s, "keep": keep, "why": why})
+    return sorted(out, key=lambda b: (b["round"], b["kind"]))
+
+
+def unlink_with_parts(path):
+    """`path` and the temp files a download made beside it (path.part-...)."""
+    d, base = os.path.split(path)
+    for fn in os.listdir(d):
+        if fn == base or fn.startswith(base + "."):
+            durable.unlink(os.path.join(d, fn))
+
+
+class BlobLink:
+    """The aggregator's calls to the blob store at `url` (--blob-url): fetch a delta blob,
+    delete it, publish a file of a round once per name. `retention` (a BlobRetention, or
+    None) is told of every blob published."""
+
+    def __init__(self, url, token=None, ca_file=None, retention=None):
+        self.url, self.token, self.ca_file, self.retention = url, token, ca_file, retention
+        self.published = {}               # blob -> {"blob", "sha256", "round"}, this round and newer
+        self.publish_lock = threading.Lock()
+
+    @staticmethod
+    def check_id(blob):
+        if not BLOB_ID_RE.fullmatch(blob):
+            raise Refused(400, f"blob id {blob!r} must match [A-Za-z0-9_-][A-Za-z0-9._-]{{0,199}}")
+
+    def fetch(self, blob, part):
+        """Download `blob` into the part file `part` -> its sha256; on any failure nothing is
+        left and the refusal says why (502: the store unreachable, send again; 503 disk_full:
+        the store's disk; 400: no such blob). A short deadline (BLOB_FETCH_S without progress):
+        the site holds this request open and repeats a 502 under its own."""
+        try:
+            return blob_client.get_file(self.url, blob, part, token=self.token, ca_file=self.ca_file,
+                                        deadline=httpc.Deadline(BLOB_FETCH_S, what=f"fetch blob {blob}",
+                                                                log=_said))
+        except BaseException as e:
+            unlink_with_parts(part)
+            refusal = self._refusal(blob, e.last if isinstance(e, httpc.GaveUp) else e)
+            if refusal is None:
+                raise
+            raise refusal from None
+
+    def _refusal(self, blob, e):
+        """The answer to a delta blob the store would not give (what it said last), or None:
+        raise `e` as it is (our own spool's full disk is a 507 naming our disk; anything else
+        unexpected is a 500)."""
+        if isinstance(e, httpc.CallError) and e.status == 507:
+            return Refused(503, f"blob store: {e.reply.get('error')}", headers={"Retry-After": "30"},
+                           code="disk_full", retry_after_s=30)
+        if isinstance(e, (httpc.CallError, ValueError)):
+            return Refused(400 if isinstance(e, ValueError) or e.status == 404 else 502, f"blob {blob!r}: {e}")
+        if isinstance(e, (OSError, http.client.HTTPException)) and not durable.is_disk_full(e):
+            return Refused(502, f"blob store {self.url} unreachable fetching {blob!r} ({type(e).__name__}: {e}); "
+                                "nothing was stored, send it again")
+        return None
+
+    def delete(self, blob):
+        """Delete a fetched delta's blob; best effort (the site's next delta has another name)."""
+        try:
+            httpc.call(self.url, "DELETE", f"/blobs/{blob}", token=self.token, ca_file=self.ca_file)
+        except (httpc.CallError, OSError, http.client.HTTPException):
+            pass
+
+    def publish(self, blob, opened, rnd):
+        """Put `opened` (a file of round `rnd`, opened by the state) into the store as `blob`,
+        once per name -> {blob, sha256, round}; the file is closed."""
+        with self.publish_lock, opened as f:
+            if blob in self.published:
+                return self.published[blob]
+            # put_file reads by path; /proc/self/fd keeps it on the file that was opened
+            path = f"/proc/self/fd/{f.fileno()}"
+            try:
+                info = blob_client.put_file(self.url, blob, path, token=self.token, ca_file=self.ca_file,
+                                            deadline=_publish_deadline(blob))
+            except httpc.CallError as e:
+                if e.status != 409 or e.reply.get("retry"):
+                    raise
+                # a blob of this name with other bytes: left by a run of this state dir that was
+                # rolled back (restored from an older copy); this round's file replaces it
+                log(f"fedmom: blob {blob} holds other bytes than round {rnd}'s file (a restored state dir?); "
+                    "replacing it")
+                httpc.call(self.url, "DELETE", f"/blobs/{blob}", token=self.token, ca_file=self.ca_file)
+                info = blob_client.put_file(self.url, blob, path, token=self.token, ca_file=self.ca_file,
+                                            deadline=_publish_deadline(blob))
+            out = {"blob": blob, "sha256": info["sha256"], "round": rnd}
+            if self.retention is not None:
+                self.retention.published(blob, rnd, info["size"])
+            self.published = {b: v for b, v in self.published.items() if v["round"] >= rnd}
+            self.published[blob] = out
+            return out
+
+
+def _said(what, err, left):
+    log(f"fedmom: {what}: {type(err).__name__}: {err}; retrying ({left:.1f} s left)")
+
+
+def _publish_deadline(blob):
+    return httpc.Deadline(BLOB_PUBLISH_S, what=f"publish blob {blob}", log=_said)
+
+
+class BlobRetention:
+    """The blob store side of the retention rule (blob_plan): after each durable round, and
+    once at start, list the store (GET /blobs) and DELETE this aggregator's theta and update
+    blobs no site can use. Working from the listing makes it idempotent and leak-free across
+    crashes: nothing needs recording before a delete, a blob already gone is a 404 that counts
+    as done, and a start sweeps what the last process left. Only the round number is read from
+    the state; every call here is made outside the state lock. Test hook (testhooks.fault_point):
+    fedmom.blob_delete, each DELETE of a sweep."""
+
+    def __init__(self, url, aggregator, keep_rounds, token=None, ca_file=None):
+        self.url, self.aggregator, self.keep = url, aggregator, keep_rounds
+        self.token, self.ca_file = token, ca_file
+        self.swept_round, self.retry_at = None, 0.0
+        self.deleted, self.recent, self.error, self.kept = 0, collections.deque(maxlen=20), None, []
+        self.lock = threading.Lock()         # kept: written by the sweep and by publish's thread
+
+    def _call(self, method, path):
+        return httpc.call(self.url, method, path, token=self.token, ca_file=self.ca_file,
+                          timeout=BLOB_CALL_TIMEOUT_S)
+
+    def due(self, round_, now):
+        return round_ != self.swept_round and now >= self.retry_at
+
+    def sweep(self, round_, now=None):
+        """One pass at durable round `round_`; True when every blob the rule drops is gone."""
+        now = time.monotonic() if now is None else now
+        try:
+            listing = self._call("GET", "/blobs")
+            sizes = {b["id"]: b["size"] for b in listing["blobs"]}
+            sizes.update({u["id"]: u["total"] for u in listing["uploads"] if u["id"] not in sizes})
+            plan = blob_plan(sizes, self.aggregator, round_, self.keep)
+            for b in plan:
+                b["bytes"] = sizes[b["blob"]]
+                if not b["keep"]:
+                    self._delete(b)
+        except (httpc.CallError, OSError, http.client.HTTPException, ValueError, KeyError, TypeError) as e:
+            self.error, self.retry_at = f"{type(e).__name__}: {e}", now + SWEEP_RETRY_S
+            log(f"fedmom: retention sweep of the blob store at round {round_} failed ({self.error}); "
+                f"tried again in {SWEEP_RETRY_S:g} s")
+            return False
+        with self.lock:
+            self.kept = [b for b in plan if b["keep"]]
+        self.swept_round, self.error = round_, None
+        return True
+
+    def _delete(self, b):
+        testhooks.fault_point("fedmom.blob_delete")        # test hook: a deletion held mid-sweep
+        try:
+            self._call("DELETE", f"/blobs/{b['blob']}")
+        except httpc.CallError as e:
+            if e.status == 409:                        # still being uploaded: judged again next round
+                return
+            if e.status != 404:                        # 404: already gone (a crash after the delete)
+                raise
+        self.deleted += 1
+        self.recent.append({"blob": b["blob"], "bytes": b["bytes"], "why": b["why"]})
+        log(f"fedmom: deleted blob {b['blob']} ({b['bytes'] / 2**20:.1f} MiB): {b['why']}")
+
+    def published(self, blob, rnd, size):
+        """publish put `blob` of round `rnd` into the store: shown as kept until the next sweep judges it."""
+        with self.lock:
+            if all(b["blob"] != blob for b in self.kept):
+                plan = blob_plan([blob], self.aggregator, rnd, self.keep)
+                self.kept = self.kept + [{**b, "bytes": size} for b in plan]
+
+    def view(self):
+        """/status "retention" "blobs": what the store keeps of ours and why, what went."""
+        with self.lock:
+            kept = [dict(b) for b in self.kept]
+        return {"keep_rounds": self.keep, "swept_round": self.swept_round, "error": self.error, "kept": kept,
+                "deleted": self.deleted, "recent_deleted": list(self.recent)}
+
+
+# ==============================================================================================
+# the aggregator's side of DARL custody
+# ==============================================================================================
+
+class DarlLink:
+    """The custody calls the aggregator makes (darl_server.py's protocol), each answered
+    with an Answer; nothing here retries: the aggregator re-sends what it still owes."""
+
+    def __init__(self, url, token=None, timeout=30.0, ca_file=None):
+        self.url, self.token, self.timeout, self.ca_file = url, token, timeout, ca_file
+
+    def _ask(self, method, path, body, key, want):
+        try:
+            reply = httpc.call(self.url, method, path, body, token=self.token, timeout=self.timeout,
+                               ca_file=self.ca_file)
+        except httpc.CallError as e:
+            if e.status == 409 and e.reply.get("code") in DEFINITIVE:
+                return Answer(REFUSED, e.reply, str(e))
+            return Answer(UNKNOWN, e.reply, f"HTTP {e.status}: {e.reply.get('error', e.reply)}")
+        except (OSError, http.client.HTTPException, ValueError, httpc.TLSConfigError) as e:
+            return Answer(UNKNOWN, {}, f"{type(e).__name__}: {e}")
+        if not isinstance(reply, dict) or reply.get(key) != want:
+            return Answer(UNKNOWN, {}, f"{path}: the reply is not DARL's ({str(reply)[:120]})")
+        return Answer(OK, reply)
+
+    def fence(self, aggregator, last_epoch, claim, last_holder=None, round=None):
+        body = {"aggregator": aggregator, "last_epoch": last_epoch, "claim": claim}
+        body.update({k: v for k, v in (("last_holder", last_holder), ("round", round)) if v is not None})
+        return self._ask("POST", "/fence", body, "aggregator", aggregator)
+
+    def confirm_fence(self, aggregator, epoch, claim, holder):
+        return self._ask("POST", "/fence/confirm", {"aggregator": aggregator, "epoch": epoch, "claim": claim,
+                                                    "holder": holder}, "aggregator", aggregator)
+
+    def custody(self, aggregator, epoch, delta, cluster, incarnation, leases):
+        body = {"aggregator": aggregator, "epoch": epoch, "delta": delta, "cluster": cluster,
+                "incarnation": incarnation,
+                "leases": [{k: v for k, v in (("lease", l["id"]), ("start", l.get("start")), ("end", l.get("end")))
+                            if v is not None} for l in leases]}
+        return self._ask("POST", "/custody", body, "state", "held")
+
+    def commit(self, aggregator, epoch, delta, round=None):
+        body = {"aggregator": aggregator, "epoch": epoch, "delta": delta}
+        if round is not None:
+            body["round"] = round
+        return self._ask("POST", "/custody/commit", body, "state", "committed")
+
+    def abort(self, aggregator, epoch, delta, why):
+        return self._ask("POST", "/custody/abort", {"aggregator": aggregator, "epoch": epoch, "delta": delta,
+                                                    "why": why[:200]}, "state", "aborted")
+
+    def held(self, aggregator):
+        """The custody DARL holds for `aggregator`: an Answer whose reply has "custody"."""
+        query = urllib.parse.urlencode({"aggregator": aggregator, "state": "held"})
+        try:
+            reply = httpc.call(self.url, "GET", f"/custody?{query}", token=self.token, timeout=self.timeout,
+                               ca_file=self.ca_file)
+        except httpc.CallError as e:
+            return Answer(UNKNOWN, e.reply, f"HTTP {e.status}: {e.reply.get('error', e.reply)}")
+        except (OSError, http.client.HTTPException, ValueError, httpc.TLSConfigError) as e:
+            return Answer(UNKNOWN, {}, f"{type(e).__name__}: {e}")
+        if not isinstance(reply, dict) or not isinstance(reply.get("custody"), list):
+            return Answer(UNKNOWN, {}, "GET /custody: the reply is not DARL's")
+        return Answer(OK, reply)
+
+
+class Custodian:
+    """Asks DARL what the books (ledger.table: fedmom_round.RoundTable and its CustodyBooks)
+    need asked, settles the books by each answer, and removes the spool files of a delta DARL
+    refused. `wall` is the wall clock of the records."""
+
+    def __init__(self, link, ledger, spool, wall):
+        self.link, self.ledger, self.spool, self.wall = link, ledger, spool, wall
+        self.table, self.books = ledger.table, ledger.table.books
+        self.process_id = secrets.token_hex(8)   # binds DARL's epoch to this process (/fence/confirm)
+        self.fence_lock = threading.Lock()       # one fence at a time: the upload threads and the DARL loop
+
+    def tick(self):
+        """One pass over what DARL still owes an answer to, oldest first: this epoch's fence,
+        then (once) the reconciliation of DARL's custody with our books, the custody of
+        unconfirmed deltas, the aborts and the commits owed. True when everything owed was
+        answered definitively; False when DARL must be asked again later."""
+        if self.books.fenced:
+            return False
+        if not self.books.epoch_held and not self.fence():
+            return False
+        if not self.table.reconciled and not self.reconcile():
+            return False
+        with self.ledger.lock:
+            unconfirmed = self.table.unconfirmed()
+        for p in unconfirmed:
+            self.take(p)
+            if p.custody == Custody.UNCONFIRMED and self.table.pending.get((p.cluster, p.incarnation)) is p:
+                return False
+        return self.send_owed("abort") and self.send_owed("commit")
+
+    def take(self, p, at_upload=False):
+        """Ask DARL to hold p's leases for this aggregator; settle p by the answer. At upload a
+        refusal is the upload's 409 (nothing stays stored); later it excludes p, named."""
+        if not (self.books.epoch_held or self.fence()):
+            return
+        ans = self.link.custody(self.books.aggregator, self.books.epoch, p.delta_id, p.cluster, p.incarnation,
+                                p.leases)
+        if ans.kind == OK:
+            testhooks.fault_point("fedmom.custody_held")   # DARL holds it, our spool does not say so yet
+            with self.ledger.lock:
+                if self.table.custody_held(p, ans.reply.get("pieces", [])):
+                    self.spool.record(p)
+                self.books.heard()
+                self.ledger.wake()
+            return
+        if ans.kind == UNKNOWN:
+            self._definitive(ans, f"custody of {p.cluster}'s delta {p.delta_id}")
+            return
+        why = ans.reply.get("error") or ans.error
+        if ans.code == "fenced":
+            self._stop(why)
+            if not at_upload:
+                return              # the newer process of this aggregator finds the spooled delta
+        with self.ledger.lock:
+            self.books.heard()
+            if not self.table.custody_refused(p, why, at_upload, self.wall()):
+                return
+            gone = outer_state.bury([p.path, p.meta_path])
+            self.ledger.wake()
+        outer_state.remove(gone)
+        if at_upload and ans.code == "fenced":      # this process is stopping: the upload never happened
+            raise Refused(503, f"this aggregator process was fenced by DARL ({why}); send again")
+        if at_upload:
+            raise Refused(409, why, code="lease_lost", leases=ans.reply.get("leases", [l["id"] for l in p.leases]))
+
+    def fence(self):
+        """Ask DARL for this process's epoch (DARL issues it; see darl_table.CustodyTable.fence)."""
+        with self.fence_lock:
+            return self.books.epoch_held or self._ask_epoch()
+
+    def _ask_epoch(self):
+        if self.books.fenced:
+            return False
+        with self.ledger.change():        # a new claim is durable before it is sent
+            last_epoch, claim, last_holder = self.books.fence_request(secrets.token_hex(8))
+            durable_round = self.table.round
+        ans = self.link.fence(self.books.aggregator, last_epoch, claim, last_holder, durable_round)
+        if ans.kind == REFUSED:
+            return self._stop(ans.reply.get("error", ans.error))
+        if ans.kind != OK:
+            with self.ledger.lock:
+                self.books.silent("fence", ans.error, self.wall())
+            return False
+        with self.ledger.change():        # the issued epoch and its holder are durable before the confirm
+            issued = self.books.fence_issued(ans.reply["epoch"], ans.reply.get("digest"), self.process_id,
+                                             self.link.url)
+        if not issued:
+            return self._stop(None)
+        testhooks.fault_point("fedmom.epoch_durable")   # epoch and holder durable, the confirm not sent
+        # then bind it to this process: a copy of our state taken while the ask was in
+        # flight holds the same claim and may have been given the same epoch. This state
+        # names this process as the holder from now on, so if the copy confirms first,
+        # DARL fences this state at every later ask (darl_table.CustodyTable.fence)
+        ans = self.link.confirm_fence(self.books.aggregator, self.books.epoch, claim, self.process_id)
+        if ans.kind == REFUSED:
+            return self._stop(ans.reply.get("error", ans.error))
+        if ans.kind != OK:          # asked again later: a new claim; the next epoch unless another
+            #                         process confirmed this one
+            with self.ledger.lock:
+                self.books.silent("confirm the fence", ans.error, self.wall())
+            return False
+        with self.ledger.lock:
+            self.books.fence_confirmed(ans.reply.get("held", 0))
+        return True
+
+    def reconcile(self):
+        """Once after a start: DARL's list of what it holds for us against our books
+        (fedmom_round.RoundTable.reconcile); the deltas it no longer holds leave the spool."""
+        ans = self.link.held(self.books.aggregator)
+        if ans.kind != OK:
+            with self.ledger.lock:
+                self.books.silent("list our custody", ans.error, self.wall())
+            return False
+        with self.ledger.change():
+            gone = self.table.reconcile(ans.reply["custody"], self.wall())
+            tombs = outer_state.bury([f for p in gone for f in (p.path, p.meta_path)])
+        outer_state.remove(tombs)
+        return True
+
+    def send_owed(self, kind):
+        """Send the owed commits or aborts (kind "commit" | "abort") oldest first, until one gets
+        no definitive answer; each answer is durable before the next call."""
+        with self.ledger.lock:
+            todo = list(self.books.commits if kind == "commit" else self.books.aborts)
+        for c in todo:
+            if kind == "commit":
+                ans = self.link.commit(self.books.aggregator, self.books.epoch, c["delta"], c.get("round"))
+                what = f"commit of {c['cluster']}'s delta {c['delta']} (round {c['round']})"
+            else:
+                ans = self.link.abort(self.books.aggregator, self.books.epoch, c["delta"], c["why"])
+                what = f"abort of {c['cluster']}'s delta {c['delta']}"
+            if not self._definitive(ans, what):
+                return False
+            if kind == "commit":
+                testhooks.fault_point("fedmom.committed")      # DARL committed it, our state still owes it
+            with self.ledger.change():
+                self.books.settle(kind, c, ans)
+        return True
+
+    def _definitive(self, ans, what):
+        """Does DARL's answer settle the call? Else it stays owed (the alarm goes up), or this
+        process was fenced and stops."""
+        if ans.kind == UNKNOWN:
+            with self.ledger.lock:
+                self.books.not_fenced(ans)
+                self.books.silent(what, ans.error, self.wall())
+            return False
+        if ans.code == "fenced":
+            self._stop(ans.reply.get("error", ans.error))
+            return False
+        return True
+
+    def _stop(self, why):
+        """DARL fenced this process (`why`; None: the books stopped it already) -> False."""
+        with self.ledger.lock:
+            if why is not None:
+                self.books.stop(why)
+            self.ledger.wake()
+        return False

@@ -14,7 +14,7 @@ Where each figure comes from:
     rounds           the aggregator's status and its WHOLE rounds.jsonl, read
                      incrementally (a page costs the new lines only); plots decimate
                      to their width, keeping each bucket's minimum and maximum
-    per site         merged deltas' metrics (fedmom_records.METRIC_KEYS): tokens/s, MFU,
+    per site         merged deltas' metrics (fedmom_round.METRIC_KEYS): tokens/s, MFU,
                      peak memory, loss, held-out loss when a site reports one; its last
                      phase (steps, what ended it, step time), compute utilisation (its
                      own util, inner_s over round periods: the page's note defines them)
@@ -685,7 +685,7 @@ def _disk_html(view):
 
 def _kept_html(ret):
     """What the aggregator keeps and why: its state dir files, and its blobs in the store
-    (fedmom_blobs.blob_plan; ids and round numbers only, no path)."""
+    (fedmom_state.blob_plan; ids and round numbers only, no path)."""
     if not ret:
         return ""
     rows = [("state dir", f["file"], f["bytes"], f["why"]) for f in ret.get("state", ())]

@@ -40,11 +40,11 @@ import models
 import wire
 import wire_torch
 from dist_env import ConfigError
-from outer_defaults import OUTER_LR, OUTER_MOMENTUM
+from outer_state import OUTER_LR, OUTER_MOMENTUM
 
 # DiLoCo's outer-step flags: they mean something only inside one allocation
 OUTER_STEP_FLAGS = ("diloco_outer_optimizer", "diloco_outer_lr", "diloco_outer_momentum")
-# DiLoCo's own defaults (H, the optimizer, the device); lr and momentum are outer_defaults.py's,
+# DiLoCo's own defaults (H, the optimizer, the device); lr and momentum are outer_state.py's,
 # which DiLoCoConfig is given (diloco.py imports nothing of the project)
 _DILOCO = diloco.DiLoCoConfig(outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
 

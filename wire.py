@@ -5,7 +5,7 @@ Runs on: both ends. Upstream, sites encode (train.py --wire, through diloco.py's
 FedMomCarrier) and the central VM decodes (fedmom_state.py, at acceptance). Downstream
 (fedmom_server.py --down-wire), the VM encodes each round's update (fedmom_merge.Publisher)
 and a site that holds the previous round applies it (fedsite.py, apply_update). Python +
-numpy + tensorio.py + wire_kernels.py only; never torch. No server, no port, no state
+numpy + tensorio.py + wire.py only; never torch. No server, no port, no state
 directory. From the shell:
 
     python wire.py FILE            # header: wire format, parameters, one line per tensor
@@ -76,26 +76,27 @@ it refuses a bad file with WireError naming the tensor. decode_file streams a wi
 file into a plain F32 file one tensor at a time: peak memory is a few times the
 largest tensor, never the model.
 
-Speed: int8/int4/int2 encode and decode run on wire_kernels.py (the block kernels, CHUNK values
+Speed: int8/int4/int2 encode and decode run on wire.py (the block kernels, CHUNK values
 at a time in reused buffers, the chunks of a tensor on a thread pool: threads=, default
 $WIRE_THREADS or every core); decode_file, apply_update and theta_digest reuse two buffers
 the size of the largest tensor and run each tensor's sha256 and write on threads behind
-the next one (wire_kernels.Pipeline). The Digest stays one sha256 over the tensors in
+the next one (Pipeline). The Digest stays one sha256 over the tensors in
 order, so it is serial: it overlaps the rest instead. Codec.encode/decode(reference=True)
 keep the plain numpy version here, the definition the fast path must match bit for bit
 (tests/test_wire.py FastPathTest); bench/wire_speed.py times both. wire_torch.py is the
 same codec (int8/int4/int2) in torch for a site's device.
 """
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import math
-import sys
-
 import numpy as np
+import os
+import sys
+import threading
 
 import tensorio
-import wire_kernels
 
 WIRE = "pww-wire/1"
 FORMATS = ("f32", "bf16", "int8", "int4", "int2", "topk")
@@ -150,7 +151,7 @@ def padding_is_zero(packed, nbits, count):
     return int(packed[-1]) >> (used % 8) == 0
 
 
-# ---------------------------------------------------------------- scales (how they are made: wire_kernels.bf16_up)
+# ---------------------------------------------------------------- scales (how they are made: bf16_up)
 
 def scales_ok(bits):
     """BF16 scale bits that are finite and >= 0 (-0 is taken as 0)."""
@@ -241,7 +242,7 @@ class Codec:
     def parts(self, name, shape):
         """[(part name, dtype, shape)] of one tensor in the file, codes first."""
         shape, n = tuple(shape), math.prod(shape)
-        rows, cols = wire_kernels.rows_cols(shape)
+        rows, cols = rows_cols(shape)
         nb = -(-cols // self.block)
         if self.fmt == "f32":
             return [(name, "F32", shape)]
@@ -250,11 +251,11 @@ class Codec:
         if self.fmt == "int8":
             return [(name, "I8", shape), (name + SCALE, "BF16", (rows, nb))]
         if self.fmt in ("int4", "int2"):
-            return [(name, "U8", (wire_kernels.packed_bytes(n, wire_kernels.CODE_BITS[self.fmt]),)),
+            return [(name, "U8", (packed_bytes(n, CODE_BITS[self.fmt]),)),
                     (name + SCALE, "BF16", (rows, nb))]
         nch, m = self.chunks(n)
-        return [(name, "U8", (wire_kernels.packed_bytes(m, self.topk_bits),)),
-                (name + INDEX, "U8", (wire_kernels.packed_bytes(m, self.index_bits),)),
+        return [(name, "U8", (packed_bytes(m, self.topk_bits),)),
+                (name + INDEX, "U8", (packed_bytes(m, self.index_bits),)),
                 (name + SCALE, "BF16", (nch,))]
 
     # -- one tensor
@@ -272,12 +273,12 @@ class Codec:
             return self._encode_topk(x)
         if reference:
             return self._encode_blocks_ref(x)
-        codes, sbits, sent = wire_kernels.encode_blocks(self, x, wire_kernels.resolve_threads(threads))
+        codes, sbits, sent = encode_blocks(self, x, resolve_threads(threads))
         return {"": codes, SCALE: sbits}, sent
 
     def _blocked(self, x):
         """x as [rows, nblocks, block] (the short last block of a row zero-padded)."""
-        rows, cols = wire_kernels.rows_cols(x.shape)
+        rows, cols = rows_cols(x.shape)
         nb = -(-cols // self.block)
         x2 = x.reshape(rows, cols)
         if cols != nb * self.block:
@@ -289,7 +290,7 @@ class Codec:
             return self._encode_int2_ref(x)
         levels = LEVELS[self.fmt]
         xb, cols = self._blocked(x)
-        sbits = wire_kernels.bf16_up(np.abs(xb).max(axis=2, initial=0.0) / np.float32(levels))
+        sbits = bf16_up(np.abs(xb).max(axis=2, initial=0.0) / np.float32(levels))
         scale = tensorio.bf16_to_f32(sbits)
         q = _grid(xb, scale[:, :, None], levels)
         q = q.reshape(q.shape[0], q.shape[1] * self.block)[:, :cols].reshape(x.shape)
@@ -298,20 +299,20 @@ class Codec:
 
     def _encode_int2_ref(self, x):
         """int2, plainly: each block's scale absmax / 3 (its own values), q the nearest odd level."""
-        rows, cols = wire_kernels.rows_cols(x.shape)
+        rows, cols = rows_cols(x.shape)
         x2 = x.reshape(rows, cols)
         nb = -(-cols // self.block)
         stat = np.zeros((rows, nb), np.float32)
         for j in range(nb):
             stat[:, j] = np.abs(x2[:, j * self.block:(j + 1) * self.block]).max(axis=1) / np.float32(3)
-        sbits = wire_kernels.bf16_up(stat)
+        sbits = bf16_up(stat)
         scale = tensorio.bf16_to_f32(sbits)
         q = _odd_grid(x2, np.repeat(scale, self.block, axis=1)[:, :cols])
         codes = pack_bits(((q.reshape(-1) + 3) // 2).astype(np.uint8), 2)
         return {"": codes, SCALE: sbits}, self._dequant_blocks(q.reshape(x.shape), scale, x.shape)
 
     def _dequant_blocks(self, q, scale, shape):
-        rows, cols = wire_kernels.rows_cols(shape)
+        rows, cols = rows_cols(shape)
         per = np.repeat(scale, self.block, axis=1)[:, :cols]
         with np.errstate(over="ignore"):     # an overflow is Inf: the receiver's finiteness check refuses it
             return (q.reshape(rows, cols).astype(np.float32) * per).reshape(shape)
@@ -340,7 +341,7 @@ class Codec:
         owner = self._owners(n, m)
         amax = np.zeros(nch, np.float32)
         np.maximum.at(amax, owner, np.abs(v))
-        sbits = wire_kernels.bf16_up(amax / np.float32(levels))
+        sbits = bf16_up(amax / np.float32(levels))
         scale = tensorio.bf16_to_f32(sbits)
         if self.topk_bits == 2:                          # int2's grid: the nearest odd level, code (q + 3) / 2
             q = _odd_grid(v, scale[owner])
@@ -369,11 +370,11 @@ class Codec:
         codes, sbits = parts[""], parts[SCALE]
         if not scales_ok(sbits):
             raise WireError(f"{where}: a scale is negative, NaN or Inf")
-        if self.fmt in ("int4", "int2") and not padding_is_zero(codes, wire_kernels.CODE_BITS[self.fmt], n):
+        if self.fmt in ("int4", "int2") and not padding_is_zero(codes, CODE_BITS[self.fmt], n):
             raise WireError(f"{where}: the padding bits after the last value are not 0")
         if not reference:
-            threads = wire_kernels.resolve_threads(threads)
-            out, bad = wire_kernels.decode_blocks(self, codes, sbits, shape, threads, out)
+            threads = resolve_threads(threads)
+            out, bad = decode_blocks(self, codes, sbits, shape, threads, out)
             if bad:
                 raise WireError(f"{where}: {bad}")
             return out
@@ -433,7 +434,7 @@ class WireWriter:
 
     def __init__(self, path, specs, codec, metadata=None, fsync=True, threads=None):
         self.codec = codec.validate()
-        self.threads = wire_kernels.resolve_threads(threads)
+        self.threads = resolve_threads(threads)
         self.shapes = {n: tuple(int(d) for d in s) for n, s in specs}
         meta = dict(metadata or {})
         if codec.fmt not in ("f32", "bf16"):
@@ -478,7 +479,7 @@ class WireReader:
     plain file, .path. threads: for the int8/int4/int2 decode (None: $WIRE_THREADS, else every core)."""
 
     def __init__(self, path, threads=None):
-        self.threads = wire_kernels.resolve_threads(threads)
+        self.threads = resolve_threads(threads)
         try:
             self.r = tensorio.TensorReader(path)
         except tensorio.FormatError as e:
@@ -602,7 +603,7 @@ def _largest(specs):
 def add_into(theta, sent, threads=1):
     """theta += sent in float32, in place (add_update's bits), in spans on threads."""
     t, s = theta.reshape(-1), sent.reshape(-1)
-    wire_kernels.run_spans(lambda a, b: np.add(t[a:b], s[a:b], out=t[a:b]), t.size, 1, 1, threads)
+    run_spans(lambda a, b: np.add(t[a:b], s[a:b], out=t[a:b]), t.size, 1, 1, threads)
     return theta
 
 
@@ -611,7 +612,7 @@ def theta_digest(path, threads=None):
     sha256 of one tensor runs behind the read of the next)."""
     d = Digest()
     with tensorio.TensorReader(path) as r, \
-            wire_kernels.Pipeline(_largest(s for _, s in r.specs.values()), 1, 1) as pipe:
+            Pipeline(_largest(s for _, s in r.specs.values()), 1, 1) as pipe:
         for n in r.names:
             (buf,), k = pipe.next()
             pipe.behind(k, 0, d.add, n, read_f32(r, n, buf))
@@ -626,13 +627,13 @@ def apply_update(theta_path, update_path, out_path, want_digest, metadata=None, 
     WireError, and out_path is left as it was. Returns the digest.
     threads: the decode and the addition (None: $WIRE_THREADS, else every core); the digest's sha256
     and the write of each tensor run behind the next tensor (Pipeline)."""
-    threads = wire_kernels.resolve_threads(threads)
+    threads = resolve_threads(threads)
     with tensorio.TensorReader(theta_path) as prev, WireReader(update_path, threads) as upd:
         check_shapes(upd, {n: prev.specs[n][1] for n in prev.names})
         d = Digest()
         with tensorio.TensorWriter(out_path, [(n, "F32", prev.specs[n][1]) for n in prev.names],
                                    metadata, fsync=fsync) as w, \
-                wire_kernels.Pipeline(_largest(s for _, s in prev.specs.values()), 1, 2) as pipe:
+                Pipeline(_largest(s for _, s in prev.specs.values()), 1, 2) as pipe:
             sbuf = np.empty(pipe.sets[0][0].size, np.float32)    # the decoded update: not needed behind
             for n in prev.names:
                 (tbuf,), k = pipe.next()
@@ -666,7 +667,7 @@ def decode_file(src, dst, fsync=True, specs=None, threads=None):
         meta["wire_decoded_from"] = r.codec.fmt if r.codec else "plain"
         specs = [(n, "F32", r.shapes[n]) for n in r.names]
         with tensorio.TensorWriter(dst, specs, meta, fsync=fsync) as w, \
-                wire_kernels.Pipeline(_largest(s for _, _, s in specs), 1, 1) as pipe:
+                Pipeline(_largest(s for _, _, s in specs), 1, 1) as pipe:
             for n in r.names:
                 (buf,), k = pipe.next()
                 pipe.behind(k, 0, w.write, n, r.read(n, out=buf))
@@ -699,6 +700,404 @@ def describe(path, check=False, threads=None):
             print(f"  {n}  {list(r.shapes[n])}  {r.nbytes(n)} bytes")
             if check:
                 r.read(n)
+
+
+# ==============================================================================================
+# the fast path under wire.py
+# ==============================================================================================
+
+# ---------------------------------------------------------------- the layout and the scale
+
+def rows_cols(shape):
+    """A tensor as [rows, cols] along its last dimension (a scalar is one 1-value row)."""
+    cols = shape[-1] if shape else 1
+    return (math.prod(shape) // cols if cols else 0), cols
+
+
+def packed_bytes(count, nbits):
+    """Bytes that `count` values of `nbits` bits take, packed (the last byte padded with 0)."""
+    return (count * nbits + 7) // 8
+
+
+def bf16_up(a):
+    """float32 >= 0 -> bfloat16 bits, rounded UP (toward +inf): the stored scale is never
+    smaller than the one asked for, so no value of its block leaves the grid."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    hi = (u >> np.uint32(16)).astype(np.uint16)
+    hi[(u & np.uint32(0xFFFF)) != 0] += np.uint16(1)
+    return hi
+
+
+def as_blocks(shape, block):
+    """-> (R, C, nb): X's rows and columns and the blocks per row of X."""
+    rows, cols = rows_cols(shape)
+    if cols and cols % block == 0:
+        return rows * (cols // block), block, 1
+    return rows, cols, -(-cols // block)
+
+
+CODE_BITS = {"int8": 8, "int4": 4, "int2": 2}      # bits of one block code; int4/int2 are packed
+
+
+def row_unit(C, fmt):
+    """int4 packs two values a byte over the flattened tensor, int2 four: a span must start
+    on a byte, so it takes rows in pairs (int4, odd C) or in fours (int2, C not a multiple of 4)."""
+    per_byte = 8 // CODE_BITS[fmt]
+    return per_byte // math.gcd(C, per_byte) if per_byte > 1 else 1
+
+
+def code_start(fmt, v):
+    """The index into a tensor's codes of value v (int4/int2: a byte of the packed codes;
+    v on a byte boundary; int8: the value itself)."""
+    return v * CODE_BITS[fmt] // 8
+
+
+# ---------------------------------------------------------------- int2's scale (wire.py's docstring: the rule)
+
+def int2_scale_bits(x2, block):
+    """x as [r, C] (rows of whole blocks, the row's last block maybe short) -> bf16 scale
+    bits [r, nb]: each block's largest magnitude / 3, rounded UP (NaN if the block holds one)."""
+    r, C = x2.shape
+    nfull, tail = divmod(C, block)
+    mag = np.abs(x2)
+    parts = []
+    if nfull:
+        parts.append(mag[:, :nfull * block].reshape(r, nfull, block).max(axis=2))
+    if tail:
+        parts.append(mag[:, nfull * block:].max(axis=1, keepdims=True))
+    amax = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0] if parts else np.zeros((r, 0), np.float32)
+    return bf16_up(amax / np.float32(3))
+
+
+def int2_grid(t):
+    """t = x / scale (float32) -> q, the nearest odd level in {-3, -1, 1, 3} (a tie, t even,
+    goes up): 2 floor(t / 2) + 1, clipped. Every step is exact in float32."""
+    q = np.floor(t * np.float32(0.5))
+    q *= np.float32(2)
+    q += np.float32(1)
+    np.clip(q, -3, 3, out=q)
+    return q
+
+
+# ---------------------------------------------------------------- threads
+
+CHUNK = 1 << 16       # values per step of the block kernels: 256 KiB of f32, in L2 while it is worked on
+TASK = 1 << 20        # values per task handed to a thread (fewer, larger tasks: less Python per value)
+_pools, _pools_lock = {}, threading.Lock()
+
+
+def default_threads():
+    """Threads for encode/decode/apply: $WIRE_THREADS, else every core (numpy releases the GIL)."""
+    env = os.environ.get("WIRE_THREADS", "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"WIRE_THREADS={env!r}: use a whole number of threads >= 1")
+        return int(env)
+    return os.cpu_count() or 1
+
+
+def resolve_threads(threads):
+    """None -> default_threads(); else a whole number >= 1 (the error names --threads)."""
+    if threads is None:
+        return default_threads()
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"--threads {threads!r}: use a whole number of threads >= 1")
+    return threads
+
+
+def _pool(threads):
+    """One shared pool per size and process, made on first use (nothing runs at import;
+    a forked child has none of its parent's threads, so it makes its own)."""
+    key = (os.getpid(), threads)
+    with _pools_lock:
+        if key not in _pools:
+            _pools[key] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="wire")
+        return _pools[key]
+
+
+def run_spans(fn, rows, unit, per_row, threads):
+    """fn(a, b) over [0, rows) in spans of whole `unit`s of rows, about TASK values each,
+    on `threads` threads (inline for one thread or one span). Spans never overlap, so each
+    writes its own slice of the outputs and the result does not depend on the threads.
+    Called from inside a span (the merge's chunks decode a compressed delta), it runs
+    inline: its spans would wait in the queue behind the very spans waiting for them."""
+    step = max(unit, -(-max(1, TASK // max(per_row, 1)) // unit) * unit)
+    spans = [(a, min(a + step, rows)) for a in range(0, rows, step)]
+    if threads <= 1 or len(spans) <= 1 or getattr(_in_span, "on", False):
+        for a, b in spans:
+            fn(a, b)
+        return
+    futures = [_pool(threads).submit(_span, fn, a, b) for a, b in spans]
+    errors = [f.exception() for f in futures]          # every span ended before one is raised: nothing
+    for e in errors:                                   # writes the caller's arrays after this returns
+        if e is not None:
+            raise e
+
+
+_in_span = threading.local()
+
+
+def _span(fn, a, b):
+    _in_span.on = True
+    try:
+        fn(a, b)
+    finally:
+        _in_span.on = False
+
+
+class Behind:
+    """Jobs run in submission order on one thread behind the caller (a write, a hash):
+    submit() returns a future; result() of a later one re-raises an earlier failure."""
+
+    def __init__(self):
+        self.ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wire-behind")
+
+    def submit(self, fn, *args):
+        return self.ex.submit(fn, *args)
+
+    def close(self):
+        self.ex.shutdown(wait=True)
+
+
+class Pipeline:
+    """wire.py's streaming loops (decode_file, apply_update, theta_digest), one tensor after
+    another with the slow serial parts behind: tensor i is computed in buffer set i % 2
+    while the jobs submitted for tensor i - 1 (the sha256 of a Digest, the write of the
+    output file: each on its own thread, in order) still read set (i - 1) % 2. Buffers are float32, the largest tensor's size, reused: peak
+    memory is 2 x `per_set` x the largest tensor, and no page is faulted in twice."""
+
+    def __init__(self, size, per_set, lanes):
+        self.sets = [[np.empty(size, np.float32) for _ in range(per_set)] for _ in range(2)]
+        self.lanes = [Behind() for _ in range(lanes)]
+        self.pending, self.i = [[], []], 0
+
+    def next(self):
+        """-> (the buffers of the next tensor, a token for behind()); waits for their last jobs."""
+        k = self.i % 2
+        self.i += 1
+        self._wait(k)
+        return self.sets[k], k
+
+    def behind(self, k, lane, fn, *args):
+        self.pending[k].append(self.lanes[lane].submit(fn, *args))
+
+    def _wait(self, k):
+        jobs, self.pending[k] = self.pending[k], []
+        for f in jobs:
+            f.result()
+
+    def finish(self):
+        """Wait for every job (re-raising the first failure)."""
+        for k in (self.i % 2, (self.i + 1) % 2):
+            self._wait(k)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for lane in self.lanes:          # the jobs in flight end before a writer is aborted
+            lane.close()
+        return False
+
+
+# ---------------------------------------------------------------- the block kernels (int8, int4)
+#
+# The fast path of Codec's int8/int4/int2 encode and decode: the same float32 operations as
+# its reference (Codec._encode_blocks_ref, and decode(reference=True)), done CHUNK values at
+# a time in reused buffers, on threads, over X [R, C] as as_blocks() sees the tensor.
+
+def encode_span(X, a, b, codec, codes, sbits, sent):
+    """Rows [a, b) of X -> their codes, scales (BF16 bits, [R, nb]) and decoded values."""
+    if codec.fmt == "int2":
+        return encode2_span(X, a, b, codec, codes, sbits, sent)
+    block, fmt, levels = codec.block, codec.fmt, codec.levels
+    C, nb = X.shape[1], sbits.shape[1]
+    W, unit = nb * block, row_unit(C, fmt)
+    step = max(unit, CHUNK // W // unit * unit)
+    buf = np.zeros((step, W), np.float32)           # q; the pad columns of a ragged row start at 0
+    mag = np.zeros((step, W), np.float32)
+    amax = np.empty((step, nb), np.float32)
+    u8 = np.empty((step, W), np.uint8) if fmt == "int4" else None
+    for r0 in range(a, b, step):
+        r1 = min(r0 + step, b)
+        r = r1 - r0
+        q, m, am = buf[:r], mag[:r], amax[:r]
+        qb = q.reshape(r, nb, block)
+        if W == C:
+            src = X[r0:r1].reshape(r, nb, block)
+            np.abs(X[r0:r1], out=m)
+        else:                                        # ragged: the row padded with zeros to whole blocks
+            q[:, :C] = X[r0:r1]
+            q[:, C:] = 0
+            src = qb
+            np.abs(q, out=m)
+        # the block's largest magnitude, reduced as int32 bits: the same order for floats
+        # >= 0, and numpy's integer reduction is the vectorised one (about 2x here)
+        np.maximum.reduce(m.reshape(r, nb, block).view(np.int32), axis=2, out=am.view(np.int32))
+        am /= np.float32(levels)
+        bits = bf16_up(am)
+        sbits[r0:r1] = bits
+        scale = tensorio.bf16_to_f32(bits)[:, :, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            np.divide(src, scale, out=qb)            # IEEE division, as the reference's x / scale
+        np.rint(qb, out=qb)
+        # no clip: |x| <= amax and scale >= fl(amax / L), so |x| / scale <= L (1 + 2^-17) and
+        # rint gives at most L (a subnormal fl(amax / L) rounds up to a bfloat16 >= 2^-133 first)
+        if not scale.all():                          # a zero block (or one below the bf16 range): codes 0
+            qb[scale[:, :, 0] == 0] = 0
+        if fmt == "int4":
+            qb += np.float32(8)                      # codes 1..15; and -0.0 + 8 - 8 is +0.0, as in the reference
+            np.copyto(u8[:r], q, casting="unsafe")
+            qb -= np.float32(8)
+            pack4_rows(u8[:r, :C], r0 * C, codes)
+        else:
+            qb += np.float32(0)                      # -0.0 -> +0.0: the reference's codes pass through int8
+            np.copyto(codes[r0:r1], q[:, :C], casting="unsafe")
+        if W == C:
+            np.multiply(qb, scale, out=sent[r0:r1].reshape(r, nb, block))
+        else:
+            with np.errstate(over="ignore"):
+                np.multiply(qb, scale, out=qb)
+            sent[r0:r1] = q[:, :C]
+    # (an overflowing product is Inf, as in the reference: the receiver's finiteness check refuses it)
+
+
+def encode2_span(X, a, b, codec, codes, sbits, sent):
+    """int2: rows [a, b) of X -> packed codes (from value a x C, a byte boundary: row_unit),
+    scales and decoded values; the same float32 operations as Codec's reference."""
+    block, C, nb = codec.block, X.shape[1], sbits.shape[1]
+    unit = row_unit(C, "int2")
+    step = max(unit, CHUNK // max(C, 1) // unit * unit)
+    for r0 in range(a, b, step):
+        r1 = min(r0 + step, b)
+        x = X[r0:r1]
+        bits = int2_scale_bits(x, block)
+        sbits[r0:r1] = bits
+        per = np.repeat(tensorio.bf16_to_f32(bits), block, axis=1)[:, :C]
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):    # beyond 3s: clipped below
+            t = np.divide(x, per)                    # IEEE division, as the reference's x / scale
+        t[np.broadcast_to(per == 0, t.shape)] = 0    # a zero block: q = 1, and 1 x 0 = +0.0
+        q = int2_grid(t)
+        pack2_rows(((q + np.float32(3)) * np.float32(0.5)).astype(np.uint8), r0 * C, codes)
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.multiply(q, per, out=sent[r0:r1])
+
+
+def pack2_rows(u8, start, packed):
+    """Codes (uint8 < 4) of values start.. (start a multiple of 4) into packed[start // 4 ..]:
+    value 4i + j at bits 2j of byte i; the tensor's last byte's unused high bits 0."""
+    flat = np.ascontiguousarray(u8).reshape(-1)
+    whole = flat.size // 4 * 4
+    v = flat[:whole].reshape(-1, 4)
+    out = packed[start // 4:start // 4 + whole // 4]
+    np.copyto(out, v[:, 0])
+    for j in (1, 2, 3):
+        out |= v[:, j] << np.uint8(2 * j)
+    if whole < flat.size:                            # the tensor's last values
+        tail = flat[whole:]
+        packed[(start + whole) // 4] = sum(int(c) << (2 * j) for j, c in enumerate(tail))
+
+
+def unpack2(packed, count):
+    """The inverse of pack2_rows: `count` codes (uint8 < 4) from packed bytes."""
+    out = np.empty((packed.size, 4), np.uint8)
+    for j in range(4):
+        np.right_shift(packed, np.uint8(2 * j), out=out[:, j])
+    out &= np.uint8(3)
+    return out.reshape(-1)[:count]
+
+
+def pack4_rows(u8, start, packed):
+    """Codes (uint8 < 16, [r, C]) of values start.. into packed[start // 2 ..]: each pair is
+    one little-endian uint16 (lo, hi), so lo | hi << 4 is (v | v >> 4) & 0xFF."""
+    flat = np.ascontiguousarray(u8).reshape(-1)
+    even = flat.size // 2 * 2
+    v = flat[:even].view(np.uint16)
+    t = v >> np.uint16(4)
+    t |= v
+    np.copyto(packed[start // 2:start // 2 + even // 2], t, casting="unsafe")
+    if even < flat.size:                             # the tensor's odd last value: the high nibble is 0
+        packed[(start + even) // 2] = flat[-1]
+
+
+def decode_span(codes, scale, a, b, C, codec, out, bad):
+    """Rows [a, b) of X from codes and float32 scales [R, nb] into out [R, C]; a code
+    outside the symmetric range is put in `bad` (the caller raises)."""
+    block, fmt, nb = codec.block, codec.fmt, scale.shape[1]
+    W, unit = nb * block, row_unit(C, fmt)
+    step = max(unit, CHUNK // W // unit * unit)
+    if fmt == "int2":                                # every code 0..3 is a level: nothing to refuse
+        for r0 in range(a, b, step):
+            r1 = min(r0 + step, b)
+            cnt = (r1 - r0) * C
+            q = unpack2(codes[r0 * C // 4:(r0 * C + cnt + 3) // 4], cnt).astype(np.float32)
+            q *= np.float32(2)
+            q -= np.float32(3)                       # q = 2 code - 3: -3, -1, 1, 3
+            with np.errstate(over="ignore"):
+                np.multiply(q.reshape(r1 - r0, C), np.repeat(scale[r0:r1], block, axis=1)[:, :C], out=out[r0:r1])
+        return
+    if fmt == "int4":
+        v = np.empty(-(-step * C // 2), np.uint16)
+        t = np.empty_like(v)
+    qf = np.empty((step, W), np.float32)
+    for r0 in range(a, b, step):
+        r1 = min(r0 + step, b)
+        r, cnt = r1 - r0, (r1 - r0) * C
+        if fmt == "int4":
+            src = codes[r0 * C // 2:(r0 * C + cnt + 1) // 2]
+            vv, tt = v[:src.size], t[:src.size]
+            np.copyto(vv, src)                       # byte (hi, lo) -> uint16 0x0h0l, little-endian: lo, hi
+            np.bitwise_and(vv, np.uint16(0xF0), out=tt)
+            tt <<= np.uint16(4)
+            vv &= np.uint16(0x0F)
+            vv |= tt
+            q8 = vv.view(np.uint8)[:cnt]
+            if cnt and q8.min() == 0:
+                bad.append("int4 code 0 (= -8) is outside the symmetric range [-7, 7]")
+                return
+            q = qf[:r, :C]
+            np.subtract(q8.reshape(r, C), np.float32(8), out=q)
+        else:
+            q8 = codes[r0:r1]
+            if cnt and q8.min() < -127:
+                bad.append("code -128 is outside the symmetric int8 range [-127, 127]")
+                return
+            q = q8                                   # int8 x float32 scale multiplies in float32
+        with np.errstate(over="ignore"):             # an overflow is Inf: the receiver's finiteness check refuses it
+            if W == C:
+                np.multiply(q.reshape(r, nb, block), scale[r0:r1, :, None], out=out[r0:r1].reshape(r, nb, block))
+            else:
+                np.multiply(q, np.repeat(scale[r0:r1], block, axis=1)[:, :C], out=out[r0:r1])
+
+
+def encode_blocks(codec, x, threads=1):
+    """int8/int4/int2, the fast path: x (float32) -> (codes, scale bits [rows, nb], decoded x)."""
+    block, fmt = codec.block, codec.fmt
+    rows, cols = rows_cols(x.shape)
+    R, C, nb = as_blocks(x.shape, block)
+    X = x.reshape(R, C)
+    sbits = np.empty((R, nb), np.uint16)
+    sent = np.empty(x.shape, np.float32)
+    codes = np.empty(x.shape, np.int8) if fmt == "int8" else np.empty(packed_bytes(x.size, CODE_BITS[fmt]), np.uint8)
+    cview = codes.reshape(R, C) if fmt == "int8" else codes
+    run_spans(lambda a, b: encode_span(X, a, b, codec, cview, sbits, sent.reshape(R, C)),
+              R, row_unit(C, fmt), C, threads)
+    return codes, sbits.reshape(rows, -(-cols // block)), sent
+
+
+def decode_blocks(codec, codes, sbits, shape, threads=1, out=None):
+    """int8/int4/int2, the fast path: parts as read (their scales and padding already checked,
+    as Codec.decode does) -> (float32 of `shape`, into `out` if given; None, or why a
+    code is out of range: the caller raises)."""
+    block, fmt, n = codec.block, codec.fmt, math.prod(shape)
+    R, C, nb = as_blocks(shape, block)
+    scale = tensorio.bf16_to_f32(sbits).reshape(R, nb)
+    out = np.empty(shape, np.float32) if out is None else out.reshape(-1)[:n].reshape(shape)
+    cview = codes.reshape(R, C) if fmt == "int8" else codes.reshape(-1)
+    bad = []
+    run_spans(lambda a, b: decode_span(cview, scale, a, b, C, codec, out.reshape(R, C), bad),
+              R, row_unit(C, fmt), C, threads)
+    return out, (bad[0] if bad else None)
 
 
 if __name__ == "__main__":

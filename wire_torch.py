@@ -33,7 +33,7 @@ import math
 import torch
 
 LEVELS = {"int8": 127, "int4": 7, "int2": 3}
-CODE_BITS = {"int8": 8, "int4": 4, "int2": 2}     # wire_kernels.CODE_BITS
+CODE_BITS = {"int8": 8, "int4": 4, "int2": 2}     # wire.CODE_BITS
 SCALE = "#scale"
 
 
@@ -43,7 +43,7 @@ def _check(codec):
 
 
 def as_blocks(shape, block):
-    """wire_kernels.as_blocks: (R, C, nb), X = x as [R, C] with nb blocks per row of X."""
+    """wire.as_blocks: (R, C, nb), X = x as [R, C] with nb blocks per row of X."""
     cols = shape[-1] if len(shape) else 1
     rows = math.prod(shape) // cols if cols else 0
     if cols and cols % block == 0:
@@ -52,7 +52,7 @@ def as_blocks(shape, block):
 
 
 def bf16_up(a):
-    """float32 >= 0 -> bfloat16 bits as int32 (< 0x8000), rounded UP: wire_kernels.bf16_up."""
+    """float32 >= 0 -> bfloat16 bits as int32 (< 0x8000), rounded UP: wire.bf16_up."""
     u = a.contiguous().view(torch.int32)
     return (u >> 16) + ((u & 0xFFFF) != 0).to(torch.int32)
 
@@ -119,7 +119,7 @@ def _encode_rows(codec, X, nb):
 
 
 def int2_bits(X, block):
-    """wire_kernels.int2_scale_bits: bf16 scale bits (int32) [r, nb] of X [r, C], each block's
+    """wire.int2_scale_bits: bf16 scale bits (int32) [r, nb] of X [r, C], each block's
     (a short last block's too) largest magnitude / 3, rounded UP."""
     r, C = X.shape
     nfull, tail = divmod(C, block)

@@ -37,7 +37,7 @@ The judgement (exit 1 on any violation; the table at the end says which):
     - theta_global equals a replay of the recorded merges, bit for bit: from the initial
       model, fedmom_merge.merge_files and fedmom_merge.publish (the int4 update with the
       aggregator's error feedback) over the deltas the aggregator accepted (hard-linked as
-      they were spooled: fedmom_store.KEEP_DELTAS_ENV), in the recorded order and shares;
+      they were spooled: fedmom_state.KEEP_DELTAS_ENV), in the recorded order and shares;
     - no site exited non-zero by itself; both sites finished;
     - the held-out loss within --loss-tolerance of the unfaulted run's (the same corpus:
       every training window once in both, so the same tokens).
@@ -81,13 +81,11 @@ import numpy as np  # noqa: E402
 import audit  # noqa: E402
 import certs  # noqa: E402
 import durable  # noqa: E402
-import fedmom_checkpoint  # noqa: E402
+import outer_state  # noqa: E402
 import fedmom_merge  # noqa: E402
-import fedmom_outer  # noqa: E402
-import fedmom_records  # noqa: E402
-import fedmom_store  # noqa: E402
+import fedmom_round  # noqa: E402
 import fedmom_state  # noqa: E402
-import harness  # noqa: E402
+from testbed import harness  # noqa: E402
 import httpc  # noqa: E402
 import tensorio  # noqa: E402
 import testhooks  # noqa: E402
@@ -172,7 +170,7 @@ class Federation:
         os.makedirs(d, exist_ok=True)
         extra = {testhooks.FAULT_DIR_ENV: d}
         if role == "fedmom":
-            extra[fedmom_store.KEEP_DELTAS_ENV] = self.kept
+            extra[fedmom_state.KEEP_DELTAS_ENV] = self.kept
         return harness.child_env(**extra)
 
     # -- processes
@@ -400,8 +398,8 @@ class Federation:
 
 def final_files(fed_dir, out_dir):
     """The stopped aggregator's theta_global and residual, rebuilt from its checkpoint and log
-    (fedmom_checkpoint.load_outer), as files in out_dir -> (theta path, residual path or None)."""
-    outer = fedmom_checkpoint.load_outer(fed_dir)
+    (outer_state.load_outer), as files in out_dir -> (theta path, residual path or None)."""
+    outer = outer_state.load_outer(fed_dir)
     theta = outer.write("theta", os.path.join(out_dir, "final-theta.safetensors"), fsync=False)
     residual = outer.residual and outer.write("residual", os.path.join(out_dir, "final-residual.safetensors"),
                                               fsync=False)
@@ -417,7 +415,7 @@ def replay_theta(init, fed_dir, kept, records, work, codec, lr=0.7, mu=0.9):
     the residual owed after the last round or None)."""
     os.makedirs(work, exist_ok=True)
     theta = os.path.join(work, "theta-0.safetensors")       # round 0: the aggregator's own theta-0 of the init file
-    fedmom_outer.init_theta(init, theta, fsync=False)
+    outer_state.init_theta(init, theta, fsync=False)
     momentum, residual, history, problems, thetas = None, None, [], [], []
     for rec in records:
         merged = [o for o in rec.get("outcomes", ()) if o["outcome"] == "merged"]
@@ -427,7 +425,7 @@ def replay_theta(init, fed_dir, kept, records, work, codec, lr=0.7, mu=0.9):
             return None, problems + [f"round {rec['round']}: merged deltas {missing or '(none)'} were never kept"], thetas, None
         by_inc = {c["incarnation"]: c for c in rec["clusters"].values()}
         norms = [by_inc[o["incarnation"]]["delta_norm"] or 0.0 for o in merged]
-        recent = [n for r in history[-fedmom_records.CLIP_HISTORY_ROUNDS:] for n in r]
+        recent = [n for r in history[-fedmom_round.CLIP_HISTORY_ROUNDS:] for n in r]
         scales, _ = fedmom_merge.clip_scales(norms, recent, 10.0)
         for o, s in zip(merged, scales):
             if abs(round(s, 6) - by_inc[o["incarnation"]]["clip_scale"]) > 1e-6:

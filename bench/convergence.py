@@ -41,9 +41,9 @@ sys.path.insert(0, ROOT)                           # bench/ imports the reposito
 
 import audit                                       # noqa: E402  (after the path line above)
 import durable                                     # noqa: E402
-import fedmom_checkpoint                           # noqa: E402
-import harness                                     # noqa: E402
-from outer_defaults import OUTER_LR, OUTER_MOMENTUM  # noqa: E402
+import outer_state                           # noqa: E402
+from testbed import harness                                     # noqa: E402
+from outer_state import OUTER_LR, OUTER_MOMENTUM  # noqa: E402
 
 ARMS = ("ddp", "diloco-fedavg", "diloco-nesterov", "fed-fedavg", "fed-nesterov")
 OUTER = {"fedavg": ("sgd", 1.0, 0.0), "nesterov": ("nesterov", OUTER_LR, OUTER_MOMENTUM)}
@@ -163,7 +163,7 @@ def federated(cfg, arm, ctx, launcher, site_args=(), outer=None, fed_args=()):
     # the final theta_global, rebuilt from the stopped aggregator's checkpoint and the rounds
     # logged since (fedmom_server.py export; state.json names no theta file of its own)
     theta = os.path.join(arm_dir, "theta-final.safetensors")
-    fedmom_checkpoint.load_outer(state).write("theta", theta, fsync=False)
+    outer_state.load_outer(state).write("theta", theta, fsync=False)
     records = durable.read_jsonl(os.path.join(state, "rounds.jsonl"))
     coverage = audit.audit(svc.state_dir, manifest=ctx["manifest"]).ok
     site_evals = [final_eval(os.path.join(arm_dir, "sites", n)) for n in ("alpha", "beta")]

@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)      # run as `python bench/darl_rpc.py`: the siblings 
 
 import block_space  # noqa: E402
 import darl_client  # noqa: E402
-import darl_log  # noqa: E402
+import darl_server  # noqa: E402
 import darl_table  # noqa: E402
 import httpd  # noqa: E402
 
@@ -181,7 +181,7 @@ def disk_sync_ms(directory, n=200):
         for _ in range(n):
             t0 = time.perf_counter()
             os.write(fd, b"x" * 120 + b"\n")
-            darl_log._datasync(fd)
+            darl_server._datasync(fd)
             times.append(time.perf_counter() - t0)
     finally:
         os.close(fd)

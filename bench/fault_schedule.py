@@ -29,7 +29,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)      # run as `python bench/fault_schedule.py`: the siblings live one level up
 
-import fault_harness as fh  # noqa: E402
+from testbed import fault_harness as fh  # noqa: E402
 
 
 def summary(results, seconds):

@@ -270,7 +270,6 @@ def wal_damage(work, last=8, flips=300, starts=3):
     stood after each intact record; `starts` cases of each kind also start the real
     darl_server.py on the copy (exit status and first line of its refusal)."""
     import block_space
-    import darl_log
     import darl_server
     import darl_table
     space = block_space.BlockSpace(10 ** 5, 1, 0)
@@ -309,8 +308,8 @@ def wal_damage(work, last=8, flips=300, starts=3):
         with open(copy, "wb") as f:
             f.write(damaged)
         try:
-            got = darl_log.load_state(copy_dir)
-        except darl_log.LogError as e:
+            got = darl_server.load_state(copy_dir)
+        except darl_server.LogError as e:
             return "refused", str(e)
         if got is None:
             return "empty", ""

@@ -155,7 +155,7 @@ sed 's/^/   /' "$OUT/staging.log"
 
 run diloco-cpu "$PYTHON" - "$DEVICE" <<'EOF'
 import sys, torch, diloco, dist_env
-from outer_defaults import OUTER_LR, OUTER_MOMENTUM
+from outer_state import OUTER_LR, OUTER_MOMENTUM
 d = dist_env.init_distributed(sys.argv[1])
 lay = diloco.ReplicaLayout.build(1, 0, 1)
 def outer_run(where):

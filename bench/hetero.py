@@ -50,10 +50,10 @@ sys.path.insert(0, ROOT)                           # bench/ imports the reposito
 
 import audit                                       # noqa: E402  (after the path line above)
 import durable                                     # noqa: E402
-import fedmom_checkpoint                           # noqa: E402
+import outer_state                           # noqa: E402
 import fedmom_client                               # noqa: E402
-import harness                                     # noqa: E402
-from outer_defaults import OUTER_LR, OUTER_MOMENTUM  # noqa: E402
+from testbed import harness                                     # noqa: E402
+from outer_state import OUTER_LR, OUTER_MOMENTUM  # noqa: E402
 
 SETTINGS = ("1:1", "1:2", "1:3", "1:2:3")
 ARMS = SETTINGS + ("stall",)
@@ -457,7 +457,7 @@ class Bench:
                 p.stop(20)
         state = os.path.join(svc.state_dir, "fedmom")
         theta = os.path.join(where, "theta-final.safetensors")
-        fedmom_checkpoint.load_outer(state).write("theta", theta, fsync=False)
+        outer_state.load_outer(state).write("theta", theta, fsync=False)
         records = durable.read_jsonl(os.path.join(state, "rounds.jsonl"))
         rows = {n: durable.read_jsonl(os.path.join(where, "sites", n, "metrics.jsonl")) for n in names}
         sites_fig = {n: site_figures(r, cfg.seq_len) for n, r in rows.items()}

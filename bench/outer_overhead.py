@@ -45,7 +45,7 @@ def worker(rank, tmp, a):
     import diloco
     import dist_env
     import models
-    from outer_defaults import OUTER_LR, OUTER_MOMENTUM
+    from outer_state import OUTER_LR, OUTER_MOMENTUM
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     dist.init_process_group("gloo" if a.device == "cpu" else "nccl",

@@ -78,7 +78,7 @@ bench exits 1 if any check fails, a delta does not merge, or a round does not co
 Then the arms side by side (compare): the budget arm's central round against the memory
 arm's (target <= 3 x), its memory peak against --memory-gb + 4 x the largest F32 tensor, a
 restart's peak against the rounds' (no 16 B/param at a start), each mode projected to 8B and
-32B on a 16-core VM with a local NVMe disk (outer_budget.NVME, assumed: the merge no faster
+32B on a 16-core VM with a local NVMe disk (outer_state.NVME, assumed: the merge no faster
 than that disk reads and writes the part of the outer state on disk), and the fixed part
 with nothing in memory at 32B against the original design's ~10 GiB. --json writes every
 figure, and under "rates" what `fedmom_server.py plan --rates FILE` projects from. The run's
@@ -113,11 +113,11 @@ import numpy as np  # noqa: E402
 import darl_client  # noqa: E402
 import durable  # noqa: E402
 import fedmom_client  # noqa: E402
-import harness  # noqa: E402
+from testbed import harness  # noqa: E402
 import httpc  # noqa: E402
 import fedmom_state  # noqa: E402
-import merge_pool  # noqa: E402
-import outer_budget  # noqa: E402
+import fedmom_merge  # noqa: E402
+import outer_state  # noqa: E402
 import tensorio  # noqa: E402
 import wire  # noqa: E402
 from fedmom_disk_peak import dir_bytes  # noqa: E402
@@ -532,13 +532,13 @@ def need(shapes, aggregator=None):
     store, 1.4 M (the run's own peak was 13.8 M before the arms); the budget arm's file
     blocks, 3 M at most; the initial model, kept for every arm, 1 M. The memory: the
     aggregator's (`aggregator`; default its outer state in memory, 12 B/param, plus its fixed
-    part: outer_budget.Budget), a site's encode (4.8 x the largest tensor, measured VmHWM)
+    part: outer_state.Budget), a site's encode (4.8 x the largest tensor, measured VmHWM)
     and both sites' pools (1 x each: the sites wait while the aggregator merges, and take
     turns), and 1 GiB for DARL, the blob store and this process."""
     m = 4 * nparams(shapes)
     largest = 4 * max(math.prod(s) for _, s in shapes)
     if aggregator is None:
-        b = outer_budget.Budget(0, dict(shapes), ("theta", "momentum", "residual"), INT4, os.cpu_count() or 1)
+        b = outer_state.Budget(0, dict(shapes), ("theta", "momentum", "residual"), INT4, os.cpu_count() or 1)
         aggregator = b.minimum() + b.state_bytes()
     return int(20 * m), int(aggregator + 7 * largest + (1 << 30))
 
@@ -563,7 +563,7 @@ def check_room(cfg, shapes, root, arms):
     """Say what the run needs and has; a real flavor that cannot fit stops here (SystemExit).
     The aggregator's memory is the larger arm's: its outer state in memory (the memory arm)."""
     agg = max(fixed_budget(cfg, shapes).minimum() + fixed_budget(cfg, shapes).state_bytes(),
-              max((a["memory_gb"] or 0) * outer_budget.GB for a in arms))
+              max((a["memory_gb"] or 0) * outer_state.GB for a in arms))
     disk_need, mem_need = need(shapes, agg)
     free, avail = shutil.disk_usage(root).free, proc_meminfo("MemAvailable")
     say(f"room: --dir {os.path.abspath(root)}: {free / 1e9:.1f} GB free, this run needs ~{disk_need / 1e9:.1f} GB; memory "
@@ -584,13 +584,13 @@ def proc_meminfo(key):
 def agg_memory(pid):
     """(private, shared) bytes the aggregator holds now, measured: the anonymous resident
     memory (RssAnon) of it and of every process under it (its merge workers), and the
-    allocated bytes of the shared memory blocks it made (merge_pool's files named after its
+    allocated bytes of the shared memory blocks it made (fedmom_merge's files named after its
     pid in $PWW_SHM_DIR; counted once, however many workers map them). Its file blocks on
     disk are neither: page cache the kernel may drop."""
     private = sum(proc_status(p, "RssAnon") or 0 for p in harness.process_tree(pid))
-    shm, d = 0, merge_pool.shm_dir()
+    shm, d = 0, fedmom_merge.shm_dir()
     try:
-        names = [fn for fn in os.listdir(d) if fn.startswith(f"{merge_pool.PREFIX}{pid}-")]
+        names = [fn for fn in os.listdir(d) if fn.startswith(f"{fedmom_merge.PREFIX}{pid}-")]
     except OSError:
         names = []
     for fn in names:
@@ -734,21 +734,21 @@ def arms_of(cfg, shapes, root):
     if cfg.memory_gb == "quarter":
         g = b.state_bytes() / 4 if b.state_bytes() / 4 > b.minimum() else b.minimum() + b.state_bytes() / 4
     else:
-        g = float(cfg.memory_gb) * outer_budget.GB
+        g = float(cfg.memory_gb) * outer_state.GB
     outer = os.path.join(root, "budget", "central", "outer")
-    return arms + [{"name": "budget", "args": ["--memory-gb", f"{g / outer_budget.GB:.6f}", "--outer-dir", outer],
-                    "memory_gb": g / outer_budget.GB}]
+    return arms + [{"name": "budget", "args": ["--memory-gb", f"{g / outer_state.GB:.6f}", "--outer-dir", outer],
+                    "memory_gb": g / outer_state.GB}]
 
 
 def fixed_budget(cfg, shapes, memory=0):
-    """outer_budget.Budget of the bench's aggregator: --down-wire int4, momentum, its merge
+    """outer_state.Budget of the bench's aggregator: --down-wire int4, momentum, its merge
     workers (--merge-procs from --server-arg, else every core; none under the pool's minimum)."""
     procs = os.cpu_count() or 1
     for arg in cfg.server_args:
         if arg.startswith("--merge-procs="):
             procs = int(arg.split("=", 1)[1])
-    procs = procs if procs > 1 and nparams(shapes) >= merge_pool.min_params() else 0
-    return outer_budget.Budget(int(memory), dict(shapes), ("theta", "momentum", "residual"), INT4, procs)
+    procs = procs if procs > 1 and nparams(shapes) >= fedmom_merge.min_params() else 0
+    return outer_state.Budget(int(memory), dict(shapes), ("theta", "momentum", "residual"), INT4, procs)
 
 
 def run(cfg):
@@ -1202,7 +1202,7 @@ def project(table, lim, P, central, site, ckpt_per_round=0.0):
 
 # ---------------------------------------------------------------- the arms side by side
 
-NVME = outer_budget.NVME          # the disk of the projected VM (assumed: a local NVMe; plan --disk-gbs)
+NVME = outer_state.NVME          # the disk of the projected VM (assumed: a local NVMe; plan --disk-gbs)
 
 
 def compare(out, arms, shapes, cfg, base):
@@ -1220,7 +1220,7 @@ def compare(out, arms, shapes, cfg, base):
     for arm in arms:
         a = out["arms"][arm["name"]]
         sm = a["summary"]
-        b = fixed_budget(cfg, shapes, arm["memory_gb"] * outer_budget.GB if arm["memory_gb"] else 0)
+        b = fixed_budget(cfg, shapes, arm["memory_gb"] * outer_state.GB if arm["memory_gb"] else 0)
         mem, disk = b.split() if arm["memory_gb"] else (b.state_bytes(), 0)
         rows[arm["name"]] = {"budget": arm["memory_gb"], "in_memory": mem, "on_disk": disk, **sm,
                              "restart_peak": a["restart"]["memory_peak"], "fixed": b.minimum()}
@@ -1240,7 +1240,7 @@ def compare(out, arms, shapes, cfg, base):
         judged.append(f"the budget arm's central round {b['central_s_per_round']:.2f} s = {ratio:.2f} x the memory "
                       f"arm's {m['central_s_per_round']:.2f} s (target <= 3: {'met' if ratio <= 3 else 'NOT met'}); "
                       f"merge {b['merge_s']:.2f} s vs {m['merge_s']:.2f} s")
-        cap = b["budget"] * outer_budget.GB + 4 * largest
+        cap = b["budget"] * outer_state.GB + 4 * largest
         judged.append(f"the budget arm's peak {gib(b['memory_peak'])} vs --memory-gb {b['budget']:.3f} GB + 4 x the "
                       f"largest F32 tensor ({largest / 1e9:.2f} GB) = {cap / 1e9:.2f} GB: "
                       f"{'met' if b['memory_peak'] <= cap else 'NOT met'}; without its outer state in memory "
@@ -1254,7 +1254,7 @@ def compare(out, arms, shapes, cfg, base):
 
 
 def rates(out, rows, lim, P, M):
-    """The rates `plan` projects from (outer_budget.RATES' keys): the merge's CPU seconds per
+    """The rates `plan` projects from (outer_state.RATES' keys): the merge's CPU seconds per
     parameter in memory and on disk, the acceptance and publish projected to VM_CORES cores
     per parameter, the one-core sha256 per byte, the checkpoint's write rate."""
     mem = out["arms"]["memory"]
@@ -1266,7 +1266,7 @@ def rates(out, rows, lim, P, M):
         f_disk = b["on_disk"] / (b["on_disk"] + b["in_memory"])
         cpu_disk = max(cpu_mem, ((b["merge_central_cpu"] or 0) / P - cpu_mem * (1 - f_disk)) / f_disk)
     ck = [c for c in mem.get("checkpoints", []) if c["round"] > 0]
-    ck_bps = med(c["gib"] * 2**30 / c["s"] for c in ck) if ck else outer_budget.RATES["checkpoint_write_bps"]
+    ck_bps = med(c["gib"] * 2**30 / c["s"] for c in ck) if ck else outer_state.RATES["checkpoint_write_bps"]
     return {"source": f"bench/scale_round.py --flavor {out['config']['flavor']} ({out['cores']} cores)",
             "merge_cpu_s_per_param": cpu_mem, "merge_disk_cpu_s_per_param": cpu_disk,
             "accept_s_per_param": mem["projection"]["accept"]["8B"] / (k8 * P),
@@ -1279,7 +1279,7 @@ def project_modes(rows, r, P, M, lim):
     central seconds = 2 x accept + merge + publish at the rates measured, the merge no less
     than the disk's reads and writes of the part on disk (the arm's fraction of the outer
     state: read and written once a round) nor the one-core sha256; and the memory with
-    nothing in memory at 32B (outer_budget.Budget's fixed part) against the original design's
+    nothing in memory at 32B (outer_state.Budget's fixed part) against the original design's
     ~10 GiB."""
     targets = {"8B": sum(math.prod(s) for _, s in qwen3_shapes("8B")), "32B": qwen3_params(QWEN3_32B)}
     say(f"\nprojection per mode ({VM_CORES} cores, NVMe read {NVME['read_bps'] / 1e9:.1f} GB/s, write "
@@ -1299,10 +1299,10 @@ def project_modes(rows, r, P, M, lim):
             say(f"  {name} ({1 - f_disk:.0%} of the outer state in memory) at {n}: merge max(CPU {cpu:.1f} s, disk "
                 f"{disk / 1e9:.0f} GB read + written {io:.1f} s, sha256 {sha:.1f} s) = {merge:.1f} s; central "
                 f"2 x {acc:.1f} + {merge:.1f} + {pub:.1f} = {2 * acc + merge + pub:.1f} s a round")
-    b32 = outer_budget.Budget(0, outer_budget.shapes_of(qwen3_params(QWEN3_32B)), ("theta", "momentum", "residual"),
+    b32 = outer_state.Budget(0, outer_state.shapes_of(qwen3_params(QWEN3_32B)), ("theta", "momentum", "residual"),
                               INT4, VM_CORES)
     say(f"  nothing in memory at 32B: the budget's fixed part {b32.minimum() / 2**30:.2f} GiB "
-        f"({outer_budget.describe_fixed(b32)}), against the original design's ~10 GiB merge peak: "
+        f"({outer_state.describe_fixed(b32)}), against the original design's ~10 GiB merge peak: "
         f"{'met' if b32.minimum() <= 10 * 2**30 else 'NOT met'}")
 
 

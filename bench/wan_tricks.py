@@ -67,7 +67,7 @@ sys.path.insert(0, ROOT)                           # bench/ imports the reposito
 
 import convergence                                 # noqa: E402  (bench/convergence.py, this directory)
 import durable                                     # noqa: E402
-import harness                                     # noqa: E402
+from testbed import harness                                     # noqa: E402
 import tensorio                                    # noqa: E402
 import wire_formats                                # noqa: E402  (bench/wire_formats.py: ARMS, run_arm)
 

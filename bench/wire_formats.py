@@ -79,7 +79,7 @@ import numpy as np                                 # noqa: E402
 
 import convergence                                 # noqa: E402  (bench/convergence.py, this directory)
 import durable                                     # noqa: E402
-import harness                                     # noqa: E402
+from testbed import harness                                     # noqa: E402
 import tensorio                                    # noqa: E402
 import wire                                        # noqa: E402
 

@@ -43,7 +43,6 @@ import numpy as np  # noqa: E402
 
 import tensorio  # noqa: E402
 import wire  # noqa: E402
-import wire_kernels  # noqa: E402
 
 VOCAB = 131_328
 # torchtitan 0.2.2 qwen3_args: dim, layers, heads, kv heads, head_dim, hidden (tiny: models.py's)
@@ -173,7 +172,7 @@ def main(a):
     nvals = sum(math.prod(s) for _, s in shapes)
     largest = max(math.prod(s) for _, s in shapes)
     nbytes = 4 * nvals
-    threads = wire_kernels.resolve_threads(a.threads)
+    threads = wire.resolve_threads(a.threads)
     d = a.dir
     os.makedirs(d, exist_ok=True)
     print(f"model: Qwen3-{a.flavor} shapes{' (2 layers: --quick)' if a.quick else ''}: {len(shapes)} tensors, "
@@ -240,7 +239,7 @@ if __name__ == "__main__":
     p.add_argument("--keep", action="store_true", help="keep the files afterwards (default: remove them)")
     args = p.parse_args()
     try:
-        wire_kernels.resolve_threads(args.threads)
+        wire.resolve_threads(args.threads)
     except ValueError as e:
         p.error(str(e))
     main(args)

@@ -22,7 +22,7 @@ import numpy as np
 
 import fedmom_state as fs
 import httpd
-import merge_pool
+import fedmom_merge
 import tensorio
 
 # one tensor bigger than fedmom_merge.CHUNK, so the chunk loop runs more than once
@@ -193,7 +193,7 @@ def _entry(rank, fn, world, tmp, *args):
 
 def outer_bits(arrays):
     """{name: the float32 bits, flat} of an outer state's arrays (in memory or FileTensors)."""
-    return {n: np.ascontiguousarray(merge_pool.whole(a), np.float32).reshape(-1).view(np.uint32).copy()
+    return {n: np.ascontiguousarray(fedmom_merge.whole(a), np.float32).reshape(-1).view(np.uint32).copy()
             for n, a in arrays.items()}
 
 
@@ -210,16 +210,15 @@ def assert_same_outer(test, a, b, names, what):
 
 
 def checkpoint_and_log(test, shapes, theta, step, codec, rounds=(1, 2, 3)):
-    """A checkpoint in segments of 64 KiB (fedmom_checkpoint.SEGMENT_ENV, for the test) of an outer state
+    """A checkpoint in segments of 64 KiB (outer_state.SEGMENT_ENV, for the test) of an outer state
     from `theta`, then `rounds` applied with their logged Steps (test.step(rnd, codec)) ->
     (the state after them, the checkpoint, the log as state.json keeps it)."""
     import dataclasses
-    import fedmom_checkpoint
     import outer_state
-    os.environ[fedmom_checkpoint.SEGMENT_ENV] = str(1 << 16)
-    test.addCleanup(os.environ.pop, fedmom_checkpoint.SEGMENT_ENV)
+    os.environ[outer_state.SEGMENT_ENV] = str(1 << 16)
+    test.addCleanup(os.environ.pop, outer_state.SEGMENT_ENV)
     state = outer_state.OuterState(shapes, {n: a.copy() for n, a in theta.items()})
-    ckpt = fedmom_checkpoint.write_checkpoint(state, test.dir, None, fsync=False)
+    ckpt = outer_state.write_checkpoint(state, test.dir, None, fsync=False)
     log = []
     for rnd in rounds:
         s = step(rnd, codec)

@@ -34,7 +34,7 @@ import tempfile
 import time
 import unittest
 
-from harness import free_port
+from testbed.harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")

@@ -13,7 +13,7 @@ import block_space
 import darl_server
 import darl_table
 import durable
-import fedmom_darl
+import fedmom_state
 import fedmom_state as fs
 import httpc
 from fixtures import FedMomFixture, serve_in_thread
@@ -36,7 +36,7 @@ class AuditTest(FedMomFixture):
                                              self.central, clock=self.clock)
         url = self.darl_url = serve_in_thread(self, darl_server.make_routes(self.coord), token=TOKEN)
         cfg = fs.ServerConfig(os.path.join(self.central, "fedmom"), init=self.init, outer_lr=1.0, outer_momentum=0.0)
-        st = self.st = fs.FedMomState(cfg.validate(), clock=self.clock, darl=fedmom_darl.DarlLink(url, TOKEN))
+        st = self.st = fs.FedMomState(cfg.validate(), clock=self.clock, darl=fedmom_state.DarlLink(url, TOKEN))
         call = lambda path, **body: httpc.call(url, "POST", path, body, token=TOKEN)
         for c in ("alpha", "beta"):
             call("/register", cluster=c, incarnation=f"{c}-inc", digest=space.digest())

@@ -21,7 +21,7 @@ import fedmom_server
 import fedmom_state
 import httpc
 import tensorio
-from harness import listening_url
+from testbed.harness import listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "sweep-token-0123456789abcdef"

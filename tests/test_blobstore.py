@@ -18,7 +18,7 @@ import blob_client
 import blobstore
 import httpc
 import httpd
-from harness import child_env, expect, listening_url
+from testbed.harness import child_env, expect, listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "blob-token"

@@ -3,7 +3,7 @@
 The bench itself (two torchrun sites under faults, then an unfaulted run: ~10 minutes at
 its --quick size on 2 cores) is not run here; what it concludes from is:
   - its replay of the recorded merges (fedmom_merge.merge_files + publish over the deltas
-    fedmom_store.KEEP_DELTAS_ENV kept) gives the aggregator's theta_global bit for bit,
+    fedmom_state.KEEP_DELTAS_ENV kept) gives the aggregator's theta_global bit for bit,
     int4 downstream with error feedback and a clipped delta included, and a changed
     kept delta does not;
   - its goodput accounting: lost work keyed by lease (two deltas of one incarnation may
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import chaos  # noqa: E402
 import durable  # noqa: E402
-import fedmom_store  # noqa: E402
+import fedmom_state  # noqa: E402
 import fixtures  # noqa: E402
 import tensorio  # noqa: E402
 
@@ -32,11 +32,11 @@ import tensorio  # noqa: E402
 class ReplayTest(fixtures.FedMomFixture):
     def run_rounds(self):
         kept = os.path.join(self.dir, "kept")
-        os.environ[fedmom_store.KEEP_DELTAS_ENV] = kept
+        os.environ[fedmom_state.KEEP_DELTAS_ENV] = kept
         try:
             st = self.state(outer_lr=0.7, outer_momentum=0.9, down_wire="int4")
         finally:
-            del os.environ[fedmom_store.KEEP_DELTAS_ENV]
+            del os.environ[fedmom_state.KEEP_DELTAS_ENV]
         for c in ("alpha", "beta"):
             st.join(c, f"{c}-inc")
         for rnd in range(4):

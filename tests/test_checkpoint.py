@@ -13,7 +13,7 @@ import torch.distributed as dist
 import checkpoint
 import diloco
 from fixtures import spawn
-from outer_defaults import OUTER_LR, OUTER_MOMENTUM
+from outer_state import OUTER_LR, OUTER_MOMENTUM
 
 H = 2
 ROWS = []                  # diloco rows of this process

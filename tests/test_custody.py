@@ -1,10 +1,10 @@
 """Custody: DARL holds an accepted delta's blocks for the aggregator until the aggregator
 commits or aborts them (a two-phase commit, DARL the participant, the aggregator the
-coordinator: fedmom_round.py decides, fedmom_darl.py calls), with fencing epochs, durable
+coordinator: fedmom_round.py decides, fedmom_state.py calls), with fencing epochs, durable
 owed calls and loud violation counters.
 
 What runs:
-  - the table's custody calls (darl_custody.CustodyTable) with an injected clock (no I/O);
+  - the table's custody calls (darl_table.CustodyTable) with an injected clock (no I/O);
   - the aggregator's state against a real DARL coordinator served on 127.0.0.1 in
     threads, injected clocks on both sides, and a "front" server that answers what a
     proxy or a rotated token would (401, 403, 404, 5xx) or never answers;
@@ -37,17 +37,17 @@ import block_space
 import darl_server
 import durable
 import fedmom_client
-import fedmom_darl
+import fedmom_state
 import fedmom_round
 import fedmom_server as fm
 import fedmom_state as fs
 import httpc
 import httpd
 import testhooks
-from darl_custody import CustodyTable
+from darl_table import CustodyTable
 from darl_table import LeaseError, TableConfig
 from fixtures import SHAPES, FakeClock, FedMomFixture, serve_in_thread, write_tensors
-from harness import expect
+from testbed.harness import expect
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "t0ken"
@@ -357,7 +357,7 @@ class AggregatorOutageTest(AggregatorFixture):
         is SIGKILLed, so nobody keeps lumi's lease alive; it outlives its TTL. Before custody,
         DARL gave the same blocks to snellius and the restarted aggregator merged both."""
         coord, url = self.darl()
-        st = self.agg(fedmom_darl.DarlLink(url, TOKEN))
+        st = self.agg(fedmom_state.DarlLink(url, TOKEN))
         st.join("lumi", "lumi-inc")
         st.join("snellius", "snellius-inc")
         a = self.lease(url, coord, "lumi", ttl=10)
@@ -365,7 +365,7 @@ class AggregatorOutageTest(AggregatorFixture):
         del st                                                  # SIGKILL: no process, no heartbeat
         self.clock.t += 30                                      # 3 TTLs
         b = self.lease(url, coord, "snellius", ttl=600)
-        st = self.agg(fedmom_darl.DarlLink(url, TOKEN), init=False)      # the restart
+        st = self.agg(fedmom_state.DarlLink(url, TOKEN), init=False)      # the restart
         self.assertTrue(self.send(st, "snellius", self.delta()[0], 100, leases=[b])["accepted"])
         self.assertIsNone(st.tick(), "merged lumi's restored delta before DARL said it still holds its custody")
         st.darl_tick()                                          # the server's DARL loop: fence, reconcile
@@ -389,7 +389,7 @@ class NonDefinitiveAnswerTest(AggregatorFixture):
             with self.subTest(case):
                 coord, good = self.darl()
                 url = url or good
-                link = fedmom_darl.DarlLink(url, "rotated" if case == "401" else TOKEN, timeout=0.5)
+                link = fedmom_state.DarlLink(url, "rotated" if case == "401" else TOKEN, timeout=0.5)
                 st = self.agg(link, name=f"st-{case}")
                 cluster = f"c{i}"
                 st.join(cluster, f"{cluster}-inc")
@@ -419,7 +419,7 @@ class NonDefinitiveAnswerTest(AggregatorFixture):
 class SiteMistakesTest(AggregatorFixture):
     def test_a_delta_naming_no_lease_is_refused_under_darl(self):
         coord, url = self.darl()
-        st = self.agg(fedmom_darl.DarlLink(url, TOKEN))
+        st = self.agg(fedmom_state.DarlLink(url, TOKEN))
         st.join("lumi", "lumi-inc")
         before = self.snapshot(st)
         with self.assertRaises(fedmom_round.Refused) as cm:
@@ -431,7 +431,7 @@ class SiteMistakesTest(AggregatorFixture):
 
     def test_a_release_with_leave_after_acceptance_gives_back_nothing_the_aggregator_holds(self):
         coord, url = self.darl()
-        st = self.agg(fedmom_darl.DarlLink(url, TOKEN))
+        st = self.agg(fedmom_state.DarlLink(url, TOKEN))
         st.join("lumi", "lumi-inc")
         st.join("snellius", "snellius-inc")
         a = self.lease(url, coord, "lumi")
@@ -449,7 +449,7 @@ class RoundRuleTest(AggregatorFixture):
     def test_the_round_waits_for_custody_and_a_late_refusal_excludes_the_delta_by_name(self):
         darl_clock = FakeClock()                 # the aggregator's clock runs on alone below
         coord, good = self.darl(clock=darl_clock)
-        link = fedmom_darl.DarlLink(front(self, 503), TOKEN)
+        link = fedmom_state.DarlLink(front(self, 503), TOKEN)
         st = self.agg(link)
         for c in ("lumi", "snellius"):
             st.join(c, f"{c}-inc")
@@ -487,7 +487,7 @@ class HostileMergeCustodyTest(AggregatorFixture):
         blocks sit in DARL custody; an exclusion must abort it (back to the pool, to be trained
         again), never leave it held for good or commit it."""
         coord, url = self.darl()
-        st = self.agg(fedmom_darl.DarlLink(url, TOKEN))
+        st = self.agg(fedmom_state.DarlLink(url, TOKEN))
         for c in ("a", "b", "c"):
             st.join(c, f"{c}-inc")
         leases = {c: self.lease(url, coord, c) for c in ("a", "b", "c")}
@@ -513,9 +513,9 @@ class HostileMergeCustodyTest(AggregatorFixture):
 class FencingAndRepairTest(AggregatorFixture):
     def test_a_newer_epoch_fences_the_older_process(self):
         coord, url = self.darl()
-        old = self.agg(fedmom_darl.DarlLink(url, TOKEN))
+        old = self.agg(fedmom_state.DarlLink(url, TOKEN))
         self.assertTrue(old.darl_tick())
-        new = self.agg(fedmom_darl.DarlLink(url, TOKEN), init=False)    # a second process on the same state
+        new = self.agg(fedmom_state.DarlLink(url, TOKEN), init=False)    # a second process on the same state
         self.assertTrue(new.darl_tick())
         self.assertEqual((new.aggregator_id, new.epoch), (old.aggregator_id, old.epoch + 1))
         old.join("lumi", "lumi-inc")
@@ -533,12 +533,12 @@ class FencingAndRepairTest(AggregatorFixture):
         (a standby's copy of a state that never ran): both hold the same claim. The live one
         starts, is issued epoch 1 and confirms it; the copy, started beside it, is fenced."""
         coord, url = self.darl()
-        a = self.agg(fedmom_darl.DarlLink(url, TOKEN), name="A")
+        a = self.agg(fedmom_state.DarlLink(url, TOKEN), name="A")
         shutil.copytree(os.path.join(self.dir, "A"), os.path.join(self.dir, "B"), ignore=shutil.ignore_patterns("lock"))
         self.assertTrue(a.darl_tick())
         self.assertEqual((a.epoch, a.status()["epoch"]), (1, 1))
         for _ in range(2):
-            b = self.agg(fedmom_darl.DarlLink(url, TOKEN), name="B", init=False)
+            b = self.agg(fedmom_state.DarlLink(url, TOKEN), name="B", init=False)
             self.assertFalse(b.darl_tick())
             self.assertIsNotNone(b.fenced)
         a.join("lumi", "lumi-inc")                                  # A still acts
@@ -551,17 +551,17 @@ class FencingAndRepairTest(AggregatorFixture):
         B. Before, A climbed one epoch per restart, served beside B at an equal epoch, then
         fenced the live B."""
         coord, url = self.darl()
-        a = self.agg(fedmom_darl.DarlLink(url, TOKEN), name="A")
+        a = self.agg(fedmom_state.DarlLink(url, TOKEN), name="A")
         self.assertTrue(a.darl_tick())
         self.assertEqual(a.epoch, 1)
         del a
         shutil.copytree(os.path.join(self.dir, "A"), os.path.join(self.dir, "B"))
         for want in (2, 3, 4):
-            b = self.agg(fedmom_darl.DarlLink(url, TOKEN), name="B", init=False)
+            b = self.agg(fedmom_state.DarlLink(url, TOKEN), name="B", init=False)
             self.assertTrue(b.darl_tick())
             self.assertEqual(b.epoch, want)
         for _ in range(3):
-            a = self.agg(fedmom_darl.DarlLink(url, TOKEN), name="A", init=False)
+            a = self.agg(fedmom_state.DarlLink(url, TOKEN), name="A", init=False)
             self.assertFalse(a.darl_tick())
             self.assertIn("this one is stale", a.status()["darl"]["fenced"])
             self.assertEqual(a.epoch, 1, "a refused fence moved the stale copy's epoch")
@@ -571,12 +571,12 @@ class FencingAndRepairTest(AggregatorFixture):
         self.assertIsNone(b.fenced)
         with open(os.path.join(self.dir, "B", "state.json")) as f:   # B restarts; DARL's answer is lost
             st = json.load(f)
-        b = self.agg(fedmom_darl.DarlLink(url, TOKEN), name="B", init=False)
+        b = self.agg(fedmom_state.DarlLink(url, TOKEN), name="B", init=False)
         claim = json.loads(pathlib.Path(os.path.join(self.dir, "B", "state.json")).read_text())["fence_claim"]
         lost = httpc.call(url, "POST", "/fence", {"aggregator": b.aggregator_id, "last_epoch": st["epoch"],
                                                   "claim": claim}, token=TOKEN)
         self.assertEqual(lost["epoch"], 5)
-        b = self.agg(fedmom_darl.DarlLink(url, TOKEN), name="B", init=False)  # the restart repeats the same ask
+        b = self.agg(fedmom_state.DarlLink(url, TOKEN), name="B", init=False)  # the restart repeats the same ask
         self.assertTrue(b.darl_tick())
         self.assertEqual(b.epoch, 5)
 
@@ -588,7 +588,7 @@ class FencingAndRepairTest(AggregatorFixture):
         before, it merged both, and DARL refused the second commit (counted refused_commits)
         while those blocks were free to be trained again."""
         coord, url = self.darl()
-        a = self.agg(fedmom_darl.DarlLink(url, TOKEN), name="A")
+        a = self.agg(fedmom_state.DarlLink(url, TOKEN), name="A")
         self.assertTrue(a.darl_tick())
         leases = {}
         for c in ("lumi", "snellius"):
@@ -600,7 +600,7 @@ class FencingAndRepairTest(AggregatorFixture):
         httpc.call(url, "POST", "/custody/abort", {"aggregator": a.aggregator_id, "epoch": a.epoch, "delta": gone,
                                                    "why": "excluded by the live process"}, token=TOKEN)
         del a
-        b = self.agg(fedmom_darl.DarlLink(url, TOKEN), name="B", init=False)
+        b = self.agg(fedmom_state.DarlLink(url, TOKEN), name="B", init=False)
         self.assertTrue(b.darl_tick())
         self.assertEqual(b.epoch, 2)
         self.assertEqual([(e["cluster"], "no longer holds" in e["why"]) for e in b.status()["excluded"]],
@@ -618,7 +618,7 @@ class FencingAndRepairTest(AggregatorFixture):
         """Without --darl the owed commits would never be sent and new deltas would merge with
         no custody (their leases expire and are leased again); another DARL holds none of it."""
         coord, url = self.darl()
-        st = self.agg(fedmom_darl.DarlLink(url, TOKEN))
+        st = self.agg(fedmom_state.DarlLink(url, TOKEN))
         st.join("lumi", "lumi-inc")
         a = self.lease(url, coord, "lumi")
         self.assertTrue(self.send(st, "lumi", self.delta()[0], 100, leases=[a])["accepted"])
@@ -628,11 +628,11 @@ class FencingAndRepairTest(AggregatorFixture):
             with self.assertRaises(SystemExit) as cm:
                 self.agg(None, init=False)
             self.assertIn("restart with --darl URL", str(cm.exception))
-            st = self.agg(fedmom_darl.DarlLink(url, TOKEN), init=False)
+            st = self.agg(fedmom_state.DarlLink(url, TOKEN), init=False)
             self.assertEqual(len(st.pending_commits), owed)
             self.assertTrue(st.darl_tick())
         _, other = self.darl(blocks=50)                               # a DARL of another block space
-        st = self.agg(fedmom_darl.DarlLink(other, TOKEN), init=False)
+        st = self.agg(fedmom_state.DarlLink(other, TOKEN), init=False)
         self.assertFalse(st.darl_tick())
         self.assertIn("leases block space", st.status()["darl"]["fenced"])
         plain = fs.FedMomState(fs.ServerConfig(os.path.join(self.dir, "plain"), init=self.init).validate(),
@@ -642,7 +642,7 @@ class FencingAndRepairTest(AggregatorFixture):
 
     def test_lost_spool_entries_are_aborted_loudly_and_the_status_clis_exit_1(self):
         coord, url = self.darl()
-        st = self.agg(fedmom_darl.DarlLink(url, TOKEN))
+        st = self.agg(fedmom_state.DarlLink(url, TOKEN))
         for c in ("lumi", "snellius"):
             st.join(c, f"{c}-inc")
         a, b = self.lease(url, coord, "lumi"), self.lease(url, coord, "snellius")
@@ -656,7 +656,7 @@ class FencingAndRepairTest(AggregatorFixture):
         theirs = [f for f in os.listdir(spool) if "_snellius_" in f and f.endswith(".safetensors")][0]
         with open(os.path.join(spool, theirs), "r+b") as f:                           # cut short
             f.truncate(100)
-        st = self.agg(fedmom_darl.DarlLink(url, TOKEN), init=False)
+        st = self.agg(fedmom_state.DarlLink(url, TOKEN), init=False)
         self.assertEqual(st.pending, {})
         self.assertEqual([e["cluster"] for e in st.excluded], ["snellius"])
         self.assertTrue(st.darl_tick())
@@ -678,7 +678,7 @@ class FencingAndRepairTest(AggregatorFixture):
         """An abort owed for a delta whose custody DARL already committed: those blocks are
         committed but inside no merged delta; both sides count it and the status CLI exits 1."""
         coord, url = self.darl()
-        st = self.agg(fedmom_darl.DarlLink(url, TOKEN))
+        st = self.agg(fedmom_state.DarlLink(url, TOKEN))
         st.join("lumi", "lumi-inc")
         self.send(st, "lumi", self.delta()[0], 100, leases=[self.lease(url, coord, "lumi")])
         st.tick()
@@ -701,7 +701,7 @@ class FencingAndRepairTest(AggregatorFixture):
         merged round already holds, and takes their custody without objection (it has no
         record of them). The aggregator's own records count them, whatever DARL says."""
         coord, url = self.darl()
-        st = self.agg(fedmom_darl.DarlLink(url, TOKEN))
+        st = self.agg(fedmom_state.DarlLink(url, TOKEN))
         st.join("lumi", "lumi-inc")
         first = self.lease(url, coord, "lumi")
         self.send(st, "lumi", self.delta()[0], 100, leases=[first])
@@ -709,7 +709,7 @@ class FencingAndRepairTest(AggregatorFixture):
         self.assertTrue(st.darl_tick())
         self.assertEqual(st.violations["blocks_trained_twice"], 0)
         fresh, fresh_url = self.darl()                              # the same space, no memory of round 1
-        st = self.agg(fedmom_darl.DarlLink(fresh_url, TOKEN), init=False)
+        st = self.agg(fedmom_state.DarlLink(fresh_url, TOKEN), init=False)
         st.join("lumi", "lumi-inc")
         again = self.lease(fresh_url, fresh, "lumi")
         self.assertEqual((again["start"], again["end"]), (first["start"], first["end"]))
@@ -726,7 +726,7 @@ class FencingAndRepairTest(AggregatorFixture):
 
     def test_the_operator_returns_an_orphans_custody_and_the_orphan_is_fenced(self):
         coord, url = self.darl()
-        st = self.agg(fedmom_darl.DarlLink(url, TOKEN))
+        st = self.agg(fedmom_state.DarlLink(url, TOKEN))
         st.join("lumi", "lumi-inc")
         a = self.lease(url, coord, "lumi")
         self.send(st, "lumi", self.delta()[0], 100, leases=[a])
@@ -776,7 +776,7 @@ class BlobTransportTest(AggregatorFixture):
         store = blobstore.BlobStore(os.path.join(self.dir, "blobs"), 1 << 30, 1 << 28)
         blob_url = serve_in_thread(self, blobstore.make_routes(store), token=TOKEN)
         cfg = fs.ServerConfig(os.path.join(self.dir, "st"), init=self.init, blob_url=blob_url)
-        st = fs.FedMomState(cfg.validate(), clock=self.clock, darl=fedmom_darl.DarlLink(url, TOKEN))
+        st = fs.FedMomState(cfg.validate(), clock=self.clock, darl=fedmom_state.DarlLink(url, TOKEN))
         furl = serve_in_thread(self, fm.make_routes(st, blob_token=TOKEN), token=TOKEN)
         site = fedmom_client.FedMomClient(furl, "lumi", "lumi-inc", token=TOKEN, blob_url=blob_url)
         site.join()

@@ -19,17 +19,16 @@ import zlib
 
 import block_space
 import darl_client
-import darl_log
 import darl_server
 import darl_simulate
 import durable
 import httpc
 import httpd
 from block_space import BlockSpace
-from darl_log import LogError
+from darl_server import LogError
 from darl_server import Coordinator
 from darl_table import InvariantError, LeaseError, LeaseTable, TableConfig
-from harness import expect, listening_url
+from testbed.harness import expect, listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -394,7 +393,7 @@ class LeaseTableTest(unittest.TestCase):
         os.makedirs(os.path.join(d, "darl"))
         shutil.copy(os.path.join(os.path.dirname(__file__), "old-logs", "darl-before-fit-grants.wal.jsonl"),
                     os.path.join(d, "darl", "wal.jsonl"))
-        loaded = darl_log.load_state(d)
+        loaded = darl_server.load_state(d)
         self.assertFalse(loaded.table.config.fit_grants)
         self.assertEqual(loaded.table.config.max_attempts, 0)
         self.assertEqual(loaded.table.verify()["leased"], 10)
@@ -503,7 +502,7 @@ class DurabilityTest(unittest.TestCase):
         self.assertTrue(os.path.exists(snap), "20 changes over 4 lives, --snapshot-every 10: no snapshot")
         with open(snap) as f:
             snap_seq = json.load(f)["seq"]
-        log = darl_log.WriteAheadLog.read(os.path.join(self.dir, "darl", "wal.jsonl"))
+        log = darl_server.WriteAheadLog.read(os.path.join(self.dir, "darl", "wal.jsonl"))
         last = log.records[-1]["seq"] if log.records else log.header["seq"]
         self.assertLess(last - snap_seq, 10, "the log holds more than --snapshot-every changes")
 
@@ -543,7 +542,7 @@ class DurabilityTest(unittest.TestCase):
             self.assertIn(f"byte {at} (line 4): {what} in a complete line", str(cm.exception))
             self.assertIn(f"truncate -s {at} {wal}", str(cm.exception))
         with open(wal, "wb") as f:
-            f.write(b"\n".join(lines[:3] + [darl_log._line({"v": 3, "seq": 3})] + lines[4:]))
+            f.write(b"\n".join(lines[:3] + [darl_server._line({"v": 3, "seq": 3})] + lines[4:]))
         with self.assertRaisesRegex(LogError, "version 3"):
             self.coord()
         with open(wal, "wb") as f:                      # an intact line of an older darl_server
@@ -574,7 +573,7 @@ class DurabilityTest(unittest.TestCase):
             self.coord()
         header = json.loads(saved[wal].split(b"\n")[0].rsplit(b"\t", 1)[0])
         with open(wal, "wb") as f:                        # a log of another snapshot
-            f.write(darl_log._line({**header, "log": "0" * 16}) + saved[wal].split(b"\n", 1)[1])
+            f.write(darl_server._line({**header, "log": "0" * 16}) + saved[wal].split(b"\n", 1)[1])
         with self.assertRaisesRegex(LogError, "is not the one the snapshot .* names"):
             self.coord()
         lines = saved[wal].split(b"\n")
@@ -602,7 +601,7 @@ class DurabilityTest(unittest.TestCase):
             snap, header, cut = c._capture()                  # the table at change 2
         later = c.call("acquire", {"cluster": "a", "incarnation": "x", "blocks": 5})["lease"]
         c.call("commit", {"cluster": "a", "incarnation": "x", "lease": first["id"]})
-        snap["crc"] = darl_log._snapshot_crc(snap)
+        snap["crc"] = darl_server._snapshot_crc(snap)
         durable.write_json(os.path.join(self.dir, "darl", "snapshot.json"), snap, separators=(",", ":"))
         want = self.books(c)
         c.wal.close()                                         # killed before the log restarts
@@ -611,7 +610,7 @@ class DurabilityTest(unittest.TestCase):
         self.assertIn(later["id"], again.table.leases)
         self.assertEqual(again.table.committed.total, 5)
         wal = os.path.join(self.dir, "darl", "wal.jsonl")
-        log = darl_log.WriteAheadLog.read(wal)
+        log = darl_server.WriteAheadLog.read(wal)
         self.assertEqual((log.header["seq"], log.header["log"]), (snap["seq"], snap["log"]))
         self.assertEqual([r["seq"] for r in log.records][:2], [snap["seq"] + 1, snap["seq"] + 2])
         again.call("heartbeat", {"cluster": "a", "incarnation": "x"})
@@ -641,9 +640,9 @@ class DurabilityTest(unittest.TestCase):
 
     def test_a_failed_fsync_stops_the_process(self):
         """EIO from fsync leaves the change in memory and maybe not on disk: exit 75, unanswered."""
-        code = ("import os, sys, block_space, darl_log, darl_server\n"
+        code = ("import os, sys, block_space, darl_server, darl_server\n"
                 "def eio(fd): raise OSError(5, 'Input/output error')\n"
-                "darl_log._datasync = eio\n"
+                "darl_server._datasync = eio\n"
                 "s = block_space.BlockSpace(10, 1, 0)\n"
                 "c = darl_server.Coordinator(s, state_dir=sys.argv[1])\n"
                 "c.call('register', {'cluster': 'a', 'incarnation': 'x', 'digest': s.digest()})\n"
@@ -677,13 +676,13 @@ class DurabilityTest(unittest.TestCase):
 
     def test_every_line_is_versioned_checksummed_and_fsynced_before_the_reply(self):
         synced = []                  # the log's size at each flush to disk: what that flush made durable
-        real = darl_log._datasync
+        real = darl_server._datasync
 
         def spy(fd):
             real(fd)
             synced.append(os.fstat(fd).st_size)
-        darl_log._datasync = spy
-        self.addCleanup(setattr, darl_log, "_datasync", real)
+        darl_server._datasync = spy
+        self.addCleanup(setattr, darl_server, "_datasync", real)
         c = self.coord()
         wal = os.path.join(self.dir, "darl", "wal.jsonl")
         call, replies = c.call, []
@@ -805,7 +804,7 @@ class LoggedDecisionsTest(unittest.TestCase):
                 self.assertIn(f"byte {line_start}", str(cm.exception))
         with open(wal, "wb") as f:              # intact checksum, unreplayable record (a bug, not damage)
             lines = data.split(b"\n")
-            lines[2] = darl_log._line({"v": 2, "seq": 2, "t": 1000.0, "op": "acquire", "args": {"nope": 1},
+            lines[2] = darl_server._line({"v": 2, "seq": 2, "t": 1000.0, "op": "acquire", "args": {"nope": 1},
                                           "out": "00000000"}).rstrip(b"\n")
             f.write(b"\n".join(lines))
         with self.assertRaisesRegex(LogError, "cannot be replayed"):
@@ -822,7 +821,7 @@ class LoggedDecisionsTest(unittest.TestCase):
             lines = f.read().split(b"\n")
         rec = json.loads(lines[2].rsplit(b"\t", 1)[0])
         rec["out"] = "deadbeef"                 # a log written under other rules
-        lines[2] = darl_log._line(rec).rstrip(b"\n")
+        lines[2] = darl_server._line(rec).rstrip(b"\n")
         with open(wal, "wb") as f:
             f.write(b"\n".join(lines))
         with self.assertRaisesRegex(LogError, "replays to another outcome than the one it recorded"):

@@ -17,7 +17,7 @@ import numpy as np
 import audit
 import darl_client
 import demo
-import harness
+from testbed import harness
 import httpc
 import tensorio
 

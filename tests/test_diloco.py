@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import diloco
 from fixtures import spawn
-from outer_defaults import OUTER_LR, OUTER_MOMENTUM
+from outer_state import OUTER_LR, OUTER_MOMENTUM
 
 WORLD = 4
 H = 2                      # inner steps per outer step in the arithmetic check

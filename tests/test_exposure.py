@@ -26,7 +26,6 @@ import certs
 import durable
 import httpc
 import httpd
-import httpd_loop
 import tensorio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -214,7 +213,7 @@ class ProtocolEdgesTest(Served):
 
 
 class ConnectionCostTest(Served):
-    server_kw = {"limits": httpd_loop.Limits(workers=4, max_connections=1000, header_timeout_s=600)}
+    server_kw = {"limits": httpd.Limits(workers=4, max_connections=1000, header_timeout_s=600)}
 
     def test_idle_and_half_open_connections_take_no_thread(self):
         until(lambda: self.call("GET", "/health"), "the server answers")
@@ -231,7 +230,7 @@ class ConnectionCostTest(Served):
 
 
 class SlowClientTest(Served):
-    server_kw = {"limits": httpd_loop.Limits(workers=2, max_connections=100, header_timeout_s=0.3,
+    server_kw = {"limits": httpd.Limits(workers=2, max_connections=100, header_timeout_s=0.3,
                                         idle_timeout_s=0.3)}
 
     def closed_by_server(self, sock):
@@ -265,7 +264,7 @@ class SlowClientTest(Served):
 
 
 class ConnectionCapTest(Served):
-    server_kw = {"limits": httpd_loop.Limits(workers=2, max_connections=20, header_timeout_s=600)}
+    server_kw = {"limits": httpd.Limits(workers=2, max_connections=20, header_timeout_s=600)}
 
     def test_beyond_the_cap_the_longest_idle_connection_goes(self):
         socks = []
@@ -471,7 +470,6 @@ class DiskFullTest(unittest.TestCase):
                           token=TOKEN)
 
     def test_darl_refuses_a_change_while_its_disk_is_full(self):
-        import darl_log
         import darl_server
         coord, url, state = self.darl()
         self.cycle(url)
@@ -486,13 +484,12 @@ class DiskFullTest(unittest.TestCase):
         self.assertEqual(httpc.call(url, "GET", "/status", token=TOKEN)["committed"], 1, "reads still served")
         os.unlink(filler)
         self.cycle(url)
-        self.assertEqual(darl_log.load_state(state).table.to_dict(), coord.table.to_dict())
+        self.assertEqual(darl_server.load_state(state).table.to_dict(), coord.table.to_dict())
 
     def test_darl_log_append_and_snapshot_failing_mid_write(self):
         """No margin: the disk fills up inside the log's last page. Snapshots fail first (a new
         file): every change still answers 200. Then an append fails, maybe after part of its
         line went in: 507, the part cut away, the table rebuilt from the log."""
-        import darl_log
         import darl_server
         coord, url, state = self.darl(snapshot_every=3, disk_margin=0)
         filler, ok, snapshot_errors = fill(self.disk, 0), 0, set()
@@ -511,8 +508,8 @@ class DiskFullTest(unittest.TestCase):
         said = darl_server.format_status({**coord.status(), "snapshot_error": next(e for e in snapshot_errors if e)})
         self.assertIn("!!! SNAPSHOT FAILED: ", said)            # darl_server.py status says it
         wal = os.path.join(state, "darl", "wal.jsonl")
-        self.assertEqual(darl_log.WriteAheadLog.read(wal).torn_bytes, 0, "a torn line was left in the log")
-        on_disk = darl_log.load_state(state)
+        self.assertEqual(darl_server.WriteAheadLog.read(wal).torn_bytes, 0, "a torn line was left in the log")
+        on_disk = darl_server.load_state(state)
         self.assertEqual((on_disk.seq, on_disk.table.to_dict()), (coord.seq, coord.table.to_dict()),
                          "memory ran ahead of the log")
         self.assertGreaterEqual(on_disk.table.status(coord.clock())["committed"], ok,
@@ -522,7 +519,7 @@ class DiskFullTest(unittest.TestCase):
             self.cycle(url)
         self.assertIsNone(coord.status()["snapshot_error"])
         self.assertTrue(os.path.exists(os.path.join(state, "darl", "snapshot.json")))
-        again = darl_log.load_state(state)               # what a restart rebuilds
+        again = darl_server.load_state(state)               # what a restart rebuilds
         self.assertEqual(again.table.to_dict(), coord.table.to_dict())
 
 # ---------------------------------------------------------------- long transfers

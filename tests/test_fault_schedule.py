@@ -30,12 +30,12 @@ import unittest
 import numpy as np
 
 import durable
-import fault_harness as fsch
-import fault_oracle
-import fedmom_checkpoint
+from testbed import fault_harness as fsch
+from testbed import fault_oracle
+import outer_state
 import tensorio
 import wire
-from fault_harness import Fault, Schedule
+from testbed.fault_harness import Fault, Schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -188,7 +188,7 @@ class OracleTest(unittest.TestCase):
         with open(os.path.join(fed, "state.json")) as f:
             st = json.load(f)
         self.assertEqual(st["log"], [])
-        for fn in fedmom_checkpoint.checkpoint_files(fed, st["checkpoint"]):
+        for fn in outer_state.checkpoint_files(fed, st["checkpoint"]):
             path = os.path.join(fed, fn)
             with tensorio.TensorReader(path) as r:
                 if r.metadata["tensor"] != tensor:

@@ -68,7 +68,7 @@ import dist_env
 import durable
 import fedphase
 import fedsite
-import harness
+from testbed import harness
 import httpc
 import testhooks
 import tokenize_corpus as tc
@@ -846,9 +846,9 @@ class FederationRunTest(ScenarioCase):
             self.assertTrue(all(r["down_bytes"] / n > 3.9 for r in fed if r["theta_via"] == "full"))
         # the end: each site's last theta (fetched after DARL ran out, by update or whole) is
         # the aggregator's final theta_global, bit for bit
-        import fedmom_checkpoint
+        import outer_state
         import tensorio
-        outer = fedmom_checkpoint.load_outer(os.path.join(self.tmp.name, "central", "fedmom"))   # the server stopped
+        outer = outer_state.load_outer(os.path.join(self.tmp.name, "central", "fedmom"))   # the server stopped
         want = {k: a.view(np.uint32).copy() for k, a in outer.theta.items()}
         for name in ("alpha", "beta"):
             with tensorio.TensorReader(os.path.join(self.tmp.name, "runs", name, "federation",

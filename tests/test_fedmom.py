@@ -20,13 +20,10 @@ import blobstore
 import block_space
 import darl_server
 import durable
-import fedmom_blobs
-import fedmom_checkpoint
+import fedmom_state
+import outer_state
 import fedmom_client
-import fedmom_darl
 import fedmom_merge
-import fedmom_outer
-import fedmom_records
 import fedmom_round
 import fedmom_server as fm
 import fedmom_state as fs
@@ -35,7 +32,7 @@ import httpd
 import tensorio
 import wire
 from fixtures import SHAPES, FedMomFixture, read_all, write_tensors
-from harness import listening_url
+from testbed.harness import listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -222,7 +219,7 @@ class ProtocolTest(FedMomFixture):
         self.assertEqual(sorted(rec["clusters"]), ["good"])
         self.assertEqual([(e["cluster"], "layer.w" in e["why"]) for e in rec["excluded"]], [("bad", True)])
         self.assertLess(rel_err(self.theta(st), {k: self.theta0[k] + g[k] for k in SHAPES}), 1e-6)
-        self.assertIn("excluded bad", fedmom_records.format_record(rec))
+        self.assertIn("excluded bad", fedmom_round.format_record(rec))
         # each delta's fate, with the leases it carried: in the record, on disk, and told to each site
         fates = {o["cluster"]: (o["outcome"], o["merged_into"], o["base_round"], o["leases"]) for o in rec["outcomes"]}
         self.assertEqual(fates, {"good": ("merged", 1, 0, [{"id": 7, "end": 20}]),
@@ -352,7 +349,7 @@ class ProtocolTest(FedMomFixture):
         self.assertEqual(len([f for f in os.listdir(st2.spool.dir) if f.endswith(".safetensors")]), 4)
         self.assertEqual(st2.checkpoint(force=True), 2)       # its segments rewritten: the log and its deltas go
         self.assertEqual(sorted(os.listdir(st2.dir)), ["ckpt-0", "rounds.jsonl", "spool", "state.json"])
-        for fn in fedmom_checkpoint.checkpoint_files(st2.dir, st2.ckpt):
+        for fn in outer_state.checkpoint_files(st2.dir, st2.ckpt):
             with tensorio.TensorReader(os.path.join(st2.dir, fn)) as r:
                 self.assertEqual((r.metadata["round"], r.names), ("2", ["theta", "momentum"]), fn)
         self.assertEqual(os.listdir(st2.spool.dir), [])
@@ -446,7 +443,7 @@ class LiveServerTest(FedMomFixture):
         blob_url = self.serve(blobstore.make_routes(store))
         cfg = fs.ServerConfig(os.path.join(self.dir, "st"), self.init, 0.7, 0.9, 600, 600, blob_url, darl_url,
                               darl_retry_s=0.1)
-        st = fs.FedMomState(cfg.validate(), darl=fedmom_darl.DarlLink(darl_url, self.TOKEN))
+        st = fs.FedMomState(cfg.validate(), darl=fedmom_state.DarlLink(darl_url, self.TOKEN))
         url = self.serve(fm.make_routes(st, blob_token=self.TOKEN), public=("/health", "/"))
         stop = threading.Event()
         for fn in (fm.round_loop, fm.darl_loop):
@@ -681,7 +678,7 @@ class CrashTest(FedMomFixture):
     def start(self, state_dir, *extra, pause="0"):
         proc = subprocess.Popen([sys.executable, "fedmom_server.py", "--state-dir", state_dir, "--port", "0",
                                  *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, fedmom_outer.MERGE_PAUSE_ENV: pause})
+                                env={**os.environ, outer_state.MERGE_PAUSE_ENV: pause})
         self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
         self.url = listening_url(proc, timeout=120)[0]
         return proc, self.url
@@ -711,7 +708,7 @@ class CrashTest(FedMomFixture):
         proc.wait(timeout=30)
         with open(os.path.join(sd, "state.json")) as f:        # the old round, intact
             self.assertEqual(json.load(f)["round"], 0)
-        outer = fedmom_checkpoint.load_outer(sd)              # round 0's theta, as it was
+        outer = outer_state.load_outer(sd)              # round 0's theta, as it was
         self.assertEqual(rel_err({n: a.reshape(outer.shapes[n]) for n, a in outer.theta.items()}, self.theta0), 0)
         proc, url = self.start(sd)                             # restart: the spooled deltas merge now
         client = fedmom_client.FedMomClient(url, "a", "a-inc")
@@ -851,7 +848,6 @@ class DownstreamTest(FedMomFixture):
         self.assertEqual(fedmom_client.FedMomClient(url, "a", "a-inc").wait_round_after(rnd, timeout_s=120), rnd + 1)
 
     def test_a_site_holding_round_r_gets_r_plus_1_as_an_update_bit_for_bit(self):
-        import wire
         self.said = []
         sd = os.path.join(self.dir, "st")
         blob_url = self.start_blobstore()
@@ -880,7 +876,7 @@ class DownstreamTest(FedMomFixture):
             self.assertEqual(b.down["bytes"], a.down["bytes"])
         blobs = {x["id"]: x["size"] for x in httpc.call(blob_url, "GET", "/blobs")["blobs"]}
         agg = httpc.call(url, "GET", "/status")["aggregator"]
-        self.assertEqual([blobs.get(fedmom_blobs.blob_name(agg, "update", r)) for r in (1, 2, 3)], sizes)  # b's came this way
+        self.assertEqual([blobs.get(fedmom_state.blob_name(agg, "update", r)) for r in (1, 2, 3)], sizes)  # b's came this way
         n = sum(int(np.prod(s)) for s in SHAPES.values())
         self.assertTrue(all(b / n < 0.6 for b in sizes), f"int4 update bytes/param {[b / n for b in sizes]}")
         self.assertGreater(full / n, 3.99)
@@ -936,7 +932,6 @@ class DownstreamTest(FedMomFixture):
         # two sites send int2 deltas (train.py --wire int2) to a server with --down-wire int2:
         # the server merges their decoded values, and a site holding round r adds the int2
         # update of r+1 to the server's theta bit for bit, at ~0.27 B/param each way
-        import wire
         self.said = []
         sd = os.path.join(self.dir, "st")
         proc, url = self.start(sd, "--init", self.init, "--down-wire", "int2", "--outer-lr", "1", "--outer-momentum", "0")
@@ -1138,7 +1133,7 @@ class ImportTest(unittest.TestCase):
         """The central VM's modules (and fedsite.py, the site's torch-free half) import without torch."""
         code = ("import sys; sys.modules['torch'] = None\n"
                 "import fedmom_server, fedmom_state, fedmom_client, tensorio\n"
-                "import darl_server, darl_custody, darl_table, block_space, darl_log, audit, blobstore, blob_client, durable, httpd, httpd_loop, httpc, testhooks, wire, wire_kernels, fedsite\n"  # the rest of the VM; fedsite
+                "import darl_server, darl_table, darl_table, block_space, darl_server, audit, blobstore, blob_client, durable, httpd, httpd, httpc, testhooks, wire, wire, fedsite\n"  # the rest of the VM; fedsite
                 "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
                 "print('ok', fedmom_server.DEFAULT_PORT)")
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import unittest
 
-import fedmom_records
 import fedmom_round
 from fedmom_round import OK, REFUSED, Answer, Custody, IllegalMove, Phase, Refused, RoundTable
 
@@ -19,7 +18,7 @@ T0, WALL0 = 1000.0, 1.7e9
 
 
 def stats(batch, update=None):
-    """What a merge of `batch` reports (fedmom_outer.OuterKeeper.merge), with made-up numbers."""
+    """What a merge of `batch` reports (outer_state.OuterKeeper.merge), with made-up numbers."""
     n = len(batch)
     return {"weights": [1 / n] * n, "scales": [1.0] * n, "delta_norms": [0.5] * n, "theta_norm": 10.0,
             "merge_s": 0.25, "clip": {"factor": 10.0, "limit": None, "clipped": []}, "momentum_reset": None,
@@ -562,9 +561,9 @@ class ReplayTest(unittest.TestCase):
 class PurityTest(unittest.TestCase):
     def test_the_core_imports_no_io(self):
         """No files, sockets, threads or numpy come with the core (a subprocess: a clean import)."""
-        code = ("import sys; import fedmom_round, fedmom_records\n"
+        code = ("import sys; import fedmom_round, fedmom_round\n"
                 "print(sorted(m for m in ('threading', 'socket', 'numpy', 'httpd', 'durable', 'tensorio', 'torch',"
-                " 'fedmom_store', 'http.client') if m in sys.modules))")
+                " 'fedmom_state', 'http.client') if m in sys.modules))")
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
         self.assertEqual((out.returncode, out.stdout.strip()), (0, "[]"), out.stderr)
 
@@ -572,7 +571,7 @@ class PurityTest(unittest.TestCase):
         x = Table(custody=False)
         x.send("lumi")
         x.send("snellius")
-        line = fedmom_records.format_record(x.merge())
+        line = fedmom_round.format_record(x.merge())
         self.assertTrue(line.startswith("fedmom: merge round 1:"))
         self.assertNotIn("\n", line)
 

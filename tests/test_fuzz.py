@@ -16,7 +16,6 @@ import numpy as np
 
 import certs
 import httpd
-import httpd_loop
 import tensorio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,7 +112,7 @@ class FuzzerSeesFailuresTest(unittest.TestCase):
             return {}
         routes = {("GET", "/health"): lambda r: {"ok": True, "digest": "d"}, ("GET", "/status"): broken,
                   ("POST", "/register"): stuck}
-        server = httpd.make_server(routes, token=TOKEN, limits=httpd_loop.Limits(workers=32, header_timeout_s=0.5))
+        server = httpd.make_server(routes, token=TOKEN, limits=httpd.Limits(workers=32, header_timeout_s=0.5))
         threading.Thread(target=server.serve_forever, daemon=True).start()
         self.addCleanup(server.server_close)
         ctx = http_fuzz.Ctx("darl", "127.0.0.1", server.server_address[1], TOKEN, digest="d")

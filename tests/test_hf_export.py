@@ -20,7 +20,7 @@ import torch
 from torchtitan.models.qwen3 import Qwen3Model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import fedmom_outer
+import outer_state
 import hf_export
 import models
 import tensorio
@@ -59,7 +59,7 @@ def _save_theta(model, d):
     tensorio.save_torch(((n, p.detach().float()) for n, p in named), init,
                         metadata={"model": "qwen3-tiny", "seed": "0"},
                         specs=[(n, "F32", tuple(p.shape)) for n, p in named])
-    fedmom_outer.init_theta(init, theta, fsync=False)
+    outer_state.init_theta(init, theta, fsync=False)
     return theta
 
 

@@ -13,7 +13,7 @@ import unittest
 
 import httpc
 import httpd
-from harness import listening_url
+from testbed.harness import listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

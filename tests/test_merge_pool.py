@@ -1,4 +1,4 @@
-"""merge_pool.py: a round on worker processes over shared memory gives the bits of one thread
+"""fedmom_merge.py: a round on worker processes over shared memory gives the bits of one thread
 (every codec, mixed delta formats, momentum 0 and 0.9, a replay of segments of two rounds);
 a worker killed mid-round fails the round loudly and the next one runs on new workers; the
 shared blocks are removed when let go, at exit, and after a SIGKILL by the next start."""
@@ -12,17 +12,16 @@ import unittest
 
 import numpy as np
 
-import fedmom_checkpoint
+import outer_state
 import fedmom_client
 import fedmom_state as fs
 import httpc
 import fixtures
-import merge_pool
-import outer_state
+import fedmom_merge
 import tensorio
 import testhooks
 import wire
-from harness import listening_url, wait_for
+from testbed.harness import listening_url, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # odd last dimensions, a ragged int4 row, a 1-D tensor, a scalar-like one, several pieces each
@@ -38,7 +37,7 @@ class Case(unittest.TestCase):
         self.theta = {n: self.rng.standard_normal(int(np.prod(s))).astype(np.float32) for n, s in SHAPES.items()}
 
     def pool(self, procs):
-        pool = merge_pool.Pool(procs, outer_state.worker_argv())
+        pool = fedmom_merge.Pool(procs, outer_state.worker_argv())
         self.addCleanup(pool.close)
         return pool
 
@@ -81,10 +80,10 @@ class BitsTest(Case):
                             self.assertEqual(f1.read(), f2.read(), f"{what}, round {rnd}: the update file")
                     self.assertAlmostEqual(got1["theta_norm"], got2["theta_norm"], delta=1e-9 * got1["theta_norm"])
                 if codec is None or codec.fmt in wire.LEVELS:
-                    self.assertIsInstance(many.theta, merge_pool.BlockArrays, what)
+                    self.assertIsInstance(many.theta, fedmom_merge.BlockArrays, what)
 
     def test_a_replay_of_segments_of_two_rounds_on_workers_is_the_same(self):
-        """A checkpoint cut after two of its segments (fedmom_checkpoint.rebuild's `only`
+        """A checkpoint cut after two of its segments (outer_state.rebuild's `only`
         rounds) replayed with and without the workers: the same bits."""
         codec = wire.Codec("int4")
         state, ckpt, log = fixtures.checkpoint_and_log(self, SHAPES, self.theta, self.step, codec)
@@ -98,9 +97,9 @@ class BitsTest(Case):
             if n[0] == 2:
                 raise Cut
         with self.assertRaises(Cut):
-            fedmom_checkpoint.write_checkpoint(state, self.dir, ckpt, fsync=False, after_file=after)
-        plain = fedmom_checkpoint.rebuild(self.dir, ckpt, log, threads=1)
-        pooled = fedmom_checkpoint.rebuild(self.dir, ckpt, log, threads=1, pool=self.pool(2))
+            outer_state.write_checkpoint(state, self.dir, ckpt, fsync=False, after_file=after)
+        plain = outer_state.rebuild(self.dir, ckpt, log, threads=1)
+        pooled = outer_state.rebuild(self.dir, ckpt, log, threads=1, pool=self.pool(2))
         self.assert_same(plain, pooled, "the replay")
         self.assert_same(state, pooled, "the replay against the round as it ran")
 
@@ -125,7 +124,7 @@ class FailureTest(Case):
         def go():
             try:
                 outer_state.apply_round(state, self.step(1, codec), fsync=False, threads=1, pool=pool)
-            except merge_pool.WorkerDied as e:
+            except fedmom_merge.WorkerDied as e:
                 failed.append(e)
         t = threading.Thread(target=go)
         t.start()
@@ -145,28 +144,28 @@ class FailureTest(Case):
 
 class BlocksTest(Case):
     def names(self):
-        return sorted(f for f in os.listdir(merge_pool.shm_dir()) if f.startswith(f"{merge_pool.PREFIX}{os.getpid()}-"))
+        return sorted(f for f in os.listdir(fedmom_merge.shm_dir()) if f.startswith(f"{fedmom_merge.PREFIX}{os.getpid()}-"))
 
     def test_blocks_go_when_let_go_and_a_dead_process_blocks_at_the_next_sweep(self):
         before = self.names()
-        arrays = merge_pool.share({n: a.copy() for n, a in self.theta.items()}, SHAPES)
+        arrays = fedmom_merge.share({n: a.copy() for n, a in self.theta.items()}, SHAPES)
         self.assertEqual(len(self.names()), len(before) + 1)
         self.assertTrue(np.array_equal(arrays["embed"], self.theta["embed"]))
         del arrays
         self.assertEqual(self.names(), before)
         # a process that made a block and was SIGKILLed leaves it; a sweep removes it
-        code = ("import merge_pool, os, sys, time\n"
-                "b = merge_pool.Block(4096)\nprint(b.name, flush=True)\ntime.sleep(600)\n")
+        code = ("import fedmom_merge, os, sys, time\n"
+                "b = fedmom_merge.Block(4096)\nprint(b.name, flush=True)\ntime.sleep(600)\n")
         proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
         self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
         name = proc.stdout.readline().strip()
         proc.stdout.close()
-        self.assertTrue(os.path.exists(os.path.join(merge_pool.shm_dir(), name)))
+        self.assertTrue(os.path.exists(os.path.join(fedmom_merge.shm_dir(), name)))
         proc.kill()
         proc.wait(30)
-        self.assertTrue(os.path.exists(os.path.join(merge_pool.shm_dir(), name)), "SIGKILL leaves it")
-        self.assertGreaterEqual(merge_pool.sweep_stale(), 1)
-        self.assertFalse(os.path.exists(os.path.join(merge_pool.shm_dir(), name)))
+        self.assertTrue(os.path.exists(os.path.join(fedmom_merge.shm_dir(), name)), "SIGKILL leaves it")
+        self.assertGreaterEqual(fedmom_merge.sweep_stale(), 1)
+        self.assertFalse(os.path.exists(os.path.join(fedmom_merge.shm_dir(), name)))
 
     def in_pid_namespace(self, code, **kw):
         """`code` run by a python that is pid 1 of a new pid namespace (a container's aggregator:
@@ -177,8 +176,8 @@ class BlocksTest(Case):
     def own_shm_dir(self):
         shm = os.path.join(self.dir, "shm")
         os.makedirs(shm)
-        os.environ[merge_pool.SHM_ENV] = shm              # here and in every process started
-        self.addCleanup(os.environ.pop, merge_pool.SHM_ENV)
+        os.environ[fedmom_merge.SHM_ENV] = shm              # here and in every process started
+        self.addCleanup(os.environ.pop, fedmom_merge.SHM_ENV)
         probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True)
         if probe.returncode != 0:
             self.skipTest(f"cannot make a pid namespace ({probe.stderr.strip() or probe.returncode}); run as root")
@@ -189,14 +188,14 @@ class BlocksTest(Case):
         # in a container with its own pid namespace on the same shared memory (apptainer, or
         # docker with --ipc=host) and sweeps: the live block's pid is not in its /proc.
         shm = self.own_shm_dir()
-        live = merge_pool.Block(4096)
+        live = fedmom_merge.Block(4096)
         self.addCleanup(live.release)
-        proc = self.in_pid_namespace("import merge_pool\nprint(merge_pool.sweep_stale())\n")
+        proc = self.in_pid_namespace("import fedmom_merge\nprint(fedmom_merge.sweep_stale())\n")
         out, err = proc.communicate(timeout=HANG_S)
         self.assertEqual(proc.returncode, 0, err)
         self.assertTrue(os.path.exists(os.path.join(shm, live.name)),
                         f"a sweep in another pid namespace removed the live block {live.name}")
-        merge_pool.sweep_stale()                         # and one here, by its maker
+        fedmom_merge.sweep_stale()                         # and one here, by its maker
         self.assertTrue(os.path.exists(os.path.join(shm, live.name)), "a sweep removed its own process's block")
 
     def test_a_block_left_by_a_killed_process_whose_pid_comes_back_is_swept(self):
@@ -204,7 +203,7 @@ class BlocksTest(Case):
         # its restart is pid 1 again: its sweep skips the block (its own pid), which is never
         # removed, and its first block takes the same name (O_EXCL: FileExistsError).
         shm = self.own_shm_dir()
-        first = self.in_pid_namespace("import merge_pool, os, time\nb = merge_pool.Block(4096)\n"
+        first = self.in_pid_namespace("import fedmom_merge, os, time\nb = fedmom_merge.Block(4096)\n"
                                       "print(os.getpid(), b.name, flush=True)\ntime.sleep(600)\n")
         self.addCleanup(lambda: first.poll() is None and (first.kill(), first.wait(30)))
         pid, name = first.stdout.readline().split()
@@ -215,7 +214,7 @@ class BlocksTest(Case):
         first.stdout.close()
         first.stderr.close()
         self.assertTrue(os.path.exists(os.path.join(shm, name)), "SIGKILL leaves it")
-        again = self.in_pid_namespace("import merge_pool, os\nmerge_pool.sweep_stale()\nb = merge_pool.Block(4096)\n"
+        again = self.in_pid_namespace("import fedmom_merge, os\nfedmom_merge.sweep_stale()\nb = fedmom_merge.Block(4096)\n"
                                       "print(os.getpid(), b.name, flush=True)\n")
         out, err = again.communicate(timeout=HANG_S)
         self.assertEqual(again.returncode, 0, f"the restart could not make its block: {err[-2000:]}")
@@ -224,7 +223,7 @@ class BlocksTest(Case):
 
     def test_too_little_shared_memory_is_refused_with_the_fix(self):
         with self.assertRaises(MemoryError) as cm:
-            merge_pool.Block(1 << 60)
+            fedmom_merge.Block(1 << 60)
         self.assertIn("lower --memory-gb", str(cm.exception))
 
 
@@ -274,7 +273,7 @@ class ServerCase(Case):
         return shm
 
     def start(self, sd, shm, faults, init=True, *flags):
-        env = {**os.environ, testhooks.FAULT_DIR_ENV: faults, merge_pool.SHM_ENV: shm, merge_pool.MIN_ENV: "0"}
+        env = {**os.environ, testhooks.FAULT_DIR_ENV: faults, fedmom_merge.SHM_ENV: shm, fedmom_merge.MIN_ENV: "0"}
         cmd = [sys.executable, "fedmom_server.py", "--state-dir", sd, "--port", "0", "--down-wire", "int4",
                "--checkpoint-rounds", "10", "--threads", "1", "--merge-procs", "2", *flags]
         if init:
@@ -435,8 +434,8 @@ class HungWorkerTest(ServerCase):
         shm = self.mount_shm()
         sd, faults = os.path.join(self.dir, "st"), os.path.join(self.dir, "faults")
         os.makedirs(faults)
-        os.environ[merge_pool.TIMEOUT_ENV] = "20"       # the server's (a task here takes milliseconds)
-        self.addCleanup(os.environ.pop, merge_pool.TIMEOUT_ENV)
+        os.environ[fedmom_merge.TIMEOUT_ENV] = "20"       # the server's (a task here takes milliseconds)
+        self.addCleanup(os.environ.pop, fedmom_merge.TIMEOUT_ENV)
         proc, url = self.start(sd, shm, faults)
         self.send_round(url, 0)
         self.wait_round(url, 1)

@@ -1,4 +1,4 @@
-"""outer_budget.py and the outer state on disk: a round whose state lives in file blocks (all
+"""outer_state.py and the outer state on disk: a round whose state lives in file blocks (all
 of it, or the tensors --memory-gb leaves out of memory) gives the bits of a round in memory,
 on worker processes and in one, in waves too; a replay into file blocks is exact; a merge
 worker reads only its own part of a delta; a restart loads the checkpoint straight into its
@@ -18,18 +18,15 @@ import unittest
 
 import numpy as np
 
-import fedmom_checkpoint
+import outer_state
 import fedmom_client
 import fedmom_merge
 import fedmom_state as fs
 import httpc
 import fixtures
-import merge_pool
-import outer_budget
-import outer_state
 import tensorio
 import wire
-from harness import listening_url, wait_for
+from testbed.harness import listening_url, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # odd last dimensions, a ragged int4 row, a 1-D tensor, a scalar-like one, several pieces each
@@ -64,12 +61,12 @@ class Case(unittest.TestCase):
     def store(self, disk, shared=False):
         """A store with the tensors `disk` names on disk ({kind: set}; every kind: "all")."""
         placement = {k: (set(SHAPES) if disk == "all" else disk.get(k, set())) for k in KINDS}
-        st = outer_budget.Store(SHAPES, placement, os.path.join(self.dir, "outer"), shared)
+        st = outer_state.Store(SHAPES, placement, os.path.join(self.dir, "outer"), shared)
         self.addCleanup(st.release)
         return st
 
     def pool(self, procs):
-        pool = merge_pool.Pool(procs, outer_state.worker_argv())
+        pool = fedmom_merge.Pool(procs, outer_state.worker_argv())
         self.addCleanup(pool.close)
         return pool
 
@@ -77,7 +74,7 @@ class Case(unittest.TestCase):
         """theta of round 0 in the store's blocks (as a start reads --init into them)."""
         theta = outer_state.alloc(SHAPES, store, "theta", False)
         for n, a in self.theta.items():
-            if isinstance(theta[n], merge_pool.FileTensor):
+            if isinstance(theta[n], fedmom_merge.FileTensor):
                 theta[n].write(0, a.size, a)
             else:
                 np.copyto(theta[n], a)
@@ -107,7 +104,7 @@ class BitsTest(Case):
                     if codec:
                         with open(u1, "rb") as f1, open(u2, "rb") as f2:
                             self.assertEqual(f1.read(), f2.read(), f"{what}, round {rnd}: the update file")
-                self.assertIsInstance(placed.theta["embed"], merge_pool.FileTensor, what)
+                self.assertIsInstance(placed.theta["embed"], fedmom_merge.FileTensor, what)
 
     def test_a_round_whose_deltas_do_not_fit_runs_in_waves_with_the_same_bits(self):
         # delta_bytes holds the parts of two pieces of the deltas at most: every tensor runs in
@@ -141,12 +138,12 @@ class BitsTest(Case):
             if n[0] == 2:
                 raise Cut
         with self.assertRaises(Cut):
-            fedmom_checkpoint.write_checkpoint(state, self.dir, ckpt, fsync=False, after_file=after)
-        plain = fedmom_checkpoint.rebuild(self.dir, ckpt, log, threads=1)
+            outer_state.write_checkpoint(state, self.dir, ckpt, fsync=False, after_file=after)
+        plain = outer_state.rebuild(self.dir, ckpt, log, threads=1)
         self.assert_same(state, plain, "the replay in memory")
-        on_disk = fedmom_checkpoint.rebuild(self.dir, ckpt, log, threads=1, store=self.store("all"))
+        on_disk = outer_state.rebuild(self.dir, ckpt, log, threads=1, store=self.store("all"))
         self.assert_same(plain, on_disk, "the replay into file blocks")
-        pooled = fedmom_checkpoint.rebuild(self.dir, ckpt, log, threads=1, pool=self.pool(2),
+        pooled = outer_state.rebuild(self.dir, ckpt, log, threads=1, pool=self.pool(2),
                                            store=self.store(self.MIXED, shared=True))
         self.assert_same(plain, pooled, "the replay into file blocks and shared memory, on workers")
 
@@ -170,7 +167,7 @@ class PartsTest(Case):
         blocks = {}
         self.addCleanup(blocks.clear)
         for d in (state.theta, state.momentum):
-            blocks[d.block.name] = merge_pool.Block(name=d.block.name)
+            blocks[d.block.name] = fedmom_merge.Block(name=d.block.name)
         task = outer_state.Task([p for p, _ in step.deltas], [w for _, w in step.deltas], 0.7, 0.9, None, "big", sh,
                                 where(state.theta), where(state.momentum), None, None, None, None, pieces[cut:2 * cut])
         session.run(task, blocks)
@@ -188,19 +185,19 @@ class FileBlockTest(Case):
         # removes the dead process's and leaves the live one's.
         outer = os.path.join(self.dir, "outer")
         os.makedirs(outer)
-        code = (f"import merge_pool, time\nb = merge_pool.FileBlock(1 << 20, dir={outer!r})\n"
+        code = (f"import fedmom_merge, time\nb = fedmom_merge.FileBlock(1 << 20, dir={outer!r})\n"
                 "print(b.path, flush=True)\ntime.sleep(600)\n")
         proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
         self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait(30)))
         dead = proc.stdout.readline().strip()
         proc.stdout.close()
         self.assertGreaterEqual(os.stat(dead).st_blocks * 512, 1 << 20, "its blocks are taken when it is made")
-        live = merge_pool.FileBlock(4096, dir=outer)
+        live = fedmom_merge.FileBlock(4096, dir=outer)
         self.addCleanup(live.release)
         proc.kill()
         proc.wait(30)
         self.assertTrue(os.path.exists(dead), "SIGKILL leaves it")
-        self.assertEqual(merge_pool.sweep_stale(outer), 1)
+        self.assertEqual(fedmom_merge.sweep_stale(outer), 1)
         self.assertFalse(os.path.exists(dead))
         self.assertTrue(os.path.exists(live.path))
 
@@ -220,8 +217,8 @@ class RestartMemoryTest(unittest.TestCase):
         with tensorio.TensorWriter(init, [(n, "F32", s) for n, s in shapes.items()], fsync=False) as w:
             for n, s in shapes.items():
                 w.write(n, rng.standard_normal(s).astype(np.float32))
-        os.environ[merge_pool.MIN_ENV] = "0"
-        self.addCleanup(os.environ.pop, merge_pool.MIN_ENV)
+        os.environ[fedmom_merge.MIN_ENV] = "0"
+        self.addCleanup(os.environ.pop, fedmom_merge.MIN_ENV)
         cfg = lambda: fs.ServerConfig(os.path.join(d, "st"), init=init, down_wire="int4", checkpoint_rounds=2,
                                       fsync=False, merge_procs=2, memory_gb=1.0).validate()
         st = fs.FedMomState(cfg(), clock=lambda: 1000.0)
@@ -249,7 +246,7 @@ class RestartMemoryTest(unittest.TestCase):
             tracemalloc.stop()
         self.addCleanup(again.keeper.close)
         self.assertEqual(again.outer.digest, digest)
-        self.assertIsInstance(again.outer.theta, merge_pool.BlockArrays)
+        self.assertIsInstance(again.outer.theta, fedmom_merge.BlockArrays)
         self.assertLess(peak, model // 2, f"the restart allocated {peak / 1e6:.1f} MB of private memory; the "
                                           f"model is {model / 1e6:.1f} MB (its state {3 * model / 1e6:.1f} MB)")
 
@@ -270,7 +267,7 @@ class ServerCase(Case):
 
     def fixed(self):
         """The bytes such a server holds with none of its outer state in memory."""
-        return outer_budget.Budget(0, SHAPES, KINDS, INT4, 2).minimum()
+        return outer_state.Budget(0, SHAPES, KINDS, INT4, 2).minimum()
 
     def init(self):
         path = os.path.join(self.dir, "init.safetensors")
@@ -285,7 +282,7 @@ class ServerCase(Case):
                 "--threads", "1", "--merge-procs", "2", "--init", self.init(), *flags]
 
     def env(self, **kw):
-        return {**os.environ, merge_pool.MIN_ENV: "0", **kw}
+        return {**os.environ, fedmom_merge.MIN_ENV: "0", **kw}
 
     def start(self, sd, *flags, env=None):
         proc = subprocess.Popen(self.command(sd, *flags), cwd=ROOT, stdout=subprocess.PIPE,
@@ -356,7 +353,7 @@ class TwoBudgetsTest(ServerCase):
         self.assertIn("0.0 MB on disk", runs["memory"][2])
         self.assertRegex(runs["disk"][2], r"outer state 5.2 MB, 1.0 MB in memory, 4.[0-9] MB on disk "
                                           r".*theta 4/5, momentum 2/5")
-        left = [f for f in os.listdir(os.path.join(runs["disk"][0], "outer")) if f.startswith(merge_pool.PREFIX)]
+        left = [f for f in os.listdir(os.path.join(runs["disk"][0], "outer")) if f.startswith(fedmom_merge.PREFIX)]
         self.assertEqual(left, [], "the file blocks are removed when the server stops")
         self.assertEqual(runs["memory"][1], runs["disk"][1], "a round's theta differs between the budgets")
         want = self.export(runs["memory"][0])
@@ -377,7 +374,7 @@ class StartCheckTest(ServerCase):
     def test_a_budget_that_shared_memory_cannot_hold_is_refused_naming_the_flag(self):
         shm = tmpfs(self, os.path.join(self.dir, "shm"), "4m")
         line = self.refused(os.path.join(self.dir, "st"), "--memory-gb", "1",
-                            env=self.env(**{merge_pool.SHM_ENV: shm}))
+                            env=self.env(**{fedmom_merge.SHM_ENV: shm}))
         self.assertIn("--memory-gb 1 puts", line)
         self.assertIn("lower --memory-gb to", line)
         self.assertIn("mount -o remount,size=", line)
@@ -395,7 +392,7 @@ class StartCheckTest(ServerCase):
         # and the replay in one thread gives its digest. (Before, such a start was refused.)
         shm = tmpfs(self, os.path.join(self.dir, "shm"), "4m")
         sd = os.path.join(self.dir, "st")
-        proc, url, out = self.start(sd, env=self.env(**{merge_pool.SHM_ENV: shm}))
+        proc, url, out = self.start(sd, env=self.env(**{fedmom_merge.SHM_ENV: shm}))
         self.send_round(url, 0)
         self.wait_round(url, 1, out)
         self.assertIn(f"what {shm} has free", out.text())
@@ -471,7 +468,7 @@ class PlanTest(unittest.TestCase):
         for line in ("plan: 8.000G parameters", "--memory-gb 48.00", "outer state 96.00 GB", "on disk (--outer-dir)",
                      "state dir: checkpoint", "blob store", "in all", "all in memory", "nothing in memory"):
             self.assertIn(line, out)
-        mem, disk = outer_budget.Budget(48 * 10**9, outer_budget.shapes_of(8 * 10**9), KINDS, INT4, 16).split()
+        mem, disk = outer_state.Budget(48 * 10**9, outer_state.shapes_of(8 * 10**9), KINDS, INT4, 16).split()
         self.assertIn(f"{mem / 1e9:.2f} GB in memory", out)
         self.assertIn(f"{disk / 1e9:.2f} GB on disk", out)
 
@@ -491,9 +488,9 @@ class PlanTest(unittest.TestCase):
 
 class BudgetTest(unittest.TestCase):
     def test_theta_goes_in_memory_first_then_the_momentum_then_the_residual(self):
-        b = outer_budget.Budget(0, SHAPES, KINDS, INT4, 2)
+        b = outer_state.Budget(0, SHAPES, KINDS, INT4, 2)
         theta = 4 * sum(int(np.prod(s)) for s in SHAPES.values())
-        at = lambda extra: outer_budget.Budget(b.minimum() + extra, SHAPES, KINDS, INT4, 2)
+        at = lambda extra: outer_state.Budget(b.minimum() + extra, SHAPES, KINDS, INT4, 2)
         self.assertEqual(at(0).placement(), {k: set(SHAPES) for k in KINDS})
         self.assertEqual(at(theta).placement(), {"theta": set(), "momentum": set(SHAPES), "residual": set(SHAPES)})
         self.assertEqual(at(theta).split(), (theta, 2 * theta))
@@ -502,7 +499,7 @@ class BudgetTest(unittest.TestCase):
         self.assertEqual(part["theta"], set(SHAPES) - {"embed"})
 
     def test_the_fixed_part_at_32b_with_nothing_in_memory_is_below_the_original_designs_10_gib(self):
-        b = outer_budget.Budget(0, outer_budget.shapes_of(32 * 10**9), KINDS, INT4, 16)
+        b = outer_state.Budget(0, outer_state.shapes_of(32 * 10**9), KINDS, INT4, 16)
         self.assertLess(b.minimum(), 10 * 2**30)
         self.assertEqual(b.split()[0], 0)
 

@@ -14,18 +14,16 @@ import unittest
 
 import numpy as np
 
-import fedmom_checkpoint
+import outer_state
 import fedmom_client
 import fedmom_merge
-import merge_pool
 import fedmom_round
 import fedmom_state as fs
 import httpc
-import outer_state
 import tensorio
 import testhooks
 import wire
-from harness import listening_url, wait_for
+from testbed.harness import listening_url, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the embedding is larger than fedmom_merge.CHUNK: the chunk loop and its threads run
@@ -35,11 +33,11 @@ SEGMENT_BYTES = 1 << 16       # checkpoint segments of 16,384 values: "w" is 4 o
 
 
 def setUpModule():
-    os.environ[fedmom_checkpoint.SEGMENT_ENV] = str(SEGMENT_BYTES)     # in process and in every server started
+    os.environ[outer_state.SEGMENT_ENV] = str(SEGMENT_BYTES)     # in process and in every server started
 
 
 def tearDownModule():
-    os.environ.pop(fedmom_checkpoint.SEGMENT_ENV, None)
+    os.environ.pop(outer_state.SEGMENT_ENV, None)
 
 def write_f32(path, arrays):
     with tensorio.TensorWriter(path, [(k, "F32", a.shape) for k, a in arrays.items()], fsync=False) as w:
@@ -214,7 +212,7 @@ class StateReplayTest(Case):
             self.send(st, r - 1)
             st.tick()
         want, old = st.outer.copy(), st.ckpt
-        n = len(fedmom_checkpoint.segments(st.outer.shapes, SEGMENT_BYTES, old["dir"]))
+        n = len(outer_state.segments(st.outer.shapes, SEGMENT_BYTES, old["dir"]))
         self.assertEqual(n, 7, "embed, w in four segments, b, norm")
 
         class Cut(Exception):
@@ -227,13 +225,13 @@ class StateReplayTest(Case):
                 if len(written) == k:
                     raise Cut
             with self.assertRaises(Cut):
-                fedmom_checkpoint.write_checkpoint(st.outer, st.dir, old, fsync=False, after_file=after)
-            got = fedmom_checkpoint.rebuild(st.dir, old, st.log, threads=2)
+                outer_state.write_checkpoint(st.outer, st.dir, old, fsync=False, after_file=after)
+            got = outer_state.rebuild(st.dir, old, st.log, threads=2)
             for which in ("theta", "momentum", "residual"):
                 self.assert_same_bits(getattr(want, which), getattr(got, which), f"cut after {k}: {which}")
             self.assertEqual((got.round, got.digest), (3, want.digest))
         record = dict(old, round=3, digest=want.digest)
-        again = fedmom_checkpoint.rebuild(st.dir, record, [], threads=1)
+        again = outer_state.rebuild(st.dir, record, [], threads=1)
         self.assert_same_bits(want.residual, again.residual, "the finished checkpoint, nothing replayed")
 
     def test_a_changed_checkpoint_stops_the_start_and_export(self):
@@ -242,7 +240,7 @@ class StateReplayTest(Case):
             self.send(st, r - 1)
             st.tick()
         self.assertEqual((st.ckpt["round"], [s.round for s in st.log]), (2, [3]))
-        path = os.path.join(st.dir, fedmom_checkpoint.checkpoint_files(st.dir, st.ckpt)[0])   # embed's segment
+        path = os.path.join(st.dir, outer_state.checkpoint_files(st.dir, st.ckpt)[0])   # embed's segment
         with tensorio.TensorReader(path) as r:
             arrays, meta = {n: r.read(n).copy() for n in r.names}, dict(r.metadata)
         self.assertEqual(meta["tensor"], "embed")
@@ -281,7 +279,7 @@ class StateReplayTest(Case):
         self.assertEqual((saved["checkpoint"]["round"], saved["log"]), (3, []))
         self.assertEqual(sorted(os.listdir(st.dir)), sorted(["lock", saved["checkpoint"]["dir"], "rounds.jsonl", "spool",
                                                              "state.json", "update-3.safetensors"]))
-        for fn in fedmom_checkpoint.checkpoint_files(st.dir, saved["checkpoint"]):
+        for fn in outer_state.checkpoint_files(st.dir, saved["checkpoint"]):
             with tensorio.TensorReader(os.path.join(st.dir, fn)) as r:
                 self.assertEqual((r.metadata["round"], r.names), ("3", ["theta", "momentum", "residual"]), fn)
         self.assertEqual(os.listdir(st.spool.dir), [])
@@ -315,8 +313,8 @@ class KillTest(Case):
               ("fedmom.unlink", 0, 3)]
 
     def start(self, sd, faults, init=True):
-        # the round and the replay on two worker processes (merge_pool.py), however small the model
-        env = {**os.environ, testhooks.FAULT_DIR_ENV: faults, merge_pool.MIN_ENV: "0"}
+        # the round and the replay on two worker processes (fedmom_merge.py), however small the model
+        env = {**os.environ, testhooks.FAULT_DIR_ENV: faults, fedmom_merge.MIN_ENV: "0"}
         cmd = [sys.executable, "fedmom_server.py", "--state-dir", sd, "--port", "0", "--down-wire", "int4",
                "--checkpoint-rounds", "2", "--threads", "2", "--merge-procs", "2"] + (["--init", self.init] if init else [])
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -440,7 +438,7 @@ class RebuildCase(unittest.TestCase):
 
 class FailedRebuildTest(RebuildCase):
     """The schedules name the methods as they were when found: FedMomState's _merge, _rebuild and
-    _written are now fedmom_outer.OuterKeeper's merge, rebuild and copy."""
+    _written are now outer_state.OuterKeeper's merge, rebuild and copy."""
 
     def test_a_failed_rebuild_never_serves_the_half_merged_arrays_as_the_durable_theta(self):
         # Schedule: round 1 durable and logged; its delta a becomes unreadable (lost with a disk

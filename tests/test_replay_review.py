@@ -1,5 +1,5 @@
 """A review of the fused round (outer_state.apply_round) and the checkpoint in segments
-(fedmom_checkpoint.py): each test is a schedule or an input that breaks one of their
+(outer_state.py): each test is a schedule or an input that breaks one of their
 promises, with real files and processes (fedmom_server.py's offline commands).
 
   - a checkpoint written at the round its segment directory is named for, with another
@@ -28,14 +28,11 @@ import unittest
 
 import numpy as np
 
-import fedmom_checkpoint
-import fedmom_merge
-import fedmom_outer
-import fedmom_state as fs
 import outer_state
+import fedmom_merge
+import fedmom_state as fs
 import tensorio
 import wire
-import wire_kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {"w": (256, 256), "e": (64, 300), "b": (256,)}
@@ -61,14 +58,14 @@ class Case(unittest.TestCase):
         self.rng = np.random.default_rng(11)
         self.init = write_f32(os.path.join(self.dir, "init.safetensors"),
                               {k: self.rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()})
-        self.seg = os.environ.get(fedmom_checkpoint.SEGMENT_ENV)
+        self.seg = os.environ.get(outer_state.SEGMENT_ENV)
         self.addCleanup(self.restore_env)
 
     def restore_env(self):
         if self.seg is None:
-            os.environ.pop(fedmom_checkpoint.SEGMENT_ENV, None)
+            os.environ.pop(outer_state.SEGMENT_ENV, None)
         else:
-            os.environ[fedmom_checkpoint.SEGMENT_ENV] = self.seg
+            os.environ[outer_state.SEGMENT_ENV] = self.seg
 
     def state(self, **kw):
         cfg = fs.ServerConfig(os.path.join(self.dir, "st"), init=kw.pop("init", self.init), fsync=False,
@@ -101,11 +98,11 @@ class SegmentDirectoryTest(Case):
     checkpoint before (fedmom_server.py checkpoint)."""
 
     def test_a_checkpoint_at_its_directorys_round_with_another_segment_size_keeps_the_last_one(self):
-        os.environ[fedmom_checkpoint.SEGMENT_ENV] = str(1 << 16)
-        outer = fedmom_outer.init_outer(self.init)
-        last = fedmom_checkpoint.write_checkpoint(outer, self.dir, None, fsync=False)
+        os.environ[outer_state.SEGMENT_ENV] = str(1 << 16)
+        outer = outer_state.init_outer(self.init)
+        last = outer_state.write_checkpoint(outer, self.dir, None, fsync=False)
         self.assertEqual((last["dir"], last["round"]), ("ckpt-0", 0))
-        os.environ[fedmom_checkpoint.SEGMENT_ENV] = str(1 << 17)     # another segment size, the same round
+        os.environ[outer_state.SEGMENT_ENV] = str(1 << 17)     # another segment size, the same round
 
         class Cut(Exception):
             pass
@@ -113,9 +110,9 @@ class SegmentDirectoryTest(Case):
         def cut():
             raise Cut                                                # a crash after the first new segment
         with self.assertRaises(Cut):
-            fedmom_checkpoint.write_checkpoint(outer, self.dir, last, fsync=False, after_file=cut)
+            outer_state.write_checkpoint(outer, self.dir, last, fsync=False, after_file=cut)
         try:
-            got = fedmom_checkpoint.rebuild(self.dir, last, [], threads=1)
+            got = outer_state.rebuild(self.dir, last, [], threads=1)
         except ValueError as e:
             self.fail(f"the checkpoint state.json still names was destroyed by the one cut short: {e}")
         self.assertTrue(same_bits(outer.theta, got.theta))
@@ -127,7 +124,7 @@ class SegmentDirectoryTest(Case):
         # an upgrade that changes SEGMENT_BYTES) under a 200 KiB file-size limit, so that its
         # first segment fails (EFBIG, as a full disk would). It unlinked ckpt-2's segments first:
         # `export` can no longer rebuild round 2.
-        os.environ[fedmom_checkpoint.SEGMENT_ENV] = str(1 << 16)
+        os.environ[outer_state.SEGMENT_ENV] = str(1 << 16)
         st = self.state()
         self.rounds(st, 2)
         want = st.outer.digest
@@ -135,7 +132,7 @@ class SegmentDirectoryTest(Case):
         del st
 
         def run(seg, *args, limit=None):
-            env = {**os.environ, fedmom_checkpoint.SEGMENT_ENV: str(seg)}
+            env = {**os.environ, outer_state.SEGMENT_ENV: str(seg)}
             pre = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))) if limit else None
             return subprocess.run([sys.executable, "fedmom_server.py", *args, "--state-dir", sd], cwd=ROOT, env=env,
                                   capture_output=True, text=True, timeout=120, preexec_fn=pre)
@@ -154,7 +151,7 @@ class SegmentDirectoryTest(Case):
 class ApplyRoundRaiseTest(unittest.TestCase):
     """apply_round's promise: "nothing is written after apply_round returns or raises". A piece
     that raises (here a damaged int8 delta whose decode finds code -128 in the first piece;
-    fedmom_merge.DeltaReader.read raises WireError) ends wire_kernels.run_spans at the first
+    fedmom_merge.DeltaReader.read raises WireError) ends wire.run_spans at the first
     failed future while the other spans still run on the pool: apply_round closes its readers
     and raises, and those spans go on writing theta (and the momentum) for a whole span each."""
 
@@ -187,7 +184,7 @@ class ApplyRoundRaiseTest(unittest.TestCase):
         tail = slice(3 * theta.size // 4, theta.size)             # the last span's elements
         at_raise = state.theta["big"][tail].copy()
         gate = threading.Barrier(2)               # two spans that meet: both threads of the pool are free
-        wire_kernels.run_spans(lambda a, b: gate.wait(), 2, 1, wire_kernels.TASK, 2)
+        wire.run_spans(lambda a, b: gate.wait(), 2, 1, wire.TASK, 2)
         changed = int(np.count_nonzero(state.theta["big"][tail].view(np.uint32) != at_raise.view(np.uint32)))
         self.assertEqual(changed, 0, f"{changed} values of theta were written after apply_round raised")
 
@@ -227,19 +224,19 @@ class MissingCheckpointTest(Case):
     directory state.json names (the conventions: readers fail with a hint)."""
 
     def test_a_missing_checkpoint_directory_is_named(self):
-        os.environ[fedmom_checkpoint.SEGMENT_ENV] = str(1 << 16)
+        os.environ[outer_state.SEGMENT_ENV] = str(1 << 16)
         st = self.state()
         self.rounds(st, 1)
         sd, d = st.dir, st.ckpt["dir"]
         del st
         shutil.rmtree(os.path.join(sd, d))
         with self.assertRaises(ValueError) as cm:
-            fedmom_checkpoint.load_outer(sd, threads=1)
+            outer_state.load_outer(sd, threads=1)
         self.assertIn(d, str(cm.exception), "the error names the checkpoint that is missing")
 
 
 class SegmentSizeTest(unittest.TestCase):
-    """fedmom_checkpoint.segments: "a run of its whole rows (SEGMENT_BYTES of fp32 each at
+    """outer_state.segments: "a run of its whole rows (SEGMENT_BYTES of fp32 each at
     most)". Its unit is lcm(2 x cols, TOPK_ALIGN) for an odd last dimension, the whole tensor
     for a 1-D one: a (768, 50257) tensor (a vocabulary of 50,257 as the last dimension) is one
     segment of 147 MiB per array, so the checkpoint's extra disk is 3 x that, not 3 x 64 MiB."""
@@ -249,13 +246,13 @@ class SegmentSizeTest(unittest.TestCase):
         SEGMENT_BYTES; a 1-D tensor and an odd last dimension whose unit exceeds it are one
         segment, and segments() and the RUNBOOK say so."""
         for shape in ((151936, 1024), (9728, 1024), (1024, 3072), (4096, 25600)):
-            segs = fedmom_checkpoint.segments({"x": shape}, fedmom_checkpoint.SEGMENT_BYTES, "ckpt-0")
+            segs = outer_state.segments({"x": shape}, outer_state.SEGMENT_BYTES, "ckpt-0")
             largest = max(hi - lo for _, _, lo, hi in segs) * 4
-            self.assertLessEqual(largest, fedmom_checkpoint.SEGMENT_BYTES, f"{shape}: {largest / 2**20:.0f} MiB")
+            self.assertLessEqual(largest, outer_state.SEGMENT_BYTES, f"{shape}: {largest / 2**20:.0f} MiB")
         for shape in ((768, 50257), (100_000_001,)):
-            segs = fedmom_checkpoint.segments({"x": shape}, fedmom_checkpoint.SEGMENT_BYTES, "ckpt-0")
+            segs = outer_state.segments({"x": shape}, outer_state.SEGMENT_BYTES, "ckpt-0")
             self.assertEqual(len(segs), 1, f"{shape}: one unit, one segment")
-        self.assertIn("a 1-D tensor is one segment", fedmom_checkpoint.segments.__doc__)
+        self.assertIn("a 1-D tensor is one segment", outer_state.segments.__doc__)
 
 
 if __name__ == "__main__":

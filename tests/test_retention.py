@@ -1,4 +1,4 @@
-"""What the central VM keeps per round (fedmom_blobs.blob_plan, FedMomState's per-round
+"""What the central VM keeps per round (fedmom_state.blob_plan, FedMomState's per-round
 files): the disk of a real fedmom_server.py + blobstore.py stays bounded over 61 rounds of
 a tiny model, through a SIGKILL mid-sweep; a site 60 rounds behind rejoins with the full
 theta; deletions never hold the state lock (fault points, no sleeps)."""
@@ -15,15 +15,15 @@ import unittest
 
 import numpy as np
 
-import fedmom_blobs
+import fedmom_state
 import fedmom_client
-import fedmom_outer
+import outer_state
 import fedmom_state as fs
 import httpc
 import tensorio
 import testhooks
 import wire
-from harness import expect, listening_url
+from testbed.harness import expect, listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {"embed": (64, 256), "w": (32, 32), "b": (32,)}      # 17,440 parameters: 70 KB of theta
@@ -50,15 +50,15 @@ def tree_bytes(root, skip=()):
 
 
 class PlanTest(unittest.TestCase):
-    """fedmom_blobs.blob_plan, the rule alone."""
+    """fedmom_state.blob_plan, the rule alone."""
 
     def test_the_last_k_rounds_of_this_aggregator_stay_and_nothing_else_is_judged(self):
         me, other = "fedmom-aaaa", "fedmom-bbbb"
-        ids = [fedmom_blobs.blob_name(me, k, r) for k in ("theta", "update") for r in range(0, 12)]
-        ids += [fedmom_blobs.blob_name(other, "theta", 1), "theta-1", "update-2", "delta-lumi-x-r3-abcd",
+        ids = [fedmom_state.blob_name(me, k, r) for k in ("theta", "update") for r in range(0, 12)]
+        ids += [fedmom_state.blob_name(other, "theta", 1), "theta-1", "update-2", "delta-lumi-x-r3-abcd",
                 f"{me}.theta-x", f"{me}.momentum-3", f"{me}.theta-3.bak"]
-        plan = fedmom_blobs.blob_plan(ids, me, 10, 3)
-        self.assertEqual({b["blob"] for b in plan}, {fedmom_blobs.blob_name(me, k, r) for k in ("theta", "update")
+        plan = fedmom_state.blob_plan(ids, me, 10, 3)
+        self.assertEqual({b["blob"] for b in plan}, {fedmom_state.blob_name(me, k, r) for k in ("theta", "update")
                                                      for r in range(12)}, "only this aggregator's own names")
         keep = sorted((b["kind"], b["round"]) for b in plan if b["keep"])
         self.assertEqual(keep, [(k, r) for k in ("theta", "update") for r in (8, 9, 10, 11)])
@@ -69,7 +69,7 @@ class PlanTest(unittest.TestCase):
         self.assertIn("takes the full theta", why[("update", 7)])
         self.assertEqual([b["round"] for b in plan], sorted(b["round"] for b in plan))
         for rnd, keep in ((5, True), (4, False)):
-            plan = fedmom_blobs.blob_plan([fedmom_blobs.blob_name(me, "theta", rnd)], me, 5, 1)
+            plan = fedmom_state.blob_plan([fedmom_state.blob_name(me, "theta", rnd)], me, 5, 1)
             self.assertEqual([b["keep"] for b in plan], [keep])
 
     def test_keep_rounds_below_one_is_refused_naming_the_flag(self):
@@ -199,8 +199,8 @@ class DiskBoundTest(Live):
         state |= {f"update-{rnd}.safetensors", "state.json", "rounds.jsonl", "spool", "lock"}
         state |= {f"spool/r{b}_{x}_{x}-inc.{ext}" for b in range(c, rnd) for x in ("a", "b")
                   for ext in ("safetensors", "json")}
-        blobs = {fedmom_blobs.blob_name(agg, "update", s) for s in range(max(1, rnd - self.K + 1), rnd + 1)}
-        blobs |= {fedmom_blobs.blob_name(agg, "theta", 0)} if rnd < self.K else set()   # the sites' first download
+        blobs = {fedmom_state.blob_name(agg, "update", s) for s in range(max(1, rnd - self.K + 1), rnd + 1)}
+        blobs |= {fedmom_state.blob_name(agg, "theta", 0)} if rnd < self.K else set()   # the sites' first download
         return state, blobs
 
     def kept(self):
@@ -236,7 +236,7 @@ class DiskBoundTest(Live):
                 self.fed.send_signal(signal.SIGKILL)
                 self.fed.wait(30)
                 os.unlink(os.path.join(self.faults, "fedmom.blob_delete"))
-                self.assertIn(fedmom_blobs.blob_name(agg, "update", 31 - self.K), self.blobs(), "the kill left it")
+                self.assertIn(fedmom_state.blob_name(agg, "update", 31 - self.K), self.blobs(), "the kill left it")
                 self.start("--checkpoint-rounds", str(self.C), port=httpc.split_url(self.url)[2])  # same URL
                 # its first sweep deletes what the killed process owed
             want = self.expected(agg, rnd + 1)
@@ -256,7 +256,7 @@ class DiskBoundTest(Live):
         self.assertEqual(sites["late"]._fetch(paths["late"]), 61)
         self.assertEqual(sites["late"].down["via"], "full")
         self.assert_holds_server_theta(paths["late"])
-        self.assertIn(fedmom_blobs.blob_name(agg, "theta", 61), self.blobs())
+        self.assertIn(fedmom_state.blob_name(agg, "theta", 61), self.blobs())
         used = tree_bytes(self.sd, skip=("rounds.jsonl", "state.json")) + tree_bytes(self.blob_root)
         self.assertLessEqual(used, bound)
         print(f"\n    61 rounds, K={self.K}: model {model} B, worst {worst} B = {worst / model:.2f} models "
@@ -264,7 +264,7 @@ class DiskBoundTest(Live):
         out = subprocess.run([sys.executable, "blobstore.py", "status", "--url", self.blob_url,
                               "--fedmom", self.url], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
-        self.assertIn(f"{fedmom_blobs.blob_name(agg, 'update', 61)}", out.stdout)
+        self.assertIn(f"{fedmom_state.blob_name(agg, 'update', 61)}", out.stdout)
         self.assertIn("kept: the current round's update", out.stdout)
         self.assertIn(f"keeps its theta/update blobs of the last {self.K} rounds", out.stdout)
 
@@ -364,7 +364,7 @@ class BusyTest(Live):
             with self.assertRaises(httpc.CallError) as got:
                 httpc.call(self.url, "GET", route, timeout=HANG_S)
             self.assertEqual((got.exception.status, got.exception.reply.get("code")), (503, "busy"), route)
-            self.assertEqual(got.exception.reply.get("retry_after_s"), fedmom_outer.BUSY_RETRY_S)
+            self.assertEqual(got.exception.reply.get("retry_after_s"), outer_state.BUSY_RETRY_S)
         self.assertEqual(httpc.call(self.url, "GET", "/status", timeout=HANG_S)["round"], 1)
         fedmom_client.FedMomClient(self.url, "a", "a-inc").heartbeat()
         os.unlink(os.path.join(self.faults, "fedmom.merge"))
@@ -387,7 +387,7 @@ class RestoredStateTest(Live):
         stale = os.path.join(self.dir, "stale.bin")
         with open(stale, "wb") as f:
             f.write(b"not this round's theta")
-        blob_client.put_file(self.blob_url, fedmom_blobs.blob_name(agg, "theta", 0), stale)
+        blob_client.put_file(self.blob_url, fedmom_state.blob_name(agg, "theta", 0), stale)
         fedmom_client.FedMomClient(self.url, "b", "b-inc").join()
         path = os.path.join(self.dir, "b.safetensors")
         self.assertEqual(self.site("b", blob=True)._fetch(path), 0)
@@ -416,11 +416,11 @@ class LockTest(Live):
         reply = fedmom_client.FedMomClient(self.url, "a", "a-inc").heartbeat()
         self.assertEqual(reply["round"], 1)
         self.assertIn("theta-0.safetensors", os.listdir(self.sd), "the deletion is held, not done")
-        self.assertIn(fedmom_blobs.blob_name(agg, "theta", 0), self.blobs())
+        self.assertIn(fedmom_state.blob_name(agg, "theta", 0), self.blobs())
         os.unlink(os.path.join(self.faults, "fedmom.unlink"))
         os.unlink(os.path.join(self.faults, "fedmom.blob_delete"))
         expect(lambda: "theta-0.safetensors" not in os.listdir(self.sd) and not os.listdir(
-            os.path.join(self.sd, "spool")) and fedmom_blobs.blob_name(agg, "theta", 0) not in self.blobs(),
+            os.path.join(self.sd, "spool")) and fedmom_state.blob_name(agg, "theta", 0) not in self.blobs(),
             "the held deletions to finish", timeout_s=HANG_S)
         kept = httpc.call(self.url, "GET", "/status")["retention"]
         self.assertEqual(sorted(f["file"] for f in kept["state"]), ["ckpt-0/", "update-1.safetensors"])

@@ -15,7 +15,7 @@ import unittest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-import outer_budget  # noqa: E402
+import outer_state  # noqa: E402
 import scale_round  # noqa: E402
 
 
@@ -41,7 +41,7 @@ class ScaleRoundTest(unittest.TestCase):
             self.assertLessEqual(set(scale_round.PHASES), set(a["summary"]["phases"]))
             self.assertGreater(a["summary"]["memory_peak"], 0)
         self.assertGreater(out["arms"]["budget"]["summary"]["outer_peak"], 0, "the budget arm kept nothing on disk")
-        self.assertLessEqual(set(outer_budget.RATES), set(out["rates"]))
+        self.assertLessEqual(set(outer_state.RATES), set(out["rates"]))
         plan = subprocess.run([sys.executable, "fedmom_server.py", "plan", "--params", "8e9", "--rates", figures],
                               capture_output=True, text=True, timeout=60, cwd=ROOT)
         self.assertEqual(plan.returncode, 0, plan.stderr)

@@ -30,7 +30,7 @@ import tempfile
 import threading
 import unittest
 
-from harness import free_port
+from testbed.harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHELLCHECK = os.path.join(ROOT, ".venv", "bin", "shellcheck")

@@ -24,7 +24,7 @@ import fedmom_client
 import httpc
 import status_page as sp
 import tensorio
-from harness import Output, listening_url
+from testbed.harness import Output, listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHOTS = os.path.join(ROOT, "runs", "test-status-page")

@@ -28,8 +28,8 @@ import tokenize_corpus as tc
 import testhooks
 import train
 import train_config
-import harness
-from harness import listening_url
+from testbed import harness
+from testbed.harness import listening_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

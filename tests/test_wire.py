@@ -20,7 +20,6 @@ import fedmom_round
 import fedmom_state
 import tensorio
 import wire
-import wire_kernels
 from fixtures import TmpDirTest, hard_values
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +46,7 @@ CODECS = [wire.Codec(f) for f in wire.FORMATS] + [
 
 def naive_block_decode(codec, q, scale_bits, shape):
     """Per element: value = q[row, col] * scale[row, col // block], float32."""
-    rows, cols = wire_kernels.rows_cols(shape)
+    rows, cols = wire.rows_cols(shape)
     q = np.asarray(q).reshape(rows, cols)
     scale = tensorio.bf16_to_f32(scale_bits)
     out = np.zeros((rows, cols), np.float32)
@@ -63,7 +62,7 @@ def naive_int2_scale(x):
     mag = [abs(float(v)) for v in np.asarray(x, np.float32).reshape(-1)]
     if not mag:
         return 0.0
-    return float(tensorio.bf16_to_f32(wire_kernels.bf16_up(np.float32([max(mag)]) / np.float32(3)))[0])
+    return float(tensorio.bf16_to_f32(wire.bf16_up(np.float32([max(mag)]) / np.float32(3)))[0])
 
 
 def naive_bits(packed, nbits, count):
@@ -89,17 +88,17 @@ class BitsTest(unittest.TestCase):
                 codes = rng.integers(0, 1 << nbits, size=count, dtype=np.uint32)
                 packed = wire.pack_bits(codes, nbits)
                 self.assertEqual(packed.dtype, np.uint8)
-                self.assertEqual(packed.size, wire_kernels.packed_bytes(count, nbits), (nbits, count))
+                self.assertEqual(packed.size, wire.packed_bytes(count, nbits), (nbits, count))
                 self.assertEqual(naive_bits(packed, nbits, count), codes.tolist(), (nbits, count))
                 self.assertEqual(wire.unpack_bits(packed, nbits, count).tolist(), codes.tolist())
                 self.assertTrue(wire.padding_is_zero(packed, nbits, count))
 
     def test_bf16_up_never_rounds_a_scale_down(self):
         x = np.abs(np.random.default_rng(1).standard_normal(10000).astype(np.float32)) * np.float32(1e-3)
-        up = tensorio.bf16_to_f32(wire_kernels.bf16_up(x))
+        up = tensorio.bf16_to_f32(wire.bf16_up(x))
         self.assertTrue(np.all(up >= x))
         self.assertTrue(np.all(up <= x * np.float32(1 + 2 ** -7)))
-        self.assertEqual(wire_kernels.bf16_up(np.float32([0.0, 1.0])).tolist(), [0, 0x3F80])
+        self.assertEqual(wire.bf16_up(np.float32([0.0, 1.0])).tolist(), [0, 0x3F80])
 
 
 class RoundTripTest(Tmp):
@@ -139,7 +138,7 @@ class RoundTripTest(Tmp):
 
     def assert_block_bound(self, codec, x, err):
         """|x - decoded| <= half a step of its block (step = absmax/L, bf16 rounding up included)."""
-        rows, cols = wire_kernels.rows_cols(x.shape)
+        rows, cols = wire.rows_cols(x.shape)
         levels = wire.LEVELS[codec.fmt]
         x2, e2 = x.reshape(rows, cols), err.reshape(rows, cols)
         for b in range(0, cols, codec.block):
@@ -150,7 +149,7 @@ class RoundTripTest(Tmp):
     def assert_int2_nearest(self, codec, x, got):
         """Per element: the decoded value is the level of {-3, -1, 1, 3} x s nearest to x (a tie
         goes up), s the block's scale by the rule said in wire.py, computed here naively."""
-        rows, cols = wire_kernels.rows_cols(x.shape)
+        rows, cols = wire.rows_cols(x.shape)
         x2, g2 = x.reshape(rows, cols), got.reshape(rows, cols)
         for b in range(0, cols, codec.block):
             for r in range(rows):
@@ -216,7 +215,7 @@ class RoundTripTest(Tmp):
         _, sent = wire.Codec("int2").encode(x)
         err = float(np.linalg.norm(x - sent) / np.linalg.norm(x))
         xb = x.reshape(-1, 128)
-        s = tensorio.bf16_to_f32(wire_kernels.bf16_up(np.abs(xb).max(axis=1)))[:, None]
+        s = tensorio.bf16_to_f32(wire.bf16_up(np.abs(xb).max(axis=1)))[:, None]
         ternary = np.clip(np.rint(xb / s), -1, 1) * s
         self.assertLess(err, float(np.linalg.norm(xb - ternary) / np.linalg.norm(xb)) - 0.1)
 

@@ -471,7 +471,7 @@ def _send_and_wait(a, fed, member, session, span, done, note):
 
 def main(argv):
     """One incarnation of a fake site (Run.start_site starts this file)."""
-    p = argparse.ArgumentParser(prog="fault_site.py", description="a fake site of fault_harness.py's schedules "
+    p = argparse.ArgumentParser(prog="python -m testbed.fault_site", description="a fake site of fault_harness.py's schedules "
                                 "(started by the harness; the schedules run from bench/fault_schedule.py)")
     for flag in ("--cluster", "--darl", "--fedmom", "--blob", "--token-file", "--records", "--transport"):
         p.add_argument(flag, required=True)

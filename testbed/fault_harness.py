@@ -77,12 +77,12 @@ import numpy as np
 
 import audit
 import durable
-import fault_oracle
-import fault_site
+from testbed import fault_oracle
+from testbed import fault_site
 import httpc
 import testhooks
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the checkout: testbed/ is one level down
 TTL = (3.0, 4.0)                  # DARL --min-ttl / --max-ttl: every lease lives 3-4 s unless renewed
 MEMBER_TIMEOUT_S, ROUND_DEADLINE_S = 10, 20   # longer than a stop, so a stopped site's round waits for it
                                               # (unless --phase-s's quorum rule closes it without the site)
@@ -337,7 +337,7 @@ class Run:
 
     def start_site(self, name):
         transport = self.transports.setdefault(name, "inline")
-        cmd = [sys.executable, os.path.join(ROOT, "fault_site.py"), "--cluster", name, "--darl", self.darl,
+        cmd = [sys.executable, "-m", "testbed.fault_site", "--cluster", name, "--darl", self.darl,
                "--fedmom", self.fedmom, "--blob", self.blob, "--token-file", self.token_file,
                "--records", self.records, "--seed", str(self.s.seed), "--span", str(self.s.span),
                "--transport", transport, "--train-s", "0.15", "--phase-s", "0.5"] + (

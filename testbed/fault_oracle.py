@@ -40,9 +40,9 @@ import numpy as np
 
 import audit
 import durable
-import fedmom_checkpoint
+import outer_state
 import fedmom_merge
-import fedmom_records
+import fedmom_round
 import tensorio
 import wire
 
@@ -128,7 +128,7 @@ def _theta_check(run, fed_dir, records, merged):
         if not by_round.get(rec["round"]):
             return [f"round {rec['round']} has no merged delta a site sent: cannot replay"]
     try:                        # rebuilt from its checkpoint and log, each round against its digest
-        outer = fedmom_checkpoint.load_outer(fed_dir)
+        outer = outer_state.load_outer(fed_dir)
     except ValueError as e:
         return [f"the final theta_global cannot be read: {e}"]
     final = {k: {n: a.reshape(outer.shapes[n]) for n, a in getattr(outer, k).items()}
@@ -186,7 +186,7 @@ def _replay_f32(run, records, by_round, tmp):
         shares = [o["tokens"] / total for _, o in batch]
         entry = {c["incarnation"]: c for c in rec["clusters"].values()}
         norms = [entry[o["incarnation"]]["delta_norm"] for _, o in batch]
-        history = [c["delta_norm"] for r in records[max(0, i - fedmom_records.CLIP_HISTORY_ROUNDS):i]
+        history = [c["delta_norm"] for r in records[max(0, i - fedmom_round.CLIP_HISTORY_ROUNDS):i]
                    for c in r.get("clusters", {}).values() if c.get("delta_norm")]
         scales, _ = fedmom_merge.clip_scales(norms, history, rec["clip"]["factor"])
         recorded = [entry[o["incarnation"]]["clip_scale"] for _, o in batch]

@@ -38,7 +38,7 @@ import urllib.request
 
 import httpc
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the checkout: testbed/ is one level down
 DEFAULT_PORTS = {"darl": 29510, "fedmom": 29511, "blob": 29512}
 SCRIPTS = {"darl": "darl_server.py", "fedmom": "fedmom_server.py", "blob": "blobstore.py"}
 LISTENING = re.compile(r"listening on (https?://\S+)\s*$")
