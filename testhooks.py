@@ -2,7 +2,7 @@
 
 Runs on: everywhere (imported by the central servers, the site code and the tests).
 Standard library only. No state, no port. Inert unless their variable is set:
-fault_harness.py (bench/fault_schedule.py), bench/chaos.py and the tests set them; a
+testbed/fault_harness.py (bench/fault_schedule.py), bench/chaos.py and the tests set them; a
 production start never does.
 
   - PWW_TEST_CLOCK_OFFSET_FILE=FILE: wall_time() is time.time() plus the number of

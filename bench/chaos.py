@@ -10,7 +10,7 @@ no fault (the baseline), in the same invocation, and the two are compared.
     .venv/bin/python bench/chaos.py --minutes 5 --seed 2
     .venv/bin/python bench/chaos.py --quick     # ~3 min of faults on a small corpus (make bench)
 
-The processes (harness.py starts them on 127.0.0.1, https with a fresh CA, bearer token):
+The processes (testbed/harness.py starts them on 127.0.0.1, https with a fresh CA, bearer token):
     alpha   torchrun 2 ranks, FSDP2, --wire int4 --overlap --overlap-fold end, inline deltas
     beta    torchrun 2 ranks, DDP, --wire int4 --overlap (fold on arrival), blob deltas,
             --throttle-ms (the slow site)

@@ -1,9 +1,9 @@
 """bench/fault_schedule.py - exactly-once under random fault schedules: real servers, fake sites, an oracle.
 
 Runs on: any machine (CPU; Python + numpy, never torch). Each seed draws a schedule of
-2-4 faults and runs it with fault_harness.py (the top-level module that says what a
-schedule starts and which faults there are; fault_oracle.py says what the oracle checks,
-fault_site.py what a fake site does; tests/test_fault_schedule.py runs fixed schedules of it): real darl_server.py, fedmom_server.py and blobstore.py
+2-4 faults and runs it with testbed/fault_harness.py (which says what a
+schedule starts and which faults there are; testbed/fault_oracle.py says what the oracle checks,
+testbed/fault_site.py what a fake site does; tests/test_fault_schedule.py runs fixed schedules of it): real darl_server.py, fedmom_server.py and blobstore.py
 processes on 127.0.0.1, fake torch-free sites on the real clients, and the oracle's
 judgement of the outcome.
 

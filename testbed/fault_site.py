@@ -5,7 +5,7 @@ Runs on: this machine (CPU; Python + numpy, never torch), as a process that
 fault_harness.Run starts, one per incarnation of a site (a killed site is requeued as a
 new one); never by hand:
 
-    python fault_site.py --cluster alpha --darl URL --fedmom URL --blob URL --token-file F \
+    python -m testbed.fault_site --cluster alpha --darl URL --fedmom URL --blob URL --token-file F \
         --records DIR --transport inline --seed 7 --span 2 [--careless] [--overlap] [--wire int4] \
         [--step-s 0.12]
 

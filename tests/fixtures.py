@@ -1,5 +1,5 @@
 """tests/fixtures.py - what several test modules share, in one place: test modules import
-this (and harness.py: processes, ports, services), never each other. Not a test module
+this (and testbed/harness.py: processes, ports, services), never each other. Not a test module
 (tests/run.py collects tests/test_*.py only); nothing here runs at import, and torch is
 imported only by the helpers that need it.
 

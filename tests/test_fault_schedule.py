@@ -1,4 +1,4 @@
-"""The fast subset of bench/fault_schedule.py, on fault_harness.py: five fixed schedules that between them
+"""The fast subset of bench/fault_schedule.py, on testbed/fault_harness.py: five fixed schedules that between them
 inject every kind of fault (real darl_server.py, fedmom_server.py and blobstore.py
 processes, fake torch-free sites on the real clients) and run every kind of site (f32,
 int4 with error feedback, overlapped, time-budgeted; an aggregator with --down-wire int4
