@@ -9,59 +9,33 @@ Start it:
     python blobstore.py status --url https://127.0.0.1:29512 --token-file ~/.pww_token --ca-file ca.pem \\
                                [--fedmom https://127.0.0.1:29511]     # + why the aggregator keeps each blob
 
-Callers: sites (through fedmom_client.FedMomClient) and fedmom_server.py itself, with
-the shared bearer token. Only GET /health is public. Clients use blob_client.py's
-put_file() and get_file(); they resume after a dropped connection and print progress.
-
-Why it exists: a 1.7B model's delta is 3.6 GiB in fp16, a 32B one 60 GiB; that is
-too big for one JSON request and too slow to restart from zero at 90 %. Bodies go
-to disk in fixed chunks (never held whole), an upload resumes where the last byte
-landed, and a blob becomes visible only complete and with the checksum it was
-declared with.
+Callers: sites (through fedmom_client.FedMomClient) and fedmom_server.py itself, with the
+shared bearer token; only GET /health is public. Clients use blob_client.py's put_file() and
+get_file(), which resume after a dropped connection. A delta is GBs (3.6 GiB for a 1.7B model
+in fp16): bodies go to disk in fixed chunks (never held whole), an upload resumes where its
+last byte landed, and a blob becomes visible only complete and with its declared checksum.
 
 HTTP (ids: [A-Za-z0-9._-]{1,200}, not starting with "."):
-    PUT    /blobs/<id>    body = the bytes. X-Content-Sha256: <64 hex> is required.
-                          Content-Range: bytes START-END/TOTAL continues an upload at START,
-                          which must equal the offset HEAD reports (else 416).
-                          -> 201 {"id","size","sha256"} when complete; 202 {"offset"} while not.
-                          A second PUT to an id already uploading gets 409, never interleaves.
-                          Send `Expect: 100-continue` (put_file does): a refusal (401, 409, 413,
-                          416) then comes back before a byte of the body is sent; without it
-                          the server answers and hangs up on a large refused body.
-    HEAD   /blobs/<id>    complete: 200, Content-Length, X-Content-Sha256.
-                          unfinished: 200, X-Upload-Offset: <bytes received>, X-Upload-Complete: 0,
-                          X-Upload-Total, X-Content-Sha256 (the declared one). absent: 404.
-    GET    /blobs/<id>    the bytes (sendfile; send under TLS); honours Range: bytes=A-B, A-, -N (206).
-    DELETE /blobs/<id>    the blob and/or its unfinished upload. The store enforces no retention:
-                          fedmom_server.py deletes its own theta/update blobs (--keep-rounds) and
-                          each delta blob once fetched; a site's delta blob it never fetched stays.
-    GET    /blobs         {"blobs": [...], "uploads": [...], "used_bytes", "quota_bytes"}
-    GET    /health        public liveness probe.
-Every refusal is a 4xx with a one-line JSON {"error": ...}; the two that a client may
-send again say "retry": true (the 409 of an id another PUT holds: that PUT ends; the 416
-of an upload offset that moved: HEAD again and continue there), the rule of httpc.py's
-retry policy. A full disk during an upload is a 507 {"code": "disk_full"} naming the
-disk: the unfinished upload is discarded (its space given back) and a client under a
-deadline starts it again from byte 0.
+    PUT    /blobs/<id>    the bytes, X-Content-Sha256 required; Content-Range: bytes START-END/TOTAL
+                          continues at START = the offset HEAD reports (else 416). -> 201 complete,
+                          202 {"offset"} not yet; 409 while another PUT holds the id. Send
+                          `Expect: 100-continue` (put_file does): a refusal then comes before the body.
+    HEAD   /blobs/<id>    complete: Content-Length, X-Content-Sha256; unfinished: X-Upload-Offset,
+                          X-Upload-Complete: 0, X-Upload-Total, X-Content-Sha256; absent: 404.
+    GET    /blobs/<id>    the bytes (sendfile); honours Range: bytes=A-B, A-, -N (206).
+    DELETE /blobs/<id>    the blob and/or its unfinished upload. The store keeps no retention rule:
+                          fedmom_server.py deletes its own blobs (--keep-rounds).
+    GET    /blobs         {"blobs", "uploads", "used_bytes", "quota_bytes"}; GET /health: liveness.
+Every refusal is a 4xx {"error"}; one a client may send again says "retry": true (httpc.py's
+rule). A full disk mid-upload is a 507 disk_full: the upload is discarded, start again at byte 0.
 
 State directory (--root):
-    partial/<id>          bytes of an unfinished upload, in order; its size IS the resume offset
+    partial/<id>          an unfinished upload, in order; its size IS the resume offset
     partial/.<id>.json    {"total", "sha256"} declared when the upload began
     blobs/<id>            finished blobs, each renamed in after fsync and checksum check
     blobs/.<id>.json      {"size", "sha256", "created"}; written before the rename
-Ids never start with ".", so sidecars and temporary files cannot collide with a blob.
 
-Resuming and the checksum: hashlib cannot save a sha256 state to disk, so a PUT that
-continues an upload re-hashes the prefix already on disk (a sequential read, about
-1.7 GB/s here: ~2 s per 3.6 GiB delta, once per resume). Within one server process
-the hash state of the last PUT is kept in memory, so a resume after a dropped
-connection costs nothing. The prefix is not fsynced chunk by chunk: after a power
-loss it could hold garbage, which the final checksum catches (the upload is then
-discarded with a 400 and the client starts again from byte 0).
-
-Measured (bench/blob_throughput.py, loopback, a loaded 2-core VM, 2 GiB): PUT 262 MB/s
-against 289 MB/s for write+fsync of the same bytes (0.91); GET 1804 MB/s against a
-1263 MB/s raw socket copy; peak RSS 40 MiB server, 31 MiB client, the same at 256 MiB.
+The protocol: FEDERATION_GUIDE.md, "Endpoints"; the disk it needs: RUNBOOK.md, "Central VM".
 """
 import dataclasses
 import hashlib
@@ -109,6 +83,7 @@ class Config:
 
 
 def check_id(blob_id):
+    """Ids never start with ".", so sidecars and temporary files cannot collide with a blob."""
     if not ID_RE.fullmatch(blob_id or "") or blob_id.startswith("."):
         raise httpd.HTTPError(400, f"bad blob id {blob_id[:80]!r}: use [A-Za-z0-9._-], 1-200 chars, "
                                    "not starting with '.'")
@@ -300,6 +275,11 @@ class BlobStore:
         return self._finish(blob_id, total, h.hexdigest())
 
     def _hash_prefix(self, blob_id, data, start):
+        """The sha256 state of the bytes before `start`. hashlib cannot save a state to disk,
+        so a PUT that continues an upload re-hashes the prefix on disk (a sequential read,
+        ~2 s per 3.6 GiB); the state of this process's last PUT is kept in memory, so a
+        resume after a dropped connection costs nothing. The prefix is not fsynced chunk by
+        chunk: after a power loss it may hold garbage, which the final checksum catches."""
         cached = self.hash_cache.pop(blob_id, None)
         if cached is not None and cached[0] == start:
             return cached[1]

@@ -1,64 +1,42 @@
 """demo.py - `make demo`: two sites train ONE model through the central services, on this CPU.
 
-What it shows, in the order it happens (about 4 minutes on 2 idle CPU cores):
-  1. tokenizes the embedded corpus (this Python's own standard-library sources, capped
-     at --corpus-mb) into fixed windows, and writes the initial model with
-     `train.py --export-init`;
-  2. starts the three central services on 127.0.0.1 with a fresh shared token:
-     darl_server.py (which blocks of the corpus each site may train), fedmom_server.py
-     (the global model, merged from the sites' deltas with Nesterov momentum) and
-     blobstore.py (large files);
-  3. launches two sites as separate `torchrun --standalone --nproc-per-node 2 train.py
-     --federation ...` jobs on the CPU: "alpha" shards the model with FSDP2, "beta"
-     replicates it with DDP and is made slower on purpose (--throttle-ms);
-  4. SIGKILLs one site's whole process group in the middle of an inner phase (a node
-     lost, a job hitting its walltime) and restarts it at once with --resume auto. The
-     new process has to wait until DARL and FedMom let the dead incarnation's leases
-     and membership expire (a short TTL here, minutes on a real run), then resumes
-     from its checkpoint; the blocks the dead process was training go back to the pool;
-  5. runs until DARL has no block left, then prints the summary and exits non-zero if
-     any check fails.
+What it does (about 4 minutes on 2 idle CPU cores): tokenizes this Python's own stdlib
+sources (--corpus-mb) and writes the initial model; starts darl_server.py, fedmom_server.py
+and blobstore.py on 127.0.0.1 with a fresh token; launches two sites as `torchrun --standalone
+--nproc-per-node 2 train.py --federation ...` jobs ("alpha": FSDP2; "beta": DDP, slower with
+--throttle-ms); SIGKILLs one site mid-phase and restarts it with --resume auto (it waits out
+its dead incarnation's leases and membership, then resumes from its checkpoint); runs until
+DARL has no block left, prints the summary and exits non-zero if any check fails.
 
 How to read the output:
-  "round N merged ..."   one line per merge of the global model: the token-weighted
-                         training loss of the deltas in it, which sites contributed, and
-                         how much of the corpus DARL has committed, in blocks and percent,
-                         with the ETA at the live sites' measured commit rate (this trails
-                         the merges: FedMom commits a round's custody once the round is durable).
-  "waiting for the first merge; ..."  every 10 s until then: each site's last log line
-                         (importing torch and starting its ranks takes a while on 2 cores).
-  "    alpha: ..."       lines from a site's own log: waiting out its dead incarnation,
-                         resuming from its checkpoint, a delta that was not merged.
+  "round N merged ..."   one line per merge: the deltas' token-weighted training loss, which
+                         sites contributed, DARL's committed blocks and percent, and the ETA.
+  "waiting for the first merge; ..."  every 10 s until then: each site's last log line.
+  "    alpha: ..."       a site's own log: waiting out its dead incarnation, resuming, a delta
+                         that was not merged.
   "live: ..."            which sites are members of the federation right now.
-  the summary            merged rounds, a table and sparkline of the loss per round
-                         (log scale above the minimum, its ends printed beside it),
-                         the held-out loss of the initial and the final global model,
-                         the run audit (audit.py: every block inside exactly one merged
-                         delta, from DARL's and FedMom's durable state), where the logs
-                         and the saved status page are, and PASS/FAIL per check.
+  the summary            merged rounds, the loss per round (table and sparkline), the held-out
+                         loss of the initial and final global model, the run audit (audit.py),
+                         where the logs and the saved status page are, and PASS/FAIL per check.
 
 Run:
     make demo                          # = .venv/bin/python demo.py (after make setup)
     .venv/bin/python demo.py --help    # sizes, timings, which site is killed
     .venv/bin/python demo.py --kill-site none --corpus-mb 0.5    # a shorter run without the kill
 
-Where: everything goes under --out (default runs/demo/), which the demo wipes first
-(it holds only what an earlier demo wrote):
+Where: everything goes under --out (default runs/demo/), which the demo wipes first:
     data/          the tokenized corpus (manifest.json + token shards) and init.safetensors
-    central/       the services' durable state: darl/ (WAL, snapshot), fedmom/ (checkpoint,
-                   state.json, rounds.jsonl, logged deltas), blobs/
+    central/       the services' durable state: darl/, fedmom/, blobs/
     sites/<site>/  each site's train.log, metrics.jsonl, checkpoints/
     logs/          stdout+stderr of every process the demo started
     theta-<round>.safetensors  the final global model (`fedmom_server.py export` of central/fedmom)
     status.html    FedMom's status page, saved before the servers stop
     summary.txt    the summary printed at the end
-Ports: 29510 (DARL), 29511 (FedMom), 29512 (blobs) when free, else free ports the
-kernel picks; all bound to 127.0.0.1, every call but /health (and FedMom's page)
-needs the random token in <out>/token. The demo stops every process it started,
-also on Ctrl-C or an error.
+Ports 29510-29512 when free, else ones the kernel picks, all on 127.0.0.1; the token is in
+<out>/token. The demo stops every process it started, also on Ctrl-C or an error.
 
-The processes, the services, the sites and the held-out score are harness.py's (which
-bench/convergence.py and the tests use too); this file is the story and its checks.
+Owns the story and its checks; the processes, services, sites and held-out score are
+testbed/harness.py's. What the demo shows: README.md, "What `make demo` shows".
 """
 import argparse
 import dataclasses

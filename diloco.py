@@ -1,44 +1,26 @@
 """diloco.py - DiLoCo inside one allocation: k model replicas, an outer step every H inner steps.
 
 Runs on: compute nodes, imported by train.py, fedphase.py, train_config.py (and smoke.py,
-bench/outer_overhead.py). Not started on its own. No port, no state directory of its own:
-its state (theta, outer momentum, counters) travels inside train.py's checkpoints
-(checkpoint.py), and one "diloco" row per outer step goes to runs/<run>/metrics.jsonl.
-Imports torch and nothing of the project (tests/test_imports.py holds it to that).
+bench/outer_overhead.py); not started on its own; no port, no state directory: its state
+(theta, outer momentum, counters) travels inside train.py's checkpoints, and one "diloco" row
+per outer step goes to metrics.jsonl. Imports torch and nothing of the project (test_imports).
 
-The allocation's W ranks are cut into k contiguous blocks of n = W / k ranks:
-
-    k=2 on one 8-GPU node:  replica 0 = ranks 0-3    replica 1 = ranks 4-7
-                            inner group: DDP/FSDP every step, inside the block
-                            outer groups {0,4} {1,5} {2,6} {3,7}: every H steps
-
-Contiguous because Slurm numbers ranks node by node: a replica spans as few nodes
-as possible, so the per-step inner all-reduce stays on the fast local links.
-Every rank does the outer step itself, with the ranks holding the same position
-in the other replicas. Under DDP those ranks hold identical replicas, so n
-parallel k-way exchanges leave every rank with theta and no broadcast is needed
-afterwards; under FSDP rank j holds shard j and exchanges it with the ranks
-holding shard j elsewhere - the same code, on local shards.
-
-The outer step (DiLoCo, Douillard et al. 2023):
-    delta_i = theta - theta_i          this replica's drift over the phase
-    g       = mean_i delta_i           the pseudo-gradient
-    theta  <- OuterOpt(theta, g)       torch.optim.SGD(lr, momentum, nesterov=True)
-train.py's defaults: Nesterov, lr 0.7, momentum 0.9 (outer_state.py; DiLoCoConfig is
-given them). `sgd` with lr 1.0 and momentum 0 makes theta = mean_i theta_i exactly, i.e.
-FederatedAveraging (the control arm).
-
-Who moves the bytes is one small interface, OuterCarrier: outer_step(OuterExchange) ->
-OuterResult. AllReduceCarrier averages the deltas over the outer group;
-fedphase.FedMomCarrier (train.py --federation) sends this site's delta to
-fedmom_server.py and receives the new theta_global instead, tensor by tensor, without
-changing the counting, the metrics or the copy-back here. Under federation the phase
-ends where the DARL span ends, not always after H steps: the caller counts steps with
-count_inner_step() and ends the phase with end_phase(handoff), which returns the row and
-what the carrier says became of the step (OuterResult.outcome). A carrier sets theta
-outside the outer step in one way only, receive_theta(); one that answers
-OuterResult(theta_later=True) leaves the replica training on from its own weights, and
-receive_theta() later folds the new theta in (fold(): the one-step-delayed outer update).
+What it owns:
+  ReplicaLayout   the W ranks cut into k contiguous replicas of n = W / k ranks (Slurm numbers
+                  ranks node by node, so the per-step inner all-reduce stays on local links);
+                  the outer groups join the same position in every replica:
+                      k=2 on one 8-GPU node: replica 0 = ranks 0-3, replica 1 = ranks 4-7,
+                      outer groups {0,4} {1,5} {2,6} {3,7}, every H steps
+                  Every rank does the outer step on what it holds (DDP: the replica; FSDP: its
+                  shard), with the same position elsewhere: no broadcast afterwards.
+  DiLoCo          the outer step (Douillard et al. 2023): delta_i = theta - theta_i,
+                  g = mean_i delta_i, theta <- torch.optim.SGD(lr, momentum, nesterov=True);
+                  train.py's defaults lr 0.7, momentum 0.9 (outer_state.py); `sgd` with lr 1.0
+                  and momentum 0 is FederatedAveraging exactly. PhaseClock: --diloco-phase-s.
+  OuterCarrier    who moves the bytes: outer_step(OuterExchange) -> OuterResult.
+                  AllReduceCarrier averages over the outer group; fedphase.FedMomCarrier
+                  (train.py --federation) sends the delta to fedmom_server.py instead, with
+                  count_inner_step(), end_phase() and receive_theta() (fold(), eager_step()).
 
 In train.py:
     layout = diloco.ReplicaLayout.build(dist.world_size, dist.rank, args.diloco_replicas)
@@ -50,10 +32,11 @@ In train.py:
         if row: log(row)
     outer.finish()                            # flush the trailing partial phase, then eval
     with outer.global_weights(): evaluate(model); checkpoint.save(...)
+Every rank must reach the outer step the same number of times (it is a collective triggered
+by a per-rank counter): a ragged last batch or a rank-local `continue` hangs the job.
 
-Every rank must reach the outer step the same number of times (it is a
-collective triggered by a per-rank counter): a ragged last batch or a rank-local
-`continue` in the inner loop hangs the job in the all-reduce instead of failing.
+A site's phase through here: ARCHITECTURE.md, "The path of one delta"; the overlapped and
+eager outer steps: FEDERATION_GUIDE.md, "Overlap".
 """
 import contextlib
 import dataclasses

@@ -27,30 +27,16 @@ One outer round, as a site runs it:
     got = c.download_update("update.safetensors", base_round, wire.theta_digest("theta.safetensors"))
     c.leave()                           # at the end of the allocation
 
-Transports: "inline" streams the file as the PUT body; "blob" uploads it to the blob
-store (resumable) and names it; "auto" (default) uses the blob store for files of
-AUTO_BLOB_BYTES or more when blob_url is set.
+Transports: "inline" streams the file as the PUT body; "blob" uploads it to the blob store
+(resumable) and names it; "auto" (default) uses the blob store for files of AUTO_BLOB_BYTES
+or more when blob_url is set. Repeats: a call given `deadline` (an httpc.Deadline) is
+repeated under it by httpc.py's rule; without one it is one attempt. Nothing here repeats on
+its own, except that a 409 not_member joins again and sends the call once more. Each call's
+"deltas" (join/heartbeat replies) say what became of this cluster's deltas: merged,
+excluded or pending. Who may call: anyone holding the aggregator's bearer token.
 
-Repeats: every call takes `deadline`, an httpc.Deadline made by the caller (fedsite.py
-makes one per call); under it a failed call is repeated by httpc.py's rule, without it a
-call is one attempt and raises httpc.CallError (the server's reason in .reply) or an
-OSError. Nothing here repeats on its own. What makes each repeat safe: a join or a
-heartbeat of the same incarnation is the same membership; a delta is re-sent whole (its
-check, then the upload, continuing where the blob store's bytes end, under one blob name
-for all the attempts of one send_delta) and the aggregator answers a repeat of an
-accepted delta as a duplicate, never a second delta. A 409 not_member (dropped, e.g. after
-a network outage) joins again and sends the call once more, inside the same attempt.
-
-Whether a delta was merged: every join/heartbeat reply (so also the one that ends
-wait_round_after) carries "deltas", this cluster's outcome objects: merged (with
-merged_into, the round), excluded (with why) or pending, each with the DARL leases the
-delta carried; GET /status "recent" has the same per round ("outcomes").
-fedmom_server.py's docstring lists the fields. The aggregator takes an accepted delta's
-leases into custody at DARL and commits them once merged; for an excluded delta the
-site releases what is left of its leases in DARL, so the blocks are trained again.
-
-Who may call: anyone holding the aggregator's bearer token (token=..., or none on a
-loopback test server).
+The protocol (why a repeat is safe, the outcomes and who settles the leases): FEDERATION_GUIDE.md,
+"A round, from the site's side" and "What a site repeats, and for how long".
 """
 import http.client
 import json

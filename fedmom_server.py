@@ -1,174 +1,42 @@
 """fedmom_server.py - the central FedMom aggregator: one global model, merged from the sites' deltas.
 
-Runs on: the central VM (CPU only). Python standard library + numpy; never imports
-torch. What it imports, all of it numpy at most: the HTTP server (httpd.py, httpd.py),
-the round protocol (fedmom_round.py, pure, with fedmom_round.py), the books
-(fedmom_state.py: state.json and the spool), the outer state (outer_state.py over
-outer_state.py, fedmom_merge.py, outer_state.py, wire.py, wire.py), the custody
-calls (fedmom_state.py), the blob transport and retention (fedmom_state.py, blob_client.py),
-fedmom_state.py putting them together and status_page.py (GET /). The files to copy onto a
-bare Python 3 with numpy are central.sh's CENTRAL_FILES (RUNBOOK.md section 1).
-
-This file is the HTTP shell: each route reads its request and makes one call on the
-FedMomState, which knows nothing of HTTP (fedmom_round.Refused becomes the 4xx it names);
-the three loops below drive its rounds, its calls to DARL and the blob store's retention.
+Runs on: the central VM (CPU only; standard library + numpy, never torch). Port 29511, bound
+to 127.0.0.1 unless --host says otherwise (beyond loopback: a token and TLS, or --insecure).
+Callers: the sites' rank 0 (fedmom_client.FedMomClient) and operators (`status`, GET / in a
+browser); every endpoint but GET /health and GET / (unless --private-page) needs the token.
 
     # first start: the initial model (any float dtype; theta_global is kept in fp32)
     python fedmom_server.py --state-dir state/fedmom --init init.safetensors
     # every later start resumes from the state dir (--init is then optional)
     python fedmom_server.py --state-dir state/fedmom [--memory-gb 48 --outer-dir /nvme/outer
-        --outer-lr 0.7 --outer-momentum 0.9
-        --round-deadline-s 1800 --member-timeout-s 300 --blob-url https://127.0.0.1:29512
-        --darl https://127.0.0.1:29510 --ca-file ca.pem --token-file FILE
-        --darl-token-file AGGREGATOR_TOKEN_FILE --tls-cert server.pem --tls-key server.key
-        --down-wire int4 --down-wire-block 128 --keep-rounds 3 --phase-s 600 --quorum 0.5 --grace-frac 0.2]
-    # what is it doing?
-    python fedmom_server.py status --url https://127.0.0.1:29511 [--token-file FILE --ca-file ca.pem]
-    # what will a run need (RAM at a budget, disk, seconds a round)?
+        --outer-lr 0.7 --outer-momentum 0.9 --round-deadline-s 1800 --member-timeout-s 300
+        --blob-url https://127.0.0.1:29512 --darl https://127.0.0.1:29510 --ca-file ca.pem
+        --token-file FILE --darl-token-file AGGREGATOR_TOKEN_FILE --tls-cert server.pem
+        --tls-key server.key --down-wire int4 --down-wire-block 128 --keep-rounds 3
+        --phase-s 600 --quorum 0.5 --grace-frac 0.2]
+    python fedmom_server.py status --url URL [--token-file FILE --ca-file ca.pem]  # exit 1 on a violation
     python fedmom_server.py plan --params 8e9 --sites 2 --down-wire int4 [--memory-gb 48 | --init FILE]
-
-Port 29511, bound to 127.0.0.1 unless --host says otherwise (a non-loopback bind
-needs a token and TLS, or --insecure; httpd.py has the connection limits). Callers: the sites' outer step (diloco.py's HTTP
-carrier, through fedmom_client.FedMomClient) and operators (`status`, a browser on GET /).
-Every endpoint needs `Authorization: Bearer <token>` when a token is set, except
-GET /health and GET / : the page is read-only, shows round numbers, cluster ids and
-metrics only (no token, no path, nothing a caller could write with), and a browser
-cannot send a bearer header. --private-page puts GET / behind the token as well.
-
-The outer step: the deltas d_i = theta_i - theta_global of a round, weighted by the
-tokens each site trained on, take one Nesterov-momentum step of theta_global; the
-rule, exactly, is fedmom_merge.py's docstring. It runs on the outer state (theta, the
-momentum, the --down-wire residual: 4 B/param each), tensor by tensor, in cache-sized
-pieces on --merge-procs worker processes (outer_state.apply_round).
-
-Memory (--memory-gb G, default 3/4 of the machine's; outer_state.py has the arithmetic):
-the aggregator and its workers hold at most G, shared memory included. Its fixed part
-(the processes, a round's working memory: a few times the largest tensor) comes first; the
-outer state stays in memory as far as the rest of G goes and lives in file blocks in
---outer-dir beyond it, read and written a piece at a time by the same workers, the same
-bits. A start refuses in one line, naming the flag, when RAM, shared memory or --outer-dir
-cannot hold what G asks; `plan` says what a run needs before it starts.
-
-Compressed downstream (--down-wire int8|int4|int2|topk|bf16; default f32 = off): after the
-merge, the step theta_merged - theta_r plus what the last update rounded away is encoded
-in that format (fedmom_merge.Publisher), and theta_{r+1} is DEFINED as theta_r plus the
-decoded update: that is the theta this server serves and merges into next. A site holding
-theta_r downloads the update (~0.52 B/param in int4, ~0.27 in int2) and adds it (wire.apply_update) to the
-same bits; one without it (new, requeued, more than one round behind) downloads theta.
-
-Round protocol (POST bodies and replies are JSON; errors are 4xx {"error": "..."}):
-    POST /join       {cluster, incarnation}          -> {round, heartbeat_s, outer, phase_s, ...} (outer:
-                     {lr, momentum, nesterov}, the merge's step, for a site's --overlap-fold eager;
-                     phase_s: --phase-s, the seconds a phase should train, null when not offered);
-                     409 if another incarnation of that cluster is live (second job: --replica)
-    POST /heartbeat  {cluster, incarnation, metrics?, wait_round_after?, wait_s?}
-                     -> {round, deltas, ...}; with wait_round_after it long-polls until the round
-                     passes it (or wait_s). 409 {"code": "not_member"}: join again.
-                     Both replies carry round_age_s (seconds the open round has been open) and
-                     waiting_on (the live members it still waits for, sorted; [] while it merges).
-    POST /leave      {cluster, incarnation}
-    POST /delta_check  the delta's metadata alone: the same 4xx a real upload would get
-    PUT  /delta      body = the delta file; metadata in the X-Delta-Meta header (JSON):
-                     {cluster, incarnation, base_round, tokens, leases: [...], metrics: {...}}
-                     metrics: the numbers fedmom_round.METRIC_KEYS (loss, tokens_per_s, ..., steps,
-                     step_s, budget_s, cycle_s, util, wait_s) and ended_by, one of "clock", "lease",
-                     "data", "steps"; another value is a 400 (a heartbeat's metrics drop it instead).
-                     A delta's land in its record's "clusters" entry, a heartbeat's in /status "members"
-    POST /delta_blob {...the same metadata..., blob, sha256}: the delta sits in blobstore
-    GET  /theta      the current theta_global file (X-Round header names its round)
-    GET  /theta_blob publishes it to the blob store once per round -> {blob, sha256, round};
-                     the blob is <aggregator id>.theta-<round> (the retention sweep deletes it later)
-    GET  /theta_update?from=R&digest=D   with --down-wire: the update file that takes the
-                     theta of round R (wire.Digest D) to the current round (headers X-Round,
-                     X-Theta-Digest: the digest the site must get); 409 {"code": "no_update"}
-                     when there is none for that theta: download GET /theta instead
-    GET  /theta_update_blob?from=R&digest=D   the same update published to the blob store
-                     once per round -> {blob, sha256, round, digest}
-    GET  /round, GET /status (JSON), GET / (the status page of the whole central VM: status_page.py;
-         /?saved=1 is the copy to keep, stamped and without the auto-refresh), GET /health
-A delta whose base_round is not the current round gets 409 {"error", "round": current}.
-With --darl, an accepted delta's leases go into DARL custody for this aggregator
-(fedmom_round.py's docstring has the two-phase commit): a lease DARL will not hold for
-that incarnation (it expired and its blocks were leased again, or it was stolen) is a
-409 {"error", "code": "lease_lost", "leases": [...]} and nothing is stored; the site
-discards that work. While DARL gives no definitive answer the delta stays spooled but
-unconfirmed, and its round waits: it never merges a delta whose blocks DARL has not
-reserved for it. Under --darl a delta must name its leases (400 otherwise).
-A round closes when every live member has sent its delta (or had it excluded: a delta
-of tokens 0 is refused with 400 bad_delta AND counts as the member's answer), or
---round-deadline-s after its first delta, or --grace-frac x the recent round length after
-its quorum (the tokens arrived reach --quorum x those expected; fedmom_round.py's docstring
-has the rule, FEDERATION_GUIDE.md how to choose the three flags), and every delta in it is
-in confirmed custody; it merges what arrived, and a delta for it sent later is a 409
-stale_round. A member silent for --member-timeout-s is dropped (it may join again). No
-live member, or a round with no delta, is normal: nothing is merged and the round number
-stays.
-
-The merge is robust to finite but hostile deltas (fedmom_merge.py): each delta is
-scaled to at most --clip-factor (10) x the median delta norm of the round and of the
-last 4 rounds' merged deltas (named in the record's "clip"), and a merge whose theta or
-momentum would not be finite is redone without the largest contribution, which is
-excluded (its custody aborted), or, if the old momentum alone overflows, with the
-momentum reset (the record's "momentum_reset"). theta_global and momentum are never
-published with a NaN or Inf.
-
-What became of a delta (so a site knows whether to release its leases, and an audit
-can check that every DARL block was committed through exactly one merged round):
-each delta is one outcome object
-    {"cluster", "incarnation", "base_round", "tokens", "leases": [{"id", "end"}],
-     "outcome": "merged" | "excluded" | "pending", "merged_into": <round> | null,
-     "why": "<reason>" (excluded only)}
-  - rounds.jsonl, one record per merge (v 3): "outcomes" lists every delta of that
-    round, merged ones with merged_into = the record's round, their custody "delta" id
-    and the DARL positions "pieces" [[lease, start, end]] they were trained on, and those
-    excluded (NaN/Inf, wrong names, shapes or dtypes, tokens 0, a merge that would not
-    be finite, custody refused or lost) with why; "excluded" keeps its v1 shape plus
-    base_round, tokens and leases. Records of v 1 have no "outcomes", of v 2 no
-    "delta"/"pieces". Each "clusters" entry has "arrived_s" (seconds after the round
-    opened that its delta was admitted; 0 for one restored at a start) and "waited_s"
-    (seconds it then waited for the close); the record has "period_s" (seconds since the
-    round before closed, null for the first round of a process) and "quorum" ({"fraction",
-    "grace_s", "expected_tokens"} when the quorum rule applied, else null).
-  - POST /join and /heartbeat replies: "deltas" = this cluster's outcomes in the last
-    merged round that had one, then the current round's (pending or excluded). After
-    wait_round_after(base_round) returns, the entry with that base_round says merged
-    (the server commits its custody in DARL) or excluded (the site releases what is
-    left of its leases in DARL, so the blocks are trained again).
-  - GET /status: "outcomes" of the current round, and "recent" round records; also
-    "phase_s", "round_age_s" and "quorum" (the rule as the open round stands: fraction,
-    grace_s, expected_tokens, arrived_tokens, reached, reached_s_ago; null where it does not apply).
-An excluded delta is also refused at upload (400 or 422, code "bad_delta"); that reply
-is the first word, since an exclusion not yet in a record lives in memory only (one
-excluded at the merge is told through the heartbeat's "deltas").
-A full disk is a 507 "disk_full" (nothing spooled, no part file left); a merge that
-cannot be written leaves the round unchanged, shows "merge_error" in GET /status and
-is retried every 30 s.
-
-State dir (--state-dir): a checkpoint of theta, momentum and residual (every
---checkpoint-rounds rounds; between them a round's durable record is its deltas, its
-update and its line in state.json, and a restart replays the rounds since the checkpoint
-into the outer state's blocks, bit for bit), state.json, rounds.jsonl and spool/, and the
-DARL commits and aborts owed; fedmom_state.py's docstring has the layout. --outer-dir
-(default outer/ in it) holds only scratch: the file blocks of the outer state kept out of
-memory, swept at a start. --threads sets the cores its merge and codecs use.
-
-Retention (--keep-rounds K, default 3): the theta/update blobs of the last K rounds stay
-in the blob store (so a download begun before a merge can finish); fedmom_state.BlobRetention deletes
-older ones after every durable round and at start, from the store's listing, so a crash
-leaks nothing; a site further behind takes the full theta (409 no_update). GET /status
-"retention", the status CLI and the page say what the state dir and the store keep and
-why; RUNBOOK.md section 1 has the disk this bounds.
-
-    python fedmom_server.py status --url URL   # exit 1 while a violation counter is non-zero
     python fedmom_server.py export --state-dir DIR theta.safetensors   # a stopped server's theta
     python fedmom_server.py checkpoint --state-dir DIR   # its round as the checkpoint: nothing to replay
-Violations (refused_commits, aborted_custody, blocks_trained_twice, refused_aborts), DARL's silence and
-fencing are shown on /status, the page and the status CLI. Test hooks (testhooks.py): fault
-points fedmom.received, fedmom.spooled, fedmom.custody_held, fedmom.merge,
-fedmom.round_durable, fedmom.committed, fedmom.epoch_durable (the issued epoch durable, not
-confirmed), fedmom.checkpoint (after each file of a checkpoint), fedmom.unlink (each file of
-an old round, outside the state lock) and fedmom.blob_delete (each DELETE of a retention
-sweep); the wall clock through testhooks.wall_time().
+
+What it owns: the HTTP shell (each route reads its request and makes one call on
+fedmom_state.FedMomState, which knows nothing of HTTP; fedmom_round.Refused becomes the 4xx
+it names), the three loops that drive the rounds, the calls to DARL and the blob store's
+retention, and the command lines. The rest: fedmom_round.py (the pure round core: who may
+send, the quorum, the records), fedmom_state.py (the books: round state, state.json and the
+state dir's layout, the spool, blobs and their retention, the DARL custody link),
+outer_state.py (the outer state, its checkpoint and replay, the --memory-gb budget, `plan`),
+fedmom_merge.py (the merge rule, the clip, the --down-wire publisher, the worker processes),
+httpd.py (connections), status_page.py (GET /). The VM's files: central.sh's CENTRAL_FILES.
+
+Test hooks (testhooks.py): fault points fedmom.received, fedmom.spooled, fedmom.custody_held,
+fedmom.merge, fedmom.round_durable, fedmom.committed, fedmom.epoch_durable (the issued epoch
+durable, not confirmed), fedmom.checkpoint (after each file of a checkpoint), fedmom.unlink
+(each file of an old round, outside the state lock) and fedmom.blob_delete (each DELETE of a
+retention sweep); the wall clock through testhooks.wall_time().
+
+The protocol: FEDERATION_GUIDE.md, "Endpoints", "A round, from the site's side", "Knobs",
+"Reading the metrics"; the path of a delta: ARCHITECTURE.md, "The path of one delta".
 """
 import argparse
 import http.client
@@ -290,6 +158,8 @@ def make_routes(state, blob_token=None, retention=None):
               ("POST", "/heartbeat"): heartbeat,
               ("POST", "/leave"): lambda req: state.leave(*_ident(req.json())),
               ("POST", "/delta_check"): delta_check,
+              # a delta excluded at upload (400/422 bad_delta) is told in that reply only: an
+              # exclusion not yet in a round record lives in memory (one at the merge: "deltas")
               ("PUT", "/delta"): lambda req: state.receive_delta(_delta_meta(req), req.stream()),
               ("POST", "/delta_blob"): delta_blob,
               ("GET", "/theta"): theta,
@@ -435,6 +305,8 @@ def print_status(url, token=None, last=10, ca_file=None):
 def serve(cfg, a):
     """Bind (a refused public bind creates nothing), lock the state dir, build the state,
     serve until SIGTERM."""
+    # GET / is public unless --private-page: the page is read-only and shows round numbers,
+    # cluster ids and metrics only (no token, no path), and a browser cannot send a bearer header
     public = ("/health",) if a.private_page else ("/health", "/")
     token = httpc.load_token(a.token_file)
     darl_token = httpc.load_token(a.darl_token_file, env=None)

@@ -20,27 +20,20 @@ Callers: fedphase.py's loop and its FedMomCarrier, in this order per run:
     on_rank0(lambda: site.finish())
 With --overlap the carrier calls site.start_round_trip(...) instead (the same round trip
 on a Background thread), the loop asks next_span(busy) while it runs, and the carrier's
-settle() waits for it once it has ended or at the next phase's end (--overlap-fold;
-FEDERATION_GUIDE.md section 4, "Overlap").
+settle() waits for it once it has ended or at the next phase's end (--overlap-fold).
 Under --encode-on device the carrier passes defer_update=True: an int8/int4/int2 update of
 theta_global comes back unapplied (RoundResult.update), the carrier adds it on the
 devices and calls site.check_behind(theta), whose thread (the file's addition and the
 digest) the next round_trip and fetch_theta join first (join_check).
 Every method that can wait is a generator that yields while it waits: on_rank0 turns each
 yield into a small broadcast, so the other ranks never sit in one collective long enough
-to time out.
+to time out. Each call to the central VM gets ONE httpc.Deadline, made here (FedSite._call):
+httpc.RETRY_S (900 s) without progress, --register-wait-s for the first register and join.
 
-The protocol these calls follow (what a phase leases, what the aggregator does with a
-delta, who settles a lease, identity and requeues) is FEDERATION_GUIDE.md, sections 2-4;
-the path of a delta through fedphase.py, diloco.py, here and fedmom_client.py is
-ARCHITECTURE.md section 3.
-
-How long a call waits: each call to the central VM gets ONE httpc.Deadline, made here
-(FedSite._call) and passed down to the client under it, which repeats a failure by
-httpc.py's rule (transport errors, 5xx; never a refusal); nothing here or under it
-repeats on its own. A call gives up (httpc.GaveUp, and the job ends) once it has gone
-httpc.RETRY_S (900 s) without progress; the first DARL register and FedMom join wait
---register-wait-s instead (a requeued job's predecessor must expire first).
+The protocol these calls follow: FEDERATION_GUIDE.md, "Identity", "Leases (DARL)", "A round,
+from the site's side" (with "Overlap" and "What a site repeats, and for how long"); the path
+of a delta through fedphase.py, diloco.py, here and fedmom_client.py: ARCHITECTURE.md, "The
+path of one delta".
 """
 import dataclasses
 import http.client
@@ -124,7 +117,7 @@ class FedSite:
     transport, data, diloco_inner_steps, register_wait_s). windows: the site's
     data.TokenWindows. model_bytes picks the transport of theta under --transport auto.
 
-    Lease lifecycle (FEDERATION_GUIDE.md section 3): the site never commits in DARL.
+    Lease lifecycle (FEDERATION_GUIDE.md, "Leases (DARL)"): the site never commits in DARL.
     Accepted: the aggregator takes the span into custody at DARL, out of reach of our
     TTL, steals and releases; the session's heartbeats see the lease "done" and drop it.
     Merged: the aggregator commits that custody. Not merged: the site releases the lease
@@ -294,8 +287,8 @@ class FedSite:
         """theta_global of the current round into `path` -> its round. With the aggregator's
         --down-wire, a site holding the previous round's theta downloads the update and adds
         it (wire.apply_update: the aggregator's exact bits, checked by their digest); any
-        other site (new, requeued, behind) downloads the whole file (FEDERATION_GUIDE.md
-        section 4, "Compressed downstream"). defer_update: an int8/int4/int2 update is only
+        other site (new, requeued, behind) downloads the whole file (FEDERATION_GUIDE.md,
+        "Compressed downstream"). defer_update: an int8/int4/int2 update is only
         downloaded and checked against the theta file's names and shapes; the caller adds it
         where its theta is, then check_behind() does the file's addition and the digest.
         A check still running behind is joined first."""

@@ -16,25 +16,15 @@ or an http.client.HTTPException; a certificate that cannot be verified, or a ser
 that speaks no TLS, is a TLSConfigError (not an OSError: no retry will help). call()
 makes one request and never repeats it.
 
-The retry policy, said once here and used by every client (fedsite.py, fedmom_client.py,
-darl_client.py, blob_client.py, the servers' calls to each other):
-
-  - One Deadline per call, made by the outermost caller and passed down: how long the
-    call may go WITHOUT PROGRESS (no answer, no byte moved) before it gives up. Every
-    layer under it takes the same object; retry() is the one loop that repeats anything,
-    so the worst case is that one number, never a product of attempt counts. A site's
-    number is RETRY_S below (900 s; fedsite.FedSite makes the Deadline of each of its
-    calls from it; the first register and join wait --register-wait-s instead).
-  - What is repeated (repeatable()): a server that cannot be reached or a connection
-    that broke, and a 5xx answer (a restart, a full disk's 507 with Retry-After); a 4xx
-    only when the server says so ("retry": true: the blob store's busy id or moved
-    upload offset) or when the caller names the 409 code it waits out (incarnation_conflict:
-    a previous incarnation still live). Never another 4xx: that is the server's answer.
-    Every call of ours is safe to send twice: reads; heartbeats, joins, commits, releases,
-    custody calls, idempotent by the protocol; an acquire carries its request id, a delta
-    its (cluster, incarnation, base round), answered as a duplicate the second time; an
-    upload continues at the offset the store holds (FEDERATION_GUIDE.md section 4, "What a
-    site repeats").
+The retry policy, said once here and used by every client and the servers' calls to each other:
+  - One Deadline per call, made by the outermost caller and passed down: how long the call
+    may go WITHOUT PROGRESS (no answer, no byte moved) before it gives up. retry() is the
+    one loop that repeats anything, so the worst case is that one number, never a product
+    of attempt counts. A site's number is RETRY_S (900 s; fedsite.FedSite's calls).
+  - What is repeated (repeatable()): a server that cannot be reached or a connection that
+    broke, and a 5xx (a restart, a full disk's 507); a 4xx only when the server says
+    "retry": true or the caller names the 409 code it waits out (incarnation_conflict).
+    Never another 4xx: that is the server's answer. Every call of ours is safe to send twice.
   - Between attempts: 0.2 s, doubling, at most the Deadline's max_wait_s (5 s), with
     jitter, never past the deadline. When the deadline passes: GaveUp (a TimeoutError)
     naming the call, the seconds, the attempts and the last error.
@@ -42,7 +32,8 @@ darl_client.py, blob_client.py, the servers' calls to each other):
     d = httpc.Deadline(httpc.RETRY_S, what="send delta")
     client.send_delta(path, ..., deadline=d)          # repeats inside, under d; raises GaveUp
     httpc.retry("GET /status", lambda: httpc.call(url, "GET", "/status"), d)
-A client method given no deadline makes one attempt and raises what it met.
+A client method given no deadline makes one attempt and raises what it met. Why each
+repeat is safe: FEDERATION_GUIDE.md, "What a site repeats, and for how long".
 """
 import functools
 import http.client

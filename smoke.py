@@ -6,48 +6,34 @@ Runs on: compute nodes (one process per GPU), or this machine's CPU for tests.
 No port of its own (the rendezvous is dist_env.init_distributed's), no state directory.
 
 Checks, each reduced over all ranks, printed by rank 0 as a pass/fail table:
-  first collective      first, before anything else: one small all-reduce on the world, then
-                        for each --diloco-replicas K the layout's groups are made
-                        (diloco.ReplicaLayout.build) and each of this rank's sub-groups (inner,
-                        outer) gets its first all-reduce, all timed under a watchdog. On
-                        LUMI's torch 2.10 + ROCm 7.0 images the first collective of a group
-                        made with new_group() hangs on every rank at >= 4 nodes in most
-                        attempts (lumi-ai-factory/laifs-container-recipes issue #44; one group
-                        alone always passed). A rank whose groups and first all-reduces are not
-                        done after --first-collective-timeout-s prints one line naming the
-                        group, and the mitigations set (MITIGATIONS), and exits 1 at once
-                        (jobs/*_smoke.sh: srun --kill-on-bad-exit ends the other ranks): a
-                        failure in minutes, not a stuck allocation. RUNBOOK.md section 2 says
-                        what to try next. The row, when it passes, gives each group's time.
+  first collective      one small all-reduce on the world, then, for each --diloco-replicas K,
+                        the layout's groups made and each sub-group's first all-reduce, timed
+                        under a watchdog: a rank not done after --first-collective-timeout-s
+                        prints one line naming the group and the MITIGATIONS set, and exits 1
+                        at once (a failure in minutes, not a stuck allocation).
   distinct devices      every rank drives its own GPU (host + device uuid, else PCI id);
-                        two ranks on one GPU is the classic pinning mistake and only
-                        shows up later as half the throughput. On CPU: reported, passes.
+                        two ranks on one GPU is the classic pinning mistake. On CPU: passes.
   all-reduce exact      a sum of rank ids, integer-valued floats: exact or broken.
   all-reduce bandwidth  --allreduce-mb of fp32, algbw = bytes / time and
                         busbw = algbw * 2(W-1)/W (the nccl-tests convention);
-                        fails below --min-busbw-gbs. Single-digit GB/s between GPU
-                        nodes means the collective fell back to TCP.
-  network               which transport the collectives use: on GPUs, NCCL's INFO lines of
-                        INIT and NET go to a file per rank (NCCL_DEBUG_FILE: yours when set,
-                        else a temporary one; NCCL_DEBUG raised to INFO where it is lower)
-                        and the "Using network ..." / "NET/OFI Selected provider is ..."
-                        lines are read back and printed under the table: Libfabric over cxi
-                        on LUMI, IB on Snellius. A multi-node run on Socket (or libfabric's
-                        tcp provider) FAILS: RCCL/NCCL fell back to TCP, correct but an order
-                        of magnitude slower; so does a multi-node run whose log says nothing.
+                        fails below --min-busbw-gbs (single-digit GB/s between GPU nodes: TCP).
+  network               which transport the collectives use, read from NCCL's INFO lines (a
+                        file per rank, NCCL_DEBUG_FILE) and printed under the table: Libfabric
+                        over cxi on LUMI, IB on Snellius. A multi-node run on Socket (or
+                        libfabric's tcp provider), or whose log says nothing, FAILS.
   hip runtime           on ROCm, after RCCL loaded its network plugin: exactly one HIP
-                        runtime (libamdhip64) mapped in the process, torch's; the plugin
-                        linked against the image's /opt/rocm must not bring a second one.
+                        runtime (libamdhip64) mapped in the process, torch's.
   attention kernel      which SDPA kernel a qwen3-0.6B-shaped grouped-query attention
                         (16 query / 8 K/V heads, head_dim 128, seq 2048, bf16; seq 128 fp32
-                        on CPU) actually runs, forward and backward, read from the
-                        profiler, with models.py's kernel plan. The math kernel FAILS on a
-                        GPU (S x S memory per head).
+                        on CPU) runs, forward and backward, read from the profiler, with
+                        models.py's kernel plan. The math kernel FAILS on a GPU.
   diloco k=K groups     for each --diloco-replicas K: inner and outer group members
   diloco k=K outer step replica r holds the value r, theta(0) = 0, FedAvg outer step:
                         theta must be exactly (K-1)/2 everywhere, 0.5000 for K=2,
                         1.5000 for K=4. Also times the outer step on --diloco-mb.
 Exit status 0 when everything passed, 1 when a check failed, 2 for a bad flag.
+
+What to do when a row fails: RUNBOOK.md, "Validate each site before spending GPU hours".
 """
 import argparse
 import dataclasses
@@ -69,7 +55,7 @@ import models
 import testhooks
 
 # what may keep the first collective of a new group from hanging on LUMI (sites/lumi.sh sets
-# them; RUNBOOK.md section 2): dist_env's eager NCCL init (device_id), torch's non-blocking
+# them; RUNBOOK.md, "Validate each site ..."): dist_env's eager NCCL init (device_id), torch's non-blocking
 # communicator calls, RCCL's MSCCL algorithms. The row and its failure line say which are set.
 MITIGATIONS = ("PWW_EAGER_PG_INIT", "TORCH_NCCL_USE_COMM_NONBLOCKING", "RCCL_MSCCL_ENABLE")
 
@@ -164,7 +150,11 @@ def _first_all_reduce(d, group, what, dog):
 
 def check_first_collectives(d, replicas, timeout_s):
     """The layouts for each K (their groups made here, the first time) and the row: a first
-    all-reduce on the world, then on each sub-group of each layout, all under one Watchdog."""
+    all-reduce on the world, then on each sub-group of each layout, all under one Watchdog.
+    Why first: on LUMI's torch 2.10 + ROCm 7.0 images the first collective of a group made
+    with new_group() hangs on every rank at >= 4 nodes in most attempts (one group alone
+    always passed). The Watchdog turns that into one line and exit 1 (jobs/*_smoke.sh: srun
+    --kill-on-bad-exit ends the other ranks); the row, when it passes, gives each group's time."""
     layouts, parts = {}, []
     with Watchdog(timeout_s, d.rank) as dog:
         parts.append(f"world {_first_all_reduce(d, None, 'the world group', dog):.1f} ms")

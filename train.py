@@ -1,8 +1,8 @@
 """train.py - THE site-side training entrypoint (ResNet/CIFAR-10 and Qwen3 via torchtitan).
 
-Runs on: compute nodes (one process per GPU, launched by srun or torchrun), or on
-any CPU with gloo for tests and the local demo. Listens on no port of its own;
-the process group's rendezvous uses MASTER_ADDR:MASTER_PORT (see below).
+Runs on: compute nodes (one process per GPU, launched by srun or torchrun), or on any CPU
+with gloo for tests and the local demo. No port of its own; the process group's rendezvous
+(MASTER_ADDR, MASTER_PORT from SLURM_JOB_ID), device dispatch and rank/world: dist_env.py.
 
 Command lines:
     # one CPU process
@@ -22,54 +22,22 @@ Command lines:
         --ca-file ~/.pww/central-ca.pem --site lumi --diloco-inner-steps 100 --resume auto
     # (jobs/*_titan.sh take the URLs, $PWW_TOKEN_FILE and $PWW_CA_FILE from central.env)
 
-Federation (fedphase.py: the phases, the carrier, the federation rows): rank 0 speaks for
-the site (fedsite.py), every rank trains the windows of the DARL span it shares, and the
-outer step goes through fedphase.FedMomCarrier. One phase = one span; the local checkpoint is written before the delta leaves. The
-protocol, identity (cluster id, incarnation, requeues) and knobs are
-FEDERATION_GUIDE.md, sections 2-5. --eval-every counts phases there; --throttle-ms
-(a slower site) is for demos and tests. --overlap trains the next phase while the
-delta's round trip runs and folds the new theta_global in when it arrives (--overlap-fold
-arrival) or at that phase's end, after its checkpoint (end); --overlap-fold eager starts that
-phase from a local step of the aggregator's outer optimizer on the site's own delta
-(FEDERATION_GUIDE.md section 4, "Overlap" and "Eager").
+What it owns: the model, the data, the loop and the run (stages 3-6); the config is
+train_config.py (flags > --config YAML > defaults; a flag this run would not read is refused,
+naming the fix), the federation's phases fedphase.py, the logs and rows metrics.py. Seeds:
+--seed on every rank for the model, seed*1000 + rank for augmentation and dropout, data order
+from (--seed, epoch) only, so a resume continues exactly where the checkpoint stopped.
 
-Device dispatch, rank/world and the rendezvous (ROCm, CUDA or CPU; torchrun or srun;
-MASTER_PORT from SLURM_JOB_ID): dist_env.py, called once at the start of train().
+Outputs, only under --runs-dir (runs/<run>/): config.yaml (the resolved config, usable as
+--config, + provenance), train.log (what rank 0 printed), metrics.jsonl (one JSON row per
+line, by "split": "train", "eval" (the first, "first": true, before any training; the last,
+"final": true), "diloco", and with --federation "federation" and "phase"; every row carries
+tokens_total (img_total for CIFAR) and the incarnation), checkpoints/ (--resume auto continues
+from the newest), federation/ (rank 0's delta and theta files, the error-feedback residual:
+error_feedback.py). --tensorboard DIR: the same rows as TensorBoard scalars.
 
-Config (train_config.py, where every flag is said once): flags > --config YAML (keys are
-flag names) > defaults; model-dependent defaults read "LLM / CIFAR" in --help. --dtype
-auto = bf16 on GPUs and fp32 on CPUs (Config.resolve says why). A flag given where this
-run's mode would not read it (--ckpt-every with --federation, --wire-block with --wire
-topk, ...) is refused, naming the flag and the fix.
-
-Seeds: the model is initialised with --seed on every rank; augmentation and dropout then
-use seed*1000 + rank; data order is a function of (--seed, epoch) only, so a resume
-continues exactly where the checkpoint stopped.
-
-Outputs (metrics.py writes the logs and rows): runs/<run>/ holds
-    config.yaml     the resolved config (usable as --config) + provenance (git hash or the
-                    sha256 of every *.py, library versions, every rank's device)
-    train.log       what rank 0 printed
-    metrics.jsonl   one JSON row per line, by "split": "train" (loss, lr, grad_norm, step_ms,
-                    tokens_per_s or img_per_s over all ranks, mfu per rank against the device's
-                    bf16 peak (None on CPU), peak_mem_gib), "eval", "diloco" (outer_step,
-                    delta_norm, avg_delta_norm, agreement) and with --federation one
-                    "federation" row per phase (FEDERATION_GUIDE.md section 6). The first
-                    eval row ("first": true, step 0: before any training; federated runs and
-                    --eval-every) and the last ("final": true) are the held-out loss before
-                    and after. EVERY row carries tokens_total (img_total for CIFAR: trained
-                    by this job so far, all ranks, kept across --resume) and the incarnation
-                    (random per process; FedMom's and DARL's id of it), so loss against
-                    tokens needs no arithmetic and a resume shows as a new incarnation. A
-                    federated site sends its last held-out loss with its next delta
-                    (heldout_loss, heldout_round), so the status page plots it.
-    --tensorboard DIR  the same rows as TensorBoard scalars: <split>/<key> against the
-                    step, and <split>/loss_by_tokens against tokens_total
-    checkpoints/    checkpoint.py's files; --resume auto continues from the newest
-    federation/     rank 0's delta.safetensors (the last one sent) and theta.safetensors;
-                    the error-feedback residual (--encode-on host: rank 0's residual.safetensors;
-                    device: residual-rank<r>.safetensors, one per rank; error_feedback.py)
-Who may run it: anyone with the venv (or the site container); it only writes under --runs-dir.
+Federation: FEDERATION_GUIDE.md, "Identity" (cluster id, incarnation, requeues), "A round,
+from the site's side" and "Knobs"; the rows' keys: FEDERATION_GUIDE.md, "Reading the metrics".
 """
 import contextlib
 import dataclasses

@@ -14,49 +14,28 @@ fault_oracle.py judge the outcome.
     res = fault_harness.run_schedule(seed, work_dir, sched=Schedule(...))   # a fixed one
     res.findings                  # [] = the oracle found nothing; describe_failure(res) says what
 
-The faults (the servers' fault points are testhooks.py's: a process stops at the
-named phase, and is SIGKILLed there):
-    darl_kill       DARL SIGKILLed at darl.append (decided, not logged), darl.torn (half a
-                    log line written), darl.synced (logged, not answered), after 0-3 hits
-    fedmom_kill     the aggregator SIGKILLed at fedmom.received (mid-upload),
-                    fedmom.spooled, fedmom.custody_held (DARL holds it, the spool does not
-                    say so), fedmom.merge (mid-merge), fedmom.round_durable (between a
-                    durable round and its commits), fedmom.committed, fedmom.epoch_durable (its
-                    new epoch and holder durable, the confirm not sent); back after 0-2 s
-    fedmom_outage   the aggregator down for 2 x the longest lease TTL, then back
-    blob_kill       the blob store SIGKILLed mid-upload (blob.chunk)
-    site_kill       a site SIGKILLed at site.trained (its delta not sent) or site.sent (its
-                    delta accepted, its outcome unknown); requeued as a new incarnation
-    site_stop       a site SIGSTOPped past its lease TTL at site.trained or at site.checked
-                    (its lease checked, its delta not yet sent: the race a site's own check
-                    cannot close), then SIGCONTed; with a newcomer, a new site starts once
-                    the stopped site's lease has expired, so it may lease and train those
-                    blocks while the stopped site's delta is still for the open round
-    darl_flag       DARL restarted with --max-attempts or --max-grant changed: it must
-                    refuse, naming the flag; then restarted with --accept-config-change
-    clock_step      the servers' wall clock stepped by +-1 h (PWW_TEST_CLOCK_OFFSET_FILE),
-                    DARL SIGKILLed and restarted across the step
-    token_rotation  new tokens, the sites' and the aggregator's: DARL restarted with them (the
-                    aggregator's calls get 401 and must stay owed), then the aggregator and
-                    the blob store; reached once a site met the 401 and was requeued with the
-                    new token
-    stale_aggregator  the aggregator's state copied while it is stopped (a standby's copy, a
-                    restored backup); the live one restarts and DARL issues it the next epoch;
-                    then the stale copy is started beside it 1-3 times, as a supervisor would:
-                    DARL must fence it at every start (exit 3), the live one going on
-Some sites (chosen by the seed) are careless (they send without checking the lease
-first), some overlapped (train.py --overlap), some send int4 deltas with error feedback
-(drawn after the rest, so older seeds keep their schedules), and half the seeds run the
-aggregator with --down-wire int4; drawn after those, half offer --phase-s with the quorum
-rule on (--quorum, --grace-frac: a round closes without a straggler, whose delta is then
-stale), most of their sites time-budgeted (leases sized by a clock that trims a span where
-it runs out): fault_site.py says what each does.
-The oracle (fault_oracle.py) then judges the final durable state of both servers against
-the sites' records: audit.py's verdict, every position inside exactly one merged delta a
-site sent, no acknowledged commit lost, theta_global and the outer state bit for bit a
-replay of the recorded merges; and here: the changed-flag restart was refused naming the
-flag, no site crashed, nothing stalled.
-A failing schedule keeps its directory (the servers' state and logs, the sites' records).
+What it owns: the schedules (make_schedule, drawn from the seed), the processes (Proc, Run),
+and these faults (KINDS; POINTS names the fault points of testhooks.py each may stop at):
+    darl_kill         DARL SIGKILLed at darl.append, darl.torn or darl.synced
+    fedmom_kill       the aggregator SIGKILLed at one of its fault points, back after 0-2 s
+    fedmom_outage     the aggregator down for 2-3 x the longest lease TTL, then back
+    blob_kill         the blob store SIGKILLed mid-upload (blob.chunk)
+    site_kill         a site SIGKILLed at site.trained or site.sent; requeued as a new incarnation
+    site_stop         a site SIGSTOPped past its lease TTL at site.trained or site.checked (maybe
+                      with a newcomer site leasing its expired blocks), then SIGCONTed
+    darl_flag         DARL restarted with --max-attempts or --max-grant changed: it must refuse,
+                      naming the flag; then restarted with --accept-config-change
+    clock_step        the servers' wall clock stepped by +-1 h across a DARL restart
+    token_rotation    new tokens, the sites' and the aggregator's, DARL first
+    stale_aggregator  a stopped copy of the aggregator's state started beside the live one 1-3
+                      times: DARL must fence it at every start (exit 3)
+Sites may be careless (no lease check before sending), overlapped, int4 or time-budgeted
+(fault_site.py says what each does); aggregators may run --down-wire int4 or --phase-s with
+the quorum rule. Beside the oracle's checks, here: the changed-flag restart was refused naming
+the flag, no site crashed, nothing stalled. A failing schedule keeps its directory.
+
+What the schedules cover and the oracle checks: FEDERATION_GUIDE.md, "The proof: random fault
+schedules against an oracle".
 """
 import collections
 import dataclasses
