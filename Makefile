@@ -50,7 +50,7 @@ browser:
 	  fi; \
 	fi
 
-# A skip that README.md's "Expected skips" does not list fails the run (--fail-on-skip);
+# A skip that TESTING.md's "Expected skips" does not list fails the run (--fail-on-skip);
 # `make test TEST_FLAGS=` runs without that rule. PWW_LUMI_API_VENV makes a missing LUMI
 # venv a failure of tests/test_lumi_api.py, not a skip.
 TEST_FLAGS ?= --fail-on-skip
