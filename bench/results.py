@@ -46,7 +46,7 @@ def find_block(text, name, path):
 def clean(output, tail):
     """The printed lines, without terminal colours or carriage-return progress, the last `tail`."""
     lines = []
-    for line in output.splitlines():
+    for line in output.split("\n"):
         line = ANSI.sub("", line).split("\r")[-1].rstrip()
         lines.append(line.replace("```", "'''"))
     while lines and not lines[-1]:
@@ -95,7 +95,7 @@ def main(argv=None):
         return 0
     if not a.command:
         p.error("--command is required (the command whose output is on stdin)")
-    rewrite(a.file, a.name, a.command, sys.stdin.read(), a.date, a.tail)
+    rewrite(a.file, a.name, a.command, sys.stdin.buffer.read().decode("utf-8", "replace"), a.date, a.tail)
     print(f"bench/results.py: {a.name}'s block in {os.path.relpath(a.file)} rewritten ({a.date})", file=sys.stderr)
     return 0
 
