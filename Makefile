@@ -74,7 +74,7 @@ lint: setup
 # stdout is tee'd (it still prints) through bench/results.py, which rewrites that bench's
 # block of bench/RESULTS.md (between <!-- bench:NAME --> and <!-- /bench:NAME -->) with the
 # command, today's date and what it printed; the hand-written text around the blocks stays.
-# A bench without its markers stops the run before it starts (results.py --check); a bench
+# A bench without its markers stops the run before any bench starts (results.py --check); a bench
 # that fails leaves its block as it was. The raw output stays in runs/bench/NAME.out.
 # convergence.py runs its --quick size here (~4 min); the full size (~20 min) is
 # `$(PY) bench/convergence.py`. fault_schedule.py runs 40 schedules here (~7 min);
@@ -97,8 +97,10 @@ lint: setup
 # 1:2:3 and the stall at 30+ rounds (~3 h).
 bench: SHELL := /bin/bash
 bench: setup
-	@set -eo pipefail; mkdir -p runs/bench; for b in bench/*.py; do \
-	  case $$b in bench/faults.py|bench/http_fuzz.py|bench/wan_relay.py|bench/results.py) continue ;; esac; \
+	@set -eo pipefail; mkdir -p runs/bench; skip="bench/faults.py bench/http_fuzz.py bench/wan_relay.py bench/results.py"; \
+	for b in bench/*.py; do case " $$skip " in *" $$b "*) continue ;; esac; $(PY) bench/results.py --check $$(basename $$b .py); done; \
+	for b in bench/*.py; do \
+	  case " $$skip " in *" $$b "*) continue ;; esac; \
 	  name=$$(basename $$b .py); \
 	  case "$$b" in \
 	    bench/convergence.py) args="--quick" ;; \
@@ -111,7 +113,6 @@ bench: setup
 	    bench/fault_schedule.py) args="--schedules 40 --jobs 2" ;; \
 	    *) args="" ;; \
 	  esac; \
-	  $(PY) bench/results.py --check $$name; \
 	  echo "== $$b $$args"; \
 	  $(PY) $$b $$args | tee runs/bench/$$name.out; \
 	  $(PY) bench/results.py $$name --command "python $$b$${args:+ $$args}" < runs/bench/$$name.out; \
