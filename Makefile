@@ -50,7 +50,7 @@ browser:
 	  fi; \
 	fi
 
-# A skip that README.md's "Expected skips" does not list fails the run (--fail-on-skip);
+# A skip that TESTING.md's "Expected skips" does not list fails the run (--fail-on-skip);
 # `make test TEST_FLAGS=` runs without that rule. PWW_LUMI_API_VENV makes a missing LUMI
 # venv a failure of tests/test_lumi_api.py, not a skip.
 TEST_FLAGS ?= --fail-on-skip
@@ -70,17 +70,22 @@ lint: setup
 	$(PY) -m compileall -q *.py testbed tests bench
 	$(VENV)/bin/shellcheck -x env.sh central.sh sites/*.sh jobs/*.sh prep/*.sh tests/*.sh
 
-# Every figure of bench/, each against a baseline measured in the same run.
+# Every figure of bench/, each against a baseline measured in the same run; each bench's
+# stdout is tee'd (it still prints) through bench/results.py, which rewrites that bench's
+# block of bench/RESULTS.md (between <!-- bench:NAME --> and <!-- /bench:NAME -->) with the
+# command, today's date and what it printed; the hand-written text around the blocks stays.
+# A bench without its markers stops the run before any bench starts (results.py --check); a bench
+# that fails leaves its block as it was. The raw output stays in runs/bench/NAME.out.
 # convergence.py runs its --quick size here (~4 min); the full size (~20 min) is
 # `$(PY) bench/convergence.py`. fault_schedule.py runs 40 schedules here (~7 min);
 # the full proof (500 schedules, ~1.5 h on 2 cores) is `$(PY) bench/fault_schedule.py --jobs 2`.
 # faults.py has its own target below; http_fuzz.py is a tool that faults.py drives (and an
 # operator points at a test deployment), not a figure; wan_relay.py is the WAN-shaped link
-# the benches import (wire_formats.py --link-mbit).
+# the benches import (wire_formats.py --link-mbit); results.py is the writer above.
 # wire_formats.py (the wire formats, up and down, overlap off and on) runs 25 short federations,
 # ~32 min on a quiet 2-core machine; `--no-sweep --no-ddp` runs 15. wan_tricks.py runs --quick here
-# (2 seeds of f32 and int4 both ways and DDP, 8 rounds, ~5 min); the measurement the guide quotes
-# (3 seeds, 40+ rounds, every arm with its own outer setting, a second model size) is
+# (2 seeds of f32 and int4 both ways and DDP, 8 rounds, ~5 min); the measurement bench/RESULTS.md
+# quotes (3 seeds, 40+ rounds, every arm with its own outer setting, a second model size) is
 # `$(PY) bench/wan_tricks.py --json wan.json` (~75 min).
 # chaos.py runs its --quick setting here (3 min of faults, then the unfaulted run; ~10 min);
 # `make chaos` is the 15-minute setting. scale_round.py runs --quick here (a ~24M-param model,
@@ -90,31 +95,38 @@ lint: setup
 # hetero.py runs --quick here (1 seed: sites at 1:2, fixed H against phases in time, and a stalled
 # site with and without the quorum; ~5 min); `$(PY) bench/hetero.py` is 3 seeds of 1:1, 1:2, 1:3,
 # 1:2:3 and the stall at 30+ rounds (~3 h).
+bench: SHELL := /bin/bash
 bench: setup
-	@set -e; for b in bench/*.py; do \
-	  case $$b in bench/faults.py|bench/http_fuzz.py|bench/wan_relay.py) continue ;; esac; \
-	  echo "== $$b"; \
+	@set -eo pipefail; mkdir -p runs/bench; skip="bench/faults.py bench/http_fuzz.py bench/wan_relay.py bench/results.py"; \
+	for b in bench/*.py; do case " $$skip " in *" $$b "*) continue ;; esac; $(PY) bench/results.py --check $$(basename $$b .py); done; \
+	for b in bench/*.py; do \
+	  case " $$skip " in *" $$b "*) continue ;; esac; \
+	  name=$$(basename $$b .py); \
 	  case "$$b" in \
-	    bench/convergence.py) $(PY) $$b --quick ;; \
-	    bench/wan_tricks.py) $(PY) $$b --quick ;; \
-	    bench/wire_speed.py) $(PY) $$b --quick ;; \
-	    bench/chaos.py) $(PY) $$b --quick ;; \
-	    bench/scale_round.py) $(PY) $$b --quick ;; \
-	    bench/site_share.py) $(PY) $$b --quick ;; \
-	    bench/hetero.py) $(PY) $$b --quick ;; \
-	    bench/fault_schedule.py) $(PY) $$b --schedules 40 --jobs 2 ;; \
-	    *) $(PY) $$b ;; \
+	    bench/convergence.py) args="--quick" ;; \
+	    bench/wan_tricks.py) args="--quick" ;; \
+	    bench/wire_speed.py) args="--quick" ;; \
+	    bench/chaos.py) args="--quick" ;; \
+	    bench/scale_round.py) args="--quick" ;; \
+	    bench/site_share.py) args="--quick" ;; \
+	    bench/hetero.py) args="--quick" ;; \
+	    bench/fault_schedule.py) args="--schedules 40 --jobs 2" ;; \
+	    *) args="" ;; \
 	  esac; \
+	  echo "== $$b $$args"; \
+	  $(PY) $$b $$args | tee runs/bench/$$name.out; \
+	  $(PY) bench/results.py $$name --command "python $$b$${args:+ $$args}" < runs/bench/$$name.out; \
 	done
 
 # What the central servers survive (SIGKILLs, fuzz, load, half-open connections, full
-# disks; ~20 min; root for the tmpfs); rewrites the table in FEDERATION_GUIDE.md section 8.
+# disks; ~20 min; root for the tmpfs); rewrites its tables in bench/RESULTS.md.
 bench-faults: setup
 	$(PY) bench/faults.py
 
 # Real training under random faults: two torchrun sites (FSDP and DDP, --overlap, int4 both
 # ways, TLS) while every process is SIGKILLed and SIGSTOPped for 15 minutes, then the same
-# corpus unfaulted; audit, theta replay, held-out loss, goodput (FEDERATION_GUIDE.md section 7).
+# corpus unfaulted; audit, theta replay, held-out loss, goodput (FEDERATION_GUIDE.md section 7,
+# figures in bench/RESULTS.md).
 # `make chaos CHAOS_FLAGS="--minutes 5 --seed 2"` for another setting.
 CHAOS_FLAGS ?= --minutes 15
 chaos: setup

@@ -1,6 +1,6 @@
 """bench/faults.py - what the three central servers survive, measured: SIGKILLs, fuzz,
 load, half-open connections and full disks. `make bench-faults` runs it and rewrites
-the table in FEDERATION_GUIDE.md (section 8) from what it printed.
+its tables in bench/RESULTS.md ("What the central VM survives") from what it printed.
 
 Runs on: any Linux box with the venv (CPU, loopback, openssl; root for the tmpfs of
 the disk-full cases, else they are skipped and said so). Every server runs as its own
@@ -8,7 +8,7 @@ process over TLS, as on the central VM.
     python bench/faults.py                       # everything, ~15-25 min on 2 busy cores
     python bench/faults.py --quick               # small counts: checks the bench itself (~3 min)
     python bench/faults.py --only kills,fuzz     # some parts: kills wal fuzz load halfopen diskfull
-    python bench/faults.py --no-guide            # print, leave FEDERATION_GUIDE.md alone
+    python bench/faults.py --no-guide            # print, leave bench/RESULTS.md alone
 
 Figures, each beside its baseline or target:
   kills     SIGKILLs per daemon (target >= 200 each): DARL under 8 leasing clients,
@@ -61,7 +61,7 @@ import httpc  # noqa: E402
 import tensorio  # noqa: E402
 
 TOKEN = "bench-faults-token"
-GUIDE = os.path.join(ROOT, "FEDERATION_GUIDE.md")
+GUIDE = os.path.join(ROOT, "bench", "RESULTS.md")   # the page its tables live on
 BEGIN, END = "<!-- bench/faults.py: begin -->", "<!-- bench/faults.py: end -->"
 
 
@@ -764,7 +764,7 @@ def main(argv):
     p.add_argument("--load-s", type=float, default=5.0, help="seconds per load measurement (default 5)")
     p.add_argument("--quick", action="store_true", help="10 kills, 500 fuzz requests, 2 s loads")
     p.add_argument("--only", default="kills,wal,fuzz,load,halfopen,diskfull", help="comma-separated parts")
-    p.add_argument("--no-guide", action="store_true", help="do not rewrite FEDERATION_GUIDE.md's table")
+    p.add_argument("--no-guide", action="store_true", help="do not rewrite the tables in bench/RESULTS.md")
     p.add_argument("--hold", nargs=3, metavar=("PORT", "N", "CA"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.hold:

@@ -4,7 +4,7 @@ Runs on: any machine with the venv (CPU only). Usage:
     python tests/run.py                   # every tests/test_*.py
     python tests/run.py test_darl         # one module (or several)
     python tests/run.py test_darl.LeaseTableTest.test_expiry
-    python tests/run.py --fail-on-skip    # a skip README.md does not list fails (make test, CI)
+    python tests/run.py --fail-on-skip    # a skip TESTING.md does not list fails (make test, CI)
     python tests/run.py --with slurm_jobs # every tests/test_*.py, then tests/slurm_jobs.py (make test as root)
     python tests/run.py --timeout 900     # the watchdog's budget, s (default 600)
 The last line is the summary CI reads; the exit status is 1 if anything failed or
@@ -26,7 +26,7 @@ What is counted (each test id exactly once: passed, failed or skipped):
     garbage collector runs before each test, so what the last one dropped in
     a reference cycle is finalized, and counted, before the next begins.
     PYTHONTRACEMALLOC=20 adds where each leaked object was allocated;
-  - with --fail-on-skip, a skip whose test id (or class, or module) the README's
+  - with --fail-on-skip, a skip whose test id (or class, or module) TESTING.md's
     "Expected skips" list does not name is a failure, with its reason printed.
 
 The watchdog: a test, or the class and module fixtures between two tests, still
@@ -219,7 +219,7 @@ class CountingResult(unittest.TextTestResult):
             o = self.outcome.get(i)
             if o == "skipped" and fail_on_skip and not any(i == e or i.startswith(e + ".") for e in expected):
                 self.stream.writeln(f"unexpected skip: {i} ({self.reasons.get(i)}); "
-                                    "README.md's \"Expected skips\" does not list it")
+                                    "TESTING.md's \"Expected skips\" does not list it")
                 o = "failed"
             if o is None:
                 self.stream.writeln(f"{'cut off by the watchdog' if i == self.current else 'did not run'}: {i}")
@@ -310,9 +310,9 @@ def main(argv):
                    help="after those, also this module (class, test id) outside the test_*.py pattern, "
                         "in the same run and summary; repeatable")
     p.add_argument("--fail-on-skip", action="store_true",
-                   help="count a skip as a failure unless README.md's \"Expected skips\" lists it")
-    p.add_argument("--expected-skips", default=os.path.join(ROOT, "README.md"),
-                   help="markdown file with the \"Expected skips\" list (default README.md)")
+                   help="count a skip as a failure unless TESTING.md's \"Expected skips\" lists it")
+    p.add_argument("--expected-skips", default=os.path.join(ROOT, "TESTING.md"),
+                   help="markdown file with the \"Expected skips\" list (default TESTING.md)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"watchdog budget per test and per fixture stretch, s (default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,

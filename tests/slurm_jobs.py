@@ -20,7 +20,7 @@ A job that fails cancels its partner, so a failure is reported at once. The node
 CPUs hold one titan job at a time: the second starts once the first has ended and may
 find the corpus covered (0 steps); checked are both jobs' success, both sites'
 membership and at least one merged round, not that each site trained.
-Skips when not root, or without apt-get where Slurm is not installed (README.md's
+Skips when not root, or without apt-get where Slurm is not installed (TESTING.md's
 "Expected skips" lists neither, so under `make test` as root the second fails the run).
 Slurm is left running afterwards (`tests/local_slurm.sh stop` stops it).
 """

@@ -6,7 +6,7 @@ tests they stand for; subtests and cleanup errors counted once; an exception in 
 thread fails its test; a leaked socket or file, or an error in a finalizer, fails the
 test that caused it; the watchdog (a hung test fails and the run goes on; a test that
 swallows the TestTimeout ends the run with its totals; a module's WATCHDOG_S); --fail-on-skip against an
-expected-skips list; an import error and an empty run; and the README's own list.
+expected-skips list; an import error and an empty run; and TESTING.md's own list.
 """
 import os
 import re
@@ -345,9 +345,11 @@ class RunnerTest(unittest.TestCase):
         got, out = self.counts("probe_class_skip", "--with", "probe_fixtures", rc=1)
         self.assertEqual(got, (2, 3, 2), out)         # a failure in the added module fails the run
 
-    def test_the_readme_lists_only_tests_that_exist(self):
-        listed = run.expected_skips(os.path.join(ROOT, "README.md"))
-        self.assertTrue(listed, "README.md has an \"Expected skips\" list")
+    def test_testing_md_lists_only_tests_that_exist(self):
+        listed = run.expected_skips(os.path.join(ROOT, "TESTING.md"))
+        self.assertTrue(listed, "TESTING.md has an \"Expected skips\" list")
+        self.assertEqual(run.expected_skips(os.path.join(ROOT, "README.md")), [],
+                         "the expected skips are listed once, in TESTING.md")
         ids = run.test_ids(unittest.TestLoader().discover(HERE, pattern="test_*.py", top_level_dir=HERE))
         for entry in listed:
             self.assertTrue(any(i == entry or i.startswith(entry + ".") for i in ids), entry)
