@@ -5,7 +5,7 @@ only each other (central.sh's CENTRAL_FILES); nothing at the top level but demo.
 testbed/ (the harnesses of the tests, benches and demo); test modules share fixtures through
 tests/fixtures.py and testbed/, never by importing each other. And the house stays small: at
 most 40 top-level modules, 20 central files, a delta's path on the central VM through 5 files,
-module docstrings of 40 lines. Nothing is run: the files are parsed."""
+module docstrings of 40 lines, short docs (DocsTest). Nothing is run: the files are parsed."""
 import ast
 import os
 import re
@@ -178,6 +178,35 @@ class SizeTest(unittest.TestCase):
                     if isinstance(node, ast.ClassDef):
                         n = node.end_lineno - node.lineno + 1
                         self.assertLessEqual(n, 400, f"{fn}: class {node.name} is {n} lines")
+
+
+class DocsTest(unittest.TestCase):
+    """The docs a newcomer reads first stay short: the README's first 40 lines give the two
+    commands and the table of the docs; FEDERATION_GUIDE.md at most 800 lines; no table cell in
+    any doc over 420 characters (a few lines on a screen)."""
+
+    def read(self, name):
+        with open(os.path.join(ROOT, name)) as f:
+            return f.read()
+
+    def test_the_readme_first_screen(self):
+        first = "\n".join(self.read("README.md").splitlines()[:40])
+        for needed in ("make demo", "make test", "| RUNBOOK.md |", "| FEDERATION_GUIDE.md |", "| ARCHITECTURE.md |",
+                       "| TESTING.md |", "| bench/RESULTS.md |"):
+            self.assertIn(needed, first, "README.md's first 40 lines")
+
+    def test_the_guide_is_at_most_800_lines(self):
+        n = self.read("FEDERATION_GUIDE.md").count("\n")
+        self.assertLessEqual(n, 800, f"FEDERATION_GUIDE.md: {n} lines; measured figures go to bench/RESULTS.md")
+
+    def test_no_table_cell_over_420_characters(self):
+        for name in ("README.md", "RUNBOOK.md", "FEDERATION_GUIDE.md", "ARCHITECTURE.md", "TESTING.md",
+                     os.path.join("bench", "RESULTS.md")):
+            for i, line in enumerate(self.read(name).splitlines(), 1):
+                if line.startswith("|"):
+                    longest = max(len(c.strip()) for c in line.strip().strip("|").split("|"))
+                    with self.subTest(f"{name}:{i}"):
+                        self.assertLessEqual(longest, 420, f"{name}:{i}: a table cell of {longest} characters")
 
 
 if __name__ == "__main__":
