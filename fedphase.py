@@ -618,7 +618,7 @@ def phase_loop(run, site, carrier, start):
     With carrier.cadence (phases measured in time) rank 0 sizes each lease from its plan and,
     after every inner step, says whether the phase ends on the next block boundary
     (PhaseClock.share: every rank ends on the same step); the part of the span not trained
-    goes back to DARL's pool (fedsite.trim), and the next phase leases afresh."""
+    goes back to DARL's pool (fedsite.close_phase), and the next phase leases afresh."""
     cfg, d, log, model, outer, source = run.cfg, run.d, run.log, run.model, run.outer, run.source
     step, phases, seq, heldout = start, 0, run.windows.seq_len, {}
     cadence = carrier.cadence

@@ -113,7 +113,7 @@ class FedSite:
     """Rank 0's side of a federated site: one DARL LeaseSession (this stream's leases),
     FedMom membership, and the round trip of each delta.
 
-    cfg: train.Config (reads cluster, federation, darl_url, blob_url, token_file,
+    cfg: train_config.Config (reads cluster, federation, darl_url, blob_url, token_file,
     transport, data, diloco_inner_steps, register_wait_s). windows: the site's
     data.TokenWindows. model_bytes picks the transport of theta under --transport auto.
 

@@ -68,7 +68,7 @@ INT4 = wire.Codec("int4")           # a site's --wire int4, default block
 
 
 class Residual:
-    """An int4 site's error feedback, diloco.Residual's rules in memory (a new incarnation
+    """An int4 site's error feedback, error_feedback.Residual's rules in memory (a new incarnation
     starts with nothing owed, as a restart that cannot know whether its delta merged):
     send x = delta + owed, next = x - decode(encode(x)); merged: next becomes owed; not
     merged: next is dropped; outcome unknown: both reset."""
