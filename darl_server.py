@@ -1,155 +1,42 @@
 """darl_server.py - DARL, the dataset-leasing coordinator (central VM, :29510).
 
-What: the one map of which data blocks are UNASSIGNED, LEASED, COMMITTED or
-QUARANTINED. Sites lease contiguous runs of block *positions* under a TTL,
-keep them alive with heartbeats and commit them once the update trained on
-them is durable, so the corpus is covered exactly once even though sites
-start late, run at different speeds and die at walltime. The bookkeeping
-itself does no I/O: the lease table and verify() are darl_table.py, the aggregator's
-custody and fencing on it darl_table.py (CustodyTable, the table served here), and
-which samples a position means block_space.py; darl_server.py is the table's write-ahead
-log and snapshot on disk; this file keeps the table behind one lock, logs every change
-before it answers, and serves it.
+Sites lease contiguous runs of block positions under a TTL and keep them alive with
+heartbeats; the aggregator takes the leases of every delta it accepts into custody and
+commits them once that delta is inside a durable round. So the corpus is trained on exactly
+once though sites start late, run at different speeds and die at walltime. The table
+(darl_table.CustodyTable) does no I/O: this server keeps it behind one lock, logs every
+change before it answers, snapshots it and serves it. Standard library only; never torch.
 
-Where: the central VM (or a login node): it must outlive every job that
-leases from it. Python standard library only; never imports torch.
-
-Run:
-    python darl_server.py --num-samples 1000000 --block-size 10000 --seed 0 \\
-        --state-dir runs/central
+Run it where it outlives every job that leases from it (the central VM or a login node):
+    python darl_server.py --num-samples 1000000 --block-size 10000 --seed 0 --state-dir runs/central
     python darl_server.py --manifest /tmp/manifest.json --block-size 64 --seed 0
-        # N = the manifest's TRAINING windows (num_windows - heldout_windows):
-        # the held-out tail is never leased (block_space.py says how positions map)
+        # N = the manifest's training windows; the held-out tail is never leased
     python darl_server.py status --url https://127.0.0.1:29510 --ca-file runs/central/tls/ca.pem
         # exit 1 while anything is wrong
     python darl_server.py abort-custody --aggregator ID --reason "state dir lost" [--yes --expect LISTING]
+It binds 127.0.0.1:29510; a non-loopback --host needs a token (--token-file or $PWW_TOKEN),
+TLS (--tls-cert, --tls-key) and --aggregator-token-file, or --insecure. Every endpoint but
+/health needs `Authorization: Bearer <token>`; with --aggregator-token-file (central.sh gives
+it) /fence and /custody* take the aggregator's own token instead, so the token every site
+holds cannot fence the aggregator, abort its custody or retire it.
 
-Bind/port: 127.0.0.1:29510 by default. A non-loopback --host needs a token
-(--token-file or $PWW_TOKEN), TLS (--tls-cert, --tls-key) and the aggregator's own
---aggregator-token-file, or --insecure.
-Every endpoint but /health needs `Authorization: Bearer <token>` when a token is
-set. The custody endpoints (/fence, /custody, /custody/commit, /custody/abort,
-/custody/abort_orphaned) take the aggregator's own credential instead when
---aggregator-token-file is given (central.sh always gives it): the token every
-site holds then cannot fence the aggregator, abort its custody or retire it. Only
-the central VM has that file. Connection limits and timeouts: httpd.py.
+Its parts, in reading order: the state on disk (WriteAheadLog, the snapshot, load_state: the
+replay, which audit.py also runs read-only); the Coordinator (the table behind its lock,
+TableClock, group commit, snapshots, a full disk); the HTTP routes; the status and
+abort-custody commands; serve().
 
-State: <state-dir>/darl/wal.jsonl and <state-dir>/darl/snapshot.json, their formats and
-their replay in darl_server.py (which audit.py reads too); what this server does with them:
-  - The log: one line per state change, fsync'd before the reply (group commit: one
-    fdatasync covers every record written before it).
-  - The snapshot (after --snapshot-every changes once the log has grown to the size
-    of the last snapshot, so snapshots never cost more writing than the log; and at
-    SIGTERM): the table, the flags and a checksum, written atomically after
-    LeaseTable.verify(). The table is copied under the lock, written outside it (the
-    other calls go on); the log then starts afresh with a new header and the records
-    written meanwhile.
-  - A full disk: a change is refused with 507 (httpd) while less than DISK_MARGIN
-    is free; an append that still fails (part of a line written) is cut from the log
-    and the table rebuilt from the disk, so nothing of that change stays. A failed
-    snapshot changes nothing (the log holds every change): `snapshot_error` on
-    /status, retried --snapshot-every changes later.
-  - A restart loads the snapshot and replays the log (load_state): a torn
-    last line is dropped and said, anything else that does not read back stops the
-    start naming the file, the byte offset and what to do. Leases alive at the
-    crash get --restore-grace more seconds.
-  - <state-dir>/darl/lock: an exclusive flock held from before the state is read
-    until the process ends; a second darl_server on the same dir exits naming the
-    holder's pid. A failed fsync of the log (or of its directory after a snapshot
-    renamed the restarted log into place) ends the process (exit 75) before it
-    answers (what the disk holds is unknown then); a failed write is the full-disk
-    case above.
-  - A crash between writing a snapshot and restarting the log leaves the log the
-    previous snapshot named: its changes up to the new snapshot are inside it, the
-    ones after it (written while the snapshot was written) are replayed, and the
-    restart's new log carries them over.
-  - Leasing flags that differ from the recorded ones stop the start, naming each
-    flag and both values; --accept-config-change logs the change instead, and it
-    applies from then on.
-Clock: leases live on DARL's own clock (TableClock): the wall clock at start,
-then monotonic time, so a wall-clock step of +-1 h neither expires nor extends a
-lease; across a restart it never runs below the last logged change.
+State, in <state-dir>/darl/:
+    wal.jsonl      one line per change: `<JSON record><TAB><crc32 of the JSON, 8 hex>`; a header
+                   {"v", "op": "header", "seq", "log", "t", "digest", "space", "config"}, then
+                   {"v", "seq", "t", "op", "args", "out"}: a table call, its time, what it decided
+    snapshot.json  {"v", "seq", "log", "t", "digest", "space", "config", "table", "crc"}: the
+                   table at change `seq`, naming the log ("log") that continues it
+    lock           flock'd while the server runs: a second one on the dir exits naming its pid
+A restart loads the snapshot and replays the log; a torn last line is dropped and said, and
+anything else that does not read back stops the start, naming the file, the byte offset and
+the fix. Leasing flags other than the recorded ones stop it too, unless --accept-config-change.
 
-Callers: darl_client.py (one LeaseSession per stream, i.e. per replica) and
-fedmom_server.py, which takes the leases of every delta it accepts into custody
-and commits them once the update trained on them is merged into a durable round.
-
-Protocol (POST, JSON bodies; replies are JSON; errors are 4xx with
-{"error": "one line"} and change nothing, apart from the violation counters):
-    /register  {cluster, incarnation, digest}
-               -> {cluster, incarnation, num_blocks, digest, space}; a wrong digest
-                  is a 409 whose reply also carries the coordinator's digest and space;
-                  a cluster held by another live incarnation is a 409 with
-                  "code": "incarnation_conflict" and "retry_after_s" (until its leases expire)
-    /acquire   {cluster, incarnation, blocks?, ttl?, request_id?}
-               -> {"status": "ok", "lease": {...}} | {"status": "wait", "retry_after"}
-                  | {"status": "done"}  (nothing left to lease, ever: nothing free,
-                  leased or in custody)
-    /heartbeat {cluster, incarnation, leases: [{"lease", "cursor"?}], ttl?, throughput?}
-               -> {"leases": [{"lease", "valid", "start", "claimed", "end", "ttl_left"}], "ttl"}
-               The reply is an instruction: `end` may have shrunk (stolen tail)
-               and valid=false means the lease is no longer the site's: "done"
-               (committed, or in the aggregator's custody: normal) or reclaimed
-               (stop using it). `cursor` claims [start, cursor): the coordinator
-               never steals a claimed position, and a client must not touch an
-               unclaimed one.
-    /commit    {cluster, incarnation, lease, end?}   a site's own commit of [lease.start,
-               end) (no aggregator); an EXPIRED lease still commits while every position
-               of that range sits unleased in the pool (or quarantine)
-    /release   {cluster, incarnation, leases: [...], leave?}   gives back the live part of
-               leases; positions in custody are not the site's to give
-  Custody, the aggregator's two-phase commit (the aggregator coordinates: fedmom_state.py):
-    /fence     {aggregator, last_epoch, claim, last_holder?, round?}   a starting aggregator
-               asks for an epoch: -> {aggregator, epoch, held, held_blocks, digest}. DARL
-               issues it (one more than any it issued) only to the state holding the
-               current one: last_epoch names it (0 for a new identity), and it was never
-               confirmed or was confirmed by last_holder (the holder the state wrote with
-               that epoch before confirming it); and round (the state's durable round) is
-               not below the highest round named by a custody commit of this aggregator.
-               The same claim again gets the same epoch (a lost reply) until that epoch is
-               confirmed or acts. Anything else is a stale copy of the state: 409 "fenced".
-               Without last_holder (a state written before holders) the holder is not
-               compared; without round, nor the round. Every other custody call must name
-               the current epoch (409 "fenced" otherwise; "not_fenced" for an aggregator
-               DARL never fenced)
-    /fence/confirm {aggregator, epoch, claim, holder}   the answered process, its epoch
-               and holder durable, binds the epoch to itself (holder: a random id per
-               process) before it acts. Two copies of one state given the same epoch (a
-               copy taken while the ask was in flight): the first to confirm holds it, the
-               other gets 409 "fenced" here and at every later /fence (its state names its
-               own holder). A repeat by the holder gets the same answer
-    /custody   {aggregator, epoch, delta, cluster, incarnation, leases: [{lease, start?, end?}]}
-               -> {"state": "held", "pieces": [[lease, start, end]], "blocks"}: the
-               positions [start, end) of every lease leave it, all or nothing, for a
-               custody record that no TTL, steal, release or new incarnation touches.
-               409 "lease_lost" (+ leases) when a lease is not (cluster, incarnation)'s
-               to give: expired and re-leased, stolen, or unknown. A repeat gets the
-               same answer; a delta whose custody was aborted gets 409 "custody_aborted"
-    /custody/commit  {aggregator, epoch, delta, round?}   the round holding that delta
-               (round) is durable: its positions are COMMITTED; the highest round is the
-               aggregator's watermark for /fence. 409 "custody_aborted" or
-               "unknown_custody" is counted (refused_commits, blocks_trained_twice)
-    /custody/abort   {aggregator, epoch, delta, why?}   the delta will never be merged:
-               its positions go back to the pool (counted: aborted_custody). Of a delta
-               DARL never held it leaves a tombstone, so a late custody request fails;
-               of a committed one it is a 409 "custody_committed", counted (refused_aborts)
-    /custody/abort_orphaned {aggregator, reason, expect?}   the operator's command (the
-               abort-custody CLI): every custody of that aggregator goes back to the
-               pool and the identity is retired ("fenced" from then on); with expect
-               (the delta ids the operator was shown) it is refused, changing nothing,
-               when DARL holds another set (409 "custody_changed")
-  Only a definitive answer settles a custody call for the aggregator: a 2xx, or a
-  409 with one of the codes above. 401/403/404/5xx/timeouts are not DARL's word.
-    GET /custody?aggregator=&state=   the custody records (oldest first) and aggregators
-    GET /status  progress, per-cluster books, custody, aggregators and their epochs,
-                 "violations" {refused_commits, aborted_custody, blocks_trained_twice, refused_aborts},
-                 the leasing flags, and the space: {"digest", "space": {num_samples,
-                 block_size, seed, num_blocks, algorithm, manifest_digest}} so a site
-                 can build the same BlockSpace from its own manifest
-    GET /health
-Test hooks (testhooks.py): fault points darl.append (decided, not written), darl.torn
-(half a line written) and darl.synced (durable, not answered); the wall clock read
-at start through testhooks.wall_time().
+The protocol: FEDERATION_GUIDE.md, "Leases (DARL)"; every endpoint: its "Endpoints".
 """
 import dataclasses
 import errno
@@ -174,9 +61,17 @@ DEFAULT_PORT = 29510
 DISK_MARGIN = 64 << 10         # a change is refused (507) while the log's disk has less free
 
 
-# ==============================================================================================
-# DARL's durable state on disk
-# ==============================================================================================
+# ==== the state on disk: the write-ahead log, the snapshot, the replay ============================
+# load_state reads the snapshot, then replays every later record through the same CustodyTable
+# method at its logged time under the flags logged before it; a record that decides otherwise
+# than its `out`, or does not follow the one before (seq + 1), is a LogError naming the file,
+# the byte offset and what to do. A line is one write(), its newline last, and a reply waits
+# for its fsync: only the bytes after the last newline are a crash mid-write (measured, left
+# out); a complete line that fails its checksum may have been acknowledged, so it is damage.
+# The snapshot and the log's header carry the same log id: a snapshot without its log, or a log
+# of a missing or another snapshot, stops the read; a log the snapshot does not name is taken
+# only as its predecessor (a crash between writing a snapshot and restarting the log), its
+# records after the snapshot replayed. audit.py reads a state dir here, read-only.
 
 WAL_VERSION = 2                # 2: checksummed lines, a config header, recorded outcomes, custody
 # The table's methods a record may name (darl_table.LeaseTable's, darl_table.CustodyTable's): replay
@@ -533,6 +428,16 @@ def write_snapshot(path, snap):
 
 
 # ------------------------------------------------------------------ the coordinator
+# Every change is appended and fsync'd before its reply (group commit: one fdatasync covers every
+# record written before it); a failed fsync ends the process (exit 75) before it answers.
+# A snapshot is due after --snapshot-every changes once the log is as large as the last snapshot
+# (and at SIGTERM): the table is copied under the lock after verify(), written outside it, and the
+# log restarts with a new header and the records written meanwhile; a failed one changes nothing
+# (`snapshot_error` on /status, retried later). A full disk: a change is refused with 507 while
+# less than DISK_MARGIN is free; an append that still fails is cut from the log and the table is
+# rebuilt from the disk. Leases alive at a crash get --restore-grace more seconds.
+# Test hooks (testhooks.py): darl.append (decided, not written), darl.torn (half a line written),
+# darl.synced (durable, not answered); the wall clock is read at start through testhooks.wall_time.
 
 class ConfigChanged(SystemExit):
     """The flags that decide leases differ from the ones the state was written with."""

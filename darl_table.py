@@ -1,32 +1,38 @@
-"""darl_table.py - DARL's lease table with no I/O: the books of every block position, and the
-sites' calls on them.
+"""darl_table.py - DARL's lease table with no I/O: the books of every block position, the sites'
+calls on them, and the aggregator's custody and fencing on the same books.
 
-What: LeaseTable is the state machine over positions [0, M) (UNASSIGNED -> LEASED ->
-COMMITTED, or QUARANTINED after repeated expiries; a leased run the aggregator accepted a
-delta for goes LEASED -> IN CUSTODY -> COMMITTED, or back to UNASSIGNED on an abort), with
-verify() checking the books. It touches no file, socket or thread, and time comes in as an
-argument (or an injected clock): the coordinator (darl_server.py) replays its write-ahead
-log through the same methods, at the logged times and under the logged TableConfig, and
-gets the same table back. The calls here are the sites' (register, acquire, heartbeat,
-commit, release) and the coordinator's (expire, restore, set_config); the aggregator's
-(custody of an accepted delta's positions, and the epochs that fence its processes) are
-darl_table.py's CustodyTable, a LeaseTable with those calls and the table DARL runs.
-Which samples a position means is block_space.py's: the table only counts positions.
+Used on the central VM by darl_server.py (the table it serves and replays its write-ahead log
+through is a CustodyTable) and audit.py; the aggregator (fedmom_round.py, fedmom_server.py) and
+status_page.py use its Intervals, the violation counters' names and their status line.
+Standard library only; never torch. Not run on its own; tested in tests/test_darl.py.
 
-Also here, what the books are made of: Intervals (disjoint position runs; the aggregator
-and audit.py count with them too), Lease, Cluster and Custody records, TableConfig (the
-decision flags, each error naming its flag), LeaseError (a refusal: status, one-line
-reason; a `counted` one raises the violation counters, VIOLATIONS, whose loud status line
-is violations_line) and the checks of a request's fields.
+A pure state machine over positions [0, M): UNASSIGNED -> LEASED -> COMMITTED, or QUARANTINED
+after repeated expiries; a leased run the aggregator accepted a delta for goes LEASED -> IN
+CUSTODY -> COMMITTED, or back to UNASSIGNED on an abort. Every position is in exactly one
+place, and verify() checks it. No file, socket or thread: time comes in as `now` (or an
+injected clock), so a replay through the same methods at the logged times, under the logged
+TableConfig, gives the same table back. Which samples a position means is block_space.py's.
 
-Where: the central VM, imported by darl_table.py, darl_server.py, darl_server.py, audit.py
-and status_page.py (and the aggregator, fedmom_state.py and fedmom_server.py, for Intervals,
-the counters' names and their status line). Python standard library only; never torch. Not
-run on its own.
+Its parts, in reading order:
+  - what the books are made of: LeaseError (a refusal: status, one-line reason; a `counted`
+    one raises the violation counters, VIOLATIONS, whose loud status line is
+    violations_line), Intervals (disjoint position runs), Lease, Cluster and Custody records,
+    TableConfig (the leasing flags, each error naming its flag), the checks of a request;
+  - LeaseTable: the sites' calls (register, acquire, heartbeat, commit, release) and the
+    coordinator's (expire, restore, set_config); verify(), status(), and to_dict/from_dict
+    (the table in a snapshot);
+  - CustodyTable: the aggregator's calls, fence/confirm_fence (the epochs that fence its
+    processes) and take_custody/commit_custody/abort_custody/abort_orphaned (custody of an
+    accepted delta's positions, its two-phase commit).
 
-Use:
-    table = LeaseTable(space.num_blocks, TableConfig(), clock=time.time)
+    table = CustodyTable(space.num_blocks, TableConfig(), clock=time.time)
     table.register("lumi", "inc-1"); table.acquire("lumi", "inc-1", blocks=8); table.verify()
+    epoch = table.fence("agg", 0, "claim-1")["epoch"]
+    table.confirm_fence("agg", epoch, "claim-1", "proc-1")
+    table.take_custody("agg", epoch, "delta-1", "lumi", "inc-1", [{"lease": 1}])
+    table.commit_custody("agg", epoch, "delta-1", round=1)      # or abort_custody(...)
+
+The protocol: FEDERATION_GUIDE.md, "Leases (DARL)" and "Endpoints".
 """
 import bisect
 import collections
@@ -34,6 +40,7 @@ import dataclasses
 import math
 import operator
 import time
+
 
 class LeaseError(Exception):
     """A refused request: HTTP status + one-line reason. The table is unchanged, except for
@@ -736,9 +743,18 @@ class LeaseTable:
         return t
 
 
-# ==============================================================================================
-# the aggregator's side of DARL's table
-# ==============================================================================================
+# ==== the aggregator's calls: custody and fencing (CustodyTable) ==================================
+# take_custody() moves the positions a delta trained on out of their lease into a record owned by
+# one aggregator; only that aggregator's commit_custody() or abort_custody() (or the operator's
+# abort_orphaned()) ends it: no TTL, steal, release or new incarnation touches it.
+# Epochs are DARL's to issue: fence() gives the next one (one more than any issued) only to the
+# state that holds the current one, naming it as last_epoch with the process it bound it to as
+# last_holder (never confirmed, or confirmed by that holder), and whose round is not below the
+# highest round this aggregator committed custody for. A stale copy of the state, or one taken
+# while a fence was in flight, never gets in; every other call must name the current epoch
+# (code "fenced" otherwise). A commit that cannot stand (custody aborted or never taken) is
+# refused and COUNTED in `counters` (refused_commits, aborted_custody, blocks_trained_twice; an
+# abort of committed custody: refused_aborts), kept in the snapshot and rebuilt by the replay.
 
 def _custody_items(leases):
     """[{"lease": id, "start"?: pos, "end"?: pos}] -> [(id, start|None, end|None)], or a 400."""
@@ -769,7 +785,7 @@ def _round(round):
 
 
 class CustodyTable(LeaseTable):
-    """LeaseTable with the aggregator's calls: custody and fencing (module docstring)."""
+    """LeaseTable with the aggregator's calls: custody and fencing (the comment above)."""
 
     def fence(self, aggregator, last_epoch, claim, last_holder=None, round=None, now=None):
         """A starting aggregator process asks for an epoch. `last_epoch` is the one its state

@@ -1,53 +1,45 @@
-"""fedmom_merge.py - the streaming Nesterov merge of FedMom, and the checks a delta must pass.
+"""fedmom_merge.py - FedMom's merge arithmetic: the streaming Nesterov merge, the checks a delta
+must pass, and the worker processes and shared blocks a round runs on.
 
-Runs on: the central VM, inside fedmom_server.py (numpy + tensorio.py, and wire.py for
-the compressed downstream update, Publisher; never torch). Not started on its own. Tested against torch.optim.SGD(nesterov=True) and a
-ten-line naive numpy reference in tests/test_fedmom.py; bench/fedmom_merge.py
-measures it against the fsync'd I/O of the same bytes.
+Used on the central VM inside fedmom_server.py (by fedmom_state.py and outer_state.py); numpy
++ tensorio.py + wire.py (the compressed downstream update); never torch. Not started on its
+own: its workers are `python outer_state.py --merge-worker`, started by Pool. Tested against
+torch.optim.SGD(nesterov=True) and a ten-line numpy reference in tests/test_fedmom.py, the
+workers against one thread in tests/test_merge_pool.py; bench/fedmom_merge.py measures it.
 
-The step (the one statement of the rule; FEDERATION_GUIDE.md section 4 says it in
-words): deltas d_i = theta_i - theta_global with weights p_i (token shares, summing
-to 1); g = theta_global - sum_i p_i theta_i = -sum_i p_i d_i; then one
-step of torch.optim.SGD(lr, momentum=mu, nesterov=True, dampening=0) with grad = g:
+The step (the one statement of the rule; FEDERATION_GUIDE.md, "A round, from the site's
+side" says it in words): deltas d_i = theta_i - theta_global with weights p_i (token shares,
+summing to 1); g = theta_global - sum_i p_i theta_i = -sum_i p_i d_i; then one step of
+torch.optim.SGD(lr, momentum=mu, nesterov=True, dampening=0) with grad = g:
     buf = g (first step) or mu * buf + g;   theta -= lr * (g + mu * buf)
 lr 1 / momentum 0 is exact FedAvg.
+
+Its parts, in reading order:
+  - the merge: a delta read piece by piece (DeltaReader, decoding a compressed one), the fused
+    float32 step (merge_tensor), merge_files (the file-to-file merge: CHUNK values at a time in
+    cache-sized buffers on wire.py's threads, the new files written behind; peak memory 4 x the
+    largest fp32 tensor, and any number of threads gives the serial bits);
+  - the published update: Publisher (theta_{r+1} = theta_r + the decoded update, file to file);
+  - the delta checks (the robust merge's parts): check_delta_file, delta_norm, clip_scales;
+  - the round on every core: the arrays in blocks (shared memory, or FileBlock on disk past
+    --memory-gb: BlockArrays), sweep_stale, and the workers: Pool and serve().
 
     stats = merge_files("theta-3.safetensors", "momentum-3.safetensors",
                         [("spool/a.safetensors", 0.25), ("spool/b.safetensors", 0.75)],
                         "theta-4.safetensors", "momentum-4.safetensors", lr=0.7, mu=0.9)
     norm = check_delta_file("spool/a.safetensors", {name: shape})   # raises DeltaRejected(status, reason)
     scales, limit = clip_scales([norm_a, norm_b], reference=[...], factor=10.0)
+    pool = Pool(4, outer_state.worker_argv())          # the workers; pool.close() stops them
+    arrays = BlockArrays(shapes, on_disk={"embed"}, disk_dir="state/outer")   # "embed" in a file
 
-Hostile or broken deltas (a robust merge; every finite delta is still a weapon):
-  - at acceptance, check_delta_file refuses NaN/Inf and returns the delta's L2 norm,
-    accumulated in float64 (an f32 sum of squares of a 3e38 delta is inf);
-  - clipping: a delta whose norm exceeds `factor` x the median of the round's norms and
-    of the deltas merged in the last rounds is scaled down to that limit (clip_scales);
-    the caller names it in the round record. With one site and no history the median is
-    its own norm, so clipping needs company: the finiteness check below does not;
-  - every merged chunk of theta and momentum is checked as it is computed: a non-finite
-    value stops the merge with NonFinite before anything is written, and the caller
-    merges again without the largest contribution - or, when the old momentum alone
-    overflows (earlier rounds pushed it near the fp32 limit, so no delta, however small,
-    could be merged: a round stuck for good), with the momentum reset. Two finite f32
-    deltas of ~3e38 used to publish an inf theta that no later round could repair.
-
-Memory and passes: each tensor is merged CHUNK elements at a time; theta, momentum
-and delta chunks arrive by positioned reads straight into cache-sized buffers (or into
-the output buffers), are updated in place while still in cache, and the finished
-tensor goes to a writer thread that writes the new files while the next tensor is
-merged. The output buffers are two fixed pairs the size of the largest tensor, so peak
-memory is 4 x the largest fp32 tensor at most (never the model), allocated once.
-The chunks of a tensor run on wire.py's thread pool (merge_files threads=, default
-$WIRE_THREADS or every core), each thread with its own chunk scratch; the per-chunk
-norms are added in chunk order, so any number of threads gives the serial bits.
+How a round uses these on the outer state (in memory or not, on workers or not) is
+outer_state.py's docstring.
 """
 import atexit
 import errno
 import fcntl
 import math
 import mmap
-import numpy as np
 import os
 import pickle
 import queue
@@ -58,6 +50,8 @@ import subprocess
 import sys
 import threading
 import time
+
+import numpy as np
 
 import tensorio
 import wire
@@ -649,6 +643,15 @@ def publish(prev_path, merged_path, residual_path, codec, out_theta, out_update,
 
 
 # ---------------------------------------------------------------- delta checks
+# Every finite delta is still a weapon; the robust merge's parts:
+#   - at acceptance check_delta_file refuses NaN/Inf and returns the L2 norm, summed in float64
+#     (an f32 sum of squares of a 3e38 delta is inf);
+#   - clip_scales: a delta whose norm exceeds `factor` x the median of the round's norms and of
+#     the last rounds' merged deltas is scaled down to that limit (the caller names it in the
+#     round record); one site with no history is its own median, so clipping needs company;
+#   - merge_tensor checks every merged chunk: a non-finite value raises NonFinite before anything
+#     is written, and the caller merges again without the largest contribution, or with the
+#     momentum reset when the old momentum alone overflows (otherwise a round stuck for good).
 
 class DeltaRejected(Exception):
     """A delta that must not be merged; `status` is the HTTP code, the message says why."""
@@ -772,9 +775,19 @@ def clip_scales(norms, reference=(), factor=10.0):
     return [min(1.0, limit / n) if n > 0 else 1.0 for n in norms], limit
 
 
-# ==============================================================================================
-# the aggregator's round on every core
-# ==============================================================================================
+# ==== the round on every core: worker processes over shared blocks ================================
+# Processes, not threads: a round is some 40 numpy calls of 10-60 us per 64K-value piece, and
+# threads share one interpreter lock between them (measured: two threads no faster than one).
+# Blocks are files pww-fedmom-<pid>-<random>-<n>: shared memory in $PWW_SHM_DIR (default /dev/shm,
+# mapped) and file blocks in --outer-dir. The process that made one holds a shared flock on it
+# while it lives (whose a block is never rests on a pid); it is removed when the aggregator lets
+# go, or after a crash by the next start's sweep_stale (only blocks no live process holds). A file
+# block is never mapped (pread/pwrite: a disk error is a DiskError that fails the round, not a
+# SIGBUS) and is fdatasync'd before a round is published. Per tensor each worker gets a Task (the
+# step, where the arrays are, where the update's codes go, one contiguous run of pieces), reads
+# its part of each delta itself and answers each piece's norms and finiteness: the bits of one
+# thread. A worker that dies or is silent TASK_TIMEOUT_S fails the round (the aggregator rebuilds)
+# and is started again; a worker whose aggregator dies exits at once.
 
 SHM_DIR = "/dev/shm"
 SHM_ENV = "PWW_SHM_DIR"          # where the blocks live (a tmpfs: they are the arrays' memory)

@@ -1,73 +1,41 @@
 """fedmom_round.py - the aggregator's round and custody protocol with no I/O: who is a member,
-what the open round accepts, when it merges, what became of each delta, what is owed to DARL.
+what the open round accepts, when it merges, what became of each delta, what is owed to DARL;
+and the round records.
 
-Runs on: the central VM, imported by fedmom_state.py (FedMomState drives it: files, the
-merge arithmetic, the DARL calls and the locks are all there, none here). Python standard
-library + darl_table.py (its position sets) + fedmom_round.py (the round records); no
-files, no sockets, no threads, no numpy, no torch. Not run on its own. Tested alone in tests/test_fedmom_round.py.
+Used on the central VM by fedmom_state.FedMomState, which does everything this file does not:
+the files, the merge arithmetic, the DARL calls and the locks; fedmom_server.py's status CLI
+prints the records. Standard library + darl_table.py (its position sets): no files, sockets,
+threads, numpy or torch. Not run on its own; tested alone in tests/test_fedmom_round.py.
 
 Time comes in as arguments: `now` (monotonic seconds: timeouts, the deadline) and `wall`
-(epoch seconds, stamped into events and records); random ids come in too (a delta's
-custody id). So the same calls with the same arguments give the same books, the same
-replies and refusals and the same log lines (`say`): a RoundTable can be replayed.
+(epoch seconds, stamped into events and records); random ids come in too (a delta's custody
+id). The same calls with the same arguments give the same books, replies, refusals and log
+lines (`say`), so a RoundTable can be replayed.
 
-The rules it enforces (FEDERATION_GUIDE.md sections 3, 4 and 7 tell them from the sites'
-side; darl_server.py's docstring has DARL's half of custody):
+Its parts, in reading order:
+  - the protocol's words: Custody and CUSTODY_MOVES (the custody steps; move() refuses any
+    other loudly), Phase (where the open round stands), Refused (a request refused: status,
+    reason), DARL's answers (Answer: only a 2xx or a 409 with a DEFINITIVE code decides);
+  - the members and deltas: Member, Pending (an accepted delta, as its spool record keeps it),
+    parse_delta_meta (a delta's metadata checked);
+  - CustodyBooks: the identity and DARL-issued epoch (fencing), the commits and aborts owed,
+    oldest first, the violation counters (VIOLATIONS) and DARL's silence (the alarm);
+  - Roster: the live members, one incarnation per cluster, and the run's events;
+  - RoundTable: the open round: acceptance, when it closes, each delta's custody and fate,
+    the repair after a start (restore, reconcile); its rules are the comment above it;
+  - the round records: outcome() (one delta's fate: pending, merged or excluded), History
+    (the last RECORDS_KEPT records, every position merged: blocks_trained_twice counted from
+    our own records), Quorum (when a round closes early), round_record, format_record.
 
-Membership. A cluster joins with an incarnation; one incarnation per cluster is live: a
-  second is refused (409 incarnation_conflict, retry once the old one is silent for
-  --member-timeout-s). A member silent that long is dropped (named in the round's
-  "dropped"; its delta, if sent, stays). Joins, leaves and drops are durable.
-What the open round accepts. Only from the live incarnation of a member (409 not_member,
-  stale_incarnation), only trained from the current round (409 stale_round), never once
-  the round closed, never from a fenced process (503). A delta of 0 tokens is refused
-  AND counts as the member's answer (excluded), so the round does not wait for it; with
-  DARL custody a delta must name its leases. A retried upload of a delta the round holds
-  gets the first reply again (duplicate). A delta whose checks fail is excluded, named.
-When the round merges (Phase). It closes when it holds a delta and every live member has
-  sent one (or had it excluded), or --round-deadline-s after its first delta, or a grace
-  after its quorum (below); and only when every delta in it is in confirmed custody (the
-  round WAITS for DARL, past the deadline too, never merging around it), when deltas
-  restored from the spool were checked against DARL's custody (reconciliation), when the
-  last failed merge has backed off for MERGE_RETRY_S, and never in a fenced process. No
-  delta, no round. The quorum (--quorum Q < 1): the deltas that arrived hold Q of the tokens
-  expected (History.expected_tokens) for a grace (History.grace_s); without
-  a member on record or a grace, the round waits as without it. A straggler's delta is stale.
-A delta's custody (Custody, CUSTODY_MOVES; move() refuses any other step loudly):
-  none -> (no --darl: nothing to hold)
-  unconfirmed -> confirmed      DARL holds its leases for this aggregator
-  unconfirmed -> refused        DARL's definitive no (lease_lost, custody_aborted): at upload
-                                nothing stays stored, later the delta is excluded, named
-  unconfirmed -> abort_owed     excluded (its spool entry damaged): DARL may hold it
-  confirmed -> commit_owed      merged: the round and its commit owed are durable together
-  confirmed -> abort_owed       excluded at the merge (not finite), or its spool entry damaged
-  confirmed -> refused          restored, but DARL no longer holds it: excluded, never merged
-  commit_owed -> committed      DARL's definitive answer; a refusal is counted
-  abort_owed -> aborted         DARL's definitive answer; custody it returns is counted
-  Only a definitive answer settles a call (a 2xx, or a 409 with a DEFINITIVE code); any
-  other answer decides nothing: the call stays owed, oldest first, and the alarm is up.
-What each delta became: one outcome, "pending" (accepted, the round open), "merged"
-  (merged_into the record's round) or "excluded" (with why), in the round records, the
-  members' replies ("deltas") and the status.
-Violations, counted and durable (VIOLATIONS): refused_commits (a commit DARL refused),
-  aborted_custody (custody that went back to the pool), refused_aborts (an abort of
-  committed custody), blocks_trained_twice (DARL's count of refused commits' blocks, and
-  our own: positions of a merged delta inside an earlier merged one, or twice in one round).
-Repair after a start (restore, reconcile): a spooled delta whose file is gone or cut short
-  is excluded and the abort of its custody owed; an acceptance record that cannot be read
-  is excluded by its file's name; once DARL lists the custody it holds for us, custody no
-  delta of ours names is aborted, and a restored delta DARL no longer holds is excluded,
-  never merged (the round waits for that list).
-Fencing: DARL issues the epoch; the claim is durable before it is asked for, the issued
-  epoch and this process as its holder before it is confirmed; a reply from a DARL of
-  another block space, or a refusal, stops this process (fenced). FEDERATION_GUIDE.md
-  section 3 ("Fencing") has why each step is where it is.
+The durable part of the books (round, members, events, the calls owed, the violations, the
+identity and epoch, the last record) is to_json()'s, and every change of it bumps `changes`:
+the caller makes state.json say it before it lets anyone see the change, or puts the books
+back with mark()/rewind(). The open round's deltas are the spool's, handed back at a start
+through restore(). A record is one line of rounds.jsonl ("v": RECORD_VERSION), appended by
+fedmom_state.Ledger; fedmom_server.py's docstring lists its fields.
 
-The durable part of the books (round, members, events, the calls owed, the violations,
-the identity and epoch, the last record) is to_json()'s, and every change of it bumps
-`changes`: the caller makes state.json say it before it lets anyone see the change, or
-puts the books back with mark()/rewind(). The open round's deltas themselves are the
-spool's, handed back at a start through restore().
+The protocol is taught in FEDERATION_GUIDE.md, "Leases (DARL)" (custody, fencing, violations)
+and "A round, from the site's side"; DARL's half of custody is darl_table.py's.
 """
 import collections
 import dataclasses
@@ -95,6 +63,16 @@ class Custody:
 
 
 SPOOLED = (Custody.NONE, Custody.UNCONFIRMED, Custody.CONFIRMED)     # what an acceptance record may say
+# The custody steps (none: no --darl, nothing to hold):
+#   unconfirmed -> confirmed     DARL holds its leases for this aggregator
+#   unconfirmed -> refused       DARL's definitive no (lease_lost, custody_aborted): at upload
+#                                nothing stays stored, later the delta is excluded, named
+#   unconfirmed -> abort_owed    excluded (its spool entry damaged): DARL may hold it
+#   confirmed -> commit_owed     merged: the round and its commit owed are durable together
+#   confirmed -> abort_owed      excluded at the merge (not finite), or its spool entry damaged
+#   confirmed -> refused         restored, but DARL no longer holds it: excluded, never merged
+#   commit_owed -> committed     DARL's definitive answer; a refusal is counted
+#   abort_owed -> aborted        DARL's definitive answer; custody it returns is counted
 CUSTODY_MOVES = {
     Custody.UNCONFIRMED: (Custody.CONFIRMED, Custody.REFUSED, Custody.ABORT_OWED),
     Custody.CONFIRMED: (Custody.COMMIT_OWED, Custody.ABORT_OWED, Custody.REFUSED),
@@ -454,12 +432,32 @@ class Roster:
 
 
 # ---------------------------------------------------------------- the round
+# The rules RoundTable enforces:
+#   Acceptance: only from the live incarnation of a member (409 not_member, stale_incarnation),
+#     only trained from the current round (409 stale_round), never once the round closed, never
+#     in a fenced process (503); with DARL custody a delta must name its leases. A delta of 0
+#     tokens is refused AND counts as the member's answer (excluded); a retried upload the round
+#     holds gets its first reply again (duplicate); a delta whose checks fail is excluded, named.
+#   Membership: a member silent for --member-timeout-s is dropped (its delta, if sent, stays).
+#   Closing (phase()): the round holds a delta and every live member has sent one (or had it
+#     excluded), or --round-deadline-s passed since its first delta, or the quorum's grace
+#     passed (Quorum); and only when every delta is in confirmed custody (the round WAITS for
+#     DARL, past the deadline too), the deltas restored from the spool were reconciled with
+#     DARL's custody, the last failed merge backed off MERGE_RETRY_S, and the process is not
+#     fenced. No delta, no round; a straggler's delta is stale.
+#   Repair after a start: a spooled delta whose file is gone or cut short is excluded and its
+#     abort owed; an unreadable acceptance record is excluded by its file's name; once DARL lists
+#     the custody it holds for us, custody no delta of ours names is aborted, and a restored
+#     delta DARL no longer holds is excluded, never merged.
+#   Fencing: the epoch claim is durable before it is asked for, the issued epoch and this process
+#     as its holder before it is confirmed; a reply from a DARL of another block space, or a
+#     refusal, fences this process: it merges nothing more.
 
 class RoundTable:
     """The round: its deltas and their custody, when it closes, its record; with `roster`
     (the members), `books` (what is owed to DARL) and `history` (the merged rounds), all the
     aggregator decides. The caller serialises the calls (one lock) and does the I/O each
-    decision asks for; the rules are the module docstring's."""
+    decision asks for; the rules are the comment above."""
 
     def __init__(self, member_timeout_s=300.0, round_deadline_s=1800.0, custody=False, retry_s=10.0, say=None,
                  quorum=1.0, grace_frac=0.2, phase_s=None):
@@ -875,9 +873,14 @@ def round_status(t, now):
             "recent": list(t.history.records), "events": list(t.roster.events)[-100:]}
 
 
-# ==============================================================================================
-# the aggregator's round records
-# ==============================================================================================
+# ==== the round records ===========================================================================
+# A record is one line of rounds.jsonl per merge ("v": RECORD_VERSION): the round's stats and
+# every delta of it as one outcome() ("merged" with merged_into, or "excluded" with why); the
+# members' replies ("deltas") and GET /status carry outcomes too, "pending" while the round is
+# open. History keeps the last RECORDS_KEPT records in memory (the file keeps all) and every
+# DARL position inside a merged delta, so a round merging a position an earlier merged delta
+# holds is counted (blocks_trained_twice, whatever DARL says). Nothing here writes the file:
+# fedmom_state.Ledger appends it; status_page.py, rounds_export.py and audit.py read it.
 
 RECORD_VERSION = 3             # 2: per-delta "outcomes" with their leases; 3: + "delta" and DARL "pieces"
 RECORDS_KEPT = 200            # round records kept in memory (the file keeps all)

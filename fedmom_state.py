@@ -1,93 +1,42 @@
-"""fedmom_state.py - the aggregator: its protocol core driven with its durable state, its
-outer state and its calls to DARL; no HTTP server in it.
+"""fedmom_state.py - the aggregator: its protocol core driven with its files, its outer state,
+the blob store and DARL; no HTTP server in it.
 
-Runs on: the central VM, imported by fedmom_server.py (which owns the routes, the round
-and DARL loops, the status page and the command line; its docstring says how to start
-it and what each endpoint does). Python standard library + numpy (through the modules
-below); never imports torch. ServerConfig is the aggregator's one config, validated once;
-errors name the flag to change.
+Used on the central VM by fedmom_server.py, which owns the routes, the round and DARL loops,
+the status page and the command line (its docstring says how to start the aggregator and
+what each endpoint does). Standard library + numpy (through outer_state.py); never torch.
+Not run on its own.
 
-FedMomState is put together from (ARCHITECTURE.md section 2 draws it):
-    fedmom_round.RoundTable   the protocol, pure: membership, what the open round accepts, when
-                              it closes, each delta's custody and outcome, what is owed to DARL,
-                              the violation counters (its docstring states the rules)
-    Ledger       state.json and rounds.jsonl, and the lock over the books
-    Spool        the accepted deltas' files
-    outer_state.OuterKeeper  theta, momentum and residual (in memory, or on disk past --memory-gb):
-                              merged, checkpointed, rebuilt
-    Custodian     the custody calls to DARL (with --darl)
-Each of its methods (join, heartbeat, leave, check_delta_meta, receive_delta, fetch_delta,
-accept_delta, tick, darl_tick, status, ...) asks the RoundTable for the decision and does
-the I/O the decision needs; they take and return plain values and raise
-fedmom_round.Refused(status, reason, **extra) for a request they refuse, which
-fedmom_server.py turns into the HTTP reply.
+Its parts, in reading order:
+  - ServerConfig, the aggregator's one config, validated once (errors name the flag), and the
+    checks a start makes of a state dir (custody mode, the outer step, --init);
+  - FedMomState: each route's one call (join, heartbeat, leave, check_delta_meta,
+    receive_delta, fetch_delta, accept_delta, tick, darl_tick, status, ...) asks the
+    fedmom_round.RoundTable for the decision and does the I/O it needs; plain values in and
+    out, fedmom_round.Refused for a refusal (fedmom_server.py makes it the HTTP reply). The
+    outer state (theta, momentum, residual) is its outer_state.OuterKeeper's;
+  - the books on disk: Ledger (state.json, rounds.jsonl, the lock over the books) and Spool
+    (the accepted deltas' files);
+  - the blob store: BlobLink (a delta blob fetched, theta and updates published) and
+    BlobRetention (the blobs no site can use deleted, --keep-rounds);
+  - DARL custody: DarlLink (the calls) and Custodian (what the books owe, sent until answered).
 
-State dir (everything replaced atomically: temp file, fsync, rename, fsync the dir).
-The outer state (theta_global, momentum, the residual of --down-wire; outer_state.OuterState,
-4 B/param each) lives in memory as far as --memory-gb goes and in scratch file blocks in
---outer-dir (default outer/ here) beyond it (outer_state.py); what is durable is what a
-restart needs to rebuild it bit for bit:
-    ckpt-<r>/                 the checkpoint: theta_global, momentum and residual, fp32, in
-                              segments of 64 MiB per array (outer_state.py), each with
-                              its round; written every --checkpoint-rounds rounds (and round 0
-                              from --init) over the last one's, one segment at a time (<r>: the
-                              round the directory was first written at); momentum absent before
-                              the first merge and with --outer-momentum 0, residual without
-                              --down-wire. An older aggregator's checkpoint, theta-<c>,
-                              momentum-<c>, residual-<c>.safetensors, is read and replaced
-    state.json                the round and the checkpoint's files, and "log": the Step of
-                              every round since (outer_state.Step: its deltas' spool files and
-                              the weights they merged with, the outer lr and momentum, the
-                              codec and the theta digest it published); a round is durable
-                              when its Step is. Also the aggregator's identity and epoch,
-                              membership, recent events, the DARL commits and aborts still owed
-                              and the violation counters; written LAST, so a SIGKILL at any
-                              instant leaves round r or r+1. It records the outer step too
-                              (--outer-lr, --outer-momentum: a restart with others is refused
-                              unless --accept-config-change), whether DARL custody was used (then
-                              a start without --darl is refused) and DARL's block-space digest
-    update-<r>.safetensors    with --down-wire: round r's update in that wire format, what a
-                              site holding theta of round r-1 downloads instead of theta
-                              (theta of round r IS theta of r-1 + its decoded values); state.json's
-                              "update" names it with the digests of both thetas (wire.Digest)
-    theta-<r>.safetensors     a copy of the current theta, written from memory (not fsync'd) when
-                              something asks for it (GET /theta, a blob, theta_file); never needed
-                              to restart
-    rounds.jsonl              one JSON line per merge (loss, perplexity, drift, outcomes, ...); a
-                              start cuts an unfinished last line (a crash mid-append) before
-                              state.json's copy of the last record is appended again
-    lock                      flock'd by the running fedmom_server (one process per state dir)
-    spool/                    deltas accepted for the current round: r<round>_<cluster>_<inc>
-                              .safetensors + .json (the .json, written last, is the
-                              acceptance; it records the delta's custody state). They
-                              survive a restart and are merged then. A compressed delta
-                              is kept as it came (its own bytes, not 4 B/param). A merged
-                              delta stays while the log names it.
-A start loads the checkpoint and replays the log (OuterKeeper.rebuild; a replay that ends at
-another digest than the round published stops the start; segments of two rounds, from a
-checkpoint cut short, are each replayed from their own). A checkpoint, once durable
-(state.json names it), removes the deltas of the rounds it covers; a round removes the round
-before's update and copy of theta; both remove files after the state lock is released
-(remove; a crash first leaves them to the next start's clean-up). The state dir
-therefore holds one checkpoint (and one segment more while the next is written), at most
---checkpoint-rounds rounds of deltas, one update and the open round's spool; what is kept and
-why: kept_files(). The blob store's copies of theta and the updates are
-BlobRetention's (blob_plan, --keep-rounds).
+The state dir (every file replaced atomically: temp file, fsync, rename, fsync of the dir):
+    state.json    the books (round, members, events, DARL calls owed, violations, identity
+                  and epoch), the outer step and flags a restart must match, the checkpoint's
+                  record, and "log": the outer_state.Step of every round since it. Written
+                  LAST: a SIGKILL at any instant leaves round r or r+1
+    ckpt-<r>/     the checkpoint, every --checkpoint-rounds: fp32 segments (outer_state.py)
+    rounds.jsonl  one record per merge (fedmom_round.py)
+    spool/        the open round's deltas (Spool, below); a merged one stays while the log names it
+    update-<r>.safetensors   --down-wire's update of round r, which a site of round r-1 applies
+    theta-<r>.safetensors    a copy of theta for downloads, never needed to restart
+    lock          flock'd by the running aggregator (one process per state dir)
+A start loads the checkpoint and replays the log (OuterKeeper.rebuild). A durable checkpoint
+removes the deltas of the rounds it covers, a round the update and theta copy before it, both
+after the lock is released; kept_files() says what is kept and why.
 
-Custody (with --darl): the aggregator is the coordinator of a two-phase commit, DARL the
-participant. A delta accepted for the round is spooled with custody "unconfirmed", then DARL
-is asked to take the leases it names into custody for this aggregator; the round merges
-only deltas in confirmed custody, and the merge makes the round durable together with a
-commit owed for every merged delta; an excluded delta whose custody may be held owes an
-abort; both are kept in state.json and re-sent, oldest first, until DARL answers
-definitively. DARL issues the aggregator's epoch (fencing) and refuses any call naming
-another. The states, the fencing, the repair after a restart and the violation counters
-are fedmom_round.py's docstring; darl_server.py's docstring has DARL's calls.
-
-Test hooks (testhooks.fault_point; fedmom_server.py's docstring lists them all): fedmom.spooled
-(a delta accepted on disk, its custody not asked yet) and fedmom.round_durable (a round
-durable with its commits owed, none sent) are here; the others are in the module that does
-that step (fedmom_state, outer_state, fedmom_state, fedmom_state).
+The protocol: FEDERATION_GUIDE.md, "Leases (DARL)" (custody: the two-phase commit this
+aggregator coordinates, fencing) and "A round, from the site's side".
 """
 import collections
 import contextlib
@@ -215,7 +164,7 @@ class ServerConfig:
         return self
 
     def validate_cadence(self):
-        """--phase-s, --quorum, --grace-frac (the quorum rule: fedmom_round.py's docstring)."""
+        """--phase-s, --quorum, --grace-frac (the quorum rule: fedmom_round.Quorum)."""
         if self.phase_s is not None and not (self.phase_s > 0 and math.isfinite(self.phase_s)):
             raise SystemExit(f"--phase-s {self.phase_s} must be a positive number of seconds (the round cadence "
                              "offered to every site), or left out")
@@ -391,7 +340,7 @@ class FedMomState:
 
     def join(self, cluster, incarnation):
         """POST /join: the member's reply, and the outer step the merge takes (a site's
-        --overlap-fold eager repeats it locally: FEDERATION_GUIDE.md section 4, "Overlap")."""
+        --overlap-fold eager repeats it locally: FEDERATION_GUIDE.md, "Overlap")."""
         with self.ledger.change() as t:
             reply = t.join(cluster, incarnation, self.clock(), self.wall())
         return {**reply, "outer": {"lr": self.cfg.outer_lr, "momentum": self.cfg.outer_momentum, "nesterov": True}}
@@ -659,9 +608,18 @@ class FedMomState:
                                "darl_retry_s": cfg.darl_retry_s, "down_wire": cfg.down_wire}}
 
 
-# ==============================================================================================
-# what the aggregator keeps on disk besides its arrays
-# ==============================================================================================
+# ==== the books on disk: Ledger (state.json, rounds.jsonl) and Spool ==============================
+# Ledger: the protocol's books (RoundTable) and the outer state's durable record (the checkpoint,
+# the Steps logged since it, the --down-wire update) are ONE state.json under one lock. change()
+# is the only way the books change: under the lock, and when the change is durable (`changes`
+# moved) state.json says it before the lock is released; a failed save puts the books back and
+# raises, so nothing is acknowledged that a restart would not find. rounds.jsonl is appended
+# after state.json, which holds the last record too: a crash between them loses nothing.
+# Spool: spool/r<round>_<cluster>_<incarnation>.safetensors as it came ("_" is in no id, so no
+# two deltas share a name) and its acceptance record .json (fedmom_round.Pending), written last:
+# the acceptance itself. An upload goes to a part file (.part-<hex>) first, which becomes the
+# delta's file once its checks passed, or is removed. Files no round needs are renamed aside
+# under the lock (outer_state.bury) and unlinked once it is released (outer_state.remove).
 
 KEEP_DELTAS_ENV = "PWW_TEST_KEEP_DELTAS_DIR"   # bench/chaos.py: a hard link of every accepted delta,
                                                # <custody id>.safetensors, for its replay of the merges
@@ -844,9 +802,12 @@ class Spool:
                 os.unlink(path)
 
 
-# ==============================================================================================
-# the aggregator's side of the blob store
-# ==============================================================================================
+# ==== the blob store: a delta blob fetched, theta published, retention ============================
+# Names: round r's theta and update are published as <aggregator id>.theta-<r> and
+# <aggregator id>.update-<r> (blob_name): the aggregator's id first, so runs sharing a store
+# never collide nor delete each other's blobs. A site's delta blob has the site's name; once
+# fetched (or refused for good) the aggregator deletes it. fedmom_server.py builds a BlobLink
+# and a BlobRetention from --blob-url; blobstore.py's docstring has the store's protocol.
 
 BLOB_KINDS = ("theta", "update")
 BLOB_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
@@ -1063,9 +1024,14 @@ class BlobRetention:
                 "deleted": self.deleted, "recent_deleted": list(self.recent)}
 
 
-# ==============================================================================================
-# the aggregator's side of DARL custody
-# ==============================================================================================
+# ==== DARL custody: the calls (DarlLink) and what is owed (Custodian) =============================
+# Each DarlLink call returns a fedmom_round.Answer and never retries. The Custodian asks, the
+# books (fedmom_round) decide what the answer means, and whatever is still owed is asked again by
+# the next tick (fedmom_server.py's DARL loop: every --darl-retry-s at most while DARL is silent).
+# Every decision an answer brings is durable (Ledger.change) before the next call goes out.
+# Test hooks (testhooks.fault_point): fedmom.custody_held (DARL holds a delta, the spool does not
+# say so yet), fedmom.epoch_durable (the issued epoch durable, not confirmed), fedmom.committed
+# (DARL committed, the books still owe it). DARL's endpoints: FEDERATION_GUIDE.md, "Endpoints".
 
 class DarlLink:
     """The custody calls the aggregator makes (darl_server.py's protocol), each answered

@@ -1,43 +1,42 @@
-"""httpd.py - the HTTP plumbing shared by the three central servers.
+"""httpd.py - the HTTP plumbing shared by the three central servers: routes, JSON errors, the
+token, TLS, body limits, and the connection engine under them (an epoll poller, worker threads).
 
-Runs on: the central VM, inside darl_server.py, fedmom_server.py and blobstore.py.
-Not started on its own. Python standard library only (and durable.py, httpc.py, httpd.py beside
-it; no numpy, no torch).
+Used on the central VM inside darl_server.py, fedmom_server.py and blobstore.py (make_server,
+add_server_args, serve_forever); not started on its own. Standard library + durable.py and
+httpc.py; no numpy, no torch. Clients use httpc.py (one JSON call, TLS, the token, the retry
+policy); the lock on a state directory is durable.lock_state_dir.
 
 What every server gets from here, written once:
-  - a route table: {("GET", "/status"): fn, ("PUT", "/blobs/*"): fn, ...}; a
-    trailing "/*" matches any suffix, handed to the function as `req.tail`.
-    Route functions take a Request and return a dict (sent as JSON, 200), a
-    (status, dict) pair, or a Response (raw bytes or a file range, streamed
-    with sendfile).
-  - errors: raise HTTPError(4xx, "one-line reason") anywhere; the client gets
-    {"error": reason, ...} and the server keeps serving. Every reply is JSON,
-    the stdlib's own refusals included (a malformed request line is a 400, an
-    unknown method a 405 with Allow). A full disk (ENOSPC, EDQUOT) anywhere in a
-    route is a 507 {"code": "disk_full"} naming the disk, with Retry-After; an
-    unexpected exception is a 500 with the exception's one-line text, and is logged.
-  - auth: every route but those listed as public (health) requires
-    `Authorization: Bearer <token>` (the scheme in any case, RFC 7235), compared
-    with hmac.compare_digest.
-  - TLS (--tls-cert, --tls-key; stdlib ssl, TLS 1.2+). A server refuses to bind
-    beyond loopback without both a token and TLS unless told --insecure: without
-    TLS the token crosses the network in clear. A plain-HTTP request on a TLS port
-    gets a plain 400 saying "use https://".
+  - a route table: {("GET", "/status"): fn, ("PUT", "/blobs/*"): fn, ...}; a trailing "/*"
+    matches any suffix, handed to the function as `req.tail`. A route function takes a
+    Request and returns a dict (sent as JSON, 200), a (status, dict) pair, or a Response (raw
+    bytes or a file range, streamed with sendfile).
+  - errors: raise HTTPError(4xx, "one-line reason") anywhere; the client gets {"error": reason,
+    ...} and the server keeps serving. Every reply is JSON, the stdlib's own refusals included
+    (a malformed request line is a 400, an unknown method a 405 with Allow). A full disk
+    (ENOSPC, EDQUOT) in a route is a 507 {"code": "disk_full"} naming the disk, with
+    Retry-After; an unexpected exception is a 500 with its one-line text, and is logged.
+  - auth: every route but the public ones (/health) requires `Authorization: Bearer <token>`
+    (the scheme in any case, RFC 7235), compared with hmac.compare_digest.
+  - TLS (--tls-cert, --tls-key; TLS 1.2+). Binding beyond loopback needs a token and TLS, or
+    --insecure: without TLS the token crosses the network in clear. A plain-HTTP request on a
+    TLS port gets a plain 400 saying "use https://".
+  - per request (Handler): JSON bodies capped (--max-body-mb, 413), Transfer-Encoding refused
+    (411: send Content-Length), conflicting or malformed Content-Length a 400 that ends the
+    connection, a small unread body read away (a large one closes the connection), TCP_NODELAY
+    set (with Nagle on, a small request after a small response waits ~40 ms: ~23 requests/s).
 
-Connections are httpd.py's (its docstring says what each costs): one epoll poller
-thread holds every connection between requests and enforces the timeouts and the
-connection cap (--workers, --max-connections, --header-timeout-s, --idle-timeout-s,
---io-timeout-s: add_server_args below); a connection whose headers are in goes to a worker
-thread, which serves it here (Handler) and hands it back. Per request, here: JSON bodies
-are capped (--max-body-mb, 413), Transfer-Encoding is refused (411: send Content-Length),
-conflicting or malformed Content-Length headers are a 400 and end the connection, a small
-body a route left unread is read away (a large one closes the connection), TCP_NODELAY is
-set (with Nagle on, a keep-alive client that sends a small request after a small response
-waits ~40 ms per call: ~23 requests/s).
+Its parts, in reading order: HTTPError, Response, Request and field(); Handler (one request
+on a connection whose headers are in); the server's setup (check_bind, make_server,
+add_server_args, server_from_args, base_parser: a daemon's --help from its docstring); then
+the connection engine: Limits, Reader and Writer (a connection's bytes under a deadline) and
+Server (the poller, the worker pool, the connection cap and the timeouts; the section's
+comment says what each connection costs).
 
-Clients use httpc.py (one JSON call, TLS with the caller's CA file, the bearer token, the
-retry policy); the test hooks the servers carry (fault points, the wall clock) are
-testhooks.py's; the lock on a state directory is durable.lock_state_dir.
+    routes = {("GET", "/health"): lambda req: {"ok": True}}
+    server = make_server(routes, "127.0.0.1", 0, token=None)
+    threading.Thread(target=server.serve_forever).start()    # server.url says where
+    server.shutdown(); server.server_close()
 """
 import argparse
 import collections
@@ -565,9 +564,18 @@ def base_parser(prog_doc):
                                    epilog="\n\n".join(prog_doc.split("\n\n")[1:]))
 
 
-# ==============================================================================================
-# the connection engine under httpd.py
-# ==============================================================================================
+# ==== the connection engine: one epoll poller thread, a pool of workers ===========================
+# The poller accepts, runs TLS handshakes and reads request headers without blocking; a request
+# runs on one of --workers threads (64) only once its headers are in, so an idle keep-alive or a
+# half-open connection costs a socket in the epoll set and a few KiB, never a thread. At most
+# --max-connections (4096) are open; one more closes the one idle longest. Timeouts: the first
+# request, and every request's headers and JSON body, within --header-timeout-s (10 s: a
+# slowloris is cut off there); a keep-alive connection idle --idle-timeout-s (60 s) is closed; a
+# streamed body or reply without progress for --io-timeout-s (60 s) ends. Headers are capped at
+# 64 KiB (431); a TLS hello on a plain port is hung up on. A worker hands a connection to
+# `handler_class(conn, server).serve_ready()` (Handler), which reads through a Reader (the bytes
+# the poller read, then the socket, under a deadline), writes through a Writer, and says whether
+# to keep it; a kept one goes back to the poller. Nothing here knows routes or tokens.
 
 _HEADER_END = (b"\r\n\r\n", b"\n\n")   # the blank line that ends a request's headers
 

@@ -1,47 +1,47 @@
-"""outer_state.py - the aggregator's outer state, one round applied to it, and its replay.
+"""outer_state.py - the aggregator's outer state (theta_global, momentum, residual): one round
+applied to it, its checkpoint and replay, the memory budget it lives in, and its keeper.
 
-Runs on: the central VM, inside fedmom_server.py (numpy + tensorio.py + wire.py +
-fedmom_merge.py + fedmom_merge.py; never torch), and as the aggregator's merge workers:
-`python outer_state.py --merge-worker`, started by fedmom_merge.Pool (fedmom_server.py
---merge-procs), answering the Tasks of a round on stdin. Tested bit for bit against
-fedmom_merge.merge_files + Publisher (the file-to-file merge) in tests/test_replay.py, and
-on worker processes against one thread in tests/test_merge_pool.py.
+Used on the central VM inside fedmom_server.py (fedmom_state.FedMomState holds one
+OuterKeeper; its `plan`, `export` and `checkpoint` commands use the budget and the checkpoint
+of a stopped aggregator), and run as the aggregator's merge workers, started by
+fedmom_merge.Pool, one per fedmom_server.py --merge-procs:
+    python outer_state.py --merge-worker        # answers the Tasks of a round on stdin
+Numpy, never torch; train_config.py and demo.py take the outer step's defaults from here.
+Tested in tests/test_replay.py (bit for bit against the file-to-file merge:
+fedmom_merge.merge_files + Publisher), tests/test_merge_pool.py and tests/test_outer_budget.py.
 
-OuterState holds what a round changes: theta_global (what the sites hold), the Nesterov
-momentum and, with --down-wire, the residual the updates rounded away (owed to the next
-update): one flat float32 array per tensor each (4 B/param each, 12 at most). Where each
-lives is its store's (Store, from fedmom_server.py --memory-gb): in memory,
-shared with the merge workers (fedmom_merge.BlockArrays), or in a file block on disk, read and
-written a piece at a time by the same code; without a store, private arrays, which share()
-moves into shared memory for a round on workers.
+Its parts, in reading order:
+  - the round: OuterState (per tensor one flat float32 array each of theta_global, the
+    Nesterov momentum and, with --down-wire, the residual the updates rounded away) and Step,
+    a round's recorded inputs (the deltas' files with their weights, the outer lr and
+    momentum, whether the momentum starts afresh, the downstream codec); apply_round() merges
+    a Step into the arrays in place, on threads or on the merge workers (Task, WorkerSession),
+    and writes the round's update; replay() runs Steps again;
+  - the outer step's defaults: OUTER_LR and OUTER_MOMENTUM;
+  - the outer state on disk: the checkpoint in segments, the log of Steps since it (in
+    state.json), rebuild() and write_checkpoint(); log(), bury() and remove() for the files;
+  - the memory budget (--memory-gb): Budget, the machine's checks, Store (which tensors live in
+    memory, which in file blocks in --outer-dir), and plan(), a run's needs;
+  - OuterKeeper: the outer state in use: the robust merge, the checkpoint, the rebuild after a
+    start or a failed round, the copies of theta for downloads.
 
-A round is a pure function of that state and of its Step, the round's recorded inputs:
-the accepted deltas' files with the weight each was merged with (token share x clip
-scale), the outer lr and momentum, whether the momentum starts afresh, and the
-downstream codec. apply_round(state, step) merges the deltas into the arrays in place
-and, given a path, writes the round's update file; the arithmetic is fedmom_merge.py's
-(its docstring states the rule once), in the same float32 operations in the same order,
-so the bits equal the file-to-file merge's. Replaying a Step gives the same bits again;
-each Step carries the theta digest (wire.Digest) of its first run, and a replay that
-ends elsewhere raises ReplayMismatch.
+A round is a pure function of the state and its Step, in the same float32 operations in the
+same order in memory, in a file block or on a worker: its bits equal the file-to-file merge's
+whatever --memory-gb and --merge-procs (the rule itself is fedmom_merge.py's docstring). Each
+Step carries the theta digest (wire.Digest) of its first run; a replay that ends elsewhere
+raises ReplayMismatch. A round that raises part way (NonFinite, a full disk,
+fedmom_merge.DiskError) leaves state.dirty set, and the caller rebuilds the state.
 
     state = OuterState.load("theta-8.safetensors", "momentum-8.safetensors", "residual-8.safetensors", 8)
     stats = apply_round(state, Step(9, [("spool/a", 0.25), ("spool/b", 0.75)], 0.7, 0.9, False,
                                     wire.Codec("int4")), out_update="update-9.safetensors")
-    state.write("theta", "theta-9.safetensors")        # (write_checkpoint: all three)
 
-What the state dir keeps and when it is written (round by round, the checkpoint every
---checkpoint-rounds) is fedmom_state.py's docstring.
-
-A round that raises part way (NonFinite, a full disk, fedmom_merge.DiskError) leaves the
-arrays half merged: state.dirty is set and the caller rebuilds the state from its checkpoint
-and the Steps since (OuterKeeper.rebuild).
+The state dir: fedmom_state.py's docstring. Sizing: FEDERATION_GUIDE.md, "Sizing the central VM".
 """
 import dataclasses
 import hashlib
 import json
 import math
-import numpy as np
 import os
 import secrets
 import sys
@@ -49,12 +49,15 @@ import threading
 import time
 import traceback
 
+import numpy as np
+
 import durable
 import fedmom_merge
 import tensorio
 import testhooks
 import wire
 from fedmom_round import Refused
+
 
 class ReplayMismatch(RuntimeError):
     """A replayed round gave another theta than the one recorded when it first ran."""
@@ -710,17 +713,29 @@ def worker_argv():
 
 
 
-# ==============================================================================================
-# the outer step's defaults, said once: Nesterov, lr 0.7, momentum 0.9.
-# ==============================================================================================
+# ==== the outer step's defaults ===================================================================
+# Nesterov, lr 0.7, momentum 0.9: DiLoCo's (Douillard et al. 2023), which beat plain averaging
+# and outer Adam at H = 500 inner steps. The aggregator's --outer-lr / --outer-momentum
+# (fedmom_state.ServerConfig), DiLoCo's --diloco-outer-lr / --diloco-outer-momentum inside one
+# allocation (train_config.py), demo.py and bench/convergence.py's Nesterov arms default to
+# these. lr 1.0 with momentum 0 makes theta the weighted mean of the replicas: exact FedAvg.
 
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
 
 
-# ==============================================================================================
-# the outer state on disk: the checkpoint, the log of the outer steps since it, and the replay
-# ==============================================================================================
+# ==== the outer state on disk: the checkpoint, the log of Steps, the rebuild ======================
+# state.json names a checkpoint {"round", "dir", "digest"} and a "log": the Step of every round
+# since, its delta paths relative to the state dir. The current round's state is the checkpoint
+# with the logged Steps replayed on top (rebuild), checked against the theta digest the last one
+# published; the segments are read straight into the store's blocks, a bounded piece at a time.
+# The checkpoint is ckpt-<r>/<tensor>-<part>.safetensors: theta, momentum and residual (those
+# kept) of one tensor or a run of its whole rows (SEGMENT_BYTES of fp32 each at most), with its
+# round in the metadata. A new checkpoint replaces the segments one at a time (written aside,
+# fsync'd, renamed over), so the disk holds one checkpoint and one segment more. One cut short
+# leaves segments of two rounds: a round is elementwise, so rebuild replays each segment from its
+# own round; the record names the round every segment has reached, and the log keeps every Step
+# since it. The older layout {"round", "theta", "momentum", "residual"} is read, then replaced.
 
 STATE_FORMAT = "pww-fedmom-state/3"   # 2: identity, epoch, custody owed, violations; 3: checkpoint + log
 READS_FORMATS = ("pww-fedmom-state/2", STATE_FORMAT)   # a /2 state is a checkpoint of its round, no log
@@ -996,6 +1011,11 @@ def checkpoint_offline(state_dir, threads=None, fsync=True, store=None):
     return outer.round
 
 
+# ---------------------------------------------------------------- log lines, and files let go
+# A file no round needs is renamed aside under the state lock (bury: a rename frees nothing, so it
+# costs nothing there) and unlinked once the lock is released (remove: freeing a multi-GB file
+# takes the file system seconds, which heartbeats and GET /status would wait out).
+
 def log(msg):
     print(time.strftime("%Y-%m-%d %H:%M:%S ") + msg, flush=True)
 
@@ -1025,9 +1045,18 @@ def remove(paths):
             durable.unlink(path)
 
 
-# ==============================================================================================
-# the memory budget: which tensors of the outer state stay in memory, which go to disk
-# ==============================================================================================
+# ==== the memory budget (--memory-gb): what stays in memory, what goes to disk ====================
+# Inside --memory-gb G (Budget.fixed): the aggregator (AGG_BASE) and each merge worker
+# (WORKER_BASE); a round's two update scratch slots in shared memory and the deltas' parts read
+# at once (at most DELTA_RESERVE x the largest tensor's fp32 bytes; more deltas run in waves);
+# one delta checked at a time (CHECK_BYTES; topk and --down-wire a whole tensor: TOPK_TENSORS).
+# What is left of G holds theta, then the momentum, then the residual, tensor by tensor in file
+# order; the rest live in file blocks in --outer-dir (fedmom_merge.FileBlock), read and written
+# a piece at a time by the same code, so the bits do not depend on G. The file blocks are
+# scratch, never a checkpoint: a start sweeps what a dead aggregator left and loads the
+# checkpoint straight into the blocks. G defaults to 3/4 of the machine's (or cgroup's) memory
+# within what is available and what shared memory holds (default_memory); check_machine refuses
+# in one line, naming the flag, a G that RAM, shared memory or the disk cannot hold.
 
 GB = 10**9
 OUTER_DIR = "outer"           # --outer-dir's default, in the state dir
@@ -1310,7 +1339,7 @@ def round_seconds(b, sites, cores, rates, disk):
 def disk_needs(P, sites, codec_bytes, delta_bytes, checkpoint_rounds, keep_rounds, kinds):
     """{what: bytes} on disk: the state dir (checkpoint, the logged rounds' deltas, the open
     round's, one update, one segment more while a checkpoint is written) and the blob store
-    (K + 1 updates, a delta per site in transit); RUNBOOK.md section 1 has the formula."""
+    (K + 1 updates, a delta per site in transit); RUNBOOK.md, "First-time setup" has the formula."""
     M, D, U = 4 * P, sites * delta_bytes * P, codec_bytes * P
     return {"checkpoint": len(kinds) * M + 3 * (64 << 20), "deltas logged + open": (checkpoint_rounds + 1) * D,
             "update": U, "blob store": (keep_rounds + 1) * U + D}
@@ -1373,9 +1402,15 @@ def plan(shapes, how, sites, wire_codec, down_codec, memory_gb, procs, cores, ou
     return out
 
 
-# ==============================================================================================
-# the outer state in use: theta_global, the momentum buffer and the residual, under their locks
-# ==============================================================================================
+# ==== the outer state in use: OuterKeeper =========================================================
+# The arrays belong to `mem_lock`: a merge, a checkpoint and writing a copy hold it, for seconds
+# to minutes; the bookkeeping beside them (the round, the checkpoint's record, the log of Steps,
+# the update) is the Ledger's, under its lock (fedmom_state.Ledger). mem_lock is always taken
+# BEFORE the Ledger's lock, never after it.
+# The robust merge: each delta is scaled to at most --clip-factor x the median delta norm of the
+# round and of the last rounds' merged deltas (fedmom_merge.clip_scales); a merge whose theta or
+# momentum would not be finite is redone from the rebuilt arrays, without the largest
+# contribution (excluded), or with the momentum reset when the old momentum alone overflows.
 
 BUSY_RETRY_S = 5              # Retry-After of a 503 busy: a copy of theta waits for a merge or checkpoint
 CHECKPOINT_RETRY_S = 30.0     # a checkpoint that failed (a full disk) is tried again after this
@@ -1569,8 +1604,8 @@ class OuterKeeper:
     # ---- a round
 
     def merge(self, batch, history):
-        """The merge of `batch` (fedmom_round.Pending) into round + 1, robustly (the module
-        docstring); `history`: the delta norms of the last rounds, for the clip. The caller
+        """The merge of `batch` (fedmom_round.Pending) into round + 1, robustly (the comment
+        above OuterKeeper); `history`: the delta norms of the last rounds, for the clip. The caller
         holds mem_lock; the arrays become round + 1's (apply_round), and a failed
         try rebuilds them first. -> (stats or None, the deltas merged, [(delta, why excluded)])."""
         cfg, rnd = self.cfg, self.ledger.table.round

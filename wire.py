@@ -1,100 +1,52 @@
-"""wire.py - compressed delta files: the wire formats of a site's outer-round delta, and of
-the update that carries theta_global from one round to the next.
+"""wire.py - compressed delta files: the wire formats of a site's outer-round delta and of the
+update that carries theta_global from one round to the next, with their fast numpy kernels.
 
-Runs on: both ends. Upstream, sites encode (train.py --wire, through diloco.py's
-FedMomCarrier) and the central VM decodes (fedmom_state.py, at acceptance). Downstream
-(fedmom_server.py --down-wire), the VM encodes each round's update (fedmom_merge.Publisher)
-and a site that holds the previous round applies it (fedsite.py, apply_update). Python +
-numpy + tensorio.py + wire.py only; never torch. No server, no port, no state
-directory. From the shell:
-
+Runs on both ends (numpy + tensorio.py, never torch): sites encode (train.py --wire, through
+fedphase.py) and the central VM decodes at acceptance (fedmom_state.py); downstream
+(fedmom_server.py --down-wire) the VM encodes each round's update (fedmom_merge.Publisher) and
+a site holding the previous round applies it (fedsite.py, apply_update). wire_torch.py is the
+same int8/int4/int2 codec in torch. From the shell:
     python wire.py FILE            # header: wire format, parameters, one line per tensor
-    python wire.py FILE --check    # also decode every tensor once (finds bad scales, codes, indices)
-                                   # (--threads N: the decode's threads; default $WIRE_THREADS or every core)
+    python wire.py FILE --check    # also decode every tensor once (--threads N: its threads)
 
-The formats (one flag at the site, --wire):
+The formats (--wire), per tensor NAME; n values, b = --wire-block (64-256), in B/param:
+    f32, bf16  plain tensors: 4 exact; 2, rounded to nearest even
+    int8  NAME I8 (NAME's shape): q in [-127, 127]; NAME#scale BF16 [rows, nblocks]: one scale
+          per block of b values along the last dimension (a row's last may be short): 1 + 2/b
+    int4  NAME U8 [ceil(n/2)]: q + 8 (q in [-7, 7]), two per byte of the flattened tensor,
+          element 2i in byte i's low nibble (an odd tensor's last high nibble 0): 0.5 + 2/b
+    int2  NAME U8 [ceil(n/4)]: (q + 3) / 2 for q in {-3, -1, 1, 3} (no zero level), element
+          4i + j in bits 2j of byte i (unused bits 0); scales by their own rule: 0.25 + 2/b
+    topk  per chunk of --wire-topk-chunk values the --wire-topk-k largest magnitudes: NAME U8
+          their codes (q + 2^(bits-1), --wire-topk-bits 8 or 4; 2: int2's grid and code),
+          NAME#idx U8 their positions in the chunk (ceil(log2 chunk) bits each, increasing),
+          both packed little-endian bit by bit; NAME#scale BF16 [nchunks]
+A value is q x scale in float32 (one IEEE multiply: numpy and a site's torch get the same
+bits). A scale is its block's largest magnitude / L (127, 7, 3; topk 2^(bits-1) - 1), rounded
+UP to bfloat16: no clipping. Files keep the safetensors layout; __metadata__ says "wire":
+"pww-wire/1", "wire_format", "wire_block" (topk: "wire_topk_chunk", "wire_topk_k",
+"wire_topk_bits"), "wire_shapes" (JSON {NAME: decoded shape}) and "wire_parts" (the naming
+above). A file without "wire" is a plain F32/F16/BF16 tensor file, read as it is.
 
-    f32    plain F32 tensors: 4 bytes per parameter, exact
-    bf16   plain BF16 tensors: 2 B/param, round to nearest even
-    int8   NAME   I8, NAME's shape: q in [-127, 127]
-           NAME#scale BF16 [rows, nblocks]: one scale per block of --wire-block values
-           along the last dimension (a row's last block may be short): 1 + 2/block B/param
-    int4   NAME   U8 [ceil(n/2)]: code = q + 8 (q in [-7, 7]) two per byte over the
-           flattened tensor, element 2i in the low nibble of byte i; an odd tensor's
-           last high nibble is 0.  NAME#scale as for int8: 0.5 + 2/block B/param
-    int2   NAME   U8 [ceil(n/4)]: code = (q + 3) / 2 for q in {-3, -1, 1, 3} (no zero
-           level), four per byte over the flattened tensor, element 4i + j in bits 2j of
-           byte i; the last byte's unused bits 0.  NAME#scale as for int8 (its own rule,
-           below): 0.25 + 2/block B/param
-    topk   the flattened tensor in chunks of --wire-topk-chunk values, the k largest
-           magnitudes of each kept (k = --wire-topk-k, all of a chunk shorter than k):
-           NAME      U8, the kept values' codes (q + 2^(bits-1), --wire-topk-bits 4 or 8;
-                     bits 2: int2's grid and code, (q + 3) / 2), packed little-endian bit by bit
-           NAME#idx  U8, their positions in the chunk, ceil(log2 chunk) bits each,
-                     strictly increasing within a chunk, packed the same way
-           NAME#scale BF16 [nchunks]: one scale per chunk
-           (k/chunk) x (index bits + value bits) / 8 + 2/chunk B/param: 0.032 at 64 of 4096
+Its parts, in reading order: bit packing; scales; Codec (encode, decode; reference=True is the
+plain numpy definition the fast path matches bit for bit: tests/test_wire.py FastPathTest,
+bench/wire_speed.py); the files (WireWriter; WireReader checks the layout at open and each
+tensor as it decodes, WireError naming it); theta by updates (add_update, Digest, apply_update,
+decode_file: a tensor at a time); then the fast path: the layout and the scale, int2's scale,
+the threads (run_spans, Behind, Pipeline) and the int8/int4/int2 block kernels.
 
-A value is q x scale, computed in float32 (one IEEE multiply: numpy here and torch at
-a site get the same bits, so a site knows exactly what the aggregator will merge).
-
-The clipping rule: none. Each block's scale is its largest magnitude / L (L = 127, 7, 3
-for int8, int4, int2; the same per chunk of topk's kept values, L = 2^(bits-1) - 1, 3 for
-2 bits), rounded UP to the next bfloat16, so every value of the block is inside the grid.
-Clipping outliers would shrink the step for the rest of the block, but the outliers of a
-pseudo-gradient are its largest, most useful coordinates; deferring them to the
-error-feedback buffer round after round delays exactly what matters. Blocks of 64-256
-values along the last dimension keep an outlier's cost local: it coarsens its own block,
-not its row.
-
-int2's four levels are {-3, -1, 1, 3} x s (s = absmax / 3, so 3s is the block's largest
-magnitude): no zero level, which would spend a code on the values nearest 0; q = the
-nearest odd integer to x / s (2 floor(x / 2s) + 1, a tie going up; clipped to [-3, 3]),
-so a value is off by at most s. Measured over the last deltas of both sites of
-bench/wire_formats.py's f32 arm (qwen3-tiny, 238K values, heavy-tailed: kurtosis 7.2),
-||x - sent|| / ||x|| is 0.414 (int4: 0.086, int8: 0.005). A clipped scale has less
-error there - the best of 45 rules tried, the magnitude at 7/8 of the block's sorted
-values x 9/32, 0.284 - but costs more loss: int2 up and down measured +4.2% held-out
-loss over f32 with it and +1.0% and +1.5% (two runs) with absmax / 3 (10 rounds; two
-runs of one arm differ by ~0.3-0.5%). The error a clipped scale saves is the small values'; what it defers is
-the largest ones. topk with 2-bit values uses the same grid over its kept values.
-
-Error feedback (the site's side, error_feedback.py): residual = x - decode(encode(x)) is
-what this round dropped; it is added to the next round's delta, times beta
-(--wire-feedback-decay, default 1).
-
-Files stay in the safetensors layout (tensorio.py), so any safetensors tool lists them.
-The header's __metadata__ declares the convention:
-    "wire": "pww-wire/1", "wire_format": "int4", "wire_block": "128" (int8/int4/int2), (topk: "wire_topk_chunk",
-    "wire_topk_k", "wire_topk_bits"), "wire_shapes": JSON {NAME: shape of the decoded tensor},
-    "wire_parts": a one-line statement of the naming convention above
-A file without "wire" in its metadata is a plain tensor file (F32/F16/BF16) and is
-read as it is. WireReader checks the whole layout when it opens a file (every part
-present with its exact dtype and size, nothing else) and each tensor when it decodes
-it (scales finite and >= 0, codes in range, indices in their chunk and increasing);
-it refuses a bad file with WireError naming the tensor. decode_file streams a wire
-file into a plain F32 file one tensor at a time: peak memory is a few times the
-largest tensor, never the model.
-
-Speed: int8/int4/int2 encode and decode run on wire.py (the block kernels, CHUNK values
-at a time in reused buffers, the chunks of a tensor on a thread pool: threads=, default
-$WIRE_THREADS or every core); decode_file, apply_update and theta_digest reuse two buffers
-the size of the largest tensor and run each tensor's sha256 and write on threads behind
-the next one (Pipeline). The Digest stays one sha256 over the tensors in
-order, so it is serial: it overlaps the rest instead. Codec.encode/decode(reference=True)
-keep the plain numpy version here, the definition the fast path must match bit for bit
-(tests/test_wire.py FastPathTest); bench/wire_speed.py times both. wire_torch.py is the
-same codec (int8/int4/int2) in torch for a site's device.
+Why no clipping, and error feedback: FEDERATION_GUIDE.md, "Wire formats and error feedback".
 """
 import argparse
 import concurrent.futures
 import dataclasses
 import json
 import math
-import numpy as np
 import os
 import sys
 import threading
+
+import numpy as np
 
 import tensorio
 
@@ -702,9 +654,15 @@ def describe(path, check=False, threads=None):
                 r.read(n)
 
 
-# ==============================================================================================
-# the fast path under wire.py
-# ==============================================================================================
+# ==== the fast path: the int8/int4/int2 block kernels and their threads ===========================
+# The Codec above calls these; they compute its blocks with the same float32 operations as the
+# reference (Codec.encode/decode(reference=True)), bit for bit. A tensor is seen as X [R, C]
+# (as_blocks): when its last dimension is a multiple of the block, X is [rows x blocks, block]
+# (one scale per row of X, the flattened order unchanged, no padding); else X is [rows, cols]
+# and each chunk is zero-padded to whole blocks in its buffer. encode_span / decode_span work
+# on rows [a, b) of X, CHUNK values at a time in reused buffers; encode_blocks / decode_blocks
+# run one tensor's spans on threads. fedmom_merge.py and outer_state.py call the span kernels
+# on pieces of their own. A kernel is handed the Codec and reads its fmt, block and levels.
 
 # ---------------------------------------------------------------- the layout and the scale
 
@@ -752,7 +710,17 @@ def code_start(fmt, v):
     return v * CODE_BITS[fmt] // 8
 
 
-# ---------------------------------------------------------------- int2's scale (wire.py's docstring: the rule)
+# ---------------------------------------------------------------- int2's scale
+# s = the block's largest magnitude / 3 (rounded up to bfloat16), so 3s is its largest value;
+# q = the nearest odd integer to x / s (2 floor(x / 2s) + 1, a tie going up; clipped to
+# [-3, 3]): a value is off by at most s. No zero level: it would spend a code on the values
+# nearest 0. Measured over the last deltas of both sites of bench/wire_formats.py's f32 arm
+# (qwen3-tiny, 238K values, kurtosis 7.2), ||x - sent|| / ||x|| is 0.414 (int4 0.086, int8
+# 0.005). A clipped scale has less error (the best of 45 rules tried, the magnitude at 7/8 of
+# the block's sorted values x 9/32: 0.284) but cost more loss: int2 up and down +4.2% held-out
+# loss over f32 with it, +1.0% and +1.5% (two runs) with absmax / 3 (10 rounds; two runs of
+# one arm differ by ~0.3-0.5%). What a clipped scale saves is the small values' error; what it
+# defers is the largest values. topk with 2-bit values uses the same grid over its kept values.
 
 def int2_scale_bits(x2, block):
     """x as [r, C] (rows of whole blocks, the row's last block maybe short) -> bf16 scale
@@ -780,6 +748,11 @@ def int2_grid(t):
 
 
 # ---------------------------------------------------------------- threads
+# run_spans: spans of about TASK values on one shared pool per size and process (threads=,
+# default $WIRE_THREADS or every core: numpy releases the GIL); Behind: jobs in order on one
+# thread behind the caller (a write, a hash); Pipeline: the file-to-file loops (decode_file,
+# apply_update, theta_digest), tensor i computed while tensor i-1's sha256 and write run behind.
+# The Digest stays one sha256 over the tensors in order: serial, so it overlaps the rest.
 
 CHUNK = 1 << 16       # values per step of the block kernels: 256 KiB of f32, in L2 while it is worked on
 TASK = 1 << 20        # values per task handed to a thread (fewer, larger tasks: less Python per value)
@@ -860,7 +833,7 @@ class Behind:
 
 
 class Pipeline:
-    """wire.py's streaming loops (decode_file, apply_update, theta_digest), one tensor after
+    """The file-to-file loops above (decode_file, apply_update, theta_digest), one tensor after
     another with the slow serial parts behind: tensor i is computed in buffer set i % 2
     while the jobs submitted for tensor i - 1 (the sha256 of a Digest, the write of the
     output file: each on its own thread, in order) still read set (i - 1) % 2. Buffers are float32, the largest tensor's size, reused: peak
