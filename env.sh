@@ -31,7 +31,8 @@ pww_detect_site() {
 
 PWW_SITE=${PWW_SITE:-$(pww_detect_site)}
 export PWW_SITE
-if [ ! -f "$PWW_ROOT/sites/$PWW_SITE.sh" ]; then
+# sites/ also holds the tools siteinfo.sh and bootstrap.sh, which are no site
+if [ ! -f "$PWW_ROOT/sites/$PWW_SITE.sh" ] || [ "$PWW_SITE" = siteinfo ] || [ "$PWW_SITE" = bootstrap ]; then
     echo "env.sh: unknown site '$PWW_SITE' (no sites/$PWW_SITE.sh); set PWW_SITE to lumi, snellius or local" >&2
     return 1                            # env.sh is sourced, never run
 fi
