@@ -254,7 +254,10 @@ if [ -n "${VAL[PWW_PIN_VAR]+x}" ]; then
         rocm) row "$(same "$pin" ROCR_VISIBLE_DEVICES)" PWW_PIN_VAR "$pin" "ROCR_VISIBLE_DEVICES (AMD GPUs)" ;;
         cuda) row "$(same "$pin" CUDA_VISIBLE_DEVICES)" PWW_PIN_VAR "$pin" "CUDA_VISIBLE_DEVICES (NVIDIA GPUs)" ;;
         *)
-            if [ -n "${ROCR_VISIBLE_DEVICES:-}" ]; then
+            # no GPU: the list Slurm handed this step (Slurm sets CUDA_ and ROCR_VISIBLE_DEVICES both)
+            if [ -n "${!pin:-}" ]; then
+                row ok PWW_PIN_VAR "$pin" "$pin=${!pin} (set by Slurm here)"
+            elif [ -n "${ROCR_VISIBLE_DEVICES:-}" ]; then
                 row "$(same "$pin" ROCR_VISIBLE_DEVICES)" PWW_PIN_VAR "$pin" "ROCR_VISIBLE_DEVICES=$ROCR_VISIBLE_DEVICES (set by Slurm here)"
             elif [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
                 row "$(same "$pin" CUDA_VISIBLE_DEVICES)" PWW_PIN_VAR "$pin" "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES (set by Slurm here)"
