@@ -31,8 +31,9 @@ pww_detect_site() {
 
 PWW_SITE=${PWW_SITE:-$(pww_detect_site)}
 export PWW_SITE
-if [ ! -f "$PWW_ROOT/sites/$PWW_SITE.sh" ]; then
-    echo "env.sh: unknown site '$PWW_SITE' (no sites/$PWW_SITE.sh); set PWW_SITE to lumi, snellius or local" >&2
+# sites/ also holds the tools siteinfo.sh and bootstrap.sh, which are no site
+if [ ! -f "$PWW_ROOT/sites/$PWW_SITE.sh" ] || [ "$PWW_SITE" = siteinfo ] || [ "$PWW_SITE" = bootstrap ]; then
+    echo "env.sh: unknown site '$PWW_SITE' (no site file sites/$PWW_SITE.sh); set PWW_SITE to lumi, snellius or local" >&2
     return 1                            # env.sh is sourced, never run
 fi
 # shellcheck source=sites/local.sh
@@ -135,19 +136,10 @@ pww_central_env() {
     fi
 }
 
-# pww_setup_dirs: first-time setup at a site. Creates scratch dirs and links them into the
-# checkout as data/ and runs/ (code stays in $HOME, bulk data on scratch); makes logs/,
-# which must exist before sbatch opens logs/%x-%j.out.
+# pww_setup_dirs: the directories of a site's first-time setup: $PWW_SCRATCH/{runs,data}
+# linked into the checkout as runs/ and data/ (code stays in $HOME, bulk data on scratch),
+# and logs/, which must exist before sbatch opens logs/%x-%j.out. sites/bootstrap.sh does
+# this and checks the rest (the venv or container, the account, the central files).
 pww_setup_dirs() {
-    local d
-    mkdir -p "$PWW_LOGS"
-    for d in runs data; do
-        if [ "$PWW_SCRATCH" != "$PWW_ROOT" ] && [ ! -e "$PWW_ROOT/$d" ]; then
-            mkdir -p "$PWW_SCRATCH/$d"
-            ln -s "$PWW_SCRATCH/$d" "$PWW_ROOT/$d"
-        else
-            mkdir -p "$PWW_ROOT/$d"
-        fi
-    done
-    echo "site $PWW_SITE: runs -> $(readlink -f "$PWW_ROOT/runs"), data -> $(readlink -f "$PWW_ROOT/data"), logs $PWW_LOGS"
+    "$PWW_ROOT/sites/bootstrap.sh" --dirs-only
 }

@@ -2,11 +2,12 @@
 # jobs/snellius_cifar_multinode.sh - Snellius, cifar_multinode.
 # ResNet/CIFAR-10 data parallel across nodes (default 2; sbatch --nodes=N).
 #
-# Submit from the checkout (logs/ must exist: `source env.sh && pww_setup_dirs` once):
+# Submit from the checkout (logs/ must exist: `sites/bootstrap.sh` once):
 #   sbatch --nodes=4 jobs/snellius_cifar_multinode.sh
 # Flags after the script name go to the Python entry point; the last one given wins.
 # Override any header on the command line (sbatch -p ... --time ...), and any default
-# below from the environment (VAR=value sbatch ...). Log: logs/snellius_cifar_multinode-<jobid>.out
+# (jobs/common.sh lists them) from the environment (VAR=value sbatch ...).
+# Log: logs/snellius_cifar_multinode-<jobid>.out
 #SBATCH --job-name=snellius_cifar_multinode
 #SBATCH --partition=gpu_h100
 #SBATCH --nodes=2
@@ -17,13 +18,6 @@
 #SBATCH --output=logs/%x-%j.out
 set -euo pipefail
 PWW_ROOT=${PWW_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
-# shellcheck source=env.sh
-source "$PWW_ROOT/env.sh"
-cd "$PWW_ROOT"
-pww_rendezvous
-echo "$(date -Is) job $SLURM_JOB_ID on $SLURM_JOB_NODELIST: site $PWW_SITE, $SLURM_NTASKS ranks, rendezvous $MASTER_ADDR:$MASTER_PORT"
-CONFIG=${CONFIG:-configs/cifar10_resnet18.yaml}
-DATA=${DATA:-$PWW_DATA/cifar-10-batches-py}
-read -r -a site_args <<< "${PWW_CIFAR_ARGS:-}"    # sites/local.sh: the tiny CPU config
-srun --cpu-bind="$(pww_cpu_bind)" --distribution=block:block jobs/task_wrapper.sh python train.py --device "$PWW_DEVICE" --config "$CONFIG" --data "$DATA" \
-    --runs-dir "$PWW_RUNS" "${site_args[@]}" "$@"
+# shellcheck source=jobs/common.sh
+source "$PWW_ROOT/jobs/common.sh"         # env.sh and the pww_job_* functions
+pww_job_cifar --distribution=block:block -- "$@"

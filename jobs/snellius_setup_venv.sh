@@ -57,4 +57,4 @@ else
     echo "driver: not checked here (no NVIDIA driver answered: a login node?); the smoke job checks the GPUs"
 fi
 echo "venv ready: $PWW_VENV (frozen list in $PWW_VENV/pww-freeze.txt)"
-echo "next: source env.sh && pww_setup_dirs && sbatch jobs/snellius_smoke.sh"
+echo "next: sites/bootstrap.sh && sbatch jobs/snellius_smoke.sh"

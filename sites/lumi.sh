@@ -42,7 +42,8 @@ export PWW_RCCL_PLUGIN_DIR=${PWW_RCCL_PLUGIN_DIR:-}
 # changes with system updates: 1.15.2.0 before January 2026, 1.22.0 after).
 export PWW_CRAY_LIBFABRIC=${PWW_CRAY_LIBFABRIC:-}
 
-# RCCL / libfabric on Slingshot-11.
+# RCCL / libfabric on Slingshot-11 (HPE Cassini NICs, /sys/class/cxi; sites/siteinfo.sh checks it).
+export PWW_INTERCONNECT=slingshot
 # hsn0..3 are the four Slingshot NICs (one per MI250X); without this RCCL's bootstrap may
 # pick the management Ethernet and crawl.
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-hsn0,hsn1,hsn2,hsn3}

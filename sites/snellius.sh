@@ -25,6 +25,8 @@ export PWW_SCRATCH=${PWW_SCRATCH:-/scratch-shared/${USER:-$(id -un)}}
 export PWW_RUNNER=${PWW_RUNNER:-venv}
 export PWW_VENV=${PWW_VENV:-$HOME/venvs/pww-snellius}
 
+# InfiniBand (mlx5 HCAs, /sys/class/infiniband; sites/siteinfo.sh checks it).
+export PWW_INTERCONNECT=infiniband
 # NCCL finds InfiniBand unaided here (300.8 GB/s in a node, 133.1 GB/s across two).
 # If the smoke test shows single-digit GB/s across nodes, NCCL fell back to TCP: set the
 # IB-side interface explicitly (names are ibp*/mlx5 on Snellius, not ib0):

@@ -12,7 +12,11 @@ imported only by the helpers that need it.
     spawn             fn on N processes in one gloo group (torch), killed at a deadline
 """
 import os
+import pathlib
+import re
 import shutil
+import stat
+import subprocess
 import tempfile
 import threading
 import time
@@ -24,6 +28,8 @@ import fedmom_state as fs
 import httpd
 import fedmom_merge
 import tensorio
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # one tensor bigger than fedmom_merge.CHUNK, so the chunk loop runs more than once
 SHAPES = {"embed": (300, 1000), "layer.w": (64, 48), "layer.b": (48,), "norm": (7,)}
@@ -226,3 +232,74 @@ def checkpoint_and_log(test, shapes, theta, step, codec, rounds=(1, 2, 3)):
         s.digest = state.digest
         log.append(dataclasses.replace(s, deltas=[(os.path.relpath(p, test.dir), w) for p, w in s.deltas]))
     return state, ckpt, log
+
+
+# ---- sites/siteinfo.sh and sites/bootstrap.sh (test_site_tools, slurm_jobs)
+
+def clean_env(**extra):
+    """A predictable environment: no PWW_* or Slurm variables from the caller."""
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "USER": "tester",
+           "LANG": "C.UTF-8"}
+    env.update(extra)
+    return env
+
+
+def site_tool_run(argv, env, cwd=ROOT, timeout=180):
+    return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def rows(stdout):
+    """siteinfo.sh's lines -> {name: (mark, site value, observed)}."""
+    out = {}
+    for line in stdout.splitlines():
+        m = re.match(r"^(ok|DIFFERS|unknown|info)\s+(.+?)\s+site: (.*?)  observed: (.*)$", line)
+        if m:
+            out[m.group(2)] = (m.group(1), m.group(3), m.group(4))
+    return out
+
+
+def tree(top):
+    """Everything under top, links not followed: {relative path: (kind, link target or mode)}."""
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            kind = "link" if stat.S_ISLNK(st.st_mode) else "dir" if stat.S_ISDIR(st.st_mode) else "file"
+            found[os.path.relpath(path, top)] = (kind, os.readlink(path) if kind == "link"
+                                                 else stat.S_IMODE(st.st_mode), st.st_mtime_ns)
+    return found
+
+
+def temp_checkout(tmp):
+    """A checkout of env.sh, sites/ and jobs/ in tmp/checkout (what bootstrap.sh reads)."""
+    co = os.path.join(tmp, "checkout")
+    for sub in ("sites", "jobs"):
+        shutil.copytree(os.path.join(ROOT, sub), os.path.join(co, sub))
+    shutil.copy(os.path.join(ROOT, "env.sh"), co)
+    return co
+
+
+def bootstrap_env(tmp, co, **extra):
+    env = dict(PWW_SITE="local", PWW_ROOT=co, PWW_SCRATCH=os.path.join(tmp, "scratch"), PWW_VENV=os.path.join(ROOT, ".venv"),
+               HOME=os.path.join(tmp, "home"))
+    env.update(extra)
+    return clean_env(**env)
+
+
+def has_gpu():
+    return (bool(os.path.isdir("/proc/driver/nvidia/gpus") and os.listdir("/proc/driver/nvidia/gpus"))
+            or os.path.exists("/dev/kfd") or shutil.which("nvidia-smi") is not None)
+
+
+def wrong_local_site(tmp):
+    """A copy of sites/local.sh whose venv, interconnect and partitions are not this machine's."""
+    text = pathlib.Path(ROOT, "sites", "local.sh").read_text()
+    for old, new in (('export PWW_VENV=${PWW_VENV:-$PWW_ROOT/.venv}', 'export PWW_VENV=/nonexistent/venv'),
+                     ('export PWW_INTERCONNECT=none', 'export PWW_INTERCONNECT=slingshot'),
+                     ('export PWW_PARTITIONS="debug"', 'export PWW_PARTITIONS="debug no_such_partition"')):
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path = os.path.join(tmp, "local.sh")
+    pathlib.Path(path).write_text(text)
+    return path

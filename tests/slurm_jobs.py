@@ -20,6 +20,9 @@ A job that fails cancels its partner, so a failure is reported at once. The node
 CPUs hold one titan job at a time: the second starts once the first has ended and may
 find the corpus covered (0 steps); checked are both jobs' success, both sites'
 membership and at least one merged round, not that each site trained.
+Then sites/siteinfo.sh and sites/bootstrap.sh in job steps (srun): siteinfo sees the
+partitions and the GPU list Slurm hands the step, and marks a wrong site file; bootstrap's
+--dry-run writes nothing, its first run sets up a temp checkout, its second changes nothing.
 Skips when not root, or without apt-get where Slurm is not installed (TESTING.md's
 "Expected skips" lists neither, so under `make test` as root the second fails the run).
 Slurm is left running afterwards (`tests/local_slurm.sh stop` stops it).
@@ -34,6 +37,7 @@ import tempfile
 import time
 import unittest
 
+import fixtures as site_tools     # the site tools helpers (clean_env, rows, tree, ...)
 from testbed.harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -231,6 +235,63 @@ class TitanTest(JobTest):
         self.assertTrue(merged and int(merged.group(1)) >= 1, status)
         for site in ("lumi", "snellius"):
             self.assertIn(site, status)
+
+
+class SiteToolsTest(unittest.TestCase):
+    """sites/siteinfo.sh and sites/bootstrap.sh as a user runs them at a site: in a job step
+    (srun), where Slurm's partitions and the GPU list it hands the step are there to see."""
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="pww-site-tools-", dir=STATE["tmp"])
+
+    def srun(self, argv, env, cwd=ROOT):
+        r = subprocess.run(["srun", "-p", "debug", "-N1", "-n1", "--gpus-per-node=1", "-t", "5", *argv], cwd=cwd,
+                           env=env, capture_output=True, text=True, timeout=300)
+        return r
+
+    def test_siteinfo_in_a_job_step_sees_the_partitions_and_the_gpu_list(self):
+        env = site_tools.clean_env(PWW_SITE="local")
+        r = self.srun(["sites/siteinfo.sh"], env)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        got = site_tools.rows(r.stdout)
+        self.assertRegex(r.stdout.splitlines()[0], r"^siteinfo: site local .*, Slurm job \d+$")
+        self.assertEqual(got["PWW_PARTITIONS"][:2], ("ok", "debug"), r.stdout)
+        self.assertIn("GRES gpu:8", got["PWW_PARTITIONS"][2])
+        # the fake GPU GRES: no GPU, but Slurm handed the step a CUDA_VISIBLE_DEVICES, as local.sh pins
+        if not site_tools.has_gpu():
+            self.assertEqual(got["PWW_PIN_VAR"][0], "ok", r.stdout)
+            self.assertRegex(got["PWW_PIN_VAR"][2], r"^CUDA_VISIBLE_DEVICES=\d+ \(set by Slurm here\)$")
+
+    def test_siteinfo_in_a_job_step_marks_a_wrong_site_file(self):
+        wrong = site_tools.wrong_local_site(self.tmp)
+        env = site_tools.clean_env(PWW_SITE="local", PWW_SITE_FILE=wrong)
+        r = self.srun(["sites/siteinfo.sh", "--strict"], env)
+        self.assertEqual(r.returncode, 1, r.stdout + r.stderr)               # srun passes the exit on
+        got = site_tools.rows(r.stdout)
+        self.assertEqual(got["PWW_PARTITIONS"][0], "DIFFERS", r.stdout)
+        self.assertIn("missing: no_such_partition", got["PWW_PARTITIONS"][2])
+        self.assertEqual(got["PWW_VENV"][0], "DIFFERS", r.stdout)
+
+    def test_bootstrap_in_a_job_step(self):
+        co = site_tools.temp_checkout(self.tmp)
+        os.makedirs(os.path.join(self.tmp, "home"))
+        env = site_tools.bootstrap_env(self.tmp, co)
+        script = os.path.join(co, "sites", "bootstrap.sh")
+        before = site_tools.tree(self.tmp)
+        r = self.srun([script, "--dry-run"], env, cwd=co)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("would link data", r.stdout)
+        self.assertEqual(site_tools.tree(self.tmp), before)
+        r = self.srun([script], env, cwd=co)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        for d in ("runs", "data"):
+            self.assertEqual(os.readlink(os.path.join(co, d)), os.path.join(self.tmp, "scratch", d))
+        self.assertTrue(os.path.isdir(os.path.join(co, "logs")))
+        made = site_tools.tree(self.tmp)
+        r = self.srun([script], env, cwd=co)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("nothing changed", r.stdout)
+        self.assertEqual(site_tools.tree(self.tmp), made)
 
 
 if __name__ == "__main__":

@@ -299,22 +299,30 @@ class JobHeaderTest(unittest.TestCase):
         self.assertTrue(os.path.exists(path), path)
         return path, sbatch_header(path), pathlib.Path(path).read_text()
 
-    def test_every_job_exists_sources_env_and_has_one_srun(self):
+    def test_every_job_exists_sources_common_and_starts_one_launch(self):
+        """Each job is its #SBATCH header and one launch: jobs/common.sh (env.sh, the
+        rendezvous, the one srun line) and a single pww_job_* call with the script's flags last."""
+        kinds = {"smoke": "pww_job_smoke", "cifar_diloco": "pww_job_cifar_diloco", "titan": "pww_job_titan"}
         for site in SITES:
             for name in JOBS:
                 path, opts, text = self.job(site, name)
                 self.assertTrue(os.access(path, os.X_OK), path)
                 self.assertEqual(opts.get("output"), "logs/%x-%j.out", path)
                 self.assertEqual(opts.get("job-name"), f"{site}_{name}", path)
-                self.assertIn('source "$PWW_ROOT/env.sh"', text, path)
-                self.assertIn("pww_rendezvous", text, path)
-                commands = text.replace("\\\n", " ").splitlines()      # join continuation lines
-                sruns = [ln for ln in commands if ln.startswith("srun ")]
-                self.assertEqual(len(sruns), 1, path)
-                self.assertIn("jobs/task_wrapper.sh python", sruns[0], path)
-                self.assertTrue(sruns[0].rstrip().endswith('"$@"'), path)   # flags after the script
-                if name == "smoke":       # a rank that exits 1 on a hung first collective ends the step
-                    self.assertIn("--kill-on-bad-exit=1", sruns[0], path)
+                code = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+                self.assertEqual(code[0], "set -euo pipefail", path)
+                self.assertTrue(code[2].startswith('source "$PWW_ROOT/jobs/common.sh"'), path)
+                launches = [ln for ln in code if ln.startswith("pww_job_")]
+                self.assertEqual(len(launches), 1, path)
+                self.assertEqual(launches[0].split()[0], kinds.get(name, "pww_job_cifar"), path)
+                self.assertTrue(launches[0].endswith(' -- "$@"'), path)   # flags after the script, last
+                self.assertNotIn("srun", "\n".join(code), path)           # the one srun is jobs/common.sh's
+        common = pathlib.Path(ROOT, "jobs", "common.sh").read_text()
+        self.assertIn('source "$PWW_ROOT/env.sh"', common)
+        self.assertIn("pww_rendezvous", common)
+        sruns = [ln for ln in common.replace("\\\n", " ").splitlines() if ln.lstrip().startswith("srun ")]
+        self.assertEqual(len(sruns), 1, sruns)
+        self.assertIn("jobs/task_wrapper.sh python", sruns[0])
 
     def test_lumi_headers(self):
         for name in JOBS:
@@ -384,6 +392,10 @@ class JobCommandTest(unittest.TestCase):
                 if job != "smoke":
                     self.assertEqual(argv[argv.index("--runs-dir") + 1], os.path.join(self.tmp, "runs"), where)
                 bind = next(a for a in argv[:i] if a.startswith("--cpu-bind="))
+                # a rank that exits 1 on a hung first collective ends the step (smoke.py)
+                self.assertEqual("--kill-on-bad-exit=1" in argv[:i], job == "smoke", where)
+                # Snellius: one GPU per socket, so block:block + cores is NUMA-correct
+                self.assertEqual("--distribution=block:block" in argv[:i], site == "snellius", where)
                 if site == "lumi" and job != "cifar_debug":
                     self.assertTrue(bind.startswith("--cpu-bind=mask_cpu:0xfe"), where)
                 else:
@@ -433,6 +445,9 @@ class JobCommandTest(unittest.TestCase):
         argv, _ = self.launch("lumi", "cifar_diloco", env={"REPLICAS": "4", "INNER_STEPS": "25"})
         self.assertEqual(argv[argv.index("--diloco-replicas") + 1], "4")
         self.assertEqual(argv[argv.index("--diloco-inner-steps") + 1], "25")
+        argv, _ = self.launch("snellius", "cifar_diloco")                  # the defaults
+        self.assertEqual((argv[argv.index("--diloco-replicas") + 1], argv[argv.index("--diloco-inner-steps") + 1]),
+                         ("2", "100"))
 
     def test_variables_set_before_the_job_win_over_central_env(self):
         central_env = os.path.join(self.tmp, "central.env")
