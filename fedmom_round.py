@@ -32,7 +32,7 @@ identity and epoch, the last record) is to_json()'s, and every change of it bump
 the caller makes state.json say it before it lets anyone see the change, or puts the books
 back with mark()/rewind(). The open round's deltas are the spool's, handed back at a start
 through restore(). A record is one line of rounds.jsonl ("v": RECORD_VERSION), appended by
-fedmom_state.Ledger; fedmom_server.py's docstring lists its fields.
+fedmom_state.Ledger; its fields are FEDERATION_GUIDE.md, "Reading the metrics".
 
 The protocol is taught in FEDERATION_GUIDE.md, "Leases (DARL)" (custody, fencing, violations)
 and "A round, from the site's side"; DARL's half of custody is darl_table.py's.

@@ -2,8 +2,8 @@
 the blob store and DARL; no HTTP server in it.
 
 Used on the central VM by fedmom_server.py, which owns the routes, the round and DARL loops,
-the status page and the command line (its docstring says how to start the aggregator and
-what each endpoint does). Standard library + numpy (through outer_state.py); never torch.
+the status page and the command line (its docstring says how to start the aggregator;
+FEDERATION_GUIDE.md, "Endpoints", what each endpoint does). Standard library + numpy (through outer_state.py); never torch.
 Not run on its own.
 
 Its parts, in reading order:

@@ -3,8 +3,8 @@
 Runs on: compute nodes (every rank; rank 0 writes), imported by train.py. Not started on
 its own; no port. Writes into the run directory train.py made (runs/<run>/):
     train.log       what rank 0 printed (RunLog.log), one timestamped line each
-    metrics.jsonl   one JSON row per line (RunLog.metric); which rows and which keys are
-                    train.py's docstring. Every row gets the job's `<unit>_total` (tokens
+    metrics.jsonl   one JSON row per line (RunLog.metric); which rows train.py's docstring
+                    names, their keys FEDERATION_GUIDE.md, "Reading the metrics". Every row gets the job's `<unit>_total` (tokens
                     or img trained by all ranks so far, kept across --resume), this process's
                     `incarnation` and the wall `time`
     --tensorboard DIR  the same rows as scalars: <split>/<key> against the step, and

@@ -1,13 +1,12 @@
 """train.py - THE site-side training entrypoint (ResNet/CIFAR-10 and Qwen3 via torchtitan).
 
-Runs on: compute nodes (one process per GPU, launched by srun or torchrun), or on any CPU
-with gloo for tests and the local demo. No port of its own; the process group's rendezvous
-(MASTER_ADDR, MASTER_PORT from SLURM_JOB_ID), device dispatch and rank/world: dist_env.py.
+Runs on: compute nodes (one process per GPU, by srun or torchrun), or any CPU with gloo (tests,
+the demo). No port; the rendezvous, device dispatch and rank/world are dist_env.py's.
 
 Command lines:
     # one CPU process
     python train.py --device cpu --model resnet18 --data data/cifar-10-batches-py --epochs 1
-    # 2 CPU ranks, DDP, the same as a GPU node but with gloo
+    # 2 CPU ranks, DDP (a GPU node's layout, with gloo)
     torchrun --nproc-per-node 2 train.py --device cpu --config configs/cifar10_resnet18.yaml
     # a Slurm job step (jobs/*.sh): one task per GPU; rank/world come from SLURM_*
     srun python train.py --config configs/qwen3_0.6B.yaml --data data/c4/manifest.json
@@ -16,9 +15,9 @@ Command lines:
     # once, anywhere: the initial global model for fedmom_server.py --init
     python train.py --export-init init.safetensors --model qwen3-0.6B --data data/c4/manifest.json
     # one site of a federated run (requeue with the same flags + --resume auto)
-    srun python train.py --config configs/qwen3_0.6B.yaml --data data/c4/manifest.json \
-        --federation https://central:29511 --darl-url https://central:29510 \
-        --blob-url https://central:29512 --token-file ~/.pww/central.token \
+    srun python train.py --config configs/qwen3_0.6B.yaml --data data/c4/manifest.json \\
+        --federation https://central:29511 --darl-url https://central:29510 \\
+        --blob-url https://central:29512 --token-file ~/.pww/central.token \\
         --ca-file ~/.pww/central-ca.pem --site lumi --diloco-inner-steps 100 --resume auto
     # (jobs/*_titan.sh take the URLs, $PWW_TOKEN_FILE and $PWW_CA_FILE from central.env)
 

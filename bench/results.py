@@ -65,7 +65,7 @@ def block(command, date, lines, cut):
 
 
 def rewrite(path, name, command, output, date, tail=80):
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         text = f.read()
     i, j = find_block(text, name, path)
     lines, cut = clean(output, tail)
@@ -73,7 +73,7 @@ def rewrite(path, name, command, output, date, tail=80):
         raise SystemExit(f"bench/results.py: no output for {name} on stdin; {path} left as it was")
     new = text[:i] + block(command, date, lines, cut) + text[j:]
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
+    with open(tmp, "w", encoding="utf-8") as f:
         f.write(new)
     os.replace(tmp, path)
 
@@ -90,7 +90,7 @@ def main(argv=None):
     if not NAME.match(a.name):
         p.error(f"bad bench name {a.name!r}")
     if a.check:
-        with open(a.file) as f:
+        with open(a.file, encoding="utf-8") as f:
             find_block(f.read(), a.name, a.file)
         return 0
     if not a.command:

@@ -57,8 +57,18 @@ act() {
     if "$@"; then
         say "$what"
     else
+        CHANGES=$((CHANGES - 1))
         problem "could not $what"
+        return 1
     fi
+}
+# same_dir A B: A and B are the same directory, however each is spelled (a trailing slash,
+# a symlinked path); a path that does not exist yet is compared as given, made absolute
+same_dir() {
+    local a b
+    a=$(cd "$1" 2>/dev/null && pwd -P) || a=$1
+    b=$(cd "$2" 2>/dev/null && pwd -P) || b=$2
+    [ "${a%/}" = "${b%/}" ]
 }
 
 say "site $PWW_SITE (sites/$PWW_SITE.sh), checkout $PWW_ROOT, scratch $PWW_SCRATCH$([ "$DRY" = 0 ] || echo ', dry run')"
@@ -68,8 +78,14 @@ say "site $PWW_SITE (sites/$PWW_SITE.sh), checkout $PWW_ROOT, scratch $PWW_SCRAT
 relink() { rmdir "$1" && ln -s "$2" "$1"; }
 # link_dir NAME: $PWW_ROOT/NAME -> $PWW_SCRATCH/NAME
 link_dir() {
-    local name=$1 link=$PWW_ROOT/$1 target=$PWW_SCRATCH/$1 now
-    [ -d "$target" ] || act "make $target" mkdir "$target"
+    local name=$1 link=$PWW_ROOT/$1 target=${PWW_SCRATCH%/}/$1 now
+    if same_dir "$PWW_SCRATCH" "$PWW_ROOT"; then
+        problem "$name: the scratch $PWW_SCRATCH is the checkout: a link would point at itself"
+        return
+    fi
+    if [ ! -d "$target" ]; then
+        act "make $target" mkdir "$target" || return
+    fi
     if [ -L "$link" ]; then
         now=$(readlink "$link")
         if [ "$now" = "$target" ]; then
@@ -83,7 +99,7 @@ link_dir() {
         if [ -z "$(find "$link" -mindepth 1 -maxdepth 1 -print -quit 2>/dev/null)" ]; then
             act "replace the empty directory $link by a link to $target" relink "$link" "$target"
         else
-            problem "$link is a directory with files in the checkout, not a link to scratch: mv $link/* $target/ && rmdir $link && sites/bootstrap.sh"
+            problem "$link is a directory with files in the checkout, not a link to scratch: $(printf 'mv %q/* %q/ && rmdir %q' "$link" "$target" "$link") && sites/bootstrap.sh"
         fi
     elif [ -e "$link" ]; then
         problem "$link is a file, not a directory or a link: move it away, then sites/bootstrap.sh"
@@ -94,7 +110,7 @@ link_dir() {
 
 setup_dirs() {
     local d
-    if [ "$PWW_SCRATCH" = "$PWW_ROOT" ]; then
+    if same_dir "$PWW_SCRATCH" "$PWW_ROOT"; then
         for d in runs data; do
             [ -d "$PWW_ROOT/$d" ] || act "make $PWW_ROOT/$d" mkdir -p "$PWW_ROOT/$d"
         done
@@ -102,7 +118,9 @@ setup_dirs() {
         problem "PWW_SCRATCH=$PWW_SCRATCH: $(dirname "$PWW_SCRATCH") does not exist (${PWW_PROJECT:+is PWW_PROJECT=$PWW_PROJECT your project? }set PWW_SCRATCH to your scratch space)"
         return
     else
-        [ -d "$PWW_SCRATCH" ] || act "make $PWW_SCRATCH" mkdir "$PWW_SCRATCH"
+        if [ ! -d "$PWW_SCRATCH" ]; then
+            act "make $PWW_SCRATCH" mkdir "$PWW_SCRATCH" || return
+        fi
         for d in runs data; do
             link_dir "$d"
         done
@@ -219,8 +237,10 @@ fi
 
 if [ "$DRY" = 1 ]; then
     say "dry run: $CHANGES change(s) would be made, nothing written; $PROBLEMS thing(s) missing"
+elif [ "$CHANGES" = 0 ] && [ "$PROBLEMS" = 0 ]; then
+    say "nothing changed: everything it makes was already in place; 0 thing(s) missing"
 elif [ "$CHANGES" = 0 ]; then
-    say "nothing changed: everything it makes was already in place; $PROBLEMS thing(s) missing"
+    say "nothing changed; $PROBLEMS thing(s) missing (above)"
 else
     say "$CHANGES change(s) made; $PROBLEMS thing(s) missing"
 fi

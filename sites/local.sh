@@ -13,7 +13,7 @@ export PWW_RANKS_PER_NODE=${PWW_RANKS_PER_NODE:-$(( _pww_nproc < 4 ? _pww_nproc 
 export PWW_CORES_PER_RANK=${PWW_CORES_PER_RANK:-1}
 unset _pww_nproc
 export PWW_PARTITIONS="debug"
-export PWW_INTERCONNECT=none           # one node: no fabric between nodes
+export PWW_INTERCONNECT=${PWW_INTERCONNECT:-none}          # one node: no fabric between nodes
 export PWW_SCRATCH=${PWW_SCRATCH:-$PWW_ROOT}
 export PWW_RUNNER=${PWW_RUNNER:-venv}
 export PWW_VENV=${PWW_VENV:-$PWW_ROOT/.venv}

@@ -43,7 +43,7 @@ export PWW_RCCL_PLUGIN_DIR=${PWW_RCCL_PLUGIN_DIR:-}
 export PWW_CRAY_LIBFABRIC=${PWW_CRAY_LIBFABRIC:-}
 
 # RCCL / libfabric on Slingshot-11 (HPE Cassini NICs, /sys/class/cxi; sites/siteinfo.sh checks it).
-export PWW_INTERCONNECT=slingshot
+export PWW_INTERCONNECT=${PWW_INTERCONNECT:-slingshot}
 # hsn0..3 are the four Slingshot NICs (one per MI250X); without this RCCL's bootstrap may
 # pick the management Ethernet and crawl.
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-hsn0,hsn1,hsn2,hsn3}

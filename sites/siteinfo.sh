@@ -51,10 +51,14 @@ HOST=$(hostname -s 2>/dev/null || hostname)
 DETECTED=$(env -u PWW_SITE bash -c 'source "$1/env.sh" >/dev/null 2>&1 && pww_detect_site "$2"' _ "$PWW_ROOT" "$HOST")
 SITE=${SITE:-${PWW_SITE:-$DETECTED}}
 SITE_FILE=${SITE_FILE:-$PWW_ROOT/sites/$SITE.sh}
-case $SITE in bootstrap|siteinfo) SITE_FILE=/nonexistent/$SITE ;; esac
+SITES=$(find "$PWW_ROOT/sites" -maxdepth 1 -name '*.sh' -printf '%f\n' | sed 's|\.sh$||' | sort \
+    | grep -vx -e bootstrap -e siteinfo | paste -sd ' ')
+case $SITE in
+    */*|.*|"") echo "siteinfo: --site '$SITE' is not a site name (sites: $SITES)" >&2; exit 2 ;;
+    bootstrap|siteinfo) echo "siteinfo: '$SITE' is a tool beside the site files, not a site (sites: $SITES)" >&2; exit 2 ;;
+esac
 if [ ! -f "$SITE_FILE" ]; then
-    echo "siteinfo: no site file $SITE_FILE (sites: $(find "$PWW_ROOT/sites" -maxdepth 1 -name '*.sh' -printf '%f\n' | sed 's|\.sh$||' | sort \
-        | grep -vx -e bootstrap -e siteinfo | paste -sd ' '))" >&2
+    echo "siteinfo: no site file $SITE_FILE (sites: $SITES)" >&2
     exit 2
 fi
 

@@ -26,7 +26,7 @@ export PWW_RUNNER=${PWW_RUNNER:-venv}
 export PWW_VENV=${PWW_VENV:-$HOME/venvs/pww-snellius}
 
 # InfiniBand (mlx5 HCAs, /sys/class/infiniband; sites/siteinfo.sh checks it).
-export PWW_INTERCONNECT=infiniband
+export PWW_INTERCONNECT=${PWW_INTERCONNECT:-infiniband}
 # NCCL finds InfiniBand unaided here (300.8 GB/s in a node, 133.1 GB/s across two).
 # If the smoke test shows single-digit GB/s across nodes, NCCL fell back to TCP: set the
 # IB-side interface explicitly (names are ibp*/mlx5 on Snellius, not ib0):

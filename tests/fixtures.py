@@ -296,7 +296,7 @@ def wrong_local_site(tmp):
     """A copy of sites/local.sh whose venv, interconnect and partitions are not this machine's."""
     text = pathlib.Path(ROOT, "sites", "local.sh").read_text()
     for old, new in (('export PWW_VENV=${PWW_VENV:-$PWW_ROOT/.venv}', 'export PWW_VENV=/nonexistent/venv'),
-                     ('export PWW_INTERCONNECT=none', 'export PWW_INTERCONNECT=slingshot'),
+                     ('export PWW_INTERCONNECT=${PWW_INTERCONNECT:-none}', 'export PWW_INTERCONNECT=slingshot'),
                      ('export PWW_PARTITIONS="debug"', 'export PWW_PARTITIONS="debug no_such_partition"')):
         assert text.count(old) == 1, old
         text = text.replace(old, new)

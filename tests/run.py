@@ -3,7 +3,7 @@
 Runs on: any machine with the venv (CPU only). Usage:
     python tests/run.py                   # every tests/test_*.py
     python tests/run.py test_darl         # one module (or several)
-    python tests/run.py test_darl.LeaseTableTest.test_expiry
+    python tests/run.py test_darl.LeaseTableTest.test_expiry_returns_the_uncommitted_part
     python tests/run.py --fail-on-skip    # a skip TESTING.md does not list fails (make test, CI)
     python tests/run.py --with slurm_jobs # every tests/test_*.py, then tests/slurm_jobs.py (make test as root)
     python tests/run.py --timeout 900     # the watchdog's budget, s (default 600)

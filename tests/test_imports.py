@@ -172,12 +172,37 @@ class SizeTest(unittest.TestCase):
                 limit = 700 if fn == "train.py" else 2000 if name in ROOMS else 900
                 self.assertLessEqual(lines, limit, f"{fn}: {lines} lines")
                 tree = ast.parse(src)
-                doc = ast.get_docstring(tree, clean=False) or ""
-                self.assertLessEqual(doc.count("\n") + 1, 40, f"{fn}: a docstring of {doc.count(chr(10)) + 1} lines")
+                first = tree.body[0] if tree.body else None
+                if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                    n = first.end_lineno - first.lineno + 1          # lines on the screen, continuations too
+                    self.assertLessEqual(n, 40, f"{fn}: a docstring of {n} lines")
                 for node in ast.walk(tree):
                     if isinstance(node, ast.ClassDef):
                         n = node.end_lineno - node.lineno + 1
                         self.assertLessEqual(n, 400, f"{fn}: class {node.name} is {n} lines")
+
+
+def cells(row):
+    """A markdown table row's cells: split on the `|` that are neither escaped (`\\|`) nor inside
+    a code span."""
+    out, cell, code, i = [], "", False, 0
+    row = row.strip()
+    while i < len(row):
+        ch = row[i]
+        if ch == "\\" and i + 1 < len(row):
+            cell += row[i:i + 2]
+            i += 2
+            continue
+        if ch == "`":
+            code = not code
+        if ch == "|" and not code:
+            out.append(cell)
+            cell = ""
+        else:
+            cell += ch
+        i += 1
+    out.append(cell)
+    return [c for c in out[1:-1]] if row.startswith("|") and row.endswith("|") else out
 
 
 class DocsTest(unittest.TestCase):
@@ -204,7 +229,7 @@ class DocsTest(unittest.TestCase):
                      os.path.join("bench", "RESULTS.md")):
             for i, line in enumerate(self.read(name).splitlines(), 1):
                 if line.startswith("|"):
-                    longest = max(len(c.strip()) for c in line.strip().strip("|").split("|"))
+                    longest = max(len(c.strip()) for c in cells(line))
                     with self.subTest(f"{name}:{i}"):
                         self.assertLessEqual(longest, 420, f"{name}:{i}: a table cell of {longest} characters")
 

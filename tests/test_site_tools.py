@@ -134,6 +134,11 @@ class SiteinfoTest(unittest.TestCase):
         r = self.siteinfo("--site", "nosuchsite")
         self.assertEqual(r.returncode, 2)
         self.assertIn("local lumi snellius", r.stderr)
+        for name, said in (("../env", "is not a site name"), ("bootstrap", "is a tool beside the site files")):
+            r = self.siteinfo("--site", name)                  # never sourced as a site file
+            self.assertEqual(r.returncode, 2, r.stdout)
+            self.assertIn(said, r.stderr)
+            self.assertEqual(r.stdout, "")
 
 
 class BootstrapTest(unittest.TestCase):
@@ -187,6 +192,28 @@ class BootstrapTest(unittest.TestCase):
         self.assertIn(f"mv {self.co}/data/* {self.scratch}/data/", r.stderr)
         self.assertTrue(os.path.isfile(os.path.join(self.co, "data", "corpus.bin")))
         self.assertTrue(os.path.islink(os.path.join(self.co, "runs")))     # the rest is done
+
+    def test_a_scratch_spelled_as_the_checkout_links_nothing_to_itself(self):
+        r = self.bootstrap("--dirs-only", PWW_SCRATCH=self.co + "/")     # the checkout, spelled otherwise
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        for d in ("runs", "data"):
+            self.assertFalse(os.path.islink(os.path.join(self.co, d)), r.stdout)
+            self.assertTrue(os.path.isdir(os.path.join(self.co, d)))
+        link = os.path.join(self.tmp, "also-checkout")                  # and through a symlink
+        os.symlink(self.co, link)
+        r = self.bootstrap("--dirs-only", PWW_SCRATCH=link)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("nothing changed", r.stdout)
+        self.assertFalse(os.path.islink(os.path.join(self.co, "runs")))
+
+    def test_a_scratch_it_cannot_make_leaves_no_link_and_fails(self):
+        pathlib.Path(self.scratch).write_text("a file where the scratch should be")
+        r = self.bootstrap("--dirs-only")
+        self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
+        self.assertIn(f"could not make {self.scratch}", r.stderr)
+        for d in ("runs", "data"):
+            self.assertFalse(os.path.lexists(os.path.join(self.co, d)), r.stdout)   # no link into nothing
+        self.assertNotIn("change(s) made", r.stdout)
 
     def test_a_missing_venv_or_one_without_torch_is_named_with_its_fix(self):
         r = self.bootstrap(PWW_VENV=os.path.join(self.tmp, "novenv"))
