@@ -64,18 +64,22 @@ def block(command, date, lines, cut):
     return "\n" + head + ":\n\n```text\n" + "\n".join(lines) + "\n```\n"
 
 
-def rewrite(path, name, command, output, date, tail=80):
+def replace_block(path, name, body):
+    """NAME's block in `path` becomes `body`, written atomically (bench/faults.py's tables too)."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
     i, j = find_block(text, name, path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text[:i] + body + text[j:])
+    os.replace(tmp, path)
+
+
+def rewrite(path, name, command, output, date, tail=80):
     lines, cut = clean(output, tail)
     if not lines:
         raise SystemExit(f"bench/results.py: no output for {name} on stdin; {path} left as it was")
-    new = text[:i] + block(command, date, lines, cut) + text[j:]
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(new)
-    os.replace(tmp, path)
+    replace_block(path, name, block(command, date, lines, cut))
 
 
 def main(argv=None):
