@@ -109,6 +109,24 @@ class RoundResult:
     waiting_on: list = None      # the members the round still waited for, as the last wait saw them
 
 
+class RoundAge:
+    """How long the open round has been open: each aggregator reply says (round, round_age_s)
+    as it was made; the monotonic clock adds what passed since."""
+
+    def __init__(self):
+        self.last = None             # (round, its age in s, time.monotonic() then)
+
+    def heard(self, reply):
+        if isinstance(reply.get("round_age_s"), (int, float)):
+            self.last = (reply["round"], float(reply["round_age_s"]), time.monotonic())
+
+    def of(self, rnd):
+        """Seconds round `rnd` has been open now (from the last reply that saw it open), or None."""
+        if self.last is None or self.last[0] != rnd:
+            return None
+        return self.last[1] + time.monotonic() - self.last[2]
+
+
 class FedSite:
     """Rank 0's side of a federated site: one DARL LeaseSession (this stream's leases),
     FedMom membership, and the round trip of each delta.
@@ -142,7 +160,7 @@ class FedSite:
         self.deferred = None         # (round, digest, update path): downloaded, applied by the caller
         self.checking = None         # the Background of check_behind, until joined
         self.phase_s = None          # the aggregator's offered cadence (fedmom_server.py --phase-s), if any
-        self.age = None              # (round, its age in s, time.monotonic() then) from the last reply
+        self.age = RoundAge()        # how long the open round has been open, from the last reply
 
     def say(self, msg, every_s=0.0):
         """Log a repeated waiting message at most once per every_s seconds (per message kind:
@@ -211,15 +229,11 @@ class FedSite:
             self.keepalive.__enter__()
         return reply
 
-    def heard(self, reply):       # how long the open round had been open when a reply was made
-        if isinstance(reply.get("round_age_s"), (int, float)):
-            self.age = (reply["round"], float(reply["round_age_s"]), time.monotonic())
+    def heard(self, reply):
+        self.age.heard(reply)
 
     def round_age(self, rnd):
-        """Seconds round `rnd` has been open now (from the last reply that saw it open), or None."""
-        if self.age is None or self.age[0] != rnd:
-            return None
-        return self.age[1] + time.monotonic() - self.age[2]
+        return self.age.of(rnd)
 
     def leave(self):
         if self.keepalive is not None:

@@ -149,16 +149,13 @@ class PhaseClock:
         self.a, self.phase_s, self.step_s = a, float(phase_s), a.step_s
         self.rng = np.random.default_rng([a.seed, zlib.crc32(a.cluster.encode())])
         self.est = None                 # measured s per step, running mean over phases
-        self.age = None                 # (round, its age in s, time.monotonic()) from the last reply
-
-    def heard(self, reply):
-        if isinstance(reply.get("round_age_s"), (int, float)):
-            self.age = (reply["round"], float(reply["round_age_s"]), time.monotonic())
+        self.age = fedsite.RoundAge()   # how long the open round has been open, from the last reply
+        self.heard = self.age.heard
 
     def budget(self, held_round):
-        if self.a.overlap or self.age is None or self.age[0] != held_round:
+        age = None if self.a.overlap else self.age.of(held_round)
+        if age is None:
             return self.phase_s
-        age = self.age[1] + time.monotonic() - self.age[2]
         return max(self.phase_s - age, self.MIN_SHARE * self.phase_s)
 
     def plan(self, session, held_round):
