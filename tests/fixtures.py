@@ -24,9 +24,9 @@ import unittest
 
 import numpy as np
 
+import fedmom_merge
 import fedmom_state as fs
 import httpd
-import fedmom_merge
 import tensorio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -232,6 +232,23 @@ def checkpoint_and_log(test, shapes, theta, step, codec, rounds=(1, 2, 3)):
         s.digest = state.digest
         log.append(dataclasses.replace(s, deltas=[(os.path.relpath(p, test.dir), w) for p, w in s.deltas]))
     return state, ckpt, log
+
+
+def cut_checkpoint(test, outer, state_dir, last, files):
+    """outer_state.write_checkpoint of `outer` over the checkpoint `last`, stopped as by a crash
+    right after its `files`-th file is written: a checkpoint cut short."""
+    import outer_state
+
+    class Cut(Exception):
+        pass
+    written = []
+
+    def after():
+        written.append(1)
+        if len(written) == files:
+            raise Cut
+    with test.assertRaises(Cut):
+        outer_state.write_checkpoint(outer, state_dir, last, fsync=False, after_file=after)
 
 
 # ---- sites/siteinfo.sh and sites/bootstrap.sh (test_site_tools, slurm_jobs)

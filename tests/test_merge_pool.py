@@ -12,12 +12,12 @@ import unittest
 
 import numpy as np
 
-import outer_state
 import fedmom_client
-import fedmom_state as fs
-import httpc
-import fixtures
 import fedmom_merge
+import fedmom_state as fs
+import fixtures
+import httpc
+import outer_state
 import tensorio
 import testhooks
 import wire
@@ -87,17 +87,7 @@ class BitsTest(Case):
         rounds) replayed with and without the workers: the same bits."""
         codec = wire.Codec("int4")
         state, ckpt, log = fixtures.checkpoint_and_log(self, SHAPES, self.theta, self.step, codec)
-        n = [0]
-
-        class Cut(Exception):
-            pass
-
-        def after():
-            n[0] += 1
-            if n[0] == 2:
-                raise Cut
-        with self.assertRaises(Cut):
-            outer_state.write_checkpoint(state, self.dir, ckpt, fsync=False, after_file=after)
+        fixtures.cut_checkpoint(self, state, self.dir, ckpt, files=2)
         plain = outer_state.rebuild(self.dir, ckpt, log, threads=1)
         pooled = outer_state.rebuild(self.dir, ckpt, log, threads=1, pool=self.pool(2))
         self.assert_same(plain, pooled, "the replay")

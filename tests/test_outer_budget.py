@@ -18,12 +18,12 @@ import unittest
 
 import numpy as np
 
-import outer_state
 import fedmom_client
 import fedmom_merge
 import fedmom_state as fs
-import httpc
 import fixtures
+import httpc
+import outer_state
 import tensorio
 import wire
 from testbed.harness import listening_url, wait_for
@@ -128,23 +128,13 @@ class BitsTest(Case):
         """A checkpoint cut after two of its segments (segments of two rounds), replayed into
         private arrays and into file blocks (with and without workers): the same bits."""
         state, ckpt, log = fixtures.checkpoint_and_log(self, SHAPES, self.theta, self.step, INT4)
-
-        class Cut(Exception):
-            pass
-        n = [0]
-
-        def after():
-            n[0] += 1
-            if n[0] == 2:
-                raise Cut
-        with self.assertRaises(Cut):
-            outer_state.write_checkpoint(state, self.dir, ckpt, fsync=False, after_file=after)
+        fixtures.cut_checkpoint(self, state, self.dir, ckpt, files=2)
         plain = outer_state.rebuild(self.dir, ckpt, log, threads=1)
         self.assert_same(state, plain, "the replay in memory")
         on_disk = outer_state.rebuild(self.dir, ckpt, log, threads=1, store=self.store("all"))
         self.assert_same(plain, on_disk, "the replay into file blocks")
         pooled = outer_state.rebuild(self.dir, ckpt, log, threads=1, pool=self.pool(2),
-                                           store=self.store(self.MIXED, shared=True))
+                                     store=self.store(self.MIXED, shared=True))
         self.assert_same(plain, pooled, "the replay into file blocks and shared memory, on workers")
 
 

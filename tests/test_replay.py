@@ -14,12 +14,13 @@ import unittest
 
 import numpy as np
 
-import outer_state
 import fedmom_client
 import fedmom_merge
 import fedmom_round
 import fedmom_state as fs
+import fixtures
 import httpc
+import outer_state
 import tensorio
 import testhooks
 import wire
@@ -214,18 +215,8 @@ class StateReplayTest(Case):
         want, old = st.outer.copy(), st.ckpt
         n = len(outer_state.segments(st.outer.shapes, SEGMENT_BYTES, old["dir"]))
         self.assertEqual(n, 7, "embed, w in four segments, b, norm")
-
-        class Cut(Exception):
-            pass
         for k in range(1, n + 1):
-            written = []
-
-            def after(k=k, written=written):
-                written.append(1)
-                if len(written) == k:
-                    raise Cut
-            with self.assertRaises(Cut):
-                outer_state.write_checkpoint(st.outer, st.dir, old, fsync=False, after_file=after)
+            fixtures.cut_checkpoint(self, st.outer, st.dir, old, files=k)
             got = outer_state.rebuild(st.dir, old, st.log, threads=2)
             for which in ("theta", "momentum", "residual"):
                 self.assert_same_bits(getattr(want, which), getattr(got, which), f"cut after {k}: {which}")

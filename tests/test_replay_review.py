@@ -28,9 +28,10 @@ import unittest
 
 import numpy as np
 
-import outer_state
 import fedmom_merge
 import fedmom_state as fs
+import fixtures
+import outer_state
 import tensorio
 import wire
 
@@ -103,14 +104,7 @@ class SegmentDirectoryTest(Case):
         last = outer_state.write_checkpoint(outer, self.dir, None, fsync=False)
         self.assertEqual((last["dir"], last["round"]), ("ckpt-0", 0))
         os.environ[outer_state.SEGMENT_ENV] = str(1 << 17)     # another segment size, the same round
-
-        class Cut(Exception):
-            pass
-
-        def cut():
-            raise Cut                                                # a crash after the first new segment
-        with self.assertRaises(Cut):
-            outer_state.write_checkpoint(outer, self.dir, last, fsync=False, after_file=cut)
+        fixtures.cut_checkpoint(self, outer, self.dir, last, files=1)   # a crash after the first new segment
         try:
             got = outer_state.rebuild(self.dir, last, [], threads=1)
         except ValueError as e:
