@@ -114,9 +114,9 @@ import darl_client  # noqa: E402
 import durable  # noqa: E402
 import fedmom_client  # noqa: E402
 from testbed import harness  # noqa: E402
-import httpc  # noqa: E402
-import fedmom_state  # noqa: E402
 import fedmom_merge  # noqa: E402
+import fedmom_state  # noqa: E402
+import httpc  # noqa: E402
 import outer_state  # noqa: E402
 import tensorio  # noqa: E402
 import wire  # noqa: E402
@@ -562,23 +562,16 @@ def room_problems(flavor, shapes, free, avail, aggregator=None):
 def check_room(cfg, shapes, root, arms):
     """Say what the run needs and has; a real flavor that cannot fit stops here (SystemExit).
     The aggregator's memory is the larger arm's: its outer state in memory (the memory arm)."""
-    agg = max(fixed_budget(cfg, shapes).minimum() + fixed_budget(cfg, shapes).state_bytes(),
+    fixed = fixed_budget(cfg, shapes)
+    agg = max(fixed.minimum() + fixed.state_bytes(),
               max((a["memory_gb"] or 0) * outer_state.GB for a in arms))
     disk_need, mem_need = need(shapes, agg)
-    free, avail = shutil.disk_usage(root).free, proc_meminfo("MemAvailable")
+    free, avail = shutil.disk_usage(root).free, outer_state.meminfo("MemAvailable")
     say(f"room: --dir {os.path.abspath(root)}: {free / 1e9:.1f} GB free, this run needs ~{disk_need / 1e9:.1f} GB; memory "
         f"{avail / 1e9:.1f} GB available, needs ~{mem_need / 1e9:.1f} GB (the aggregator ~{agg / 1e9:.1f} GB)")
     why = room_problems(cfg.flavor, shapes, free, avail, agg)
     if why and cfg.flavor in REAL:
         raise SystemExit("scale_round: cannot fit: " + "; ".join(why))
-
-
-def proc_meminfo(key):
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def agg_memory(pid):
