@@ -76,13 +76,9 @@ say "site $PWW_SITE (sites/$PWW_SITE.sh), checkout $PWW_ROOT, scratch $PWW_SCRAT
 # ------------------------------------------------------------------ 1. directories
 # shellcheck disable=SC2329  # run through act
 relink() { rmdir "$1" && ln -s "$2" "$1"; }
-# link_dir NAME: $PWW_ROOT/NAME -> $PWW_SCRATCH/NAME
+# link_dir NAME: $PWW_ROOT/NAME -> $PWW_SCRATCH/NAME (setup_dirs: never when the scratch is the checkout)
 link_dir() {
     local name=$1 link=$PWW_ROOT/$1 target=${PWW_SCRATCH%/}/$1 now
-    if same_dir "$PWW_SCRATCH" "$PWW_ROOT"; then
-        problem "$name: the scratch $PWW_SCRATCH is the checkout: a link would point at itself"
-        return
-    fi
     if [ ! -d "$target" ]; then
         act "make $target" mkdir "$target" || return
     fi

