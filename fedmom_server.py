@@ -47,13 +47,13 @@ import threading
 import time
 
 import darl_table
-import outer_state
-import fedmom_state
 import durable
+import fedmom_state
 import httpc
 import httpd
-import testhooks
+import outer_state
 import status_page
+import testhooks
 import wire
 from fedmom_state import SWEEP_RETRY_S, BlobLink, BlobRetention
 from fedmom_state import DarlLink

@@ -81,10 +81,10 @@ import numpy as np  # noqa: E402
 import audit  # noqa: E402
 import certs  # noqa: E402
 import durable  # noqa: E402
-import outer_state  # noqa: E402
 import fedmom_merge  # noqa: E402
 import fedmom_round  # noqa: E402
 import fedmom_state  # noqa: E402
+import outer_state  # noqa: E402
 from testbed import harness  # noqa: E402
 import httpc  # noqa: E402
 import tensorio  # noqa: E402

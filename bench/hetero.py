@@ -50,8 +50,8 @@ sys.path.insert(0, ROOT)                           # bench/ imports the reposito
 
 import audit                                       # noqa: E402  (after the path line above)
 import durable                                     # noqa: E402
-import outer_state                           # noqa: E402
 import fedmom_client                               # noqa: E402
+import outer_state                           # noqa: E402
 from testbed import harness                                     # noqa: E402
 from outer_state import OUTER_LR, OUTER_MOMENTUM  # noqa: E402
 

@@ -40,9 +40,9 @@ import numpy as np
 
 import audit
 import durable
-import outer_state
 import fedmom_merge
 import fedmom_round
+import outer_state
 import tensorio
 import wire
 

@@ -37,9 +37,9 @@ import block_space
 import darl_server
 import durable
 import fedmom_client
-import fedmom_state
 import fedmom_round
 import fedmom_server as fm
+import fedmom_state
 import fedmom_state as fs
 import httpc
 import httpd

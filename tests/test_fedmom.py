@@ -20,15 +20,15 @@ import blobstore
 import block_space
 import darl_server
 import durable
-import fedmom_state
-import outer_state
 import fedmom_client
 import fedmom_merge
 import fedmom_round
 import fedmom_server as fm
+import fedmom_state
 import fedmom_state as fs
 import httpc
 import httpd
+import outer_state
 import tensorio
 import wire
 from fixtures import SHAPES, FedMomFixture, read_all, write_tensors

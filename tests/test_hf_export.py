@@ -20,9 +20,9 @@ import torch
 from torchtitan.models.qwen3 import Qwen3Model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import outer_state
 import hf_export
 import models
+import outer_state
 import tensorio
 import tokenize_corpus as tc
 

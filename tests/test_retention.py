@@ -15,11 +15,11 @@ import unittest
 
 import numpy as np
 
-import fedmom_state
 import fedmom_client
-import outer_state
+import fedmom_state
 import fedmom_state as fs
 import httpc
+import outer_state
 import tensorio
 import testhooks
 import wire
