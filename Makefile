@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup lumi-api browser test demo lint bench bench-faults chaos test-slurm clean
+.PHONY: setup lumi-api browser netpeers test demo lint bench bench-faults chaos test-slurm clean
 
 # curl: the prep/ scripts download with it, and their tests run them for real.
 setup: $(STAMP)
@@ -50,6 +50,21 @@ browser:
 	  fi; \
 	fi
 
+# Debian's Squid, microsocks (a SOCKS5 server) and nginx, for the tests that put a site behind a
+# real proxy and the central services behind one public port (tests/test_proxy.py,
+# tests/test_front.py). Installed once, as `browser` does; never started by the package here (each
+# test starts its own instance on its own addresses and stops it). `make demo` never needs them.
+NETPEERS := squid microsocks nginx-light
+netpeers:
+	@if ! command -v squid >/dev/null || ! command -v microsocks >/dev/null || ! command -v nginx >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get install -y $(NETPEERS) || { apt-get update && apt-get install -y $(NETPEERS); }; \
+	  else \
+	    echo "make test: the proxy and front tests need Debian's squid, microsocks and nginx: sudo apt-get install -y $(NETPEERS)" >&2; exit 1; \
+	  fi; \
+	  for s in squid nginx; do systemctl disable --now $$s 2>/dev/null || service $$s stop 2>/dev/null || true; done; \
+	fi
+
 # A skip that TESTING.md's "Expected skips" does not list fails the run (--fail-on-skip);
 # `make test TEST_FLAGS=` runs without that rule. PWW_LUMI_API_VENV makes a missing LUMI
 # venv a failure of tests/test_lumi_api.py, not a skip.
@@ -59,7 +74,7 @@ TEST_FLAGS ?= --fail-on-skip
 # and starts, counted in the one summary. Not root, it is left out, and said so;
 # `make test TEST_SLURM=` leaves it out as root too.
 TEST_SLURM ?= $(if $(filter 0,$(shell id -u)),--with slurm_jobs)
-test: setup browser $(LUMI_STAMP)
+test: setup browser netpeers $(LUMI_STAMP)
 	@[ -n "$(TEST_SLURM)" ] || echo "make test: tests/slurm_jobs.py left out (it needs root: sudo make test-slurm)"
 	PWW_LUMI_API_VENV=$(LUMI_VENV) $(PY) tests/run.py $(TEST_FLAGS) $(TEST_SLURM)
 
