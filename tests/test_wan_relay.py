@@ -73,6 +73,27 @@ class RelayTest(unittest.TestCase):
         self.assertEqual(out[32:], payload)
         self.assertGreaterEqual(took, 2 * len(payload) / 1e6 + 2 * 0.2)
 
+    def test_a_window_bounds_each_connection(self):
+        """window_kib: a connection moves at most one window per round trip, so 8 windows take
+        >= 7 round trips each way; four connections at once each keep that bound (a lower
+        bound on time only: a loaded machine can be slower) and arrive intact."""
+        r = wan_relay.Link(("127.0.0.1", self.echo.port), None, 50, window_kib=64).start()
+        self.addCleanup(r.close)
+        payload = os.urandom(8 * 64 << 10)                   # 8 windows up, 8 (+32 B) back
+        outs = [None] * 4
+        def one(i):
+            t0 = time.monotonic()
+            outs[i] = (exchange(r.port, payload), time.monotonic() - t0)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for out, took in outs:
+            self.assertEqual(out[32:], payload)
+            self.assertGreaterEqual(took, 2 * 7 * 0.1)      # >= 7 round trips of 100 ms each way
+        self.assertEqual(r.stats()["up_bytes"], 4 * len(payload))
+
 
 if __name__ == "__main__":
     unittest.main()
