@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # central.sh - start, stop and watch the three central daemons on the central VM.
 #
-#   ./central.sh start  [--state-dir DIR]   # start DARL :29510, FedMom :29511, blob store :29512
+#   ./central.sh start  [--state-dir DIR]   # start DARL :29510, FedMom :29511, blob store :29512,
+#                                           # and the front: all three on one HTTPS port (443)
 #   ./central.sh status [--state-dir DIR]   # pid, /health and each server's own status report
 #   ./central.sh url    [--state-dir DIR]   # the lines to give the sites (their central.env),
 #                                           # and the two files they copy (token, CA)
@@ -41,6 +42,13 @@
 # address printed for the sites and named in the certificate (default: this host's FQDN
 # when bound beyond loopback).
 # Extra flags per daemon: DARL_ARGS, FEDMOM_ARGS, BLOB_ARGS (word-split).
+# The front: a site's compute nodes reach this VM only through the site's HTTP proxy, whose
+# stock rules CONNECT to port 443 only. So start also runs Debian's nginx (apt-get install
+# nginx) as a process of this user, on PWW_PUBLIC_PORT (default 443: root, or
+# `setcap cap_net_bind_service=+ep` on nginx), routing https://HOST/darl, /fedmom and /blob
+# (prefix stripped) to the three daemons over TLS on loopback; the direct ports keep
+# working. Its config, pid, logs (access.log names each client) and temp dirs: $STATE/front/.
+# Without nginx (or PWW_FRONT=off) the direct ports only, said in one line.
 #
 # Variables `start` reads (all optional once the state dir exists):
 #   MANIFEST             first start: the corpus manifest.json DARL leases (its training windows)
@@ -53,6 +61,10 @@
 #   DARL_ARGS FEDMOM_ARGS BLOB_ARGS   extra flags per daemon
 #   PWW_START_TIMEOUT_S  seconds each daemon has to answer /health (default 60)
 #   PWW_PUBLIC_HOST      the address `url` prints for the sites
+#   PWW_PUBLIC_PORT      the front's one HTTPS port (default 443)
+#   PWW_FRONT            auto (default: the front when nginx is installed), on (fail without
+#                        it), off (the direct ports only)
+#   NGINX                the nginx binary (default: nginx on PATH, else /usr/sbin/nginx)
 #   PWW_SITE_TOKEN_FILE  where `url` tells the sites to keep the token (default $HOME/.pww/central.token)
 #   PWW_SITE_CA_FILE     where `url` tells the sites to keep the CA (default $HOME/.pww/central-ca.pem)
 #   PYTHON               the interpreter (default .venv/bin/python, else python3)
@@ -60,7 +72,7 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 [ $# -ge 1 ] || usage
 case "$1" in
@@ -97,11 +109,19 @@ else
     CERT=$TLS_DIR/server.pem KEY=$TLS_DIR/server.key CA=$TLS_DIR/ca.pem
 fi
 DAEMONS="darl fedmom blob"
+FRONT_DIR=$STATE/front
+PUBLIC_PORT=${PWW_PUBLIC_PORT:-443}
+FRONT_MODE=${PWW_FRONT:-auto}
+case "$FRONT_MODE" in auto|on|off) ;; *) echo "central.sh: PWW_FRONT=$FRONT_MODE: use auto, on or off" >&2; exit 2 ;; esac
+NGINX=${NGINX:-$(command -v nginx || echo /usr/sbin/nginx)}
 CENTRAL_FILES="httpd.py httpc.py testhooks.py durable.py tensorio.py wire.py blobstore.py blob_client.py block_space.py darl_table.py darl_server.py fedmom_round.py fedmom_merge.py outer_state.py fedmom_state.py fedmom_server.py audit.py status_page.py"
 
-script_of() { case "$1" in darl) echo darl_server.py ;; fedmom) echo fedmom_server.py ;; blob) echo blobstore.py ;; esac; }
+script_of() { case "$1" in darl) echo darl_server.py ;; fedmom) echo fedmom_server.py ;; blob) echo blobstore.py ;;
+                          front) echo "$FRONT_DIR/nginx.conf" ;; esac; }
 port_of() { case "$1" in darl) echo "$DARL_PORT" ;; fedmom) echo "$FEDMOM_PORT" ;; blob) echo "$BLOB_PORT" ;; esac; }
-local_url() { echo "https://127.0.0.1:$(port_of "$1")"; }
+# loop_host: where this VM reaches its own daemons and front (they bind PWW_CENTRAL_HOST)
+loop_host() { case "$HOST" in 0.0.0.0|::|127.*|localhost) echo 127.0.0.1 ;; *:*) echo "[$HOST]" ;; *) echo "$HOST" ;; esac; }
+local_url() { echo "https://$(loop_host):$(port_of "$1")"; }
 public_host() {
     local host=${PWW_PUBLIC_HOST:-}
     if [ -z "$host" ]; then
@@ -110,13 +130,26 @@ public_host() {
     echo "$host"
 }
 public_url() { echo "https://$(public_host):$(port_of "$1")"; }
+# front_url NAME: the daemon's route on the front (its port recorded by start in front/port)
+front_url() {
+    local port hostport
+    port=$(cat "$FRONT_DIR/port")
+    hostport=$(public_host)
+    [[ "$hostport" == *:* ]] && hostport="[$hostport]"      # an IPv6 address in a URL
+    [ "$port" = 443 ] || hostport+=":$port"
+    echo "https://$hostport/$1"
+}
+# site_url NAME: what the sites are given: the front's route when start ran it, else the port
+site_url() { if [ -s "$FRONT_DIR/port" ]; then front_url "$1"; else public_url "$1"; fi; }
 # internal_url NAME: how FedMom reaches DARL and the blob store (our certificate names
 # 127.0.0.1; one of your own likely names only the public host)
 internal_url() { if [ -n "${TLS_CERT:-}" ]; then public_url "$1"; else local_url "$1"; fi; }
 
+pidfile_of() { if [ "$1" = front ]; then echo "$FRONT_DIR/nginx.pid"; else echo "$STATE/$1.pid"; fi; }
 # pid_of NAME: the daemon's pid if its pid file names a live process running its script.
 pid_of() {
-    local f=$STATE/$1.pid pid
+    local f pid
+    f=$(pidfile_of "$1")
     [ -s "$f" ] || return 0
     pid=$(tr -dc '0-9' < "$f")
     [ -n "$pid" ] && alive "$pid" || return 0
@@ -127,8 +160,9 @@ pid_of() {
 # health NAME [TIMEOUT_S [PID]]: wait until GET /health answers 200 (python: no curl
 # needed); gives up at once if PID exits. A liveness probe of our own daemon on
 # loopback, so the certificate is not checked here (the sites check it).
-health() {
-    "$PYTHON" - "$(local_url "$1")" "${2:-0}" "${3:-}" <<'PY'
+health() { health_at "$(local_url "$1")" "${2:-0}" "${3:-}"; }
+health_at() {
+    "$PYTHON" - "$1" "${2:-0}" "${3:-}" <<'PY'
 import os, ssl, sys, time, urllib.request
 url, timeout, pid = sys.argv[1] + "/health", float(sys.argv[2]), sys.argv[3]
 deadline = time.monotonic() + timeout
@@ -307,16 +341,18 @@ alive() {
 }
 
 stop_one() {
-    local name=$1 pid
+    local name=$1 pid kids k
     pid=$(pid_of "$name")
-    if [ -z "$pid" ]; then echo "$name not running"; rm -f "$STATE/$name.pid"; return 0; fi
+    if [ -z "$pid" ]; then echo "$name not running"; rm -f "$(pidfile_of "$name")"; return 0; fi
+    kids=$(cat "/proc/$pid/task/$pid/children" 2>/dev/null || true)    # nginx's workers
     kill -TERM "$pid"
     for _ in $(seq 1 300); do alive "$pid" || break; sleep 0.1; done
     if alive "$pid"; then
         echo "$name (pid $pid) ignored SIGTERM for 30 s; sending SIGKILL (state is durable)"
         kill -KILL "$pid"
     fi
-    rm -f "$STATE/$name.pid"
+    for k in $kids; do if alive "$k"; then kill -KILL "$k"; fi; done      # none outlives its master
+    rm -f "$(pidfile_of "$name")"
     echo "$name stopped (pid $pid)"
 }
 
@@ -329,6 +365,170 @@ status_one() {
     "$PYTHON" "$ROOT/$(script_of "$name")" status --url "$(internal_url "$name")" --token-file "$TOKEN" \
         ${CA:+--ca-file "$CA"} 2>&1 | sed 's/^/    /' || rc=${PIPESTATUS[0]}
     if [ "$rc" -ne 0 ]; then echo "    !!! $name status exit $rc: see the lines above"; return 1; fi
+}
+
+# ---------------------------------------------------------------- the front (nginx)
+
+# front_conf: nginx's config, rewritten by every start. Every size and timeout here is
+# chosen so the front never decides what the daemons behind it would not (why, per line).
+front_conf() {
+    local listen=$HOST:$PUBLIC_PORT up trusted=$CA verify_name=localhost name
+    up=$(loop_host)
+    [[ "$HOST" == *:* ]] && listen="[$HOST]:$PUBLIC_PORT"
+    if [ -n "${TLS_CERT:-}" ]; then
+        verify_name=$(public_host)          # a certificate of your own names the public host only
+        [ -n "$trusted" ] || trusted=/etc/ssl/certs/ca-certificates.crt
+    fi
+    echo "# written by central.sh start (each start rewrites it): the one HTTPS port for the sites"
+    if [ "$(id -u)" = 0 ]; then echo "user nobody $(id -gn nobody 2>/dev/null || echo nogroup);   # workers never run as root"; fi
+    cat <<EOF
+worker_processes 2;
+pid $FRONT_DIR/nginx.pid;
+error_log $FRONT_DIR/error.log warn;
+events { worker_connections 4096; }
+http {
+    log_format pww '\$remote_addr [\$time_iso8601] "\$request" \$status \$body_bytes_sent in=\$request_length '
+                   '\${request_time}s up=\$upstream_addr';
+    access_log $FRONT_DIR/access.log pww;
+    client_body_temp_path $FRONT_DIR/tmp/body;
+    proxy_temp_path $FRONT_DIR/tmp/proxy;
+    fastcgi_temp_path $FRONT_DIR/tmp/fastcgi;
+    uwsgi_temp_path $FRONT_DIR/tmp/uwsgi;
+    scgi_temp_path $FRONT_DIR/tmp/scgi;
+    default_type application/json;
+    server_tokens off;
+    absolute_redirect off;                 # /fedmom -> /fedmom/ whatever host and port the client used
+    # the daemons take 64 KiB of headers (httpd.Limits); nginx's default 8 KiB line would
+    # refuse a PUT /delta whose X-Delta-Meta lists many leases
+    large_client_header_buffers 8 64k;
+    client_max_body_size 0;                # the blob store enforces its own --max-blob-gb / quota
+    client_body_buffer_size 1m;            # the unbuffered PUT's relay buffer
+    # idle limits per read or write, not per transfer: above the longest wait a client
+    # allows (POST /delta_blob: 3600 s while the aggregator fetches and merges)
+    client_body_timeout 3700s;
+    send_timeout 3700s;
+    keepalive_timeout 75s;
+    # each upstream keeps idle TLS connections (no handshake per call); closed after 50 s,
+    # before the daemons' 60 s idle limit, so nginx never sends a request into a closing one
+EOF
+    for name in $DAEMONS; do
+        printf '    upstream pww_%s { server %s:%s; keepalive 16; keepalive_timeout 50s; }\n' "$name" "$up" "$(port_of "$name")"
+    done
+    cat <<EOF
+    server {
+        listen $listen ssl;
+        ssl_certificate $CERT;
+        ssl_certificate_key $KEY;
+        ssl_protocols TLSv1.2 TLSv1.3;
+        ssl_session_cache shared:pww_front:1m;
+        proxy_http_version 1.1;
+        proxy_set_header Connection "";
+        proxy_set_header Host \$host;
+        proxy_set_header X-Forwarded-For \$proxy_add_x_forwarded_for;
+        proxy_set_header X-Real-IP \$remote_addr;
+        proxy_set_header X-Forwarded-Proto https;
+        # streams both ways, never spooled to disk: a 10 GB delta costs the front 1 MiB
+        proxy_request_buffering off;
+        proxy_buffering off;
+        proxy_max_temp_file_size 0;
+        proxy_buffer_size 256k;            # the relay buffer of a download (proxy_buffering off)
+        proxy_buffers 4 256k;
+        proxy_read_timeout 3700s;
+        proxy_send_timeout 3700s;
+        proxy_connect_timeout 10s;
+        proxy_next_upstream off;           # never send a PUT or POST twice: the client's retry rule decides
+        proxy_ssl_verify on;
+        proxy_ssl_trusted_certificate $trusted;
+        proxy_ssl_name $verify_name;
+        proxy_ssl_session_reuse on;
+        proxy_ssl_protocols TLSv1.2 TLSv1.3;
+        error_page 502 503 504 @down;
+        location @down {
+            return 502 '{"error": "the front could not reach the service behind it (central.sh status on the central VM says why)"}\n';
+        }
+        location = /health { return 200 '{"ok": true, "service": "front", "routes": ["/darl", "/fedmom", "/blob"]}\n'; }
+        location / { return 404 '{"error": "no such route on the front: the services are /darl/, /fedmom/ and /blob/"}\n'; }
+EOF
+    for name in $DAEMONS; do
+        printf '        location /%s/ { proxy_pass https://pww_%s/; }\n' "$name" "$name"
+    done
+    echo "    }"
+    echo "}"
+}
+
+# front_refusal: nginx's startup error as the one line that names the fix.
+front_refusal() {
+    local err=$1
+    if grep -q "Permission denied" <<< "$err" && grep -q "bind()" <<< "$err"; then
+        echo "central.sh: the front cannot bind port $PUBLIC_PORT: ports below 1024 need root or CAP_NET_BIND_SERVICE (sudo setcap cap_net_bind_service=+ep $NGINX), or choose another: PWW_PUBLIC_PORT=8443 ./central.sh start (PWW_FRONT=off: the direct ports only)"
+    elif grep -q "Address already in use" <<< "$err"; then
+        echo "central.sh: the front cannot bind $HOST:$PUBLIC_PORT: another process holds it (ss -ltnp 'sport = :$PUBLIC_PORT'); choose another: PWW_PUBLIC_PORT=8443 ./central.sh start"
+    else
+        echo "central.sh: nginx did not start the front: $(grep -m1 -E 'emerg|alert|crit' <<< "$err" || tail -n 1 <<< "$err") (config $FRONT_DIR/nginx.conf)"
+    fi
+}
+
+# start_front: nginx up on PUBLIC_PORT (a running one re-reads the rewritten config), its
+# port recorded in front/port for url and status; without nginx, one line saying how to get it.
+start_front() {
+    if [ "$FRONT_MODE" = off ]; then rm -f "$FRONT_DIR/port"; return 0; fi
+    if [ ! -x "$NGINX" ]; then
+        if [ "$FRONT_MODE" = on ]; then echo "central.sh: PWW_FRONT=on but there is no nginx ($NGINX): apt-get install nginx" >&2; return 1; fi
+        rm -f "$FRONT_DIR/port"
+        echo "no front: without nginx the sites need the direct ports $DARL_PORT $FEDMOM_PORT $BLOB_PORT, which a site proxy's stock rules refuse; for all three on one HTTPS port: apt-get install nginx, then central.sh start"
+        return 0
+    fi
+    local pid err args
+    mkdir -p "$FRONT_DIR/tmp"
+    front_conf > "$FRONT_DIR/nginx.conf"
+    args=(-p "$FRONT_DIR/" -c "$FRONT_DIR/nginx.conf" -e "$FRONT_DIR/error.log")
+    pid=$(pid_of front)
+    if [ -n "$pid" ]; then
+        if ! err=$("$NGINX" "${args[@]}" -t 2>&1); then front_refusal "$err" >&2; return 1; fi
+        kill -HUP "$pid"
+        echo "$PUBLIC_PORT" > "$FRONT_DIR/port"
+        echo "front already running (pid $pid): config re-read"
+        return 0
+    fi
+    : > "$FRONT_DIR/error.log"
+    if ! err=$("$NGINX" "${args[@]}" 2>&1); then
+        front_refusal "$err"$'\n'"$(cat "$FRONT_DIR/error.log")" >&2
+        return 1
+    fi
+    echo "$PUBLIC_PORT" > "$FRONT_DIR/port"
+    STARTED+=(front)
+}
+
+front_local_url() { echo "https://$(loop_host):$(cat "$FRONT_DIR/port")/$1"; }
+
+# check_front: each daemon's /health through the front (its TLS to the daemon checked).
+check_front() {
+    [ -s "$FRONT_DIR/port" ] || return 0
+    local name out
+    for name in $DAEMONS; do
+        if ! out=$(health_at "$(front_local_url "$name")" 10); then
+            echo "central.sh: the front does not reach $name: $out (see $FRONT_DIR/error.log)" >&2
+            return 1
+        fi
+    done
+    echo "front started (pid $(pid_of front)), $(front_url darl) /fedmom /blob on port $(cat "$FRONT_DIR/port"), log $FRONT_DIR/access.log"
+}
+
+status_front() {
+    if [ ! -s "$FRONT_DIR/port" ]; then
+        if [ -x "$NGINX" ]; then echo "front: not started (start runs it unless PWW_FRONT=off): the direct ports only"
+        else echo "front: none, the direct ports only (for one HTTPS port: apt-get install nginx, then central.sh start)"; fi
+        return 0
+    fi
+    local pid name line rc=0
+    pid=$(pid_of front)
+    if [ -z "$pid" ]; then echo "front: NOT RUNNING (port $(cat "$FRONT_DIR/port"), log $FRONT_DIR/error.log)"; return 1; fi
+    line="front: pid $pid, https://$(loop_host):$(cat "$FRONT_DIR/port")"
+    for name in $DAEMONS; do
+        if health_at "$(front_local_url "$name")" 0 > /dev/null; then line+=" /$name ok"; else line+=" /$name FAILING"; rc=1; fi
+    done
+    echo "$line (access log $FRONT_DIR/access.log)"
+    return $rc
 }
 
 print_urls() {
@@ -349,9 +549,13 @@ print_urls() {
     [ -z "$dirs" ] || echo "#   mkdir -p ${dirs% }"
     echo "#   scp $host:$TOKEN $token_file && chmod 600 $token_file"
     [ -n "$CA" ] && echo "#   scp $host:$CA $ca_file"
-    echo "export PWW_DARL_URL=$(public_url darl)"
-    echo "export PWW_FEDMOM_URL=$(public_url fedmom)"
-    echo "export PWW_BLOB_URL=$(public_url blob)"
+    if [ -s "$FRONT_DIR/port" ]; then
+        echo "# the front: all three on one HTTPS port, which a site's proxy passes (open it to the sites);"
+        echo "# with no proxy between, the direct ports work too: $(public_url darl) $(public_url fedmom) $(public_url blob)"
+    fi
+    echo "export PWW_DARL_URL=$(site_url darl)"
+    echo "export PWW_FEDMOM_URL=$(site_url fedmom)"
+    echo "export PWW_BLOB_URL=$(site_url blob)"
     echo "export PWW_TOKEN_FILE=$token_file"
     if [ -n "$CA" ]; then echo "export PWW_CA_FILE=$ca_file"; fi
 }
@@ -362,20 +566,24 @@ case "$CMD" in
         ensure_token
         ensure_tls || exit 1
         STARTED=()
-        # DARL and the blob store first: FedMom commits into DARL and reads blobs.
-        for name in darl blob fedmom; do
-            if ! start_one "$name"; then
+        # the front first: a port it cannot bind stops the start before any daemon runs;
+        # then DARL and the blob store: FedMom commits into DARL and reads blobs.
+        start_front || exit 1
+        for name in darl blob fedmom check; do
+            if ! { if [ $name = check ]; then check_front; else start_one "$name"; fi; }; then
                 echo "central.sh: start failed; stopping what this call started" >&2
-                for n in "$name" "${STARTED[@]}"; do stop_one "$n" > /dev/null; done
+                for n in "${STARTED[@]}"; do stop_one "$n" > /dev/null; done
+                [ $name = check ] || stop_one "$name" > /dev/null
                 exit 1
             fi
         done
         print_urls ;;
     stop)
-        for name in fedmom darl blob; do stop_one "$name"; done ;;
+        for name in front fedmom darl blob; do stop_one "$name"; done ;;
     status)
         rc=0
         for name in $DAEMONS; do status_one "$name" || rc=1; done
+        status_front || rc=1
         exit $rc ;;
     url) print_urls ;;
     audit) exec "$PYTHON" "$ROOT/audit.py" --state-dir "$STATE" "${AUDIT_ARGS[@]}" ;;

@@ -585,8 +585,9 @@ class CentralTest(unittest.TestCase):
     def setUp(self):
         self.state = tempfile.mkdtemp()
         self.addCleanup(shutil.rmtree, self.state)
+        # the direct ports only: tests/test_front.py runs the front (nginx on one HTTPS port)
         self.ports = {"DARL_PORT": str(free_port()), "FEDMOM_PORT": str(free_port()),
-                      "BLOB_PORT": str(free_port())}
+                      "BLOB_PORT": str(free_port()), "PWW_FRONT": "off"}
         self.addCleanup(self.central, "stop", check=False)
 
     def central(self, cmd, env=None, check=True):
