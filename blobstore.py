@@ -60,6 +60,9 @@ ID_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
 SHA_RE = re.compile(r"[0-9a-f]{64}")
 RANGE_RE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 GB = 10 ** 9
+# an upload in pieces fdatasyncs and records what landed every this many bytes of a piece: what a
+# crash of the store may lose of each piece being written (a broken connection loses nothing)
+RECORD_BYTES = 32 << 20
 
 
 @dataclasses.dataclass
@@ -102,10 +105,14 @@ def _read_json(path):
 
 class _ChunkWriter:
     """Writes chunks at increasing offsets on one background thread, at most `depth`
-    chunks behind the caller; the first write error is raised by the next put()/drain()."""
+    chunks behind the caller; the first write error is raised by the next put()/drain().
+    put(n) with an int skips n bytes (already on disk). With `on_durable(a, b)`: every
+    `every` bytes (and at close) it fdatasyncs and reports the bytes now durable, on the
+    writer's thread, so the receiving thread never waits for the disk."""
 
-    def __init__(self, fd, offset, depth=2):
+    def __init__(self, fd, offset, depth=2, on_durable=None, every=0):
         self.fd, self.offset, self.queued, self.error = fd, offset, 0, None
+        self.on_durable, self.every, self.mark = on_durable, every, offset
         self.q = queue.Queue(maxsize=depth)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -115,21 +122,36 @@ class _ChunkWriter:
             chunk = self.q.get()
             try:
                 if chunk is None:
+                    self._durable()
                     return
                 if self.error is None:
-                    view = memoryview(chunk)
-                    while view:
-                        n = os.pwrite(self.fd, view, self.offset)
-                        view, self.offset = view[n:], self.offset + n
+                    self._write(chunk)
+                    if self.on_durable and self.offset - self.mark >= self.every:
+                        self._durable()
             except OSError as e:
                 self.error = e
             finally:
                 self.q.task_done()
 
+    def _write(self, chunk):
+        if isinstance(chunk, int):
+            self.offset += chunk
+            return
+        view = memoryview(chunk)
+        while view:
+            n = os.pwrite(self.fd, view, self.offset)
+            view, self.offset = view[n:], self.offset + n
+
+    def _durable(self):
+        if self.on_durable and self.offset > self.mark:
+            os.fdatasync(self.fd)
+            self.on_durable(self.mark, self.offset)
+            self.mark = self.offset
+
     def put(self, chunk):
         if self.error is not None:
             raise self.error
-        self.queued += len(chunk)
+        self.queued += chunk if isinstance(chunk, int) else len(chunk)
         self.q.put(chunk)
 
     def drain(self):
@@ -138,8 +160,44 @@ class _ChunkWriter:
             raise self.error
 
     def close(self):
+        """Stop the thread (with on_durable: after reporting what landed, errors aside)."""
         self.q.put(None)
         self.thread.join()
+
+
+def _segments(a, b, skip):
+    """[a, b) cut at the edges of the sorted ranges `skip`: [(x, y, inside skip)]."""
+    out = []
+    for x, y in skip:
+        x, y = max(x, a), min(y, b)
+        if x < y:
+            if a < x:
+                out.append((a, x, False))
+            out.append((x, y, True))
+            a = y
+    if a < b:
+        out.append((a, b, False))
+    return out
+
+
+class _Pieces:
+    """An upload in pieces (PUT ?ranged=1) while this process knows it: the ranges that
+    landed (each fdatasynced, then appended to the log partial/.<id>.ranges, then counted
+    here), the ranges requests are writing now, and the hash of the landed prefix."""
+
+    def __init__(self, data, log, total, landed):
+        self.data, self.log, self.total, self.landed = data, log, total, landed
+        self.writing, self.finishing, self.lock = [], False, threading.Lock()
+        self.hasher = blob_client.PrefixHasher(data, total, landed)
+
+    def record(self, a, b):
+        with self.lock:                                 # the writers of several requests record here
+            durable.append_json_line(self.log, [a, b])  # the acknowledgement: after the bytes are durable
+            self.landed = blob_client.add_range(self.landed, a, b)
+        self.hasher.add(a, b)
+
+    def all_landed(self):
+        return blob_client.prefix_end(self.landed) >= self.total
 
 
 class BlobStore:
@@ -156,6 +214,7 @@ class BlobStore:
         self.lock = threading.Lock()
         self.uploading = set()                          # ids with a PUT in progress
         self.hash_cache = {}                            # id -> (offset, sha256 state) of the last PUT
+        self.pieces = {}                                # id -> _Pieces of an upload in pieces
 
     # ---- paths and state
     def _blob(self, i):
@@ -163,6 +222,9 @@ class BlobStore:
 
     def _part(self, i):
         return os.path.join(self.partial, i), os.path.join(self.partial, f".{i}.json")
+
+    def _log(self, i):
+        return os.path.join(self.partial, f".{i}.ranges")
 
     def complete(self, blob_id):
         """{"size", "sha256"} of a finished blob, or None."""
@@ -173,12 +235,25 @@ class BlobStore:
         return meta
 
     def unfinished(self, blob_id):
-        """{"offset", "total", "sha256"} of an unfinished upload, or None."""
+        """{"offset", "total", "sha256"} of an unfinished upload, or None; one in pieces adds
+        "ranges" (what landed) and its offset counts the landed bytes."""
         data, side = self._part(blob_id)
         meta = _read_json(side)
         if meta is None or not os.path.exists(data):
             return None
-        return {**meta, "offset": os.path.getsize(data)}
+        if not meta.get("ranged"):
+            return {**meta, "offset": os.path.getsize(data)}
+        up = self.pieces.get(blob_id)
+        landed = up.landed if up is not None else self._logged(blob_id, meta["total"])
+        return {**meta, "offset": sum(b - a for a, b in landed), "ranges": landed}
+
+    def _logged(self, blob_id, total):
+        """The ranges the log of an upload in pieces names (a line torn by a crash: skipped)."""
+        landed = []
+        for row in durable.read_jsonl(self._log(blob_id)):
+            if isinstance(row, list) and len(row) == 2 and 0 <= row[0] < row[1] <= total:
+                landed = blob_client.add_range(landed, *row)
+        return landed
 
     def used_bytes(self, except_id=None):
         used = 0
@@ -201,13 +276,15 @@ class BlobStore:
                 meta = self.unfinished(name)
                 if meta:
                     uploads.append({"id": name, "offset": meta["offset"], "total": meta["total"],
-                                    "uploading": name in self.uploading})
+                                    "uploading": name in self.uploading or bool(
+                                        name in self.pieces and self.pieces[name].writing)})
         return {"blobs": blobs, "uploads": uploads, "used_bytes": self.used_bytes(), "quota_bytes": self.quota}
 
     # ---- upload
     def claim(self, blob_id):
         with self.lock:
-            if blob_id in self.uploading:
+            up = self.pieces.get(blob_id)
+            if blob_id in self.uploading or (up is not None and up.writing):
                 raise httpd.HTTPError(409, f"blob {blob_id!r} is being uploaded by another request; "
                                            "retry when it ends", retry=True)
             self.uploading.add(blob_id)
@@ -216,8 +293,9 @@ class BlobStore:
         with self.lock:
             self.uploading.discard(blob_id)
 
-    def prepare(self, blob_id, start, total, sha):
-        """Check a PUT against what is on disk; returns an existing blob (nothing to do) or None."""
+    def _existing(self, blob_id, total, sha):
+        """The finished blob with this size and checksum (nothing to do), or None; 409 when it has
+        another, 413 above the per-blob limit."""
         if total > self.max_blob:
             raise httpd.HTTPError(413, f"blob of {total} bytes exceeds the per-blob limit of {self.max_blob} "
                                        "bytes (--max-blob-gb)")
@@ -226,9 +304,16 @@ class BlobStore:
             if done["sha256"] == sha and done["size"] == total:
                 return done
             raise httpd.HTTPError(409, f"blob {blob_id!r} already exists with another checksum; DELETE it first")
+        return None
+
+    def prepare(self, blob_id, start, total, sha):
+        """Check a PUT against what is on disk; returns an existing blob (nothing to do) or None."""
+        done = self._existing(blob_id, total, sha)
+        if done is not None:
+            return done
         part = self.unfinished(blob_id)
         if start > 0:
-            if part is None or part["total"] != total or part["sha256"] != sha:
+            if part is None or part["total"] != total or part["sha256"] != sha or "ranges" in part:
                 raise httpd.HTTPError(416, f"no unfinished upload of {blob_id!r} with that size and checksum "
                                            "to continue; start again at byte 0", offset=0, retry=True)
             if part["offset"] != start:
@@ -243,6 +328,7 @@ class BlobStore:
                 raise httpd.HTTPError(413, f"blob of {total} bytes would exceed the store quota "
                                            f"({used} of {self.quota} bytes used; --quota-gb)")
             self.hash_cache.pop(blob_id, None)
+            self._drop_pieces(blob_id)
             durable.write_json(side, {"total": total, "sha256": sha, "started": time.time()})
             open(data, "wb").close()
         return None
@@ -300,16 +386,117 @@ class BlobStore:
         durable.unlink(side)
         return {"id": blob_id, "size": total, "sha256": got}
 
+    # ---- upload in pieces (PUT ?ranged=1)
+    def prepare_pieces(self, blob_id, a, b, total, sha):
+        """The _Pieces of this upload with [a, b) marked as being written by this request (two
+        writers of one byte, or beside a one-stream PUT: 409), or an existing blob with that
+        checksum (nothing to do). A new upload, or one with another size or checksum (replaced,
+        as a PUT from byte 0 does), reserves its total against the quota and on disk."""
+        data, side = self._part(blob_id)
+        with self.lock:
+            done = self._existing(blob_id, total, sha)
+            if done is not None:
+                return done
+            up = self.pieces.get(blob_id)
+            if blob_id in self.uploading or (up is not None and (up.finishing or any(
+                    x < b and a < y for x, y in up.writing))):
+                raise httpd.HTTPError(409, f"bytes {a}-{b - 1} of blob {blob_id!r} are being uploaded by another "
+                                           "request; retry when it ends", retry=True)
+            meta = _read_json(side)
+            same = bool(meta and meta.get("ranged") and meta["total"] == total and meta["sha256"] == sha
+                        and os.path.exists(data))
+            if not same and up is not None and up.writing:
+                raise httpd.HTTPError(409, f"blob {blob_id!r} is being uploaded with another size or checksum; "
+                                           "retry when it ends", retry=True)
+            if not same:
+                self._start_pieces(blob_id, total, sha)
+            elif up is None:
+                self.pieces[blob_id] = _Pieces(data, self._log(blob_id), total, self._logged(blob_id, total))
+            up = self.pieces[blob_id]
+            up.writing.append((a, b))
+            return up
+
+    def _start_pieces(self, blob_id, total, sha):
+        used = self.used_bytes(except_id=blob_id)
+        if used + total > self.quota:
+            raise httpd.HTTPError(413, f"blob of {total} bytes would exceed the store quota "
+                                       f"({used} of {self.quota} bytes used; --quota-gb)")
+        data, side = self._part(blob_id)
+        self.hash_cache.pop(blob_id, None)
+        self._drop_pieces(blob_id)
+        durable.write_json(side, {"total": total, "sha256": sha, "ranged": True, "started": time.time()})
+        with open(data, "wb") as f:             # the space now: a full disk answers 507 before the body
+            if total:
+                try:
+                    os.posix_fallocate(f.fileno(), 0, total)
+                except OSError as e:
+                    if durable.is_disk_full(e):
+                        raise
+                    f.truncate(total)           # a file system without fallocate: a sparse file
+        self.pieces[blob_id] = _Pieces(data, self._log(blob_id), total, [])
+
+    def receive_piece(self, blob_id, up, a, b, chunks):
+        """Write bytes [a, b) at their offset; bytes that already landed are read and dropped
+        (a landed byte never changes: the hash may have read it). Every RECORD_BYTES, and when
+        the body ends or breaks, the writer fdatasyncs and records what landed. Then, if every
+        byte landed and no other piece is being written: check the checksum and finish."""
+        skip = [(x, y) for x, y in up.landed if x < b and a < y]
+        fd = os.open(up.data, os.O_WRONLY)
+        writer = _ChunkWriter(fd, a, on_durable=up.record, every=RECORD_BYTES)
+        pos = a
+        try:
+            for chunk in chunks:
+                view = memoryview(chunk)
+                for x, y, landed in _segments(pos, pos + len(chunk), skip):
+                    writer.put(y - x if landed else view[x - pos:y - pos])
+                pos += len(chunk)
+                testhooks.fault_point("blob.piece")     # test hook (testhooks.py): killed mid-piece
+            writer.drain()
+        finally:
+            writer.close()                              # records what landed, also of a broken body
+            os.close(fd)
+            with self.lock:
+                up.writing.remove((a, b))
+                last = up.all_landed() and not up.writing and not up.finishing and self.pieces.get(blob_id) is up
+                up.finishing = up.finishing or last
+        if writer.error is not None:
+            raise writer.error
+        return self._finish_pieces(blob_id, up) if last else None
+
+    def _finish_pieces(self, blob_id, up):
+        data, side = self._part(blob_id)
+        try:
+            got, want = up.hasher.result(), _read_json(side)["sha256"]
+            if got != want:
+                self.discard(blob_id)
+                raise httpd.HTTPError(400, f"checksum mismatch for {blob_id!r}: declared {want}, received {got}; "
+                                           "the upload was discarded, PUT it again from byte 0")
+            durable.fsync_file(data)
+            out = self._finish(blob_id, up.total, got)
+            self._drop_pieces(blob_id)
+            return out
+        finally:
+            up.finishing = False
+
     def discard(self, blob_id):
         """Drop an unfinished upload and its sidecar (after a full disk: give the space back)."""
         data, side = self._part(blob_id)
         durable.unlink(data)
         durable.unlink(side)
+        durable.unlink(self._log(blob_id))
         self.hash_cache.pop(blob_id, None)
+        self._drop_pieces(blob_id)
+
+    def _drop_pieces(self, blob_id):
+        up = self.pieces.pop(blob_id, None)
+        if up is not None:
+            up.hasher.close()
+        durable.unlink(self._log(blob_id))
 
     def delete(self, blob_id):
         with self.lock:
-            if blob_id in self.uploading:
+            up = self.pieces.get(blob_id)
+            if blob_id in self.uploading or (up is not None and up.writing):
                 raise httpd.HTTPError(409, f"blob {blob_id!r} is being uploaded; DELETE it when the PUT ends")
             found = False
             for data, side in (self._blob(blob_id), self._part(blob_id)):
@@ -317,6 +504,7 @@ class BlobStore:
                 durable.unlink(data)                    # data first: a sidecar alone is not a blob
                 durable.unlink(side)
             self.hash_cache.pop(blob_id, None)
+            self._drop_pieces(blob_id)
         if not found:
             raise httpd.HTTPError(404, f"no blob {blob_id!r}")
         return {"id": blob_id, "deleted": True}
@@ -360,8 +548,33 @@ def parse_range(raw, size):
 
 
 def make_routes(store):
+    def put_piece(req, blob_id):
+        start, total, sha = parse_put_headers(req)
+        if req.headers.get("Content-Range") is None:
+            raise httpd.HTTPError(400, "a PUT ?ranged=1 needs Content-Range: bytes START-END/TOTAL")
+        end = start + req.content_length()
+        up = store.prepare_pieces(blob_id, start, end, total, sha)
+        if isinstance(up, dict):
+            return 200, {"id": blob_id, "size": up["size"], "sha256": up["sha256"], "existing": True}
+        try:
+            out = store.receive_piece(blob_id, up, start, end, req.stream(store.chunk, end - start))
+        except OSError as e:
+            if not durable.is_disk_full(e):
+                raise
+            with store.lock:
+                idle = not up.writing
+            if idle:                    # a full disk: the upload gives its space back (start it again)
+                store.discard(blob_id)
+            raise httpd.disk_full(store.root, e) from None
+        if out is None:
+            return 202, {"id": blob_id, "total": total, "complete": False,
+                         "ranges": blob_client.format_ranges(up.landed)}
+        return 201, out
+
     def put(req):
         blob_id = check_id(req.tail)
+        if req.query.get("ranged") == "1":
+            return put_piece(req, blob_id)
         start, total, sha = parse_put_headers(req)
         store.claim(blob_id)
         try:
@@ -392,8 +605,11 @@ def make_routes(store):
             if req.method == "GET":
                 raise httpd.HTTPError(404, f"blob {blob_id!r} is still uploading ({part['offset']} of "
                                            f"{part['total']} bytes)")
-            return httpd.Response(200, {"X-Upload-Offset": part["offset"], "X-Upload-Complete": "0",
-                                        "X-Upload-Total": part["total"], "X-Content-Sha256": part["sha256"]})
+            headers = {"X-Upload-Offset": part["offset"], "X-Upload-Complete": "0",
+                       "X-Upload-Total": part["total"], "X-Content-Sha256": part["sha256"]}
+            if "ranges" in part:        # in pieces: a one-stream client starts again at byte 0
+                headers.update({"X-Upload-Offset": 0, "X-Upload-Ranges": blob_client.format_ranges(part["ranges"])})
+            return httpd.Response(200, headers)
         size = meta["size"]
         headers = {"X-Content-Sha256": meta["sha256"], "Accept-Ranges": "bytes", "X-Upload-Complete": "1"}
         raw = req.headers.get("Range")

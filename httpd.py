@@ -216,6 +216,27 @@ def _lookup(routes, method, path):
     raise HTTPError(404, f"no such endpoint: {path[:200]}")
 
 
+TLS_SEND_BYTES = 1 << 20
+
+
+def _send_file(sock, f, offset, length):
+    """`length` bytes of `f` from `offset` into `sock` -> the bytes sent. A plain socket:
+    os.sendfile (zero copy). TLS: reads of TLS_SEND_BYTES into one buffer, each sent whole
+    (socket.sendfile falls back to 8 KiB send() calls there: a 1 GiB GET ran at 0.4 of
+    curl's rate against another server)."""
+    if not isinstance(sock, ssl.SSLSocket):
+        return sock.sendfile(f, offset, length)
+    view = memoryview(bytearray(min(TLS_SEND_BYTES, length)))
+    fd, sent = f.fileno(), 0
+    while sent < length:
+        n = os.preadv(fd, [view[:min(len(view), length - sent)]], offset + sent)
+        if not n:
+            break
+        sock.sendall(view[:n])
+        sent += n
+    return sent
+
+
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"   # keep-alive: one TCP connection for a client's whole session
     routes, token, public, max_body, quiet = {}, None, frozenset(), DEFAULT_MAX_BODY, True
@@ -417,8 +438,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if f is None:
                 self.wfile.write(r.body)
             elif length:
-                # socket.sendfile: os.sendfile on a plain socket (zero copy), send() under TLS
-                sent = self.connection.sendfile(f, r.offset, length)
+                sent = _send_file(self.connection, f, r.offset, length)
                 if sent != length:
                     self.close_connection = True
                     raise ConnectionError(f"file ended after {sent} of {length} bytes")

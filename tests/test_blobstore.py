@@ -423,7 +423,7 @@ class ProgressTest(unittest.TestCase):
 
 
 class CrashResumeTest(unittest.TestCase):
-    """1 GiB upload; the server process is SIGKILLed with a third on disk, restarted on the
+    """1 GiB upload in one stream; the server process is SIGKILLed with a third on disk, restarted on the
     same root and port, and put_file finishes the upload from where the bytes stopped."""
     SIZE = 2**30
 
@@ -445,7 +445,7 @@ class CrashResumeTest(unittest.TestCase):
 
         def upload():
             try:
-                result["out"] = blob_client.put_file(url, "big", src, token=TOKEN, sha256=sha,
+                result["out"] = blob_client.put_file(url, "big", src, token=TOKEN, sha256=sha, streams=1,
                                                      deadline=httpc.Deadline(240, max_wait_s=1.0, log=httpc.quiet))
             except Exception as e:
                 result["error"] = e
