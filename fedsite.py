@@ -1,7 +1,8 @@
 """fedsite.py - the site side of the round protocol: rank 0's DARL leases, FedMom membership
 and each delta's round trip, and the leased windows every rank derives from them.
 
-Runs on: compute nodes, inside `train.py --federation` (imported; not started on its own).
+Runs on: compute nodes, inside `train.py --federation`; on its own only as the central check
+(`python fedsite.py check`: the job's calls, clients and environment, from a compute node).
 FedSite lives on global rank 0 only; LeasedSource on every rank. Torch-free (stdlib, numpy,
 darl_client, fedmom_client, data, and wire for theta's compressed updates, file to file):
 the collectives that share rank 0's answers with the other ranks are fedphase.on_rank0's,
@@ -35,15 +36,19 @@ from the site's side" (with "Overlap" and "What a site repeats, and for how long
 of a delta through fedphase.py, diloco.py, here and fedmom_client.py: ARCHITECTURE.md, "The
 path of one delta".
 """
+import argparse
 import dataclasses
 import http.client
 import math
 import os
 import re
 import secrets
+import sys
+import tempfile
 import threading
 import time
 
+import blob_client
 import block_space
 import darl_client
 import data
@@ -146,6 +151,8 @@ class FedSite:
     def __init__(self, cfg, windows, model_bytes, log, retry_s=httpc.RETRY_S):
         self.cfg, self.windows, self.log, self.retry_s = cfg, windows, log, retry_s
         self.cluster, self.incarnation = cfg.cluster, secrets.token_hex(6)
+        if cfg.proxy:
+            httpc.set_proxy(cfg.proxy, "--proxy")    # every later connection of this process
         token = httpc.load_token(cfg.token_file)
         self.darl = darl_client.LeaseClient(cfg.darl_url, token=token, ca_file=cfg.ca_file)
         self.fed = fedmom_client.FedMomClient(cfg.federation, self.cluster, self.incarnation, token=token,
@@ -197,6 +204,7 @@ class FedSite:
         against our own manifest, and the aggregator's outer step as its join answer gives it
         ({"lr", "momentum", "nesterov"}; None from an aggregator that does not say it);
         registered at DARL, a member at FedMom."""
+        self.log(f"central VM route: {httpc.route(self.cfg.darl_url).describe()}")
         st = yield from self._call("DARL status", lambda d: self.darl.status(deadline=d))
         sp = st["space"]
         space = block_space.BlockSpace(self.windows.train_windows, sp["block_size"], sp["seed"],
@@ -677,3 +685,132 @@ class LeasedSource:
             w, bounds, ends = data.span_windows(self.space, start, end, self.cfg.seed, lease), None, None
         return data.LeasedPhase(lease, start, end, w, self.per_step, self.world, self.rank, self.cfg.batch_size,
                                 bounds=bounds, ends=ends)
+
+
+# ------------------------------------------------------------------ the central check
+
+CHECK_MIB = 64              # the transfer `fedsite.py check` times through the blob store
+CHECK_RTTS = 5              # GET /health round trips on one connection; the median is printed
+
+
+def check_central(urls, token, ca_file, cluster, mib=CHECK_MIB, tmp_dir=None, out=print):
+    """The calls a job makes, with the job's clients and environment, from where it runs:
+    per service (urls: {"DARL": url, "FedMom": url, "blob store": url}, None: not set) the
+    route (direct or which proxy, from which variable), TLS, auth, the round trip, and for
+    the blob store a `mib` MiB upload and download. Returns the failures (empty: all OK)."""
+    failures = []
+    for name, url in urls.items():
+        out(f"{name:<10} {url or '(not set)'}")
+        if not url:
+            out("  skipped   no URL (set it as the job does: central.sh url's export lines)")
+            continue
+        for step, fn in _check_steps(name, url, token, ca_file, cluster, mib, tmp_dir):
+            try:
+                out(f"  {step:<9} {fn()}")
+            except Exception as e:                       # a diagnostic: every failure is one line
+                msg = str(e) or type(e).__name__
+                if isinstance(e, httpc.CallError) and e.status == 401:
+                    msg += ("; fix: the token file (--token-file / $PWW_TOKEN_FILE) must hold the central "
+                            "VM's token (central.sh url names it)")
+                out(f"  {step:<9} FAILED: {msg}")
+                failures.append(f"{name} ({step})")
+                break
+    return failures
+
+
+def _check_steps(name, url, token, ca_file, cluster, mib, tmp_dir):
+    """(step, fn) for one service, in the order a job meets them; fn() -> the line's text."""
+    route = ("route", lambda: httpc.route(url).describe())
+    tls = ("TLS", lambda: _check_tls(url, ca_file))
+    rtt = ("rtt", lambda: _check_rtt(url, ca_file))
+    if name == "DARL":
+        client = darl_client.LeaseClient(url, token=token, ca_file=ca_file)
+        auth = ("auth", lambda: f"ok (GET /status: {client.status().get('num_blocks', '?')} blocks)")
+        return [route, tls, auth, rtt]
+    if name == "FedMom":
+        fed = fedmom_client.FedMomClient(url, cluster, "check", token=token, ca_file=ca_file)
+        auth = ("auth", lambda: f"ok (GET /round: round {fed.current_round()})")
+        return [route, tls, auth, rtt]
+    auth = ("auth", lambda: f"ok (GET /blobs: {len(httpc.call(url, 'GET', '/blobs', token=token, ca_file=ca_file)['blobs'])} blobs)")
+    move = (f"{mib} MiB", lambda: _check_transfer(url, token, ca_file, cluster, mib, tmp_dir))
+    return [route, tls, auth, rtt, move]
+
+
+def _check_tls(url, ca_file):
+    conn = httpc.connect(url, 15.0, ca_file)
+    try:
+        if httpc.split_url(url)[0] != "https":
+            return "none: http:// (only for a test; the sites' URLs are https://)"
+        return (f"ok: {conn.sock.version()}, the certificate names {httpc.split_url(url)[1]}, signed by "
+                f"{ca_file or 'a CA of the system'}")
+    finally:
+        conn.close()
+
+
+def _check_rtt(url, ca_file):
+    conn = httpc.connect(url, 15.0, ca_file)
+    times = []
+    try:
+        for _ in range(CHECK_RTTS):
+            t0 = time.perf_counter()
+            httpc.call(url, "GET", "/health", conn=conn)
+            times.append(time.perf_counter() - t0)
+    finally:
+        conn.close()
+    return f"{sorted(times)[len(times) // 2] * 1e3:.1f} ms (median of {CHECK_RTTS} GET /health on one connection)"
+
+
+def _check_transfer(url, token, ca_file, cluster, mib, tmp_dir):
+    """Up and down through the blob store, as a delta and a theta move: a random file, put_file
+    and get_file (their own stream counts), the copy compared, the blob deleted."""
+    blob_id = f"check-{cluster}-{secrets.token_hex(4)}"
+    with tempfile.TemporaryDirectory(prefix="pww-check-", dir=tmp_dir) as tmp:
+        src, back = os.path.join(tmp, "up"), os.path.join(tmp, "down")
+        with open(src, "wb") as f:
+            for _ in range(mib):
+                f.write(os.urandom(1 << 20))
+        t0 = time.perf_counter()
+        sent = blob_client.put_file(url, blob_id, src, token=token, ca_file=ca_file, progress=False)
+        t1 = time.perf_counter()
+        try:
+            got = blob_client.get_file(url, blob_id, back, token=token, ca_file=ca_file, progress=False)
+            t2 = time.perf_counter()
+        finally:
+            httpc.call(url, "DELETE", f"/blobs/{blob_id}", token=token, ca_file=ca_file)
+        if got != sent["sha256"]:
+            raise ValueError(f"the copy that came back differs (sha256 {got[:12]}, sent {sent['sha256'][:12]})")
+    size = mib << 20
+    return f"up {size / (t1 - t0) / 1e6:.0f} MB/s, down {size / (t2 - t1) / 1e6:.0f} MB/s (checksums match)"
+
+
+def check_main(argv=None):
+    """`python fedsite.py check`: the central check from a compute node (RUNBOOK.md section 2)."""
+    p = argparse.ArgumentParser(
+        prog="fedsite.py check",
+        description="From where a job runs (srun on a compute node), make the calls the job makes, with its "
+                    "clients and environment (the URLs, the token, the CA, https_proxy/no_proxy or $PWW_PROXY), "
+                    "and print per service the route, TLS, auth, the round trip and a transfer's rate. "
+                    "Exit 0 when every service answered as a job needs, 1 otherwise.")
+    p.add_argument("check")
+    p.add_argument("--darl-url", default=os.environ.get("PWW_DARL_URL"), help="default $PWW_DARL_URL")
+    p.add_argument("--fedmom-url", default=os.environ.get("PWW_FEDMOM_URL"), help="default $PWW_FEDMOM_URL")
+    p.add_argument("--blob-url", default=os.environ.get("PWW_BLOB_URL"), help="default $PWW_BLOB_URL")
+    p.add_argument("--site", default=os.environ.get("PWW_SITE") or os.uname().nodename.split(".")[0],
+                   help="the name the check's test blob carries (default $PWW_SITE, else the host name)")
+    p.add_argument("--mib", type=int, default=CHECK_MIB, help=f"MiB moved up and down (default {CHECK_MIB})")
+    p.add_argument("--tmp-dir", default=None, help="where the test file is written (default $TMPDIR or /tmp)")
+    httpc.add_client_args(p)
+    a = p.parse_args(argv)
+    token = httpc.load_token(a.token_file)
+    urls = {"DARL": a.darl_url, "FedMom": a.fedmom_url, "blob store": a.blob_url}
+    if not any(urls.values()):
+        p.error("no URL: set PWW_DARL_URL, PWW_FEDMOM_URL and PWW_BLOB_URL (central.sh url's export lines)")
+    print(f"central check from {os.uname().nodename} (the job's clients and environment)")
+    failures = check_central(urls, token, a.ca_file, a.site, a.mib, a.tmp_dir)
+    print(f"FAIL: {', '.join(failures)}: the lines above say why and what to do" if failures
+          else "PASS: a job here reaches every service set")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(check_main())

@@ -8,6 +8,9 @@
 #   sites/siteinfo.sh --strict             # exit 1 when a value disagrees
 #   srun -p dev-g -N1 -n1 --gpus-per-node=8 -t 5 sites/siteinfo.sh   # LUMI: where the jobs run
 #   srun -p gpu_h100 -N1 -n1 --gpus-per-node=4 -t 5 sites/siteinfo.sh   # Snellius
+#   srun -p small-g -N1 -n1 -t 5 sites/siteinfo.sh --central    # the route to the central VM, as a job
+#                                          # takes it (python fedsite.py check in the site's runtime;
+#                                          # its flags after --central, e.g. --mib 256 or --proxy URL)
 #
 # Run it on a compute node, through srun as above: a login node has no GPU, so the GPU rows
 # disagree there. One line per value:
@@ -22,7 +25,8 @@
 # (cores, L3 groups for a CPU mask), /proc/meminfo, the module command, /sys/class/cxi
 # (Slingshot), /sys/class/infiniband or ibv_devinfo (InfiniBand), /sys/class/net or ip
 # (interfaces), singularity/apptainer. A missing tool is never an error.
-# Read-only: it writes nothing anywhere (no temporary files either).
+# Read-only: it writes nothing anywhere (no temporary files either), but for --central, whose
+# transfer writes a temporary file and a test blob, both removed.
 # Exit status: 0; 1 only with --strict when some value DIFFERS; 2 for a usage error.
 set -uo pipefail
 
@@ -30,7 +34,7 @@ usage() {
     sed -n '3,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
 }
 
-SITE="" SITE_FILE=${PWW_SITE_FILE:-} STRICT=0
+SITE="" SITE_FILE=${PWW_SITE_FILE:-} STRICT=0 CENTRAL=0
 while [ $# -gt 0 ]; do
     case $1 in
         --site) [ $# -ge 2 ] || { echo "siteinfo: --site needs a name" >&2; exit 2; }; SITE=$2; shift 2 ;;
@@ -38,6 +42,7 @@ while [ $# -gt 0 ]; do
         --site-file) [ $# -ge 2 ] || { echo "siteinfo: --site-file needs a path" >&2; exit 2; }; SITE_FILE=$2; shift 2 ;;
         --site-file=*) SITE_FILE=${1#--site-file=}; shift ;;
         --strict) STRICT=1; shift ;;
+        --central) shift; CENTRAL=1; break ;;
         -h|--help) usage; exit 0 ;;
         *) echo "siteinfo: unknown argument '$1' (--help)" >&2; exit 2 ;;
     esac
@@ -45,6 +50,15 @@ done
 
 PWW_ROOT=${PWW_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 export PWW_ROOT          # the site files read it (local.sh: PWW_VENV, PWW_SCRATCH)
+if [ "$CENTRAL" = 1 ]; then
+    # the job's own calls, clients and environment (its proxy variables, central.env's URLs)
+    # shellcheck source=env.sh
+    source "$PWW_ROOT/env.sh" >/dev/null || exit 2
+    pww_central_env || exit 2            # central.env, read as a job reads it
+    cd "$PWW_ROOT" || exit 2
+    pww_run python fedsite.py check "$@"
+    exit
+fi
 HOST=$(hostname -s 2>/dev/null || hostname)
 # env.sh's own detection (sourcing it only defines things and reads the site file)
 # shellcheck disable=SC2016  # expanded by that shell
