@@ -151,7 +151,7 @@ class FedSite:
     def __init__(self, cfg, windows, model_bytes, log, retry_s=httpc.RETRY_S):
         self.cfg, self.windows, self.log, self.retry_s = cfg, windows, log, retry_s
         self.cluster, self.incarnation = cfg.cluster, secrets.token_hex(6)
-        if cfg.proxy:
+        if getattr(cfg, "proxy", None):
             httpc.set_proxy(cfg.proxy, "--proxy")    # every later connection of this process
         token = httpc.load_token(cfg.token_file)
         self.darl = darl_client.LeaseClient(cfg.darl_url, token=token, ca_file=cfg.ca_file)

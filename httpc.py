@@ -135,7 +135,7 @@ def set_proxy(value, source="--proxy"):
     the environment; None gives the choice back to them. A bad URL raises RouteError here."""
     global _override
     if value is not None and value.strip().lower() != "none":
-        _parse_proxy(value, source)
+        parse_proxy(value, source)
     _override = None if value is None else (value, source)
 
 
@@ -209,7 +209,7 @@ def _ip(text):
         return None
 
 
-def _parse_proxy(value, source):
+def parse_proxy(value, source):
     """-> Route for the proxy URL `value` (from `source`); RouteError naming `source`, never the
     value (it may hold a password)."""
     u = urllib.parse.urlsplit(value.strip() if "://" in value else "http://" + value.strip())
@@ -260,7 +260,7 @@ def route(url):
     if value:
         if value.strip().lower() == "none":
             return Route(f"{source} none" if source.startswith("-") else f"{source}=none")
-        return _parse_proxy(value, source)
+        return parse_proxy(value, source)
     for var in ("no_proxy", "NO_PROXY"):
         if os.environ.get(var):
             if no_proxy_match(host, os.environ[var]):
@@ -269,24 +269,26 @@ def route(url):
     # curl never reads HTTP_PROXY (a CGI server sets it from a request's Proxy: header)
     for var in ("https_proxy", "HTTPS_PROXY") if scheme == "https" else ("http_proxy",):
         if os.environ.get(var):
-            return _parse_proxy(os.environ[var], f"${var}")
+            return parse_proxy(os.environ[var], f"${var}")
     for var in ("all_proxy", "ALL_PROXY"):
         if os.environ.get(var):
-            return _parse_proxy(os.environ[var], f"${var}")
+            return parse_proxy(os.environ[var], f"${var}")
     return Route()
 
 
 def _tcp(host, port, timeout, where, fix, proxy=False):
-    """socket.create_connection, its errors one line: `where`, what happened, `fix`."""
-    what = f"the proxy {_hostport(host, port)}" if proxy else f"{_hostport(host, port)}"
+    """socket.create_connection, its errors one line: `where`, what happened, the fix."""
+    what = f"the proxy {_hostport(host, port)}: " if proxy else ""
     try:
         return socket.create_connection((host, port), timeout)
     except socket.gaierror as e:
-        raise _same(e, f"{where}: this node cannot resolve {host} ({e.strerror}): {fix}") from None
+        raise _same(e, f"{where}: this node cannot resolve {host} ({e.strerror}): fix: {fix}") from None
     except TimeoutError as e:
-        raise _same(e, f"{where}: no answer from {what} within {timeout:g} s (packets dropped): {fix}") from None
+        raise _same(e, f"{where}: {what}no answer within {timeout:g} s (packets dropped): fix: {fix}") from None
     except OSError as e:
-        raise _same(e, f"{where}: {what}: {e.strerror or e}: {fix}") from None
+        if isinstance(e, ConnectionRefusedError) and not proxy:
+            fix = "is the server running, on that port?"     # the host answered: the route is fine
+        raise _same(e, f"{where}: {what}{e.strerror or e}: fix: {fix}") from None
 
 
 def _same(err, message):

@@ -55,6 +55,7 @@ import data
 import diloco
 import fedphase
 import fedsite
+import httpc
 import testhooks
 import models
 from dist_env import ConfigError, DeviceError, Dist, init_distributed   # noqa: F401 (train.DeviceError)
@@ -537,6 +538,9 @@ def main(argv=None):
         sys.exit(2)
     except fedphase.RankZeroFailed as e:          # rank 0 prints the real error and traceback
         print(f"train.py: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except (httpc.GaveUp, httpc.TLSConfigError) as e:   # rank 0: the central VM out of reach, one line
+        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
 
 

@@ -53,7 +53,7 @@ GROUPS = {"diloco": "DiLoCo (k replicas inside this allocation)",
 
 # the options a federated site reads and a run inside one allocation does not (--overlap and
 # --encode-on are refused by validate() from the YAML too, naming what they would have done)
-FEDERATION_ONLY = ("darl_url", "blob_url", "token_file", "ca_file", "site", "replica", "transport", "wire",
+FEDERATION_ONLY = ("darl_url", "blob_url", "token_file", "ca_file", "proxy", "site", "replica", "transport", "wire",
                    "wire_block", "wire_topk_chunk", "wire_topk_k", "wire_topk_bits", "error_feedback",
                    "wire_feedback_decay",
                    "overlap_fold", "throttle_ms", "register_wait_s", "central_retry_s")
@@ -162,6 +162,10 @@ class Config:
     ca_file: str | None = option(None, "CA certificate of the central services' https:// URLs (central.sh's "
                                        "ca.pem)", shown="$PWW_CA_FILE, else the system's CAs", env="PWW_CA_FILE",
                                  group="federation")
+    proxy: str | None = option(None, "the site's proxy to the central VM (http://HOST:PORT, socks5h://HOST:PORT) "
+                                     "or none for direct; beats the environment (httpc.py's docstring)",
+                               shown="$PWW_PROXY, else https_proxy/all_proxy/no_proxy as curl reads them",
+                               metavar="URL|none", group="federation")
     site: str | None = option(None, "site name in the cluster id", shown="$PWW_SITE, else the short host name",
                               group="federation")
     replica: str | None = option(None, "a second stream at the same site: cluster id <site>-<replica>",
@@ -315,6 +319,11 @@ class Config:
 
     def validate_federation(self):
         self.wire_codec()
+        if self.proxy and self.proxy.strip().lower() != "none":
+            try:
+                httpc.parse_proxy(self.proxy, "--proxy")
+            except httpc.RouteError as e:
+                raise ConfigError(str(e)) from None
         if self.encode_on == "device" and self.wire not in wire_torch.LEVELS:
             raise ConfigError(f"--encode-on device encodes int8, int4 and int2 (wire_torch.py); --wire {self.wire} "
                               f"is encoded on the host: use --encode-on host or auto, or --wire int8/int4/int2")

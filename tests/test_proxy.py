@@ -28,7 +28,9 @@ import textwrap
 import unittest
 
 import httpc
-from tests.certs import make_tls
+import tokenize_corpus as tc
+from testbed import harness
+import certs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -43,7 +45,7 @@ PASSWORD_URL = "s3cr%3At%40pw"
 
 
 def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in PROXY_VARS}
+    env = {k: v for k, v in harness.child_env().items() if k not in PROXY_VARS}
     env.update(extra)
     return env
 
@@ -280,7 +282,7 @@ class ThroughProxiesTest(unittest.TestCase):
     @classmethod
     def make_certs(cls):
         """tests/certs.py's CA, and a server certificate for the VM's name and address."""
-        cls.ca, _, _ = make_tls(cls.dir)
+        cls.ca, _, _ = certs.make_tls(cls.dir)
         cls.cert, cls.key, csr, ext = cls.p("vm.pem"), cls.p("vm.key"), cls.p("vm.csr"), cls.p("vm.ext")
         with open(ext, "w") as f:
             f.write(f"subjectAltName=DNS:{VM_NAME},IP:{VM_IP}\nextendedKeyUsage=serverAuth\n")
@@ -421,6 +423,26 @@ class ThroughProxiesTest(unittest.TestCase):
         p = self.status(url, https_proxy=f"http://alice:{PASSWORD_URL}@{SQUID_AUTH}")
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertRegex(self.squid_log(), rf"TCP_TUNNEL/200 \d+ CONNECT {re.escape(VM_IP)}:443 alice ")
+
+    def test_train_py_names_its_route_and_stops_in_one_line(self):
+        """A federated site (rank 0's first call, DARL status) behind a proxy that refuses the
+        port: one line, exit 1, no traceback; its log names the route first."""
+        tc.tokenize(tc.TokenizeConfig(inputs=[], out=self.p("tok"), seq_len=32, max_files=2, max_bytes=8000,
+                                      heldout_windows=8, progress=False))
+        run = ["train.py", "--device", "cpu", "--model", "qwen3-tiny", "--data", self.p("tok", "manifest.json"),
+               "--federation", f"https://{VM_IP}:443", "--darl-url", f"https://{VM_IP}:29510", "--site", "lumi",
+               "--eval-windows", "8", "--runs-dir", self.p("runs")]
+        p = self.node(*run, https_proxy=f"http://{SQUID}")
+        self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+        self.assertIn(f"central VM route: proxy http://{SQUID} (from $https_proxy)", p.stdout + p.stderr)
+        errors = [line for line in p.stderr.splitlines() if line.startswith("train.py: error:")]
+        self.assertEqual(len(errors), 1, p.stderr)
+        self.assertIn("serve the central VM on 443", errors[0])
+        self.assertNotIn("Traceback", p.stderr)
+        p = self.node(*run, "--proxy", f"ftp://u:{PASSWORD_URL}@x:1")
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn("--proxy: a ftp:// proxy is not supported", p.stderr)
+        self.assertNotIn(PASSWORD_URL, p.stdout + p.stderr)
 
     def test_what_a_retry_may_fix_is_repeated_and_what_it_cannot_is_not(self):
         """Each error of connect() through the proxies, from the node: its class, whether
