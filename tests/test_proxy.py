@@ -20,17 +20,16 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
 import unittest
 
+import certs
 import httpc
 import tokenize_corpus as tc
 from testbed import harness
-import certs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -146,7 +145,7 @@ def sh(*cmd, check=True):
     return subprocess.run(cmd, check=check, capture_output=True, text=True)
 
 
-def in_ns(ns, *cmd, **kw):
+def in_ns(ns, *cmd):
     return ["ip", "netns", "exec", ns, *cmd]
 
 
