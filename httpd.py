@@ -216,14 +216,14 @@ def _lookup(routes, method, path):
     raise HTTPError(404, f"no such endpoint: {path[:200]}")
 
 
-TLS_SEND_BYTES = 1 << 20
+TLS_SEND_BYTES = 256 << 10          # one reused buffer that stays in the CPU cache
 
 
 def _send_file(sock, f, offset, length):
     """`length` bytes of `f` from `offset` into `sock` -> the bytes sent. A plain socket:
     os.sendfile (zero copy). TLS: reads of TLS_SEND_BYTES into one buffer, each sent whole
-    (socket.sendfile falls back to 8 KiB send() calls there: a 1 GiB GET ran at 0.4 of
-    curl's rate against another server)."""
+    (socket.sendfile falls back to 8 KiB send() calls there: curl fetched 1 GiB at ~810 MB/s,
+    now at ~1000-1300)."""
     if not isinstance(sock, ssl.SSLSocket):
         return sock.sendfile(f, offset, length)
     view = memoryview(bytearray(min(TLS_SEND_BYTES, length)))

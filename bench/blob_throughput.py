@@ -21,8 +21,9 @@ not growing with size). Temporary files go under --dir and are removed.
     .venv/bin/python bench/blob_throughput.py --tls --sizes-mib 1024 --streams 1,4
 
 --tls: against a blobstore.py under TLS, get_file()/put_file() with each --streams count
-beside curl on the same server and the same file (`curl -o /dev/null`, `curl -T`), each
-run --repeat times; the target is >= 0.8 of curl's rate for one stream (tls_vs_curl()).
+beside curl on the same server and the same file (`curl -o /dev/null`, `curl -o FILE`,
+`curl -T`), each run --repeat times; the target is >= 0.8 of curl's rate for one stream
+(tls_vs_curl()). get_file also fsyncs and checks the sha256, which curl does not.
 """
 import argparse
 import hashlib
@@ -218,9 +219,9 @@ def tls_vs_curl(size, tmp, streams=(1,), repeat=2):
     try:
         url = server.stdout.readline().split("listening on ")[1].strip()
 
-        def curl(op, blob_id):
+        def curl(op, blob_id, into="/dev/null"):
             cmd = ["curl", "-sS", "--fail", "--noproxy", "*", "--cacert", ca, "-H", f"Authorization: Bearer {TLS_TOKEN}",
-                   "-w", "%{time_total}", "-o", "/dev/null", f"{url}/blobs/{blob_id}"]
+                   "-w", "%{time_total}", "-o", into, f"{url}/blobs/{blob_id}"]
             cmd += ["-T", src, "-H", f"X-Content-Sha256: {sha}"] if op == "put" else []
             return float(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip())
 
@@ -243,6 +244,9 @@ def tls_vs_curl(size, tmp, streams=(1,), repeat=2):
                 out.setdefault(f"curl {op}", []).append(size / secs / 1e6)
                 if op == "put":
                     delete(f"up-{n[0]}")
+                else:               # into a file, as get_file must (no fsync: get_file's is extra)
+                    out.setdefault("curl get>file", []).append(size / curl(op, "src", os.path.join(tmp, "c")) / 1e6)
+                    os.unlink(os.path.join(tmp, "c"))
                 for k in streams:
                     n[0] += 1
                     out.setdefault(f"ours {op} {k}", []).append(size / ours(op, k) / 1e6)
@@ -257,7 +261,7 @@ def tls_vs_curl(size, tmp, streams=(1,), repeat=2):
 def tls_report(size, rates):
     print(f"{size / 2**20:.0f} MiB over TLS on loopback, MB/s per run (ratio: best / curl's best):")
     for name, r in rates.items():
-        base = max(rates[f"curl {name.split()[1]}"])
+        base = max(rates[f"curl {name.split()[1].split('>')[0]}"])
         print(f"  {name:<12} {' '.join(f'{x:6.0f}' for x in r)}   {max(r) / base:.2f}")
 
 
