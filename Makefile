@@ -110,8 +110,10 @@ lint: setup
 # hetero.py runs --quick here (1 seed: sites at 1:2, fixed H against phases in time, and a stalled
 # site with and without the quorum; ~5 min); `$(PY) bench/hetero.py` is 3 seeds of 1:1, 1:2, 1:3,
 # 1:2:3 and the stall at 30+ rounds (~3 h).
+# wan_path.py runs --quick here (256 MiB; our client against curl, 1-8 streams, direct, through a
+# real Squid and on a window-limited path; ~3 min); `$(PY) bench/wan_path.py` is 1 GiB (~10 min).
 bench: SHELL := /bin/bash
-bench: setup
+bench: setup netpeers
 	@set -eo pipefail; mkdir -p runs/bench; skip="bench/faults.py bench/http_fuzz.py bench/wan_relay.py bench/results.py"; \
 	for b in bench/*.py; do case " $$skip " in *" $$b "*) continue ;; esac; $(PY) bench/results.py --check $$(basename $$b .py); done; \
 	for b in bench/*.py; do \
@@ -125,6 +127,7 @@ bench: setup
 	    bench/scale_round.py) args="--quick" ;; \
 	    bench/site_share.py) args="--quick" ;; \
 	    bench/hetero.py) args="--quick" ;; \
+	    bench/wan_path.py) args="--quick" ;; \
 	    bench/fault_schedule.py) args="--schedules 40 --jobs 2" ;; \
 	    *) args="" ;; \
 	  esac; \
