@@ -245,6 +245,35 @@ class FrontTest(unittest.TestCase):
         self.assertEqual(blob_client.get_file(self.c.front("blob"), "cut", src + ".out", token=self.c.token,
                                               ca_file=self.c.ca), sha)
 
+    def test_the_central_check_a_user_runs_from_a_compute_node_passes_and_fails_as_the_job_would(self):
+        """sites/siteinfo.sh --central, as RUNBOOK section 1 says: central.env from `central.sh url`,
+        read as a job reads it, then fedsite.py check in the site's runtime (local: .venv)."""
+        env_file = os.path.join(self.tmp, "central.env")
+        with open(env_file, "w") as f:
+            f.write(self.c.run("url").stdout)
+        env = {"PWW_SITE": "local", "PWW_CENTRAL_ENV": env_file, "PWW_TOKEN_FILE": os.path.join(self.c.state, "token"),
+               "PWW_CA_FILE": self.c.ca}
+        r = bash("sites/siteinfo.sh --central --mib 4", env, check=False, timeout=300)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        for name in ("darl", "fedmom", "blob"):
+            self.assertIn(self.c.front(name), r.stdout)
+        self.assertEqual(r.stdout.count("route     direct (loopback)"), 3, r.stdout)
+        self.assertEqual(r.stdout.count("TLS       ok: TLSv1.3"), 3, r.stdout)
+        self.assertEqual(r.stdout.count("auth      ok"), 3, r.stdout)
+        self.assertRegex(r.stdout, r"4 MiB +up \d+ MB/s, down \d+ MB/s \(checksums match\)")
+        self.assertIn("PASS", r.stdout.splitlines()[-1])
+        self.assertNotIn("check-", json.dumps(self.call(self.c.front("blob"), "/blobs", self.c.token)))
+        # a wrong token: every service says so in one line with the fix, exit 1, no traceback
+        wrong = os.path.join(self.tmp, "wrong.token")
+        with open(wrong, "w") as f:
+            f.write("not-the-token\n")
+        r = bash("sites/siteinfo.sh --central --mib 4", {**env, "PWW_TOKEN_FILE": wrong}, check=False, timeout=300)
+        self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
+        self.assertEqual(r.stdout.count("auth      FAILED: HTTP 401"), 3, r.stdout)
+        self.assertIn("central.sh url names it", r.stdout)
+        self.assertTrue(r.stdout.splitlines()[-1].startswith("FAIL: DARL (auth), FedMom (auth), blob store (auth)"))
+        self.assertNotIn("Traceback", r.stdout + r.stderr)
+
     def test_the_status_page_under_fedmom(self):
         conn = httpc.connect(self.c.front("fedmom"), 30, self.c.ca)
         try:
