@@ -1,7 +1,6 @@
 """blobstore.py - a streaming, resumable, checksummed blob store for multi-GB weight files.
 
 Runs on: the central VM, beside darl_server.py and fedmom_server.py. Standard library only.
-Start it:
 
     python blobstore.py --root /srv/pww/state/blobs                      # 127.0.0.1:29512
     python blobstore.py --root DIR --host 0.0.0.0 --token-file ~/.pww_token \\
@@ -9,32 +8,34 @@ Start it:
     python blobstore.py status --url https://127.0.0.1:29512 --token-file ~/.pww_token --ca-file ca.pem \\
                                [--fedmom https://127.0.0.1:29511]     # + why the aggregator keeps each blob
 
-Callers: sites (through fedmom_client.FedMomClient) and fedmom_server.py itself, with the
-shared bearer token; only GET /health is public. Clients use blob_client.py's put_file() and
-get_file(), which resume after a dropped connection. A delta is GBs (3.6 GiB for a 1.7B model
-in fp16): bodies go to disk in fixed chunks (never held whole), an upload resumes where its
-last byte landed, and a blob becomes visible only complete and with its declared checksum.
-
+Callers: sites (fedmom_client.FedMomClient) and fedmom_server.py, with the shared bearer token;
+only GET /health is public. Clients use blob_client.py's put_file() and get_file() (resumable,
+in parallel streams). A delta is GBs: bodies go to disk in chunks (never held whole), an upload
+resumes where its bytes end, and a blob is visible only complete and with its declared checksum.
 HTTP (ids: [A-Za-z0-9._-]{1,200}, not starting with "."):
     PUT    /blobs/<id>    the bytes, X-Content-Sha256 required; Content-Range: bytes START-END/TOTAL
                           continues at START = the offset HEAD reports (else 416). -> 201 complete,
                           202 {"offset"} not yet; 409 while another PUT holds the id. Send
                           `Expect: 100-continue` (put_file does): a refusal then comes before the body.
-    HEAD   /blobs/<id>    complete: Content-Length, X-Content-Sha256; unfinished: X-Upload-Offset,
-                          X-Upload-Complete: 0, X-Upload-Total, X-Content-Sha256; absent: 404.
-    GET    /blobs/<id>    the bytes (sendfile); honours Range: bytes=A-B, A-, -N (206).
-    DELETE /blobs/<id>    the blob and/or its unfinished upload. The store keeps no retention rule:
-                          fedmom_server.py deletes its own blobs (--keep-rounds).
-    GET    /blobs         {"blobs", "uploads", "used_bytes", "quota_bytes"}; GET /health: liveness.
-Every refusal is a 4xx {"error"}; one a client may send again says "retry": true (httpc.py's
-rule). A full disk mid-upload is a 507 disk_full: the upload is discarded, start again at byte 0.
+    PUT    /blobs/<id>?ranged=1  one piece, Content-Range required, at any offset and order, several at
+                          once (409 only for a byte another request is writing); a landed byte never
+                          changes. -> 202 {"ranges"}; 201 once every byte landed and the sha256 matches.
+    HEAD   /blobs/<id>    complete: Content-Length, X-Content-Sha256; unfinished: X-Upload-Offset (0 for
+                          pieces), X-Upload-Complete: 0, X-Upload-Total, X-Content-Sha256, X-Upload-Ranges
+                          "A-B,..." (pieces: what landed durably); absent: 404.
+    GET    /blobs/<id>    the bytes; honours Range: bytes=A-B, A-, -N (206).
+    DELETE /blobs/<id>    the blob and/or its unfinished upload (no retention rule: fedmom_server.py
+                          deletes its own blobs). GET /blobs: {"blobs", "uploads", "used_bytes",
+                          "quota_bytes"}; GET /health: liveness.
+Every refusal is a 4xx {"error"}; "retry": true when it may be sent again (httpc.py). A full disk
+mid-upload is a 507 disk_full: the upload is discarded, start again at byte 0.
 
 State directory (--root):
-    partial/<id>          an unfinished upload, in order; its size IS the resume offset
-    partial/.<id>.json    {"total", "sha256"} declared when the upload began
-    blobs/<id>            finished blobs, each renamed in after fsync and checksum check
-    blobs/.<id>.json      {"size", "sha256", "created"}; written before the rename
-
+    partial/<id>          an unfinished upload: in order, its size IS the resume offset; or in pieces,
+                          preallocated, with partial/.<id>.ranges: [start, end] lines, each after fdatasync
+    partial/.<id>.json    {"total", "sha256"[, "ranged"]} declared when the upload began
+    blobs/<id>, .<id>.json  finished blobs (renamed in after fsync and checksum check) and their
+                          {"size", "sha256", "created"}, written before the rename
 The protocol: FEDERATION_GUIDE.md, "Endpoints"; the disk it needs: RUNBOOK.md, "Central VM".
 """
 import dataclasses
