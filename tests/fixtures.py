@@ -10,9 +10,12 @@ imported only by the helpers that need it.
     TmpDirTest        a temp dir per test, self.p(name), write_all, assert_no_leftovers
     hard_values       float32 over the whole range, for the wire codecs
     spawn             fn on N processes in one gloo group (torch), killed at a deadline
+    ProxyNet, NsProcs a compute node, a site proxy host and the central VM in network
+                      namespaces, and processes started in them (test_proxy, test_wan_path)
 """
 import os
 import pathlib
+import sys
 import re
 import shutil
 import stat
@@ -28,6 +31,7 @@ import fedmom_merge
 import fedmom_state as fs
 import httpd
 import tensorio
+from testbed import harness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -320,3 +324,160 @@ def wrong_local_site(tmp):
     path = os.path.join(tmp, "local.sh")
     pathlib.Path(path).write_text(text)
     return path
+
+
+# ---- a site behind its proxy: network namespaces (test_proxy, test_wan_path; root only)
+
+PROXY_VARS = ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY", "no_proxy",
+              "NO_PROXY", "PWW_PROXY")
+
+
+def proxy_free_env(**extra):
+    """harness.child_env without any proxy variable of the caller's, plus `extra`."""
+    env = {k: v for k, v in harness.child_env().items() if k not in PROXY_VARS}
+    env.update(extra)
+    return env
+
+
+def need_root_and(*tools):
+    if os.geteuid() != 0:
+        raise unittest.SkipTest("needs root (network namespaces); CI runs as root")
+    for tool in ("ip", *tools):
+        if not shutil.which(tool):
+            raise unittest.SkipTest(f"{tool} is missing: make netpeers")
+
+
+def sh(*cmd, check=True):
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+def in_ns(ns, *cmd):
+    return ["ip", "netns", "exec", ns, *cmd]
+
+
+class ProxyNet:
+    """<p>-node (N.1.2) <-> <p>-px (N.1.1 and N.2.1) <-> <p>-vm (N.2.2), N = `net` (two
+    octets), each with its own /etc/netns hosts and resolv.conf (nameserver 127.0.0.1: no
+    lookup leaves the namespace). The node has no route to N.2.0/24 and the proxy host
+    forwards nothing: the node reaches the VM only through a proxy on the proxy host, the
+    only one that resolves `vm_name` (and `px_hosts`, lines of its hosts file)."""
+
+    def __init__(self, prefix, net, vm_name, px_hosts=""):
+        self.prefix, self.vm_name = prefix, vm_name
+        self.node, self.px, self.vm = (f"{prefix}-{x}" for x in ("node", "px", "vm"))
+        self.node_ip, self.px_ip, self.px_vm_ip, self.vm_ip = (f"{net}.{x}" for x in ("1.2", "1.1", "2.1", "2.2"))
+        self.node_net = f"{net}.1.0/24"
+        self.hosts = {self.node: "", self.px: f"{self.vm_ip} {vm_name}\n{px_hosts}", self.vm: ""}
+
+    def remove(self):
+        for ns in self.hosts:
+            sh("ip", "netns", "del", ns, check=False)
+            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+
+    def make(self):
+        self.remove()
+        p = self.prefix
+        for ns, hosts in self.hosts.items():
+            sh("ip", "netns", "add", ns)
+            os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+            with open(f"/etc/netns/{ns}/hosts", "w") as f:
+                f.write("127.0.0.1 localhost\n" + hosts)
+            with open(f"/etc/netns/{ns}/resolv.conf", "w") as f:
+                f.write("nameserver 127.0.0.1\n")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "link", "add", f"{p}-n1", "netns", self.node, "type", "veth", "peer", "name", f"{p}-n0", "netns", self.px)
+        sh("ip", "link", "add", f"{p}-v1", "netns", self.vm, "type", "veth", "peer", "name", f"{p}-v0", "netns", self.px)
+        for ns, dev, addr in ((self.node, f"{p}-n1", self.node_ip), (self.px, f"{p}-n0", self.px_ip),
+                              (self.px, f"{p}-v0", self.px_vm_ip), (self.vm, f"{p}-v1", self.vm_ip)):
+            sh("ip", "-n", ns, "addr", "add", addr + "/24", "dev", dev)
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+        sh("ip", "netns", "exec", self.px, "sysctl", "-qw", "net.ipv4.ip_forward=0")   # the proxy host routes nothing
+
+
+def wait_port(ns, host, port, proc):
+    """Until host:port accepts in `ns` (an event: the listener is up), while `proc` lives; 120 s at most."""
+    code = (f"import socket, sys, time\nend = time.monotonic() + 2\nwhile True:\n"
+            f"    try:\n        socket.create_connection(({host!r}, {port}), 1).close(); break\n"
+            f"    except OSError:\n        if time.monotonic() > end: sys.exit(1)\n        time.sleep(0.05)\n")
+    for _ in range(60):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[4:]} exited ({proc.returncode}) before listening on {host}:{port}")
+        if subprocess.run(in_ns(ns, sys.executable, "-c", code), timeout=60).returncode == 0:
+            return
+    raise RuntimeError(f"nothing listens on {host}:{port} in {ns}")
+
+
+# Squid's stock access rules as a site keeps them (CONNECT to 443 only), for the node's
+# subnet: `port` open, `auth_port` the same with basic auth (user:password in {d}/passwd)
+SQUID_CONF = """\
+http_port {px}:{port}
+http_port {px}:{auth_port}
+pid_filename {d}/squid.pid
+cache_log {d}/cache.log
+access_log stdio:{d}/access.log
+coredump_dir {d}
+cache deny all
+dns_nameservers 127.0.0.1
+shutdown_lifetime 0 seconds
+visible_hostname site-proxy
+auth_param basic program /usr/lib/squid/basic_ncsa_auth {d}/passwd
+auth_param basic children 1 startup=1
+auth_param basic realm site
+acl SSL_ports port 443
+acl Safe_ports port 80 21 443 70 210 1025-65535 280 488 591 777
+acl CONNECT method CONNECT
+acl node src {nodes}
+acl authport localport {auth_port}
+acl authed proxy_auth REQUIRED
+http_access deny !Safe_ports
+http_access deny CONNECT !SSL_ports
+http_access allow authport node authed
+http_access deny authport
+http_access allow node
+http_access deny all
+"""
+
+
+def squid_dir(d, net, user, password, port=3128, auth_port=3129):
+    """Squid's config, password file and logs in `d` (made open to the user Squid drops to)
+    -> the argv that starts it in the foreground."""
+    os.makedirs(d, exist_ok=True)
+    os.chmod(d, 0o777)
+    hashed = sh("openssl", "passwd", "-apr1", password).stdout.strip()
+    with open(os.path.join(d, "passwd"), "w") as f:
+        f.write(f"{user}:{hashed}\n")
+    with open(os.path.join(d, "squid.conf"), "w") as f:
+        f.write(SQUID_CONF.format(px=net.px_ip, port=port, auth_port=auth_port, d=d, nodes=net.node_net))
+    return ["squid", "-N", "-f", os.path.join(d, "squid.conf")]
+
+
+class NsProcs:
+    """Processes started in network namespaces, each with its output in `dir`/log-N-NAME."""
+
+    def __init__(self, dir, env):
+        self.dir, self.env, self.procs = dir, env, []
+
+    def start(self, ns, *cmd):
+        with open(os.path.join(self.dir, f"log-{len(self.procs)}-{os.path.basename(cmd[0])}"), "w") as log:
+            self.procs.append(subprocess.Popen(in_ns(ns, *cmd), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                               env=self.env))
+        return self.procs[-1]
+
+    def stop_all(self):
+        for proc in self.procs:                        # ip netns exec execs the command: this is its pid
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def logs(self):
+        """The started processes' output, for a failure's message."""
+        out = []
+        for name in sorted(n for n in os.listdir(self.dir) if n.startswith("log-")):
+            with open(os.path.join(self.dir, name), errors="replace") as f:
+                out.append(f"--- {name}\n{f.read()[-2000:]}")
+        return "\n".join(out)

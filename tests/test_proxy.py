@@ -29,24 +29,22 @@ import unittest
 import certs
 import httpc
 import tokenize_corpus as tc
-from testbed import harness
+from tests import fixtures
+from tests.fixtures import PROXY_VARS, in_ns, sh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 NODE, PX, VM = "pxA-node", "pxA-px", "pxA-vm"
 PX_IP, VM_IP, VM_NAME = "10.201.1.1", "10.201.2.2", "vm.pxa.test"
 SQUID, SQUID_AUTH, SOCKS, SOCKS_AUTH, DEAD = (f"{PX_IP}:{p}" for p in (3128, 3129, 1080, 1081, 3999))
-PROXY_VARS = ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY", "no_proxy",
-              "NO_PROXY", "PWW_PROXY")
 TOKEN = "proxy-test-token-0123456789"
 PASSWORD = "s3cr:t@pw"                       # ':' and '@' percent-encoded in the URL
 PASSWORD_URL = "s3cr%3At%40pw"
 
 
-def clean_env(**extra):
-    env = {k: v for k, v in harness.child_env().items() if k not in PROXY_VARS}
-    env.update(extra)
-    return env
+clean_env = fixtures.proxy_free_env
+# gone.pxa.test: the proxy host's own address, where nothing listens on 443 (Squid's 503)
+NET = fixtures.ProxyNet("pxA", "10.201", VM_NAME, px_hosts="10.201.2.1 gone.pxa.test\n")
 
 
 class RouteRulesTest(unittest.TestCase):
@@ -133,122 +131,26 @@ class RouteRulesTest(unittest.TestCase):
             httpc.set_proxy("gopher://x:1")
 
 
-def need_root_and_peers():
-    if os.geteuid() != 0:
-        raise unittest.SkipTest("needs root (network namespaces); CI runs as root")
-    for tool in ("squid", "microsocks", "ip", "curl"):
-        if not shutil.which(tool):
-            raise unittest.SkipTest(f"{tool} is missing: make netpeers")
-
-
-def sh(*cmd, check=True):
-    return subprocess.run(cmd, check=check, capture_output=True, text=True)
-
-
-def in_ns(ns, *cmd):
-    return ["ip", "netns", "exec", ns, *cmd]
-
-
-class Namespaces:
-    """pxA-node <-> pxA-px <-> pxA-vm, each with its own /etc/netns hosts and resolv.conf
-    (nameserver 127.0.0.1: no lookup leaves the namespace)."""
-
-    # gone.pxa.test: the proxy host's own address, where nothing listens on 443 (Squid's 503)
-    HOSTS = {NODE: "", PX: f"{VM_IP} {VM_NAME}\n10.201.2.1 gone.pxa.test\n", VM: ""}
-
-    @staticmethod
-    def remove():
-        for ns in (NODE, PX, VM):
-            sh("ip", "netns", "del", ns, check=False)
-            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
-
-    @classmethod
-    def make(cls):
-        cls.remove()
-        for ns, hosts in cls.HOSTS.items():
-            sh("ip", "netns", "add", ns)
-            os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
-            with open(f"/etc/netns/{ns}/hosts", "w") as f:
-                f.write("127.0.0.1 localhost\n" + hosts)
-            with open(f"/etc/netns/{ns}/resolv.conf", "w") as f:
-                f.write("nameserver 127.0.0.1\n")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-        sh("ip", "link", "add", "pxA-n1", "netns", NODE, "type", "veth", "peer", "name", "pxA-n0", "netns", PX)
-        sh("ip", "link", "add", "pxA-v1", "netns", VM, "type", "veth", "peer", "name", "pxA-v0", "netns", PX)
-        for ns, dev, addr in ((NODE, "pxA-n1", "10.201.1.2/24"), (PX, "pxA-n0", "10.201.1.1/24"),
-                              (PX, "pxA-v0", "10.201.2.1/24"), (VM, "pxA-v1", "10.201.2.2/24")):
-            sh("ip", "-n", ns, "addr", "add", addr, "dev", dev)
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-        sh("ip", "netns", "exec", PX, "sysctl", "-qw", "net.ipv4.ip_forward=0")   # the proxy host routes nothing
-
-
-def wait_port(ns, host, port, proc):
-    """Until host:port accepts in `ns` (an event: the listener is up), while `proc` lives; 120 s at most."""
-    code = textwrap.dedent(f"""
-        import socket, sys, time
-        end = time.monotonic() + 2
-        while True:
-            try:
-                socket.create_connection(({host!r}, {port}), 1).close(); break
-            except OSError:
-                if time.monotonic() > end: sys.exit(1)
-                time.sleep(0.05)""")
-    for _ in range(60):
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[4:]} exited ({proc.returncode}) before listening on {host}:{port}")
-        if subprocess.run(in_ns(ns, PY, "-c", code), timeout=60).returncode == 0:
-            return
-    raise RuntimeError(f"nothing listens on {host}:{port} in {ns}")
-
-
-SQUID_CONF = """\
-http_port {px}:3128
-http_port {px}:3129
-pid_filename {d}/squid.pid
-cache_log {d}/cache.log
-access_log stdio:{d}/access.log
-coredump_dir {d}
-cache deny all
-dns_nameservers 127.0.0.1
-shutdown_lifetime 0 seconds
-visible_hostname pxa-proxy
-auth_param basic program /usr/lib/squid/basic_ncsa_auth {d}/passwd
-auth_param basic children 1 startup=1
-auth_param basic realm pxa
-acl SSL_ports port 443
-acl Safe_ports port 80 21 443 70 210 1025-65535 280 488 591 777
-acl CONNECT method CONNECT
-acl node src 10.201.1.0/24
-acl authport localport 3129
-acl authed proxy_auth REQUIRED
-http_access deny !Safe_ports
-http_access deny CONNECT !SSL_ports
-http_access allow authport node authed
-http_access deny authport
-http_access allow node
-http_access deny all
-"""
-
-
 class ThroughProxiesTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        need_root_and_peers()
+        fixtures.need_root_and("squid", "microsocks", "curl")
         cls.dir = tempfile.mkdtemp(prefix="proxy-test-")
         os.chmod(cls.dir, 0o755)
         cls.addClassCleanup(shutil.rmtree, cls.dir, True)
-        cls.procs = []
-        cls.addClassCleanup(cls.stop_all)              # class cleanups run even when setUpClass fails
-        cls.addClassCleanup(Namespaces.remove)
+        cls.procs = fixtures.NsProcs(cls.dir, clean_env())
+        cls.start = cls.procs.start
+        cls.addClassCleanup(cls.procs.stop_all)        # class cleanups run even when setUpClass fails
+        cls.addClassCleanup(NET.remove)
         try:
             cls.build()
         except BaseException:
-            print(cls.logs(), file=sys.stderr)
+            print(cls.procs.logs(), file=sys.stderr)
             raise
 
     @classmethod
     def build(cls):
-        Namespaces.make()
+        NET.make()
         cls.make_certs()
         squid = cls.start_squid()
         socks = cls.start(PX, "microsocks", "-i", PX_IP, "-p", "1080")
@@ -263,16 +165,7 @@ class ThroughProxiesTest(unittest.TestCase):
                          "--port", "29510", "--aggregator-token-file", agg_token, *tls)
         for ns, host, port, proc in ((PX, PX_IP, 3128, squid), (PX, PX_IP, 3129, squid), (PX, PX_IP, 1080, socks),
                                      (PX, PX_IP, 1081, socks_auth), (VM, VM_IP, 443, blob), (VM, VM_IP, 29510, darl)):
-            wait_port(ns, host, port, proc)
-
-    @classmethod
-    def logs(cls):
-        """The started processes' output, for a failure's message."""
-        out = []
-        for name in sorted(n for n in os.listdir(cls.dir) if n.startswith("log-")):
-            with open(cls.p(name)) as f:
-                out.append(f"--- {name}\n{f.read()[-2000:]}")
-        return "\n".join(out)
+            fixtures.wait_port(ns, host, port, proc)
 
     @classmethod
     def p(cls, *names):
@@ -293,34 +186,8 @@ class ThroughProxiesTest(unittest.TestCase):
     @classmethod
     def start_squid(cls):
         d = cls.p("squid")
-        os.makedirs(d)
-        os.chmod(d, 0o777)                             # squid drops root for its own user
-        hashed = sh("openssl", "passwd", "-apr1", PASSWORD).stdout.strip()
-        with open(os.path.join(d, "passwd"), "w") as f:
-            f.write(f"alice:{hashed}\n")
-        with open(os.path.join(d, "squid.conf"), "w") as f:
-            f.write(SQUID_CONF.format(px=PX_IP, d=d))
         cls.access_log = os.path.join(d, "access.log")
-        return cls.start(PX, "squid", "-N", "-f", os.path.join(d, "squid.conf"))
-
-    @classmethod
-    def start(cls, ns, *cmd):
-        log = open(cls.p(f"log-{len(cls.procs)}-{os.path.basename(cmd[0])}"), "w")
-        cls.procs.append(subprocess.Popen(in_ns(ns, *cmd), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                          env=clean_env()))
-        log.close()
-        return cls.procs[-1]
-
-    @classmethod
-    def stop_all(cls):
-        for proc in cls.procs:                         # ip netns exec execs the command: this is its pid
-            proc.terminate()
-        for proc in cls.procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        return cls.start(PX, *fixtures.squid_dir(d, NET, "alice", PASSWORD))
 
     # -- the node's side: the project's own commands
     def node(self, *args, **env):
@@ -505,7 +372,7 @@ class CurlAgreesTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        need_root_and_peers()
+        fixtures.need_root_and("squid", "microsocks", "curl")
         sh("ip", "netns", "del", "pxA-curl", check=False)
         cls.addClassCleanup(sh, "ip", "netns", "del", "pxA-curl", check=False)
         sh("ip", "netns", "add", "pxA-curl")
