@@ -643,10 +643,10 @@ class Download:
 
     def close(self):
         """Stop the hashing thread and close the temp file (kept, with its sidecar, to resume)."""
-        if self.hasher is not None:
+        if getattr(self, "hasher", None) is not None:
             self.hasher.close()
             self.hasher = None
-        if self.fd is not None:
+        if getattr(self, "fd", None) is not None:
             os.close(self.fd)
             self.fd = None
 
