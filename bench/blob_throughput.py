@@ -17,13 +17,6 @@ Measured in the same run, per size:
 Ratios: PUT / min(socket, fsync) and GET / socket (targets >= 0.7). Peak RSS
 (VmHWM) of the server and of the client process, per size (target < 100 MiB and
 not growing with size). Temporary files go under --dir and are removed.
-
-    .venv/bin/python bench/blob_throughput.py --tls --sizes-mib 1024 --streams 1,4
-
---tls: against a blobstore.py under TLS, get_file()/put_file() with each --streams count
-beside curl on the same server and the same file (`curl -o /dev/null`, `curl -o FILE`,
-`curl -T`), each run --repeat times; the target is >= 0.8 of curl's rate for one stream
-(tls_vs_curl()). get_file also fsyncs and checks the sha256, which curl does not.
 """
 import argparse
 import hashlib
@@ -43,9 +36,6 @@ sys.path.insert(0, ROOT)
 
 import blob_client  # noqa: E402
 import httpc  # noqa: E402
-
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-import certs  # noqa: E402  (the CA and certificate, as central.sh makes them)
 
 CHUNK = 4 << 20
 
@@ -186,98 +176,13 @@ def report(rows):
     print("targets: PUT/min(socket, fsync) >= 0.7, GET/socket >= 0.7, peak RSS < 100 MiB and flat in size")
 
 
-# ---------------------------------------------------------------- TLS: ours against curl
-
-TLS_TOKEN = "bench-token"
-
-
-def tls_client(op, url, ca, blob_id, path, sha, streams):
-    """Child: one get_file or put_file; prints its seconds."""
-    t0 = time.perf_counter()
-    if op == "get":
-        assert blob_client.get_file(url, blob_id, path, token=TLS_TOKEN, ca_file=ca, progress=False,
-                                    streams=int(streams)) == sha
-        os.unlink(path)
-    else:
-        got = blob_client.put_file(url, blob_id, path, token=TLS_TOKEN, ca_file=ca, progress=False, sha256=sha,
-                                   streams=int(streams))
-        assert got["sha256"] == sha
-    print(json.dumps({"s": time.perf_counter() - t0}), flush=True)
-
-
-def tls_vs_curl(size, tmp, streams=(1,), repeat=2):
-    """MB/s of curl and of our client (each streams count), GET and PUT of one `size`-byte
-    file, against one blobstore.py under TLS: {"curl get": [MB/s, ...], "ours get 4": [...], ...}."""
-    src = os.path.join(tmp, "src")
-    sha = make_file(src, size)
-    ca, cert, key = certs.make_tls(tmp)
-    env = {**os.environ, "PWW_TOKEN": TLS_TOKEN}
-    server = subprocess.Popen([sys.executable, os.path.join(ROOT, "blobstore.py"), "--root", os.path.join(tmp, "root"),
-                               "--port", "0", "--max-blob-gb", "100", "--tls-cert", cert, "--tls-key", key],
-                              stdout=subprocess.PIPE, text=True, env=env)
-    out, n = {}, [0]
-    try:
-        url = server.stdout.readline().split("listening on ")[1].strip()
-
-        def curl(op, blob_id, into="/dev/null"):
-            cmd = ["curl", "-sS", "--fail", "--noproxy", "*", "--cacert", ca, "-H", f"Authorization: Bearer {TLS_TOKEN}",
-                   "-w", "%{time_total}", "-o", into, f"{url}/blobs/{blob_id}"]
-            cmd += ["-T", src, "-H", f"X-Content-Sha256: {sha}"] if op == "put" else []
-            return float(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip())
-
-        def ours(op, k):
-            blob_id, path = ("src", os.path.join(tmp, "back")) if op == "get" else (f"up-{n[0]}", src)
-            r = subprocess.run([sys.executable, __file__, "--role", "tls_client", op, url, ca, blob_id, path, sha,
-                                str(k)], capture_output=True, text=True, env=env)
-            if r.returncode:
-                raise SystemExit(f"blob_throughput: our {op} ({k} streams) failed: {r.stderr.strip()[-600:]}")
-            return float(json.loads(r.stdout.strip().splitlines()[-1])["s"])
-
-        def delete(blob_id):
-            httpc.call(url, "DELETE", f"/blobs/{blob_id}", token=TLS_TOKEN, ca_file=ca)
-
-        curl("put", "src")
-        for _ in range(repeat):
-            for op in ("get", "put"):
-                n[0] += 1
-                secs = curl(op, "src" if op == "get" else f"up-{n[0]}")
-                out.setdefault(f"curl {op}", []).append(size / secs / 1e6)
-                if op == "put":
-                    delete(f"up-{n[0]}")
-                else:               # into a file, as get_file must (no fsync: get_file's is extra)
-                    out.setdefault("curl get>file", []).append(size / curl(op, "src", os.path.join(tmp, "c")) / 1e6)
-                    os.unlink(os.path.join(tmp, "c"))
-                for k in streams:
-                    n[0] += 1
-                    out.setdefault(f"ours {op} {k}", []).append(size / ours(op, k) / 1e6)
-                    if op == "put":
-                        delete(f"up-{n[0]}")
-    finally:
-        server.kill()
-        server.wait()
-    return out
-
-
-def tls_report(size, rates):
-    print(f"{size / 2**20:.0f} MiB over TLS on loopback, MB/s per run (ratio: best / curl's best):")
-    for name, r in rates.items():
-        base = max(rates[f"curl {name.split()[1].split('>')[0]}"])
-        print(f"  {name:<12} {' '.join(f'{x:6.0f}' for x in r)}   {max(r) / base:.2f}")
-
-
 def main(a):
     if a.role == "sink":
         return sink()
     if a.role == "client":
         return client(*a.args)
-    if a.role == "tls_client":
-        return tls_client(*a.args)
     tmp = tempfile.mkdtemp(prefix="blobbench-", dir=a.dir)
     try:
-        if a.tls:
-            for mib in a.sizes_mib:
-                tls_report(mib * 2**20, tls_vs_curl(mib * 2**20, tmp, a.streams, a.repeat))
-            return
         rows = []
         for mib in a.sizes_mib:
             rows.append(measure(mib * 2**20, tmp))
@@ -292,11 +197,6 @@ if __name__ == "__main__":
     p.add_argument("--sizes-mib", type=lambda s: [int(x) for x in s.split(",")], default=[256, 2048],
                    help="blob sizes, MiB, comma-separated (default 256,2048)")
     p.add_argument("--dir", default=None, help="where the temporary files go (default: $TMPDIR or /tmp)")
-    p.add_argument("--tls", action="store_true", help="ours against curl under TLS (module docstring)")
-    p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1],
-                   help="with --tls: the stream counts of our client to measure (default 1)")
-    p.add_argument("--repeat", type=int, default=2, help="with --tls: runs of each arm (default 2)")
-    p.add_argument("--role", default="main", choices=["main", "sink", "client", "tls_client"],
-                   help=argparse.SUPPRESS)
+    p.add_argument("--role", default="main", choices=["main", "sink", "client"], help=argparse.SUPPRESS)
     p.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     main(p.parse_args())
