@@ -2,17 +2,18 @@
 curl on the same server, one stream against N, direct and through a real Squid, and on a
 path that limits each connection the way a long WAN path does. Not a test.
 
-Runs on: this machine (Debian's squid: `make netpeers`; curl). Binds 127.0.0.1 only.
+Runs on: this machine (Debian's squid and nginx: `make netpeers`; curl). Binds 127.0.0.1 only.
     .venv/bin/python bench/wan_path.py                 # 1 GiB, every table (~10 min on 2 cores)
     .venv/bin/python bench/wan_path.py --quick         # 256 MiB, what `make bench` runs
     .venv/bin/python bench/wan_path.py --size-mib 2048 --streams 1,4,8 --window-kib 4096
 
-Measured in the same run, each arm in a client process of its own against one blobstore.py
-with TLS and a token (the arms run one after another; MB/s = 1e6 bytes/s):
+Measured in the same run, each arm in a client process of its own against the blob store of
+`central.sh start` (TLS, the token, the front; the arms run one after another; MB/s = 1e6 B/s):
   curl          `curl --cacert` GET into /dev/null and PUT (-T) of the same file
   ours N        blob_client.get_file / put_file with N ranged streams (get_file: temp file,
                 sha256 over the whole file, fsync, rename; put_file: sha256 given, as the
                 sites pass it)
+  the front     the same through nginx on one port (https://HOST/blob), as the sites reach it
   via Squid     the same through a real Squid (its own instance, CONNECT to the store's port;
                 the stock rule that refuses CONNECT to other ports kept)
   WAN window    through bench/wan_relay.py with --rtt-ms round trips and --window-kib per
@@ -32,15 +33,14 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), HERE]  # certs.py: the CA and certificate, as central.sh makes them
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), HERE]  # tests/: central.sh's services and Squid, as the tests start them
 
 import blob_client  # noqa: E402
-import certs  # noqa: E402
 import httpc  # noqa: E402
 import netpeers  # noqa: E402
 import wan_relay  # noqa: E402
+from test_front import Central  # noqa: E402
 
-TOKEN = "wan-path-bench-token"
 LINK_BYTES_S = 10e9 / 8          # the central VM's 10 Gbit/s link
 WAN_RTT_S, WAN_WINDOW = 0.030, 4 << 20   # a 30 ms path, a 4 MiB window: one connection <= 140 MB/s
 
@@ -61,7 +61,7 @@ def make_file(path, size):
 
 def client(op, url, blob_id, path, sha, streams):
     """The client process of one arm: prints the seconds of one get or put."""
-    token, ca = TOKEN, os.environ["BENCH_CA"]
+    token, ca = os.environ["BENCH_TOKEN"], os.environ["BENCH_CA"]
     t0 = time.perf_counter()
     if op == "get":
         got = blob_client.get_file(url, blob_id, path, token=token, ca_file=ca, progress=False,
@@ -75,30 +75,26 @@ def client(op, url, blob_id, path, sha, streams):
 
 
 class Bench:
-    def __init__(self, tmp, size):
-        self.tmp, self.size = tmp, size
+    """The central services as central.sh starts them (a temporary state dir, ports of its own,
+    TLS, the token, the front on one port); the source file put once by curl."""
+
+    def __init__(self, tmp, size, repeat=1):
+        self.tmp, self.size, self.repeat = tmp, size, repeat
         self.src = os.path.join(tmp, "src")
         self.sha = make_file(self.src, size)
-        self.ca, cert, key = certs.make_tls(os.path.join(tmp, "tls"))
-        tok = os.path.join(tmp, "token")
-        with open(tok, "w") as f:
-            f.write(TOKEN + "\n")
-        self.server = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "blobstore.py"), "--root", os.path.join(tmp, "root"), "--port", "0",
-             "--max-blob-gb", "100", "--token-file", tok, "--tls-cert", cert, "--tls-key", key],
-            stdout=subprocess.PIPE, text=True)
-        self.url = self.server.stdout.readline().split("listening on ")[1].strip()
+        self.central = Central()
+        self.central.start()
+        self.token, self.ca = self.central.token, self.central.ca
+        self.url, self.front = self.central.direct("blob"), self.central.front("blob")
         self.port = int(self.url.rsplit(":", 1)[1])
-        # the blob every GET arm reads: put once by curl (the baseline client)
-        self.curl("put", self.url, "src")
         self.n = 0
+        self.curl("put", self.url, "src")        # the blob every GET arm reads
 
     def close(self):
-        self.server.kill()
-        self.server.wait()
+        self.central.close()
 
     def _env(self, proxy):
-        env = {**os.environ, "BENCH_CA": self.ca, "PWW_PROXY": proxy or "none"}
+        env = {**os.environ, "BENCH_CA": self.ca, "BENCH_TOKEN": self.token, "PWW_PROXY": proxy or "none"}
         for k in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "no_proxy", "NO_PROXY"):
             env.pop(k, None)
         if proxy:
@@ -106,17 +102,37 @@ class Bench:
         return env
 
     def delete(self, url, blob_id):
-        httpc.call(url, "DELETE", f"/blobs/{blob_id}", token=TOKEN, ca_file=self.ca)
+        httpc.call(url, "DELETE", f"/blobs/{blob_id}", token=self.token, ca_file=self.ca)
 
     def curl(self, op, url, blob_id, proxy=None):
-        """curl's seconds for a GET into /dev/null or a PUT of the source file."""
-        cmd = ["curl", "-sS", "--fail", "--cacert", self.ca, "-H", f"Authorization: Bearer {TOKEN}",
+        """curl's seconds for a GET into /dev/null or a PUT of the source file (as a new blob,
+        deleted after; blob_id "src" is the first, the one every GET reads)."""
+        if op == "put" and blob_id != "src":
+            self.n += 1
+            blob_id = f"curl-{self.n}"
+        cmd = ["curl", "-sS", "--fail", "--cacert", self.ca, "-H", f"Authorization: Bearer {self.token}",
                "-w", "%{time_total}", f"{url}/blobs/{blob_id}"]
         cmd += ["-o", "/dev/null"] if op == "get" else ["-o", "/dev/null", "-T", self.src,
                                                        "-H", f"X-Content-Sha256: {self.sha}"]
         cmd += ["--proxy", proxy] if proxy else ["--noproxy", "*"]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=self._env(None))
+        if op == "put" and blob_id != "src":
+            self.delete(self.url, blob_id)
         return float(out.stdout.strip())
+
+    def curl_file(self, url):
+        """curl's GET into a file, then the file's sha256 and fsync: the work get_file does."""
+        path = os.path.join(self.tmp, "curl-back")
+        t0 = time.perf_counter()
+        subprocess.run(["curl", "-sS", "--fail", "--noproxy", "*", "--cacert", self.ca, "-H",
+                        f"Authorization: Bearer {self.token}", "-o", path, f"{url}/blobs/src"], check=True, env=self._env(None))
+        sha = subprocess.run(["sha256sum", path], capture_output=True, text=True, check=True).stdout.split()[0]
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        took = time.perf_counter() - t0
+        os.unlink(path)
+        assert sha == self.sha
+        return took
 
     def ours(self, op, url, streams, proxy=None):
         """Our client's seconds: get_file of the source blob, or put_file as a new blob."""
@@ -132,8 +148,9 @@ class Bench:
             self.delete(self.url, blob_id)
         return json.loads(out.stdout.strip().splitlines()[-1])["s"]
 
-    def rate(self, seconds):
-        return self.size / seconds / 1e6
+    def rate(self, arm):
+        """MB/s of arm() (seconds), the best of --repeat runs: the machine is shared and noisy."""
+        return max(self.size / arm() / 1e6 for _ in range(self.repeat))
 
 
 # ---------------------------------------------------------------- the tables
@@ -144,27 +161,31 @@ def row(label, get_mbs, put_mbs, base=None):
 
 
 def loopback_table(b, streams, squid):
-    print(f"\n1. {b.size / 2**30:g} GiB over TLS on loopback (MB/s; ratios against curl on the same server)")
+    print(f"\n1. {b.size / 2**30:g} GiB over TLS on loopback (MB/s, best of {b.repeat}; ratios against curl on the same server)")
     print(f"  {'':<32} {'GET':>8} {'PUT':>8}   GET/curl PUT/curl")
-    curl = (b.rate(b.curl("get", b.url, "src")), b.rate(b.curl("put", b.url, "curl-put")))
-    b.delete(b.url, "curl-put")
-    row("curl", *curl)
-    out = {"curl": curl}
+    curl = (b.rate(lambda: b.curl("get", b.url, "src")), b.rate(lambda: b.curl("put", b.url, "curl-put")))
+    row("curl (GET into /dev/null)", *curl)
+    same = b.rate(lambda: b.curl_file(b.url))
+    print(f"  {'curl GET into a file + sha256sum':<32} {same:>8.0f}        -   (the work get_file does: {same / curl[0]:.2f} x curl's GET)")
+    out = {"curl": curl, "curl_file": same}
     for n in streams:
-        ours = (b.rate(b.ours("get", b.url, n)), b.rate(b.ours("put", b.url, n)))
+        ours = (b.rate(lambda: b.ours("get", b.url, n)), b.rate(lambda: b.ours("put", b.url, n)))
         row(f"ours, {n} stream{'s' * (n > 1)}", *ours, base=curl)
         out[f"ours{n}"] = ours
+    print(f"  through the front ({b.front}: nginx, one more TLS hop; ratios against the same client direct)")
+    fc = (b.rate(lambda: b.curl("get", b.front, "src")), b.rate(lambda: b.curl("put", b.front, "curl-put")))
+    row("curl via the front", *fc, base=curl)
+    for n in (1, max(streams)):
+        via = (b.rate(lambda: b.ours("get", b.front, n)), b.rate(lambda: b.ours("put", b.front, n)))
+        row(f"ours via the front, {n} stream{'s' * (n > 1)}", *via, base=out[f"ours{n}"])
     proxy = f"http://127.0.0.1:{squid.port}"
     print(f"\n2. the same through a real Squid ({proxy}; ratios against our client direct)")
-    sc = (b.rate(b.curl("get", b.url, "src", proxy)), b.rate(b.curl("put", b.url, "curl-put", proxy)))
-    b.delete(b.url, "curl-put")
+    sc = (b.rate(lambda: b.curl("get", b.url, "src", proxy)), b.rate(lambda: b.curl("put", b.url, "curl-put", proxy)))
     row("curl via Squid", *sc, base=curl)
     for n in (1, max(streams)):
-        via = (b.rate(b.ours("get", b.url, n, proxy)), b.rate(b.ours("put", b.url, n, proxy)))
+        via = (b.rate(lambda: b.ours("get", b.url, n, proxy)), b.rate(lambda: b.ours("put", b.url, n, proxy)))
         row(f"ours via Squid, {n} stream{'s' * (n > 1)}", *via, base=out[f"ours{n}"])
         out[f"squid{n}"] = via
-    out["squid_connects"] = squid.connects()
-    print(f"  (Squid's access log: {out['squid_connects']} CONNECT tunnels)")
     return out
 
 
@@ -178,7 +199,7 @@ def window_table(b, streams, rtt_ms, window_kib):
     out = {}
     try:
         for n in streams:
-            out[n] = (b.rate(b.ours("get", url, n)), b.rate(b.ours("put", url, n)))
+            out[n] = (b.rate(lambda: b.ours("get", url, n)), b.rate(lambda: b.ours("put", url, n)))
             row(f"ours, {n} stream{'s' * (n > 1)}", *out[n], base=out[streams[0]] if n != streams[0] else None)
     finally:
         relay.close()
@@ -188,11 +209,11 @@ def window_table(b, streams, rtt_ms, window_kib):
 def plan_seconds(params):
     """fedmom_server.py plan's central seconds of a round, in memory, two int4 sites, int4 down."""
     out = subprocess.run([sys.executable, os.path.join(ROOT, "fedmom_server.py"), "plan", "--params", str(params),
-                          "--sites", "2", "--down-wire", "int4", "--json"], capture_output=True, text=True)
-    try:
-        return json.loads(out.stdout)["round_s"]["in_memory"]
-    except (ValueError, KeyError, TypeError):
-        return None
+                          "--sites", "2", "--wire", "int4", "--down-wire", "int4"], capture_output=True, text=True)
+    for line in out.stdout.splitlines():              # "  all in memory  96.24 GB  14.4  23.7  0.0  8.3  46.4"
+        if line.strip().startswith("all in memory") and "GB" in line:
+            return float(line.split()[-1])
+    return None
 
 
 def projection(window, streams):
@@ -224,14 +245,15 @@ def main(a):
     tmp = tempfile.mkdtemp(prefix="wanpath-", dir=a.dir)
     b = squid = None
     try:
-        b = Bench(tmp, a.size_mib << 20)
+        b = Bench(tmp, a.size_mib << 20, a.repeat)
         squid = netpeers.Squid(ssl_ports=(443, b.port)).start()
-        print(f"wan_path: {a.size_mib} MiB blob, TLS, token, blobstore.py at {b.url}; {os.cpu_count()} cores")
+        print(f"wan_path: {a.size_mib} MiB blob, TLS, token, central.sh's blob store at {b.url}; {os.cpu_count()} cores")
         loop = loopback_table(b, streams, squid)
         window = window_table(b, streams, a.rtt_ms, a.window_kib)
         projection(window, streams)
         one = loop["ours1"]
-        print(f"\ntargets: one stream >= 0.8 x curl: GET {one[0] / loop['curl'][0]:.2f}, PUT {one[1] / loop['curl'][1]:.2f};"
+        print(f"\ntargets: one stream >= 0.8 x curl: GET {one[0] / loop['curl'][0]:.2f} (against curl doing get_file's work,"
+              f" into a file with its sha256: {one[0] / loop['curl_file']:.2f}), PUT {one[1] / loop['curl'][1]:.2f};"
               f" via Squid >= 0.8 x direct: GET {loop['squid1'][0] / one[0]:.2f}, PUT {loop['squid1'][1] / one[1]:.2f};"
               f" {max(streams)} streams >= 6 x one on the window path: GET {window[max(streams)][0] / window[streams[0]][0]:.2f},"
               f" PUT {window[max(streams)][1] / window[streams[0]][1]:.2f}")
@@ -250,6 +272,8 @@ if __name__ == "__main__":
     p.add_argument("--quick", action="store_true", help="256 MiB and a 512 KiB window: make bench's setting")
     p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8],
                    help="stream counts to measure, comma-separated, the first the baseline (default 1,2,4,8)")
+    p.add_argument("--repeat", type=int, default=2, help="runs of each arm; the best is printed (default 2; "
+                                                         "--quick: 1)")
     p.add_argument("--rtt-ms", type=float, default=30.0, help="the long path's round trip, ms (default 30)")
     p.add_argument("--window-kib", type=int, default=512,
                    help="the long path's window per connection, KiB (default 512: a 4 MiB window's 140 MB/s a "
@@ -259,5 +283,5 @@ if __name__ == "__main__":
     p.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.quick:
-        a.size_mib = 256
+        a.size_mib, a.repeat = 256, 1
     main(a)
