@@ -79,6 +79,7 @@ class Link:
         rate = mbit_s * 1e6 / 8 if mbit_s else None
         self.up, self.down = _Direction(rate, latency_ms / 1e3), _Direction(rate, latency_ms / 1e3)
         self.window = window_kib << 10 if window_kib else None
+        self.conns = []                  # every socket the relay opened or accepted, closed by close()
         self.sock = socket.create_server((host, 0))
         self.port = self.sock.getsockname()[1]
         self.closed = False
@@ -100,6 +101,7 @@ class Link:
                 continue
             for sock in (client, server):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self.conns.append(sock)
             _pipe(client, server, self.up, self.window and _Window(self.window))
             _pipe(server, client, self.down, self.window and _Window(self.window))
 
@@ -109,6 +111,8 @@ class Link:
     def close(self):
         self.closed = True
         self.sock.close()
+        for sock in self.conns:
+            sock.close()
 
 
 def _pipe(src, dst, link, window=None):

@@ -21,7 +21,13 @@ class EchoServer:
     def __init__(self):
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
+        self.conns = []
         threading.Thread(target=self.serve, daemon=True).start()
+
+    def close(self):
+        self.sock.close()
+        for conn in self.conns:
+            conn.close()
 
     def serve(self):
         while True:
@@ -29,6 +35,7 @@ class EchoServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
+            self.conns.append(conn)
             with conn:
                 data = b""
                 while chunk := conn.recv(1 << 16):
@@ -49,7 +56,7 @@ def exchange(port, payload):
 class RelayTest(unittest.TestCase):
     def setUp(self):
         self.echo = EchoServer()
-        self.addCleanup(self.echo.sock.close)
+        self.addCleanup(self.echo.close)
 
     def relay(self, mbit_s, latency_ms):
         r = wan_relay.Link(("127.0.0.1", self.echo.port), mbit_s, latency_ms).start()
