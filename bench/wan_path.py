@@ -36,8 +36,8 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), HERE]  # tests/: central.sh's services and Squid, as the tests start them
 
 import blob_client  # noqa: E402
+import fixtures  # noqa: E402
 import httpc  # noqa: E402
-import netpeers  # noqa: E402
 import wan_relay  # noqa: E402
 from test_front import Central  # noqa: E402
 
@@ -246,7 +246,7 @@ def main(a):
     b = squid = None
     try:
         b = Bench(tmp, a.size_mib << 20, a.repeat)
-        squid = netpeers.Squid(ssl_ports=(443, b.port)).start()
+        squid = fixtures.LoopbackSquid(ssl_ports=(443, b.port)).start()
         print(f"wan_path: {a.size_mib} MiB blob, TLS, token, central.sh's blob store at {b.url}; {os.cpu_count()} cores")
         loop = loopback_table(b, streams, squid)
         window = window_table(b, streams, a.rtt_ms, a.window_kib)

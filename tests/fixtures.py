@@ -17,6 +17,7 @@ import os
 import pathlib
 import sys
 import re
+import secrets
 import shutil
 import stat
 import subprocess
@@ -407,8 +408,8 @@ def wait_port(ns, host, port, proc):
     raise RuntimeError(f"nothing listens on {host}:{port} in {ns}")
 
 
-# Squid's stock access rules as a site keeps them (CONNECT to 443 only), for the node's
-# subnet: `port` open, `auth_port` the same with basic auth (user:password in {d}/passwd)
+# Squid's stock access rules as a site keeps them (CONNECT to `ssl_ports` only, stock 443), for
+# the node's subnet: `port` open, `auth_port` the same with basic auth (user:password in {d}/passwd)
 SQUID_CONF = """\
 http_port {px}:{port}
 http_port {px}:{auth_port}
@@ -423,7 +424,7 @@ visible_hostname site-proxy
 auth_param basic program /usr/lib/squid/basic_ncsa_auth {d}/passwd
 auth_param basic children 1 startup=1
 auth_param basic realm site
-acl SSL_ports port 443
+acl SSL_ports port {ssl_ports}
 acl Safe_ports port 80 21 443 70 210 1025-65535 280 488 591 777
 acl CONNECT method CONNECT
 acl node src {nodes}
@@ -438,16 +439,18 @@ http_access deny all
 """
 
 
-def squid_dir(d, net, user, password, port=3128, auth_port=3129):
+def squid_dir(d, net, user, password, port=3128, auth_port=3129, ssl_ports=(443,)):
     """Squid's config, password file and logs in `d` (made open to the user Squid drops to)
-    -> the argv that starts it in the foreground."""
+    -> the argv that starts it in the foreground. net: .px_ip (where it listens), .node_net
+    (who may use it)."""
     os.makedirs(d, exist_ok=True)
     os.chmod(d, 0o777)
     hashed = sh("openssl", "passwd", "-apr1", password).stdout.strip()
     with open(os.path.join(d, "passwd"), "w") as f:
         f.write(f"{user}:{hashed}\n")
     with open(os.path.join(d, "squid.conf"), "w") as f:
-        f.write(SQUID_CONF.format(px=net.px_ip, port=port, auth_port=auth_port, d=d, nodes=net.node_net))
+        f.write(SQUID_CONF.format(px=net.px_ip, port=port, auth_port=auth_port, d=d, nodes=net.node_net,
+                                  ssl_ports=" ".join(str(p) for p in ssl_ports)))
     return ["squid", "-N", "-f", os.path.join(d, "squid.conf")]
 
 
@@ -481,3 +484,30 @@ class NsProcs:
             with open(os.path.join(self.dir, name), errors="replace") as f:
                 out.append(f"--- {name}\n{f.read()[-2000:]}")
         return "\n".join(out)
+
+
+class LoopbackSquid:
+    """A Squid of our own on 127.0.0.1 (SQUID_CONF's rules, CONNECT to `ssl_ports` only), for a
+    bench or test without namespaces: start(), .port, stop() (its directory removed)."""
+
+    px_ip, node_net = "127.0.0.1", "127.0.0.0/8"
+
+    def __init__(self, ssl_ports=(443,)):
+        self.ssl_ports, self.port, self.proc = ssl_ports, harness.free_port(), None
+        # its own directory in /tmp, open to the user Squid drops to (proxy) when started as root
+        self.dir = tempfile.mkdtemp(prefix="pww-squid-")
+
+    def start(self):
+        argv = squid_dir(self.dir, self, "bench", secrets.token_hex(8), self.port, harness.free_port(), self.ssl_ports)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if harness.wait_for(lambda: self.proc.poll() is not None or not harness.port_is_free(self.port), 60) \
+                is None or self.proc.poll() is not None:
+            self.stop()
+            raise RuntimeError(f"squid did not listen on 127.0.0.1:{self.port}")
+        return self
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -30,9 +30,9 @@ sys.path[:0] = [ROOT]
 
 import blob_client  # noqa: E402
 import httpc  # noqa: E402
-from tests.netpeers import free_port  # noqa: E402
 from tests.test_shell import bash  # noqa: E402
 from testbed import fault_site  # noqa: E402
+from testbed.harness import free_port  # noqa: E402
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 BIG = 300 * 10**6               # "a few hundred MB" through the front
