@@ -27,6 +27,7 @@ import hashlib
 import http.client
 import json
 import os
+import struct
 import sys
 import threading
 import time
@@ -47,6 +48,10 @@ STREAM_BYTES = 64 << 20
 MAX_AUTO_STREAMS = 8
 MAX_STREAMS = 32
 SIDECAR_EVERY = 64 << 20              # a download's .ranges sidecar is rewritten per this many bytes
+# a record of GET /blobs/<id>?follow=1 (blobstore.BlobStore.follow): kind, offset, length, then
+# `length` bytes. b"R": bytes [offset, offset + length) landed; b"K": keep-alive; b"E" (last):
+# JSON {"complete": true, "sha256", "size"} or {"gone": why}
+FOLLOW = struct.Struct(">cQQ")
 
 
 def pick_streams(size, streams=None):
@@ -506,6 +511,39 @@ def _await_continue(conn):
         return int(parts[1]), fp.read(int(headers.get("Content-Length") or 0))
     finally:
         fp.close()
+
+
+def follow(url, blob_id, token=None, ca_file=None, timeout=120.0):
+    """Follow an upload as it lands (blobstore.py's GET ?follow=1): yields (b"R", offset, bytes)
+    for each landed range, then (b"E", 0, {"complete", "sha256", "size"} or {"gone"}), the last.
+    A connection cut before that raises ConnectionError; a refusal, httpc.CallError."""
+    conn = httpc.connect(url, timeout, ca_file)
+    try:
+        conn.request("GET", f"{httpc.split_url(url)[3]}/blobs/{blob_id}?follow=1", headers=httpc.auth_headers(token))
+        resp = conn.getresponse()
+        if resp.status != 200:
+            _reply(resp)
+            raise httpc.CallError(502, {"error": f"GET /blobs/{blob_id}?follow=1 answered {resp.status}"})
+        while True:
+            kind, offset, n = FOLLOW.unpack(_read_exact(resp, FOLLOW.size))
+            payload = _read_exact(resp, n)
+            if kind == b"E":
+                yield kind, 0, json.loads(payload)
+                return
+            if kind == b"R":
+                yield kind, offset, payload
+    finally:
+        conn.close()
+
+
+def _read_exact(resp, n):
+    out = bytearray()
+    while len(out) < n:
+        got = resp.read(n - len(out))
+        if not got:
+            raise ConnectionError(f"the follow stream was cut ({len(out)} of a {n}-byte record)")
+        out += got
+    return bytes(out)
 
 
 def get_file(url, blob_id, path, token=None, progress=None, timeout=120.0, ca_file=None, deadline=None,

@@ -64,6 +64,8 @@ GB = 10 ** 9
 # an upload in pieces fdatasyncs and records what landed every this many bytes of a piece: what a
 # crash of the store may lose of each piece being written (a broken connection loses nothing)
 RECORD_BYTES = 32 << 20
+FOLLOW_WAIT_S = 120.0     # a follow of an upload not begun yet waits this long for its first byte
+FOLLOW_IDLE_S = 20.0      # a follow sends a keep-alive record after this long without news
 
 
 @dataclasses.dataclass
@@ -111,9 +113,9 @@ class _ChunkWriter:
     `every` bytes (and at close) it fdatasyncs and reports the bytes now durable, on the
     writer's thread, so the receiving thread never waits for the disk."""
 
-    def __init__(self, fd, offset, depth=2, on_durable=None, every=0):
+    def __init__(self, fd, offset, depth=2, on_durable=None, every=0, on_write=None):
         self.fd, self.offset, self.queued, self.error = fd, offset, 0, None
-        self.on_durable, self.every, self.mark = on_durable, every, offset
+        self.on_durable, self.every, self.mark, self.on_write = on_durable, every, offset, on_write
         self.q = queue.Queue(maxsize=depth)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -127,6 +129,8 @@ class _ChunkWriter:
                     return
                 if self.error is None:
                     self._write(chunk)
+                    if self.on_write is not None:       # an in-order upload's followers (follow())
+                        self.on_write()
                     if self.on_durable and self.offset - self.mark >= self.every:
                         self._durable()
             except OSError as e:
@@ -186,8 +190,8 @@ class _Pieces:
     landed (each fdatasynced, then appended to the log partial/.<id>.ranges, then counted
     here), the ranges requests are writing now, and the hash of the landed prefix."""
 
-    def __init__(self, data, log, total, landed):
-        self.data, self.log, self.total, self.landed = data, log, total, landed
+    def __init__(self, data, log, total, landed, notify=None):
+        self.data, self.log, self.total, self.landed, self.notify = data, log, total, landed, notify
         self.writing, self.finishing, self.lock = [], False, threading.Lock()
         self.hasher = blob_client.PrefixHasher(data, total, landed)
 
@@ -196,6 +200,8 @@ class _Pieces:
             durable.append_json_line(self.log, [a, b])  # the acknowledgement: after the bytes are durable
             self.landed = blob_client.add_range(self.landed, a, b)
         self.hasher.add(a, b)
+        if self.notify is not None:                     # the followers (BlobStore.follow)
+            self.notify()
 
     def all_landed(self):
         return blob_client.prefix_end(self.landed) >= self.total
@@ -216,6 +222,11 @@ class BlobStore:
         self.uploading = set()                          # ids with a PUT in progress
         self.hash_cache = {}                            # id -> (offset, sha256 state) of the last PUT
         self.pieces = {}                                # id -> _Pieces of an upload in pieces
+        self.cond = threading.Condition()               # notified at every change a follower sees
+
+    def notify(self):
+        with self.cond:
+            self.cond.notify_all()
 
     # ---- paths and state
     def _blob(self, i):
@@ -332,6 +343,7 @@ class BlobStore:
             self._drop_pieces(blob_id)
             durable.write_json(side, {"total": total, "sha256": sha, "started": time.time()})
             open(data, "wb").close()
+            self.notify()
         return None
 
     def receive(self, blob_id, start, total, chunks):
@@ -343,7 +355,7 @@ class BlobStore:
         data, side = self._part(blob_id)
         h = self._hash_prefix(blob_id, data, start)
         fd = os.open(data, os.O_WRONLY)
-        writer = _ChunkWriter(fd, start)
+        writer = _ChunkWriter(fd, start, on_write=self.notify)
         try:
             for chunk in chunks:
                 h.update(chunk)
@@ -379,12 +391,14 @@ class BlobStore:
         if got != meta["sha256"]:
             durable.unlink(data)
             durable.unlink(side)
+            self.notify()
             raise httpd.HTTPError(400, f"checksum mismatch for {blob_id!r}: declared {meta['sha256']}, "
                                        f"received {got}; the upload was discarded, PUT it again from byte 0")
         final, final_side = self._blob(blob_id)
         durable.write_json(final_side, {"size": total, "sha256": got, "created": time.time()})
         durable.rename(data, final)                     # the blob appears whole, or not at all
         durable.unlink(side)
+        self.notify()
         return {"id": blob_id, "size": total, "sha256": got}
 
     # ---- upload in pieces (PUT ?ranged=1)
@@ -412,7 +426,8 @@ class BlobStore:
             if not same:
                 self._start_pieces(blob_id, total, sha)
             elif up is None:
-                self.pieces[blob_id] = _Pieces(data, self._log(blob_id), total, self._logged(blob_id, total))
+                self.pieces[blob_id] = _Pieces(data, self._log(blob_id), total, self._logged(blob_id, total),
+                                               self.notify)
             up = self.pieces[blob_id]
             up.writing.append((a, b))
             return up
@@ -434,7 +449,8 @@ class BlobStore:
                     if durable.is_disk_full(e):
                         raise
                     f.truncate(total)           # a file system without fallocate: a sparse file
-        self.pieces[blob_id] = _Pieces(data, self._log(blob_id), total, [])
+        self.pieces[blob_id] = _Pieces(data, self._log(blob_id), total, [], self.notify)
+        self.notify()
 
     def receive_piece(self, blob_id, up, a, b, chunks):
         """Write bytes [a, b) at their offset; bytes that already landed are read and dropped
@@ -487,6 +503,7 @@ class BlobStore:
         durable.unlink(self._log(blob_id))
         self.hash_cache.pop(blob_id, None)
         self._drop_pieces(blob_id)
+        self.notify()
 
     def _drop_pieces(self, blob_id):
         up = self.pieces.pop(blob_id, None)
@@ -506,9 +523,80 @@ class BlobStore:
                 durable.unlink(side)
             self.hash_cache.pop(blob_id, None)
             self._drop_pieces(blob_id)
+        self.notify()
         if not found:
             raise httpd.HTTPError(404, f"no blob {blob_id!r}")
         return {"id": blob_id, "deleted": True}
+
+    # ---- follow (GET ?follow=1)
+    def _view(self, blob_id):
+        """What a follower may send now: (path, total, sha256, landed ranges, complete), or None."""
+        meta = self.complete(blob_id)
+        if meta is not None:
+            return self._blob(blob_id)[0], meta["size"], meta["sha256"], [[0, meta["size"]]], True
+        part = self.unfinished(blob_id)
+        if part is None:
+            return None
+        landed = part.get("ranges", [[0, part["offset"]]] if part["offset"] else [])
+        return self._part(blob_id)[0], part["total"], part["sha256"], landed, False
+
+    def _await(self, blob_id, ident, sent, begin_by):
+        """Wait for news for a follower that sent `sent` of the upload `ident` (total, sha256):
+        ("send", view) bytes to send or the blob complete; ("gone", None) it went or changed
+        under the follower, or was not begun by `begin_by`; ("idle", None) FOLLOW_IDLE_S without."""
+        with self.cond:
+            while True:
+                view = self._view(blob_id)
+                if view is None:
+                    if ident is not None or time.monotonic() >= begin_by:
+                        return "gone", None
+                elif ident is not None and (view[1:3] != ident or
+                                            any(blob_client.gaps(view[3], a, b) for a, b in sent)):
+                    return "gone", None
+                elif view[4] or any(blob_client.gaps(sent, a, b) for a, b in view[3]):
+                    return "send", view
+                wait = FOLLOW_IDLE_S if view is not None else min(FOLLOW_IDLE_S, begin_by - time.monotonic())
+                if not self.cond.wait(max(wait, 0.0)):
+                    if view is not None or time.monotonic() < begin_by:
+                        return "idle", None
+
+    def follow(self, blob_id, wait_s=FOLLOW_WAIT_S):
+        """GET ?follow=1: framed records (blob_client.FOLLOW) of every range as it lands (in
+        pieces: fdatasync'd and logged; in order: written), read from the file the upload
+        writes (kept open, so its rename on completion changes nothing); then an end record:
+        {"complete", "sha256", "size"} once the checksum matched and the blob is in place, or
+        {"gone"} (deleted, discarded, replaced, or not begun within wait_s). Woken by
+        self.cond; a keep-alive record after FOLLOW_IDLE_S without news."""
+        sent, fd, ident, t0 = [], None, None, time.monotonic()
+        try:
+            while True:
+                what, view = self._await(blob_id, ident, sent, t0 + wait_s)
+                if what == "gone":
+                    why = "not begun" if ident is None else "deleted, discarded or replaced"
+                    yield _record(b"E", 0, json.dumps({"gone": why}).encode())
+                    return
+                if what == "idle":
+                    yield _record(b"K", 0, b"")          # the follower's read timeout does not fire
+                    continue
+                path, total, sha, landed, done = view
+                if fd is None:
+                    fd, ident = os.open(path, os.O_RDONLY), (total, sha)
+                for a, b in landed:
+                    for x, y in blob_client.gaps(sent, a, b):
+                        for pos in range(x, y, self.chunk):
+                            data = os.pread(fd, min(self.chunk, y - pos), pos)
+                            yield _record(b"R", pos, data)
+                            sent = blob_client.add_range(sent, pos, pos + len(data))
+                if done and blob_client.prefix_end(sent) >= total:
+                    yield _record(b"E", 0, json.dumps({"complete": True, "sha256": sha, "size": total}).encode())
+                    return
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+def _record(kind, offset, payload):
+    return blob_client.FOLLOW.pack(kind, offset, len(payload)) + payload
 
 
 # ---------------------------------------------------------------- HTTP routes
@@ -598,6 +686,9 @@ def make_routes(store):
 
     def head_or_get(req):
         blob_id = check_id(req.tail)
+        if req.method == "GET" and req.query.get("follow") == "1":
+            return httpd.Response(200, {"X-Follow": "1"}, stream=store.follow(blob_id),
+                                  content_type="application/x-pww-follow")
         meta = store.complete(blob_id)
         if meta is None:
             part = store.unfinished(blob_id)

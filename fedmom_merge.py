@@ -668,36 +668,105 @@ def check_delta_file(path, specs, threads=None):
     and shapes before any decoding (a forged wire_shapes could ask for any amount of
     memory), then each tensor decoded piece by piece in memory, scanned and dropped;
     nothing is written, so the spool keeps the compressed file (an int4 delta costs its
-    ~0.52 B/param on disk, not 4). The scan is delta_sq_norm's."""
-    where = lambda e: str(e).replace(path, "the delta")
-    try:
-        r = tensorio.TensorReader(path)
-    except tensorio.FormatError as e:
-        raise DeltaRejected(400, f"not a tensor file: {where(e)}")
-    with r:
-        is_wire = "wire" in r.metadata
-        if not is_wire:
-            missing, extra = sorted(set(specs) - set(r.names)), sorted(set(r.names) - set(specs))
-            if missing or extra:
-                raise DeltaRejected(400, f"delta names differ from theta_global: missing {missing[:5]}, "
-                                         f"unexpected {extra[:5]}")
-            for name in r.names:
-                dtype, shape = r.specs[name]
-                if dtype not in DELTA_DTYPES:
-                    raise DeltaRejected(400, f"tensor {name!r} is {dtype}; deltas must be F16, BF16 or F32")
-                if shape != specs[name]:
-                    raise DeltaRejected(400, f"tensor {name!r} has shape {list(shape)}, "
-                                             f"theta_global has {list(specs[name])}")
-    try:
-        with DeltaReader(path) as d:
+    ~0.52 B/param on disk, not 4). The checks are DeltaCheck's, as a followed upload's."""
+    with DeltaCheck(path, specs, threads) as c:
+        c.open()
+        for name in c.names:
+            c.check(name)
+        return c.norm()
+
+
+class DeltaCheck:
+    """check_delta_file in steps, for a file whose bytes land in any order (a followed upload,
+    fedmom_state.Follower): header_bytes(first 8 bytes) says how many bytes open() needs;
+    open() runs the header checks and sets .spans {tensor: [(start, end)] of the file's bytes
+    it is made of}; check(name) scans one tensor once its spans landed (delta_sq_norm, one
+    CHECK_SPAN at a time); norm() once all were checked. The squares are summed in .names
+    order whatever order the tensors were checked in: the norm is the same, bit for bit."""
+
+    def __init__(self, path, specs, threads=None):
+        self.path, self.specs, self.threads = path, specs, threads
+        self.d, self.names, self.spans, self.sq = None, [], {}, {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    @staticmethod
+    def header_bytes(first8):
+        """The bytes of the file open() reads (safetensors: 8 + the header length it starts with)."""
+        return 8 + int.from_bytes(first8[:8], "little")
+
+    def _where(self, e):
+        return str(e).replace(self.path, "the delta")
+
+    def open(self):
+        try:
+            r = tensorio.TensorReader(self.path)
+        except tensorio.FormatError as e:
+            raise DeltaRejected(400, f"not a tensor file: {self._where(e)}")
+        with r:
+            is_wire = "wire" in r.metadata
+            if not is_wire:
+                _check_plain_header(r, self.specs)
+        try:
+            self.d = DeltaReader(self.path)
             if is_wire:
-                wire.check_shapes(d.w, specs)
-            for name in d.w.names:
-                if delta_sq_norm(d, name, threads) is None:
-                    raise DeltaRejected(422, f"tensor {name!r} holds NaN or Inf")
-            return math.sqrt(d.sq)
-    except wire.WireError as e:
-        raise DeltaRejected(400, f"bad compressed delta: {where(e)}")
+                wire.check_shapes(self.d.w, self.specs)
+        except wire.WireError as e:
+            raise DeltaRejected(400, f"bad compressed delta: {self._where(e)}")
+        w = self.d.w
+        self.names = list(w.names)
+        parts = {n: [n] for n in self.names} if w.codec is None else \
+            {n: [p for p, _, _ in w.codec.parts(n, w.shapes[n])] for n in self.names}
+        self.spans = {n: [tuple(w.r.span(p)) for p in ps] for n, ps in parts.items()}
+
+    def check(self, name):
+        """Scan tensor `name` (its spans on disk): DeltaRejected 422 for NaN/Inf, 400 for a bad
+        compressed tensor. Each tensor is checked once."""
+        if name in self.sq:
+            return self.sq[name]
+        try:
+            sq = delta_sq_norm(self.d, name, self.threads)
+        except wire.WireError as e:
+            raise DeltaRejected(400, f"bad compressed delta: {self._where(e)}")
+        if sq is None:
+            raise DeltaRejected(422, f"tensor {name!r} holds NaN or Inf")
+        self.sq[name] = sq
+        return sq
+
+    def norm(self):
+        return math.sqrt(sum(self.sq[n] for n in self.names))
+
+    def cost(self, name):
+        """Bytes check(name) holds: a block format's parts of one span, a topk tensor decoded
+        whole, and each thread's piece buffer (STEP float32)."""
+        shape = tuple(self.d.w.shapes[name])
+        n = math.prod(shape)
+        return int(self.d.part_bytes(shape) * min(n, CHECK_SPAN) + self.d.whole_bytes(shape)
+                   + 4 * STEP * wire.resolve_threads(self.threads))
+
+    def close(self):
+        if self.d is not None:
+            self.d.close()
+            self.d = None
+
+
+def _check_plain_header(r, specs):
+    missing, extra = sorted(set(specs) - set(r.names)), sorted(set(r.names) - set(specs))
+    if missing or extra:
+        raise DeltaRejected(400, f"delta names differ from theta_global: missing {missing[:5]}, "
+                                 f"unexpected {extra[:5]}")
+    for name in r.names:
+        dtype, shape = r.specs[name]
+        if dtype not in DELTA_DTYPES:
+            raise DeltaRejected(400, f"tensor {name!r} is {dtype}; deltas must be F16, BF16 or F32")
+        if shape != specs[name]:
+            raise DeltaRejected(400, f"tensor {name!r} has shape {list(shape)}, "
+                                     f"theta_global has {list(specs[name])}")
 
 
 def delta_sq_norm(d, name, threads=None):
