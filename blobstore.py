@@ -23,7 +23,8 @@ HTTP (ids: [A-Za-z0-9._-]{1,200}, not starting with "."):
     HEAD   /blobs/<id>    complete: Content-Length, X-Content-Sha256; unfinished: X-Upload-Offset (0 for
                           pieces), X-Upload-Complete: 0, X-Upload-Total, X-Content-Sha256, X-Upload-Ranges
                           "A-B,..." (pieces: what landed durably); absent: 404.
-    GET    /blobs/<id>    the bytes; honours Range: bytes=A-B, A-, -N (206).
+    GET    /blobs/<id>    the bytes; honours Range: bytes=A-B, A-, -N (206). ?follow=1: an upload's landed
+                          ranges as they land, framed (blob_client.FOLLOW), ending "complete"+sha256 or "gone".
     DELETE /blobs/<id>    the blob and/or its unfinished upload (no retention rule: fedmom_server.py
                           deletes its own blobs). GET /blobs: {"blobs", "uploads", "used_bytes",
                           "quota_bytes"}; GET /health: liveness.
