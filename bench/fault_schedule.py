@@ -1,7 +1,7 @@
 """bench/fault_schedule.py - exactly-once under random fault schedules: real servers, fake sites, an oracle.
 
 Runs on: any machine (CPU; Python + numpy, never torch). Each seed draws a schedule of
-2-4 faults and runs it with testbed/fault_harness.py (which says what a
+2-4 faults (and 0-2 of the pipelined round's) and runs it with testbed/fault_harness.py (which says what a
 schedule starts and which faults there are; testbed/fault_oracle.py says what the oracle checks,
 testbed/fault_site.py what a fake site does; tests/test_fault_schedule.py runs fixed schedules of it): real darl_server.py, fedmom_server.py and blobstore.py
 processes on 127.0.0.1, fake torch-free sites on the real clients, and the oracle's
@@ -13,7 +13,7 @@ judgement of the outcome.
 
 A failing seed prints its schedule and the oracle's findings; its directory is kept.
 The closing lines: faults injected by kind, the site kinds run (f32, int4, overlapped),
-the schedules with --down-wire int4, those with --phase-s and the quorum rule (their
+the schedules with --down-wire int4 (theta by update, whole, or followed while merged), those with --phase-s and the quorum rule (their
 time-budgeted sites, the spans their clocks trimmed, the rounds closed by quorum), what
 the sites saw, and the summary: schedules, faults injected, violations.
 """
@@ -48,7 +48,9 @@ def summary(results, seconds):
         f"faults injected by kind (reached/scheduled): {faults}",
         f"site kinds: f32 {kinds['f32']}, int4 {kinds['int4']}, overlapped {kinds['overlapped']} (sites); aggregator "
         f"--down-wire int4 in {kinds['down_wire_int4']} of {len(results)} schedules; {seen['sent_int4']} int4 deltas "
-        f"sent; theta fetched via update {seen['theta_via_update']}, in full {seen['theta_via_full']}",
+        f"sent; theta fetched via update {seen['theta_via_update']}, in full {seen['theta_via_full']}, followed "
+        f"while merged and adopted {seen['theta_via_followed']} ({seen['follow_discarded']} follows discarded: not "
+        "the durable round's, or cut)",
         f"phases measured in time: aggregator --phase-s with the quorum rule in {kinds['phase_s']} of {len(results)} "
         f"schedules, {kinds['timed']} time-budgeted sites; {seen['trimmed']} spans trimmed by a site's clock "
         f"({seen['trimmed_merged']} of them merged), {seen['quorum_closed']} rounds closed by quorum, "

@@ -71,12 +71,19 @@ SCHEDULE_DEADLINE_S = 300         # a schedule still running after this is a sta
 KINDS = ("darl_kill", "fedmom_kill", "fedmom_outage", "blob_kill", "site_kill", "site_stop", "darl_flag",
          "clock_step", "token_rotation", "stale_aggregator")
 WEIGHTS = (3, 4, 2, 1, 3, 2, 1, 1, 1, 1)
+STREAMED = ("publish_kill", "check_kill", "apply_kill")   # the pipelined round's faults: drawn last
+KINDS += STREAMED
+FOLLOW_WAIT_S = 30                # publish_kill: the merge held this long at most for a site to follow it
 EXIT_FENCED = 3                   # fedmom_server's exit status when DARL fenced it
 POINTS = {"darl_kill": ("darl.append", "darl.torn", "darl.synced"),
           "fedmom_kill": ("fedmom.received", "fedmom.spooled", "fedmom.custody_held", "fedmom.merge",
                           "fedmom.round_durable", "fedmom.committed", "fedmom.epoch_durable"),
           "blob_kill": ("blob.chunk",), "site_kill": ("site.trained", "site.sent"),
-          "site_stop": ("site.trained", "site.checked")}
+          "site_stop": ("site.trained", "site.checked"),
+          "publish_kill": ("fedmom.merge",), "check_kill": ("fedmom.check_stream",), "apply_kill": ("site.follow",)}
+# the streamed check's point, while it is being added to fedmom_state.py: drawn only once it is there
+with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fedmom_state.py")) as _f:
+    CHECK_STREAM = 'fault_point("fedmom.check_stream")' in _f.read()
 STOP = threading.Event()          # SIGTERM / Ctrl-C: every running schedule stops its processes and ends
 
 
@@ -148,7 +155,7 @@ def make_schedule(seed):
     transports = {t for _, t in sites}
     faults, after = [], 0
     for _ in range(rng.randint(2, 4)):
-        kind = rng.choices(KINDS, WEIGHTS)[0]
+        kind = rng.choices(KINDS[:len(WEIGHTS)], WEIGHTS)[0]
         if kind == "blob_kill" and "blob" not in transports:
             kind = "fedmom_kill"
         after += rng.randint(0, 1)
@@ -180,8 +187,25 @@ def make_schedule(seed):
         phase_s, quorum = rng.choice((0.3, 0.4, 0.5)), rng.choice((0.3, 0.5, 0.5))
         grace_frac = rng.choice((0.1, 0.2, 0.5))
         timed = {name: round(phase_s / rng.choice((2, 3, 4)), 3) for name, _ in sites if rng.random() < 0.8}
+    faults += _streamed(rng, faults[-1].after, sites, down_wire)
     return Schedule(seed, sites, blocks, span, attempts, faults, careless, overlapped, int4, down_wire,
                     phase_s, quorum, grace_frac, timed)
+
+
+def _streamed(rng, after, sites, down_wire):
+    """0-2 faults of the pipelined round, drawn after everything else (older seeds keep their
+    schedules): the aggregator killed mid-merge while sites follow its update, or mid-way
+    through a streamed check of a blob delta; a site killed in its streamed apply."""
+    kinds = [k for k, ok in (("publish_kill", down_wire == "int4"), ("apply_kill", down_wire == "int4"),
+                             ("check_kill", CHECK_STREAM and any(t == "blob" for _, t in sites))) if ok]
+    out = []
+    for _ in range(rng.choice((0, 1, 1, 2)) if kinds else 0):
+        after += rng.randint(0, 1)
+        f = Fault(rng.choice(kinds), after, skip=rng.randint(0, 1), pause=round(rng.uniform(0.0, 1.0), 2))
+        f.point = POINTS[f.kind][0]
+        f.target = rng.choice(sites)[0] if f.kind == "apply_kill" else None
+        out.append(f)
+    return out
 
 
 # ---------------------------------------------------------------- one schedule's processes
@@ -416,8 +440,12 @@ class Run:
     def apply(self, f):
         if not self.wait(lambda: self.sends() >= f.after):
             return False
-        if f.kind in ("darl_kill", "fedmom_kill", "blob_kill"):
-            return self._kill_at(self.procs[f.kind.split("_")[0]], f)
+        if f.kind in ("darl_kill", "fedmom_kill", "blob_kill", "check_kill"):
+            return self._kill_at(self.procs["fedmom" if f.kind == "check_kill" else f.kind.split("_")[0]], f)
+        if f.kind == "publish_kill":
+            return self._kill_at(self.procs["fedmom"], f, held=self._followed)
+        if f.kind == "apply_kill":
+            return self._site_kill(f)
         if f.kind == "fedmom_outage":
             self.procs["fedmom"].kill()
             self.wait(lambda: False, f.pause)
@@ -452,17 +480,38 @@ class Run:
             return self._stale_aggregator(f)
         raise ValueError(f.kind)
 
-    def _kill_at(self, proc, f):
+    def _kill_at(self, proc, f, held=None):
+        """SIGKILL `proc` once it stops at f.point (and, with `held`, once held() too, for at
+        most FOLLOW_WAIT_S: the kill comes either way, reached only if held() came true)."""
         proc.arm(f.point, f.skip)
         reached = self.wait(lambda: proc.hit(f.point) or not proc.alive())
-        if not reached:
+        if reached and held is not None and proc.alive():
+            reached = self.wait(held, FOLLOW_WAIT_S)
+        elif not reached:
             proc.disarm(f.point)
             return False
         proc.kill()
         proc.disarm(f.point)
         self.wait(lambda: False, f.pause)
         self.restart(proc.name)
-        return True
+        return reached
+
+    def _followed(self):
+        """Does a live site hold bytes of an update it follows now (fedsite.Follow's file, made
+        at the first reply of GET /theta_update_next; gone once adopted or discarded; a killed
+        incarnation's is left in its own dir, so only each site's newest incarnation counts)?"""
+        newest = {}
+        for fn in os.listdir(self.records):
+            if fn.endswith(".jsonl"):
+                with open(os.path.join(self.records, fn)) as f:
+                    first = f.readline()
+                if first.endswith("\n"):
+                    e = json.loads(first)
+                    if e["t"] > newest.get(e["cluster"], (0.0, None))[0]:
+                        newest[e["cluster"]] = (e["t"], e["incarnation"])
+        return any(self.sites[name].alive() and os.path.exists(
+            os.path.join(self.records, "theta", f"{name}-{inc}", "theta-followed.safetensors"))
+            for name, (_, inc) in newest.items() if name in self.sites)
 
     def _site_kill(self, f):
         proc = self.sites[f.target]
@@ -677,6 +726,7 @@ def run_schedule(seed, work_root, keep=False, sched=None):
     for e in events:
         if e["event"] == "theta":
             seen[f"theta_via_{e['via']}"] += 1
+            seen["follow_discarded"] += "follow_discarded" in e
     trimmed = {(e["incarnation"], e["base_round"], e["lease"]) for e in events
                if e["event"] == "trained" and e.get("trimmed")}
     seen["trimmed"] = len(trimmed)

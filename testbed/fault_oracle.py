@@ -27,8 +27,10 @@ What it checks:
       float32 replay by the aggregator's rule (fedmom_merge.merge_files with the recorded
       weights, clip scales and momentum resets, then fedmom_merge.publish with the
       residual) from the initial model and the delta files the sites wrote, an int4 one
-      decoded by wire.py; every theta a site fetched has the replay's digest for its
-      round, and no update failed its digest; with an f32 aggregator theta_global also
+      decoded by wire.py; every theta a site fetched (the followed one it adopted too) and
+      every theta a span trained from (its file's digest, round the delta's base) has the
+      replay's digest of that durable round, and no update failed its digest; with an f32
+      aggregator theta_global also
       equals a float64 replay of the rule written out here (within 1e-5), with the outer
       LR and MU below, the ones the harness starts the aggregator with.
 """
@@ -118,7 +120,8 @@ def _theta_check(run, fed_dir, records, merged):
       - float32, by the aggregator's own rule (fedmom_merge.merge_files with the recorded
         weights, clip scales and momentum resets, then with --down-wire fedmom_merge.publish
         with the residual the last round left): theta, momentum and residual bit for bit,
-        and every theta a site fetched (its digest) equal to the replay's of that round;
+        and every theta a site fetched or trained from (its digest) equal to the replay's of
+        that durable round (a site never trains on a round that is not durable);
       - float64, the merge rule written out here (f32 aggregators: with --down-wire theta
         is theta_r + decode(encode(step)), within a residual of it, not near it)."""
     by_round = collections.defaultdict(list)
@@ -154,6 +157,10 @@ def _theta_check(run, fed_dir, records, merged):
             out.append(f"{e['cluster']} ({e['incarnation']}) fetched a theta_global of round {e['round']} (via "
                        f"{e['via']}) with digest {e['digest'][:12]}..., the replay's is "
                        f"{str(digests.get(e['round']))[:12]}...")
+        if e["event"] == "trained" and "held_digest" in e and digests.get(e["base_round"]) != e["held_digest"]:
+            out.append(f"{e['cluster']} ({e['incarnation']}) trained lease {e['lease']} from a theta_global of round "
+                       f"{e['base_round']} with digest {e['held_digest'][:12]}..., the durable round's is "
+                       f"{str(digests.get(e['base_round']))[:12]}...: it trained on a round that is not durable")
         if e["event"] == "update_mismatch":
             out.append(f"{e['cluster']} ({e['incarnation']}): {e['msg']}")
     if run.s.down_wire == "f32":

@@ -14,7 +14,8 @@ random delta for each real lease over the real fedmom_client.FedMomClient (inlin
 the blob store), waits for the delta's outcome and settles the lease as FedSite does, and
 records every step as one JSON line in <records>/<cluster>-<incarnation>.jsonl (what it
 trained, sent, was told; the exit code), which fault_oracle.py reads. It stops at the fault
-points site.trained, site.checked and site.sent (testhooks.py) where the schedule arms them.
+points site.trained, site.checked, site.sent and (fedsite.Follow's) site.follow
+(testhooks.py) where the schedule arms them.
 
 Kinds of site (chosen by the schedule): a careless one skips the lease check before sending,
 as an older client would (the servers must be safe whatever a site does); an overlapped one
@@ -25,9 +26,11 @@ int4); a time-budgeted one (--step-s, train.py --diloco-phase-s under the aggreg
 --phase-s offer) sizes each lease from that offer and its measured step time, and when its
 clock runs out first trains only a prefix of the span and trims it (LeaseSession.trim: the
 tail back to DARL's pool, the delta naming the prefix only; PhaseClock). Every site holds
-theta_global as a real site's rank 0 does: after each round trip it downloads it with
-fedsite.FedSite's own code (the update added to the theta it holds and checked by its
-digest, or on 409 no_update the whole theta), and notes the digest it now holds. A token
+theta_global as a real site's rank 0 does, with fedsite.FedSite's own code: once its delta
+is in it follows the next round's update while it is merged (fedsite.Follow), and adopts
+the theta built only if its digest is the durable round's (the heartbeat's "update"); else
+it downloads the update, or on 409 no_update the whole theta. It notes each theta it holds
+and the digest of the one each span trained from. A token
 the servers refuse (401) ends it with EXIT_TOKEN, and the harness requeues it with the new
 token.
 """
@@ -94,7 +97,10 @@ class Residual:
 
 class SiteTheta:
     """theta_global as a site's rank 0 holds it, fetched by fedsite.FedSite's own download
-    code: with the aggregator's --down-wire, a site holding the previous round downloads the
+    code: with the aggregator's --down-wire, a site whose delta is in follows the next
+    round's update as it is merged (follow: FedSite._start_follow) and adopts the theta built
+    once the round is durable, if its digest is the heartbeat's (FedSite._adopt); else (or
+    with no follow) a site holding the previous round downloads the
     update (GET /theta_update, or /theta_update_blob for a blob site) and adds it, checked by
     the digest the aggregator published (wire.apply_update); else (409 no_update: new,
     behind, or an f32 aggregator) it downloads the whole theta. Each fetch is noted with
@@ -105,8 +111,9 @@ class SiteTheta:
     def __init__(self, a, fed, inc, note):
         cfg = types.SimpleNamespace(cluster=a.cluster, token_file=a.token_file, darl_url=a.darl, ca_file=None,
                                     federation=a.fedmom, blob_url=a.blob, transport=a.transport)
-        self.site = fedsite.FedSite(cfg, None, 0, self._log)
+        self.site = fedsite.FedSite(cfg, None, 0, self._log, retry_s=CALL_S)
         self.site.fed, self.site.theta_transport = fed, a.transport
+        self.following = None            # the round whose update FedSite's Follow builds now, if any
         home = os.path.join(a.records, "theta", f"{a.cluster}-{inc}")    # a site's own dir: FedSite puts
         os.makedirs(home, exist_ok=True)                                 # the update beside theta
         self.path = os.path.join(home, "theta.safetensors")
@@ -115,10 +122,25 @@ class SiteTheta:
     def _log(self, msg):
         self.note("update_mismatch" if msg.startswith("!!!") else "site_log", msg=msg)
 
+    def follow(self, base):
+        """The delta is in: follow round base + 1's update while it is merged (FedSite's
+        _start_follow, after site.sent as in FedSite.round_trip; none unless we hold `base`)."""
+        self.site._start_follow(base, self.path)
+        self.following = base + 1 if self.site.follow is not None else None
+
+    def heard(self, reply):
+        """A heartbeat reply: its "update" (the durable round's digests) is what _adopt compares."""
+        self.site.last_update = reply.get("update")
+
     def fetch(self):
-        """Download theta_global now, as FedSite does at the end of every round trip -> its round."""
+        """Download theta_global now, as FedSite does at the end of every round trip -> its round:
+        the followed theta adopted when its digest is the durable round's (FedSite._adopt), else
+        the update or the whole theta; a follow not adopted is noted as discarded."""
+        followed, self.following = self.following, None
         self.round = _call("theta", lambda d: self.site._fetch(self.path, d))
-        self.note("theta", round=self.round, via=self.site.down.get("via"), digest=self.site.held[1])
+        via = self.site.down.get("via")
+        self.note("theta", round=self.round, via=via, digest=self.site.held[1],
+                  **({"follow_discarded": followed} if followed is not None and via != "followed" else {}))
         return self.round
 
     def current(self):
@@ -394,7 +416,10 @@ def _train(a, session, span, base, note, steps=None, **extra):
     if steps is not None:            # a time-budgeted phase: its figures go with the delta, as train.py's do
         extra.update(trimmed=steps["trimmed"], ended_by=steps["ended_by"], budget_s=round(steps["budget_s"], 3))
         metrics.update({k: v for k, v in steps.items() if k != "trimmed"})
-    note("trained", file=os.path.basename(path), tokens=tokens, wire=a.wire, **key, **extra)
+    # the bits this span "trained" from, read from the file: the oracle checks them against the
+    # durable round `base` (a followed theta adopted before its round was durable would differ)
+    note("trained", file=os.path.basename(path), tokens=tokens, wire=a.wire, held_digest=wire.theta_digest(a.theta.path),
+         **key, **extra)
     return Trained(key, path, tokens, metrics)
 
 
@@ -444,9 +469,11 @@ def _send_and_wait(a, fed, member, session, span, done, note):
         return "refused"
     note("sent", custody=reply.get("custody"), duplicate=bool(reply.get("duplicate")), **key)
     testhooks.fault_point("site.sent")
+    a.theta.follow(base)
     while True:
         got = _call("outcome", lambda d: fed.heartbeat(wait_round_after=base, wait_s=1.0, deadline=d))
         member.heard(got)
+        a.theta.heard(got)
         mine = [o for o in got.get("deltas") or () if o.get("incarnation") == session.incarnation
                 and o.get("base_round") == base]
         state = mine[0]["outcome"] if mine else None

@@ -74,6 +74,20 @@ SCHEDULES = {
                  [Fault("darl_kill", 1, point="darl.append", skip=1, pause=0.3),
                   Fault("site_stop", 3, point="site.checked", target="gamma")], overlapped=["beta"],
                  phase_s=0.4, quorum=0.5, grace_frac=0.2, timed={"alpha": 0.1, "beta": 0.13, "gamma": 0.08}),
+    "the pipelined round: the aggregator killed mid-merge while the sites follow its update (mid-update, and "
+    "with the whole update written but the round not durable), a site killed in its streamed apply; "
+    "--down-wire int4":
+        Schedule(108, [("alpha", INLINE), ("beta", BLOB)], 24, 2, 0,
+                 [Fault("publish_kill", 0, point="fedmom.merge", pause=0.5),
+                  Fault("apply_kill", 1, point="site.follow", target="alpha", pause=0.3),
+                  Fault("publish_kill", 2, point="fedmom.merge", skip=1, pause=0.3)], int4=["alpha"],
+                 down_wire="int4"),
+    "the aggregator killed mid-way through the streamed check of a blob delta, twice; a site killed in its "
+    "streamed apply; --down-wire int4":
+        Schedule(109, [("alpha", BLOB), ("beta", BLOB)], 24, 2, 0,
+                 [Fault("check_kill", 0, point="fedmom.check_stream", pause=0.3),
+                  Fault("apply_kill", 1, point="site.follow", target="beta", skip=1, pause=0.3),
+                  Fault("check_kill", 2, point="fedmom.check_stream", skip=1, pause=0.3)], down_wire="int4"),
 }
 
 
@@ -124,6 +138,16 @@ class FaultScheduleTest(unittest.TestCase):
         self.assertGreaterEqual(res.seen["quorum_closed"], 1, "no round closed by quorum")
         # gamma's delta, for a round the others closed by quorum while it was stopped
         self.assertGreaterEqual(res.seen["stale"], 1, "no late delta was refused stale")
+
+    def test_merge_killed_while_sites_follow_and_a_site_killed_mid_apply(self):
+        """Every theta a site trained from is the durable round's (the oracle); some came
+        followed, adopted once their round was durable."""
+        res = self.run_one(list(SCHEDULES)[5])
+        self.assertGreaterEqual(res.seen["theta_via_followed"], 1, "no site adopted a followed theta")
+
+    def test_streamed_check_killed_and_a_site_killed_mid_apply(self):
+        res = self.run_one(list(SCHEDULES)[6])
+        self.assertGreaterEqual(res.seen["theta_via_followed"], 1, "no site adopted a followed theta")
 
     def test_every_fault_kind_is_in_the_fast_subset(self):
         kinds = {f.kind for s in SCHEDULES.values() for f in s.faults}
