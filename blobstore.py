@@ -2,9 +2,8 @@
 
 Runs on: the central VM, beside darl_server.py and fedmom_server.py. Standard library only.
 
-    python blobstore.py --root /srv/pww/state/blobs                      # 127.0.0.1:29512
-    python blobstore.py --root DIR --host 0.0.0.0 --token-file ~/.pww_token \\
-                        --tls-cert server.pem --tls-key server.key --quota-gb 500 --max-blob-gb 128
+    python blobstore.py --root DIR [--host 0.0.0.0 --token-file ~/.pww_token \\
+                        --tls-cert server.pem --tls-key server.key --quota-gb 500 --max-blob-gb 128]   # default 127.0.0.1:29512
     python blobstore.py status --url https://127.0.0.1:29512 --token-file ~/.pww_token --ca-file ca.pem \\
                                [--fedmom https://127.0.0.1:29511]     # + why the aggregator keeps each blob
 
