@@ -514,7 +514,7 @@ class BlobStore:
     def delete(self, blob_id):
         with self.lock:
             up = self.pieces.get(blob_id)
-            if blob_id in self.uploading or (up is not None and up.writing):
+            if blob_id in self.uploading or (up is not None and (up.writing or up.finishing)):
                 raise httpd.HTTPError(409, f"blob {blob_id!r} is being uploaded; DELETE it when the PUT ends")
             found = False
             for data, side in (self._blob(blob_id), self._part(blob_id)):
