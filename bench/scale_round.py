@@ -17,11 +17,14 @@ checked), or take the whole theta when the update path answers no_update.
     python bench/scale_round.py --flavor 0.6B --rounds 4 --memory-gb 3 --json 0.6B.json   # plan --rates 0.6B.json
     python bench/scale_round.py --flavor 1.7B --dir /scratch --server-arg=--threads=4 --memory-gb off
 
-Two arms, one after the other, each on fresh central processes and a fresh state dir: the
-memory arm (fedmom_server.py's default --memory-gb: the outer state in memory) and the
-budget arm (--memory-gb, default "quarter": a quarter of the outer state, 12 B/param, or the
+Three arms, one after the other, each on fresh central processes and a fresh state dir: the
+memory arm (fedmom_server.py's default --memory-gb: the outer state in memory; today's serial
+exchange), the pipelined arm (the same aggregator; each site's delta checked as it arrives,
+send_delta's follow, and the update followed as it is merged, fedsite.Follow with
+FedSite._adopt's rule, the sites not taking turns after their send) and the budget arm
+(--memory-gb, default "quarter": a quarter of the outer state, 12 B/param, or the
 aggregator's fixed part plus a quarter when that is more; the rest of the outer state in file
-blocks in the arm's central/outer/). --memory-gb off runs the memory arm alone.
+blocks in the arm's central/outer/). --memory-gb off leaves the budget arm out.
 
 Models (random F32 tensors; the shapes are what matters): tiny (wire_speed.py's, ~0.15M
 params, for the tests), small (0.6B's first layer with a 4,096-row vocabulary, ~24M
@@ -75,6 +78,16 @@ aggregator's log) are printed apart: they are written after their round is publi
 the sites' next phase. Every site checks the digest of the theta
 it holds after every round (the update's, or a whole theta against the other site's), and the
 bench exits 1 if any check fails, a delta does not merge, or a round does not complete.
+Then the exchange (exchanges()): per round, the memory arm against the pipelined arm, seconds
+after the last delta's last byte (the latest end of the sites' uploads): accepted, the merge's
+start and end and durable (the aggregator's record), each site holding theta_{r+1}, and
+exchange_s (last byte -> every site holding it), over the slowest single stage (the serial
+arm's, each alone), the central part (last byte -> durable, + the publish when serial) over the
+floor measured in the same run (the outer state's 12 B/param written fsync'd and read, from
+the I/O limits of M, + a delta and an update at the link's rate: blob_client over loopback TLS,
+measured once after the memory arm's rounds), and the CPU seconds meanwhile (the pipelined
+arm's sites share the cores with the aggregator: pessimistic). Both arms start from the same
+init and send the same deltas: a round whose digests differ between them exits 1.
 Then the arms side by side (compare): the budget arm's central round against the memory
 arm's (target <= 3 x), its memory peak against --memory-gb + 4 x the largest F32 tensor, a
 restart's peak against the rounds' (no 16 B/param at a start), each mode projected to 8B and
@@ -110,9 +123,11 @@ sys.path.insert(2, os.path.join(ROOT, "tests"))   # tests/certs.py: the CA and c
 
 import numpy as np  # noqa: E402
 
+import blob_client  # noqa: E402
 import darl_client  # noqa: E402
 import durable  # noqa: E402
 import fedmom_client  # noqa: E402
+import fedsite  # noqa: E402
 from testbed import harness  # noqa: E402
 import fedmom_merge  # noqa: E402
 import fedmom_state  # noqa: E402
@@ -328,6 +343,20 @@ class TimedClient(fedmom_client.FedMomClient):
         return got[-1]
 
 
+class TimedUpload(blob_client.Upload):
+    """blob_client.Upload with the end of each attempt snapshotted (Meter): the delta's last
+    byte is in the blob store then. With the delta checked while it arrives (send_delta's
+    follow), the acceptance runs beside the upload, so its end is the only split point. The
+    site process puts it in blob_client's place (send_delta makes its Upload there)."""
+
+    meter, ends = None, []
+
+    def attempt(self, deadline=None):
+        info = super().attempt(deadline)
+        TimedUpload.ends.append(TimedUpload.meter.now())
+        return info
+
+
 class Residual:
     """error_feedback.Residual's files and rules (torch-free): residual.safetensors is owed now,
     residual-next.safetensors what the delta in flight leaves owed (renamed once merged).
@@ -405,6 +434,7 @@ def site_main(a):
                                        prefetch=False, phase_s=PHASE_S, log=lambda m: say(f"darl: {m}"))
     session.start(register=False)
     fed = TimedClient(a.fedmom, a.name, inc, token=token, blob_url=a.blob, ca_file=a.ca_file, meter=meter)
+    TimedUpload.meter, blob_client.Upload = meter, TimedUpload
     fed.join(deadline=httpc.Deadline(60))
     baton, pool = Baton(a.baton), Pool(shapes, [7, SITES.index(a.name)])
     theta, residual = os.path.join(a.work, "theta.safetensors"), Residual(a.work)
@@ -453,11 +483,19 @@ def one_round(a, fed, session, meter, baton, pool, theta, residual, held, note):
         if span.lease not in session.held():
             raise RuntimeError(f"lease {span.lease} lost at DARL before the send")
         size, n, t0 = os.path.getsize(delta), len(fed.calls), meter.now()
-        reply = fed.send_delta(delta, base, TOKENS, [session.commit_record(span)], {"loss": 1.0}, transport="blob")
+        # the serial arm: today's path (the POST after the upload); the pipelined: checked as it arrives
+        reply = fed.send_delta(delta, base, TOKENS, [session.commit_record(span)], {"loss": 1.0}, transport="blob",
+                               follow=a.pipelined)
         t1 = meter.now()
-        acc = fed.last("/delta_blob", n)
-        ph["upload"], ph["accept"] = Meter.span(t0, t1, size, acc), Meter.span(*acc, size)
+        landed = TimedUpload.ends[-1]
+        if a.pipelined:                                 # the acceptance: what is left after the last byte
+            ph["upload"], ph["accept"] = Meter.span(t0, landed, size), Meter.span(landed, t1, size)
+        else:
+            acc = fed.last("/delta_blob", n)
+            ph["upload"], ph["accept"] = Meter.span(t0, t1, size, acc), Meter.span(*acc, size)
     os.unlink(delta)
+    # the pipelined arm follows the update of round base + 1 as it is merged (FedSite._start_follow)
+    fol = Followed(fed, theta, held, meter) if a.pipelined else None
     t0 = meter.now()
     while True:                                         # the round's long-poll, as FedSite.round_trip
         got = fed.heartbeat(wait_round_after=base, wait_s=30.0)
@@ -467,17 +505,77 @@ def one_round(a, fed, session, meter, baton, pool, theta, residual, held, note):
         if state == "pending" or (state is None and got["round"] <= base):
             continue
         break
-    ph["wait"] = Meter.span(t0, meter.now(), 0)
+    seen = meter.now()
+    ph["wait"] = Meter.span(t0, seen, 0)
     session.span_done(span)
     if state != "merged":
+        if fol is not None:
+            fol.discard()
         raise RuntimeError(f"the delta of round {base} was not merged: {mine or got}")
     residual.merged()
-    with baton:
+    adopted = fol.adopt(got.get("update"), ph, 4 * nparams(shapes)) if fol is not None else None
+    if adopted is not None:
+        rnd, digest, via = adopted
+    elif a.pipelined:                                   # not the durable round's: the usual way, concurrently
         rnd, digest, via, fetched = fetch(fed, meter, theta, held, 4 * nparams(shapes))
-    ph.update(fetched)
+        ph.update(fetched)
+    else:
+        with baton:
+            rnd, digest, via, fetched = fetch(fed, meter, theta, held, 4 * nparams(shapes))
+        ph.update(fetched)
+    now = meter.now()
+    # the exchange's time line, wall clock (one machine): the last byte of this site's delta, its
+    # acceptance, the round durable as the heartbeat said it, the new theta held; the site's CPU
+    ph["exchange"] = {"landed": landed[0], "accepted": t1[0], "durable_seen": seen[0], "held": now[0],
+                      "cpu": now[2] - landed[2]}
     note(event="round", round=rnd, base=base, merged_into=mine[0].get("merged_into"), custody=reply.get("custody"),
          via=via, digest=digest, delta_bytes=size, phases=ph)
     return rnd, digest
+
+
+class Followed:
+    """The pipelined arm's fetch: fedsite.Follow (the update downloaded as it is merged, each
+    tensor added as its bytes are in, into theta-next.safetensors), watched on a thread for its
+    first and last byte and the end of its addition; adopt() is FedSite._adopt's rule."""
+
+    def __init__(self, fed, theta, held, meter):
+        self.theta, self.held, self.meter, self.marks = theta, held, meter, {}
+        self.fol = fedsite.Follow(fed, theta, held, retry_s=3600.0)
+        self.watch = threading.Thread(target=self._watch, name="follow-watch", daemon=True)
+        self.watch.start()
+
+    def _watch(self):
+        f = self.fol.f
+        try:
+            f.wait_for(8)
+            self.marks["first"] = self.meter.now()
+            f.wait_for(f.total)
+            self.marks["last"] = self.meter.now()
+        except Exception:                            # the follow failed: adopt() says so
+            pass
+        self.fol.thread.join()
+        self.marks["applied"] = self.meter.now()
+
+    def adopt(self, want, ph, model_bytes):
+        """The round is durable (want: the heartbeat's "update") -> (round, digest, "followed")
+        with theta renamed in when the followed theta is that round's bit for bit, else None."""
+        got = self.fol.result()
+        self.watch.join()
+        if got is None or want is None or got != (want["round"], want["digest"]) \
+                or want["base_digest"] != self.held[1]:
+            say(f"the followed update ({got}, {self.fol.box.get('err')}) is not the durable round's ({want})")
+            self.discard()
+            return None
+        durable.rename(self.fol.cand, self.theta, True)
+        durable.unlink(self.fol.upd)
+        m = self.marks
+        ph["download"] = Meter.span(m["first"], m["last"], self.fol.f.total)
+        ph["apply"] = Meter.span(m["first"], m["applied"], model_bytes)
+        return got[0], got[1], "followed"
+
+    def discard(self):
+        self.fol.discard()
+        self.watch.join()
 
 
 def fetch(fed, meter, theta, held, model_bytes):
@@ -695,7 +793,7 @@ def start_central(L, root, cfg, init, arm_args=()):
     return urls, procs, token, ca
 
 
-def launch_sites(L, root, cfg, urls, token, ca, pids):
+def launch_sites(L, root, cfg, urls, token, ca, pids, pipelined=False):
     out = {}
     for name in SITES:
         cmd = [sys.executable, os.path.abspath(__file__), "--site", "--name", name, "--flavor", cfg.flavor,
@@ -703,6 +801,7 @@ def launch_sites(L, root, cfg, urls, token, ca, pids):
                "--blob", urls["blob"], "--token-file", token, "--ca-file", ca,
                "--records", os.path.join(root, "records"), "--work", os.path.join(root, "sites", name),
                "--baton", os.path.join(root, "baton"), "--central-pids", ",".join(str(p) for p in pids.values())]
+        cmd += ["--pipelined"] if pipelined else []
         out[name] = L.start(f"site-{name}", cmd, os.path.join(root, "logs", f"site-{name}.log"))
     return out
 
@@ -720,7 +819,8 @@ def arms_of(cfg, shapes, root):
     aggregator's default budget: its outer state in memory, as before --memory-gb), then
     "budget" at --memory-gb (quarter: a quarter of the outer state, or the fixed part plus a
     quarter when that is more) -> [{"name", "args", "memory_gb"}]."""
-    arms = [{"name": "memory", "args": [], "memory_gb": None}]
+    arms = [{"name": "memory", "args": [], "memory_gb": None},
+            {"name": "pipelined", "args": [], "memory_gb": None, "pipelined": True}]
     if cfg.memory_gb == "off":
         return arms
     b = fixed_budget(cfg, shapes)
@@ -757,7 +857,7 @@ def run(cfg):
     say(f"files in {root}; arms: " + ", ".join(a["name"] + (f" (--memory-gb {a['memory_gb']:.3f})" if a["memory_gb"]
                                                             else " (the default budget)") for a in arms))
     ok, out = False, {"config": dataclasses.asdict(cfg), "parameters": P, "model_bytes": M, "cores": os.cpu_count(),
-                      "arms": {}}
+                      "largest_params": max(math.prod(s) for _, s in shapes), "arms": {}}
     try:
         init = os.path.join(root, "init.safetensors")
         t0 = time.monotonic()
@@ -783,7 +883,9 @@ def run(cfg):
         for arm in arms:
             say(f"\n=== summary of arm {arm['name']}")
             ok = summary(out["arms"][arm["name"]], base, shapes, P, M) and ok
-        compare(out, arms, shapes, cfg, base)
+        same, out["exchange"] = exchanges(out, {k: statistics.mean(b[k] for b in base) for k in ("write", "read")})
+        ok = same and ok
+        compare(out, [a for a in arms if not a.get("pipelined")], shapes, cfg, base)
     finally:
         if cfg.json:
             with open(cfg.json, "w") as f:
@@ -831,7 +933,7 @@ def federate(L, cfg, root, init, shapes, base, arm):
     say("  " + (said[-1].split("fedmom: ", 1)[-1] if said else "(the aggregator said nothing of its memory budget)"))
     sampler = Sampler({"state": state_dir, "blobs": blob_dir, "run": root, "outer": outer_dir}, pids)
     sampler.thread.start()
-    sites = launch_sites(L, root, cfg, urls, token, ca, pids)
+    sites = launch_sites(L, root, cfg, urls, token, ca, pids, arm.get("pipelined", False))
     bound_s = max(300.0, 150.0 * M / 1e9)             # a round slower than this is a stall
     rounds, failures, t_last = [], [], time.monotonic()
     cpu_last, io_last = procs_cpu(pids), tree_io(pids["fedmom"])
@@ -863,7 +965,7 @@ def federate(L, cfg, root, init, shapes, base, arm):
             cpu_now, io_now = procs_cpu(pids), tree_io(pids["fedmom"])
             row = {"round": r, "wall_s": time.monotonic() - t_last, "sites": {s: recs[s][r] for s in SITES},
                    "record": {k: rec.get(k) for k in ("merge_s", "timings", "bytes_read", "bytes_written",
-                                                      "update_bytes", "wall_s", "time", "outcomes")},
+                                                      "update_bytes", "wall_s", "time", "outcomes", "exchange")},
                    "state_bytes": dir_bytes(state_dir), "blob_bytes": dir_bytes(blob_dir),
                    "state_peak": peaks["state"], "blob_peak": peaks["blobs"], "run_peak": peaks["run"],
                    "outer_peak": peaks["outer"], "memory_peak": peaks["memory"],
@@ -872,6 +974,7 @@ def federate(L, cfg, root, init, shapes, base, arm):
                    "central_cpu": {k: cpu_now[k] - cpu_last[k] for k in pids},
                    "vm_hwm": {k: proc_status(p, "VmHWM") for k, p in pids.items()}}
             row["merge_central_cpu"] = sampler.cpu_between(rec["time"] - rec["merge_s"], rec["time"])
+            row["exchange"] = exchange_row(row, sampler)
             failures += judge(row, recs, r)
             rounds.append(row)
             print_round(row, i, cfg.rounds, M)
@@ -881,13 +984,65 @@ def federate(L, cfg, root, init, shapes, base, arm):
                 failures.append(f"site {name} exited {p.poll()}:\n    " + "\n    ".join(p.tail(20)))
         recs = read_records(root)
         vm_hwm = {k: proc_status(p, "VmHWM") for k, p in pids.items()}
+        # after the rounds (its blob is no round's): our client's TLS rate to the blob store and back
+        wire_rate = link_rate(root, urls, token, ca, shapes) if arm["name"] == "memory" else None
         restart = restart_peak(L, root, procs, sampler, ca, bound_s)
     finally:
         sampler.stop.set()
-    return {"rounds": rounds, "failures": failures, "central_vm_hwm": vm_hwm, "restart": restart,
+    return {"rounds": rounds, "failures": failures, "central_vm_hwm": vm_hwm, "restart": restart, "link": wire_rate,
             "site_vm_hwm": {s: recs[s].get("end", {}).get("vm_hwm") for s in SITES},
             "initial": {s: recs[s]["start"] for s in SITES},
             "checkpoints": checkpoints(os.path.join(root, "logs", "fedmom.log"))}
+
+
+def link_rate(root, urls, token, ca, shapes):
+    """Our client's loopback TLS rate (blob_client, as the sites' transfers), measured once in
+    the run: a random file of an int4 delta's size put to the blob store and got back ->
+    {"bytes", "up_s", "down_s", "up_bps", "down_bps"} (the up's sha256 of the file not timed)."""
+    n = max(8 << 20, int(outer_state.payload_per_param(INT4) * nparams(shapes)))
+    src, dst = os.path.join(root, "link.bin"), os.path.join(root, "link-back.bin")
+    np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8).tofile(src)
+    tok, blob = httpc.load_token(token), f"link-{secrets.token_hex(4)}"
+    up = blob_client.Upload(urls["blob"], blob, src, token=tok, ca_file=ca)
+    t0 = time.perf_counter()
+    up.attempt()
+    t1 = time.perf_counter()
+    blob_client.get_file(urls["blob"], blob, dst, token=tok, ca_file=ca)            # checked, renamed in: a site's
+    t2 = time.perf_counter()
+    up.close()
+    for f in (src, dst):
+        os.unlink(f)
+    out = {"bytes": n, "up_s": t1 - t0, "down_s": t2 - t1, "up_bps": n / (t1 - t0), "down_bps": n / (t2 - t1)}
+    say(f"link: blob_client over loopback TLS, {n / 1e6:.0f} MB up {out['up_s']:.2f} s ({out['up_bps'] / 1e9:.2f} "
+        f"GB/s), down {out['down_s']:.2f} s ({out['down_bps'] / 1e9:.2f} GB/s)")
+    return out
+
+
+def exchange_row(row, sampler):
+    """One round's exchange on one time line, seconds after the last delta's last byte (the
+    latest of the sites' uploads' ends): accepted, the aggregator's merge start/end and
+    durable (its record's "exchange" walls), each site holding theta_{r+1}; exchange_s = the
+    last byte -> every site holding it; each stage's own seconds; the CPU seconds meanwhile."""
+    ex = {s: e["phases"]["exchange"] for s, e in row["sites"].items()}
+    last = max(ex, key=lambda s: ex[s]["landed"])
+    t0, rx = ex[last]["landed"], row["record"].get("exchange") or {}
+
+    def agg(k):
+        return None if rx.get(f"{k}_s") is None else rx["landed_at"] + rx[f"{k}_s"] - t0
+    held = max(x["held"] for x in ex.values())
+    ph = {s: e["phases"] for s, e in row["sites"].items()}
+    stages = {"accept": ph[last]["accept"]["s"], "merge": row["record"]["merge_s"]}
+    for k in ("publish", "download", "apply"):
+        got = [p[k]["s"] for p in ph.values() if k in p]
+        if got:
+            stages[k] = max(got)
+    return {"last_byte": t0, "accepted_s": max(x["accepted"] for x in ex.values()) - t0,
+            **{f"{k}_s": agg(k) for k in ("merge_start", "offered", "merged", "durable")},
+            "held_s": {s: x["held"] - t0 for s, x in ex.items()}, "exchange_s": held - t0, "stages": stages,
+            "central_cpu": sampler.cpu_between(t0, held), "site_cpu": {s: x["cpu"] for s, x in ex.items()},
+            # the sites apart (each on its own node): the round durable, the publish, the slower site's own fetch
+            "apart_s": (agg("durable") or 0.0) + stages.get("publish", 0.0)
+            + max(p.get("download", {}).get("s", 0.0) + p.get("apply", {}).get("s", 0.0) for p in ph.values())}
 
 
 def restart_peak(L, root, procs, sampler, ca, bound_s):
@@ -974,7 +1129,7 @@ def judge(row, recs, r):
         out.append(f"round {r} merged {len(merged)} deltas, not {len(SITES)}")
     for s in SITES:
         e = recs[s][r]
-        if e["via"] != "update":
+        if e["via"] not in ("update", "followed"):
             out.append(f"round {r}: {s} held round {e['base']}'s theta and got no update (409 no_update): its "
                        "theta is not the one the aggregator's update applies to")
     digests = {recs[s][r]["digest"] for s in SITES}
@@ -1193,6 +1348,89 @@ def project(table, lim, P, central, site, ckpt_per_round=0.0):
     return out
 
 
+# ---------------------------------------------------------------- the exchange: serial against pipelined
+
+def exchanges(out, lim):
+    """Per round, the memory arm (today's serial path, each stage alone) against the pipelined
+    arm (the delta checked as it arrives, the update followed as it is merged, the sites
+    concurrent): the time line after the last delta's last byte, exchange_s, its ratio to
+    the slowest single stage (the serial arm's, each alone) and the central part (last byte
+    -> durable, + the publish when serial) against the floor of the same run (one fsync'd
+    write and one read of the outer state's 12 B/param, and a delta and an update at the
+    link's measured rates). Both arms start from the same init and send the same deltas:
+    every round's theta digest must be the same in both (else a failure: exit 1).
+    -> (ok, {"rounds", "floor", "median"})."""
+    ser, pipe = out["arms"]["memory"], out["arms"]["pipelined"]
+    link = ser["link"]
+    M = out["model_bytes"]
+    failures, rows = [], []
+    for a, b in zip(ser["rounds"], pipe["rounds"]):
+        da, db = ({e["digest"] for e in r["sites"].values()} for r in (a, b))
+        if da != db:
+            failures.append(f"round {a['round']}: the serial arm's sites hold {sorted(d[:12] for d in da)}, the "
+                            f"pipelined arm's {sorted(d[:12] for d in db)}: not bit-exact")
+        delta = max(e["delta_bytes"] for e in a["sites"].values())
+        upd = a["record"]["update_bytes"] or 0
+        state_s = 3 * (lim["write"] + lim["read"])               # 12 B/param = 3 M: written fsync'd, read
+        floor = state_s + delta / link["up_bps"] + upd / link["down_bps"]
+        slow = max(a["exchange"]["stages"], key=a["exchange"]["stages"].get)
+        rows.append({"round": a["round"], "serial": a["exchange"], "pipelined": b["exchange"], "floor_s": floor,
+                     "floor": {"state_s": state_s, "delta_bytes": delta, "update_bytes": upd},
+                     "slowest": slow, "slowest_s": a["exchange"]["stages"][slow],
+                     "digests_equal": da == db, "digest": sorted(db)[0]})
+    if len(ser["rounds"]) != len(pipe["rounds"]):
+        failures.append(f"the serial arm completed {len(ser['rounds'])} rounds, the pipelined {len(pipe['rounds'])}")
+    say("\n=== the exchange, serial (the memory arm: each stage alone, the sites take turns) against pipelined "
+        "(checked as it arrives, the update followed as it is merged, the sites at once)")
+    say(f"floor of a round's bytes here: the outer state's 12 B/param = 3 M written fsync'd + read, 3 x "
+        f"({lim['write']:.2f} + {lim['read']:.2f}) s, + a delta at the link's {link['up_bps'] / 1e9:.2f} GB/s up "
+        f"+ the update at {link['down_bps'] / 1e9:.2f} GB/s down (blob_client over loopback TLS)")
+    say("seconds after the last delta's last byte; 'alone' = the slowest single stage (the serial arm's, each alone)")
+    say(f"{'round':>5} {'arm':<9} {'accepted':>8} {'merge':>13} {'durable':>7} {'sites hold':>15} {'exchange':>8} "
+        f"{'/alone':>6} {'central':>7} {'/floor':>6} {'CPU c+s':>9}")
+    for r in rows:
+        for arm in ("serial", "pipelined"):
+            x = r[arm]
+            fmt = lambda v: "-" if v is None else f"{v:.2f}"
+            central = (x["durable_s"] or 0.0) + (x["stages"].get("publish", 0.0) if arm == "serial" else 0.0)
+            x["central_s"] = central
+            say(f"{r['round']:>5} {arm:<9} {x['accepted_s']:8.2f} {fmt(x['merge_start_s']):>6}-{fmt(x['merged_s']):<6} "
+                f"{fmt(x['durable_s']):>7} {'/'.join(f'{v:.2f}' for v in x['held_s'].values()):>15} "
+                f"{x['exchange_s']:8.2f} {x['exchange_s'] / r['slowest_s']:6.2f} {central:7.2f} "
+                f"{central / r['floor_s']:6.2f} {x['central_cpu']:4.1f}+{sum(x['site_cpu'].values()):<4.1f}")
+        st = r["serial"]["stages"]
+        say(f"{'':>5} stages alone: " + ", ".join(f"{k} {v:.2f}" for k, v in st.items())
+            + f" (slowest: {r['slowest']}); serial with the sites apart (durable + publish + the slower site's "
+            f"download + apply) {r['serial']['apart_s']:.2f} s; floor {r['floor_s']:.2f} s; pipelined spans: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in r["pipelined"]["stages"].items()))
+    md = lambda f: med(f(r) for r in rows)
+    m = {"serial_s": md(lambda r: r["serial"]["exchange_s"]), "serial_apart_s": md(lambda r: r["serial"]["apart_s"]),
+         "pipelined_s": md(lambda r: r["pipelined"]["exchange_s"]), "slowest_s": md(lambda r: r["slowest_s"]),
+         "floor_s": md(lambda r: r["floor_s"]), "central_serial_s": md(lambda r: r["serial"]["central_s"]),
+         "central_pipelined_s": md(lambda r: r["pipelined"]["central_s"]),
+         "cpu_pipelined": md(lambda r: r["pipelined"]["central_cpu"] + sum(r["pipelined"]["site_cpu"].values())),
+         # what the pipeline adds to its overlapped middle: before the merge starts (the last delta's
+         # acceptance) and after the round is durable (the last tensors added, theta renamed in)
+         "tail_s": md(lambda r: (r["pipelined"]["merge_start_s"] or 0.0) + r["pipelined"]["exchange_s"]
+                      - (r["pipelined"]["durable_s"] or r["pipelined"]["exchange_s"]))}
+    if rows:
+        ratio, cr = m["pipelined_s"] / m["slowest_s"], m["central_pipelined_s"] / m["floor_s"]
+        say(f"median: exchange serial {m['serial_s']:.2f} s ({m['serial_s'] / m['slowest_s']:.2f} x alone; sites "
+            f"apart {m['serial_apart_s']:.2f} s), pipelined {m['pipelined_s']:.2f} s = {ratio:.2f} x the slowest "
+            f"stage alone {m['slowest_s']:.2f} s (target <= 1.3: {'met' if ratio <= 1.3 else 'NOT met'}); central "
+            f"part pipelined {m['central_pipelined_s']:.2f} s = {cr:.2f} x the floor {m['floor_s']:.2f} s (target "
+            f"<= 2: {'met' if cr <= 2 else 'NOT met'}), serial {m['central_serial_s']:.2f} s")
+        own = m["slowest_s"] + m["tail_s"]
+        say(f"the pipelined arm's sites share this machine's {out['cores']} cores with the aggregator (CPU s in the "
+            f"exchange, central + sites: {m['cpu_pipelined']:.1f}, median; its merge's wall stretches with them): "
+            f"on their own nodes, the slowest stage alone + the tail (before the merge + after durable, "
+            f"{m['tail_s']:.2f} s) = {own:.2f} s = {own / m['slowest_s']:.2f} x")
+    for f in failures:
+        say(f"!! {f}")
+    say("bit-exact: every round's theta the same in both arms: " + ("yes" if not failures else "NO"))
+    return not failures, {"rounds": rows, "median": m, "link": link, "failures": failures}
+
+
 # ---------------------------------------------------------------- the arms side by side
 
 NVME = outer_state.NVME          # the disk of the projected VM (assumed: a local NVMe; plan --disk-gbs)
@@ -1260,11 +1498,19 @@ def rates(out, rows, lim, P, M):
         cpu_disk = max(cpu_mem, ((b["merge_central_cpu"] or 0) / P - cpu_mem * (1 - f_disk)) / f_disk)
     ck = [c for c in mem.get("checkpoints", []) if c["round"] > 0]
     ck_bps = med(c["gib"] * 2**30 / c["s"] for c in ck) if ck else outer_state.RATES["checkpoint_write_bps"]
-    return {"source": f"bench/scale_round.py --flavor {out['config']['flavor']} ({out['cores']} cores)",
-            "merge_cpu_s_per_param": cpu_mem, "merge_disk_cpu_s_per_param": cpu_disk,
-            "accept_s_per_param": mem["projection"]["accept"]["8B"] / (k8 * P),
-            "publish_s_per_param": mem["projection"]["publish"]["8B"] / (k8 * P),
-            "sha256_s_per_byte": lim["sha256"] / M, "checkpoint_write_bps": ck_bps}
+    got = {"source": f"bench/scale_round.py --flavor {out['config']['flavor']} ({out['cores']} cores)",
+           "merge_cpu_s_per_param": cpu_mem, "merge_disk_cpu_s_per_param": cpu_disk,
+           "accept_s_per_param": mem["projection"]["accept"]["8B"] / (k8 * P),
+           "publish_s_per_param": mem["projection"]["publish"]["8B"] / (k8 * P),
+           "sha256_s_per_byte": lim["sha256"] / M, "checkpoint_write_bps": ck_bps}
+    ex = out.get("exchange")
+    if ex and ex["rounds"]:
+        # the exchange (plan's serial and pipelined figures): the link's rate down, a site's apply per
+        # parameter (alone), and what the pipeline adds to its slowest stage per value of the largest tensor
+        # (its last tensor is merged, sent and added after the others: the tail scales with it)
+        got.update(link_bps=ex["link"]["down_bps"], apply_s_per_param=mem["summary"]["phases"]["apply"]["s"] / P,
+                   tail_s_per_largest=ex["median"]["tail_s"] / out["largest_params"])
+    return got
 
 
 def project_modes(rows, r, P, M, lim):
@@ -1308,6 +1554,8 @@ def site_parser():
         p.add_argument(flag, required=True)
     p.add_argument("--rounds", type=int, required=True)
     p.add_argument("--sites", type=int, required=True)
+    p.add_argument("--pipelined", action="store_true", help="check while it arrives, follow the update as it is "
+                                                            "merged, no turns for the download and apply")
     return p
 
 
