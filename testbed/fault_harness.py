@@ -2,17 +2,14 @@
 the oracle's verdict.
 
 Runs on: this machine (CPU; Python + numpy, never torch), imported by bench/fault_schedule.py
-(500 random schedules, its command line) and tests/test_fault_schedule.py (fixed ones);
-nothing to run from the shell. For each schedule it starts real darl_server.py,
-fedmom_server.py (--darl) and blobstore.py processes on 127.0.0.1 (their own state dir
-under the work dir) and 2-3 fake sites (fault_site.py processes: a torch-free loop over the
-real clients that trains nothing but sends small seeded random deltas for real leases, and
-records what it sent), injects the schedule's faults at protocol phases, and has
-fault_oracle.py judge the outcome.
+(random schedules, its command line) and tests/test_fault_schedule.py (fixed ones); nothing to
+run from the shell. For each schedule it starts real darl_server.py, fedmom_server.py (--darl)
+and blobstore.py processes on 127.0.0.1 (their own state dirs under the work dir) and 2-3 fake
+sites (fault_site.py processes: the real clients, no training, small seeded random deltas for
+real leases, a record of what each sent and held), injects the schedule's faults at protocol
+phases, and has fault_oracle.py judge the outcome.
 
-    res = fault_harness.run_schedule(seed, work_dir)               # the seed's random schedule
-    res = fault_harness.run_schedule(seed, work_dir, sched=Schedule(...))   # a fixed one
-    res.findings                  # [] = the oracle found nothing; describe_failure(res) says what
+    res = fault_harness.run_schedule(seed, work_dir)   # or sched=Schedule(...); res.findings [] = passed
 
 What it owns: the schedules (make_schedule, drawn from the seed), the processes (Proc, Run),
 and these faults (KINDS; POINTS names the fault points of testhooks.py each may stop at):
@@ -23,19 +20,23 @@ and these faults (KINDS; POINTS names the fault points of testhooks.py each may 
     site_kill         a site SIGKILLed at site.trained or site.sent; requeued as a new incarnation
     site_stop         a site SIGSTOPped past its lease TTL at site.trained or site.checked (maybe
                       with a newcomer site leasing its expired blocks), then SIGCONTed
-    darl_flag         DARL restarted with --max-attempts or --max-grant changed: it must refuse,
-                      naming the flag; then restarted with --accept-config-change
+    darl_flag         DARL restarted with --max-attempts or --max-grant changed: refused naming
+                      the flag, then restarted with --accept-config-change
     clock_step        the servers' wall clock stepped by +-1 h across a DARL restart
     token_rotation    new tokens, the sites' and the aggregator's, DARL first
-    stale_aggregator  a stopped copy of the aggregator's state started beside the live one 1-3
-                      times: DARL must fence it at every start (exit 3)
-Sites may be careless (no lease check before sending), overlapped, int4 or time-budgeted
-(fault_site.py says what each does); aggregators may run --down-wire int4 or --phase-s with
-the quorum rule. Beside the oracle's checks, here: the changed-flag restart was refused naming
-the flag, no site crashed, nothing stalled. A failing schedule keeps its directory.
-
-What the schedules cover and the oracle checks: FEDERATION_GUIDE.md, "The proof: random fault
-schedules against an oracle".
+    stale_aggregator  a stopped copy of the aggregator started beside the live one 1-3 times:
+                      DARL must fence it at every start (exit 3)
+  the pipelined round's (STREAMED: 0-2 a schedule, drawn last, so older seeds keep theirs):
+    publish_kill      the aggregator SIGKILLed at fedmom.merge while a site follows its update;
+                      newcomer: once a site built it whole and a newcomer joined, whose delta
+                      the restart merges too (the sites must discard what they built)
+    check_kill        the aggregator SIGKILLed at fedmom.check_stream (a blob delta checked as it lands)
+    apply_kill        a site SIGKILLed at site.follow (fedsite.Follow), requeued as for site_kill
+Sites may be careless, overlapped, int4 or time-budgeted (fault_site.py); aggregators may run
+--down-wire int4 (the sites follow each update as it is merged) or --phase-s with the quorum
+rule. Beside the oracle's checks, here: the changed-flag restart was refused naming the flag, no
+site crashed, nothing stalled. A failing schedule keeps its directory. What the schedules
+cover: FEDERATION_GUIDE.md, "The proof: random fault schedules, and real training under faults".
 """
 import collections
 import dataclasses
@@ -204,6 +205,8 @@ def _streamed(rng, after, sites, down_wire):
         f = Fault(rng.choice(kinds), after, skip=rng.randint(0, 1), pause=round(rng.uniform(0.0, 1.0), 2))
         f.point = POINTS[f.kind][0]
         f.target = rng.choice(sites)[0] if f.kind == "apply_kill" else None
+        if f.kind == "publish_kill" and rng.random() < 0.5:
+            f.skip, f.value = 1, "newcomer"     # the whole update followed, then another round made durable
         out.append(f)
     return out
 
@@ -443,7 +446,8 @@ class Run:
         if f.kind in ("darl_kill", "fedmom_kill", "blob_kill", "check_kill"):
             return self._kill_at(self.procs["fedmom" if f.kind == "check_kill" else f.kind.split("_")[0]], f)
         if f.kind == "publish_kill":
-            return self._kill_at(self.procs["fedmom"], f, held=self._followed)
+            return self._publish_kill(f) if f.value == "newcomer" else self._kill_at(
+                self.procs["fedmom"], f, held=self._followed)
         if f.kind == "apply_kill":
             return self._site_kill(f)
         if f.kind == "fedmom_outage":
@@ -496,21 +500,50 @@ class Run:
         self.restart(proc.name)
         return reached
 
-    def _followed(self):
+    def _publish_kill(self, f):
+        """publish_kill, value newcomer: the merge held once a site built the followed theta
+        whole (theta-next), a newcomer joins (durable: the aggregator lists it), the aggregator
+        is killed; its restart waits for the newcomer's delta (a live member's), trained from
+        the durable round, and merges the round again with it: the round made durable is not
+        the one the sites built, which they must discard (fedsite._adopt's digest comparison)."""
+        fed = self.procs["fedmom"]
+        fed.arm(f.point, f.skip)
+        reached = self.wait(lambda: fed.hit(f.point) or not fed.alive())
+        reached = reached and fed.alive() and self.wait(lambda: self._followed("theta-next.safetensors"),
+                                                        FOLLOW_WAIT_S)
+        if reached:
+            name = f"newcomer{len(self.sites)}"
+            self.start_site(name)
+            reached = self.wait(lambda: name in self._members(), 60)
+        fed.kill()
+        fed.disarm(f.point)
+        self.wait(lambda: False, f.pause)
+        self.restart("fedmom")
+        return bool(reached)
+
+    def _members(self):
+        try:
+            got = httpc.call(self.fedmom, "GET", "/status", token=self.token, timeout=5)["members"]
+        except (OSError, http.client.HTTPException, httpc.CallError, KeyError):
+            return []
+        return [m["cluster"] for m in got]
+
+    def _followed(self, fn="theta-followed.safetensors"):
         """Does a live site hold bytes of an update it follows now (fedsite.Follow's file, made
-        at the first reply of GET /theta_update_next; gone once adopted or discarded; a killed
-        incarnation's is left in its own dir, so only each site's newest incarnation counts)?"""
+        at the first reply of GET /theta_update_next; or with fn theta-next.safetensors, the
+        theta it built whole; gone once adopted or discarded; a killed incarnation's is left in
+        its own dir, so only each site's newest incarnation counts)?"""
         newest = {}
-        for fn in os.listdir(self.records):
-            if fn.endswith(".jsonl"):
-                with open(os.path.join(self.records, fn)) as f:
+        for rec in os.listdir(self.records):
+            if rec.endswith(".jsonl"):
+                with open(os.path.join(self.records, rec)) as f:
                     first = f.readline()
                 if first.endswith("\n"):
                     e = json.loads(first)
                     if e["t"] > newest.get(e["cluster"], (0.0, None))[0]:
                         newest[e["cluster"]] = (e["t"], e["incarnation"])
         return any(self.sites[name].alive() and os.path.exists(
-            os.path.join(self.records, "theta", f"{name}-{inc}", "theta-followed.safetensors"))
+            os.path.join(self.records, "theta", f"{name}-{inc}", fn))
             for name, (_, inc) in newest.items() if name in self.sites)
 
     def _site_kill(self, f):

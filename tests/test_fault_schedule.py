@@ -1,10 +1,13 @@
-"""The fast subset of bench/fault_schedule.py, on testbed/fault_harness.py: five fixed schedules that between them
-inject every kind of fault (real darl_server.py, fedmom_server.py and blobstore.py
+"""The fast subset of bench/fault_schedule.py, on testbed/fault_harness.py: eight fixed schedules that between
+them inject every kind of fault (real darl_server.py, fedmom_server.py and blobstore.py
 processes, fake torch-free sites on the real clients) and run every kind of site (f32,
 int4 with error feedback, overlapped, time-budgeted; an aggregator with --down-wire int4
 whose sites fetch theta by its updates, inline and through the blob store, and one with
---phase-s and the quorum rule), each judged by the oracle; and the oracle itself shown to
-catch a tampered run, of either aggregator. The full run (>= 500 random schedules) is
+--phase-s and the quorum rule), each judged by the oracle; the pipelined round among them
+(the aggregator killed mid-merge while the sites follow its update, and mid-way through a
+streamed check; a site killed mid-apply; a round the sites built whole from a killed merge
+that the restart merged otherwise: discarded, never trained from); and the oracle itself
+shown to catch a tampered run, of either aggregator. The full run (>= 500 random schedules) is
 `python bench/fault_schedule.py`.
 
 Deterministic: the schedules are fixed, and what the oracle requires holds for every
@@ -88,6 +91,12 @@ SCHEDULES = {
                  [Fault("check_kill", 0, point="fedmom.check_stream", pause=0.3),
                   Fault("apply_kill", 1, point="site.follow", target="beta", skip=1, pause=0.3),
                   Fault("check_kill", 2, point="fedmom.check_stream", skip=1, pause=0.3)], down_wire="int4"),
+    "the aggregator killed with the round's whole update written and followed, a newcomer's delta merged into "
+    "that round at the restart: the round made durable is not the one the sites built, and they discard it; "
+    "--down-wire int4":
+        Schedule(110, [("alpha", INLINE), ("beta", INLINE)], 24, 2, 0,
+                 [Fault("publish_kill", 1, point="fedmom.merge", skip=1, pause=0.3, value="newcomer")],
+                 int4=["beta"], down_wire="int4"),
 }
 
 
@@ -110,9 +119,10 @@ class FaultScheduleTest(unittest.TestCase):
         return res
 
     def assert_down_wire(self, res):
-        """int4 deltas were sent, and sites took theta by the aggregator's int4 updates."""
+        """int4 deltas were sent, and sites took theta by the aggregator's int4 updates (followed
+        as they were merged, adopted once durable)."""
         self.assertGreaterEqual(res.seen["sent_int4"], 1, "no int4 delta was sent")
-        self.assertGreaterEqual(res.seen["theta_via_update"], 1, "no site fetched theta by an update")
+        self.assertGreaterEqual(res.seen["theta_via_followed"], 1, "no site took theta by a followed update")
 
     def test_torn_write_durable_round_and_site_kill(self):
         res = self.run_one(list(SCHEDULES)[0])
@@ -148,6 +158,16 @@ class FaultScheduleTest(unittest.TestCase):
     def test_streamed_check_killed_and_a_site_killed_mid_apply(self):
         res = self.run_one(list(SCHEDULES)[6])
         self.assertGreaterEqual(res.seen["theta_via_followed"], 1, "no site adopted a followed theta")
+
+    def test_a_followed_round_that_never_became_durable_is_discarded(self):
+        """The sites built round r+1's theta from the killed merge; the restart merged another
+        round r+1 (with a newcomer's delta too): each discards what it built (the oracle: no span trained
+        from a theta other than the durable round's; fedsite._adopt without its digest
+        comparison fails here)."""
+        res = self.run_one(list(SCHEDULES)[7])
+        self.assertGreaterEqual(res.seen["follow_discarded"], 1, "no site discarded a followed theta")
+        # ... and took the durable round by its update instead (GET /theta_update: the theta it holds)
+        self.assertGreaterEqual(res.seen["theta_via_update"], 1, "no site fetched theta by an update")
 
     def test_every_fault_kind_is_in_the_fast_subset(self):
         kinds = {f.kind for s in SCHEDULES.values() for f in s.faults}
@@ -260,6 +280,19 @@ class OracleTest(unittest.TestCase):
                 f.write(json.dumps({**r, "digest": "0" * 64} if r["event"] == "theta" else r) + "\n")
         self.assertIn("fetched a theta_global of round", "\n".join(fault_oracle.oracle(run)))
 
+    def test_a_span_trained_from_a_theta_not_durable_is_caught(self):
+        """A site that trained from bits other than the durable round's (as one that adopted a
+        followed theta of a merge that never became durable would): its record says so."""
+        run = self.tampered()
+        fn = next(fn for fn in sorted(os.listdir(run.records)) if fn.endswith(".jsonl"))
+        path = os.path.join(run.records, fn)
+        recs = durable.read_jsonl(path)
+        i = next(i for i, r in enumerate(recs) if r["event"] == "trained")
+        recs[i] = {**recs[i], "held_digest": "0" * 64}
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in recs)
+        self.assertIn("it trained on a round that is not durable", "\n".join(fault_oracle.oracle(run)))
+
     def test_a_merged_delta_no_site_sent_is_caught(self):
         run = self.tampered()
         for fn in os.listdir(run.records):
@@ -332,7 +365,7 @@ class DownWireOracleTest(OracleTest):
     def test_the_clean_run_passes(self):
         super().test_the_clean_run_passes()
         self.assertGreaterEqual(self.res.seen["sent_int4"], 1)
-        self.assertGreaterEqual(self.res.seen["theta_via_update"], 1)
+        self.assertGreaterEqual(self.res.seen["theta_via_followed"], 1)
 
     def test_one_bit_of_the_residual_is_caught(self):
         run = self.tampered()
