@@ -223,11 +223,14 @@ class FedMomClient:
 
     # ---- deltas
 
-    def send_delta(self, path, base_round, tokens, leases, metrics, transport="auto", deadline=None):
+    def send_delta(self, path, base_round, tokens, leases, metrics, transport="auto", deadline=None, follow=True):
         """Send one delta file (theta_i - theta_global). Raises StaleRound if the server has
         moved past base_round; CallError for any other refusal (the reply says why). Under
         `deadline` a failed attempt (the check, the upload, the naming of the blob) is
-        repeated whole; the blob upload continues where the store's bytes end."""
+        repeated whole; the blob upload continues where the store's bytes end. The blob
+        transport with `follow`: POST /delta_blob {"follow": true} beside the upload, so the
+        aggregator checks the delta as it lands and answers right after its last byte; that
+        request cut or failed (a proxy, a restart), today's POST after the upload instead."""
         meta = self._ident(base_round=base_round, tokens=tokens, leases=list(leases), metrics=dict(metrics or {}))
         if transport == "auto":
             big = os.path.getsize(path) >= AUTO_BLOB_BYTES
@@ -246,7 +249,13 @@ class FedMomClient:
             self._stale_guard(lambda: self._request("POST", "/delta_check", meta, deadline=deadline))
             if upload is None:
                 return self._stale_guard(lambda: self._send_inline(path, meta, deadline))
+            posted = _FollowPost(self, {**meta, "blob": upload.blob_id, "sha256": upload.sha, "follow": True,
+                                        "size": upload.size}) if follow else None
             info = upload.attempt(deadline)
+            if posted is not None:
+                reply = self._stale_guard(posted.result)
+                if reply is not None:
+                    return reply
             return self._stale_guard(lambda: self._request(
                 "POST", "/delta_blob", {**meta, "blob": upload.blob_id, "sha256": info["sha256"]}, timeout=3600,
                 deadline=deadline))
@@ -286,12 +295,133 @@ class FedMomClient:
         return self.blob_url
 
 
+class UpdateGone(Exception):
+    """The followed update will not be the round's (no_update, or a merge that started
+    over): the caller takes the round's theta the usual way once it is durable."""
+
+
+class FollowedUpdate:
+    """The next round's update (GET /theta_update_next), downloaded into `path` while the
+    aggregator merges it: run() on a thread fills the file (its full size allocated at the
+    first reply) in order; wait_for(offset) blocks the reader (wire.apply_update's `ready`)
+    until the first `offset` bytes are in, or raises why they never will be. A cut reply
+    resumes at its last byte (Range, the same merge's id) under `deadline`; an answer from
+    another merge of that round raises UpdateGone. Nothing here says the round is durable:
+    the caller compares the digest of the theta it builds with the heartbeat's (fedsite.py)."""
+
+    def __init__(self, client, path, base_round, base_digest, chunk=1 << 20):
+        self.c, self.path, self.base = client, path, base_round
+        self.query = {"from": base_round, "digest": base_digest}
+        self.cond, self.chunk = threading.Condition(), chunk
+        self.have, self.total, self.error = 0, None, None
+        self.round = self.id = None
+        self.durable = False
+        self.stop = threading.Event()
+
+    def wait_for(self, offset):
+        with self.cond:
+            while self.have < offset and self.error is None:
+                self.cond.wait()
+            if self.have < offset:
+                raise self.error
+
+    def run(self, deadline=None):
+        """Until the whole file is in (-> True) or it never will be (the error also reaches wait_for)."""
+        try:
+            httpc.retry("follow the update of theta_global", lambda: self._attempt(deadline), deadline)
+            return True
+        except BaseException as e:
+            with self.cond:
+                self.error = e if isinstance(e, Exception) else UpdateGone(f"stopped: {type(e).__name__}")
+                self.cond.notify_all()
+            if not isinstance(e, Exception):
+                raise
+            return False
+
+    def _attempt(self, deadline):
+        while self.total is None or self.have < self.total:
+            if self.stop.is_set():
+                raise UpdateGone("no longer wanted")
+            self._get(deadline)
+
+    def _get(self, deadline):
+        wait = min(self.c.heartbeat_s, 30.0)
+        q = urllib.parse.urlencode({**self.query, "wait_s": wait, "id": self.id or ""})
+        headers = httpc.auth_headers(self.c.token)
+        if self.have:
+            headers["Range"] = f"bytes={self.have}-"
+        conn = httpc.connect(self.c.url, httpc.io_timeout(self.c.stall_s + wait, deadline), self.c.ca_file)
+        try:
+            conn.request("GET", httpc.split_url(self.c.url)[3] + "/theta_update_next?" + q, headers=headers)
+            resp = conn.getresponse()
+            if resp.status == 202:
+                resp.read()
+                httpc.made_progress(deadline)          # an answer: the merge has not started yet
+                return
+            if resp.status in (404, 409):
+                raise UpdateGone(f"{resp.status}: {_json_or_text(resp.read())}")
+            if resp.status not in (200, 206):
+                raise httpc.CallError(resp.status, _json_or_text(resp.read()))
+            if resp.status == 200 and self.have:
+                raise UpdateGone("the round's merge started over: its update is another file")
+            if self.total is None:
+                self.total, self.id, self.round = (int(resp.getheader("X-Update-Total")),
+                                                   resp.getheader("X-Update-Id"), int(resp.getheader("X-Round")))
+                with open(self.path, "wb") as f:
+                    f.truncate(self.total)
+            self.durable = resp.getheader("X-Durable") == "1"
+            self._read_body(resp, deadline)
+        finally:
+            conn.close()
+
+    def _read_body(self, resp, deadline):
+        with open(self.path, "r+b", buffering=0) as f:
+            while self.have < self.total:
+                piece = resp.read1(self.chunk)        # what has come, not a full chunk: the merge may pause
+                n = len(piece)
+                if not n:
+                    raise ConnectionError(f"the update's reply ended at byte {self.have} of {self.total}")
+                os.pwrite(f.fileno(), piece, self.have)
+                with self.cond:
+                    self.have += n
+                    self.cond.notify_all()
+                httpc.made_progress(deadline)
+
+
 def _json_or_text(raw):
     try:
         out = json.loads(raw) if raw else {}
         return out if isinstance(out, dict) else {"reply": out}
     except ValueError:
         return {"error": raw[:200].decode("utf-8", "replace")}
+
+
+class _FollowPost:
+    """POST /delta_blob with "follow": true on a thread, beside the upload. result() -> the
+    reply, or None when the request failed without a refusal of the delta (cut, 5xx, an
+    aggregator that fetched before the upload ended): the caller posts again, and the
+    aggregator joins that request to its follow of the blob (fedmom_state.Follows)."""
+
+    def __init__(self, client, body):
+        self.client, self.body, self.reply, self.error = client, body, None, None
+        self.thread = threading.Thread(target=self._run, name="fedmom-follow", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            self.reply = self.client._request("POST", "/delta_blob", self.body, timeout=3600)
+        except (httpc.CallError, OSError, http.client.HTTPException) as e:
+            self.error = e
+
+    def result(self):
+        self.thread.join()
+        e = self.error
+        if isinstance(e, httpc.CallError) and (e.reply.get("code") in ("bad_delta", "stale_round", "not_member")):
+            raise e
+        if e is not None:
+            log(f"fedmom client: the followed send of {self.body['blob']} failed ({type(e).__name__}: {e}); "
+                "naming the blob after its upload instead")
+        return self.reply
 
 
 class _KeepAlive:

@@ -163,6 +163,7 @@ class Pending:
     accept_s: float = 0.0  # seconds its checks took at acceptance (decoding a compressed delta)
     custody_s: float = 0.0 # seconds DARL took to take its leases into custody at upload (not kept)
     arrived_s: float | None = None   # seconds after its round opened that it was admitted (restored: 0)
+    landed: float | None = None      # wall time its last byte landed here (a followed blob: as the store finished it)
 
     @classmethod
     def from_json(cls, m):
@@ -887,7 +888,8 @@ RECORDS_KEPT = 200            # round records kept in memory (the file keeps all
 CLIP_HISTORY_ROUNDS = 4       # the clip's median also counts the deltas merged in these last rounds
 METRIC_KEYS = ("loss", "tokens_per_s", "mfu", "tflops_per_rank", "peak_mem_gib", "inner_s",
                "heldout_loss", "heldout_round",     # held-out: the site's last eval of theta_global <round>
-               "steps", "step_s", "budget_s", "cycle_s", "util", "wait_s")     # a time-budgeted phase's figures
+               "steps", "step_s", "budget_s", "cycle_s", "util", "wait_s",     # a time-budgeted phase's figures
+               "exchange_round", "held_lag_s", "exchange_wait_s")   # the last exchange as the site saw it
 ENDED_BY = ("clock", "lease", "data", "steps")     # metrics.ended_by: what ended the site's phase (a string)
 QUORUM_RECORDS = 8            # the grace is a fraction of the median round length of this many last records
 QUORUM_MIN_RECORDS = 3        # fewer records than this: the grace is a fraction of --phase-s, if given
@@ -1109,6 +1111,20 @@ def round_record(new, batch, stats, reason, late, wall_s, wall, excluded, droppe
             "bytes_read": stats["bytes_read"], "bytes_written": stats["bytes_written"],
             "down_wire": update and update["format"], "update_bytes": update and update["update_bytes"],
             "down_residual_norm": update and update["residual_norm"]}
+
+
+def exchange(batch, walls):
+    """The round's exchange on one time line (the record's "exchange"): seconds after the
+    last delta's last byte landed (`landed_at`, wall) until it was accepted (checked,
+    spooled), the round closed, its merge started, the first bytes of its update were offered
+    to the sites (the update is read while it is merged), the merge ended and the round was
+    durable. `walls`: the wall times of those steps, None where there was none. Each site's
+    own view (how long after this it held the new theta, and the wait it saw) comes with its
+    next delta's metrics: "held_lag_s", "exchange_wait_s" (fedsite.FedSite.round_trip)."""
+    t0 = max(p.received if p.landed is None else p.landed for p in batch)
+    at = lambda w: None if w is None else round(w - t0, 3)
+    return {"landed_at": round(t0, 3), "accepted_s": at(max(p.received for p in batch)),
+            **{f"{k}_s": at(walls.get(k)) for k in ("closed", "merge_start", "offered", "merged", "durable")}}
 
 
 def safe_exp(x):

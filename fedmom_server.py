@@ -102,6 +102,27 @@ def _from_round(req):
         raise httpd.HTTPError(400, f"GET {req.path} needs ?from=<round of your theta>&digest=<its wire.Digest>")
 
 
+def _wait_s(req):
+    try:
+        return float(req.query.get("wait_s", "0") or 0)
+    except ValueError:
+        raise httpd.HTTPError(400, f"GET {req.path}: wait_s must be a number of seconds")
+
+
+def _resume_at(req, uid, total):
+    """Where a reply resumes: `Range: bytes=N-` of the same update (?id=), else 0."""
+    rng = req.handler.headers.get("Range", "")
+    if not rng or req.query.get("id") != uid:
+        return 0
+    try:
+        start = int(rng.removeprefix("bytes=").removesuffix("-"))
+    except ValueError:
+        raise httpd.HTTPError(400, f"GET {req.path}: Range must be bytes=N-, got {rng[:40]!r}")
+    if not 0 <= start < total:
+        raise httpd.HTTPError(416, f"GET {req.path}: Range start {start} is not inside the {total} bytes")
+    return start
+
+
 def make_routes(state, blob_token=None, retention=None):
     """The route table: each route reads its request and makes one call on the state."""
     cfg = state.cfg
@@ -137,6 +158,25 @@ def make_routes(state, blob_token=None, retention=None):
         f, rnd, digest = state.open_update(*_from_round(req))
         return httpd.Response(file=f, headers={"X-Round": str(rnd), "X-Theta-Digest": digest})
 
+    def theta_update_next(req):
+        """The next round's update as it is merged (FedMomState.follow_update); `Range: bytes=N-`
+        with ?id= resumes a cut reply of the same merge (else the whole file, 200)."""
+        got = state.follow_update(*_from_round(req), _wait_s(req))
+        if got is None:
+            return 202, {"waiting": True, "round": state.round}
+        if got[0] == "file":
+            f, rnd, digest = got[1:]
+            total, uid = os.fstat(f.fileno()).st_size, (state.ledger.update or {}).get("id", "")
+            start = _resume_at(req, uid, total)
+            return httpd.Response(status=206 if start else 200, file=f, offset=start, length=total - start,
+                                  headers={"X-Round": rnd, "X-Theta-Digest": digest, "X-Durable": 1,
+                                           "X-Update-Id": uid, "X-Update-Total": total})
+        g = got[1]
+        start = _resume_at(req, g.tag["id"], g.total)
+        return httpd.Response(status=206 if start else 200, stream=g.follow(start), length=g.total - start,
+                              headers={"X-Round": g.tag["round"], "X-Durable": 0, "X-Update-Id": g.tag["id"],
+                                       "X-Update-Total": g.total})
+
     def theta_update_blob(req):
         store = blob_store("use GET /theta_update")
         return state.publish_update(*_from_round(req), store)
@@ -165,7 +205,8 @@ def make_routes(state, blob_token=None, retention=None):
               ("GET", "/theta"): theta,
               ("GET", "/theta_blob"): lambda req: state.publish_theta(blob_store("use GET /theta")),
               ("GET", "/theta_update"): theta_update,
-              ("GET", "/theta_update_blob"): theta_update_blob}
+              ("GET", "/theta_update_blob"): theta_update_blob,
+              ("GET", "/theta_update_next"): theta_update_next}
     return {k: _refusal(v) for k, v in routes.items()}
 
 
@@ -512,6 +553,8 @@ def plan(argv):
     nvme = f"{outer_state.NVME['read_bps'] / 1e9:g},{outer_state.NVME['write_bps'] / 1e9:g}"
     p.add_argument("--disk-gbs", default=nvme,
                    help=f"READ,WRITE GB/s of the --outer-dir disk (default: a local NVMe's, {nvme})")
+    p.add_argument("--link-gbs", type=float, default=None,
+                   help="GB/s of a site's link down, for the exchange (default: the rates', loopback TLS)")
     a = p.parse_args(argv)
     codec = lambda fmt: None if fmt == "f32" else wire.Codec(fmt).validate()
     if a.init:
@@ -522,7 +565,11 @@ def plan(argv):
         read, write = (float(x) * 1e9 for x in a.disk_gbs.split(","))
     except ValueError:
         raise SystemExit(f"plan: --disk-gbs {a.disk_gbs}: give READ,WRITE in GB/s, e.g. 3,2")
-    rates = outer_state.rates_from(a.rates) if a.rates else outer_state.RATES
+    rates = outer_state.rates_from(a.rates)
+    if a.link_gbs is not None:
+        if a.link_gbs <= 0:
+            raise SystemExit(f"plan: --link-gbs {a.link_gbs}: give GB/s (> 0), e.g. 1.2")
+        rates = {**rates, "link_bps": a.link_gbs * 1e9, "exchange_source": rates["exchange_source"] + ", --link-gbs"}
     for line in outer_state.plan(shapes, how, a.sites, codec(a.wire), codec(a.down_wire), a.memory_gb,
                                   a.merge_procs, a.cores, a.outer_momentum, a.checkpoint_rounds, a.keep_rounds,
                                   rates, {"read_bps": read, "write_bps": write}):

@@ -270,7 +270,9 @@ class FedMomState:
         self.keeper = outer_state.OuterKeeper(cfg, self.dir, self.ledger, clock)
         self.custodian = None if darl is None else Custodian(darl, self.ledger, self.spool, wall)
         self.merge_error = None       # the last merge's failure (a full disk), until one succeeds
-        self.check_lock = threading.Lock()
+        # the checks of deltas: weighed in bytes against the budget's share (CheckBudget)
+        self.checks = CheckBudget(outer_state.CHECK_BYTES)
+        self.follows = Follows()              # POST /delta_blob's fetches and follows, by blob
         if os.path.exists(self.ledger.path):
             self._load()
         else:
@@ -342,7 +344,7 @@ class FedMomState:
         """POST /join: the member's reply, and the outer step the merge takes (a site's
         --overlap-fold eager repeats it locally: FEDERATION_GUIDE.md, "Overlap")."""
         with self.ledger.change() as t:
-            reply = t.join(cluster, incarnation, self.clock(), self.wall())
+            reply = self._with_update(t.join(cluster, incarnation, self.clock(), self.wall()))
         return {**reply, "outer": {"lr": self.cfg.outer_lr, "momentum": self.cfg.outer_momentum, "nesterov": True}}
 
     def heartbeat(self, cluster, incarnation, metrics=None, wait_round_after=None, wait_s=0.0):
@@ -359,7 +361,16 @@ class FedMomState:
                 self.ledger.cond.wait(timeout=min(left, 1.0))
             if t.members.get(cluster) is m:
                 m.last_seen = self.clock()
-            return t.reply(cluster, self.clock())
+            return self._with_update(t.reply(cluster, self.clock()))
+
+    def _with_update(self, reply):
+        """A member's reply, with the durable round's update when it has one: {"round",
+        "base_digest", "digest"}: a site that followed it (follow_update) while it was merged
+        holds exactly that theta when its digest is this one (FEDERATION_GUIDE.md section 4)."""
+        u, reply["down_wire"] = self.ledger.update, self.cfg.down_wire      # f32: no update to follow
+        if u is not None and u["round"] == reply["round"]:
+            reply["update"] = {k: u[k] for k in ("round", "base_digest", "digest")}
+        return reply
 
     def leave(self, cluster, incarnation):
         with self.ledger.change() as t:
@@ -380,27 +391,12 @@ class FedMomState:
         """PUT /delta: the metadata checked first (a refusal reads none of the body), then the
         body (an iterable of bytes) spooled to a part file and accepted (accept_delta)."""
         meta = self.check_delta_meta(meta)
-        return self.accept_delta(meta, self.spool.receive(chunks))
+        part = self.spool.receive(chunks)
+        return self.accept_delta(meta, part, landed=self.wall())
 
     def fetch_delta(self, meta, blob, sha256, blobs):
-        """POST /delta_blob: the metadata checked first, then the delta fetched from the blob
-        store (`blobs`, BlobLink) into a part file and accepted; once fetched the
-        blob is deleted, accepted or refused. A retry of a delta this round holds is a
-        duplicate (its blob is already gone)."""
-        blobs.check_id(blob)
-        meta = self.check_delta_meta(meta)
-        dup = self.duplicate(meta)
-        if dup is not None:
-            return dup
-        part = self.spool.part()
-        got = blobs.fetch(blob, part)
-        try:
-            if got != sha256:
-                self.spool.discard(part)
-                raise Refused(400, f"blob {blob!r} has sha256 {got[:16]}..., the request says {sha256[:16]}...")
-            return self.accept_delta(meta, part)
-        finally:                            # fetched: its bytes are in the spool, or refused for good
-            blobs.delete(blob)
+        """POST /delta_blob (post_delta_blob)."""
+        return post_delta_blob(self, meta, blob, sha256, blobs)
 
     def duplicate(self, meta):
         """The reply for a retried delta this round already holds (its first reply was lost), or None."""
@@ -408,25 +404,18 @@ class FedMomState:
             self.table.check_current(meta, self.clock())
             return self.table.duplicate(meta)
 
-    def accept_delta(self, meta, part):
-        """The delta file is fully spooled at `part`: check it, spool it, take its leases into
-        DARL custody. On a refusal the file is removed and nothing stored changes."""
+    def accept_delta(self, meta, part, checked=None, landed=None):
+        """The delta file is fully spooled at `part`: check it (unless `checked` = (its norm,
+        the monotonic time of its last byte): a follow checked it as it landed), spool it,
+        take its leases into DARL custody. On a refusal the file is removed and nothing stored
+        changes. `landed`: the wall time its last byte landed (Pending.landed)."""
         t = self.table
         try:
             dup = self.duplicate(meta)
             if dup is not None:
                 return dup
-            t0 = time.monotonic()
-            try:
-                # a compressed delta is checked as its decoded values and spooled as it came; one
-                # at a time: --memory-gb counts one check's parts (outer_state.CHECK_BYTES), and
-                # each already uses every core
-                with self.check_lock:
-                    norm = fedmom_merge.check_delta_file(part, self.keeper.specs, self.cfg.threads)
-            except fedmom_merge.DeltaRejected as e:
-                with self.ledger.lock:
-                    t.exclude(meta, e.reason, self.wall())
-                raise Refused(e.status, e.reason, code="bad_delta", round=t.round)
+            t0 = time.monotonic() if checked is None else checked[1]
+            norm = check_whole(self, meta, part) if checked is None else checked[0]
             with self.ledger.lock:
                 t.check_current(meta, self.clock())          # the round may have closed while we read the file
                 dup = t.duplicate(meta)
@@ -435,6 +424,7 @@ class FedMomState:
                 path, meta_path = self.spool.names(t.round, meta["cluster"], meta["incarnation"])
                 p = t.new_pending(meta, secrets.token_hex(8), path, meta_path, os.path.getsize(part), norm,
                                   time.monotonic() - t0, self.wall())
+                p.landed = self.wall() if landed is None else landed
                 self.spool.keep(part, p)
                 part = None
                 t.admit(p, self.clock())
@@ -467,21 +457,24 @@ class FedMomState:
                 return None
             if ready:
                 batch, late, closed_at = t.close(self.clock())
+                walls = {"closed": self.wall()}
         if due:
             self.keeper.checkpoint_when_due()    # due at a start (killed before it was written)
             return None
         with self.keeper.mem_lock:
-            rec = self._merge_and_finish(batch, ready, late, closed_at)
+            rec = self._merge_and_finish(batch, ready, late, closed_at, walls)
         with self.ledger.lock:
             due = rec is not None and self.keeper.checkpoint_due()
         if due:
             self.keeper.checkpoint_when_due()
         return rec
 
-    def _merge_and_finish(self, batch, reason, late, closed_at):
+    def _merge_and_finish(self, batch, reason, late, closed_at, walls):
         """tick's merge, under mem_lock: the arrays become the new round's, or are rebuilt."""
+        walls["merge_start"] = self.wall()
         try:
             stats, merged, dropped = self.keeper.merge(batch, self.history.clip_norms())
+            walls["merged"] = self.wall()
         except Exception as e:
             traceback.clear_frames(e.__traceback__)     # the failed try's arrays, let go before the rebuild
             return self._merge_failed(e)
@@ -502,7 +495,7 @@ class FedMomState:
                     self.ledger.wake()
                     return None
                 try:
-                    return self._finish(merged, stats, reason, late, closed_at, gone)
+                    return self._finish(merged, stats, reason, late, closed_at, gone, walls)
                 except Exception as e:  # not durable (state.json on a full disk): as a failed merge
                     self.outer.dirty = True
                     failed = e
@@ -510,7 +503,7 @@ class FedMomState:
             outer_state.remove(gone)
         return self._merge_failed(failed)
 
-    def _finish(self, batch, stats, reason, late, closed_at, gone):
+    def _finish(self, batch, stats, reason, late, closed_at, gone, walls):
         """Under the ledger's lock: round + 1 becomes durable (state.json, with its Step in the
         log and its commits owed); the round before's update and copies of theta/momentum are
         appended to `gone`, for the caller to unlink once it has released the lock (a crash
@@ -523,6 +516,9 @@ class FedMomState:
         L.update = stats["update"]
         L.save_or_rewind(mark)                             # the round becomes durable here
         testhooks.fault_point("fedmom.round_durable")   # durable with its commits owed, none sent yet
+        g = self.keeper.growing
+        offered = g.tag["offered"] if g is not None and g.tag["round"] == rec["round"] else None
+        rec["exchange"] = fedmom_round.exchange(batch, {**walls, "offered": offered, "durable": self.wall()})
         t.opened(rec, self.clock())
         L.append_record(rec)
         log(format_record(rec))
@@ -533,6 +529,7 @@ class FedMomState:
     def _merge_failed(self, e):
         """A merge, or the save that makes it durable, failed: the arrays go back to the durable
         round, /status says why, and the round is tried again in fedmom_round.MERGE_RETRY_S."""
+        self.keeper.withdraw(f"{type(e).__name__}: {e}")
         if self.outer.dirty:
             try:
                 self.keeper.rebuild()
@@ -561,6 +558,32 @@ class FedMomState:
 
     def open_update(self, base_round, base_digest):
         return self.keeper.open_update(base_round, base_digest)
+
+    def follow_update(self, base_round, base_digest, wait_s=0.0):
+        """GET /theta_update_next: the update from round `base_round` (a theta whose
+        wire.Digest is `base_digest`) to the next round, as soon as there are bytes of it:
+        ("file", open file, round, digest) once that round is durable (open_update), or
+        ("growing", tensorio.Growing) while it is being merged: its bytes as they are written,
+        not yet durable (the site checks the digest the round's heartbeat reply names before it
+        uses them). None after wait_s (at most a third of --member-timeout-s) with neither."""
+        deadline = self.clock() + min(max(0.0, wait_s), self.cfg.member_timeout_s / 3)
+        with self.ledger.lock:
+            while True:
+                u, g = self.ledger.update, self.keeper.growing
+                if self.table.round != base_round or (u is not None and u["round"] == base_round + 1):
+                    break                                # durable (or past): the file, or no_update
+                if g is not None and g.tag["round"] == base_round + 1 and not (g.failed or g.closed):
+                    if g.tag["base_digest"] != base_digest:
+                        raise Refused(409, f"your theta of round {base_round} is not the one the update being "
+                                           f"merged applies to (digest {str(base_digest)[:12]}... != "
+                                           f"{g.tag['base_digest'][:12]}...): download the full theta_global",
+                                      code="no_update", round=base_round)
+                    return "growing", g
+                left = deadline - self.clock()
+                if left <= 0:
+                    return None
+                self.ledger.cond.wait(timeout=min(left, 1.0))
+        return ("file", *self.open_update(base_round, base_digest))
 
     @property
     def theta_file(self):
@@ -862,6 +885,247 @@ def unlink_with_parts(path):
             durable.unlink(os.path.join(d, fn))
 
 
+class CheckBudget:
+    """The delta checks running at once, weighed in bytes: take(n) waits while the checks
+    running hold more than `cap` - n (one always runs). cap: --memory-gb's share for "a
+    delta's check" (outer_state.Budget.fixed, CHECK_BYTES, 32 MiB). A followed delta takes
+    one tensor's span at a time (fedmom_merge.DeltaCheck.cost: an int4 span of CHECK_SPAN
+    values ~11 MB + 256 KiB a thread), so two or three deltas are checked at once; a whole
+    file (check_delta_file) takes all of it, one at a time as before."""
+
+    def __init__(self, cap):
+        self.cap, self.used, self.running, self.cond = cap, 0, 0, threading.Condition()
+
+    @contextlib.contextmanager
+    def take(self, n):
+        with self.cond:
+            while self.running and self.used + n > self.cap:
+                self.cond.wait()
+            self.used, self.running = self.used + n, self.running + 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.used, self.running = self.used - n, self.running - 1
+                self.cond.notify_all()
+
+
+class Follows:
+    """POST /delta_blob's fetches and follows running now, by (blob, sha256), and the last KEEP
+    follows' answers: a second request of a blob (the site's fallback POST after its follow
+    was cut) waits for the first one's answer and gets it (a refusal as it was, an acceptance
+    as a duplicate), never a second fetch; when the first was cut (502/503), it fetches."""
+    KEEP = 64
+
+    def __init__(self):
+        self.cond, self.running, self.answers = threading.Condition(), set(), collections.OrderedDict()
+
+    def claim(self, blob):
+        with self.cond:
+            if blob in self.running or blob in self.answers:
+                return False
+            self.running.add(blob)
+            return True
+
+    def done(self, blob, out=None, error=None, keep=True):
+        with self.cond:
+            self.running.discard(blob)
+            if keep and (error is None or isinstance(error, Refused) and error.status not in (502, 503)):
+                self.answers[blob] = (out, error)
+                while len(self.answers) > self.KEEP:
+                    self.answers.popitem(last=False)
+            self.cond.notify_all()
+
+    def run(self, blob, fetch, again, keep):
+        """fetch() -> its answer, unless a request of `blob` (id, sha256) runs or, one that
+        followed it (`keep`), ran: then that one's."""
+        if not self.claim(blob):
+            return self.join(blob, again)
+        try:
+            out = fetch()
+        except BaseException as e:
+            self.done(blob, error=e, keep=keep)
+            raise
+        self.done(blob, out, keep=keep)
+        return out
+
+    def join(self, blob, again):
+        with self.cond:
+            while blob in self.running:
+                self.cond.wait()
+            got = self.answers.get(blob)
+        if got is None:
+            return again()
+        if got[1] is not None:
+            raise got[1]
+        return {**got[0], "duplicate": True}
+
+
+BLOB_FOLLOW_S = 60.0          # a follow's read timeout: the store sends a keep-alive every 20 s (FOLLOW_IDLE_S)
+
+
+class Follower:
+    """A delta blob followed as it lands (BlobLink.follow) into the part file `part`,
+    preallocated to `size`: each range written at its offset, the sha256 of the prefix hashed
+    as it grows (blob_client.PrefixHasher), the header checked once its bytes are in and each
+    tensor once all of its bytes are (fedmom_merge.DeltaCheck, one tensor's span at a time
+    within `checks`, a CheckBudget); nothing is read or checked twice. run() returns once the
+    store said the upload is complete and the sha256 matched: .norm, .landed (wall time of
+    the last byte), .last_byte (monotonic), .checked and .early (tensors checked while bytes
+    of the delta were still missing here)."""
+
+    def __init__(self, blobs, blob, part, size, sha256, specs, threads, checks, wall):
+        self.blobs, self.blob, self.part, self.size, self.sha256 = blobs, blob, part, size, sha256
+        self.specs, self.threads, self.checks, self.wall = specs, threads, checks, wall
+        self.covered, self.complete, self.checked, self.early = [], False, 0, 0
+        self.norm = self.landed = self.last_byte = None
+
+    def run(self):
+        fd = os.open(self.part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        hasher = None
+        try:
+            _preallocate(fd, self.size)
+            hasher = blob_client.PrefixHasher(self.part, self.size)
+            with fedmom_merge.DeltaCheck(self.part, self.specs, self.threads) as c:
+                end = self._receive(fd, hasher, c)
+                self.landed, self.last_byte, self.complete = self.wall(), time.monotonic(), True
+                self._end(end, hasher)
+                self._advance(fd, c)
+                if c.d is None:
+                    c.open()
+                for name in c.names:
+                    self._check(c, name)
+                self.norm = c.norm()
+        finally:
+            if hasher is not None:
+                hasher.close()
+            os.close(fd)
+
+    def _receive(self, fd, hasher, c):
+        for kind, off, data in self.blobs.follow(self.blob):
+            if kind == b"E":
+                return data
+            if off + len(data) > self.size:
+                raise Refused(400, f"blob {self.blob!r} is larger than the request's size {self.size}")
+            view, done = memoryview(data), 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], off + done)
+            self.covered = blob_client.add_range(self.covered, off, off + len(data))
+            hasher.feed(off, view)
+            self._advance(fd, c)
+        raise Refused(502, f"blob store {self.blobs.url}: the follow of {self.blob!r} ended without its end")
+
+    def _end(self, end, hasher):
+        if "gone" in end:
+            raise Refused(502, f"blob {self.blob!r}: its upload was {end['gone']} while followed; send it again")
+        if end.get("size") != self.size or blob_client.prefix_end(self.covered) < self.size:
+            raise Refused(400, f"blob {self.blob!r} has {end.get('size')} bytes, the request says {self.size}")
+        got = hasher.result()
+        if got != self.sha256 or end.get("sha256") != got:
+            raise Refused(400, f"blob {self.blob!r} has sha256 {got[:16]}..., the request says {self.sha256[:16]}...")
+
+    def _advance(self, fd, c):
+        """Open the header once its bytes landed, then check each tensor whose bytes all did."""
+        if c.d is None:
+            have = blob_client.prefix_end(self.covered)
+            if have < 8 or have < c.header_bytes(os.pread(fd, 8, 0)):
+                return
+            c.open()
+        for name in c.names:
+            if name not in c.sq and not any(blob_client.gaps(self.covered, a, b) for a, b in c.spans[name]):
+                self._check(c, name)
+
+    def _check(self, c, name):
+        if name in c.sq:
+            return
+        with self.checks.take(c.cost(name)):
+            c.check(name)
+        self.checked += 1
+        self.early += blob_client.prefix_end(self.covered) < self.size
+        testhooks.fault_point("fedmom.check_stream")    # test hook: killed mid-way through a followed check
+
+
+def post_delta_blob(state, meta, blob, sha256, blobs):
+    """POST /delta_blob: the metadata checked first, then the delta fetched from the blob
+    store (`blobs`, BlobLink) and accepted (fetch_whole), or with "follow": true (and
+    "size") followed while the site uploads it (follow_delta); the blob is deleted once
+    fetched, accepted or refused. A retry of a delta this round holds is a duplicate; one
+    while a request of the same blob runs gets that one's answer (Follows)."""
+    blobs.check_id(blob)
+    follow, size = meta.get("follow") is True, meta.get("size")
+    if follow and not _is_int(size):
+        raise Refused(400, "\"follow\": true needs \"size\": the delta file's bytes")
+    meta = state.check_delta_meta(meta)
+    dup = state.duplicate(meta)
+    if dup is not None:
+        return dup
+    return state.follows.run((blob, sha256), lambda: (follow_delta if follow else fetch_whole)(
+        state, meta, blob, sha256, size, blobs), lambda: post_delta_blob(state, meta, blob, sha256, blobs), follow)
+
+
+def bad_delta(state, meta, e):
+    """The Refused (bad_delta) a fedmom_merge.DeltaRejected answers; the delta is excluded."""
+    with state.ledger.lock:
+        state.table.exclude(meta, e.reason, state.wall())
+    return Refused(e.status, e.reason, code="bad_delta", round=state.table.round)
+
+
+def check_whole(state, meta, part):
+    """check_delta_file of a spooled delta -> its norm. A compressed delta is checked as its
+    decoded values and spooled as it came; a whole file takes the check budget's whole share
+    (each check already uses every core), so these run one at a time, as before."""
+    try:
+        with state.checks.take(state.checks.cap):
+            return fedmom_merge.check_delta_file(part, state.keeper.specs, state.cfg.threads)
+    except fedmom_merge.DeltaRejected as e:
+        raise bad_delta(state, meta, e) from None
+
+
+def fetch_whole(state, meta, blob, sha256, size, blobs):
+    """POST /delta_blob after the upload: the whole blob fetched, then checked and accepted."""
+    part = state.spool.part()
+    got = blobs.fetch(blob, part)
+    try:
+        if got != sha256:
+            state.spool.discard(part)
+            raise Refused(400, f"blob {blob!r} has sha256 {got[:16]}..., the request says {sha256[:16]}...")
+        return state.accept_delta(meta, part, landed=state.wall())
+    finally:                            # fetched: its bytes are in the spool, or refused for good
+        blobs.delete(blob)
+
+def follow_delta(state, meta, blob, sha256, size, blobs):
+    """POST /delta_blob {"follow": true}: the blob followed and checked as it lands (Follower);
+    a bad tensor refuses at once, a cut follow (502) leaves the blob for the site's fallback."""
+    part = state.spool.part()
+    f = Follower(blobs, blob, part, size, sha256, state.keeper.specs, state.cfg.threads, state.checks,
+                 state.wall)
+    try:
+        try:
+            f.run()
+        except fedmom_merge.DeltaRejected as e:          # a bad tensor refuses before the last byte
+            raise bad_delta(state, meta, e) from None
+    except BaseException as e:
+        unlink_with_parts(part)
+        if not (isinstance(e, Refused) and e.status in (502, 503)):
+            blobs.delete(blob)          # refused for good; a cut follow leaves it to the site's fallback
+        raise
+    try:
+        out = state.accept_delta(meta, part, checked=(f.norm, f.last_byte), landed=f.landed)
+    finally:
+        blobs.delete(blob)
+    return {**out, "streamed": {"tensors": f.checked, "before_last_byte": f.early}}
+
+
+def _preallocate(fd, size):
+    if size:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if durable.is_disk_full(e):
+                raise
+            os.ftruncate(fd, size)          # a file system without fallocate: a sparse file
+
+
 class BlobLink:
     """The aggregator's calls to the blob store at `url` (--blob-url): fetch a delta blob,
     delete it, publish a file of a round once per name. `retention` (a BlobRetention, or
@@ -889,6 +1153,18 @@ class BlobLink:
         except BaseException as e:
             unlink_with_parts(part)
             refusal = self._refusal(blob, e.last if isinstance(e, httpc.GaveUp) else e)
+            if refusal is None:
+                raise
+            raise refusal from None
+
+    def follow(self, blob):
+        """The records of `blob` as it lands (blob_client.follow); a failure is the refusal
+        fetch() would answer (502: the store unreachable or the stream cut, send again)."""
+        try:
+            yield from blob_client.follow(self.url, blob, token=self.token, ca_file=self.ca_file,
+                                          timeout=BLOB_FOLLOW_S)
+        except (httpc.CallError, OSError, http.client.HTTPException, ValueError) as e:
+            refusal = self._refusal(blob, e)
             if refusal is None:
                 raise
             raise refusal from None

@@ -4,11 +4,9 @@ and each delta's round trip, and the leased windows every rank derives from them
 Runs on: compute nodes, inside `train.py --federation`; on its own only as the central check
 (`python fedsite.py check`: the job's calls, clients and environment, from a compute node).
 FedSite lives on global rank 0 only; LeasedSource on every rank. Torch-free (stdlib, numpy,
-darl_client, fedmom_client, data, and wire for theta's compressed updates, file to file):
-the collectives that share rank 0's answers with the other ranks are fedphase.on_rank0's,
-called by fedphase.py, the torch half of a site's round. No port, no state of its own: the
-delta and theta files are the carrier's (runs/<run>/federation/), leases and membership
-live at the central services.
+darl_client, fedmom_client, data, wire): the collectives that share rank 0's answers are
+fedphase.on_rank0's, called by fedphase.py, the torch half of a site's round. No port, no
+state of its own: the delta and theta files are the carrier's (runs/<run>/federation/).
 
 Callers: fedphase.py's loop and its FedMomCarrier, in this order per run:
     site = FedSite(cfg, windows, model_bytes, log)            # rank 0
@@ -22,10 +20,11 @@ Callers: fedphase.py's loop and its FedMomCarrier, in this order per run:
 With --overlap the carrier calls site.start_round_trip(...) instead (the same round trip
 on a Background thread), the loop asks next_span(busy) while it runs, and the carrier's
 settle() waits for it once it has ended or at the next phase's end (--overlap-fold).
-Under --encode-on device the carrier passes defer_update=True: an int8/int4/int2 update of
-theta_global comes back unapplied (RoundResult.update), the carrier adds it on the
-devices and calls site.check_behind(theta), whose thread (the file's addition and the
-digest) the next round_trip and fetch_theta join first (join_check).
+Once its delta is in, round_trip follows the next round's update while it is merged (Follow)
+and adopts the theta built only once the round is durable with that digest (Follow.adopt).
+Under --encode-on device the carrier passes defer_update=True: an int8/int4/int2 update comes
+back unapplied (RoundResult.update) for the devices, then site.check_behind(theta) checks the
+file's addition and digest on a thread the next round_trip and fetch_theta join first.
 Every method that can wait is a generator that yields while it waits: on_rank0 turns each
 yield into a small broadcast, so the other ranks never sit in one collective long enough
 to time out. Each call to the central VM gets ONE httpc.Deadline, made here (FedSite._call):
@@ -166,6 +165,9 @@ class FedSite:
         self.down = {}               # how the last theta came: {"via": "update" | "full", "bytes": n}
         self.deferred = None         # (round, digest, update path): downloaded, applied by the caller
         self.checking = None         # the Background of check_behind, until joined
+        self.follow, self.publishes = None, True    # Follow: the next theta built during the merge; join says if any
+        self.last_update = None      # the heartbeat's {"round", "base_digest", "digest"} of the durable update
+        self.seen = {}               # the last round's exchange as this site saw it: sent with the next delta
         self.phase_s = None          # the aggregator's offered cadence (fedmom_server.py --phase-s), if any
         self.age = RoundAge()        # how long the open round has been open, from the last reply
 
@@ -230,7 +232,7 @@ class FedSite:
         timing out, the aggregator unreachable); start the keepalive."""
         reply = yield from self._call("FedMom join", lambda d: self.fed.join(deadline=d), self.cfg.register_wait_s)
         self.fed_round, self.member = reply["round"], True
-        self.phase_s = reply.get("phase_s")
+        self.phase_s, self.publishes = reply.get("phase_s"), reply.get("down_wire", "f32") != "f32"
         self.heard(reply)
         if self.keepalive is None:
             self.keepalive = self.fed.keepalive()
@@ -257,13 +259,10 @@ class FedSite:
     # -- per phase
     def next_span(self, busy=None, blocks=None):
         """-> (lease, start, end) of the next span, or None when DARL has no blocks left.
-        While every block is leased elsewhere, the site leaves FedMom's rounds so that
-        the others do not wait for a delta that cannot come; it joins again with work.
-        busy: the Background round trip of the delta in flight (--overlap), or None. While
-        it runs, the site only asks DARL (no leave, no join: the round trip talks to FedMom
-        meanwhile); if it ends before a span comes, -> SETTLE: the caller takes its theta in
-        first, then asks again without it. blocks: what to lease (a phase measured in time: from
-        its plan)."""
+        While every block is leased elsewhere, the site leaves FedMom's rounds (the others must
+        not wait for a delta that cannot come) and joins again with work. busy: the round trip
+        in flight (--overlap): meanwhile only DARL is asked; if it ends first -> SETTLE (the
+        caller takes its theta in, then asks again). blocks: what to lease (a timed phase's plan)."""
         if blocks is not None:
             self.session.span_blocks = self.session.lease_blocks = max(1, int(blocks))
         if busy is not None:
@@ -306,20 +305,21 @@ class FedSite:
         return (yield from self._call("FedMom round", lambda d: self.fed.current_round(deadline=d)))
 
     def fetch_theta(self, path, defer_update=False):
-        """theta_global of the current round into `path` -> its round. With the aggregator's
-        --down-wire, a site holding the previous round's theta downloads the update and adds
-        it (wire.apply_update: the aggregator's exact bits, checked by their digest); any
-        other site (new, requeued, behind) downloads the whole file (FEDERATION_GUIDE.md,
-        "Compressed downstream"). defer_update: an int8/int4/int2 update is only
-        downloaded and checked against the theta file's names and shapes; the caller adds it
-        where its theta is, then check_behind() does the file's addition and the digest.
-        A check still running behind is joined first."""
+        """theta_global of the current round into `path` -> its round: the theta followed during
+        the merge (Follow.adopt), else with --down-wire the update added to the previous round's theta
+        (checked by its digest), else the whole file (FEDERATION_GUIDE.md, "Compressed downstream").
+        defer_update: an int8/int4/int2 update is only checked against the theta's names and
+        shapes; the caller adds it on its devices, then check_behind() (joined first) checks the file."""
         yield from self.join_check()
         return (yield from self._call("download theta_global", lambda d: self._fetch(path, d, defer_update)))
 
     def _fetch(self, path, deadline=None, defer_update=False):
         held = self.held if self.held is not None else _held(path)
         self.deferred = None
+        fol, self.follow = self.follow, None
+        got = fol.adopt(self, path, defer_update) if fol is not None else None
+        if got is not None:
+            return got
         if held is not None:
             upd = os.path.join(os.path.dirname(os.path.abspath(path)), "theta-update.safetensors")
             keep = False
@@ -347,14 +347,15 @@ class FedSite:
         return rnd
 
     def check_behind(self, path):
-        """After the caller added the deferred update (fetch_theta(defer_update=True)) to its
-        theta on its devices: the same float32 addition file to file on this host, on a
-        thread (wire.apply_update), which checks the result against the digest the
-        aggregator published and leaves `path` at the new round for the next update request.
-        join_check() waits for it: before the next delta is sent (round_trip) and before
-        the next download (fetch_theta)."""
-        rnd, digest, upd = self.deferred
+        """After the caller added the deferred update to its theta on its devices: the same
+        float32 addition file to file on a thread (wire.apply_update), checked against the
+        aggregator's digest; join_check() waits for it before the next send and download."""
+        rnd, digest, upd, *checked = self.deferred
         self.deferred = None
+        if checked:                           # followed: the host built and checked this theta already
+            durable.unlink(upd)
+            self.held = (rnd, digest)
+            return
 
         def check():
             testhooks.fault_point("site.check")  # test hook (testhooks.py): the device holds the update, the file not yet
@@ -441,11 +442,12 @@ class FedSite:
         try:
             yield from self._call("send delta", lambda d: self.fed.send_delta(
                 delta_path, base, handoff.tokens, commit_records(self.session, spans),
-                {k: v for k, v in handoff.metrics.items() if v is not None}, transport=self.cfg.transport,
+                {**{k: v for k, v in handoff.metrics.items() if v is not None}, **self.seen}, transport=self.cfg.transport,
                 deadline=d))
             sent = True
             out.sent_at = time.monotonic()
             testhooks.fault_point("site.sent")          # test hook: accepted, its outcome not known here yet
+            self.follow = Follow.start(self, base, theta_path)    # the next theta while it is merged
         except fedmom_client.StaleRound as e:
             out.reason = f"stale: {e}"
         except httpc.CallError as e:                  # refused (a bad delta): never merged
@@ -459,6 +461,7 @@ class FedSite:
             if reply["round"] <= base and reply.get("waiting_on") is not None:
                 out.waiting_on = reply["waiting_on"]
             self.heard(reply)
+            self.last_update = reply.get("update")
             if state == "pending" or (sent and got is None and reply["round"] <= base):
                 self.say(f"round {base}: waiting for the other sites' deltas (members {reply.get('members')})",
                          every_s=30.0)
@@ -466,6 +469,7 @@ class FedSite:
                 continue
             break
         out.wait_s = round(time.monotonic() - t0 - out.send_s, 3)
+        durable_seen = time.monotonic()
         # the lease TTL we ask for follows this whole time (phase + round trip), not the phase
         for sp in spans:
             self.session.span_done(sp)
@@ -480,6 +484,11 @@ class FedSite:
             for sp in spans:
                 self.session.forget(sp)
         yield from self._fetch_into(out, theta_path, defer_update)
+        held_at = time.monotonic()
+        # on the round record's time line (fedmom_round.exchange): how long after the round was
+        # durable this site held its theta, and its whole wait from its delta's acceptance
+        self.seen = {"exchange_round": out.round, "held_lag_s": round(held_at - durable_seen, 3),
+                     "exchange_wait_s": round(held_at - out.sent_at, 3) if sent else None}
         return out
 
     def _fetch_into(self, out, theta_path, defer_update=False):
@@ -573,6 +582,78 @@ def commit_records(session, spans):
         else:
             out.append(session.commit_record(sp))
     return out
+
+
+class Follow:
+    """The next round's theta, built while the aggregator merges it: the update comes down as
+    it is written (fedmom_client.FollowedUpdate) and each tensor is added to our theta as its
+    bytes are in (wire.apply_update's `ready`), into theta-next.safetensors. Used only once the
+    round is durable and its digest is the round's (Follow.adopt; FEDERATION_GUIDE.md section 4)."""
+
+    def __init__(self, fed, theta_path, held, retry_s):
+        d = os.path.dirname(os.path.abspath(theta_path))
+        self.upd = os.path.join(d, "theta-followed.safetensors")
+        self.cand = os.path.join(d, "theta-next.safetensors")
+        self.f = fedmom_client.FollowedUpdate(fed, self.upd, *held)
+        self.deadline = httpc.Deadline(retry_s, what="follow the update of theta_global", log=httpc.quiet)
+        self.theta_path, self.box = theta_path, {}
+        self.thread = threading.Thread(target=self._run, name="follow-update", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        fetch = threading.Thread(target=self.f.run, args=(self.deadline,), name="follow-download", daemon=True)
+        fetch.start()
+        try:
+            self.f.wait_for(8)
+            testhooks.fault_point("site.follow")    # test hook: the followed update's first bytes are in, not applied
+            digest = wire.apply_update(self.theta_path, self.upd, self.cand, None, {"round": str(self.f.round)},
+                                       ready=self.f.wait_for)
+            self.box["out"] = (self.f.round, digest)
+        except Exception as e:               # UpdateGone, a cut that did not resume, a bad file: not ours
+            self.box["err"] = e
+            self.f.stop.set()
+        finally:
+            fetch.join()
+
+    @classmethod
+    def start(cls, site, base, theta_path):
+        """site's delta of round `base` is in -> a Follow of round base + 1's update if the aggregator
+        publishes updates, site holds round `base` and PWW_FOLLOW_UPDATE is not 0; else None."""
+        if site.follow is not None:
+            site.follow.discard()
+        held = site.held
+        if held is not None and held[0] == base and site.publishes and os.environ.get("PWW_FOLLOW_UPDATE") != "0":
+            return cls(site.fed, theta_path, held, site.retry_s)
+        return None
+
+    def adopt(self, site, path, defer_update):
+        """The round is durable: the theta built becomes site's if its digest is the one the
+        heartbeat named (site.last_update) -> its round, else None (the usual download follows)."""
+        want, held, got = site.last_update, site.held, self.result()
+        if None in (got, want, held) or got != (want["round"], want["digest"]) or want["base_digest"] != held[1]:
+            if got is not None:
+                site.log(f"the update followed during the merge ({got[0]}) is not the durable round's "
+                         f"({want and want['round']}): taking it the usual way")
+            self.discard()
+            return None
+        durable.rename(self.cand, path, True)
+        site.held, site.down = got, {"via": "followed", "bytes": self.f.total}
+        if defer_update and _device_update(self.upd, path):
+            site.deferred = (got[0], got[1], self.upd, "checked")   # the devices add it; the host already did
+        else:
+            durable.unlink(self.upd)
+        return got[0]
+
+    def result(self):
+        """(round, digest) of the theta built, or None (why is in self.box["err"])."""
+        self.thread.join()
+        return self.box.get("out")
+
+    def discard(self):
+        self.f.stop.set()
+        self.thread.join()
+        durable.unlink(self.upd)
+        durable.unlink(self.cand)
 
 
 def _device_update(upd, theta_path):

@@ -107,16 +107,21 @@ def disk_full(path, err=None):
 
 
 class Response:
-    """A non-JSON reply: `body` bytes, or `path` + `offset` + `length` streamed from a file."""
+    """A non-JSON reply: `body` bytes, or `path` + `offset` + `length` streamed from a file,
+    or `stream`, an iterable of bytes made while the reply goes out."""
 
     def __init__(self, status=200, headers=None, body=b"", path=None, offset=0, length=None,
-                 content_type="application/octet-stream", file=None):
+                 content_type="application/octet-stream", file=None, stream=None):
         self.status, self.headers, self.body = status, dict(headers or {}), body
         self.path, self.offset, self.length, self.content_type = path, offset, length, content_type
         # `file`: an already open binary file to stream instead of opening `path` (closed after
         # sending). A route that opens the file itself keeps serving it even if the name is
         # replaced or unlinked before the reply goes out.
         self.file = file
+        # `stream`: bytes produced while they are sent (a file still being written, a follow):
+        # with `length`, exactly that many bytes (Content-Length; fewer cut the connection, so
+        # the client sees a short body); without, chunked. Its close() is called at the end.
+        self.stream = stream
 
 
 class Request:
@@ -419,6 +424,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(data)
 
     def _send_response(self, r):
+        if r.stream is not None:
+            return self._send_stream(r)
         f = r.file
         try:
             if f is None and r.path is not None:
@@ -445,6 +452,45 @@ class Handler(http.server.BaseHTTPRequestHandler):
         finally:
             if f is not None:
                 f.close()
+
+    def _send_stream(self, r):
+        """A Response(stream=): each piece sent as it comes; a stream that raises, or ends
+        short of `length`, ends the connection (the client's body is short, never wrong)."""
+        sent, chunked = 0, r.length is None
+        try:
+            self.send_response(r.status)
+            self.send_header("Content-Type", r.content_type)
+            self.send_header("Transfer-Encoding", "chunked") if chunked else \
+                self.send_header("Content-Length", str(r.length))
+            for k, v in r.headers.items():
+                self.send_header(k, str(v))
+            self.end_headers()
+            if self.command == "HEAD":
+                return
+            for piece in r.stream:
+                if not piece:
+                    continue
+                if chunked:
+                    self.wfile.write(b"%x\r\n" % len(piece))
+                self.wfile.write(piece)
+                if chunked:
+                    self.wfile.write(b"\r\n")
+                sent += len(piece)
+            if chunked:
+                self.wfile.write(b"0\r\n\r\n")
+            elif sent != r.length:
+                self.close_connection = True
+                self.log_message("%s %s: stream ended after %d of %d bytes", self.command, self.path, sent, r.length)
+        except (ConnectionError, socket.timeout, OSError) as e:
+            self.close_connection = True          # the client went, or the stream's source failed
+            self.log_message("%s %s: stream cut after %d bytes: %s", self.command, self.path, sent, e)
+        except BaseException:
+            self.close_connection = True
+            raise
+        finally:
+            close = getattr(r.stream, "close", None)
+            if close is not None:
+                close()
 
     def log_message(self, fmt, *args):
         if not self.quiet:

@@ -401,7 +401,7 @@ class WorkerSession:
 
 
 def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads=None, after_tensor=None,
-                only=None, pool=None, delta_bytes=None):
+                only=None, pool=None, delta_bytes=None, on_update=None):
     """Merge step's deltas into `state` in place (module docstring). out_update: where the
     round's update goes (step.codec given); None writes nothing (a replay). after_tensor(name):
     called after each tensor (the aggregator's fault point). Raises fedmom_merge.NonFinite
@@ -439,7 +439,12 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
     pool: a fedmom_merge.Pool of 2 or more workers: the pieces of each wave run in those
     processes, one contiguous run each, on the state's arrays in blocks they share (a
     store's, or private arrays moved into shared memory: state.share()); the same bits. A
-    topk or bf16 --down-wire is encoded whole, here."""
+    topk or bf16 --down-wire is encoded whole, here.
+
+    on_update(writer): called once the update file's header is written, with its
+    tensorio.TensorWriter -> a tensorio.Growing (or None) that is advanced after each tensor
+    of the update is written and failed if the round raises: the sites read the update
+    while later tensors merge (fedmom_state.FedMomState.follow_update)."""
     threads = wire.resolve_threads(threads)
     codec, mu, shapes = step.codec, step.mu, state.shapes
     fresh = step.fresh or state.momentum is None or mu == 0
@@ -447,7 +452,7 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
         raise ValueError("apply_round: a round applied to part of the state (only=) writes no update")
     use_pool = pool is not None and pool.procs > 1 and (codec is None or codec.fmt in wire.LEVELS)
     state.dirty = True
-    deltas, uw, behind, scratch = [], None, None, None
+    deltas, uw, behind, scratch, growing = [], None, None, None, None
     try:
         for p, _ in step.deltas:
             deltas.append(fedmom_merge.DeltaReader(p))
@@ -476,6 +481,7 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
         if codec is not None and out_update is not None:
             meta = {k: str(v) for k, v in (metadata or {}).items()}
             uw = wire.WireWriter(out_update, list(shapes.items()), codec, meta, fsync=fsync, threads=threads)
+            growing = on_update(uw.w) if on_update is not None else None
         if use_pool and codec is not None:
             scratch = _Scratch(codec, shapes)
         new_residual = {} if codec is not None else None
@@ -526,7 +532,7 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
                 pending.append(behind.submit(lambda n=n, sh=sh: digest.add_chunks(n, sh, fedmom_merge.chunks(
                     state.theta[n]))))
             if uw is not None:
-                pending.append(behind.submit(uw.write_parts, n, parts))
+                pending.append(behind.submit(_write_update, uw, n, parts, growing))
                 if use_pool:
                     slot.busy = pending[-1]                # reused once this write is done
             pending = [f for f in pending if not f.done() or f.result()]   # re-raise a failure behind
@@ -559,10 +565,19 @@ def apply_round(state, step, out_update=None, metadata=None, fsync=True, threads
     finally:
         if behind is not None:
             behind.close()                                 # nothing writes after we return or raise
+        if growing is not None and state.dirty:
+            growing.fail(f"the merge of round {step.round} stopped")
         if uw is not None:
             uw.abort()
         for d in deltas:
             d.close()
+
+
+def _write_update(uw, name, parts, growing):
+    """One tensor of the round's update written (behind the merge), and offered to its readers."""
+    uw.write_parts(name, parts)
+    if growing is not None:
+        growing.advance(uw.w.flushed())
 
 
 def _waves(pieces, per_elem, delta_bytes):
@@ -1314,26 +1329,45 @@ RATES = {"source": "bench/scale_round.py --flavor 0.6B --rounds 4 (2 cores)", "m
 NVME = {"read_bps": 3.0e9, "write_bps": 2.0e9}      # a VM's local NVMe disk, assumed (plan --disk-gbs)
 
 
-def rates_from(path):
-    """RATES from a bench/scale_round.py --json file (its "rates")."""
+def rates_from(path=None):
+    """RATES from a bench/scale_round.py --json file (its "rates"); None: RATES. The round's
+    exchange (plan's serial and pipelined figures) takes three more, measured by the same
+    bench since its pipelined arm, when the file has them, else those of its 0.6B run: the
+    link's rate down (blob_client over loopback TLS), a site's apply per parameter, and what
+    the pipeline adds to its slowest stage per value of the largest tensor (its tail)."""
+    exchange = {"link_bps": 0.40e9, "apply_s_per_param": 1.21e-8, "tail_s_per_largest": 4.4e-8,
+                "exchange_source": "bench/scale_round.py --flavor 0.6B --rounds 3 (2 cores)"}
+    if path is None:
+        return {**exchange, **RATES}
     with open(path) as f:
         got = json.load(f).get("rates")
     if not isinstance(got, dict) or not set(RATES) <= set(got):
         raise SystemExit(f"plan: {path} holds no \"rates\" (write it with bench/scale_round.py --json)")
-    return got
+    return {**exchange, **got, "exchange_source": got["source"] if "link_bps" in got else exchange["exchange_source"]}
 
 
-def round_seconds(b, sites, cores, rates, disk):
+def round_seconds(b, sites, cores, rates, disk, update_bytes=None):
     """Central seconds of one round at this budget: the acceptances, the merge (its CPU over
     the cores, or the disk's reads and writes of the part on disk, whichever is longer, and
-    never under the one-core theta digest), the publish."""
+    never under the one-core theta digest), the publish. With update_bytes (and the exchange's
+    rates: rates_from), the exchange after the last delta's last byte: serial = its
+    acceptance + merge + publish + the update's download at link_bps + a site's apply, one
+    after another; pipelined = the slowest of merge, download and apply (they overlap, tensor
+    by tensor) + the tail (tail_s_per_largest x the largest tensor's values)."""
     P, (in_mem, on_disk) = b.params, b.split()
     f = on_disk / max(in_mem + on_disk, 1)
     cpu = P * (rates["merge_cpu_s_per_param"] * (1 - f) + rates["merge_disk_cpu_s_per_param"] * f) / cores
     io = on_disk / disk["read_bps"] + on_disk / disk["write_bps"]
     merge = max(cpu, io, rates["sha256_s_per_byte"] * 4 * P)
-    return {"accept": sites * rates["accept_s_per_param"] * P, "merge": merge, "merge_io": io,
-            "publish": rates["publish_s_per_param"] * P}
+    out = {"accept": sites * rates["accept_s_per_param"] * P, "merge": merge, "merge_io": io,
+           "publish": rates["publish_s_per_param"] * P}
+    if update_bytes is not None and "link_bps" in rates:
+        down, apply = update_bytes / rates["link_bps"], rates["apply_s_per_param"] * P
+        tail = rates["tail_s_per_largest"] * b.largest
+        out.update(download=down, apply=apply, tail=tail,
+                   serial=out["accept"] / sites + merge + out["publish"] + down + apply,
+                   pipelined=max(merge, down, apply) + tail)
+    return out
 
 
 def disk_needs(P, sites, codec_bytes, delta_bytes, checkpoint_rounds, keep_rounds, kinds):
@@ -1399,6 +1433,16 @@ def plan(shapes, how, sites, wire_codec, down_codec, memory_gb, procs, cores, ou
     out.append(f"  the checkpoint, every {checkpoint_rounds} rounds after its round is published: {ck:.0f} s "
                f"({gb(needs['state dir: checkpoint'])} at the disk's {disk['write_bps'] / GB:.1f} GB/s; measured "
                f"{rates['checkpoint_write_bps'] / GB:.2f} GB/s where the rates were)")
+    if down_codec is not None and "link_bps" in rates:
+        r = round_seconds(b, sites, cores, rates, disk, U * P)
+        out.append(f"the exchange, last delta's last byte -> every site holding the next theta, at --memory-gb "
+                   f"{b.memory / GB:.2f} (rates: {rates['exchange_source']}; the link {rates['link_bps'] / GB:.2f} "
+                   f"GB/s, a site's apply {rates['apply_s_per_param'] * 1e9:.1f} ns/param, the tail "
+                   f"{rates['tail_s_per_largest'] * 1e9:.1f} ns x the largest tensor's {b.largest / 1e6:.0f}M values):")
+        out.append(f"  serial:    accept {r['accept'] / sites:.1f} + merge {r['merge']:.1f} + publish {r['publish']:.1f} "
+                   f"+ download {r['download']:.1f} ({gb(U * P)}) + apply {r['apply']:.1f} = {r['serial']:.1f} s")
+        out.append(f"  pipelined: max(merge {r['merge']:.1f}, download {r['download']:.1f}, apply {r['apply']:.1f}) "
+                   f"+ tail {r['tail']:.1f} = {r['pipelined']:.1f} s ({r['pipelined'] / r['serial']:.2f} x serial)")
     return out
 
 
@@ -1483,6 +1527,7 @@ class OuterKeeper:
         self.checkpoint_retry_at = 0.0
         self.merge_pause_s = float(os.environ.get(MERGE_PAUSE_ENV, "0") or 0)
         self._pool = None             # fedmom_merge.Pool, started at the first round or replay that needs it
+        self.growing = None           # tensorio.Growing: the update of the round being merged (or the last one)
         fedmom_merge.sweep_stale()      # the shared arrays of an aggregator killed here before
 
     def procs(self):
@@ -1620,13 +1665,13 @@ class OuterKeeper:
             step = Step(new, [(os.path.relpath(p.path, self.dir), w * c)
                                           for p, w, c in zip(live, shares, scales)],
                                     cfg.outer_lr, mu, bool(reset) or mu == 0 or self.outer.momentum is None, codec)
-            t0 = self.clock()
+            t0, tag = self.clock(), {"round": new, "base_digest": self.outer.digest, "id": secrets.token_hex(6)}
             try:
                 stats = apply_round(
                     self.outer, resolved(step, self.dir),
                     codec and os.path.join(self.dir, f"update-{new}.safetensors"), {"round": str(new)}, cfg.fsync,
                     cfg.threads, after_tensor=self._after_tensor, pool=self.pool_for([step]),
-                    delta_bytes=self.budget.delta_bytes())
+                    delta_bytes=self.budget.delta_bytes(), on_update=lambda w: self._offer(w, tag))
             except fedmom_merge.NonFinite as e:
                 traceback.clear_frames(e.__traceback__)     # the failed try's arrays, let go before the rebuild
                 self.rebuild()                      # the arrays are half merged: back to round rnd
@@ -1645,11 +1690,28 @@ class OuterKeeper:
                 continue
             step.digest = self.outer.digest
             update = codec and {"file": f"update-{new}.safetensors", "round": new, "format": codec.fmt,
-                                **stats["published"]}
+                                "id": tag["id"], **stats["published"]}
             stats.update(merge_s=self.clock() - t0, weights=shares, scales=scales, clip=clip, momentum_reset=reset,
                          update=update, step=step, outer_lr=cfg.outer_lr, outer_momentum=mu)
             return stats, live, dropped
         return None, [], dropped
+
+    def _offer(self, writer, tag):
+        """apply_round's on_update: the update being written becomes the one sites may follow
+        (the one before is withdrawn; its readers finish from their own descriptors)."""
+        g = tensorio.Growing(writer, {**tag, "offered": testhooks.wall_time()})
+        with self.ledger.lock:
+            old, self.growing = self.growing, g
+            self.ledger.wake()                      # a site waiting in follow_update
+        if old is not None:
+            old.close()
+        return g
+
+    def withdraw(self, why):
+        """The round being merged will not become durable as written (its save failed): its
+        readers are cut, and none starts."""
+        if self.growing is not None:
+            self.growing.fail(why)
 
     def _clip(self, batch, history, rnd):
         """The robust rule (fedmom_merge.clip_scales): scale per delta and the record's "clip"."""

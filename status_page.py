@@ -89,7 +89,8 @@ class RoundsTail:
 
 
 SITE_KEYS = ("loss", "tokens_per_s", "mfu", "peak_mem_gib", "inner_s", "heldout_loss", "heldout_round",
-             "incarnation", "steps", "step_s", "ended_by", "util", "arrived_s", "waited_s")
+             "incarnation", "steps", "step_s", "ended_by", "util", "arrived_s", "waited_s",
+             "exchange_round", "held_lag_s", "exchange_wait_s")
 
 
 def compact(rec, cum_before):
@@ -107,7 +108,7 @@ def compact(rec, cum_before):
             "cum_tokens": cum_before + (rec.get("tokens") or 0), "loss": rec.get("loss"),
             "drift_mean": rec.get("drift_mean"), "drift_max": rec.get("drift_max"),
             "wall_s": rec.get("wall_s"), "merge_s": rec.get("merge_s"), "period_s": rec.get("period_s"),
-            "reason": rec.get("reason"), "sites": sites,
+            "reason": rec.get("reason"), "sites": sites, "exchange": rec.get("exchange"),
             "excluded": [{"cluster": d.get("cluster"), "why": d.get("why")} for d in rec.get("excluded") or ()],
             "dropped": [{"cluster": d.get("cluster"), "why": d.get("why")} for d in rec.get("dropped") or ()]}
 
@@ -669,6 +670,31 @@ def _rounds_html(rows, last=20):
     return f"<table>{head}{''.join(body)}</table>{more}"
 
 
+EXCHANGE_STAGES = (("accepted_s", "accepted"), ("closed_s", "round closed"), ("merge_start_s", "merge began"),
+                   ("offered_s", "first update bytes offered"), ("merged_s", "merged"), ("durable_s", "durable"))
+
+
+def _exchange_html(rows):
+    """The last round's exchange on one time line (fedmom_round.exchange), and when each site
+    held that round's theta (reported with its next delta): which stage is the slowest."""
+    have = [r for r in rows if r.get("exchange")]
+    told = [r for r in have if any(x["round"] == r["round"] + 1 for x in rows)]   # its sites have reported
+    last = (told or have or [None])[-1]
+    if last is None:
+        return ""
+    ex, steps = last["exchange"], []
+    for key, what in EXCHANGE_STAGES:
+        if ex.get(key) is not None:
+            steps.append(f"{what} +{ex[key]:.2f} s")
+    held = [f"{n} +{ex['durable_s'] + s['held_lag_s']:.2f} s (its wait {fmt(s.get('exchange_wait_s'), '.1f')} s)"
+            for r in rows if r["round"] == last["round"] + 1 for n, s in sorted(r["sites"].items())
+            if s.get("exchange_round") == last["round"] and s.get("held_lag_s") is not None
+            and ex.get("durable_s") is not None]
+    line = (f"Exchange of round {last['round']}, from the last delta's last byte: {'; '.join(steps)}"
+            f"{'; held by ' + ', '.join(held) if held else ' (the sites report when they held it with their next delta)'}.")
+    return f"<p>{ESC(line)}</p>"
+
+
 def _disk_html(view):
     d, b = view["disk"], view["blob"]
     out = [f"<tr><td>aggregator state</td><td>{nbytes(d['state_bytes'])}</td>"
@@ -757,6 +783,7 @@ momentum {cfg.get('outer_momentum')}; held-out loss: {_heldout_text(held)}</p>
 <div class="scroll">{_sites_html(sites)}</div>
 {_compute_html(sites)}
 <h2>Last merged rounds</h2>
+{_exchange_html(rows)}
 <div class="scroll">{_rounds_html(rows)}</div>
 <h2>Disk</h2>
 {_disk_html(view)}

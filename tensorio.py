@@ -36,6 +36,7 @@ import json
 import os
 import struct
 import sys
+import threading
 
 import numpy as np
 
@@ -152,6 +153,7 @@ class TensorWriter:
         meta["format"] = file_format
         meta.setdefault("producer", "tensorio")
         header = _header_bytes(self.specs, meta)
+        self.size = 8 + len(header) + sum(_numel(sh) * DTYPES[dt].itemsize for _, dt, sh in self.specs)
         self.tmp = durable.tmp_name(self.path)
         self._f = open(self.tmp, "wb")
         self.written = 0
@@ -214,6 +216,12 @@ class TensorWriter:
         for i in range(0, flat.size, CONVERT_CHUNK):       # narrow in slices: no second full copy
             self._f.write(memoryview(np.ascontiguousarray(convert(flat[i:i + CONVERT_CHUNK]))).cast("B"))
 
+    def flushed(self):
+        """The bytes written so far, flushed to the file (readable by another reader of `tmp`
+        while the file is still being written: a tensor file followed as it grows)."""
+        self._f.flush()
+        return self._f.tell()
+
     def close(self):
         if self._f is None:
             return
@@ -246,6 +254,65 @@ class TensorWriter:
         else:
             self.abort()
         return False
+
+
+class Growing:
+    """A tensor file while its TensorWriter writes it, readable as it grows: the
+    aggregator's update of a round is read by the sites while later tensors are still being
+    merged. The header fixes every offset, so `total` is known before the first tensor.
+    The writer's side calls advance(writer.flushed()) after each tensor, fail(why) if it
+    stops, and close() when the file is no longer offered; each reader iterates follow(),
+    which yields the bytes in order as they are flushed and raises OSError when the writer
+    failed or the file was withdrawn before its bytes came (the reply is then cut short: a
+    reader never gets a byte the writer did not write)."""
+
+    def __init__(self, writer, tag=None):
+        self.total, self.tag = writer.size, dict(tag or {})
+        self._fd = os.open(writer.tmp, os.O_RDONLY)    # stays readable after the rename, or an abort
+        self.cond = threading.Condition()
+        self.done, self.failed, self.closed = writer.flushed(), None, False
+
+    def advance(self, nbytes):
+        with self.cond:
+            self.done = nbytes
+            self.cond.notify_all()
+
+    def fail(self, why):
+        with self.cond:
+            self.failed = why
+            self.cond.notify_all()
+
+    def close(self):
+        with self.cond:
+            if not self.closed:
+                self.closed = True
+                os.close(self._fd)
+            self.cond.notify_all()
+
+    def follow(self, start=0, chunk=1 << 20):
+        """The bytes from `start` to the end, each piece as soon as it is written (a reused
+        buffer: send or copy it before asking for the next)."""
+        with self.cond:
+            if self.closed or self.failed:
+                raise OSError(f"the file is no longer offered: {self.failed or 'withdrawn'}")
+            fd = os.dup(self._fd)
+        view, at = memoryview(bytearray(chunk)), start
+        try:
+            while at < self.total:
+                with self.cond:
+                    while self.done <= at and self.failed is None and not self.closed:
+                        self.cond.wait()
+                    if self.failed is not None or self.done <= at:
+                        raise OSError(f"the file stopped at byte {self.done} of {self.total}: "
+                                      f"{self.failed or 'withdrawn'}")
+                    end = self.done
+                n = os.preadv(fd, [view[:min(chunk, end - at)]], at)
+                if n <= 0:
+                    raise OSError(f"the file ends at byte {at}, before the {self.done} written")
+                yield view[:n]
+                at += n
+        finally:
+            os.close(fd)
 
 
 # ---------------------------------------------------------------- reader

@@ -43,6 +43,7 @@ import dataclasses
 import json
 import math
 import os
+import struct
 import sys
 import threading
 
@@ -486,6 +487,11 @@ class WireReader:
         return self.codec.decode(parts, self.shapes[name], where=f"{self.path}: tensor {name!r}",
                                  threads=self.threads, out=out)
 
+    def ends(self):
+        """{name: the file position just past the last byte of all its parts}."""
+        parts = lambda n: [n] if self.codec is None else [p for p, _, _ in self.codec.parts(n, self.shapes[n])]
+        return {n: max(self.r.span(p)[1] for p in parts(n)) for n in self.names}
+
     def nbytes(self, name):
         """Bytes of this tensor in the file (all its parts)."""
         if self.codec is None:
@@ -572,16 +578,25 @@ def theta_digest(path, threads=None):
     return d.hexdigest()
 
 
-def apply_update(theta_path, update_path, out_path, want_digest, metadata=None, fsync=True, threads=None):
+def apply_update(theta_path, update_path, out_path, want_digest, metadata=None, fsync=True, threads=None,
+                 ready=None):
     """theta_path (round r) + the update file (wire or plain) -> out_path (round r+1, F32),
     one tensor at a time with add_update; out_path may be theta_path (replaced atomically).
     The result must have the Digest `want_digest` the aggregator published with it: else
     WireError, and out_path is left as it was. Returns the digest.
     threads: the decode and the addition (None: $WIRE_THREADS, else every core); the digest's sha256
-    and the write of each tensor run behind the next tensor (Pipeline)."""
+    and the write of each tensor run behind the next tensor (Pipeline).
+    ready(offset): an update file still arriving (its full size already allocated): blocks
+    until its first `offset` bytes are in, so each tensor is added as soon as its bytes are
+    (fedmom_client.FollowedUpdate). want_digest None: no check, the caller compares."""
     threads = resolve_threads(threads)
+    if ready is not None:
+        ready(8)
+        with open(update_path, "rb") as f:
+            ready(8 + struct.unpack("<Q", f.read(8))[0])
     with tensorio.TensorReader(theta_path) as prev, WireReader(update_path, threads) as upd:
         check_shapes(upd, {n: prev.specs[n][1] for n in prev.names})
+        ends = upd.ends() if ready is not None else {}
         d = Digest()
         with tensorio.TensorWriter(out_path, [(n, "F32", prev.specs[n][1]) for n in prev.names],
                                    metadata, fsync=fsync) as w, \
@@ -589,11 +604,13 @@ def apply_update(theta_path, update_path, out_path, want_digest, metadata=None, 
             sbuf = np.empty(pipe.sets[0][0].size, np.float32)    # the decoded update: not needed behind
             for n in prev.names:
                 (tbuf,), k = pipe.next()
+                if ready is not None:
+                    ready(ends[n])
                 theta = add_into(read_f32(prev, n, tbuf), upd.read(n, out=sbuf), threads)
                 pipe.behind(k, 0, d.add, n, theta)
                 pipe.behind(k, 1, w.write, n, theta)
             pipe.finish()
-            if d.hexdigest() != want_digest:
+            if want_digest is not None and d.hexdigest() != want_digest:
                 raise WireError(f"{theta_path} + {update_path} gives theta digest {d.hexdigest()[:16]}..., the "
                                 f"aggregator published {str(want_digest)[:16]}...: not the theta it built")
     return d.hexdigest()

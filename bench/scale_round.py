@@ -21,7 +21,7 @@ Three arms, one after the other, each on fresh central processes and a fresh sta
 memory arm (fedmom_server.py's default --memory-gb: the outer state in memory; today's serial
 exchange), the pipelined arm (the same aggregator; each site's delta checked as it arrives,
 send_delta's follow, and the update followed as it is merged, fedsite.Follow with
-FedSite._adopt's rule, the sites not taking turns after their send) and the budget arm
+Follow.adopt's rule, the sites not taking turns after their send) and the budget arm
 (--memory-gb, default "quarter": a quarter of the outer state, 12 B/param, or the
 aggregator's fixed part plus a quarter when that is more; the rest of the outer state in file
 blocks in the arm's central/outer/). --memory-gb off leaves the budget arm out.
@@ -494,7 +494,7 @@ def one_round(a, fed, session, meter, baton, pool, theta, residual, held, note):
             acc = fed.last("/delta_blob", n)
             ph["upload"], ph["accept"] = Meter.span(t0, t1, size, acc), Meter.span(*acc, size)
     os.unlink(delta)
-    # the pipelined arm follows the update of round base + 1 as it is merged (FedSite._start_follow)
+    # the pipelined arm follows the update of round base + 1 as it is merged (fedsite.Follow.start)
     fol = Followed(fed, theta, held, meter) if a.pipelined else None
     t0 = meter.now()
     while True:                                         # the round's long-poll, as FedSite.round_trip
@@ -536,7 +536,7 @@ def one_round(a, fed, session, meter, baton, pool, theta, residual, held, note):
 class Followed:
     """The pipelined arm's fetch: fedsite.Follow (the update downloaded as it is merged, each
     tensor added as its bytes are in, into theta-next.safetensors), watched on a thread for its
-    first and last byte and the end of its addition; adopt() is FedSite._adopt's rule."""
+    first and last byte and the end of its addition; adopt() is Follow.adopt's rule."""
 
     def __init__(self, fed, theta, held, meter):
         self.theta, self.held, self.meter, self.marks = theta, held, meter, {}

@@ -505,7 +505,7 @@ class Run:
         whole (theta-next), a newcomer joins (durable: the aggregator lists it), the aggregator
         is killed; its restart waits for the newcomer's delta (a live member's), trained from
         the durable round, and merges the round again with it: the round made durable is not
-        the one the sites built, which they must discard (fedsite._adopt's digest comparison)."""
+        the one the sites built, which they must discard (fedsite.Follow.adopt's digest comparison)."""
         fed = self.procs["fedmom"]
         fed.arm(f.point, f.skip)
         reached = self.wait(lambda: fed.hit(f.point) or not fed.alive())

@@ -98,8 +98,8 @@ class Residual:
 class SiteTheta:
     """theta_global as a site's rank 0 holds it, fetched by fedsite.FedSite's own download
     code: with the aggregator's --down-wire, a site whose delta is in follows the next
-    round's update as it is merged (follow: FedSite._start_follow) and adopts the theta built
-    once the round is durable, if its digest is the heartbeat's (FedSite._adopt); else (or
+    round's update as it is merged (fedsite.Follow.start) and adopts the theta built
+    once the round is durable, if its digest is the heartbeat's (Follow.adopt); else (or
     with no follow) a site holding the previous round downloads the
     update (GET /theta_update, or /theta_update_blob for a blob site) and adds it, checked by
     the digest the aggregator published (wire.apply_update); else (409 no_update: new,
@@ -123,18 +123,18 @@ class SiteTheta:
         self.note("update_mismatch" if msg.startswith("!!!") else "site_log", msg=msg)
 
     def follow(self, base):
-        """The delta is in: follow round base + 1's update while it is merged (FedSite's
-        _start_follow, after site.sent as in FedSite.round_trip; none unless we hold `base`)."""
-        self.site._start_follow(base, self.path)
+        """The delta is in: follow round base + 1's update while it is merged
+        (fedsite.Follow.start, after site.sent as in FedSite.round_trip; none unless we hold `base`)."""
+        self.site.follow = fedsite.Follow.start(self.site, base, self.path)
         self.following = base + 1 if self.site.follow is not None else None
 
     def heard(self, reply):
-        """A heartbeat reply: its "update" (the durable round's digests) is what _adopt compares."""
+        """A heartbeat reply: its "update" (the durable round's digests) is what Follow.adopt compares."""
         self.site.last_update = reply.get("update")
 
     def fetch(self):
         """Download theta_global now, as FedSite does at the end of every round trip -> its round:
-        the followed theta adopted when its digest is the durable round's (FedSite._adopt), else
+        the followed theta adopted when its digest is the durable round's (Follow.adopt), else
         the update or the whole theta; a follow not adopted is noted as discarded."""
         followed, self.following = self.following, None
         self.round = _call("theta", lambda d: self.site._fetch(self.path, d))

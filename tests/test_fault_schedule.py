@@ -162,7 +162,7 @@ class FaultScheduleTest(unittest.TestCase):
     def test_a_followed_round_that_never_became_durable_is_discarded(self):
         """The sites built round r+1's theta from the killed merge; the restart merged another
         round r+1 (with a newcomer's delta too): each discards what it built (the oracle: no span trained
-        from a theta other than the durable round's; fedsite._adopt without its digest
+        from a theta other than the durable round's; fedsite.Follow.adopt without its digest
         comparison fails here)."""
         res = self.run_one(list(SCHEDULES)[7])
         self.assertGreaterEqual(res.seen["follow_discarded"], 1, "no site discarded a followed theta")
