@@ -272,6 +272,7 @@ def _site_loop(a, token, inc, note):
         member.heard = a.clock.heard
         a.clock.heard(joined)
     a.theta, a.residual = SiteTheta(a, fed, inc, note), Residual() if a.wire == "int4" else None
+    a.theta.site.publishes = joined.get("down_wire", "f32") != "f32"     # as FedSite.join: no follow with f32
     try:
         _span_loop(a, fed, member, session, note)
         session.close()
