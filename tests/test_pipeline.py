@@ -3,15 +3,18 @@ aggregator merges it, adds each tensor as its bytes arrive, and uses the result 
 round is durable and its digest is the durable round's (FEDERATION_GUIDE.md section 4, "The
 update as it is merged"). Real fedmom_server.py processes on loopback; the merge is held at
 an exact tensor by the fedmom.merge fault point (testhooks.py), never by a sleep."""
+import html
 import os
 import signal
 import subprocess
 import sys
 import threading
 import types
+import urllib.request
 
 import numpy as np
 
+import durable
 import fedmom_client
 import fedsite
 import httpc
@@ -144,6 +147,32 @@ class FollowTest(FedMomFixture):
         for n in want:
             self.assertTrue(np.array_equal(want[n], got[n]), n)
         self.assertEqual(wire.theta_digest(path), reply["update"]["digest"])
+
+
+    def test_the_round_record_and_the_status_page_show_the_exchange_on_one_time_line(self):
+        sd = os.path.join(self.dir, "st")
+        proc, self.url = self.start(sd, "--init", self.init)
+        for c in ("a", "b"):
+            fedmom_client.FedMomClient(self.url, c, f"{c}-inc").join()
+        self.send_both(self.url, 0)
+        reply = fedmom_client.FedMomClient(self.url, "a", "a-inc").heartbeat(wait_round_after=0, wait_s=60)
+        self.assertEqual(reply["round"], 1)
+        # round 1's record: the merge of round 0's deltas, its stages after the last delta's last byte
+        rec = [r for r in durable.read_jsonl(os.path.join(sd, "rounds.jsonl")) if r["round"] == 1][-1]
+        ex = rec["exchange"]
+        stages = [ex[k] for k in ("accepted_s", "closed_s", "merge_start_s", "offered_s", "merged_s", "durable_s")]
+        self.assertTrue(all(x is not None and x >= 0 for x in stages), ex)
+        self.assertEqual(stages, sorted(stages), f"the stages in the order they happen: {ex}")
+        # each site says, with its next delta, when it held round 1's theta and what it waited
+        for c, lag in (("a", 0.25), ("b", 1.5)):
+            fedmom_client.FedMomClient(self.url, c, f"{c}-inc").send_delta(
+                self.delta("F32")[0], 1, 10, [], {"exchange_round": 1, "held_lag_s": lag, "exchange_wait_s": 3.0})
+        fedmom_client.FedMomClient(self.url, "a", "a-inc").heartbeat(wait_round_after=1, wait_s=60)
+        with urllib.request.urlopen(self.url + "/", timeout=60) as resp:
+            page = html.unescape(resp.read().decode())
+        self.assertIn("Exchange of round 1, from the last delta's last byte:", page)
+        self.assertIn(f"durable +{ex['durable_s']:.2f} s", page)
+        self.assertIn(f"held by a +{ex['durable_s'] + 0.25:.2f} s (its wait 3.0 s), b +{ex['durable_s'] + 1.5:.2f} s", page)
 
 
 class GrowingTest(FedMomFixture):
