@@ -245,14 +245,18 @@ class FedMomClient:
             upload = blob_client.Upload(self._blob_url(), blob, path, token=self.token, timeout=self.stall_s,
                                         ca_file=self.ca_file)
 
+        follows = []        # the one followed POST of this send, beside its first upload attempt
+
         def once():
             self._stale_guard(lambda: self._request("POST", "/delta_check", meta, deadline=deadline))
             if upload is None:
                 return self._stale_guard(lambda: self._send_inline(path, meta, deadline))
-            posted = _FollowPost(self, {**meta, "blob": upload.blob_id, "sha256": upload.sha, "follow": True,
-                                        "size": upload.size}) if follow else None
+            if follow and not follows:
+                follows.append(_FollowPost(self, {**meta, "blob": upload.blob_id, "sha256": upload.sha,
+                                                  "follow": True, "size": upload.size}))
             info = upload.attempt(deadline)
-            if posted is not None:
+            if follows and follows[-1] is not None:
+                posted, follows[-1] = follows[-1], None       # answered once; a later attempt names the blob
                 reply = self._stale_guard(posted.result)
                 if reply is not None:
                     return reply

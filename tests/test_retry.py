@@ -95,7 +95,8 @@ class RetryTest(unittest.TestCase):
     def test_a_delta_through_the_blob_store_is_one_loop_under_one_deadline(self):
         """send_delta's attempt is whole: its check, then the upload (HEAD, PUT from the offset
         held), then the naming of the blob. The blob store answers 503 forever: as many checks
-        as HEADs, one of each per attempt; nothing under send_delta repeats on its own."""
+        as HEADs, one of each per attempt, and one followed POST /delta_blob for the whole send
+        (beside its first upload); nothing under send_delta repeats on its own."""
         def answer(method, path):
             return (200, {"ok": True, "round": 0}) if path == "/delta_check" else unavailable(method, path)
         s = self.serve(answer)
@@ -108,7 +109,8 @@ class RetryTest(unittest.TestCase):
         heads = [n for (m, p), n in s.got.items() if m == "HEAD"]
         self.assertEqual(s.got[("POST", "/delta_check")], e.attempts)
         self.assertEqual(heads, [e.attempts], "one blob name for every attempt, one HEAD per attempt")
-        self.assertEqual(s.total(), 2 * e.attempts)
+        self.assertEqual(s.got[("POST", "/delta_blob")], 1)
+        self.assertEqual(s.total(), 2 * e.attempts + 1)
 
     def test_the_site_adds_no_layer_of_its_own(self):
         """FedSite makes the one Deadline (retry_s) and hands it down: theta's download gives up
