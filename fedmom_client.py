@@ -42,6 +42,7 @@ import http.client
 import json
 import os
 import secrets
+import socket
 import threading
 import time
 import urllib.parse
@@ -320,7 +321,17 @@ class FollowedUpdate:
         self.have, self.total, self.error = 0, None, None
         self.round = self.id = None
         self.durable = False
-        self.stop = threading.Event()
+        self.stop, self.conn = threading.Event(), None
+
+    def cancel(self):
+        """Stop now: set stop and cut the request in flight (a 202's long poll, a body)."""
+        self.stop.set()
+        conn = self.conn
+        if conn is not None and conn.sock is not None:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def wait_for(self, offset):
         with self.cond:
@@ -344,9 +355,14 @@ class FollowedUpdate:
 
     def _attempt(self, deadline):
         while self.total is None or self.have < self.total:
-            if self.stop.is_set():
-                raise UpdateGone("no longer wanted")
-            self._get(deadline)
+            try:
+                if self.stop.is_set():
+                    raise UpdateGone("no longer wanted")
+                self._get(deadline)
+            except (OSError, http.client.HTTPException):
+                if self.stop.is_set():                # cut by cancel(): not a fault to retry
+                    raise UpdateGone("no longer wanted") from None
+                raise
 
     def _get(self, deadline):
         wait = min(self.c.heartbeat_s, 30.0)
@@ -354,8 +370,10 @@ class FollowedUpdate:
         headers = httpc.auth_headers(self.c.token)
         if self.have:
             headers["Range"] = f"bytes={self.have}-"
-        conn = httpc.connect(self.c.url, httpc.io_timeout(self.c.stall_s + wait, deadline), self.c.ca_file)
+        conn = self.conn = httpc.connect(self.c.url, httpc.io_timeout(self.c.stall_s + wait, deadline), self.c.ca_file)
         try:
+            if self.stop.is_set():                    # cancel() before this connection existed
+                raise UpdateGone("no longer wanted")
             conn.request("GET", httpc.split_url(self.c.url)[3] + "/theta_update_next?" + q, headers=headers)
             resp = conn.getresponse()
             if resp.status == 202:
@@ -368,7 +386,7 @@ class FollowedUpdate:
                 raise httpc.CallError(resp.status, _json_or_text(resp.read()))
             if resp.status == 200 and self.have:
                 raise UpdateGone("the round's merge started over: its update is another file")
-            if self.total is None:
+            if self.total is None or (resp.status == 200 and not self.have):   # a first reply cut before its body
                 self.total, self.id, self.round = (int(resp.getheader("X-Update-Total")),
                                                    resp.getheader("X-Update-Id"), int(resp.getheader("X-Round")))
                 with open(self.path, "wb") as f:
@@ -381,6 +399,8 @@ class FollowedUpdate:
     def _read_body(self, resp, deadline):
         with open(self.path, "r+b", buffering=0) as f:
             while self.have < self.total:
+                if self.stop.is_set():
+                    raise UpdateGone("no longer wanted")
                 piece = resp.read1(self.chunk)        # what has come, not a full chunk: the merge may pause
                 n = len(piece)
                 if not n:

@@ -233,14 +233,11 @@ class FedSite:
         reply = yield from self._call("FedMom join", lambda d: self.fed.join(deadline=d), self.cfg.register_wait_s)
         self.fed_round, self.member = reply["round"], True
         self.phase_s, self.publishes = reply.get("phase_s"), reply.get("down_wire", "f32") != "f32"
-        self.heard(reply)
+        self.age.heard(reply)
         if self.keepalive is None:
             self.keepalive = self.fed.keepalive()
             self.keepalive.__enter__()
         return reply
-
-    def heard(self, reply):
-        self.age.heard(reply)
 
     def round_age(self, rnd):
         return self.age.of(rnd)
@@ -460,7 +457,7 @@ class FedSite:
             state = got and got.get("outcome")
             if reply["round"] <= base and reply.get("waiting_on") is not None:
                 out.waiting_on = reply["waiting_on"]
-            self.heard(reply)
+            self.age.heard(reply)
             self.last_update = reply.get("update")
             if state == "pending" or (sent and got is None and reply["round"] <= base):
                 self.say(f"round {base}: waiting for the other sites' deltas (members {reply.get('members')})",
@@ -523,6 +520,8 @@ class FedSite:
 
     def abort(self):
         """On an error: stop talking, release nothing (the aggregator may still commit)."""
+        if self.follow is not None:
+            self.follow.discard(wait=False)
         try:
             if self.session is not None:
                 self.session.close(release=False)
@@ -629,8 +628,9 @@ class Follow:
     def adopt(self, site, path, defer_update):
         """The round is durable: the theta built becomes site's if its digest is the one the
         heartbeat named (site.last_update) -> its round, else None (the usual download follows)."""
-        want, held, got = site.last_update, site.held, self.result()
-        if None in (got, want, held) or got != (want["round"], want["digest"]) or want["base_digest"] != held[1]:
+        want, held = site.last_update, site.held      # no wait unless round base + 1 is durable (ours excluded)
+        got = self.result() if want is not None and want["round"] == self.f.base + 1 else None
+        if None in (got, held) or got != (want["round"], want["digest"]) or want["base_digest"] != held[1]:
             if got is not None:
                 site.log(f"the update followed during the merge ({got[0]}) is not the durable round's "
                          f"({want and want['round']}): taking it the usual way")
@@ -649,11 +649,12 @@ class Follow:
         self.thread.join()
         return self.box.get("out")
 
-    def discard(self):
-        self.f.stop.set()
-        self.thread.join()
-        durable.unlink(self.upd)
-        durable.unlink(self.cand)
+    def discard(self, wait=True):
+        self.f.cancel()
+        if wait:
+            self.thread.join()
+            durable.unlink(self.upd)
+            durable.unlink(self.cand)
 
 
 def _device_update(upd, theta_path):

@@ -149,6 +149,32 @@ class FollowTest(FedMomFixture):
         self.assertEqual(wire.theta_digest(path), reply["update"]["digest"])
 
 
+    def test_a_site_whose_round_does_not_close_takes_the_durable_theta_at_once(self):
+        # a's delta is in, b never sends: the round stays open and its update never starts.
+        # The site asks for theta (its delta excluded, a stale round): it must not wait on the follow.
+        sd = os.path.join(self.dir, "st")
+        proc, self.url = self.start(sd, "--init", self.init)
+        for c in ("a", "b"):
+            fedmom_client.FedMomClient(self.url, c, f"{c}-inc").join()
+        path = os.path.join(self.dir, "a", "theta.safetensors")
+        os.makedirs(os.path.dirname(path))
+        a = self.site(self.url, "a")
+        a._fetch(path)
+        fedmom_client.FedMomClient(self.url, "a", "a-inc").send_delta(self.delta("F32")[0], 0, 10, [], {})
+        a.follow = fedsite.Follow.start(a, 0, path)
+        fol = a.follow
+        wait_for(lambda: fol.f.conn is not None, 120)       # its first long poll (202) is under way
+        a.last_update = fedmom_client.FedMomClient(self.url, "a", "a-inc").heartbeat().get("update")
+        box = {}
+        t = threading.Thread(target=lambda: box.setdefault("round", a._fetch(path)), daemon=True)
+        t.start()
+        t.join(60)                                          # a hang bound: the 202 poll alone lasts 30 s
+        self.assertFalse(t.is_alive(), "fetching theta waited on a follow of a round that never merged")
+        self.assertEqual(box["round"], 0)
+        self.assertFalse(fol.thread.is_alive())
+        self.assertEqual(httpc.call(self.url, "GET", "/round")["round"], 0)
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "a", "theta-followed.safetensors")))
+
     def test_the_round_record_and_the_status_page_show_the_exchange_on_one_time_line(self):
         sd = os.path.join(self.dir, "st")
         proc, self.url = self.start(sd, "--init", self.init)
