@@ -6,7 +6,7 @@ Runs on: the sites (through fedmom_client.FedMomClient's blob transport), the ce
 standard library only (durable.py, httpc.py); no server, no port, no state beyond the
 file being moved.
 
-    info = blob_client.put_file("https://central:29512", "delta-lumi-r4", "delta.safetensors",
+    info = blob_client.put_file("https://central:29512", "delta.lumi.r4", "delta.safetensors",
                                 token=TOKEN, ca_file="ca.pem")      # {"id", "size", "sha256", "sent"}
     sha = blob_client.get_file(url, "theta-r5", "theta.safetensors", token=TOKEN, ca_file="ca.pem")
 

@@ -661,7 +661,7 @@ def make_routes(store):
         return 201, out
 
     def put(req):
-        blob_id = check_id(req.tail)
+        blob_id = req.may_touch_blob(check_id(req.tail), write=True)
         if req.query.get("ranged") == "1":
             return put_piece(req, blob_id)
         start, total, sha = parse_put_headers(req)
@@ -685,7 +685,7 @@ def make_routes(store):
         return 201, out
 
     def head_or_get(req):
-        blob_id = check_id(req.tail)
+        blob_id = req.may_touch_blob(check_id(req.tail), write=False)
         if req.method == "GET" and req.query.get("follow") == "1":
             return httpd.Response(200, {"X-Follow": "1"}, stream=store.follow(blob_id),
                                   content_type="application/x-pww-follow")
@@ -722,13 +722,13 @@ def make_routes(store):
         ("PUT", "/blobs/*"): put,
         ("HEAD", "/blobs/*"): head_or_get,
         ("GET", "/blobs/*"): head_or_get,
-        ("DELETE", "/blobs/*"): lambda req: store.delete(check_id(req.tail)),
+        ("DELETE", "/blobs/*"): lambda req: store.delete(req.may_touch_blob(check_id(req.tail), write=True)),
     }
 
 
 def serve(cfg, net):
     cfg.validate()
-    server = httpd.server_from_args(net, disk=cfg.root)        # bind first: a refusal creates nothing
+    server = httpd.server_from_args(net, disk=cfg.root, read_paths=("/status", "/blobs"), operator_paths=("/blobs",))        # bind first: a refusal creates nothing
     httpd.writable_dir(cfg.root, "--root")
     store = BlobStore(cfg.root, cfg.quota_gb * GB, cfg.max_blob_gb * GB, int(cfg.chunk_mb * 2**20))
     listing = make_routes(store)

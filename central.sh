@@ -8,6 +8,9 @@
 #                                           # and the two files they copy (token, CA)
 #   ./central.sh stop   [--state-dir DIR]   # SIGTERM (then SIGKILL after 30 s) each daemon
 #   ./central.sh audit  [--state-dir DIR] [--partial] [--blocks]   # audit.py: every block in one merged delta?
+#   ./central.sh site add lumi [--clusters lumi,lumi-b] | rotate lumi [--grace-s S] | revoke lumi
+#                | read NAME | shared off|on | list    # per-site credentials (httpd.py site --help);
+#                                           # a change reaches all three daemons within 1 s, no restart
 #
 # status exits 1 when a daemon is down or a server's status says something is wrong
 # (a violation counter above 0, quarantined blocks); audit exits 1 unless PASS.
@@ -21,6 +24,8 @@
 # State (default runs/central, or --state-dir / PWW_CENTRAL_STATE):
 #   token          the shared bearer token, made on first start (mode 600): copy it to
 #                  each site and point PWW_TOKEN_FILE at the copy
+#   credentials.json  the per-site credentials (hashes only; `site` changes it, every daemon
+#                  re-reads it); sites/<site>.token the credential to copy to that site (mode 600)
 #   aggregator.token  the aggregator's and operator's own credential for DARL's custody
 #                  endpoints (fence, custody, commit, abort, abort-custody), made with the
 #                  token (mode 600); it never leaves this VM, so a site cannot fence FedMom
@@ -81,12 +86,14 @@ esac
 CMD=$1; shift
 STATE=${PWW_CENTRAL_STATE:-$ROOT/runs/central}
 AUDIT_ARGS=()
+SITE_ARGS=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --state-dir) [ $# -ge 2 ] || usage; STATE=$2; shift 2 ;;
         --state-dir=*) STATE=${1#*=}; shift ;;
         --partial|--blocks) [ "$CMD" = audit ] || usage; AUDIT_ARGS+=("$1"); shift ;;
-        *) echo "central.sh: unknown argument '$1'" >&2; usage ;;
+        *) if [ "$CMD" = site ]; then SITE_ARGS+=("$1"); shift; continue; fi
+           echo "central.sh: unknown argument '$1'" >&2; usage ;;
     esac
 done
 mkdir -p "$STATE"
@@ -101,6 +108,7 @@ FEDMOM_PORT=${FEDMOM_PORT:-29511}
 BLOB_PORT=${BLOB_PORT:-29512}
 TOKEN=$STATE/token
 AGG_TOKEN=$STATE/aggregator.token
+CREDS=$STATE/credentials.json
 TLS_DIR=$STATE/tls
 if [ -n "${TLS_CERT:-}" ] || [ -n "${TLS_KEY:-}" ]; then
     : "${TLS_CERT:?TLS_KEY is set: set TLS_CERT too}" "${TLS_KEY:?TLS_CERT is set: set TLS_KEY too}"
@@ -276,7 +284,7 @@ darl_space() {
 daemon_args() {
     local name=$1 extra
     ARGS=("$ROOT/$(script_of "$name")" --host "$HOST" --port "$(port_of "$name")" --token-file "$TOKEN"
-          --tls-cert "$CERT" --tls-key "$KEY")
+          --credentials "$CREDS" --tls-cert "$CERT" --tls-key "$KEY")
     case "$name" in
         darl)
             ARGS+=(--state-dir "$STATE" --aggregator-token-file "$AGG_TOKEN")   # -> $STATE/darl/
@@ -544,6 +552,7 @@ print_urls() {
     echo "# (jobs/*_titan.sh sources it; \$HOME is the site's, expanded there), after copying"
     echo "# the files below to the site (the token chmod 600):"
     echo "#   token file $TOKEN -> $token_file"
+    echo "#   (each site its own instead: ./central.sh site add NAME, then copy $STATE/sites/NAME.token)"
     [ -n "$CA" ] && echo "#   CA file    $CA -> $ca_file"
     echo "# at the site, e.g.:"
     [ -z "$dirs" ] || echo "#   mkdir -p ${dirs% }"
@@ -587,5 +596,9 @@ case "$CMD" in
         exit $rc ;;
     url) print_urls ;;
     audit) exec "$PYTHON" "$ROOT/audit.py" --state-dir "$STATE" "${AUDIT_ARGS[@]}" ;;
+    site)
+        # add, rotate and read write the credential to $STATE/sites/<name>.token (mode 600)
+        case "${SITE_ARGS[0]:-}" in add|rotate|read) SITE_ARGS+=(--out "$STATE/sites") ;; esac
+        exec "$PYTHON" "$ROOT/httpd.py" site --file "$CREDS" "${SITE_ARGS[@]}" ;;
     *) usage ;;
 esac

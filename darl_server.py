@@ -747,16 +747,18 @@ CUSTODY_PATHS = ("/fence", "/fence/confirm", "/custody", "/custody/commit", "/cu
 
 
 def make_routes(coord):
-    def rpc(op, spec):
+    def rpc(op, path, spec):
         def route(req):
             args = _fields(req.json(), spec)
+            if path not in CUSTODY_PATHS:          # a site's own request: its credential must be that cluster's
+                req.acts_as(args["cluster"])
             try:
                 return coord.call(op, args)
             except darl_table.LeaseError as e:
                 raise httpd.HTTPError(e.status, e.reason, **e.extra)
         return route
 
-    routes = {("POST", path): rpc(op, spec) for op, (path, spec) in REQUESTS.items()}
+    routes = {("POST", path): rpc(op, path, spec) for op, (path, spec) in REQUESTS.items()}
     routes[("GET", "/status")] = lambda req: coord.status()
     routes[("GET", "/custody")] = lambda req: coord.custody(req.query.get("aggregator"), req.query.get("state"))
     routes[("GET", "/health")] = lambda req: {"ok": True, "service": "darl", "digest": coord.digest,
@@ -963,7 +965,7 @@ def serve(a):
     if agg_token and agg_token == token:
         raise SystemExit("darl_server: --aggregator-token-file holds the sites' token; give the aggregator its own "
                          "(central.sh makes STATE/aggregator.token)")
-    server = httpd.server_from_args(a, disk=cfg.state_dir,
+    server = httpd.server_from_args(a, disk=cfg.state_dir, operator_paths=CUSTODY_PATHS,
                                     scoped={p: agg_token for p in CUSTODY_PATHS} if agg_token else None)
     if token and not agg_token:
         if not httpd.is_loopback(a.host) and not a.insecure:

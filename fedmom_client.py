@@ -242,7 +242,7 @@ class FedMomClient:
         if transport == "blob":
             # one blob name per send, kept across its attempts (so an upload resumes): a second delta
             # of the same round (after a refusal) must never meet the first one's blob
-            blob = f"delta-{self.cluster}-{self.incarnation}-r{base_round}-{secrets.token_hex(4)}"
+            blob = f"delta.{self.cluster}.{self.incarnation}-r{base_round}-{secrets.token_hex(4)}"
             upload = blob_client.Upload(self._blob_url(), blob, path, token=self.token, timeout=self.stall_s,
                                         ca_file=self.ca_file)
 

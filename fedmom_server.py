@@ -78,20 +78,25 @@ def _refusal(fn):
     return wrapped
 
 
-def _ident(body):
-    return httpd.field(body, "cluster", str), httpd.field(body, "incarnation", str)
+def _ident(req, body):
+    """(cluster, incarnation) the request names; a 403 unless its credential may act as that cluster."""
+    return req.acts_as(httpd.field(body, "cluster", str)), httpd.field(body, "incarnation", str)
 
 
 def _delta_meta(req):
-    """PUT /delta's metadata: the X-Delta-Meta header, as JSON."""
+    """PUT /delta's metadata: the X-Delta-Meta header, as JSON (its cluster the caller's: _ident)."""
     raw = req.headers.get("X-Delta-Meta")
     if not raw:
         raise httpd.HTTPError(400, "missing X-Delta-Meta header (JSON: cluster, incarnation, base_round, "
                                    "tokens, leases, metrics)")
     try:
-        return json.loads(raw)
+        meta = json.loads(raw)
     except ValueError as e:
         raise httpd.HTTPError(400, f"X-Delta-Meta is not JSON: {e}")
+    if not isinstance(meta, dict):
+        raise httpd.HTTPError(400, "X-Delta-Meta must be a JSON object")
+    _ident(req, meta)
+    return meta
 
 
 def _from_round(req):
@@ -139,16 +144,22 @@ def make_routes(state, blob_token=None, retention=None):
         b = req.json()
         after = httpd.field(b, "wait_round_after", int, required=False)
         wait = httpd.field(b, "wait_s", (int, float), required=False, default=0.0)
-        return state.heartbeat(*_ident(b), b.get("metrics"), after, float(wait))
+        return state.heartbeat(*_ident(req, b), b.get("metrics"), after, float(wait))
 
     def delta_check(req):
-        meta = state.check_delta_meta(req.json())
+        b = req.json()
+        _ident(req, b)
+        meta = state.check_delta_meta(b)
         return {"ok": True, "round": state.round, "cluster": meta["cluster"]}
 
     def delta_blob(req):
         b = req.json()
         store = blob_store("send inline")
-        return state.fetch_delta(b, httpd.field(b, "blob", str), httpd.field(b, "sha256", str), store)
+        cluster, blob = _ident(req, b)[0], httpd.field(b, "blob", str)
+        if req.principal is not None and req.principal.kind == "site" and httpd.blob_owner(blob) != cluster:
+            req.handler.refuse(req.principal, f"{req.principal.describe()}: blob {blob[:80]!r} is not a delta of "
+                                              f"cluster {cluster!r} (delta.{cluster}.<...>)")
+        return state.fetch_delta(b, blob, httpd.field(b, "sha256", str), store)
 
     def theta(req):
         f, rnd = state.open_theta()
@@ -194,9 +205,9 @@ def make_routes(state, blob_token=None, retention=None):
     routes = {("GET", "/health"): lambda req: {"ok": True, "round": state.round},
               ("GET", "/"): page, ("GET", "/status"): status,
               ("GET", "/round"): lambda req: state.round_info(),
-              ("POST", "/join"): lambda req: state.join(*_ident(req.json())),
+              ("POST", "/join"): lambda req: state.join(*_ident(req, req.json())),
               ("POST", "/heartbeat"): heartbeat,
-              ("POST", "/leave"): lambda req: state.leave(*_ident(req.json())),
+              ("POST", "/leave"): lambda req: state.leave(*_ident(req, req.json())),
               ("POST", "/delta_check"): delta_check,
               # a delta excluded at upload (400/422 bad_delta) is told in that reply only: an
               # exclusion not yet in a round record lives in memory (one at the merge: "deltas")

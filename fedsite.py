@@ -845,7 +845,7 @@ def _check_rtt(url, ca_file):
 def _check_transfer(url, token, ca_file, cluster, mib, tmp_dir):
     """Up and down through the blob store, as a delta and a theta move: a random file, put_file
     and get_file (their own stream counts), the copy compared, the blob deleted."""
-    blob_id = f"check-{cluster}-{secrets.token_hex(4)}"
+    blob_id = f"check.{cluster}.{secrets.token_hex(4)}"      # the site's own (credentials.blob_owner)
     with tempfile.TemporaryDirectory(prefix="pww-check-", dir=tmp_dir) as tmp:
         src, back = os.path.join(tmp, "up"), os.path.join(tmp, "down")
         with open(src, "wb") as f:

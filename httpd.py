@@ -1,10 +1,10 @@
 """httpd.py - the HTTP plumbing shared by the three central servers: routes, JSON errors, the
-token, TLS, body limits, and the connection engine under them (an epoll poller, worker threads).
+token and per-site credentials, TLS, body limits, and the connection engine under them.
 
 Used on the central VM inside darl_server.py, fedmom_server.py and blobstore.py (make_server,
-add_server_args, serve_forever); not started on its own. Standard library + durable.py and
-httpc.py; no numpy, no torch. Clients use httpc.py (one JSON call, TLS, the token, the retry
-policy); the lock on a state directory is durable.lock_state_dir.
+add_server_args, serve_forever); run on its own only as `python httpd.py site ...`, the
+operator's per-site credentials (SITE_DOC; central.sh site wraps it). Standard library +
+durable.py and httpc.py; no numpy, no torch. Clients use httpc.py.
 
 What every server gets from here, written once:
   - a route table: {("GET", "/status"): fn, ("PUT", "/blobs/*"): fn, ...}; a trailing "/*"
@@ -16,32 +16,34 @@ What every server gets from here, written once:
     (a malformed request line is a 400, an unknown method a 405 with Allow). A full disk
     (ENOSPC, EDQUOT) in a route is a 507 {"code": "disk_full"} naming the disk, with
     Retry-After; an unexpected exception is a 500 with its one-line text, and is logged.
-  - auth: every route but the public ones (/health) requires `Authorization: Bearer <token>`
-    (the scheme in any case, RFC 7235), compared with hmac.compare_digest.
+  - auth: every route but the public ones (/health) requires `Authorization: Bearer <token>`:
+    the shared token, a scoped path's own token, or a --credentials one (a site's, a reader's),
+    compared with hmac.compare_digest. req.principal says who; req.acts_as(cluster) is a 403
+    naming the credential (never the secret) when a site's credential names another cluster.
   - TLS (--tls-cert, --tls-key; TLS 1.2+). Binding beyond loopback needs a token and TLS, or
-    --insecure: without TLS the token crosses the network in clear. A plain-HTTP request on a
-    TLS port gets a plain 400 saying "use https://".
+    --insecure. A plain-HTTP request on a TLS port gets a plain 400 saying "use https://".
   - per request (Handler): JSON bodies capped (--max-body-mb, 413), Transfer-Encoding refused
-    (411: send Content-Length), conflicting or malformed Content-Length a 400 that ends the
-    connection, a small unread body read away (a large one closes the connection), TCP_NODELAY
-    set (with Nagle on, a small request after a small response waits ~40 ms: ~23 requests/s).
+    (411), conflicting or malformed Content-Length a 400 that ends the connection, a small
+    unread body read away, TCP_NODELAY set (with Nagle, a small request after a small response
+    waits ~40 ms).
 
 Its parts, in reading order: HTTPError, Response, Request and field(); Handler (one request
 on a connection whose headers are in); the server's setup (check_bind, make_server,
-add_server_args, server_from_args, base_parser: a daemon's --help from its docstring); then
-the connection engine: Limits, Reader and Writer (a connection's bytes under a deadline) and
-Server (the poller, the worker pool, the connection cap and the timeouts; the section's
-comment says what each connection costs).
+add_server_args, server_from_args, base_parser); the connection engine: Limits, Reader and
+Writer (a connection's bytes under a deadline) and Server (the poller, the worker pool, the
+connection cap and the timeouts); last, per-site credentials (Principal, Keyring, site_main).
 
     routes = {("GET", "/health"): lambda req: {"ok": True}}
     server = make_server(routes, "127.0.0.1", 0, token=None)
     threading.Thread(target=server.serve_forever).start()    # server.url says where
-    server.shutdown(); server.server_close()
 """
 import argparse
 import collections
+import contextlib
 import dataclasses
 import errno
+import fcntl
+import hashlib
 import hmac
 import http.server
 import io
@@ -51,6 +53,7 @@ import math
 import os
 import queue
 import re
+import secrets
 import select
 import selectors
 import signal
@@ -133,6 +136,27 @@ class Request:
         self.rfile = handler.rfile
         self.max_body = max_body
         self.client = handler.client_address[0]
+        self.principal = handler.principal         # Principal, or None on a public path
+
+    def acts_as(self, cluster):
+        """cluster, if the caller may act as it; else a 403 naming the credential (counted)."""
+        p = self.principal
+        if p is not None and not p.may_act_as(cluster):
+            self.handler.refuse(p, p.why_not(cluster))
+        if p is not None and self.handler.keyring is not None:
+            self.handler.keyring.note_act(p, f"{self.method} {self.path}", cluster)
+        return cluster
+
+    def may_touch_blob(self, blob_id, write):
+        """A site credential reads and writes its own clusters' blobs (blob_owner)
+        and reads the aggregator's; a 403 otherwise."""
+        p, owner = self.principal, blob_owner(blob_id)
+        if p is None or p.kind != "site" or (owner == "" and not write):
+            return blob_id
+        if owner is None or owner == "":
+            self.handler.refuse(p, f"{p.describe()} may {'write' if write else 'read'} only blobs named "
+                                   f"<{'|'.join(SITE_BLOB_KINDS)}>.<its cluster>.<...>, not {blob_id[:80]!r}")
+        return self.acts_as(owner)
 
     def content_length(self, required=True):
         raw = self.headers.get("Content-Length")      # its form and uniqueness: Handler._check_framing
@@ -246,6 +270,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"   # keep-alive: one TCP connection for a client's whole session
     routes, token, public, max_body, quiet = {}, None, frozenset(), DEFAULT_MAX_BODY, True
     scoped = {}                     # path -> the one token it takes (a narrower credential than `token`)
+    principal = None                # who sent the request being served (_authorized)
+    keyring = None                  # Keyring of --credentials: per-site and read-only ones
+    read_paths = frozenset({"/status", "/"})      # what a read-only credential may GET
+    operator_paths = frozenset()                  # what a site credential may never call
     disk = None                     # the state directory a 507 names
     server_version = "pww"
 
@@ -324,11 +352,45 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self._send_json(code, {"error": message or self.responses.get(code, ("error",))[0]})
 
     def _authorized(self, path):
-        token = self.scoped.get(path, self.token)
+        """Who the bearer is (self.principal), or a refusal: 401 for no credential of ours,
+        403 for one revoked, ended, or not for this path (counted per credential)."""
+        self.principal = None
         scheme, _, cred = self.headers.get("Authorization", "").strip().partition(" ")
-        self.authorized = token is None or (scheme.lower() == "bearer" and hmac.compare_digest(
-            cred.strip().encode("utf-8", "replace"), token.encode("utf-8")))
-        return self.authorized or path in self.public
+        cred = cred.strip() if scheme.lower() == "bearer" else ""
+        scoped = self.scoped.get(path)
+        if scoped is not None:
+            if _same(cred, scoped):
+                self.principal = Principal("aggregator", "aggregator")
+        elif self.token is None and self.keyring is None:
+            self.principal = Principal("open", "open")
+        elif self.token is not None and _same(cred, self.token):
+            self.principal = self.keyring.shared() if self.keyring else Principal("shared", "shared")
+        elif self.keyring is not None and cred:
+            p, why = self.keyring.identify(cred)
+            if why is not None and path not in self.public:
+                self.refuse(p, why)
+            self.principal = p if why is None else None
+        self.authorized = self.principal is not None
+        if not self.authorized:
+            if path in self.public:
+                return
+            if self.keyring is not None:
+                self.keyring.note_refusal(None, f"{self.command} {path}", "missing or wrong bearer token")
+            raise HTTPError(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+        p = self.principal
+        if p.kind == "read" and not (self.command in ("GET", "HEAD") and path in self.read_paths | self.public):
+            self.refuse(p, f"{p.describe()} is read-only: it may GET {', '.join(sorted(self.read_paths))}, "
+                           f"not {self.command} {path}")
+        if p.kind == "site" and path in self.operator_paths:
+            self.refuse(p, f"{p.describe()} may not call {self.command} {path}: the aggregator's own token does")
+        if p.key is not None:
+            self.keyring.note_act(p, f"{self.command} {path}")
+
+    def refuse(self, p, why):
+        """403 with one line naming the credential (counted under it on /status)."""
+        if self.keyring is not None:
+            self.keyring.note_refusal(p, f"{self.command} {urllib.parse.urlsplit(self.path).path}", why)
+        raise HTTPError(403, why, code="forbidden")
 
     def _check_framing(self):
         """A body's length must be certain, or the next request on this connection would be
@@ -357,8 +419,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.close_connection = self.body_consumed = True
                 raise
             query = dict(urllib.parse.parse_qsl(url.query))
-            if not self._authorized(url.path):
-                raise HTTPError(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+            self._authorized(url.path)
             fn, tail = _lookup(self.routes, method, url.path)
             out = fn(Request(self, method, url.path, query, tail, self.max_body))
         except HTTPError as e:
@@ -521,11 +582,15 @@ def server_tls(cert_file, key_file):
     return ctx
 
 
-def check_bind(host, token, tls, insecure):
+def _same(cred, token):
+    return hmac.compare_digest(cred.encode("utf-8", "replace"), token.encode("utf-8"))
+
+
+def check_bind(host, token, tls, insecure, keyring=None):
     """A public bind needs a token (who may call) and TLS (so the token is not sent in clear)."""
     if is_loopback(host) or insecure:
         return
-    missing = ([] if token else ["a token (--token-file FILE, or $PWW_TOKEN)"]) + \
+    missing = ([] if token or keyring else ["a token (--token-file FILE, or $PWW_TOKEN)"]) + \
               ([] if tls else ["TLS (--tls-cert FILE --tls-key FILE)"])
     if missing:
         raise SystemExit(f"refusing to listen on {host!r} without {' and '.join(missing)}: "
@@ -534,14 +599,17 @@ def check_bind(host, token, tls, insecure):
 
 def make_server(routes, host="127.0.0.1", port=0, token=None, insecure=False,
                 public=("/health",), max_body=DEFAULT_MAX_BODY, quiet=True, tls=None, limits=None,
-                disk=None, scoped=None):
+                disk=None, scoped=None, keyring=None, read_paths=None, operator_paths=()):
     """Bind a server for `routes`. Port 0 picks a free one (tests). `tls`: an
     ssl.SSLContext (server_tls) or None; `disk`: the state directory a 507 names;
-    `scoped` {path: token}: those paths take that token alone, not `token`.
+    `scoped` {path: token}: those paths take that token alone, not `token`; `keyring`: a
+    Keyring (per-site and read-only credentials), `read_paths` what a read one
+    may GET (default /status and /), `operator_paths` what a site one may never call.
     Nothing but the socket is created, so a refused bind leaves nothing behind."""
-    check_bind(host, token, tls, insecure)
+    check_bind(host, token, tls, insecure, keyring)
     attrs = dict(routes=dict(routes), token=token or None, public=frozenset(public),
-                 max_body=max_body, quiet=quiet, disk=disk, scoped=dict(scoped or {}))
+                 max_body=max_body, quiet=quiet, disk=disk, scoped=dict(scoped or {}), keyring=keyring,
+                 read_paths=frozenset(read_paths or Handler.read_paths), operator_paths=frozenset(operator_paths))
     handler = type("BoundHandler", (Handler,), attrs)
     return Server((host, port), handler, tls, limits)      # a refused bind: SystemExit, one line
 
@@ -571,6 +639,9 @@ def add_server_args(parser, default_port):
     g.add_argument("--port", type=int, default=default_port, help=f"TCP port (default {default_port})")
     g.add_argument("--token-file", default=os.environ.get("PWW_TOKEN_FILE"),
                    help="file holding the shared bearer token (default: $PWW_TOKEN_FILE, or $PWW_TOKEN)")
+    g.add_argument("--credentials", default=os.environ.get("PWW_CREDENTIALS_FILE"),
+                   help="the per-site credentials file (httpd.py site --help; re-read within a second of a change, "
+                        "no restart); with --token-file both are taken (default $PWW_CREDENTIALS_FILE)")
     g.add_argument("--tls-cert", help="PEM certificate (chain) to serve https with (central.sh makes one)")
     g.add_argument("--tls-key", help="PEM private key of --tls-cert")
     g.add_argument("--insecure", action="store_true",
@@ -591,7 +662,8 @@ def add_server_args(parser, default_port):
     return g
 
 
-def server_from_args(a, routes=None, public=("/health",), disk=None, scoped=None):
+def server_from_args(a, routes=None, public=("/health",), disk=None, scoped=None, read_paths=None,
+                     operator_paths=()):
     """make_server() from add_server_args' flags; bind before creating any state."""
     if bool(a.tls_cert) != bool(a.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together (a certificate and its private key)")
@@ -599,13 +671,16 @@ def server_from_args(a, routes=None, public=("/health",), disk=None, scoped=None
     limits = Limits(a.workers, a.max_connections, a.header_timeout_s, a.idle_timeout_s, a.io_timeout_s)
     return make_server(routes or {}, a.host, a.port, httpc.load_token(a.token_file), a.insecure, public=public,
                        max_body=int(a.max_body_mb * 2**20), quiet=not a.verbose, tls=tls, limits=limits,
-                       disk=disk, scoped=scoped)
+                       disk=disk, scoped=scoped, keyring=a.credentials and Keyring(a.credentials),
+                       read_paths=read_paths, operator_paths=operator_paths)
 
 
 def with_http_stats(routes, server):
-    """GET /status also reports the server's connections (Server.stats)."""
-    status = routes[("GET", "/status")]
-    return {**routes, ("GET", "/status"): lambda req: {**status(req), "http": server.stats()}}
+    """GET /status also reports the server's connections (Server.stats) and, with
+    --credentials, each credential's state, last act and refusals (Keyring.view)."""
+    status, keyring = routes[("GET", "/status")], server.RequestHandlerClass.keyring
+    return {**routes, ("GET", "/status"): lambda req: {**status(req), "http": server.stats(),
+                                                       **({"auth": keyring.view()} if keyring else {})}}
 
 def serve_forever(server, name):
     """Serve until SIGTERM/SIGINT; print the one line that says where.
@@ -1061,3 +1136,349 @@ def _raise_fd_limit(want):
                                                         else min(want, hard), hard))
     except (ImportError, ValueError, OSError):
         pass
+
+# ==== per-site credentials: who a request is (Keyring), and the operator's commands ==========
+SITE_DOC = """httpd.py site - one bearer credential per site, made and revoked on the central VM; the
+three servers check every request against it and see a change within a second, with no restart.
+
+  python httpd.py site add lumi --clusters lumi,lumi-b --out DIR   # DIR/lumi.token (mode 600)
+  python httpd.py site rotate lumi --grace-s 3600 --out DIR        # a new one; the old one ends later
+  python httpd.py site revoke lumi                                  # refused within a second
+  python httpd.py site read alice --out DIR      # read-only: GET /status and the status page
+  python httpd.py site shared off                # the shared token no longer acts as any site
+  python httpd.py site list                      # every credential, its state; never a secret
+  every command takes --file FILE (default $PWW_CREDENTIALS_FILE; central.sh: $STATE/credentials.json)
+
+central.sh site add|rotate|revoke|read|shared|list runs these with its state dir. The servers
+read the file given by --credentials (httpd.py); the file holds each credential's sha256, never
+the secret, so reading it gives no one a way in. A credential is `pww1.<key>.<secret>`: the key
+(8 hex digits) names it in logs, /status and refusals; the secret (256 bits) is only in the
+token file the site keeps. Stdlib only (runs on the central VM and at the sites).
+
+A site credential may act only as its cluster ids (register, lease, heartbeat, release at DARL;
+join, heartbeat, deltas at FedMom; its own blobs `delta.<cluster>.*` and `check.<cluster>.*` in
+the blob store) and read theta; never DARL's custody routes (the aggregator's own token) nor the
+blob listing. A read credential may GET /status, /health and the status page only. The shared
+token (--token-file) keeps every right until `shared off`, after which it no longer acts as a
+site (the aggregator and the operator keep using it on the VM). FEDERATION_GUIDE.md, "Identity".
+"""
+
+VERSION = 1
+PREFIX = "pww1"
+RELOAD_S = 1.0                     # a server looks at the file at most this often: a revocation's delay
+ALARM_WINDOW_S = 300.0             # refusals of one credential counted over this window...
+ALARM_REFUSALS = 20                # ...alarm at this many (a stolen or stale credential knocking)
+NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")      # site names and cluster ids: no "." (blob ids use it)
+SITE_BLOB_KINDS = ("delta", "check")               # blob ids a site writes: <kind>.<cluster>.<rest>
+
+
+class Principal:
+    """Who a request is. kind: "site" (its cluster ids), "read", "shared" (the --token-file
+    token), "aggregator" (a scoped path's token), "open" (a server with no auth at all)."""
+
+    def __init__(self, kind, name, clusters=(), key=None, acts=True):
+        self.kind, self.name, self.clusters, self.key, self.acts = kind, name, tuple(clusters), key, acts
+
+    def may_act_as(self, cluster):
+        if self.kind == "site":
+            return cluster in self.clusters
+        return self.kind in ("aggregator", "open") or (self.kind == "shared" and self.acts)
+
+    def why_not(self, cluster):
+        if self.kind == "shared":
+            return (f"the shared token no longer acts as a site (httpd.py site shared off): give cluster "
+                    f"{cluster!r} its site's own credential")
+        if self.kind == "read":
+            return f"{self.describe()} is read-only"
+        return f"{self.describe()} may not act as cluster {cluster!r} (it may: {', '.join(self.clusters)})"
+
+    def describe(self):
+        if self.key is None:
+            return f"the {self.kind} token"
+        return f"credential of {'site' if self.kind == 'site' else 'reader'} {self.name!r} (key {self.key})"
+
+
+def blob_owner(blob_id):
+    """The cluster id a site-written blob id names (<kind>.<cluster>.<rest>), or "" for one no
+    site writes (the aggregator's theta and update blobs); None for the old `delta-...` ids,
+    which name their cluster ambiguously (only the shared token may touch those)."""
+    parts = blob_id.split(".", 2)
+    if len(parts) == 3 and parts[0] in SITE_BLOB_KINDS:
+        return parts[1]
+    if blob_id.startswith(tuple(k + "-" for k in SITE_BLOB_KINDS)):
+        return None
+    return ""
+
+
+def digest(secret):
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class Keyring:
+    """The credentials file as the servers see it: reloaded when it changes (checked at most
+    every RELOAD_S), the last acts and refusals of each credential in memory (view())."""
+
+    def __init__(self, path, reload_s=RELOAD_S):
+        self.path, self.reload_s = path, reload_s
+        self.lock = threading.Lock()
+        self.entries, self.shared_acts, self.sig, self.checked = {}, True, None, -1e18
+        self.file_error = None
+        self.acted, self.refused = {}, {}      # key -> last act {...}; key ("unknown") -> refusal stats
+        self._reload()
+        if self.file_error:
+            raise SystemExit(f"--credentials {path}: {self.file_error}")
+
+    def _reload(self):
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            self.entries, self.sig, self.file_error = {}, None, None     # none made yet: the shared token only
+            return
+        except OSError as e:
+            self.file_error = f"cannot read: {e.strerror}"
+            return
+        sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if sig == self.sig:
+            return
+        try:
+            with open(self.path) as f:
+                doc = json.load(f)
+            self.entries = {e["key"]: e for e in doc["credentials"]}
+            self.shared_acts, self.sig, self.file_error = doc.get("shared_acts_as_site", True), sig, None
+        except (OSError, ValueError, KeyError, TypeError) as e:      # keep the last good one; /status says
+            self.file_error = f"unreadable, the previous contents kept: {type(e).__name__}: {e}"
+
+    def current(self):
+        with self.lock:
+            now = time.monotonic()
+            if now - self.checked >= self.reload_s:
+                self.checked = now
+                self._reload()
+            return self.entries, self.shared_acts
+
+    def shared(self):
+        return Principal("shared", "shared", acts=self.current()[1])
+
+    def identify(self, bearer):
+        """-> (Principal, None) for a live credential; (None, reason) for one revoked or
+        expired (the caller answers 403); (None, None) when the bearer is none of ours."""
+        m = re.fullmatch(PREFIX + r"\.([0-9a-f]{8})\.([0-9a-f]{64})", bearer or "")
+        e = m and self.current()[0].get(m.group(1))
+        if not e or not hmac.compare_digest(digest(bearer), e["sha256"]):
+            return None, None
+        p = Principal(e["role"], e["name"], e.get("clusters", ()), e["key"])
+        if e.get("revoked_at") is not None:
+            return p, f"{p.describe()} was revoked at {_utc(e['revoked_at'])}"
+        if e.get("not_after") is not None and time.time() >= e["not_after"]:
+            return p, f"{p.describe()} was replaced; it ended at {_utc(e['not_after'])}"
+        return p, None
+
+    def note_act(self, p, route, cluster=None):
+        if p.key is None:
+            return
+        with self.lock:
+            row = self.acted.setdefault(p.key, {"key": p.key, "name": p.name, "role": p.kind})
+            row.update(at=time.time(), route=route, **({"as": cluster} if cluster else {}))
+
+    def note_refusal(self, p, route, why):
+        """Count a refused request under its credential ("unknown" for a bearer none of ours)."""
+        key = p.key if p is not None and p.key else (p.kind if p is not None else "unknown")
+        with self.lock:
+            r = self.refused.setdefault(key, {"key": key, "name": p.name if p else "unknown", "count": 0,
+                                              "recent": []})
+            now = time.time()
+            r["count"] += 1
+            r["last"], r["route"], r["why"] = now, route, why
+            r["recent"] = [t for t in r["recent"] if t > now - ALARM_WINDOW_S][-ALARM_REFUSALS:] + [now]
+
+    def view(self):
+        """For /status: each credential's site, state, last act and refusals; never a secret."""
+        entries, shared_acts = self.current()
+        now = time.time()
+        with self.lock:
+            rows = []
+            for e in entries.values():
+                state = "revoked" if e.get("revoked_at") is not None else \
+                    "ended" if e.get("not_after") is not None and now >= e["not_after"] else \
+                    "ending" if e.get("not_after") is not None else "live"
+                rows.append({k: e.get(k) for k in ("key", "name", "role", "clusters", "created", "not_after",
+                                                   "revoked_at")} | {"state": state,
+                                                                     "last_act": self.acted.get(e["key"])})
+            refused = [{k: v for k, v in r.items() if k != "recent"} | {"last_5min": len(r["recent"])}
+                       for r in self.refused.values()]
+            alarms = [f"{r['count']} requests refused for {r['name']!r} (key {r['key']}), "
+                      f"{len([t for t in r['recent'] if t > now - ALARM_WINDOW_S])} in the last "
+                      f"{ALARM_WINDOW_S / 60:.0f} min; last: {r['route']}: {r['why']}"
+                      for r in self.refused.values()
+                      if len([t for t in r["recent"] if t > now - ALARM_WINDOW_S]) >= ALARM_REFUSALS]
+        return {"file": self.path, "file_error": self.file_error, "shared_acts_as_site": shared_acts,
+                "credentials": rows, "refused": refused, "alarms": alarms}
+
+
+def _utc(t):
+    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
+
+
+# ==== the operator's side: the file, changed under a lock, written atomically =====================
+
+@contextlib.contextmanager
+def _editing(path):
+    """The credentials file's contents to change; written (atomically, fsynced) on exit."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path + ".lock", "a") as lk:
+        fcntl.flock(lk, fcntl.LOCK_EX)
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except FileNotFoundError:
+            doc = {"version": VERSION, "shared_acts_as_site": True, "credentials": []}
+        yield doc
+        _write_private(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+
+
+def _write_private(path, text):
+    """path's new content, mode 600 from its first byte, renamed in (durable.replacing)."""
+    with durable.replacing(path) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _new(doc, role, name, clusters):
+    key = secrets.token_hex(4)
+    while any(e["key"] == key for e in doc["credentials"]):
+        key = secrets.token_hex(4)
+    secret = f"{PREFIX}.{key}.{secrets.token_hex(32)}"
+    doc["credentials"].append({"key": key, "name": name, "role": role, "clusters": list(clusters),
+                               "sha256": digest(secret), "created": time.time(), "not_after": None,
+                               "revoked_at": None})
+    return key, secret
+
+
+def _live(doc, name):
+    return [e for e in doc["credentials"] if e["name"] == name and e.get("revoked_at") is None
+            and (e.get("not_after") is None or e["not_after"] > time.time())]
+
+
+def _write_token(out, name, secret):
+    os.makedirs(out, mode=0o700, exist_ok=True)
+    path = os.path.join(out, f"{name}.token")
+    _write_private(path, secret + "\n")
+    return path
+
+
+def _name(value, what):
+    if not NAME_RE.fullmatch(value or ""):
+        raise SystemExit(f"{what} {value!r}: use 1-64 of [A-Za-z0-9_-] (no dots)")
+    return value
+
+
+def site_main(argv=None):
+    p = argparse.ArgumentParser(prog="httpd.py site", description=SITE_DOC.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(SITE_DOC.split("\n\n")[1:]))
+    p.add_argument("--file", default=os.environ.get("PWW_CREDENTIALS_FILE"),
+                   help="the credentials file the servers read with --credentials (default $PWW_CREDENTIALS_FILE)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("add", help="a new site and its credential")
+    a.add_argument("site")
+    a.add_argument("--clusters", help="cluster ids it may act as, comma-separated (default: the site's name)")
+    r = sub.add_parser("rotate", help="a new credential for a site; its old ones end after --grace-s")
+    r.add_argument("site")
+    r.add_argument("--grace-s", type=float, default=3600.0, help="the old ones keep working this long (default 3600)")
+    for s in (a, r):
+        s.add_argument("--out", required=True, help="directory for <site>.token (mode 600): copy it to the site")
+    v = sub.add_parser("revoke", help="end every credential of a site (or reader) now")
+    v.add_argument("name")
+    rd = sub.add_parser("read", help="a read-only credential for a person: GET /status and the status page")
+    rd.add_argument("name")
+    rd.add_argument("--out", required=True)
+    sh = sub.add_parser("shared", help="whether the shared token (--token-file) still acts as any site")
+    sh.add_argument("acts", choices=("on", "off"))
+    sub.add_parser("list", help="every credential and its state (never a secret)")
+    a = p.parse_args(argv)
+    if not a.file:
+        p.error("--file (or $PWW_CREDENTIALS_FILE) is required")
+    return COMMANDS[a.cmd](a)
+
+
+def _add(a):
+    name = _name(a.site, "site")
+    clusters = [_name(c.strip(), "cluster id") for c in (a.clusters or name).split(",") if c.strip()]
+    with _editing(a.file) as doc:
+        taken = {c: e["name"] for e in doc["credentials"] if e["role"] == "site" and e.get("revoked_at") is None
+                 for c in e["clusters"] if e["name"] != name}
+        if any(e["name"] == name and e.get("revoked_at") is None for e in doc["credentials"]):
+            raise SystemExit(f"site {name!r} already has a credential: rotate it, or revoke it first")
+        clash = [f"{c} (site {taken[c]!r})" for c in clusters if c in taken]
+        if clash:
+            raise SystemExit(f"cluster ids already bound to another site: {', '.join(clash)}")
+        key, secret = _new(doc, "site", name, clusters)
+    path = _write_token(a.out, name, secret)
+    print(f"site {name!r}: credential key {key}, acts as {', '.join(clusters)}; written to {path} (mode 600):\n"
+          f"copy it to the site and point PWW_TOKEN_FILE at the copy (the servers take it within {RELOAD_S:g} s)")
+
+
+def _rotate(a):
+    with _editing(a.file) as doc:
+        old = [e for e in _live(doc, a.site) if e["role"] == "site"]
+        if not old:
+            raise SystemExit(f"no live credential of site {a.site!r} to rotate: add it")
+        end = time.time() + max(0.0, a.grace_s)
+        for e in old:
+            e["not_after"] = min(end, e["not_after"] or end)
+        key, secret = _new(doc, "site", a.site, old[-1]["clusters"])
+    path = _write_token(a.out, a.site, secret)
+    print(f"site {a.site!r}: new credential key {key} in {path}; the old ({', '.join(e['key'] for e in old)}) "
+          f"keep working until {_utc(end)}")
+
+
+def _revoke(a):
+    with _editing(a.file) as doc:
+        hit = [e for e in doc["credentials"] if e["name"] == a.name and e.get("revoked_at") is None]
+        if not hit:
+            raise SystemExit(f"no credential named {a.name!r} to revoke (list shows them)")
+        for e in hit:
+            e["revoked_at"] = time.time()
+    print(f"revoked {a.name!r} (keys {', '.join(e['key'] for e in hit)}): refused by every server within "
+          f"{RELOAD_S:g} s; its open leases expire as a dead site's do")
+
+
+def _read(a):
+    name = _name(a.name, "reader")
+    with _editing(a.file) as doc:
+        key, secret = _new(doc, "read", name, ())
+    print(f"reader {name!r}: key {key}, GET /status and the status page only; written to "
+          f"{_write_token(a.out, name, secret)} (mode 600)")
+
+
+def _shared(a):
+    with _editing(a.file) as doc:
+        doc["shared_acts_as_site"] = a.acts == "on"
+    print(f"the shared token {'acts as any site again' if a.acts == 'on' else 'no longer acts as a site'} "
+          f"(every server within {RELOAD_S:g} s)")
+
+
+def _list(a):
+    try:
+        with open(a.file) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        print(f"no credentials yet ({a.file}): every site uses the shared token")
+        return
+    print(f"shared token acts as a site: {'yes' if doc.get('shared_acts_as_site', True) else 'no'}")
+    now = time.time()
+    for e in doc["credentials"]:
+        state = f"revoked {_utc(e['revoked_at'])}" if e.get("revoked_at") is not None else \
+            (f"ends {_utc(e['not_after'])}" if e["not_after"] > now else "ended") if e.get("not_after") else "live"
+        print(f"{e['name']:<16} key {e['key']}  {e['role']:<5} {','.join(e['clusters']) or '-':<24} {state}")
+
+
+COMMANDS = {"add": _add, "rotate": _rotate, "revoke": _revoke, "read": _read, "shared": _shared, "list": _list}
+
+
+if __name__ == "__main__":
+    sys.exit(site_main(sys.argv[2:] if sys.argv[1:2] == ["site"] else ["--help"]))

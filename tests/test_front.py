@@ -262,7 +262,7 @@ class FrontTest(unittest.TestCase):
         self.assertEqual(r.stdout.count("auth      ok"), 3, r.stdout)
         self.assertRegex(r.stdout, r"4 MiB +up \d+ MB/s, down \d+ MB/s \(checksums match\)")
         self.assertIn("PASS", r.stdout.splitlines()[-1])
-        self.assertNotIn("check-", json.dumps(self.call(self.c.front("blob"), "/blobs", self.c.token)))
+        self.assertNotIn("check.", json.dumps(self.call(self.c.front("blob"), "/blobs", self.c.token)))
         # a wrong token: every service says so in one line with the fix, exit 1, no traceback
         wrong = os.path.join(self.tmp, "wrong.token")
         with open(wrong, "w") as f:
@@ -322,7 +322,7 @@ class FrontTest(unittest.TestCase):
         self.assertEqual(audit.returncode, 0, audit.stdout + audit.stderr)
         self.assertIn("PASS", audit.stdout)
         log = pathlib.Path(self.c.state, "front", "access.log").read_text()
-        for route in ("POST /darl/acquire", "PUT /fedmom/delta", "PUT /blob/blobs/delta-beta"):
+        for route in ("POST /darl/acquire", "PUT /fedmom/delta", "PUT /blob/blobs/delta.beta"):
             self.assertIn(route, log)
 
 
