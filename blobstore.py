@@ -728,7 +728,8 @@ def make_routes(store):
 
 def serve(cfg, net):
     cfg.validate()
-    server = httpd.server_from_args(net, disk=cfg.root, read_paths=("/status", "/blobs"), operator_paths=("/blobs",))        # bind first: a refusal creates nothing
+    server = httpd.server_from_args(net, disk=cfg.root, read_paths=("/status", "/blobs"),
+                                    operator_paths=("/blobs", "/status"))          # the listing: every site's blob ids        # bind first: a refusal creates nothing
     httpd.writable_dir(cfg.root, "--root")
     store = BlobStore(cfg.root, cfg.quota_gb * GB, cfg.max_blob_gb * GB, int(cfg.chunk_mb * 2**20))
     listing = make_routes(store)

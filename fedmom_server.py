@@ -198,7 +198,8 @@ def make_routes(state, blob_token=None, retention=None):
                                     "checkpoint": st["checkpoint"], "blobs": retention and retention.view()}}
 
     def page(req):      # GET /?saved=1: the copy to keep (stamped, no auto-refresh)
-        st = status()
+        keyring = req.handler.keyring
+        st = {**status(), **({"auth": keyring.view()} if keyring else {})}
         body = status_html.html(st, alarm_lines(st), saved=req.query.get("saved") == "1")
         return httpd.Response(body=body.encode(), content_type="text/html; charset=utf-8")
 
@@ -290,6 +291,10 @@ def alarm_lines(st):
                    "it is retried every 30 s (a full disk: free space on the state dir)")
     if st.get("replay_error"):
         out.append(f"!!! REPLAY MISMATCH, no round merges until a restart: {st['replay_error']}")
+    auth = st.get("auth") or {}
+    out += [f"!!! {a}: a leaked or revoked credential still knocking? (httpd.py site list)" for a in auth.get("alarms", ())]
+    if auth.get("file_error"):
+        out.append(f"!!! the credentials file {auth['file']}: {auth['file_error']}")
     return out
 
 

@@ -156,7 +156,8 @@ class Request:
         if owner is None or owner == "":
             self.handler.refuse(p, f"{p.describe()} may {'write' if write else 'read'} only blobs named "
                                    f"<{'|'.join(SITE_BLOB_KINDS)}>.<its cluster>.<...>, not {blob_id[:80]!r}")
-        return self.acts_as(owner)
+        self.acts_as(owner)
+        return blob_id
 
     def content_length(self, required=True):
         raw = self.headers.get("Content-Length")      # its form and uniqueness: Handler._check_framing

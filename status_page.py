@@ -617,6 +617,42 @@ def _sites_html(sites):
     return f"<table>{head}{''.join(body)}</table>"
 
 
+def _auth_html(auth, now):
+    """Per credential (--credentials): whose, its state, what it did last and when, what was
+    refused (a key names it; the secret is never in the status)."""
+    if not auth:
+        return ""
+    refused = {r["key"]: r for r in auth["refused"]}
+    rows = []
+    for c in auth["credentials"]:
+        act, r = c.get("last_act") or {}, refused.pop(c["key"], None)
+        rows.append(f"<tr><td>{ESC(c['name'])}</td><td>{ESC(c['key'])}</td><td>{ESC(c['role'])}</td>"
+                    f"<td>{ESC(', '.join(c['clusters'] or ()) or '-')}</td>"
+                    f"<td{BAD if c['state'] in ('revoked', 'ended') else ''}>{ESC(c['state'])}</td>"
+                    f"<td>{ESC(_ago(act, now))}</td><td{BAD if r else ''}>{_refused(r)}</td></tr>")
+    for r in refused.values():        # a bearer none of ours, the shared token refused as a site
+        rows.append(f"<tr><td>{ESC(r['name'])}</td><td>{ESC(r['key'])}</td><td>-</td><td>-</td><td>-</td><td>-</td>"
+                    f"<td{BAD}>{_refused(r)}</td></tr>")
+    head = ("<tr><th>credential of</th><th>key</th><th>role</th><th>may act as</th><th>state</th>"
+            "<th>last acted</th><th>refused</th></tr>")
+    shared = "acts as any site" if auth["shared_acts_as_site"] else "no longer acts as a site"
+    return (f"<h2>Credentials</h2><p class=\"note\">The shared token {shared}. Each server keeps its own "
+            f"counts since it started; this is the aggregator's.</p><div class=\"scroll\"><table>{head}"
+            f"{''.join(rows)}</table></div>")
+
+
+def _ago(act, now):
+    if not act:
+        return "-"
+    return f"{now - act['at']:.0f} s ago: {act['route']}" + (f" as {act['as']}" if act.get("as") else "")
+
+
+def _refused(r):
+    if not r:
+        return "0"
+    return ESC(f"{r['count']} ({r['last_5min']} in 5 min); last: {r['route']}: {r['why']}")
+
+
 UTIL_HEAD = (("utilisation, last round", "inner training time / the site's whole previous cycle, as it reported "
                                          "(else its inner training time / the round's period)"),
              ("utilisation, whole run", "inner training time summed / round periods summed, over the rounds "
@@ -782,6 +818,7 @@ momentum {cfg.get('outer_momentum')}; held-out loss: {_heldout_text(held)}</p>
 <h2>Sites</h2>
 <div class="scroll">{_sites_html(sites)}</div>
 {_compute_html(sites)}
+{_auth_html(st.get('auth'), now)}
 <h2>Last merged rounds</h2>
 {_exchange_html(rows)}
 <div class="scroll">{_rounds_html(rows)}</div>
