@@ -32,6 +32,9 @@ and these faults (KINDS; POINTS names the fault points of testhooks.py each may 
                       the restart merges too (the sites must discard what they built)
     check_kill        the aggregator SIGKILLed at fedmom.check_stream (a blob delta checked as it lands)
     apply_kill        a site SIGKILLed at site.follow (fedsite.Follow), requeued as for site_kill
+  and, drawn after those (in 1 schedule of 4; the sites then hold per-site credentials):
+    site_revoke       a site's credential revoked (httpd.py site revoke) while the site stands at
+                      site.trained or site.sent; it meets the 403 and is requeued with a new one
 Sites may be careless, overlapped, int4 or time-budgeted (fault_site.py); aggregators may run
 --down-wire int4 (the sites follow each update as it is merged) or --phase-s with the quorum
 rule. Beside the oracle's checks, here: the changed-flag restart was refused naming the flag, no
@@ -74,6 +77,8 @@ KINDS = ("darl_kill", "fedmom_kill", "fedmom_outage", "blob_kill", "site_kill", 
 WEIGHTS = (3, 4, 2, 1, 3, 2, 1, 1, 1, 1)
 STREAMED = ("publish_kill", "check_kill", "apply_kill")   # the pipelined round's faults: drawn last
 KINDS += STREAMED
+REVOKE = ("site_revoke",)         # drawn after STREAMED, for the same reason
+KINDS += REVOKE
 FOLLOW_WAIT_S = 30                # publish_kill: the merge held this long at most for a site to follow it
 EXIT_FENCED = 3                   # fedmom_server's exit status when DARL fenced it
 POINTS = {"darl_kill": ("darl.append", "darl.torn", "darl.synced"),
@@ -81,7 +86,8 @@ POINTS = {"darl_kill": ("darl.append", "darl.torn", "darl.synced"),
                           "fedmom.round_durable", "fedmom.committed", "fedmom.epoch_durable"),
           "blob_kill": ("blob.chunk",), "site_kill": ("site.trained", "site.sent"),
           "site_stop": ("site.trained", "site.checked"),
-          "publish_kill": ("fedmom.merge",), "check_kill": ("fedmom.check_stream",), "apply_kill": ("site.follow",)}
+          "publish_kill": ("fedmom.merge",), "check_kill": ("fedmom.check_stream",), "apply_kill": ("site.follow",),
+          "site_revoke": ("site.trained", "site.sent")}
 # the streamed check's point, while it is being added to fedmom_state.py: drawn only once it is there
 with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fedmom_state.py")) as _f:
     CHECK_STREAM = 'fault_point("fedmom.check_stream")' in _f.read()
@@ -127,6 +133,11 @@ class Schedule:
     quorum: float = 0.5           # its --quorum and --grace-frac (with phase_s only)
     grace_frac: float = 0.2
     timed: dict = dataclasses.field(default_factory=dict)       # time-budgeted sites: name -> s per fake step
+
+    @property
+    def credentials(self):
+        """Each site its own credential (--credentials) when a fault revokes one."""
+        return any(f.kind == "site_revoke" for f in self.faults)
 
     @property
     def checkpoint_rounds(self):
@@ -189,6 +200,10 @@ def make_schedule(seed):
         grace_frac = rng.choice((0.1, 0.2, 0.5))
         timed = {name: round(phase_s / rng.choice((2, 3, 4)), 3) for name, _ in sites if rng.random() < 0.8}
     faults += _streamed(rng, faults[-1].after, sites, down_wire)
+    if rng.random() < 0.25:                  # last: per-site credentials, one of them revoked mid-round
+        f = Fault("site_revoke", faults[-1].after + rng.randint(0, 1), skip=rng.randint(0, 1))
+        f.point, f.target = rng.choice(POINTS["site_revoke"]), rng.choice(sites)[0]
+        faults.append(f)
     return Schedule(seed, sites, blocks, span, attempts, faults, careless, overlapped, int4, down_wire,
                     phase_s, quorum, grace_frac, timed)
 
@@ -293,6 +308,7 @@ class Run:
         self.token_file = os.path.join(workdir, "token")
         self.agg_token_file = os.path.join(workdir, "aggregator.token")    # the custody endpoints' own credential
         self._write_token()
+        self.creds = os.path.join(workdir, "credentials.json") if sched.credentials else None
         self.darl_flags = {"--max-attempts": sched.max_attempts, "--max-grant": 0}
         self.procs, self.sites, self.requeue, self.transports = {}, {}, {}, dict(sched.sites)
         self.findings, self.injected = [], collections.Counter()
@@ -306,12 +322,32 @@ class Run:
         for path, token in ((self.token_file, self.token), (self.agg_token_file, self.agg_token)):
             durable.write_text(path, token + "\n", fsync=False)
 
+    @property
+    def cred_args(self):
+        return ["--credentials", self.creds] if self.creds else []
+
+    def credential(self, *args):
+        """`python httpd.py site ARGS` on this run's credentials file (the operator's command)."""
+        out = subprocess.run([sys.executable, "httpd.py", "site", "--file", self.creds, *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        if out.returncode:
+            raise RuntimeError(f"httpd.py site {' '.join(args)}: {out.stderr or out.stdout}")
+
+    def site_token(self, name):
+        """The token file a site starts with: its own credential (made on first use), or the shared token."""
+        if not self.creds:
+            return self.token_file
+        path = os.path.join(self.dir, "sites", f"{name}.token")
+        if not os.path.exists(path):
+            self.credential("add", name, "--out", os.path.dirname(path))
+        return path
+
     # -- processes
     def darl_cmd(self, port, accept=False):
         flags = [x for k, v in self.darl_flags.items() for x in (k, str(v))]
         return [sys.executable, "darl_server.py", "--num-samples", str(self.s.blocks), "--block-size", "1",
                 "--seed", str(self.s.seed % 1000), "--state-dir", self.central, "--port", str(port),
-                "--token-file", self.token_file, "--aggregator-token-file", self.agg_token_file,
+                "--token-file", self.token_file, "--aggregator-token-file", self.agg_token_file, *self.cred_args,
                 "--min-ttl", str(TTL[0]), "--default-ttl", str(TTL[0]),
                 "--max-ttl", str(TTL[1]), "--restore-grace", str(2 * TTL[1]), "--snapshot-every", "25", *flags] + (
             ["--accept-config-change"] if accept else [])
@@ -327,10 +363,11 @@ class Run:
         self.darl = self.procs["darl"].start()
         self.procs["blob"] = Proc(self, "blob", [sys.executable, "blobstore.py", "--root",
                                                  os.path.join(self.central, "blobs"), "--port", str(pick_port()),
-                                                 "--token-file", self.token_file])
+                                                 "--token-file", self.token_file, *self.cred_args])
         self.blob = self.procs["blob"].start()
         fed = [sys.executable, "fedmom_server.py", "--state-dir", os.path.join(self.central, "fedmom"),
                "--init", init, "--darl", self.darl, "--blob-url", self.blob, "--token-file", self.token_file,
+               *self.cred_args,
                "--darl-token-file", self.agg_token_file,
                "--outer-lr", str(fault_oracle.LR), "--outer-momentum", str(fault_oracle.MU),
                "--round-deadline-s", str(ROUND_DEADLINE_S),
@@ -344,7 +381,7 @@ class Run:
     def start_site(self, name):
         transport = self.transports.setdefault(name, "inline")
         cmd = [sys.executable, "-m", "testbed.fault_site", "--cluster", name, "--darl", self.darl,
-               "--fedmom", self.fedmom, "--blob", self.blob, "--token-file", self.token_file,
+               "--fedmom", self.fedmom, "--blob", self.blob, "--token-file", self.site_token(name),
                "--records", self.records, "--seed", str(self.s.seed), "--span", str(self.s.span),
                "--transport", transport, "--train-s", "0.15", "--phase-s", "0.5"] + (
             ["--careless"] if name in self.s.careless else []) + (
@@ -482,6 +519,8 @@ class Run:
             return self.wait(lambda: self.token_exits > exits, bound_s=60)    # a site met the 401, requeued
         if f.kind == "stale_aggregator":
             return self._stale_aggregator(f)
+        if f.kind == "site_revoke":
+            return self._site_revoke(f)
         raise ValueError(f.kind)
 
     def _kill_at(self, proc, f, held=None):
@@ -583,6 +622,23 @@ class Run:
         self.wait(lambda: not proc.hit(f.point) or not proc.alive() or f.target in self.requeue)
         proc.disarm(f.point)
         return reached                        # a newcomer that never trained: its headline case not reached
+
+    def _site_revoke(self, f):
+        """Revoke the site's credential while it stands at f.point (its lease held, or its delta
+        in), give it a new one as an operator would, and let it go on: it meets the 403, exits,
+        and is requeued with the new credential. Its leases and deltas follow custody's rules."""
+        proc = self.sites[f.target]
+        proc.arm(f.point, f.skip)
+        reached = self.wait(lambda: proc.hit(f.point) or f.target in self.requeue)
+        if not reached or f.target in self.requeue:
+            proc.disarm(f.point)
+            return False
+        exits = self.token_exits
+        self.credential("revoke", f.target)
+        self.credential("add", f.target, "--out", os.path.join(self.dir, "sites"))   # for its next job
+        self.wait(lambda: False, 1.5)          # every server has read the file (httpd.RELOAD_S)
+        proc.release(f.point)
+        return self.wait(lambda: self.token_exits > exits, bound_s=60)
 
     def _stale_aggregator(self, f):
         live = self.procs["fedmom"]

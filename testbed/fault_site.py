@@ -31,7 +31,7 @@ is in it follows the next round's update while it is merged (fedsite.Follow), an
 the theta built only if its digest is the durable round's (the heartbeat's "update"); else
 it downloads the update, or on 409 no_update the whole theta. It notes each theta it holds
 and the digest of the one each span trained from. A token
-the servers refuse (401) ends it with EXIT_TOKEN, and the harness requeues it with the new
+the servers refuse (401; 403: its credential revoked) ends it with EXIT_TOKEN, and the harness requeues it with the new
 token.
 """
 import argparse
@@ -233,8 +233,8 @@ def site_main(a):
     try:
         try:
             code = _site_loop(a, token, inc, note)
-        except httpc.CallError as e:      # a 401 from any call: the token was rotated
-            if e.status != 401:
+        except httpc.CallError as e:      # a 401 or 403 from any call: the token was rotated or revoked
+            if e.status not in (401, 403):
                 raise
             raise TokenRefused(str(e))
     except TokenRefused as e:
@@ -247,11 +247,11 @@ def site_main(a):
 def _call(what, fn):
     """fn(deadline): one httpc.Deadline of CALL_S per call, short pauses (the faults last
     seconds); the client under fn repeats by httpc's rule, a 409 not_member joining again
-    inside it, as for a real site. A 401 is TokenRefused."""
+    inside it, as for a real site. A 401 or 403 is TokenRefused."""
     try:
         return fn(httpc.Deadline(CALL_S, what=what, max_wait_s=0.2, log=httpc.quiet))
     except httpc.CallError as e:
-        if e.status == 401:
+        if e.status in (401, 403):
             raise TokenRefused(f"{what}: {e}")
         raise
 
@@ -305,7 +305,7 @@ def _span_loop(a, fed, member, session, note):
                 member.leave()                     # every block is someone else's: leave the rounds
             continue
         except httpc.CallError as e:
-            if e.status == 401:
+            if e.status in (401, 403):
                 raise TokenRefused(f"DARL: {e}")
             raise
         if span is None:
@@ -463,7 +463,7 @@ def _send_and_wait(a, fed, member, session, span, done, note):
         _call("release", lambda d: session.release(span, deadline=d))
         return "stale"
     except httpc.CallError as e:
-        if e.status == 401:
+        if e.status in (401, 403):
             raise TokenRefused(f"send: {e}")
         note("refused", status=e.status, code=e.reply.get("code"), why=e.reply.get("error"), **key)
         _call("release", lambda d: session.release(span, deadline=d))

@@ -97,6 +97,11 @@ SCHEDULES = {
         Schedule(110, [("alpha", INLINE), ("beta", INLINE)], 24, 2, 0,
                  [Fault("publish_kill", 1, point="fedmom.merge", skip=1, pause=0.3, value="newcomer")],
                  int4=["beta"], down_wire="int4"),
+    "each site its own credential; alpha's revoked while its delta is in (the round not merged yet), "
+    "beta's while it trains on a lease; each meets the 403 and is requeued with a new credential":
+        Schedule(111, [("alpha", INLINE), ("beta", BLOB)], 24, 2, 0,
+                 [Fault("site_revoke", 1, point="site.sent", target="alpha"),
+                  Fault("site_revoke", 3, point="site.trained", target="beta")]),
 }
 
 
@@ -168,6 +173,11 @@ class FaultScheduleTest(unittest.TestCase):
         self.assertGreaterEqual(res.seen["follow_discarded"], 1, "no site discarded a followed theta")
         # ... and took the durable round by its update instead (GET /theta_update: the theta it holds)
         self.assertGreaterEqual(res.seen["theta_via_update"], 1, "no site fetched theta by an update")
+
+    def test_credentials_revoked_mid_round_lose_and_double_nothing(self):
+        """Custody holds across a revocation: alpha's accepted delta is merged (or its blocks go back),
+        beta's lease expires as a dead site's; coverage exactly once and the audit (the oracle)."""
+        self.run_one(list(SCHEDULES)[8])       # reached: each revoked site met the 403 and exited (run_one)
 
     def test_every_fault_kind_is_in_the_fast_subset(self):
         kinds = {f.kind for s in SCHEDULES.values() for f in s.faults}
