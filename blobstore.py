@@ -7,10 +7,10 @@ Runs on: the central VM, beside darl_server.py and fedmom_server.py. Standard li
     python blobstore.py status --url https://127.0.0.1:29512 --token-file ~/.pww_token --ca-file ca.pem \\
                                [--fedmom https://127.0.0.1:29511]     # + why the aggregator keeps each blob
 
-Callers: sites (fedmom_client.FedMomClient) and fedmom_server.py, with the shared bearer token;
-only GET /health is public. Clients use blob_client.py's put_file() and get_file() (resumable,
-in parallel streams). A delta is GBs: bodies go to disk in chunks (never held whole), an upload
-resumes where its bytes end, and a blob is visible only complete and with its declared checksum.
+Callers: sites (fedmom_client: the shared token, or a site's own credential: its blobs
+delta.<cluster>.* only) and fedmom_server.py (--aggregator-token-file's token); GET /health public.
+Clients use blob_client.py's put_file() and get_file() (resumable, in parallel streams). Bodies go
+to disk in chunks, an upload resumes where its bytes end, a blob is visible only complete and checked.
 HTTP (ids: [A-Za-z0-9._-]{1,200}, not starting with "."):
     PUT    /blobs/<id>    the bytes, X-Content-Sha256 required; Content-Range: bytes START-END/TOTAL
                           continues at START = the offset HEAD reports (else 416). -> 201 complete,
@@ -729,6 +729,7 @@ def make_routes(store):
 def serve(cfg, net):
     cfg.validate()
     server = httpd.server_from_args(net, disk=cfg.root, read_paths=("/status", "/blobs"),
+                                    aggregator_token=httpc.load_token(net.aggregator_token_file, env=None),
                                     operator_paths=("/blobs", "/status"))          # the listing: every site's blob ids        # bind first: a refusal creates nothing
     httpd.writable_dir(cfg.root, "--root")
     store = BlobStore(cfg.root, cfg.quota_gb * GB, cfg.max_blob_gb * GB, int(cfg.chunk_mb * 2**20))
@@ -807,6 +808,9 @@ def main(argv):
                    help="total size of all blobs and unfinished uploads, GB = 1e9 bytes (default 500)")
     p.add_argument("--max-blob-gb", type=float, default=128.0, help="largest single blob, GB (default 128)")
     p.add_argument("--chunk-mb", type=float, default=4.0, help="PUT read/write/hash step, MiB (default 4)")
+    p.add_argument("--aggregator-token-file", default=os.environ.get("PWW_AGGREGATOR_TOKEN_FILE"),
+                   help="the aggregator's own token (fedmom_server.py --blob-token-file): every blob, whatever "
+                        "`httpd.py site shared off` says of the shared token (default $PWW_AGGREGATOR_TOKEN_FILE)")
     httpd.add_server_args(p, DEFAULT_PORT)
     a = p.parse_args(argv)
     serve(Config(a.root, a.quota_gb, a.max_blob_gb, a.chunk_mb), a)

@@ -28,8 +28,8 @@
 #                  re-reads it); sites/<site>.token the credential to copy to that site (mode 600)
 #   aggregator.token  the aggregator's and operator's own credential for DARL's custody
 #                  endpoints (fence, custody, commit, abort, abort-custody), made with the
-#                  token (mode 600); it never leaves this VM, so a site cannot fence FedMom
-#                  or abort its custody
+#                  token (mode 600), and FedMom's at the blob store; it never leaves this VM,
+#                  so a site cannot fence FedMom or abort its custody
 #   tls/           ca.pem + ca.key (a CA made on first start with openssl) and server.pem +
 #                  server.key, the certificate every daemon serves https with; copy ca.pem to
 #                  each site and point PWW_CA_FILE at the copy. Its names: localhost,
@@ -300,11 +300,12 @@ daemon_args() {
             fi
             # FedMom takes accepted deltas' leases into custody at DARL (and commits them) and
             # serves big models via the blob store
-            ARGS+=(--darl "$(internal_url darl)" --darl-token-file "$AGG_TOKEN" --blob-url "$(internal_url blob)")
+            ARGS+=(--darl "$(internal_url darl)" --darl-token-file "$AGG_TOKEN" --blob-url "$(internal_url blob)"
+                   --blob-token-file "$AGG_TOKEN")
             [ -n "$CA" ] && ARGS+=(--ca-file "$CA")
             extra=${FEDMOM_ARGS:-} ;;
         blob)
-            ARGS+=(--root "$STATE")                            # -> $STATE/blobs/
+            ARGS+=(--root "$STATE" --aggregator-token-file "$AGG_TOKEN")   # -> $STATE/blobs/
             extra=${BLOB_ARGS:-} ;;
     esac
     local words

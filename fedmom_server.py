@@ -198,8 +198,8 @@ def make_routes(state, blob_token=None, retention=None):
                                     "checkpoint": st["checkpoint"], "blobs": retention and retention.view()}}
 
     def page(req):      # GET /?saved=1: the copy to keep (stamped, no auto-refresh)
-        keyring = req.handler.keyring
-        st = {**status(), **({"auth": keyring.view()} if keyring else {})}
+        keyring = req.handler.keyring       # the credentials' list: not for an anonymous reader of the page
+        st = {**status(), **({"auth": keyring.view()} if keyring and httpd.sees_auth(req) else {})}
         body = status_html.html(st, alarm_lines(st), saved=req.query.get("saved") == "1")
         return httpd.Response(body=body.encode(), content_type="text/html; charset=utf-8")
 
@@ -374,9 +374,10 @@ def serve(cfg, a):
     httpd.writable_dir(cfg.state_dir, "--state-dir")
     lock_fd = durable.lock_state_dir(cfg.state_dir, "fedmom_server")     # held until the process ends
     state = FedMomState(cfg, darl=darl)
-    retention = (BlobRetention(cfg.blob_url, state.aggregator_id, cfg.keep_rounds, token, cfg.ca_file)
+    blob_token = httpc.load_token(a.blob_token_file, env=None) or token
+    retention = (BlobRetention(cfg.blob_url, state.aggregator_id, cfg.keep_rounds, blob_token, cfg.ca_file)
                  if cfg.blob_url else None)
-    server.RequestHandlerClass.routes.update(httpd.with_http_stats(make_routes(state, token, retention), server))
+    server.RequestHandlerClass.routes.update(httpd.with_http_stats(make_routes(state, blob_token, retention), server))
     stop = threading.Event()
 
     def on_fenced():                 # another process of this aggregator is newer: never serve beside it
@@ -422,6 +423,9 @@ def _server_parser():
     p.add_argument("--blob-url", help="blob store URL (blobstore.py, :29512) for the blob transport (default: none)")
     p.add_argument("--darl", help="DARL coordinator URL (:29510): every accepted delta's leases go into custody "
                                   "there, and are committed once merged (default: none, no accounting)")
+    p.add_argument("--blob-token-file", default=os.environ.get("PWW_BLOB_TOKEN_FILE"),
+                   help="the aggregator's own token at the blob store (blobstore.py --aggregator-token-file; "
+                        "default $PWW_BLOB_TOKEN_FILE, else the --token-file token)")
     p.add_argument("--darl-token-file", default=os.environ.get("PWW_AGGREGATOR_TOKEN_FILE"),
                    help="the aggregator's own credential for DARL's custody endpoints (darl_server.py "
                         "--aggregator-token-file; default $PWW_AGGREGATOR_TOKEN_FILE, else the --token-file token)")

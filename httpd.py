@@ -137,21 +137,25 @@ class Request:
         self.max_body = max_body
         self.client = handler.client_address[0]
         self.principal = handler.principal         # Principal, or None on a public path
+        self.acted_as = None                       # the cluster acts_as let it act as (its last act, /status)
 
     def acts_as(self, cluster):
-        """cluster, if the caller may act as it; else a 403 naming the credential (counted)."""
+        """cluster, if the caller may act as it; else a 403 naming the credential (counted). With
+        per-site credentials a cluster id has no "." (a blob id <kind>.<cluster>.<rest> names one)."""
         p = self.principal
+        if self.handler.keyring is not None and "." in cluster:
+            raise HTTPError(400, f"cluster id {cluster[:64]!r}: no '.' in a cluster id on a server with per-site "
+                                 "credentials (--credentials)")
         if p is not None and not p.may_act_as(cluster):
             self.handler.refuse(p, p.why_not(cluster))
-        if p is not None and self.handler.keyring is not None:
-            self.handler.keyring.note_act(p, f"{self.method} {self.path}", cluster)
+        self.acted_as = cluster
         return cluster
 
     def may_touch_blob(self, blob_id, write):
-        """A site credential reads and writes its own clusters' blobs (blob_owner)
-        and reads the aggregator's; a 403 otherwise."""
+        """A site credential (and the shared token after `site shared off`) reads and writes its
+        own clusters' blobs (blob_owner) and reads the aggregator's; a 403 otherwise."""
         p, owner = self.principal, blob_owner(blob_id)
-        if p is None or p.kind != "site" or (owner == "" and not write):
+        if p is None or not p.confined() or (owner == "" and not write):
             return blob_id
         if owner is None or owner == "":
             self.handler.refuse(p, f"{p.describe()} may {'write' if write else 'read'} only blobs named "
@@ -273,6 +277,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     scoped = {}                     # path -> the one token it takes (a narrower credential than `token`)
     principal = None                # who sent the request being served (_authorized)
     keyring = None                  # Keyring of --credentials: per-site and read-only ones
+    aggregator_token = None         # the aggregator's own token on every path (the blob store's)
     read_paths = frozenset({"/status", "/"})      # what a read-only credential may GET
     operator_paths = frozenset()                  # what a site credential may never call
     disk = None                     # the state directory a 507 names
@@ -362,6 +367,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if scoped is not None:
             if _same(cred, scoped):
                 self.principal = Principal("aggregator", "aggregator")
+            else:                             # a site's credential here: refused under its own key
+                other = self.keyring.identify(cred)[0] if self.keyring is not None else None
+                if other is not None:
+                    self.refuse(other, f"{other.describe()} may not call {self.command} {path}: the aggregator's "
+                                       "own token does")
+        elif self.aggregator_token is not None and _same(cred, self.aggregator_token):
+            self.principal = Principal("aggregator", "aggregator")
         elif self.token is None and self.keyring is None:
             self.principal = Principal("open", "open")
         elif self.token is not None and _same(cred, self.token):
@@ -384,8 +396,6 @@ class Handler(http.server.BaseHTTPRequestHandler):
                            f"not {self.command} {path}")
         if p.kind == "site" and path in self.operator_paths:
             self.refuse(p, f"{p.describe()} may not call {self.command} {path}: the aggregator's own token does")
-        if p.key is not None:
-            self.keyring.note_act(p, f"{self.command} {path}")
 
     def refuse(self, p, why):
         """403 with one line naming the credential (counted under it on /status)."""
@@ -422,7 +432,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             query = dict(urllib.parse.parse_qsl(url.query))
             self._authorized(url.path)
             fn, tail = _lookup(self.routes, method, url.path)
-            out = fn(Request(self, method, url.path, query, tail, self.max_body))
+            req = Request(self, method, url.path, query, tail, self.max_body)
+            out = fn(req)
+            if self.principal is not None and self.principal.key is not None:      # its last act: done, not tried
+                self.keyring.note_act(self.principal, f"{method} {url.path}", req.acted_as)
         except HTTPError as e:
             self._send_json(e.status, {"error": e.reason, **e.extra}, e.headers)
             return
@@ -600,17 +613,19 @@ def check_bind(host, token, tls, insecure, keyring=None):
 
 def make_server(routes, host="127.0.0.1", port=0, token=None, insecure=False,
                 public=("/health",), max_body=DEFAULT_MAX_BODY, quiet=True, tls=None, limits=None,
-                disk=None, scoped=None, keyring=None, read_paths=None, operator_paths=()):
+                disk=None, scoped=None, keyring=None, read_paths=None, operator_paths=(), aggregator_token=None):
     """Bind a server for `routes`. Port 0 picks a free one (tests). `tls`: an
     ssl.SSLContext (server_tls) or None; `disk`: the state directory a 507 names;
     `scoped` {path: token}: those paths take that token alone, not `token`; `keyring`: a
     Keyring (per-site and read-only credentials), `read_paths` what a read one
-    may GET (default /status and /), `operator_paths` what a site one may never call.
+    may GET (default /status and /), `operator_paths` what a site one may never call;
+    `aggregator_token`: the aggregator's own token, which may do anything here.
     Nothing but the socket is created, so a refused bind leaves nothing behind."""
     check_bind(host, token, tls, insecure, keyring)
     attrs = dict(routes=dict(routes), token=token or None, public=frozenset(public),
                  max_body=max_body, quiet=quiet, disk=disk, scoped=dict(scoped or {}), keyring=keyring,
-                 read_paths=frozenset(read_paths or Handler.read_paths), operator_paths=frozenset(operator_paths))
+                 read_paths=frozenset(read_paths or Handler.read_paths), operator_paths=frozenset(operator_paths),
+                 aggregator_token=aggregator_token or None)
     handler = type("BoundHandler", (Handler,), attrs)
     return Server((host, port), handler, tls, limits)      # a refused bind: SystemExit, one line
 
@@ -664,7 +679,7 @@ def add_server_args(parser, default_port):
 
 
 def server_from_args(a, routes=None, public=("/health",), disk=None, scoped=None, read_paths=None,
-                     operator_paths=()):
+                     operator_paths=(), aggregator_token=None):
     """make_server() from add_server_args' flags; bind before creating any state."""
     if bool(a.tls_cert) != bool(a.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together (a certificate and its private key)")
@@ -672,8 +687,8 @@ def server_from_args(a, routes=None, public=("/health",), disk=None, scoped=None
     limits = Limits(a.workers, a.max_connections, a.header_timeout_s, a.idle_timeout_s, a.io_timeout_s)
     return make_server(routes or {}, a.host, a.port, httpc.load_token(a.token_file), a.insecure, public=public,
                        max_body=int(a.max_body_mb * 2**20), quiet=not a.verbose, tls=tls, limits=limits,
-                       disk=disk, scoped=scoped, keyring=a.credentials and Keyring(a.credentials),
-                       read_paths=read_paths, operator_paths=operator_paths)
+                       disk=disk, scoped=scoped, keyring=Keyring(a.credentials) if a.credentials else None,
+                       read_paths=read_paths, operator_paths=operator_paths, aggregator_token=aggregator_token)
 
 
 def with_http_stats(routes, server):
@@ -681,7 +696,13 @@ def with_http_stats(routes, server):
     --credentials, each credential's state, last act and refusals (Keyring.view)."""
     status, keyring = routes[("GET", "/status")], server.RequestHandlerClass.keyring
     return {**routes, ("GET", "/status"): lambda req: {**status(req), "http": server.stats(),
-                                                       **({"auth": keyring.view()} if keyring else {})}}
+                                                       **({"auth": keyring.view()} if keyring and sees_auth(req) else {})}}
+
+
+def sees_auth(req):
+    """Who may see the credentials' list and counts (never a secret, but an inventory): the
+    shared or aggregator token, a read credential; not a site's, not an anonymous caller."""
+    return req.principal is not None and req.principal.kind in ("shared", "aggregator", "read", "open")
 
 def serve_forever(server, name):
     """Serve until SIGTERM/SIGINT; print the one line that says where.
@@ -1160,8 +1181,10 @@ A site credential may act only as its cluster ids (register, lease, heartbeat, r
 join, heartbeat, deltas at FedMom; its own blobs `delta.<cluster>.*` and `check.<cluster>.*` in
 the blob store) and read theta; never DARL's custody routes (the aggregator's own token) nor the
 blob listing. A read credential may GET /status, /health and the status page only. The shared
-token (--token-file) keeps every right until `shared off`, after which it no longer acts as a
-site (the aggregator and the operator keep using it on the VM). FEDERATION_GUIDE.md, "Identity".
+token (--token-file) keeps every right until `shared off`; then it acts as no site and reaches no
+site's blob (the aggregator uses its own token there: blobstore.py --aggregator-token-file). The
+file is checked as it is read: a missing, unreadable or invalid one keeps the last good contents
+(and says so on /status). FEDERATION_GUIDE.md, "Identity"; RUNBOOK.md section 1.
 """
 
 VERSION = 1
@@ -1184,6 +1207,10 @@ class Principal:
         if self.kind == "site":
             return cluster in self.clusters
         return self.kind in ("aggregator", "open") or (self.kind == "shared" and self.acts)
+
+    def confined(self):
+        """Held to its own blobs: a site's credential, and the shared token after `shared off`."""
+        return self.kind == "site" or (self.kind == "shared" and not self.acts)
 
     def why_not(self, cluster):
         if self.kind == "shared":
@@ -1230,23 +1257,29 @@ class Keyring:
             raise SystemExit(f"--credentials {path}: {self.file_error}")
 
     def _reload(self):
+        """The file's contents if it changed; the last good ones kept (and file_error set) while
+        it is missing, unreadable or invalid: a bad edit never opens a door nor locks every site out."""
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
-            self.entries, self.sig, self.file_error = {}, None, None     # none made yet: the shared token only
-            return
+            if self.sig is not None:          # it was there: keep what it said
+                self.file_error = "missing; the previous contents kept"
+            return                            # never there: none made yet, the shared token only
         except OSError as e:
-            self.file_error = f"cannot read: {e.strerror}"
+            self.file_error = f"cannot read: {e.strerror}; the previous contents kept"
             return
         sig = (st.st_ino, st.st_size, st.st_mtime_ns)
-        if sig == self.sig:
+        if sig == self.sig and self.file_error is None:
             return
         try:
             with open(self.path) as f:
                 doc = json.load(f)
-            self.entries = {e["key"]: e for e in doc["credentials"]}
-            self.shared_acts, self.sig, self.file_error = doc.get("shared_acts_as_site", True), sig, None
-        except (OSError, ValueError, KeyError, TypeError) as e:      # keep the last good one; /status says
+            entries = {e["key"]: _valid(e) for e in doc["credentials"]}
+            shared_acts = doc.get("shared_acts_as_site", True)
+            if not isinstance(shared_acts, bool):
+                raise ValueError(f"shared_acts_as_site is {shared_acts!r}, not true or false")
+            self.entries, self.shared_acts, self.sig, self.file_error = entries, shared_acts, sig, None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             self.file_error = f"unreadable, the previous contents kept: {type(e).__name__}: {e}"
 
     def current(self):
@@ -1316,6 +1349,19 @@ class Keyring:
                 "credentials": rows, "refused": refused, "alarms": alarms}
 
 
+def _valid(e):
+    """A credential entry as the file holds it, checked: its key, hash, role and clusters."""
+    ok = (re.fullmatch(r"[0-9a-f]{8}", str(e.get("key"))) and re.fullmatch(r"[0-9a-f]{64}", str(e.get("sha256")))
+          and e.get("role") in ("site", "read") and isinstance(e.get("name"), str)
+          and isinstance(e.get("clusters"), list) and all(isinstance(c, str) and NAME_RE.fullmatch(c)
+                                                         for c in e["clusters"])
+          and all(isinstance(e.get(k), (int, float, type(None))) for k in ("not_after", "revoked_at")))
+    if not ok:
+        raise ValueError(f"credential {str(e.get('key'))[:8]!r} ({str(e.get('name'))[:64]!r}) is not valid: "
+                         "key, sha256, role (site or read), name, clusters, not_after, revoked_at")
+    return e
+
+
 def _utc(t):
     return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
 
@@ -1332,8 +1378,13 @@ def _editing(path):
         try:
             with open(path) as f:
                 doc = json.load(f)
+            for e in doc["credentials"]:
+                _valid(e)
         except FileNotFoundError:
             doc = {"version": VERSION, "shared_acts_as_site": True, "credentials": []}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SystemExit(f"{path}: not a credentials file ({type(e).__name__}: {e}); fix it, or restore it "
+                             "from a backup") from None
         yield doc
         _write_private(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
@@ -1357,6 +1408,14 @@ def _new(doc, role, name, clusters):
                                "sha256": digest(secret), "created": time.time(), "not_after": None,
                                "revoked_at": None})
     return key, secret
+
+
+def _name_free(doc, name):
+    """One name, one holder: a site and a reader never share one (their token files would)."""
+    held = [e for e in doc["credentials"] if e["name"] == name and e.get("revoked_at") is None]
+    if held:
+        raise SystemExit(f"{name!r} already has a live credential ({held[0]['role']}, key {held[0]['key']}): "
+                         "rotate it, revoke it first, or pick another name")
 
 
 def _live(doc, name):
@@ -1412,13 +1471,12 @@ def _add(a):
     with _editing(a.file) as doc:
         taken = {c: e["name"] for e in doc["credentials"] if e["role"] == "site" and e.get("revoked_at") is None
                  for c in e["clusters"] if e["name"] != name}
-        if any(e["name"] == name and e.get("revoked_at") is None for e in doc["credentials"]):
-            raise SystemExit(f"site {name!r} already has a credential: rotate it, or revoke it first")
+        _name_free(doc, name)
         clash = [f"{c} (site {taken[c]!r})" for c in clusters if c in taken]
         if clash:
             raise SystemExit(f"cluster ids already bound to another site: {', '.join(clash)}")
         key, secret = _new(doc, "site", name, clusters)
-    path = _write_token(a.out, name, secret)
+        path = _write_token(a.out, name, secret)
     print(f"site {name!r}: credential key {key}, acts as {', '.join(clusters)}; written to {path} (mode 600):\n"
           f"copy it to the site and point PWW_TOKEN_FILE at the copy (the servers take it within {RELOAD_S:g} s)")
 
@@ -1432,7 +1490,7 @@ def _rotate(a):
         for e in old:
             e["not_after"] = min(end, e["not_after"] or end)
         key, secret = _new(doc, "site", a.site, old[-1]["clusters"])
-    path = _write_token(a.out, a.site, secret)
+        path = _write_token(a.out, a.site, secret)
     print(f"site {a.site!r}: new credential key {key} in {path}; the old ({', '.join(e['key'] for e in old)}) "
           f"keep working until {_utc(end)}")
 
@@ -1451,9 +1509,10 @@ def _revoke(a):
 def _read(a):
     name = _name(a.name, "reader")
     with _editing(a.file) as doc:
+        _name_free(doc, name)
         key, secret = _new(doc, "read", name, ())
-    print(f"reader {name!r}: key {key}, GET /status and the status page only; written to "
-          f"{_write_token(a.out, name, secret)} (mode 600)")
+        path = _write_token(a.out, name, secret)
+    print(f"reader {name!r}: key {key}, GET /status and the status page only; written to {path} (mode 600)")
 
 
 def _shared(a):

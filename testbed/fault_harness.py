@@ -23,7 +23,7 @@ and these faults (KINDS; POINTS names the fault points of testhooks.py each may 
     darl_flag         DARL restarted with --max-attempts or --max-grant changed: refused naming
                       the flag, then restarted with --accept-config-change
     clock_step        the servers' wall clock stepped by +-1 h across a DARL restart
-    token_rotation    new tokens, the sites' and the aggregator's, DARL first
+    token_rotation    new tokens, the sites' (unless each has its own) and the aggregator's, DARL first
     stale_aggregator  a stopped copy of the aggregator started beside the live one 1-3 times:
                       DARL must fence it at every start (exit 3)
   the pipelined round's (STREAMED: 0-2 a schedule, drawn last, so older seeds keep theirs):
@@ -32,14 +32,11 @@ and these faults (KINDS; POINTS names the fault points of testhooks.py each may 
                       the restart merges too (the sites must discard what they built)
     check_kill        the aggregator SIGKILLed at fedmom.check_stream (a blob delta checked as it lands)
     apply_kill        a site SIGKILLed at site.follow (fedsite.Follow), requeued as for site_kill
-  and, drawn after those (in 1 schedule of 4; the sites then hold per-site credentials):
-    site_revoke       a site's credential revoked (httpd.py site revoke) while the site stands at
-                      site.trained or site.sent; it meets the 403 and is requeued with a new one
+    site_revoke       (drawn after those, 1 schedule in 4; each site then has its own credential) a
+                      site's revoked at site.trained or site.sent: 403, requeued with a new one
 Sites may be careless, overlapped, int4 or time-budgeted (fault_site.py); aggregators may run
---down-wire int4 (the sites follow each update as it is merged) or --phase-s with the quorum
-rule. Beside the oracle's checks, here: the changed-flag restart was refused naming the flag, no
-site crashed, nothing stalled. A failing schedule keeps its directory. What the schedules
-cover: FEDERATION_GUIDE.md, "The proof: random fault schedules, and real training under faults".
+--down-wire int4 or --phase-s with the quorum rule. Beside the oracle: the changed-flag restart
+refused naming the flag, no site crashed, nothing stalled; a failing schedule keeps its dir.
 """
 import collections
 import dataclasses
@@ -295,6 +292,32 @@ class Proc:
             durable.unlink(os.path.join(self.faults, point + suffix))
 
 
+class SiteCredentials:
+    """Each site its own credential (a schedule with site_revoke): the file the servers read
+    (--credentials) and the operator's commands on it (httpd.py site)."""
+
+    def __init__(self, workdir):
+        self.file, self.dir = os.path.join(workdir, "credentials.json"), os.path.join(workdir, "sites")
+
+    def command(self, *args):
+        out = subprocess.run([sys.executable, "httpd.py", "site", "--file", self.file, *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        if out.returncode:
+            raise RuntimeError(f"httpd.py site {' '.join(args)}: {out.stderr or out.stdout}")
+
+    def token_file(self, name):
+        """The site's own token file (its credential made on first use)."""
+        path = os.path.join(self.dir, f"{name}.token")
+        if not os.path.exists(path):
+            self.command("add", name, "--out", self.dir)
+        return path
+
+    def revoke_and_renew(self, name):
+        """Revoke every credential of the site, and make the one its next job starts with."""
+        self.command("revoke", name)
+        self.command("add", name, "--out", self.dir)
+
+
 class Run:
     """The servers, the sites and the records of one schedule; apply() injects one fault."""
 
@@ -308,7 +331,8 @@ class Run:
         self.token_file = os.path.join(workdir, "token")
         self.agg_token_file = os.path.join(workdir, "aggregator.token")    # the custody endpoints' own credential
         self._write_token()
-        self.creds = os.path.join(workdir, "credentials.json") if sched.credentials else None
+        self.creds = SiteCredentials(workdir) if sched.credentials else None
+        self.cred_args = ["--credentials", self.creds.file] if self.creds else []
         self.darl_flags = {"--max-attempts": sched.max_attempts, "--max-grant": 0}
         self.procs, self.sites, self.requeue, self.transports = {}, {}, {}, dict(sched.sites)
         self.findings, self.injected = [], collections.Counter()
@@ -321,26 +345,6 @@ class Run:
         self.token, self.agg_token = secrets.token_hex(16), secrets.token_hex(16)
         for path, token in ((self.token_file, self.token), (self.agg_token_file, self.agg_token)):
             durable.write_text(path, token + "\n", fsync=False)
-
-    @property
-    def cred_args(self):
-        return ["--credentials", self.creds] if self.creds else []
-
-    def credential(self, *args):
-        """`python httpd.py site ARGS` on this run's credentials file (the operator's command)."""
-        out = subprocess.run([sys.executable, "httpd.py", "site", "--file", self.creds, *args], cwd=ROOT,
-                             capture_output=True, text=True, timeout=60)
-        if out.returncode:
-            raise RuntimeError(f"httpd.py site {' '.join(args)}: {out.stderr or out.stdout}")
-
-    def site_token(self, name):
-        """The token file a site starts with: its own credential (made on first use), or the shared token."""
-        if not self.creds:
-            return self.token_file
-        path = os.path.join(self.dir, "sites", f"{name}.token")
-        if not os.path.exists(path):
-            self.credential("add", name, "--out", os.path.dirname(path))
-        return path
 
     # -- processes
     def darl_cmd(self, port, accept=False):
@@ -381,7 +385,8 @@ class Run:
     def start_site(self, name):
         transport = self.transports.setdefault(name, "inline")
         cmd = [sys.executable, "-m", "testbed.fault_site", "--cluster", name, "--darl", self.darl,
-               "--fedmom", self.fedmom, "--blob", self.blob, "--token-file", self.site_token(name),
+               "--fedmom", self.fedmom, "--blob", self.blob, "--token-file",
+               self.creds.token_file(name) if self.creds else self.token_file,
                "--records", self.records, "--seed", str(self.s.seed), "--span", str(self.s.span),
                "--transport", transport, "--train-s", "0.15", "--phase-s", "0.5"] + (
             ["--careless"] if name in self.s.careless else []) + (
@@ -495,7 +500,7 @@ class Run:
         if f.kind == "site_kill":
             return self._site_kill(f)
         if f.kind == "site_stop":
-            return self._site_stop(f)
+            return _site_stop(self, f)
         if f.kind == "darl_flag":
             return self._darl_flag(f)
         if f.kind == "clock_step":
@@ -516,11 +521,13 @@ class Run:
             for name in ("fedmom", "blob"):
                 self.procs[name].term()
                 self.restart(name)
+            if self.creds:                    # each site holds its own credential: none is refused
+                return True
             return self.wait(lambda: self.token_exits > exits, bound_s=60)    # a site met the 401, requeued
         if f.kind == "stale_aggregator":
             return self._stale_aggregator(f)
         if f.kind == "site_revoke":
-            return self._site_revoke(f)
+            return _site_revoke(self, f)
         raise ValueError(f.kind)
 
     def _kill_at(self, proc, f, held=None):
@@ -595,50 +602,6 @@ class Run:
         self.requeue[f.target] = time.monotonic() + f.pause
         proc.kill()
         return True
-
-    def _site_stop(self, f):
-        proc = self.sites[f.target]
-        proc.arm(f.point, f.skip)
-        reached = self.wait(lambda: proc.hit(f.point) or f.target in self.requeue)
-        if not reached or f.target in self.requeue:
-            proc.disarm(f.point)
-            return False
-        proc.signal(signal.SIGSTOP)
-        proc.release(f.point)                 # it goes on at once when continued
-        reached = True
-        if f.value == "newcomer":             # its lease expires; then someone new leases and trains those blocks
-            t0 = time.monotonic()
-            self.wait(lambda: False, TTL[1] + 0.5)
-            name = f"newcomer{len(self.sites)}"
-            self.start_site(name)
-            # continued once the newcomer trained (the stopped site then meets the refusal), and
-            # before the stopped site's membership times out (its delta would only be stale)
-            reached = self.wait(lambda: self.trained(name), MEMBER_TIMEOUT_S - 1.0 - (time.monotonic() - t0))
-        else:
-            self.wait(lambda: False, 1.5 * TTL[1] + 1.0)
-        proc.signal(signal.SIGCONT)
-        # it has left the point before the next fault may arm it again (else it stays stopped
-        # there, taking the new arming for the old one)
-        self.wait(lambda: not proc.hit(f.point) or not proc.alive() or f.target in self.requeue)
-        proc.disarm(f.point)
-        return reached                        # a newcomer that never trained: its headline case not reached
-
-    def _site_revoke(self, f):
-        """Revoke the site's credential while it stands at f.point (its lease held, or its delta
-        in), give it a new one as an operator would, and let it go on: it meets the 403, exits,
-        and is requeued with the new credential. Its leases and deltas follow custody's rules."""
-        proc = self.sites[f.target]
-        proc.arm(f.point, f.skip)
-        reached = self.wait(lambda: proc.hit(f.point) or f.target in self.requeue)
-        if not reached or f.target in self.requeue:
-            proc.disarm(f.point)
-            return False
-        exits = self.token_exits
-        self.credential("revoke", f.target)
-        self.credential("add", f.target, "--out", os.path.join(self.dir, "sites"))   # for its next job
-        self.wait(lambda: False, 1.5)          # every server has read the file (httpd.RELOAD_S)
-        proc.release(f.point)
-        return self.wait(lambda: self.token_exits > exits, bound_s=60)
 
     def _stale_aggregator(self, f):
         live = self.procs["fedmom"]
@@ -738,6 +701,53 @@ class Stalled(Exception):
 
 
 PORTS_TAKEN, PORT_LOCK = set(), threading.Lock()
+
+
+
+def _site_stop(run, f):
+    """SIGSTOP the site at f.point past its lease TTL (maybe with a newcomer leasing its blocks), then SIGCONT."""
+    proc = run.sites[f.target]
+    proc.arm(f.point, f.skip)
+    reached = run.wait(lambda: proc.hit(f.point) or f.target in run.requeue)
+    if not reached or f.target in run.requeue:
+        proc.disarm(f.point)
+        return False
+    proc.signal(signal.SIGSTOP)
+    proc.release(f.point)                 # it goes on at once when continued
+    reached = True
+    if f.value == "newcomer":             # its lease expires; then someone new leases and trains those blocks
+        t0 = time.monotonic()
+        run.wait(lambda: False, TTL[1] + 0.5)
+        name = f"newcomer{len(run.sites)}"
+        run.start_site(name)
+        # continued once the newcomer trained (the stopped site then meets the refusal), and
+        # before the stopped site's membership times out (its delta would only be stale)
+        reached = run.wait(lambda: run.trained(name), MEMBER_TIMEOUT_S - 1.0 - (time.monotonic() - t0))
+    else:
+        run.wait(lambda: False, 1.5 * TTL[1] + 1.0)
+    proc.signal(signal.SIGCONT)
+    # it has left the point before the next fault may arm it again (else it stays stopped
+    # there, taking the new arming for the old one)
+    run.wait(lambda: not proc.hit(f.point) or not proc.alive() or f.target in run.requeue)
+    proc.disarm(f.point)
+    return reached                        # a newcomer that never trained: its headline case not reached
+
+
+def _site_revoke(run, f):
+    """Revoke the site's credential while it stands at f.point (its lease held, or its delta
+    in), give it a new one as an operator would, and let it go on: it meets the 403, exits,
+    and is requeued with the new credential. Its leases and deltas follow custody's rules."""
+    proc = run.sites[f.target]
+    proc.arm(f.point, f.skip)
+    reached = run.wait(lambda: proc.hit(f.point) or f.target in run.requeue)
+    if not reached or f.target in run.requeue:
+        proc.disarm(f.point)
+        return False
+    exits = run.token_exits
+    run.creds.revoke_and_renew(f.target)          # and the credential its next job starts with
+    run.wait(lambda: False, 1.5)          # every server has read the file (httpd.RELOAD_S)
+    proc.release(f.point)
+    return run.wait(lambda: run.token_exits > exits, bound_s=60)
 
 
 def pick_port():

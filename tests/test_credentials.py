@@ -25,6 +25,7 @@ import blobstore
 import darl_client
 import block_space
 import darl_server
+import durable
 import fedmom_client
 import fedmom_server
 import fedmom_state
@@ -86,10 +87,12 @@ class CredentialsTest(unittest.TestCase):
         cls.procs, cls.logs = {}, {}
         cls.urls = {"darl": cls.start("darl", "darl_server.py", "--num-samples", "10", "--state-dir", cls.path("darl"),
                                       "--aggregator-token-file", cls.path("agg-token"), *common),
-                    "blob": cls.start("blob", "blobstore.py", "--root", cls.path("blob"), *common)}
+                    "blob": cls.start("blob", "blobstore.py", "--root", cls.path("blob"), "--aggregator-token-file",
+                                      cls.path("agg-token"), *common)}
         cls.urls["fedmom"] = cls.start("fedmom", "fedmom_server.py", "--state-dir", cls.path("fedmom"), "--init",
                                        cls.init, "--darl", cls.urls["darl"], "--darl-token-file", cls.path("agg-token"),
-                                       "--blob-url", cls.urls["blob"], "--member-timeout-s", "600", *common)
+                                       "--blob-url", cls.urls["blob"], "--blob-token-file", cls.path("agg-token"),
+                                       "--member-timeout-s", "600", *common)
         cls.routes = cls.route_tables()
 
     @classmethod
@@ -175,7 +178,7 @@ class CredentialsTest(unittest.TestCase):
                 method = "GET" if p in ("/blobs", "/status", "/custody") else "POST"
                 with self.subTest(route=f"{server} {method} {p}"):
                     self.assertEqual(request(self.urls[server], method, p, lumi, {} if method == "POST" else None)[0],
-                                     403 if server == "blob" or p not in darl_server.CUSTODY_PATHS else 401)
+                                     403)
         self.assertEqual(accepted, [])
         self.assertGreaterEqual(tried, 23)
 
@@ -250,7 +253,7 @@ class CredentialsTest(unittest.TestCase):
                                      ("darl", "GET", "/custody")):
             with self.subTest(f"{server} {method} {path}"):
                 status, reply = request(self.urls[server], method, path, alice, {} if method == "POST" else None)
-                self.assertIn(status, (401, 403) if path == "/custody" else (403,), reply)
+                self.assertEqual(status, 403, reply)
         st = fedmom_server.print_status(self.urls["fedmom"], alice)          # the status command, read-only
         self.assertIn(st, (0, 1, None))
 
@@ -258,7 +261,7 @@ class CredentialsTest(unittest.TestCase):
         # an aggregator of its own: the members the other tests joined would hold its rounds open
         fed = self.start("fedmom-own", "fedmom_server.py", "--state-dir", self.path("fedmom-own"), "--init", self.init,
                          "--darl", self.urls["darl"], "--darl-token-file", self.path("agg-token"), "--blob-url",
-                         self.urls["blob"], "--port", "0", "--token-file", self.path("token"), "--credentials", self.creds)
+                         self.urls["blob"], "--blob-token-file", self.path("agg-token"), "--port", "0", "--token-file", self.path("token"), "--credentials", self.creds)
         body = {"cluster": "shared-site", "incarnation": "x"}
         self.assertEqual(request(fed, "POST", "/join", SHARED, body)[0], 200)
         self.assertEqual(request(fed, "POST", "/leave", SHARED, body)[0], 200)
@@ -269,6 +272,18 @@ class CredentialsTest(unittest.TestCase):
                     self.assertTrue(wait_for(lambda: request(url, "POST", path, SHARED, body)[0] == 403, 60))
                     self.assertIn("shared token", request(url, "POST", path, SHARED, body)[1]["error"])
             self.assertEqual(request(fed, "GET", "/status", SHARED)[0], 200)
+            # nor does it reach a site's blob any more (the aggregator has its own token there)
+            lumi = self.token("lumi")
+            self.assertEqual(request(self.urls["blob"], "PUT", "/blobs/delta.lumi.kept", lumi, b"abc",
+                                     {"X-Content-Sha256": "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"})[0],
+                             201)
+            self.assertTrue(wait_for(lambda: request(self.urls["blob"], "GET", "/blobs/delta.lumi.kept", SHARED)[0] == 403,
+                                     60))
+            for method, body in (("PUT", b"xyz"), ("DELETE", None), ("HEAD", None)):
+                with self.subTest(f"shared {method} a site's blob"):
+                    self.assertEqual(request(self.urls["blob"], method, "/blobs/delta.lumi.kept", SHARED, body,
+                                             {"X-Content-Sha256": "0" * 64})[0], 403)
+            self.assertEqual(request(self.urls["blob"], "GET", "/blobs/delta.lumi.kept", lumi)[0], 200)
             # a site with its own credential sends a delta, merged by the aggregator (which still
             # reaches the blob store and DARL with its own tokens)
             snellius = self.token("snellius")
@@ -293,6 +308,63 @@ class CredentialsTest(unittest.TestCase):
         finally:
             self.site("shared", "on")
 
+    def page(self, token):
+        _, host, port, _ = httpc.split_url(self.urls["fedmom"])
+        conn = http.client.HTTPConnection(host, port, timeout=60)
+        conn.request("GET", "/", headers=httpc.auth_headers(token))
+        page = conn.getresponse().read().decode()
+        conn.close()
+        return page
+
+    def test_a_site_credential_on_a_custody_route_is_refused_under_its_own_key(self):
+        self.site("add", "ichec", "--out", self.out)
+        ichec = self.token("ichec")
+        self.assertTrue(wait_for(lambda: request(self.urls["darl"], "POST", "/fence", ichec, {})[0] == 403, 30))
+        st = httpc.call(self.urls["darl"], "GET", "/status", token=SHARED)
+        self.assertEqual(next(r for r in st["auth"]["refused"] if r["name"] == "ichec")["route"], "POST /fence")
+
+    def test_cluster_ids_with_a_dot_are_refused_where_credentials_are_on(self):
+        status, reply = request(self.urls["fedmom"], "POST", "/join", SHARED, {"cluster": "lumi.b", "incarnation": "x"})
+        self.assertEqual(status, 400, reply)
+        self.assertIn("no '.'", reply["error"])
+
+    def test_a_name_is_one_holders(self):
+        out = subprocess.run([sys.executable, "httpd.py", "site", "--file", self.creds, "read", "lumi", "--out",
+                              self.out], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("already has a live credential", out.stderr)
+
+    def test_a_bad_edit_of_the_credentials_file_keeps_the_last_good_one(self):
+        """Missing, not JSON, or an entry of a role no server knows: every server keeps what
+        the file said last (a site still works, no door opens) and says why on /status."""
+        with open(self.creds) as f:
+            good = f.read()
+        lumi, body = self.token("lumi"), {"cluster": "lumi", "incarnation": "l-edit"}
+        doc = json.loads(good)
+        forged = dict(doc, credentials=doc["credentials"] + [dict(doc["credentials"][0], key="0badc0de",
+                                                                     role="operator")])
+        try:
+            for what, text in (("missing", None), ("not JSON", "{"), ("an unknown role", json.dumps(forged))):
+                with self.subTest(what):
+                    durable.unlink(self.creds)
+                    if text is not None:
+                        with open(self.creds, "w") as f:
+                            f.write(text)
+                    for server in ("darl", "fedmom", "blob"):
+                        self.assertTrue(wait_for(lambda: httpc.call(self.urls[server], "GET", "/status",
+                                                                    token=SHARED)["auth"]["file_error"], 60))
+                    self.assertEqual(request(self.urls["fedmom"], "POST", "/join", lumi, body)[0], 200)
+                    request(self.urls["fedmom"], "POST", "/leave", lumi, body)
+                    self.assertEqual(request(self.urls["darl"], "POST", "/heartbeat", self.token("snellius"),
+                                             {"cluster": "lumi", "incarnation": "x"})[0], 403)
+        finally:
+            with open(self.creds + ".new", "w") as f:
+                f.write(good)
+            os.replace(self.creds + ".new", self.creds)
+        for server in ("darl", "fedmom", "blob"):
+            self.assertTrue(wait_for(lambda: httpc.call(self.urls[server], "GET", "/status",
+                                                        token=SHARED)["auth"]["file_error"] is None, 60))
+
     # -- visible, and no secret anywhere
     def test_status_names_who_acted_and_counts_refusals_and_never_shows_a_secret(self):
         self.site("add", "cineca", "--out", self.out)
@@ -303,18 +375,21 @@ class CredentialsTest(unittest.TestCase):
             request(self.urls["fedmom"], "POST", "/join", cineca, {"cluster": "lumi", "incarnation": "x"})
         st = httpc.call(self.urls["fedmom"], "GET", "/status", token=SHARED)
         row = next(c for c in st["auth"]["credentials"] if c["name"] == "cineca")
-        self.assertEqual((row["last_act"]["route"], row["state"]), ("POST /join", "live"))
+        # its last act is the join it did, not the refused ones after it
+        self.assertEqual((row["last_act"]["route"], row["last_act"]["as"], row["state"]), ("POST /join", "cineca", "live"))
         refused = next(r for r in st["auth"]["refused"] if r["name"] == "cineca")
         self.assertEqual(refused["count"], httpd.ALARM_REFUSALS)
         alarms = fedmom_server.alarm_lines(st)
         self.assertTrue(any("'cineca'" in a and "refused" in a for a in alarms), alarms)
-        _, host, port, _ = httpc.split_url(self.urls["fedmom"])
-        conn = http.client.HTTPConnection(host, port, timeout=60)
-        conn.request("GET", "/")
-        page = conn.getresponse().read().decode()
-        conn.close()
+        page, anonymous = self.page(SHARED), self.page(None)
         self.assertIn("Credentials", page)
         self.assertIn("cineca", page)
+        # the list of credentials is not for an anonymous reader of the page, nor for a site
+        key = next(c["key"] for c in st["auth"]["credentials"] if c["name"] == "cineca")
+        self.assertIn(key, page)
+        self.assertTrue("<html" in anonymous and "Credentials" not in anonymous and key not in anonymous)
+        self.assertNotIn("auth", httpc.call(self.urls["fedmom"], "GET", "/status", token=cineca))
+        self.assertIn("auth", httpc.call(self.urls["darl"], "GET", "/status", token=self.token("alice")))
         secrets_ = [t.split(".")[-1] for t in self.tokens() + [cineca]] + [SHARED, AGG]
         texts = {"page": page, **{f"{s} status": json.dumps(httpc.call(self.urls[s], "GET", "/status", token=SHARED))
                                   for s in self.urls}}
