@@ -728,9 +728,13 @@ def make_routes(store):
 
 def serve(cfg, net):
     cfg.validate()
-    server = httpd.server_from_args(net, disk=cfg.root, read_paths=("/status", "/blobs"),
-                                    aggregator_token=httpc.load_token(net.aggregator_token_file, env=None),
-                                    operator_paths=("/blobs", "/status"))          # the listing: every site's blob ids        # bind first: a refusal creates nothing
+    agg_token = httpc.load_token(net.aggregator_token_file, env=None)
+    if agg_token and agg_token == httpc.load_token(net.token_file):
+        raise SystemExit("blobstore: --aggregator-token-file holds the sites' token; give the aggregator its own "
+                         "(central.sh's STATE/aggregator.token)")
+    # bind first: a refusal creates nothing. The listing names every site's blobs: no site's to call
+    server = httpd.server_from_args(net, disk=cfg.root, read_paths=("/status", "/blobs"), aggregator_token=agg_token,
+                                    operator_paths=("/blobs", "/status"))
     httpd.writable_dir(cfg.root, "--root")
     store = BlobStore(cfg.root, cfg.quota_gb * GB, cfg.max_blob_gb * GB, int(cfg.chunk_mb * 2**20))
     listing = make_routes(store)
@@ -808,9 +812,10 @@ def main(argv):
                    help="total size of all blobs and unfinished uploads, GB = 1e9 bytes (default 500)")
     p.add_argument("--max-blob-gb", type=float, default=128.0, help="largest single blob, GB (default 128)")
     p.add_argument("--chunk-mb", type=float, default=4.0, help="PUT read/write/hash step, MiB (default 4)")
-    p.add_argument("--aggregator-token-file", default=os.environ.get("PWW_AGGREGATOR_TOKEN_FILE"),
+    p.add_argument("--aggregator-token-file", default=os.environ.get("PWW_BLOB_TOKEN_FILE"),
                    help="the aggregator's own token (fedmom_server.py --blob-token-file): every blob, whatever "
-                        "`httpd.py site shared off` says of the shared token (default $PWW_AGGREGATOR_TOKEN_FILE)")
+                        "`httpd.py site shared off` says of the shared token (default $PWW_BLOB_TOKEN_FILE, "
+                        "as fedmom_server.py reads it)")
     httpd.add_server_args(p, DEFAULT_PORT)
     a = p.parse_args(argv)
     serve(Config(a.root, a.quota_gb, a.max_blob_gb, a.chunk_mb), a)

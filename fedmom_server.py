@@ -128,12 +128,12 @@ def _resume_at(req, uid, total):
     return start
 
 
-def make_routes(state, blob_token=None, retention=None):
+def make_routes(state, blob_token=None, retention=None, token=None):
     """The route table: each route reads its request and makes one call on the state."""
     cfg = state.cfg
     blobs = BlobLink(cfg.blob_url, blob_token, cfg.ca_file, retention) if cfg.blob_url else None
-    status_html = status_page.Page(state.rounds_path, state.dir, cfg.darl, cfg.blob_url, blob_token,
-                                   ca_file=cfg.ca_file)
+    status_html = status_page.Page(state.rounds_path, state.dir, cfg.darl, cfg.blob_url, token or blob_token,
+                                   ca_file=cfg.ca_file, blob_token=blob_token)
 
     def blob_store(instead):
         if blobs is None:
@@ -377,7 +377,7 @@ def serve(cfg, a):
     blob_token = httpc.load_token(a.blob_token_file, env=None) or token
     retention = (BlobRetention(cfg.blob_url, state.aggregator_id, cfg.keep_rounds, blob_token, cfg.ca_file)
                  if cfg.blob_url else None)
-    server.RequestHandlerClass.routes.update(httpd.with_http_stats(make_routes(state, blob_token, retention), server))
+    server.RequestHandlerClass.routes.update(httpd.with_http_stats(make_routes(state, blob_token, retention, token), server))
     stop = threading.Event()
 
     def on_fenced():                 # another process of this aggregator is newer: never serve beside it
@@ -423,7 +423,7 @@ def _server_parser():
     p.add_argument("--blob-url", help="blob store URL (blobstore.py, :29512) for the blob transport (default: none)")
     p.add_argument("--darl", help="DARL coordinator URL (:29510): every accepted delta's leases go into custody "
                                   "there, and are committed once merged (default: none, no accounting)")
-    p.add_argument("--blob-token-file", default=os.environ.get("PWW_BLOB_TOKEN_FILE"),
+    p.add_argument("--blob-token-file", default=os.environ.get("PWW_BLOB_TOKEN_FILE"),   # blobstore.py reads it too
                    help="the aggregator's own token at the blob store (blobstore.py --aggregator-token-file; "
                         "default $PWW_BLOB_TOKEN_FILE, else the --token-file token)")
     p.add_argument("--darl-token-file", default=os.environ.get("PWW_AGGREGATOR_TOKEN_FILE"),

@@ -1202,6 +1202,10 @@ class BlobLink:
                 info = blob_client.put_file(self.url, blob, path, token=self.token, ca_file=self.ca_file,
                                             deadline=_publish_deadline(blob))
             except httpc.CallError as e:
+                if e.status in (401, 403):    # a 502 naming the fix, not a 500: this VM's setup, not the site's
+                    raise Refused(502, f"the blob store refused the aggregator's token ({e}): give blobstore.py "
+                                       "--aggregator-token-file and fedmom_server.py --blob-token-file the same "
+                                       "token (central.sh does)") from None
                 if e.status != 409 or e.reply.get("retry"):
                     raise
                 # a blob of this name with other bytes: left by a run of this state dir that was

@@ -143,9 +143,9 @@ class Request:
         """cluster, if the caller may act as it; else a 403 naming the credential (counted). With
         per-site credentials a cluster id has no "." (a blob id <kind>.<cluster>.<rest> names one)."""
         p = self.principal
-        if self.handler.keyring is not None and "." in cluster:
-            raise HTTPError(400, f"cluster id {cluster[:64]!r}: no '.' in a cluster id on a server with per-site "
-                                 "credentials (--credentials)")
+        if "." in cluster and self.handler.keyring is not None and self.handler.keyring.has_sites():
+            raise HTTPError(400, f"cluster id {cluster[:64]!r}: no '.' in a cluster id once sites have their own "
+                                 "credentials (httpd.py site add); rename the site (--site)")
         if p is not None and not p.may_act_as(cluster):
             self.handler.refuse(p, p.why_not(cluster))
         self.acted_as = cluster
@@ -1293,6 +1293,9 @@ class Keyring:
     def shared(self):
         return Principal("shared", "shared", acts=self.current()[1])
 
+    def has_sites(self):
+        return any(e["role"] == "site" for e in self.current()[0].values())
+
     def identify(self, bearer):
         """-> (Principal, None) for a live credential; (None, reason) for one revoked or
         expired (the caller answers 403); (None, None) when the bearer is none of ours."""
@@ -1376,17 +1379,26 @@ def _editing(path):
     with open(path + ".lock", "a") as lk:
         fcntl.flock(lk, fcntl.LOCK_EX)
         try:
-            with open(path) as f:
-                doc = json.load(f)
-            for e in doc["credentials"]:
-                _valid(e)
+            doc = _load(path)
         except FileNotFoundError:
             doc = {"version": VERSION, "shared_acts_as_site": True, "credentials": []}
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise SystemExit(f"{path}: not a credentials file ({type(e).__name__}: {e}); fix it, or restore it "
-                             "from a backup") from None
         yield doc
         _write_private(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+
+
+def _load(path):
+    """The credentials file, checked as the servers check it (Keyring._reload); one line if it is not."""
+    with open(path) as f:
+        try:
+            doc = json.load(f)
+            for e in doc["credentials"]:
+                _valid(e)
+            if not isinstance(doc.get("shared_acts_as_site", True), bool):
+                raise ValueError("shared_acts_as_site is not true or false")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SystemExit(f"{path}: not a credentials file the servers accept ({type(e).__name__}: {e}); fix "
+                             "it, or restore it from a backup") from None
+    return doc
 
 
 def _write_private(path, text):
@@ -1524,8 +1536,7 @@ def _shared(a):
 
 def _list(a):
     try:
-        with open(a.file) as f:
-            doc = json.load(f)
+        doc = _load(a.file)
     except FileNotFoundError:
         print(f"no credentials yet ({a.file}): every site uses the shared token")
         return

@@ -137,9 +137,10 @@ def _peer(url, path, token, ca_file=None):
 class Page:
     """The page of one aggregator: its rounds log, state dir, and the DARL and blob store it uses."""
 
-    def __init__(self, rounds_path, state_dir, darl_url=None, blob_url=None, token=None, ca_file=None):
+    def __init__(self, rounds_path, state_dir, darl_url=None, blob_url=None, token=None, ca_file=None, blob_token=None):
         self.rounds, self.state_dir = RoundsTail(rounds_path), state_dir
         self.darl_url, self.blob_url, self.token, self.ca_file = darl_url, blob_url, token, ca_file
+        self.blob_token = blob_token or token     # the aggregator's own token at the blob store, if it has one
 
     def view(self, status, alarms=(), saved=False, now=None):
         """`alarms`: the aggregator's own loud lines (fedmom_server.alarm_lines: violation
@@ -151,7 +152,7 @@ class Page:
         if self.darl_url:
             v["darl"], v["darl_error"] = _peer(self.darl_url, "/status", self.token, self.ca_file)
         if self.blob_url:
-            listing, v["blob_error"] = _peer(self.blob_url, "/blobs", self.token, self.ca_file)
+            listing, v["blob_error"] = _peer(self.blob_url, "/blobs", self.blob_token, self.ca_file)
             if listing is not None:
                 v["blob"] = {"used_bytes": listing.get("used_bytes"), "quota_bytes": listing.get("quota_bytes"),
                              "blobs": len(listing.get("blobs", ())), "uploads": len(listing.get("uploads", ()))}

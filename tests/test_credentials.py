@@ -355,6 +355,12 @@ class CredentialsTest(unittest.TestCase):
                                                                     token=SHARED)["auth"]["file_error"], 60))
                     self.assertEqual(request(self.urls["fedmom"], "POST", "/join", lumi, body)[0], 200)
                     request(self.urls["fedmom"], "POST", "/leave", lumi, body)
+                    if text is not None:       # the operator's command says so in one line, changes nothing
+                        out = subprocess.run([sys.executable, "httpd.py", "site", "--file", self.creds, "revoke",
+                                              "lumi"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+                        self.assertNotEqual(out.returncode, 0)
+                        self.assertIn("not a credentials file", out.stderr)
+                        self.assertNotIn("Traceback", out.stderr)
                     self.assertEqual(request(self.urls["darl"], "POST", "/heartbeat", self.token("snellius"),
                                              {"cluster": "lumi", "incarnation": "x"})[0], 403)
         finally:
@@ -384,6 +390,7 @@ class CredentialsTest(unittest.TestCase):
         page, anonymous = self.page(SHARED), self.page(None)
         self.assertIn("Credentials", page)
         self.assertIn("cineca", page)
+        self.assertNotIn("DARL status unavailable", page)     # the page reaches DARL with the shared token
         # the list of credentials is not for an anonymous reader of the page, nor for a site
         key = next(c["key"] for c in st["auth"]["credentials"] if c["name"] == "cineca")
         self.assertIn(key, page)
