@@ -211,7 +211,10 @@ def g_paths_methods(rng, ctx):
 def g_auth(rng, ctx):
     path = rng.choice(GETS[ctx.server] + list(_ops(ctx)))
     value = rng.choice(["", "Bearer", "Bearer ", f"Basic {ctx.token}", f"bearer {ctx.token}x", "Bearer " + "a" * 60000,
-                        f"Bearer {ctx.token}\x00", "\x00", f"Bearer  {ctx.token} "])
+                        f"Bearer {ctx.token}\x00", "\x00", f"Bearer  {ctx.token} ",
+                        # per-site credentials' form (httpd.py site): a key no one has, torn, huge, not hex
+                        "Bearer pww1." + "0" * 8 + "." + "0" * 64, "Bearer pww1..", "Bearer pww1." + "f" * 60000,
+                        f"Bearer pww1.zzzzzzzz.{ctx.token}", "Bearer pww1.0000000\u00e9." + "0" * 64])
     return Case("auth", request(ctx, "GET", path, auth=False, headers=[("Authorization", value)]))
 
 

@@ -1,8 +1,9 @@
 """The bearer token, swept over every route of every central server: darl_server.py,
 fedmom_server.py (with and without --private-page) and blobstore.py run as real
-processes with --token-file; the routes come from each server's own route table, so
-a route added later is swept too. Without the token, or with a wrong one, every route
-but the public ones is a 401 that reveals nothing; the public ones answer without it."""
+processes with --token-file and --credentials; the routes come from each server's own route
+table, so a route added later is swept too. Without the token, or with a wrong one (a site
+credential's key with a wrong secret, a key no one has), every route but the public ones is a
+401 that reveals nothing; the public ones answer without it."""
 import http.client
 import json
 import os
@@ -59,7 +60,14 @@ class AuthSweepTest(unittest.TestCase):
         with tensorio.TensorWriter(cls.init, [("w", "F32", (2, 3))]) as w:
             w.write("w", np.zeros((2, 3), np.float32))
         cls.routes = cls.route_tables()
-        common = ["--port", "0", "--token-file", cls.token_file]
+        # per-site credentials on too: a site's key with a wrong secret, or a key no one has, is a 401 as well
+        creds = cls.path("credentials.json")
+        subprocess.run([sys.executable, "httpd.py", "site", "--file", creds, "add", "sweep", "--out", cls.path("sites")],
+                       cwd=ROOT, check=True, capture_output=True)
+        with open(cls.path("sites/sweep.token")) as f:
+            real = f.read().strip()
+        cls.wrong = WRONG + (real[:-1] + ("0" if real[-1] != "0" else "1"), "pww1.00000000." + "0" * 64, real + "0")
+        common = ["--port", "0", "--token-file", cls.token_file, "--credentials", creds]
         cls.urls = {
             "darl": cls.start("darl_server.py", "--num-samples", "10", "--state-dir", cls.path("darl"), *common),
             "fedmom": cls.start("fedmom_server.py", "--state-dir", cls.path("fedmom"), "--init", cls.init, *common),
@@ -131,7 +139,7 @@ class AuthSweepTest(unittest.TestCase):
             self.assertGreaterEqual(len(routes), 6, server)
             for method, path in routes + [("GET", "/no-such-route"), ("POST", "/no-such-route")]:
                 public = path in self.PUBLIC[server]
-                for token in WRONG:
+                for token in self.wrong:
                     with self.subTest(server=server, route=f"{method} {path}", token=token):
                         status, body = request(url, method, path, token)
                         if public:

@@ -62,7 +62,12 @@ class FuzzTest(unittest.TestCase):
         with tensorio.TensorWriter(init, [("w", "F32", (64, 32)), ("b", "F32", (32,))]) as w:
             w.write("w", np.ones((64, 32), np.float32))
             w.write("b", np.zeros(32, np.float32))
-        common = ["--token-file", token, "--tls-cert", cert, "--tls-key", key, "--header-timeout-s", 1]
+        # per-site credentials on too (one site made): every hostile bearer meets the keyring as well
+        creds = os.path.join(t, "credentials.json")
+        subprocess.run([sys.executable, "httpd.py", "site", "--file", creds, "add", "fuzzsite", "--out",
+                        os.path.join(t, "sites")], cwd=ROOT, check=True, capture_output=True)
+        common = ["--token-file", token, "--credentials", creds, "--tls-cert", cert, "--tls-key", key,
+                  "--header-timeout-s", 1]
         cls.servers = {
             "darl": start(t, "darl", ["darl_server.py", "--num-samples", 300, "--state-dir", os.path.join(t, "c"),
                                       "--min-ttl", 1, "--max-ttl", 2, "--default-ttl", 2, *common]),
