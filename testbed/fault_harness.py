@@ -703,14 +703,22 @@ class Stalled(Exception):
 PORTS_TAKEN, PORT_LOCK = set(), threading.Lock()
 
 
-
-def _site_stop(run, f):
-    """SIGSTOP the site at f.point past its lease TTL (maybe with a newcomer leasing its blocks), then SIGCONT."""
+def _held_at(run, f):
+    """The target site's Proc once it stands at f.point (armed, f.skip hits let pass); None if
+    it never got there (the run ended, or the site was requeued first)."""
     proc = run.sites[f.target]
     proc.arm(f.point, f.skip)
     reached = run.wait(lambda: proc.hit(f.point) or f.target in run.requeue)
     if not reached or f.target in run.requeue:
         proc.disarm(f.point)
+        return None
+    return proc
+
+
+def _site_stop(run, f):
+    """SIGSTOP the site at f.point past its lease TTL (maybe with a newcomer leasing its blocks), then SIGCONT."""
+    proc = _held_at(run, f)
+    if proc is None:
         return False
     proc.signal(signal.SIGSTOP)
     proc.release(f.point)                 # it goes on at once when continued
@@ -737,11 +745,8 @@ def _site_revoke(run, f):
     """Revoke the site's credential while it stands at f.point (its lease held, or its delta
     in), give it a new one as an operator would, and let it go on: it meets the 403, exits,
     and is requeued with the new credential. Its leases and deltas follow custody's rules."""
-    proc = run.sites[f.target]
-    proc.arm(f.point, f.skip)
-    reached = run.wait(lambda: proc.hit(f.point) or f.target in run.requeue)
-    if not reached or f.target in run.requeue:
-        proc.disarm(f.point)
+    proc = _held_at(run, f)
+    if proc is None:
         return False
     exits = run.token_exits
     run.creds.revoke_and_renew(f.target)          # and the credential its next job starts with

@@ -78,7 +78,9 @@ class FollowTest(FedMomFixture):
         for c, tok in (("a", 10), ("b", 30)):
             fedmom_client.FedMomClient(url, c, f"{c}-inc").send_delta(self.delta("F32")[0], rnd, tok, [], {})
 
-    def test_a_site_holds_update_bytes_before_the_round_is_durable_and_uses_them_only_after(self):
+    def two_members(self):
+        """An aggregator with members a and b; site a (a real FedSite) holding round 0's theta
+        -> (state dir, process, a's theta path, a, the round a's first fetch gave)."""
         sd = os.path.join(self.dir, "st")
         proc, self.url = self.start(sd, "--init", self.init)
         for c in ("a", "b"):
@@ -86,7 +88,11 @@ class FollowTest(FedMomFixture):
         path = os.path.join(self.dir, "a", "theta.safetensors")
         os.makedirs(os.path.dirname(path))
         a = self.site(self.url, "a")
-        self.assertEqual(a._fetch(path), 0)
+        return sd, proc, path, a, a._fetch(path)
+
+    def test_a_site_holds_update_bytes_before_the_round_is_durable_and_uses_them_only_after(self):
+        sd, proc, path, a, rnd = self.two_members()
+        self.assertEqual(rnd, 0)
         before = self.bits(path)
         # the merge stops after its 3rd tensor (of 4): the round is not durable
         self.arm("fedmom.merge", skip=2)
@@ -117,14 +123,7 @@ class FollowTest(FedMomFixture):
         self.assertFalse(os.path.exists(os.path.join(self.dir, "a", "theta-followed.safetensors")))
 
     def test_a_merge_killed_mid_update_is_never_used_and_the_site_gets_the_durable_bits(self):
-        sd = os.path.join(self.dir, "st")
-        proc, self.url = self.start(sd, "--init", self.init)
-        for c in ("a", "b"):
-            fedmom_client.FedMomClient(self.url, c, f"{c}-inc").join()
-        path = os.path.join(self.dir, "a", "theta.safetensors")
-        os.makedirs(os.path.dirname(path))
-        a = self.site(self.url, "a")
-        a._fetch(path)
+        sd, proc, path, a, _ = self.two_members()
         self.arm("fedmom.merge", skip=1)
         self.send_both(self.url, 0)
         wait_for(lambda: self.hit("fedmom.merge"), 120)
@@ -148,18 +147,10 @@ class FollowTest(FedMomFixture):
             self.assertTrue(np.array_equal(want[n], got[n]), n)
         self.assertEqual(wire.theta_digest(path), reply["update"]["digest"])
 
-
     def test_a_site_whose_round_does_not_close_takes_the_durable_theta_at_once(self):
         # a's delta is in, b never sends: the round stays open and its update never starts.
         # The site asks for theta (its delta excluded, a stale round): it must not wait on the follow.
-        sd = os.path.join(self.dir, "st")
-        proc, self.url = self.start(sd, "--init", self.init)
-        for c in ("a", "b"):
-            fedmom_client.FedMomClient(self.url, c, f"{c}-inc").join()
-        path = os.path.join(self.dir, "a", "theta.safetensors")
-        os.makedirs(os.path.dirname(path))
-        a = self.site(self.url, "a")
-        a._fetch(path)
+        sd, proc, path, a, _ = self.two_members()
         fedmom_client.FedMomClient(self.url, "a", "a-inc").send_delta(self.delta("F32")[0], 0, 10, [], {})
         a.follow = fedsite.Follow.start(a, 0, path)
         fol = a.follow
